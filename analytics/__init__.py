@@ -1,0 +1,1 @@
+"""DuckDB projections, the cost and schedule models, the detectors and localisation."""

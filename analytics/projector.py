@@ -1,0 +1,122 @@
+"""Projections of the log into DuckDB, with exactly-once effect.
+
+A projector reads the bus as a consumer group and, for every polled batch, runs each projection's
+``apply`` and stores the consumer's positions in the *same* DuckDB transaction. On start (and on
+every Kafka rebalance) the consumer seeks to the positions stored in DuckDB, not to the group's
+committed offsets, so a process killed at any instant — before, during or after a transaction —
+restarts exactly where its tables end: nothing lost, nothing applied twice. The group offsets are
+committed too, after the transaction, only so that lag is visible to Kafka's tools.
+
+Each process owns its DuckDB file (DuckDB allows one writer process); whatever others need is
+published back to the bus as events.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import duckdb
+
+from collector.bus import Bus, TopicPartition
+from collector.stream import Delivery, EventStream
+
+_OFFSETS_DDL = (
+    "CREATE TABLE IF NOT EXISTS consumer_offsets (grp VARCHAR NOT NULL, topic VARCHAR NOT NULL, "
+    "part INTEGER NOT NULL, next_offset BIGINT NOT NULL, PRIMARY KEY (grp, topic, part))"
+)
+
+
+class Projection(Protocol):
+    """A fold of events into tables. ``apply`` runs inside the projector's transaction."""
+
+    tables: tuple[str, ...]
+
+    def create(self, conn: duckdb.DuckDBPyConnection) -> None: ...
+
+    def apply(self, conn: duckdb.DuckDBPyConnection, deliveries: Sequence[Delivery]) -> None: ...
+
+
+class Projector:
+    def __init__(
+        self,
+        bus: Bus,
+        db_path: str | Path,
+        group: str,
+        topics: Sequence[str],
+        projections: Sequence[Projection],
+        *,
+        rebuild: bool = False,
+    ) -> None:
+        self.bus = bus
+        self.group = group
+        self.projections = list(projections)
+        Path(db_path).parent.mkdir(parents=True, exist_ok=True)
+        self.conn = duckdb.connect(str(db_path))
+        if rebuild:
+            self._drop_all()
+        self.conn.execute(_OFFSETS_DDL)
+        for p in self.projections:
+            p.create(self.conn)
+        self.stream = EventStream(bus, group, topics, on_assign=self._stored_positions)
+        self.transactions = 0
+
+    def _drop_all(self) -> None:
+        """--rebuild: forget every table and position; the log is replayed from its beginning."""
+        for p in self.projections:
+            for table in p.tables:
+                self.conn.execute(f"DROP TABLE IF EXISTS {table}")
+        self.conn.execute("DROP TABLE IF EXISTS consumer_offsets")
+
+    def _stored_positions(self, partitions: Sequence[TopicPartition]) -> dict[TopicPartition, int]:
+        rows = self.conn.execute(
+            "SELECT topic, part, next_offset FROM consumer_offsets WHERE grp = ?", [self.group]
+        ).fetchall()
+        stored = {TopicPartition(t, p): o for t, p, o in rows}
+        # A partition with no stored position starts at 0: the tables hold nothing from it yet.
+        return {tp: stored.get(tp, 0) for tp in partitions}
+
+    def step(self, max_records: int = 20_000, timeout_s: float = 0.5) -> int:
+        """Poll one batch and apply it atomically; returns the number of records consumed."""
+        before = self.stream.positions_after_poll()
+        deliveries = self.stream.poll(max_records, timeout_s)
+        after = self.stream.positions_after_poll()
+        moved = {tp: off for tp, off in after.items() if before.get(tp) != off}
+        if not moved:
+            return 0
+        self.conn.begin()
+        try:
+            for p in self.projections:
+                p.apply(self.conn, deliveries)
+            self.conn.executemany(
+                "INSERT OR REPLACE INTO consumer_offsets VALUES (?, ?, ?, ?)",
+                [[self.group, tp.topic, tp.partition, off] for tp, off in moved.items()],
+            )
+            self.conn.commit()
+        except BaseException:
+            self.conn.rollback()
+            raise
+        self.transactions += 1
+        self.stream.commit(moved)
+        return self.stream.last_polled
+
+    def run(
+        self,
+        *,
+        stop: Callable[[], bool] = lambda: False,
+        idle_exit_s: float | None = None,
+        max_records: int = 20_000,
+    ) -> None:
+        """Consume until ``stop()`` says so, or until nothing arrived for ``idle_exit_s``."""
+        idle_since = time.monotonic()
+        while not stop():
+            if self.step(max_records=max_records):
+                idle_since = time.monotonic()
+            elif idle_exit_s is not None and time.monotonic() - idle_since >= idle_exit_s:
+                return
+
+    def close(self) -> None:
+        self.stream.close()
+        self.conn.close()

@@ -1,0 +1,141 @@
+"""The Bus: one interface, two backends (the embedded log and Kafka), one behaviour.
+
+The interface is deliberately Kafka's shape, kept small: publish a batch and return once it is
+durable; consume as a member of a consumer group from committed offsets (or from offsets the
+consumer stored itself, for exactly-once effect); seek to the beginning to replay. Every backend
+passes the same conformance suite (tests/test_bus_conformance.py).
+
+Offsets are positions of the *next* record to read, as in Kafka: committing ``{tp: 10}`` means
+records 0..9 are done.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import NamedTuple
+
+from collector.codec import encode
+from collector.events import Envelope
+from collector.topics import key_for, topic_for
+
+
+class TopicPartition(NamedTuple):
+    topic: str
+    partition: int
+
+
+class Record(NamedTuple):
+    """One raw record as stored: its position, key, bytes and the time the log accepted it."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes
+    timestamp_s: float
+
+
+class RawMessage(NamedTuple):
+    topic: str
+    key: bytes | None
+    value: bytes
+
+
+# Called when partitions are assigned to a consumer; returns where to start in each (partitions
+# it leaves out start from the group's committed offset, or the beginning).
+OnAssign = Callable[[Sequence[TopicPartition]], Mapping[TopicPartition, int]]
+
+
+class Consumer(ABC):
+    """A member of a consumer group reading some topics."""
+
+    @abstractmethod
+    def poll(self, max_records: int = 10_000, timeout_s: float = 1.0) -> list[Record]:
+        """Up to ``max_records`` records in offset order per partition; waits up to ``timeout_s``
+        when none are ready and returns an empty list then."""
+
+    @abstractmethod
+    def commit(self, positions: Mapping[TopicPartition, int] | None = None) -> None:
+        """Store the group's positions (default: just past everything polled so far)."""
+
+    @abstractmethod
+    def seek(self, positions: Mapping[TopicPartition, int]) -> None:
+        """Continue reading from these positions (assigned partitions only)."""
+
+    @abstractmethod
+    def seek_to_beginning(self) -> None:
+        """Replay: continue every assigned partition from its first record."""
+
+    @abstractmethod
+    def positions(self) -> dict[TopicPartition, int]:
+        """The next offset this consumer will read in each assigned partition."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Consumer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Bus(ABC):
+    """Where events go. ``publish`` returns only once the log has them durably."""
+
+    name: str
+
+    def publish(self, events: Iterable[Envelope]) -> int:
+        """Encode, route and key a batch of events; returns how many were published.
+
+        Raises InvalidEvent (before anything is sent) if an event cannot be encoded.
+        """
+        batch = [RawMessage(topic_for(e.kind), key_for(e.job, e.source), encode(e)) for e in events]
+        if batch:
+            self.publish_raw(batch)
+        return len(batch)
+
+    @abstractmethod
+    def publish_raw(self, messages: Sequence[RawMessage]) -> None:
+        """Append already-encoded records (replay, dead letters, and tests of bad input)."""
+
+    @abstractmethod
+    def consumer(self, group: str, topics: Sequence[str], on_assign: OnAssign | None = None) -> Consumer:
+        """Join ``group`` reading ``topics``. Without stored positions a new group starts at the
+        beginning of the log."""
+
+    @abstractmethod
+    def end_offsets(self, topics: Sequence[str]) -> dict[TopicPartition, int]:
+        """The offset the next published record of each partition will get."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Bus:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+DEFAULT_EMBEDDED_PATH = ".resihp/bus.sqlite"
+DEFAULT_KAFKA_BOOTSTRAP = "127.0.0.1:19092"
+
+
+def open_bus(backend: str | None = None, *, path: str | None = None, bootstrap: str | None = None) -> Bus:
+    """The bus a process should use: ``embedded`` (default) or ``kafka``.
+
+    Environment: RESIHP_BUS (embedded|kafka), RESIHP_EMBEDDED_PATH, RESIHP_KAFKA_BOOTSTRAP.
+    """
+    backend = backend or os.environ.get("RESIHP_BUS", "embedded")
+    if backend == "embedded":
+        from collector.embedded import EmbeddedBus
+
+        return EmbeddedBus(path or os.environ.get("RESIHP_EMBEDDED_PATH", DEFAULT_EMBEDDED_PATH))
+    if backend == "kafka":
+        from collector.kafka_bus import KafkaBus
+
+        return KafkaBus(bootstrap or os.environ.get("RESIHP_KAFKA_BOOTSTRAP", DEFAULT_KAFKA_BOOTSTRAP))
+    raise ValueError(f"unknown bus backend {backend!r}; choose 'embedded' or 'kafka'")

@@ -1,0 +1,61 @@
+"""Bytes on the bus <-> events, and the one error every bad record becomes.
+
+JSON (UTF-8) is the wire format: any tool can read a topic, and pydantic-core parses and validates
+it in one pass. ``decode`` never raises anything but ``InvalidEvent``, whose message names the
+problem; consumers send such records to the dead-letter topic instead of crashing.
+"""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+from collector.events import EVENT_ADAPTER, Envelope
+
+MAX_EVENT_BYTES = 1_000_000  # Kafka's default message.max.bytes is ~1 MB; stay under it.
+
+
+class InvalidEvent(ValueError):
+    """A record that is not a valid event. ``reason`` is one line an operator can act on."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def encode(event: Envelope) -> bytes:
+    raw = event.__pydantic_serializer__.to_json(event)
+    if len(raw) > MAX_EVENT_BYTES:
+        raise InvalidEvent(
+            f"{event.kind} event of {len(raw):,} bytes exceeds the {MAX_EVENT_BYTES:,}-byte limit; "
+            "split it (telemetry: one message per rank per iteration)"
+        )
+    return raw
+
+
+def decode(raw: bytes) -> Envelope:
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
+        raise InvalidEvent(f"record value is {type(raw).__name__}, not bytes")
+    if len(raw) > MAX_EVENT_BYTES:
+        raise InvalidEvent(f"record of {len(raw):,} bytes exceeds the {MAX_EVENT_BYTES:,}-byte limit")
+    if not raw:
+        raise InvalidEvent("empty record")
+    try:
+        return EVENT_ADAPTER.validate_json(raw)
+    except ValidationError as exc:
+        try:
+            bytes(raw).decode("utf-8")
+        except UnicodeDecodeError as bad:
+            raise InvalidEvent(f"record is not UTF-8: {bad.reason} at byte {bad.start}") from None
+        raise InvalidEvent(_one_line(exc)) from None
+    except (ValueError, TypeError, RecursionError) as exc:  # defensive: parser errors outside pydantic
+        raise InvalidEvent(f"undecodable record: {exc}") from None
+
+
+def _one_line(exc: ValidationError) -> str:
+    errors = exc.errors(include_url=False, include_input=False)
+    parts = []
+    for err in errors[:3]:
+        loc = ".".join(str(x) for x in err.get("loc", ())) or "<record>"
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    more = f" (+{len(errors) - 3} more)" if len(errors) > 3 else ""
+    return "invalid event: " + "; ".join(parts) + more

@@ -1,0 +1,453 @@
+"""Every event the platform carries, as versioned, immutable pydantic models.
+
+An event is an envelope — unique id, kind, schema version, job, source, per-source sequence number,
+time — around a payload. The payload class decides the kind; ``Event[Payload]`` classes are built
+from the payload registry below so that decoding is one discriminated-union parse (fast, and an
+unknown kind fails with a message that lists the known ones).
+
+Conventions: durations are measured on the host that reports them (``*_s`` fields); never subtract
+the clocks of two hosts. ``start_s`` offsets are relative to the reporting rank's own iteration
+start. Device ids are the stable identity of a worker (a GPU in the simulator, a process in the
+torch trainer) and are what plans name.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from enum import StrEnum
+from typing import Annotated, Any, ClassVar, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, create_model, model_validator
+
+from collector.plan import Plan
+
+
+class Payload(BaseModel):
+    """Base of every payload. ``KIND`` names it on the wire; ``VERSIONS`` are the schema versions
+    this build reads (the newest is written)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    KIND: ClassVar[str]
+    VERSIONS: ClassVar[tuple[int, ...]] = (1,)
+
+
+# ---- telemetry (trainer ranks and the simulator) -----------------------------------------------
+
+
+class ChunkKind(StrEnum):
+    FORWARD = "F"
+    BACKWARD = "B"  # input-gradient part of the backward (or the whole backward without W split)
+    WEIGHT = "W"  # weight-gradient part, zero-bubble schedules only
+
+
+class Chunk(BaseModel):
+    """One chunk a rank ran: a forward, backward or weight-gradient pass of one micro-batch."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: ChunkKind
+    microbatch: int = Field(ge=0)
+    virtual_stage: int = Field(default=0, ge=0)
+    tokens: int = Field(ge=0)
+    seq_lens: list[int] | None = Field(
+        default=None, description="packed sequence lengths; None when the source does not report them"
+    )
+    start_s: float = Field(ge=0, description="offset from the rank's iteration start, local clock")
+    duration_s: float = Field(ge=0)
+
+
+class CommOp(StrEnum):
+    TP_ALLREDUCE = "tp_allreduce"
+    PP_SEND = "pp_send"
+    PP_RECV = "pp_recv"
+    DP_ALLREDUCE = "dp_allreduce"
+
+
+class CommWait(BaseModel):
+    """Time a rank spent in (or waiting on) one communication."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    op: CommOp
+    peer: int | None = Field(default=None, description="device id on the other end, for point-to-point")
+    microbatch: int | None = None
+    bytes: int | None = Field(default=None, ge=0)
+    start_s: float = Field(ge=0)
+    duration_s: float = Field(ge=0)
+
+
+class Coords(BaseModel):
+    """A rank's coordinates under the plan of ``epoch``: TP rank, pipeline stage, DP replica."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tp: int = Field(ge=0)
+    pp: int = Field(ge=0)
+    dp: int = Field(ge=0)
+
+
+class RankIteration(Payload):
+    """One rank's telemetry for one iteration: every chunk it ran and every wait it measured."""
+
+    KIND: ClassVar[str] = "telemetry.iteration"
+    epoch: int = Field(ge=0)
+    iteration: int = Field(ge=0)
+    rank: int = Field(ge=0, description="device id")
+    node: int | None = Field(default=None, ge=0)
+    coords: Coords
+    wall_s: float = Field(ge=0, description="the rank's own iteration time, local clock")
+    chunks: list[Chunk]
+    comm: list[CommWait] = Field(default_factory=list)
+
+
+class IterationSummary(Payload):
+    """Job-level view of one iteration, reported once (by the launcher or the last stage)."""
+
+    KIND: ClassVar[str] = "telemetry.summary"
+    epoch: int = Field(ge=0)
+    iteration: int = Field(ge=0)
+    loss: float | None = None
+    tokens: int = Field(ge=0)
+    wall_s: float = Field(ge=0)
+
+
+class Heartbeat(Payload):
+    """A rank is alive. Sent on a timer, independent of iteration progress."""
+
+    KIND: ClassVar[str] = "telemetry.heartbeat"
+    rank: int = Field(ge=0)
+    epoch: int = Field(ge=0)
+    iteration: int = Field(ge=0, description="the last iteration the rank started")
+    interval_s: float = Field(gt=0, description="when the next heartbeat is due")
+
+
+# ---- analytics (derived, published so no other process opens the analytics DuckDB) -----------
+
+
+class IterationPrediction(Payload):
+    """Observed against predicted time of one iteration, as the detector sees it."""
+
+    KIND: ClassVar[str] = "analytics.prediction"
+    epoch: int = Field(ge=0)
+    iteration: int = Field(ge=0)
+    observed_s: float = Field(ge=0)
+    predicted_s: float = Field(ge=0)
+    tokens: int = Field(ge=0)
+    model_error: float | None = Field(default=None, description="the cost model's recent relative error")
+
+
+class RankState(StrEnum):
+    HEALTHY = "healthy"
+    SLOW = "slow"
+    DEAD = "dead"
+
+
+class RankHealthEntry(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rank: int = Field(ge=0)
+    state: RankState
+    factor: float = Field(default=1.0, gt=0, description="estimated slowdown; 1.0 is healthy")
+
+
+class RankHealth(Payload):
+    """The detector's current view of every rank it has heard of (only changes are published)."""
+
+    KIND: ClassVar[str] = "analytics.rank_health"
+    epoch: int = Field(ge=0)
+    iteration: int = Field(ge=0)
+    ranks: list[RankHealthEntry]
+
+
+# ---- incidents ----------------------------------------------------------------------------------
+
+
+class FaultCategory(StrEnum):
+    FAIL_SLOW = "fail_slow"
+    FAIL_STOP = "fail_stop"
+
+
+class Severity(StrEnum):
+    LOW = "low"
+    MEDIUM = "medium"
+    HIGH = "high"
+    CRITICAL = "critical"
+
+
+class Location(BaseModel):
+    """Where a fault is: a rank's compute, a link between two devices, or a whole node."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    target: Literal["compute", "link", "node"]
+    rank: int | None = Field(default=None, ge=0)
+    link: tuple[int, int] | None = None
+    node: int | None = Field(default=None, ge=0)
+    replica: int | None = None
+    stage: int | None = None
+    tp_group: tuple[int, ...] | None = None
+    factor: float = Field(default=1.0, gt=0, description="estimated slowdown; inf-like for dead")
+    confidence: float = Field(default=1.0, ge=0, le=1)
+
+
+class Evidence(BaseModel):
+    """What the detector saw: the series it compared and the per-rank factors behind the call."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    iterations: list[int] = Field(default_factory=list)
+    observed_s: list[float] = Field(default_factory=list)
+    predicted_s: list[float] = Field(default_factory=list)
+    rank_factors: dict[int, float] = Field(default_factory=dict)
+    statistic: str = ""
+    note: str = ""
+
+
+class IncidentOpened(Payload):
+    KIND: ClassVar[str] = "incident.opened"
+    incident_id: str
+    category: FaultCategory
+    severity: Severity
+    iteration: int = Field(ge=0, description="iteration at which it was detected")
+    locations: list[Location]
+    evidence: Evidence
+    summary: str
+
+
+class IncidentConfirmed(Payload):
+    KIND: ClassVar[str] = "incident.confirmed"
+    incident_id: str
+    method: Literal["probe", "heartbeat", "persistence"]
+    detail: str
+    locations: list[Location] = Field(default_factory=list)
+
+
+class IncidentUpdated(Payload):
+    KIND: ClassVar[str] = "incident.updated"
+    incident_id: str
+    iteration: int = Field(ge=0)
+    severity: Severity
+    locations: list[Location]
+    evidence: Evidence
+
+
+class IncidentResolved(Payload):
+    KIND: ClassVar[str] = "incident.resolved"
+    incident_id: str
+    iteration: int = Field(ge=0)
+    reason: str
+
+
+class ProbeRequest(Payload):
+    """Ask ranks to run a short, fixed workload so a suspicion can be confirmed in isolation."""
+
+    KIND: ClassVar[str] = "probe.request"
+    probe_id: str
+    incident_id: str | None = None
+    ranks: list[int] = Field(min_length=1)
+    target: Literal["compute", "link"] = "compute"
+    repeats: int = Field(default=3, ge=1)
+
+
+class ProbeResult(Payload):
+    KIND: ClassVar[str] = "probe.result"
+    probe_id: str
+    rank: int = Field(ge=0)
+    duration_s: float = Field(ge=0)
+    reference_s: float = Field(gt=0, description="what a healthy device takes for the same probe")
+
+
+# ---- remediation lifecycle ----------------------------------------------------------------------
+
+
+class PlanProposed(Payload):
+    KIND: ClassVar[str] = "plan.proposed"
+    plan_id: str
+    incident_ids: list[str]
+    strategy: str
+    base_epoch: int = Field(ge=0)
+    plan: Plan
+    current_tokens_per_s: float = Field(ge=0)
+    predicted_tokens_per_s: float = Field(ge=0)
+    reshape_cost_s: float = Field(ge=0)
+    diff: list[str]
+    severity: Severity = Severity.MEDIUM
+
+
+class PlanDecision(Payload):
+    """An operator's (or the auto-apply policy's) verdict on a proposal."""
+
+    KIND: ClassVar[str] = "plan.decision"
+    plan_id: str
+    approve: bool
+    actor: str = Field(min_length=1, description="ui:alice, cli:bob, policy:auto")
+    comment: str = ""
+
+
+class PolicyMode(StrEnum):
+    PROPOSE = "propose"
+    AUTO = "auto"
+
+
+class PolicyChanged(Payload):
+    KIND: ClassVar[str] = "policy.changed"
+    mode: PolicyMode
+    auto_severities: list[Severity] = Field(default_factory=list, description="severities auto-applied in auto mode")
+    actor: str = Field(min_length=1)
+
+
+class ReconfigureCommand(Payload):
+    """Move the job to ``plan`` (whose epoch is the current epoch + 1)."""
+
+    KIND: ClassVar[str] = "command.reconfigure"
+    command_id: str
+    plan_id: str
+    plan: Plan
+
+
+class AckStatus(StrEnum):
+    APPLIED = "applied"
+    IGNORED_STALE = "ignored_stale"
+    IGNORED_DUPLICATE = "ignored_duplicate"
+    FAILED = "failed"
+
+
+class CommandAck(Payload):
+    """The trainer's answer to a command: applied (with the pause it cost) or why not."""
+
+    KIND: ClassVar[str] = "command.ack"
+    command_id: str
+    plan_id: str
+    epoch: int = Field(ge=0, description="the epoch the command asked for")
+    status: AckStatus
+    running_epoch: int = Field(ge=0, description="the epoch the trainer runs after handling it")
+    pause_s: float = Field(default=0.0, ge=0)
+    pause_iterations: int = Field(default=0, ge=0)
+    detail: str = ""
+
+
+class PlanVerified(Payload):
+    KIND: ClassVar[str] = "plan.verified"
+    plan_id: str
+    measured_tokens_per_s: float = Field(ge=0)
+    predicted_tokens_per_s: float = Field(ge=0)
+
+
+class PlanRolledBack(Payload):
+    KIND: ClassVar[str] = "plan.rolled_back"
+    plan_id: str
+    reason: str
+    measured_tokens_per_s: float = Field(ge=0)
+    predicted_tokens_per_s: float = Field(ge=0)
+
+
+# ---- ground truth and the dead letters ----------------------------------------------------------
+
+
+class FaultInjected(Payload):
+    """Ground truth from the simulator or the trainer's failure injection: what, where, when."""
+
+    KIND: ClassVar[str] = "truth.fault"
+    fault_id: str
+    category: FaultCategory
+    location: Location
+    start_iteration: int = Field(ge=0)
+    end_iteration: int | None = Field(default=None, description="exclusive; None while it lasts")
+
+
+class DeadLetter(Payload):
+    """A record that could not be decoded, kept with its raw bytes and the reason."""
+
+    KIND: ClassVar[str] = "deadletter"
+    topic: str
+    partition: int
+    offset: int
+    group: str
+    reason: str
+    raw_b64: str
+
+
+PAYLOAD_TYPES: tuple[type[Payload], ...] = (
+    RankIteration, IterationSummary, Heartbeat,
+    IterationPrediction, RankHealth,
+    IncidentOpened, IncidentConfirmed, IncidentUpdated, IncidentResolved, ProbeRequest, ProbeResult,
+    PlanProposed, PlanDecision, PolicyChanged, ReconfigureCommand, CommandAck, PlanVerified, PlanRolledBack,
+    FaultInjected, DeadLetter,
+)
+PAYLOAD_BY_KIND: dict[str, type[Payload]] = {p.KIND: p for p in PAYLOAD_TYPES}
+
+
+# ---- the envelope -------------------------------------------------------------------------------
+
+
+class Envelope(BaseModel):
+    """Header every event carries. Consumers are idempotent on ``id``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str = Field(min_length=1, max_length=64)
+    kind: str
+    schema_version: int
+    job: str = Field(min_length=1, max_length=200)
+    source: str = Field(min_length=1, max_length=200, description="rank-5, analytics, ui:alice, ...")
+    seq: int = Field(ge=0, description="per-source sequence number")
+    time_s: float = Field(description="Unix time at the source")
+    payload: Payload
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_version(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            kind = data.get("kind")
+            payload_type = PAYLOAD_BY_KIND.get(kind) if isinstance(kind, str) else None
+            version = data.get("schema_version")
+            if payload_type is not None and version not in payload_type.VERSIONS:
+                lo, hi = min(payload_type.VERSIONS), max(payload_type.VERSIONS)
+                raise ValueError(
+                    f"unknown schema version {version!r} for {kind} (this build reads {lo}–{hi}); "
+                    f"upgrade the consumer or re-publish with schema {hi}"
+                )
+        return data
+
+
+def _event_type(payload_type: type[Payload]) -> type[Envelope]:
+    return create_model(  # type: ignore[call-overload]
+        f"{payload_type.__name__}Event",
+        __base__=Envelope,
+        __doc__=f"An envelope around a {payload_type.__name__} payload.",
+        kind=(Literal[payload_type.KIND], payload_type.KIND),  # type: ignore[valid-type]
+        payload=(payload_type, ...),
+    )
+
+
+EVENT_TYPES: dict[str, type[Envelope]] = {k: _event_type(p) for k, p in PAYLOAD_BY_KIND.items()}
+Event = Annotated[Union[tuple(EVENT_TYPES.values())], Field(discriminator="kind")]  # type: ignore[valid-type]
+EVENT_ADAPTER: TypeAdapter[Envelope] = TypeAdapter(Event)
+
+
+class EventFactory:
+    """Wraps payloads in envelopes for one source, numbering them.
+
+    ``seq`` restarts at ``first_seq``; a source that restarts should pass the last sequence number
+    it knows it published, or consumers will see a gap reset (harmless: they key on ``id``).
+    """
+
+    def __init__(self, job: str, source: str, first_seq: int = 0) -> None:
+        self.job = job
+        self.source = source
+        self._seq = itertools.count(first_seq)
+
+    def make(self, payload: Payload, *, time_s: float | None = None, event_id: str | None = None) -> Envelope:
+        event_type = EVENT_TYPES[payload.KIND]
+        return event_type(
+            id=event_id or uuid.uuid4().hex,
+            kind=payload.KIND,
+            schema_version=max(payload.VERSIONS),
+            job=self.job,
+            source=self.source,
+            seq=next(self._seq),
+            time_s=time.time() if time_s is None else time_s,
+            payload=payload,
+        )

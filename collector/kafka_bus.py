@@ -1,0 +1,169 @@
+"""The Kafka backend, through kafka-python: for jobs that outgrow one machine.
+
+Producer: idempotent (``enable_idempotence=True``, ``acks="all"``) so a retried batch is never
+written twice; ``publish`` flushes and checks every send, so it returns only when the brokers have
+the batch. Keys are ``job/source``: one rank's events land in one partition, in order.
+Consumers: a consumer group with manual commits; ``on_assign`` seeks to positions a consumer stored
+itself (in its DuckDB transaction) whenever the group hands it partitions.
+Topics are created at start-up with the admin client (replication from RESIHP_KAFKA_REPLICATION,
+default 1 for the single-node broker).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka import TopicPartition as KafkaTP
+from kafka.admin import NewTopic
+from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.structs import OffsetAndMetadata
+
+from collector.bus import Bus, Consumer, OnAssign, RawMessage, Record, TopicPartition
+from collector.codec import MAX_EVENT_BYTES
+from collector.topics import ALL_TOPICS, PARTITIONS
+
+
+def ensure_topics(bootstrap: str, topics: Sequence[str] = ALL_TOPICS) -> None:
+    """Create the platform's topics if they do not exist (idempotent)."""
+    replication = int(os.environ.get("RESIHP_KAFKA_REPLICATION", "1"))
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="resihp-admin")
+    try:
+        existing = set(admin.list_topics())
+        missing = [
+            NewTopic(name=t, num_partitions=PARTITIONS.get(t, 1), replication_factor=replication)
+            for t in topics
+            if t not in existing
+        ]
+        if missing:
+            try:
+                admin.create_topics(missing)
+            except TopicAlreadyExistsError:
+                pass  # another process created them first
+    finally:
+        admin.close()
+
+
+class KafkaBus(Bus):
+    name = "kafka"
+
+    def __init__(self, bootstrap: str, *, create_topics: bool = True) -> None:
+        self.bootstrap = bootstrap
+        if create_topics:
+            try:
+                ensure_topics(bootstrap)
+            except KafkaError as exc:
+                raise ConnectionError(
+                    f"cannot reach Kafka at {bootstrap} ({exc.__class__.__name__}: {exc}); start the local "
+                    "broker with `resihp kafka up` or set RESIHP_KAFKA_BOOTSTRAP"
+                ) from exc
+        self._producer: KafkaProducer | None = None
+
+    @property
+    def producer(self) -> KafkaProducer:
+        if self._producer is None:
+            self._producer = KafkaProducer(
+                bootstrap_servers=self.bootstrap,
+                client_id="resihp-producer",
+                acks="all",
+                enable_idempotence=True,
+                linger_ms=5,
+                batch_size=512 * 1024,
+                max_request_size=MAX_EVENT_BYTES + 64 * 1024,
+                buffer_memory=128 * 1024 * 1024,
+            )
+        return self._producer
+
+    def publish_raw(self, messages: Sequence[RawMessage]) -> None:
+        futures = [self.producer.send(topic, key=key, value=value) for topic, key, value in messages]
+        self.producer.flush()
+        for f in futures:
+            if f.failed():
+                raise ConnectionError(f"Kafka did not accept a record: {f.exception}") from f.exception
+
+    def consumer(self, group: str, topics: Sequence[str], on_assign: OnAssign | None = None) -> Consumer:
+        return KafkaBusConsumer(self.bootstrap, group, topics, on_assign)
+
+    def end_offsets(self, topics: Sequence[str]) -> dict[TopicPartition, int]:
+        c = KafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
+        try:
+            tps = [KafkaTP(t, p) for t in topics for p in sorted(c.partitions_for_topic(t) or ())]
+            return {TopicPartition(tp.topic, tp.partition): off for tp, off in c.end_offsets(tps).items()}
+        finally:
+            c.close()
+
+    def close(self) -> None:
+        if self._producer is not None:
+            self._producer.close()
+            self._producer = None
+
+
+class _SeekOnAssign(ConsumerRebalanceListener):
+    def __init__(self, owner: KafkaBusConsumer, on_assign: OnAssign | None) -> None:
+        self.owner = owner
+        self.on_assign = on_assign
+
+    def on_partitions_revoked(self, revoked):  # type: ignore[no-untyped-def]
+        pass
+
+    def on_partitions_assigned(self, assigned):  # type: ignore[no-untyped-def]
+        if self.owner._rewind_pending and assigned:
+            self.owner._kafka.seek_to_beginning(*assigned)
+            self.owner._rewind_pending = False
+        if self.on_assign is None or not assigned:
+            return
+        ours = [TopicPartition(tp.topic, tp.partition) for tp in assigned]
+        for tp, off in self.on_assign(ours).items():
+            self.owner._kafka.seek(KafkaTP(tp.topic, tp.partition), off)
+
+
+class KafkaBusConsumer(Consumer):
+    def __init__(self, bootstrap: str, group: str, topics: Sequence[str], on_assign: OnAssign | None) -> None:
+        if not topics:
+            raise ValueError("a consumer needs at least one topic")
+        self.group = group
+        self._rewind_pending = False
+        self._kafka = KafkaConsumer(
+            bootstrap_servers=bootstrap,
+            group_id=group,
+            client_id=f"resihp-{group}",
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            max_partition_fetch_bytes=8 * 1024 * 1024,
+            fetch_max_bytes=64 * 1024 * 1024,
+        )
+        self._kafka.subscribe(list(topics), listener=_SeekOnAssign(self, on_assign))
+
+    def poll(self, max_records: int = 10_000, timeout_s: float = 1.0) -> list[Record]:
+        batches = self._kafka.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        out: list[Record] = []
+        for tp, records in batches.items():
+            out.extend(
+                Record(tp.topic, tp.partition, r.offset, r.key, r.value, r.timestamp / 1000.0) for r in records
+            )
+        return out
+
+    def commit(self, positions: Mapping[TopicPartition, int] | None = None) -> None:
+        if positions is None:
+            self._kafka.commit()
+            return
+        self._kafka.commit({KafkaTP(tp.topic, tp.partition): OffsetAndMetadata(off, "", -1) for tp, off in positions.items()})
+
+    def seek(self, positions: Mapping[TopicPartition, int]) -> None:
+        for tp, off in positions.items():
+            self._kafka.seek(KafkaTP(tp.topic, tp.partition), off)
+
+    def seek_to_beginning(self) -> None:
+        assigned = self._kafka.assignment()
+        if assigned:
+            self._kafka.seek_to_beginning(*assigned)
+        else:  # not joined yet: rewind as soon as the group hands us partitions
+            self._rewind_pending = True
+
+    def positions(self) -> dict[TopicPartition, int]:
+        return {TopicPartition(tp.topic, tp.partition): self._kafka.position(tp) for tp in self._kafka.assignment()}
+
+    def close(self) -> None:
+        self._kafka.close(autocommit=False)

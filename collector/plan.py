@@ -1,0 +1,197 @@
+"""The parallel layout of a job, in the contract's pipeline form.
+
+A plan is not three numbers. Each DP replica is a pipeline of stages; each stage is a TP group of
+explicit device ids holding a contiguous layer range; each pipeline gets its share of the global
+batch's micro-batches. Replicas may therefore differ: a stage that lost a GPU can run at TP 4 with
+fewer layers while its siblings keep TP 8, and a slow replica can take fewer micro-batches.
+
+The plan validates itself when it is built (torchtitan's ParallelDims habit): a plan that leaves a
+layer unowned, uses a device twice or has a TP degree that is not a power of two cannot exist, so
+neither the trainer nor the simulator has to re-check it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Schedule = Literal["1f1b", "interleaved", "zero_bubble"]
+SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "zero_bubble")
+
+
+class StagePlan(BaseModel):
+    """One pipeline stage: a TP group of devices holding layers [first_layer, end_layer)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    devices: tuple[int, ...] = Field(min_length=1, description="device ids of the TP group, in TP-rank order")
+    first_layer: int = Field(ge=0)
+    end_layer: int = Field(ge=1, description="exclusive")
+
+    @property
+    def tp(self) -> int:
+        return len(self.devices)
+
+    @property
+    def num_layers(self) -> int:
+        return self.end_layer - self.first_layer
+
+    @model_validator(mode="after")
+    def _check(self) -> StagePlan:
+        if self.end_layer <= self.first_layer:
+            raise ValueError(f"stage layer range [{self.first_layer}, {self.end_layer}) is empty")
+        if self.tp & (self.tp - 1):
+            raise ValueError(f"TP degree {self.tp} of devices {list(self.devices)} is not a power of two")
+        if len(set(self.devices)) != len(self.devices):
+            raise ValueError(f"stage lists a device twice: {list(self.devices)}")
+        return self
+
+
+class PipelinePlan(BaseModel):
+    """One DP replica: its stages in pipeline order and its share of the global batch."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    replica: int = Field(ge=0)
+    microbatches: int = Field(ge=1, description="micro-batches of the global batch this replica runs")
+    stages: tuple[StagePlan, ...] = Field(min_length=1)
+
+
+@dataclass(frozen=True)
+class RankRole:
+    """What one device does under a plan: its coordinates and its work."""
+
+    device: int
+    replica: int
+    stage: int
+    tp_rank: int
+    tp_degree: int
+    first_layer: int
+    end_layer: int
+    microbatches: int
+    num_stages: int
+
+
+class Plan(BaseModel):
+    """A whole layout; valid by construction. ``epoch`` fences reconfiguration commands."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    epoch: int = Field(ge=0)
+    schedule: Schedule = "1f1b"
+    virtual_stages: int = Field(default=1, ge=1, description="model chunks per stage (interleaved schedule)")
+    num_layers: int = Field(ge=1)
+    pipelines: tuple[PipelinePlan, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> Plan:
+        seen: dict[int, str] = {}
+        replicas = [p.replica for p in self.pipelines]
+        if sorted(replicas) != list(range(len(replicas))):
+            raise ValueError(f"replica ids must be 0..{len(replicas) - 1}, got {replicas}")
+        for pipe in self.pipelines:
+            expected_first = 0
+            for s, stage in enumerate(pipe.stages):
+                where = f"replica {pipe.replica} stage {s}"
+                if stage.first_layer != expected_first:
+                    raise ValueError(
+                        f"{where} starts at layer {stage.first_layer} but the previous stage ended at "
+                        f"{expected_first}: layer ranges must be contiguous"
+                    )
+                expected_first = stage.end_layer
+                for d in stage.devices:
+                    if d in seen:
+                        raise ValueError(f"device {d} is used by both {seen[d]} and {where}")
+                    seen[d] = where
+            if expected_first != self.num_layers:
+                raise ValueError(
+                    f"replica {pipe.replica} covers layers [0, {expected_first}) but the model has "
+                    f"{self.num_layers}"
+                )
+        if self.schedule != "interleaved" and self.virtual_stages != 1:
+            raise ValueError(f"virtual_stages={self.virtual_stages} needs the interleaved schedule")
+        return self
+
+    # ---- derived views -------------------------------------------------------------------------
+
+    @property
+    def global_microbatches(self) -> int:
+        return sum(p.microbatches for p in self.pipelines)
+
+    @property
+    def dp(self) -> int:
+        return len(self.pipelines)
+
+    @cached_property
+    def roles(self) -> dict[int, RankRole]:
+        """device id -> its role; every device of the plan appears once."""
+        out: dict[int, RankRole] = {}
+        for pipe in self.pipelines:
+            for s, stage in enumerate(pipe.stages):
+                for t, d in enumerate(stage.devices):
+                    out[d] = RankRole(
+                        device=d, replica=pipe.replica, stage=s, tp_rank=t, tp_degree=stage.tp,
+                        first_layer=stage.first_layer, end_layer=stage.end_layer,
+                        microbatches=pipe.microbatches, num_stages=len(pipe.stages),
+                    )
+        return out
+
+    @property
+    def devices(self) -> list[int]:
+        return sorted(self.roles)
+
+    def role_of(self, device: int) -> RankRole:
+        try:
+            return self.roles[device]
+        except KeyError:
+            raise KeyError(f"device {device} has no role in plan epoch {self.epoch}") from None
+
+    def shape(self) -> str:
+        """A short human label: ``TP2·PP2·DP2`` when uniform, otherwise per-replica shapes."""
+        shapes = {(tuple(s.tp for s in p.stages), len(p.stages)) for p in self.pipelines}
+        if len(shapes) == 1:
+            (tps, pp), = shapes
+            if len(set(tps)) == 1:
+                return f"TP{tps[0]}·PP{pp}·DP{self.dp}"
+        parts = ["/".join(str(s.tp) for s in p.stages) for p in self.pipelines]
+        return "TP[" + " | ".join(parts) + f"]·DP{self.dp}"
+
+    @classmethod
+    def uniform(
+        cls,
+        *,
+        tp: int,
+        pp: int,
+        dp: int,
+        num_layers: int,
+        microbatches_per_replica: int,
+        schedule: Schedule = "1f1b",
+        virtual_stages: int = 1,
+        epoch: int = 0,
+        first_device: int = 0,
+    ) -> Plan:
+        """The textbook layout: device = first + (replica·pp + stage)·tp + tp_rank.
+
+        TP groups are consecutive devices, so with tp ≤ 8 they stay inside an 8-GPU node.
+        Layers are split as evenly as possible, earlier stages taking the remainder.
+        """
+        if num_layers < pp:
+            raise ValueError(f"{num_layers} layers cannot fill {pp} pipeline stages")
+        base, extra = divmod(num_layers, pp)
+        bounds = [0]
+        for s in range(pp):
+            bounds.append(bounds[-1] + base + (1 if s < extra else 0))
+        pipelines = []
+        for r in range(dp):
+            stages = []
+            for s in range(pp):
+                d0 = first_device + (r * pp + s) * tp
+                stages.append(StagePlan(devices=tuple(range(d0, d0 + tp)), first_layer=bounds[s], end_layer=bounds[s + 1]))
+            pipelines.append(PipelinePlan(replica=r, microbatches=microbatches_per_replica, stages=tuple(stages)))
+        return cls(
+            epoch=epoch, schedule=schedule, virtual_stages=virtual_stages, num_layers=num_layers,
+            pipelines=tuple(pipelines),
+        )

@@ -1,0 +1,45 @@
+"""Topic names, which kind goes where, and the keys that keep one rank's events in order.
+
+Four topics keep the hot path apart from the control path: telemetry is large and steady; the
+analytics topic carries what the detector derived; control carries the low-volume lifecycle
+(plans, decisions, commands, acknowledgements, probes); truth carries ground truth from the
+simulator and failure injection, on a topic of its own so that no detector reads it by accident.
+Invalid records go to the dead-letter topic with their reason.
+"""
+
+from __future__ import annotations
+
+TELEMETRY = "resihp.telemetry"
+ANALYTICS = "resihp.analytics"
+CONTROL = "resihp.control"
+TRUTH = "resihp.truth"
+DEADLETTER = "resihp.deadletter"
+ALL_TOPICS: tuple[str, ...] = (TELEMETRY, ANALYTICS, CONTROL, TRUTH, DEADLETTER)
+
+# Kafka partitions per topic; telemetry scales out with the analytics consumer group.
+PARTITIONS: dict[str, int] = {TELEMETRY: 8, ANALYTICS: 2, CONTROL: 1, TRUTH: 1, DEADLETTER: 1}
+
+_TOPIC_BY_PREFIX: dict[str, str] = {
+    "telemetry": TELEMETRY,
+    "analytics": ANALYTICS,
+    "incident": ANALYTICS,
+    "probe": CONTROL,
+    "plan": CONTROL,
+    "policy": CONTROL,
+    "command": CONTROL,
+    "truth": TRUTH,
+    "deadletter": DEADLETTER,
+}
+
+
+def topic_for(kind: str) -> str:
+    """The topic an event kind is published to (its prefix before the first dot decides)."""
+    try:
+        return _TOPIC_BY_PREFIX[kind.split(".", 1)[0]]
+    except KeyError:
+        raise ValueError(f"no topic for event kind {kind!r}; known prefixes: {sorted(_TOPIC_BY_PREFIX)}") from None
+
+
+def key_for(job: str, source: str) -> bytes:
+    """Partition key: one source's events (one rank's, say) land in one partition, in order."""
+    return f"{job}/{source}".encode()

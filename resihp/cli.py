@@ -1,0 +1,43 @@
+"""``resihp``: one entry point; each subcommand lives in its own module under resihp/commands/.
+
+A command module defines ``register(subparsers)``, which adds its parser and sets ``func`` to a
+callable taking the parsed arguments and returning an exit code. Modules are discovered, so adding
+a subcommand never touches this file. Heavy imports (torch, streamlit) stay inside ``func``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+import resihp.commands
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="resihp",
+        description="ResiHP: detect failing and slow GPUs in hybrid-parallel training and reshape the job around them.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for info in sorted(pkgutil.iter_modules(resihp.commands.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"resihp.commands.{info.name}")
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

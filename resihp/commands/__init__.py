@@ -1,0 +1,1 @@
+"""Subcommands of ``resihp``, one module each (see resihp/cli.py)."""

@@ -1,0 +1,1 @@
+"""The Streamlit operators' console."""
