@@ -26,16 +26,16 @@ from collector.codec import MAX_EVENT_BYTES
 from collector.topics import ALL_TOPICS, PARTITIONS
 
 
-def ensure_topics(bootstrap: str, topics: Sequence[str] = ALL_TOPICS) -> None:
-    """Create the platform's topics if they do not exist (idempotent)."""
+def ensure_topics(bootstrap: str, topics: Sequence[str] = ALL_TOPICS, namespace: str = "") -> None:
+    """Create the platform's topics (under ``namespace``) if they do not exist (idempotent)."""
     replication = int(os.environ.get("RESIHP_KAFKA_REPLICATION", "1"))
     admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="resihp-admin")
     try:
         existing = set(admin.list_topics())
         missing = [
-            NewTopic(name=t, num_partitions=PARTITIONS.get(t, 1), replication_factor=replication)
+            NewTopic(name=namespace + t, num_partitions=PARTITIONS.get(t, 1), replication_factor=replication)
             for t in topics
-            if t not in existing
+            if namespace + t not in existing
         ]
         if missing:
             try:
@@ -49,11 +49,13 @@ def ensure_topics(bootstrap: str, topics: Sequence[str] = ALL_TOPICS) -> None:
 class KafkaBus(Bus):
     name = "kafka"
 
-    def __init__(self, bootstrap: str, *, create_topics: bool = True) -> None:
+    def __init__(self, bootstrap: str, *, namespace: str | None = None, create_topics: bool = True) -> None:
         self.bootstrap = bootstrap
+        # Several environments (or tests) can share a cluster: every topic name gets this prefix.
+        self.namespace = os.environ.get("RESIHP_KAFKA_NAMESPACE", "") if namespace is None else namespace
         if create_topics:
             try:
-                ensure_topics(bootstrap)
+                ensure_topics(bootstrap, namespace=self.namespace)
             except KafkaError as exc:
                 raise ConnectionError(
                     f"cannot reach Kafka at {bootstrap} ({exc.__class__.__name__}: {exc}); start the local "
@@ -77,20 +79,22 @@ class KafkaBus(Bus):
         return self._producer
 
     def publish_raw(self, messages: Sequence[RawMessage]) -> None:
-        futures = [self.producer.send(topic, key=key, value=value) for topic, key, value in messages]
+        ns = self.namespace
+        futures = [self.producer.send(ns + topic, key=key, value=value) for topic, key, value in messages]
         self.producer.flush()
         for f in futures:
             if f.failed():
                 raise ConnectionError(f"Kafka did not accept a record: {f.exception}") from f.exception
 
     def consumer(self, group: str, topics: Sequence[str], on_assign: OnAssign | None = None) -> Consumer:
-        return KafkaBusConsumer(self.bootstrap, group, topics, on_assign)
+        return KafkaBusConsumer(self.bootstrap, group, topics, on_assign, self.namespace)
 
     def end_offsets(self, topics: Sequence[str]) -> dict[TopicPartition, int]:
         c = KafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
         try:
-            tps = [KafkaTP(t, p) for t in topics for p in sorted(c.partitions_for_topic(t) or ())]
-            return {TopicPartition(tp.topic, tp.partition): off for tp, off in c.end_offsets(tps).items()}
+            ns = self.namespace
+            tps = [KafkaTP(ns + t, p) for t in topics for p in sorted(c.partitions_for_topic(ns + t) or ())]
+            return {TopicPartition(tp.topic[len(ns):], tp.partition): off for tp, off in c.end_offsets(tps).items()}
         finally:
             c.close()
 
@@ -114,16 +118,18 @@ class _SeekOnAssign(ConsumerRebalanceListener):
             self.owner._rewind_pending = False
         if self.on_assign is None or not assigned:
             return
-        ours = [TopicPartition(tp.topic, tp.partition) for tp in assigned]
-        for tp, off in self.on_assign(ours).items():
-            self.owner._kafka.seek(KafkaTP(tp.topic, tp.partition), off)
+        ours = [self.owner._logical(tp) for tp in assigned]
+        self.owner.seek(self.on_assign(ours))
 
 
 class KafkaBusConsumer(Consumer):
-    def __init__(self, bootstrap: str, group: str, topics: Sequence[str], on_assign: OnAssign | None) -> None:
+    def __init__(
+        self, bootstrap: str, group: str, topics: Sequence[str], on_assign: OnAssign | None, namespace: str = ""
+    ) -> None:
         if not topics:
             raise ValueError("a consumer needs at least one topic")
         self.group = group
+        self._ns = namespace
         self._rewind_pending = False
         self._kafka = KafkaConsumer(
             bootstrap_servers=bootstrap,
@@ -134,26 +140,31 @@ class KafkaBusConsumer(Consumer):
             max_partition_fetch_bytes=8 * 1024 * 1024,
             fetch_max_bytes=64 * 1024 * 1024,
         )
-        self._kafka.subscribe(list(topics), listener=_SeekOnAssign(self, on_assign))
+        self._kafka.subscribe([namespace + t for t in topics], listener=_SeekOnAssign(self, on_assign))
+
+    def _logical(self, tp: KafkaTP) -> TopicPartition:
+        return TopicPartition(tp.topic[len(self._ns):], tp.partition)
+
+    def _physical(self, tp: TopicPartition) -> KafkaTP:
+        return KafkaTP(self._ns + tp.topic, tp.partition)
 
     def poll(self, max_records: int = 10_000, timeout_s: float = 1.0) -> list[Record]:
         batches = self._kafka.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
         out: list[Record] = []
         for tp, records in batches.items():
-            out.extend(
-                Record(tp.topic, tp.partition, r.offset, r.key, r.value, r.timestamp / 1000.0) for r in records
-            )
+            topic = tp.topic[len(self._ns):]
+            out.extend(Record(topic, tp.partition, r.offset, r.key, r.value, r.timestamp / 1000.0) for r in records)
         return out
 
     def commit(self, positions: Mapping[TopicPartition, int] | None = None) -> None:
         if positions is None:
             self._kafka.commit()
             return
-        self._kafka.commit({KafkaTP(tp.topic, tp.partition): OffsetAndMetadata(off, "", -1) for tp, off in positions.items()})
+        self._kafka.commit({self._physical(tp): OffsetAndMetadata(off, "", -1) for tp, off in positions.items()})
 
     def seek(self, positions: Mapping[TopicPartition, int]) -> None:
         for tp, off in positions.items():
-            self._kafka.seek(KafkaTP(tp.topic, tp.partition), off)
+            self._kafka.seek(self._physical(tp), off)
 
     def seek_to_beginning(self) -> None:
         assigned = self._kafka.assignment()
@@ -163,7 +174,7 @@ class KafkaBusConsumer(Consumer):
             self._rewind_pending = True
 
     def positions(self) -> dict[TopicPartition, int]:
-        return {TopicPartition(tp.topic, tp.partition): self._kafka.position(tp) for tp in self._kafka.assignment()}
+        return {self._logical(tp): self._kafka.position(tp) for tp in self._kafka.assignment()}
 
     def close(self) -> None:
         self._kafka.close(autocommit=False)

@@ -1,0 +1,84 @@
+"""Shared fixtures: a real Kafka broker for the session, and a fresh bus of either backend.
+
+The broker is started by the project's own infra (infra/broker.py) on a free loopback port with a
+throw-away data dir. If it cannot start, every test that needs it fails with the broker's log:
+Kafka tests are never skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from collector.bus import Bus
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A running single-node KRaft broker; RESIHP_TEST_KAFKA_BOOTSTRAP reuses one already up."""
+    existing = os.environ.get("RESIHP_TEST_KAFKA_BOOTSTRAP")
+    if existing:
+        yield existing
+        return
+    from infra import broker
+
+    data_dir = tmp_path_factory.mktemp("kafka")
+    port = _free_port()
+    try:
+        bootstrap = broker.up(port=port, controller_port=_free_port(), data_dir=data_dir)
+    except Exception as exc:  # noqa: BLE001 - any failure to start is a test failure, with the reason
+        pytest.fail(f"the Kafka broker from infra/ did not start: {exc}", pytrace=False)
+    try:
+        yield bootstrap
+    finally:
+        broker.down(data_dir=data_dir)
+
+
+BusFactory = Callable[[], Bus]
+
+
+@pytest.fixture(params=["embedded", pytest.param("kafka", marks=pytest.mark.kafka)])
+def bus_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BusFactory]:
+    """Opens buses onto one fresh, isolated log of the parametrised backend (one test = one log)."""
+    opened: list[Bus] = []
+    if request.param == "embedded":
+        from collector.embedded import EmbeddedBus
+
+        path = tmp_path / "bus.sqlite"
+
+        def make() -> Bus:
+            opened.append(EmbeddedBus(path))
+            return opened[-1]
+    else:
+        from collector.kafka_bus import KafkaBus
+
+        bootstrap = request.getfixturevalue("kafka_bootstrap")
+        namespace = f"t{uuid.uuid4().hex[:10]}."
+
+        def make() -> Bus:
+            opened.append(KafkaBus(bootstrap, namespace=namespace))
+            return opened[-1]
+
+    make.backend = request.param  # type: ignore[attr-defined]
+    make.spec = {"backend": request.param, "path": str(tmp_path / "bus.sqlite"),  # type: ignore[attr-defined]
+                 "bootstrap": request.getfixturevalue("kafka_bootstrap") if request.param == "kafka" else None,
+                 "namespace": namespace if request.param == "kafka" else ""}
+    yield make
+    for bus in opened:
+        bus.close()
+
+
+@pytest.fixture
+def bus(bus_factory: BusFactory) -> Bus:
+    return bus_factory()
