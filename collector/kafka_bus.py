@@ -16,7 +16,6 @@ from collections.abc import Mapping, Sequence
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka import TopicPartition as KafkaTP
-from kafka.admin import NewTopic
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata
@@ -32,14 +31,14 @@ def ensure_topics(bootstrap: str, topics: Sequence[str] = ALL_TOPICS, namespace:
     admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="resihp-admin")
     try:
         existing = set(admin.list_topics())
-        missing = [
-            NewTopic(name=namespace + t, num_partitions=PARTITIONS.get(t, 1), replication_factor=replication)
+        missing = {
+            namespace + t: {"num_partitions": PARTITIONS.get(t, 1), "replication_factor": replication}
             for t in topics
             if namespace + t not in existing
-        ]
+        }
         if missing:
             try:
-                admin.create_topics(missing)
+                admin.create_topics(missing, wait_for_metadata=True)
             except TopicAlreadyExistsError:
                 pass  # another process created them first
     finally:
@@ -74,7 +73,6 @@ class KafkaBus(Bus):
                 linger_ms=5,
                 batch_size=512 * 1024,
                 max_request_size=MAX_EVENT_BYTES + 64 * 1024,
-                buffer_memory=128 * 1024 * 1024,
             )
         return self._producer
 

@@ -1,0 +1,1 @@
+"""Local Apache Kafka for ResiHP: fetch the broker from Maven Central, run it (see broker.py)."""
