@@ -102,9 +102,13 @@ class Bus(ABC):
         """Append already-encoded records (replay, dead letters, and tests of bad input)."""
 
     @abstractmethod
-    def consumer(self, group: str, topics: Sequence[str], on_assign: OnAssign | None = None) -> Consumer:
+    def consumer(
+        self, group: str, topics: Sequence[str], on_assign: OnAssign | None = None, instance_id: str | None = None
+    ) -> Consumer:
         """Join ``group`` reading ``topics``. Without stored positions a new group starts at the
-        beginning of the log."""
+        beginning of the log. ``instance_id`` makes the membership static (Kafka): a restarted
+        process with the same id takes its partitions back at once instead of after a session
+        timeout."""
 
     @abstractmethod
     def end_offsets(self, topics: Sequence[str]) -> dict[TopicPartition, int]:

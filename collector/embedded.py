@@ -88,7 +88,9 @@ class EmbeddedBus(Bus):
                 self._conn.execute("ROLLBACK")
                 raise
 
-    def consumer(self, group: str, topics: Sequence[str], on_assign: OnAssign | None = None) -> Consumer:
+    def consumer(
+        self, group: str, topics: Sequence[str], on_assign: OnAssign | None = None, instance_id: str | None = None
+    ) -> Consumer:
         return EmbeddedConsumer(self, group, topics, on_assign)
 
     def end_offsets(self, topics: Sequence[str]) -> dict[TopicPartition, int]:

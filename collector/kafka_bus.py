@@ -84,8 +84,10 @@ class KafkaBus(Bus):
             if f.failed():
                 raise ConnectionError(f"Kafka did not accept a record: {f.exception}") from f.exception
 
-    def consumer(self, group: str, topics: Sequence[str], on_assign: OnAssign | None = None) -> Consumer:
-        return KafkaBusConsumer(self.bootstrap, group, topics, on_assign, self.namespace)
+    def consumer(
+        self, group: str, topics: Sequence[str], on_assign: OnAssign | None = None, instance_id: str | None = None
+    ) -> Consumer:
+        return KafkaBusConsumer(self.bootstrap, group, topics, on_assign, self.namespace, instance_id)
 
     def end_offsets(self, topics: Sequence[str]) -> dict[TopicPartition, int]:
         c = KafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
@@ -122,7 +124,13 @@ class _SeekOnAssign(ConsumerRebalanceListener):
 
 class KafkaBusConsumer(Consumer):
     def __init__(
-        self, bootstrap: str, group: str, topics: Sequence[str], on_assign: OnAssign | None, namespace: str = ""
+        self,
+        bootstrap: str,
+        group: str,
+        topics: Sequence[str],
+        on_assign: OnAssign | None,
+        namespace: str = "",
+        instance_id: str | None = None,
     ) -> None:
         if not topics:
             raise ValueError("a consumer needs at least one topic")
@@ -135,6 +143,9 @@ class KafkaBusConsumer(Consumer):
             client_id=f"resihp-{group}",
             enable_auto_commit=False,
             auto_offset_reset="earliest",
+            group_instance_id=instance_id,
+            session_timeout_ms=10_000,
+            heartbeat_interval_ms=1_000,
             max_partition_fetch_bytes=8 * 1024 * 1024,
             fetch_max_bytes=64 * 1024 * 1024,
         )

@@ -47,11 +47,12 @@ class EventStream:
         topics: Sequence[str],
         *,
         on_assign: OnAssign | None = None,
+        instance_id: str | None = None,
         job: str = "resihp",
     ) -> None:
         self.bus = bus
         self.group = group
-        self.consumer: Consumer = bus.consumer(group, topics, on_assign)
+        self.consumer: Consumer = bus.consumer(group, topics, on_assign, instance_id)
         self.counters = StreamCounters()
         self._dead = EventFactory(job, f"consumer:{group}")
         self._next: dict[TopicPartition, int] = {}
