@@ -49,6 +49,7 @@ class Projector:
         projections: Sequence[Projection],
         *,
         rebuild: bool = False,
+        instance_id: str | None = None,
     ) -> None:
         self.bus = bus
         self.group = group
@@ -60,7 +61,7 @@ class Projector:
         self.conn.execute(_OFFSETS_DDL)
         for p in self.projections:
             p.create(self.conn)
-        self.stream = EventStream(bus, group, topics, on_assign=self._stored_positions)
+        self.stream = EventStream(bus, group, topics, on_assign=self._stored_positions, instance_id=instance_id)
         self.transactions = 0
 
     def _drop_all(self) -> None:
