@@ -145,6 +145,8 @@ class RankState(StrEnum):
 
 
 class RankHealthEntry(BaseModel):
+    """One rank as the detector sees it."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     rank: int = Field(ge=0)
@@ -206,6 +208,8 @@ class Evidence(BaseModel):
 
 
 class IncidentOpened(Payload):
+    """The detector found something its prediction cannot explain, and says where and why."""
+
     KIND: ClassVar[str] = "incident.opened"
     incident_id: str
     category: FaultCategory
@@ -217,6 +221,8 @@ class IncidentOpened(Payload):
 
 
 class IncidentConfirmed(Payload):
+    """A suspicion is confirmed: by a probe, by missing heartbeats, or by persisting evidence."""
+
     KIND: ClassVar[str] = "incident.confirmed"
     incident_id: str
     method: Literal["probe", "heartbeat", "persistence"]
@@ -225,6 +231,8 @@ class IncidentConfirmed(Payload):
 
 
 class IncidentUpdated(Payload):
+    """New evidence for an open incident: severity, locations or factors changed."""
+
     KIND: ClassVar[str] = "incident.updated"
     incident_id: str
     iteration: int = Field(ge=0)
@@ -234,6 +242,8 @@ class IncidentUpdated(Payload):
 
 
 class IncidentResolved(Payload):
+    """The fault is gone (recovered, or reshaped around) and the incident is closed."""
+
     KIND: ClassVar[str] = "incident.resolved"
     incident_id: str
     iteration: int = Field(ge=0)
@@ -252,6 +262,8 @@ class ProbeRequest(Payload):
 
 
 class ProbeResult(Payload):
+    """One rank's answer to a probe: how long it took against a healthy device's reference."""
+
     KIND: ClassVar[str] = "probe.result"
     probe_id: str
     rank: int = Field(ge=0)
@@ -263,6 +275,8 @@ class ProbeResult(Payload):
 
 
 class PlanProposed(Payload):
+    """The planner's answer to open incidents: a new plan, what it should gain and cost, and a readable diff."""
+
     KIND: ClassVar[str] = "plan.proposed"
     plan_id: str
     incident_ids: list[str]
@@ -292,6 +306,8 @@ class PolicyMode(StrEnum):
 
 
 class PolicyChanged(Payload):
+    """Per job: propose and wait for an operator, or auto-apply plans of the listed severities."""
+
     KIND: ClassVar[str] = "policy.changed"
     mode: PolicyMode
     auto_severities: list[Severity] = Field(default_factory=list, description="severities auto-applied in auto mode")
@@ -329,6 +345,8 @@ class CommandAck(Payload):
 
 
 class PlanVerified(Payload):
+    """Measured throughput under the applied plan matches its prediction."""
+
     KIND: ClassVar[str] = "plan.verified"
     plan_id: str
     measured_tokens_per_s: float = Field(ge=0)
@@ -336,6 +354,8 @@ class PlanVerified(Payload):
 
 
 class PlanRolledBack(Payload):
+    """Measured throughput under the applied plan fell short; the previous layout is restored."""
+
     KIND: ClassVar[str] = "plan.rolled_back"
     plan_id: str
     reason: str
@@ -387,14 +407,14 @@ class Envelope(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    id: str = Field(min_length=1, max_length=64)
-    kind: str
-    schema_version: int
-    job: str = Field(min_length=1, max_length=200)
+    id: str = Field(min_length=1, max_length=64, description="unique; consumers dedupe on it")
+    kind: str = Field(description="names the payload type (see Kinds)")
+    schema_version: int = Field(description="version of the payload schema; the newest is written")
+    job: str = Field(min_length=1, max_length=200, description="the training job")
     source: str = Field(min_length=1, max_length=200, description="rank-5, analytics, ui:alice, ...")
     seq: int = Field(ge=0, description="per-source sequence number")
     time_s: float = Field(description="Unix time at the source")
-    payload: Payload
+    payload: Payload = Field(description="one of the kinds below")
 
     @model_validator(mode="before")
     @classmethod
