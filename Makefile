@@ -1,0 +1,39 @@
+# Two commands for a fresh machine (see README):
+#   make demo   - install, then run the platform end to end on the embedded bus
+#   make test   - install everything the tests need (venv, Python deps, Kafka, Chromium), run them
+#
+# Installs are cached: uv's cache for wheels, .kafka/lib for the broker's jars, a stamp file for
+# the virtual environment (re-made only when pyproject.toml changes).
+
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: demo test install kafka browser clean
+
+demo: install
+	$(BIN)/resihp demo
+
+test: install kafka browser
+	$(BIN)/python -m pytest
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m uv --version >/dev/null 2>&1 || $(PYTHON) -m pip install --quiet uv
+	test -x $(BIN)/python || $(PYTHON) -m uv venv $(VENV) --python $(PYTHON)
+	$(PYTHON) -m uv pip install --python $(BIN)/python --quiet -e '.[dev]'
+	touch $(STAMP)
+
+kafka: install
+	$(BIN)/python -m infra.broker fetch
+
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing Debian's chromium for the real-browser console test"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || \
+	  { echo "could not install chromium (needs root and Debian's package index)"; exit 1; }; }
+
+clean:
+	rm -rf $(VENV) .resihp .kafka/broker

@@ -1,0 +1,158 @@
+"""Bus throughput and latency: trainer telemetry through each backend into a consumer.
+
+The load is what the trainer sends: one ``telemetry.iteration`` message per rank per iteration,
+each holding a forward and a backward chunk for every micro-batch with its packed sequence lengths.
+A producer (this process) publishes a batch per iteration — all ranks' messages — and a consumer
+(a second process, as in production) decodes and validates every record through ``EventStream``.
+
+Two phases per backend:
+- throughput: publish everything as fast as possible; chunk records per second from the first
+  publish to the last record decoded by the consumer;
+- latency: publish at half the measured throughput; publish-to-consume latency per message
+  (``time_s`` stamped at publish, read at decode — one machine, one clock), p50 and p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import random
+import time
+import uuid
+
+from collector import topics
+from collector.events import Chunk, Coords, EventFactory, RankIteration
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", choices=["embedded", "kafka", "both"], default="both")
+    parser.add_argument("--ranks", type=int, default=64, help="ranks publishing (one message each per iteration)")
+    parser.add_argument("--microbatches", type=int, default=16, help="micro-batches per iteration (2 chunks each)")
+    parser.add_argument("--iterations", type=int, default=200, help="iterations in the throughput phase")
+    parser.add_argument("--latency-seconds", type=float, default=5.0, help="length of the paced latency phase")
+    parser.add_argument("--bootstrap", default=None, help="Kafka bootstrap (default: start the local broker)")
+    parser.add_argument("--path", default=None, help="embedded log file (default: a fresh temporary file)")
+
+
+def make_payloads(ranks: int, microbatches: int, seed: int = 0) -> list[RankIteration]:
+    """One iteration's telemetry for every rank, with realistic packed sequence lengths."""
+    rng = random.Random(seed)
+    out = []
+    for r in range(ranks):
+        chunks, t = [], 0.0
+        for m in range(microbatches):
+            lens, budget = [], 8192
+            while budget > 64:
+                n = min(budget, int(rng.paretovariate(1.2) * 256))
+                lens.append(n)
+                budget -= n
+            for kind, dur in (("F", 0.011), ("B", 0.023)):
+                chunks.append(Chunk(kind=kind, microbatch=m, tokens=sum(lens), seq_lens=lens, start_s=t, duration_s=dur))
+                t += dur
+        out.append(RankIteration(epoch=0, iteration=0, rank=r, node=r // 8,
+                                 coords=Coords(tp=r % 2, pp=(r // 2) % 4, dp=r // 8), wall_s=t, chunks=chunks))
+    return out
+
+
+def _open(spec: dict):
+    from collector.bus import open_bus
+
+    if spec["backend"] == "kafka":
+        from collector.kafka_bus import KafkaBus
+
+        return KafkaBus(spec["bootstrap"], namespace=spec["namespace"])
+    return open_bus("embedded", path=spec["path"])
+
+
+def _consume(spec: dict, expect: int, ready, results) -> None:
+    """Consumer process: decode ``expect`` messages, report when it finished and the latencies."""
+    from collector.stream import EventStream
+
+    bus = _open(spec)
+    stream = EventStream(bus, f"bench-{uuid.uuid4().hex[:8]}", [topics.TELEMETRY])
+    stream.poll(1, 0.5)  # join the group before the producer starts
+    stream.seek_to_beginning()
+    ready.set()
+    seen, latencies_ms = 0, []
+    while seen < expect:
+        batch = stream.poll(20_000, 1.0)
+        now = time.time()
+        for d in batch:
+            latencies_ms.append((now - d.event.time_s) * 1000.0)
+        seen += len(batch)
+    results.put((time.time(), latencies_ms))
+    stream.close()
+    bus.close()
+
+
+def _phase(spec: dict, payloads: list[RankIteration], iterations: int, rate_msgs_per_s: float | None) -> dict:
+    ctx = mp.get_context("spawn")
+    ready, results = ctx.Event(), ctx.Queue()
+    expect = iterations * len(payloads)
+    consumer = ctx.Process(target=_consume, args=(spec, expect, ready, results), daemon=True)
+    consumer.start()
+    if not ready.wait(120):
+        raise RuntimeError("the benchmark consumer did not start")
+    bus = _open(spec)
+    factories = [EventFactory("bench", f"rank-{p.rank}") for p in payloads]
+    start = time.time()
+    for it in range(iterations):
+        bus.publish([f.make(p) for f, p in zip(factories, payloads)])
+        if rate_msgs_per_s:
+            due = start + (it + 1) * len(payloads) / rate_msgs_per_s
+            time.sleep(max(0.0, due - time.time()))
+    finished, latencies_ms = results.get(timeout=600)
+    consumer.join(30)
+    bus.close()
+    chunks = expect * len(payloads[0].chunks)
+    latencies_ms.sort()
+    return {
+        "records_per_s": chunks / (finished - start),
+        "messages_per_s": expect / (finished - start),
+        "p50_ms": latencies_ms[len(latencies_ms) // 2],
+        "p99_ms": latencies_ms[min(len(latencies_ms) - 1, int(len(latencies_ms) * 0.99))],
+    }
+
+
+def measure(backend: str, args: argparse.Namespace) -> dict:
+    import tempfile
+
+    spec = {"backend": backend, "path": None, "bootstrap": None, "namespace": f"bench{uuid.uuid4().hex[:8]}."}
+    if backend == "embedded":
+        spec["path"] = args.path or tempfile.mkdtemp(prefix="resihp-bench-") + "/bus.sqlite"
+    else:
+        if args.bootstrap:
+            spec["bootstrap"] = args.bootstrap
+        else:
+            from infra import broker
+
+            spec["bootstrap"] = broker.up()
+    payloads = make_payloads(args.ranks, args.microbatches)
+    throughput = _phase(spec, payloads, args.iterations, None)
+    paced_iterations = max(1, int(args.latency_seconds * throughput["messages_per_s"] / 2 / args.ranks))
+    spec["namespace"] += "lat."
+    if backend == "embedded":
+        spec["path"] = spec["path"].replace("bus.sqlite", "latency.sqlite")
+    latency = _phase(spec, payloads, paced_iterations, throughput["messages_per_s"] / 2)
+    return {
+        "backend": backend,
+        "records_per_s": round(throughput["records_per_s"]),
+        "messages_per_s": round(throughput["messages_per_s"]),
+        "p50_ms": round(latency["p50_ms"], 2),
+        "p99_ms": round(latency["p99_ms"], 2),
+        "chunks_per_message": 2 * args.microbatches,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    backends = ["embedded", "kafka"] if args.backend == "both" else [args.backend]
+    rows = [measure(b, args) for b in backends]
+    print(f"{'backend':<10} {'chunk records/s':>16} {'messages/s':>11} {'p50 ms':>8} {'p99 ms':>8}")
+    for r in rows:
+        print(f"{r['backend']:<10} {r['records_per_s']:>16,} {r['messages_per_s']:>11,} {r['p50_ms']:>8} {r['p99_ms']:>8}")
+    print(f"({args.ranks} ranks × {args.microbatches} micro-batches × F/B = {2 * args.microbatches} chunks per message; "
+          f"latency measured at half the throughput)")
+    if args.json:
+        print(json.dumps(rows[0] if len(rows) == 1 else {"runs": rows}))
+    return 0
