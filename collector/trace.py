@@ -1,0 +1,203 @@
+"""Traces: a recorded slice of the event log, as Parquet that any tool can read.
+
+One Parquet file (or a directory of them, read in name order) with one row per event: the
+envelope's columns — ``id, kind, schema_version, job, source, seq, time_s`` — plus where the bus
+puts it (``topic``, ``key``) and ``value``, the exact JSON bytes the bus carries (a UTF-8 string
+column, so DuckDB's ``json`` functions and pandas read it directly). Rows are in publication order.
+The simulator records its full log plus ground truth (``truth.fault`` on ``resihp.truth``); the
+torch trainer records the same format. Schema-level metadata ``resihp.trace`` names the version.
+
+What can go wrong: a file without the ``resihp.trace`` metadata or with a newer version is refused
+with the versions this build reads; a row whose ``value`` no longer decodes is kept as raw bytes by
+``TraceReader.records`` and only fails in ``TraceReader.events`` (replay sends raw bytes, so bad
+rows reach the consumers' dead-letter path just as they did live).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from collector.bus import Bus, RawMessage
+from collector.codec import decode, encode
+from collector.events import Envelope
+from collector.topics import key_for, topic_for
+
+TRACE_FORMAT = "resihp-trace/1"
+READABLE_FORMATS = ("resihp-trace/1",)
+
+SCHEMA = pa.schema(
+    [
+        ("id", pa.string()), ("kind", pa.string()), ("schema_version", pa.int32()), ("job", pa.string()),
+        ("source", pa.string()), ("seq", pa.int64()), ("time_s", pa.float64()), ("topic", pa.string()),
+        ("key", pa.string()), ("value", pa.string()),
+    ],
+    metadata={b"resihp.trace": TRACE_FORMAT.encode()},
+)
+
+
+class TraceRecord(NamedTuple):
+    id: str
+    kind: str
+    schema_version: int
+    job: str
+    source: str
+    seq: int
+    time_s: float
+    topic: str
+    key: str
+    value: bytes  # the encoded event, as on the bus
+
+
+class TraceWriter:
+    """Appends events to a Parquet trace, a row group every ``rows_per_group`` events.
+
+    Use as a context manager (or call ``close``): Parquet writes its footer on close, and a file
+    whose writer never closed cannot be read.
+    """
+
+    def __init__(self, path: str | Path, *, rows_per_group: int = 50_000) -> None:
+        self.path = Path(path)
+        if self.path.suffix != ".parquet" and not self.path.exists():
+            self.path.mkdir(parents=True, exist_ok=True)
+        if self.path.is_dir():
+            self.path = self.path / "part-00000.parquet"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._writer = pq.ParquetWriter(self.path, SCHEMA, compression="zstd")
+        self._rows_per_group = rows_per_group
+        self._buf: dict[str, list] = {name: [] for name in SCHEMA.names}
+        self.count = 0
+
+    def write(self, events: Iterable[Envelope]) -> None:
+        for e in events:
+            self.write_encoded(e, encode(e))
+
+    def write_encoded(self, event: Envelope, value: bytes) -> None:
+        """Record an event whose bus bytes are already at hand (a recorder that also publishes)."""
+        b = self._buf
+        b["id"].append(event.id)
+        b["kind"].append(event.kind)
+        b["schema_version"].append(event.schema_version)
+        b["job"].append(event.job)
+        b["source"].append(event.source)
+        b["seq"].append(event.seq)
+        b["time_s"].append(event.time_s)
+        b["topic"].append(topic_for(event.kind))
+        b["key"].append(key_for(event.job, event.source).decode())
+        b["value"].append(bytes(value).decode("utf-8"))
+        self.count += 1
+        if len(b["id"]) >= self._rows_per_group:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._buf["id"]:
+            self._writer.write_table(pa.Table.from_pydict(self._buf, schema=SCHEMA))
+            self._buf = {name: [] for name in SCHEMA.names}
+
+    def close(self) -> None:
+        self.flush()
+        self._writer.close()
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _files(path: str | Path) -> list[Path]:
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.glob("*.parquet"))
+        if not files:
+            raise FileNotFoundError(f"trace directory {p} holds no .parquet files")
+        return files
+    if not p.exists():
+        raise FileNotFoundError(f"no trace at {p}; record one with `resihp simulate SCENARIO --out {p}`")
+    return [p]
+
+
+class TraceReader:
+    """Reads a trace file or directory, checking its format version."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.files = _files(path)
+        for f in self.files:
+            meta = pq.read_schema(f).metadata or {}
+            fmt = meta.get(b"resihp.trace", b"").decode()
+            if fmt not in READABLE_FORMATS:
+                raise ValueError(
+                    f"{f} is not a ResiHP trace this build reads (format {fmt or 'missing'!r}; reads "
+                    f"{', '.join(READABLE_FORMATS)}); re-record it or upgrade"
+                )
+
+    def table(self, columns: list[str] | None = None) -> pa.Table:
+        return pa.concat_tables(pq.read_table(f, columns=columns) for f in self.files)
+
+    def records(self) -> Iterator[TraceRecord]:
+        for f in self.files:
+            pf = pq.ParquetFile(f)
+            for batch in pf.iter_batches(batch_size=10_000):
+                cols = batch.to_pydict()
+                for i in range(batch.num_rows):
+                    yield TraceRecord(*(cols[name][i] for name in SCHEMA.names[:-1]), cols["value"][i].encode())
+
+    def events(self) -> Iterator[Envelope]:
+        for r in self.records():
+            yield decode(r.value)
+
+    def __len__(self) -> int:
+        return sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
+
+
+def read_trace(path: str | Path) -> list[Envelope]:
+    """Every event of a trace, decoded (small traces; iterate ``TraceReader.events`` for big ones)."""
+    return list(TraceReader(path).events())
+
+
+def replay(
+    path: str | Path,
+    bus: Bus,
+    *,
+    speed: float = 1.0,
+    batch: int = 5_000,
+    sleep=time.sleep,  # noqa: ANN001 - injectable for tests
+    clock=time.monotonic,  # noqa: ANN001
+) -> int:
+    """Publish a trace onto ``bus`` in order: at its original pace (speed 1), ``speed`` times faster,
+    or as fast as possible (speed 0 or inf). Returns the number of records published.
+
+    Pacing follows each record's ``time_s`` relative to the first record's; records already due
+    are sent together in one batch. Raw bytes are sent, so replay is byte-identical to the log.
+    """
+    fast = speed <= 0 or speed == float("inf")
+    pending: list[RawMessage] = []
+    sent = 0
+    t0: float | None = None
+    wall0 = clock()
+    for r in TraceReader(path).records():
+        if t0 is None:
+            t0 = r.time_s
+        if not fast:
+            due = wall0 + max(0.0, r.time_s - t0) / speed
+            wait = due - clock()
+            if wait > 0:
+                if pending:
+                    bus.publish_raw(pending)
+                    sent += len(pending)
+                    pending = []
+                sleep(wait)
+        pending.append(RawMessage(r.topic, r.key.encode(), r.value))
+        if len(pending) >= batch:
+            bus.publish_raw(pending)
+            sent += len(pending)
+            pending = []
+    if pending:
+        bus.publish_raw(pending)
+        sent += len(pending)
+    return sent

@@ -1,0 +1,100 @@
+"""The simulator in closed loop on the embedded bus: commands are fenced by epoch and acked,
+probes are answered, and the engine can also be driven in-process without a bus."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from collector import topics
+from collector.embedded import EmbeddedBus
+from collector.events import AckStatus, EventFactory, ProbeRequest, ReconfigureCommand
+from collector.plan import Plan
+from collector.stream import EventStream
+from trainer.sim.engine import SimConfig, SimEngine
+from trainer.sim.faults import FaultSpec
+from trainer.sim.presets import MODEL_PRESETS, ClusterSpec
+from trainer.sim.runner import SimulatorRunner
+
+MODEL = MODEL_PRESETS["tiny"]
+
+
+def _engine(faults: list[FaultSpec] | None = None) -> SimEngine:
+    plan = Plan.uniform(tp=2, pp=2, dp=2, num_layers=MODEL.layers, microbatches_per_replica=4)
+    cfg = SimConfig(model=MODEL, cluster=ClusterSpec(gpus=16), plan=plan, job="loop", reshape_pause_s=7.0)
+    return SimEngine(cfg, faults)
+
+
+def _command(plan: Plan, command_id: str) -> ReconfigureCommand:
+    return ReconfigureCommand(command_id=command_id, plan_id=f"plan-{command_id}", plan=plan)
+
+
+def _control(bus: EmbeddedBus, group: str) -> list:
+    with EventStream(bus, group, [topics.CONTROL]) as s:
+        return [d.event for d in s.poll(timeout_s=0.5)]
+
+
+def test_reconfigure_is_applied_acked_and_stale_or_duplicate_ones_ignored(tmp_path: Path) -> None:
+    bus = EmbeddedBus(tmp_path / "bus.sqlite")
+    engine = _engine()
+    runner = SimulatorRunner(bus, engine)
+    ui = EventFactory("loop", "remediation")
+    try:
+        runner.run(iterations=3)
+        new_plan = Plan.uniform(tp=2, pp=2, dp=2, num_layers=MODEL.layers, microbatches_per_replica=4,
+                                epoch=1, first_device=8)  # move the job to the other node
+        t_before = engine.now_s
+        bus.publish([ui.make(_command(new_plan, "c1"))])
+        runner.run(iterations=2)
+        assert engine.plan.epoch == 1 and engine.plan.devices == list(range(8, 16))
+        assert engine.now_s >= t_before + 7.0  # the reshape pause passed in simulated time
+        bus.publish([ui.make(_command(new_plan, "c1")),  # the same command again
+                     ui.make(_command(new_plan.model_copy(update={"epoch": 0}), "c0"))])  # an old epoch
+        runner.run(iterations=1)
+        acks = [e.payload for e in _control(bus, "check") if e.kind == "command.ack"]
+        assert [(a.command_id, a.status, a.running_epoch) for a in acks] == [
+            ("c1", AckStatus.APPLIED, 1), ("c1", AckStatus.IGNORED_DUPLICATE, 1), ("c0", AckStatus.IGNORED_STALE, 1)]
+        assert acks[0].pause_s == 7.0 and "stale" not in acks[0].detail
+        assert "not newer" in acks[2].detail
+        with EventStream(bus, "telemetry-check", [topics.TELEMETRY]) as s:
+            late = [d.event.payload for d in s.poll(max_records=100_000, timeout_s=0.5)
+                    if d.event.kind == "telemetry.iteration"]
+        assert {p.rank for p in late if p.epoch == 1} == set(range(8, 16))
+    finally:
+        runner.close()
+        bus.close()
+
+
+def test_probe_answers_per_live_rank_with_the_slowdown(tmp_path: Path) -> None:
+    bus = EmbeddedBus(tmp_path / "bus.sqlite")
+    engine = _engine([FaultSpec(kind="slow_compute", device=5, factor=3.0, at_iteration=0),
+                      FaultSpec(kind="stop_device", device=6, at_iteration=0)])
+    runner = SimulatorRunner(bus, engine)
+    try:
+        bus.publish([EventFactory("loop", "analytics").make(ProbeRequest(probe_id="p1", ranks=[4, 5, 6]))])
+        runner.step()
+        results = {e.payload.rank: e.payload for e in _control(bus, "check") if e.kind == "probe.result"}
+        assert set(results) == {4, 5}  # the dead rank does not answer
+        ratio = results[5].duration_s / results[5].reference_s
+        assert ratio == pytest.approx(3.0, rel=0.1)
+        assert results[4].duration_s / results[4].reference_s == pytest.approx(1.0, rel=0.1)
+    finally:
+        runner.close()
+        bus.close()
+
+
+def test_engine_is_steppable_in_process_and_fences_without_a_bus() -> None:
+    engine = _engine([FaultSpec(kind="stop_device", device=1, at_iteration=2)])
+    engine.run(2)
+    engine.step()
+    assert engine.iteration == 2  # hung on the dead device
+    bad = Plan.uniform(tp=2, pp=2, dp=2, num_layers=MODEL.layers, microbatches_per_replica=4, epoch=1)
+    ack = engine.reconfigure(_command(bad, "uses-dead"))[0].payload
+    assert ack.status == AckStatus.FAILED and "dead" in ack.detail and engine.plan.epoch == 0
+    good = Plan.uniform(tp=2, pp=2, dp=2, num_layers=MODEL.layers, microbatches_per_replica=4, epoch=1, first_device=8)
+    assert engine.reconfigure(_command(good, "ok"))[0].payload.status == AckStatus.APPLIED
+    skip = good.model_copy(update={"epoch": 3})
+    assert engine.reconfigure(_command(skip, "skip"))[0].payload.status == AckStatus.FAILED
+    engine.run(2)
+    assert engine.iteration == 4

@@ -1,0 +1,441 @@
+"""The simulator engine: steppable, one iteration at a time, computed in vectorised blocks.
+
+``SimEngine.step()`` returns the events of one iteration (or, while the job hangs on a dead rank,
+of one heartbeat interval). Internally it computes blocks of iterations at once — every replica
+and every iteration of the block is one row of :func:`analytics.schedule.pipeline_timing` — and cuts
+a block where a fault starts or ends, so the numbers do not depend on the block size: each
+iteration draws its workload and noise from generators seeded by (seed, iteration, group).
+
+What it adds to the platform's own model (so detectors are not graded on themselves): log-normal
+noise per chunk, jitter per (replica, stage, iteration), rare stalls (GC pauses: an exponential
+extra delay on one chunk), TP and pipeline communication from message sizes, the LM head on the
+last stage, and a DP all-reduce after the slowest replica.
+
+What can go wrong: a plan naming a device beyond the cluster, or with a layer count other than the
+model's, is refused (``reconfigure`` acks ``failed``); a plan that keeps a dead device hangs.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from analytics.schedule import OpTable, PipelineTiming, op_table, pipeline_timing
+from collector.events import (
+    AckStatus, CommandAck, Envelope, FaultInjected, Heartbeat, IterationSummary, ProbeRequest, ProbeResult,
+    ReconfigureCommand,
+)
+from collector.plan import PipelinePlan, Plan
+from trainer.sim.cost import StageCoefficients, dp_allreduce_s, stage_coefficients
+from trainer.sim.faults import ActiveFault, FaultEffects, FaultSpec, truth_event_payload
+from trainer.sim.presets import ClusterSpec, ModelSpec
+from trainer.sim.telemetry import DeterministicEvents, replica_rank_iterations, stage_ops
+from trainer.sim.workload import Packed, WorkloadSpec, draw_microbatches
+
+SIM_EPOCH_TIME_S = 1_700_000_000.0  # 2023-11-14T22:13:20Z: simulated time starts here
+
+
+class NoiseSpec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    chunk_sigma: float = Field(default=0.03, ge=0, description="log-normal σ per chunk")
+    rank_sigma: float = Field(default=0.02, ge=0, description="log-normal σ per (replica, stage, iteration)")
+    stall_probability: float = Field(default=0.001, ge=0, le=1, description="per (replica, stage, iteration)")
+    stall_mean_s: float = Field(default=0.25, ge=0, description="mean of an exponential stall (GC pause)")
+
+
+NOISE_OFF = NoiseSpec(chunk_sigma=0.0, rank_sigma=0.0, stall_probability=0.0, stall_mean_s=0.0)
+
+
+class SimConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    workload: WorkloadSpec = WorkloadSpec()
+    noise: NoiseSpec = NoiseSpec()
+    plan: Plan
+    job: str = "sim"
+    seed: int = 0
+    heartbeat_interval_s: float = Field(default=10.0, gt=0)
+    start_time_s: float = SIM_EPOCH_TIME_S
+    reshape_pause_s: float = Field(default=20.0, ge=0, description="simulated pause to apply a new plan")
+    restart_after_s: float | None = Field(
+        default=None, ge=0, description="open loop: after hanging this long on a dead device, restart without "
+        "its replicas (an elastic launcher); None: hang until a reconfigure command")
+    telemetry: Literal["all", "none"] | list[int] = Field(
+        default="all", description="ranks that emit RankIteration/Heartbeat: all, none (truth-only), or a list")
+    probe_reference_s: float = Field(default=0.05, gt=0, description="a healthy device's probe time")
+    block_iterations: int = Field(default=0, ge=0, description="iterations per vectorised block; 0: automatic")
+
+
+@dataclass
+class _Group:
+    """Replicas of one shape, simulated together."""
+
+    index: int
+    replicas: list[int]
+    table: OpTable
+    coeffs: StageCoefficients
+    ops_by_stage: list[np.ndarray]
+
+
+@dataclass
+class _Block:
+    first: int
+    starts_s: np.ndarray  # (n,) since job start
+    durations_s: np.ndarray  # (n,)
+    tokens: np.ndarray  # (n,) whole job
+    parts: list[tuple[_Group, PipelineTiming, Packed]] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return int(self.durations_s.shape[0])
+
+
+class SimEngine:
+    """A simulated job. Not thread-safe; one driver calls step / reconfigure / probe."""
+
+    def __init__(self, config: SimConfig, faults: list[FaultSpec] | None = None) -> None:
+        self.config = config
+        c = config
+        if c.plan.num_layers != c.model.layers:
+            raise ValueError(f"plan has {c.plan.num_layers} layers but model {c.model.name} has {c.model.layers}")
+        self._check_devices(c.plan)
+        self.plan = c.plan
+        self.iteration = 0
+        self.now_s = 0.0  # simulated seconds since the job started
+        self.finished = False
+        self.events = DeterministicEvents(c.job)
+        self._pending = [(f.id or f"fault-{i}", f) for i, f in enumerate(faults or [])]
+        self.active: list[ActiveFault] = []
+        self.history: list[ActiveFault] = []
+        self._effects = FaultEffects.of([], c.cluster)
+        self._block: _Block | None = None
+        self._next_heartbeat_s = 0.0
+        self._hang_started_s: float | None = None
+        self._seen_commands: set[str] = set()
+        self._ranks: set[int] | None = None if c.telemetry == "all" else set() if c.telemetry == "none" else set(c.telemetry)
+        self._setup_plan()
+
+    # ---- plan --------------------------------------------------------------------------------
+
+    def _check_devices(self, plan: Plan) -> None:
+        bad = [d for d in plan.devices if d >= self.config.cluster.gpus]
+        if bad:
+            raise ValueError(f"plan uses devices {bad[:5]} beyond the cluster's {self.config.cluster.gpus} GPUs")
+
+    def _setup_plan(self) -> None:
+        shapes: dict[tuple[int, int], list[int]] = {}
+        for pipe in self.plan.pipelines:
+            shapes.setdefault((len(pipe.stages), pipe.microbatches), []).append(pipe.replica)
+        self._groups = []
+        for gi, ((S, M), reps) in enumerate(sorted(shapes.items())):
+            table = op_table(self.plan.schedule, S, M, self.plan.virtual_stages)
+            coeffs = stage_coefficients(self.config.model, self.config.cluster, self.plan, reps)
+            self._groups.append(_Group(gi, reps, table, coeffs, stage_ops(table)))
+        self._dp_allreduce_s = dp_allreduce_s(self.config.model, self.config.cluster, self.plan)
+        self._dp_bytes = [st.num_layers * self.config.model.params_per_layer // st.tp * self.config.model.bytes_per_value
+                          for st in self.plan.pipelines[0].stages]
+        self._block = None
+
+    # ---- faults ------------------------------------------------------------------------------
+
+    def _triggered(self, spec: FaultSpec, iteration: int, t_s: float) -> bool:
+        return (spec.at_iteration is not None and iteration >= spec.at_iteration) or (
+            spec.at_s is not None and t_s >= spec.at_s)
+
+    def _ended(self, f: ActiveFault, iteration: int, t_s: float) -> bool:
+        s = f.spec
+        return (s.duration_iterations is not None and iteration >= f.start_iteration + s.duration_iterations) or (
+            s.duration_s is not None and t_s >= f.start_s + s.duration_s)
+
+    def _update_faults(self) -> list[Envelope]:
+        out = []
+        k, t = self.iteration, self.now_s
+        for f in [f for f in self.active if self._ended(f, k, t)]:
+            f.end_iteration = k
+            self.active.remove(f)
+            out.append(self._truth(f))
+        for fid, spec in [p for p in self._pending if self._triggered(p[1], k, t)]:
+            self._pending.remove((fid, spec))
+            f = ActiveFault(spec, fid, k, t)
+            if spec.duration_iterations is not None:
+                f.end_iteration = k + spec.duration_iterations
+            self.active.append(f)
+            self.history.append(f)
+            out.append(self._truth(f))
+        if out:
+            self._effects = FaultEffects.of(self.active, self.config.cluster)
+            self._block = None
+        return out
+
+    def _truth(self, f: ActiveFault) -> Envelope:
+        payload: FaultInjected = truth_event_payload(f, self.config.cluster, self.plan)
+        return self.events.make("simulator", payload, self._abs(self.now_s))
+
+    def _changes_at(self, iteration: int, t_s: float) -> bool:
+        return any(self._triggered(s, iteration, t_s) for _, s in self._pending) or any(
+            self._ended(f, iteration, t_s) for f in self.active)
+
+    @property
+    def hanging_for_s(self) -> float:
+        """How long the job has been stuck on a dead rank (0 when it runs)."""
+        return 0.0 if self._hang_started_s is None else self.now_s - self._hang_started_s
+
+    @property
+    def dead(self) -> set[int]:
+        return self._effects.dead
+
+    def _abs(self, t_s: float) -> float:
+        return self.config.start_time_s + t_s
+
+    # ---- the timing core ---------------------------------------------------------------------
+
+    def _block_size(self) -> int:
+        if self.config.block_iterations:
+            return self.config.block_iterations
+        cells = sum(len(g.replicas) * g.table.n_ops for g in self._groups)
+        return int(max(1, min(256, 4_000_000 // max(cells, 1))))
+
+    def _compute_block(self) -> _Block:
+        c, k0 = self.config, self.iteration
+        n = self._block_size()
+        eff = self._effects
+        parts = []
+        ends = np.zeros(n)
+        tokens = np.zeros(n)
+        for g in self._groups:
+            R, S, M = len(g.replicas), g.table.stages, g.table.microbatches
+            pipes = [self.plan.pipelines[r] for r in g.replicas]
+            comp_f = np.array([[eff.compute_factor(st.devices) for st in p.stages] for p in pipes])
+            tp_f = np.array([[eff.comm_factor(c.cluster, st.devices, st.devices) for st in p.stages] for p in pipes])
+            p2p_f = np.array([[eff.comm_factor(c.cluster, st.devices, p.stages[(s + 1) % S].devices)
+                               for s, st in enumerate(p.stages)] for p in pipes])
+            wl_rngs = [np.random.default_rng([c.seed, k0 + j, g.index, 0]) for j in range(n)]
+            packed = draw_microbatches(wl_rngs, c.workload, R, M)
+            f_s, b_s, w_s, p2p_s = self._durations(g, n, packed, comp_f, tp_f, p2p_f, k0)
+            timing = pipeline_timing(g.table, f_s, b_s, w_s, p2p_s)
+            ends = np.maximum(ends, timing.makespan_s.reshape(n, R).max(axis=1))
+            tokens += packed.tokens.reshape(n, R * M).sum(axis=1)
+            parts.append((g, timing, packed))
+        dp_f = 1.0
+        if self.plan.dp > 1 and (eff.links or eff.nics):
+            dp_f = max(eff.comm_factor(c.cluster, tuple(self.plan.devices), tuple(self.plan.devices)), 1.0)
+        durations = ends + self._dp_allreduce_s * dp_f
+        starts = self.now_s + np.concatenate([[0.0], np.cumsum(durations)[:-1]])
+        cut = next((j for j in range(1, n) if self._changes_at(k0 + j, starts[j])), n)
+        if cut < n:  # a fault starts or ends inside: keep what ran under today's faults
+            durations, starts, tokens = durations[:cut], starts[:cut], tokens[:cut]
+        return _Block(k0, starts, durations, tokens, parts)
+
+    def _durations(self, g: _Group, n: int, packed: Packed, comp_f: np.ndarray, tp_f: np.ndarray,
+                   p2p_f: np.ndarray, k0: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
+        """Chunk and transfer durations, (n·R, S, M) each, rows iteration-major."""
+        nz = self.config.noise
+        co = g.coeffs
+        R, S, M = len(g.replicas), g.table.stages, g.table.microbatches
+        zb = g.table.schedule == "zero_bubble"
+        rows = n * R
+        tile = lambda a: np.tile(a, (n, 1))[:, :, None]  # (R, S) -> (rows, S, 1)  # noqa: E731
+        tok = packed.tokens[:, None, :].astype(np.float64)  # (rows, 1, M)
+        sq = packed.sum_sq[:, None, :]
+        lin = tile(co.linear_s_per_token) * tok
+        att = tile(co.attn_s_per_sq_token) * sq
+        over = tile(co.overhead_s)
+        comm = (tile(co.tp_comm_s_per_token) * tok + tile(co.tp_comm_latency_s)) * tile(tp_f)
+        kinds = 3 if zb else 2
+        noise = np.ones((rows, kinds, S, M))
+        jitter = np.ones((rows, S, 1))
+        stall = np.zeros((rows, S, M))
+        if nz.chunk_sigma or nz.rank_sigma or nz.stall_probability:
+            for j in range(n):
+                rng = np.random.default_rng([self.config.seed, k0 + j, g.index, 1])
+                sl = slice(j * R, (j + 1) * R)
+                noise[sl] = np.exp(nz.chunk_sigma * rng.standard_normal((R, kinds, S, M)))
+                jitter[sl, :, 0] = np.exp(nz.rank_sigma * rng.standard_normal((R, S)))
+                hit = rng.random((R, S)) < nz.stall_probability
+                if hit.any():
+                    r_i, s_i = np.nonzero(hit)
+                    stall[sl][r_i, s_i, rng.integers(0, M, r_i.size)] = rng.exponential(nz.stall_mean_s, r_i.size)
+        cf = tile(comp_f) * jitter
+        if zb:
+            f_s = (lin + att) * cf * noise[:, 0] + over + comm + stall
+            b_s = (lin + 2 * att) * cf * noise[:, 1] + over / 2 + comm
+            w_s = lin * cf * noise[:, 2] + over / 2
+        else:
+            f_s = (lin + att) * cf * noise[:, 0] + over + comm + stall
+            b_s = 2 * (lin + att) * cf * noise[:, 1] + over + comm
+            w_s = None
+        p2p_s = (tile(co.p2p_s_per_token) * tok + tile(co.p2p_latency_s)) * tile(p2p_f)
+        return f_s, b_s, w_s, p2p_s
+
+    # ---- stepping ----------------------------------------------------------------------------
+
+    def step(self) -> list[Envelope]:
+        """Advance one iteration (or one heartbeat interval while hung); return its events."""
+        if self.finished:
+            return []
+        events = self._update_faults()
+        if self.dead & set(self.plan.devices):
+            return events + self._hang()
+        self._hang_started_s = None
+        if self._block is None or not (self._block.first <= self.iteration < self._block.first + self._block.n):
+            self._block = self._compute_block()
+        events += self._iteration_events(self._block, self.iteration - self._block.first)
+        self.now_s += float(self._block.durations_s[self.iteration - self._block.first])
+        self.iteration += 1
+        events += self._heartbeats()
+        return events
+
+    def run(self, iterations: int) -> list[Envelope]:
+        """Step until ``iterations`` more iterations completed (hung intervals do not count)."""
+        target = self.iteration + iterations
+        out: list[Envelope] = []
+        while self.iteration < target and not self.finished:
+            out += self.step()
+        return out
+
+    def iteration_durations(self, iterations: int) -> np.ndarray:
+        """Truth only: the durations of the next ``iterations`` iterations, no events built
+        (the fast path for benchmarks). Faults still start and end; a hang stops early."""
+        out = []
+        while len(out) < iterations and not self.finished:
+            self._update_faults()
+            if self.dead & set(self.plan.devices):
+                self._hang()
+                continue
+            if self._block is None or not (self._block.first <= self.iteration < self._block.first + self._block.n):
+                self._block = self._compute_block()
+            j = self.iteration - self._block.first
+            take = min(self._block.n - j, iterations - len(out))
+            # Never run past a scripted fault change: _compute_block cut the block there.
+            d = self._block.durations_s[j:j + take]
+            out.extend(d.tolist())
+            self.now_s += float(d.sum())
+            self.iteration += take
+        return np.asarray(out)
+
+    def _iteration_events(self, block: _Block, j: int) -> list[Envelope]:
+        k = self.iteration
+        dur = float(block.durations_s[j])
+        t_end = self._abs(self.now_s + dur)
+        out: list[Envelope] = []
+        if self._ranks is None or self._ranks:
+            for g, timing, packed in block.parts:
+                R = len(g.replicas)
+                for i, replica in enumerate(g.replicas):
+                    row = j * R + i
+                    seq = [packed.seq_lens(row, m) for m in range(g.table.microbatches)]
+                    for p in replica_rank_iterations(
+                        plan=self.plan, cluster=self.config.cluster, replica=replica, iteration=k, table=g.table,
+                        ops_by_stage=g.ops_by_stage, start_s=timing.start_s[row], end_s=timing.end_s[row],
+                        tokens=packed.tokens[row], seq_lens=seq, iteration_s=dur, dp_bytes=self._dp_bytes,
+                        ranks=self._ranks,
+                    ):
+                        out.append(self.events.make(f"rank-{p.rank}", p, t_end))
+        loss = 2.0 + 6.0 / math.sqrt(1.0 + k / 100.0)
+        summary = IterationSummary(epoch=self.plan.epoch, iteration=k, loss=loss, tokens=int(block.tokens[j]), wall_s=dur)
+        out.append(self.events.make("launcher", summary, t_end))
+        return out
+
+    def _heartbeats(self) -> list[Envelope]:
+        out: list[Envelope] = []
+        interval = self.config.heartbeat_interval_s
+        while self._next_heartbeat_s <= self.now_s:
+            t = self._next_heartbeat_s
+            if self._ranks is None or self._ranks:
+                alive = [d for d in range(self.config.cluster.gpus) if d not in self.dead
+                         and (self._ranks is None or d in self._ranks)]
+                for d in alive:
+                    hb = Heartbeat(rank=d, epoch=self.plan.epoch, iteration=self.iteration, interval_s=interval)
+                    out.append(self.events.make(f"rank-{d}", hb, self._abs(t)))
+            self._next_heartbeat_s += interval
+        return out
+
+    def _hang(self) -> list[Envelope]:
+        """The job waits on a dead rank: time passes to the next heartbeat, nothing completes."""
+        if self._hang_started_s is None:
+            self._hang_started_s = self.now_s
+        self.now_s = max(self.now_s, self._next_heartbeat_s)
+        events = self._heartbeats()
+        limit = self.config.restart_after_s
+        if limit is not None and self.now_s - self._hang_started_s >= limit:
+            self._restart_without_dead()
+        return events
+
+    def _restart_without_dead(self) -> None:
+        """Open loop only: what an elastic launcher does — drop every replica that lost a device
+        and give its micro-batches to the survivors, at the next epoch."""
+        keep = [p for p in self.plan.pipelines if not (set(d for st in p.stages for d in st.devices) & self.dead)]
+        if not keep:
+            self.finished = True
+            return
+        lost = sum(p.microbatches for p in self.plan.pipelines) - sum(p.microbatches for p in keep)
+        pipes = []
+        for i, p in enumerate(keep):
+            extra = lost // len(keep) + (1 if i < lost % len(keep) else 0)
+            pipes.append(PipelinePlan(replica=i, microbatches=p.microbatches + extra, stages=p.stages))
+        self._switch(self.plan.model_copy(update={"epoch": self.plan.epoch + 1, "pipelines": tuple(pipes)}))
+        self._hang_started_s = None
+
+    def _switch(self, plan: Plan) -> None:
+        self.plan = Plan.model_validate(plan.model_dump())  # re-validate the copy (model_copy does not)
+        self._setup_plan()
+
+    # ---- the closed loop ---------------------------------------------------------------------
+
+    def reconfigure(self, command: ReconfigureCommand) -> list[Envelope]:
+        """Apply ``command`` if it moves epoch e to e+1; ack it either way (the trainer's fence)."""
+        events = self._update_faults()
+        plan, current = command.plan, self.plan.epoch
+        status, detail, pause = AckStatus.APPLIED, "", 0.0
+        if command.command_id in self._seen_commands:
+            status, detail = AckStatus.IGNORED_DUPLICATE, f"command {command.command_id} was already handled"
+        elif plan.epoch <= current:
+            status, detail = AckStatus.IGNORED_STALE, f"plan epoch {plan.epoch} is not newer than running epoch {current}"
+        elif plan.epoch != current + 1:
+            status, detail = AckStatus.FAILED, f"plan epoch {plan.epoch} skips ahead of {current} + 1; resend on top of {current}"
+        elif plan.num_layers != self.config.model.layers:
+            status, detail = AckStatus.FAILED, f"plan has {plan.num_layers} layers; the model has {self.config.model.layers}"
+        elif [d for d in plan.devices if d >= self.config.cluster.gpus]:
+            status, detail = AckStatus.FAILED, "plan names devices beyond the cluster"
+        elif self.dead & set(plan.devices):
+            status, detail = AckStatus.FAILED, f"plan uses dead devices {sorted(self.dead & set(plan.devices))}"
+        self._seen_commands.add(command.command_id)
+        if status is AckStatus.APPLIED:
+            pause = self.config.reshape_pause_s
+            self._switch(plan)
+            self.now_s += pause
+            self._hang_started_s = None
+            detail = f"now {self.plan.shape()}"
+        ack = CommandAck(command_id=command.command_id, plan_id=command.plan_id, epoch=plan.epoch, status=status,
+                         running_epoch=self.plan.epoch, pause_s=pause, detail=detail)
+        events.append(self.events.make("trainer", ack, self._abs(self.now_s)))
+        return events + self._heartbeats()
+
+    def probe(self, request: ProbeRequest) -> list[Envelope]:
+        """Each live rank runs a fixed workload alone; dead ranks do not answer."""
+        out = self._update_faults()
+        c, eff = self.config, self._effects
+        rng = np.random.default_rng([c.seed, self.iteration, zlib.crc32(request.probe_id.encode()), 2])
+        longest = 0.0
+        for d in request.ranks:
+            if d in self.dead or d >= c.cluster.gpus:
+                continue
+            if request.target == "compute":
+                factor = eff.compute.get(d, 1.0)
+            else:
+                factor = max([eff.nics.get(d, 1.0)] + [f for key, f in eff.links.items() if d in key])
+            samples = c.probe_reference_s * factor * np.exp(c.noise.chunk_sigma * rng.standard_normal(request.repeats))
+            duration = float(samples.mean())
+            longest = max(longest, float(samples.sum()))
+            result = ProbeResult(probe_id=request.probe_id, rank=d, duration_s=duration, reference_s=c.probe_reference_s)
+            out.append(self.events.make(f"rank-{d}", result, self._abs(self.now_s + float(samples.sum()))))
+        self.now_s += longest
+        return out

@@ -1,0 +1,147 @@
+"""Injected faults: what breaks, where, from when until when, and the truth events they produce.
+
+Kinds: ``slow_compute`` (a device computes ``factor`` times slower), ``slow_link`` (transfers
+between two devices take ``factor`` times longer), ``slow_nic`` (all of a device's inter-node
+traffic takes ``factor`` times longer), ``stop_device`` and ``stop_node`` (fail-stop: the device
+or every device of the node stops; the job hangs until it is reshaped around them).
+
+Onset by iteration (``at_iteration``) or by simulated time (``at_s``, seconds since the job
+started); recovery after ``duration_iterations`` or ``duration_s`` (neither: it lasts). Each fault
+produces a ``truth.fault`` event at onset; one that ends, or whose end was not known at onset, is
+re-published with the same ``fault_id`` and its ``end_iteration`` when it ends (the last one wins).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from collector.events import FaultCategory, FaultInjected, Location
+from collector.plan import Plan
+from trainer.sim.presets import ClusterSpec
+
+FaultKind = Literal["slow_compute", "slow_link", "slow_nic", "stop_device", "stop_node"]
+
+
+class FaultSpec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: FaultKind
+    device: int | None = Field(default=None, ge=0)
+    link: tuple[int, int] | None = None
+    node: int | None = Field(default=None, ge=0)
+    factor: float = Field(default=2.0, ge=1.0, description="slowdown; 2.0 takes twice as long")
+    at_iteration: int | None = Field(default=None, ge=0)
+    at_s: float | None = Field(default=None, ge=0)
+    duration_iterations: int | None = Field(default=None, ge=1)
+    duration_s: float | None = Field(default=None, gt=0)
+    id: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> FaultSpec:
+        need = {"slow_compute": "device", "stop_device": "device", "slow_nic": "device",
+                "slow_link": "link", "stop_node": "node"}[self.kind]
+        if getattr(self, need) is None:
+            raise ValueError(f"a {self.kind} fault needs '{need}'")
+        if (self.at_iteration is None) == (self.at_s is None):
+            raise ValueError(f"{self.kind} fault: give exactly one of at_iteration or at_s")
+        if self.duration_iterations is not None and self.duration_s is not None:
+            raise ValueError(f"{self.kind} fault: give at most one of duration_iterations or duration_s")
+        return self
+
+    @property
+    def category(self) -> FaultCategory:
+        return FaultCategory.FAIL_STOP if self.kind.startswith("stop") else FaultCategory.FAIL_SLOW
+
+
+@dataclass
+class ActiveFault:
+    spec: FaultSpec
+    fault_id: str
+    start_iteration: int
+    start_s: float
+    end_iteration: int | None = None
+
+
+def devices_of(spec: FaultSpec, cluster: ClusterSpec) -> set[int]:
+    if spec.kind == "stop_node":
+        assert spec.node is not None
+        first = spec.node * cluster.gpus_per_node
+        return set(range(first, min(first + cluster.gpus_per_node, cluster.gpus)))
+    if spec.kind == "slow_link":
+        assert spec.link is not None
+        return set(spec.link)
+    assert spec.device is not None
+    return {spec.device}
+
+
+def location_of(spec: FaultSpec, cluster: ClusterSpec, plan: Plan) -> Location:
+    """Where the fault is, with the coordinates it has under ``plan`` (if the device is in it)."""
+    if spec.kind == "stop_node":
+        return Location(target="node", node=spec.node, factor=1e9)
+    if spec.kind == "slow_link":
+        return Location(target="link", link=spec.link, factor=spec.factor)
+    d = spec.device
+    assert d is not None
+    role = plan.roles.get(d)
+    extra = {}
+    if role is not None:
+        stage = plan.pipelines[role.replica].stages[role.stage]
+        extra = {"replica": role.replica, "stage": role.stage, "tp_group": stage.devices}
+    target = "link" if spec.kind == "slow_nic" else "compute"
+    factor = 1e9 if spec.kind == "stop_device" else spec.factor
+    return Location(target=target, rank=d, node=cluster.node_of(d), factor=factor, **extra)
+
+
+def truth_event_payload(f: ActiveFault, cluster: ClusterSpec, plan: Plan) -> FaultInjected:
+    return FaultInjected(
+        fault_id=f.fault_id, category=f.spec.category, location=location_of(f.spec, cluster, plan),
+        start_iteration=f.start_iteration, end_iteration=f.end_iteration,
+    )
+
+
+@dataclass
+class FaultEffects:
+    """The combined effect of the active faults (factors multiply)."""
+
+    compute: dict[int, float]  # device -> slowdown
+    links: dict[frozenset[int], float]  # {a, b} -> slowdown of transfers between them
+    nics: dict[int, float]  # device -> slowdown of its inter-node traffic
+    dead: set[int]
+
+    @classmethod
+    def of(cls, active: list[ActiveFault], cluster: ClusterSpec) -> FaultEffects:
+        out = cls({}, {}, {}, set())
+        for f in active:
+            s = f.spec
+            if s.kind == "slow_compute":
+                out.compute[s.device] = out.compute.get(s.device, 1.0) * s.factor  # type: ignore[index]
+            elif s.kind == "slow_link":
+                key = frozenset(s.link)  # type: ignore[arg-type]
+                out.links[key] = out.links.get(key, 1.0) * s.factor
+            elif s.kind == "slow_nic":
+                out.nics[s.device] = out.nics.get(s.device, 1.0) * s.factor  # type: ignore[index]
+            else:
+                out.dead |= devices_of(s, cluster)
+        return out
+
+    def comm_factor(self, cluster: ClusterSpec, group_a: tuple[int, ...], group_b: tuple[int, ...]) -> float:
+        """Slowdown of a transfer (or collective) between two device groups (the same group for
+        TP): the worst slow link joining them, or slow NIC on a path that leaves a node."""
+        worst = 1.0
+        for key, factor in self.links.items():
+            a, b = (tuple(key) * 2)[:2]
+            if (a in group_a and b in group_b) or (b in group_a and a in group_b):
+                worst = max(worst, factor)
+        if self.nics:
+            nodes = {cluster.node_of(d) for d in group_a + group_b}
+            if len(nodes) > 1:
+                for d in group_a + group_b:
+                    worst = max(worst, self.nics.get(d, 1.0))
+        return worst
+
+    def compute_factor(self, devices: tuple[int, ...]) -> float:
+        """A TP group runs in lock-step: it is as slow as its slowest member."""
+        return max((self.compute.get(d, 1.0) for d in devices), default=1.0)
