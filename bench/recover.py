@@ -1,0 +1,226 @@
+"""Tokens trained under faults, per remediation strategy, relative to the oracle (closed loop).
+
+For each scenario and strategy a fresh simulator (trainer.sim.SimEngine, noise on) runs a 7B job
+(TP8·PP4·DP N/32, 1F1B). When a fault starts or ends the strategy learns of it after a detection
+delay (fail-stop: two heartbeats, 20 s; fail-slow: 30 s — the order the detector needs), plans on
+the cluster it then knows, and its plan is applied through ``SimEngine.reconfigure`` (the same
+epoch-fenced command the bus carries), which pauses the job ``reshape_pause_s`` (20 s). The oracle
+knows every fault at onset and reshapes for free. Elastic restart also pays its restart and half a
+checkpoint interval of lost work; do-nothing hangs on a dead device.
+
+What this does NOT run: the bus and the analytics detector. Driving the engine in-process keeps
+8,192 GPUs tractable on a laptop and isolates the planners; the strategies are given the true
+fault factors after the delay, as a perfect detector would. The fully bused loop is exercised by
+tests/test_remediation_engine.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+
+SCENARIOS = ("slow_x1.5", "slow_x2", "slow_x4", "slow_link_x4", "stop_gpu", "stop_node", "every_30min", "cascading")
+STRATEGIES = ("oracle", "ours", "do_nothing", "drop_replica", "elastic_restart", "oobleck", "tp_only", "pp_only",
+              "dp_only")
+DETECT_STOP_S = 20.0
+DETECT_SLOW_S = 30.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpus", default="256", help="comma-separated cluster sizes, multiples of 32 (default 256)")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset of " + ", ".join(SCENARIOS))
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset (oracle always runs)")
+    parser.add_argument("--duration-s", type=float, default=1800.0, help="simulated seconds per run (default 1800)")
+    parser.add_argument("--plot", default="docs/remediation_recover.png", help="PNG of throughput over time ('' for none)")
+
+
+@dataclass
+class Run:
+    tokens: int = 0
+    series: list[tuple[float, float]] = field(default_factory=list)  # (time_s, tokens/s)
+    training_at_end: bool = False
+
+
+def _faults(name: str, gpus: int, duration_s: float):  # type: ignore[no-untyped-def]
+    from trainer.sim.faults import FaultSpec
+
+    at = duration_s / 6
+    d = 32 + 16 + 3  # replica 1, stage 2, TP rank 3
+    if name.startswith("slow_x"):
+        return [FaultSpec(kind="slow_compute", device=d, factor=float(name[6:]), at_s=at)]
+    if name == "slow_link_x4":
+        return [FaultSpec(kind="slow_link", link=(d, d + 8), factor=4.0, at_s=at)]
+    if name == "stop_gpu":
+        return [FaultSpec(kind="stop_device", device=d, at_s=at)]
+    if name == "stop_node":
+        return [FaultSpec(kind="stop_node", node=d // 8, at_s=at)]
+    if name == "cascading":
+        return [FaultSpec(kind="slow_compute", device=d, factor=1.5, at_s=at),
+                FaultSpec(kind="slow_compute", device=d + 1, factor=2.0, at_s=at + 120),
+                FaultSpec(kind="stop_device", device=d, at_s=at + 240),
+                FaultSpec(kind="stop_node", node=(d + 64) // 8, at_s=at + 360)]
+    if name == "every_30min":
+        kinds = ["slow_compute", "stop_device", "slow_compute", "stop_node"]
+        out = []
+        for i, t in enumerate(range(1800, int(duration_s), 1800)):
+            dev = (97 * (i + 1) + 13) % gpus
+            k = kinds[i % len(kinds)]
+            if k == "stop_node":
+                out.append(FaultSpec(kind=k, node=dev // 8, at_s=float(t)))
+            elif k == "stop_device":
+                out.append(FaultSpec(kind=k, device=dev, at_s=float(t)))
+            else:
+                out.append(FaultSpec(kind=k, device=dev, factor=2.0 + i % 3, at_s=float(t), duration_s=900.0))
+        return out
+    raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
+
+
+def _planner_model(sim_model, cluster, workload, plan):  # type: ignore[no-untyped-def]
+    """The planner's view of the simulated model: per-layer time at TP 1, state and activation bytes."""
+    from remediation.model import ModelSpec
+    from trainer.sim.cost import healthy_chunk_s
+
+    n = workload.tokens_per_microbatch
+    chunk = healthy_chunk_s(sim_model, cluster, plan, n, n * 1500.0)
+    st = plan.pipelines[0].stages[0]
+    per_layer = (chunk["F"] + chunk["B"]) * st.tp / st.num_layers
+    return ModelSpec(
+        (per_layer,) * sim_model.layers, layer_state_bytes=sim_model.params_per_layer * 16,
+        activation_bytes=n * sim_model.hidden * sim_model.bytes_per_value, tokens_per_microbatch=n,
+        forward_fraction=chunk["F"] / (chunk["F"] + chunk["B"]),
+    )
+
+
+def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run:
+    from collector.events import IterationSummary, ReconfigureCommand
+    from collector.plan import Plan
+    from remediation.baselines import ElasticRestart, make_strategy
+    from remediation.cluster import ClusterState, DeviceState, Hardware
+    from remediation.planner import PlanRefused
+    from trainer.sim.engine import SimConfig, SimEngine
+    from trainer.sim.presets import MODEL_PRESETS, ClusterSpec
+    from trainer.sim.workload import WORKLOAD_PRESETS
+
+    sim_model = MODEL_PRESETS["7b"]
+    cluster_spec = ClusterSpec(gpus=gpus)
+    workload = WORKLOAD_PRESETS["pretrain"]
+    plan = Plan.uniform(tp=8, pp=4, dp=gpus // 32, num_layers=sim_model.layers, microbatches_per_replica=8)
+    oracle = strategy_name == "oracle"
+    config = SimConfig(model=sim_model, cluster=cluster_spec, workload=workload, plan=plan, telemetry="none",
+                       job=f"{name}-{strategy_name}", reshape_pause_s=0.0 if oracle else 20.0, seed=11)
+    engine = SimEngine(config, _faults(name, gpus, duration_s))
+    model = _planner_model(sim_model, cluster_spec, workload, plan)
+    hardware = Hardware(devices_per_node=8, link_bandwidth_Bps=cluster_spec.inter_node_gbps / 8 * 1e9)
+    strategy = make_strategy(strategy_name, model, horizon_s=1800.0)
+    if hasattr(strategy, "options"):
+        from dataclasses import replace
+
+        strategy = type(strategy)(model, strategy.name, replace(strategy.options, pause_s=0.0 if oracle else 20.0))
+    run = Run()
+    known_version: tuple = ()
+    commands = 0
+    window_tokens, window_start = 0, 0.0
+    while engine.now_s < duration_s and not engine.finished:
+        # What the strategy knows now: faults whose onset is older than the detection delay.
+        known = []
+        for f in engine.active:
+            delay = 0.0 if oracle else (DETECT_STOP_S if f.spec.kind.startswith("stop") else DETECT_SLOW_S)
+            if engine.now_s - f.start_s >= delay:
+                known.append(f)
+        version = tuple(sorted(f.fault_id for f in known))
+        if version != known_version:
+            known_version = version
+            cluster = ClusterState(gpus, hardware)
+            for f in known:
+                s = f.spec
+                if s.kind == "stop_node":
+                    for dev in range(s.node * 8, s.node * 8 + 8):
+                        cluster = cluster.with_device(dev, DeviceState(dead=True))
+                elif s.kind == "stop_device":
+                    cluster = cluster.with_device(s.device, DeviceState(dead=True))
+                elif s.kind == "slow_compute":
+                    cluster = cluster.with_device(s.device, DeviceState(compute_factor=s.factor))
+                else:
+                    for dev in (s.link or (s.device,)):
+                        cluster = cluster.with_device(dev, DeviceState(link_factor=s.factor))
+            try:
+                result = strategy.plan(cluster, engine.plan)
+            except PlanRefused:
+                result = None
+            if result is not None and result.changed:
+                commands += 1
+                new = result.plan.model_copy(update={"epoch": engine.plan.epoch + 1})
+                cmd = ReconfigureCommand(command_id=f"c{commands}", plan_id=f"p{commands}",
+                                         plan=Plan.model_validate(new.model_dump()))
+                engine.reconfigure(cmd)
+                if isinstance(strategy, ElasticRestart):
+                    engine.now_s += strategy.restart_s + strategy.checkpoint_interval_s / 2
+        before = engine.now_s
+        for e in engine.step():
+            if isinstance(e.payload, IterationSummary) and engine.now_s <= duration_s:
+                run.tokens += e.payload.tokens
+                window_tokens += e.payload.tokens
+        if engine.now_s - window_start >= 60.0:
+            run.series.append((engine.now_s, window_tokens / (engine.now_s - window_start)))
+            window_tokens, window_start = 0, engine.now_s
+        run.training_at_end = engine.now_s > before and engine.hanging_for_s == 0.0
+    return run
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    sizes = [int(x) for x in args.gpus.split(",") if x]
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    strategies = ["oracle"] + [s for s in args.strategies.split(",") if s and s != "oracle"]
+    results: dict[str, dict[str, float]] = {}
+    series: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    alive: dict[str, bool] = {}
+    jobs = [(g, s, st) for g in sizes for s in scenarios for st in strategies]
+    runs: dict[tuple[int, str, str], Run] = {}
+    for g, s, st in tqdm(jobs, desc="recover", unit="run"):
+        duration = max(args.duration_s, 7200.0) if s == "every_30min" else args.duration_s
+        runs[(g, s, st)] = _run_one(s, st, g, duration)
+    for g in sizes:
+        for s in scenarios:
+            key = f"{s}@{g}"
+            oracle = runs[(g, s, "oracle")].tokens
+            results[key] = {st: runs[(g, s, st)].tokens / oracle for st in strategies}
+            series[key] = {st: runs[(g, s, st)].series for st in strategies}
+            alive[key] = runs[(g, s, "ours")].training_at_end if "ours" in strategies else False
+    cols = strategies
+    print(f"{'scenario':<22}" + "".join(f"{c:>16}" for c in cols) + "  ours training at end")
+    for key, row in results.items():
+        print(f"{key:<22}" + "".join(f"{row[c]:>16.3f}" for c in cols) + f"  {alive[key]}")
+    if args.plot:
+        _plot(series, args.plot)
+        print(f"plot: {args.plot}")
+    if args.json:
+        print(json.dumps({"scenarios": {k: {c: round(v, 4) for c, v in row.items()} for k, row in results.items()}}))
+    return 0
+
+
+def _plot(series: dict[str, dict[str, list[tuple[float, float]]]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(series)
+    cols = 2
+    rows = (len(keys) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(12, 3 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        for strategy, pts in series[key].items():
+            if pts:
+                ax.plot([t / 60 for t, _ in pts], [v / 1e3 for _, v in pts], label=strategy,
+                        linewidth=2.2 if strategy in ("ours", "oracle") else 1.0)
+        ax.set_title(key)
+        ax.set_xlabel("minutes")
+        ax.set_ylabel("k tokens/s")
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)

@@ -1,0 +1,174 @@
+"""The remediation engine: fold the log, plan when the faults change, publish what follows.
+
+It reads the analytics topic (incidents, and per-iteration observations for verification), the
+control topic (its own and everyone's lifecycle events) and, with ``verify_from_telemetry``, the
+telemetry topic (``telemetry.summary``), always from the beginning: the state is a fold, so a
+restarted engine rebuilds it by replaying and re-derives the same reactions, whose deterministic
+event ids make any re-publication a no-op for every reader.
+
+Planning happens when the set of open incidents changed since the last plan and no plan is in
+flight; the proposal's id is derived from (base epoch, incident version) so two engines — or one
+restarted — propose the same plan id. A plan whose verification fails is rolled back by proposing
+the previous layout (when none of its devices is known dead), through the same approval path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from collector import topics
+from collector.bus import Bus, TopicPartition
+from collector.events import Envelope, EventFactory, IterationSummary, PlanProposed, PlanRolledBack
+from collector.plan import Plan
+from collector.stream import EventStream
+from remediation.baselines import Strategy
+from remediation.candidates import PlannerOptions
+from remediation.cluster import ClusterState, Hardware, cluster_from_incidents
+from remediation.lifecycle import (
+    LifecycleState, PlanStatus, Verification, initial_state, reaction_id, reactions, step,
+)
+from remediation.model import ModelSpec
+from remediation.planner import Planner, PlanRefused
+
+log = logging.getLogger("resihp.remediation")
+
+
+@dataclass
+class EngineConfig:
+    job: str
+    num_devices: int
+    hardware: Hardware = field(default_factory=Hardware)
+    options: PlannerOptions = field(default_factory=PlannerOptions)
+    verification: Verification = field(default_factory=Verification)
+    min_gain_fraction: float = 0.02  # propose only if the plan trains this much more over the horizon
+    verify_from_telemetry: bool = False
+    group: str = "remediation"
+
+
+class RemediationEngine:
+    """One job's engine over a bus. ``poll_once`` is one step of the loop (tests drive it)."""
+
+    def __init__(self, bus: Bus, config: EngineConfig, model: ModelSpec, initial_plan: Plan,
+                 strategy: Strategy | None = None) -> None:
+        self.bus = bus
+        self.config = config
+        self.model = model
+        self.strategy = strategy or Planner(model, config.options)
+        self.initial_plan = initial_plan
+        self.state: LifecycleState = initial_state(config.job, initial_plan)
+        self.factory = EventFactory(config.job, "remediation")
+        self._planned_version = 0
+        self.refusals: list[str] = []
+        wanted = [topics.ANALYTICS, topics.CONTROL] + ([topics.TELEMETRY] if config.verify_from_telemetry else [])
+        self.stream = EventStream(bus, config.group, wanted, on_assign=self._from_start, job=config.job)
+
+    @staticmethod
+    def _from_start(parts: Sequence[TopicPartition]) -> dict[TopicPartition, int]:
+        return {tp: 0 for tp in parts}
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def poll_once(self, timeout_s: float = 0.2) -> int:
+        """Read what is new, fold it, react; returns how many events were read."""
+        deliveries = self.stream.poll(timeout_s=timeout_s)
+        for d in deliveries:
+            if self.config.verify_from_telemetry or not isinstance(d.event.payload, IterationSummary):
+                step(self.state, d.event)
+        out = self._react()
+        if out:
+            self.bus.publish(out)
+            for e in out:  # fold our own output at once; reading it back later is deduplicated
+                step(self.state, e)
+        if deliveries:
+            self.stream.commit()
+        return len(deliveries)
+
+    def run(self, idle_exit_s: float | None = None) -> None:
+        import time
+
+        idle_since = time.monotonic()
+        while True:
+            if self.poll_once(timeout_s=0.5):
+                idle_since = time.monotonic()
+            elif idle_exit_s is not None and time.monotonic() - idle_since >= idle_exit_s:
+                return
+
+    def close(self) -> None:
+        self.stream.close()
+
+    # ---- reactions ------------------------------------------------------------------------------
+
+    def _make(self, key: str, payload) -> Envelope:  # type: ignore[no-untyped-def]
+        return self.factory.make(payload, event_id=reaction_id(self.config.job, key))
+
+    def _react(self) -> list[Envelope]:
+        out = [self._make(key, payload) for key, payload in reactions(self.state, self.config.verification)]
+        for e in out:
+            if isinstance(e.payload, PlanRolledBack):
+                rollback = self._rollback_proposal(e.payload.plan_id)
+                if rollback is not None:
+                    out.append(rollback)
+        proposal = self._maybe_plan()
+        if proposal is not None:
+            out.append(proposal)
+        return [e for e in out if e.id not in self.state.seen]
+
+    def cluster(self) -> ClusterState:
+        """The cluster implied by the open incidents."""
+        return cluster_from_incidents(
+            self.config.num_devices,
+            [(i.category, i.locations) for i in self.state.open_incidents()],
+            self.config.hardware,
+        )
+
+    def _maybe_plan(self) -> Envelope | None:
+        s = self.state
+        if s.incident_version == self._planned_version or s.plan_in_flight() is not None or s.running_plan is None:
+            return None
+        self._planned_version = s.incident_version
+        try:
+            result = self.strategy.plan(self.cluster(), s.running_plan)
+        except PlanRefused as exc:
+            self.refusals.append(exc.reason)
+            log.warning("plan refused job=%s epoch=%s: %s", s.job, s.running_epoch, exc.reason)
+            return None
+        gain = result.horizon_tokens / max(1e-9, result.current_tokens_per_s * self.config.options.horizon_s) - 1
+        if not result.changed or (result.current_tokens_per_s > 0 and gain < self.config.min_gain_fraction):
+            return None
+        plan_id = f"p{s.running_epoch}-{s.incident_version}"
+        payload = PlanProposed(
+            plan_id=plan_id, incident_ids=[i.incident_id for i in s.open_incidents()],
+            strategy=result.strategy, base_epoch=s.running_epoch, plan=result.plan,
+            current_tokens_per_s=result.current_tokens_per_s, predicted_tokens_per_s=result.predicted_tokens_per_s,
+            reshape_cost_s=result.reshape_cost_s, diff=result.diff, severity=s.max_severity(),
+        )
+        return self._make(f"proposal/{plan_id}", payload)
+
+    def _rollback_proposal(self, plan_id: str) -> Envelope | None:
+        """Propose the layout that ran before ``plan_id`` if it is still usable and was faster."""
+        record = self.state.plans[plan_id]
+        previous = self._previous_plan(record.proposal.base_epoch)
+        if previous is None:
+            return None
+        cluster = self.cluster()
+        if any(cluster.is_dead(d) for d in previous.devices):
+            log.info("no roll-back of %s: the previous layout uses a dead device", plan_id)
+            return None
+        back = previous.model_copy(update={"epoch": self.state.running_epoch + 1})
+        back = Plan.model_validate(back.model_dump())
+        rid = f"{plan_id}-rollback"
+        payload = PlanProposed(
+            plan_id=rid, incident_ids=list(record.proposal.incident_ids), strategy="rollback",
+            base_epoch=self.state.running_epoch, plan=back, current_tokens_per_s=0.0,
+            predicted_tokens_per_s=record.proposal.current_tokens_per_s, reshape_cost_s=record.proposal.reshape_cost_s,
+            diff=[f"roll back to the layout of epoch {previous.epoch}"], severity=record.proposal.severity,
+        )
+        return self._make(f"proposal/{rid}", payload)
+
+    def _previous_plan(self, epoch: int) -> Plan | None:
+        for r in self.state.plans.values():
+            if r.status in (PlanStatus.APPLIED, PlanStatus.VERIFIED, PlanStatus.ROLLED_BACK) and r.epoch == epoch:
+                return r.proposal.plan
+        return self.initial_plan if self.initial_plan.epoch == epoch else None

@@ -1,0 +1,382 @@
+"""The joint TP/PP/DP planner: the plan that trains the most tokens from now on.
+
+The global batch (micro-batches per iteration) is fixed, so tokens per iteration are fixed and the
+best plan is the one with the shortest iteration, net of what reshaping costs over the expected
+time until the next change. The search is joint and exact for its candidate set:
+
+1. Every pipeline holding a bad device gets its candidates (remediation.candidates: TP shrink or
+   re-form × PP re-split, or drop). Healthy pipelines with identical shapes share one template,
+   scored once — that is what keeps 100,000 GPUs fast.
+2. For a target iteration time T, each pipeline (each candidate) can absorb m(T) micro-batches —
+   the most whose makespan under the schedule model is ≤ T. Bisection finds the smallest T at which
+   the pipelines, each using its best candidate, absorb the whole global batch. Choosing a
+   candidate and the micro-batch split at once is what makes TP, PP and DP joint rather than one
+   dimension after another.
+3. The surplus micro-batches at T* are taken from the pipelines that finish last.
+4. The joint plan, the micro-batch-only rebalance and "change nothing" are compared on tokens over
+   the horizon: throughput × (horizon − reshape cost).
+
+What can go wrong: :class:`PlanRefused` when no pipeline can hold the model any more (too few
+devices or too little memory), with the numbers; the caller keeps the old plan.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from collector.plan import PipelinePlan, Plan, StagePlan
+from remediation.candidates import (
+    PipelineCandidate, PlannerOptions, build_candidate, dropped, pipeline_candidates, unchanged_candidate,
+)
+from remediation.cluster import ClusterState
+from remediation.costs import PipelineScorer, ScheduleModelScorer
+from remediation.diff import plan_diff
+from remediation.model import ModelSpec
+
+_T_BISECTION_STEPS = 60
+
+
+class PlanRefused(Exception):
+    """No plan can train on what is left; ``reason`` says why and what would fix it."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """The planner's answer. ``changed`` is False when keeping the current plan is best (then
+    ``plan`` is the current plan)."""
+
+    plan: Plan
+    strategy: str
+    changed: bool
+    iteration_s: float
+    predicted_tokens_per_s: float
+    current_tokens_per_s: float
+    reshape_cost_s: float
+    horizon_tokens: float
+    diff: list[str] = field(default_factory=list)
+    choices: dict[int, str] = field(default_factory=dict)  # source replica -> candidate label
+
+    @property
+    def gain_tokens_per_s(self) -> float:
+        return self.predicted_tokens_per_s - self.current_tokens_per_s
+
+
+@dataclass
+class _Slot:
+    """One pipeline, or a class of identical healthy pipelines sharing a template."""
+
+    members: list[PipelinePlan]
+    candidates: list[PipelineCandidate]
+
+
+def _signature(pipe: PipelinePlan) -> tuple:
+    return tuple((st.tp, st.first_layer, st.end_layer) for st in pipe.stages)
+
+
+class Planner:
+    """Plans against one cluster/model/current plan. ``scorer`` is the schedule model adapter."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        options: PlannerOptions | None = None,
+        scorer: PipelineScorer | None = None,
+        strategy: str = "ours",
+    ) -> None:
+        self.model = model
+        self.options = options or PlannerOptions()
+        self._scorer = scorer
+        self.strategy = strategy
+
+    def scorer_for(self, plan: Plan) -> PipelineScorer:
+        if self._scorer is None or getattr(self._scorer, "schedule", plan.schedule) != plan.schedule:
+            self._scorer = ScheduleModelScorer(plan.schedule, plan.virtual_stages)
+        return self._scorer
+
+    # ---- public --------------------------------------------------------------------------------
+
+    def plan(self, cluster: ClusterState, current: Plan) -> PlanResult:
+        """The best plan from now on (see the module docstring). Raises PlanRefused."""
+        if current.num_layers != self.model.num_layers:
+            raise ValueError(
+                f"the plan has {current.num_layers} layers but the model spec has {self.model.num_layers}; "
+                "give the planner the model the job trains"
+            )
+        opts = self.options
+        scorer = self.scorer_for(current)
+        M = current.global_microbatches
+        dp = current.dp
+        bad = cluster.bad_devices()
+        joint_slots: list[_Slot] = []
+        keep_slots: list[_Slot] = []
+        classes: dict[tuple, _Slot] = {}
+        class_keep: dict[tuple, _Slot] = {}
+        for pipe in current.pipelines:
+            if bad and any(d in bad for st in pipe.stages for d in st.devices):
+                joint_slots.append(_Slot([pipe], pipeline_candidates(cluster, self.model, pipe, current.schedule, opts, dp)))
+                kept = unchanged_candidate(cluster, self.model, pipe, current.schedule, opts, dp)
+                keep_slots.append(_Slot([pipe], [kept] if kept else [dropped(pipe)]))
+                continue
+            sig = _signature(pipe)
+            if sig in classes:
+                classes[sig].members.append(pipe)
+                class_keep[sig].members.append(pipe)
+                continue
+            keep = unchanged_candidate(cluster, self.model, pipe, current.schedule, opts, dp)
+            assert keep is not None  # healthy pipelines have no dead device
+            cands = [keep]
+            if opts.allow_pp:
+                groups = [st.devices for st in pipe.stages]
+                resplit = build_candidate(cluster, self.model, pipe, groups, range(len(groups)), "re-split layers",
+                                          current.schedule, opts, dp)
+                if resplit is not None and resplit.stages != keep.stages:
+                    cands.append(resplit)
+            classes[sig] = _Slot([pipe], cands)
+            class_keep[sig] = _Slot([pipe], [keep])
+        joint_slots.extend(classes.values())
+        keep_slots.extend(class_keep.values())
+
+        options: list[PlanResult] = []
+        current_tps = self._current_tokens_per_s(cluster, current, scorer)
+        joint = self._solve(joint_slots, M, scorer, current)
+        if joint is not None:
+            options.append(self._result(joint, current, current_tps, scorer, cluster))
+        if opts.allow_dp:
+            rebalance = self._solve(keep_slots, M, scorer, current)
+            if rebalance is not None:
+                options.append(self._result(rebalance, current, current_tps, scorer, cluster))
+        if current_tps > 0:
+            options.append(self._unchanged_result(current, current_tps, cluster))
+        if not options:
+            raise PlanRefused(self._refusal(cluster, current))
+        best = max(options, key=lambda r: (r.horizon_tokens, not r.changed, -r.reshape_cost_s))
+        if not best.changed and current_tps > 0:
+            return options[-1]  # the unchanged plan itself (epoch kept), not an identical copy
+        return best
+
+    # ---- search --------------------------------------------------------------------------------
+
+    def _max_mb(self, scorer: PipelineScorer, cand: PipelineCandidate, span_bound_s: float, M: int) -> int:
+        """The most micro-batches ``cand`` runs with its pipeline makespan ≤ ``span_bound_s``."""
+        if cand.dropped or cand.times is None:
+            return 0
+        if scorer.makespan_s(cand.times, 1) > span_bound_s:
+            return 0
+        lo, hi = 1, M
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if scorer.makespan_s(cand.times, mid) <= span_bound_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _solve(self, slots: list[_Slot], M: int, scorer: PipelineScorer, current: Plan
+               ) -> list[tuple[PipelinePlan, PipelineCandidate, int]] | None:
+        """Per current pipeline: (pipeline, chosen candidate, micro-batches); None if infeasible.
+
+        The iteration is the slowest pipeline plus the gradient all-reduce, whose time is set by the
+        device holding the most gradient bytes anywhere in the job. So for each possible all-reduce
+        time D (the distinct ones the candidates have) the search allows only candidates with
+        all-reduce ≤ D and bounds the pipelines by T − D; the best D wins.
+        """
+        live = [s for s in slots if any(not c.dropped for c in s.candidates)]
+        if not live:
+            return None
+        if not self.options.allow_dp:
+            return self._even(slots, M, scorer)
+        dps = sorted({round(c.dp_s, 9) for s in live for c in s.candidates if not c.dropped})
+        best: tuple[float, list[tuple[PipelinePlan, PipelineCandidate, int]]] | None = None
+        for limit_s in dps:
+            allowed = [_Slot(s.members, [c for c in s.candidates if c.dropped or c.dp_s <= limit_s + 1e-8]
+                             or [dropped(s.members[0])]) for s in slots]
+            found = self._solve_bounded(allowed, M, scorer, limit_s)
+            if found is not None and (best is None or found[0] < best[0] * (1 - 1e-9)):
+                best = found
+        return None if best is None else best[1]
+
+    def _solve_bounded(self, slots: list[_Slot], M: int, scorer: PipelineScorer, dp_s: float
+                       ) -> tuple[float, list[tuple[PipelinePlan, PipelineCandidate, int]]] | None:
+        live = [s for s in slots if any(not c.dropped for c in s.candidates)]
+        if not live:
+            return None
+
+        def absorbed(span_s: float) -> int:
+            total = 0
+            for slot in live:
+                total += len(slot.members) * max(self._max_mb(scorer, c, span_s, M) for c in slot.candidates)
+                if total >= M:
+                    return total
+            return total
+
+        hi = min(scorer.makespan_s(c.times, M) for s in live for c in s.candidates if c.times is not None)
+        lo = 0.0
+        for _ in range(_T_BISECTION_STEPS):
+            mid = (lo + hi) / 2
+            if absorbed(mid) >= M:
+                hi = mid
+            else:
+                lo = mid
+            if hi - lo <= 1e-7 * hi:
+                break
+        chosen: list[tuple[PipelinePlan, PipelineCandidate, int]] = []
+        for slot in slots:
+            pick = max(slot.candidates, key=lambda c: (self._max_mb(scorer, c, hi, M), not c.structural, -c.move_s))
+            m = self._max_mb(scorer, pick, hi, M)
+            for pipe in slot.members:
+                chosen.append((pipe, pick, m))
+        return hi + dp_s, self._trim(chosen, M, scorer)
+
+    def _trim(self, chosen: list[tuple[PipelinePlan, PipelineCandidate, int]], M: int, scorer: PipelineScorer
+              ) -> list[tuple[PipelinePlan, PipelineCandidate, int]]:
+        """Take the surplus micro-batches (over M) from the pipelines that finish last."""
+        surplus = sum(m for _, _, m in chosen) - M
+        if surplus <= 0:
+            return chosen
+        ms = [m for _, _, m in chosen]
+        heap = [(-scorer.makespan_s(c.times, m), i) for i, (_, c, m) in enumerate(chosen) if m > 0]
+        heapq.heapify(heap)
+        while surplus > 0 and heap:
+            _, i = heapq.heappop(heap)
+            ms[i] -= 1
+            surplus -= 1
+            if ms[i] > 0:
+                heapq.heappush(heap, (-scorer.makespan_s(chosen[i][1].times, ms[i]), i))
+        return [(p, c, m) for (p, c, _), m in zip(chosen, ms)]
+
+    def _even(self, slots: list[_Slot], M: int, scorer: PipelineScorer
+              ) -> list[tuple[PipelinePlan, PipelineCandidate, int]] | None:
+        """DP adaptation off: the surviving pipelines split the batch evenly; each picks the
+        candidate that is fastest at its share."""
+        alive = [(pipe, slot) for slot in slots for pipe in slot.members if any(not c.dropped for c in slot.candidates)]
+        if not alive:
+            return None
+        share, extra = divmod(M, len(alive))
+        if share == 0:
+            return None
+        chosen = []
+        for i, (pipe, slot) in enumerate(alive):
+            m = share + (1 if i < extra else 0)
+            best = min((c for c in slot.candidates if not c.dropped),
+                       key=lambda c: (scorer.makespan_s(c.times, m), c.structural, c.move_s))
+            chosen.append((pipe, best, m))
+        alive_ids = {id(p) for p, _ in alive}
+        for slot in slots:
+            for pipe in slot.members:
+                if id(pipe) not in alive_ids:
+                    chosen.append((pipe, dropped(pipe), 0))
+        return chosen
+
+    # ---- results -------------------------------------------------------------------------------
+
+    def _iteration_s(self, chosen: list[tuple[PipelinePlan, PipelineCandidate, int]], scorer: PipelineScorer) -> float:
+        span = max((scorer.makespan_s(c.times, m) for _, c, m in chosen if m > 0 and c.times), default=0.0)
+        live = [c for _, c, m in chosen if m > 0]
+        dp_s = max((c.dp_s for c in live), default=0.0) if len(live) > 1 else 0.0
+        return span + dp_s
+
+    def _result(self, chosen: list[tuple[PipelinePlan, PipelineCandidate, int]], current: Plan, current_tps: float,
+                scorer: PipelineScorer, cluster: ClusterState) -> PlanResult:
+        pipelines = []
+        structural = False
+        move_s = 0.0
+        changed_mb = False
+        choices: dict[int, str] = {}
+        chosen = sorted(chosen, key=lambda x: x[0].replica)
+        for pipe, cand, m in chosen:
+            choices[pipe.replica] = cand.label if m > 0 else "drop replica"
+            if m != pipe.microbatches:
+                changed_mb = True
+            if m == 0:
+                structural = True
+                continue
+            if cand.structural:
+                structural = True
+                move_s = max(move_s, cand.move_s)
+            stages = self._stages_for(pipe, cand)
+            pipelines.append((pipe.replica, m, stages))
+        plan = Plan(
+            epoch=current.epoch + 1, schedule=current.schedule, virtual_stages=current.virtual_stages,
+            num_layers=current.num_layers,
+            pipelines=tuple(PipelinePlan(replica=i, microbatches=m, stages=st) for i, (_, m, st) in enumerate(pipelines)),
+        )
+        iteration_s = self._iteration_s(chosen, scorer)
+        tps = current.global_microbatches * self.model.tokens_per_microbatch / iteration_s
+        cost = (move_s + self.options.pause_s) if structural else (self.options.rebalance_pause_s if changed_mb else 0.0)
+        if self.options.free_reshape:
+            cost = 0.0
+        return PlanResult(
+            plan=plan, strategy=self.strategy, changed=structural or changed_mb, iteration_s=iteration_s,
+            predicted_tokens_per_s=tps, current_tokens_per_s=current_tps, reshape_cost_s=cost,
+            horizon_tokens=tps * max(0.0, self.options.horizon_s - cost),
+            diff=plan_diff(current, plan, [p.replica for p, _, m in chosen if m > 0], cluster),
+            choices=choices,
+        )
+
+    @staticmethod
+    def _stages_for(pipe: PipelinePlan, cand: PipelineCandidate) -> tuple[StagePlan, ...]:
+        """The candidate's stages for ``pipe`` (a class template applies to every member's own devices)."""
+        if cand.source_replica == pipe.replica:
+            return tuple(StagePlan(devices=s.devices, first_layer=s.first_layer, end_layer=s.end_layer) for s in cand.stages)
+        return tuple(StagePlan(devices=old.devices, first_layer=s.first_layer, end_layer=s.end_layer)
+                     for old, s in zip(pipe.stages, cand.stages))
+
+    def _unchanged_result(self, current: Plan, current_tps: float, cluster: ClusterState) -> PlanResult:
+        iteration_s = current.global_microbatches * self.model.tokens_per_microbatch / current_tps
+        return PlanResult(
+            plan=current, strategy=self.strategy, changed=False, iteration_s=iteration_s,
+            predicted_tokens_per_s=current_tps, current_tokens_per_s=current_tps, reshape_cost_s=0.0,
+            horizon_tokens=current_tps * self.options.horizon_s, diff=[], choices={},
+        )
+
+    def _current_tokens_per_s(self, cluster: ClusterState, current: Plan, scorer: PipelineScorer) -> float:
+        """What the current plan trains on this cluster: 0 if it uses a dead device."""
+        return predict_tokens_per_s(cluster, self.model, current, scorer)
+
+    def _refusal(self, cluster: ClusterState, current: Plan) -> str:
+        state_gib = self.model.num_layers * self.model.layer_state_bytes / 2**30
+        per_dev_gib = cluster.hardware.state_capacity_bytes / 2**30
+        alive = sum(1 for d in current.devices if not cluster.is_dead(d))
+        return (
+            f"no pipeline can hold the model any more: {self.model.num_layers} layers need {state_gib:.0f} GiB of "
+            f"state, a device holds {per_dev_gib:.0f} GiB, and {alive} of the plan's {len(current.devices)} devices "
+            "are alive with no replica able to re-form around its dead devices; restore from a checkpoint on "
+            "replacement nodes (elastic restart) or add devices"
+        )
+
+
+def predict_tokens_per_s(
+    cluster: ClusterState, model: ModelSpec, plan: Plan, scorer: PipelineScorer | None = None,
+) -> float:
+    """Tokens/s of ``plan`` as it stands on ``cluster`` (0 when it uses a dead device), scored
+    with the schedule model; identical healthy pipelines are scored once."""
+    scorer = scorer or ScheduleModelScorer(plan.schedule, plan.virtual_stages)
+    opts = PlannerOptions()
+    bad = cluster.bad_devices()
+    span = 0.0
+    dp_s = 0.0
+    seen: dict[tuple, tuple[float, float]] = {}
+    for pipe in plan.pipelines:
+        damaged = bool(bad) and any(d in bad for st in pipe.stages for d in st.devices)
+        key = (_signature(pipe), pipe.microbatches)
+        if not damaged and key in seen:
+            s, d = seen[key]
+        else:
+            cand = unchanged_candidate(cluster, model, pipe, plan.schedule, opts, plan.dp)
+            if cand is None:
+                return 0.0
+            s, d = scorer.makespan_s(cand.times, pipe.microbatches), cand.dp_s
+            if not damaged:
+                seen[key] = (s, d)
+        span, dp_s = max(span, s), max(dp_s, d)
+    iteration_s = span + (dp_s if plan.dp > 1 else 0.0)
+    return plan.global_microbatches * model.tokens_per_microbatch / iteration_s
+
+
+PlanFunction = Callable[[ClusterState, Plan], PlanResult]

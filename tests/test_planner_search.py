@@ -1,0 +1,167 @@
+"""The joint planner: TP exclusion, PP re-split, DP allocation, refusal, diff, baselines."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from analytics.schedule import op_table, pipeline_timing
+from collector.events import Location
+from collector.plan import Plan
+from remediation.baselines import STRATEGY_NAMES, make_strategy
+from remediation.candidates import PlannerOptions
+from remediation.cluster import ClusterState, DeviceState, Hardware, cluster_from_incidents
+from remediation.costs import ScheduleModelScorer, StageTimes
+from remediation.diff import plan_diff, ranges
+from remediation.model import ModelSpec
+from remediation.partition import balanced_partition
+from remediation.planner import Planner, PlanRefused, predict_tokens_per_s
+
+MODEL = ModelSpec.uniform(32)
+PLAN = Plan.uniform(tp=8, pp=4, dp=8, num_layers=32, microbatches_per_replica=16)
+HEALTHY = ClusterState(256)
+
+
+def test_healthy_cluster_keeps_the_plan():
+    r = Planner(MODEL).plan(HEALTHY, PLAN)
+    assert not r.changed and r.plan is PLAN and r.diff == []
+
+
+def test_dead_gpu_shrinks_only_its_tp_group_and_keeps_global_batch():
+    cluster = HEALTHY.with_device(20, DeviceState(dead=True))
+    r = Planner(MODEL).plan(cluster, PLAN)
+    assert r.changed and r.plan.epoch == PLAN.epoch + 1
+    assert r.plan.global_microbatches == PLAN.global_microbatches
+    assert 20 not in r.plan.devices
+    rep0 = r.plan.pipelines[0]
+    # Stage 2 of replica 0 runs at a smaller power-of-two TP on the healthy GPUs of its node.
+    tps = [s.tp for s in rep0.stages]
+    assert tps[:2] == [8, 8] and tps[2] == 4 and all(d // 8 == 2 for s in rep0.stages[2:-1] for d in s.devices)
+    # Every other replica is untouched in structure.
+    for new, old in zip(r.plan.pipelines[1:], PLAN.pipelines[1:]):
+        assert new.stages == old.stages
+    assert r.predicted_tokens_per_s > make_strategy("drop_replica", MODEL).plan(cluster, PLAN).predicted_tokens_per_s
+    assert r.current_tokens_per_s == 0.0
+    assert any("TP 8→4 on GPUs 16–19" in line for line in r.diff)
+
+
+def test_slow_stage_gets_fewer_layers_and_slow_replica_fewer_microbatches():
+    cluster = HEALTHY.with_device(20, DeviceState(compute_factor=1.3))
+    r = Planner(MODEL, PlannerOptions(allow_tp=False)).plan(cluster, PLAN)
+    rep0 = r.plan.pipelines[0]
+    assert rep0.microbatches < 16
+    assert max(p.microbatches for p in r.plan.pipelines) > 16
+    assert r.predicted_tokens_per_s > r.current_tokens_per_s
+
+
+def test_pp_resplit_moves_layers_off_a_slow_stage():
+    cluster = HEALTHY.with_device(20, DeviceState(compute_factor=2.0))
+    r = Planner(MODEL, PlannerOptions(allow_tp=False, allow_dp=False, pause_s=0.0)).plan(cluster, PLAN)
+    layers = [s.num_layers for s in r.plan.pipelines[0].stages]
+    assert layers[2] < 8 and sum(layers) == 32
+
+
+def test_joint_beats_every_single_dimension_and_baseline():
+    cluster = HEALTHY.with_device(20, DeviceState(compute_factor=3.0))
+    ours = make_strategy("ours", MODEL).plan(cluster, PLAN).predicted_tokens_per_s
+    for name in STRATEGY_NAMES:
+        if name in ("ours", "oracle"):
+            continue
+        assert ours >= make_strategy(name, MODEL).plan(cluster, PLAN).predicted_tokens_per_s - 1e-6, name
+
+
+def test_dead_node_removes_the_stage_and_keeps_the_replica():
+    cluster = HEALTHY.with_location(Location(target="node", node=2), "fail_stop")
+    r = Planner(MODEL).plan(cluster, PLAN)
+    assert r.plan.dp == 8
+    assert len(r.plan.pipelines[0].stages) == 3
+    assert not set(range(16, 24)) & set(r.plan.devices)
+
+
+def test_refuses_when_no_replica_can_hold_the_model():
+    model = ModelSpec.uniform(4, layer_state_bytes=40 * 2**30)  # 160 GiB of state
+    plan = Plan.uniform(tp=4, pp=1, dp=1, num_layers=4, microbatches_per_replica=4)
+    cluster = ClusterState(8).with_device(0, DeviceState(dead=True)).with_device(1, DeviceState(dead=True))
+    with pytest.raises(PlanRefused, match="no pipeline can hold the model"):
+        Planner(model).plan(cluster, plan)
+
+
+def test_reshape_cost_weighed_against_horizon():
+    cluster = HEALTHY.with_device(20, DeviceState(compute_factor=1.15))
+    short = Planner(MODEL, PlannerOptions(horizon_s=10.0)).plan(cluster, PLAN)
+    long = Planner(MODEL, PlannerOptions(horizon_s=100_000.0)).plan(cluster, PLAN)
+    assert short.reshape_cost_s <= 1.0  # a 15 s pause is not worth 10 s of gain
+    assert long.predicted_tokens_per_s >= short.predicted_tokens_per_s
+
+
+def test_large_cluster_plans_only_damaged_pipelines():
+    n = 16_384
+    plan = Plan.uniform(tp=8, pp=16, dp=n // 128, num_layers=64, microbatches_per_replica=8)
+    cluster = ClusterState(n).with_device(5, DeviceState(dead=True)).with_device(9000, DeviceState(compute_factor=2))
+    r = Planner(ModelSpec.uniform(64)).plan(cluster, plan)
+    assert r.plan.global_microbatches == plan.global_microbatches
+    assert 5 not in r.plan.devices
+    assert len(r.diff) <= 40
+    assert {line.split(",")[0].split(":")[0] for line in r.diff} == {"replica 0", "replica 70"}
+    assert [p.microbatches for p in r.plan.pipelines] == [8] * 128
+
+
+def test_oracle_is_at_least_ours():
+    cluster = HEALTHY.with_device(20, DeviceState(link_factor=4.0))
+    assert (make_strategy("oracle", MODEL).plan(cluster, PLAN).horizon_tokens
+            >= make_strategy("ours", MODEL).plan(cluster, PLAN).horizon_tokens)
+
+
+def test_elastic_restart_pays_restart_and_lost_progress():
+    cluster = HEALTHY.with_device(20, DeviceState(dead=True))
+    r = make_strategy("elastic_restart", MODEL).plan(cluster, PLAN)
+    assert r.reshape_cost_s >= 180 and r.plan.dp == 7
+    assert not {cluster.node_of(d) for d in r.plan.devices} & {2}
+
+
+def test_do_nothing_on_dead_device_trains_nothing():
+    cluster = HEALTHY.with_device(3, DeviceState(dead=True))
+    assert predict_tokens_per_s(cluster, MODEL, PLAN) == 0.0
+    assert make_strategy("do_nothing", MODEL).plan(cluster, PLAN).predicted_tokens_per_s == 0.0
+
+
+# ---- pieces -------------------------------------------------------------------------------------
+
+
+def test_scorer_extrapolation_matches_schedule_dag():
+    times = StageTimes((0.01, 0.03, 0.02), (0.02, 0.06, 0.04), None, (0.001, 0.002, 0.001))
+    scorer = ScheduleModelScorer("1f1b")
+    for m in (3, 9, 25):
+        t = op_table("1f1b", 3, m)
+        col = lambda xs: np.broadcast_to(np.asarray(xs)[:, None], (3, m))  # noqa: E731
+        exact = pipeline_timing(t, col(times.f_s), col(times.b_s), None, col(times.p2p_s)).makespan_s[0]
+        assert scorer.makespan_s(times, m) == pytest.approx(exact, rel=1e-9)
+
+
+def test_partition_respects_memory_caps_and_speeds():
+    model = ModelSpec.uniform(12)
+    parts = balanced_partition(model, [1.0, 2.0, 1.0], [12, 12, 3])
+    assert parts is not None
+    sizes = [b - a for a, b in parts]
+    assert sum(sizes) == 12 and sizes[2] <= 3 and sizes[1] < sizes[0]
+    assert balanced_partition(model, [1.0, 1.0], [5, 5]) is None
+
+
+def test_cluster_from_incident_locations():
+    cluster = cluster_from_incidents(64, [
+        ("fail_slow", [Location(target="compute", rank=3, factor=2.5)]),
+        ("fail_slow", [Location(target="link", link=(8, 9), factor=3.0)]),
+        ("fail_stop", [Location(target="node", node=4)]),
+    ], Hardware())
+    assert cluster.compute_factor(3) == 2.5 and cluster.link_factor(9) == 3.0
+    assert cluster.dead_devices() == set(range(32, 40))
+    assert cluster.is_healthy(0) and not cluster.is_healthy(8)
+
+
+def test_diff_groups_unchanged_replicas_and_reports_drop():
+    pipes = tuple(p.model_copy(update={"replica": i, "microbatches": 18}) for i, p in enumerate(PLAN.pipelines[1:]))
+    new = Plan(epoch=1, num_layers=32, pipelines=pipes)
+    lines = plan_diff(PLAN, new, list(range(1, 8)))
+    assert "replicas 1–7: 16 → 18 micro-batches" in lines
+    assert any(line.startswith("replica 0: dropped") for line in lines)
+    assert ranges([16, 17, 18, 19, 22]) == "16–19, 22"

@@ -1,0 +1,71 @@
+"""The engine over the embedded bus, with `resihp plans` acting from a terminal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from collector import topics
+from collector.embedded import EmbeddedBus
+from collector.events import (
+    AckStatus, CommandAck, Evidence, EventFactory, FaultCategory, IncidentOpened, IterationPrediction, Location,
+    ReconfigureCommand, Severity,
+)
+from collector.plan import Plan
+from collector.stream import EventStream
+from remediation.engine import EngineConfig, RemediationEngine
+from remediation.lifecycle import PlanStatus
+from remediation.model import ModelSpec
+from resihp.cli import main
+
+JOB = "itest"
+
+
+def _commands(bus: EmbeddedBus) -> list:
+    stream = EventStream(bus, "reader", [topics.CONTROL], on_assign=lambda ps: {tp: 0 for tp in ps})
+    out = [d.event for d in stream.poll(timeout_s=0.2) if isinstance(d.event.payload, ReconfigureCommand)]
+    stream.close()
+    return out
+
+
+def test_incident_to_verified_plan_over_the_embedded_bus(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "bus.sqlite"
+    flags = ["--bus", "embedded", "--bus-path", str(path), "--job", JOB]
+    plan = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
+    model = ModelSpec.uniform(8)
+    with EmbeddedBus(path) as bus:
+        engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), model, plan)
+        detector = EventFactory(JOB, "analytics")
+        bus.publish([detector.make(IncidentOpened(
+            incident_id="i1", category=FaultCategory.FAIL_STOP, severity=Severity.HIGH, iteration=5,
+            locations=[Location(target="compute", rank=5)], evidence=Evidence(), summary="rank 5 silent"))])
+        engine.poll_once()
+        (record,) = engine.state.plans.values()
+        assert record.status == PlanStatus.PROPOSED and 5 not in record.proposal.plan.devices
+        assert record.proposal.plan.global_microbatches == plan.global_microbatches
+
+        assert main(["plans", "list", *flags, "-v"]) == 0
+        listing = capsys.readouterr().out
+        assert record.plan_id in listing and "proposed" in listing
+
+        assert main(["plans", "approve", record.plan_id, *flags, "--as", "cli:alice"]) == 0
+        assert main(["plans", "reject", record.plan_id, *flags]) == 1  # a decision applies once
+        engine.poll_once()
+        engine.poll_once()
+        (cmd,) = _commands(bus)
+        assert cmd.payload.plan.epoch == 1 and engine.state.plans[record.plan_id].decided_by == "cli:alice"
+
+        trainer = EventFactory(JOB, "trainer")
+        bus.publish([trainer.make(CommandAck(command_id=cmd.payload.command_id, plan_id=record.plan_id, epoch=1,
+                                             status=AckStatus.APPLIED, running_epoch=1))])
+        engine.poll_once()
+        assert engine.state.running_epoch == 1
+        tps = record.proposal.predicted_tokens_per_s
+        bus.publish([detector.make(IterationPrediction(epoch=1, iteration=i, observed_s=1.0, predicted_s=1.0,
+                                                       tokens=int(tps))) for i in range(20, 27)])
+        engine.poll_once()
+        engine.poll_once()
+        assert engine.state.plans[record.plan_id].status == PlanStatus.VERIFIED
+        # The same incident does not produce a second plan once the layout avoids the dead rank.
+        assert len(engine.state.plans) == 1
+        engine.close()
+        assert len(_commands(bus)) == 1

@@ -1,0 +1,144 @@
+"""The lifecycle fold: proposals, decisions applied once, epoch fencing, acks, verification."""
+
+from __future__ import annotations
+
+from collector.events import (
+    AckStatus, CommandAck, Evidence, EventFactory, FaultCategory, IncidentOpened, IncidentResolved,
+    IterationSummary, Location, PlanDecision, PlanProposed, PolicyChanged, PolicyMode, ReconfigureCommand,
+    Severity,
+)
+from collector.plan import Plan
+from remediation.lifecycle import PlanStatus, Verification, fold, initial_state, reactions, step
+
+JOB = "job"
+F = EventFactory(JOB, "test")
+PLAN0 = Plan.uniform(tp=2, pp=2, dp=2, num_layers=8, microbatches_per_replica=4)
+PLAN1 = Plan.uniform(tp=2, pp=2, dp=1, num_layers=8, microbatches_per_replica=8, epoch=1)
+
+
+def proposed(plan_id="p1", base=0, plan=PLAN1, severity=Severity.HIGH, predicted=100.0):
+    return F.make(PlanProposed(plan_id=plan_id, incident_ids=["i1"], strategy="ours", base_epoch=base, plan=plan,
+                               current_tokens_per_s=50.0, predicted_tokens_per_s=predicted, reshape_cost_s=3.0,
+                               diff=["replica 1: dropped"], severity=severity))
+
+
+def decision(plan_id="p1", approve=True, actor="cli:alice"):
+    return F.make(PlanDecision(plan_id=plan_id, approve=approve, actor=actor))
+
+
+def command(plan_id="p1", plan=PLAN1, cid=None):
+    return F.make(ReconfigureCommand(command_id=cid or f"cmd-{plan_id}", plan_id=plan_id, plan=plan))
+
+
+def ack(plan_id="p1", status=AckStatus.APPLIED, epoch=1, running=1):
+    return F.make(CommandAck(command_id=f"cmd-{plan_id}", plan_id=plan_id, epoch=epoch, status=status,
+                             running_epoch=running, pause_s=2.0))
+
+
+def state0():
+    return initial_state(JOB, PLAN0)
+
+
+def test_incident_opened_and_resolved_bump_the_fault_version():
+    opened = F.make(IncidentOpened(incident_id="i1", category=FaultCategory.FAIL_STOP, severity=Severity.HIGH,
+                                   iteration=3, locations=[Location(target="compute", rank=1)], evidence=Evidence(),
+                                   summary="rank 1 silent"))
+    s = fold([opened], state0())
+    assert [i.incident_id for i in s.open_incidents()] == ["i1"] and s.incident_version == 1
+    s = fold([F.make(IncidentResolved(incident_id="i1", iteration=9, reason="gone"))], s)
+    assert s.open_incidents() == [] and s.incident_version == 2
+
+
+def test_full_happy_path_reaches_verified():
+    s = fold([proposed(), decision()], state0())
+    assert s.plans["p1"].status == PlanStatus.APPROVED and s.plans["p1"].decided_by == "cli:alice"
+    (key, cmd), = reactions(s)
+    assert key == "command/p1" and isinstance(cmd, ReconfigureCommand) and cmd.plan.epoch == 1
+    s = fold([command(), ack()], s)
+    assert s.plans["p1"].status == PlanStatus.APPLIED and s.running_epoch == 1 and s.running_plan == PLAN1
+    s = fold([F.make(IterationSummary(epoch=1, iteration=i, tokens=100, wall_s=1.0)) for i in range(10, 16)], s)
+    (key, verdict), = reactions(s, Verification(iterations=5, warmup_iterations=1))
+    assert key == "verified/p1" and verdict.measured_tokens_per_s == 100.0
+    s = fold([F.make(verdict)], s)
+    assert s.plans["p1"].status == PlanStatus.VERIFIED and reactions(s) == []
+
+
+def test_measured_throughput_below_prediction_rolls_back():
+    s = fold([proposed(predicted=200.0), decision(), command(), ack()], state0())
+    s = fold([F.make(IterationSummary(epoch=1, iteration=i, tokens=100, wall_s=1.0)) for i in range(6)], s)
+    (key, verdict), = reactions(s)
+    assert key == "rolled_back/p1" and "below the predicted" in verdict.reason
+    s = fold([F.make(verdict)], s)
+    assert s.plans["p1"].status == PlanStatus.ROLLED_BACK
+
+
+def test_decision_made_twice_applies_once_and_is_reported():
+    s = fold([proposed(), decision(actor="ui:alice"), decision(approve=False, actor="cli:bob")], state0())
+    assert s.plans["p1"].status == PlanStatus.APPROVED and s.plans["p1"].decided_by == "ui:alice"
+    assert len(s.reports) == 1 and "already approved by ui:alice" in s.reports[0].message
+
+
+def test_rejected_plan_gets_no_command():
+    s = fold([proposed(), decision(approve=False)], state0())
+    assert s.plans["p1"].status == PlanStatus.REJECTED and reactions(s) == []
+    s = fold([command()], s)
+    assert s.plans["p1"].status == PlanStatus.REJECTED and "not approved" in s.reports[-1].message
+
+
+def test_duplicate_command_and_second_ack_are_ignored():
+    s = fold([proposed(), decision(), command(), command(), ack(), ack()], state0())
+    assert s.running_epoch == 1
+    messages = [r.message for r in s.reports]
+    assert any("duplicate command" in m for m in messages)
+    assert any("second 'applied' ack" in m for m in messages)
+
+
+def test_stale_command_is_fenced_by_epoch():
+    wrong_epoch = PLAN1.model_copy(update={"epoch": 5})
+    s = fold([proposed(plan=wrong_epoch), decision(), command(plan=wrong_epoch)], state0())
+    assert s.plans["p1"].status == PlanStatus.APPROVED
+    assert "stale command" in s.reports[-1].message and s.running_epoch == 0
+
+
+def test_trainer_reported_stale_ack_is_reported_not_applied():
+    s = fold([proposed(), decision(), command(), ack(status=AckStatus.IGNORED_STALE, running=3)], state0())
+    assert s.running_epoch == 0 and s.plans["p1"].status == PlanStatus.FAILED
+    assert "ignored stale" in s.reports[-1].message
+
+
+def test_new_proposal_supersedes_the_waiting_one_and_stale_base_is_superseded():
+    s = fold([proposed("p1"), proposed("p2")], state0())
+    assert s.plans["p1"].status == PlanStatus.SUPERSEDED and s.plans["p2"].status == PlanStatus.PROPOSED
+    s = fold([proposed("p3", base=7)], s)
+    assert s.plans["p3"].status == PlanStatus.SUPERSEDED and "based on epoch 7" in s.reports[-1].message
+    s = fold([decision("p1")], s)
+    assert s.plans["p1"].status == PlanStatus.SUPERSEDED
+
+
+def test_auto_policy_approves_only_listed_severities():
+    policy = F.make(PolicyChanged(mode=PolicyMode.AUTO, auto_severities=[Severity.CRITICAL], actor="cli:ops"))
+    s = fold([policy, proposed(severity=Severity.HIGH)], state0())
+    assert reactions(s) == []
+    s = fold([proposed("p2", severity=Severity.CRITICAL)], s)
+    (key, d), = reactions(s)
+    assert key == "decision/p2" and d.approve and d.actor == "policy:auto"
+
+
+def test_default_policy_proposes_and_waits():
+    s = fold([proposed()], state0())
+    assert reactions(s) == [] and s.plans["p1"].status == PlanStatus.PROPOSED
+
+
+def test_fold_is_deterministic_and_idempotent_on_event_id():
+    events = [proposed(), decision(), command(), ack()]
+    a = fold(events, state0())
+    b = fold(events + events, state0())
+    assert a.running_epoch == b.running_epoch == 1
+    assert a.reports == b.reports == []
+    assert {k: v.status for k, v in a.plans.items()} == {k: v.status for k, v in b.plans.items()}
+
+
+def test_other_jobs_events_are_ignored():
+    other = EventFactory("other", "x").make(PlanDecision(plan_id="p1", approve=True, actor="cli:eve"))
+    s = step(fold([proposed()], state0()), other)
+    assert s.plans["p1"].status == PlanStatus.PROPOSED
