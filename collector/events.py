@@ -363,6 +363,43 @@ class PlanRolledBack(Payload):
     predicted_tokens_per_s: float = Field(ge=0)
 
 
+class PlanCurrent(Payload):
+    """The plan a job runs now, with what a planner needs to know of the model. Published by the
+    trainer (or simulator) at start and after every applied reshape, so that no consumer needs
+    the plan on its command line."""
+
+    KIND: ClassVar[str] = "plan.current"
+    plan: Plan
+    reason: Literal["start", "reshape", "restart"] = "start"
+    gpus_per_node: int = Field(default=8, ge=1)
+    model_name: str = ""
+    layer_state_bytes: int = Field(default=0, ge=0, description="parameters + optimizer state of one layer")
+    tokens_per_microbatch: int = Field(default=0, ge=0)
+
+
+class CostFit(BaseModel):
+    """One fitted line of the cost model: T = alpha·N + beta·Σl² + gamma for a (stage, kind)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    stage: int = Field(ge=0)
+    kind: ChunkKind
+    alpha_s_per_token: float
+    beta_s_per_token_sq: float
+    gamma_s: float
+    samples: int = Field(ge=0)
+    rel_error: float | None = Field(default=None, description="recent median |observed − predicted| / predicted")
+
+
+class CostModelFitted(Payload):
+    """The detector's current cost model, published when it changes, for the planner to score with."""
+
+    KIND: ClassVar[str] = "analytics.cost_model"
+    epoch: int = Field(ge=0)
+    iteration: int = Field(ge=0)
+    fits: list[CostFit]
+
+
 # ---- ground truth and the dead letters ----------------------------------------------------------
 
 
@@ -394,6 +431,7 @@ PAYLOAD_TYPES: tuple[type[Payload], ...] = (
     IterationPrediction, RankHealth,
     IncidentOpened, IncidentConfirmed, IncidentUpdated, IncidentResolved, ProbeRequest, ProbeResult,
     PlanProposed, PlanDecision, PolicyChanged, ReconfigureCommand, CommandAck, PlanVerified, PlanRolledBack,
+    PlanCurrent, CostModelFitted,
     FaultInjected, DeadLetter,
 )
 PAYLOAD_BY_KIND: dict[str, type[Payload]] = {p.KIND: p for p in PAYLOAD_TYPES}
