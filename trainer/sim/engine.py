@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from analytics.schedule import OpTable, PipelineTiming, op_table, pipeline_timing
 from collector.events import (
     AckStatus, CommandAck, Envelope, FaultInjected, Heartbeat, IterationSummary, ProbeRequest, ProbeResult,
-    ReconfigureCommand,
+    PlanCurrent, ReconfigureCommand,
 )
 from collector.plan import PipelinePlan, Plan
 from trainer.sim.cost import StageCoefficients, dp_allreduce_s, stage_coefficients
@@ -121,6 +121,7 @@ class SimEngine:
         self._hang_started_s: float | None = None
         self._seen_commands: set[str] = set()
         self._ranks: set[int] | None = None if c.telemetry == "all" else set() if c.telemetry == "none" else set(c.telemetry)
+        self._plan_news: str | None = "start"  # announce the running plan with the next events
         self._setup_plan()
 
     # ---- plan --------------------------------------------------------------------------------
@@ -281,7 +282,7 @@ class SimEngine:
         """Advance one iteration (or one heartbeat interval while hung); return its events."""
         if self.finished:
             return []
-        events = self._update_faults()
+        events = self._plan_announcement() + self._update_faults()
         if self.dead & set(self.plan.devices):
             return events + self._hang()
         self._hang_started_s = None
@@ -381,12 +382,27 @@ class SimEngine:
         for i, p in enumerate(keep):
             extra = lost // len(keep) + (1 if i < lost % len(keep) else 0)
             pipes.append(PipelinePlan(replica=i, microbatches=p.microbatches + extra, stages=p.stages))
-        self._switch(self.plan.model_copy(update={"epoch": self.plan.epoch + 1, "pipelines": tuple(pipes)}))
+        self._switch(self.plan.model_copy(update={"epoch": self.plan.epoch + 1, "pipelines": tuple(pipes)}), "restart")
         self._hang_started_s = None
 
-    def _switch(self, plan: Plan) -> None:
+    def _switch(self, plan: Plan, reason: str = "reshape") -> None:
         self.plan = Plan.model_validate(plan.model_dump())  # re-validate the copy (model_copy does not)
+        self._plan_news = reason
         self._setup_plan()
+
+    def _plan_announcement(self) -> list[Envelope]:
+        """plan.current once after start and after every switch, as the trainer publishes it."""
+        if self._plan_news is None:
+            return []
+        c = self.config
+        payload = PlanCurrent(
+            plan=self.plan, reason=self._plan_news, gpus_per_node=c.cluster.gpus_per_node, model_name=c.model.name,
+            # bf16 weights and gradients, fp32 master weights and two Adam moments: 16 bytes a parameter
+            layer_state_bytes=c.model.params_per_layer * 16,
+            tokens_per_microbatch=c.workload.tokens_per_microbatch,
+        )
+        self._plan_news = None
+        return [self.events.make("trainer", payload, self._abs(self.now_s))]
 
     # ---- the closed loop ---------------------------------------------------------------------
 
@@ -417,7 +433,7 @@ class SimEngine:
         ack = CommandAck(command_id=command.command_id, plan_id=command.plan_id, epoch=plan.epoch, status=status,
                          running_epoch=self.plan.epoch, pause_s=pause, detail=detail)
         events.append(self.events.make("trainer", ack, self._abs(self.now_s)))
-        return events + self._heartbeats()
+        return events + self._plan_announcement() + self._heartbeats()
 
     def probe(self, request: ProbeRequest) -> list[Envelope]:
         """Each live rank runs a fixed workload alone; dead ranks do not answer."""
