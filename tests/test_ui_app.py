@@ -1,0 +1,148 @@
+"""Page logic of the console, driven by Streamlit's AppTest against an embedded bus.
+
+The bus is pre-filled with a realistic sequence (ui/demo.py: telemetry, predictions, an incident
+opened and confirmed, a proposed plan awaiting a decision) built from collector.events only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from collector import topics
+from collector.embedded import EmbeddedBus
+from collector.events import PlanDecision, PolicyChanged, PolicyMode
+from collector.stream import EventStream
+from ui.auth import Session, User, UsersFile
+from ui.demo import DemoSpec, demo_events
+
+APP = str(Path(__file__).resolve().parent.parent / "ui" / "app.py")
+PLAN_ID = "plan-demo-60"
+INCIDENT_ID = "inc-demo-60"
+
+
+@pytest.fixture
+def console(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    bus_path = tmp_path / "bus.sqlite"
+    with EmbeddedBus(bus_path) as bus:
+        bus.publish(demo_events(DemoSpec(iterations=90)))
+    users = UsersFile(tmp_path / "users.toml")
+    users.add_user("alice", "operator", "alice-pw")
+    users.add_user("bob", "viewer", "bob-pw")
+    monkeypatch.setenv("RESIHP_BUS", "embedded")
+    monkeypatch.setenv("RESIHP_EMBEDDED_PATH", str(bus_path))
+    monkeypatch.setenv("RESIHP_UI_USERS", str(tmp_path / "users.toml"))
+    monkeypatch.setenv("RESIHP_UI_TRACE_DIR", str(tmp_path / "traces"))
+    return bus_path
+
+
+def control_events(bus_path: Path, kind: type) -> list:
+    with EmbeddedBus(bus_path) as bus, EventStream(bus, "test-reader", [topics.CONTROL]) as stream:
+        return [d.event for d in stream.poll(10_000, 0.1) if isinstance(d.event.payload, kind)]
+
+
+def sign_in(at: AppTest, name: str, password: str) -> AppTest:
+    at.text_input(key="signin_name").input(name)
+    at.text_input(key="signin_password").input(password)
+    return at.button[0].click().run()
+
+
+def open_incident(at: AppTest) -> AppTest:
+    at.sidebar.radio(key="page").set_value("Incidents").run()
+    return at.button(key=f"open-{INCIDENT_ID}").click().run()
+
+
+def test_ui_sign_in_shows_the_console(console: Path) -> None:
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    assert not at.exception
+    assert at.text_input(key="signin_name") is not None
+    at = sign_in(at, "alice", "alice-pw")
+    assert not at.exception, at.exception
+    assert at.session_state["session"].user == User("alice", "operator")
+    assert any("Signed in as **alice**" in m.value for m in at.sidebar.markdown)
+    assert at.header[0].value == "Jobs"
+
+
+def test_ui_wrong_password_is_refused_with_a_message(console: Path) -> None:
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    at = sign_in(at, "alice", "not-her-password")
+    assert "session" not in at.session_state
+    assert any("wrong user name or password" in e.value for e in at.error)
+    at = sign_in(at, "mallory", "whatever")
+    assert "session" not in at.session_state
+    assert any("wrong user name or password" in e.value for e in at.error)
+
+
+def test_ui_operator_approve_publishes_a_plan_decision_naming_the_user(console: Path) -> None:
+    at = sign_in(AppTest.from_file(APP, default_timeout=60).run(), "alice", "alice-pw")
+    at = open_incident(at)
+    assert not at.exception, at.exception
+    assert at.header[0].value == f"Incident {INCIDENT_ID}"
+    at.text_area(key=f"comment-{PLAN_ID}").input("drop the slow GPU")
+    at = at.button(key=f"approve-{PLAN_ID}").click().run()
+    assert not at.exception, at.exception
+    decisions = control_events(console, PlanDecision)
+    assert len(decisions) == 1
+    d = decisions[0]
+    assert (d.payload.plan_id, d.payload.approve, d.payload.actor, d.payload.comment) == (
+        PLAN_ID, True, "ui:alice", "drop the slow GPU")
+    assert d.source == "ui:alice" and d.job == "demo"
+    assert any("Approved by ui:alice" in s.value for s in at.success)
+    # A second press on a decided plan changes nothing: the buttons are gone and nothing more is published.
+    assert not [b for b in at.button if b.key == f"approve-{PLAN_ID}"]
+
+
+def test_ui_viewer_pressing_approve_gets_a_message_and_publishes_nothing(console: Path) -> None:
+    at = sign_in(AppTest.from_file(APP, default_timeout=60).run(), "bob", "bob-pw")
+    at = open_incident(at)
+    at = at.button(key=f"approve-{PLAN_ID}").click().run()
+    assert any("bob is a viewer: only operators can approve or reject plans" in e.value for e in at.error)
+    assert control_events(console, PlanDecision) == []
+
+
+def test_ui_expired_session_pressing_reject_changes_nothing(console: Path) -> None:
+    at = sign_in(AppTest.from_file(APP, default_timeout=60).run(), "alice", "alice-pw")
+    at = open_incident(at)
+    s: Session = at.session_state["session"]
+    at.session_state["session"] = Session(s.user, s.signed_in_at_s - 10, s.signed_in_at_s - 1)
+    at = at.button(key=f"reject-{PLAN_ID}").click().run()
+    assert any("expired" in w.value for w in at.warning)
+    assert "session" not in at.session_state
+    assert control_events(console, PlanDecision) == []
+
+
+def test_ui_policy_change_by_operator_publishes_policy_changed_and_viewer_cannot(console: Path) -> None:
+    at = sign_in(AppTest.from_file(APP, default_timeout=60).run(), "bob", "bob-pw")
+    at.sidebar.radio(key="page").set_value("Policy").run()
+    at.radio(key="policy_mode_demo").set_value(PolicyMode.AUTO).run()
+    at = at.button(key="policy_save").click().run()
+    assert any("only operators can change the policy" in e.value for e in at.error)
+    assert control_events(console, PolicyChanged) == []
+
+    at = sign_in(AppTest.from_file(APP, default_timeout=60).run(), "alice", "alice-pw")
+    at.sidebar.radio(key="page").set_value("Policy").run()
+    at.radio(key="policy_mode_demo").set_value(PolicyMode.AUTO).run()
+    at = at.button(key="policy_save").click().run()
+    assert not at.exception, at.exception
+    (changed,) = control_events(console, PolicyChanged)
+    assert changed.job == "demo" and changed.payload.actor == "ui:alice"
+    assert changed.payload.mode.value == "auto"
+    assert [s.value for s in changed.payload.auto_severities] == ["high", "critical"]
+    assert any("set by ui:alice" in m.value for m in at.markdown)
+
+
+def test_ui_replay_and_jobs_pages_render_the_log(console: Path) -> None:
+    at = sign_in(AppTest.from_file(APP, default_timeout=60).run(), "alice", "alice-pw")
+    assert not at.exception, at.exception
+    assert [m.label for m in at.metric][:2] == ["Plan epoch", "Layout"]
+    assert at.metric[1].value == "TP2·PP2·DP2"
+    at.sidebar.radio(key="page").set_value("Replay").run()
+    assert not at.exception, at.exception
+    end = at.slider(key="replay_pos").max
+    at = at.slider(key="replay_pos").set_value(end).run()
+    assert not at.exception, at.exception
+    table = at.dataframe[0].value
+    assert "opened inc-demo-60 (high)" in " ".join(table["what"])
+    assert set(table["who"]) >= {"detector", "planner"}

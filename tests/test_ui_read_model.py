@@ -1,0 +1,150 @@
+"""The console's fold, its users file and its figures: unit tests on plain values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from collector.embedded import EmbeddedBus
+from collector.events import EventFactory, PlanDecision, PolicyMode, Severity
+from ui.actions import ActionRefused, change_policy, decide_plan
+from ui.auth import AuthError, NotAllowed, Session, SessionExpired, User, UsersFile, UsersFileError, verify_password
+from ui.charts import downsample, plan_cells
+from ui.demo import DemoSpec, demo_events
+from ui.feed import Feed
+from ui.read_model import ReadModel
+
+
+def test_ui_fold_follows_the_whole_lifecycle_and_is_idempotent() -> None:
+    events = demo_events(DemoSpec(iterations=90, lifecycle="verified"))
+    model = ReadModel()
+    for e in events + events:  # a replayed log changes nothing
+        model.apply(e)
+    (inc,) = model.incidents.values()
+    assert model.incident_state(inc) == "resolved"
+    steps = [(s.label, s.time_s is not None) for s in model.timeline(inc)]
+    assert steps == [("opened", True), ("confirmed", True), ("plan proposed", True), ("auto-applied", True),
+                     ("applied", True), ("verified", True), ("resolved", True)]
+    plan = model.plans[inc.plan_ids[0]]
+    assert len(plan.decisions) == 1 and plan.status == "verified"
+    job = model.jobs["demo"]
+    assert job.current_plan is not None and job.current_plan.epoch == 1
+    assert len(job.predictions) == 90 and list(job.predictions.arrays()["iteration"]) == list(range(90))
+    assert [m.kind for m in job.marks] == ["incident", "reshape"]
+    assert job.marks[1].iteration == 72  # the ack's time mapped onto the iteration then running
+
+
+def test_ui_fold_shows_a_pending_plan_and_the_slow_rank_in_the_heatmap() -> None:
+    model = ReadModel()
+    for e in demo_events(DemoSpec(iterations=80, fault_rank=5, fault_factor=2.0, fault_at=60)):
+        model.apply(e)
+    (inc,) = model.incidents.values()
+    assert model.incident_state(inc) == "awaiting decision"
+    iterations, matrix = model.jobs["demo"].ranks.slowdown(50, 79)
+    assert matrix.shape == (8, 30) and iterations[0] == 50
+    after = matrix[:, iterations >= 60]
+    assert np.all(after[5] > 1.6) and np.all(np.delete(after, 5, axis=0) < 1.2)
+    q = model.jobs["demo"].ranks.seq_len_quantiles(50, 79)
+    assert len(q["p50"]) == 30 and np.all(q["p5"] <= q["p95"])
+
+
+def test_ui_cells_mark_unused_and_slow_devices() -> None:
+    model = ReadModel()
+    for e in demo_events(DemoSpec(iterations=70)):
+        model.apply(e)
+    job = model.jobs["demo"]
+    plan = next(iter(model.plans.values()))
+    cells = {c.device: c for c in plan_cells(plan.proposed.plan, job.layout, job.health)}
+    assert cells[5].health == "unused" and cells[4].health == "healthy"
+    current = {c.device: c for c in plan_cells(None, job.layout, job.health)}
+    assert current[5].health == "slow" and current[5].factor == 2.0 and current[5].stage == 0
+
+
+def test_ui_downsample_keeps_the_worst_value_of_each_bucket() -> None:
+    x = np.arange(10_000)
+    y = np.ones(10_000)
+    y[4321] = 9.0
+    out = downsample({"iteration": x, "observed_s": y}, 100, worst=["observed_s"])
+    assert len(out["iteration"]) == 100 and out["observed_s_max"].max() == 9.0
+    assert out["observed_s"].max() < 1.1
+
+
+def test_ui_users_file_hashes_and_refuses(tmp_path: Path) -> None:
+    users = UsersFile(tmp_path / "u.toml")
+    with pytest.raises(UsersFileError, match="resihp ui --add-user"):
+        users.authenticate("alice", "pw")
+    users.add_user("alice", "operator", "s3cret")
+    users.add_user("bob", "viewer", "hunter2")
+    text = (tmp_path / "u.toml").read_text()
+    assert "s3cret" not in text and "scrypt$" in text
+    assert users.authenticate("alice", "s3cret") == User("alice", "operator")
+    assert users.authenticate("bob", "hunter2").role == "viewer"
+    for name, pw in (("alice", "wrong"), ("carol", "s3cret")):
+        with pytest.raises(AuthError, match="wrong user name or password"):
+            users.authenticate(name, pw)
+    assert not verify_password("x", "md5$abc")
+    with pytest.raises(ValueError, match="role"):
+        users.add_user("eve", "admin", "pw")
+
+
+def _feed_with_pending_plan(tmp_path: Path) -> Feed:
+    path = tmp_path / "bus.sqlite"
+    with EmbeddedBus(path) as bus:
+        bus.publish(demo_events(DemoSpec(iterations=70)))
+    feed = Feed(lambda: EmbeddedBus(path), topics_read=["resihp.analytics", "resihp.control"])
+    feed.refresh()
+    return feed
+
+
+def test_ui_actions_check_role_expiry_and_state_before_publishing(tmp_path: Path) -> None:
+    feed = _feed_with_pending_plan(tmp_path)
+    plan_id = next(iter(feed.model.plans))
+    viewer = Session(User("bob", "viewer"), 0, 100)
+    operator = Session(User("alice", "operator"), 0, 100)
+    with pytest.raises(NotAllowed, match="bob is a viewer"):
+        decide_plan(feed, viewer, plan_id, approve=True, now_s=50)
+    with pytest.raises(SessionExpired):
+        decide_plan(feed, operator, plan_id, approve=True, now_s=100)
+    with pytest.raises(ActionRefused, match="no proposed plan"):
+        decide_plan(feed, operator, "plan-nope", approve=True, now_s=50)
+    assert feed.model.plans[plan_id].pending
+    event = decide_plan(feed, operator, plan_id, approve=False, comment=" too costly ", now_s=50)
+    assert isinstance(event.payload, PlanDecision) and event.payload.comment == "too costly"
+    assert feed.model.plans[plan_id].status == "rejected"
+    with pytest.raises(ActionRefused, match="already rejected by ui:alice"):
+        decide_plan(feed, operator, plan_id, approve=True, now_s=50)
+    with pytest.raises(ActionRefused, match="at least one severity"):
+        change_policy(feed, operator, "demo", mode=PolicyMode.AUTO, auto_severities=[], now_s=50)
+    e1 = change_policy(feed, operator, "demo", mode=PolicyMode.AUTO, auto_severities=[Severity.CRITICAL], now_s=50)
+    assert feed.model.jobs["demo"].policy.mode == PolicyMode.AUTO
+    assert e1.source == "ui:alice" and e1.seq == event.seq + 1  # per-source numbering continues
+    feed.close()
+
+
+def test_ui_fold_ignores_decisions_for_unknown_plans_and_keeps_the_first_verdict() -> None:
+    model = ReadModel()
+    for e in demo_events(DemoSpec(iterations=70)):
+        model.apply(e)
+    plan_id = next(iter(model.plans))
+    f = EventFactory("demo", "ui:alice")
+    model.apply(f.make(PlanDecision(plan_id="plan-unknown", approve=True, actor="ui:alice")))
+    model.apply(f.make(PlanDecision(plan_id=plan_id, approve=True, actor="ui:alice")))
+    model.apply(f.make(PlanDecision(plan_id=plan_id, approve=False, actor="ui:bob")))
+    assert model.plans[plan_id].status == "approved"
+    assert model.next_seq("demo", "ui:alice") == 3
+
+
+def test_ui_replay_reads_a_parquet_trace_without_telemetry(tmp_path: Path) -> None:
+    from collector.trace import TraceWriter
+    from ui.trace_source import load_trace
+
+    events = demo_events(DemoSpec(iterations=90, lifecycle="verified"))
+    with TraceWriter(tmp_path / "run.parquet") as w:
+        w.write(events)
+    loaded = load_trace(tmp_path / "run.parquet")
+    assert loaded.skipped == 0
+    assert len(loaded.events) == sum(e.kind != "telemetry.iteration" for e in events)
+    assert [e.time_s for e in loaded.events] == sorted(e.time_s for e in loaded.events)
+    assert {"incident.opened", "plan.proposed", "command.ack", "plan.verified"} <= {e.kind for e in loaded.events}

@@ -1,0 +1,55 @@
+"""The only things the console writes: plan decisions and policy changes, each naming its actor.
+
+Every check happens here, not in the page, so a page bug cannot publish an unauthorised decision:
+the session must be live, the user an operator, and — for a decision — the plan must exist and
+still await a verdict (a second approval of the same plan changes nothing). When a check fails,
+nothing is published and the exception's message says why, for the page to show as it is.
+"""
+
+from __future__ import annotations
+
+import time
+
+from collector.events import Envelope, EventFactory, PlanDecision, PolicyChanged, PolicyMode, Severity
+from ui.auth import Session
+from ui.feed import Feed
+
+
+class ActionRefused(Exception):
+    """The action is not possible in the current state (unknown or already decided plan)."""
+
+
+def _factory(feed: Feed, job: str, actor: str) -> EventFactory:
+    return EventFactory(job, actor, first_seq=feed.model.next_seq(job, actor))
+
+
+def decide_plan(feed: Feed, session: Session, plan_id: str, *, approve: bool, comment: str = "",
+                now_s: float | None = None) -> Envelope:
+    """Publish a plan.decision by the session's user. Raises SessionExpired, NotAllowed or ActionRefused."""
+    now_s = time.time() if now_s is None else now_s
+    user = session.require_operator(now_s, "approve or reject plans")
+    feed.refresh()
+    plan = feed.model.plans.get(plan_id)
+    if plan is None:
+        raise ActionRefused(f"no proposed plan {plan_id!r} on the bus; refresh the page")
+    if not plan.pending:
+        _, d = plan.decision
+        verdict = "approved" if d.approve else "rejected"
+        raise ActionRefused(f"plan {plan_id} was already {verdict} by {d.actor}; nothing was changed")
+    event = _factory(feed, plan.job, user.actor).make(
+        PlanDecision(plan_id=plan_id, approve=approve, actor=user.actor, comment=comment.strip()))
+    feed.publish(event)
+    return event
+
+
+def change_policy(feed: Feed, session: Session, job: str, *, mode: PolicyMode, auto_severities: list[Severity],
+                  now_s: float | None = None) -> Envelope:
+    """Publish a policy.changed for ``job`` by the session's user. Raises SessionExpired or NotAllowed."""
+    now_s = time.time() if now_s is None else now_s
+    user = session.require_operator(now_s, "change the policy")
+    if mode == PolicyMode.AUTO and not auto_severities:
+        raise ActionRefused("auto-apply needs at least one severity to apply automatically; pick some or choose propose")
+    event = _factory(feed, job, user.actor).make(
+        PolicyChanged(mode=mode, auto_severities=sorted(set(auto_severities), key=list(Severity).index), actor=user.actor))
+    feed.publish(event)
+    return event

@@ -1,0 +1,162 @@
+"""Who may look and who may decide: users with scrypt-hashed passwords in a TOML file, and sessions.
+
+Two roles: ``viewer`` looks; ``operator`` also approves, rejects and changes policy. The users
+file is the first ``Authenticator``; single sign-on can be added later as another class with the
+same ``authenticate`` method (the app only ever sees a ``User``).
+
+File format (written by ``resihp ui --add-user NAME --role operator``)::
+
+    [users.alice]
+    role = "operator"
+    password = "scrypt$16384$8$1$<salt, base64>$<key, base64>"
+
+What can go wrong: a missing or malformed file (``UsersFileError`` says which and how to fix it);
+a wrong password or unknown user (``AuthError``, with one message for both so a guesser learns
+nothing); an expired session (``SessionExpired``); a viewer trying to decide (``NotAllowed``).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import os
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+Role = Literal["operator", "viewer"]
+ROLES: tuple[str, ...] = ("operator", "viewer")
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_SCRYPT_N, _SCRYPT_R, _SCRYPT_P = 2**14, 8, 1
+
+
+class AuthError(Exception):
+    """Sign-in refused."""
+
+
+class UsersFileError(Exception):
+    """The users file is missing or malformed."""
+
+
+class SessionExpired(Exception):
+    """The session is older than the configured lifetime."""
+
+
+class NotAllowed(Exception):
+    """The signed-in user's role does not allow the action."""
+
+
+def hash_password(password: str, *, n: int = _SCRYPT_N, r: int = _SCRYPT_R, p: int = _SCRYPT_P) -> str:
+    """An scrypt hash with a fresh 16-byte salt, self-describing (its parameters travel with it)."""
+    if not password:
+        raise ValueError("an empty password cannot be stored; choose one")
+    salt = os.urandom(16)
+    key = hashlib.scrypt(password.encode(), salt=salt, n=n, r=r, p=p, dklen=32)
+    return f"scrypt${n}${r}${p}${base64.b64encode(salt).decode()}${base64.b64encode(key).decode()}"
+
+
+def verify_password(password: str, stored: str) -> bool:
+    """Constant-time check of ``password`` against a ``hash_password`` string."""
+    try:
+        scheme, n, r, p, salt_b64, key_b64 = stored.split("$")
+        if scheme != "scrypt":
+            return False
+        salt, key = base64.b64decode(salt_b64), base64.b64decode(key_b64)
+        got = hashlib.scrypt(password.encode(), salt=salt, n=int(n), r=int(r), p=int(p), dklen=len(key))
+    except (ValueError, TypeError):
+        return False
+    return hmac.compare_digest(got, key)
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    role: Role
+
+    @property
+    def actor(self) -> str:
+        """How this user is named on every event it causes."""
+        return f"ui:{self.name}"
+
+    @property
+    def can_decide(self) -> bool:
+        return self.role == "operator"
+
+
+class Authenticator(Protocol):
+    def authenticate(self, name: str, password: str) -> User: ...
+
+
+class UsersFile:
+    """The TOML users file. Re-read on each sign-in, so added users need no restart."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def load(self) -> dict[str, dict[str, str]]:
+        if not self.path.exists():
+            raise UsersFileError(
+                f"no users file at {self.path}; create one with "
+                f"`resihp ui --add-user NAME --role operator --users {self.path}`")
+        try:
+            data = tomllib.loads(self.path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise UsersFileError(f"users file {self.path} is not valid TOML: {exc}") from None
+        users = data.get("users", {})
+        if not isinstance(users, dict):
+            raise UsersFileError(f"users file {self.path}: [users] must be a table of users")
+        for name, entry in users.items():
+            if not isinstance(entry, dict) or entry.get("role") not in ROLES or not isinstance(entry.get("password"), str):
+                raise UsersFileError(
+                    f"users file {self.path}: user {name!r} needs role = one of {list(ROLES)} and a password hash; "
+                    "rewrite it with `resihp ui --add-user`")
+        return users
+
+    def authenticate(self, name: str, password: str) -> User:
+        entry = self.load().get(name)
+        # Hash even for an unknown user, so timing does not tell which names exist.
+        stored = entry["password"] if entry else "scrypt$16384$8$1$AAAAAAAAAAAAAAAAAAAAAA==$AAAA"
+        if not verify_password(password, stored) or entry is None:
+            raise AuthError("wrong user name or password")
+        return User(name, entry["role"])  # type: ignore[arg-type]
+
+    def add_user(self, name: str, role: str, password: str) -> None:
+        """Add or replace one user; other users are kept. Writes atomically (temp file + rename)."""
+        if not _NAME.match(name):
+            raise ValueError(f"user name {name!r}: use 1–64 letters, digits, '_', '.' or '-'")
+        if role not in ROLES:
+            raise ValueError(f"role {role!r}: choose one of {list(ROLES)}")
+        users = self.load() if self.path.exists() else {}
+        users[name] = {"role": role, "password": hash_password(password)}
+        lines = ["# ResiHP console users; write with `resihp ui --add-user`. Passwords are scrypt hashes.", ""]
+        for n in sorted(users):
+            lines += [f"[users.{n}]", f'role = "{users[n]["role"]}"', f'password = "{users[n]["password"]}"', ""]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        tmp.write_text("\n".join(lines))
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, self.path)
+
+
+@dataclass(frozen=True)
+class Session:
+    """A signed-in user and when the sign-in stops being valid."""
+
+    user: User
+    signed_in_at_s: float
+    expires_at_s: float
+
+    def check(self, now_s: float) -> User:
+        if now_s >= self.expires_at_s:
+            raise SessionExpired(f"your session as {self.user.name} expired; sign in again (nothing was changed)")
+        return self.user
+
+    def require_operator(self, now_s: float, action: str) -> User:
+        """The user, if the session is live and the role may ``action``; otherwise raise."""
+        user = self.check(now_s)
+        if not user.can_decide:
+            raise NotAllowed(f"{user.name} is a viewer: only operators can {action}. Nothing was changed.")
+        return user

@@ -1,0 +1,403 @@
+"""The console's read model: a fold over the bus's events into plain in-memory structures.
+
+Every screen is a projection of the log (ARCHITECTURE.md), so this is the only state the console
+has: jobs (predicted against observed series, rank health, the layout, the current plan, the
+policy), incidents and plans with their lifecycle. It never opens another process's DuckDB file.
+
+Idempotent: control and incident events are deduplicated on their id; telemetry and predictions
+are keyed by (epoch, iteration[, rank]) and overwrite, so their ids need not be remembered (a
+1,024-rank job would otherwise fill memory with ids). Events of an unknown kind are counted and
+ignored — the stream has already sent undecodable records to the dead-letter topic.
+
+The incident → plan → decision → command → acknowledgement fold is the console's own:
+remediation/lifecycle.py did not exist when this was written; switch to it when it does.
+"""
+
+from __future__ import annotations
+
+import bisect
+from array import array
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from collector.events import (
+    AckStatus, CommandAck, Envelope, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentResolved,
+    IncidentUpdated, IterationPrediction, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified,
+    PolicyChanged, PolicyMode, RankHealth, RankHealthEntry, RankIteration, ReconfigureCommand, Severity,
+)
+from collector.plan import Plan
+from ui.rank_store import RankStore
+
+SEVERITY_ORDER = {Severity.LOW: 0, Severity.MEDIUM: 1, Severity.HIGH: 2, Severity.CRITICAL: 3}
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a device sits and what it does, as its own telemetry last reported."""
+
+    device: int
+    node: int | None
+    replica: int
+    stage: int
+    tp_rank: int
+    epoch: int
+
+
+class PredictionSeries:
+    """Observed and predicted iteration times, in iteration order, with O(1) overwrite by key."""
+
+    def __init__(self) -> None:
+        self._index: dict[tuple[int, int], int] = {}
+        self.iteration = array("q")
+        self.epoch = array("q")
+        self.time_s = array("d")
+        self.observed_s = array("d")
+        self.predicted_s = array("d")
+        self.tokens = array("d")
+        self._sorted = True
+
+    def add(self, p: IterationPrediction, time_s: float) -> None:
+        key = (p.epoch, p.iteration)
+        i = self._index.get(key)
+        if i is None:
+            if len(self.iteration) and p.iteration < self.iteration[-1]:
+                self._sorted = False
+            self._index[key] = len(self.iteration)
+            for arr, v in ((self.iteration, p.iteration), (self.epoch, p.epoch), (self.time_s, time_s),
+                           (self.observed_s, p.observed_s), (self.predicted_s, p.predicted_s), (self.tokens, p.tokens)):
+                arr.append(v)
+        else:
+            self.time_s[i], self.observed_s[i], self.predicted_s[i], self.tokens[i] = (
+                time_s, p.observed_s, p.predicted_s, p.tokens)
+
+    def __len__(self) -> int:
+        return len(self.iteration)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Copies as numpy arrays, sorted by iteration."""
+        out = {name: np.frombuffer(getattr(self, name), dtype=np.int64 if name in ("iteration", "epoch") else np.float64).copy()
+               for name in ("iteration", "epoch", "time_s", "observed_s", "predicted_s", "tokens")}
+        if not self._sorted:
+            order = np.argsort(out["iteration"], kind="stable")
+            out = {k: v[order] for k, v in out.items()}
+        return out
+
+    def iteration_at(self, time_s: float) -> int | None:
+        """The iteration being predicted around ``time_s`` (for marking events that carry no iteration)."""
+        if not len(self.time_s):
+            return None
+        times = list(self.time_s) if not self._sorted else self.time_s
+        i = min(bisect.bisect_left(times, time_s), len(times) - 1)
+        return int(self.iteration[i])
+
+
+@dataclass
+class PolicyView:
+    mode: PolicyMode
+    auto_severities: list[Severity]
+    actor: str
+    time_s: float
+
+
+@dataclass
+class Mark:
+    """Something to draw on a job's time series: an incident opened or a reshape applied."""
+
+    kind: str  # "incident" | "reshape"
+    iteration: int | None
+    time_s: float
+    label: str
+
+
+@dataclass
+class JobView:
+    job: str
+    predictions: PredictionSeries = field(default_factory=PredictionSeries)
+    health: dict[int, RankHealthEntry] = field(default_factory=dict)
+    layout: dict[int, Slot] = field(default_factory=dict)
+    current_plan: Plan | None = None
+    policy: PolicyView | None = None
+    marks: list[Mark] = field(default_factory=list)
+    faults: list[FaultInjected] = field(default_factory=list)
+    ranks: RankStore = field(default_factory=RankStore)
+    last_iteration: int = -1
+    last_epoch: int = 0
+
+    def running_epoch(self) -> int:
+        return self.current_plan.epoch if self.current_plan is not None else self.last_epoch
+
+
+@dataclass
+class PlanView:
+    plan_id: str
+    job: str
+    proposed: PlanProposed
+    proposed_time_s: float
+    source: str
+    decisions: list[tuple[float, PlanDecision]] = field(default_factory=list)
+    commands: list[tuple[float, ReconfigureCommand]] = field(default_factory=list)
+    acks: list[tuple[float, CommandAck]] = field(default_factory=list)
+    verified: tuple[float, PlanVerified] | None = None
+    rolled_back: tuple[float, PlanRolledBack] | None = None
+
+    @property
+    def decision(self) -> tuple[float, PlanDecision] | None:
+        """The first verdict counts; later ones are kept but do not change the outcome."""
+        return self.decisions[0] if self.decisions else None
+
+    @property
+    def pending(self) -> bool:
+        return not self.decisions
+
+    @property
+    def applied(self) -> tuple[float, CommandAck] | None:
+        return next(((t, a) for t, a in self.acks if a.status == AckStatus.APPLIED), None)
+
+    @property
+    def status(self) -> str:
+        if self.rolled_back:
+            return "rolled back"
+        if self.verified:
+            return "verified"
+        if self.applied:
+            return "applied"
+        if self.acks:
+            return f"command {self.acks[-1][1].status.value}"
+        if self.decision:
+            _, d = self.decision
+            if not d.approve:
+                return "rejected"
+            return "auto-applied" if d.actor.startswith("policy:") else "approved"
+        return "awaiting decision"
+
+
+@dataclass
+class IncidentView:
+    incident_id: str
+    job: str
+    opened: IncidentOpened
+    opened_time_s: float
+    severity: Severity
+    confirmed: tuple[float, IncidentConfirmed] | None = None
+    updates: list[tuple[float, IncidentUpdated]] = field(default_factory=list)
+    resolved: tuple[float, IncidentResolved] | None = None
+    plan_ids: list[str] = field(default_factory=list)
+
+    @property
+    def latest_evidence(self):  # -> Evidence
+        return self.updates[-1][1].evidence if self.updates else self.opened.evidence
+
+    @property
+    def latest_locations(self):
+        return self.updates[-1][1].locations if self.updates else self.opened.locations
+
+
+@dataclass
+class TimelineStep:
+    label: str
+    time_s: float | None  # None: not reached yet
+    detail: str = ""
+
+
+class ReadModel:
+    """The fold. ``apply`` one event at a time, in log order per source."""
+
+    def __init__(self, *, max_rank_iterations: int = 4096) -> None:
+        self.jobs: dict[str, JobView] = {}
+        self.incidents: dict[str, IncidentView] = {}
+        self.plans: dict[str, PlanView] = {}
+        self.commands: dict[str, str] = {}  # command id -> plan id
+        self.last_seq: dict[tuple[str, str], int] = {}  # (job, source) -> highest seq seen
+        self.applied = 0
+        self.ignored = 0
+        self._seen: set[str] = set()
+        self._max_rank_iterations = max_rank_iterations
+        self._early_plan_events: dict[str, list[Envelope]] = {}
+
+    def job(self, name: str) -> JobView:
+        view = self.jobs.get(name)
+        if view is None:
+            view = self.jobs[name] = JobView(name, ranks=RankStore(self._max_rank_iterations))
+        return view
+
+    def next_seq(self, job: str, source: str) -> int:
+        """The sequence number a source that restarts should use next (contract: per-source seq)."""
+        return self.last_seq.get((job, source), -1) + 1
+
+    def apply(self, event: Envelope) -> None:
+        key = (event.job, event.source)
+        if event.seq > self.last_seq.get(key, -1):
+            self.last_seq[key] = event.seq
+        p = event.payload
+        job = self.job(event.job)
+        if isinstance(p, RankIteration):
+            job.ranks.add(p)
+            job.layout[p.rank] = Slot(p.rank, p.node, p.coords.dp, p.coords.pp, p.coords.tp, p.epoch)
+            job.last_iteration = max(job.last_iteration, p.iteration)
+            job.last_epoch = max(job.last_epoch, p.epoch)
+            self.applied += 1
+            return
+        if isinstance(p, IterationPrediction):
+            job.predictions.add(p, event.time_s)
+            job.last_iteration = max(job.last_iteration, p.iteration)
+            job.last_epoch = max(job.last_epoch, p.epoch)
+            self.applied += 1
+            return
+        if event.id in self._seen:
+            return
+        self._seen.add(event.id)
+        self.applied += 1
+        handler = getattr(self, "_on_" + event.kind.replace(".", "_"), None)
+        if handler is None:
+            self.ignored += 1
+            return
+        handler(event, job)
+
+    # ---- analytics ------------------------------------------------------------------------------
+
+    def _on_analytics_rank_health(self, e: Envelope, job: JobView) -> None:
+        for entry in e.payload.ranks:
+            job.health[entry.rank] = entry
+
+    def _on_incident_opened(self, e: Envelope, job: JobView) -> None:
+        p: IncidentOpened = e.payload
+        self.incidents[p.incident_id] = IncidentView(p.incident_id, e.job, p, e.time_s, p.severity)
+        job.marks.append(Mark("incident", p.iteration, e.time_s, f"{p.severity.value}: {p.summary}"))
+        for pending in self._early_plan_events.pop(p.incident_id, []):
+            self._link_plan(pending.payload.plan_id, p.incident_id)
+
+    def _on_incident_confirmed(self, e: Envelope, job: JobView) -> None:
+        inc = self.incidents.get(e.payload.incident_id)
+        if inc is not None and inc.confirmed is None:
+            inc.confirmed = (e.time_s, e.payload)
+
+    def _on_incident_updated(self, e: Envelope, job: JobView) -> None:
+        inc = self.incidents.get(e.payload.incident_id)
+        if inc is not None:
+            inc.updates.append((e.time_s, e.payload))
+            inc.severity = e.payload.severity
+
+    def _on_incident_resolved(self, e: Envelope, job: JobView) -> None:
+        inc = self.incidents.get(e.payload.incident_id)
+        if inc is not None and inc.resolved is None:
+            inc.resolved = (e.time_s, e.payload)
+
+    def _on_truth_fault(self, e: Envelope, job: JobView) -> None:
+        job.faults.append(e.payload)
+
+    # ---- remediation ----------------------------------------------------------------------------
+
+    def _on_plan_proposed(self, e: Envelope, job: JobView) -> None:
+        p: PlanProposed = e.payload
+        self.plans[p.plan_id] = PlanView(p.plan_id, e.job, p, e.time_s, e.source)
+        for iid in p.incident_ids:
+            if iid in self.incidents:
+                self._link_plan(p.plan_id, iid)
+            else:
+                self._early_plan_events.setdefault(iid, []).append(e)
+
+    def _link_plan(self, plan_id: str, incident_id: str) -> None:
+        inc = self.incidents[incident_id]
+        if plan_id not in inc.plan_ids:
+            inc.plan_ids.append(plan_id)
+
+    def _on_plan_decision(self, e: Envelope, job: JobView) -> None:
+        plan = self.plans.get(e.payload.plan_id)
+        if plan is not None:
+            plan.decisions.append((e.time_s, e.payload))
+
+    def _on_command_reconfigure(self, e: Envelope, job: JobView) -> None:
+        p: ReconfigureCommand = e.payload
+        self.commands[p.command_id] = p.plan_id
+        plan = self.plans.get(p.plan_id)
+        if plan is not None:
+            plan.commands.append((e.time_s, p))
+
+    def _on_command_ack(self, e: Envelope, job: JobView) -> None:
+        p: CommandAck = e.payload
+        plan = self.plans.get(p.plan_id)
+        if plan is not None:
+            plan.acks.append((e.time_s, p))
+        if p.status == AckStatus.APPLIED:
+            new_plan = next((c.plan for _, c in (plan.commands if plan else []) if c.command_id == p.command_id), None)
+            if new_plan is None and plan is not None:
+                new_plan = plan.proposed.plan
+            if new_plan is not None and (job.current_plan is None or new_plan.epoch >= job.current_plan.epoch):
+                job.current_plan = new_plan
+            job.marks.append(Mark("reshape", job.predictions.iteration_at(e.time_s), e.time_s,
+                                  f"epoch {p.running_epoch} applied ({p.pause_s:.1f}s pause)"))
+
+    def _on_plan_verified(self, e: Envelope, job: JobView) -> None:
+        plan = self.plans.get(e.payload.plan_id)
+        if plan is not None:
+            plan.verified = (e.time_s, e.payload)
+
+    def _on_plan_rolled_back(self, e: Envelope, job: JobView) -> None:
+        plan = self.plans.get(e.payload.plan_id)
+        if plan is not None:
+            plan.rolled_back = (e.time_s, e.payload)
+            job.marks.append(Mark("reshape", job.predictions.iteration_at(e.time_s), e.time_s, "rolled back"))
+
+    def _on_policy_changed(self, e: Envelope, job: JobView) -> None:
+        p: PolicyChanged = e.payload
+        job.policy = PolicyView(p.mode, list(p.auto_severities), p.actor, e.time_s)
+
+    # ---- derived views --------------------------------------------------------------------------
+
+    def incident_state(self, inc: IncidentView) -> str:
+        """The furthest lifecycle step reached: what the incident list shows."""
+        if inc.resolved:
+            return "resolved"
+        for pid in reversed(inc.plan_ids):
+            plan = self.plans.get(pid)
+            if plan is not None:
+                return plan.status
+        return "confirmed" if inc.confirmed else "opened"
+
+    def timeline(self, inc: IncidentView) -> list[TimelineStep]:
+        """opened → confirmed → plan proposed → approved/auto-applied/rejected → applied → verified/rolled back."""
+        steps = [TimelineStep("opened", inc.opened_time_s, inc.opened.summary)]
+        steps.append(TimelineStep("confirmed", inc.confirmed[0] if inc.confirmed else None,
+                                  f"{inc.confirmed[1].method}: {inc.confirmed[1].detail}" if inc.confirmed else ""))
+        plan = self.plans.get(inc.plan_ids[-1]) if inc.plan_ids else None
+        steps.append(TimelineStep("plan proposed", plan.proposed_time_s if plan else None,
+                                  f"{plan.plan_id} by {plan.source} ({plan.proposed.strategy})" if plan else ""))
+        if plan is not None and plan.decision is not None:
+            t, d = plan.decision
+            label = ("auto-applied" if d.actor.startswith("policy:") else "approved") if d.approve else "rejected"
+            steps.append(TimelineStep(label, t, f"by {d.actor}" + (f": {d.comment}" if d.comment else "")))
+        else:
+            steps.append(TimelineStep("approved / auto-applied", None))
+        if plan is not None and plan.decision is not None and not plan.decision[1].approve:
+            return steps + ([TimelineStep("resolved", inc.resolved[0], inc.resolved[1].reason)] if inc.resolved else [])
+        applied = plan.applied if plan else None
+        steps.append(TimelineStep("applied", applied[0] if applied else None,
+                                  f"epoch {applied[1].running_epoch}, pause {applied[1].pause_s:.1f} s" if applied else ""))
+        if plan is not None and plan.rolled_back:
+            t, r = plan.rolled_back
+            steps.append(TimelineStep("rolled back", t, r.reason))
+        else:
+            v = plan.verified if plan else None
+            steps.append(TimelineStep("verified", v[0] if v else None,
+                                      f"{v[1].measured_tokens_per_s:,.0f} tokens/s measured" if v else ""))
+        if inc.resolved:
+            steps.append(TimelineStep("resolved", inc.resolved[0], inc.resolved[1].reason))
+        return steps
+
+    def incidents_sorted(self, job: str | None = None) -> list[IncidentView]:
+        """Open ones first, then by severity, newest first."""
+        items = [i for i in list(self.incidents.values()) if job is None or i.job == job]
+        return sorted(items, key=lambda i: (i.resolved is not None, -SEVERITY_ORDER[i.severity], -i.opened_time_s))
+
+    def base_plan(self, plan: PlanView) -> Plan | None:
+        """The plan a proposal starts from, if the console has seen it applied."""
+        job = self.jobs.get(plan.job)
+        if job is None:
+            return None
+        if job.current_plan is not None and job.current_plan.epoch == plan.proposed.base_epoch:
+            return job.current_plan
+        for other in self.plans.values():
+            if other.applied and other.proposed.plan.epoch == plan.proposed.base_epoch:
+                return other.proposed.plan
+        return None

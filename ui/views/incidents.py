@@ -1,0 +1,189 @@
+"""Incidents: a paginated list; one incident's timeline, evidence, proposed plan and the decision."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import streamlit as st
+
+from ui.actions import ActionRefused, decide_plan
+from ui.auth import NotAllowed, Session, SessionExpired
+from ui.charts import downsample, plan_cells, plan_grid_chart, seq_len_chart, series_chart, slowdown_figure
+from ui.feed import Feed
+from ui.read_model import IncidentView, Mark, PlanView
+from ui.views.common import SEVERITY_BADGE, clock
+
+EVIDENCE_HALF_WINDOW = 60  # iterations either side of the detection drawn in the evidence plots
+
+
+def render(feed: Feed, session: Session, page_size: int) -> None:
+    selected = st.session_state.get("incident") or st.query_params.get("incident")
+    if selected and selected in feed.model.incidents:
+        if st.button("← all incidents", key="back"):
+            st.session_state["incident"] = None
+            st.query_params.pop("incident", None)
+            st.rerun()
+        _detail(feed, session, feed.model.incidents[selected])
+    else:
+        _list(feed, page_size)
+
+
+def _open(incident_id: str) -> None:
+    st.session_state["incident"] = incident_id
+    st.query_params["incident"] = incident_id
+
+
+def _list(feed: Feed, page_size: int) -> None:
+    st.header("Incidents")
+    model = feed.model
+    show = st.radio("Show", ["open", "all"], horizontal=True, key="inc_filter")
+    items = [i for i in model.incidents_sorted() if show == "all" or i.resolved is None]
+    if not items:
+        st.info("No incidents" + (" open." if show == "open" else " yet."))
+        return
+    pages = max(1, math.ceil(len(items) / page_size))
+    page = st.number_input(f"Page (of {pages})", min_value=1, max_value=pages, value=1, key="inc_page") if pages > 1 else 1
+    rows = items[(page - 1) * page_size: page * page_size]
+    st.caption(f"{len(items):,} incidents; showing {len(rows)}")
+    head = st.columns([2, 1, 1, 0.9, 1.3, 0.7, 3, 1])
+    for col, name in zip(head, ["incident", "job", "category", "severity", "state", "iter.", "summary", ""]):
+        col.markdown(f"**{name}**")
+    for inc in rows:
+        c = st.columns([2, 1, 1, 0.9, 1.3, 0.7, 3, 1])
+        c[0].write(inc.incident_id)
+        c[1].write(inc.job)
+        c[2].write(inc.opened.category.value)
+        c[3].markdown(SEVERITY_BADGE[inc.severity.value])
+        c[4].write(model.incident_state(inc))
+        c[5].write(str(inc.opened.iteration))
+        c[6].write(inc.opened.summary)
+        c[7].button("Open", key=f"open-{inc.incident_id}", on_click=_open, args=(inc.incident_id,))
+
+
+def _detail(feed: Feed, session: Session, inc: IncidentView) -> None:
+    model = feed.model
+    st.header(f"Incident {inc.incident_id}")
+    st.markdown(f"{SEVERITY_BADGE[inc.severity.value]} · **{model.incident_state(inc)}** · job `{inc.job}` · "
+                f"{inc.opened.category.value} · detected at iteration {inc.opened.iteration} — {inc.opened.summary}")
+
+    st.subheader("Timeline")
+    steps = model.timeline(inc)
+    cols = st.columns(len(steps))
+    for col, step in zip(cols, steps):
+        done = step.time_s is not None
+        col.markdown(f"{':green[●]' if done else ':gray[○]'} **{step.label}**  \n{clock(step.time_s) if done else 'not yet'}")
+        if step.detail:
+            col.caption(step.detail)
+
+    st.subheader("Evidence")
+    _evidence(feed, inc)
+
+    plan = model.plans.get(inc.plan_ids[-1]) if inc.plan_ids else None
+    st.subheader("Plan")
+    if plan is None:
+        st.info("No plan proposed for this incident yet.")
+        return
+    _plan(feed, plan)
+    _decision(feed, session, plan)
+
+
+def _evidence(feed: Feed, inc: IncidentView) -> None:
+    job = feed.model.jobs.get(inc.job)
+    ev = inc.latest_evidence
+    first, last = inc.opened.iteration - EVIDENCE_HALF_WINDOW, inc.opened.iteration + EVIDENCE_HALF_WINDOW
+    tabs = st.tabs(["observed vs predicted", "per-rank slowdown", "sequence lengths", "locations"])
+    with tabs[0]:
+        series = job.predictions.arrays() if job is not None else {}
+        if job is not None and len(series["iteration"]):
+            keep = (series["iteration"] >= first) & (series["iteration"] <= last)
+            cols = {k: series[k][keep] for k in ("iteration", "observed_s", "predicted_s", "tokens")}
+        else:
+            cols = {"iteration": np.asarray(ev.iterations), "observed_s": np.asarray(ev.observed_s),
+                    "predicted_s": np.asarray(ev.predicted_s), "tokens": np.zeros(len(ev.iterations))}
+        if len(cols["iteration"]):
+            marks = [m for m in (job.marks if job else []) if m.kind == "reshape"]
+            marks.append(Mark("incident", inc.opened.iteration, inc.opened_time_s, inc.opened.summary))
+            st.altair_chart(series_chart(downsample(cols), marks, kind="time"), width="stretch")
+        st.caption(f"detector statistic: {ev.statistic or '—'}; {ev.note}")
+    with tabs[1]:
+        suspects = [loc.rank for loc in inc.latest_locations if loc.rank is not None]
+        if job is not None and len(job.ranks):
+            iterations, matrix = job.ranks.slowdown(first, last)
+            fig = slowdown_figure(iterations, matrix, suspects=suspects)
+            st.pyplot(fig, clear_figure=True)
+        elif ev.rank_factors:
+            st.caption("no per-rank telemetry in the console's window; the detector's own factors:")
+            st.bar_chart(pd.DataFrame({"rank": list(ev.rank_factors), "slowdown": list(ev.rank_factors.values())}),
+                         x="rank", y="slowdown")
+        else:
+            st.info("no per-rank data for this incident")
+    with tabs[2]:
+        q = job.ranks.seq_len_quantiles(first, last) if job is not None else {"iteration": np.zeros(0)}
+        if len(q["iteration"]):
+            st.altair_chart(seq_len_chart(q), width="stretch")
+            st.caption("band: 5th–95th percentile of packed sequence lengths; line: median; dashed: longest")
+        else:
+            st.info("no sequence lengths reported around this incident")
+    with tabs[3]:
+        st.dataframe(pd.DataFrame([loc.model_dump(exclude_none=True) for loc in inc.latest_locations]), hide_index=True)
+
+
+def _plan(feed: Feed, plan: PlanView) -> None:
+    p = plan.proposed
+    gain = (p.predicted_tokens_per_s / p.current_tokens_per_s - 1) if p.current_tokens_per_s else float("nan")
+    extra_tps = p.predicted_tokens_per_s - p.current_tokens_per_s
+    payback_s = p.reshape_cost_s * p.current_tokens_per_s / extra_tps if extra_tps > 0 else float("inf")
+    m = st.columns([1.3, 1, 1, 1.3])
+    m[0].metric("Predicted gain", f"{gain * 100:+.1f}%", f"{p.current_tokens_per_s:,.0f} → {p.predicted_tokens_per_s:,.0f} tokens/s")
+    m[1].metric("Reshape cost", f"{p.reshape_cost_s:.1f} s")
+    m[2].metric("Pays back after", f"{payback_s:.0f} s" if math.isfinite(payback_s) else "never")
+    m[3].markdown(f"Status  \n**{plan.status}**")
+    st.caption(f"{plan.plan_id} · strategy {p.strategy} · proposed by {plan.source} at {clock(plan.proposed_time_s)} · "
+               f"epoch {p.base_epoch} → {p.plan.epoch}")
+    st.markdown("**Diff**\n" + "\n".join(f"- {line}" for line in p.diff) if p.diff else "no differences listed")
+    job = feed.model.jobs.get(plan.job)
+    base = feed.model.base_plan(plan)
+    layout = job.layout if job else {}
+    health = job.health if job else {}
+    colour_by = st.radio("Colour by", ["TP group", "PP stage", "DP replica", "health"], horizontal=True,
+                         key=f"plan_colour_{plan.plan_id}")
+    left, right = st.columns(2)
+    current_cells = plan_cells(base, layout, health)
+    devices = [c.device for c in current_cells]
+    with left:
+        st.markdown(f"**Current** (epoch {p.base_epoch})")
+        if current_cells:
+            st.altair_chart(plan_grid_chart(current_cells, colour_by), width="content")
+    with right:
+        st.markdown(f"**Proposed** (epoch {p.plan.epoch}, {p.plan.shape()})")
+        st.altair_chart(plan_grid_chart(plan_cells(p.plan, layout, health, devices=devices), colour_by),
+                        width="content")
+
+
+def _decision(feed: Feed, session: Session, plan: PlanView) -> None:
+    st.subheader("Decision")
+    if not plan.pending:
+        t, d = plan.decision
+        verdict = "Approved" if d.approve else "Rejected"
+        st.success(f"{verdict} by {d.actor} at {clock(t)}" + (f" — “{d.comment}”" if d.comment else ""))
+        return
+    if not session.user.can_decide:
+        st.caption("You are signed in as a viewer: only operators can approve or reject.")
+    comment = st.text_area("Comment", key=f"comment-{plan.plan_id}", placeholder="why (kept with the decision)")
+    a, r, _ = st.columns([1, 1, 6])
+    approve = a.button("Approve", key=f"approve-{plan.plan_id}", type="primary")
+    reject = r.button("Reject", key=f"reject-{plan.plan_id}")
+    if approve or reject:
+        try:
+            event = decide_plan(feed, session, plan.plan_id, approve=approve, comment=comment)
+        except SessionExpired as exc:
+            st.session_state.pop("session", None)
+            st.error(str(exc))
+        except (NotAllowed, ActionRefused) as exc:
+            st.error(str(exc))
+        else:
+            st.session_state["flash"] = (f"{'Approved' if approve else 'Rejected'} plan {plan.plan_id} as "
+                                         f"{event.payload.actor} (event {event.id[:8]} on the bus)")
+            st.rerun()

@@ -1,0 +1,86 @@
+"""Jobs: observed against predicted over time, marked with incidents and reshapes; the plan grid."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import streamlit as st
+
+from collector.events import RankState
+from ui.charts import downsample, plan_cells, plan_grid_chart, series_chart
+from ui.feed import Feed
+from ui.read_model import JobView
+from ui.views.common import pick_job
+
+WINDOWS = {"last 500 iterations": 500, "last 5,000 iterations": 5000, "all": None}
+
+
+def render(feed: Feed, refresh_s: float) -> None:
+    st.header("Jobs")
+    job_name = pick_job(feed.model, key="jobs_job")
+    if job_name is None:
+        return
+    auto = st.toggle("Auto-refresh", value=False, key="jobs_auto", help=f"re-read the bus every {refresh_s:g} s")
+
+    @st.fragment(run_every=refresh_s if auto else None)
+    def body() -> None:
+        if auto:
+            feed.refresh()
+        _job_body(feed, feed.model.jobs[job_name])
+
+    body()
+
+
+def _job_body(feed: Feed, job: JobView) -> None:
+    series = job.predictions.arrays()
+    open_incidents = [i for i in feed.model.incidents.values() if i.job == job.job and i.resolved is None]
+    shape = job.current_plan.shape() if job.current_plan is not None else _layout_shape(job)
+    m = st.columns([1, 2, 1, 1.6, 1])
+    m[0].metric("Plan epoch", job.running_epoch())
+    m[1].metric("Layout", shape)
+    m[2].metric("Ranks", len(job.layout) or (len(job.current_plan.devices) if job.current_plan else 0))
+    if len(series["iteration"]):
+        last = slice(-20, None)
+        obs = float(np.mean(series["observed_s"][last]))
+        pred = float(np.mean(series["predicted_s"][last]))
+        m[3].metric("Iteration time (last 20)", f"{obs:.2f} s", f"{(obs / pred - 1) * 100:+.0f}% vs predicted" if pred else None,
+                    delta_color="inverse")
+    m[4].metric("Open incidents", len(open_incidents))
+
+    window = st.radio("History", list(WINDOWS), horizontal=True, key="jobs_window", index=0)
+    if len(series["iteration"]):
+        n = WINDOWS[window]
+        if n is not None:
+            keep = series["iteration"] >= series["iteration"][-1] - n
+            series = {k: v[keep] for k, v in series.items()}
+        shown = downsample({k: series[k] for k in ("iteration", "observed_s", "predicted_s", "tokens")})
+        st.caption(f"{len(series['iteration']):,} iterations, drawn as {len(shown['iteration']):,} points; "
+                   "red rules: incidents opened, blue: reshapes applied")
+        st.altair_chart(series_chart(shown, job.marks, kind="time"), width="stretch")
+        st.altair_chart(series_chart(shown, job.marks, kind="throughput"), width="stretch")
+    else:
+        st.info("No analytics.prediction events for this job yet (is the analytics consumer running?).")
+
+    st.subheader("Current plan")
+    colour_by = st.radio("Colour by", ["TP group", "PP stage", "DP replica", "health"], horizontal=True, key="jobs_colour")
+    cells = plan_cells(job.current_plan, job.layout, job.health)
+    if cells:
+        source = (f"plan epoch {job.current_plan.epoch}" if job.current_plan is not None
+                  else "layout from the ranks' telemetry (no reconfiguration applied yet)")
+        st.caption(f"{source}; outlined cells are slow (×factor) or dead (✕)")
+        st.altair_chart(plan_grid_chart(cells, colour_by), width="content")
+    else:
+        st.info("No layout yet: neither telemetry nor an applied plan has been seen.")
+    unhealthy = [e for e in job.health.values() if e.state != RankState.HEALTHY]
+    if unhealthy:
+        st.dataframe(pd.DataFrame({"rank": [e.rank for e in unhealthy], "state": [e.state.value for e in unhealthy],
+                                   "slowdown": [e.factor for e in unhealthy]}), hide_index=True)
+
+
+def _layout_shape(job: JobView) -> str:
+    if not job.layout:
+        return "—"
+    tp = max(s.tp_rank for s in job.layout.values()) + 1
+    pp = max(s.stage for s in job.layout.values()) + 1
+    dp = max(s.replica for s in job.layout.values()) + 1
+    return f"TP{tp}·PP{pp}·DP{dp}"
