@@ -100,23 +100,24 @@ def test_analytics_killed_mid_stream_resumes_without_loss_or_duplicates(bus_fact
         published.extend(e.id for e in batch)
 
     db = tmp_path / "analytics.duckdb"
-    cmd = [sys.executable, "-m", "resihp.cli", "analytics", *bus_args(spec), "--db", str(db),
-           "--batch", "13", "--exit-when-idle", "3", "--instance-id", "analytics-crash-test"]
+    cmd = [sys.executable, "-m", "resihp.cli", "analytics", *bus_args(spec), "--db", str(db), "--no-detect",
+           "--batch", "13", "--exit-when-idle", "3", "--instance-id", "analytics-crash-test", "--log-batches"]
     rng = random.Random(7)
-    kills = 0
-    for attempt in range(12):
-        proc = subprocess.Popen(cmd, env=child_env(spec), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        if kills < 4:
-            time.sleep(rng.uniform(1.5, 4.0))
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-                kills += 1
-            proc.wait()
-            continue
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err.decode()[-2000:]
-        break
-    assert kills == 4, "the consumer finished before it could be killed four times; publish more events"
+    for kill in range(4):
+        # Let it commit a few transactions, then SIGKILL it at a random instant: before, inside or
+        # after the next transaction.
+        proc = subprocess.Popen(cmd, env=child_env(spec), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)
+        committed = 0
+        while committed < 3:
+            line = proc.stderr.readline()
+            assert line, f"the consumer exited before it was killed (kill {kill}): {proc.wait()}"
+            committed += line.startswith('{"event": "batch"')
+        time.sleep(rng.uniform(0.0, 0.05))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    final = subprocess.run(cmd, env=child_env(spec), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0, final.stderr[-2000:]
 
     conn = duckdb.connect(str(db), read_only=True)
     try:

@@ -13,25 +13,61 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_bus_flags(p)
     p.add_argument("--db", default=".resihp/analytics.duckdb", help="DuckDB file this process owns")
     p.add_argument("--group", default="analytics", help="consumer group")
+    p.add_argument("--instance-id", default=None,
+                   help="static group membership on Kafka: a restart with the same id resumes at once")
     p.add_argument("--rebuild", action="store_true", help="drop every table and replay the log from the beginning")
     p.add_argument("--batch", type=int, default=20_000, help="most records per transaction")
     p.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS",
                    help="stop after this long with nothing new (default: run until interrupted)")
+    p.add_argument("--no-detect", action="store_true",
+                   help="only keep the tables; do not run the detector or publish analytics events")
+    p.add_argument("--detector-config", default=None, metavar="YAML",
+                   help="detector settings (thresholds, heartbeat intervals); see docs/detector.md")
+    p.add_argument("--log-batches", action="store_true",
+                   help="print one JSON line per committed transaction to stderr")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    import json
+    import sys
+    import time
+
+    from analytics.control_tables import ControlProjection
     from analytics.event_log import EventLogProjection
     from analytics.projector import Projector
+    from analytics.tables import TelemetryProjection
     from collector import topics
 
     with bus_from_args(args) as bus:
+        projections = [EventLogProjection(), TelemetryProjection(), ControlProjection()]
+        detector = None
+        if not args.no_detect:
+            from analytics.detector_projection import DetectorProjection
+
+            detector = DetectorProjection(args.detector_config)
+            projections.append(detector)
         projector = Projector(
             bus, args.db, args.group, [topics.TELEMETRY, topics.ANALYTICS, topics.CONTROL],
-            [EventLogProjection()], rebuild=args.rebuild,
+            projections, rebuild=args.rebuild, instance_id=args.instance_id,
         )
         try:
-            projector.run(idle_exit_s=args.exit_when_idle, max_records=args.batch)
+            if detector is not None:
+                detector.flush_outbox(projector.conn, bus)  # what a crash left unpublished
+            idle_since = time.monotonic()
+            while True:
+                consumed = projector.step(max_records=args.batch)
+                if detector is not None:
+                    detector.flush_outbox(projector.conn, bus)
+                if consumed:
+                    idle_since = time.monotonic()
+                    if args.log_batches:
+                        print(json.dumps({"event": "batch", "records": consumed,
+                                          "transactions": projector.transactions}), file=sys.stderr, flush=True)
+                elif not projector.stream.consumer.positions():
+                    idle_since = time.monotonic()  # not assigned any partition yet (a Kafka rebalance): not idle
+                elif args.exit_when_idle is not None and time.monotonic() - idle_since >= args.exit_when_idle:
+                    break
         finally:
             projector.close()
     return 0

@@ -1,0 +1,370 @@
+"""The workload-aware detector: telemetry in, incidents and health out.
+
+It folds the event stream. Rank reports are grouped per (epoch, iteration) into a frame
+(analytics/frame.py) once every expected rank has reported or reports from ``flush_lag_iterations``
+later have arrived. Each frame is scored against the cost model (analytics/scoring.py); a CUSUM
+per rank and per link (analytics/detector_config.py explains the statistic) raises fail-slow
+incidents, which the IncidentBook (analytics/incidents.py) carries through opened → confirmed →
+updated → resolved. Heartbeats and telemetry gaps feed the fail-stop watch (analytics/fail_stop.py).
+
+It returns payloads to publish; it never touches a bus or a database, so the same object runs in
+the live consumer, in ``resihp detect`` over a trace, and in the benchmark.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from analytics.cost_model import CostModel
+from analytics.detector_config import DetectorConfig
+from analytics.fail_stop import FailStopWatch
+from analytics.frame import IterationFrame, build_frame
+from analytics.incidents import IncidentBook, Suspect
+from analytics.prediction import predicted_iteration_s
+from analytics.scoring import FrameScore, score_frame
+from collector.events import (
+    Envelope, Heartbeat, IterationPrediction, Payload, ProbeResult, RankHealth, RankHealthEntry,
+    RankIteration, RankState, ReconfigureCommand,
+)
+
+_GROW = 1024
+
+
+@dataclass
+class _FrameRecord:
+    iteration: int
+    rank: np.ndarray
+    own_s: np.ndarray
+    pred_s: np.ndarray
+    z: np.ndarray
+
+
+@dataclass
+class DetectorStats:
+    frames: int = 0
+    late_reports: int = 0
+    inferred_frames: int = 0
+
+
+@dataclass
+class Detector:
+    """Streaming detector for one job (``job`` names the job its events are about)."""
+
+    job: str
+    config: DetectorConfig = field(default_factory=DetectorConfig)
+
+    def __post_init__(self) -> None:
+        self.model = CostModel(self.config.window_iterations)
+        self.book = IncidentBook(self.job, self.config)
+        self.fail_stop = FailStopWatch(self.config)
+        self.stats = DetectorStats()
+        self.epoch = -1
+        self.schedule: tuple[str, int] | None = None
+        self._pending: dict[tuple[int, int], list[RankIteration]] = {}
+        self._done: tuple[int, int] = (-1, -1)
+        self._expected: set[int] = set()
+        self._cusum = np.zeros(_GROW)
+        self._zhist: deque[np.ndarray] = deque(maxlen=self.config.window_iterations)
+        self._link_cusum: dict[tuple[int, int], float] = {}
+        self._comm_hist: deque[float] = deque(maxlen=4 * self.config.window_iterations)
+        self._comm_cusum = 0.0
+        self._history: deque[_FrameRecord] = deque(maxlen=8)
+        self._published_health: dict[int, tuple[str, float]] = {}
+        self.last_frame: IterationFrame | None = None
+        self.last_score: FrameScore | None = None
+
+    # ---- input ------------------------------------------------------------------------------------
+
+    def on_event(self, event: Envelope) -> list[Payload]:
+        """Fold one event; returns what to publish because of it."""
+        p = event.payload
+        if event.job != self.job:
+            return []
+        if isinstance(p, RankIteration):
+            return self._on_report(p, event.time_s)
+        if isinstance(p, Heartbeat):
+            return self.book.fail_stop(self.fail_stop.heartbeat(p, event.time_s), self._latest_iteration())
+        if isinstance(p, ProbeResult):
+            return self.book.probe_result(p)
+        if isinstance(p, ReconfigureCommand):
+            self.schedule = (p.plan.schedule, p.plan.virtual_stages)
+        return []
+
+    def flush(self) -> list[Payload]:
+        """Score every iteration still waiting (end of a trace)."""
+        out: list[Payload] = []
+        for key in sorted(self._pending):
+            out += self._process(key)
+        return out
+
+    def _latest_iteration(self) -> int:
+        return max(self._done[1], 0)
+
+    def _on_report(self, p: RankIteration, time_s: float) -> list[Payload]:
+        key = (p.epoch, p.iteration)
+        if key <= self._done:
+            self.stats.late_reports += 1
+            return []
+        out = self.book.fail_stop(self.fail_stop.telemetry(p.rank, p.iteration, time_s), self._latest_iteration())
+        self._pending.setdefault(key, []).append(p)
+        lag = self.config.flush_lag_iterations
+        for k in sorted(self._pending):
+            complete = k[0] == self.epoch and self._expected and len(self._pending[k]) >= len(self._expected)
+            overtaken = any(o[0] > k[0] or o[1] >= k[1] + lag for o in self._pending if o != k)
+            if complete or overtaken:
+                out += self._process(k)
+            else:
+                break
+        return out
+
+    # ---- one iteration ----------------------------------------------------------------------------
+
+    def _process(self, key: tuple[int, int]) -> list[Payload]:
+        reports = self._pending.pop(key)
+        by_rank = {r.rank: r for r in reports}  # a duplicated report counts once
+        frame = build_frame(list(by_rank.values()))
+        self._done = key
+        return self.process_frame(frame)
+
+    def process_frame(self, frame: IterationFrame) -> list[Payload]:
+        """Score one iteration's frame and return the events it causes."""
+        out: list[Payload] = []
+        if frame.epoch != self.epoch:
+            out += self._new_epoch(frame)
+        present = set(frame.rank.tolist())
+        missing = self._expected - present - self.fail_stop.dead
+        self._expected |= present
+        out += self.book.fail_stop(self.fail_stop.missing(missing, frame.iteration), frame.iteration)
+        suspects = self.book.suspect_ranks()
+        score = score_frame(frame, self.model, suspects)
+        self.stats.frames += 1
+        self.stats.inferred_frames += int(score.inferred)
+        self._remember(frame, score)
+        sigma = self._sigma(frame, score, suspects)
+        out += self._rank_cusum(frame, score, sigma)
+        if self.config.links and len(score.link_z):
+            out += self._link_cusum_step(frame, score, sigma)
+        if self.config.links:
+            out += self._comm_excess(frame, score)
+        out += self.book.end_of_iteration(frame.iteration)
+        out.append(self._prediction(frame, score))
+        health = self._health(frame)
+        if health is not None:
+            out.append(health)
+        self.last_frame, self.last_score = frame, score
+        return out
+
+    def _new_epoch(self, frame: IterationFrame) -> list[Payload]:
+        """A new plan: classes mean other work now, so the model and the CUSUMs restart; incidents
+        on ranks the plan no longer uses are resolved."""
+        self.epoch = frame.epoch
+        self.model.forget()
+        self._cusum[:] = 0.0
+        self._link_cusum.clear()
+        self._zhist.clear()
+        self._comm_hist.clear()
+        self._comm_cusum = 0.0
+        present = set(frame.rank.tolist())
+        self._expected = set(present)
+        self.fail_stop.new_epoch(present)
+        return self.book.reconfigured(present, frame.iteration)
+
+    def _remember(self, frame: IterationFrame, score: FrameScore) -> None:
+        own = np.bincount(frame.c_rank, weights=frame.c_own, minlength=frame.num_ranks)
+        pred = np.bincount(frame.c_rank, weights=np.nan_to_num(score.c_pred), minlength=frame.num_ranks)
+        self._history.append(_FrameRecord(frame.iteration, frame.rank, own, pred, score.z))
+
+    def _sigma(self, frame: IterationFrame, score: FrameScore, suspects: set[int]) -> float:
+        healthy = ~np.isin(frame.rank, list(suspects)) if suspects else np.ones(frame.num_ranks, bool)
+        self._zhist.append(score.z[healthy])
+        pooled = np.concatenate(list(self._zhist))
+        mad = float(np.median(np.abs(pooled - np.median(pooled)))) if len(pooled) else 0.0
+        return max(1.4826 * mad, self.config.sigma_floor)
+
+    def _thresholds(self, sigma: float) -> tuple[float, float, float]:
+        c = self.config
+        k = max(c.k_sigma * sigma, c.log_min_slowdown)
+        h = max(c.h_sigma * sigma, c.log_min_alarm)
+        return k, h, c.step_cap * h
+
+    def _rank_cusum(self, frame: IterationFrame, score: FrameScore, sigma: float) -> list[Payload]:
+        k, h, cap = self._thresholds(sigma)
+        top = int(frame.rank.max()) + 1
+        if top > len(self._cusum):
+            self._cusum = np.concatenate([self._cusum, np.zeros(top - len(self._cusum) + _GROW)])
+        s = np.maximum(0.0, self._cusum[frame.rank] + np.minimum(score.z - k, cap))
+        self._cusum[frame.rank] = s
+        out: list[Payload] = []
+        open_ranks = self.book.open_compute_ranks()
+        alarmed = [i for i in np.flatnonzero(s > h)
+                   if int(frame.rank[i]) not in open_ranks and int(frame.rank[i]) not in self.fail_stop.dead]
+        self._cusum[frame.rank[s > h]] = 0.0
+        for members in self._merge_tp_peers(frame, score, alarmed, k):
+            out += self.book.open_fail_slow(self._compute_suspect(frame, score, members, sigma, k, h), frame.iteration)
+        for key in self.book.open_rank_keys():
+            idx = np.flatnonzero(np.isin(frame.rank, key[1]))
+            if len(idx):
+                z_now = float(score.z[idx].max())
+                out += self.book.observe(key, z_now, k, frame.iteration, self._factor(key[1], z_now))
+        return out
+
+    def _merge_tp_peers(self, frame: IterationFrame, score: FrameScore, alarmed: list[int], k: float) -> list[list[int]]:
+        """Alarmed ranks grouped per TP group. TP ranks run in lock-step, and a source that does not
+        report TP waits gives them identical telemetry: then the group is one suspect (a probe, if
+        enabled, tells which member), not one incident per member."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i in alarmed:
+            groups.setdefault((int(frame.dp[i]), int(frame.pp[i])), []).append(int(i))
+        out = []
+        for members in groups.values():
+            zs = score.z[members]
+            if len(members) > 1 and float(zs.max() - zs.min()) < k:
+                out.append(members)
+            else:
+                out.extend([i] for i in members)
+        return out
+
+    def _factor(self, ranks: tuple[int, ...], z_now: float) -> float:
+        """exp(median z) over the last 3 iterations of these ranks (the slowest rank per iteration)."""
+        zs = []
+        for rec in list(self._history)[-3:]:
+            idx = np.flatnonzero(np.isin(rec.rank, ranks))
+            if len(idx):
+                zs.append(float(rec.z[idx].max()))
+        return float(np.exp(np.median(zs))) if zs else float(np.exp(z_now))
+
+    def _compute_suspect(self, frame: IterationFrame, score: FrameScore, members: list[int], sigma: float,
+                         k: float, h: float) -> Suspect:
+        i = max(members, key=lambda j: score.z[j])
+        ranks = tuple(sorted(int(frame.rank[j]) for j in members))
+        group = np.flatnonzero((frame.dp == frame.dp[i]) & (frame.pp == frame.pp[i]))
+        hist = [(r.iteration, float(r.own_s[j]), float(r.pred_s[j]))
+                for r in self._history for j in np.flatnonzero(r.rank == frame.rank[i])]
+        factor = self._factor(ranks, score.z[i])
+        kinds = {name: float(np.exp(v)) for name, v in zip("FBW", score.z_by_kind[i]) if np.isfinite(v)}
+        worst = max(kinds, key=kinds.get) if kinds else "F"
+        note = f"own compute per chunk kind ×{', '.join(f'{n}:{v:.2f}' for n, v in kinds.items())}"
+        if worst == "B" and kinds.get("F", 1.0) < 1.0 + 0.5 * (kinds["B"] - 1.0):
+            note += "; backward-pass straggler (hidden in wall time by collective synchronisation)"
+        if len(ranks) > 1:
+            note += (f"; TP ranks {list(ranks)} report identical timings (lock-step, no TP waits): the group is "
+                     "the suspect" + ("; a probe will tell which member" if self.config.probes else ""))
+        if score.inferred:
+            note += "; seq_lens not reported: predictions inferred from the same micro-batch on other stages"
+        conf = float(min(0.99, 1.0 - np.exp(-max(score.z[i] - k, 0.0) / max(sigma, 1e-6) / 2))) / len(ranks)
+        return Suspect(
+            key=("ranks", ranks), target="compute", rank=ranks[0] if len(ranks) == 1 else None, link=None,
+            node=int(frame.node[i]) if frame.node[i] >= 0 else None, replica=int(frame.dp[i]),
+            stage=int(frame.pp[i]), tp_group=tuple(int(r) for r in frame.rank[group]), factor=factor,
+            confidence=conf, iterations=[h_[0] for h_ in hist], observed_s=[h_[1] for h_ in hist],
+            predicted_s=[h_[2] for h_ in hist],
+            rank_factors={int(frame.rank[j]): round(float(np.exp(score.z[j])), 4) for j in group},
+            statistic=f"CUSUM on log(own compute / predicted), centred on the job median; k={k:.4f} h={h:.4f} "
+                      f"sigma={sigma:.4f}",
+            note=note, ranks=ranks,
+        )
+
+    def _link_cusum_step(self, frame: IterationFrame, score: FrameScore, sigma_rank: float) -> list[Payload]:
+        lz = score.link_z
+        mad = float(np.median(np.abs(lz - np.median(lz))))
+        k, h, cap = self._thresholds(max(1.4826 * mad, sigma_rank))
+        out: list[Payload] = []
+        open_links = self.book.open_links()
+        compute = self.book.open_compute_ranks()
+        coord = {int(r): i for i, r in enumerate(frame.rank)}
+        for a, b, z in zip(score.link_src.tolist(), score.link_dst.tolist(), lz.tolist()):
+            key = (a, b)
+            if ("link", a, b) in open_links:
+                out += self.book.observe(("link", a, b), z, k, frame.iteration, float(np.exp(z)))
+                continue
+            s = max(0.0, self._link_cusum.get(key, 0.0) + min(z - k, cap))
+            if s <= h:
+                self._link_cusum[key] = s
+                continue
+            self._link_cusum[key] = 0.0
+            if a in compute or b in compute:
+                continue  # a slow endpoint explains slow transfers better than the wire does
+            i = coord.get(a)
+            out += self.book.open_fail_slow(Suspect(
+                key=("link", a, b), target="link", rank=None, link=(a, b), node=None,
+                replica=int(frame.dp[i]) if i is not None else None, stage=int(frame.pp[i]) if i is not None else None,
+                tp_group=None, factor=float(np.exp(z)),
+                confidence=float(min(0.99, 1.0 - np.exp(-max(z - k, 0.0) / max(sigma_rank, 1e-6) / 2))),
+                iterations=[frame.iteration], observed_s=[], predicted_s=[], rank_factors={},
+                statistic=f"CUSUM on log(lower-quartile pp_send time), centred on the median link; k={k:.4f} h={h:.4f}",
+                note=f"link {a}->{b} (stage {int(frame.pp[i]) if i is not None else '?'} to the next)",
+            ), frame.iteration)
+        return out
+
+    def _comm_excess(self, frame: IterationFrame, score: FrameScore) -> list[Payload]:
+        """Wall time that the observed compute cannot explain is communication. The schedule model
+        replays the observed own chunk times (no transfers, no all-reduce); the log of observed
+        over that is steady while links are healthy. A CUSUM on its deviation from the recent
+        healthy median flags a communication fault; probes (target link) say where."""
+        sched = self.schedule or (None, None)
+        explained = predicted_iteration_s(frame, frame.c_own, *sched, include_comm=False)
+        if not np.isfinite(explained) or explained <= 0:
+            return []
+        r = float(np.log(frame.wall_s.max() / explained))
+        key = ("comm",)
+        hist = np.array(self._comm_hist)
+        if len(hist) < 4:
+            self._comm_hist.append(r)
+            return []
+        centre = float(np.median(hist))
+        sig = max(1.4826 * float(np.median(np.abs(hist - centre))), self.config.sigma_floor)
+        k, h, cap = self._thresholds(sig)
+        z = r - centre
+        if key in self.book.open:
+            return self.book.observe(key, z, k, frame.iteration, float(np.exp(z)))
+        if self.book.open_compute_ranks():
+            return []  # a slow rank explains a slow iteration; wait until it is handled
+        self._comm_cusum = max(0.0, self._comm_cusum + min(z - k, cap))
+        if self._comm_cusum <= h:
+            self._comm_hist.append(r)
+            return []
+        self._comm_cusum = 0.0
+        best = int(np.argmax(score.link_z)) if len(score.link_z) else None
+        link = (int(score.link_src[best]), int(score.link_dst[best])) if best is not None else None
+        if link is not None and score.link_z[best] < k:
+            link = None
+        candidates = tuple(int(r_) for r_ in frame.rank[: 4096])
+        return self.book.open_fail_slow(Suspect(
+            key=key, target="link", rank=None, link=link, node=None, replica=None, stage=None, tp_group=None,
+            factor=float(np.exp(z)), confidence=0.5, iterations=[frame.iteration],
+            observed_s=[float(frame.wall_s.max())], predicted_s=[float(explained * np.exp(centre))], rank_factors={},
+            statistic=f"CUSUM on log(wall / iteration explained by observed compute); k={k:.4f} h={h:.4f}",
+            note="iteration slower than its compute explains: communication" + (
+                "; probing every rank's links" if self.config.probes else ""),
+            ranks=candidates), frame.iteration)
+
+    def _prediction(self, frame: IterationFrame, score: FrameScore) -> IterationPrediction:
+        sched = self.schedule
+        predicted = predicted_iteration_s(frame, score.c_pred, *(sched if sched else (None, None)))
+        err = self.model.error()
+        return IterationPrediction(
+            epoch=frame.epoch, iteration=frame.iteration, observed_s=float(frame.wall_s.max()),
+            predicted_s=float(predicted) if np.isfinite(predicted) else 0.0,
+            tokens=int(frame.c_tokens[frame.c_kind == 0].sum()),
+            model_error=float(err) if np.isfinite(err) else None,
+        )
+
+    def _health(self, frame: IterationFrame) -> RankHealth | None:
+        """The full rank view, only when some rank's state or factor (to 5%) changed."""
+        states = {int(r): ("healthy", 1.0) for r in frame.rank}
+        for r in self.fail_stop.dead:
+            states[r] = ("dead", 1e6)
+        for r, f in self.book.slow_factors().items():
+            if states.get(r, ("", 0))[0] != "dead":
+                states[r] = ("slow", f)
+        changed = states.keys() != self._published_health.keys() or any(
+            st != self._published_health[r][0] or abs(f / self._published_health[r][1] - 1) > 0.05
+            for r, (st, f) in states.items())
+        if not changed:
+            return None
+        self._published_health = states
+        return RankHealth(epoch=frame.epoch, iteration=frame.iteration, ranks=[
+            RankHealthEntry(rank=r, state=RankState(st), factor=max(f, 1e-6)) for r, (st, f) in sorted(states.items())])

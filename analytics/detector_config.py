@@ -1,0 +1,66 @@
+"""The detector's settings: defaults that work on one machine, overridable from a YAML file.
+
+The statistic is a one-sided CUSUM on z, a rank's centred log-ratio of own compute to the cost
+model's prediction (see analytics/scoring.py):
+
+    S ← max(0, S + min(z − k, cap·h)),  alarm when S > h
+    k = max(k_sigma·σ, log(min_slowdown)),  h = max(h_sigma·σ, log(min_alarm_factor)),  cap = step_cap
+
+σ is the robust spread (1.4826·MAD) of z over recent iterations of healthy ranks, floored at
+``sigma_floor``. ``k`` ignores noise and slowdowns below ``min_slowdown``; ``h`` sets how much
+accumulated excess is proof; ``step_cap`` < 1 means no single iteration can raise an alarm, so a
+one-off spike (a GC pause, a checkpoint) never opens an incident, while ×1.2 and more are caught
+on the second iteration.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class DetectorConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    window_iterations: int = Field(default=8, ge=1, description="cost-model and noise window")
+    k_sigma: float = Field(default=1.5, gt=0)
+    h_sigma: float = Field(default=8.0, gt=0)
+    min_slowdown: float = Field(default=1.02, gt=1.0, description="drift allowance k never goes below log of this")
+    min_alarm_factor: float = Field(default=1.06, gt=1.0, description="threshold h never goes below log of this")
+    step_cap: float = Field(default=0.6, gt=0, le=1.0, description="largest CUSUM step, as a fraction of h")
+    sigma_floor: float = Field(default=0.004, gt=0)
+    confirm_iterations: int = Field(default=3, ge=1, description="persistence needed to confirm")
+    resolve_iterations: int = Field(default=3, ge=1, description="healthy iterations needed to resolve")
+    update_min_change: float = Field(default=0.10, ge=0, description="relative factor change that earns an update")
+    heartbeat_miss_intervals: float = Field(default=3.0, gt=0, description="missed intervals that make a rank dead")
+    telemetry_lag_iterations: int = Field(default=3, ge=1,
+                                          description="iterations without a rank's telemetry, while others report")
+    flush_lag_iterations: int = Field(default=2, ge=1,
+                                      description="an iteration is scored once reports this far ahead arrive")
+    probes: bool = Field(default=False, description="ask suspects to run a probe and confirm from its result")
+    probe_confirm_ratio: float = Field(default=1.03, gt=1.0)
+    links: bool = Field(default=True, description="score point-to-point links as well as ranks")
+
+    @property
+    def log_min_slowdown(self) -> float:
+        return math.log(self.min_slowdown)
+
+    @property
+    def log_min_alarm(self) -> float:
+        return math.log(self.min_alarm_factor)
+
+    @classmethod
+    def load(cls, path: str | Path | None) -> DetectorConfig:
+        """Defaults, or the YAML mapping at ``path`` (unknown keys are an error that names them)."""
+        if path is None:
+            return cls()
+        import yaml
+
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise FileNotFoundError(f"detector config {path} does not exist; pass an existing YAML file or "
+                                    "drop --detector-config for the defaults") from None
+        return cls.model_validate(data)

@@ -1,0 +1,247 @@
+"""The incident lifecycle: opened → confirmed → updated → resolved, as events.
+
+One incident per location (a rank's compute, a link, a dead rank). Ids are derived from the job,
+the location and the opening iteration, so replaying a log (or restarting from a snapshot) yields
+the same ids and consumers dedupe them.
+
+Confirmation: by probe (if enabled: the suspects run a short fixed workload and report it against
+a healthy reference), by persistence (still slow ``confirm_iterations`` later), or by heartbeat
+(fail-stop). Resolution: ``resolve_iterations`` healthy iterations in a row, the plan moving off
+the location, or a dead rank coming back.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from analytics.detector_config import DetectorConfig
+from analytics.fail_stop import LivenessChange
+from collector.events import (
+    Evidence, FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated, Location,
+    Payload, ProbeRequest, ProbeResult, Severity,
+)
+
+_NS = uuid.UUID("0c5a7f0e-9b1d-4b8e-8f2a-5d3c1e7a9b40")
+DEAD_FACTOR = 1e6
+
+
+@dataclass
+class Suspect:
+    """What the detector knows about a location when it raises an incident."""
+
+    key: tuple
+    target: str
+    rank: int | None
+    link: tuple[int, int] | None
+    node: int | None
+    replica: int | None
+    stage: int | None
+    tp_group: tuple[int, ...] | None
+    factor: float
+    confidence: float
+    iterations: list[int]
+    observed_s: list[float]
+    predicted_s: list[float]
+    rank_factors: dict[int, float]
+    statistic: str
+    note: str
+    ranks: tuple[int, ...] = ()  # the compute suspects (one, or a TP group telemetry cannot split)
+
+    def location(self, factor: float | None = None) -> Location:
+        return Location(target=self.target, rank=self.rank, link=self.link, node=self.node, replica=self.replica,
+                        stage=self.stage, tp_group=self.tp_group, factor=max(factor or self.factor, 1e-6),
+                        confidence=self.confidence)
+
+    def evidence(self) -> Evidence:
+        return Evidence(iterations=self.iterations, observed_s=self.observed_s, predicted_s=self.predicted_s,
+                        rank_factors=self.rank_factors, statistic=self.statistic, note=self.note)
+
+
+@dataclass
+class _Open:
+    incident_id: str
+    category: FaultCategory
+    suspect: Suspect
+    opened_iteration: int
+    factor: float
+    published_factor: float
+    confirmed: bool = False
+    healthy_streak: int = 0
+    last_update_iteration: int = -1
+    probe_id: str | None = None
+    probe_ratios: dict[int, float] = field(default_factory=dict)
+
+
+def severity_of(factor: float, category: FaultCategory) -> Severity:
+    if category is FaultCategory.FAIL_STOP:
+        return Severity.CRITICAL
+    if factor < 1.1:
+        return Severity.LOW
+    if factor < 1.5:
+        return Severity.MEDIUM
+    return Severity.HIGH if factor < 3.0 else Severity.CRITICAL
+
+
+@dataclass
+class IncidentBook:
+    job: str
+    config: DetectorConfig
+    open: dict[tuple, _Open] = field(default_factory=dict)
+    opened_total: int = 0
+
+    # ---- views ----------------------------------------------------------------------------------
+
+    def suspect_ranks(self) -> set[int]:
+        return self.open_compute_ranks() | {k[1] for k in self.open if k[0] == "dead"}
+
+    def open_compute_ranks(self) -> set[int]:
+        return {r for k in self.open if k[0] == "ranks" for r in k[1]}
+
+    def open_rank_keys(self) -> list[tuple]:
+        return [k for k in self.open if k[0] == "ranks"]
+
+    def open_links(self) -> set[tuple]:
+        return {k for k in self.open if k[0] == "link"}
+
+    def slow_factors(self) -> dict[int, float]:
+        return {r: inc.factor for k, inc in self.open.items() if k[0] == "ranks" for r in inc.suspect.ranks}
+
+    # ---- fail-slow ------------------------------------------------------------------------------
+
+    def _id(self, key: tuple, iteration: int) -> str:
+        return "inc-" + uuid.uuid5(_NS, f"{self.job}/{key}/{iteration}").hex[:16]
+
+    def open_fail_slow(self, s: Suspect, iteration: int) -> list[Payload]:
+        inc = _Open(self._id(s.key, iteration), FaultCategory.FAIL_SLOW, s, iteration, s.factor, s.factor,
+                    last_update_iteration=iteration)
+        self.open[s.key] = inc
+        self.opened_total += 1
+        if s.target == "link":
+            where = f"link {s.link[0]}->{s.link[1]}" if s.link else "communication"
+        else:
+            where = f"rank {s.rank}" if s.rank is not None else f"TP group {list(s.ranks)}"
+        out: list[Payload] = [IncidentOpened(
+            incident_id=inc.incident_id, category=inc.category, severity=severity_of(s.factor, inc.category),
+            iteration=iteration, locations=[s.location()], evidence=s.evidence(),
+            summary=f"{where} is ×{s.factor:.2f} slower than its work predicts"
+                    + (f" (replica {s.replica}, stage {s.stage})" if s.replica is not None else ""))]
+        if self.config.probes:
+            inc.probe_id = "probe-" + inc.incident_id[4:]
+            ranks = list(s.ranks) or list(s.link or ())
+            out.append(ProbeRequest(probe_id=inc.probe_id, incident_id=inc.incident_id, ranks=ranks,
+                                    target="compute" if s.target == "compute" else "link"))
+        return out
+
+    def observe(self, key: tuple, z: float, k: float, iteration: int, factor: float) -> list[Payload]:
+        """One more iteration of an open incident's location: update, or count toward resolution."""
+        inc = self.open.get(key)
+        if inc is None:
+            return []
+        if z < k:
+            inc.healthy_streak += 1
+            if inc.healthy_streak >= self.config.resolve_iterations:
+                del self.open[key]
+                return [IncidentResolved(incident_id=inc.incident_id, iteration=iteration,
+                                         reason=f"back within ×{self.config.min_slowdown:g} of prediction for "
+                                                f"{inc.healthy_streak} iterations")]
+            return []
+        inc.healthy_streak = 0
+        inc.factor = factor
+        change = abs(factor / inc.published_factor - 1.0)
+        if change > self.config.update_min_change and iteration - inc.last_update_iteration >= 3:
+            inc.published_factor, inc.last_update_iteration = factor, iteration
+            s = inc.suspect
+            return [IncidentUpdated(incident_id=inc.incident_id, iteration=iteration,
+                                    severity=severity_of(factor, inc.category), locations=[s.location(factor)],
+                                    evidence=s.evidence())]
+        return []
+
+    def end_of_iteration(self, iteration: int) -> list[Payload]:
+        out: list[Payload] = []
+        for inc in self.open.values():
+            if (not inc.confirmed and inc.category is FaultCategory.FAIL_SLOW and inc.healthy_streak == 0
+                    and iteration >= inc.opened_iteration + self.config.confirm_iterations):
+                inc.confirmed = True
+                out.append(IncidentConfirmed(
+                    incident_id=inc.incident_id, method="persistence",
+                    detail=f"still ×{inc.factor:.2f} after {iteration - inc.opened_iteration} iterations",
+                    locations=[inc.suspect.location(inc.factor)]))
+        return out
+
+    def probe_result(self, p: ProbeResult) -> list[Payload]:
+        """Collect a probe's answers; once every asked rank answered, confirm on the slowest one
+        (and name it, when telemetry could only point at its TP group)."""
+        for inc in self.open.values():
+            if inc.probe_id != p.probe_id:
+                continue
+            inc.probe_ratios[p.rank] = p.duration_s / p.reference_s
+            asked = inc.suspect.ranks or tuple(inc.suspect.link or ())
+            if set(inc.probe_ratios) < set(asked):
+                return []
+            worst = max(inc.probe_ratios, key=inc.probe_ratios.get)
+            ratio = inc.probe_ratios[worst]
+            if ratio < self.config.probe_confirm_ratio or inc.confirmed:
+                return []
+            inc.confirmed = True
+            s = inc.suspect
+            if s.target == "compute" and s.rank is None:
+                s.rank, s.ranks = worst, (worst,)
+                s.confidence = min(0.99, s.confidence * len(asked))
+            elif s.target == "link":
+                slow = sorted((r for r, v in inc.probe_ratios.items() if v >= self.config.probe_confirm_ratio),
+                              key=lambda r: -inc.probe_ratios[r])
+                if len(slow) >= 2 and abs(inc.probe_ratios[slow[1]] / ratio - 1) < 0.25:
+                    s.link, s.rank = (slow[0], slow[1]), None  # both ends of one slow link
+                else:
+                    s.link, s.rank = None, worst  # one device's NIC
+                s.confidence = 0.9
+            ratios = ", ".join(f"{r}: ×{v:.2f}" for r, v in sorted(inc.probe_ratios.items()))
+            return [IncidentConfirmed(
+                incident_id=inc.incident_id, method="probe",
+                detail=f"probe: rank {worst} took ×{ratio:.2f} of the healthy reference ({ratios})",
+                locations=[s.location(inc.factor)])]
+        return []
+
+    # ---- fail-stop and reconfiguration -----------------------------------------------------------
+
+    def fail_stop(self, changes: list[LivenessChange], iteration: int) -> list[Payload]:
+        out: list[Payload] = []
+        for ch in changes:
+            key = ("dead", ch.rank)
+            if not ch.alive and key not in self.open:
+                slow_key = next((k for k in self.open if k[0] == "ranks" and ch.rank in k[1]), None)
+                slow = self.open.pop(slow_key) if slow_key else None
+                if slow is not None:
+                    out.append(IncidentResolved(incident_id=slow.incident_id, iteration=iteration,
+                                                reason="superseded: the rank stopped (fail-stop incident)"))
+                s = Suspect(key=key, target="compute", rank=ch.rank, link=None, node=None, replica=None, stage=None,
+                            tp_group=None, factor=DEAD_FACTOR, confidence=0.99, iterations=[iteration],
+                            observed_s=[], predicted_s=[], rank_factors={ch.rank: DEAD_FACTOR},
+                            statistic="heartbeat and telemetry liveness", note=ch.reason)
+                inc = _Open(self._id(key, iteration), FaultCategory.FAIL_STOP, s, iteration, DEAD_FACTOR,
+                            DEAD_FACTOR, confirmed=True)
+                self.open[key] = inc
+                self.opened_total += 1
+                out.append(IncidentOpened(incident_id=inc.incident_id, category=inc.category,
+                                          severity=Severity.CRITICAL, iteration=iteration, locations=[s.location()],
+                                          evidence=s.evidence(), summary=f"rank {ch.rank} stopped: {ch.reason}"))
+                method = "heartbeat" if "heartbeat" in ch.reason else "persistence"
+                out.append(IncidentConfirmed(incident_id=inc.incident_id, method=method, detail=ch.reason,
+                                             locations=[s.location()]))
+            elif ch.alive and key in self.open:
+                inc = self.open.pop(key)
+                out.append(IncidentResolved(incident_id=inc.incident_id, iteration=iteration, reason=ch.reason))
+        return out
+
+    def reconfigured(self, present: set[int], iteration: int) -> list[Payload]:
+        out: list[Payload] = []
+        for key in list(self.open):
+            if key[0] == "comm":
+                continue  # job-level: it ends when the excess does
+            ranks = [key[1]] if key[0] == "dead" else list(key[1]) if key[0] == "ranks" else [key[1], key[2]]
+            if not all(r in present for r in ranks):
+                inc = self.open.pop(key)
+                out.append(IncidentResolved(incident_id=inc.incident_id, iteration=iteration,
+                                            reason="the new plan no longer uses this location"))
+        return out

@@ -1,0 +1,64 @@
+"""The predicted healthy iteration time of one frame, through the shared schedule model.
+
+Per replica, the predicted own time of every (stage, micro-batch) chunk goes into the schedule's
+DAG (analytics/schedule.py, the same one the planner and the simulator use); its critical path
+plus the DP all-reduce is what a healthy iteration with this iteration's sequences should take.
+The schedule is the plan's when the detector knows it, otherwise inferred from the chunks (W
+chunks mean zero-bubble, virtual stages mean interleaved).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from analytics.frame import OP_CODE, IterationFrame
+from analytics.schedule import PipelineDurations, predict_iteration
+from analytics.scoring import group_median
+
+
+def infer_schedule(frame: IterationFrame) -> tuple[str, int]:
+    """(schedule, virtual_stages) the chunks imply."""
+    if (frame.c_kind == 2).any():
+        return "zero_bubble", 1
+    v = int(frame.c_vs.max()) + 1 if len(frame.c_vs) else 1
+    return ("interleaved", v) if v > 1 else ("1f1b", 1)
+
+
+def predicted_iteration_s(frame: IterationFrame, c_pred: np.ndarray, schedule: str | None = None,
+                          virtual_stages: int | None = None, include_comm: bool = True) -> float:
+    """Critical-path iteration time with predicted chunk times; NaN if the frame cannot be laid out
+    (a replica missing a stage's telemetry, say). ``c_pred`` may also be the observed own times:
+    with ``include_comm=False`` that gives the iteration time compute alone explains."""
+    if schedule is None:
+        schedule, virtual_stages = infer_schedule(frame)
+    V = virtual_stages or 1
+    dp_c, pp_c = frame.dp[frame.c_rank], frame.pp[frame.c_rank]
+    S = int(frame.pp.max()) + 1
+    M = int(frame.c_mb.max()) + 1
+    cell = ((dp_c * S + pp_c) * V + frame.c_vs) * M * 3 + frame.c_mb * 3 + frame.c_kind
+    n_rep = int(frame.dp.max()) + 1
+    size = n_rep * S * V * M * 3
+    med = group_median(cell, np.nan_to_num(c_pred), size).reshape(n_rep, S, V, M, 3)
+    sends = frame.k_dur[(frame.k_op == OP_CODE["pp_send"])]
+    p2p_s = float(np.percentile(sends, 25)) if len(sends) and include_comm else 0.0
+    dp_waits = np.bincount(frame.k_rank[frame.k_op == OP_CODE["dp_allreduce"]],
+                           weights=frame.k_dur[frame.k_op == OP_CODE["dp_allreduce"]], minlength=frame.num_ranks)
+    dp_s = float(dp_waits.min()) if len(dp_waits) and include_comm else 0.0
+    reps = []
+    for r in range(n_rep):
+        in_rep = dp_c == r
+        if not in_rep.any():
+            return float("nan")
+        a = med[r][:, :, : int(frame.c_mb[in_rep].max()) + 1]  # replicas may run different micro-batch counts
+        if np.isnan(a[..., 0]).any() or np.isnan(a[..., 1]).any():
+            return float("nan")
+        f, b = a[..., 0], a[..., 1]
+        w = a[..., 2] if schedule == "zero_bubble" else None
+        if V == 1:
+            f, b = f[:, 0], b[:, 0]
+            w = None if w is None else w[:, 0]
+        reps.append(PipelineDurations(f, b, w, p2p_s))
+    try:
+        return predict_iteration(schedule, reps, virtual_stages=V, dp_allreduce_s=dp_s).iteration_s
+    except (ValueError, KeyError):
+        return float("nan")

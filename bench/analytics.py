@@ -1,0 +1,137 @@
+"""Analytics cost: chunk records/s into DuckDB, and detector work per iteration at 1k and 16k ranks.
+
+Ingestion: RankIteration events (32 chunks each, with packed sequence lengths) go through the
+chunks/rank_iterations/ranks projection in one Arrow batch per transaction, exactly as
+``resihp analytics`` applies them (decoding from bytes is timed apart, it is the bus's cost).
+Detector: synthetic TP8 layouts (1,024 ranks = PP8·DP16, 16,384 ranks = PP16·DP128, 16
+micro-batches, F and B chunks); per iteration, building the frame from the events and scoring it
+(cost-model predict + fit, CUSUMs, localisation, schedule prediction) are timed separately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _reports(tp: int, pp: int, dp: int, microbatches: int, iteration: int, seed: int) -> list:
+    from collector.events import Chunk, ChunkKind, Coords, RankIteration
+
+    rng = np.random.default_rng([seed, iteration])
+    out = []
+    for d in range(dp):
+        lens = [list(rng.integers(64, 2048, size=rng.integers(2, 8))) for _ in range(microbatches)]
+        for s in range(pp):
+            for t in range(tp):
+                rank = (d * pp + s) * tp + t
+                noise = np.exp(rng.normal(0, 0.03, size=2 * microbatches))
+                chunks = []
+                for m, ls in enumerate(lens):
+                    n, s2 = sum(ls), sum(x * x for x in ls)
+                    base = 2e-6 * n + 4e-11 * s2 + 1e-3
+                    for j, (kind, mult) in enumerate(((ChunkKind.FORWARD, 1.0), (ChunkKind.BACKWARD, 2.0))):
+                        chunks.append(Chunk.model_construct(
+                            kind=kind, microbatch=m, virtual_stage=0, tokens=n, seq_lens=[int(x) for x in ls],
+                            start_s=0.0, duration_s=float(base * mult * noise[2 * m + j])))
+                out.append(RankIteration.model_construct(
+                    epoch=0, iteration=iteration, rank=rank, node=rank // 8, coords=Coords(tp=t, pp=s, dp=d),
+                    wall_s=1.0, chunks=chunks, comm=[]))
+    return out
+
+
+def bench_ingest(events: int, batch: int) -> dict:
+    import duckdb
+
+    from analytics.tables import TelemetryProjection
+    from collector.codec import decode, encode
+    from collector.events import EventFactory
+    from collector.stream import Delivery
+
+    reports = []
+    it = 0
+    while len(reports) < events:
+        reports += _reports(8, 4, 4, 16, it, 1)
+        it += 1
+    reports = reports[:events]
+    f = EventFactory("bench", "rank-0")
+    envelopes = [f.make(r) for r in reports]
+    raw = [encode(e) for e in envelopes]
+    t0 = time.perf_counter()
+    decoded = [decode(b) for b in raw]
+    decode_s = time.perf_counter() - t0
+    deliveries = [Delivery("resihp.telemetry", 0, i, e) for i, e in enumerate(decoded)]
+    chunks = sum(len(r.chunks) for r in reports)
+    with tempfile.TemporaryDirectory() as tmp:
+        conn = duckdb.connect(str(Path(tmp) / "bench.duckdb"))
+        proj = TelemetryProjection()
+        proj.create(conn)
+        conn.begin()  # warm-up (lazy imports, DuckDB's first registration), rolled back
+        proj.apply(conn, deliveries[:batch])
+        conn.rollback()
+        t0 = time.perf_counter()
+        for i in range(0, len(deliveries), batch):
+            conn.begin()
+            proj.apply(conn, deliveries[i:i + batch])
+            conn.commit()
+        ingest_s = time.perf_counter() - t0
+        stored = conn.execute("SELECT count(*) FROM chunks").fetchone()[0]
+        conn.close()
+    assert stored == chunks, f"stored {stored} chunk rows, expected {chunks}"
+    return {"events": len(reports), "chunks": chunks, "batch_events": batch,
+            "ingest_chunks_per_s": chunks / ingest_s, "decode_chunks_per_s": chunks / decode_s}
+
+
+def bench_detector(tp: int, pp: int, dp: int, microbatches: int, iterations: int) -> dict:
+    from analytics.detector import Detector
+    from analytics.frame import build_frame
+
+    det = Detector("bench")
+    build, score = [], []
+    base = [_reports(tp, pp, dp, microbatches, i, 2) for i in range(min(iterations, 3))]
+    for i in range(iterations):
+        reports = base[i % len(base)]
+        for r in reports:
+            object.__setattr__(r, "iteration", i)
+        t0 = time.perf_counter()
+        frame = build_frame(reports)
+        t1 = time.perf_counter()
+        det.process_frame(frame)
+        t2 = time.perf_counter()
+        if i >= 2:  # the first iterations fit the model from scratch
+            build.append(t1 - t0)
+            score.append(t2 - t1)
+    return {"ranks": tp * pp * dp, "chunks_per_iteration": tp * pp * dp * microbatches * 2,
+            "frame_ms": 1e3 * float(np.median(build)), "detector_ms": 1e3 * float(np.median(score)),
+            "total_ms": 1e3 * float(np.median(np.add(build, score))), "false_incidents": det.book.opened_total}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--events", type=int, default=8_000, help="RankIteration events to ingest")
+    parser.add_argument("--batch", type=int, default=2_000, help="events per transaction")
+    parser.add_argument("--iterations", type=int, default=8, help="detector iterations per size")
+    parser.add_argument("--skip-16k", action="store_true", help="only 1,024 ranks (the 16k layout takes a minute)")
+
+
+def run(args: argparse.Namespace) -> int:
+    ingest = bench_ingest(args.events, args.batch)
+    sizes = [(8, 8, 16, 16)] + ([] if args.skip_16k else [(8, 16, 128, 16)])
+    det = [bench_detector(*s, iterations=args.iterations) for s in sizes]
+    print(f"ingest: {ingest['chunks']:,} chunk rows from {ingest['events']:,} events, "
+          f"{ingest['batch_events']:,} events per transaction")
+    print(f"  {'into DuckDB (Arrow)':28} {ingest['ingest_chunks_per_s']:>12,.0f} chunks/s")
+    print(f"  {'decode from bytes (apart)':28} {ingest['decode_chunks_per_s']:>12,.0f} chunks/s")
+    print(f"\n{'ranks':>7} {'chunks/iter':>12} {'frame ms':>9} {'detector ms':>12} {'total ms':>9} {'incidents':>9}")
+    for d in det:
+        print(f"{d['ranks']:7,d} {d['chunks_per_iteration']:12,d} {d['frame_ms']:9.1f} {d['detector_ms']:12.1f} "
+              f"{d['total_ms']:9.1f} {d['false_incidents']:9d}")
+    if args.json:
+        print(json.dumps({"ingest_chunks_per_s": round(ingest["ingest_chunks_per_s"]),
+                          "decode_chunks_per_s": round(ingest["decode_chunks_per_s"]),
+                          "detector": {str(d["ranks"]): {k: round(v, 2) if isinstance(v, float) else v
+                                                         for k, v in d.items()} for d in det}}))
+    return 0

@@ -1,0 +1,260 @@
+"""Detection accuracy: ours and the baselines on the simulator's scenario suite, scored per fault.
+
+Each scenario runs the cluster simulator (trainer/sim) for a fixed number of iterations; every
+detector sees the same events; ours may probe suspects, and the simulator answers. Ground truth is
+the simulator's ``truth.fault`` events, which no detector reads.
+
+Scoring, per detector, over the whole suite:
+- a fault is *detected* by the first incident of its category opened while it is active (or up to
+  ``--grace`` iterations after it ends) whose location shares a device with the fault's (an
+  incident that names no location at all also counts: raw-time baselines cannot localise);
+- *exact localisation*: that incident's final location (after probe/updates) names the fault's
+  device (compute, fail-stop, NIC) or its link (either order; for a pipeline link the incident's
+  endpoints' TP groups must hold the fault's endpoints, since lock-step TP ranks report the same
+  waits), or for a node its node or a device on it;
+- precision = incidents matching some fault / incidents; recall = detected faults / faults;
+- delay = opening iteration − fault start (p50, p95; the ×1.2-and-more p95 is reported apart);
+- false alarms per 10,000 healthy iterations = unmatched incidents / iterations with no active fault.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+SCENARIO_DIR = Path(__file__).resolve().parent.parent / "scenarios"
+
+
+@dataclass
+class Case:
+    name: str
+    base: str  # a file under scenarios/
+    faults: list[dict] | None = None  # replaces the file's faults when given
+    iterations: int | None = None
+    kind: str = "fault"  # healthy | fault
+
+
+def suite(iterations: int) -> list[Case]:
+    n = iterations
+    cases = [
+        Case("healthy short context", "healthy_short_context", iterations=n, kind="healthy"),
+        Case("healthy long context", "healthy_long_context", iterations=n, kind="healthy"),
+        Case("stage imbalance (not a fault)", "stage_imbalance", iterations=n, kind="healthy"),
+        Case("zero-bubble healthy", "zero_bubble_healthy", iterations=n, kind="healthy"),
+        Case("slow from start x1.8", "slow_from_start", iterations=n),
+        Case("interleaved compute x2", "interleaved_fail_slow", iterations=max(n, 170)),
+        Case("fail-stop gpu", "fail_stop_gpu", iterations=n,
+             faults=[{"kind": "stop_device", "device": 13, "at_iteration": n // 3}]),
+        Case("fail-stop node", "fail_stop_node", iterations=n,
+             faults=[{"kind": "stop_node", "node": 2, "at_iteration": n // 3}]),
+    ]
+    for i, factor in enumerate((1.05, 1.1, 1.2, 1.5, 2.0, 3.0)):
+        device = (3, 10, 17, 24, 30, 9)[i]
+        cases.append(Case(f"compute x{factor} (recovers)", "fail_slow_compute_x2", iterations=n, faults=[
+            {"kind": "slow_compute", "device": device, "factor": factor, "at_iteration": n // 3,
+             "duration_iterations": n // 3}]))
+    for factor, link in ((1.5, (4, 6)), (3.0, (10, 12))):
+        cases.append(Case(f"pipeline link x{factor}", "fail_slow_link", iterations=n, faults=[
+            {"kind": "slow_link", "link": list(link), "factor": factor, "at_iteration": n // 3,
+             "duration_iterations": n // 3}]))
+    cases.append(Case("NIC x3 (DP all-reduce)", "fail_slow_link", iterations=n, faults=[
+        {"kind": "slow_nic", "device": 22, "factor": 3.0, "at_iteration": n // 3, "duration_iterations": n // 3}]))
+    return cases
+
+
+def make_detectors(job: str) -> dict:
+    from analytics.baselines import ChangePointDetector, RawThresholdDetector, RelativeRankDetector
+    from analytics.detector import Detector
+    from analytics.detector_config import DetectorConfig
+
+    return {"ours": Detector(job, DetectorConfig(probes=True)), "raw_threshold": RawThresholdDetector(job),
+            "greyhound_changepoint": ChangePointDetector(job), "nvrx_relative": RelativeRankDetector(job)}
+
+
+@dataclass
+class Tracked:
+    opened: int
+    category: str
+    locations: list = field(default_factory=list)
+
+
+def run_case(case: Case) -> tuple[list, dict[str, dict[str, Tracked]], int, int, object]:
+    """Simulate one case; returns (truth, incidents per detector, iterations, healthy iterations, cluster)."""
+    from collector.events import (
+        FaultInjected, IncidentConfirmed, IncidentOpened, IncidentUpdated, ProbeRequest,
+    )
+    from trainer.sim.engine import SimEngine
+    from trainer.sim.faults import FaultSpec
+    from trainer.sim.scenario import load_scenario
+
+    sc = load_scenario(SCENARIO_DIR / f"{case.base}.yaml")
+    update: dict = {"iterations": case.iterations or sc.iterations}
+    if case.faults is not None:
+        update["faults"] = [FaultSpec(**f) for f in case.faults]
+    sc = sc.model_copy(update=update)
+    engine = SimEngine(sc.sim_config(), sc.all_faults())
+    job = engine.config.job
+    detectors = make_detectors(job)
+    incidents: dict[str, dict[str, Tracked]] = {name: {} for name in detectors}
+    truth: dict[str, object] = {}
+
+    def absorb(name: str, payloads: list) -> list:
+        probes = []
+        for p in payloads:
+            if isinstance(p, IncidentOpened):
+                incidents[name][p.incident_id] = Tracked(p.iteration, p.category.value, list(p.locations))
+            elif isinstance(p, (IncidentConfirmed, IncidentUpdated)) and p.locations:
+                if p.incident_id in incidents[name]:
+                    incidents[name][p.incident_id].locations = list(p.locations)
+            elif isinstance(p, ProbeRequest):
+                probes.append(p)
+        return probes
+
+    target = update["iterations"]
+    guard = 0
+    while engine.iteration < target and not engine.finished and guard < 10 * target:
+        guard += 1
+        for e in engine.step():
+            if isinstance(e.payload, FaultInjected):
+                truth[e.payload.fault_id] = e.payload
+                continue
+            for name, det in detectors.items():
+                for probe in absorb(name, det.on_event(e)):
+                    for answer in engine.probe(probe):
+                        absorb(name, det.on_event(answer))
+    for name, det in detectors.items():
+        absorb(name, det.flush())
+    faults = list(truth.values())
+    iterations = engine.iteration
+    faulty = set()
+    for f in faults:
+        faulty |= set(range(f.start_iteration, f.end_iteration if f.end_iteration is not None else iterations))
+    healthy = sum(1 for i in range(iterations) if i not in faulty)
+    return faults, incidents, iterations, healthy, engine.config.cluster
+
+
+def _fault_devices(f, cluster) -> set[int]:
+    loc = f.location
+    if loc.target == "node" and loc.node is not None:
+        return {d for d in range(cluster.gpus) if cluster.node_of(d) == loc.node}
+    if loc.link is not None:
+        return set(loc.link)
+    return {loc.rank} if loc.rank is not None else set()
+
+
+def _incident_devices(locs: list) -> set[int]:
+    out: set[int] = set()
+    for loc in locs:
+        if loc.rank is not None:
+            out.add(loc.rank)
+        if loc.link is not None:
+            out |= set(loc.link)
+        if loc.tp_group:
+            out |= set(loc.tp_group)
+    return out
+
+
+def _exact(f, locs: list, cluster, tp_of: dict[int, tuple]) -> bool:
+    if not locs:
+        return False
+    loc, truth = locs[0], f.location
+    if truth.target == "node":
+        return loc.node == truth.node or (loc.rank is not None and cluster.node_of(loc.rank) == truth.node)
+    if truth.target == "link" and truth.link is not None:
+        if loc.link is None:
+            return False
+        a, b = loc.link
+        ga, gb = set(tp_of.get(a, (a,))), set(tp_of.get(b, (b,)))
+        x, y = truth.link
+        return (x in ga and y in gb) or (y in ga and x in gb)
+    return loc.rank is not None and loc.rank == truth.rank and (truth.target != "link" or loc.target == "link")
+
+
+def score(results: list, grace: int = 5) -> dict[str, dict]:
+    per: dict[str, dict] = {}
+    for faults, incidents, iterations, healthy, cluster, tp_of in results:
+        for name, incs in incidents.items():
+            acc = per.setdefault(name, {"faults": 0, "detected": 0, "exact": 0, "incidents": 0, "matched": 0,
+                                        "false": 0, "healthy_iterations": 0, "delays": [], "delays_big": []})
+            acc["healthy_iterations"] += healthy
+            acc["incidents"] += len(incs)
+            matched: set[str] = set()
+            for f in faults:
+                acc["faults"] += 1
+                end = f.end_iteration if f.end_iteration is not None else iterations
+                devices = _fault_devices(f, cluster)
+                hits = sorted(((t.opened, iid) for iid, t in incs.items()
+                               if t.category == f.category.value and f.start_iteration - 1 <= t.opened < end + grace
+                               and (not _incident_devices(t.locations) or _incident_devices(t.locations) & devices)))
+                matched |= {iid for _, iid in hits}
+                if not hits:
+                    continue
+                first = incs[hits[0][1]]
+                acc["detected"] += 1
+                acc["exact"] += int(_exact(f, first.locations, cluster, tp_of))
+                delay = max(0, first.opened - f.start_iteration)
+                acc["delays"].append(delay)
+                if f.location.factor >= 1.2:
+                    acc["delays_big"].append(delay)
+            acc["matched"] += len(matched)
+            acc["false"] += len(incs) - len(matched)
+    out = {}
+    for name, a in per.items():
+        precision = a["matched"] / a["incidents"] if a["incidents"] else 1.0
+        recall = a["detected"] / a["faults"] if a["faults"] else 1.0
+        f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+        pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
+        out[name] = {
+            "precision": round(precision, 4), "recall": round(recall, 4), "f1": round(f1, 4),
+            "localisation": round(a["exact"] / a["detected"], 4) if a["detected"] else 0.0,
+            "delay_p50_iters": pct(a["delays"], 50), "delay_p95_iters": pct(a["delays"], 95),
+            "delay_p95_iters_x1_2_plus": pct(a["delays_big"], 95),
+            "false_alarms_per_10k": round(1e4 * a["false"] / max(a["healthy_iterations"], 1), 2),
+            "faults": a["faults"], "detected": a["detected"], "incidents": a["incidents"],
+        }
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--iterations", type=int, default=120, help="iterations per scenario")
+    parser.add_argument("--only", default=None, help="run only cases whose name contains this text")
+    parser.add_argument("--grace", type=int, default=5, help="iterations after a fault ends that still count")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    cases = [c for c in suite(args.iterations) if args.only is None or args.only in c.name]
+    results = []
+    rows = []
+    t0 = time.perf_counter()
+    for case in tqdm(cases, desc="scenarios", disable=args.json):
+        faults, incidents, iterations, healthy, cluster = run_case(case)
+        from trainer.sim.scenario import load_scenario
+
+        plan = load_scenario(SCENARIO_DIR / f"{case.base}.yaml").build_plan()
+        tp_of = {d: plan.pipelines[r.replica].stages[r.stage].devices for d, r in plan.roles.items()}
+        results.append((faults, incidents, iterations, healthy, cluster, tp_of))
+        rows.append((case.name, iterations, len(faults), {n: len(i) for n, i in incidents.items()}))
+    scores = score(results, args.grace)
+    names = list(scores)
+    print(f"{'case':34} {'iters':>5} {'faults':>6} " + " ".join(f"{n[:14]:>14}" for n in names))
+    for name, iters, nf, counts in rows:
+        print(f"{name:34} {iters:5d} {nf:6d} " + " ".join(f"{counts[n]:14d}" for n in names))
+    print()
+    cols = ("precision", "recall", "f1", "localisation", "delay_p50_iters", "delay_p95_iters",
+            "delay_p95_iters_x1_2_plus", "false_alarms_per_10k")
+    print(f"{'detector':22} " + " ".join(f"{c[:16]:>16}" for c in cols))
+    for n in names:
+        print(f"{n:22} " + " ".join(f"{scores[n][c]:16.3f}" for c in cols))
+    print(f"\n{len(cases)} scenarios in {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        print(json.dumps({"detectors": {n: {k: scores[n][k] for k in (
+            "precision", "recall", "f1", "localisation", "delay_p95_iters", "false_alarms_per_10k",
+            "delay_p50_iters", "delay_p95_iters_x1_2_plus")} for n in names}}))
+    return 0
