@@ -1,0 +1,150 @@
+"""Live reshape on 8 CPU ranks: the pause of each kind of reshape, and tokens/s healthy, with one
+rank slowed ×2, and after remediation.
+
+One launch of the real trainer (gloo, local processes), driven from here through the bus:
+iterations run healthy on TP1·PP2·DP4; then rank 3 (replica 1, stage 1) computes at half speed;
+a remediation command gives its stage fewer layers and its replica fewer micro-batches; the slow
+fault ends; then one command per kind of reshape (micro-batches, TP, PP, DP) is published, and
+finally a rank is killed and the launcher's drop-replica policy reshapes around it from live
+state. Tokens/s is the median of the per-iteration rate within each phase (first iteration after
+a change skipped). Pauses are what the acknowledgements state (largest per-rank pause; for
+fail-stop it includes survivors noticing the death at the collective timeout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+
+KINDS = ("remediate", "microbatches", "tp", "pp", "dp", "fail_stop")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--slow-factor", type=float, default=2.0)
+    parser.add_argument("--pg-timeout", type=float, default=5.0, help="collective timeout (fail-stop detection)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--embd", type=int, default=64)
+    parser.add_argument("--block", type=int, default=128)
+    parser.add_argument("--pace", type=float, default=5e-5, help=(
+        "emulated device seconds per layer-token (0: raw CPU speed; on a 2-core machine 8 ranks then "
+        "share the cores and a sleeping slow rank frees CPU for the others)"))
+
+
+def _plans(layers: int):
+    from collector.plan import PipelinePlan, Plan, StagePlan
+
+    base = Plan.uniform(tp=1, pp=2, dp=4, num_layers=layers, microbatches_per_replica=4)
+    half = layers // 2
+    remediated = base.model_copy(update={"epoch": 1, "pipelines": tuple(
+        p if p.replica != 1 else PipelinePlan(replica=1, microbatches=3, stages=(
+            StagePlan(devices=(2,), first_layer=0, end_layer=half + 1),
+            StagePlan(devices=(3,), first_layer=half + 1, end_layer=layers)))
+        for p in base.pipelines)}).model_copy()
+    counts = [5, 3, 4, 4]
+    remediated = remediated.model_copy(update={"pipelines": tuple(
+        p.model_copy(update={"microbatches": c}) for p, c in zip(remediated.pipelines, counts))})
+    microbatches = base.model_copy(update={"epoch": 2})  # back to the uniform split
+    tp = Plan.uniform(tp=2, pp=2, dp=2, num_layers=layers, microbatches_per_replica=8, epoch=3)
+    pp = Plan.uniform(tp=1, pp=4, dp=2, num_layers=layers, microbatches_per_replica=8, epoch=4)
+    dp = Plan.uniform(tp=2, pp=1, dp=4, num_layers=layers, microbatches_per_replica=4, epoch=5)
+    return base, {"remediate": remediated, "microbatches": microbatches, "tp": tp, "pp": pp, "dp": dp}
+
+
+def run(args: argparse.Namespace) -> int:
+    from collector import topics
+    from collector.embedded import EmbeddedBus
+    from collector.events import CommandAck, EventFactory, IterationSummary, ReconfigureCommand
+    from collector.stream import EventStream
+    from trainer.faults import Fault
+    from trainer.launcher import launch
+    from trainer.model import GPTConfig
+    from trainer.spec import BusSpec, RunSpec
+
+    healthy_end, slow_start, slow_end, kill_at, iterations = 8, 8, 24, 36, 40
+    cfg = GPTConfig(vocab_size=256, n_layer=args.layers, n_head=4, n_embd=args.embd, block_size=args.block)
+    base, plans = _plans(args.layers)
+    tmp = Path(tempfile.mkdtemp(prefix="resihp-bench-reshape-"))
+    bus_path = tmp / "bus.sqlite"
+    spec = RunSpec(job="bench-reshape", model=asdict(cfg), iterations=iterations, pg_timeout_s=args.pg_timeout,
+                   bus=BusSpec(backend="embedded", path=str(bus_path)), heartbeat_s=1.0,
+                   pace_s_per_layer_token=args.pace,
+                   faults=[Fault(kind="slow_compute", rank=3, factor=args.slow_factor, start_iteration=slow_start,
+                                 end_iteration=slow_end),
+                           Fault(kind="kill", rank=7, start_iteration=kill_at)])
+    factory = EventFactory(spec.job, "bench")
+    summaries: dict[int, IterationSummary] = {}
+    acks: list[CommandAck] = []
+    done = threading.Event()
+
+    def drive() -> None:
+        """Publish the commands as the run reaches each phase (reading the bus like any consumer)."""
+        with EmbeddedBus(bus_path) as bus, EventStream(bus, "bench", [topics.TELEMETRY, topics.CONTROL]) as stream:
+            sent_remedy = sent_kinds = False
+            while not done.is_set():
+                for d in stream.poll(timeout_s=0.1):
+                    p = d.event.payload
+                    if isinstance(p, IterationSummary):
+                        summaries[p.iteration] = p
+                    elif isinstance(p, CommandAck):
+                        acks.append(p)
+                top = max(summaries, default=-1)
+                if not sent_remedy and top >= slow_start + 5:
+                    bus.publish([factory.make(ReconfigureCommand(command_id=uuid.uuid4().hex, plan_id="remediate",
+                                                                 plan=plans["remediate"]))])
+                    sent_remedy = True
+                if not sent_kinds and top >= slow_end:
+                    bus.publish([factory.make(ReconfigureCommand(command_id=uuid.uuid4().hex, plan_id=k, plan=plans[k]))
+                                 for k in ("microbatches", "tp", "pp", "dp")])
+                    sent_kinds = True
+
+    driver = threading.Thread(target=drive, daemon=True)
+    driver.start()
+    started = time.perf_counter()
+    result = launch(spec, base, 8, on_death="drop-replica")
+    elapsed = time.perf_counter() - started
+    time.sleep(0.5)
+    done.set()
+    driver.join(10)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    def rate(iters) -> float | None:
+        rates = [summaries[i].tokens / summaries[i].wall_s for i in iters if i in summaries and summaries[i].wall_s > 0]
+        return statistics.median(rates) if rates else None
+
+    epoch_of = {i: s.epoch for i, s in summaries.items()}
+    remedy_iters = [i for i in range(slow_start, slow_end) if epoch_of.get(i) == 1 and epoch_of.get(i - 1) == 1]
+    slow_iters = [i for i in range(slow_start + 1, slow_end) if epoch_of.get(i) == 0]
+    tokens_per_s = {"healthy": rate(range(3, healthy_end)), "slow": rate(slow_iters), "remediated": rate(remedy_iters)}
+    healthy_wall = statistics.median(summaries[i].wall_s for i in range(3, healthy_end) if i in summaries)
+    by_plan = {a.plan_id: a for a in acks if a.status.value == "applied"}
+    kind_of = {k: k for k in plans} | {pid: "fail_stop" for pid in by_plan if pid.startswith("launcher-drop")}
+    pause_s = {kind_of[pid]: round(a.pause_s, 4) for pid, a in by_plan.items() if pid in kind_of}
+
+    print(f"bench reshape: 8 CPU ranks, {args.layers} layers × {args.embd} wide, {args.block}-token micro-batches, "
+          f"pace {args.pace:g} s/layer-token, "
+          f"{elapsed:.1f} s total; exit codes {result.exit_codes}")
+    print(f"{'reshape kind':<14} {'pause s':>9} {'pause iters':>12}  plan after")
+    for k in KINDS:
+        a = next((by_plan[p] for p in by_plan if kind_of.get(p) == k), None)
+        if a is None:
+            print(f"{k:<14} {'—':>9} {'—':>12}  (not applied)")
+            continue
+        print(f"{k:<14} {a.pause_s:>9.3f} {a.pause_s / healthy_wall:>12.1f}  {a.detail[:70]}")
+    print(f"{'phase':<14} {'tokens/s':>9}  iterations")
+    for phase, iters in (("healthy", list(range(3, healthy_end))), ("slow", slow_iters), ("remediated", remedy_iters)):
+        v = tokens_per_s[phase]
+        print(f"{phase:<14} {v if v is None else round(v):>9}  {iters}")
+    h, s, r = tokens_per_s["healthy"], tokens_per_s["slow"], tokens_per_s["remediated"]
+    if h and s and r and h > s:
+        print(f"remediation won back {100 * (r - s) / (h - s):.0f}% of the throughput the slow rank cost")
+    if args.json:
+        print(json.dumps({"pause_s": pause_s, "tokens_per_s": tokens_per_s}))
+    return 0

@@ -1,0 +1,74 @@
+"""``resihp train``: launch the torch trainer's ranks as local processes (gloo on CPU).
+
+The launcher hosts the rendezvous store (so any rank may die), reads reconfiguration commands
+from the bus's control topic, and acknowledges them; ranks publish telemetry to the same bus.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from resihp.options import add_bus_flags
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="run the torch TP/PP/DP trainer on local processes, reshaping on command",
+                       description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_bus_flags(p)
+    p.add_argument("--plan", help="plan JSON file (collector.plan.Plan); overrides --tp/--pp/--dp")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per replica (uniform layout)")
+    p.add_argument("--ranks", type=int, default=None, help="processes to start (default: the plan's devices)")
+    p.add_argument("--iterations", type=int, default=20)
+    p.add_argument("--model", default="tiny", help="preset: tiny, small, gpt2, gpt2-medium")
+    p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--job", default="resihp", help="job name on the bus (commands for other jobs are ignored)")
+    p.add_argument("--faults", default=None, help="fault list YAML (see docs/trainer.md)")
+    p.add_argument("--on-death", choices=["wait", "drop-replica"], default="wait",
+                   help="after a rank dies: wait for a command, or drop its replica right away")
+    p.add_argument("--commands-from", choices=["end", "beginning"], default="end",
+                   help="read control-topic commands published from now on, or the whole log")
+    p.add_argument("--pg-timeout", type=float, default=30.0, help="collective timeout, seconds")
+    p.add_argument("--save-dir", default=None, help="write a layout-free checkpoint here at the end")
+    p.add_argument("--resume-dir", default=None, help="start from a checkpoint written by any layout")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--no-telemetry", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import asdict, replace
+    from pathlib import Path
+
+    from collector.plan import Plan
+    from trainer.faults import FaultList
+    from trainer.launcher import launch
+    from trainer.model import PRESETS
+    from trainer.spec import BusSpec, RunSpec
+
+    if args.model not in PRESETS:
+        raise SystemExit(f"unknown model preset {args.model!r}; choose one of {sorted(PRESETS)}")
+    cfg = replace(PRESETS[args.model], dtype=args.dtype)
+    if args.layers:
+        cfg = replace(cfg, n_layer=args.layers)
+    if args.plan:
+        plan = Plan.model_validate_json(Path(args.plan).read_text())
+    else:
+        plan = Plan.uniform(tp=args.tp, pp=args.pp, dp=args.dp, num_layers=cfg.n_layer,
+                            microbatches_per_replica=args.microbatches)
+    ranks = args.ranks or max(plan.devices) + 1
+    spec = RunSpec(
+        job=args.job, model=asdict(cfg), seed=args.seed, iterations=args.iterations, lr=args.lr,
+        pg_timeout_s=args.pg_timeout, faults=FaultList.load(args.faults).faults if args.faults else [],
+        bus=BusSpec(backend=args.bus, path=args.bus_path, bootstrap=args.bootstrap),
+        telemetry=not args.no_telemetry, save_dir=args.save_dir, resume_dir=args.resume_dir, threads=args.threads)
+    print(f"job {args.job}: {plan.shape()} on {ranks} ranks, {cfg.n_layer} layers, {args.iterations} iterations")
+    result = launch(spec, plan, ranks, on_death=args.on_death, commands_from=args.commands_from, echo=print)
+    print(f"final plan epoch {result.final_plan.epoch}: {result.final_plan.shape()}; exit codes {result.exit_codes}")
+    return 0 if all(c == 0 for d, c in result.exit_codes.items() if d not in result.dead) and \
+        all(result.exit_codes.get(d) == 0 for d in result.final_plan.devices) else 1

@@ -1,0 +1,157 @@
+"""Fast single-process tests of the trainer's pieces: data, per-document attention, TP sharding,
+the DP bucket layout, the command intake's epoch fencing, the drop-replica policy, fault lists."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from collector.events import AckStatus, ReconfigureCommand
+from collector.plan import PipelinePlan, Plan, StagePlan
+from trainer.data import IGNORE, global_targets, microbatch, replica_microbatch_ids
+from trainer.faults import FaultList
+from trainer.intake import CommandIntake
+from trainer.launcher import drop_replicas
+from trainer.model import GPTConfig, GPTStage, init_full, init_stage, shard, shard_rule, unshard
+from trainer.optim import AdamW
+from trainer.parallel import Layout
+
+CFG = GPTConfig(vocab_size=64, n_layer=4, n_head=4, n_embd=32, block_size=64, dtype="float64")
+
+
+def test_microbatches_are_deterministic_packed_and_never_cross_documents() -> None:
+    a = microbatch(7, 3, 5, 64, 64)
+    b = microbatch(7, 3, 5, 64, 64)
+    assert torch.equal(a.tokens, b.tokens) and a.seq_lens == b.seq_lens
+    assert sum(a.seq_lens) == 64 and len(a.seq_lens) > 1
+    ends = torch.tensor(a.seq_lens).cumsum(0) - 1
+    assert (a.targets[ends] == IGNORE).all(), "the last token of a document has no target"
+    assert int((a.targets != IGNORE).sum()) == a.num_targets
+    assert int((a.positions == 0).sum()) == len(a.seq_lens), "positions restart at every document"
+    assert global_targets(7, 3, 8, 64) == sum(microbatch(7, 3, m, 64, 64).num_targets for m in range(8))
+
+
+def test_replicas_get_contiguous_microbatch_ranges_by_their_counts() -> None:
+    plan = Plan.uniform(tp=1, pp=1, dp=3, num_layers=2, microbatches_per_replica=1)
+    plan = plan.model_copy(update={"pipelines": tuple(
+        p.model_copy(update={"microbatches": m}) for p, m in zip(plan.pipelines, [3, 1, 4]))})
+    assert [list(replica_microbatch_ids(plan, r)) for r in range(3)] == [[0, 1, 2], [3], [4, 5, 6, 7]]
+
+
+def test_attention_is_per_document() -> None:
+    stage = GPTStage(CFG, 0, 4)
+    init_stage(stage, 0)
+    mb = microbatch(0, 0, 0, 64, 64)
+    out = stage(mb.tokens, mb.positions, mb.seq_lens)
+    first = mb.seq_lens[0]
+    changed = mb.tokens.clone()
+    changed[first:] = (changed[first:] + 1) % 64  # every later document differs
+    out2 = stage(changed, mb.positions, mb.seq_lens)
+    torch.testing.assert_close(out[:first], out2[:first], rtol=0, atol=0)
+    assert not torch.allclose(out[first:], out2[first:])
+
+
+def test_tp_shards_reassemble_to_the_full_parameter() -> None:
+    for name in ["layers.1.attn.q.weight", "layers.1.mlp.out.weight", "layers.1.ln1.weight", "wte.weight"]:
+        full = init_full(CFG, name, 0)
+        pieces = [shard(full, shard_rule(name), 4, r) for r in range(4)]
+        assert torch.equal(unshard(pieces, shard_rule(name)), full)
+
+
+def test_dp_buckets_reduce_shards_when_tp_matches_and_full_tensors_when_it_does_not() -> None:
+    uniform = Layout(Plan.uniform(tp=2, pp=2, dp=2, num_layers=4, microbatches_per_replica=1), tuple(range(8)))
+    assert [(b.devices, b.full) for b in uniform.buckets] == [
+        ((0, 4), (False,) * 3), ((1, 5), (False,) * 3), ((2, 6), (False,) * 3), ((3, 7), (False,) * 3)]
+    mixed = Plan(epoch=0, num_layers=2, pipelines=(
+        PipelinePlan(replica=0, microbatches=1, stages=(StagePlan(devices=(0, 1), first_layer=0, end_layer=2),)),
+        PipelinePlan(replica=1, microbatches=1, stages=(StagePlan(devices=(2,), first_layer=0, end_layer=1),
+                                                        StagePlan(devices=(3,), first_layer=1, end_layer=2)))))
+    buckets = Layout(mixed, (0, 1, 2, 3)).buckets
+    assert [(b.devices, b.units, set(b.full)) for b in buckets] == [
+        ((0, 1, 2), ("embed", "layer.0"), {True}), ((0, 1, 3), ("layer.1", "head"), {True})]
+
+
+def test_adamw_steps_a_shard_exactly_like_its_slice_of_the_full_parameter() -> None:
+    full = torch.nn.Parameter(torch.randn(8, 4, dtype=torch.float64))
+    part = torch.nn.Parameter(full.detach()[4:].clone())
+    grad = torch.randn(8, 4, dtype=torch.float64)
+    o_full, o_part = AdamW([full]), AdamW([part])
+    for _ in range(3):
+        full.grad, part.grad = grad.clone(), grad[4:].clone()
+        o_full.step()
+        o_part.step()
+    assert torch.equal(full.detach()[4:], part.detach())
+
+
+class _Store:
+    """Just enough of a TCPStore for the intake's unit logic."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+
+def _cmd(plan: Plan, cid: str) -> ReconfigureCommand:
+    return ReconfigureCommand(command_id=cid, plan_id="p", plan=plan)
+
+
+def test_intake_applies_only_the_next_epoch_and_reports_the_rest() -> None:
+    store = _Store()
+    p0 = Plan.uniform(tp=1, pp=2, dp=2, num_layers=4, microbatches_per_replica=2)
+    p1 = p0.model_copy(update={"epoch": 1})
+    intake = CommandIntake(store, p0, n_layer=4, n_head=4, global_microbatches=4)
+    alive = {0, 1, 2, 3}
+    for c in [_cmd(p1, "a"), _cmd(p1, "a"), _cmd(p0, "b"), _cmd(p0.model_copy(update={"epoch": 3}), "c")]:
+        intake.offer(c)
+    assert intake.poll(alive, progress_iteration=-1) == []  # nothing ran on epoch 0 yet
+    assert intake.poll(alive, progress_iteration=0) == []  # posted, waiting for the ranks
+    assert store.get("control/epoch") == b"1" and json.loads(store.get("world/1")) == [0, 1, 2, 3]
+    for d in alive:
+        store.set(f"done/1/{d}", json.dumps({"pause_s": 0.1 * d, "pause_iterations": 1, "failure_wait_s": 0,
+                                             "iteration": 2}))
+    acks = intake.poll(alive, progress_iteration=1)
+    assert [(a.command_id, a.status) for a in acks] == [
+        ("a", AckStatus.APPLIED), ("a", AckStatus.IGNORED_DUPLICATE), ("b", AckStatus.IGNORED_STALE),
+        ("c", AckStatus.IGNORED_STALE)]
+    assert acks[0].pause_s == pytest.approx(0.3) and acks[0].running_epoch == 1
+    assert "skips epochs" in acks[3].detail
+
+
+def test_intake_fails_a_plan_the_job_cannot_run_without_touching_the_ranks() -> None:
+    store = _Store()
+    p0 = Plan.uniform(tp=1, pp=1, dp=2, num_layers=4, microbatches_per_replica=2)
+    intake = CommandIntake(store, p0, n_layer=4, n_head=4, global_microbatches=4)
+    too_many = Plan.uniform(tp=1, pp=1, dp=2, num_layers=4, microbatches_per_replica=3, epoch=1)
+    dead_device = Plan.uniform(tp=1, pp=1, dp=2, num_layers=4, microbatches_per_replica=2, epoch=1, first_device=1)
+    intake.offer(_cmd(too_many, "x"))
+    intake.offer(_cmd(dead_device, "y"))
+    acks = intake.poll({0, 1}, progress_iteration=5)
+    assert [a.status for a in acks] == [AckStatus.FAILED, AckStatus.FAILED]
+    assert "global batch" in acks[0].detail and "[2]" in acks[1].detail
+    assert "control/epoch" not in store.data
+
+
+def test_drop_replicas_keeps_the_global_batch() -> None:
+    plan = Plan.uniform(tp=2, pp=2, dp=3, num_layers=4, microbatches_per_replica=3)
+    new = drop_replicas(plan, {5})
+    assert new.epoch == 1 and new.dp == 2 and new.global_microbatches == 9
+    assert 5 not in new.devices and [p.replica for p in new.pipelines] == [0, 1]
+
+
+def test_fault_list_reads_the_documented_yaml(tmp_path) -> None:
+    path = tmp_path / "faults.yaml"
+    path.write_text("faults:\n  - {kind: slow_compute, rank: 3, factor: 2.0, start_iteration: 2, end_iteration: 4}\n"
+                    "  - {kind: kill, rank: 1, start_iteration: 5}\n")
+    faults = FaultList.load(path).faults
+    assert [f.kind for f in faults] == ["slow_compute", "kill"]
+    assert [faults[0].active(i) for i in range(5)] == [False, False, True, True, False]

@@ -1,0 +1,97 @@
+"""Failure injection for the torch trainer, driven by a small YAML fault list.
+
+Format (a ``faults:`` list; the same keys the simulator's scenarios use where they overlap)::
+
+    faults:
+      - kind: slow_compute      # every F/B chunk on the rank takes ``factor`` times as long
+        rank: 5                 # device id
+        factor: 2.0
+        start_iteration: 3
+        end_iteration: 20       # exclusive; omit for "until the end"
+      - kind: slow_send         # every pipeline send from the rank is delayed by ``delay_s``
+        rank: 2
+        delay_s: 0.02
+        start_iteration: 0
+      - kind: kill              # the process exits (os._exit) at the start of the iteration
+        rank: 6
+        start_iteration: 4
+
+Slowing is done by sleeping ``(factor - 1) × measured compute`` after each chunk, so the extra time
+scales with the real work (long sequences get slower in absolute terms, as on a throttled GPU),
+and a sleeping rank does not steal CPU from its neighbours on a shared machine.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+KILL_EXIT_CODE = 43
+
+
+class Fault(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["slow_compute", "slow_send", "kill"]
+    rank: int = Field(ge=0, description="device id")
+    start_iteration: int = Field(default=0, ge=0)
+    end_iteration: int | None = Field(default=None, description="exclusive")
+    factor: float = Field(default=2.0, ge=1.0)
+    delay_s: float = Field(default=0.0, ge=0.0)
+
+    def active(self, iteration: int) -> bool:
+        return self.start_iteration <= iteration and (self.end_iteration is None or iteration < self.end_iteration)
+
+
+class FaultList(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")  # scenario files carry more sections
+
+    faults: list[Fault] = Field(default_factory=list)
+
+    @classmethod
+    def load(cls, path: str | Path) -> FaultList:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as exc:
+            raise ValueError(f"cannot read fault list {path}: {exc}") from None
+        return cls.model_validate(data)
+
+
+class FaultInjector:
+    """The faults that touch one device, applied by the training loop at its hooks."""
+
+    def __init__(self, faults: list[Fault], device: int) -> None:
+        self.faults = [f for f in faults if f.rank == device]
+        self.iteration = 0
+
+    def begin_iteration(self, iteration: int) -> None:
+        """Kill now if a kill fault starts at this iteration (no goodbye: peers see a dead socket)."""
+        self.iteration = iteration
+        for f in self.faults:
+            if f.kind == "kill" and f.start_iteration == iteration:
+                os._exit(KILL_EXIT_CODE)
+
+    def after_compute(self, duration_s: float, paced_s: float = 0.0) -> None:
+        """Pad a chunk that took ``duration_s``: first up to ``paced_s`` (the emulated device time,
+        0 when not pacing), then by the slow factor of any active slow_compute fault."""
+        factor = 1.0
+        for f in self.faults:
+            if f.kind == "slow_compute" and f.active(self.iteration):
+                factor *= f.factor
+        wanted_s = factor * max(duration_s, paced_s)
+        if wanted_s > duration_s:
+            time.sleep(wanted_s - duration_s)
+
+    def before_send(self) -> None:
+        for f in self.faults:
+            if f.kind == "slow_send" and f.active(self.iteration):
+                time.sleep(f.delay_s)
+
+    def started(self, iteration: int) -> list[Fault]:
+        """Faults that begin at ``iteration`` (published as ground truth)."""
+        return [f for f in self.faults if f.start_iteration == iteration]

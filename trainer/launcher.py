@@ -1,0 +1,174 @@
+"""The launcher: hosts the rendezvous store, starts one process per rank, relays commands.
+
+The launcher — not rank 0 — owns the TCPStore, so any rank may die and the survivors can still
+meet. It is also the single reader of the control topic (trainer/intake.py fences and posts the
+commands) and it watches its children: a rank that exits with an error is dead. With
+``on_death="drop-replica"`` the launcher itself publishes a command that drops the dead device's
+replica and gives its micro-batches to the others (a minimal policy so the job survives on its
+own; the remediation engine's commands take the same path through the bus). With ``"wait"`` the
+survivors wait for a command from the bus.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from collector import topics
+from collector.events import (CommandAck, EventFactory, FaultCategory, FaultInjected, Location,
+                              ReconfigureCommand)
+from collector.plan import PipelinePlan, Plan
+from collector.stream import EventStream
+from trainer.faults import KILL_EXIT_CODE
+from trainer.intake import CommandIntake
+from trainer.spec import RunSpec
+
+@dataclass
+class LaunchResult:
+    exit_codes: dict[int, int]
+    acks: list[CommandAck] = field(default_factory=list)
+    final_plan: Plan | None = None
+    dead: list[int] = field(default_factory=list)
+
+
+def drop_replicas(plan: Plan, dead: set[int]) -> Plan:
+    """The next epoch without every replica that holds a dead device; their micro-batches are
+    shared out to the survivors (earlier replicas take the remainder)."""
+    keep = [p for p in plan.pipelines if not any(d in dead for s in p.stages for d in s.devices)]
+    if not keep:
+        raise ValueError(f"devices {sorted(dead)} touch every replica of epoch {plan.epoch}; nothing survives")
+    total = plan.global_microbatches
+    base, extra = divmod(total, len(keep))
+    pipelines = tuple(
+        PipelinePlan(replica=i, microbatches=base + (1 if i < extra else 0), stages=p.stages)
+        for i, p in enumerate(keep))
+    return plan.model_copy(update={"epoch": plan.epoch + 1, "pipelines": pipelines})
+
+
+def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", commands_from: str = "end",
+           poll_s: float = 0.05, echo=None) -> LaunchResult:
+    """Run the job to its end; returns exit codes, the acknowledgements published, the final plan."""
+    import torch.distributed as dist
+
+    if max(plan.devices) >= ranks:
+        raise ValueError(f"plan uses devices up to {max(plan.devices)} but only {ranks} ranks are launched; "
+                         f"pass --ranks {max(plan.devices) + 1}")
+    if plan.num_layers != spec.config.n_layer:
+        raise ValueError(f"plan has {plan.num_layers} layers but the model has {spec.config.n_layer}; "
+                         "build the plan with the model's layer count")
+    echo = echo or (lambda line: None)
+    store = dist.TCPStore(spec.store_host, 0, None, True, wait_for_workers=False,
+                          timeout=timedelta(seconds=spec.rendezvous_timeout_s))
+    spec = spec.model_copy(update={"store_port": store.port})
+    store.set(f"plan/{plan.epoch}", plan.model_dump_json())
+    store.set(f"world/{plan.epoch}", json.dumps(list(range(ranks))))
+    store.set("control/epoch", str(plan.epoch))
+
+    bus = spec.bus.open()
+    factory = EventFactory(spec.job, "trainer")
+    stream = EventStream(bus, f"trainer:{spec.job}", [topics.CONTROL], job=spec.job,
+                         on_assign=None if commands_from == "beginning"
+                         else (lambda tps: bus.end_offsets([tp.topic for tp in tps])))
+    cfg = spec.config
+    intake = CommandIntake(store, plan, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                           global_microbatches=plan.global_microbatches)
+    procs = _start_ranks(spec, ranks)
+    result = LaunchResult(exit_codes={})
+    last_echoed = -1
+    try:
+        while len(result.exit_codes) < ranks:
+            for d, p in procs.items():
+                if d in result.exit_codes or p.exitcode is None:
+                    continue
+                result.exit_codes[d] = p.exitcode
+                if p.exitcode != 0:
+                    result.dead.append(d)
+                    intake.note_death()
+                    echo(f"device {d} exited with {p.exitcode}")
+                    bus.publish([factory.make(FaultInjected(
+                        fault_id=f"{spec.job}/death/{d}", category=FaultCategory.FAIL_STOP,
+                        location=Location(target="compute", rank=d, factor=1e9),
+                        start_iteration=_progress(store)["iteration"] + 1))])
+                    target = intake.in_flight.command.plan if intake.in_flight else intake.running
+                    if on_death == "drop-replica" and d in target.devices and len(result.exit_codes) < ranks:
+                        new_plan = drop_replicas(target, set(result.dead))
+                        bus.publish([factory.make(ReconfigureCommand(
+                            command_id=uuid.uuid4().hex, plan_id=f"launcher-drop-{d}", plan=new_plan))])
+            for delivery in stream.poll(timeout_s=poll_s):
+                ev = delivery.event
+                if ev.job == spec.job and isinstance(ev.payload, ReconfigureCommand):
+                    intake.offer(ev.payload)
+            stream.commit()
+            alive = {d for d, p in procs.items() if p.exitcode is None}
+            progress = _progress(store)
+            if progress["iteration"] > last_echoed:
+                last_echoed = progress["iteration"]
+                echo(f"iteration {last_echoed} epoch {progress['epoch']} loss {progress['loss']:.4f}")
+            acks = intake.poll(alive, progress["iteration"]) if alive else []
+            for ack in acks:
+                echo(f"command {ack.command_id[:8]} epoch {ack.epoch}: {ack.status.value} "
+                     f"(pause {ack.pause_s:.3f} s) {ack.detail}")
+            if acks:
+                bus.publish([factory.make(a) for a in acks])
+                result.acks += acks
+            if not alive:
+                time.sleep(poll_s)
+        for delivery in stream.poll(timeout_s=0):
+            if delivery.event.job == spec.job and isinstance(delivery.event.payload, ReconfigureCommand):
+                intake.offer(delivery.event.payload)
+        stream.commit()
+        acks = intake.finish()
+        for ack in acks:
+            echo(f"command {ack.command_id[:8]} epoch {ack.epoch}: {ack.status.value} {ack.detail}")
+        if acks:
+            bus.publish([factory.make(a) for a in acks])
+            result.acks += acks
+    finally:
+        for p in procs.values():
+            if p.exitcode is None:
+                p.terminate()
+        for p in procs.values():
+            p.join(10)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+        stream.close()
+        bus.close()
+    result.final_plan = intake.running
+    return result
+
+
+def _start_ranks(spec: RunSpec, ranks: int) -> dict:
+    """One process per rank, forked from a fork server that has imported torch once.
+
+    Importing torch costs ~3 CPU-seconds; eight ranks on two cores would spend most of a short
+    run importing. The fork server (multiprocessing's ``forkserver``) imports trainer.worker once
+    and forks every rank from that clean, compute-free process, which is fork-safe (no OpenMP
+    threads exist in it yet). It is reused by later launches from the same interpreter.
+    """
+    import multiprocessing as mp
+
+    from trainer.worker import process_main
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
+    os.environ.setdefault("MKL_NUM_THREADS", str(spec.threads))
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["trainer.worker"])
+    spec_json = spec.model_dump_json()
+    procs = {d: ctx.Process(target=process_main, args=(d, spec_json), name=f"rank-{d}") for d in range(ranks)}
+    for p in procs.values():
+        p.start()
+    return procs
+
+
+def _progress(store) -> dict:
+    if not store.check(["progress"]):
+        return {"iteration": -1, "epoch": -1}
+    return json.loads(store.get("progress"))
+
+
+__all__ = ["launch", "LaunchResult", "drop_replicas", "KILL_EXIT_CODE"]

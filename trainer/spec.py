@@ -1,0 +1,59 @@
+"""What the launcher tells every rank process: one validated, JSON-serialisable run spec."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trainer.faults import Fault
+from trainer.model import GPTConfig
+
+
+class BusSpec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    backend: str | None = None
+    path: str | None = None
+    bootstrap: str | None = None
+    namespace: str = ""
+
+    def open(self):
+        """Open the bus this spec names (Kafka with a topic namespace when one is given)."""
+        if self.backend == "kafka" and self.namespace:
+            from collector.bus import DEFAULT_KAFKA_BOOTSTRAP
+            from collector.kafka_bus import KafkaBus
+
+            return KafkaBus(self.bootstrap or DEFAULT_KAFKA_BOOTSTRAP, namespace=self.namespace)
+        from collector.bus import open_bus
+
+        return open_bus(self.backend, path=self.path, bootstrap=self.bootstrap)
+
+
+class RunSpec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    job: str = "resihp"
+    model: dict = Field(default_factory=dict, description="GPTConfig fields")
+    seed: int = 0
+    iterations: int = Field(default=10, ge=1)
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    store_host: str = "127.0.0.1"
+    store_port: int = 0
+    pg_timeout_s: float = Field(default=30.0, gt=0, description="collective timeout: how long a survivor "
+                                "not next to a dead rank waits before it notices")
+    rendezvous_timeout_s: float = Field(default=120.0, gt=0)
+    recovery_timeout_s: float = Field(default=300.0, gt=0, description="how long survivors wait for a new plan")
+    heartbeat_s: float = Field(default=1.0, gt=0)
+    faults: list[Fault] = Field(default_factory=list)
+    bus: BusSpec = Field(default_factory=BusSpec)
+    telemetry: bool = True
+    save_dir: str | None = None
+    resume_dir: str | None = None
+    threads: int = Field(default=1, ge=1)
+    pace_s_per_layer_token: float = Field(default=0.0, ge=0, description=(
+        "emulate devices: pad each forward chunk to layers × (p·tokens + p/32·Σl²) seconds (backward: 2×), "
+        "so ranks sharing few CPU cores behave like devices of a set speed; 0 = off"))
+
+    @property
+    def config(self) -> GPTConfig:
+        return GPTConfig(**self.model)

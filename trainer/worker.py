@@ -1,0 +1,247 @@
+"""One rank process: build its part of the model for the current plan, train, reshape on command.
+
+The loop, per iteration: inject faults due now; run this rank's 1F1B schedule; reduce gradients
+across replicas; *commit* — one small all-reduce over the whole world that carries each replica's
+loss and the newest plan epoch any rank has seen in the store; only then step the optimizer. If
+anything in the iteration raises (a peer died: its neighbours at once, the rest at the collective
+timeout), no rank has stepped, gradients are dropped, and the executor recovers from the last
+committed state. After a commit that saw a newer epoch, every rank reshapes at this same boundary.
+
+Store keys (the launcher hosts the TCPStore, so any rank may die): ``plan/E`` and ``world/E`` (the
+plan and the live devices of epoch E), ``control/epoch`` (the newest posted epoch), ``done/E/D`` and
+``failed/E/D`` (each rank's outcome of a reshape), ``progress`` (the last committed iteration).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from collector.events import Coords, FaultCategory, FaultInjected, IterationSummary, Location, RankIteration
+from collector.plan import Plan, RankRole
+from trainer.data import global_targets, microbatch, replica_microbatch_ids
+from trainer.faults import FaultInjector
+from trainer.model import GPTStage, init_stage
+from trainer.optim import AdamW
+from trainer.parallel import GradReducer, Groups, Layout, apply_dp, apply_pp, apply_tp, build_groups
+from trainer.schedule import OneFOneB
+from trainer.spec import RunSpec
+from trainer.state import import_state, load_checkpoint, make_optimizer, save_checkpoint
+from trainer.telemetry import IterationRecorder, TelemetryPublisher
+
+log = logging.getLogger("resihp.trainer")
+
+
+@dataclass
+class Role:
+    """Everything this device runs under one epoch's plan (``stage`` is None for a spare)."""
+
+    layout: Layout
+    groups: Groups
+    train_group: dist.ProcessGroup
+    role: RankRole | None = None
+    stage: GPTStage | None = None
+    opt: AdamW | None = None
+    reducer: GradReducer | None = None
+    schedule: OneFOneB | None = None
+
+
+class Trainer:
+    """The state of one rank process across epochs; the executor swaps its ``current`` role."""
+
+    def __init__(self, spec: RunSpec, device: int, store: dist.Store) -> None:
+        self.spec, self.device, self.store = spec, device, store
+        self.cfg = spec.config
+        self.iteration = 0
+        self.faults = FaultInjector(spec.faults, device)
+        self.current: Role | None = None
+        self.telemetry = (TelemetryPublisher(spec.bus.open, spec.job, device, spec.heartbeat_s)
+                          if spec.telemetry else None)
+
+    # ---- building a role -------------------------------------------------------------------------
+
+    def epoch(self) -> int:
+        return self.current.layout.plan.epoch if self.current else -1
+
+    def join_world(self, epoch: int) -> Layout | None:
+        """Re-create the default process group for ``epoch`` (None: this device is not in it)."""
+        plan = Plan.model_validate_json(self.store.get(f"plan/{epoch}"))
+        world = tuple(json.loads(self.store.get(f"world/{epoch}")))
+        if self.device not in world:
+            return None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        prefixed = dist.PrefixStore(f"pg/{epoch}/", self.store)
+        dist.init_process_group("gloo", store=prefixed, rank=world.index(self.device), world_size=len(world),
+                                timeout=timedelta(seconds=self.spec.rendezvous_timeout_s))
+        return Layout(plan, world)
+
+    def build(self, layout: Layout, state=None) -> Role:
+        """The TP, PP and DP steps for this device under ``layout``; loads ``state`` if given."""
+        timeout = timedelta(seconds=self.spec.pg_timeout_s)
+        train_group = dist.new_group(list(range(len(layout.world))), timeout=timeout)
+        groups = build_groups(layout, self.spec.pg_timeout_s)
+        role = Role(layout, groups, train_group)
+        if self.device not in layout.plan.roles:
+            return role
+        rr = layout.plan.role_of(self.device)
+        tp = apply_tp(layout.plan, rr, groups)
+        stage = apply_pp(self.cfg, rr, tp)
+        init_stage(stage, self.spec.seed)
+        opt = make_optimizer(stage, self.spec.lr, self.spec.weight_decay, self.iteration)
+        if state is not None:
+            import_state(stage, opt, state, self.iteration)
+        pipe = next(p for p in layout.plan.pipelines if p.replica == rr.replica)
+        role.role, role.stage, role.opt = rr, stage, opt
+        role.reducer = apply_dp(stage, layout, rr, groups)
+        role.schedule = OneFOneB(stage, pipe, rr, layout, self.faults, self.spec.pace_s_per_layer_token)
+        return role
+
+    # ---- one iteration ---------------------------------------------------------------------------
+
+    def train_step(self) -> tuple[float, int, float]:
+        """Run, reduce, commit, step. Returns (global loss, newest epoch seen by any rank, wall s)."""
+        cur = self.current
+        plan = cur.layout.plan
+        rec = IterationRecorder()
+        if cur.stage is not None:
+            cur.stage.tp.timer = rec.tp_timer
+            cur.reducer.timer = rec.dp_timer
+        denom = global_targets(self.spec.seed, self.iteration, plan.global_microbatches, self.cfg.block_size)
+        commit = torch.zeros(plan.dp + 1, dtype=torch.float64)
+        if cur.role is not None:
+            ids = replica_microbatch_ids(plan, cur.role.replica)
+            mbs = [microbatch(self.spec.seed, self.iteration, m, self.cfg.vocab_size, self.cfg.block_size) for m in ids]
+            for p in cur.stage.parameters():
+                p.grad = None
+            loss = cur.schedule.run(mbs, denom, rec)
+            cur.reducer.reduce()
+            if cur.stage.is_last:
+                commit[plan.pipelines.index(next(p for p in plan.pipelines if p.replica == cur.role.replica))] = loss
+        commit[-1] = float(int(self.store.get("control/epoch")))
+        dist.all_reduce(commit, op=dist.ReduceOp.MAX, group=cur.train_group)
+        if cur.opt is not None:
+            cur.opt.step()
+        wall_s = rec.now_s()
+        self._report(rec, wall_s, float(commit[:-1].sum()))
+        return float(commit[:-1].sum()), int(commit[-1]), wall_s
+
+    def _report(self, rec: IterationRecorder, wall_s: float, loss: float) -> None:
+        cur = self.current
+        plan = cur.layout.plan
+        if self.telemetry is not None:
+            self.telemetry.epoch, self.telemetry.iteration = plan.epoch, self.iteration
+            if cur.role is not None:
+                r = cur.role
+                self.telemetry.publish(RankIteration(
+                    epoch=plan.epoch, iteration=self.iteration, rank=self.device,
+                    coords=Coords(tp=r.tp_rank, pp=r.stage, dp=r.replica), wall_s=wall_s,
+                    chunks=rec.chunks, comm=rec.comm))
+            if cur.layout.rank(self.device) == 0:
+                self.telemetry.publish(IterationSummary(
+                    epoch=plan.epoch, iteration=self.iteration, loss=loss,
+                    tokens=plan.global_microbatches * self.cfg.block_size, wall_s=wall_s))
+            for f in self.faults.started(self.iteration):
+                if f.kind != "kill":
+                    self.telemetry.publish(FaultInjected(
+                        fault_id=f"{self.spec.job}/{f.kind}/{f.rank}/{f.start_iteration}",
+                        category=FaultCategory.FAIL_SLOW,
+                        location=Location(target="compute" if f.kind == "slow_compute" else "link", rank=f.rank,
+                                          factor=f.factor),
+                        start_iteration=f.start_iteration, end_iteration=f.end_iteration))
+        if cur.layout.rank(self.device) == 0:
+            self.store.set("progress", json.dumps({"iteration": self.iteration, "epoch": plan.epoch, "loss": loss}))
+
+    def drop_gradients(self) -> None:
+        if self.current and self.current.stage is not None:
+            for p in self.current.stage.parameters():
+                p.grad = None
+
+    def save(self, directory: str) -> None:
+        cur = self.current
+        tp_devices = None
+        if cur.role is not None:
+            pipe = next(p for p in cur.layout.plan.pipelines if p.replica == cur.role.replica)
+            tp_devices = pipe.stages[cur.role.stage].devices
+        save_checkpoint(directory, cur.layout, self.device, cur.stage, cur.opt, self.iteration, tp_devices)
+        dist.barrier(group=cur.train_group)
+
+
+def _t(what: str) -> None:
+    if os.environ.get("RESIHP_TRACE"):
+        print(f"{time.time():.2f} {what}", file=sys.stderr, flush=True)
+
+
+def run_rank(spec: RunSpec, device: int) -> int:
+    """The process body: join epoch 0, train, reshape on command, save, exit."""
+    from trainer.executor import Executor, Released
+
+    torch.set_num_threads(spec.threads)
+    store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
+                          timeout=timedelta(seconds=spec.rendezvous_timeout_s))
+    trainer = Trainer(spec, device, store)
+    executor = Executor(trainer)
+    try:
+        epoch = int(store.get("control/epoch"))
+        layout = trainer.join_world(epoch)
+        if layout is None:
+            return 0
+        state = None
+        if spec.resume_dir:
+            rr = layout.plan.roles.get(device)
+            if rr is not None:
+                state, trainer.iteration = load_checkpoint(spec.resume_dir, trainer.cfg, rr.first_layer, rr.end_layer,
+                                                           rr.tp_degree, rr.tp_rank)
+            else:
+                trainer.iteration = json.loads(open(os.path.join(spec.resume_dir, "meta.json")).read())["iteration"]
+        _t("joined")
+        trainer.current = trainer.build(layout, state)
+        _t("built")
+        while trainer.iteration < spec.iterations:
+            trainer.faults.begin_iteration(trainer.iteration)
+            try:
+                _, newest, wall_s = trainer.train_step()
+            except (RuntimeError, dist.DistError) as exc:  # a peer died or timed out: recover
+                trainer.drop_gradients()
+                executor.recover(exc)
+                continue
+            trainer.iteration += 1
+            executor.note_iteration(wall_s)
+            if newest > trainer.epoch() and trainer.iteration < spec.iterations:
+                executor.reshape(newest)
+        _t("trained")
+        if spec.save_dir:
+            trainer.save(spec.save_dir)
+        _t("saved")
+        return 0
+    except Released:
+        return 0
+    finally:
+        if trainer.telemetry is not None:
+            trainer.telemetry.close()
+        _t("closed")
+
+
+def process_main(device: int, spec_json: str) -> None:
+    """Entry point of a rank process (the launcher forks it). Exits with the rank's code,
+    skipping interpreter teardown: gloo pairs to a dead peer need no goodbye."""
+    spec = RunSpec.model_validate_json(spec_json)
+    logging.basicConfig(level=os.environ.get("RESIHP_LOG", "WARNING"),
+                        format=f'{{"rank": {device}, "level": "%(levelname)s", "msg": "%(message)s"}}')
+    code = 1
+    try:
+        code = run_rank(spec, device)
+    except BaseException:
+        logging.getLogger("resihp.trainer").exception("device %d failed", device)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
