@@ -21,7 +21,7 @@ import torch
 
 from collector import topics
 from collector.embedded import EmbeddedBus
-from collector.events import AckStatus, CommandAck, EventFactory, IterationSummary, ReconfigureCommand
+from collector.events import AckStatus, CommandAck, EventFactory, IterationSummary, PlanCurrent, ReconfigureCommand
 from collector.plan import PipelinePlan, Plan, StagePlan
 from collector.stream import EventStream
 from trainer.faults import KILL_EXIT_CODE, Fault
@@ -114,6 +114,9 @@ def test_trainer_reshapes_live_and_trains_exactly_like_the_reference(reference: 
     assert acks[1].command_id == acks[0].command_id and acks[2].command_id == stale.command_id
     assert all(a.pause_s > 0 for a in acks if a.status == AckStatus.APPLIED)
     assert result.final_plan == p4
+    announced = [(e.payload.reason, e.payload.plan) for e in _events(tmp_path / "bus.sqlite", topics.CONTROL)
+                 if isinstance(e.payload, PlanCurrent)]
+    assert announced == [("start", BASE), ("reshape", p1), ("reshape", p2), ("reshape", p3), ("reshape", p4)]
     epochs = {epoch for epoch, _ in _losses(tmp_path).values()}
     assert epochs == {0, 1, 2, 3, 4}, "every plan trained at least one iteration"
     _assert_same_training(tmp_path, reference)

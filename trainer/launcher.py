@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from collector import topics
-from collector.events import (CommandAck, EventFactory, FaultCategory, FaultInjected, Location,
+from collector.events import (AckStatus, CommandAck, EventFactory, FaultCategory, FaultInjected, Location, PlanCurrent,
                               ReconfigureCommand)
 from collector.plan import PipelinePlan, Plan
 from collector.stream import EventStream
@@ -70,6 +70,7 @@ def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", com
 
     bus = spec.bus.open()
     factory = EventFactory(spec.job, "trainer")
+    bus.publish([factory.make(_plan_current(spec, plan, "start"))])
     stream = EventStream(bus, f"trainer:{spec.job}", [topics.CONTROL], job=spec.job,
                          on_assign=None if commands_from == "beginning"
                          else (lambda tps: bus.end_offsets([tp.topic for tp in tps])))
@@ -113,7 +114,9 @@ def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", com
                 echo(f"command {ack.command_id[:8]} epoch {ack.epoch}: {ack.status.value} "
                      f"(pause {ack.pause_s:.3f} s) {ack.detail}")
             if acks:
-                bus.publish([factory.make(a) for a in acks])
+                applied = [_plan_current(spec, intake.running, "reshape")] if any(
+                    a.status is AckStatus.APPLIED for a in acks) else []
+                bus.publish([factory.make(a) for a in [*acks, *applied]])
                 result.acks += acks
             if not alive:
                 time.sleep(poll_s)
@@ -140,6 +143,16 @@ def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", com
         bus.close()
     result.final_plan = intake.running
     return result
+
+
+def _plan_current(spec: RunSpec, plan: Plan, reason: str) -> PlanCurrent:
+    """What the platform should know of the running job: its plan and the model's size."""
+    d = spec.config.n_embd
+    params_per_layer = 12 * d * d + 13 * d  # attention 4d², MLP 8d², biases and norms
+    bytes_per_param = 4 * spec.config.torch_dtype.itemsize  # parameter, gradient, two AdamW moments
+    return PlanCurrent(plan=plan, reason=reason, gpus_per_node=8, model_name=spec.job,
+                       layer_state_bytes=params_per_layer * bytes_per_param,
+                       tokens_per_microbatch=spec.config.block_size)
 
 
 def _start_ranks(spec: RunSpec, ranks: int) -> dict:
