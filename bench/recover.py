@@ -18,13 +18,43 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 SCENARIOS = ("slow_x1.5", "slow_x2", "slow_x4", "slow_link_x4", "stop_gpu", "stop_node", "every_30min", "cascading")
 STRATEGIES = ("oracle", "ours", "do_nothing", "drop_replica", "elastic_restart", "oobleck", "tp_only", "pp_only",
               "dp_only")
 DETECT_STOP_S = 20.0
 DETECT_SLOW_S = 30.0
+RESHAPE_PAUSE_S = 20.0
+HORIZON_S = 1800.0
+
+
+class _Models:
+    """Cost figures per (GPUs): built once, shared by every strategy of that size."""
+
+    def __init__(self) -> None:
+        self._exact: dict[int, object] = {}
+        self._fitted: dict[int, object] = {}
+
+    def exact(self, config):  # type: ignore[no-untyped-def]
+        from bench._recover_models import exact_model
+
+        key = config.cluster.gpus
+        if key not in self._exact:
+            cv = self.fitted(config).makespan_cv  # the oracle knows the spread as well as anyone
+            self._exact[key] = exact_model(config.model, config.cluster, config.workload, cv)
+        return self._exact[key]
+
+    def fitted(self, config):  # type: ignore[no-untyped-def]
+        from bench._recover_models import fitted_model
+
+        key = config.cluster.gpus
+        if key not in self._fitted:
+            self._fitted[key] = fitted_model(config)
+        return self._fitted[key]
+
+
+models = _Models()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,27 +106,13 @@ def _faults(name: str, gpus: int, duration_s: float):  # type: ignore[no-untyped
     raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
 
 
-def _planner_model(sim_model, cluster, workload, plan):  # type: ignore[no-untyped-def]
-    """The planner's view of the simulated model: per-layer time at TP 1, state and activation bytes."""
-    from remediation.model import ModelSpec
-    from trainer.sim.cost import healthy_chunk_s
-
-    n = workload.tokens_per_microbatch
-    chunk = healthy_chunk_s(sim_model, cluster, plan, n, n * 1500.0)
-    st = plan.pipelines[0].stages[0]
-    per_layer = (chunk["F"] + chunk["B"]) * st.tp / st.num_layers
-    return ModelSpec(
-        (per_layer,) * sim_model.layers, layer_state_bytes=sim_model.params_per_layer * 16,
-        activation_bytes=n * sim_model.hidden * sim_model.bytes_per_value, tokens_per_microbatch=n,
-        forward_fraction=chunk["F"] / (chunk["F"] + chunk["B"]),
-    )
-
-
 def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run:
     from collector.events import IterationSummary, ReconfigureCommand
     from collector.plan import Plan
-    from remediation.baselines import ElasticRestart, make_strategy
-    from remediation.cluster import ClusterState, DeviceState, Hardware
+    from bench._recover_models import hardware_of
+    from remediation.baselines import ElasticRestart, PlannerStrategy, make_strategy
+    from remediation.cluster import ClusterState, DeviceState
+    from remediation.horizon import HorizonEstimator
     from remediation.planner import PlanRefused
     from trainer.sim.engine import SimConfig, SimEngine
     from trainer.sim.presets import MODEL_PRESETS, ClusterSpec
@@ -107,16 +123,20 @@ def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run
     workload = WORKLOAD_PRESETS["pretrain"]
     plan = Plan.uniform(tp=8, pp=4, dp=gpus // 32, num_layers=sim_model.layers, microbatches_per_replica=8)
     oracle = strategy_name == "oracle"
+    pause_s = 0.0 if oracle else RESHAPE_PAUSE_S
     config = SimConfig(model=sim_model, cluster=cluster_spec, workload=workload, plan=plan, telemetry="none",
-                       job=f"{name}-{strategy_name}", reshape_pause_s=0.0 if oracle else 20.0, seed=11)
+                       job=f"{name}-{strategy_name}", reshape_pause_s=pause_s, seed=11)
     engine = SimEngine(config, _faults(name, gpus, duration_s))
-    model = _planner_model(sim_model, cluster_spec, workload, plan)
-    hardware = Hardware(devices_per_node=8, link_bandwidth_Bps=cluster_spec.inter_node_gbps / 8 * 1e9)
-    strategy = make_strategy(strategy_name, model, horizon_s=1800.0)
-    if hasattr(strategy, "options"):
-        from dataclasses import replace
-
-        strategy = type(strategy)(model, strategy.name, replace(strategy.options, pause_s=0.0 if oracle else 20.0))
+    # The oracle scores with the simulator's own cost figures; everyone else with the figures the
+    # analytics cost model fits on the job's telemetry (the production path).
+    model = models.exact(config) if oracle else models.fitted(config)
+    hardware = hardware_of(cluster_spec)
+    strategy = make_strategy(strategy_name, model, horizon_s=HORIZON_S)
+    if isinstance(strategy, PlannerStrategy):
+        # Every applied plan pauses the simulated job RESHAPE_PAUSE_S, a micro-batch-only one too.
+        strategy = PlannerStrategy(model, strategy.name, replace(
+            strategy.options, pause_s=pause_s, rebalance_pause_s=pause_s, free_reshape=oracle))
+    horizon = HorizonEstimator(default_s=HORIZON_S)
     run = Run()
     known_version: tuple = ()
     commands = 0
@@ -131,6 +151,9 @@ def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run
         version = tuple(sorted(f.fault_id for f in known))
         if version != known_version:
             known_version = version
+            horizon.change(engine.now_s)
+            if isinstance(strategy, PlannerStrategy) and not oracle:
+                strategy = PlannerStrategy(model, strategy.name, replace(strategy.options, horizon_s=horizon.horizon_s()))
             cluster = ClusterState(gpus, hardware)
             for f in known:
                 s = f.spec
@@ -141,9 +164,10 @@ def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run
                     cluster = cluster.with_device(s.device, DeviceState(dead=True))
                 elif s.kind == "slow_compute":
                     cluster = cluster.with_device(s.device, DeviceState(compute_factor=s.factor))
-                else:
-                    for dev in (s.link or (s.device,)):
-                        cluster = cluster.with_device(dev, DeviceState(link_factor=s.factor))
+                elif s.kind == "slow_link":
+                    cluster = cluster.with_link(s.link[0], s.link[1], s.factor)
+                else:  # slow_nic
+                    cluster = cluster.with_device(s.device, DeviceState(link_factor=s.factor))
             try:
                 result = strategy.plan(cluster, engine.plan)
             except PlanRefused:

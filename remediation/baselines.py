@@ -211,9 +211,10 @@ class PlannerStrategy:
         return self._planner.plan(cluster, current)
 
 
-def make_strategy(name: str, model: ModelSpec, horizon_s: float = 1800.0) -> Strategy:
-    """A strategy by name (see STRATEGY_NAMES)."""
-    base = PlannerOptions(horizon_s=horizon_s)
+def make_strategy(name: str, model: ModelSpec, horizon_s: float = 1800.0,
+                  options: PlannerOptions | None = None) -> Strategy:
+    """A strategy by name (see STRATEGY_NAMES); ``options`` (pauses, horizon) for the planner-based ones."""
+    base = options or PlannerOptions(horizon_s=horizon_s)
     planners: dict[str, PlannerOptions] = {
         "ours": base,
         "oracle": replace(base, free_reshape=True),

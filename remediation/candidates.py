@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from collector.plan import PipelinePlan
 from remediation.cluster import ClusterState
-from remediation.costs import StageLayout, StageTimes, dp_allreduce_s, max_layers, stage_speed, stage_times
+from remediation.costs import StageLayout, StageTimes, dp_allreduce_s, max_layers, stage_cost, stage_times
 from remediation.model import ModelSpec
 from remediation.partition import balanced_partition
 
@@ -149,9 +149,11 @@ def build_candidate(
     if not groups:
         return None
     if layer_ranges is None:
-        speeds = [stage_speed(cluster, g)[0] for g in groups]
+        bf = model.backward_factor
+        costs = [stage_cost(cluster, model, g, last=i == len(groups) - 1) for i, g in enumerate(groups)]
+        per_layer = [(1 + bf) * c.per_layer_compute_s + 2 * c.per_layer_fixed_s for c in costs]
         caps = [max_layers(cluster, model, len(g)) for g in groups]
-        layer_ranges = balanced_partition(model, speeds, caps)
+        layer_ranges = balanced_partition(model.num_layers, per_layer, caps, [(1 + bf) * c.head_s for c in costs])
         if layer_ranges is None:
             return None
     else:
@@ -162,7 +164,7 @@ def build_candidate(
     move_s, structural = _move_s(cluster, model, old, stages, opts, dp)
     return PipelineCandidate(
         source_replica=old.replica, label=label, stages=stages, origin=tuple(origin),
-        times=stage_times(cluster, model, stages, schedule), dp_s=dp_allreduce_s(cluster, model, stages),
+        times=stage_times(cluster, model, stages, schedule), dp_s=dp_allreduce_s(cluster, model, stages, dp),
         move_s=move_s, structural=structural,
     )
 
@@ -222,3 +224,54 @@ def unchanged_candidate(
     groups = [st.devices for st in old.stages]
     return build_candidate(cluster, model, old, groups, range(len(groups)), "keep", schedule, opts, dp,
                            [(st.first_layer, st.end_layer) for st in old.stages])
+
+
+def regrow_candidate(
+    cluster: ClusterState, model: ModelSpec, old: PipelinePlan, idle: dict[int, tuple[int, ...]], schedule: str,
+    opts: PlannerOptions, dp: int,
+) -> PipelineCandidate | None:
+    """Re-form this pipeline's TP groups with healthy idle devices of their nodes (devices an
+    earlier reshape excluded, now repaired): consecutive stages on one node and the node's idle
+    devices become the largest power-of-two groups again (TP 4+2+1 and a repaired GPU → TP 8).
+    None when nothing would change or the result cannot hold the model. ``idle`` maps a node to
+    its idle healthy devices and must only name nodes no other pipeline uses."""
+    per = cluster.hardware.devices_per_node
+    runs: list[tuple[int | None, list[int]]] = []  # (node or None, old stage indices)
+    for s, st in enumerate(old.stages):
+        nodes = {d // per for d in st.devices}
+        node = next(iter(nodes)) if len(nodes) == 1 else None
+        if node is not None and runs and runs[-1][0] == node:
+            runs[-1][1].append(s)
+        else:
+            runs.append((node, [s]))
+    groups: list[tuple[int, ...]] = []
+    origin: list[int] = []
+    grew = []
+    for node, stages in runs:
+        extra = idle.get(node, ()) if node is not None else ()
+        current = [old.stages[s].devices for s in stages]
+        if not extra or any(not cluster.is_healthy(d) for g in current for d in g):
+            groups.extend(current)
+            origin.extend(stages)
+            continue
+        pool = tuple(sorted({d for g in current for d in g} | set(extra)))
+        parts = _pow2_parts(len(pool))[: len(stages)] if not opts.allow_pp else _pow2_parts(len(pool))
+        new, i = [], 0
+        for size in parts:
+            new.append(pool[i:i + size])
+            i += size
+        if [len(g) for g in new] == [len(g) for g in current] and sum(map(len, new)) == sum(map(len, current)):
+            groups.extend(current)
+            origin.extend(stages)
+            continue
+        grew.append(f"stages {stages[0]}–{stages[-1]}: TP {'+'.join(str(len(g)) for g in current)}→"
+                    f"{'+'.join(str(len(g)) for g in new)}")
+        groups.extend(new)
+        origin.extend([stages[0]] * len(new))
+    if not grew:
+        return None
+    label = "; ".join(grew) + " (re-grow on repaired devices)"
+    if not opts.allow_pp and len(groups) != len(old.stages):
+        return None
+    ranges = None if opts.allow_pp else [(st.first_layer, st.end_layer) for st in old.stages]
+    return build_candidate(cluster, model, old, groups, origin, label, schedule, opts, dp, ranges)

@@ -1,7 +1,11 @@
 """The cluster as the planner sees it: which devices are healthy, slow (×f in compute or in their
 links) or dead, and the hardware numbers the planner needs to cost a layout.
 
-Only damaged devices are stored, so a 100,000-GPU cluster with three faults is three entries. A
+Only damaged devices (and slow links, as device pairs) are stored, so a 100,000-GPU cluster with
+three faults is three entries. A slow link slows traffic between its two ends only (a TP
+all-reduce whose group holds both, a pipeline transfer or DP ring joining them), a slow NIC
+(a link location naming one rank) all of that device's traffic that leaves its node, exactly as
+the simulator applies them. A
 cluster is built either from the detector's incidents (their ``Location`` lists, see
 :func:`cluster_from_incidents`) or directly by whoever knows the truth (the oracle, the
 benchmarks). Device ``d`` lives on node ``d // devices_per_node`` (the layout ``Plan.uniform``
@@ -26,8 +30,9 @@ class Hardware:
     devices_per_node: int = 8
     device_memory_bytes: int = 80 * 2**30
     memory_headroom: float = 0.6  # fraction of device memory usable for weights + optimizer state
-    link_bandwidth_Bps: float = 25e9  # per-device bandwidth for activations and state moves (200 Gb/s)
-    tp_overhead: float = 0.06  # extra time per doubling of the TP degree (all-reduce), healthy links
+    link_bandwidth_Bps: float = 50e9  # per-device bandwidth between nodes (one 400 Gb/s NIC per GPU)
+    intra_node_bandwidth_Bps: float = 300e9  # per-device bandwidth inside a node (NVLink)
+    link_latency_s: float = 10e-6  # per message hop
 
     @property
     def state_capacity_bytes(self) -> float:
@@ -49,11 +54,16 @@ class DeviceState:
 
 @dataclass(frozen=True)
 class ClusterState:
-    """Devices 0..num_devices-1; ``damaged`` holds the ones that are not healthy."""
+    """Devices 0..num_devices-1; ``damaged`` holds the ones that are not healthy, ``links`` the
+    slow device pairs (frozenset({a, b}) → slowdown)."""
 
     num_devices: int
     hardware: Hardware = field(default_factory=Hardware)
     damaged: Mapping[int, DeviceState] = field(default_factory=dict)
+    links: Mapping[frozenset[int], float] = field(default_factory=dict)
+
+    def _link_ends(self) -> set[int]:
+        return {d for key in self.links for d in key}
 
     def node_of(self, device: int) -> int:
         return device // self.hardware.devices_per_node
@@ -67,18 +77,39 @@ class ClusterState:
 
     def is_healthy(self, device: int) -> bool:
         s = self.damaged.get(device)
-        return s is None or s.healthy
+        if s is not None and not s.healthy:
+            return False
+        return not self.links or device not in self._link_ends()
 
     def compute_factor(self, device: int) -> float:
         s = self.damaged.get(device)
         return 1.0 if s is None else s.compute_factor
 
     def link_factor(self, device: int) -> float:
+        """The worst slowdown of any traffic of ``device`` (its NIC, or a slow link it ends)."""
         s = self.damaged.get(device)
-        return 1.0 if s is None else s.link_factor
+        worst = 1.0 if s is None else s.link_factor
+        for key, f in self.links.items():
+            if device in key:
+                worst = max(worst, f)
+        return worst
+
+    def comm_factor(self, group_a: tuple[int, ...], group_b: tuple[int, ...]) -> float:
+        """Slowdown of traffic between two device groups (the same group for a TP all-reduce): the
+        worst slow link with one end in each, or a slow NIC on a path that leaves a node."""
+        worst = 1.0
+        for key, f in self.links.items():
+            a, b = (tuple(key) * 2)[:2]
+            if (a in group_a and b in group_b) or (b in group_a and a in group_b):
+                worst = max(worst, f)
+        if self.damaged:
+            nics = [self.damaged[d].link_factor for d in (*group_a, *group_b) if d in self.damaged]
+            if nics and max(nics) > 1.0 and len({self.node_of(d) for d in (*group_a, *group_b)}) > 1:
+                worst = max(worst, max(nics))
+        return worst
 
     def bad_devices(self) -> set[int]:
-        return {d for d, s in self.damaged.items() if not s.healthy}
+        return {d for d, s in self.damaged.items() if not s.healthy} | self._link_ends()
 
     def dead_devices(self) -> set[int]:
         return {d for d, s in self.damaged.items() if s.dead}
@@ -105,6 +136,20 @@ class ClusterState:
             damaged[device] = new
         return replace(self, damaged=damaged)
 
+    def with_link(self, a: int, b: int, factor: float) -> ClusterState:
+        """A copy where transfers between ``a`` and ``b`` take ``factor`` × longer (max with a known one)."""
+        for d in (a, b):
+            if not 0 <= d < self.num_devices:
+                raise ValueError(f"device {d} is outside the cluster's 0..{self.num_devices - 1}")
+        key = frozenset((a, b))
+        links = dict(self.links)
+        f = max(links.get(key, 1.0), factor)
+        if f < HEALTHY_TOLERANCE:
+            links.pop(key, None)
+        else:
+            links[key] = f
+        return replace(self, links=links)
+
     def with_location(self, location: Location, category: FaultCategory | str = FaultCategory.FAIL_SLOW) -> ClusterState:
         """Apply one detector ``Location``. A fail-stop (or a factor ≥ DEAD_FACTOR) kills the
         device(s); a link fault slows both ends' communication; a node fault hits all its devices.
@@ -119,11 +164,14 @@ class ClusterState:
             for d in range(location.node * per, min((location.node + 1) * per, self.num_devices)):
                 out = out.with_device(d, DeviceState(compute_factor=f, dead=dead))
         elif location.target == "link":
-            ends = list(location.link) if location.link else ([location.rank] if location.rank is not None else [])
-            if not ends:
-                raise ValueError("a link location needs Location.link (a, b) or Location.rank")
-            for d in ends:
-                out = out.with_device(d, DeviceState(link_factor=f, dead=dead))
+            if location.link and not dead:
+                out = out.with_link(location.link[0], location.link[1], f)
+            else:
+                ends = list(location.link) if location.link else ([location.rank] if location.rank is not None else [])
+                if not ends:
+                    raise ValueError("a link location needs Location.link (a, b) or Location.rank")
+                for d in ends:  # one end named: its NIC is slow
+                    out = out.with_device(d, DeviceState(link_factor=f, dead=dead))
         else:
             if location.rank is None:
                 raise ValueError("a compute location needs Location.rank")

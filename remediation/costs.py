@@ -6,19 +6,25 @@ for m micro-batches?" — :class:`PipelineScorer`. The default scorer calls
 ``analytics.schedule.pipeline_timing`` (the DAG's critical path) and, because a pipeline in steady
 state adds the same time per extra micro-batch, evaluates the DAG exactly up to ``2·S + 2``
 micro-batches and extrapolates linearly from the last two exact points beyond (exact for 1F1B,
-checked in tests/test_planner_costs.py). Swap the scorer to use another model.
+checked in tests). Swap the scorer to use another model.
 
-Costs (per micro-batch, one stage = one TP group holding layers [a, b)):
-  compute = Σ layer_time_s[a:b] / tp · (1 + tp_overhead·log2(tp)·link_factor) · max compute factor
-  p2p     = activation_bytes / link_bandwidth · max link factor of the two stages' devices
-  DP all-reduce (once per iteration) = 2 · grad bytes per device / bandwidth · link factor, the
-  slowest device of the whole job deciding.
+Chunk costs follow the cost model's form, stage by stage (see remediation.model): a stage of n
+layers on TP group G runs, per micro-batch,
+
+  F = n·compute/|G| · cf(G) + n·overhead + n·tp_comm(|G|) · lf(G, G)   (+ the LM head on the last stage)
+  B = the same with backward_factor × the compute       (zero-bubble: B = input grads, W = weight grads)
+  p2p(s → s+1) = activation bytes / (min TP · bandwidth) · lf(G_s, G_s+1)
+  DP all-reduce = ring over the replicas of the largest per-device gradient shard · lf
+
+where cf is the slowest member's compute slowdown and lf the comm slowdown between the groups
+(ClusterState.comm_factor) — the same terms and the same fault semantics the simulator uses for
+its truth, so what the planner predicts is what the job will do, up to noise and the workload's
+micro-batch-to-micro-batch variation.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -99,13 +105,48 @@ class StageLayout:
     end_layer: int
 
 
-def stage_speed(cluster: ClusterState, devices: Sequence[int]) -> tuple[float, float]:
-    """(seconds per unit of layer time, link factor) of a TP group: the slowest member decides."""
+ALLREDUCES_PER_LAYER = 2  # attention and MLP outputs (Megatron-style TP): latency hops per layer
+
+
+def ring_factor(members: int) -> float:
+    return 2.0 * (members - 1) / members if members > 1 else 0.0
+
+
+def _node_local(cluster: ClusterState, devices: Sequence[int]) -> bool:
+    return len({cluster.node_of(d) for d in devices}) == 1
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Per-micro-batch seconds of one stage, split by what scales with what (for partitioning)."""
+
+    per_layer_compute_s: float  # forward compute of one layer on this group (already / tp and × slowdown)
+    per_layer_fixed_s: float  # overhead + TP comm of one layer, per chunk
+    head_s: float  # forward LM head on this group (last stage only), × slowdown
+
+
+def stage_cost(cluster: ClusterState, model: ModelSpec, devices: Sequence[int], last: bool) -> StageCost:
+    """What one layer costs on the TP group ``devices`` (and the head, when it is the last stage)."""
+    devices = tuple(devices)
     tp = len(devices)
     cf = max((cluster.compute_factor(d) for d in devices), default=1.0)
-    lf = max((cluster.link_factor(d) for d in devices), default=1.0)
-    overhead = 1.0 + cluster.hardware.tp_overhead * math.log2(tp) * lf if tp > 1 else 1.0
-    return cf * overhead / tp, lf
+    hw = cluster.hardware
+    comm = 0.0
+    if tp > 1 and model.tp_bytes_per_token > 0:
+        bw = hw.intra_node_bandwidth_Bps if _node_local(cluster, devices) else hw.link_bandwidth_Bps
+        comm = (ring_factor(tp) * model.tp_bytes_per_token * model.tokens_per_microbatch / bw
+                + ALLREDUCES_PER_LAYER * 2 * (tp - 1) * hw.link_latency_s) * cluster.comm_factor(devices, devices)
+    return StageCost(
+        per_layer_compute_s=model.layer_compute_s() / tp * cf,
+        per_layer_fixed_s=model.overhead_s + comm,
+        head_s=model.head_compute_s() / tp * cf if last else 0.0,
+    )
+
+
+def stage_round_trip_s(cost: StageCost, model: ModelSpec, layers: int) -> float:
+    """F + B (+ W) of a stage holding ``layers`` layers: what the layer split balances."""
+    bf = model.backward_factor
+    return (1 + bf) * (layers * cost.per_layer_compute_s + cost.head_s) + 2 * layers * cost.per_layer_fixed_s
 
 
 def stage_times(
@@ -113,32 +154,42 @@ def stage_times(
 ) -> StageTimes:
     """Chunk durations of a pipeline built from ``stages`` on ``cluster``."""
     f, b, w, p2p = [], [], [], []
-    ff = model.forward_fraction
-    base_p2p = model.activation_bytes / cluster.hardware.link_bandwidth_Bps
-    link = []
-    for st in stages:
-        per_unit, lf = stage_speed(cluster, st.devices)
-        compute = model.layers_time_s(st.first_layer, st.end_layer) * per_unit
-        f.append(compute * ff)
-        if schedule == "zero_bubble":
-            b.append(compute * (1 - ff) / 2)
-            w.append(compute * (1 - ff) / 2)
+    S = len(stages)
+    bf = model.backward_factor
+    hw = cluster.hardware
+    for i, st in enumerate(stages):
+        n = st.end_layer - st.first_layer
+        c = stage_cost(cluster, model, st.devices, last=i == S - 1)
+        compute = n * c.per_layer_compute_s + c.head_s
+        fixed = n * c.per_layer_fixed_s
+        f.append(compute + fixed)
+        if schedule == "zero_bubble":  # B: input grads (half the backward), W: weight grads
+            b.append(compute * bf / 2 + fixed)
+            w.append(compute * bf / 2)
         else:
-            b.append(compute * (1 - ff))
-        link.append(lf)
-    for s in range(len(stages)):
-        nxt = link[(s + 1) % len(stages)]
-        p2p.append(base_p2p * max(link[s], nxt))
+            b.append(compute * bf + fixed)
+        nxt = stages[(i + 1) % S]
+        bw = hw.intra_node_bandwidth_Bps if cluster.node_of(st.devices[0]) == cluster.node_of(nxt.devices[0]) \
+            else hw.link_bandwidth_Bps
+        per_token = model.activation_bytes_per_token / (min(len(st.devices), len(nxt.devices)) * bw)
+        p2p.append((per_token * model.tokens_per_microbatch + hw.link_latency_s)
+                   * cluster.comm_factor(st.devices, nxt.devices))
     return StageTimes(tuple(f), tuple(b), tuple(w) if schedule == "zero_bubble" else None, tuple(p2p))
 
 
-def dp_allreduce_s(cluster: ClusterState, model: ModelSpec, stages: Sequence[StageLayout]) -> float:
-    """Ring all-reduce time of the gradients held by the busiest device of these stages."""
+def dp_allreduce_s(cluster: ClusterState, model: ModelSpec, stages: Sequence[StageLayout], dp: int = 2) -> float:
+    """Ring all-reduce over ``dp`` replicas of the gradients held by the busiest device of these
+    stages (between nodes), slowed by any slow link or NIC these stages' devices use."""
+    if dp <= 1:
+        return 0.0
+    hw = cluster.hardware
     worst = 0.0
     for st in stages:
         per_device = model.grad_bytes * (st.end_layer - st.first_layer) / len(st.devices)
-        lf = max(cluster.link_factor(d) for d in st.devices)
-        worst = max(worst, 2.0 * per_device / cluster.hardware.link_bandwidth_Bps * lf)
+        worst = max(worst, ring_factor(dp) * per_device / hw.link_bandwidth_Bps + 2 * (dp - 1) * hw.link_latency_s)
+    if cluster.links or cluster.damaged:
+        devices = tuple(d for st in stages for d in st.devices)
+        worst *= cluster.comm_factor(devices, devices)
     return worst
 
 
@@ -152,3 +203,37 @@ def max_layers(cluster: ClusterState, model: ModelSpec, tp: int) -> int:
     if model.layer_state_bytes <= 0:
         return model.num_layers
     return int(tp * cluster.hardware.state_capacity_bytes // model.layer_state_bytes)
+
+
+def _normal_cdf(z: np.ndarray) -> np.ndarray:
+    """Φ(z) (Abramowitz–Stegun 7.1.26 for erf, |error| < 1.5e-7), vectorised."""
+    x = np.abs(z) / np.sqrt(2.0)
+    t = 1.0 / (1.0 + 0.3275911 * x)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    erf = 1.0 - poly * np.exp(-x * x)
+    return 0.5 * (1.0 + np.sign(z) * erf)
+
+
+def expected_slowest_s(spans: Iterable[tuple[float, int]], cv: float, grid_points: int = 400) -> float:
+    """Expected time of the slowest of the pipelines, whose makespans vary iteration to iteration
+    around their means with relative spread ``cv`` (the micro-batch mix, noise), independently.
+    ``spans``: (mean makespan, how many pipelines have it). E[max] = lo + ∫ (1 − Π Φ(·)^count) dt
+    over a grid, with normal spreads. With cv = 0 it is the plain maximum.
+
+    Why it matters: with many replicas the iteration already waits for the unluckiest one, so a
+    replica slightly slower on average costs less than its mean says, and fixing it gains less."""
+    items = [(m, c) for m, c in spans if c > 0 and m > 0]
+    if not items:
+        return 0.0
+    top = max(m for m, _ in items)
+    if cv <= 0:
+        return top
+    means = np.array([m for m, _ in items])
+    counts = np.array([c for _, c in items], dtype=float)
+    lo = float(means.min() * max(0.0, 1 - 8 * cv))
+    hi = float(top * (1 + 8 * cv))
+    t = np.linspace(lo, hi, grid_points)
+    z = (t[:, None] - means[None, :]) / (cv * means[None, :])
+    log_f = (np.log(np.clip(_normal_cdf(z), 1e-300, 1.0)) * counts[None, :]).sum(axis=1)
+    survival = 1.0 - np.exp(log_f)
+    return lo + float(np.trapezoid(survival, t))

@@ -10,22 +10,32 @@ Planning happens when the set of open incidents changed since the last plan and 
 flight; the proposal's id is derived from (base epoch, incident version) so two engines — or one
 restarted — propose the same plan id. A plan whose verification fails is rolled back by proposing
 the previous layout (when none of its devices is known dead), through the same approval path.
+
+What it plans with: the running plan is the trainer's latest ``plan.current`` (or, before one
+arrives, the plan it was started with); the cost figures are built from the analytics consumer's
+latest ``analytics.cost_model`` fits of the running epoch's stages (remediation.cost_figures) with
+the mean tokens per micro-batch measured from ``analytics.prediction``; until fits arrive (or
+when they cannot describe the model) it uses the model it was started with.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from collector import topics
 from collector.bus import Bus, TopicPartition
-from collector.events import Envelope, EventFactory, IterationSummary, PlanProposed, PlanRolledBack
+from collector.events import (
+    Envelope, EventFactory, IterationPrediction, IterationSummary, PlanProposed, PlanRolledBack,
+)
 from collector.plan import Plan
 from collector.stream import EventStream
-from remediation.baselines import Strategy
+from remediation.baselines import PlannerStrategy, Strategy, make_strategy
 from remediation.candidates import PlannerOptions
 from remediation.cluster import ClusterState, Hardware, cluster_from_incidents
+from remediation.cost_figures import calibrate_spread, model_from_fits
+from remediation.horizon import HorizonEstimator
 from remediation.lifecycle import (
     LifecycleState, PlanStatus, Verification, initial_state, reaction_id, reactions, step,
 )
@@ -38,24 +48,32 @@ log = logging.getLogger("resihp.remediation")
 @dataclass
 class EngineConfig:
     job: str
-    num_devices: int
+    num_devices: int | None = None  # None: the running plan's highest device id + 1, rounded up to whole nodes
     hardware: Hardware = field(default_factory=Hardware)
     options: PlannerOptions = field(default_factory=PlannerOptions)
     verification: Verification = field(default_factory=Verification)
     min_gain_fraction: float = 0.02  # propose only if the plan trains this much more over the horizon
     verify_from_telemetry: bool = False
     group: str = "remediation"
+    strategy: str = "ours"  # rebuilt with fresh cost figures when fits arrive (unless a Strategy is given)
+    mean_document_tokens: float = 1024.0  # for Σlᵢ² when only fits are known (see cost_figures)
 
 
 class RemediationEngine:
     """One job's engine over a bus. ``poll_once`` is one step of the loop (tests drive it)."""
 
-    def __init__(self, bus: Bus, config: EngineConfig, model: ModelSpec, initial_plan: Plan,
-                 strategy: Strategy | None = None) -> None:
+    def __init__(self, bus: Bus, config: EngineConfig, model: ModelSpec | None = None,
+                 initial_plan: Plan | None = None, strategy: Strategy | None = None) -> None:
         self.bus = bus
         self.config = config
+        self.fallback_model = model
         self.model = model
-        self.strategy = strategy or Planner(model, config.options)
+        self._fixed_strategy = strategy
+        self.strategy = strategy or (Planner(model, config.options) if model is not None else None)
+        self._model_key: tuple | None = None
+        self._tokens_per_mb: dict[int, tuple[float, int]] = {}  # epoch -> (sum of per-mb tokens, count)
+        self._observed_s: dict[int, float] = {}  # epoch -> sum of observed iteration seconds
+        self.horizon = HorizonEstimator(default_s=config.options.horizon_s)
         self.initial_plan = initial_plan
         self.state: LifecycleState = initial_state(config.job, initial_plan)
         self.factory = EventFactory(config.job, "remediation")
@@ -74,8 +92,16 @@ class RemediationEngine:
         """Read what is new, fold it, react; returns how many events were read."""
         deliveries = self.stream.poll(timeout_s=timeout_s)
         for d in deliveries:
+            version = self.state.incident_version
             if self.config.verify_from_telemetry or not isinstance(d.event.payload, IterationSummary):
                 step(self.state, d.event)
+            if self.state.incident_version != version:
+                self.horizon.change(d.event.time_s)
+            p = d.event.payload
+            if isinstance(p, IterationPrediction) and p.tokens > 0 and self.state.running_plan is not None:
+                total, n = self._tokens_per_mb.get(p.epoch, (0.0, 0))
+                self._tokens_per_mb[p.epoch] = (total + p.tokens / self.state.running_plan.global_microbatches, n + 1)
+                self._observed_s[p.epoch] = self._observed_s.get(p.epoch, 0.0) + p.observed_s
         out = self._react()
         if out:
             self.bus.publish(out)
@@ -117,8 +143,13 @@ class RemediationEngine:
 
     def cluster(self) -> ClusterState:
         """The cluster implied by the open incidents."""
+        n = self.config.num_devices
+        if n is None:
+            plan = self.state.running_plan
+            per = self.config.hardware.devices_per_node
+            n = -(-(max(plan.devices) + 1) // per) * per if plan is not None else 0
         return cluster_from_incidents(
-            self.config.num_devices,
+            n,
             [(i.category, i.locations) for i in self.state.open_incidents()],
             self.config.hardware,
         )
@@ -128,13 +159,19 @@ class RemediationEngine:
         if s.incident_version == self._planned_version or s.plan_in_flight() is not None or s.running_plan is None:
             return None
         self._planned_version = s.incident_version
+        strategy = self._current_strategy()
+        if strategy is None:
+            self.refusals.append("no cost figures yet: no analytics.cost_model fits and no --model")
+            log.warning("cannot plan job=%s: no analytics.cost_model fits yet and no fallback model", s.job)
+            return None
         try:
-            result = self.strategy.plan(self.cluster(), s.running_plan)
+            result = strategy.plan(self.cluster(), s.running_plan)
         except PlanRefused as exc:
             self.refusals.append(exc.reason)
             log.warning("plan refused job=%s epoch=%s: %s", s.job, s.running_epoch, exc.reason)
             return None
-        gain = result.horizon_tokens / max(1e-9, result.current_tokens_per_s * self.config.options.horizon_s) - 1
+        horizon_s = getattr(strategy, "options", self.config.options).horizon_s
+        gain = result.horizon_tokens / max(1e-9, result.current_tokens_per_s * horizon_s) - 1
         if not result.changed or (result.current_tokens_per_s > 0 and gain < self.config.min_gain_fraction):
             return None
         plan_id = f"p{s.running_epoch}-{s.incident_version}"
@@ -145,6 +182,45 @@ class RemediationEngine:
             reshape_cost_s=result.reshape_cost_s, diff=result.diff, severity=s.max_severity(),
         )
         return self._make(f"proposal/{plan_id}", payload)
+
+    def _current_strategy(self) -> Strategy | None:
+        """The strategy over the freshest cost figures: fits of the latest epoch the trainer
+        announced, else the fallback model."""
+        s = self.state
+        model, key = self.fallback_model, ("fallback",)
+        for epoch in sorted(set(s.cost_fits) & set(s.announced), reverse=True):
+            fitted, current = s.cost_fits[epoch], s.announced[epoch]
+            total, n = self._tokens_per_mb.get(epoch, (0.0, 0))
+            key = ("fits", epoch, fitted.iteration, n)
+            if key == self._model_key and self.model is not None:
+                model = self.model
+                break
+            try:
+                model = model_from_fits(fitted.fits, current, self.config.hardware,
+                                        tokens_per_microbatch=total / n if n else None,
+                                        mean_document_tokens=self.config.mean_document_tokens)
+                if n and not s.open_incidents():  # the spread of replicas, from healthy iterations only
+                    model = calibrate_spread(model, current.plan, self.cluster(), self._observed_s[epoch] / n)
+            except ValueError as exc:
+                log.warning("cost fits of epoch %s unusable (%s); using the fallback model", epoch, exc)
+                model, key = self.fallback_model, ("fallback",)
+            break
+        if model is not None and s.running_plan is not None and model.num_layers != s.running_plan.num_layers:
+            log.warning("model has %s layers, the running plan %s; not planning with it",
+                        model.num_layers, s.running_plan.num_layers)
+            return None
+        if self._fixed_strategy is not None:
+            return self._fixed_strategy
+        if model is None:
+            return None
+        if key != self._model_key or self.strategy is None:
+            self.model, self._model_key = model, key
+            self.strategy = make_strategy(self.config.strategy, model, self.config.options.horizon_s,
+                                          self.config.options)
+        if isinstance(self.strategy, PlannerStrategy):  # weigh reshapes against the expected time to the next change
+            return PlannerStrategy(self.strategy.model, self.strategy.name,
+                                   replace(self.strategy.options, horizon_s=self.horizon.horizon_s()))
+        return self.strategy
 
     def _rollback_proposal(self, plan_id: str) -> Envelope | None:
         """Propose the layout that ran before ``plan_id`` if it is still usable and was faster."""
@@ -171,4 +247,7 @@ class RemediationEngine:
         for r in self.state.plans.values():
             if r.status in (PlanStatus.APPLIED, PlanStatus.VERIFIED, PlanStatus.ROLLED_BACK) and r.epoch == epoch:
                 return r.proposal.plan
-        return self.initial_plan if self.initial_plan.epoch == epoch else None
+        announced = self.state.announced.get(epoch)
+        if announced is not None:
+            return announced.plan
+        return self.initial_plan if self.initial_plan is not None and self.initial_plan.epoch == epoch else None

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from collector.events import (
-    AckStatus, CommandAck, Envelope, FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved,
+    AckStatus, CommandAck, CostModelFitted, Envelope, FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved,
     IncidentUpdated, IterationPrediction, IterationSummary, Location, Payload, PlanDecision, PlanProposed,
-    PlanRolledBack, PlanVerified, PolicyChanged, PolicyMode, ReconfigureCommand, Severity,
+    PlanCurrent, PlanRolledBack, PlanVerified, PolicyChanged, PolicyMode, ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
 
@@ -102,6 +102,8 @@ class LifecycleState:
     reports: list[Report] = field(default_factory=list)
     incident_version: int = 0  # bumps whenever the set of faults changes (a cue to re-plan)
     seen: set[str] = field(default_factory=set)
+    announced: dict[int, PlanCurrent] = field(default_factory=dict)  # epoch -> the trainer's plan.current
+    cost_fits: dict[int, CostModelFitted] = field(default_factory=dict)  # epoch -> latest analytics.cost_model
 
     def open_incidents(self) -> list[IncidentRecord]:
         return [i for i in self.incidents.values() if i.status != "resolved"]
@@ -304,7 +306,25 @@ def _rolled_back(state: LifecycleState, e: Envelope, p: PlanRolledBack) -> None:
     record.verdict = p.reason
 
 
+def _plan_current(state: LifecycleState, e: Envelope, p: PlanCurrent) -> None:
+    """The trainer's own word on what runs: authoritative for the running plan (it covers a start
+    with no command, and an elastic restart the launcher did by itself)."""
+    state.announced[p.plan.epoch] = p
+    if p.plan.epoch >= state.running_epoch:
+        state.running_epoch = p.plan.epoch
+        state.running_plan = p.plan
+    else:
+        _report(state, e, f"plan.current for epoch {p.plan.epoch} arrived after epoch {state.running_epoch}; kept")
+
+
+def _cost_model(state: LifecycleState, e: Envelope, p: CostModelFitted) -> None:
+    old = state.cost_fits.get(p.epoch)
+    if old is None or p.iteration >= old.iteration:
+        state.cost_fits[p.epoch] = p
+
+
 _HANDLERS = {
+    PlanCurrent: _plan_current, CostModelFitted: _cost_model,
     IncidentOpened: _incident_opened, IncidentConfirmed: _incident_confirmed, IncidentUpdated: _incident_updated,
     IncidentResolved: _incident_resolved, PlanProposed: _plan_proposed, PlanDecision: _plan_decision,
     PolicyChanged: _policy_changed, ReconfigureCommand: _command, CommandAck: _ack, IterationSummary: _summary,

@@ -1,62 +1,85 @@
-"""The model being trained, in the terms the planner needs: how long each layer takes, how many
-bytes of state it carries, and how many tokens a micro-batch holds.
+"""The model being trained, in the terms the planner costs layouts with: the cost model's
+α·N + β·Σlᵢ² + γ per layer, what TP, PP and DP communicate, and how many bytes of state a layer
+carries.
 
-Why a separate, small description rather than the torch model: the planner runs next to the bus,
-not next to the GPUs, and at 100,000 GPUs it only needs prefix sums over per-layer numbers.
+Why this form: it is the form the analytics cost model fits online (``analytics.cost_model``,
+published as ``analytics.cost_model`` events) and the form the simulator computes its truth in
+(``trainer/sim/cost.py``), so a candidate layout is scored the way it will actually run. A stage
+of ``n`` layers on a TP group of ``tp`` devices costs, per micro-batch (forward):
+
+    compute  = n · (linear·N + attn·Σlᵢ²) / tp  (+ head·N / tp on the last stage)   × compute slowdown
+    overhead = n · overhead_s                                                        (TP does not divide it)
+    tp comm  = n · 2(tp−1)/tp · tp_bytes·N / bandwidth + latency                     × link slowdown
+
+and the backward ``backward_factor`` × the compute, the same overhead and TP communication. Where
+the numbers come from: ``remediation.cost_figures`` builds them from the fitted cost lines and the
+running plan (production), a benchmark from the simulator's presets, ``uniform`` from one
+per-layer time (tests, demos).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from itertools import accumulate
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Per-layer costs of one micro-batch on one healthy device at TP 1.
+    """Healthy per-layer costs of one micro-batch (the workload's mean N and Σlᵢ²).
 
-    layer_time_s: forward + backward compute of each layer for one micro-batch (TP 1). The
-        forward takes ``forward_fraction`` of it; under zero-bubble the backward splits evenly
-        into B (input gradient) and W (weight gradient).
+    linear_s_per_token: forward linear-layer compute of one layer at TP 1, per token (α's compute).
+    attn_s_per_sq_token: forward attention of one layer at TP 1, per Σlᵢ² (β).
+    overhead_s: per layer per chunk (kernel launches; γ); not divided by TP.
+    head_s_per_token: the LM head's forward at TP 1, on the last stage only.
+    tp_bytes_per_token: bytes all-reduced inside the TP group per token per layer per chunk (the
+        payload of all of a layer's all-reduces; a ring moves 2(tp−1)/tp of it over each link).
+    activation_bytes_per_token: what crosses a stage boundary per token (forward; the backward
+        sends the same amount back).
     layer_state_bytes: weights + gradients + optimizer state of one layer (all TP shards together).
-    activation_bytes: what crosses a stage boundary per micro-batch (forward activations; the
-        backward sends the same amount of gradients back).
-    grad_bytes_per_layer: what the DP all-reduce moves per layer (default: state / 8, i.e. bf16
-        gradients with mixed-precision Adam's 16 bytes per parameter).
+    grad_bytes_per_layer: what the DP all-reduce moves per layer (all TP shards together).
+    backward_factor: backward compute / forward compute (2 for a transformer).
+    makespan_cv: relative spread of one pipeline's iteration from iteration to iteration (the
+        micro-batch mix, noise); the iteration waits for the slowest replica, so this sets how much
+        the many healthy replicas already lose to bad luck (remediation.costs.expected_slowest_s).
     """
 
-    layer_time_s: tuple[float, ...]
+    num_layers: int
     layer_state_bytes: int
-    activation_bytes: int
-    tokens_per_microbatch: int
-    forward_fraction: float = 1 / 3
-    grad_bytes_per_layer: int | None = None
-    _prefix: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    tokens_per_microbatch: float
+    linear_s_per_token: float
+    attn_s_per_sq_token: float = 0.0
+    sum_sq_per_microbatch: float = 0.0
+    overhead_s: float = 0.0
+    head_s_per_token: float = 0.0
+    tp_bytes_per_token: float = 0.0
+    activation_bytes_per_token: float = 0.0
+    grad_bytes_per_layer: float | None = None
+    backward_factor: float = 2.0
+    makespan_cv: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.layer_time_s:
+        if self.num_layers < 1:
             raise ValueError("a model needs at least one layer")
-        if any(t <= 0 for t in self.layer_time_s):
-            raise ValueError("every layer_time_s must be > 0")
-        object.__setattr__(self, "_prefix", (0.0, *accumulate(self.layer_time_s)))
+        if self.tokens_per_microbatch <= 0:
+            raise ValueError("tokens_per_microbatch must be > 0")
+        if self.linear_s_per_token <= 0 and self.attn_s_per_sq_token <= 0 and self.overhead_s <= 0:
+            raise ValueError("a layer must cost something: give linear_s_per_token, attn_s_per_sq_token or overhead_s > 0")
+        if min(self.linear_s_per_token, self.attn_s_per_sq_token, self.overhead_s, self.head_s_per_token,
+               self.tp_bytes_per_token, self.activation_bytes_per_token) < 0:
+            raise ValueError("cost figures must be ≥ 0")
 
     @property
-    def num_layers(self) -> int:
-        return len(self.layer_time_s)
+    def grad_bytes(self) -> float:
+        """DP all-reduce bytes per layer (default: bf16 gradients, state / 8 with Adam's 16 B/param)."""
+        return self.grad_bytes_per_layer if self.grad_bytes_per_layer is not None else self.layer_state_bytes / 8
 
-    @property
-    def grad_bytes(self) -> int:
-        return self.grad_bytes_per_layer if self.grad_bytes_per_layer is not None else self.layer_state_bytes // 8
+    def layer_compute_s(self) -> float:
+        """Forward compute of one layer at TP 1, one mean micro-batch."""
+        return self.linear_s_per_token * self.tokens_per_microbatch + self.attn_s_per_sq_token * self.sum_sq_per_microbatch
 
-    def layers_time_s(self, first: int, end: int) -> float:
-        """Σ layer_time_s[first:end] in O(1)."""
-        return self._prefix[end] - self._prefix[first]
-
-    @property
-    def prefix_s(self) -> tuple[float, ...]:
-        return self._prefix
+    def head_compute_s(self) -> float:
+        return self.head_s_per_token * self.tokens_per_microbatch
 
     @classmethod
     def uniform(
@@ -68,23 +91,52 @@ class ModelSpec:
         activation_bytes: int = 64 * 2**20,
         tokens_per_microbatch: int = 8192,
     ) -> ModelSpec:
-        """A transformer of identical layers (defaults: roughly a 13B-class layer, 8k tokens/mb)."""
-        return cls((layer_time_s,) * num_layers, layer_state_bytes, activation_bytes, tokens_per_microbatch)
+        """Identical layers taking ``layer_time_s`` (forward + backward, TP 1) per micro-batch, all
+        compute (no attention term, no TP traffic): a simple model for tests and demos."""
+        return cls(
+            num_layers=num_layers, layer_state_bytes=layer_state_bytes, tokens_per_microbatch=tokens_per_microbatch,
+            linear_s_per_token=layer_time_s / 3 / tokens_per_microbatch,
+            activation_bytes_per_token=activation_bytes / tokens_per_microbatch,
+        )
 
 
 class ModelSpecFile(BaseModel):
-    """The JSON form of a ModelSpec (``resihp remediate --model FILE``); uniform layers."""
+    """The JSON form of a ModelSpec (``resihp remediate --model FILE``).
+
+    Either the simple form (``layer_time_s``: forward + backward of a layer at TP 1) or the cost
+    model's form (``linear_s_per_token`` and the rest, see :class:`ModelSpec`)."""
 
     model_config = ConfigDict(extra="forbid")
 
     num_layers: int = Field(ge=1)
-    layer_time_s: float = Field(gt=0)
     layer_state_bytes: int = Field(ge=0)
-    activation_bytes: int = Field(ge=0)
-    tokens_per_microbatch: int = Field(ge=1)
+    tokens_per_microbatch: float = Field(gt=0)
+    layer_time_s: float | None = Field(default=None, gt=0)
+    activation_bytes: int = Field(default=0, ge=0, description="per micro-batch (simple form)")
+    linear_s_per_token: float | None = Field(default=None, ge=0)
+    attn_s_per_sq_token: float = Field(default=0.0, ge=0)
+    sum_sq_per_microbatch: float = Field(default=0.0, ge=0)
+    overhead_s: float = Field(default=0.0, ge=0)
+    head_s_per_token: float = Field(default=0.0, ge=0)
+    tp_bytes_per_token: float = Field(default=0.0, ge=0)
+    activation_bytes_per_token: float | None = Field(default=None, ge=0)
+    grad_bytes_per_layer: float | None = Field(default=None, ge=0)
+    backward_factor: float = Field(default=2.0, gt=0)
 
     def spec(self) -> ModelSpec:
-        return ModelSpec.uniform(
-            self.num_layers, layer_time_s=self.layer_time_s, layer_state_bytes=self.layer_state_bytes,
-            activation_bytes=self.activation_bytes, tokens_per_microbatch=self.tokens_per_microbatch,
+        if self.linear_s_per_token is None:
+            if self.layer_time_s is None:
+                raise ValueError("a model file needs layer_time_s (simple form) or linear_s_per_token (cost-model form)")
+            return ModelSpec.uniform(self.num_layers, layer_time_s=self.layer_time_s,
+                                     layer_state_bytes=self.layer_state_bytes, activation_bytes=self.activation_bytes,
+                                     tokens_per_microbatch=int(self.tokens_per_microbatch))
+        act = (self.activation_bytes_per_token if self.activation_bytes_per_token is not None
+               else self.activation_bytes / self.tokens_per_microbatch)
+        return ModelSpec(
+            num_layers=self.num_layers, layer_state_bytes=self.layer_state_bytes,
+            tokens_per_microbatch=self.tokens_per_microbatch, linear_s_per_token=self.linear_s_per_token,
+            attn_s_per_sq_token=self.attn_s_per_sq_token, sum_sq_per_microbatch=self.sum_sq_per_microbatch,
+            overhead_s=self.overhead_s, head_s_per_token=self.head_s_per_token,
+            tp_bytes_per_token=self.tp_bytes_per_token, activation_bytes_per_token=act,
+            grad_bytes_per_layer=self.grad_bytes_per_layer, backward_factor=self.backward_factor,
         )

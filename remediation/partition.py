@@ -1,73 +1,48 @@
 """PP repartition: split the layers of one pipeline over its stages so the slowest stage is as
-fast as possible, within each stage's memory.
+fast as possible, within each stage's memory, and as even as the speeds allow.
 
-Each stage has a speed (seconds per second of TP-1 layer time: a slow or narrow stage has a large
-one) and a memory cap in layers. The decision "can every stage finish its layers within B?" is
-answered greedily — each stage, in pipeline order, takes as many layers as fit in B and in its
-memory while leaving at least one layer for every later stage; taking more never hurts the rest —
-and B is found by bisection. Cost: O(S · log L) per probe, so a 100-stage pipeline of 1,000
-layers partitions in well under a millisecond.
+Layers are identical (transformer blocks), so a stage's time is linear in its layer count: stage i
+holding n layers takes ``n · per_layer_s[i] + offset_s[i]`` (the offset is what does not move with
+layers: the LM head on the last stage). Greedy water-filling is exact for this min-max problem:
+every stage starts with one layer and each further layer goes to the stage whose time after taking
+it is smallest, skipping stages at their memory cap. Among stages that would end equally fast the
+one with the most free memory takes it, so equal stages get equal shares (no 1-layer last stage
+while the first holds the surplus). Cost O(L · log S).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
+import heapq
 from collections.abc import Sequence
 
-from remediation.model import ModelSpec
 
-_BISECTION_STEPS = 48
-
-
-def _cover(prefix: Sequence[float], speeds: Sequence[float], caps: Sequence[int], bound_s: float) -> list[int] | None:
-    """Stage end indices if every layer fits within ``bound_s`` per stage, else None."""
-    L = len(prefix) - 1
-    S = len(speeds)
-    start = 0
-    ends = []
-    for i, (speed, cap) in enumerate(zip(speeds, caps)):
-        remaining_after = S - i - 1
-        limit = L - remaining_after
-        if start >= limit:
-            return None
-        budget = bound_s / speed
-        j = bisect_right(prefix, prefix[start] + budget * (1 + 1e-12)) - 1
-        j = min(j, start + cap, limit)
-        if i == S - 1:
-            if j < L:
-                return None
-            j = L
-        if j <= start:
-            return None
-        ends.append(j)
-        start = j
-    return ends
-
-
-def balanced_partition(model: ModelSpec, speeds: Sequence[float], caps: Sequence[int]) -> list[tuple[int, int]] | None:
-    """Contiguous layer ranges [(first, end), ...] minimising max(speed_i · Σ layer_time_s), or
-    None when the stages cannot hold the model (too few layers per stage, or too little memory)."""
-    S = len(speeds)
-    L = model.num_layers
-    if S == 0 or S > L or sum(min(c, L) for c in caps) < L or any(c < 1 for c in caps):
+def balanced_partition(
+    num_layers: int, per_layer_s: Sequence[float], caps: Sequence[int], offsets_s: Sequence[float] | None = None,
+) -> list[tuple[int, int]] | None:
+    """Contiguous layer ranges [(first, end), ...] in stage order minimising the slowest stage, or
+    None when the stages cannot hold the model (fewer layers than stages, or too little memory)."""
+    S = len(per_layer_s)
+    L = num_layers
+    offsets = list(offsets_s) if offsets_s is not None else [0.0] * S
+    if S == 0 or S > L or any(c < 1 for c in caps) or sum(min(c, L) for c in caps) < L:
         return None
-    prefix = model.prefix_s
-    lo = 0.0
-    hi = max(speeds) * prefix[-1] * 1.000001
-    best = _cover(prefix, speeds, caps, hi)
-    if best is None:
-        return None
-    for _ in range(_BISECTION_STEPS):
-        mid = (lo + hi) / 2
-        ends = _cover(prefix, speeds, caps, mid)
-        if ends is None:
-            lo = mid
-        else:
-            hi, best = mid, ends
-        if hi - lo <= 1e-9 * hi:
-            break
+    counts = [1] * S
+
+    def key(i: int) -> tuple[float, float, int]:
+        n = counts[i] + 1
+        return (round((n * per_layer_s[i] + offsets[i]) * 1e12), n / caps[i], i)
+
+    heap = [key(i) for i in range(S) if counts[i] < caps[i]]
+    heapq.heapify(heap)
+    for _ in range(L - S):
+        if not heap:
+            return None
+        _, _, i = heapq.heappop(heap)
+        counts[i] += 1
+        if counts[i] < caps[i]:
+            heapq.heappush(heap, key(i))
     out, first = [], 0
-    for e in best:
-        out.append((first, e))
-        first = e
+    for n in counts:
+        out.append((first, first + n))
+        first += n
     return out

@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from collector.plan import PipelinePlan, Plan, StagePlan
 from remediation.candidates import (
-    PipelineCandidate, PlannerOptions, build_candidate, dropped, pipeline_candidates, unchanged_candidate,
+    PipelineCandidate, PlannerOptions, build_candidate, dropped, pipeline_candidates, regrow_candidate,
+    unchanged_candidate,
 )
 from remediation.cluster import ClusterState
-from remediation.costs import PipelineScorer, ScheduleModelScorer
+from remediation.costs import PipelineScorer, ScheduleModelScorer, expected_slowest_s
 from remediation.diff import plan_diff
 from remediation.model import ModelSpec
 
@@ -93,6 +94,7 @@ class Planner:
         self.options = options or PlannerOptions()
         self._scorer = scorer
         self.strategy = strategy
+        self._interleaved = False
 
     def scorer_for(self, plan: Plan) -> PipelineScorer:
         if self._scorer is None or getattr(self._scorer, "schedule", plan.schedule) != plan.schedule:
@@ -108,8 +110,37 @@ class Planner:
                 f"the plan has {current.num_layers} layers but the model spec has {self.model.num_layers}; "
                 "give the planner the model the job trains"
             )
-        opts = self.options
         scorer = self.scorer_for(current)
+        self._interleaved = current.schedule == "interleaved" and current.virtual_stages > 1
+        current_tps = self._current_tokens_per_s(cluster, current, scorer)
+        options: list[PlanResult] = []
+        for opts in self._variants():
+            options.extend(self._search(cluster, current, opts, scorer, current_tps))
+        if current_tps > 0:
+            options.append(self._unchanged_result(current, current_tps, cluster))
+        if not options:
+            raise PlanRefused(self._refusal(cluster, current))
+        best = max(options, key=lambda r: (r.horizon_tokens, not r.changed, -r.reshape_cost_s))
+        if not best.changed and current_tps > 0:
+            return options[-1]  # the unchanged plan itself (epoch kept), not an identical copy
+        return best
+
+    def _variants(self) -> list[PlannerOptions]:
+        """The joint search and every single-dimension one it allows: the joint search's candidate
+        set contains theirs, but its DP allocation is a bisection and its reshape cost is paid by
+        every structural change, so comparing the results makes "ours" never worse, under its own
+        scorer, than a one-dimension adaptation (or doing nothing)."""
+        o = self.options
+        out = [o]
+        for tp, pp, dp in ((True, False, False), (False, True, False), (False, False, True)):
+            v = replace(o, allow_tp=tp and o.allow_tp, allow_pp=pp and o.allow_pp, allow_dp=dp and o.allow_dp)
+            if (v.allow_tp, v.allow_pp, v.allow_dp) != (False, False, False) and v not in out:
+                out.append(v)
+        return out
+
+    def _search(self, cluster: ClusterState, current: Plan, opts: PlannerOptions, scorer: PipelineScorer,
+                current_tps: float) -> list[PlanResult]:
+        """The joint plan under ``opts`` and, when DP may change, the micro-batch-only rebalance."""
         M = current.global_microbatches
         dp = current.dp
         bad = cluster.bad_devices()
@@ -117,9 +148,14 @@ class Planner:
         keep_slots: list[_Slot] = []
         classes: dict[tuple, _Slot] = {}
         class_keep: dict[tuple, _Slot] = {}
+        idle = self._idle_healthy(cluster, current) if opts.allow_tp else set()
         for pipe in current.pipelines:
-            if bad and any(d in bad for st in pipe.stages for d in st.devices):
-                joint_slots.append(_Slot([pipe], pipeline_candidates(cluster, self.model, pipe, current.schedule, opts, dp)))
+            regrow = regrow_candidate(cluster, self.model, pipe, idle, current.schedule, opts, dp) if idle else None
+            if (bad and any(d in bad for st in pipe.stages for d in st.devices)) or regrow is not None:
+                cands = pipeline_candidates(cluster, self.model, pipe, current.schedule, opts, dp)
+                if regrow is not None:
+                    cands.insert(0, regrow)
+                joint_slots.append(_Slot([pipe], cands))
                 kept = unchanged_candidate(cluster, self.model, pipe, current.schedule, opts, dp)
                 keep_slots.append(_Slot([pipe], [kept] if kept else [dropped(pipe)]))
                 continue
@@ -142,23 +178,38 @@ class Planner:
         joint_slots.extend(classes.values())
         keep_slots.extend(class_keep.values())
 
-        options: list[PlanResult] = []
-        current_tps = self._current_tokens_per_s(cluster, current, scorer)
-        joint = self._solve(joint_slots, M, scorer, current)
+        out: list[PlanResult] = []
+        joint = self._solve(joint_slots, M, scorer, current, opts)
         if joint is not None:
-            options.append(self._result(joint, current, current_tps, scorer, cluster))
+            out.append(self._result(joint, current, current_tps, scorer, cluster))
         if opts.allow_dp:
-            rebalance = self._solve(keep_slots, M, scorer, current)
+            rebalance = self._solve(keep_slots, M, scorer, current, opts)
             if rebalance is not None:
-                options.append(self._result(rebalance, current, current_tps, scorer, cluster))
-        if current_tps > 0:
-            options.append(self._unchanged_result(current, current_tps, cluster))
-        if not options:
-            raise PlanRefused(self._refusal(cluster, current))
-        best = max(options, key=lambda r: (r.horizon_tokens, not r.changed, -r.reshape_cost_s))
-        if not best.changed and current_tps > 0:
-            return options[-1]  # the unchanged plan itself (epoch kept), not an identical copy
-        return best
+                out.append(self._result(rebalance, current, current_tps, scorer, cluster))
+        return out
+
+    def _idle_healthy(self, cluster: ClusterState, current: Plan) -> dict[int, tuple[int, ...]]:
+        """Per node: healthy devices the plan does not use, on nodes exactly one pipeline uses —
+        devices an earlier reshape excluded whose fault has since been resolved."""
+        per = cluster.hardware.devices_per_node
+        users: dict[int, set[int]] = {}
+        count: dict[int, int] = {}
+        used: set[int] = set()
+        for pipe in current.pipelines:
+            for st in pipe.stages:
+                for d in st.devices:
+                    used.add(d)
+                    users.setdefault(d // per, set()).add(pipe.replica)
+                    count[d // per] = count.get(d // per, 0) + 1
+        out: dict[int, tuple[int, ...]] = {}
+        for n, reps in users.items():
+            if len(reps) != 1 or count[n] >= per:
+                continue
+            free = tuple(d for d in range(n * per, min((n + 1) * per, cluster.num_devices))
+                         if d not in used and cluster.is_healthy(d))
+            if free:
+                out[n] = free
+        return out
 
     # ---- search --------------------------------------------------------------------------------
 
@@ -166,18 +217,24 @@ class Planner:
         """The most micro-batches ``cand`` runs with its pipeline makespan ≤ ``span_bound_s``."""
         if cand.dropped or cand.times is None:
             return 0
-        if scorer.makespan_s(cand.times, 1) > span_bound_s:
+        step = self._granule(cand)
+        if step > M or scorer.makespan_s(cand.times, step) > span_bound_s:
             return 0
-        lo, hi = 1, M
+        lo, hi = 1, M // step
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if scorer.makespan_s(cand.times, mid) <= span_bound_s:
+            if scorer.makespan_s(cand.times, mid * step) <= span_bound_s:
                 lo = mid
             else:
                 hi = mid - 1
-        return lo
+        return lo * step
 
-    def _solve(self, slots: list[_Slot], M: int, scorer: PipelineScorer, current: Plan
+    def _granule(self, cand: PipelineCandidate) -> int:
+        """Micro-batch counts must be multiples of this: the stage count under interleaving
+        (Megatron's interleaved order runs groups of S micro-batches), else 1."""
+        return len(cand.stages) if self._interleaved and cand.stages else 1
+
+    def _solve(self, slots: list[_Slot], M: int, scorer: PipelineScorer, current: Plan, opts: PlannerOptions
                ) -> list[tuple[PipelinePlan, PipelineCandidate, int]] | None:
         """Per current pipeline: (pipeline, chosen candidate, micro-batches); None if infeasible.
 
@@ -189,7 +246,7 @@ class Planner:
         live = [s for s in slots if any(not c.dropped for c in s.candidates)]
         if not live:
             return None
-        if not self.options.allow_dp:
+        if not opts.allow_dp:
             return self._even(slots, M, scorer)
         dps = sorted({round(c.dp_s, 9) for s in live for c in s.candidates if not c.dropped})
         best: tuple[float, list[tuple[PipelinePlan, PipelineCandidate, int]]] | None = None
@@ -197,6 +254,8 @@ class Planner:
             allowed = [_Slot(s.members, [c for c in s.candidates if c.dropped or c.dp_s <= limit_s + 1e-8]
                              or [dropped(s.members[0])]) for s in slots]
             found = self._solve_bounded(allowed, M, scorer, limit_s)
+            if found is not None and sum(m for _, _, m in found[1]) != M:
+                found = None  # interleaved granules could not add up to the global batch
             if found is not None and (best is None or found[0] < best[0] * (1 - 1e-9)):
                 best = found
         return None if best is None else best[1]
@@ -244,8 +303,11 @@ class Planner:
         heapq.heapify(heap)
         while surplus > 0 and heap:
             _, i = heapq.heappop(heap)
-            ms[i] -= 1
-            surplus -= 1
+            step = self._granule(chosen[i][1])
+            if step > surplus:
+                continue  # this pipeline's granule overshoots; try the next-latest one
+            ms[i] -= step
+            surplus -= step
             if ms[i] > 0:
                 heapq.heappush(heap, (-scorer.makespan_s(chosen[i][1].times, ms[i]), i))
         return [(p, c, m) for (p, c, _), m in zip(chosen, ms)]
@@ -263,8 +325,10 @@ class Planner:
         chosen = []
         for i, (pipe, slot) in enumerate(alive):
             m = share + (1 if i < extra else 0)
-            best = min((c for c in slot.candidates if not c.dropped),
-                       key=lambda c: (scorer.makespan_s(c.times, m), c.structural, c.move_s))
+            fits = [c for c in slot.candidates if not c.dropped and m % self._granule(c) == 0]
+            if not fits:
+                return None
+            best = min(fits, key=lambda c: (scorer.makespan_s(c.times, m), c.structural, c.move_s))
             chosen.append((pipe, best, m))
         alive_ids = {id(p) for p, _ in alive}
         for slot in slots:
@@ -276,10 +340,14 @@ class Planner:
     # ---- results -------------------------------------------------------------------------------
 
     def _iteration_s(self, chosen: list[tuple[PipelinePlan, PipelineCandidate, int]], scorer: PipelineScorer) -> float:
-        span = max((scorer.makespan_s(c.times, m) for _, c, m in chosen if m > 0 and c.times), default=0.0)
+        spans: dict[float, int] = {}
+        for _, c, m in chosen:
+            if m > 0 and c.times:
+                span = scorer.makespan_s(c.times, m)
+                spans[span] = spans.get(span, 0) + 1
         live = [c for _, c, m in chosen if m > 0]
         dp_s = max((c.dp_s for c in live), default=0.0) if len(live) > 1 else 0.0
-        return span + dp_s
+        return expected_slowest_s(spans.items(), self.model.makespan_cv) + dp_s
 
     def _result(self, chosen: list[tuple[PipelinePlan, PipelineCandidate, int]], current: Plan, current_tps: float,
                 scorer: PipelineScorer, cluster: ClusterState) -> PlanResult:
@@ -359,7 +427,7 @@ def predict_tokens_per_s(
     scorer = scorer or ScheduleModelScorer(plan.schedule, plan.virtual_stages)
     opts = PlannerOptions()
     bad = cluster.bad_devices()
-    span = 0.0
+    spans: dict[float, int] = {}
     dp_s = 0.0
     seen: dict[tuple, tuple[float, float]] = {}
     for pipe in plan.pipelines:
@@ -374,8 +442,9 @@ def predict_tokens_per_s(
             s, d = scorer.makespan_s(cand.times, pipe.microbatches), cand.dp_s
             if not damaged:
                 seen[key] = (s, d)
-        span, dp_s = max(span, s), max(dp_s, d)
-    iteration_s = span + (dp_s if plan.dp > 1 else 0.0)
+        spans[s] = spans.get(s, 0) + 1
+        dp_s = max(dp_s, d)
+    iteration_s = expected_slowest_s(spans.items(), model.makespan_cv) + (dp_s if plan.dp > 1 else 0.0)
     return plan.global_microbatches * model.tokens_per_microbatch / iteration_s
 
 

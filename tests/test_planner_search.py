@@ -139,12 +139,19 @@ def test_scorer_extrapolation_matches_schedule_dag():
 
 
 def test_partition_respects_memory_caps_and_speeds():
-    model = ModelSpec.uniform(12)
-    parts = balanced_partition(model, [1.0, 2.0, 1.0], [12, 12, 3])
+    parts = balanced_partition(12, [1.0, 2.0, 1.0], [12, 12, 3])
     assert parts is not None
     sizes = [b - a for a, b in parts]
     assert sum(sizes) == 12 and sizes[2] <= 3 and sizes[1] < sizes[0]
-    assert balanced_partition(model, [1.0, 1.0], [5, 5]) is None
+    assert balanced_partition(12, [1.0, 1.0], [5, 5]) is None
+
+
+def test_partition_balances_equal_stages_and_counts_the_head():
+    even = balanced_partition(32, [1.0] * 4, [32] * 4)
+    assert [b - a for a, b in even] == [8, 8, 8, 8]  # no surplus piled on early stages
+    with_head = balanced_partition(32, [1.0] * 4, [32] * 4, [0.0, 0.0, 0.0, 2.5])
+    sizes = [b - a for a, b in with_head]
+    assert sizes[3] < 8 and max(sizes[:3]) - min(sizes[:3]) <= 1 and sum(sizes) == 32
 
 
 def test_cluster_from_incident_locations():

@@ -69,3 +69,30 @@ def test_incident_to_verified_plan_over_the_embedded_bus(tmp_path: Path, capsys)
         assert len(engine.state.plans) == 1
         engine.close()
         assert len(_commands(bus)) == 1
+
+
+def test_engine_plans_from_plan_current_and_published_cost_fits(tmp_path: Path) -> None:
+    """No --plan, no --model: the trainer's plan.current and analytics' cost fits are enough."""
+    from bench._recover_models import warmup_fits
+    from collector.events import CostModelFitted
+    from trainer.sim.engine import SimConfig
+    from trainer.sim.presets import MODEL_PRESETS, ClusterSpec
+
+    plan = Plan.uniform(tp=4, pp=2, dp=2, num_layers=8, microbatches_per_replica=4)
+    config = SimConfig(model=MODEL_PRESETS["tiny"], cluster=ClusterSpec(gpus=16), plan=plan, telemetry="none")
+    fits, current, _, _, _ = warmup_fits(config, iterations=6)
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
+        engine = RemediationEngine(bus, EngineConfig(job=JOB))
+        engine.poll_once()
+        assert engine.state.running_plan is None and not engine.state.plans
+        bus.publish([EventFactory(JOB, "trainer").make(current),
+                     EventFactory(JOB, "analytics").make(CostModelFitted(epoch=0, iteration=6, fits=fits)),
+                     EventFactory(JOB, "analytics").make(IncidentOpened(
+                         incident_id="i1", category=FaultCategory.FAIL_STOP, severity=Severity.HIGH, iteration=7,
+                         locations=[Location(target="compute", rank=5)], evidence=Evidence(), summary="rank 5 silent"))])
+        engine.poll_once()
+        engine.poll_once()
+        (record,) = engine.state.plans.values()
+        assert record.proposal.base_epoch == 0 and 5 not in record.proposal.plan.devices
+        assert engine.model is not None and engine.model.tp_bytes_per_token > 0  # built from the fits
+        engine.close()

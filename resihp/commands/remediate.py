@@ -3,8 +3,13 @@
 It folds incidents and the plan lifecycle from the log, plans when the faults change (the joint
 TP/PP/DP planner, or a baseline with --strategy), publishes proposals, applies decisions by
 publishing reconfiguration commands fenced by epoch, and verifies each applied plan against
-measured throughput. The layout running at start is given by --plan FILE (a collector.plan.Plan
-as JSON) or by --tp/--pp/--dp/--microbatches (the uniform layout).
+measured throughput.
+
+The running plan comes from the trainer's ``plan.current`` events (published at start and after
+every reshape); --plan FILE (a collector.plan.Plan as JSON) or --tp/--pp/--dp/--microbatches (the
+uniform layout) give it until one arrives. The cost figures come from the analytics consumer's
+``analytics.cost_model`` fits of the running stages; --model FILE gives them until fits arrive
+(and without either, the engine waits: it does not plan blind).
 """
 
 from __future__ import annotations
@@ -20,14 +25,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_bus_flags(p)
     p.add_argument("--job", default="resihp", help="job name (default: resihp)")
     p.add_argument("--plan", default=None, metavar="FILE", help="the running plan as JSON (collector.plan.Plan)")
-    p.add_argument("--tp", type=int, default=2, help="uniform layout: TP degree (default 2)")
-    p.add_argument("--pp", type=int, default=2, help="uniform layout: pipeline stages (default 2)")
-    p.add_argument("--dp", type=int, default=2, help="uniform layout: replicas (default 2)")
+    p.add_argument("--tp", type=int, default=None, help="uniform layout until plan.current arrives: TP degree (2 if "
+                   "--pp/--dp are given)")
+    p.add_argument("--pp", type=int, default=None, help="uniform layout: pipeline stages (default 2)")
+    p.add_argument("--dp", type=int, default=None, help="uniform layout: replicas (default 2)")
     p.add_argument("--microbatches", type=int, default=8, help="uniform layout: micro-batches per replica (default 8)")
     p.add_argument("--layers", type=int, default=8, help="model layers for the uniform layout (default 8)")
     p.add_argument("--model", default=None, metavar="FILE",
-                   help="model costs as JSON (remediation.model.ModelSpecFile); default: a uniform model")
-    p.add_argument("--devices", type=int, default=None, help="devices in the cluster (default: the plan's highest id + 1)")
+                   help="model costs as JSON (remediation.model.ModelSpecFile), used until analytics.cost_model fits "
+                   "arrive; default with a --plan/--tp layout: a uniform model")
+    p.add_argument("--mean-document-tokens", type=float, default=1024.0,
+                   help="mean packed document length, for the attention term when planning from fits (default 1024)")
+    p.add_argument("--devices", type=int, default=None,
+                   help="devices in the cluster (default: the running plan's highest id + 1, whole nodes)")
     p.add_argument("--devices-per-node", type=int, default=8, help="devices per node (default 8)")
     p.add_argument("--strategy", default="ours", help="planning strategy: ours or a baseline (see remediation.baselines)")
     p.add_argument("--horizon-s", type=float, default=1800.0, help="expected time until the next change (default 1800)")
@@ -51,32 +61,35 @@ def run(args: argparse.Namespace) -> int:
     from remediation.model import ModelSpec, ModelSpecFile
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    plan = None
     if args.plan:
         plan = Plan.model_validate_json(Path(args.plan).read_text())
-    else:
-        plan = Plan.uniform(tp=args.tp, pp=args.pp, dp=args.dp, num_layers=args.layers,
+    elif any(x is not None for x in (args.tp, args.pp, args.dp)):
+        plan = Plan.uniform(tp=args.tp or 2, pp=args.pp or 2, dp=args.dp or 2, num_layers=args.layers,
                             microbatches_per_replica=args.microbatches)
+    model = None
     if args.model:
         model = ModelSpecFile.model_validate_json(Path(args.model).read_text()).spec()
-    else:
+    elif plan is not None:
         model = ModelSpec.uniform(plan.num_layers)
-    if model.num_layers != plan.num_layers:
+    if model is not None and plan is not None and model.num_layers != plan.num_layers:
         print(f"the model has {model.num_layers} layers but the plan {plan.num_layers}; pass matching --model/--plan",
               file=sys.stderr)
         return 2
     try:
-        strategy = make_strategy(args.strategy, model, args.horizon_s)
+        make_strategy(args.strategy, model or ModelSpec.uniform(1), args.horizon_s)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
     config = EngineConfig(
-        job=args.job, num_devices=args.devices or max(plan.devices) + 1,
+        job=args.job, num_devices=args.devices,
         hardware=Hardware(devices_per_node=args.devices_per_node),
         options=PlannerOptions(horizon_s=args.horizon_s), group=args.group,
-        verify_from_telemetry=args.verify_from_telemetry,
+        verify_from_telemetry=args.verify_from_telemetry, strategy=args.strategy,
+        mean_document_tokens=args.mean_document_tokens,
     )
     with bus_from_args(args) as bus:
-        engine = RemediationEngine(bus, config, model, plan, strategy)
+        engine = RemediationEngine(bus, config, model, plan)
         try:
             engine.run(idle_exit_s=args.exit_when_idle)
         finally:

@@ -1,0 +1,99 @@
+"""The planner's inputs for ``bench recover``: the exact cost figures (the oracle's) and the ones a
+running job would publish (ours and the baselines').
+
+* ``exact_model``: the simulator's own per-layer coefficients (trainer/sim/cost.py) and the
+  workload's true means of N and Σlᵢ² — the oracle knows everything.
+* ``fitted_model``: what production does. A healthy warm-up of the same job emits telemetry; the
+  analytics cost model's robust fit (``analytics.cost_model.fit_class``) gives α, β, γ per stage
+  and chunk kind, wrapped as the ``analytics.cost_model`` event's ``CostFit`` lines; the
+  simulator's own ``plan.current`` announcement gives the plan and model facts; and
+  ``remediation.cost_figures.model_from_fits`` turns them into the planner's ModelSpec.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from collector.events import CostFit, IterationSummary, PlanCurrent, RankIteration
+from collector.plan import Plan
+from remediation.cluster import ClusterState, Hardware
+from remediation.cost_figures import calibrate_spread, model_from_fits
+from remediation.model import ModelSpec
+
+
+def hardware_of(cluster_spec) -> Hardware:  # type: ignore[no-untyped-def]
+    return Hardware(
+        devices_per_node=cluster_spec.gpus_per_node,
+        link_bandwidth_Bps=cluster_spec.inter_node_gbps / 8 * 1e9,
+        intra_node_bandwidth_Bps=cluster_spec.intra_node_gbps / 8 * 1e9,
+        link_latency_s=cluster_spec.link_latency_s,
+    )
+
+
+def workload_means(workload, samples: int = 4096) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """Mean tokens and mean Σlᵢ² of the workload's packed micro-batches."""
+    from trainer.sim.workload import draw_microbatches
+
+    rngs = [np.random.default_rng([7, i]) for i in range(samples // 8)]
+    packed = draw_microbatches(rngs, workload, 1, 8)
+    return float(packed.tokens.mean()), float(packed.sum_sq.mean())
+
+
+def exact_model(sim_model, cluster_spec, workload, makespan_cv: float = 0.0) -> ModelSpec:  # type: ignore[no-untyped-def]
+    """The simulator's truth in the planner's terms (trainer/sim/cost.py, term by term)."""
+    n, s2 = workload_means(workload)
+    h, bpv, flops = sim_model.hidden, sim_model.bytes_per_value, cluster_spec.effective_flops
+    return ModelSpec(
+        num_layers=sim_model.layers, layer_state_bytes=sim_model.params_per_layer * 16, tokens_per_microbatch=n,
+        linear_s_per_token=24 * h * h / flops, attn_s_per_sq_token=2 * h / flops, sum_sq_per_microbatch=s2,
+        overhead_s=cluster_spec.layer_overhead_s, head_s_per_token=2 * h * sim_model.vocab / flops,
+        tp_bytes_per_token=2 * h * bpv, activation_bytes_per_token=h * bpv,
+        grad_bytes_per_layer=sim_model.params_per_layer * bpv, backward_factor=2.0, makespan_cv=makespan_cv,
+    )
+
+
+def fitted_model(config, iterations: int = 24) -> ModelSpec:  # type: ignore[no-untyped-def]
+    """Fit the cost model on a healthy warm-up of ``config``'s job, as the analytics consumer would,
+    and build the planner's figures from the fits and the job's ``plan.current``."""
+    fits, current, tokens, sum_sq, observed_s = warmup_fits(config, iterations)
+    hardware = hardware_of(config.cluster)
+    model = model_from_fits(fits, current, hardware, tokens_per_microbatch=tokens, sum_sq_per_microbatch=sum_sq)
+    return calibrate_spread(model, config.plan, ClusterState(config.cluster.gpus, hardware), observed_s)
+
+
+def warmup_fits(config, iterations: int = 24) -> tuple[list[CostFit], PlanCurrent, float, float, float]:  # type: ignore[no-untyped-def]
+    """(CostFit per stage and kind, the job's plan.current, mean tokens and Σlᵢ² per micro-batch,
+    mean observed iteration time) from a healthy warm-up of ``config``'s job."""
+    from analytics.cost_model import fit_class
+    from trainer.sim.engine import SimEngine
+
+    plan: Plan = config.plan
+    reporters = [st.devices[0] for st in plan.pipelines[0].stages]  # TP peers report the same chunks
+    walls = []
+    engine = SimEngine(config.model_copy(update={"telemetry": reporters, "job": config.job + "-warmup"}), [])
+    rows: dict[tuple[int, str], list[tuple[float, float, float]]] = {}
+    current: PlanCurrent | None = None
+    tokens, sum_sq = [], []
+    for e in engine.run(iterations):
+        p = e.payload
+        if isinstance(p, PlanCurrent):
+            current = p
+        if isinstance(p, IterationSummary):
+            walls.append(p.wall_s)
+        if not isinstance(p, RankIteration):
+            continue
+        for c in p.chunks:
+            s2 = float(sum(x * x for x in c.seq_lens)) if c.seq_lens else float("nan")
+            rows.setdefault((p.coords.pp, str(c.kind)), []).append((c.tokens, s2, c.duration_s))
+            if p.coords.pp == 0 and str(c.kind) == "F":
+                tokens.append(c.tokens)
+                sum_sq.append(s2)
+    if current is None:
+        raise RuntimeError("the simulator published no plan.current; this benchmark needs it")
+    fits = []
+    for (stage, kind), xs in sorted(rows.items()):
+        a = np.asarray(xs, dtype=float)
+        f = fit_class(a[:, 0], a[:, 1], a[:, 2])
+        fits.append(CostFit(stage=stage, kind=kind, alpha_s_per_token=f.alpha, beta_s_per_token_sq=f.beta,
+                            gamma_s=f.gamma, samples=f.rows, rel_error=f.rel_error))
+    return fits, current, float(np.mean(tokens)), float(np.nanmean(sum_sq)), float(np.mean(walls))

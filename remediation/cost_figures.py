@@ -1,0 +1,139 @@
+"""The planner's cost figures from what the job publishes: the analytics cost model's fitted lines
+(``analytics.cost_model`` events: α·N + β·Σlᵢ² + γ per stage and chunk kind) and the running plan
+with its model facts (``plan.current``).
+
+A fitted line describes a stage as it runs now — n layers on a TP group of tp devices — so its
+α mixes the layers' compute (which TP divides) with the TP all-reduces (which it does not). To
+cost the same layers on a different group (a smaller TP after a failure, more layers after a
+re-split) the two must be told apart. The all-reduce payload follows from the model width, which
+follows from the state bytes of a layer (12·h² parameters at 16 bytes each, bf16 values), and
+its time from the hardware's bandwidth; the rest of α is compute. The same for γ (launch overhead
+vs all-reduce latency), β (attention only), the LM head (what the last stage costs beyond the
+others), and the backward's factor (B over F).
+
+What can go wrong: with fixed-length packing N never varies and the fit cannot tell α from γ (it
+puts everything in γ); such a line is read as per-token cost at the mean N. Fits from too few samples, or a plan whose stages differ, give noisy figures —
+the median over stages is used; a stage whose α is smaller than the all-reduce estimate means the
+bandwidth is underestimated, and then everything is counted as compute (tp_bytes_per_token = 0).
+Without fits the caller keeps its fallback (``--model``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from statistics import median
+
+from collector.events import CostFit, PlanCurrent
+from collector.plan import Plan
+from remediation.cluster import ClusterState, Hardware
+from remediation.costs import ALLREDUCES_PER_LAYER, ring_factor
+from remediation.model import ModelSpec
+
+BYTES_PER_PARAMETER_STATE = 16  # bf16 weights + grads, fp32 master + two Adam moments
+BYTES_PER_VALUE = 2  # bf16 activations and gradients
+
+
+def hidden_size(layer_state_bytes: int) -> int:
+    """The model width implied by a transformer layer's state (12·h² parameters)."""
+    return int(round(math.sqrt(layer_state_bytes / BYTES_PER_PARAMETER_STATE / 12))) if layer_state_bytes else 0
+
+
+def model_from_fits(
+    fits: Sequence[CostFit], current: PlanCurrent, hardware: Hardware, *,
+    tokens_per_microbatch: float | None = None, sum_sq_per_microbatch: float | None = None,
+    mean_document_tokens: float = 1024.0,
+) -> ModelSpec:
+    """A ModelSpec from the fitted lines of the running plan's stages.
+
+    tokens_per_microbatch / sum_sq_per_microbatch: the workload's means (N and Σlᵢ²); default the
+    plan's packing budget and N × ``mean_document_tokens`` (Σlᵢ² = N · E[l²]/E[l]).
+    Raises ValueError naming what is missing when the fits cannot describe the model.
+    """
+    plan = current.plan
+    stages = plan.pipelines[0].stages
+    n_tok0 = tokens_per_microbatch or float(current.tokens_per_microbatch or 0)
+    by_key = {}
+    for f in fits:
+        if f.alpha_s_per_token <= 0 and f.beta_s_per_token_sq <= 0 and f.gamma_s > 0 and n_tok0 > 0:
+            # Fixed-length packing: N never varied, so the fit put everything in γ. A layer's time
+            # is compute, not launch overhead: read the line as per-token cost at the mean N.
+            f = f.model_copy(update={"alpha_s_per_token": f.gamma_s / n_tok0, "gamma_s": 0.0})
+        by_key[(f.stage, str(f.kind))] = f
+    if not any((s, "F") in by_key for s in range(len(stages))):
+        raise ValueError("no forward (F) cost fit for any stage of the running plan; wait for the analytics "
+                         "consumer's analytics.cost_model event or pass --model")
+    n_tok = tokens_per_microbatch or float(current.tokens_per_microbatch or 0)
+    if n_tok <= 0:
+        raise ValueError("tokens per micro-batch unknown: plan.current carries none; pass tokens_per_microbatch")
+    s2 = sum_sq_per_microbatch if sum_sq_per_microbatch is not None else n_tok * mean_document_tokens
+    h = hidden_size(current.layer_state_bytes)
+    tp_bytes = 2.0 * h * BYTES_PER_VALUE  # two all-reduces of h values per token per layer
+
+    def tp_comm(tp: int, n_layers: int) -> tuple[float, float]:
+        """(per-token, fixed) seconds of a stage's TP all-reduces inside a node."""
+        if tp <= 1:
+            return 0.0, 0.0
+        return (n_layers * ring_factor(tp) * tp_bytes / hardware.intra_node_bandwidth_Bps,
+                n_layers * ALLREDUCES_PER_LAYER * 2 * (tp - 1) * hardware.link_latency_s)
+
+    last = len(stages) - 1
+    lin, att, over, bfs = [], [], [], []
+    for s, st in enumerate(stages):
+        f = by_key.get((s, "F"))
+        if f is None or s == last and len(stages) > 1:
+            continue
+        c_tok, c_fix = tp_comm(st.tp, st.num_layers)
+        lin.append(st.tp * (f.alpha_s_per_token - c_tok) / st.num_layers)
+        att.append(st.tp * f.beta_s_per_token_sq / st.num_layers)
+        over.append(max(0.0, (f.gamma_s - c_fix) / st.num_layers))
+        b = by_key.get((s, "B"))
+        w = by_key.get((s, "W"))
+        if b is not None:
+            back = b.alpha_s_per_token - c_tok + (w.alpha_s_per_token if w is not None else 0.0)
+            fwd = f.alpha_s_per_token - c_tok
+            if fwd > 0:
+                bfs.append(back / fwd)
+    linear = median(lin)
+    if linear <= 0:  # the all-reduce estimate exceeds the fit: count everything as compute
+        tp_bytes = 0.0
+        linear = median(stages[s].tp * by_key[(s, "F")].alpha_s_per_token / stages[s].num_layers
+                        for s in range(len(stages)) if (s, "F") in by_key and (s != last or len(stages) == 1))
+    head = 0.0
+    f_last = by_key.get((last, "F"))
+    if f_last is not None and len(stages) > 1:
+        st = stages[last]
+        c_tok, _ = tp_comm(st.tp, st.num_layers) if tp_bytes else (0.0, 0.0)
+        head = max(0.0, st.tp * (f_last.alpha_s_per_token - c_tok) - st.num_layers * linear)
+    return ModelSpec(
+        num_layers=plan.num_layers, layer_state_bytes=current.layer_state_bytes, tokens_per_microbatch=n_tok,
+        linear_s_per_token=max(linear, 1e-18), attn_s_per_sq_token=max(0.0, median(att)), sum_sq_per_microbatch=s2,
+        overhead_s=median(over), head_s_per_token=head, tp_bytes_per_token=tp_bytes,
+        activation_bytes_per_token=float(h * BYTES_PER_VALUE), grad_bytes_per_layer=None,
+        backward_factor=median(bfs) if bfs else 2.0,
+    )
+
+
+def calibrate_spread(model: ModelSpec, plan: Plan, cluster: ClusterState, observed_iteration_s: float) -> ModelSpec:
+    """``model`` with ``makespan_cv`` set so that the healthy ``plan``'s predicted iteration equals
+    the observed mean iteration time (``analytics.prediction``'s observed_s, or the summaries').
+
+    Why: the job waits for its slowest replica every iteration, and the replicas' makespans vary
+    with the micro-batch mix; the mean gap between what runs and the per-replica mean is what that
+    spread costs. Knowing it keeps the planner from over-valuing a fix for one slightly slow
+    replica among many. A non-positive gap leaves cv at 0."""
+    from dataclasses import replace as _replace
+
+    from remediation.planner import predict_tokens_per_s
+
+    base = _replace(model, makespan_cv=0.0)
+    tokens = plan.global_microbatches * model.tokens_per_microbatch
+    mean_iteration_s = tokens / predict_tokens_per_s(cluster, base, plan)
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if tokens / predict_tokens_per_s(cluster, _replace(base, makespan_cv=mid), plan) < observed_iteration_s:
+            lo = mid
+        else:
+            hi = mid
+    return base if observed_iteration_s <= mean_iteration_s else _replace(base, makespan_cv=lo)
