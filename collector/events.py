@@ -17,9 +17,9 @@ import itertools
 import time
 import uuid
 from enum import StrEnum
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationInfo, create_model, field_validator
 
 from collector.plan import Plan
 
@@ -454,20 +454,20 @@ class Envelope(BaseModel):
     time_s: float = Field(description="Unix time at the source")
     payload: Payload = Field(description="one of the kinds below")
 
-    @model_validator(mode="before")
+    @field_validator("schema_version")
     @classmethod
-    def _check_version(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            kind = data.get("kind")
-            payload_type = PAYLOAD_BY_KIND.get(kind) if isinstance(kind, str) else None
-            version = data.get("schema_version")
-            if payload_type is not None and version not in payload_type.VERSIONS:
-                lo, hi = min(payload_type.VERSIONS), max(payload_type.VERSIONS)
-                raise ValueError(
-                    f"unknown schema version {version!r} for {kind} (this build reads {lo}–{hi}); "
-                    f"upgrade the consumer or re-publish with schema {hi}"
-                )
-        return data
+    def _check_version(cls, version: int, info: ValidationInfo) -> int:
+        # A field validator, not a model "before" validator: that would make pydantic build the
+        # whole record as Python objects first and lose the direct JSON path (~1.5x slower decode).
+        kind = info.data.get("kind")
+        payload_type = PAYLOAD_BY_KIND.get(kind) if isinstance(kind, str) else None
+        if payload_type is not None and version not in payload_type.VERSIONS:
+            lo, hi = min(payload_type.VERSIONS), max(payload_type.VERSIONS)
+            raise ValueError(
+                f"unknown schema version {version!r} for {kind} (this build reads {lo}–{hi}); "
+                f"upgrade the consumer or re-publish with schema {hi}"
+            )
+        return version
 
 
 def _event_type(payload_type: type[Payload]) -> type[Envelope]:
