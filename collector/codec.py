@@ -7,11 +7,14 @@ problem; consumers send such records to the dead-letter topic instead of crashin
 
 from __future__ import annotations
 
+import re
+
 from pydantic import ValidationError
 
 from collector.events import EVENT_ADAPTER, Envelope
 
 MAX_EVENT_BYTES = 1_000_000  # Kafka's default message.max.bytes is ~1 MB; stay under it.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class InvalidEvent(ValueError):
@@ -58,4 +61,5 @@ def _one_line(exc: ValidationError) -> str:
         loc = ".".join(str(x) for x in err.get("loc", ())) or "<record>"
         parts.append(f"{loc}: {err.get('msg', 'invalid')}")
     more = f" (+{len(errors) - 3} more)" if len(errors) > 3 else ""
-    return "invalid event: " + "; ".join(parts) + more
+    # Field names come from the input: escape control characters so the reason stays one line.
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], "invalid event: " + "; ".join(parts) + more)
