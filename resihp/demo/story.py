@@ -1,0 +1,160 @@
+"""The demo's story: one job, a healthy warm-up, a fail-slow, later a fail-stop, a healthy tail.
+
+The story is written as the files the real commands read — a scenario YAML for the simulator
+(docs/scenarios.md), a fault list for the torch trainer (trainer/faults.py), the detector's
+settings, and the planner's fallback cost figures — so the demo runs the same code paths an
+operator would.
+
+Layout by scale: PP2 below 32 GPUs, PP4 from 32, DP fills the rest; TP is 1 by default (8 GPUs →
+TP1·PP2·DP4, 256 → TP1·PP4·DP64). Why TP 1: the simulator's TP peers report identical chunk
+times, so the detector first opens a fail-slow on the whole TP group and only a probe names the
+member; the remediation engine does not yet plan from a group-level location (it raises "a
+compute location needs Location.rank"). ``--tp 2`` shows that path. The fail-slow (×3 compute, lasting) hits the last TP rank of replica 1's first
+stage; the fail-stop kills the first TP rank of replica 0's last stage, so the two faults sit in
+different replicas and each needs its own plan.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+JOB = "demo"
+DEFAULT_TP = 1  # see the module docstring: 2 or 4 once remediation plans from TP-group locations
+
+# The detector's settings for the demo (analytics/detector_config.py):
+# * probes: the workload runs a short fixed job on each suspect, so a slow member of a TP group
+#   (whose peers report identical chunk times) is named, not just its group.
+# * lags: on Kafka each rank's telemetry is in its own partition and one partition's records can
+#   arrive several iterations before another's. With the defaults (score an iteration once any
+#   report 2 iterations later arrived; a rank 3 iterations behind is dead; 3 missed heartbeats)
+#   that skew makes incomplete frames — a slow rank's report missing reads as "communication" —
+#   and false fail-stops. These wait longer; on the embedded log they change nothing measurable.
+DETECTOR_SETTINGS = {"probes": True, "flush_lag_iterations": 8, "telemetry_lag_iterations": 8,
+                     "heartbeat_miss_intervals": 5.0}
+
+
+@dataclass(frozen=True)
+class FaultBeat:
+    """One injected fault as the story tells it (what the summary matches detections against)."""
+
+    fault_id: str
+    category: str  # fail_slow | fail_stop
+    device: int
+    at_iteration: int
+    factor: float | None = None
+
+
+@dataclass(frozen=True)
+class DemoStory:
+    gpus: int
+    tp: int
+    pp: int
+    dp: int
+    microbatches_per_replica: int
+    model: str  # simulator preset (docs/simulator.md)
+    warmup_iterations: int
+    slow: FaultBeat
+    stop: FaultBeat
+    iterations: int
+    heartbeat_interval_s: float = 2.0
+    reshape_pause_s: float = 5.0
+    job: str = JOB
+
+    @property
+    def faults(self) -> list[FaultBeat]:
+        return [self.slow, self.stop]
+
+    @property
+    def layout(self) -> str:
+        return f"TP{self.tp}·PP{self.pp}·DP{self.dp}"
+
+    def device(self, replica: int, stage: int, tp_rank: int) -> int:
+        """Plan.uniform's numbering: device = (replica·pp + stage)·tp + tp_rank."""
+        return (replica * self.pp + stage) * self.tp + tp_rank
+
+    # ---- files the commands read ----------------------------------------------------------------
+
+    def scenario(self) -> dict:
+        """The simulator scenario (``resihp simulate`` reads the same YAML)."""
+        return {
+            "name": f"demo_{self.gpus}",
+            "description": f"resihp demo: {self.gpus} GPUs {self.layout}, a ×{self.slow.factor:g} fail-slow on device "
+                           f"{self.slow.device} at iteration {self.slow.at_iteration}, device {self.stop.device} "
+                           f"stops at {self.stop.at_iteration}",
+            "job": self.job, "seed": 7, "model": self.model,
+            "cluster": {"gpus": self.gpus, "gpus_per_node": 8},
+            "plan": {"tp": self.tp, "pp": self.pp, "dp": self.dp,
+                     "microbatches_per_replica": self.microbatches_per_replica, "schedule": "1f1b"},
+            "workload": "pretrain", "iterations": self.iterations,
+            "heartbeat_interval_s": self.heartbeat_interval_s, "reshape_pause_s": self.reshape_pause_s,
+            "faults": [
+                {"id": self.slow.fault_id, "kind": "slow_compute", "device": self.slow.device,
+                 "factor": self.slow.factor, "at_iteration": self.slow.at_iteration},
+                {"id": self.stop.fault_id, "kind": "stop_device", "device": self.stop.device,
+                 "at_iteration": self.stop.at_iteration},
+            ],
+        }
+
+    def torch_faults(self) -> dict:
+        """The torch trainer's fault list (trainer/faults.py)."""
+        return {"faults": [
+            {"kind": "slow_compute", "rank": self.slow.device, "factor": self.slow.factor,
+             "start_iteration": self.slow.at_iteration},
+            {"kind": "kill", "rank": self.stop.device, "start_iteration": self.stop.at_iteration},
+        ]}
+
+    def write(self, workdir: Path) -> dict[str, Path]:
+        """Write scenario.yaml, faults.yaml, detector.yaml and planner-model.json into ``workdir``."""
+        workdir.mkdir(parents=True, exist_ok=True)
+        files = {
+            "scenario": workdir / "scenario.yaml",
+            "faults": workdir / "faults.yaml",
+            "detector": workdir / "detector.yaml",
+            "model": workdir / "planner-model.json",
+        }
+        files["scenario"].write_text(yaml.safe_dump(self.scenario(), sort_keys=False))
+        files["faults"].write_text(yaml.safe_dump(self.torch_faults(), sort_keys=False))
+        files["detector"].write_text(yaml.safe_dump(DETECTOR_SETTINGS))
+        files["model"].write_text(json.dumps(planner_model(self), indent=2))
+        return files
+
+
+def planner_model(story: DemoStory) -> dict:
+    """The planner's fallback cost figures (``resihp remediate --model``), in ModelSpecFile form.
+
+    They are the simulator's healthy per-layer costs (no fault knowledge: faults reach the planner
+    only through incidents). The engine replaces them with the analytics consumer's fitted cost
+    model as soon as ``analytics.cost_model`` events arrive.
+    """
+    from bench._recover_models import exact_model
+    from remediation.model import ModelSpecFile
+    from trainer.sim.scenario import Scenario
+
+    config = Scenario.model_validate(story.scenario()).sim_config()
+    spec = exact_model(config.model, config.cluster, config.workload)
+    return {k: v for k, v in asdict(spec).items() if k in ModelSpecFile.model_fields}
+
+
+def story_for(gpus: int = 8, *, short: bool = False, tp: int | None = None) -> DemoStory:
+    """The story at ``gpus`` GPUs (≥ 8). ``short`` trims the warm-up and the phases (tests);
+    ``tp`` overrides the TP degree of the layout."""
+    if gpus < 8:
+        raise ValueError(f"--scale {gpus}: the demo needs at least 8 GPUs")
+    if tp is None:
+        tp = DEFAULT_TP
+    pp = 4 if gpus >= 32 else 2
+    dp = gpus // (tp * pp)
+    if dp < 2:
+        raise ValueError(f"{gpus} GPUs at TP{tp}·PP{pp} make {dp} replica(s); the story needs 2 (the faults sit in "
+                         "different replicas): use a smaller --tp or a larger --scale")
+    warmup, phase = (20, 36) if short else (30, 60)
+    slow_device = (1 * pp + 0) * tp + (tp - 1)
+    stop_device = (0 * pp + pp - 1) * tp
+    slow = FaultBeat("demo-fail-slow", "fail_slow", slow_device, warmup, factor=3.0)
+    stop = FaultBeat("demo-fail-stop", "fail_stop", stop_device, warmup + phase)
+    return DemoStory(gpus=gpus, tp=tp, pp=pp, dp=dp, microbatches_per_replica=max(4, 2 * pp), model="7b",
+                     warmup_iterations=warmup, slow=slow, stop=stop, iterations=warmup + 2 * phase)

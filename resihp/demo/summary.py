@@ -1,0 +1,193 @@
+"""What the demo says at the end: which faults were found where, what was applied, and throughput
+before, during and after each fault — from the log alone (the LogState the watcher folded).
+
+Throughput over a window is tokens of the iterations that ended in it (``telemetry.summary``)
+divided by the window's length, so a reshape pause or a hang on a dead rank counts as time with
+no tokens. All times are the launcher's own clock (one host): no two hosts' clocks are compared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from collector.events import Location
+from resihp.demo.watch import Incident, Injected, LogState, PlanRecord
+
+WARMUP_SKIP_ITERATIONS = 3  # the first iterations carry start-up effects, not the healthy rate
+MATCH_SLACK_ITERATIONS = 3
+
+
+@dataclass
+class FaultStory:
+    fault: Injected
+    incident: Incident | None
+    localisation: str  # "rank", "tp_group", "node", "wrong", "missed"
+    plan: PlanRecord | None
+    before_tokens_per_s: float | None
+    during_tokens_per_s: float | None
+    after_tokens_per_s: float | None
+
+    @property
+    def detected(self) -> bool:
+        return self.incident is not None and self.localisation in ("rank", "tp_group", "node")
+
+
+def tokens_per_s(state: LogState, t0: float, t1: float) -> float | None:
+    """Tokens of iterations that ended in (t0, t1] per second of that window; None if it is empty.
+    (An iteration that ended at a fault's onset ran before it.)"""
+    if t1 <= t0:
+        return None
+    tokens = sum(s.tokens for s in state.summaries if t0 < s.time_s <= t1)
+    return tokens / (t1 - t0)
+
+
+def measured_start_s(state: LogState) -> float:
+    """Where throughput windows start: the end of the first few iterations (start-up is not the rate)."""
+    first = min(s.iteration for s in state.summaries)
+    skipped = [s.time_s for s in state.summaries if s.iteration < first + WARMUP_SKIP_ITERATIONS]
+    return max(skipped) if skipped else min(s.time_s for s in state.summaries)
+
+
+def _where(loc: Location, fault: Injected) -> str | None:
+    """How precisely ``loc`` names the device of ``fault`` (None: it does not)."""
+    device = fault.location.rank
+    if loc.rank is not None and loc.rank == device:
+        return "rank"
+    if loc.tp_group and device in loc.tp_group:
+        return "tp_group"
+    if loc.target == "node" and loc.node is not None and loc.node == fault.location.node:
+        return "node"
+    return None
+
+
+def match_incident(state: LogState, fault: Injected) -> tuple[Incident | None, str]:
+    """The first incident of the fault's category opened at or after its onset that names its device."""
+    best: tuple[Incident | None, str] = (None, "missed")
+    for inc in sorted(state.incidents.values(), key=lambda i: i.time_s):
+        # A dead rank's incident names the last iteration the detector saw, which may precede the
+        # iteration the launcher counts the death at: allow a few iterations of slack.
+        if inc.category != fault.category or inc.iteration < fault.start_iteration - MATCH_SLACK_ITERATIONS:
+            continue
+        for loc in inc.locations:
+            where = _where(loc, fault)
+            if where == "rank" or (where and best[0] is None):
+                best = (inc, where)
+            if where == "rank":
+                return best
+        if best[0] is None:
+            best = (inc, "wrong")
+    return best
+
+
+def _fixing_plan(state: LogState, fault: Injected, incident: Incident | None) -> PlanRecord | None:
+    applied = [p for p in state.plans.values() if p.applied_time_s is not None and p.applied_time_s >= fault.time_s]
+    applied.sort(key=lambda p: p.applied_time_s or 0.0)
+    if incident is not None:
+        for p in applied:
+            if incident.incident_id in p.incident_ids:
+                return p
+    return applied[0] if applied else None
+
+
+def fault_stories(state: LogState) -> list[FaultStory]:
+    """Each injected fault with its incident, its plan and the three throughput windows."""
+    if not state.summaries:
+        return []
+    start = measured_start_s(state)
+    end = max(s.time_s for s in state.summaries)
+    faults = sorted(state.injected, key=lambda f: f.time_s)
+    out: list[FaultStory] = []
+    prev_fixed = start
+    for k, fault in enumerate(faults):
+        incident, where = match_incident(state, fault)
+        plan = _fixing_plan(state, fault, incident)
+        next_onset = faults[k + 1].time_s if k + 1 < len(faults) else end
+        fixed = plan.applied_time_s if plan is not None and plan.applied_time_s is not None else None
+        if fixed is not None and fixed > next_onset:
+            fixed = None  # not fixed before the next fault began
+        out.append(FaultStory(
+            fault, incident, where, plan,
+            tokens_per_s(state, prev_fixed, fault.time_s),
+            tokens_per_s(state, fault.time_s, fixed if fixed is not None else next_onset),
+            tokens_per_s(state, fixed, next_onset) if fixed is not None else None,
+        ))
+        prev_fixed = fixed if fixed is not None else next_onset
+    return out
+
+
+def overall_tokens_per_s(state: LogState, stories: list[FaultStory]) -> dict[str, float | None]:
+    """Before the first fault, during every fault (time-weighted), after the last fix."""
+    if not stories:
+        return {"before": None, "during": None, "after": None}
+    tokens = seconds = 0.0
+    for st in stories:
+        t0 = st.fault.time_s
+        t1 = st.plan.applied_time_s if st.plan is not None and st.after_tokens_per_s is not None else None
+        if t1 is None:
+            later = [x.fault.time_s for x in stories if x.fault.time_s > t0]
+            t1 = min(later) if later else max(s.time_s for s in state.summaries)
+        rate = tokens_per_s(state, t0, t1)
+        if rate is not None:
+            tokens += rate * (t1 - t0)
+            seconds += t1 - t0
+    return {"before": stories[0].before_tokens_per_s, "during": tokens / seconds if seconds else None,
+            "after": stories[-1].after_tokens_per_s}
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f}"
+
+
+def _loc_text(locs: list[Location]) -> str:
+    parts = []
+    for loc in locs:
+        if loc.rank is not None:
+            text = f"rank {loc.rank}"
+        elif loc.tp_group:
+            text = "TP group " + ",".join(str(d) for d in loc.tp_group)
+        elif loc.node is not None:
+            text = f"node {loc.node}"
+        elif loc.link:
+            text = f"link {loc.link[0]}-{loc.link[1]}"
+        else:
+            text = f"{loc.target} (no place named)"
+        if 1.0 < loc.factor < 1e6:
+            text += f" ×{loc.factor:.2f}"
+        parts.append(text)
+    return ", ".join(parts) or "?"
+
+
+def summary_lines(state: LogState, stories: list[FaultStory]) -> list[str]:
+    """The human summary printed at the end of the demo."""
+    lines = []
+    n_inc = len(state.incidents)
+    plans = list(state.plans.values())
+    applied = [p for p in plans if p.applied_time_s is not None]
+    lines.append(f"incidents: {n_inc} ({sum(1 for i in state.incidents.values() if i.resolved)} resolved) · "
+                 f"probes: {state.probes} · plans: {len(plans)} proposed, {len(applied)} applied, "
+                 f"{sum(1 for p in plans if p.status == 'verified')} verified, "
+                 f"{sum(1 for p in plans if p.status == 'rolled_back')} rolled back · "
+                 f"pauses: {len(applied)} ({sum(p.pause_s for p in applied):.1f} s)")
+    for st in stories:
+        f = st.fault
+        what = f"{f.category} on device {f.location.rank}" + (
+            f" ×{f.location.factor:g}" if f.category == "fail_slow" else "") + f" at iteration {f.start_iteration}"
+        lines.append(f"• {what}")
+        if st.incident is None:
+            lines.append("    detected: NO")
+        else:
+            i = st.incident
+            lines.append(f"    detected at iteration {i.iteration} (+{max(0, i.iteration - f.start_iteration)}): "
+                         f"{_loc_text(i.locations)} [{st.localisation}], severity {i.severity}"
+                         + (f", confirmed by {i.confirmed_by}" if i.confirmed_by else ""))
+        if st.plan is None:
+            lines.append("    plan: none applied")
+        else:
+            p = st.plan
+            lines.append(f"    plan {p.plan_id} ({p.strategy}, epoch {p.base_epoch}→{p.epoch}) decided by "
+                         f"{p.decided_by or '-'}, {p.status}; pause {p.pause_s:.1f} s")
+            for d in p.diff[:4]:
+                lines.append(f"      {d}")
+        lines.append(f"    tokens/s  before {_fmt(st.before_tokens_per_s)}  during {_fmt(st.during_tokens_per_s)}  "
+                     f"after {_fmt(st.after_tokens_per_s)}")
+    return lines

@@ -1,0 +1,240 @@
+"""The demo's observer: reads the whole log as one more consumer group, folds what the progress
+line and the summary need, and records every record it reads as a trace.
+
+It is read-only towards the platform (it publishes nothing) and opens no other process's DuckDB
+file. Per-rank telemetry is most of the log, so it is counted and traced without being validated
+(only its header is parsed); every other event is decoded with the contract's models. A record
+that does not decode is counted as a dead letter here and left for the consumers to dead-letter.
+
+The trace is collector/trace.py's format, rows in the order this consumer read them (per topic the
+log's order; across topics, poll order), so ``resihp replay`` and the console's Replay page read it.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+from collector import topics
+from collector.bus import Bus
+from collector.codec import InvalidEvent, decode
+from collector.events import (
+    AckStatus, CommandAck, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated,
+    IterationSummary, Location, PlanCurrent, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified, ProbeRequest,
+    ReconfigureCommand,
+)
+from collector.trace import TraceWriter
+
+
+class _Header(NamedTuple):
+    """The envelope columns a trace row needs, parsed without validating the payload."""
+
+    id: str
+    kind: str
+    schema_version: int
+    job: str
+    source: str
+    seq: int
+    time_s: float
+
+
+@dataclass
+class Injected:
+    fault_id: str
+    category: str
+    location: Location
+    start_iteration: int
+    time_s: float
+
+
+@dataclass
+class Incident:
+    incident_id: str
+    category: str
+    severity: str
+    locations: list[Location]
+    iteration: int
+    time_s: float
+    summary: str
+    confirmed_by: str | None = None
+    resolved: bool = False
+
+
+@dataclass
+class PlanRecord:
+    plan_id: str
+    strategy: str
+    base_epoch: int
+    epoch: int
+    incident_ids: list[str]
+    diff: list[str]
+    predicted_tokens_per_s: float
+    current_tokens_per_s: float
+    proposed_time_s: float
+    status: str = "proposed"  # proposed, approved, rejected, commanded, applied, verified, rolled_back, failed
+    decided_by: str | None = None
+    applied_time_s: float | None = None
+    pause_s: float = 0.0
+    measured_tokens_per_s: float | None = None
+
+
+@dataclass
+class Summary:
+    """One ``telemetry.summary``: a whole iteration as the launcher saw it."""
+
+    time_s: float
+    epoch: int
+    iteration: int
+    tokens: int
+    wall_s: float
+
+
+@dataclass
+class LogState:
+    telemetry_records: int = 0
+    records: int = 0
+    undecodable: int = 0
+    by_kind: dict[str, int] = field(default_factory=dict)
+    summaries: list[Summary] = field(default_factory=list)
+    injected: list[Injected] = field(default_factory=list)
+    incidents: dict[str, Incident] = field(default_factory=dict)
+    plans: dict[str, PlanRecord] = field(default_factory=dict)
+    commands: dict[str, str] = field(default_factory=dict)  # command id -> plan id
+    probes: int = 0
+    epoch: int = 0
+    plan_shape: str = ""
+    iteration: int = -1
+    first_time_s: float | None = None
+    last_time_s: float | None = None
+
+    @property
+    def open_incidents(self) -> list[Incident]:
+        return [i for i in self.incidents.values() if not i.resolved]
+
+    def plans_with(self, *statuses: str) -> list[PlanRecord]:
+        return [p for p in self.plans.values() if p.status in statuses]
+
+
+class LogWatch:
+    """Folds the log of ``job`` on ``bus`` into a LogState; ``trace_path`` records it (None: do not)."""
+
+    def __init__(self, bus: Bus, job: str, trace_path: Path | None) -> None:
+        self.bus = bus
+        self.job = job
+        self.state = LogState()
+        self.consumer = bus.consumer(f"demo-watch-{uuid.uuid4().hex[:8]}", list(topics.ALL_TOPICS),
+                                     on_assign=lambda parts: {tp: 0 for tp in parts})
+        self.trace = TraceWriter(trace_path) if trace_path is not None else None
+        self._closed = False
+
+    def poll(self, timeout_s: float = 0.2, max_records: int = 20_000) -> int:
+        """Read and fold what is new; returns how many records were read."""
+        records = self.consumer.poll(max_records=max_records, timeout_s=timeout_s)
+        s = self.state
+        for r in records:
+            s.records += 1
+            header = _header(r.value)
+            if header is None:
+                s.undecodable += 1
+                continue
+            s.by_kind[header.kind] = s.by_kind.get(header.kind, 0) + 1
+            if self.trace is not None:
+                self.trace.write_encoded(header, r.value)  # type: ignore[arg-type]  # duck-typed header
+            if header.kind.startswith("telemetry."):
+                s.telemetry_records += 1
+            if header.kind == "telemetry.iteration" or header.job != self.job:
+                continue
+            try:
+                event = decode(r.value)
+            except InvalidEvent:
+                s.undecodable += 1
+                continue
+            s.first_time_s = event.time_s if s.first_time_s is None else min(s.first_time_s, event.time_s)
+            s.last_time_s = event.time_s if s.last_time_s is None else max(s.last_time_s, event.time_s)
+            self._fold(event.payload, event.time_s)
+        return len(records)
+
+    def _fold(self, p, time_s: float) -> None:  # type: ignore[no-untyped-def]
+        s = self.state
+        if isinstance(p, IterationSummary):
+            s.summaries.append(Summary(time_s, p.epoch, p.iteration, p.tokens, p.wall_s))
+            s.iteration = max(s.iteration, p.iteration)
+        elif isinstance(p, FaultInjected):
+            if not any(f.fault_id == p.fault_id for f in s.injected):  # a fault's end repeats its id
+                s.injected.append(Injected(p.fault_id, p.category.value, p.location, p.start_iteration, time_s))
+        elif isinstance(p, IncidentOpened):
+            s.incidents.setdefault(p.incident_id, Incident(
+                p.incident_id, p.category.value, p.severity.value, list(p.locations), p.iteration, time_s, p.summary))
+        elif isinstance(p, IncidentConfirmed):
+            inc = s.incidents.get(p.incident_id)
+            if inc is not None:
+                inc.confirmed_by = inc.confirmed_by or p.method
+                if p.locations:
+                    inc.locations = list(p.locations)
+        elif isinstance(p, IncidentUpdated):
+            inc = s.incidents.get(p.incident_id)
+            if inc is not None:
+                inc.locations, inc.severity = list(p.locations), p.severity.value
+        elif isinstance(p, IncidentResolved):
+            if p.incident_id in s.incidents:
+                s.incidents[p.incident_id].resolved = True
+        elif isinstance(p, ProbeRequest):
+            s.probes += 1
+        elif isinstance(p, PlanProposed):
+            s.plans.setdefault(p.plan_id, PlanRecord(
+                p.plan_id, p.strategy, p.base_epoch, p.plan.epoch, list(p.incident_ids), list(p.diff),
+                p.predicted_tokens_per_s, p.current_tokens_per_s, time_s))
+        elif isinstance(p, PlanDecision):
+            rec = s.plans.get(p.plan_id)
+            if rec is not None and rec.decided_by is None:
+                rec.decided_by = p.actor
+                rec.status = "approved" if p.approve else "rejected"
+        elif isinstance(p, ReconfigureCommand):
+            s.commands[p.command_id] = p.plan_id
+            rec = s.plans.get(p.plan_id)
+            if rec is not None and rec.status == "approved":
+                rec.status = "commanded"
+        elif isinstance(p, CommandAck):
+            rec = s.plans.get(s.commands.get(p.command_id, p.plan_id))
+            if rec is not None and rec.status in ("approved", "commanded"):
+                if p.status == AckStatus.APPLIED:
+                    rec.status, rec.applied_time_s, rec.pause_s = "applied", time_s, p.pause_s
+                elif p.status == AckStatus.FAILED:
+                    rec.status = "failed"
+            s.epoch = max(s.epoch, p.running_epoch)
+        elif isinstance(p, PlanVerified | PlanRolledBack):
+            rec = s.plans.get(p.plan_id)
+            if rec is not None:
+                rec.status = "verified" if isinstance(p, PlanVerified) else "rolled_back"
+                rec.measured_tokens_per_s = p.measured_tokens_per_s
+        elif isinstance(p, PlanCurrent):
+            s.epoch = max(s.epoch, p.plan.epoch)
+            s.plan_shape = p.plan.shape()
+
+    def drain(self, idle_polls: int = 3) -> None:
+        """Read until ``idle_polls`` polls in a row bring nothing."""
+        idle = 0
+        while idle < idle_polls:
+            idle = 0 if self.poll(timeout_s=0.3) else idle + 1
+
+    def close(self) -> Path | None:
+        """Stop reading; close the trace (Parquet writes its footer now) and return its path.
+        Calling it again does nothing more."""
+        if not self._closed:
+            self._closed = True
+            self.consumer.close()
+            if self.trace is not None:
+                self.trace.close()
+        return None if self.trace is None else self.trace.path
+
+
+def _header(raw: bytes) -> _Header | None:
+    try:
+        d = json.loads(raw)
+        return _Header(str(d["id"]), str(d["kind"]), int(d["schema_version"]), str(d["job"]), str(d["source"]),
+                       int(d["seq"]), float(d["time_s"]))
+    except (ValueError, KeyError, TypeError):
+        return None

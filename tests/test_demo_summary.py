@@ -1,0 +1,72 @@
+"""The demo's summary logic on a hand-built log: which incident matches which injected fault, how
+precisely it is localised, and the throughput windows around each fault."""
+
+from __future__ import annotations
+
+from collector.events import Location
+from resihp.demo.story import story_for
+from resihp.demo.summary import fault_stories, match_incident, overall_tokens_per_s
+from resihp.demo.watch import Incident, Injected, LogState, PlanRecord, Summary
+
+
+def _state() -> LogState:
+    s = LogState()
+    # 1 s iterations of 1,000 tokens; a fail-slow at 10 s halves the rate until the plan at 20 s;
+    # a fail-stop at 40 s stops the job until the plan at 50 s; 800 tokens per s afterwards.
+    for i in range(70):
+        t = float(i + 1)
+        if 40 < t <= 50:
+            continue
+        tokens = 500 if 10 < t <= 20 else 800 if t > 50 else 1000
+        s.summaries.append(Summary(time_s=t, epoch=0, iteration=i, tokens=tokens, wall_s=1.0))
+    s.injected = [
+        Injected("slow", "fail_slow", Location(target="compute", rank=5, factor=3.0), 10, 10.0),
+        Injected("stop", "fail_stop", Location(target="compute", rank=2, factor=1e9), 40, 40.0),
+    ]
+    s.incidents = {
+        "noise": Incident("noise", "fail_slow", "low", [Location(target="compute", rank=7)], 5, 5.0, ""),
+        "i1": Incident("i1", "fail_slow", "high", [Location(target="compute", tp_group=(4, 5))], 11, 11.0, ""),
+        "i2": Incident("i2", "fail_stop", "critical", [Location(target="compute", rank=2)], 39, 43.0, ""),
+    }
+    s.plans = {
+        "p1": PlanRecord("p1", "ours", 0, 1, ["i1"], [], 0, 0, 12.0, status="verified", applied_time_s=20.0),
+        "p2": PlanRecord("p2", "ours", 1, 2, ["i2"], [], 0, 0, 44.0, status="verified", applied_time_s=50.0),
+    }
+    return s
+
+
+def test_incidents_are_matched_by_category_device_and_onset_not_by_order() -> None:
+    s = _state()
+    inc, where = match_incident(s, s.injected[0])
+    assert inc is not None and inc.incident_id == "i1" and where == "tp_group"  # "noise" predates the fault
+    inc, where = match_incident(s, s.injected[1])
+    assert inc is not None and inc.incident_id == "i2" and where == "rank"  # last iteration seen: 39 < 40
+
+
+def test_throughput_windows_count_pauses_and_hangs_as_time_without_tokens() -> None:
+    s = _state()
+    slow, stop = fault_stories(s)
+    assert slow.plan is not None and slow.plan.plan_id == "p1" and stop.plan is not None and stop.plan.plan_id == "p2"
+    assert slow.before_tokens_per_s == 1000.0
+    assert slow.during_tokens_per_s == 500.0
+    assert stop.during_tokens_per_s == 0.0  # hung from 40 s until the reshape at 50 s
+    assert stop.after_tokens_per_s == 800.0
+    overall = overall_tokens_per_s(s, [slow, stop])
+    assert overall["before"] == 1000.0 and overall["during"] == 250.0  # 5,000 tokens over 20 s of faults
+
+
+def test_an_unfixed_fault_has_no_after_window_and_a_missed_one_no_incident() -> None:
+    s = _state()
+    s.plans.pop("p2")
+    s.incidents.pop("i2")
+    _, stop = fault_stories(s)
+    assert stop.incident is None and stop.localisation == "missed" and not stop.detected
+    assert stop.plan is None and stop.after_tokens_per_s is None
+
+
+def test_the_story_puts_its_two_faults_in_different_replicas_at_every_scale() -> None:
+    for gpus in (8, 32, 256):
+        story = story_for(gpus)
+        replicas = {d // (story.tp * story.pp) for d in (story.slow.device, story.stop.device)}
+        assert len(replicas) == 2 and story.stop.at_iteration > story.slow.at_iteration
+        assert story.tp * story.pp * story.dp <= gpus
