@@ -24,6 +24,8 @@ from collector.bus import Bus, Consumer, OnAssign, RawMessage, Record, TopicPart
 from collector.codec import MAX_EVENT_BYTES
 from collector.topics import ALL_TOPICS, PARTITIONS
 
+_JOIN_POLL_MS = 250
+
 
 def ensure_topics(bootstrap: str, topics: Sequence[str] = ALL_TOPICS, namespace: str = "") -> None:
     """Create the platform's topics (under ``namespace``) if they do not exist (idempotent)."""
@@ -158,7 +160,13 @@ class KafkaBusConsumer(Consumer):
         return KafkaTP(self._ns + tp.topic, tp.partition)
 
     def poll(self, max_records: int = 10_000, timeout_s: float = 1.0) -> list[Record]:
-        batches = self._kafka.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        timeout_ms = int(timeout_s * 1000)
+        if not self._kafka.assignment():
+            # Joining the group takes several round trips that only advance inside poll; a caller
+            # that polls with timeout 0 (a simulator or trainer checking for commands between
+            # iterations) would otherwise never join.
+            timeout_ms = max(timeout_ms, _JOIN_POLL_MS)
+        batches = self._kafka.poll(timeout_ms=timeout_ms, max_records=max_records)
         out: list[Record] = []
         for tp, records in batches.items():
             topic = tp.topic[len(self._ns):]

@@ -182,3 +182,17 @@ def test_encoded_bytes_on_the_bus_decode_to_the_published_event(bus):
     assert records[0].value == encode(event)
     assert records[0].key == b"job-a/rank-3"
     assert decode(records[0].value) == event
+
+
+def test_a_consumer_that_only_polls_without_waiting_still_gets_records(bus):
+    """Trainers and simulators check for commands between iterations with timeout 0."""
+    f = EventFactory("job-a", "remediation")
+    hb = f.make(Heartbeat(rank=0, epoch=0, iteration=0, interval_s=1.0))
+    bus.publish([hb])
+    with EventStream(bus, "g-nowait", [topics.TELEMETRY]) as stream:
+        got = []
+        for _ in range(400):
+            got.extend(stream.poll(100, 0.0))
+            if got:
+                break
+    assert [d.event.id for d in got] == [hb.id]
