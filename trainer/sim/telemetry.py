@@ -16,7 +16,7 @@ import numpy as np
 
 from analytics.schedule import KIND_NAMES, OpTable
 from collector.events import (
-    Chunk, ChunkKind, CommOp, CommWait, Coords, Envelope, EventFactory, Payload, RankIteration,
+    ChunkKind, ChunkTable, CommOp, CommWait, Coords, Envelope, EventFactory, Payload, RankIteration,
 )
 from collector.plan import Plan
 from trainer.sim.presets import ClusterSpec
@@ -83,11 +83,12 @@ def replica_rank_iterations(
         mbs = table.microbatch[idx].tolist()
         chunks_v = table.chunk[idx].tolist()
         links = table.link[idx].tolist()
-        chunks = [
-            Chunk.model_construct(kind=_KINDS[k], microbatch=m, virtual_stage=c, tokens=tok[m],
-                                  seq_lens=seq_lens[m], start_s=a, duration_s=b - a)
-            for k, m, c, a, b in zip(kinds, mbs, chunks_v, st, en)
-        ]
+        # Columns straight from the schedule arrays: one table shared by the stage's TP ranks.
+        chunks = ChunkTable.model_construct(
+            kind="".join(_KINDS[k].value for k in kinds), microbatch=mbs, virtual_stage=chunks_v,
+            tokens=[tok[m] for m in mbs], seq_lens=[seq_lens[m] for m in mbs], start_s=st,
+            duration_s=[b - a for a, b in zip(st, en)],
+        )
         comm: list[CommWait] = []
         prev_end = 0.0
         for k, m, a, b, link in zip(kinds, mbs, st, en, links):
@@ -106,6 +107,6 @@ def replica_rank_iterations(
                 continue
             out.append(RankIteration(
                 epoch=plan.epoch, iteration=iteration, rank=d, node=cluster.node_of(d),
-                coords=Coords(tp=t, pp=s, dp=replica), wall_s=iteration_s, chunks=chunks, comm=comm,
+                coords=Coords(tp=t, pp=s, dp=replica), wall_s=iteration_s, chunk_table=chunks, comm=comm,
             ))
     return out
