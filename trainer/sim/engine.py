@@ -416,7 +416,8 @@ class SimEngine:
         elif plan.epoch <= current:
             status, detail = AckStatus.IGNORED_STALE, f"plan epoch {plan.epoch} is not newer than running epoch {current}"
         elif plan.epoch != current + 1:
-            status, detail = AckStatus.FAILED, f"plan epoch {plan.epoch} skips ahead of {current} + 1; resend on top of {current}"
+            status, detail = (AckStatus.IGNORED_STALE,
+                              f"plan epoch {plan.epoch} skips ahead of {current} + 1; resend on top of {current}")
         elif plan.num_layers != self.config.model.layers:
             status, detail = AckStatus.FAILED, f"plan has {plan.num_layers} layers; the model has {self.config.model.layers}"
         elif [d for d in plan.devices if d >= self.config.cluster.gpus]:

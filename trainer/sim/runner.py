@@ -69,14 +69,16 @@ class SimulatorRunner:
         self.speed = speed  # simulated seconds per wall second; None: as fast as possible
         self.record = record
         self.acks: list[Envelope] = []
+        # Where the control log ends now: commands published from here on are for this run. Taken
+        # before joining, since on Kafka partitions are assigned only at the first poll.
+        self._control_end = bus.end_offsets([topics.CONTROL])
         self.stream = EventStream(bus, group or f"simulator:{engine.config.job}", [topics.CONTROL],
                                   on_assign=self._start_at_end, job=engine.config.job)
         self._wall0 = time.monotonic()
         self._sim0 = engine.now_s
 
     def _start_at_end(self, partitions: Sequence[TopicPartition]) -> dict[TopicPartition, int]:
-        ends = self.bus.end_offsets([topics.CONTROL])
-        return {tp: ends.get(tp, 0) for tp in partitions}
+        return {tp: self._control_end.get(tp, 0) for tp in partitions}
 
     def publish(self, events: list[Envelope]) -> None:
         if events:
@@ -88,6 +90,8 @@ class SimulatorRunner:
         """Consume pending commands and probe requests; returns how many were handled."""
         handled = 0
         for d in self.stream.poll(timeout_s=timeout_s):
+            if d.event.job != self.engine.config.job:
+                continue  # another job's command on a shared bus
             payload = d.event.payload
             if isinstance(payload, ReconfigureCommand):
                 out = self.engine.reconfigure(payload)
