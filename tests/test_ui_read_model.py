@@ -148,3 +148,18 @@ def test_ui_replay_reads_a_parquet_trace_without_telemetry(tmp_path: Path) -> No
     assert len(loaded.events) == sum(e.kind != "telemetry.iteration" for e in events)
     assert [e.time_s for e in loaded.events] == sorted(e.time_s for e in loaded.events)
     assert {"incident.opened", "plan.proposed", "command.ack", "plan.verified"} <= {e.kind for e in loaded.events}
+
+
+def test_ui_fold_takes_the_running_plan_from_plan_current_without_telemetry() -> None:
+    from collector.events import PlanCurrent
+    from collector.plan import Plan
+
+    start = Plan.uniform(tp=2, pp=2, dp=2, num_layers=8, microbatches_per_replica=4)
+    reshaped = Plan.uniform(tp=2, pp=2, dp=2, num_layers=8, microbatches_per_replica=4, epoch=1, first_device=8)
+    trainer = EventFactory("grid-job", "trainer")
+    model = ReadModel()
+    model.apply(trainer.make(PlanCurrent(plan=start, reason="start")))
+    assert model.job("grid-job").current_plan == start
+    model.apply(trainer.make(PlanCurrent(plan=reshaped, reason="reshape")))
+    model.apply(trainer.make(PlanCurrent(plan=start, reason="start")))  # a late duplicate of an older epoch
+    assert model.job("grid-job").current_plan == reshaped

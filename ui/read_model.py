@@ -288,6 +288,12 @@ class ReadModel:
 
     # ---- remediation ----------------------------------------------------------------------------
 
+    def _on_plan_current(self, e: Envelope, job: JobView) -> None:
+        """The trainer (or simulator) says what it runs: the grid needs no telemetry to be drawn."""
+        plan = e.payload.plan
+        if job.current_plan is None or plan.epoch >= job.current_plan.epoch:
+            job.current_plan = plan
+
     def _on_plan_proposed(self, e: Envelope, job: JobView) -> None:
         p: PlanProposed = e.payload
         self.plans[p.plan_id] = PlanView(p.plan_id, e.job, p, e.time_s, e.source)
