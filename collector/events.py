@@ -176,6 +176,11 @@ class RankIteration(Payload):
             data["chunk_table"] = ChunkTable.of(data.pop("chunks"))
         super().__init__(**data)
 
+    # Python construction only: decoding (validate_json) must not run through this __init__, or
+    # pydantic would turn every record into Python objects first and lose its direct JSON path.
+    # The flag is how pydantic itself marks an __init__ that only forwards (see RootModel).
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
     @cached_property
     def chunks(self) -> list[Chunk]:
         return self.chunk_table.rows()
