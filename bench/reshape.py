@@ -4,11 +4,14 @@ rank slowed ×2, and after remediation.
 One launch of the real trainer (gloo, local processes), driven from here through the bus:
 iterations run healthy on TP1·PP2·DP4; then rank 3 (replica 1, stage 1) computes at half speed;
 a remediation command gives its stage fewer layers and its replica fewer micro-batches; the slow
-fault ends; then one command per kind of reshape (micro-batches, TP, PP, DP) is published, and
-finally a rank is killed and the launcher's drop-replica policy reshapes around it from live
-state. Tokens/s is the median of the per-iteration rate within each phase (first iteration after
-a change skipped). Pauses are what the acknowledgements state (largest per-rank pause; for
-fail-stop it includes survivors noticing the death at the collective timeout).
+fault ends; then one command per kind of reshape (micro-batches, TP, PP, the schedule — the PP
+layout switched to interleaved 1F1B with 2 chunks per stage, then to zero-bubble — and DP) is
+published, each after a few iterations on the previous plan, and finally a rank is killed and the
+launcher's drop-replica policy reshapes around it from live state. Tokens/s is the median of the
+per-iteration rate within each phase (first iteration after a change skipped); the three
+schedules are also compared on the same TP1·PP4·DP2 layout. Pauses are what the acknowledgements
+state (largest per-rank pause; for fail-stop it includes survivors noticing the death at the
+collective timeout).
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import uuid
 from dataclasses import asdict
 from pathlib import Path
 
-KINDS = ("remediate", "microbatches", "tp", "pp", "dp", "fail_stop")
+KINDS = ("remediate", "microbatches", "tp", "pp", "interleaved", "zero_bubble", "dp", "fail_stop")
+SEQUENCE = ("microbatches", "tp", "pp", "interleaved", "zero_bubble", "dp")  # sent one by one after the slow phase
+ITERATIONS_PER_KIND = 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,8 +59,13 @@ def _plans(layers: int):
     microbatches = base.model_copy(update={"epoch": 2})  # back to the uniform split
     tp = Plan.uniform(tp=2, pp=2, dp=2, num_layers=layers, microbatches_per_replica=8, epoch=3)
     pp = Plan.uniform(tp=1, pp=4, dp=2, num_layers=layers, microbatches_per_replica=8, epoch=4)
-    dp = Plan.uniform(tp=2, pp=1, dp=4, num_layers=layers, microbatches_per_replica=4, epoch=5)
-    return base, {"remediate": remediated, "microbatches": microbatches, "tp": tp, "pp": pp, "dp": dp}
+    interleaved = Plan.uniform(tp=1, pp=4, dp=2, num_layers=layers, microbatches_per_replica=8, epoch=5,
+                               schedule="interleaved", virtual_stages=2)
+    zero_bubble = Plan.uniform(tp=1, pp=4, dp=2, num_layers=layers, microbatches_per_replica=8, epoch=6,
+                               schedule="zero_bubble")
+    dp = Plan.uniform(tp=2, pp=1, dp=4, num_layers=layers, microbatches_per_replica=4, epoch=7)
+    return base, {"remediate": remediated, "microbatches": microbatches, "tp": tp, "pp": pp,
+                  "interleaved": interleaved, "zero_bubble": zero_bubble, "dp": dp}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
     from trainer.model import GPTConfig
     from trainer.spec import BusSpec, RunSpec
 
-    healthy_end, slow_start, slow_end, kill_at, iterations = 8, 8, 24, 36, 40
+    healthy_end, slow_start, slow_end = 8, 8, 24
+    kill_at = slow_end + 2 + ITERATIONS_PER_KIND * len(SEQUENCE) + 4
+    iterations = kill_at + 4
     cfg = GPTConfig(vocab_size=256, n_layer=args.layers, n_head=4, n_embd=args.embd, block_size=args.block)
     base, plans = _plans(args.layers)
     tmp = Path(tempfile.mkdtemp(prefix="resihp-bench-reshape-"))
@@ -87,7 +99,10 @@ def run(args: argparse.Namespace) -> int:
     def drive() -> None:
         """Publish the commands as the run reaches each phase (reading the bus like any consumer)."""
         with EmbeddedBus(bus_path) as bus, EventStream(bus, "bench", [topics.TELEMETRY, topics.CONTROL]) as stream:
-            sent_remedy = sent_kinds = False
+            sent_remedy = False
+            queue = list(SEQUENCE)
+            waiting_for: str | None = None  # plan_id of the command sent last and not yet acked
+            acked_at = -1
             while not done.is_set():
                 for d in stream.poll(timeout_s=0.1):
                     p = d.event.payload
@@ -95,15 +110,20 @@ def run(args: argparse.Namespace) -> int:
                         summaries[p.iteration] = p
                     elif isinstance(p, CommandAck):
                         acks.append(p)
+                        if p.plan_id == waiting_for:
+                            waiting_for, acked_at = None, max(summaries, default=-1)
                 top = max(summaries, default=-1)
                 if not sent_remedy and top >= slow_start + 5:
                     bus.publish([factory.make(ReconfigureCommand(command_id=uuid.uuid4().hex, plan_id="remediate",
                                                                  plan=plans["remediate"]))])
                     sent_remedy = True
-                if not sent_kinds and top >= slow_end:
-                    bus.publish([factory.make(ReconfigureCommand(command_id=uuid.uuid4().hex, plan_id=k, plan=plans[k]))
-                                 for k in ("microbatches", "tp", "pp", "dp")])
-                    sent_kinds = True
+                # The rest one at a time, each once the previous one ran a few iterations.
+                if (queue and waiting_for is None and top >= slow_end
+                        and top >= acked_at + ITERATIONS_PER_KIND):
+                    kind = queue.pop(0)
+                    bus.publish([factory.make(ReconfigureCommand(command_id=uuid.uuid4().hex, plan_id=kind,
+                                                                 plan=plans[kind]))])
+                    waiting_for = kind
 
     driver = threading.Thread(target=drive, daemon=True)
     driver.start()
@@ -145,6 +165,15 @@ def run(args: argparse.Namespace) -> int:
     h, s, r = tokens_per_s["healthy"], tokens_per_s["slow"], tokens_per_s["remediated"]
     if h and s and r and h > s:
         print(f"remediation won back {100 * (r - s) / (h - s):.0f}% of the throughput the slow rank cost")
+    schedule_tokens_per_s = {}
+    print(f"{'schedule':<14} {'tokens/s':>9}  iterations (TP1·PP4·DP2, 8 micro-batches per replica)")
+    for name, kind in (("1f1b", "pp"), ("interleaved", "interleaved"), ("zero_bubble", "zero_bubble")):
+        e = plans[kind].epoch
+        iters = sorted(i for i in epoch_of if epoch_of[i] == e and epoch_of.get(i - 1) == e)
+        schedule_tokens_per_s[name] = rate(iters)
+        v = schedule_tokens_per_s[name]
+        print(f"{name:<14} {v if v is None else round(v):>9}  {iters}")
     if args.json:
-        print(json.dumps({"pause_s": pause_s, "tokens_per_s": tokens_per_s}))
+        print(json.dumps({"pause_s": pause_s, "tokens_per_s": tokens_per_s,
+                          "schedule_tokens_per_s": schedule_tokens_per_s}))
     return 0

@@ -6,6 +6,9 @@
 * a duplicated and a stale command are ignored and reported on the bus;
 * fail-stop: a rank killed at iteration 3, the survivors reshape from live state (no checkpoint)
   and the loss curve continues as the reference's;
+* the interleaved and zero-bubble schedules train exactly like the 1F1B reference;
+* a command whose device dies before the reshape fails at once and the job goes on;
+* with no live copy left, the ranks fall back to the newest periodic disk checkpoint;
 * a disk checkpoint written by one layout loads into another.
 
 Each scenario is one launch (the fork server imports torch once for all of them).
@@ -21,7 +24,8 @@ import torch
 
 from collector import topics
 from collector.embedded import EmbeddedBus
-from collector.events import AckStatus, CommandAck, EventFactory, IterationSummary, PlanCurrent, ReconfigureCommand
+from collector.events import (AckStatus, ChunkKind, CommandAck, EventFactory, IterationSummary, PlanCurrent,
+                              RankIteration, ReconfigureCommand)
 from collector.plan import PipelinePlan, Plan, StagePlan
 from collector.stream import EventStream
 from trainer.faults import KILL_EXIT_CODE, Fault
@@ -122,6 +126,46 @@ def test_trainer_reshapes_live_and_trains_exactly_like_the_reference(reference: 
     _assert_same_training(tmp_path, reference)
 
 
+def test_interleaved_and_zero_bubble_schedules_train_exactly_like_1f1b(reference: Path, tmp_path: Path) -> None:
+    # 1F1B (epoch 0) -> interleaved, 2 chunks per stage, mixed TP on the wrap-around edge (epoch 1)
+    # -> zero-bubble TP1·PP4·DP2 with micro-batches 3/5 (epoch 2) -> zero-bubble with mixed TP and a
+    # single-stage replica (epoch 3). Devices not named are spares.
+    def pipe(replica: int, microbatches: int, *stages: tuple[tuple[int, ...], int, int]) -> PipelinePlan:
+        return PipelinePlan(replica=replica, microbatches=microbatches,
+                            stages=tuple(StagePlan(devices=d, first_layer=a, end_layer=b) for d, a, b in stages))
+
+    p1 = Plan(epoch=1, schedule="interleaved", virtual_stages=2, num_layers=4, pipelines=(
+        pipe(0, 4, ((0, 1), 0, 2), ((2,), 2, 4)), pipe(1, 4, ((4,), 0, 2), ((5, 6), 2, 4))))
+    p2 = Plan.uniform(tp=1, pp=4, dp=2, num_layers=4, microbatches_per_replica=4, schedule="zero_bubble", epoch=2)
+    p2 = p2.model_copy(update={"pipelines": tuple(
+        p.model_copy(update={"microbatches": m}) for p, m in zip(p2.pipelines, [3, 5]))})
+    p3 = Plan(epoch=3, schedule="zero_bubble", num_layers=4, pipelines=(
+        pipe(0, 5, ((0, 1), 0, 1), ((2,), 1, 4)), pipe(1, 3, ((3, 4, 5, 6), 0, 4))))
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
+        bus.publish([EventFactory("resihp", "test").make(_command(p)) for p in (p1, p2, p3)])
+
+    result = launch(_spec(tmp_path), BASE, 8, commands_from="beginning")
+
+    assert result.exit_codes == {d: 0 for d in range(8)}
+    assert [(a.epoch, a.status) for a in _acks(tmp_path)] == [(e, AckStatus.APPLIED) for e in (1, 2, 3)]
+    assert {epoch for epoch, _ in _losses(tmp_path).values()} == {0, 1, 2, 3}
+    _assert_same_training(tmp_path, reference)
+    # Telemetry names what ran: chunk 1 of the interleaved stages, W chunks of zero-bubble, one F,
+    # one B (and under zero-bubble one W) per micro-batch and chunk.
+    runs = [e.payload for e in _events(tmp_path / "bus.sqlite", topics.TELEMETRY)
+            if isinstance(e.payload, RankIteration)]
+    plans = {0: BASE, 1: p1, 2: p2, 3: p3}
+    for run in runs:
+        role = plans[run.epoch].role_of(run.rank)
+        chunks = 2 if run.epoch == 1 else 1
+        kinds = ("F", "B", "W") if run.epoch >= 2 else ("F", "B")
+        counts = {(k, v): sum(1 for c in run.chunks if c.kind.value == k and c.virtual_stage == v)
+                  for k in ("F", "B", "W") for v in range(2)}
+        assert counts == {(k, v): role.microbatches if k in kinds and v < chunks else 0
+                          for k in ("F", "B", "W") for v in range(2)}, (run.epoch, run.rank)
+    assert any(c.kind == ChunkKind.WEIGHT for r in runs if r.epoch == 3 for c in r.chunks)
+
+
 def test_trainer_survives_a_killed_rank_from_live_state(reference: Path, tmp_path: Path) -> None:
     spec = _spec(tmp_path, faults=[Fault(kind="kill", rank=5, start_iteration=3)])
 
@@ -134,6 +178,50 @@ def test_trainer_survives_a_killed_rank_from_live_state(reference: Path, tmp_pat
     assert 5 not in result.final_plan.devices and result.final_plan.dp == 1
     losses = _losses(tmp_path)
     assert losses[2][0] == 0 and losses[3][0] == 1, "iteration 3 was re-run under the new plan"
+    _assert_same_training(tmp_path, reference)
+
+
+def test_a_command_whose_device_dies_before_the_reshape_fails_at_once_and_the_job_goes_on(
+        reference: Path, tmp_path: Path) -> None:
+    # TP1·PP2·DP2 on 4 ranks; the command for epoch 1 (micro-batches 5/3) is posted, then device 3
+    # dies on its way into the new world. The command fails at once naming device 3 (not at the
+    # 60 s rendezvous timeout), the waiting ranks keep their state, the launcher's policy drops
+    # replica 1 as epoch 1, and training ends exactly like the reference.
+    plan = Plan.uniform(tp=1, pp=2, dp=2, num_layers=4, microbatches_per_replica=4)
+    shifted = plan.model_copy(update={"epoch": 1, "pipelines": tuple(
+        p.model_copy(update={"microbatches": m}) for p, m in zip(plan.pipelines, [5, 3]))})
+    doomed = _command(shifted)
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
+        bus.publish([EventFactory("resihp", "test").make(doomed)])
+    spec = _spec(tmp_path, faults=[Fault(kind="kill_in_reshape", rank=3, start_iteration=1)])
+
+    result = launch(spec, plan, 4, on_death="drop-replica", commands_from="beginning")
+
+    assert result.exit_codes == {0: 0, 1: 0, 2: 0, 3: KILL_EXIT_CODE}
+    failed, applied = _acks(tmp_path)
+    assert failed.command_id == doomed.command_id and failed.status == AckStatus.FAILED
+    assert "device 3 died" in failed.detail and "names [3]" in failed.detail
+    assert applied.status == AckStatus.APPLIED and applied.epoch == 1 and applied.plan_id.startswith("launcher-drop")
+    assert result.final_plan.devices == [0, 1]
+    _assert_same_training(tmp_path, reference)
+
+
+def test_trainer_falls_back_to_the_latest_disk_checkpoint_when_no_live_copy_survives(reference: Path,
+                                                                                     tmp_path: Path) -> None:
+    # One replica (PP2 on devices 0, 1; device 2 a spare): when device 1 dies no live copy of layers
+    # 2-3 and the head is left. The launcher puts the spare in its place; the ranks load the newest
+    # periodic checkpoint (iteration 4), re-run from there, and end exactly where the reference does.
+    plan = Plan.uniform(tp=1, pp=2, dp=1, num_layers=4, microbatches_per_replica=8)
+    spec = _spec(tmp_path, checkpoint_every=2, faults=[Fault(kind="kill", rank=1, start_iteration=5)])
+
+    result = launch(spec, plan, 3, on_death="drop-replica")
+
+    assert result.exit_codes == {0: 0, 1: KILL_EXIT_CODE, 2: 0}
+    (ack,) = _acks(tmp_path)
+    assert ack.status == AckStatus.APPLIED and "disk checkpoint" in ack.detail and "(iteration 4)" in ack.detail
+    assert ack.pause_iterations >= 2, "iterations 4 and 5 were lost and re-run"
+    assert [st.devices for st in result.final_plan.pipelines[0].stages] == [(0,), (2,)]
+    assert sorted(p.name for p in (tmp_path / "final").glob("step-*")) == ["step-00000008", "step-00000010"]
     _assert_same_training(tmp_path, reference)
 
 

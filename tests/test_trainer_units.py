@@ -13,7 +13,8 @@ from collector.plan import PipelinePlan, Plan, StagePlan
 from trainer.data import IGNORE, global_targets, microbatch, replica_microbatch_ids
 from trainer.faults import FaultList
 from trainer.intake import CommandIntake
-from trainer.launcher import drop_replicas
+from trainer.launcher import drop_replicas, on_death_plan
+from trainer.rendezvous import CONTROL_POST, PostAborted, await_arrivals, done_key, newest_post, read_post
 from trainer.model import GPTConfig, GPTStage, init_full, init_stage, shard, shard_rule, unshard
 from trainer.optim import AdamW
 from trainer.parallel import Layout
@@ -41,7 +42,7 @@ def test_replicas_get_contiguous_microbatch_ranges_by_their_counts() -> None:
 
 
 def test_attention_is_per_document() -> None:
-    stage = GPTStage(CFG, 0, 4)
+    stage = GPTStage(CFG, [(0, 4)])
     init_stage(stage, 0)
     mb = microbatch(0, 0, 0, 64, 64)
     out = stage(mb.tokens, mb.positions, mb.seq_lens)
@@ -115,16 +116,39 @@ def test_intake_applies_only_the_next_epoch_and_reports_the_rest() -> None:
         intake.offer(c)
     assert intake.poll(alive, progress_iteration=-1) == []  # nothing ran on epoch 0 yet
     assert intake.poll(alive, progress_iteration=0) == []  # posted, waiting for the ranks
-    assert store.get("control/epoch") == b"1" and json.loads(store.get("world/1")) == [0, 1, 2, 3]
+    post = read_post(store, newest_post(store))
+    assert (post.number, post.plan, post.world) == (1, p1, (0, 1, 2, 3))
     for d in alive:
-        store.set(f"done/1/{d}", json.dumps({"pause_s": 0.1 * d, "pause_iterations": 1, "failure_wait_s": 0,
-                                             "iteration": 2}))
+        store.set(done_key(1, d), json.dumps({"pause_s": 0.1 * d, "pause_iterations": 1, "failure_wait_s": 0,
+                                              "iteration": 2, "source": "live"}))
     acks = intake.poll(alive, progress_iteration=1)
     assert [(a.command_id, a.status) for a in acks] == [
         ("a", AckStatus.APPLIED), ("a", AckStatus.IGNORED_DUPLICATE), ("b", AckStatus.IGNORED_STALE),
         ("c", AckStatus.IGNORED_STALE)]
     assert acks[0].pause_s == pytest.approx(0.3) and acks[0].running_epoch == 1
+    assert "state from live peers" in acks[0].detail
     assert "skips epochs" in acks[3].detail
+
+
+def test_a_post_whose_device_dies_is_failed_at_once_and_waiting_ranks_are_released() -> None:
+    store = _Store()
+    p0 = Plan.uniform(tp=1, pp=2, dp=2, num_layers=4, microbatches_per_replica=2)
+    intake = CommandIntake(store, p0, n_layer=4, n_head=4, global_microbatches=4)
+    intake.start((0, 1, 2, 3))
+    p1 = p0.model_copy(update={"epoch": 1})
+    intake.offer(_cmd(p1, "a"))
+    assert intake.poll({0, 1, 2, 3}, progress_iteration=0) == []  # posted as post 1
+    assert intake.doomed(3) and newest_post(store) == 1
+    (ack,) = intake.poll({0, 1, 2}, progress_iteration=0)  # device 3 died before the reshape finished
+    assert ack.status == AckStatus.FAILED and "device 3 died" in ack.detail and "names [3]" in ack.detail
+    assert ack.running_epoch == 0
+    with pytest.raises(PostAborted, match="device 3"):  # a rank waiting at post 1's rendezvous returns
+        await_arrivals(store, 1, (0, 1, 2, 3), device=0, timeout_s=60)
+    # The same epoch can be posted again (a new command) without the dead device.
+    survivors = drop_replicas(p0, {3})
+    intake.offer(_cmd(survivors, "b"))
+    assert intake.poll({0, 1, 2}, progress_iteration=0) == []
+    assert read_post(store, 2).plan == survivors and read_post(store, 2).world == (0, 1, 2)
 
 
 def test_intake_fails_a_plan_the_job_cannot_run_without_touching_the_ranks() -> None:
@@ -138,7 +162,7 @@ def test_intake_fails_a_plan_the_job_cannot_run_without_touching_the_ranks() -> 
     acks = intake.poll({0, 1}, progress_iteration=5)
     assert [a.status for a in acks] == [AckStatus.FAILED, AckStatus.FAILED]
     assert "global batch" in acks[0].detail and "[2]" in acks[1].detail
-    assert "control/epoch" not in store.data
+    assert CONTROL_POST not in store.data
 
 
 def test_drop_replicas_keeps_the_global_batch() -> None:
@@ -146,6 +170,14 @@ def test_drop_replicas_keeps_the_global_batch() -> None:
     new = drop_replicas(plan, {5})
     assert new.epoch == 1 and new.dp == 2 and new.global_microbatches == 9
     assert 5 not in new.devices and [p.replica for p in new.pipelines] == [0, 1]
+
+
+def test_on_death_policy_uses_spares_when_no_replica_survives() -> None:
+    plan = Plan.uniform(tp=1, pp=2, dp=1, num_layers=4, microbatches_per_replica=4)
+    new, how = on_death_plan(plan, {1}, alive={0, 2, 3})
+    assert [st.devices for st in new.pipelines[0].stages] == [(0,), (2,)] and new.epoch == 1
+    assert "spares" in how
+    assert on_death_plan(plan, {1}, alive={0})[0] is None
 
 
 def test_fault_list_reads_the_documented_yaml(tmp_path) -> None:

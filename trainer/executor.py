@@ -2,10 +2,17 @@
 
 Read it the way torchft's manager reads: one class, one method per step, each saying what can fail.
 The launcher's ``CommandIntake`` (trainer/intake.py) has already fenced the command — only epoch
-e+1 on top of e reaches the ranks — and posted the plan and the live world into the TCPStore.
+e+1 on top of e reaches the ranks — and posted the plan and the live world into the TCPStore as a
+numbered post (trainer/rendezvous.py).
 
-    reshape(e+1):  agree → export_state → rebuild_world → transfer_state → rebuild_groups → resume
-    recover(exc):  await_plan → reshape(e+1)            (after a collective failed: a peer died)
+    reshape(P):    agree → export_state → rebuild_world → restore_state → rebuild_groups → resume
+    recover(exc):  await_plan → reshape(P)              (after a collective failed: a peer died)
+
+``restore_state`` pulls every shard from live peers when some replica still holds each unit;
+when none does (``units_without_live_copy``), every rank loads the newest disk checkpoint of the
+run instead and the iteration rolls back to it (``restore_from_disk``). If the launcher aborts a
+post while the ranks wait to rendezvous (a device of its world died), the ranks keep their state
+and wait for the next post.
 
 Process groups: the default group is re-created for every epoch over the live processes (a
 ``PrefixStore`` of ``pg/<epoch>/`` on the launcher's store gives each epoch a fresh rendezvous), so
@@ -25,9 +32,11 @@ import time
 
 import torch.distributed as dist
 
-from collector.plan import Plan
+from trainer.checkpoint import latest_checkpoint, load_checkpoint
+from trainer.chunks import role_chunks
 from trainer.parallel import Layout
-from trainer.state import ShardState, export_state, transfer_live
+from trainer.rendezvous import Post, PostAborted, done_key, failed_key, newest_post, read_post
+from trainer.state import NoLiveSource, ShardState, export_state, transfer_live, units_without_live_copy
 
 log = logging.getLogger("resihp.trainer")
 
@@ -51,14 +60,16 @@ class Executor:
 
     # ---- the steps -------------------------------------------------------------------------------
 
-    def agree(self, target: int) -> Plan:
-        """Read the plan of ``target`` every rank agreed on (the commit all-reduce, or the store's
-        newest epoch after a failure). Fails if ``target`` is not the running epoch + 1: the intake
+    def agree(self, number: int) -> Post:
+        """Read post ``number``, which every rank agreed on (the commit all-reduce, or the store's
+        newest post after a failure). Fails if its epoch is not the running epoch + 1: the intake
         never posts such a plan, so seeing one means two launchers share a store."""
+        post = read_post(self.trainer.store, number)
         running = self.trainer.epoch()
-        if target != running + 1:
-            raise ReshapeFailed(f"asked to move from epoch {running} to {target}; only e+1 is applied on top of e")
-        return Plan.model_validate_json(self.trainer.store.get(f"plan/{target}"))
+        if post.plan.epoch != running + 1:
+            raise ReshapeFailed(f"post {number} moves from epoch {running} to {post.plan.epoch}; "
+                                "only e+1 is applied on top of e")
+        return post
 
     def export_state(self) -> ShardState | None:
         """This device's shards of parameters and optimizer state under the running plan (from
@@ -68,70 +79,111 @@ class Executor:
             return None
         return export_state(cur.stage, cur.opt)
 
-    def rebuild_world(self, target: int) -> Layout:
-        """Destroy the old default group and rendezvous a new one over ``world/<target>``.
+    def rebuild_world(self, post: Post) -> Layout:
+        """Wait for the post's whole world, then destroy the old default group and rendezvous a new one.
 
-        Can fail by timeout if a device in the new world never arrives (it died after the launcher
-        posted the world); raises ``Released`` if this device is not in the world."""
-        layout = self.trainer.join_world(target)
+        ``PostAborted`` if the launcher gives up on the post first (a device of the world died);
+        a timeout if a device dies after everyone arrived; ``Released`` if this device is not in
+        the world."""
+        if self.trainer.device in post.world:
+            self.trainer.faults.begin_reshape(self.trainer.iteration)
+        layout = self.trainer.join_world(post)
         if layout is None:
-            raise Released(f"device {self.trainer.device} is not in the world of epoch {target}")
+            raise Released(f"device {self.trainer.device} is not in the world of post {post.number}")
         return layout
 
-    def transfer_state(self, old: Plan, layout: Layout, mine: ShardState | None) -> ShardState:
-        """Pull every shard this device owns under the new plan from live holders (see
-        trainer/state.py). Fails with ``NoLiveSource`` when no replica kept a complete copy of some
-        unit, and by timeout if a sender dies mid-way."""
-        return transfer_live(self.trainer.cfg, old, layout, self.trainer.device, mine)
+    def restore_state(self, old, layout: Layout, mine: ShardState | None) -> tuple[ShardState | None, str]:
+        """This device's state under the new plan, and where it came from ("live", or the checkpoint).
 
-    def rebuild_groups(self, layout: Layout, state: ShardState) -> None:
+        From live holders when every unit still has one (see trainer/state.py; fails by timeout if
+        a sender dies mid-way), else from disk (:meth:`restore_from_disk`). Every rank takes the
+        same branch: the choice is a pure function of the two plans and the world."""
+        missing = units_without_live_copy(old, layout)
+        if missing:
+            return self.restore_from_disk(layout, missing)
+        return transfer_live(self.trainer.cfg, old, layout, self.trainer.device, mine), "live"
+
+    def restore_from_disk(self, layout: Layout, missing: list[str]) -> tuple[ShardState | None, str]:
+        """No replica kept a live copy of ``missing``: load the newest checkpoint of this run (or
+        its --resume-dir) on every rank and roll the iteration back to it. World rank 0 picks the
+        checkpoint and tells the others, so all load the same one. ``NoLiveSource`` when there is
+        no checkpoint to fall back to."""
+        t = self.trainer
+        found = latest_checkpoint(t.spec.save_dir, t.spec.resume_dir, t.spec.run_id)
+        choice = [None if found is None else (str(found[0]), found[1])]
+        dist.broadcast_object_list(choice, src=0)
+        if choice[0] is None:
+            raise NoLiveSource(f"no live copy of {', '.join(missing[:4])}{' …' if len(missing) > 4 else ''} survives "
+                               "and there is no disk checkpoint to fall back to; run with --save-dir DIR "
+                               "--checkpoint-every K")
+        directory, iteration = choice[0]
+        self.lost_iterations += max(0, t.iteration - iteration)
+        log.warning("device %d: no live copy of %s; rolling back from iteration %d to checkpoint %s",
+                    t.device, missing, t.iteration, directory)
+        t.iteration = iteration
+        state = None
+        role = layout.plan.roles.get(t.device)
+        if role is not None:
+            state, _ = load_checkpoint(directory, t.cfg, role_chunks(layout.plan, role), role.tp_degree, role.tp_rank)
+        return state, f"disk checkpoint {directory} (iteration {iteration})"
+
+    def rebuild_groups(self, layout: Layout, state: ShardState | None) -> None:
         """Create the epoch's training groups, build this device's stage (TP, PP, DP steps) and
-        load the transferred state into it and its optimizer."""
+        load the restored state into it and its optimizer."""
         self.trainer.current = self.trainer.build(layout, state if self.trainer.device in layout.plan.roles else None)
 
-    def resume(self, target: int, pause_s: float) -> None:
-        """Barrier over the new world, then report ``done/<epoch>/<device>`` with the pause.
-        After the barrier every rank trains under the new epoch."""
+    def resume(self, number: int, pause_s: float, source: str) -> None:
+        """Barrier over the new world, then report ``done/<post>/<device>`` with the pause and the
+        state's source. After the barrier every rank trains under the new epoch."""
         dist.barrier(group=self.trainer.current.train_group)
         wall = sum(self.recent_walls_s[-5:]) / max(1, len(self.recent_walls_s[-5:])) if self.recent_walls_s else 0.0
         iterations = (math.ceil(pause_s / wall) if wall > 0 else 0) + self.lost_iterations
-        self.trainer.store.set(f"done/{target}/{self.trainer.device}", json.dumps({
+        self.trainer.store.set(done_key(number, self.trainer.device), json.dumps({
             "pause_s": pause_s, "pause_iterations": iterations, "failure_wait_s": self.failure_wait_s,
-            "iteration": self.trainer.iteration}))
+            "iteration": self.trainer.iteration, "source": source}))
         self.failure_wait_s, self.lost_iterations = 0.0, 0
 
     # ---- the protocols -----------------------------------------------------------------------------
 
-    def reshape(self, target: int) -> None:
-        """Move to epoch ``target`` at this iteration boundary. On failure, report it and re-raise."""
+    def reshape(self, number: int) -> None:
+        """Move to the plan of post ``number`` at this iteration boundary. If the launcher aborts
+        the post, keep the state and take the next post; on any other failure report it and re-raise."""
         start = time.perf_counter()
         try:
             old = self.trainer.current.layout.plan
-            self.agree(target)
+            post = self.agree(number)
             mine = self.export_state()
-            layout = self.rebuild_world(target)
-            state = self.transfer_state(old, layout, mine)
+            layout = self.rebuild_world(post)
+            state, source = self.restore_state(old, layout, mine)
             self.rebuild_groups(layout, state)
         except Released:
             raise
+        except PostAborted as exc:
+            log.warning("device %d: %s; waiting for the next plan", self.trainer.device, exc)
+            waited_from = time.perf_counter()
+            following = self.await_plan(after=number)
+            self.failure_wait_s += time.perf_counter() - waited_from
+            self.reshape(following)
+            return
         except Exception as exc:
-            self.trainer.store.set(f"failed/{target}/{self.trainer.device}", f"{type(exc).__name__}: {exc}")
+            self.trainer.store.set(failed_key(number, self.trainer.device), f"{type(exc).__name__}: {exc}")
             raise
-        self.resume(target, time.perf_counter() - start)
-        log.info("device %d: now at epoch %d (%s)", self.trainer.device, target, layout.plan.shape())
+        self.trainer.post = number
+        self.resume(number, time.perf_counter() - start, source)
+        log.info("device %d: now at epoch %d (%s)", self.trainer.device, layout.plan.epoch, layout.plan.shape())
 
-    def await_plan(self) -> int:
-        """After a failed collective: wait until the launcher posts a newer epoch (from a command
-        on the bus, or its own drop-replica policy). Fails after ``recovery_timeout_s``."""
-        running = self.trainer.epoch()
+    def await_plan(self, after: int) -> int:
+        """Wait until the launcher posts a plan newer than post ``after`` (from a command on the
+        bus, or its own on-death policy); returns its number. Fails after ``recovery_timeout_s``."""
         deadline = time.monotonic() + self.trainer.spec.recovery_timeout_s
         while time.monotonic() < deadline:
-            newest = int(self.trainer.store.get("control/epoch"))
-            if newest > running:
-                return running + 1
+            newest = newest_post(self.trainer.store)
+            if newest > after:
+                return newest
             time.sleep(0.05)
-        raise ReshapeFailed(f"no plan newer than epoch {running} within {self.trainer.spec.recovery_timeout_s:.0f} s "
-                            "after a peer failed; publish a ReconfigureCommand or run with --on-death drop-replica")
+        raise ReshapeFailed(f"no plan newer than epoch {self.trainer.epoch()} within "
+                            f"{self.trainer.spec.recovery_timeout_s:.0f} s after a peer failed; publish a "
+                            "ReconfigureCommand or run with --on-death drop-replica")
 
     def recover(self, exc: BaseException) -> None:
         """A collective raised (a peer died, or timed out). Nothing was stepped this iteration, so
@@ -139,7 +191,7 @@ class Executor:
         log.warning("device %d: iteration %d failed (%s); waiting for a new plan",
                     self.trainer.device, self.trainer.iteration, str(exc).splitlines()[0][:200])
         start = time.perf_counter()
-        target = self.await_plan()
+        target = self.await_plan(after=self.trainer.post)
         self.failure_wait_s = time.perf_counter() - start
         self.lost_iterations = 1
         self.reshape(target)

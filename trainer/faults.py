@@ -15,6 +15,9 @@ Format (a ``faults:`` list; the same keys the simulator's scenarios use where th
       - kind: kill              # the process exits (os._exit) at the start of the iteration
         rank: 6
         start_iteration: 4
+      - kind: kill_in_reshape   # the process exits when it enters the first reshape it starts
+        rank: 3                 # at or after this iteration (before the new world's rendezvous)
+        start_iteration: 1
 
 Slowing is done by sleeping ``(factor - 1) × measured compute`` after each chunk, so the extra time
 scales with the real work (long sequences get slower in absolute terms, as on a throttled GPU),
@@ -37,7 +40,7 @@ KILL_EXIT_CODE = 43
 class Fault(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    kind: Literal["slow_compute", "slow_send", "kill"]
+    kind: Literal["slow_compute", "slow_send", "kill", "kill_in_reshape"]
     rank: int = Field(ge=0, description="device id")
     start_iteration: int = Field(default=0, ge=0)
     end_iteration: int | None = Field(default=None, description="exclusive")
@@ -74,6 +77,13 @@ class FaultInjector:
         self.iteration = iteration
         for f in self.faults:
             if f.kind == "kill" and f.start_iteration == iteration:
+                os._exit(KILL_EXIT_CODE)
+
+    def begin_reshape(self, iteration: int) -> None:
+        """Kill now if a ``kill_in_reshape`` fault is due: the rank dies after the launcher posted a
+        plan that names it and before the new world meets (the race a real crash can hit)."""
+        for f in self.faults:
+            if f.kind == "kill_in_reshape" and f.start_iteration <= iteration:
                 os._exit(KILL_EXIT_CODE)
 
     def after_compute(self, duration_s: float, paced_s: float = 0.0) -> None:

@@ -5,14 +5,17 @@ acknowledgement is published per command. The rules (the contract's): epoch e+1 
 top of e; a command seen before (same command id) is ``ignored_duplicate``; any other command whose
 epoch is not running+1 is ``ignored_stale`` (its detail says why: old, or skipping epochs); a plan
 the job cannot run (wrong layer count, global batch, a device not alive, a TP degree that does not
-divide the heads) is ``failed`` without touching the ranks. Commands are handled in arrival order,
-one in flight at a time; a command queued behind an in-flight reshape is judged against the epoch
-that reshape leaves running.
+divide the heads, an interleaved split it cannot run) is ``failed`` without touching the ranks.
+Commands are handled in arrival order, one in flight at a time; a command queued behind an
+in-flight reshape is judged against the epoch that reshape leaves running.
 
-Posting a plan writes ``plan/E``, ``world/E`` (the live devices) and finally ``control/epoch`` —
-ranks read that last key at every commit, so they see a plan only once all of it is there. The
-acknowledgement waits until every device of the world has written ``done/E/D`` (or one wrote
-``failed/E/D``, or died) and states the largest pause.
+Posting a plan writes a numbered post (trainer/rendezvous.py: the plan and the live devices, then
+``control/post``), which ranks read at every commit. The acknowledgement waits until every device
+of the world has written ``done/P/D`` (or one wrote ``failed/P/D``, or died) and states the largest
+pause and where the state came from (live peers, or a disk checkpoint when no live copy was left).
+A device of the posted world that dies before the reshape is done fails the command at once — the
+ack names the device — and the post is aborted so the waiting ranks do not sit out a rendezvous
+timeout; the same epoch can then be posted again (a new command, e.g. the launcher's own policy).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from dataclasses import dataclass
 
 from collector.events import AckStatus, CommandAck, ReconfigureCommand
 from collector.plan import Plan
+from trainer.chunks import schedule_problem
+from trainer.rendezvous import abort_key, done_key, failed_key, write_post
 
 
 @dataclass
@@ -31,6 +36,7 @@ class InFlight:
     command: ReconfigureCommand
     world: tuple[int, ...]
     posted_s: float
+    post: int
 
 
 class CommandIntake:
@@ -44,6 +50,15 @@ class CommandIntake:
         self.applied_at_iteration = -1
         self.death_pending = False
         self.applied: list[Plan] = []
+        self.posts = 0
+
+    def start(self, world: tuple[int, ...]) -> None:
+        """Post the plan the job starts with (post 0) to ``world``."""
+        write_post(self.store, 0, self.running, world)
+
+    def doomed(self, device: int) -> bool:
+        """The in-flight reshape includes ``device`` (so it fails if ``device`` died)."""
+        return self.in_flight is not None and device in self.in_flight.world
 
     def offer(self, command: ReconfigureCommand) -> None:
         self.queue.append(command)
@@ -76,6 +91,9 @@ class CommandIntake:
         bad_tp = sorted({s.tp for p in plan.pipelines for s in p.stages if self.n_head % s.tp})
         if bad_tp:
             return AckStatus.FAILED, f"TP degrees {bad_tp} do not divide the {self.n_head} attention heads"
+        problem = schedule_problem(plan)
+        if problem:
+            return AckStatus.FAILED, problem
         return None, ""
 
     # ---- driving ---------------------------------------------------------------------------------------
@@ -102,35 +120,44 @@ class CommandIntake:
         return acks
 
     def _post(self, command: ReconfigureCommand, alive: set[int]) -> None:
-        epoch = command.plan.epoch
         world = tuple(sorted(alive))
-        self.store.set(f"plan/{epoch}", command.plan.model_dump_json())
-        self.store.set(f"world/{epoch}", json.dumps(list(world)))
-        self.store.set("control/epoch", str(epoch))
-        self.in_flight = InFlight(command, world, time.monotonic())
+        self.posts += 1
+        write_post(self.store, self.posts, command.plan, world)
+        self.in_flight = InFlight(command, world, time.monotonic(), self.posts)
 
     def _check_in_flight(self, alive: set[int], progress_iteration: int) -> CommandAck | None:
         fl = self.in_flight
-        epoch = fl.command.plan.epoch
-        failed = [d for d in fl.world if self.store.check([f"failed/{epoch}/{d}"])]
+        failed = [d for d in fl.world if self.store.check([failed_key(fl.post, d)])]
         died = [d for d in fl.world if d not in alive]
         if failed or died:
-            reasons = [f"device {d}: {self.store.get(f'failed/{epoch}/{d}').decode()}" for d in failed]
-            reasons += [f"device {d} died during the reshape" for d in died]
+            reasons = []
+            if died:
+                reasons.append(f"devices {died} died before the reshape to epoch {fl.command.plan.epoch} finished"
+                               if len(died) > 1 else
+                               f"device {died[0]} died before the reshape to epoch {fl.command.plan.epoch} finished")
+                named = sorted(set(died) & set(fl.command.plan.devices))
+                reasons[-1] += (f"; the plan names {named}: re-plan without them" if named else
+                                "; post the command again")
+                self.store.set(abort_key(fl.post), reasons[-1])
+            reasons += [f"device {d}: {self.store.get(failed_key(fl.post, d)).decode()}" for d in failed]
             self.in_flight = None
             return self._ack(fl.command, AckStatus.FAILED, "; ".join(reasons)[:2000])
-        if not self.store.check([f"done/{epoch}/{d}" for d in fl.world]):
+        if not self.store.check([done_key(fl.post, d) for d in fl.world]):
             return None
-        reports = [json.loads(self.store.get(f"done/{epoch}/{d}")) for d in fl.world]
+        reports = [json.loads(self.store.get(done_key(fl.post, d))) for d in fl.world]
         pause_s = max(r["pause_s"] for r in reports)
         pause_iterations = max(r["pause_iterations"] for r in reports)
         waited = max(r["failure_wait_s"] for r in reports)
+        source = next((r["source"] for r in reports if r.get("source", "live") != "live"), "live")
         self.running = fl.command.plan
         self.applied.append(self.running)
-        self.applied_at_iteration = max(progress_iteration, max(r["iteration"] for r in reports) - 1)
+        resumed_at = max(r["iteration"] for r in reports)
+        # After a roll-back to a checkpoint the progress counter restarts lower: count from there.
+        self.applied_at_iteration = resumed_at - 1 if source != "live" else max(progress_iteration, resumed_at - 1)
         self.death_pending = False
         self.in_flight = None
         detail = f"now {self.running.shape()} on devices {list(self.running.devices)}"
+        detail += "; state from live peers" if source == "live" else f"; state from {source}"
         if waited > 0:
             detail += f"; survivors waited {waited:.2f} s for this plan after the failure"
         return self._ack(fl.command, AckStatus.APPLIED, detail, pause_s, pause_iterations)

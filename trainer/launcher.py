@@ -4,9 +4,10 @@ The launcher — not rank 0 — owns the TCPStore, so any rank may die and the s
 meet. It is also the single reader of the control topic (trainer/intake.py fences and posts the
 commands) and it watches its children: a rank that exits with an error is dead. With
 ``on_death="drop-replica"`` the launcher itself publishes a command that drops the dead device's
-replica and gives its micro-batches to the others (a minimal policy so the job survives on its
-own; the remediation engine's commands take the same path through the bus). With ``"wait"`` the
-survivors wait for a command from the bus.
+replica and gives its micro-batches to the others, or — when no replica would survive — puts
+spare devices in the dead ones' places (state then comes from the newest disk checkpoint); a
+minimal policy so the job survives on its own; the remediation engine's commands take the same
+path through the bus. With ``"wait"`` the survivors wait for a command from the bus.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from collector.events import (AckStatus, CommandAck, EventFactory, FaultCategory
                               ReconfigureCommand)
 from collector.plan import PipelinePlan, Plan
 from collector.stream import EventStream
+from trainer.chunks import schedule_problem
 from trainer.faults import KILL_EXIT_CODE
 from trainer.intake import CommandIntake
+from trainer.rendezvous import PROGRESS
 from trainer.spec import RunSpec
 
 @dataclass
@@ -49,6 +52,36 @@ def drop_replicas(plan: Plan, dead: set[int]) -> Plan:
     return plan.model_copy(update={"epoch": plan.epoch + 1, "pipelines": pipelines})
 
 
+def replace_with_spares(plan: Plan, dead: set[int], spares: list[int]) -> Plan:
+    """The next epoch with each dead device's place taken by a spare (in order), layout unchanged.
+    Raises ValueError when there are fewer spares than dead devices in the plan."""
+    lost = [d for d in plan.devices if d in dead]
+    if len(spares) < len(lost):
+        raise ValueError(f"devices {lost} died but only spares {spares} are left; publish a smaller plan")
+    swap = dict(zip(lost, spares))
+    pipelines = tuple(p.model_copy(update={"stages": tuple(
+        st.model_copy(update={"devices": tuple(swap.get(d, d) for d in st.devices)}) for st in p.stages)})
+        for p in plan.pipelines)
+    return plan.model_copy(update={"epoch": plan.epoch + 1, "pipelines": pipelines})
+
+
+def on_death_plan(plan: Plan, dead: set[int], alive: set[int]) -> tuple[Plan | None, str]:
+    """The launcher's own ``drop-replica`` policy: drop every replica that lost a device (state
+    comes from the surviving replicas, live); if that leaves none, put spares (live devices the
+    plan does not use) in the dead devices' places — their layers then have no live copy and the
+    ranks fall back to the newest disk checkpoint (--checkpoint-every). None: neither is possible."""
+    try:
+        return drop_replicas(plan, dead), "dropped the dead device's replica"
+    except ValueError:
+        pass
+    spares = sorted(alive - set(plan.devices) - dead)
+    try:
+        how = f"no replica survives; spares {spares} take the dead devices' places"
+        return replace_with_spares(plan, dead, spares), how
+    except ValueError as exc:
+        return None, f"{exc}; waiting for a command"
+
+
 def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", commands_from: str = "end",
            poll_s: float = 0.05, echo=None) -> LaunchResult:
     """Run the job to its end; returns exit codes, the acknowledgements published, the final plan."""
@@ -60,13 +93,12 @@ def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", com
     if plan.num_layers != spec.config.n_layer:
         raise ValueError(f"plan has {plan.num_layers} layers but the model has {spec.config.n_layer}; "
                          "build the plan with the model's layer count")
+    if problem := schedule_problem(plan):
+        raise ValueError(problem)
     echo = echo or (lambda line: None)
     store = dist.TCPStore(spec.store_host, 0, None, True, wait_for_workers=False,
                           timeout=timedelta(seconds=spec.rendezvous_timeout_s))
-    spec = spec.model_copy(update={"store_port": store.port})
-    store.set(f"plan/{plan.epoch}", plan.model_dump_json())
-    store.set(f"world/{plan.epoch}", json.dumps(list(range(ranks))))
-    store.set("control/epoch", str(plan.epoch))
+    spec = spec.model_copy(update={"store_port": store.port, "run_id": spec.run_id or uuid.uuid4().hex})
 
     bus = spec.bus.open()
     factory = EventFactory(spec.job, "trainer")
@@ -77,6 +109,7 @@ def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", com
     cfg = spec.config
     intake = CommandIntake(store, plan, n_layer=cfg.n_layer, n_head=cfg.n_head,
                            global_microbatches=plan.global_microbatches)
+    intake.start(tuple(range(ranks)))
     procs = _start_ranks(spec, ranks)
     result = LaunchResult(exit_codes={})
     last_echoed = -1
@@ -94,11 +127,16 @@ def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", com
                         fault_id=f"{spec.job}/death/{d}", category=FaultCategory.FAIL_STOP,
                         location=Location(target="compute", rank=d, factor=1e9),
                         start_iteration=_progress(store)["iteration"] + 1))])
-                    target = intake.in_flight.command.plan if intake.in_flight else intake.running
-                    if on_death == "drop-replica" and d in target.devices and len(result.exit_codes) < ranks:
-                        new_plan = drop_replicas(target, set(result.dead))
-                        bus.publish([factory.make(ReconfigureCommand(
-                            command_id=uuid.uuid4().hex, plan_id=f"launcher-drop-{d}", plan=new_plan))])
+                    # The in-flight reshape fails if its world held d: plan on top of what runs.
+                    target = (intake.in_flight.command.plan if intake.in_flight and not intake.doomed(d)
+                              else intake.running)
+                    alive_now = {e for e, q in procs.items() if q.exitcode is None}
+                    if on_death == "drop-replica" and d in target.devices and alive_now:
+                        new_plan, how = on_death_plan(target, set(result.dead), alive_now)
+                        echo(f"on-death policy: {how}")
+                        if new_plan is not None:
+                            bus.publish([factory.make(ReconfigureCommand(
+                                command_id=uuid.uuid4().hex, plan_id=f"launcher-drop-{d}", plan=new_plan))])
             for delivery in stream.poll(timeout_s=poll_s):
                 ev = delivery.event
                 if ev.job == spec.job and isinstance(ev.payload, ReconfigureCommand):
@@ -179,9 +217,9 @@ def _start_ranks(spec: RunSpec, ranks: int) -> dict:
 
 
 def _progress(store) -> dict:
-    if not store.check(["progress"]):
+    if not store.check([PROGRESS]):
         return {"iteration": -1, "epoch": -1}
-    return json.loads(store.get("progress"))
+    return json.loads(store.get(PROGRESS))
 
 
-__all__ = ["launch", "LaunchResult", "drop_replicas", "KILL_EXIT_CODE"]
+__all__ = ["launch", "LaunchResult", "drop_replicas", "replace_with_spares", "on_death_plan", "KILL_EXIT_CODE"]

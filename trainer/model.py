@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -170,34 +171,46 @@ class Block(nn.Module):
 
 
 class GPTStage(nn.Module):
-    """Layers [first_layer, end_layer) of the GPT, with the embeddings if first and the head if last.
+    """The layers one pipeline stage holds, as one or more model chunks (virtual stages).
 
-    ``forward`` takes token ids (first stage) or the previous stage's activations (T, C), and
-    returns activations (T, C), or — on the last stage — logits (T, V).
+    ``chunks`` are layer ranges ``[first, end)`` indexed by chunk (one for 1F1B and zero-bubble;
+    V for the interleaved schedule, see trainer/chunks.py). The chunk starting at layer 0 also
+    holds the embeddings, the one ending at the last layer the final norm and head.
+    ``forward(..., chunk=c)`` runs chunk ``c``: it takes token ids (the chunk with the embeddings)
+    or the previous chunk's activations (T, C), and returns activations (T, C), or — the chunk
+    with the head — logits (T, V).
     """
 
-    def __init__(self, cfg: GPTConfig, first_layer: int, end_layer: int, tp: TPContext | None = None) -> None:
+    def __init__(self, cfg: GPTConfig, chunks: Sequence[tuple[int, int]], tp: TPContext | None = None) -> None:
         super().__init__()
         tp = tp or TPContext()
         if cfg.n_head % tp.degree:
             raise ValueError(f"TP degree {tp.degree} does not divide n_head={cfg.n_head}; pick a smaller TP")
-        self.cfg, self.first_layer, self.end_layer, self.tp = cfg, first_layer, end_layer, tp
-        self.is_first, self.is_last = first_layer == 0, end_layer == cfg.n_layer
+        self.cfg, self.tp, self.chunks = cfg, tp, tuple((int(a), int(b)) for a, b in chunks)
+        if not self.chunks or any(b <= a for a, b in self.chunks):
+            raise ValueError(f"a stage needs non-empty layer ranges, got {list(self.chunks)}")
+        self.is_first = any(a == 0 for a, _ in self.chunks)  # holds the embeddings
+        self.is_last = any(b == cfg.n_layer for _, b in self.chunks)  # holds the head
         if self.is_first:
             self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
             self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, tp) for i in range(first_layer, end_layer)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, tp) for a, b in self.chunks for i in range(a, b)})
         if self.is_last:
             self.ln_f = nn.LayerNorm(cfg.n_embd)
             self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.to(cfg.torch_dtype)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-        if self.is_first:
+    def chunk_layers(self, chunk: int) -> int:
+        a, b = self.chunks[chunk]
+        return b - a
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, seq_lens: list[int], chunk: int = 0) -> torch.Tensor:
+        first, end = self.chunks[chunk]
+        if first == 0:
             x = self.wte(x) + self.wpe(positions)  # (T, C)
-        for block in self.layers.values():
-            x = block(x, seq_lens)
-        if self.is_last:
+        for i in range(first, end):
+            x = self.layers[str(i)](x, seq_lens)
+        if end == self.cfg.n_layer:
             x = self.lm_head(self.ln_f(x))  # (T, V)
         return x
 

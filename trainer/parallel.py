@@ -26,24 +26,15 @@ import torch
 import torch.distributed as dist
 
 from collector.plan import Plan, RankRole, StagePlan
+from trainer.chunks import all_units, role_chunks, stage_chunks, units_of_chunks
 from trainer.model import GPTConfig, GPTStage, TPContext, shard_rule, unit_of, unshard
 
 
-def units_of_stage(n_layer: int, first_layer: int, end_layer: int) -> list[str]:
-    """The units a stage holding [first, end) owns, in model order."""
-    units = ["embed"] if first_layer == 0 else []
-    units += [f"layer.{i}" for i in range(first_layer, end_layer)]
-    return units + (["head"] if end_layer == n_layer else [])
-
-
-def all_units(n_layer: int) -> list[str]:
-    return units_of_stage(n_layer, 0, n_layer)
-
-
 def owner_stage(plan: Plan, replica_index: int, unit: str) -> StagePlan:
-    """The stage of one replica (by position in ``plan.pipelines``) that owns ``unit``."""
-    for st in plan.pipelines[replica_index].stages:
-        if unit in units_of_stage(plan.num_layers, st.first_layer, st.end_layer):
+    """The stage of one replica (by position in ``plan.pipelines``) that owns ``unit`` (under the
+    interleaved schedule a stage owns the union of its chunks, see trainer/chunks.py)."""
+    for s, st in enumerate(plan.pipelines[replica_index].stages):
+        if unit in units_of_chunks(plan.num_layers, stage_chunks(plan, replica_index, s)):
             return st
     raise KeyError(f"unit {unit} has no owner in replica {replica_index} of plan epoch {plan.epoch}")
 
@@ -106,9 +97,10 @@ def build_groups(layout: Layout, timeout_s: float) -> Groups:
     return groups
 
 
-def apply_pp(cfg: GPTConfig, role: RankRole, tp: TPContext) -> GPTStage:
-    """The pipeline step: this device builds only its stage's layers (and embed/head if it ends)."""
-    return GPTStage(cfg, role.first_layer, role.end_layer, tp)
+def apply_pp(cfg: GPTConfig, plan: Plan, role: RankRole, tp: TPContext) -> GPTStage:
+    """The pipeline step: this device builds only its stage's layers — one chunk, or V chunks
+    under the interleaved schedule — plus the embeddings / head where its chunks hold them."""
+    return GPTStage(cfg, role_chunks(plan, role), tp)
 
 
 def apply_tp(plan: Plan, role: RankRole, groups: Groups) -> TPContext:

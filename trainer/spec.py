@@ -47,8 +47,12 @@ class RunSpec(BaseModel):
     faults: list[Fault] = Field(default_factory=list)
     bus: BusSpec = Field(default_factory=BusSpec)
     telemetry: bool = True
-    save_dir: str | None = None
+    save_dir: str | None = Field(default=None, description="final checkpoint here; periodic ones in step-N/ below")
     resume_dir: str | None = None
+    checkpoint_every: int | None = Field(default=None, ge=1, description=(
+        "write a checkpoint to <save_dir>/step-<iteration> every K iterations: the fallback when no live "
+        "copy of some layer survives a failure"))
+    run_id: str = Field(default="", description="set by the launcher; periodic checkpoints of other runs are ignored")
     threads: int = Field(default=1, ge=1)
     pace_s_per_layer_token: float = Field(default=0.0, ge=0, description=(
         "emulate devices: pad each forward chunk to layers × (p·tokens + p/32·Σl²) seconds (backward: 2×), "

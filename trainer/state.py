@@ -1,4 +1,4 @@
-"""Training state in layout-free terms: moving it live between layouts, and checkpoints on disk.
+"""Training state in layout-free terms, moved live between layouts (disk: trainer/checkpoint.py).
 
 A rank's state is, per canonical parameter name, its shard of the parameter and of the optimizer
 moments (AdamW's ``exp_avg`` and ``exp_avg_sq``; the step count is the iteration, the same on
@@ -11,26 +11,21 @@ surviving replica is a complete source and no checkpoint is needed. A new owner 
 exactly the shard it needs (same unit, same TP degree and rank) keeps it and nothing moves. All
 participants walk one global list of (unit, receiver, sender) transfers with blocking send / recv,
 which cannot deadlock. What can fail: a sender dying mid-transfer (the receiver's recv raises after
-the process-group timeout; the reshape then fails and the caller falls back to a disk checkpoint);
-no replica fully alive for some unit (``NoLiveSource``: reload from disk instead).
-
-``save_checkpoint`` / ``load_checkpoint``: the fallback. Replica 0 of the plan gathers each unit to
-full size inside its TP groups and writes one file per unit; any layout loads them by cutting its
-shards. So a checkpoint goes from any layout to any layout.
+the process-group timeout and the reshape fails); no replica fully alive for some unit
+(``units_without_live_copy`` says so beforehand; the executor then loads a disk checkpoint instead,
+see trainer/checkpoint.py, and ``transfer_live`` itself raises ``NoLiveSource``).
 """
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from collector.plan import Plan
-from trainer.optim import AdamW
+from trainer.chunks import all_units, role_chunks, units_of_chunks
 from trainer.model import GPTConfig, GPTStage, full_shape, shard, shard_rule, unshard
-from trainer.parallel import Layout, all_units, gather_tp, owner_stage, units_of_stage
+from trainer.optim import AdamW
+from trainer.parallel import Layout, owner_stage
 
 STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")
 ShardState = dict[str, dict[str, torch.Tensor]]  # name -> kind -> shard
@@ -90,11 +85,13 @@ def _shard_shape(cfg: GPTConfig, name: str, tp: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _flatten(state: ShardState, names: list[str]) -> torch.Tensor:
+def flatten(state: ShardState, names: list[str]) -> torch.Tensor:
+    """One flat tensor of ``names``' shards, kind after kind (the wire and disk order)."""
     return torch.cat([state[n][k].reshape(-1) for n in names for k in STATE_KINDS])
 
 
-def _unflatten(cfg: GPTConfig, flat: torch.Tensor, names: list[str], tp: int) -> ShardState:
+def unflatten(cfg: GPTConfig, flat: torch.Tensor, names: list[str], tp: int) -> ShardState:
+    """Inverse of :func:`flatten` for shards cut at TP degree ``tp``."""
     out: ShardState = {}
     at = 0
     for n in names:
@@ -107,7 +104,8 @@ def _unflatten(cfg: GPTConfig, flat: torch.Tensor, names: list[str], tp: int) ->
     return out
 
 
-def _reassemble(cfg: GPTConfig, pieces: list[ShardState], names: list[str], tp_new: int, rank_new: int) -> ShardState:
+def reassemble(cfg: GPTConfig, pieces: list[ShardState], names: list[str], tp_new: int, rank_new: int) -> ShardState:
+    """Full tensors from one complete TP group's ``pieces`` (TP-rank order), cut for (tp_new, rank_new)."""
     out: ShardState = {}
     for n in names:
         rule = shard_rule(n)
@@ -122,29 +120,21 @@ def transfer_live(cfg: GPTConfig, old: Plan, new: Layout, me: int, mine: ShardSt
     member of ``new.world`` (the default process group), in any order of arrival.
     """
     alive = set(new.world)
-    old_roles, new_roles = old.roles, new.plan.roles
+    new_roles = new.plan.roles
     result: ShardState = {}
     for unit in all_units(cfg.n_layer):
         names = unit_names(cfg, unit)
-        source = None
-        for r in range(old.dp):
-            st = owner_stage(old, r, unit)
-            if set(st.devices) <= alive:
-                source = st
-                break
+        source = _live_source(old, unit, alive)
         for r in range(new.plan.dp):
             for dst in owner_stage(new.plan, r, unit).devices:
                 nr = new_roles[dst]
-                orole = old_roles.get(dst)
-                keeps = (orole is not None and dst in alive
-                         and unit in _units(old, orole) and (orole.tp_degree, orole.tp_rank) == (nr.tp_degree, nr.tp_rank))
-                if keeps:
+                if _keeps(old, new, unit, dst):
                     if dst == me:
                         result.update({n: mine[n] for n in names})
                     continue
                 if source is None:
                     raise NoLiveSource(f"no replica of plan epoch {old.epoch} has a live copy of {unit}; "
-                                       "reload it from a disk checkpoint (--checkpoint-dir)")
+                                       "reload it from a disk checkpoint (run with --save-dir and --checkpoint-every)")
                 if me != dst and me not in source.devices:
                     continue
                 pieces: list[ShardState] = []
@@ -152,66 +142,47 @@ def transfer_live(cfg: GPTConfig, old: Plan, new: Layout, me: int, mine: ShardSt
                     if src == me and dst == me:
                         pieces.append({n: mine[n] for n in names})
                     elif src == me:
-                        dist.send(_flatten(mine, names), dst=new.rank(dst))
+                        dist.send(flatten(mine, names), dst=new.rank(dst))
                     elif dst == me:
                         buf = torch.empty(sum(_shard_numel(cfg, n, source.tp) for n in names) * len(STATE_KINDS),
                                           dtype=cfg.torch_dtype)
                         dist.recv(buf, src=new.rank(src))
-                        pieces.append(_unflatten(cfg, buf, names, source.tp))
+                        pieces.append(unflatten(cfg, buf, names, source.tp))
                 if dst == me:
-                    result.update(_reassemble(cfg, pieces, names, nr.tp_degree, nr.tp_rank))
+                    result.update(reassemble(cfg, pieces, names, nr.tp_degree, nr.tp_rank))
     return result
 
 
+def _live_source(old: Plan, unit: str, alive: set[int]):
+    """The first old replica's owner stage of ``unit`` whose whole TP group is alive (or None)."""
+    for r in range(old.dp):
+        st = owner_stage(old, r, unit)
+        if set(st.devices) <= alive:
+            return st
+    return None
+
+
+def _keeps(old: Plan, new: Layout, unit: str, dst: int) -> bool:
+    """``dst`` already holds exactly the shard of ``unit`` it needs under ``new`` (nothing moves)."""
+    orole, nr = old.roles.get(dst), new.plan.roles[dst]
+    return (orole is not None and dst in new.world and unit in _units(old, orole)
+            and (orole.tp_degree, orole.tp_rank) == (nr.tp_degree, nr.tp_rank))
+
+
+def units_without_live_copy(old: Plan, new: Layout) -> list[str]:
+    """Units some new owner needs that no replica of ``old`` still holds on live devices: when this
+    is not empty, :func:`transfer_live` would raise ``NoLiveSource`` and the state must come from a
+    disk checkpoint instead. A pure function of the two plans and the world, so every rank agrees."""
+    alive = set(new.world)
+    missing = []
+    for unit in all_units(old.num_layers):
+        if _live_source(old, unit, alive) is not None:
+            continue
+        owners = [d for r in range(new.plan.dp) for d in owner_stage(new.plan, r, unit).devices]
+        if not all(_keeps(old, new, unit, d) for d in owners):
+            missing.append(unit)
+    return missing
+
+
 def _units(plan: Plan, role) -> list[str]:
-    return units_of_stage(plan.num_layers, role.first_layer, role.end_layer)
-
-
-# ---- disk checkpoints ---------------------------------------------------------------------------
-
-
-def save_checkpoint(directory: str | Path, layout: Layout, me: int, stage: GPTStage | None, opt, iteration: int,
-                    tp_devices: tuple[int, ...] | None) -> None:
-    """Replica 0 writes each unit at full size (one file per unit); every world member calls this."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    plan = layout.plan
-    role = plan.roles.get(me)
-    if stage is not None and role is not None and role.replica == plan.pipelines[0].replica:
-        state = export_state(stage, opt)
-        for unit in _units(plan, role):
-            names = unit_names(stage.cfg, unit)
-            flat = _flatten(state, names)
-            if role.tp_degree > 1:
-                flats = gather_tp(flat, stage.tp, tp_devices, layout)
-                pieces = [_unflatten(stage.cfg, f, names, role.tp_degree) for f in flats]
-            else:
-                pieces = [_unflatten(stage.cfg, flat, names, 1)]
-            if role.tp_rank == 0:
-                full = _reassemble(stage.cfg, pieces, names, 1, 0)
-                torch.save(full, directory / f"{unit}.pt.tmp")
-                (directory / f"{unit}.pt.tmp").replace(directory / f"{unit}.pt")
-    if layout.rank(me) == 0:
-        (directory / "meta.json").write_text(json.dumps({"iteration": iteration, "epoch": plan.epoch}))
-
-
-def load_checkpoint(directory: str | Path, cfg: GPTConfig, first_layer: int, end_layer: int, tp_degree: int,
-                    tp_rank: int) -> tuple[ShardState, int]:
-    """This rank's shards of a checkpoint written by any layout, and the iteration it was taken at."""
-    directory = Path(directory)
-    meta = json.loads((directory / "meta.json").read_text())
-    out: ShardState = {}
-    for unit in units_of_stage(cfg.n_layer, first_layer, end_layer):
-        full = torch.load(directory / f"{unit}.pt", weights_only=True)
-        for n, kinds in full.items():
-            out[n] = {k: shard(v.to(cfg.torch_dtype), shard_rule(n), tp_degree, tp_rank) for k, v in kinds.items()}
-    return out, int(meta["iteration"])
-
-
-def read_full_parameters(directory: str | Path) -> dict[str, torch.Tensor]:
-    """Every full parameter of a checkpoint (tests and tools)."""
-    out = {}
-    for f in sorted(Path(directory).glob("*.pt")):
-        for n, kinds in torch.load(f, weights_only=True).items():
-            out[n] = kinds["param"]
-    return out
+    return units_of_chunks(plan.num_layers, role_chunks(plan, role))

@@ -36,9 +36,9 @@ class IterationRecorder:
         return time.perf_counter() - self.t0
 
     def chunk(self, kind: ChunkKind, microbatch: int, tokens: int, seq_lens: list[int], start_s: float,
-              duration_s: float) -> None:
-        self.chunks.append(Chunk(kind=kind, microbatch=microbatch, tokens=tokens, seq_lens=list(seq_lens),
-                                 start_s=max(0.0, start_s), duration_s=max(0.0, duration_s)))
+              duration_s: float, virtual_stage: int = 0) -> None:
+        self.chunks.append(Chunk(kind=kind, microbatch=microbatch, virtual_stage=virtual_stage, tokens=tokens,
+                                 seq_lens=list(seq_lens), start_s=max(0.0, start_s), duration_s=max(0.0, duration_s)))
 
     @contextmanager
     def comm_wait(self, op: CommOp, peer: int | None = None, microbatch: int | None = None,

@@ -1,15 +1,17 @@
 """One rank process: build its part of the model for the current plan, train, reshape on command.
 
-The loop, per iteration: inject faults due now; run this rank's 1F1B schedule; reduce gradients
+The loop, per iteration: inject faults due now; run this rank's pipeline
+schedule (1F1B, interleaved or zero-bubble, as the plan names); reduce gradients
 across replicas; *commit* — one small all-reduce over the whole world that carries each replica's
-loss and the newest plan epoch any rank has seen in the store; only then step the optimizer. If
-anything in the iteration raises (a peer died: its neighbours at once, the rest at the collective
-timeout), no rank has stepped, gradients are dropped, and the executor recovers from the last
-committed state. After a commit that saw a newer epoch, every rank reshapes at this same boundary.
+loss and the number of the newest plan post any rank has seen in the store; only then step the
+optimizer. If anything in the iteration raises (a peer died: its neighbours at once, the rest at
+the collective timeout), no rank has stepped, gradients are dropped, and the executor recovers
+from the last committed state. After a commit that saw a newer post, every rank reshapes at this
+same boundary. With ``checkpoint_every`` K, every K committed iterations all ranks also write a
+periodic disk checkpoint (trainer/checkpoint.py), the fallback when no live copy survives.
 
-Store keys (the launcher hosts the TCPStore, so any rank may die): ``plan/E`` and ``world/E`` (the
-plan and the live devices of epoch E), ``control/epoch`` (the newest posted epoch), ``done/E/D`` and
-``failed/E/D`` (each rank's outcome of a reshape), ``progress`` (the last committed iteration).
+The store keys the launcher and the ranks share are in trainer/rendezvous.py (the launcher hosts
+the TCPStore, so any rank may die).
 """
 
 from __future__ import annotations
@@ -21,20 +23,24 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from collector.events import Coords, FaultCategory, FaultInjected, IterationSummary, Location, RankIteration
-from collector.plan import Plan, RankRole
+from collector.plan import RankRole
+from trainer.chunks import role_chunks
 from trainer.data import global_targets, microbatch, replica_microbatch_ids
 from trainer.faults import FaultInjector
 from trainer.model import GPTStage, init_stage
 from trainer.optim import AdamW
 from trainer.parallel import GradReducer, Groups, Layout, apply_dp, apply_pp, apply_tp, build_groups
-from trainer.schedule import OneFOneB
+from trainer.schedule import PipelineSchedule
 from trainer.spec import RunSpec
-from trainer.state import import_state, load_checkpoint, make_optimizer, save_checkpoint
+from trainer.checkpoint import load_checkpoint, periodic_dir, prune_periodic, save_checkpoint
+from trainer.rendezvous import PROGRESS, Post, await_arrivals, newest_post, pg_prefix, read_post
+from trainer.state import import_state, make_optimizer
 from trainer.telemetry import IterationRecorder, TelemetryPublisher
 
 log = logging.getLogger("resihp.trainer")
@@ -51,7 +57,7 @@ class Role:
     stage: GPTStage | None = None
     opt: AdamW | None = None
     reducer: GradReducer | None = None
-    schedule: OneFOneB | None = None
+    schedule: PipelineSchedule | None = None
 
 
 class Trainer:
@@ -63,6 +69,7 @@ class Trainer:
         self.iteration = 0
         self.faults = FaultInjector(spec.faults, device)
         self.current: Role | None = None
+        self.post = -1  # the number of the post (trainer/rendezvous.py) whose plan this rank runs
         self.telemetry = (TelemetryPublisher(spec.bus.open, spec.job, device, spec.heartbeat_s)
                           if spec.telemetry else None)
 
@@ -71,18 +78,21 @@ class Trainer:
     def epoch(self) -> int:
         return self.current.layout.plan.epoch if self.current else -1
 
-    def join_world(self, epoch: int) -> Layout | None:
-        """Re-create the default process group for ``epoch`` (None: this device is not in it)."""
-        plan = Plan.model_validate_json(self.store.get(f"plan/{epoch}"))
-        world = tuple(json.loads(self.store.get(f"world/{epoch}")))
-        if self.device not in world:
+    def join_world(self, post: Post) -> Layout | None:
+        """Re-create the default process group for ``post`` (None: this device is not in its world).
+
+        Leaves the old group first — that also wakes any peer still blocked on a receive from this
+        rank — then waits until every device of the world arrived (``PostAborted`` if the launcher
+        gives up on the post because one of them died) before the c10d rendezvous."""
+        if self.device not in post.world:
             return None
         if dist.is_initialized():
             dist.destroy_process_group()
-        prefixed = dist.PrefixStore(f"pg/{epoch}/", self.store)
-        dist.init_process_group("gloo", store=prefixed, rank=world.index(self.device), world_size=len(world),
+        await_arrivals(self.store, post.number, post.world, self.device, self.spec.rendezvous_timeout_s)
+        prefixed = dist.PrefixStore(pg_prefix(post.number), self.store)
+        dist.init_process_group("gloo", store=prefixed, rank=post.world.index(self.device), world_size=len(post.world),
                                 timeout=timedelta(seconds=self.spec.rendezvous_timeout_s))
-        return Layout(plan, world)
+        return Layout(post.plan, post.world)
 
     def build(self, layout: Layout, state=None) -> Role:
         """The TP, PP and DP steps for this device under ``layout``; loads ``state`` if given."""
@@ -94,21 +104,21 @@ class Trainer:
             return role
         rr = layout.plan.role_of(self.device)
         tp = apply_tp(layout.plan, rr, groups)
-        stage = apply_pp(self.cfg, rr, tp)
+        stage = apply_pp(self.cfg, layout.plan, rr, tp)
         init_stage(stage, self.spec.seed)
         opt = make_optimizer(stage, self.spec.lr, self.spec.weight_decay, self.iteration)
         if state is not None:
             import_state(stage, opt, state, self.iteration)
-        pipe = next(p for p in layout.plan.pipelines if p.replica == rr.replica)
         role.role, role.stage, role.opt = rr, stage, opt
         role.reducer = apply_dp(stage, layout, rr, groups)
-        role.schedule = OneFOneB(stage, pipe, rr, layout, self.faults, self.spec.pace_s_per_layer_token)
+        role.schedule = PipelineSchedule.for_plan(stage, layout, rr, self.faults, self.spec.pace_s_per_layer_token,
+                                                  group=train_group)
         return role
 
     # ---- one iteration ---------------------------------------------------------------------------
 
     def train_step(self) -> tuple[float, int, float]:
-        """Run, reduce, commit, step. Returns (global loss, newest epoch seen by any rank, wall s)."""
+        """Run, reduce, commit, step. Returns (global loss, newest post seen by any rank, wall s)."""
         cur = self.current
         plan = cur.layout.plan
         rec = IterationRecorder()
@@ -126,7 +136,7 @@ class Trainer:
             cur.reducer.reduce()
             if cur.stage.is_last:
                 commit[plan.pipelines.index(next(p for p in plan.pipelines if p.replica == cur.role.replica))] = loss
-        commit[-1] = float(int(self.store.get("control/epoch")))
+        commit[-1] = float(newest_post(self.store))
         dist.all_reduce(commit, op=dist.ReduceOp.MAX, group=cur.train_group)
         if cur.opt is not None:
             cur.opt.step()
@@ -150,7 +160,7 @@ class Trainer:
                     epoch=plan.epoch, iteration=self.iteration, loss=loss,
                     tokens=plan.global_microbatches * self.cfg.block_size, wall_s=wall_s))
             for f in self.faults.started(self.iteration):
-                if f.kind != "kill":
+                if f.kind in ("slow_compute", "slow_send"):
                     self.telemetry.publish(FaultInjected(
                         fault_id=f"{self.spec.job}/{f.kind}/{f.rank}/{f.start_iteration}",
                         category=FaultCategory.FAIL_SLOW,
@@ -158,21 +168,33 @@ class Trainer:
                                           factor=f.factor),
                         start_iteration=f.start_iteration, end_iteration=f.end_iteration))
         if cur.layout.rank(self.device) == 0:
-            self.store.set("progress", json.dumps({"iteration": self.iteration, "epoch": plan.epoch, "loss": loss}))
+            self.store.set(PROGRESS, json.dumps({"iteration": self.iteration, "epoch": plan.epoch, "loss": loss}))
 
     def drop_gradients(self) -> None:
         if self.current and self.current.stage is not None:
             for p in self.current.stage.parameters():
                 p.grad = None
 
-    def save(self, directory: str) -> None:
+    def save(self, directory: str | Path) -> None:
+        """Every world member: write a complete checkpoint of the committed state to ``directory``."""
         cur = self.current
         tp_devices = None
         if cur.role is not None:
             pipe = next(p for p in cur.layout.plan.pipelines if p.replica == cur.role.replica)
             tp_devices = pipe.stages[cur.role.stage].devices
-        save_checkpoint(directory, cur.layout, self.device, cur.stage, cur.opt, self.iteration, tp_devices)
-        dist.barrier(group=cur.train_group)
+        save_checkpoint(directory, cur.layout, self.device, cur.stage, cur.opt, self.iteration, tp_devices,
+                        barrier=lambda: dist.barrier(group=cur.train_group), run_id=self.spec.run_id)
+
+    def checkpoint_due(self) -> bool:
+        every = self.spec.checkpoint_every
+        return bool(every and self.spec.save_dir and self.iteration % every == 0
+                    and self.iteration < self.spec.iterations)
+
+    def save_periodic(self) -> None:
+        """The periodic checkpoint (``checkpoint_every``); world rank 0 prunes the older ones."""
+        self.save(periodic_dir(self.spec.save_dir, self.iteration))
+        if self.current.layout.rank(self.device) == 0:
+            prune_periodic(self.spec.save_dir, self.spec.run_id)
 
 
 def _t(what: str) -> None:
@@ -190,18 +212,19 @@ def run_rank(spec: RunSpec, device: int) -> int:
     trainer = Trainer(spec, device, store)
     executor = Executor(trainer)
     try:
-        epoch = int(store.get("control/epoch"))
-        layout = trainer.join_world(epoch)
+        post = read_post(store, newest_post(store))
+        layout = trainer.join_world(post)
         if layout is None:
             return 0
+        trainer.post = post.number
         state = None
         if spec.resume_dir:
             rr = layout.plan.roles.get(device)
             if rr is not None:
-                state, trainer.iteration = load_checkpoint(spec.resume_dir, trainer.cfg, rr.first_layer, rr.end_layer,
+                state, trainer.iteration = load_checkpoint(spec.resume_dir, trainer.cfg, role_chunks(layout.plan, rr),
                                                            rr.tp_degree, rr.tp_rank)
             else:
-                trainer.iteration = json.loads(open(os.path.join(spec.resume_dir, "meta.json")).read())["iteration"]
+                trainer.iteration = json.loads((Path(spec.resume_dir) / "meta.json").read_text())["iteration"]
         _t("joined")
         trainer.current = trainer.build(layout, state)
         _t("built")
@@ -215,7 +238,13 @@ def run_rank(spec: RunSpec, device: int) -> int:
                 continue
             trainer.iteration += 1
             executor.note_iteration(wall_s)
-            if newest > trainer.epoch() and trainer.iteration < spec.iterations:
+            if trainer.checkpoint_due():
+                try:
+                    trainer.save_periodic()
+                except (RuntimeError, dist.DistError) as exc:  # a peer died while saving: the step stands
+                    executor.recover(exc)
+                    continue
+            if newest > trainer.post and trainer.iteration < spec.iterations:
                 executor.reshape(newest)
         _t("trained")
         if spec.save_dir:

@@ -20,6 +20,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per replica (uniform layout)")
+    p.add_argument("--schedule", choices=["1f1b", "interleaved", "zero_bubble"], default="1f1b",
+                   help="pipeline schedule (uniform layout; a --plan names its own)")
+    p.add_argument("--virtual-stages", type=int, default=1,
+                   help="model chunks per stage for --schedule interleaved (micro-batches must be a multiple of --pp)")
     p.add_argument("--ranks", type=int, default=None, help="processes to start (default: the plan's devices)")
     p.add_argument("--iterations", type=int, default=20)
     p.add_argument("--model", default="tiny", help="preset: tiny, small, gpt2, gpt2-medium")
@@ -30,12 +34,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--job", default="resihp", help="job name on the bus (commands for other jobs are ignored)")
     p.add_argument("--faults", default=None, help="fault list YAML (see docs/trainer.md)")
     p.add_argument("--on-death", choices=["wait", "drop-replica"], default="wait",
-                   help="after a rank dies: wait for a command, or drop its replica right away")
+                   help="after a rank dies: wait for a command, or drop its replica right away (spares take "
+                        "the dead devices' places when no replica would survive)")
     p.add_argument("--commands-from", choices=["end", "beginning"], default="end",
                    help="read control-topic commands published from now on, or the whole log")
     p.add_argument("--pg-timeout", type=float, default=30.0, help="collective timeout, seconds")
     p.add_argument("--save-dir", default=None, help="write a layout-free checkpoint here at the end")
     p.add_argument("--resume-dir", default=None, help="start from a checkpoint written by any layout")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
+                   help="also write a checkpoint to <save-dir>/step-<iteration> every K iterations: the fallback "
+                        "when a failure leaves no live copy of some layer (needs --save-dir)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--no-telemetry", action="store_true")
     p.set_defaults(func=run)
@@ -60,14 +68,19 @@ def run(args: argparse.Namespace) -> int:
         plan = Plan.model_validate_json(Path(args.plan).read_text())
     else:
         plan = Plan.uniform(tp=args.tp, pp=args.pp, dp=args.dp, num_layers=cfg.n_layer,
-                            microbatches_per_replica=args.microbatches)
+                            microbatches_per_replica=args.microbatches, schedule=args.schedule,
+                            virtual_stages=args.virtual_stages)
     ranks = args.ranks or max(plan.devices) + 1
+    if args.checkpoint_every and not args.save_dir:
+        raise SystemExit("--checkpoint-every needs --save-dir DIR (where the periodic checkpoints go)")
     spec = RunSpec(
         job=args.job, model=asdict(cfg), seed=args.seed, iterations=args.iterations, lr=args.lr,
         pg_timeout_s=args.pg_timeout, faults=FaultList.load(args.faults).faults if args.faults else [],
         bus=BusSpec(backend=args.bus, path=args.bus_path, bootstrap=args.bootstrap),
-        telemetry=not args.no_telemetry, save_dir=args.save_dir, resume_dir=args.resume_dir, threads=args.threads)
-    print(f"job {args.job}: {plan.shape()} on {ranks} ranks, {cfg.n_layer} layers, {args.iterations} iterations")
+        telemetry=not args.no_telemetry, save_dir=args.save_dir, resume_dir=args.resume_dir, threads=args.threads,
+        checkpoint_every=args.checkpoint_every)
+    print(f"job {args.job}: {plan.shape()} {plan.schedule} on {ranks} ranks, {cfg.n_layer} layers, "
+          f"{args.iterations} iterations")
     result = launch(spec, plan, ranks, on_death=args.on_death, commands_from=args.commands_from, echo=print)
     print(f"final plan epoch {result.final_plan.epoch}: {result.final_plan.shape()}; exit codes {result.exit_codes}")
     return 0 if all(c == 0 for d, c in result.exit_codes.items() if d not in result.dead) and \
