@@ -27,6 +27,7 @@ DETECT_STOP_S = 20.0
 DETECT_SLOW_S = 30.0
 RESHAPE_PAUSE_S = 20.0
 HORIZON_S = 1800.0
+SPREAD_ITERATIONS = 300  # healthy iterations the spread is calibrated on (~90 s; the first fault comes at 5 min)
 
 
 class _Models:
@@ -37,20 +38,21 @@ class _Models:
         self._fitted: dict[int, object] = {}
 
     def exact(self, config):  # type: ignore[no-untyped-def]
-        from bench._recover_models import exact_model
+        from resihp.planning_models import exact_model
 
         key = config.cluster.gpus
         if key not in self._exact:
-            cv = self.fitted(config).makespan_cv  # the oracle knows the spread as well as anyone
-            self._exact[key] = exact_model(config.model, config.cluster, config.workload, cv)
+            fitted = self.fitted(config)  # the oracle knows the spread as well as anyone
+            self._exact[key] = exact_model(config.model, config.cluster, config.workload, fitted.makespan_cv,
+                                           fitted.makespan_sd_s)
         return self._exact[key]
 
     def fitted(self, config):  # type: ignore[no-untyped-def]
-        from bench._recover_models import fitted_model
+        from resihp.planning_models import fitted_model
 
         key = config.cluster.gpus
         if key not in self._fitted:
-            self._fitted[key] = fitted_model(config)
+            self._fitted[key] = fitted_model(config, spread_iterations=SPREAD_ITERATIONS)
         return self._fitted[key]
 
 
@@ -109,7 +111,7 @@ def _faults(name: str, gpus: int, duration_s: float):  # type: ignore[no-untyped
 def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run:
     from collector.events import IterationSummary, ReconfigureCommand
     from collector.plan import Plan
-    from bench._recover_models import hardware_of
+    from resihp.planning_models import hardware_of
     from remediation.baselines import ElasticRestart, PlannerStrategy, make_strategy
     from remediation.cluster import ClusterState, DeviceState
     from remediation.horizon import HorizonEstimator

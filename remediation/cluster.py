@@ -153,13 +153,22 @@ class ClusterState:
     def with_location(self, location: Location, category: FaultCategory | str = FaultCategory.FAIL_SLOW) -> ClusterState:
         """Apply one detector ``Location``. A fail-stop (or a factor ≥ DEAD_FACTOR) kills the
         device(s); a link fault slows both ends' communication; a node fault hits all its devices.
-        A location that names nothing usable raises, naming the missing field."""
+
+        A compute location that names only a TP group (``rank`` unset, ``tp_group`` set: the
+        detector's call for a lock-step group before a probe names the member) marks every
+        member slow (or dead) by the factor. The group runs at its slowest member's speed, so the
+        stage costs what it really costs; the planner cannot exclude a member it does not know,
+        so it plans around the whole group (fewer layers or micro-batches, or without the stage).
+
+        Raises :class:`Unlocatable` when the location names no device (a link with neither
+        ``link`` nor ``rank``, a compute location with neither ``rank`` nor ``tp_group``, a node
+        location without ``node``) and ValueError for a device outside the cluster."""
         dead = FaultCategory(category) == FaultCategory.FAIL_STOP or location.factor >= DEAD_FACTOR
         f = location.factor
         out = self
         if location.target == "node":
             if location.node is None:
-                raise ValueError("a node location needs its node id; the detector must fill Location.node")
+                raise Unlocatable("a node location needs its node id; the detector must fill Location.node")
             per = self.hardware.devices_per_node
             for d in range(location.node * per, min((location.node + 1) * per, self.num_devices)):
                 out = out.with_device(d, DeviceState(compute_factor=f, dead=dead))
@@ -169,14 +178,34 @@ class ClusterState:
             else:
                 ends = list(location.link) if location.link else ([location.rank] if location.rank is not None else [])
                 if not ends:
-                    raise ValueError("a link location needs Location.link (a, b) or Location.rank")
+                    raise Unlocatable("a link location names neither its ends (Location.link) nor a rank's NIC "
+                                      "(Location.rank); wait for a probe to confirm where it is")
                 for d in ends:  # one end named: its NIC is slow
                     out = out.with_device(d, DeviceState(link_factor=f, dead=dead))
-        else:
-            if location.rank is None:
-                raise ValueError("a compute location needs Location.rank")
+        elif location.rank is not None:
             out = out.with_device(location.rank, DeviceState(compute_factor=f, dead=dead))
+        elif location.tp_group:
+            for d in location.tp_group:
+                out = out.with_device(d, DeviceState(compute_factor=f, dead=dead))
+        else:
+            raise Unlocatable("a compute location needs Location.rank (or at least Location.tp_group)")
         return out
+
+
+class Unlocatable(ValueError):
+    """A detector location that names no device: nothing can be planned around it yet."""
+
+
+def precision(location: Location) -> str:
+    """How exactly ``location`` names its devices: "device" (a rank, a link's ends, a node),
+    "group" (a compute fault on a TP group, member unknown) or "none" (nothing usable)."""
+    if location.target == "node":
+        return "device" if location.node is not None else "none"
+    if location.target == "link":
+        return "device" if location.link or location.rank is not None else "none"
+    if location.rank is not None:
+        return "device"
+    return "group" if location.tp_group else "none"
 
 
 _HEALTHY = DeviceState()
@@ -186,12 +215,22 @@ def cluster_from_incidents(
     num_devices: int,
     incidents: Iterable[tuple[FaultCategory | str, Iterable[Location]]],
     hardware: Hardware | None = None,
+    skipped: list[tuple[Location, str]] | None = None,
 ) -> ClusterState:
-    """The cluster implied by the open incidents: (category, locations) per incident."""
+    """The cluster implied by the open incidents: (category, locations) per incident.
+
+    A location that cannot be applied (names no device, or a device outside the cluster) raises
+    — unless ``skipped`` is given, where it is appended with the reason and left out, so one bad
+    location does not stop planning around the others."""
     cluster = ClusterState(num_devices, hardware or Hardware())
     for category, locations in incidents:
         for loc in locations:
-            cluster = cluster.with_location(loc, category)
+            try:
+                cluster = cluster.with_location(loc, category)
+            except ValueError as exc:
+                if skipped is None:
+                    raise
+                skipped.append((loc, str(exc)))
     return cluster
 
 

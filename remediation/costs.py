@@ -214,26 +214,32 @@ def _normal_cdf(z: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.sign(z) * erf)
 
 
-def expected_slowest_s(spans: Iterable[tuple[float, int]], cv: float, grid_points: int = 400) -> float:
+def expected_slowest_s(spans: Iterable[tuple[float, int]], cv: float, grid_points: int = 400,
+                       sd_s: float = 0.0) -> float:
     """Expected time of the slowest of the pipelines, whose makespans vary iteration to iteration
-    around their means with relative spread ``cv`` (the micro-batch mix, noise), independently.
-    ``spans``: (mean makespan, how many pipelines have it). E[max] = lo + ∫ (1 − Π Φ(·)^count) dt
-    over a grid, with normal spreads. With cv = 0 it is the plain maximum.
+    around their means, independently. ``spans``: (mean makespan, how many pipelines have it).
+    A pipeline of mean m has spread σ = √((cv·m)² + sd_s²): ``cv`` the part that scales with
+    its length, ``sd_s`` (seconds) the part that does not. E[max] = lo + ∫ (1 − Π Φ(·)^count) dt
+    over a grid, with normal spreads. With no spread it is the plain maximum.
 
     Why it matters: with many replicas the iteration already waits for the unluckiest one, so a
-    replica slightly slower on average costs less than its mean says, and fixing it gains less."""
+    replica slightly slower on average costs less than its mean says, and fixing it gains less.
+    The absolute part is there for figures that know it (a measured per-pipeline spread);
+    ``cost_figures.calibrate_spread`` fits the relative one, which also stands in for the mean's
+    bias that grows with the pipeline's length (see docs/remediation.md)."""
     items = [(m, c) for m, c in spans if c > 0 and m > 0]
     if not items:
         return 0.0
     top = max(m for m, _ in items)
-    if cv <= 0:
+    if cv <= 0 and sd_s <= 0:
         return top
     means = np.array([m for m, _ in items])
     counts = np.array([c for _, c in items], dtype=float)
-    lo = float(means.min() * max(0.0, 1 - 8 * cv))
-    hi = float(top * (1 + 8 * cv))
+    sigmas = np.sqrt((cv * means) ** 2 + sd_s**2)
+    lo = float(max(0.0, (means - 8 * sigmas).min()))
+    hi = float((means + 8 * sigmas).max())
     t = np.linspace(lo, hi, grid_points)
-    z = (t[:, None] - means[None, :]) / (cv * means[None, :])
+    z = (t[:, None] - means[None, :]) / sigmas[None, :]
     log_f = (np.log(np.clip(_normal_cdf(z), 1e-300, 1.0)) * counts[None, :]).sum(axis=1)
     survival = 1.0 - np.exp(log_f)
     return lo + float(np.trapezoid(survival, t))

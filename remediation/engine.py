@@ -27,7 +27,8 @@ from dataclasses import dataclass, field, replace
 from collector import topics
 from collector.bus import Bus, TopicPartition
 from collector.events import (
-    Envelope, EventFactory, IterationPrediction, IterationSummary, PlanProposed, PlanRolledBack,
+    Envelope, EventFactory, FaultCategory, IterationPrediction, IterationSummary, Location, PlanProposed,
+    PlanRolledBack,
 )
 from collector.plan import Plan
 from collector.stream import EventStream
@@ -40,7 +41,8 @@ from remediation.lifecycle import (
     LifecycleState, PlanStatus, Verification, initial_state, reaction_id, reactions, step,
 )
 from remediation.model import ModelSpec
-from remediation.planner import Planner, PlanRefused
+from remediation.planner import Planner, PlanRefused, predict_tokens_per_s
+from remediation.planning_view import PlanningView, planning_view
 
 log = logging.getLogger("resihp.remediation")
 
@@ -57,6 +59,7 @@ class EngineConfig:
     group: str = "remediation"
     strategy: str = "ours"  # rebuilt with fresh cost figures when fits arrive (unless a Strategy is given)
     mean_document_tokens: float = 1024.0  # for Σlᵢ² when only fits are known (see cost_figures)
+    localisation_wait_s: float = 30.0  # how long a TP-group-level fail-slow waits to be narrowed to a rank
 
 
 class RemediationEngine:
@@ -77,8 +80,12 @@ class RemediationEngine:
         self.initial_plan = initial_plan
         self.state: LifecycleState = initial_state(config.job, initial_plan)
         self.factory = EventFactory(config.job, "remediation")
-        self._planned_version = 0
-        self.refusals: list[str] = []
+        self._planned_key: tuple = (0, ())
+        self._expected_fraction: dict[str, float | None] = {}  # resume plans: predicted / before the fail-stop
+        self._clock_s = float("-inf")  # the newest event time read: the engine's clock (replays the same)
+        self.refusals: list[str] = []  # why something could not be planned, in order (also logged)
+        self._reported: set[str] = set()
+        self.waiting: dict[str, str] = {}  # incident id -> why the planner leaves it out for now
         wanted = [topics.ANALYTICS, topics.CONTROL] + ([topics.TELEMETRY] if config.verify_from_telemetry else [])
         self.stream = EventStream(bus, config.group, wanted, on_assign=self._from_start, job=config.job)
 
@@ -92,6 +99,7 @@ class RemediationEngine:
         """Read what is new, fold it, react; returns how many events were read."""
         deliveries = self.stream.poll(timeout_s=timeout_s)
         for d in deliveries:
+            self._clock_s = max(self._clock_s, d.event.time_s)
             version = self.state.incident_version
             if self.config.verify_from_telemetry or not isinstance(d.event.payload, IterationSummary):
                 step(self.state, d.event)
@@ -130,10 +138,16 @@ class RemediationEngine:
         return self.factory.make(payload, event_id=reaction_id(self.config.job, key))
 
     def _react(self) -> list[Envelope]:
-        out = [self._make(key, payload) for key, payload in reactions(self.state, self.config.verification)]
+        out = [self._make(key, payload)
+               for key, payload in reactions(self.state, self.config.verification, self._expected_fraction)]
         for e in out:
             if isinstance(e.payload, PlanRolledBack):
-                rollback = self._rollback_proposal(e.payload.plan_id)
+                try:
+                    rollback = self._rollback_proposal(e.payload.plan_id)
+                except Exception as exc:  # noqa: BLE001 - a failed roll-back plan must not stop the engine
+                    log.exception("remediation job=%s: no roll-back proposal for %s", self.config.job, e.payload.plan_id)
+                    self._refuse(f"no roll-back proposal for {e.payload.plan_id}: {exc!r}")
+                    rollback = None
                 if rollback is not None:
                     out.append(rollback)
         proposal = self._maybe_plan()
@@ -141,40 +155,85 @@ class RemediationEngine:
             out.append(proposal)
         return [e for e in out if e.id not in self.state.seen]
 
-    def cluster(self) -> ClusterState:
-        """The cluster implied by the open incidents."""
+    def num_devices(self) -> int:
         n = self.config.num_devices
         if n is None:
             plan = self.state.running_plan
             per = self.config.hardware.devices_per_node
             n = -(-(max(plan.devices) + 1) // per) * per if plan is not None else 0
-        return cluster_from_incidents(
-            n,
-            [(i.category, i.locations) for i in self.state.open_incidents()],
-            self.config.hardware,
-        )
+        return n
+
+    def view(self) -> PlanningView:
+        """Which open incidents can be planned around now (remediation.planning_view)."""
+        return planning_view(self.state.open_incidents(), self._clock_s, self.config.localisation_wait_s)
+
+    def cluster(self, view: PlanningView | None = None) -> ClusterState:
+        """The cluster implied by the open incidents the planner can locate; locations it cannot
+        apply (a device outside the cluster) are reported and left out."""
+        view = view or self.view()
+        skipped: list[tuple[Location, str]] = []
+        cluster = cluster_from_incidents(self.num_devices(), view.incidents, self.config.hardware, skipped)
+        for loc, reason in skipped:
+            self._refuse(f"location {loc.model_dump(exclude_defaults=True)} left out: {reason}")
+        return cluster
+
+    def _refuse(self, reason: str, key: str | None = None) -> None:
+        """Report why something is not planned: logged and kept in ``refusals`` (once per key)."""
+        key = key or reason
+        if key in self._reported:
+            return
+        self._reported.add(key)
+        self.refusals.append(reason)
+        log.warning("remediation job=%s epoch=%s: %s", self.config.job, self.state.running_epoch, reason)
 
     def _maybe_plan(self) -> Envelope | None:
+        """Plan when what the planner knows changed; never raises: an error is reported and the
+        engine plans again on the next change."""
         s = self.state
-        if s.incident_version == self._planned_version or s.plan_in_flight() is not None or s.running_plan is None:
-            return None
-        self._planned_version = s.incident_version
-        strategy = self._current_strategy()
-        if strategy is None:
-            self.refusals.append("no cost figures yet: no analytics.cost_model fits and no --model")
-            log.warning("cannot plan job=%s: no analytics.cost_model fits yet and no fallback model", s.job)
+        if s.plan_in_flight() is not None or s.running_plan is None:
             return None
         try:
-            result = strategy.plan(self.cluster(), s.running_plan)
+            view = self.view()
+        except Exception as exc:  # noqa: BLE001 - an incident must never stop the engine
+            log.exception("remediation job=%s: cannot read the open incidents", s.job)
+            self._refuse(f"cannot read the open incidents: {exc!r}")
+            return None
+        key = (s.incident_version, view.key)
+        if key == self._planned_key:
+            return None
+        self._planned_key = key
+        self.waiting = {w.incident_id: w.reason for w in view.waiting}
+        for w in view.waiting:
+            self._refuse(w.reason, key=f"wait/{w.incident_id}/{s.incident_version}/{w.reason}")
+        for incident_id in view.grouped:
+            self._refuse(f"incident {incident_id}: planning around its whole TP group (the member is not named)",
+                         key=f"group/{incident_id}/{s.incident_version}")
+        try:
+            return self._propose(view)
+        except Exception as exc:  # noqa: BLE001 - an incident must never stop the engine
+            log.exception("remediation job=%s epoch=%s: planning failed", s.job, s.running_epoch)
+            self._refuse(f"planning failed for incidents {[i.incident_id for i in s.open_incidents()]}: {exc!r}",
+                         key=f"error/{key}")
+            return None
+
+    def _propose(self, view: PlanningView) -> Envelope | None:
+        s = self.state
+        strategy = self._current_strategy()
+        if strategy is None:
+            self._refuse("no cost figures yet: no analytics.cost_model fits and no --model", key="no-figures")
+            return None
+        try:
+            result = strategy.plan(self.cluster(view), s.running_plan)
         except PlanRefused as exc:
-            self.refusals.append(exc.reason)
-            log.warning("plan refused job=%s epoch=%s: %s", s.job, s.running_epoch, exc.reason)
+            self._refuse(f"plan refused: {exc.reason}", key=f"refused/{s.running_epoch}/{s.incident_version}")
             return None
         horizon_s = getattr(strategy, "options", self.config.options).horizon_s
         gain = result.horizon_tokens / max(1e-9, result.current_tokens_per_s * horizon_s) - 1
         if not result.changed or (result.current_tokens_per_s > 0 and gain < self.config.min_gain_fraction):
             return None
-        plan_id = f"p{s.running_epoch}-{s.incident_version}"
+        plan_id = f"p{s.running_epoch}-{s.incident_version}" + (f"-g{len(view.grouped)}" if view.grouped else "")
+        if result.current_tokens_per_s <= 0:
+            self._expected_fraction[plan_id] = self._fraction_of_before(result, view)
         payload = PlanProposed(
             plan_id=plan_id, incident_ids=[i.incident_id for i in s.open_incidents()],
             strategy=result.strategy, base_epoch=s.running_epoch, plan=result.plan,
@@ -182,6 +241,18 @@ class RemediationEngine:
             reshape_cost_s=result.reshape_cost_s, diff=result.diff, severity=s.max_severity(),
         )
         return self._make(f"proposal/{plan_id}", payload)
+
+    def _fraction_of_before(self, result, view: PlanningView) -> float | None:  # type: ignore[no-untyped-def]
+        """For a plan that resumes a job hung on a dead device: its predicted throughput over the
+        prediction for the old layout with the dead devices alive again (what ran before the
+        fail-stop), so verification can compare with what was measured then."""
+        model = self.model
+        if model is None or self.state.running_plan is None:
+            return None
+        alive = [(c, locs) for c, locs in view.incidents if FaultCategory(c) != FaultCategory.FAIL_STOP]
+        before = cluster_from_incidents(self.num_devices(), alive, self.config.hardware, [])
+        reference = predict_tokens_per_s(before, model, self.state.running_plan)
+        return result.predicted_tokens_per_s / reference if reference > 0 else None
 
     def _current_strategy(self) -> Strategy | None:
         """The strategy over the freshest cost figures: fits of the latest epoch the trainer
@@ -237,7 +308,9 @@ class RemediationEngine:
         rid = f"{plan_id}-rollback"
         payload = PlanProposed(
             plan_id=rid, incident_ids=list(record.proposal.incident_ids), strategy="rollback",
-            base_epoch=self.state.running_epoch, plan=back, current_tokens_per_s=0.0,
+            base_epoch=self.state.running_epoch, plan=back,
+            # what the planner predicted for the layout that runs now: verification compares ratios
+            current_tokens_per_s=record.proposal.predicted_tokens_per_s,
             predicted_tokens_per_s=record.proposal.current_tokens_per_s, reshape_cost_s=record.proposal.reshape_cost_s,
             diff=[f"roll back to the layout of epoch {previous.epoch}"], severity=record.proposal.severity,
         )

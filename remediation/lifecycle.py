@@ -27,6 +27,7 @@ from collector.events import (
     PlanCurrent, PlanRolledBack, PlanVerified, PolicyChanged, PolicyMode, ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
+from remediation.verification import Verification, verdict
 
 _NAMESPACE = uuid.UUID("3b0d7c52-8f7e-4d3a-9c61-5a2e7f1b9d04")
 
@@ -56,6 +57,7 @@ class IncidentRecord:
     summary: str
     opened_iteration: int
     status: str = "open"  # open | confirmed | resolved
+    opened_at_s: float = 0.0  # the opening event's time (the analytics consumer stamps the telemetry's)
 
 
 @dataclass
@@ -104,6 +106,7 @@ class LifecycleState:
     seen: set[str] = field(default_factory=set)
     announced: dict[int, PlanCurrent] = field(default_factory=dict)  # epoch -> the trainer's plan.current
     cost_fits: dict[int, CostModelFitted] = field(default_factory=dict)  # epoch -> latest analytics.cost_model
+    epoch_samples: dict[int, dict[int, tuple[int, float]]] = field(default_factory=dict)  # epoch -> it -> (tokens, s)
 
     def open_incidents(self) -> list[IncidentRecord]:
         return [i for i in self.incidents.values() if i.status != "resolved"]
@@ -157,7 +160,7 @@ def _incident_opened(state: LifecycleState, e: Envelope, p: IncidentOpened) -> N
         _report(state, e, f"incident {p.incident_id} opened twice; kept the first")
         return
     state.incidents[p.incident_id] = IncidentRecord(p.incident_id, p.category, p.severity, list(p.locations),
-                                                    p.summary, p.iteration)
+                                                    p.summary, p.iteration, opened_at_s=e.time_s)
     state.incident_version += 1
 
 
@@ -271,8 +274,17 @@ def _ack(state: LifecycleState, e: Envelope, p: CommandAck) -> None:
             record.verdict = f"trainer runs epoch {p.running_epoch}; command was stale"
 
 
+SAMPLES_KEPT_PER_EPOCH = 256  # the newest iterations of each epoch, the "before" of a plan's verification
+
+
 def _sample(state: LifecycleState, epoch: int, iteration: int, tokens: int, wall_s: float) -> None:
-    if epoch != state.running_epoch or wall_s <= 0:
+    if wall_s <= 0:
+        return
+    kept = state.epoch_samples.setdefault(epoch, {})
+    kept.setdefault(iteration, (tokens, wall_s))
+    if len(kept) > SAMPLES_KEPT_PER_EPOCH:
+        del kept[min(kept)]
+    if epoch != state.running_epoch:
         return
     for record in state.plans.values():
         if record.status == PlanStatus.APPLIED and record.epoch == epoch:
@@ -340,15 +352,11 @@ def reaction_id(job: str, what: str) -> str:
     return uuid.uuid5(_NAMESPACE, f"{job}/{what}").hex
 
 
-@dataclass(frozen=True)
-class Verification:
-    iterations: int = 5  # samples needed after the warm-up
-    warmup_iterations: int = 1  # iterations right after a reshape that are not counted
-    tolerance: float = 0.15  # measured may fall this far below the prediction and still verify
-
-
-def reactions(state: LifecycleState, verification: Verification = Verification()) -> list[tuple[str, Payload]]:
-    """(event id key, payload) the engine should publish now."""
+def reactions(state: LifecycleState, verification: Verification = Verification(),
+              expected_fractions: dict[str, float | None] | None = None) -> list[tuple[str, Payload]]:
+    """(event id key, payload) the engine should publish now. ``expected_fractions``: per plan
+    that resumes a hung job, the engine's predicted fraction of the throughput before the
+    fail-stop (see :func:`verdict`)."""
     out: list[tuple[str, Payload]] = []
     for record in state.plans.values():
         prop = record.proposal
@@ -361,19 +369,16 @@ def reactions(state: LifecycleState, verification: Verification = Verification()
             out.append((f"command/{record.plan_id}", ReconfigureCommand(
                 command_id=f"cmd-{record.plan_id}", plan_id=record.plan_id, plan=prop.plan)))
         elif record.status == PlanStatus.APPLIED:
-            usable = sorted(record.samples)[verification.warmup_iterations:]
-            if len(usable) < verification.iterations:
+            judged = verdict(state, record, verification, (expected_fractions or {}).get(record.plan_id))
+            if judged is None:
                 continue
-            tokens = sum(record.samples[i][0] for i in usable)
-            wall_s = sum(record.samples[i][1] for i in usable)
-            measured = tokens / wall_s
+            ok, measured, why = judged
             predicted = prop.predicted_tokens_per_s
-            if measured >= (1 - verification.tolerance) * predicted:
+            if ok:
                 out.append((f"verified/{record.plan_id}", PlanVerified(
                     plan_id=record.plan_id, measured_tokens_per_s=measured, predicted_tokens_per_s=predicted)))
             else:
                 out.append((f"rolled_back/{record.plan_id}", PlanRolledBack(
                     plan_id=record.plan_id, measured_tokens_per_s=measured, predicted_tokens_per_s=predicted,
-                    reason=f"measured {measured:,.0f} tokens/s is {1 - measured / predicted:.0%} below the predicted "
-                           f"{predicted:,.0f} (tolerance {verification.tolerance:.0%})")))
+                    reason=f"below the predicted change: {why}")))
     return out

@@ -19,7 +19,7 @@ per-layer time (tests, demos).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,9 +39,12 @@ class ModelSpec:
     layer_state_bytes: weights + gradients + optimizer state of one layer (all TP shards together).
     grad_bytes_per_layer: what the DP all-reduce moves per layer (all TP shards together).
     backward_factor: backward compute / forward compute (2 for a transformer).
-    makespan_cv: relative spread of one pipeline's iteration from iteration to iteration (the
-        micro-batch mix, noise); the iteration waits for the slowest replica, so this sets how much
-        the many healthy replicas already lose to bad luck (remediation.costs.expected_slowest_s).
+    makespan_cv: relative spread of one pipeline's iteration from iteration to iteration, the
+        part that scales with the pipeline's length; the iteration waits for the slowest replica,
+        so the spread sets how much the many healthy replicas already lose to bad luck
+        (remediation.costs.expected_slowest_s).
+    makespan_sd_s: the part of that spread that does not scale with the length (seconds): the
+        micro-batch mix at fill and drain, stalls. What ``cost_figures.calibrate_spread`` fits.
     """
 
     num_layers: int
@@ -57,6 +60,7 @@ class ModelSpec:
     grad_bytes_per_layer: float | None = None
     backward_factor: float = 2.0
     makespan_cv: float = 0.0
+    makespan_sd_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -68,6 +72,8 @@ class ModelSpec:
         if min(self.linear_s_per_token, self.attn_s_per_sq_token, self.overhead_s, self.head_s_per_token,
                self.tp_bytes_per_token, self.activation_bytes_per_token) < 0:
             raise ValueError("cost figures must be ≥ 0")
+        if self.makespan_cv < 0 or self.makespan_sd_s < 0:
+            raise ValueError("makespan spreads (makespan_cv, makespan_sd_s) must be ≥ 0")
 
     @property
     def grad_bytes(self) -> float:
@@ -122,6 +128,13 @@ class ModelSpecFile(BaseModel):
     activation_bytes_per_token: float | None = Field(default=None, ge=0)
     grad_bytes_per_layer: float | None = Field(default=None, ge=0)
     backward_factor: float = Field(default=2.0, gt=0)
+    makespan_cv: float = Field(default=0.0, ge=0)
+    makespan_sd_s: float = Field(default=0.0, ge=0)
+
+    @classmethod
+    def of(cls, spec: ModelSpec) -> ModelSpecFile:
+        """The file form of ``spec`` (cost-model form); ``ModelSpecFile.of(s).spec() == s``."""
+        return cls(**{f.name: getattr(spec, f.name) for f in fields(ModelSpec)})
 
     def spec(self) -> ModelSpec:
         if self.linear_s_per_token is None:
@@ -139,4 +152,5 @@ class ModelSpecFile(BaseModel):
             overhead_s=self.overhead_s, head_s_per_token=self.head_s_per_token,
             tp_bytes_per_token=self.tp_bytes_per_token, activation_bytes_per_token=act,
             grad_bytes_per_layer=self.grad_bytes_per_layer, backward_factor=self.backward_factor,
+            makespan_cv=self.makespan_cv, makespan_sd_s=self.makespan_sd_s,
         )

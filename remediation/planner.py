@@ -347,7 +347,7 @@ class Planner:
                 spans[span] = spans.get(span, 0) + 1
         live = [c for _, c, m in chosen if m > 0]
         dp_s = max((c.dp_s for c in live), default=0.0) if len(live) > 1 else 0.0
-        return expected_slowest_s(spans.items(), self.model.makespan_cv) + dp_s
+        return expected_slowest_s(spans.items(), self.model.makespan_cv, sd_s=self.model.makespan_sd_s) + dp_s
 
     def _result(self, chosen: list[tuple[PipelinePlan, PipelineCandidate, int]], current: Plan, current_tps: float,
                 scorer: PipelineScorer, cluster: ClusterState) -> PlanResult:
@@ -444,7 +444,8 @@ def predict_tokens_per_s(
                 seen[key] = (s, d)
         spans[s] = spans.get(s, 0) + 1
         dp_s = max(dp_s, d)
-    iteration_s = expected_slowest_s(spans.items(), model.makespan_cv) + (dp_s if plan.dp > 1 else 0.0)
+    iteration_s = (expected_slowest_s(spans.items(), model.makespan_cv, sd_s=model.makespan_sd_s)
+                   + (dp_s if plan.dp > 1 else 0.0))
     return plan.global_microbatches * model.tokens_per_microbatch / iteration_s
 
 

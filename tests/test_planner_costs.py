@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from bench._recover_models import exact_model, fitted_model, hardware_of
+from resihp.planning_models import exact_model, fitted_model, hardware_of
 from collector.plan import PipelinePlan, Plan, StagePlan
 from remediation.baselines import make_strategy
 from remediation.cluster import ClusterState, DeviceState
@@ -75,11 +75,11 @@ def test_cost_figures_fitted_from_telemetry_match_the_truth() -> None:
     assert fitted.head_s_per_token == pytest.approx(exact.head_s_per_token, rel=0.25)
     assert fitted.tp_bytes_per_token == exact.tp_bytes_per_token
     assert fitted.backward_factor == pytest.approx(2.0, rel=0.05)
-    assert 0.0 < fitted.makespan_cv < 0.5  # calibrated on the warm-up's observed iterations
+    assert fitted.makespan_sd_s == 0.0 and 0.0 < fitted.makespan_cv < 0.5  # calibrated on the warm-up
     hw = hardware_of(CLUSTER)
     slow = ClusterState(64, hw).with_device(51, DeviceState(compute_factor=3.0))
     for cluster in (ClusterState(64, hw), slow):
-        assert predict_tokens_per_s(cluster, replace(fitted, makespan_cv=0.0), PLAN) == pytest.approx(
+        assert predict_tokens_per_s(cluster, replace(fitted, makespan_cv=0.0, makespan_sd_s=0.0), PLAN) == pytest.approx(
             predict_tokens_per_s(cluster, exact, PLAN), rel=0.05)
 
 
@@ -103,6 +103,8 @@ def test_spread_of_replicas_discounts_a_slightly_slow_one() -> None:
     assert expected_slowest_s([(1.0, 32)], 0.0) == 1.0
     assert expected_slowest_s([(1.0, 1)], 0.1) == pytest.approx(1.0, abs=1e-3)
     assert expected_slowest_s([(1.0, 2)], 0.1) == pytest.approx(1 + 0.1 / np.sqrt(np.pi), abs=1e-3)  # E[max of 2]
+    # an absolute spread is the same for a long pipeline and a short one
+    assert expected_slowest_s([(2.0, 2)], 0.0, sd_s=0.1) == pytest.approx(2 + 0.1 / np.sqrt(np.pi), abs=1e-3)
     healthy = expected_slowest_s([(1.0, 32)], 0.1)
     slightly = expected_slowest_s([(1.0, 31), (1.05, 1)], 0.1)
     assert healthy < slightly < healthy + 0.05  # a 5 % slower replica costs less than 5 %

@@ -172,3 +172,31 @@ def test_diff_groups_unchanged_replicas_and_reports_drop():
     assert "replicas 1–7: 16 → 18 micro-batches" in lines
     assert any(line.startswith("replica 0: dropped") for line in lines)
     assert ranges([16, 17, 18, 19, 22]) == "16–19, 22"
+
+
+def test_model_file_round_trips_every_model_spec_field():
+    from dataclasses import fields
+
+    from remediation.model import ModelSpecFile
+
+    spec = ModelSpec(num_layers=12, layer_state_bytes=3 * 2**30, tokens_per_microbatch=3295.5,
+                     linear_s_per_token=1e-7, attn_s_per_sq_token=2e-11, sum_sq_per_microbatch=4e6, overhead_s=4e-5,
+                     head_s_per_token=3e-8, tp_bytes_per_token=16384.0, activation_bytes_per_token=8192.0,
+                     grad_bytes_per_layer=4e8, backward_factor=2.1, makespan_cv=0.05, makespan_sd_s=0.02)
+    assert {f.name for f in fields(ModelSpec)} <= set(ModelSpecFile.model_fields)
+    text = ModelSpecFile.of(spec).model_dump_json()
+    assert ModelSpecFile.model_validate_json(text).spec() == spec
+
+
+def test_remediation_imports_neither_trainer_nor_bench():
+    import subprocess
+    import sys
+
+    code = ("import pkgutil, importlib, sys, remediation\n"
+            "for m in pkgutil.iter_modules(remediation.__path__): importlib.import_module('remediation.' + m.name)\n"
+            "print(sorted({n.split('.')[0] for n in sys.modules} & {'trainer', 'bench', 'ui'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    from resihp.planning_models import exact_model  # the simulator → ModelSpec bridge lives here now
+
+    assert exact_model.__module__ == "resihp.planning_models"

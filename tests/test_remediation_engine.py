@@ -73,7 +73,7 @@ def test_incident_to_verified_plan_over_the_embedded_bus(tmp_path: Path, capsys)
 
 def test_engine_plans_from_plan_current_and_published_cost_fits(tmp_path: Path) -> None:
     """No --plan, no --model: the trainer's plan.current and analytics' cost fits are enough."""
-    from bench._recover_models import warmup_fits
+    from resihp.planning_models import warmup_fits
     from collector.events import CostModelFitted
     from trainer.sim.engine import SimConfig
     from trainer.sim.presets import MODEL_PRESETS, ClusterSpec

@@ -142,3 +142,50 @@ def test_other_jobs_events_are_ignored():
     other = EventFactory("other", "x").make(PlanDecision(plan_id="p1", approve=True, actor="cli:eve"))
     s = step(fold([proposed()], state0()), other)
     assert s.plans["p1"].status == PlanStatus.PROPOSED
+
+
+# ---- verification on measured change ----------------------------------------------------------
+
+
+def _opened_at(iteration: int):
+    return F.make(IncidentOpened(incident_id="i1", category=FaultCategory.FAIL_SLOW, severity=Severity.HIGH,
+                                 iteration=iteration, locations=[Location(target="compute", rank=1, factor=2.0)],
+                                 evidence=Evidence(), summary="rank 1 slow"))
+
+
+def _summaries(epoch: int, first: int, count: int, tokens: int):
+    return [F.make(IterationSummary(epoch=epoch, iteration=i, tokens=tokens, wall_s=1.0))
+            for i in range(first, first + count)]
+
+
+def _applied(current: float, predicted: float, before_tokens: int):
+    """Healthy at 200 tokens/s until iteration 10, then the fault: ``before_tokens`` a second."""
+    prop = F.make(PlanProposed(plan_id="p1", incident_ids=["i1"], strategy="ours", base_epoch=0, plan=PLAN1,
+                               current_tokens_per_s=current, predicted_tokens_per_s=predicted, reshape_cost_s=3.0,
+                               diff=[], severity=Severity.HIGH))
+    return fold(_summaries(0, 0, 10, 200) + [_opened_at(10)] + _summaries(0, 10, 8, before_tokens)
+                + [prop, decision(), command(), ack()], state0())
+
+
+def test_a_mis_scaled_model_does_not_roll_back_a_plan_that_gained_as_predicted():
+    # The model is 10× off in scale (a uniform guess): it predicts 1,000 → 1,500 tokens/s; the job
+    # measured 100 before and 150 after, the predicted ×1.5 exactly.
+    s = _applied(current=1_000.0, predicted=1_500.0, before_tokens=100)
+    s = fold(_summaries(1, 20, 6, 150), s)
+    (key, verdict), = reactions(s)
+    assert key == "verified/p1" and verdict.measured_tokens_per_s == 150.0
+
+
+def test_a_plan_that_gained_less_than_predicted_rolls_back_whatever_the_scale():
+    s = _applied(current=100.0, predicted=150.0, before_tokens=100)
+    s = fold(_summaries(1, 20, 6, 110), s)  # ×1.1 against ×1.5
+    (key, verdict), = reactions(s)
+    assert key == "rolled_back/p1" and "×1.100" in verdict.reason and "×1.500" in verdict.reason
+
+
+def test_a_resumed_job_is_judged_against_what_ran_before_the_fail_stop():
+    s = _applied(current=0.0, predicted=9_999.0, before_tokens=0)  # the old layout hung: nothing measured
+    s = fold(_summaries(1, 20, 6, 150), s)  # 150 of the 200 before the fault
+    assert reactions(s, expected_fractions={"p1": 0.8})[0][0] == "verified/p1"  # 0.75 ≥ 0.85 · 0.8
+    assert reactions(s, expected_fractions={"p1": 0.95})[0][0] == "rolled_back/p1"
+    assert reactions(s)[0][0] == "verified/p1"  # no reference: it trains again

@@ -10,6 +10,11 @@ every reshape); --plan FILE (a collector.plan.Plan as JSON) or --tp/--pp/--dp/--
 uniform layout) give it until one arrives. The cost figures come from the analytics consumer's
 ``analytics.cost_model`` fits of the running stages; --model FILE gives them until fits arrive
 (and without either, the engine waits: it does not plan blind).
+
+Incidents the detector has not located to a device yet are reported and wait: a fail-slow named
+only by its TP group waits --localisation-wait-s for the rank, then is planned around as a whole
+group; a link fault with no ends waits for a confirmation. An error while planning one incident
+is logged and the engine keeps running.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "arrive; default with a --plan/--tp layout: a uniform model")
     p.add_argument("--mean-document-tokens", type=float, default=1024.0,
                    help="mean packed document length, for the attention term when planning from fits (default 1024)")
+    p.add_argument("--localisation-wait-s", type=float, default=30.0,
+                   help="how long (event time) a fail-slow located only to a TP group waits for the rank to be named "
+                   "before the planner plans around the whole group (default 30)")
     p.add_argument("--devices", type=int, default=None,
                    help="devices in the cluster (default: the running plan's highest id + 1, whole nodes)")
     p.add_argument("--devices-per-node", type=int, default=8, help="devices per node (default 8)")
@@ -86,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         hardware=Hardware(devices_per_node=args.devices_per_node),
         options=PlannerOptions(horizon_s=args.horizon_s), group=args.group,
         verify_from_telemetry=args.verify_from_telemetry, strategy=args.strategy,
-        mean_document_tokens=args.mean_document_tokens,
+        mean_document_tokens=args.mean_document_tokens, localisation_wait_s=args.localisation_wait_s,
     )
     with bus_from_args(args) as bus:
         engine = RemediationEngine(bus, config, model, plan)

@@ -130,7 +130,7 @@ def planner_model(story: DemoStory) -> dict:
     only through incidents). The engine replaces them with the analytics consumer's fitted cost
     model as soon as ``analytics.cost_model`` events arrive.
     """
-    from bench._recover_models import exact_model
+    from resihp.planning_models import exact_model
     from remediation.model import ModelSpecFile
     from trainer.sim.scenario import Scenario
 

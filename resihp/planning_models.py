@@ -1,5 +1,8 @@
-"""The planner's inputs for ``bench recover``: the exact cost figures (the oracle's) and the ones a
-running job would publish (ours and the baselines').
+"""The planner's cost figures for a simulated job: the exact ones (the simulator's truth) and the
+ones a running job would publish. The composition root's bridge between the simulator (trainer)
+and the planner (remediation): remediation must not import trainer, and bench/ is not a library,
+so whoever needs "a ModelSpec for this simulator config" imports it from here (``resihp bench
+recover``, the demo, tests).
 
 * ``exact_model``: the simulator's own per-layer coefficients (trainer/sim/cost.py) and the
   workload's true means of N and Σlᵢ² — the oracle knows everything.
@@ -8,6 +11,10 @@ running job would publish (ours and the baselines').
   and chunk kind, wrapped as the ``analytics.cost_model`` event's ``CostFit`` lines; the
   simulator's own ``plan.current`` announcement gives the plan and model facts; and
   ``remediation.cost_figures.model_from_fits`` turns them into the planner's ModelSpec.
+* ``hardware_of``: the planner's Hardware for a simulator ClusterSpec.
+
+What can go wrong: ``fitted_model`` runs a short simulation (seconds at 1,024 GPUs); a
+simulator that publishes no ``plan.current`` raises RuntimeError.
 """
 
 from __future__ import annotations
@@ -39,8 +46,10 @@ def workload_means(workload, samples: int = 4096) -> tuple[float, float]:  # typ
     return float(packed.tokens.mean()), float(packed.sum_sq.mean())
 
 
-def exact_model(sim_model, cluster_spec, workload, makespan_cv: float = 0.0) -> ModelSpec:  # type: ignore[no-untyped-def]
-    """The simulator's truth in the planner's terms (trainer/sim/cost.py, term by term)."""
+def exact_model(sim_model, cluster_spec, workload, makespan_cv: float = 0.0,  # type: ignore[no-untyped-def]
+                makespan_sd_s: float = 0.0) -> ModelSpec:
+    """The simulator's truth in the planner's terms (trainer/sim/cost.py, term by term); the
+    spread is not in the simulator's cost terms, so the caller passes it (e.g. a calibrated one)."""
     n, s2 = workload_means(workload)
     h, bpv, flops = sim_model.hidden, sim_model.bytes_per_value, cluster_spec.effective_flops
     return ModelSpec(
@@ -49,21 +58,31 @@ def exact_model(sim_model, cluster_spec, workload, makespan_cv: float = 0.0) -> 
         overhead_s=cluster_spec.layer_overhead_s, head_s_per_token=2 * h * sim_model.vocab / flops,
         tp_bytes_per_token=2 * h * bpv, activation_bytes_per_token=h * bpv,
         grad_bytes_per_layer=sim_model.params_per_layer * bpv, backward_factor=2.0, makespan_cv=makespan_cv,
+        makespan_sd_s=makespan_sd_s,
     )
 
 
-def fitted_model(config, iterations: int = 24) -> ModelSpec:  # type: ignore[no-untyped-def]
+def fitted_model(config, iterations: int = 24, spread_iterations: int = 0) -> ModelSpec:  # type: ignore[no-untyped-def]
     """Fit the cost model on a healthy warm-up of ``config``'s job, as the analytics consumer would,
-    and build the planner's figures from the fits and the job's ``plan.current``."""
-    fits, current, tokens, sum_sq, observed_s = warmup_fits(config, iterations)
+    and build the planner's figures from the fits and the job's ``plan.current``.
+
+    ``iterations`` of telemetry feed the fits; the replicas' spread is calibrated on the mean
+    observed iteration of max(iterations, ``spread_iterations``) healthy iterations — what the
+    engine has by the time a fault comes (it sums every healthy ``analytics.prediction`` of the
+    epoch). Rare stalls are a large part of that spread, so a few dozen iterations give a noisy
+    figure."""
+    fits, current, tokens, sum_sq, observed_s = warmup_fits(config, iterations, spread_iterations)
     hardware = hardware_of(config.cluster)
     model = model_from_fits(fits, current, hardware, tokens_per_microbatch=tokens, sum_sq_per_microbatch=sum_sq)
     return calibrate_spread(model, config.plan, ClusterState(config.cluster.gpus, hardware), observed_s)
 
 
-def warmup_fits(config, iterations: int = 24) -> tuple[list[CostFit], PlanCurrent, float, float, float]:  # type: ignore[no-untyped-def]
+def warmup_fits(config, iterations: int = 24, spread_iterations: int = 0  # type: ignore[no-untyped-def]
+                ) -> tuple[list[CostFit], PlanCurrent, float, float, float]:
     """(CostFit per stage and kind, the job's plan.current, mean tokens and Σlᵢ² per micro-batch,
-    mean observed iteration time) from a healthy warm-up of ``config``'s job."""
+    mean observed iteration time) from a healthy warm-up of ``config``'s job; the mean iteration
+    is over max(iterations, spread_iterations) iterations (the ones past ``iterations`` are run
+    without building events)."""
     from analytics.cost_model import fit_class
     from trainer.sim.engine import SimEngine
 
@@ -88,6 +107,8 @@ def warmup_fits(config, iterations: int = 24) -> tuple[list[CostFit], PlanCurren
             if p.coords.pp == 0 and str(c.kind) == "F":
                 tokens.append(c.tokens)
                 sum_sq.append(s2)
+    if spread_iterations > iterations:
+        walls.extend(engine.iteration_durations(spread_iterations - iterations).tolist())
     if current is None:
         raise RuntimeError("the simulator published no plan.current; this benchmark needs it")
     fits = []

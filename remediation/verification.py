@@ -1,0 +1,86 @@
+"""Whether an applied plan did what it promised: the verification rule of the lifecycle.
+
+Judged on the *measured change* against the *predicted change*, both relative to the layout that
+ran before, so a cost model that is mis-scaled — a uniform guess before the analytics consumer's
+fits arrive, hardware faster or slower than assumed — neither fails a good plan nor passes a bad
+one. Pure: a function of the fold (remediation.lifecycle) and, for a plan that resumed a hung job,
+one number the engine computes from its model. See :func:`verdict` for the rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from remediation.lifecycle import LifecycleState, PlanRecord
+
+
+@dataclass(frozen=True)
+class Verification:
+    """How an applied plan is judged (see :func:`verdict`)."""
+
+    iterations: int = 5  # samples needed after the warm-up
+    warmup_iterations: int = 1  # iterations right after a reshape that are not counted
+    tolerance: float = 0.15  # the measured gain may fall this far short of the predicted one and still verify
+
+
+def _rate(samples: dict[int, tuple[int, float]], iterations: list[int]) -> float:
+    wall_s = sum(samples[i][1] for i in iterations)
+    return sum(samples[i][0] for i in iterations) / wall_s if wall_s > 0 else 0.0
+
+
+def verdict(state: LifecycleState, record: PlanRecord, verification: Verification = Verification(),
+            expected_fraction: float | None = None) -> tuple[bool, float, str] | None:
+    """(verified?, measured tokens/s, why) for an applied plan, or None while samples are missing.
+
+    The rule judges the *measured change* against the *predicted change*, both relative, so a cost
+    model that is mis-scaled (a uniform guess before analytics fits arrive, a GPU faster than
+    assumed) cannot fail a good plan or pass a bad one:
+
+    1. The old layout was running under the faults the plan answers (its predicted tokens/s > 0
+       and the base epoch has samples since the newest of the plan's incidents opened): verified
+       when after / before ≥ (1 − tolerance) · predicted / current, "before" being the mean of the
+       base epoch's last ``iterations`` samples since then.
+    2. The old layout was hung on a dead device (predicted 0): the reference is what the base
+       epoch measured before the fail-stop; with ``expected_fraction`` (the engine's prediction of
+       the new plan over the old layout before the fault) verified when after / before ≥
+       (1 − tolerance) · expected_fraction; without it, verified once the job trains again (a
+       hung layout cannot be rolled back to anyway).
+    3. Nothing was measured on the base epoch: the absolute rule, measured ≥ (1 − tolerance) ·
+       predicted tokens/s (trusts the model's scale; only when nothing better exists).
+    """
+    usable = sorted(record.samples)[verification.warmup_iterations:]
+    if len(usable) < verification.iterations:
+        return None
+    after = _rate(record.samples, usable)
+    prop = record.proposal
+    tol = verification.tolerance
+    base = state.epoch_samples.get(prop.base_epoch, {})
+    opened = [state.incidents[i].opened_iteration for i in prop.incident_ids if i in state.incidents]
+    since = max(opened) if opened else None
+    ordered = sorted(base)
+    faulted = [i for i in ordered if since is None or i >= since][-verification.iterations:]
+    healthy = [i for i in ordered if since is not None and i < since][-verification.iterations:]
+    if prop.current_tokens_per_s > 0 and faulted:
+        before = _rate(base, faulted)
+        expected = prop.predicted_tokens_per_s / prop.current_tokens_per_s
+        achieved = after / before if before > 0 else float("inf")
+        ok = achieved >= (1 - tol) * expected
+        why = (f"measured ×{achieved:.3f} ({before:,.0f} → {after:,.0f} tokens/s) against the predicted "
+               f"×{expected:.3f} (tolerance {tol:.0%})")
+    elif prop.current_tokens_per_s <= 0 and healthy and expected_fraction is not None:
+        before = _rate(base, healthy)
+        achieved = after / before if before > 0 else float("inf")
+        ok = achieved >= (1 - tol) * expected_fraction
+        why = (f"measured {achieved:.3f} of the {before:,.0f} tokens/s before the fail-stop against the predicted "
+               f"{expected_fraction:.3f} (tolerance {tol:.0%})")
+    elif prop.current_tokens_per_s <= 0:
+        ok = after > 0
+        why = f"training resumed at {after:,.0f} tokens/s (no measured reference to check the predicted change on)"
+    else:
+        predicted = prop.predicted_tokens_per_s
+        ok = after >= (1 - tol) * predicted
+        why = (f"measured {after:,.0f} tokens/s against the predicted {predicted:,.0f} (tolerance {tol:.0%}; nothing "
+               "measured on the old layout to compare with)")
+    return ok, after, why
