@@ -128,3 +128,19 @@ def test_block_size_does_not_change_the_numbers() -> None:
     a = _engine("1f1b", 4, 8, noise=SimConfig.model_fields["noise"].default, seed=5)
     b = SimEngine(a.config.model_copy(update={"block_iterations": 3}))
     assert np.array_equal(a.iteration_durations(10), b.iteration_durations(10))
+
+
+def test_the_dp_allreduce_waits_for_the_largest_shard_of_any_replica():
+    from collector.plan import PipelinePlan
+    from trainer.sim.cost import dp_allreduce_s
+    from trainer.sim.presets import MODEL_PRESETS, ClusterSpec
+
+    model, cluster = MODEL_PRESETS["7b"], ClusterSpec(gpus=64)
+    even = Plan.uniform(tp=8, pp=4, dp=2, num_layers=model.layers, microbatches_per_replica=8)
+    # replica 1's first stage shrinks to TP 4: its devices hold twice the gradient bytes
+    shrunk_stage = even.pipelines[1].stages[0].model_copy(update={"devices": even.pipelines[1].stages[0].devices[:4]})
+    shrunk = even.model_copy(update={"pipelines": (
+        even.pipelines[0],
+        PipelinePlan(replica=1, microbatches=8, stages=(shrunk_stage, *even.pipelines[1].stages[1:])),
+    )})
+    assert dp_allreduce_s(model, cluster, shrunk) > 1.9 * dp_allreduce_s(model, cluster, even)

@@ -77,15 +77,14 @@ def stage_coefficients(model: ModelSpec, cluster: ClusterSpec, plan: Plan, repli
 
 
 def dp_allreduce_s(model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> float:
-    """The gradient all-reduce after the slowest replica: the largest stage's ring over replicas."""
+    """The gradient all-reduce after the slowest replica: a ring over replicas, as long as the
+    largest per-device gradient shard of any replica (replicas may differ in TP degree and layer
+    split; the device holding the most bytes finishes last)."""
     if plan.dp <= 1:
         return 0.0
-    pipe = plan.pipelines[0]
-    worst = 0.0
-    for st in pipe.stages:
-        grad_bytes = st.num_layers * model.params_per_layer / st.tp * model.bytes_per_value
-        worst = max(worst, ring_allreduce_s(grad_bytes, plan.dp, cluster.inter_node_gbps, cluster.link_latency_s))
-    return worst
+    grad_bytes = max(st.num_layers * model.params_per_layer / st.tp * model.bytes_per_value
+                     for pipe in plan.pipelines for st in pipe.stages)
+    return ring_allreduce_s(grad_bytes, plan.dp, cluster.inter_node_gbps, cluster.link_latency_s)
 
 
 def healthy_chunk_s(model: ModelSpec, cluster: ClusterSpec, plan: Plan, tokens: float, sum_sq: float) -> dict[str, float]:
