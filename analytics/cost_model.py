@@ -31,6 +31,7 @@ import numpy as np
 
 HUBER_C = 1.345  # in robust standard deviations: 95% efficiency under Gaussian noise
 IRLS_ROUNDS = 4
+MAX_FIT_ROWS = 768  # a class's window beyond this is thinned evenly (large jobs: 3 numbers need few rows)
 
 
 @dataclass
@@ -84,6 +85,9 @@ class CostModel:
                 n = np.concatenate([x[1] for x in w.iterations])
                 s2 = np.concatenate([x[2] for x in w.iterations])
                 d = np.concatenate([x[3] for x in w.iterations])
+                if len(d) > MAX_FIT_ROWS:
+                    keep = np.linspace(0, len(d) - 1, MAX_FIT_ROWS).astype(np.int64)
+                    n, s2, d = n[keep], s2[keep], d[keep]
                 self.fits[key] = fit_class(n, s2, d)
                 w.dirty = False
 
@@ -94,6 +98,18 @@ class CostModel:
             return np.full(len(tokens), np.nan)
         s2 = np.nan_to_num(np.asarray(sum_sq_len, float), nan=0.0) if fit.has_seq_lens else 0.0
         return fit.alpha * np.asarray(tokens, float) + fit.beta * s2 + fit.gamma
+
+    def predict_classes(self, keys: list[Hashable], c_class: np.ndarray, tokens: np.ndarray,
+                        sum_sq_len: np.ndarray) -> np.ndarray:
+        """``predict`` for many classes at once: chunk i is of class ``keys[c_class[i]]``."""
+        coef = np.full((len(keys), 4), np.nan)  # alpha, beta, gamma, uses Σl²
+        for i, key in enumerate(keys):
+            fit = self.fits.get(key)
+            if fit is not None:
+                coef[i] = (fit.alpha, fit.beta, fit.gamma, 1.0 if fit.has_seq_lens else 0.0)
+        c = coef[c_class]
+        s2 = np.nan_to_num(np.asarray(sum_sq_len, float), nan=0.0)
+        return c[:, 0] * np.asarray(tokens, float) + c[:, 1] * s2 * c[:, 3] + c[:, 2]
 
     def error(self) -> float:
         """The model's recent relative error over all classes (median of the class errors)."""

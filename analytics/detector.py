@@ -1,8 +1,9 @@
 """The workload-aware detector: telemetry in, incidents and health out.
 
 It folds the event stream. Rank reports are grouped per (epoch, iteration) into a frame
-(analytics/frame.py) once every expected rank has reported or reports from ``flush_lag_iterations``
-later have arrived. Each frame is scored against the cost model (analytics/scoring.py); a CUSUM
+(analytics/frame.py) once the iteration is complete: every rank of the running plan reported it, or
+its own stream moved past it, or it is dead (analytics/arrival.py; judged on each rank's own stream,
+never on the order in which streams arrive). Each frame is scored against the cost model (analytics/scoring.py); a CUSUM
 per rank and per link (analytics/detector_config.py explains the statistic) raises fail-slow
 incidents, which the IncidentBook (analytics/incidents.py) carries through opened → confirmed →
 updated → resolved. Heartbeats and telemetry gaps feed the fail-stop watch (analytics/fail_stop.py).
@@ -20,13 +21,15 @@ import numpy as np
 
 from analytics.cost_model import CostModel
 from analytics.detector_config import DetectorConfig
+from analytics.arrival import FrameAssembler
+from analytics.cost_publish import CostPublisher
 from analytics.fail_stop import FailStopWatch
-from analytics.frame import IterationFrame, build_frame
+from analytics.frame import IterationFrame, LayerLookup, build_frame
 from analytics.incidents import IncidentBook, Suspect
 from analytics.prediction import predicted_iteration_s
 from analytics.scoring import FrameScore, score_frame
 from collector.events import (
-    Envelope, Heartbeat, IterationPrediction, Payload, ProbeResult, RankHealth, RankHealthEntry,
+    Envelope, Heartbeat, IterationPrediction, Payload, PlanCurrent, ProbeResult, RankHealth, RankHealthEntry,
     RankIteration, RankState, ReconfigureCommand,
 )
 
@@ -60,12 +63,11 @@ class Detector:
         self.model = CostModel(self.config.window_iterations)
         self.book = IncidentBook(self.job, self.config)
         self.fail_stop = FailStopWatch(self.config)
+        self.arrival = FrameAssembler(self.config)
+        self.costs = CostPublisher(self.config)
         self.stats = DetectorStats()
         self.epoch = -1
-        self.schedule: tuple[str, int] | None = None
-        self._pending: dict[tuple[int, int], list[RankIteration]] = {}
-        self._done: tuple[int, int] = (-1, -1)
-        self._expected: set[int] = set()
+        self._layers: dict[int, LayerLookup] = {}
         self._cusum = np.zeros(_GROW)
         self._zhist: deque[np.ndarray] = deque(maxlen=self.config.window_iterations)
         self._link_cusum: dict[tuple[int, int], float] = {}
@@ -86,48 +88,63 @@ class Detector:
         if isinstance(p, RankIteration):
             return self._on_report(p, event.time_s)
         if isinstance(p, Heartbeat):
-            return self.book.fail_stop(self.fail_stop.heartbeat(p, event.time_s), self._latest_iteration())
+            dead_before = len(self.fail_stop.dead)
+            self.arrival.heard(p.epoch, p.rank)
+            out = self.book.fail_stop(self.fail_stop.heartbeat(p, event.time_s))
+            check = len(self.fail_stop.dead) != dead_before or not self.arrival.oldest_has(p.rank)
+            return out + self._flush_ready(check)
         if isinstance(p, ProbeResult):
             return self.book.probe_result(p)
-        if isinstance(p, ReconfigureCommand):
-            self.schedule = (p.plan.schedule, p.plan.virtual_stages)
+        if isinstance(p, (PlanCurrent, ReconfigureCommand)):
+            self.arrival.add_plan(p.plan)
+            self.fail_stop.plan_announced(p.plan.epoch, set(p.plan.roles))
+            return self._flush_ready(True)
         return []
 
     def flush(self) -> list[Payload]:
         """Score every iteration still waiting (end of a trace)."""
         out: list[Payload] = []
-        for key in sorted(self._pending):
+        for key in self.arrival.all_keys():
             out += self._process(key)
         return out
 
-    def _latest_iteration(self) -> int:
-        return max(self._done[1], 0)
-
     def _on_report(self, p: RankIteration, time_s: float) -> list[Payload]:
-        key = (p.epoch, p.iteration)
-        if key <= self._done:
+        top_before = self.fail_stop.top_iteration(p.epoch)
+        dead_before = len(self.fail_stop.dead)
+        out = self.book.fail_stop(self.fail_stop.telemetry(p.rank, p.epoch, p.iteration, time_s))
+        if not self.arrival.add(p):
             self.stats.late_reports += 1
-            return []
-        out = self.book.fail_stop(self.fail_stop.telemetry(p.rank, p.iteration, time_s), self._latest_iteration())
-        self._pending.setdefault(key, []).append(p)
-        lag = self.config.flush_lag_iterations
-        for k in sorted(self._pending):
-            complete = k[0] == self.epoch and self._expected and len(self._pending[k]) >= len(self._expected)
-            overtaken = any(o[0] > k[0] or o[1] >= k[1] + lag for o in self._pending if o != k)
-            if complete or overtaken:
-                out += self._process(k)
-            else:
-                break
-        return out
+            return out
+        check = (self.fail_stop.top_iteration(p.epoch) != top_before or len(self.fail_stop.dead) != dead_before
+                 or not self.arrival.oldest_has(p.rank))
+        return out + self._flush_ready(check)
+
+    def _flush_ready(self, check_all: bool) -> list[Payload]:
+        out: list[Payload] = []
+        while True:
+            keys = self.arrival.ready(self.fail_stop, check_all)
+            if not keys:
+                return out
+            dead_before = len(self.fail_stop.dead)
+            for key in keys:
+                out += self._process(key)
+            check_all = len(self.fail_stop.dead) != dead_before
 
     # ---- one iteration ----------------------------------------------------------------------------
 
     def _process(self, key: tuple[int, int]) -> list[Payload]:
-        reports = self._pending.pop(key)
-        by_rank = {r.rank: r for r in reports}  # a duplicated report counts once
-        frame = build_frame(list(by_rank.values()))
-        self._done = key
+        reports = self.arrival.take(key)
+        frame = build_frame(reports, self._layer_lookup(key[0]))
         return self.process_frame(frame)
+
+    def _layer_lookup(self, epoch: int) -> LayerLookup | None:
+        plan = self.arrival.plans.get(epoch)
+        if plan is None:
+            return None
+        lookup = self._layers.get(epoch)
+        if lookup is None:
+            lookup = self._layers[epoch] = LayerLookup(plan)
+        return lookup
 
     def process_frame(self, frame: IterationFrame) -> list[Payload]:
         """Score one iteration's frame and return the events it causes."""
@@ -135,11 +152,13 @@ class Detector:
         if frame.epoch != self.epoch:
             out += self._new_epoch(frame)
         present = set(frame.rank.tolist())
-        missing = self._expected - present - self.fail_stop.dead
-        self._expected |= present
-        out += self.book.fail_stop(self.fail_stop.missing(missing, frame.iteration), frame.iteration)
+        expected = self.arrival.expected(frame.epoch)
+        if expected is None:
+            expected = self.arrival.learned.get(frame.epoch, present)
+        missing = expected - present - self.fail_stop.dead
+        out += self.book.fail_stop(self.fail_stop.missing(missing, frame.iteration))
         suspects = self.book.suspect_ranks()
-        score = score_frame(frame, self.model, suspects)
+        score = score_frame(frame, self.model, suspects, self.config.chunk_quantile)
         self.stats.frames += 1
         self.stats.inferred_frames += int(score.inferred)
         self._remember(frame, score)
@@ -154,21 +173,29 @@ class Detector:
         health = self._health(frame)
         if health is not None:
             out.append(health)
+        fitted = self.costs.after_frame(frame, score, suspects, self.model, self.arrival.plans.get(frame.epoch))
+        if fitted is not None:
+            out.append(fitted)
         self.last_frame, self.last_score = frame, score
         return out
 
     def _new_epoch(self, frame: IterationFrame) -> list[Payload]:
-        """A new plan: classes mean other work now, so the model and the CUSUMs restart; incidents
-        on ranks the plan no longer uses are resolved."""
+        """A new plan: the CUSUMs restart; incidents on ranks the plan no longer uses are resolved.
+        The noise window (σ) is kept with the fits, so a new layout is not judged on one iteration's σ.
+        The cost model keeps its fits only when classes are keyed by layer range (the plan is
+        known): a stage whose layers and TP degree did not change is the same work as before, and
+        a changed one is a new class, fitted afresh from this iteration across replicas. Keyed by
+        stage index (no plan), a class may mean other work now, so everything is forgotten."""
         self.epoch = frame.epoch
-        self.model.forget()
+        if self.arrival.plans.get(frame.epoch) is None:
+            self.model.forget()
+            self._zhist.clear()  # with layer-range classes the noise of z is the same as before: kept
         self._cusum[:] = 0.0
         self._link_cusum.clear()
-        self._zhist.clear()
         self._comm_hist.clear()
         self._comm_cusum = 0.0
-        present = set(frame.rank.tolist())
-        self._expected = set(present)
+        expected = self.arrival.expected(frame.epoch)
+        present = set(frame.rank.tolist()) | (expected or set())
         self.fail_stop.new_epoch(present)
         return self.book.reconfigured(present, frame.iteration)
 
@@ -181,7 +208,13 @@ class Detector:
         healthy = ~np.isin(frame.rank, list(suspects)) if suspects else np.ones(frame.num_ranks, bool)
         self._zhist.append(score.z[healthy])
         pooled = np.concatenate(list(self._zhist))
-        mad = float(np.median(np.abs(pooled - np.median(pooled)))) if len(pooled) else 0.0
+        if len(pooled) == 0:
+            return self.config.sigma_floor
+        # The spread of the fast side only: slowdowns (unsuspected yet, any number of them) and
+        # preemption only add time, so the half below the median is what healthy noise looks like.
+        centre = float(np.median(pooled))
+        below = centre - pooled[pooled < centre]  # strictly: the median rank is 0 by construction
+        mad = float(np.median(below)) if len(below) else 0.0
         return max(1.4826 * mad, self.config.sigma_floor)
 
     def _thresholds(self, sigma: float) -> tuple[float, float, float]:
@@ -304,7 +337,7 @@ class Detector:
         replays the observed own chunk times (no transfers, no all-reduce); the log of observed
         over that is steady while links are healthy. A CUSUM on its deviation from the recent
         healthy median flags a communication fault; probes (target link) say where."""
-        sched = self.schedule or (None, None)
+        sched = self._schedule(frame)
         explained = predicted_iteration_s(frame, frame.c_own, *sched, include_comm=False)
         if not np.isfinite(explained) or explained <= 0:
             return []
@@ -341,9 +374,13 @@ class Detector:
                 "; probing every rank's links" if self.config.probes else ""),
             ranks=candidates), frame.iteration)
 
+    def _schedule(self, frame: IterationFrame) -> tuple[str | None, int | None]:
+        """The plan's schedule when the plan of this epoch is known, else None (inferred from chunks)."""
+        plan = self.arrival.plans.get(frame.epoch)
+        return (plan.schedule, plan.virtual_stages) if plan is not None else (None, None)
+
     def _prediction(self, frame: IterationFrame, score: FrameScore) -> IterationPrediction:
-        sched = self.schedule
-        predicted = predicted_iteration_s(frame, score.c_pred, *(sched if sched else (None, None)))
+        predicted = predicted_iteration_s(frame, score.c_pred, *self._schedule(frame))
         err = self.model.error()
         return IterationPrediction(
             epoch=frame.epoch, iteration=frame.iteration, observed_s=float(frame.wall_s.max()),

@@ -34,11 +34,27 @@ class DetectorConfig(BaseModel):
     confirm_iterations: int = Field(default=3, ge=1, description="persistence needed to confirm")
     resolve_iterations: int = Field(default=3, ge=1, description="healthy iterations needed to resolve")
     update_min_change: float = Field(default=0.10, ge=0, description="relative factor change that earns an update")
-    heartbeat_miss_intervals: float = Field(default=3.0, gt=0, description="missed intervals that make a rank dead")
-    telemetry_lag_iterations: int = Field(default=3, ge=1,
-                                          description="iterations without a rank's telemetry, while others report")
-    flush_lag_iterations: int = Field(default=2, ge=1,
-                                      description="an iteration is scored once reports this far ahead arrive")
+    heartbeat_miss_intervals: float = Field(
+        default=3.0, gt=0, description="missed intervals that make a rank dead, in event time relative to the "
+                                       "other ranks' progress (analytics/fail_stop.py)")
+    telemetry_lag_iterations: int = Field(
+        default=3, ge=1, description="iterations in a row a rank's own stream moved on without its report")
+    flush_lag_iterations: int = Field(
+        default=2, ge=1, description="only for ranks that never heartbeat: score an iteration without "
+                                     "them once reports this many iterations later arrived (analytics/arrival.py)")
+    unplanned_wait_iterations: int = Field(
+        default=16, ge=1, description="without the epoch's plan (plan.current): wait for reports this many "
+                                      "iterations later before scoring an iteration with the ranks heard from")
+    max_wait_iterations: int = Field(
+        default=64, ge=1, description="memory guard: an iteration is scored once reports this far ahead arrived")
+    chunk_quantile: float | None = Field(
+        default=0.5, gt=0, lt=1, description="rank score: this quantile of its chunks' log(own/predicted) per "
+                                              "kind (robust to OS preemption); null: log of the summed ratio")
+    cost_publish_change: float = Field(
+        default=0.05, gt=0, description="publish analytics.cost_model when a class's prediction moved this much")
+    cost_publish_min_iterations: int = Field(
+        default=5, ge=1, description="at most one analytics.cost_model per this many iterations (first of an "
+                                     "epoch excepted)")
     probes: bool = Field(default=False, description="ask suspects to run a probe and confirm from its result")
     probe_confirm_ratio: float = Field(default=1.03, gt=1.0)
     links: bool = Field(default=True, description="score point-to-point links as well as ranks")

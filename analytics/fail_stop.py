@@ -1,18 +1,40 @@
-"""Fail-stop: a rank whose heartbeats stop, or whose telemetry stops while its peers' goes on.
+"""Fail-stop: a rank whose heartbeats stop, or whose telemetry stops, judged in event time.
 
-Heartbeats come on a timer independent of progress, so they separate "dead" from "stuck in a
-collective behind a dead peer" (a synchronous job stalls as a whole when one rank dies, and then
-everyone's telemetry stops). The clock is the largest event time seen: never this process's own
-clock, so a replayed trace gives the same verdicts. Hosts' clocks may differ by a little; the
-threshold is several intervals (``heartbeat_miss_intervals``) for that reason.
+Every rank's events reach the detector through its own ordered stream (on Kafka one partition per
+key, ``job/rank-N``), but different streams arrive unevenly: one partition can be a dozen
+iterations ahead of another. So nothing here uses the order in which streams interleave, nor this
+process's clock. Each rank has a *watermark* — the newest event time seen from its own stream — and
+a rank is judged against the others' progress:
+
+- **Heartbeats**: rank r is dead when its last heartbeat is more than ``heartbeat_miss_intervals``
+  intervals older than the job's reference time, the lower third (``REFERENCE_QUANTILE``) of the
+  watched ranks' watermarks. A low quantile, not the newest: when a group of partitions lags, the
+  reference lags with it, so the lagging ranks are not called dead; when a node dies (a quarter of
+  a 32-GPU job, say) the reference still comes from the living.
+- **Proof of life**: a synchronous job cannot finish iteration j+1 unless every rank of the plan
+  finished j. So if peers of r's epoch reported iteration ≥ k+2 while r's stream only got to k,
+  r's events are late (its partition lags), not missing: r is not judged dead, however old its
+  last delivered heartbeat is. This is what makes a lagging partition harmless.
+- **Telemetry stopped**: r's *own* stream moved on (a heartbeat that says it started iteration
+  ≥ i+2, or a report of a later iteration) without a report of i, ``telemetry_lag_iterations``
+  times in a row: its reports are being lost. Sources without heartbeats fall back to the frames
+  the detector had to score without them (``missing``).
+
+What can go wrong: while the job hangs (nobody progresses, so there is no proof of life) a live
+rank whose partition lags the others by more than the heartbeat threshold looks dead until its
+heartbeats arrive; it is then revived (``alive``) and its incident resolved.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from analytics.detector_config import DetectorConfig
 from collector.events import Heartbeat
+
+REFERENCE_QUANTILE = 1 / 3
 
 
 @dataclass(frozen=True)
@@ -20,66 +42,169 @@ class LivenessChange:
     rank: int
     alive: bool
     reason: str
+    iteration: int = 0  # event-derived: the rank's last known iteration + 1 (dead), or where it came back
+
+
+@dataclass
+class RankStream:
+    """What one rank's own stream told us so far."""
+
+    time_s: float = float("-inf")  # watermark: newest event time
+    hb_time_s: float | None = None
+    hb_interval_s: float = 1.0
+    epoch: int = -1
+    reported: int = -1  # newest iteration reported in ``epoch``
+    started: int = -1  # newest iteration a heartbeat said it started in ``epoch``
+
+    def known_iteration(self, epoch: int) -> int:
+        """The newest iteration of ``epoch`` this stream proves the rank got to (−1 if none)."""
+        if self.epoch > epoch:
+            return 1 << 40
+        if self.epoch < epoch:
+            return -1
+        return max(self.reported, self.started - 1)
+
+    def passed(self, epoch: int, iteration: int) -> bool:
+        """True when the stream moved beyond (epoch, iteration): a report of it can no longer come."""
+        if self.epoch != epoch:
+            return self.epoch > epoch
+        return self.reported > iteration or self.started >= iteration + 2
 
 
 @dataclass
 class FailStopWatch:
     config: DetectorConfig
     dead: set[int] = field(default_factory=set)
-    now_s: float = 0.0
-    _last_hb: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank -> (time_s, interval_s)
+    streams: dict[int, RankStream] = field(default_factory=dict)
+    watched: set[int] = field(default_factory=set)  # the running plan's ranks (or those heard from)
+    _epoch_top: dict[int, int] = field(default_factory=dict)  # epoch -> newest iteration any rank reported
     _missing: dict[int, int] = field(default_factory=dict)
     _retired: set[int] = field(default_factory=set)
-    _next_check_s: float = 0.0
+    _next_check_s: float = float("-inf")
+    _events_since_check: int = 0
+    _newest_plan: tuple[int, set[int]] | None = None  # (epoch, devices) of the newest plan announced
+
+    # ---- input ----------------------------------------------------------------------------------
+
+    def stream(self, rank: int) -> RankStream:
+        s = self.streams.get(rank)
+        if s is None:
+            s = self.streams[rank] = RankStream()
+        return s
 
     def heartbeat(self, hb: Heartbeat, time_s: float) -> list[LivenessChange]:
-        self._last_hb[hb.rank] = (time_s, hb.interval_s)
-        self.now_s = max(self.now_s, time_s)
-        out = []
-        if hb.rank in self.dead and hb.rank not in self._retired and self._missing.get(hb.rank, 0) == 0:
-            self.dead.discard(hb.rank)
-            out.append(LivenessChange(hb.rank, True, "heartbeats resumed"))
-        if self.now_s >= self._next_check_s:
-            out += self._check_heartbeats()
-            self._next_check_s = self.now_s + 0.5 * hb.interval_s
-        return out
+        s = self.stream(hb.rank)
+        self._advance(s, hb.epoch, time_s)
+        s.hb_time_s, s.hb_interval_s = time_s, hb.interval_s
+        if hb.epoch == s.epoch:
+            s.started = max(s.started, hb.iteration)
+        if hb.rank not in self._retired:
+            self.watched.add(hb.rank)
+        return self._revive(hb.rank, "heartbeats resumed") + self._maybe_check(time_s)
 
-    def _check_heartbeats(self) -> list[LivenessChange]:
-        out = []
-        miss = self.config.heartbeat_miss_intervals
-        for rank, (t, interval) in self._last_hb.items():
-            if rank in self.dead or rank in self._retired:
-                continue
-            if self.now_s - t > miss * interval:
-                self.dead.add(rank)
-                out.append(LivenessChange(rank, False, f"no heartbeat for {self.now_s - t:.1f} s "
-                                                       f"(> {miss:g} intervals of {interval:g} s)"))
-        return out
-
-    def telemetry(self, rank: int, iteration: int, time_s: float) -> list[LivenessChange]:
-        self.now_s = max(self.now_s, time_s)
+    def telemetry(self, rank: int, epoch: int, iteration: int, time_s: float) -> list[LivenessChange]:
+        s = self.stream(rank)
+        self._advance(s, epoch, time_s)
+        if epoch == s.epoch:
+            s.reported = max(s.reported, iteration)
+        self._epoch_top[epoch] = max(self._epoch_top.get(epoch, -1), iteration)
         self._missing[rank] = 0
-        if rank in self.dead:
-            last = self._last_hb.get(rank)
-            if last is None or self.now_s - last[0] <= self.config.heartbeat_miss_intervals * last[1]:
-                self.dead.discard(rank)
-                return [LivenessChange(rank, True, f"telemetry resumed at iteration {iteration}")]
+        if rank not in self._retired:
+            self.watched.add(rank)
+        return self._revive(rank, f"telemetry resumed at iteration {iteration}") + self._maybe_check(time_s)
+
+    @staticmethod
+    def _advance(s: RankStream, epoch: int, time_s: float) -> None:
+        s.time_s = max(s.time_s, time_s)
+        if epoch > s.epoch:
+            s.epoch, s.reported, s.started = epoch, -1, -1
+
+    def _revive(self, rank: int, reason: str) -> list[LivenessChange]:
+        if rank in self.dead and rank not in self._retired:
+            self.dead.discard(rank)
+            self._missing[rank] = 0
+            return [LivenessChange(rank, True, reason, max(self.streams[rank].reported, 0))]
         return []
 
-    def missing(self, ranks: set[int], iteration: int) -> list[LivenessChange]:
-        """Ranks expected in this iteration's frame that did not report."""
+    def plan_announced(self, epoch: int, devices: set[int]) -> None:
+        """A plan (plan.current or a command) for ``epoch``: a rank it leaves out is being
+        reconfigured away, so its silence is not judged, even before the epoch's first frame."""
+        if self._newest_plan is None or epoch >= self._newest_plan[0]:
+            self._newest_plan = (epoch, set(devices))
+
+    def top_iteration(self, epoch: int) -> int:
+        """The newest iteration of ``epoch`` any rank reported (−1 if none)."""
+        return self._epoch_top.get(epoch, -1)
+
+    def newest_epoch(self) -> int:
+        return max(self._epoch_top, default=-1)
+
+    # ---- judgement ------------------------------------------------------------------------------
+
+    def reference_s(self) -> float:
+        """The job's progress in event time: the lower third of the watched live ranks' watermarks."""
+        times = [self.streams[r].time_s for r in self.watched if r not in self.dead and r in self.streams]
+        if not times:
+            return float("-inf")
+        return float(np.quantile(np.asarray(times), REFERENCE_QUANTILE, method="lower"))
+
+    def proof_of_life(self, rank: int) -> bool:
+        """Peers of the rank's epoch completed iterations it must have run: its stream is just late."""
+        s = self.streams.get(rank)
+        if s is None:
+            return False
+        top = self._epoch_top.get(s.epoch, -1)
+        return top >= s.known_iteration(s.epoch) + 2
+
+    def _maybe_check(self, time_s: float) -> list[LivenessChange]:
+        """Judge when this event is half an interval newer than the last judgement's, or after as many
+        events as there are watched ranks (so that lagging streams, whose events are older, still get
+        judged). The judgement walks every rank, so this keeps it O(1) per event."""
+        self._events_since_check += 1
+        if time_s < self._next_check_s and self._events_since_check < max(len(self.watched), 8):
+            return []
+        self._events_since_check = 0
+        interval = min((s.hb_interval_s for s in self.streams.values() if s.hb_time_s is not None), default=1.0)
+        self._next_check_s = max(self._next_check_s, time_s + 0.5 * interval)
+        return self.check()
+
+    def check(self) -> list[LivenessChange]:
+        """Judge every watched rank's heartbeats against the reference."""
+        ref = self.reference_s()
         out = []
-        for rank in ranks:
+        miss = self.config.heartbeat_miss_intervals
+        for rank in sorted(self.watched):
+            s = self.streams.get(rank)
+            if s is None or s.hb_time_s is None or rank in self.dead or rank in self._retired:
+                continue
+            if self._newest_plan is not None and rank not in self._newest_plan[1] and s.epoch < self._newest_plan[0]:
+                continue
+            late_s = ref - s.hb_time_s
+            if late_s > miss * s.hb_interval_s and not self.proof_of_life(rank):
+                self.dead.add(rank)
+                out.append(LivenessChange(
+                    rank, False, f"no heartbeat for {late_s:.1f} s of the job's progress "
+                                 f"(> {miss:g} intervals of {s.hb_interval_s:g} s)",
+                    s.known_iteration(s.epoch) + 1 if s.epoch >= 0 else 0))
+        return out
+
+    def missing(self, ranks: set[int], iteration: int) -> list[LivenessChange]:
+        """Ranks expected in this iteration's frame that did not report (the frame was scored
+        without them because their stream moved on, or, without heartbeats, the wait ran out)."""
+        out = []
+        for rank in sorted(ranks):
             n = self._missing.get(rank, 0) + 1
             self._missing[rank] = n
             if n >= self.config.telemetry_lag_iterations and rank not in self.dead and rank not in self._retired:
                 self.dead.add(rank)
                 out.append(LivenessChange(rank, False, f"telemetry stopped: no report for {n} iterations "
-                                                       f"while peers reported (up to iteration {iteration})"))
+                                                       f"while peers reported (up to iteration {iteration})",
+                                          iteration - n + 1))
         return out
 
     def new_epoch(self, present: set[int]) -> None:
         """Ranks outside the new plan are no longer watched (nor dead: they were reconfigured away)."""
-        self._retired = set(self._last_hb) - present
+        self._retired = (set(self.streams) | self.watched) - present
+        self.watched = set(present)
         self.dead &= present
         self._missing = {r: 0 for r in present}

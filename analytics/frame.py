@@ -16,8 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from collector.events import RankIteration
+from collector.plan import Plan
 
 KIND_CODE = {"F": 0, "B": 1, "W": 2}
+_KIND_LUT = np.zeros(256, np.int8)
+for _name, _code in KIND_CODE.items():
+    _KIND_LUT[ord(_name)] = _code
 KIND_NAME = ("F", "B", "W")
 OP_CODE = {"tp_allreduce": 0, "pp_send": 1, "pp_recv": 2, "dp_allreduce": 3}
 
@@ -33,6 +37,8 @@ class IterationFrame:
     dp: np.ndarray
     node: np.ndarray  # -1 when unknown
     wall_s: np.ndarray
+    first_layer: np.ndarray  # the rank's layer range under the plan; -1 when the plan is unknown
+    end_layer: np.ndarray
     # per chunk (C,)
     c_rank: np.ndarray  # index into the per-rank arrays
     c_kind: np.ndarray
@@ -60,52 +66,93 @@ class IterationFrame:
         return len(self.rank)
 
 
-def build_frame(reports: Sequence[RankIteration]) -> IterationFrame:
-    """Flatten one iteration's rank reports (all of one epoch and iteration) into a frame."""
+def build_frame(reports: Sequence[RankIteration], layers: LayerLookup | None = None) -> IterationFrame:
+    """Flatten one iteration's rank reports (all of one epoch and iteration) into a frame.
+
+    Works on the reports' column form (``RankIteration.chunk_table``): per report a handful of
+    list concatenations, never a Python object per chunk. ``layers`` gives each rank's layer range
+    under the running plan (for cost-model classes); without it the ranges are -1 (unknown).
+    """
     if not reports:
         raise ValueError("build_frame needs at least one RankIteration")
     reports = sorted(reports, key=lambda r: r.rank)
+    R = len(reports)
     epoch, iteration = reports[0].epoch, reports[0].iteration
-    rank = np.fromiter((r.rank for r in reports), np.int64, len(reports))
-    tp = np.fromiter((r.coords.tp for r in reports), np.int64, len(reports))
-    pp = np.fromiter((r.coords.pp for r in reports), np.int64, len(reports))
-    dp = np.fromiter((r.coords.dp for r in reports), np.int64, len(reports))
-    node = np.fromiter((-1 if r.node is None else r.node for r in reports), np.int64, len(reports))
-    wall = np.fromiter((r.wall_s for r in reports), float, len(reports))
-    chunk_rows: list[tuple] = []
-    comm_rows: list[tuple] = []
-    kc, oc = KIND_CODE, OP_CODE
-    for i, r in enumerate(reports):
-        chunk_rows.extend((i, kc[c.kind], c.microbatch, c.virtual_stage, c.tokens, c.start_s, c.duration_s)
-                          for c in r.chunks)
-        comm_rows.extend(
-            (i, oc[w.op], -1 if w.peer is None else w.peer, -1 if w.microbatch is None else w.microbatch,
-             np.nan if w.bytes is None else w.bytes, w.start_s, w.duration_s)
-            for w in r.comm
-        )
-    c = np.array(chunk_rows, dtype=float).reshape(-1, 7)
-    c = np.insert(c, 5, sum_sq_lens([ch.seq_lens for r in reports for ch in r.chunks]), axis=1)
-    k = np.array(comm_rows, dtype=float).reshape(-1, 7)
-    c_rank = c[:, 0].astype(np.int64)
-    c_start, c_dur = c[:, 6], c[:, 7]
+    rank = np.fromiter((r.rank for r in reports), np.int64, R)
+    coords = np.array([(r.coords.tp, r.coords.pp, r.coords.dp) for r in reports], dtype=np.int64).reshape(R, 3)
+    node = np.fromiter((-1 if r.node is None else r.node for r in reports), np.int64, R)
+    wall = np.fromiter((r.wall_s for r in reports), float, R)
+    tables = [r.chunk_table for r in reports]
+    counts = np.fromiter((len(t.kind) for t in tables), np.int64, R)
+    C = int(counts.sum())
+    chain = itertools.chain.from_iterable
+    kind_bytes = np.frombuffer("".join(t.kind for t in tables).encode("ascii"), np.uint8)
+    c_kind = _KIND_LUT[kind_bytes].astype(np.int64)
+    c_mb = np.fromiter(chain(t.microbatch for t in tables), np.int64, C)
+    c_vs = np.fromiter(chain(t.virtual_stage for t in tables), np.int64, C)
+    c_tokens = np.fromiter(chain(t.tokens for t in tables), float, C)
+    c_start = np.fromiter(chain(t.start_s for t in tables), float, C)
+    c_dur = np.fromiter(chain(t.duration_s for t in tables), float, C)
+    c_s2 = sum_sq_lens(list(chain(t.seq_lens for t in tables)))
+    c_rank = np.repeat(np.arange(R, dtype=np.int64), counts)
+    k = _comm_rows(reports)
     own = c_dur - _tp_wait_inside(c_rank, c_start, c_dur, k)
+    first_layer = np.full(R, -1, np.int64)
+    end_layer = np.full(R, -1, np.int64)
+    if layers is not None:
+        first_layer, end_layer = layers.ranges(rank)
     return IterationFrame(
-        epoch=epoch, iteration=iteration, rank=rank, tp=tp, pp=pp, dp=dp, node=node, wall_s=wall,
-        c_rank=c_rank, c_kind=c[:, 1].astype(np.int64), c_mb=c[:, 2].astype(np.int64), c_vs=c[:, 3].astype(np.int64),
-        c_tokens=c[:, 4], c_s2=c[:, 5], c_start=c_start, c_dur=c_dur, c_own=np.maximum(own, 0.0),
+        epoch=epoch, iteration=iteration, rank=rank, tp=coords[:, 0], pp=coords[:, 1], dp=coords[:, 2], node=node,
+        wall_s=wall, first_layer=first_layer, end_layer=end_layer,
+        c_rank=c_rank, c_kind=c_kind, c_mb=c_mb, c_vs=c_vs, c_tokens=c_tokens, c_s2=c_s2, c_start=c_start,
+        c_dur=c_dur, c_own=np.maximum(own, 0.0),
         k_rank=k[:, 0].astype(np.int64), k_op=k[:, 1].astype(np.int64), k_peer=k[:, 2].astype(np.int64),
         k_mb=k[:, 3].astype(np.int64), k_bytes=k[:, 4], k_dur=k[:, 6],
     )
 
 
+def _comm_rows(reports: Sequence[RankIteration]) -> np.ndarray:
+    """(K, 7) rank index, op, peer, micro-batch, bytes (NaN unknown), start, duration."""
+    oc = OP_CODE
+    rows = [
+        (i, oc[w.op], -1 if w.peer is None else w.peer, -1 if w.microbatch is None else w.microbatch,
+         np.nan if w.bytes is None else w.bytes, w.start_s, w.duration_s)
+        for i, r in enumerate(reports) for w in r.comm
+    ]
+    return np.array(rows, dtype=float).reshape(-1, 7)
+
+
+class LayerLookup:
+    """Device id -> (first_layer, end_layer) under one plan, as arrays for vectorised lookup."""
+
+    def __init__(self, plan: Plan) -> None:
+        roles = plan.roles
+        top = max(roles) + 1 if roles else 0
+        self.first = np.full(top + 1, -1, np.int64)
+        self.end = np.full(top + 1, -1, np.int64)
+        for d, role in roles.items():
+            self.first[d], self.end[d] = role.first_layer, role.end_layer
+
+    def ranges(self, devices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        idx = np.where((devices >= 0) & (devices < len(self.first) - 1), devices, len(self.first) - 1)
+        return self.first[idx], self.end[idx]
+
+
 def sum_sq_lens(seq_lens: list[list[int] | None]) -> np.ndarray:
     """Σ lᵢ² per chunk, vectorised over all chunks; NaN where seq_lens is None."""
-    counts = np.fromiter((0 if x is None else len(x) for x in seq_lens), np.int64, len(seq_lens))
-    flat = np.fromiter(itertools.chain.from_iterable(x for x in seq_lens if x is not None), np.float64,
-                       int(counts.sum()))
-    out = np.bincount(np.repeat(np.arange(len(seq_lens)), counts), weights=flat * flat,
-                      minlength=len(seq_lens)).astype(np.float64)
-    out[np.fromiter((x is None for x in seq_lens), bool, len(seq_lens))] = np.nan
+    n = len(seq_lens)
+    missing = None in seq_lens
+    lists = [x or () for x in seq_lens] if missing else seq_lens
+    counts = np.fromiter(map(len, lists), np.int64, n)
+    flat = np.fromiter(itertools.chain.from_iterable(lists), np.float64, int(counts.sum()))
+    out = np.zeros(n)
+    if len(flat):
+        starts = np.zeros(n, np.int64)
+        np.cumsum(counts[:-1], out=starts[1:])
+        has = counts > 0
+        out[has] = np.add.reduceat(flat * flat, starts[has])
+    if missing:
+        out[np.fromiter((x is None for x in seq_lens), bool, n)] = np.nan
     return out
 
 

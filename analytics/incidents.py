@@ -205,9 +205,12 @@ class IncidentBook:
 
     # ---- fail-stop and reconfiguration -----------------------------------------------------------
 
-    def fail_stop(self, changes: list[LivenessChange], iteration: int) -> list[Payload]:
+    def fail_stop(self, changes: list[LivenessChange]) -> list[Payload]:
+        """Open (and confirm) a fail-stop per rank that died; resolve it when the rank is back. The
+        iteration is the change's own (from the rank's stream), so delivery order cannot move it."""
         out: list[Payload] = []
         for ch in changes:
+            iteration = ch.iteration
             key = ("dead", ch.rank)
             if not ch.alive and key not in self.open:
                 slow_key = next((k for k in self.open if k[0] == "ranks" and ch.rank in k[1]), None)

@@ -127,18 +127,18 @@ class TelemetryProjection:
 def _add_rank_iteration(ch: dict[str, list], ri: dict[str, list], rk: dict[str, list], job: str, time_s: float,
                         p: RankIteration) -> None:
     c = p.coords
-    n = len(p.chunks)
+    t = p.chunk_table  # the wire's column form: extend columns, no object per chunk
+    n = len(t.kind)
     for col, value in (("job", job), ("epoch", p.epoch), ("iteration", p.iteration), ("rank", p.rank),
                        ("tp", c.tp), ("pp", c.pp), ("dp", c.dp)):
         ch[col].extend([value] * n)
-    chunks = p.chunks
-    ch["kind"].extend([k.kind.value for k in chunks])
-    ch["microbatch"].extend([k.microbatch for k in chunks])
-    ch["virtual_stage"].extend([k.virtual_stage for k in chunks])
-    ch["tokens"].extend([k.tokens for k in chunks])
-    ch["_seq_lens"].extend([k.seq_lens for k in chunks])
-    ch["start_s"].extend([k.start_s for k in chunks])
-    durations = [k.duration_s for k in chunks]
+    ch["kind"].extend(t.kind)
+    ch["microbatch"].extend(t.microbatch)
+    ch["virtual_stage"].extend(t.virtual_stage)
+    ch["tokens"].extend(t.tokens)
+    ch["_seq_lens"].extend(t.seq_lens)
+    ch["start_s"].extend(t.start_s)
+    durations = t.duration_s
     ch["duration_s"].extend(durations)
     compute_s = sum(durations)
     waits = {"tp_allreduce": 0.0, "pp_send": 0.0, "pp_recv": 0.0, "dp_allreduce": 0.0}

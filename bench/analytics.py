@@ -5,7 +5,8 @@ chunks/rank_iterations/ranks projection in one Arrow batch per transaction, exac
 ``resihp analytics`` applies them (decoding from bytes is timed apart, it is the bus's cost).
 Detector: synthetic TP8 layouts (1,024 ranks = PP8·DP16, 16,384 ranks = PP16·DP128, 16
 micro-batches, F and B chunks); per iteration, building the frame from the events and scoring it
-(cost-model predict + fit, CUSUMs, localisation, schedule prediction) are timed separately.
+(cost-model predict + fit, CUSUMs, localisation, schedule prediction, cost-model publication) are
+timed separately. Reports are in the wire's column form (``RankIteration.chunk_table``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 
 
 def _reports(tp: int, pp: int, dp: int, microbatches: int, iteration: int, seed: int) -> list:
-    from collector.events import Chunk, ChunkKind, Coords, RankIteration
+    from collector.events import Chunk, ChunkKind, ChunkTable, Coords, RankIteration
 
     rng = np.random.default_rng([seed, iteration])
     out = []
@@ -40,7 +41,7 @@ def _reports(tp: int, pp: int, dp: int, microbatches: int, iteration: int, seed:
                             start_s=0.0, duration_s=float(base * mult * noise[2 * m + j])))
                 out.append(RankIteration.model_construct(
                     epoch=0, iteration=iteration, rank=rank, node=rank // 8, coords=Coords(tp=t, pp=s, dp=d),
-                    wall_s=1.0, chunks=chunks, comm=[]))
+                    wall_s=1.0, chunk_table=ChunkTable.of(chunks), comm=[]))
     return out
 
 
@@ -88,9 +89,14 @@ def bench_ingest(events: int, batch: int) -> dict:
 
 def bench_detector(tp: int, pp: int, dp: int, microbatches: int, iterations: int) -> dict:
     from analytics.detector import Detector
-    from analytics.frame import build_frame
+    from analytics.frame import LayerLookup, build_frame
+    from collector.events import EventFactory, PlanCurrent
+    from collector.plan import Plan
 
     det = Detector("bench")
+    plan = Plan.uniform(tp=tp, pp=pp, dp=dp, num_layers=4 * pp, microbatches_per_replica=microbatches)
+    det.on_event(EventFactory("bench", "trainer").make(PlanCurrent(plan=plan)))  # layer-range classes, fits out
+    layers = LayerLookup(plan)
     build, score = [], []
     base = [_reports(tp, pp, dp, microbatches, i, 2) for i in range(min(iterations, 3))]
     for i in range(iterations):
@@ -98,7 +104,7 @@ def bench_detector(tp: int, pp: int, dp: int, microbatches: int, iterations: int
         for r in reports:
             object.__setattr__(r, "iteration", i)
         t0 = time.perf_counter()
-        frame = build_frame(reports)
+        frame = build_frame(reports, layers)
         t1 = time.perf_counter()
         det.process_frame(frame)
         t2 = time.perf_counter()
@@ -113,7 +119,7 @@ def bench_detector(tp: int, pp: int, dp: int, microbatches: int, iterations: int
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--events", type=int, default=8_000, help="RankIteration events to ingest")
     parser.add_argument("--batch", type=int, default=2_000, help="events per transaction")
-    parser.add_argument("--iterations", type=int, default=8, help="detector iterations per size")
+    parser.add_argument("--iterations", type=int, default=12, help="detector iterations per size (the first 2 are not timed)")
     parser.add_argument("--skip-16k", action="store_true", help="only 1,024 ranks (the 16k layout takes a minute)")
 
 

@@ -72,7 +72,7 @@ def test_the_consumer_publishes_incidents_and_its_own_tables_fold_them_back(tmp_
     from test_detect_detector import synth
 
     bus = EmbeddedBus(tmp_path / "bus.sqlite")
-    bus.publish(synth(slow={7: 1.4}, start=6, iterations=16))
+    bus.publish(synth(slow={7: 1.4}, start=6, iterations=16, plan=True))  # plan.current, as producers announce it
     pj = _project(bus, tmp_path / "a.duckdb", [DetectorProjection()])
     det = pj.projections[-1]
     for _ in range(200):

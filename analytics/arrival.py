@@ -1,0 +1,122 @@
+"""When an iteration's telemetry is complete: a low-water mark over the ranks' own streams.
+
+Reports of one iteration reach the detector from every rank's stream, and streams arrive unevenly
+(on Kafka each rank's key lands in one partition, and a consumer may be a dozen iterations further
+in one partition than in another). An iteration is scored once, so it must wait until it is
+*complete*, decided per expected rank from what that rank's own stream showed, never from the
+order in which streams interleave:
+
+- the rank reported it; or
+- its stream moved past it (a later report, a heartbeat that says it started iteration ≥ i+2, or a
+  later epoch): that report is lost, not late; or
+- it is judged dead (analytics/fail_stop.py, event time relative to the others' progress); or
+- it sent reports but never a heartbeat (a source without them, so silence cannot be told from
+  lag) and reports ``flush_lag_iterations`` later arrived from others.
+
+A planned rank never heard from at all is waited for (its partition may not have been read yet).
+
+Expected ranks are those of the running plan: ``plan.current`` (published by the trainer and the
+simulator at start and after every reshape) or a ``command.reconfigure``'s plan. Without a plan
+for the epoch (it travels on the control topic, which may arrive later than telemetry) they are
+learned from what arrived, and the iteration also waits until reports ``unplanned_wait_iterations``
+later arrived (a rank not heard from yet may still exist) or the plan comes. A hard cap,
+``max_wait_iterations``, bounds the memory a stream that never comes can hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from analytics.detector_config import DetectorConfig
+from analytics.fail_stop import FailStopWatch
+from collector.events import RankIteration
+from collector.plan import Plan
+
+
+@dataclass
+class FrameAssembler:
+    config: DetectorConfig
+    plans: dict[int, Plan] = field(default_factory=dict)  # epoch -> plan
+    pending: dict[tuple[int, int], dict[int, RankIteration]] = field(default_factory=dict)
+    done: tuple[int, int] = (-1, -1)
+    learned: dict[int, set[int]] = field(default_factory=dict)  # epoch -> ranks heard from
+    late_reports: int = 0
+
+    _expected: dict[int, frozenset[int]] = field(default_factory=dict)
+
+    def add_plan(self, plan: Plan) -> None:
+        self.plans[plan.epoch] = plan
+        self._expected[plan.epoch] = frozenset(plan.roles)
+
+    def expected(self, epoch: int) -> frozenset[int] | None:
+        """The ranks of the plan of ``epoch``; None when no plan is known for it."""
+        return self._expected.get(epoch)
+
+    def heard(self, epoch: int, rank: int) -> None:
+        self.learned.setdefault(epoch, set()).add(rank)
+
+    def add(self, report: RankIteration) -> bool:
+        """Hold a report until its iteration is complete; False if that iteration was already scored."""
+        key = (report.epoch, report.iteration)
+        if key <= self.done:
+            self.late_reports += 1
+            return False
+        self.heard(report.epoch, report.rank)
+        self.pending.setdefault(key, {})[report.rank] = report  # a duplicated report counts once
+        return True
+
+    def ready(self, watch: FailStopWatch, check_all: bool = True) -> list[tuple[int, int]]:
+        """Keys that are complete now, oldest first (remove each with ``take``).
+
+        ``check_all=False`` is the cheap path for a report from a rank the oldest iteration
+        already has: only a full count can complete it then, so ranks are not walked one by one."""
+        out = []
+        for key in sorted(self.pending):
+            if not (self._counted(key, watch) or (check_all and self._complete(key, watch))):
+                break
+            out.append(key)
+        return out
+
+    def oldest_has(self, rank: int) -> bool:
+        """Whether the oldest waiting iteration already holds ``rank``'s report."""
+        if not self.pending:
+            return True
+        return rank in self.pending[min(self.pending)]
+
+    def _counted(self, key: tuple[int, int], watch: FailStopWatch) -> bool:
+        expected = self.expected(key[0])
+        if expected is None:
+            return False
+        reported = self.pending[key]
+        alive = len(expected) - len(watch.dead & expected)
+        return len(reported) >= alive and not (expected - reported.keys() - watch.dead)
+
+    def take(self, key: tuple[int, int]) -> list[RankIteration]:
+        self.done = max(self.done, key)
+        return list(self.pending.pop(key).values())
+
+    def all_keys(self) -> list[tuple[int, int]]:
+        return sorted(self.pending)
+
+    def _complete(self, key: tuple[int, int], watch: FailStopWatch) -> bool:
+        epoch, iteration = key
+        top = watch.top_iteration(epoch)
+        later_epoch = any(k[0] > epoch for k in self.pending) or watch.newest_epoch() > epoch
+        if top >= iteration + self.config.max_wait_iterations:
+            return True
+        expected = self.expected(epoch)
+        if expected is None:
+            if not later_epoch and top < iteration + self.config.unplanned_wait_iterations:
+                return False
+            expected = self.learned.get(epoch, set())
+        reported = self.pending[key]
+        waiting = expected - reported.keys() - watch.dead
+        bound = top >= iteration + self.config.flush_lag_iterations
+        for rank in waiting:
+            s = watch.streams.get(rank)
+            if s is not None and s.passed(epoch, iteration):
+                continue
+            if bound and s is not None and s.hb_time_s is None:
+                continue  # reports but never heartbeats: silence cannot be told from lag, the wait is bounded
+            return False
+        return True
