@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import duckdb
 import pyarrow as pa
 
+from collector.events import ENVELOPE_HEADER
 from collector.stream import Delivery
 
 _SCHEMA = pa.schema(
@@ -38,13 +39,8 @@ class EventLogProjection:
         cols: dict[str, list] = {name: [] for name in _SCHEMA.names}
         for d in deliveries:
             e = d.event
-            cols["id"].append(e.id)
-            cols["kind"].append(e.kind)
-            cols["schema_version"].append(e.schema_version)
-            cols["job"].append(e.job)
-            cols["source"].append(e.source)
-            cols["seq"].append(e.seq)
-            cols["time_s"].append(e.time_s)
+            for name in ENVELOPE_HEADER:
+                cols[name].append(getattr(e, name))
             cols["topic"].append(d.topic)
             cols["part"].append(d.partition)
             cols["log_offset"].append(d.offset)

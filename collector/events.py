@@ -524,6 +524,9 @@ PAYLOAD_BY_KIND: dict[str, type[Payload]] = {p.KIND: p for p in PAYLOAD_TYPES}
 # ---- the envelope -------------------------------------------------------------------------------
 
 
+ENVELOPE_HEADER: tuple[str, ...] = ("id", "kind", "schema_version", "job", "source", "seq", "time_s")
+
+
 class Envelope(BaseModel):
     """Header every event carries. Consumers are idempotent on ``id``."""
 

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from collector.bus import Bus, RawMessage
 from collector.codec import decode, encode
-from collector.events import Envelope
+from collector.events import ENVELOPE_HEADER, Envelope
 from collector.topics import key_for, topic_for
 
 TRACE_FORMAT = "resihp-trace/1"
@@ -80,13 +80,8 @@ class TraceWriter:
     def write_encoded(self, event: Envelope, value: bytes) -> None:
         """Record an event whose bus bytes are already at hand (a recorder that also publishes)."""
         b = self._buf
-        b["id"].append(event.id)
-        b["kind"].append(event.kind)
-        b["schema_version"].append(event.schema_version)
-        b["job"].append(event.job)
-        b["source"].append(event.source)
-        b["seq"].append(event.seq)
-        b["time_s"].append(event.time_s)
+        for name in ENVELOPE_HEADER:
+            b[name].append(getattr(event, name))
         b["topic"].append(topic_for(event.kind))
         b["key"].append(key_for(event.job, event.source).decode())
         b["value"].append(bytes(value).decode("utf-8"))
