@@ -70,3 +70,14 @@ def test_the_story_puts_its_two_faults_in_different_replicas_at_every_scale() ->
         replicas = {d // (story.tp * story.pp) for d in (story.slow.device, story.stop.device)}
         assert len(replicas) == 2 and story.stop.at_iteration > story.slow.at_iteration
         assert story.tp * story.pp * story.dp <= gpus
+
+
+def test_the_default_story_is_tp2_and_the_detector_runs_at_its_defaults_plus_probes() -> None:
+    from analytics.detector_config import DetectorConfig
+    from resihp.demo.story import DETECTOR_SETTINGS
+
+    story = story_for(8)
+    assert (story.tp, story.pp, story.dp) == (2, 2, 2)
+    assert story.slow.device == 5  # the second member of replica 1's first TP pair: a probe must name it
+    config, defaults = DetectorConfig.model_validate(DETECTOR_SETTINGS), DetectorConfig()
+    assert config.probes and config.model_copy(update={"probes": False}) == defaults

@@ -28,7 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tell the story on the simulator at N GPUs (N ≥ 8), e.g. --scale 256")
     p.add_argument("--workload", choices=["torch", "sim"], default=None,
                    help="sim: the cluster simulator (the default, at 8 GPUs without --scale); torch: the 8-rank "
-                        "CPU trainer (runs the loop, but not yet the whole story: see docs/quickstart.md)")
+                        "CPU trainer with emulated device speed (runs the loop, but does not yet complete the "
+                        "story: see docs/quickstart.md)")
     p.add_argument("--headless", action="store_true", help="do not start the console")
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
     p.add_argument("--workdir", type=Path, default=None,
@@ -36,7 +37,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speed", type=float, default=1.0,
                    help="simulator only: simulated seconds per wall second (default 1: real time)")
     p.add_argument("--short", action="store_true", help="a shorter story (fewer iterations per phase; for tests)")
-    p.add_argument("--tp", type=int, default=None, help="TP degree of the layout (default: 2 below 64 GPUs, else 4)")
+    p.add_argument("--tp", type=int, default=None, help="TP degree of the layout (default 2)")
+    p.add_argument("--pace", type=float, default=None, metavar="S",
+                   help="torch only: emulated device seconds per layer-token, so 8 ranks on few cores behave like "
+                        "devices of a set speed (default 2e-4; 0: raw CPU)")
     p.add_argument("--port", type=int, default=8501, help="console port (default 8501)")
     p.add_argument("--linger", type=float, default=None, metavar="SECONDS",
                    help="with the console: keep it up this long after the story ends (default: until Ctrl-C)")
@@ -52,14 +56,14 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--scale {args.scale}: the demo needs at least 8 GPUs")
     workload = args.workload or "sim"
     if args.workload is None and args.scale is None:
-        print("note: the torch workload is not wired into the demo yet (the trainer does not announce its plan and "
-              "the analytics consumer publishes no cost fits, so plans for it cannot verify); telling the story on "
-              "the simulator at 8 GPUs. `--workload torch` runs the CPU trainer anyway.", file=sys.stderr)
+        print("note: telling the story on the simulator at 8 GPUs. The 8-rank CPU torch trainer (`--workload "
+              "torch`) runs the loop but does not complete the story yet (plans for it roll back, a fail-stop after "
+              "them gets no plan): see docs/quickstart.md.", file=sys.stderr)
     if workload == "torch" and args.scale not in (None, 8):
         raise SystemExit("the torch trainer runs 8 CPU ranks; use --workload sim for --scale "
                          f"{args.scale}")
     return run_demo(DemoOptions(
         bus=args.bus, scale=args.scale, workload=workload, headless=args.headless, json=args.json,
         workdir=args.workdir, speed=args.speed, short=args.short, port=args.port, linger_s=args.linger,
-        timeout_s=args.timeout, tp=args.tp,
+        timeout_s=args.timeout, tp=args.tp, pace=args.pace,
     ))

@@ -51,6 +51,7 @@ class DemoOptions:
     linger_s: float | None = None  # console mode: keep it up this long at the end (None: until Ctrl-C)
     timeout_s: float = 1200.0
     tp: int | None = None  # override the story's TP degree
+    pace: float | None = None  # torch: emulated device s per layer-token (None: torch_workload's default)
 
 
 def _open_bus(opts: DemoOptions, workdir: Path, env: dict[str, str]) -> tuple[Bus, Path | None, str]:
@@ -74,10 +75,11 @@ def _open_bus(opts: DemoOptions, workdir: Path, env: dict[str, str]) -> tuple[Bu
 
 def _workload_argv(opts: DemoOptions, story: DemoStory, files: dict[str, Path], flags: list[str]) -> list[str]:
     if opts.workload == "torch":
-        return resihp_argv("train", *flags, "--job", story.job, "--tp", str(story.tp), "--pp", str(story.pp),
-                           "--dp", str(story.dp), "--microbatches", str(story.microbatches_per_replica),
-                           "--iterations", str(story.iterations), "--model", TORCH_MODEL,
-                           "--faults", str(files["faults"]), "--on-death", "wait")
+        pace = [] if opts.pace is None else ["--pace", str(opts.pace)]
+        return [sys.executable, "-m", "resihp.demo.torch_workload", *flags, "--job", story.job,
+                "--tp", str(story.tp), "--pp", str(story.pp), "--dp", str(story.dp),
+                "--microbatches", str(story.microbatches_per_replica), "--iterations", str(story.iterations),
+                "--model", TORCH_MODEL, "--faults", str(files["faults"]), *pace]
     return [sys.executable, "-m", "resihp.demo.sim_workload", str(files["scenario"]), "--speed", str(opts.speed),
             *flags]
 
