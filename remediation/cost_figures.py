@@ -66,7 +66,9 @@ def model_from_fits(
     n_tok = tokens_per_microbatch or float(current.tokens_per_microbatch or 0)
     if n_tok <= 0:
         raise ValueError("tokens per micro-batch unknown: plan.current carries none; pass tokens_per_microbatch")
-    s2 = sum_sq_per_microbatch if sum_sq_per_microbatch is not None else n_tok * mean_document_tokens
+    # a document cannot be longer than its micro-batch: with 64-token rows (the torch demo) the default
+    # 1024 made Σlᵢ² 16× too large and the attention term swamped the prediction
+    s2 = sum_sq_per_microbatch if sum_sq_per_microbatch is not None else n_tok * min(mean_document_tokens, n_tok)
     h = hidden_size(current.layer_state_bytes)
     tp_bytes = 2.0 * h * BYTES_PER_VALUE  # two all-reduces of h values per token per layer
 

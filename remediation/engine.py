@@ -28,7 +28,7 @@ from collector import topics
 from collector.bus import Bus, TopicPartition
 from collector.events import (
     Envelope, EventFactory, FaultCategory, IterationPrediction, IterationSummary, Location, PlanProposed,
-    PlanRolledBack,
+    PlanRolledBack, PlanVerified,
 )
 from collector.plan import Plan
 from collector.stream import EventStream
@@ -40,8 +40,10 @@ from remediation.horizon import HorizonEstimator
 from remediation.lifecycle import (
     LifecycleState, PlanStatus, Verification, initial_state, reaction_id, reactions, step,
 )
+from remediation.measured import job_tokens
 from remediation.model import ModelSpec
 from remediation.planner import Planner, PlanRefused, predict_tokens_per_s
+from remediation.verification import verdict
 from remediation.planning_view import PlanningView, planning_view
 
 log = logging.getLogger("resihp.remediation")
@@ -108,7 +110,9 @@ class RemediationEngine:
             p = d.event.payload
             if isinstance(p, IterationPrediction) and p.tokens > 0 and self.state.running_plan is not None:
                 total, n = self._tokens_per_mb.get(p.epoch, (0.0, 0))
-                self._tokens_per_mb[p.epoch] = (total + p.tokens / self.state.running_plan.global_microbatches, n + 1)
+                plan = self._epoch_plan(p.epoch) or self.state.running_plan
+                # analytics.prediction counts each micro-batch once per forward chunk (TP × PP × v)
+                self._tokens_per_mb[p.epoch] = (total + job_tokens(p.tokens, plan) / plan.global_microbatches, n + 1)
                 self._observed_s[p.epoch] = self._observed_s.get(p.epoch, 0.0) + p.observed_s
         out = self._react()
         if out:
@@ -140,6 +144,14 @@ class RemediationEngine:
     def _react(self) -> list[Envelope]:
         out = [self._make(key, payload)
                for key, payload in reactions(self.state, self.config.verification, self._expected_fraction)]
+        for e in out:
+            if isinstance(e.payload, PlanVerified) and e.id not in self.state.seen:
+                record = self.state.plans[e.payload.plan_id]
+                judged = verdict(self.state, record, self.config.verification,
+                                 self._expected_fraction.get(record.plan_id))
+                if judged is not None and not judged[0]:
+                    self._refuse(f"plan {record.plan_id} fell short ({judged[2]}) but is kept: the layout before it "
+                                 "cannot run again (it used a dead device)", key=f"kept/{record.plan_id}")
         for e in out:
             if isinstance(e.payload, PlanRolledBack):
                 try:
@@ -190,7 +202,7 @@ class RemediationEngine:
         """Plan when what the planner knows changed; never raises: an error is reported and the
         engine plans again on the next change."""
         s = self.state
-        if s.plan_in_flight() is not None or s.running_plan is None:
+        if s.blocking_plan() is not None or s.running_plan is None:
             return None
         try:
             view = self.view()
@@ -300,8 +312,10 @@ class RemediationEngine:
         if previous is None:
             return None
         cluster = self.cluster()
-        if any(cluster.is_dead(d) for d in previous.devices):
-            log.info("no roll-back of %s: the previous layout uses a dead device", plan_id)
+        dead = sorted(d for d in previous.devices if cluster.is_dead(d) or d in self.state.known_dead)
+        if dead or record.proposal.current_tokens_per_s <= 0:
+            self._refuse(f"no roll-back of {plan_id}: the layout of epoch {previous.epoch} uses dead device(s) "
+                         f"{dead or 'it hung on'}; keeping the plan", key=f"no-rollback/{plan_id}")
             return None
         back = previous.model_copy(update={"epoch": self.state.running_epoch + 1})
         back = Plan.model_validate(back.model_dump())
@@ -316,7 +330,16 @@ class RemediationEngine:
         )
         return self._make(f"proposal/{rid}", payload)
 
+    def _epoch_plan(self, epoch: int) -> Plan | None:
+        announced = self.state.announced.get(epoch)
+        if announced is not None:
+            return announced.plan
+        running = self.state.running_plan
+        return running if running is not None and running.epoch == epoch else None
+
     def _previous_plan(self, epoch: int) -> Plan | None:
+        if epoch in self.state.layouts:
+            return self.state.layouts[epoch]
         for r in self.state.plans.values():
             if r.status in (PlanStatus.APPLIED, PlanStatus.VERIFIED, PlanStatus.ROLLED_BACK) and r.epoch == epoch:
                 return r.proposal.plan

@@ -27,6 +27,7 @@ from collector.events import (
     PlanCurrent, PlanRolledBack, PlanVerified, PolicyChanged, PolicyMode, ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
+from remediation.measured import job_tokens
 from remediation.verification import Verification, verdict
 
 _NAMESPACE = uuid.UUID("3b0d7c52-8f7e-4d3a-9c61-5a2e7f1b9d04")
@@ -107,12 +108,28 @@ class LifecycleState:
     announced: dict[int, PlanCurrent] = field(default_factory=dict)  # epoch -> the trainer's plan.current
     cost_fits: dict[int, CostModelFitted] = field(default_factory=dict)  # epoch -> latest analytics.cost_model
     epoch_samples: dict[int, dict[int, tuple[int, float]]] = field(default_factory=dict)  # epoch -> it -> (tokens, s)
+    # devices a fail-stop incident named, until a plan the trainer runs uses them again (repaired): a
+    # fail-stop incident is *resolved* once the new plan leaves its device out, but the device stays dead
+    known_dead: set[int] = field(default_factory=set)
+    layouts: dict[int, Plan] = field(default_factory=dict)  # epoch -> the plan that ran (for roll-backs)
 
     def open_incidents(self) -> list[IncidentRecord]:
         return [i for i in self.incidents.values() if i.status != "resolved"]
 
     def plan_in_flight(self) -> PlanRecord | None:
         return next((p for p in self.plans.values() if p.status in IN_FLIGHT), None)
+
+    def blocking_plan(self) -> PlanRecord | None:
+        """The plan that holds back new planning, if any: one approved or commanded, or one applied
+        and awaiting verification — unless a fail-stop it does not answer is open: the job hangs, so
+        that plan can never gather its samples, and waiting for it would leave the job hung for good."""
+        record = self.plan_in_flight()
+        if record is None or record.status != PlanStatus.APPLIED:
+            return record
+        answered = set(record.proposal.incident_ids)
+        new_stop = any(i.category == FaultCategory.FAIL_STOP and i.incident_id not in answered
+                       for i in self.open_incidents())
+        return None if new_stop else record
 
     def waiting(self) -> list[PlanRecord]:
         return [p for p in self.plans.values() if p.status == PlanStatus.PROPOSED]
@@ -123,7 +140,33 @@ class LifecycleState:
 
 
 def initial_state(job: str | None = None, plan: Plan | None = None) -> LifecycleState:
-    return LifecycleState(job=job, running_epoch=plan.epoch if plan else 0, running_plan=plan)
+    return LifecycleState(job=job, running_epoch=plan.epoch if plan else 0, running_plan=plan,
+                          layouts={plan.epoch: plan} if plan else {})
+
+
+def _note_dead(state: LifecycleState, category: FaultCategory, locations: list[Location]) -> None:
+    if FaultCategory(category) != FaultCategory.FAIL_STOP:
+        return
+    for loc in locations:
+        if loc.rank is not None:
+            state.known_dead.add(loc.rank)
+        elif loc.tp_group:
+            state.known_dead.update(loc.tp_group)
+
+
+def _run(state: LifecycleState, plan: Plan) -> None:
+    """``plan`` runs now: its devices are alive, and plans left behind by the epoch change close."""
+    state.running_epoch = plan.epoch
+    state.running_plan = plan
+    state.layouts[plan.epoch] = plan
+    state.known_dead.difference_update(plan.devices)
+    for other in state.plans.values():
+        if other.status == PlanStatus.APPLIED and other.epoch < plan.epoch:
+            other.status = PlanStatus.SUPERSEDED
+            other.verdict = f"not verified: epoch {plan.epoch} replaced it first"
+        elif other.status in WAITING and other.proposal.base_epoch < plan.epoch:
+            other.status = PlanStatus.SUPERSEDED
+            other.verdict = f"its base epoch {other.proposal.base_epoch} no longer runs (epoch {plan.epoch} does)"
 
 
 def _report(state: LifecycleState, event: Envelope, message: str) -> None:
@@ -161,6 +204,7 @@ def _incident_opened(state: LifecycleState, e: Envelope, p: IncidentOpened) -> N
         return
     state.incidents[p.incident_id] = IncidentRecord(p.incident_id, p.category, p.severity, list(p.locations),
                                                     p.summary, p.iteration, opened_at_s=e.time_s)
+    _note_dead(state, p.category, list(p.locations))
     state.incident_version += 1
 
 
@@ -172,6 +216,7 @@ def _incident_confirmed(state: LifecycleState, e: Envelope, p: IncidentConfirmed
     inc.status = "confirmed"
     if p.locations:
         inc.locations = list(p.locations)
+        _note_dead(state, inc.category, inc.locations)
         state.incident_version += 1
 
 
@@ -182,6 +227,7 @@ def _incident_updated(state: LifecycleState, e: Envelope, p: IncidentUpdated) ->
         return
     inc.severity = p.severity
     inc.locations = list(p.locations)
+    _note_dead(state, inc.category, inc.locations)
     state.incident_version += 1
 
 
@@ -260,8 +306,8 @@ def _ack(state: LifecycleState, e: Envelope, p: CommandAck) -> None:
             return
         record.status = PlanStatus.APPLIED
         record.ack = p
+        _run(state, record.proposal.plan)
         state.running_epoch = p.running_epoch
-        state.running_plan = record.proposal.plan
     elif p.status == AckStatus.FAILED:
         record.status = PlanStatus.FAILED
         record.ack = p
@@ -296,7 +342,11 @@ def _summary(state: LifecycleState, e: Envelope, p: IterationSummary) -> None:
 
 
 def _prediction(state: LifecycleState, e: Envelope, p: IterationPrediction) -> None:
-    _sample(state, p.epoch, p.iteration, p.tokens, p.observed_s)
+    announced = state.announced.get(p.epoch)
+    plan = announced.plan if announced is not None else (
+        state.running_plan if state.running_plan is not None and state.running_plan.epoch == p.epoch else None)
+    # its tokens count each micro-batch once per forward chunk (TP × PP × v): the job's are fewer
+    _sample(state, p.epoch, p.iteration, job_tokens(p.tokens, plan), p.observed_s)
 
 
 def _verified(state: LifecycleState, e: Envelope, p: PlanVerified) -> None:
@@ -323,8 +373,7 @@ def _plan_current(state: LifecycleState, e: Envelope, p: PlanCurrent) -> None:
     with no command, and an elastic restart the launcher did by itself)."""
     state.announced[p.plan.epoch] = p
     if p.plan.epoch >= state.running_epoch:
-        state.running_epoch = p.plan.epoch
-        state.running_plan = p.plan
+        _run(state, p.plan)
     else:
         _report(state, e, f"plan.current for epoch {p.plan.epoch} arrived after epoch {state.running_epoch}; kept")
 
@@ -345,6 +394,15 @@ _HANDLERS = {
 
 
 # ---- reactions -----------------------------------------------------------------------------------
+
+
+def can_roll_back(state: LifecycleState, record: PlanRecord) -> bool:
+    """Whether the layout ``record`` replaced could run again: known, and using no device known dead
+    (a plan that resumed a job hung on a dead device has nothing to roll back to: it is kept)."""
+    previous = state.layouts.get(record.proposal.base_epoch)
+    if record.proposal.current_tokens_per_s <= 0 or previous is None:
+        return False
+    return not any(d in state.known_dead for d in previous.devices)
 
 
 def reaction_id(job: str, what: str) -> str:
@@ -374,7 +432,7 @@ def reactions(state: LifecycleState, verification: Verification = Verification()
                 continue
             ok, measured, why = judged
             predicted = prop.predicted_tokens_per_s
-            if ok:
+            if ok or not can_roll_back(state, record):
                 out.append((f"verified/{record.plan_id}", PlanVerified(
                     plan_id=record.plan_id, measured_tokens_per_s=measured, predicted_tokens_per_s=predicted)))
             else:
