@@ -29,7 +29,7 @@ import numpy as np
 from analytics.cost_model import ClassFit, CostModel
 from analytics.detector_config import DetectorConfig
 from analytics.frame import KIND_NAME, IterationFrame
-from analytics.scoring import FrameScore, group_median, unit_ids
+from analytics.scoring import FrameScore, fit_ranks, group_median, unit_ids
 from collector.events import ChunkKind, CostFit, CostModelFitted
 from collector.plan import Plan
 
@@ -50,8 +50,8 @@ class CostPublisher:
         """Learn what this frame teaches the published figures; return the event to publish, if any."""
         if plan is None or plan.epoch != frame.epoch:
             return None
-        healthy = ~np.isin(frame.rank, np.fromiter(suspects, np.int64, len(suspects)))
-        self.observe_durations(frame, score.c_class, score.class_keys, healthy)
+        # not suspects' TP peers either: their chunks last as long as the suspect's (they wait for it)
+        self.observe_durations(frame, score.c_class, score.class_keys, fit_ranks(frame, suspects))
         if self._reference_epoch != frame.epoch:
             self._reference.clear()
             self.note_reference(frame)

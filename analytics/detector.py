@@ -27,7 +27,7 @@ from analytics.fail_stop import FailStopWatch
 from analytics.frame import IterationFrame, LayerLookup, build_frame
 from analytics.incidents import IncidentBook, Suspect
 from analytics.prediction import predicted_iteration_s
-from analytics.scoring import FrameScore, score_frame
+from analytics.scoring import FrameScore, fit_ranks, score_frame, tp_group_max
 from collector.events import (
     Envelope, Heartbeat, IterationPrediction, Payload, PlanCurrent, ProbeResult, RankHealth, RankHealthEntry,
     RankIteration, RankState, ReconfigureCommand,
@@ -205,8 +205,11 @@ class Detector:
         self._history.append(_FrameRecord(frame.iteration, frame.rank, own, pred, score.z))
 
     def _sigma(self, frame: IterationFrame, score: FrameScore, suspects: set[int]) -> float:
-        healthy = ~np.isin(frame.rank, list(suspects)) if suspects else np.ones(frame.num_ranks, bool)
-        self._zhist.append(score.z[healthy])
+        # One value per clean TP group, its slowest member: suspects' groups are out (their peers wait
+        # for the suspect, fit_ranks), and members that waited for a peer read fast, which is not
+        # noise (tp_group_max); on the paced torch trainer a peer of a ×3 rank scores ×0.05, which
+        # alone made σ ≈ 1.6 and resolved the slow rank's incident while it was still slow.
+        self._zhist.append(tp_group_max(frame, score.z, fit_ranks(frame, suspects)))
         pooled = np.concatenate(list(self._zhist))
         if len(pooled) == 0:
             return self.config.sigma_floor
@@ -228,7 +231,9 @@ class Detector:
         top = int(frame.rank.max()) + 1
         if top > len(self._cusum):
             self._cusum = np.concatenate([self._cusum, np.zeros(top - len(self._cusum) + _GROW)])
-        s = np.maximum(0.0, self._cusum[frame.rank] + np.minimum(score.z - k, cap))
+        judged = np.isfinite(score.z)  # a rank without predictions keeps its CUSUM as it was
+        prev = self._cusum[frame.rank]
+        s = np.where(judged, np.maximum(0.0, prev + np.minimum(np.nan_to_num(score.z) - k, cap)), prev)
         self._cusum[frame.rank] = s
         out: list[Payload] = []
         open_ranks = self.book.open_compute_ranks()
@@ -238,8 +243,8 @@ class Detector:
         for members in self._merge_tp_peers(frame, score, alarmed, k):
             out += self.book.open_fail_slow(self._compute_suspect(frame, score, members, sigma, k, h), frame.iteration)
         for key in self.book.open_rank_keys():
-            idx = np.flatnonzero(np.isin(frame.rank, key[1]))
-            if len(idx):
+            idx = np.flatnonzero(np.isin(frame.rank, key[1]) & judged)
+            if len(idx):  # no judged member this iteration: no evidence either way (not a healthy one)
                 z_now = float(score.z[idx].max())
                 out += self.book.observe(key, z_now, k, frame.iteration, self._factor(key[1], z_now))
         return out
@@ -264,7 +269,7 @@ class Detector:
         """exp(median z) over the last 3 iterations of these ranks (the slowest rank per iteration)."""
         zs = []
         for rec in list(self._history)[-3:]:
-            idx = np.flatnonzero(np.isin(rec.rank, ranks))
+            idx = np.flatnonzero(np.isin(rec.rank, ranks) & np.isfinite(rec.z))
             if len(idx):
                 zs.append(float(rec.z[idx].max()))
         return float(np.exp(np.median(zs))) if zs else float(np.exp(z_now))
@@ -294,7 +299,8 @@ class Detector:
             stage=int(frame.pp[i]), tp_group=tuple(int(r) for r in frame.rank[group]), factor=factor,
             confidence=conf, iterations=[h_[0] for h_ in hist], observed_s=[h_[1] for h_ in hist],
             predicted_s=[h_[2] for h_ in hist],
-            rank_factors={int(frame.rank[j]): round(float(np.exp(score.z[j])), 4) for j in group},
+            rank_factors={int(frame.rank[j]): round(float(np.exp(score.z[j])), 4) for j in group
+                          if np.isfinite(score.z[j])},
             statistic=f"CUSUM on log(own compute / predicted), centred on the job median; k={k:.4f} h={h:.4f} "
                       f"sigma={sigma:.4f}",
             note=note, ranks=ranks,

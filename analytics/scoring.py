@@ -1,8 +1,9 @@
 """Per-rank and per-link scores of one iteration: observed against the cost model's prediction.
 
 For every rank, x = the median over its chunks of log(own compute / predicted), per chunk kind and
-weighted by the kinds' predicted shares (``rank_log_ratios``), then centred on the job's median rank
-(``z = x − median x``), so a slowdown shared by the whole job (a model that
+weighted by the kinds' predicted shares (``rank_log_ratios``), then centred on the job
+(``z = x − centre``, the centre being the median over clean TP groups of each group's slowest
+member, ``tp_group_max``), so a slowdown shared by the whole job (a model that
 drifted, a slower data mix) is not blamed on anyone, while one rank slower than the work it was
 given stands out — from the first iteration on, because the prediction comes from its peers
 (other replicas and TP ranks of the same work class), not from its own history.
@@ -26,7 +27,7 @@ from analytics.frame import OP_CODE, IterationFrame
 
 @dataclass
 class FrameScore:
-    z: np.ndarray  # (R,) centred log-ratio per rank
+    z: np.ndarray  # (R,) centred log-ratio per rank; NaN for a rank with no predicted chunk (not judged)
     x: np.ndarray  # (R,) raw log-ratio per rank
     z_by_kind: np.ndarray  # (R, 3) centred log-ratio per rank and chunk kind (NaN if none)
     c_pred: np.ndarray  # (C,) predicted own time per chunk
@@ -125,6 +126,62 @@ def group_quantile(ids: np.ndarray, values: np.ndarray, n_groups: int, q: float)
     return out
 
 
+def unit_own_time(units: np.ndarray, own_s: np.ndarray, n_units: int) -> np.ndarray:
+    """A work unit's own time for the fit: the *largest* own time among its TP ranks (NaN if none).
+
+    Why not the median: a TP rank's own time can only be under-measured, never over-measured by its
+    peers. Own time is the chunk's duration minus the TP all-reduce waits inside it; when a peer
+    starts late (its input came from a slow rank) or runs slow, the waiting rank's wait also
+    swallows time that was really its compute (on the torch trainer with device pacing, its whole
+    padding: own ≈ 2 ms against ≈ 30 ms healthy). At TP 2 the median is the mean of the two, so one
+    such rank halves the row, and a class whose replicas disagree by 2-15× has no majority for the
+    robust fit to side with. The group finishes when its slowest member does, so the maximum is the
+    group's work; a member slow by its own fault is kept out by the caller (suspects' whole TP
+    groups are left out of the fit, ``fit_ranks``). Preemption biases the maximum up a little,
+    alike for every unit of a class (the TP degree is part of the class), so ranks are still
+    judged fairly against it."""
+    return group_quantile(units, own_s, n_units, 1.0)
+
+
+def fit_ranks(frame: IterationFrame, suspects: set[int]) -> np.ndarray:
+    """Ranks whose chunks may teach the cost model: not suspected, and no suspect in their TP group.
+
+    A suspect's TP peers wait for it inside their chunks, so their own times are entangled with the
+    suspect's (see ``unit_own_time``); their rows would drag the class's line towards a few
+    milliseconds, and every healthy replica sharing the class would then look ×5-×20 slow (the
+    torch demo's false TP-group incident after a reshape), and the stale fit would carry into later
+    epochs (classes keyed by layer range survive reshapes)."""
+    if not suspects:
+        return np.ones(frame.num_ranks, dtype=bool)
+    S = int(frame.pp.max()) + 1
+    group = frame.dp * S + frame.pp
+    bad = np.isin(frame.rank, np.fromiter(suspects, np.int64, len(suspects)))
+    tainted = np.zeros(int(group.max()) + 1, dtype=bool)
+    tainted[group[bad]] = True
+    return ~tainted[group]
+
+
+def tp_group_max(frame: IterationFrame, values: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Per TP group (replica, stage), the largest finite value among its ranks in ``mask``; one
+    entry per group that has any.
+
+    Why groups, not ranks, for the job's centre and for σ: a TP rank's own time is only ever
+    under-measured by its peers (``unit_own_time``), so its z has a heavy *fast* tail that is not
+    noise — on the paced torch trainer the rank that waited reads ×0.05-×0.5. Ranks pooled one by
+    one, those tails pulled the centre down as suspects left the pool (everyone else then looked
+    slow: a cascade of incidents) and blew σ up (a slow rank's incident resolved). The group's
+    slowest member is its real time, the same quantity the fit is anchored to. At TP 1 a group is
+    a rank; with identical TP timings (the simulator) nothing changes."""
+    ok = mask & np.isfinite(values)
+    if not ok.any():
+        return np.zeros(0)
+    S = int(frame.pp.max()) + 1
+    group = (frame.dp * S + frame.pp)[ok]
+    out = np.full(int(group.max()) + 1, -np.inf)
+    np.maximum.at(out, group, values[ok])
+    return out[np.isfinite(out)]
+
+
 def fit_and_predict(frame: IterationFrame, model: CostModel, healthy_rank: np.ndarray,
                     c_class: np.ndarray, keys: list[Hashable]) -> tuple[np.ndarray, bool]:
     """Predict every chunk's own time, then teach the model this iteration's healthy work units.
@@ -136,7 +193,7 @@ def fit_and_predict(frame: IterationFrame, model: CostModel, healthy_rank: np.nd
     units = unit_ids(frame)
     n_units = int(units.max()) + 1 if len(units) else 0
     ok = healthy_rank[frame.c_rank]
-    u_own = group_median(units[ok], frame.c_own[ok], n_units)
+    u_own = unit_own_time(units[ok], frame.c_own[ok], n_units)
     first = np.zeros(n_units, dtype=np.int64)
     first[units[::-1]] = np.arange(len(units))[::-1]  # a representative chunk per unit
     used = np.zeros(n_units, dtype=bool)
@@ -150,6 +207,7 @@ def fit_and_predict(frame: IterationFrame, model: CostModel, healthy_rank: np.nd
     if unseen:
         model.refit()
     pred = model.predict_classes(keys, c_class, frame.c_tokens, frame.c_s2)
+    pred = _layer_scaled_prior(model, keys, c_class, frame, pred)
     inferred = not frame.has_seq_lens
     if inferred:
         pred = _per_microbatch_correction(frame, units, u_own, pred)
@@ -165,6 +223,33 @@ def fit_and_predict(frame: IterationFrame, model: CostModel, healthy_rank: np.nd
             model.observe(key, frame.iteration, t_s[a:b], s2_s[a:b], own_s[a:b])
     model.refit()
     return pred, inferred
+
+
+def _layer_scaled_prior(model: CostModel, keys: list[Hashable], c_class: np.ndarray, frame: IterationFrame,
+                        pred: np.ndarray) -> np.ndarray:
+    """Predictions for classes still without a fit, from a fitted class of the same virtual stage,
+    kind and TP degree, scaled by layer count (nearest layer count wins).
+
+    When does a class stay unfitted: a reshape gave a suspect's TP group a layer range nobody else
+    runs (the torch demo's planner moved a layer off the slow rank's stage and kept the rank), and
+    suspects' groups teach nothing (``fit_ranks``). Without this the slow rank had no prediction,
+    scored as healthy, and its incident resolved after 3 iterations while it was still ×3 slow.
+    Approximate (embeddings and the head are not per-layer work), but a slow rank is ×1.5 or more
+    off its peers' line, and the class gets its own fit as soon as a clean group runs it."""
+    missing = [i for i, k in enumerate(keys) if k[0] == "layers" and k not in model.fits]
+    if not missing:
+        return pred
+    fitted = [k for k in model.fits if isinstance(k, tuple) and k and k[0] == "layers"]
+    for i in missing:
+        _, first, end, vs, kind, tpd = keys[i]
+        siblings = [k for k in fitted if k[3:] == (vs, kind, tpd) and k[2] > k[1]]
+        if not siblings or end <= first:
+            continue
+        ref = min(siblings, key=lambda k: (abs((k[2] - k[1]) - (end - first)), abs(k[1] - first)))
+        sel = c_class == i
+        scale = (end - first) / (ref[2] - ref[1])
+        pred[sel] = scale * model.predict(ref, frame.c_tokens[sel], frame.c_s2[sel])
+    return pred
 
 
 def _per_microbatch_correction(frame: IterationFrame, units: np.ndarray, u_own: np.ndarray,
@@ -197,7 +282,7 @@ def rank_log_ratios(frame: IterationFrame, pred: np.ndarray, chunk_quantile: flo
     if chunk_quantile is None:
         own_sum = np.bincount(frame.c_rank, weights=frame.c_own, minlength=R)
         pred_sum = np.bincount(frame.c_rank, weights=p, minlength=R)
-        x = np.log(np.maximum(own_sum, 1e-12) / np.maximum(pred_sum, 1e-12))
+        x = np.where(pred_sum > 0, np.log(np.maximum(own_sum, 1e-12) / np.maximum(pred_sum, 1e-12)), np.nan)
         g = frame.c_rank * 3 + frame.c_kind
         o = np.bincount(g, weights=frame.c_own, minlength=3 * R).reshape(R, 3)
         pk = np.bincount(g, weights=p, minlength=3 * R).reshape(R, 3)
@@ -212,7 +297,8 @@ def rank_log_ratios(frame: IterationFrame, pred: np.ndarray, chunk_quantile: flo
     share = np.bincount(g, weights=p, minlength=3 * R).reshape(R, 3)
     share = np.where(np.isfinite(xk), share, 0.0)
     total = share.sum(axis=1)
-    x = np.where(total > 0, np.nansum(np.nan_to_num(xk) * share, axis=1) / np.maximum(total, 1e-300), 0.0)
+    # a rank none of whose chunks has a prediction is not judged (NaN), rather than judged healthy
+    x = np.where(total > 0, np.nansum(np.nan_to_num(xk) * share, axis=1) / np.maximum(total, 1e-300), np.nan)
     return x, xk
 
 
@@ -221,9 +307,13 @@ def score_frame(frame: IterationFrame, model: CostModel, suspects: set[int],
     """Predict, learn from the healthy part, and score every rank and link of one iteration."""
     healthy_rank = ~np.isin(frame.rank, np.fromiter(suspects, np.int64, len(suspects)))
     c_class, keys = chunk_classes(frame)
-    pred, inferred = fit_and_predict(frame, model, healthy_rank, c_class, keys)
+    pred, inferred = fit_and_predict(frame, model, fit_ranks(frame, suspects), c_class, keys)
     x, xk = rank_log_ratios(frame, pred, chunk_quantile)
-    centre = float(np.median(x[healthy_rank])) if healthy_rank.any() else float(np.median(x))
+    clean = fit_ranks(frame, suspects)
+    pool = tp_group_max(frame, x, clean)
+    if not len(pool):
+        pool = x[np.isfinite(x)]
+    centre = float(np.median(pool)) if len(pool) else 0.0
     src, dst, lz = score_links(frame)
     return FrameScore(z=x - centre, x=x, z_by_kind=xk - centre, c_pred=pred, c_class=c_class, class_keys=keys,
                       link_src=src, link_dst=dst, link_z=lz, inferred=inferred)
