@@ -45,6 +45,14 @@ class _FrameRecord:
     z: np.ndarray
 
 
+def job_tokens(frame: IterationFrame) -> int:
+    """Tokens the job trained in this iteration: each micro-batch once, from the forward chunks of
+    the first stage's TP rank 0 (first model chunk) in every replica. Every other rank reruns the
+    same micro-batches, so summing all ranks would count each one TP·PP·v times."""
+    first = (frame.c_kind == 0) & (frame.c_vs == 0) & (frame.pp[frame.c_rank] == 0) & (frame.tp[frame.c_rank] == 0)
+    return int(frame.c_tokens[first].sum())
+
+
 @dataclass
 class DetectorStats:
     frames: int = 0
@@ -391,7 +399,7 @@ class Detector:
         return IterationPrediction(
             epoch=frame.epoch, iteration=frame.iteration, observed_s=float(frame.wall_s.max()),
             predicted_s=float(predicted) if np.isfinite(predicted) else 0.0,
-            tokens=int(frame.c_tokens[frame.c_kind == 0].sum()),
+            tokens=job_tokens(frame),
             model_error=float(err) if np.isfinite(err) else None,
         )
 

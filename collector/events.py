@@ -218,7 +218,7 @@ class IterationPrediction(Payload):
     iteration: int = Field(ge=0)
     observed_s: float = Field(ge=0)
     predicted_s: float = Field(ge=0)
-    tokens: int = Field(ge=0)
+    tokens: int = Field(ge=0, description="tokens the job trained in the iteration, each micro-batch once")
     model_error: float | None = Field(default=None, description="the cost model's recent relative error")
 
 

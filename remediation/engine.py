@@ -40,7 +40,6 @@ from remediation.horizon import HorizonEstimator
 from remediation.lifecycle import (
     LifecycleState, PlanStatus, Verification, initial_state, reaction_id, reactions, step,
 )
-from remediation.measured import job_tokens
 from remediation.model import ModelSpec
 from remediation.planner import Planner, PlanRefused, predict_tokens_per_s
 from remediation.verification import verdict
@@ -111,8 +110,7 @@ class RemediationEngine:
             if isinstance(p, IterationPrediction) and p.tokens > 0 and self.state.running_plan is not None:
                 total, n = self._tokens_per_mb.get(p.epoch, (0.0, 0))
                 plan = self._epoch_plan(p.epoch) or self.state.running_plan
-                # analytics.prediction counts each micro-batch once per forward chunk (TP × PP × v)
-                self._tokens_per_mb[p.epoch] = (total + job_tokens(p.tokens, plan) / plan.global_microbatches, n + 1)
+                self._tokens_per_mb[p.epoch] = (total + p.tokens / plan.global_microbatches, n + 1)
                 self._observed_s[p.epoch] = self._observed_s.get(p.epoch, 0.0) + p.observed_s
         out = self._react()
         if out:

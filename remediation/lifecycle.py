@@ -27,7 +27,6 @@ from collector.events import (
     PlanCurrent, PlanRolledBack, PlanVerified, PolicyChanged, PolicyMode, ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
-from remediation.measured import job_tokens
 from remediation.verification import Verification, verdict
 
 _NAMESPACE = uuid.UUID("3b0d7c52-8f7e-4d3a-9c61-5a2e7f1b9d04")
@@ -342,11 +341,7 @@ def _summary(state: LifecycleState, e: Envelope, p: IterationSummary) -> None:
 
 
 def _prediction(state: LifecycleState, e: Envelope, p: IterationPrediction) -> None:
-    announced = state.announced.get(p.epoch)
-    plan = announced.plan if announced is not None else (
-        state.running_plan if state.running_plan is not None and state.running_plan.epoch == p.epoch else None)
-    # its tokens count each micro-batch once per forward chunk (TP × PP × v): the job's are fewer
-    _sample(state, p.epoch, p.iteration, job_tokens(p.tokens, plan), p.observed_s)
+    _sample(state, p.epoch, p.iteration, p.tokens, p.observed_s)
 
 
 def _verified(state: LifecycleState, e: Envelope, p: PlanVerified) -> None:

@@ -9,7 +9,6 @@ from collector.events import (
 )
 from collector.plan import Plan
 from remediation.lifecycle import PlanStatus, can_roll_back, fold, initial_state, reactions
-from remediation.measured import forward_copies, job_tokens
 
 F = EventFactory("job", "test")
 PLAN0 = Plan.uniform(tp=2, pp=2, dp=2, num_layers=8, microbatches_per_replica=4)
@@ -79,10 +78,8 @@ def test_an_applied_plan_left_behind_by_a_newer_epoch_stops_being_in_flight():
     assert s.plans["p1"].status == PlanStatus.SUPERSEDED and s.plan_in_flight() is None
 
 
-def test_prediction_tokens_count_each_forward_chunk_and_are_brought_back_to_job_tokens():
-    assert forward_copies(PLAN0) == 4.0  # TP2 × PP2
-    assert job_tokens(106_880, PLAN0) == 26_720  # measured in the simulator demo: summary said 26,720
+def test_prediction_tokens_are_taken_as_the_jobs_tokens():
     s = fold([F.make(PlanCurrent(plan=PLAN0, reason="start")),
               F.make(IterationPrediction(epoch=0, iteration=3, observed_s=2.0, predicted_s=2.0, tokens=4096))],
              initial_state("job"))
-    assert s.epoch_samples[0][3] == (1024, 2.0)
+    assert s.epoch_samples[0][3] == (4096, 2.0)
