@@ -1,11 +1,10 @@
-"""`resihp demo --headless --json` end to end, on the embedded bus and on a real Kafka broker.
+"""`resihp demo --headless --json` end to end: the simulator on the embedded bus and on a real
+Kafka broker, and the default workload — the 8-rank CPU torch trainer — on the embedded bus.
 
-Each run starts the real components as processes (the simulator's closed loop at 8 GPUs,
-TP2·PP2·DP2, the analytics consumer with the detector at its default lags, the remediation engine
-with auto-apply), injects a fail-slow (in a TP pair: found on the group, named by a probe) and a
-fail-stop, and ends with one JSON line. The simulator keeps this inside the area's CI budget: the
-short story at 6× real time, ~92 iterations. (No torch-workload test: its story does not complete
-yet, docs/quickstart.md, and one run takes minutes.)
+Each run starts the real components as processes (the workload at 8 GPUs, TP2·PP2·DP2, the
+analytics consumer with the detector at its default lags, the remediation engine with
+auto-apply), injects a fail-slow and a fail-stop, and ends with one JSON line. The short story
+(~92 iterations; the simulator at 6× real time) keeps this inside the CI budget.
 """
 
 from __future__ import annotations
@@ -23,11 +22,12 @@ from collector.trace import TraceReader
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _run_demo(workdir: Path, bus: str, env_extra: dict[str, str]) -> tuple[dict, str]:
+def _run_demo(workdir: Path, bus: str, env_extra: dict[str, str], workload: str = "sim") -> tuple[dict, str]:
     env = dict(os.environ, **env_extra)
     env.pop("RESIHP_KAFKA_NAMESPACE", None)  # the demo picks a fresh one
+    speed = ["--speed", "6"] if workload == "sim" else []
     proc = subprocess.run(
-        [sys.executable, "-m", "resihp.cli", "demo", "--headless", "--json", "--short", "--speed", "6",
+        [sys.executable, "-m", "resihp.cli", "demo", "--headless", "--json", "--short", "--workload", workload, *speed,
          "--bus", bus, "--workdir", str(workdir), "--timeout", "400"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=500,
     )
@@ -36,10 +36,13 @@ def _run_demo(workdir: Path, bus: str, env_extra: dict[str, str]) -> tuple[dict,
     return json.loads(lines[-1]), proc.stderr
 
 
-@pytest.mark.parametrize("bus", ["embedded", pytest.param("kafka", marks=pytest.mark.kafka)])
-def test_demo_detects_localises_fixes_and_loses_nothing(bus: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize("bus, workload", [
+    ("embedded", "sim"), pytest.param("kafka", "sim", marks=pytest.mark.kafka), ("embedded", "torch")])
+def test_demo_detects_localises_fixes_and_loses_nothing(
+    bus: str, workload: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     env = {"RESIHP_KAFKA_BOOTSTRAP": request.getfixturevalue("kafka_bootstrap")} if bus == "kafka" else {}
-    result, log = _run_demo(tmp_path / "demo", bus, env)
+    result, log = _run_demo(tmp_path / "demo", bus, env, workload)
     why = f"\n{json.dumps(result, indent=1)}\n{log[-4000:]}"
 
     # The story: both faults injected, each detected on the right rank, each fixed by an applied plan.

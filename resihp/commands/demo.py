@@ -15,7 +15,6 @@ whole log as a trace under the workdir (``resihp replay``, or the console's Repl
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 
@@ -27,9 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scale", type=int, default=None, metavar="N",
                    help="tell the story on the simulator at N GPUs (N ≥ 8), e.g. --scale 256")
     p.add_argument("--workload", choices=["torch", "sim"], default=None,
-                   help="sim: the cluster simulator (the default, at 8 GPUs without --scale); torch: the 8-rank "
-                        "CPU trainer with emulated device speed (runs the loop, but does not yet complete the "
-                        "story: see docs/quickstart.md)")
+                   help="torch: the 8-rank CPU torch trainer with emulated device speed (the default without "
+                        "--scale); sim: the cluster simulator (the default with --scale)")
     p.add_argument("--headless", action="store_true", help="do not start the console")
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
     p.add_argument("--workdir", type=Path, default=None,
@@ -54,11 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.scale is not None and args.scale < 8:
         raise SystemExit(f"--scale {args.scale}: the demo needs at least 8 GPUs")
-    workload = args.workload or "sim"
-    if args.workload is None and args.scale is None:
-        print("note: telling the story on the simulator at 8 GPUs. The 8-rank CPU torch trainer (`--workload "
-              "torch`) runs the loop but does not complete the story yet (plans for it roll back, a fail-stop after "
-              "them gets no plan): see docs/quickstart.md.", file=sys.stderr)
+    workload = args.workload or ("sim" if args.scale is not None else "torch")
     if workload == "torch" and args.scale not in (None, 8):
         raise SystemExit("the torch trainer runs 8 CPU ranks; use --workload sim for --scale "
                          f"{args.scale}")
