@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import getpass
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -56,7 +55,9 @@ def run(args: argparse.Namespace) -> int:
            "--server.port", str(args.port), "--server.address", args.address,
            "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
            "--global.developmentMode", "false", "--client.toolbarMode", "viewer"]
-    return subprocess.call(cmd, env=console_env(args))
+    # Become the Streamlit server (exec, not a child): a signal to `resihp ui` then reaches the
+    # server itself, so stopping the console never leaves an orphaned server on the port.
+    os.execve(sys.executable, cmd, console_env(args))
 
 
 def _add_user(args: argparse.Namespace) -> int:
