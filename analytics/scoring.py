@@ -305,11 +305,10 @@ def rank_log_ratios(frame: IterationFrame, pred: np.ndarray, chunk_quantile: flo
 def score_frame(frame: IterationFrame, model: CostModel, suspects: set[int],
                 chunk_quantile: float | None = None) -> FrameScore:
     """Predict, learn from the healthy part, and score every rank and link of one iteration."""
-    healthy_rank = ~np.isin(frame.rank, np.fromiter(suspects, np.int64, len(suspects)))
-    c_class, keys = chunk_classes(frame)
-    pred, inferred = fit_and_predict(frame, model, fit_ranks(frame, suspects), c_class, keys)
-    x, xk = rank_log_ratios(frame, pred, chunk_quantile)
     clean = fit_ranks(frame, suspects)
+    c_class, keys = chunk_classes(frame)
+    pred, inferred = fit_and_predict(frame, model, clean, c_class, keys)
+    x, xk = rank_log_ratios(frame, pred, chunk_quantile)
     pool = tp_group_max(frame, x, clean)
     if not len(pool):
         pool = x[np.isfinite(x)]

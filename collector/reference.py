@@ -111,7 +111,7 @@ def render() -> str:
     for e in _enums():
         lines.append(f"| {e.__name__} | " + ", ".join(f"`{v.value}`" for v in e) + " |")
     schedules = typing.get_args(plan.Schedule)
-    lines += [f"| Schedule | " + ", ".join(f"`{s}`" for s in schedules) + " |", ""]
+    lines += ["| Schedule | " + ", ".join(f"`{s}`" for s in schedules) + " |", ""]
     return "\n".join(lines)
 
 

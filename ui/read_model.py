@@ -24,7 +24,7 @@ import numpy as np
 from collector.events import (
     AckStatus, CommandAck, Envelope, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentResolved,
     IncidentUpdated, IterationPrediction, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified,
-    PolicyChanged, PolicyMode, RankHealth, RankHealthEntry, RankIteration, ReconfigureCommand, Severity,
+    PolicyChanged, PolicyMode, RankHealthEntry, RankIteration, ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
 from ui.rank_store import RankStore
