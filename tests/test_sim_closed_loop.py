@@ -98,3 +98,21 @@ def test_engine_is_steppable_in_process_and_fences_without_a_bus() -> None:
     assert engine.reconfigure(_command(skip, "skip"))[0].payload.status == AckStatus.IGNORED_STALE  # out of order: ignored, reported
     engine.run(2)
     assert engine.iteration == 4
+
+
+def test_telemetry_of_replicas_with_different_stage_counts() -> None:
+    """After a reshape replicas may differ in shape (a slow stage split in two): every rank still
+    reports, with its own stage's gradient bytes."""
+    from collector.plan import PipelinePlan, StagePlan
+
+    base = Plan.uniform(tp=2, pp=2, dp=2, num_layers=MODEL.layers, microbatches_per_replica=4)
+    split = PipelinePlan(replica=1, microbatches=4, stages=(
+        StagePlan(devices=(4,), first_layer=0, end_layer=2), StagePlan(devices=(5,), first_layer=2, end_layer=4),
+        StagePlan(devices=(6, 7), first_layer=4, end_layer=8)))
+    plan = Plan.model_validate({**base.model_dump(), "pipelines": [base.pipelines[0].model_dump(), split.model_dump()]})
+    engine = SimEngine(SimConfig(model=MODEL, cluster=ClusterSpec(gpus=8), plan=plan, job="shapes"))
+    reports = [e.payload for e in engine.step() if e.kind == "telemetry.iteration"]
+    assert sorted(r.rank for r in reports) == list(range(8))
+    dp = {r.rank: next(c.bytes for c in r.comm if c.op == "dp_allreduce") for r in reports}
+    assert dp[4] == dp[5] == 2 * MODEL.params_per_layer * MODEL.bytes_per_value  # 2 layers, TP 1
+    assert dp[6] == 4 * MODEL.params_per_layer // 2 * MODEL.bytes_per_value

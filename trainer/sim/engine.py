@@ -141,8 +141,9 @@ class SimEngine:
             coeffs = stage_coefficients(self.config.model, self.config.cluster, self.plan, reps)
             self._groups.append(_Group(gi, reps, table, coeffs, stage_ops(table)))
         self._dp_allreduce_s = dp_allreduce_s(self.config.model, self.config.cluster, self.plan)
-        self._dp_bytes = [st.num_layers * self.config.model.params_per_layer // st.tp * self.config.model.bytes_per_value
-                          for st in self.plan.pipelines[0].stages]
+        m = self.config.model  # gradient bytes per TP rank, per replica and stage (replicas may differ in shape)
+        self._dp_bytes = [[st.num_layers * m.params_per_layer // st.tp * m.bytes_per_value for st in pipe.stages]
+                          for pipe in self.plan.pipelines]
         self._block = None
 
     # ---- faults ------------------------------------------------------------------------------
@@ -336,7 +337,7 @@ class SimEngine:
                     for p in replica_rank_iterations(
                         plan=self.plan, cluster=self.config.cluster, replica=replica, iteration=k, table=g.table,
                         ops_by_stage=g.ops_by_stage, start_s=timing.start_s[row], end_s=timing.end_s[row],
-                        tokens=packed.tokens[row], seq_lens=seq, iteration_s=dur, dp_bytes=self._dp_bytes,
+                        tokens=packed.tokens[row], seq_lens=seq, iteration_s=dur, dp_bytes=self._dp_bytes[replica],
                         ranks=self._ranks,
                     ):
                         out.append(self.events.make(f"rank-{p.rank}", p, t_end))
