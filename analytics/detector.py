@@ -188,7 +188,7 @@ class Detector:
         return out
 
     def _new_epoch(self, frame: IterationFrame) -> list[Payload]:
-        """A new plan: the CUSUMs restart; incidents on ranks the plan no longer uses are resolved.
+        """A new plan: the CUSUMs restart; fail-stops on ranks the plan no longer uses are resolved.
         The noise window (σ) is kept with the fits, so a new layout is not judged on one iteration's σ.
         The cost model keeps its fits only when classes are keyed by layer range (the plan is
         known): a stage whose layers and TP degree did not change is the same work as before, and

@@ -71,6 +71,7 @@ class _Open:
     last_update_iteration: int = -1
     probe_id: str | None = None
     probe_ratios: dict[int, float] = field(default_factory=dict)
+    probe_used: bool = False  # its answers already named (or confirmed) the suspect
 
 
 def severity_of(factor: float, category: FaultCategory) -> Severity:
@@ -181,8 +182,12 @@ class IncidentBook:
                 return []
             worst = max(inc.probe_ratios, key=inc.probe_ratios.get)
             ratio = inc.probe_ratios[worst]
-            if ratio < self.config.probe_confirm_ratio or inc.confirmed:
+            if ratio < self.config.probe_confirm_ratio or inc.probe_used:
                 return []
+            inc.probe_used = True
+            # Persistence may have confirmed the incident while the probe ran (telemetry and the
+            # answers travel on different topics): the answers still name the member, as an update.
+            already = inc.confirmed
             inc.confirmed = True
             s = inc.suspect
             if s.target == "compute" and s.rank is None:
@@ -197,6 +202,12 @@ class IncidentBook:
                     s.link, s.rank = None, worst  # one device's NIC
                 s.confidence = 0.9
             ratios = ", ".join(f"{r}: ×{v:.2f}" for r, v in sorted(inc.probe_ratios.items()))
+            if already:
+                return [IncidentUpdated(incident_id=inc.incident_id, iteration=inc.last_update_iteration,
+                                        severity=severity_of(inc.factor, inc.category),
+                                        locations=[s.location(inc.factor)],
+                                        evidence=s.evidence().model_copy(update={
+                                            "statistic": f"probe: rank {worst} took ×{ratio:.2f} ({ratios})"}))]
             return [IncidentConfirmed(
                 incident_id=inc.incident_id, method="probe",
                 detail=f"probe: rank {worst} took ×{ratio:.2f} of the healthy reference ({ratios})",
@@ -238,10 +249,14 @@ class IncidentBook:
         return out
 
     def reconfigured(self, present: set[int], iteration: int) -> list[Payload]:
+        """A new plan: a fail-stop on a rank it no longer uses is resolved (the remediation keeps the
+        device as dead until a plan uses it again). A fail-slow on a rank or link it no longer
+        uses stays open: nothing measured the device healthy, so resolving it would tell the
+        planner the device is fine and invite it back, slow, into the next plan."""
         out: list[Payload] = []
         for key in list(self.open):
-            if key[0] == "comm":
-                continue  # job-level: it ends when the excess does
+            if key[0] != "dead":
+                continue  # fail-slow stays open while unobserved; "comm" is job-level and ends with the excess
             ranks = [key[1]] if key[0] == "dead" else list(key[1]) if key[0] == "ranks" else [key[1], key[2]]
             if not all(r in present for r in ranks):
                 inc = self.open.pop(key)

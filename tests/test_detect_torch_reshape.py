@@ -63,16 +63,15 @@ def test_after_a_reshape_only_the_slow_rank_is_flagged_at_a_sane_factor(outcome:
     # every incident, in every epoch, is on rank 5 alone (no TP group, no untouched replica)
     assert [(it, loc.rank, loc.replica) for it, loc in opened] == [(it, 5, 1) for it, _ in opened], opened
     assert [it for it, _ in opened] and 6 <= opened[0][0] <= 8, opened  # found at onset (iteration 6)
-    # rank 5 returns at epoch 2 (iteration 20), still ×3: found again within 3 iterations
-    again = [it for it, _ in opened if it >= 20]
-    assert again and again[0] <= 23, opened
+    # rank 5 is out of the plan in epoch 1: nothing measures it healthy, so its incident stays open
+    # (resolving it would invite the slow device back); it returns at epoch 2 (iteration 20) still ×3
+    assert len(opened) == 1, opened
     # every factor published for it (opened, updated, confirmed) within 2× of the truth (×3)
     factors = [loc.factor for e in out if e.kind.startswith("incident.") for loc in (getattr(e.payload, "locations", None)
                                                                                      or [])]
     assert factors and all(1.5 <= f <= 6.0 for f in factors), factors
-    # the incident after the rollback is not resolved while the rank stays slow
-    reopened = next(e.payload.incident_id for e in out if e.kind == "incident.opened" and e.payload.iteration >= 20)
-    assert not [e for e in out if e.kind == "incident.resolved" and e.payload.incident_id == reopened]
+    # ... and is not resolved through the reshape, the rollback, or after, while the rank stays slow
+    assert not [e for e in out if e.kind == "incident.resolved"]
 
 
 def test_the_demo_reshape_that_keeps_the_slow_rank_keeps_its_incident_open_at_its_factor() -> None:
