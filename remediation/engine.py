@@ -137,7 +137,11 @@ class RemediationEngine:
     # ---- reactions ------------------------------------------------------------------------------
 
     def _make(self, key: str, payload) -> Envelope:  # type: ignore[no-untyped-def]
-        return self.factory.make(payload, event_id=reaction_id(self.config.job, key))
+        """A reaction, stamped with the engine's clock (the newest event time it read): a reaction
+        happens at the time of what caused it, so a replay re-derives the same event, and a job on
+        a simulated clock gets reactions on that clock, not the wall's."""
+        time_s = self._clock_s if self._clock_s != float("-inf") else None
+        return self.factory.make(payload, event_id=reaction_id(self.config.job, key), time_s=time_s)
 
     def _react(self) -> list[Envelope]:
         out = [self._make(key, payload)
@@ -215,6 +219,8 @@ class RemediationEngine:
         self.waiting = {w.incident_id: w.reason for w in view.waiting}
         for w in view.waiting:
             self._refuse(w.reason, key=f"wait/{w.incident_id}/{s.incident_version}/{w.reason}")
+        if view.waiting and not view.incidents:
+            return None  # every open incident waits to be located: planning now would answer none of them
         for incident_id in view.grouped:
             self._refuse(f"incident {incident_id}: planning around its whole TP group (the member is not named)",
                          key=f"group/{incident_id}/{s.incident_version}")
@@ -238,8 +244,7 @@ class RemediationEngine:
             self._refuse(f"plan refused: {exc.reason}", key=f"refused/{s.running_epoch}/{s.incident_version}")
             return None
         horizon_s = getattr(strategy, "options", self.config.options).horizon_s
-        gain = result.horizon_tokens / max(1e-9, result.current_tokens_per_s * horizon_s) - 1
-        if not result.changed or (result.current_tokens_per_s > 0 and gain < self.config.min_gain_fraction):
+        if not result.worth_applying(horizon_s, self.config.min_gain_fraction):
             return None
         plan_id = f"p{s.running_epoch}-{s.incident_version}" + (f"-g{len(view.grouped)}" if view.grouped else "")
         if result.current_tokens_per_s <= 0:

@@ -67,6 +67,17 @@ class PlanResult:
     def gain_tokens_per_s(self) -> float:
         return self.predicted_tokens_per_s - self.current_tokens_per_s
 
+    def worth_applying(self, horizon_s: float, min_gain_fraction: float) -> bool:
+        """Whether the change trains at least ``min_gain_fraction`` more tokens over ``horizon_s``
+        than keeping the current plan, the reshape's pause paid. The margin is there because the
+        prediction is a model: a gain smaller than its error is a coin toss that costs a pause. A
+        job that trains nothing now (hung on a dead device) takes any plan that trains."""
+        if not self.changed:
+            return False
+        if self.current_tokens_per_s <= 0:
+            return True
+        return self.horizon_tokens / (self.current_tokens_per_s * horizon_s) - 1 >= min_gain_fraction
+
 
 @dataclass
 class _Slot:
