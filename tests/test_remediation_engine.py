@@ -96,3 +96,29 @@ def test_engine_plans_from_plan_current_and_published_cost_fits(tmp_path: Path) 
         assert record.proposal.base_epoch == 0 and 5 not in record.proposal.plan.devices
         assert engine.model is not None and engine.model.tp_bytes_per_token > 0  # built from the fits
         engine.close()
+
+
+def test_a_group_level_fail_slow_waits_for_its_member_and_reactions_carry_event_time(tmp_path: Path) -> None:
+    """Nothing is planned while the only incident names a TP group but not the member (a plan then
+    would answer no incident); once an update names the rank, the proposal follows, stamped with
+    the time of what caused it — on the job's clock, which here is far from the wall's."""
+    from collector.events import IncidentUpdated
+
+    plan = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
+    t0 = 1_000.0
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
+        engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), ModelSpec.uniform(8), plan)
+        analytics = EventFactory(JOB, "analytics")
+        group = Location(target="compute", tp_group=(4, 5), replica=1, stage=0, factor=3.0)
+        bus.publish([analytics.make(IncidentOpened(
+            incident_id="i1", category=FaultCategory.FAIL_SLOW, severity=Severity.CRITICAL, iteration=5,
+            locations=[group], evidence=Evidence(), summary="TP group [4, 5] ×3"), time_s=t0)])
+        engine.poll_once()
+        assert not engine.state.plans and "i1" in engine.waiting
+        named = group.model_copy(update={"rank": 5})
+        bus.publish([analytics.make(IncidentUpdated(incident_id="i1", iteration=6, severity=Severity.CRITICAL,
+                                                    locations=[named], evidence=Evidence()), time_s=t0 + 2)])
+        engine.poll_once()
+        (record,) = engine.state.plans.values()
+        assert record.proposed_at_s == t0 + 2
+        engine.close()

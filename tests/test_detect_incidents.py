@@ -1,0 +1,40 @@
+"""The incident book's rules that the live loop depends on: a probe answered late still names the
+member, and a reshape resolves fail-stops it routed around but never a fail-slow it only hid."""
+
+from __future__ import annotations
+
+from analytics.detector_config import DetectorConfig
+from analytics.fail_stop import LivenessChange
+from analytics.incidents import IncidentBook, Suspect
+from collector.events import IncidentConfirmed, IncidentResolved, IncidentUpdated, ProbeRequest, ProbeResult
+
+
+def _group_suspect() -> Suspect:
+    return Suspect(key=("ranks", (4, 5)), target="compute", rank=None, link=None, node=0, replica=1, stage=0,
+                   tp_group=(4, 5), factor=3.0, confidence=0.5, iterations=[], observed_s=[], predicted_s=[],
+                   rank_factors={}, statistic="", note="", ranks=(4, 5))
+
+
+def test_a_probe_answered_after_persistence_confirmed_still_names_the_member() -> None:
+    config = DetectorConfig(probes=True)
+    book = IncidentBook("j", config)
+    opened = book.open_fail_slow(_group_suspect(), iteration=10)
+    (probe,) = [p for p in opened if isinstance(p, ProbeRequest)]
+    (confirmed,) = book.end_of_iteration(10 + config.confirm_iterations)
+    assert isinstance(confirmed, IncidentConfirmed) and confirmed.method == "persistence"
+    assert confirmed.locations[0].rank is None
+    assert book.probe_result(ProbeResult(probe_id=probe.probe_id, rank=4, duration_s=0.05, reference_s=0.05)) == []
+    (named,) = book.probe_result(ProbeResult(probe_id=probe.probe_id, rank=5, duration_s=0.15, reference_s=0.05))
+    assert isinstance(named, IncidentUpdated) and named.locations[0].rank == 5
+    assert "rank 5" in named.evidence.statistic
+    again = book.probe_result(ProbeResult(probe_id=probe.probe_id, rank=5, duration_s=0.15, reference_s=0.05))
+    assert again == []  # one naming per probe
+
+
+def test_a_reshape_resolves_a_dead_rank_it_dropped_but_keeps_a_slow_one_open() -> None:
+    book = IncidentBook("j", DetectorConfig())
+    book.open_fail_slow(_group_suspect(), iteration=3)
+    book.fail_stop([LivenessChange(rank=9, alive=False, iteration=4, reason="no heartbeat")])
+    out = book.reconfigured(present=set(range(16)) - {4, 5, 9}, iteration=8)
+    assert [type(p) for p in out] == [IncidentResolved]
+    assert book.open_compute_ranks() == {4, 5}
