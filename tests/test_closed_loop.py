@@ -1,0 +1,65 @@
+"""The whole loop in one process (resihp.closed_loop): the simulator's faults are found by the
+analytics detector from telemetry alone, and the engine's plans, applied by the simulator, win
+back throughput that doing nothing loses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from collector.plan import Plan
+from remediation.candidates import PlannerOptions
+from resihp.closed_loop import location_devices, run_closed_loop
+from resihp.planning_models import fitted_model, hardware_of
+from trainer.sim.engine import SimConfig, SimEngine
+from trainer.sim.faults import FaultSpec
+from trainer.sim.presets import MODEL_PRESETS, ClusterSpec
+from collector.events import Location
+
+MODEL = MODEL_PRESETS["tiny"]
+
+
+def _config(strategy: str) -> SimConfig:
+    plan = Plan.uniform(tp=2, pp=2, dp=4, num_layers=MODEL.layers, microbatches_per_replica=4)
+    return SimConfig(model=MODEL, cluster=ClusterSpec(gpus=16), plan=plan, job=f"loop-{strategy}", seed=3,
+                     reshape_pause_s=0.5, heartbeat_interval_s=1.0)
+
+
+def _run(strategy: str, faults: list[FaultSpec], duration_s: float, tmp_path: Path):  # type: ignore[no-untyped-def]
+    config = _config(strategy)
+    options = PlannerOptions(horizon_s=600.0, pause_s=0.5, rebalance_pause_s=0.5)
+    return SimEngine(config, faults), run_closed_loop(
+        SimEngine(config, faults), fitted_model(config), strategy=strategy, duration_s=duration_s, options=options,
+        hardware=hardware_of(config.cluster), window_s=2.0, directory=tmp_path)
+
+
+def test_a_slow_gpu_is_detected_from_telemetry_and_the_plan_wins_back_tokens(tmp_path: Path) -> None:
+    faults = [FaultSpec(kind="slow_compute", device=5, factor=4.0, at_s=3.0)]
+    _, ours = _run("ours", faults, 15.0, tmp_path)
+    _, idle = _run("do_nothing", faults, 15.0, tmp_path)
+    (det,) = ours.detections
+    assert det.category == "fail_slow" and det.onset_s == pytest.approx(3.0, abs=0.5)
+    assert det.delay_s is not None and 0 <= det.delay_s < 2.0
+    assert ours.false_incidents == 0 and idle.false_incidents == 0
+    assert ours.plans_applied >= 1 and idle.plans_applied == 0
+    assert ours.tokens > 1.1 * idle.tokens
+    assert ours.training_at_end and ours.series
+
+
+def test_a_dead_gpu_is_found_by_heartbeats_and_the_job_trains_again(tmp_path: Path) -> None:
+    faults = [FaultSpec(kind="stop_device", device=9, at_s=3.0)]
+    _, ours = _run("ours", faults, 15.0, tmp_path)
+    _, idle = _run("do_nothing", faults, 15.0, tmp_path)
+    (det,) = ours.detections
+    assert det.category == "fail_stop" and det.delay_s is not None and det.delay_s <= 5.0
+    assert ours.plans_applied >= 1 and ours.training_at_end
+    assert not idle.training_at_end and ours.tokens > 2 * idle.tokens
+
+
+def test_location_devices_names_ranks_groups_links_and_nodes() -> None:
+    assert location_devices(Location(target="compute", rank=3), 8) == {3}
+    assert location_devices(Location(target="compute", tp_group=(4, 5)), 8) == {4, 5}
+    assert location_devices(Location(target="link", link=(1, 9)), 8) == {1, 9}
+    assert location_devices(Location(target="node", node=1), 8) == set(range(8, 16))
+    assert location_devices(Location(target="compute", rank=3, node=0), 8) == {3}  # node: where it lives
