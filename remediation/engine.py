@@ -34,7 +34,7 @@ from collector.plan import Plan
 from collector.stream import EventStream
 from remediation.baselines import PlannerStrategy, Strategy, make_strategy
 from remediation.candidates import PlannerOptions
-from remediation.cluster import ClusterState, Hardware, cluster_from_incidents
+from remediation.cluster import ClusterState, DeviceState, Hardware, cluster_from_incidents
 from remediation.cost_figures import calibrate_spread, model_from_fits
 from remediation.horizon import HorizonEstimator
 from remediation.lifecycle import (
@@ -81,7 +81,7 @@ class RemediationEngine:
         self.initial_plan = initial_plan
         self.state: LifecycleState = initial_state(config.job, initial_plan)
         self.factory = EventFactory(config.job, "remediation")
-        self._planned_key: tuple = (0, ())
+        self._planned_key: tuple = (0, (), 0)
         self._expected_fraction: dict[str, float | None] = {}  # resume plans: predicted / before the fail-stop
         self._clock_s = float("-inf")  # the newest event time read: the engine's clock (replays the same)
         self.refusals: list[str] = []  # why something could not be planned, in order (also logged)
@@ -189,6 +189,11 @@ class RemediationEngine:
         cluster = cluster_from_incidents(self.num_devices(), view.incidents, self.config.hardware, skipped)
         for loc, reason in skipped:
             self._refuse(f"location {loc.model_dump(exclude_defaults=True)} left out: {reason}")
+        # A fail-stop's incident is resolved once a plan leaves its device out, but the device is
+        # still dead until a running plan uses it again (the fold's known_dead): never plan on it.
+        for d in sorted(self.state.known_dead):
+            if d < cluster.num_devices and not cluster.is_dead(d):
+                cluster = cluster.with_device(d, DeviceState(dead=True))
         return cluster
 
     def _refuse(self, reason: str, key: str | None = None) -> None:
@@ -212,7 +217,8 @@ class RemediationEngine:
             log.exception("remediation job=%s: cannot read the open incidents", s.job)
             self._refuse(f"cannot read the open incidents: {exc!r}")
             return None
-        key = (s.incident_version, view.key)
+        failed = sum(1 for r in s.plans.values() if r.status == PlanStatus.FAILED)  # the trainer could not apply it
+        key = (s.incident_version, view.key, failed)
         if key == self._planned_key:
             return None
         self._planned_key = key
@@ -246,7 +252,14 @@ class RemediationEngine:
         horizon_s = getattr(strategy, "options", self.config.options).horizon_s
         if not result.worth_applying(horizon_s, self.config.min_gain_fraction):
             return None
-        plan_id = f"p{s.running_epoch}-{s.incident_version}" + (f"-g{len(view.grouped)}" if view.grouped else "")
+        failed = [r for r in s.plans.values() if r.status == PlanStatus.FAILED]
+        same = next((r for r in failed if r.proposal.plan.pipelines == result.plan.pipelines), None)
+        if same is not None:  # it would fail again: say so and wait for something to change
+            self._refuse(f"the best plan is {same.plan_id}'s layout, which the trainer failed to apply "
+                         f"({same.verdict}); waiting for a change", key=f"failed-again/{same.plan_id}")
+            return None
+        plan_id = (f"p{s.running_epoch}-{s.incident_version}" + (f"-g{len(view.grouped)}" if view.grouped else "")
+                   + (f"-f{len(failed)}" if failed else ""))  # after a failed apply the id must be new
         if result.current_tokens_per_s <= 0:
             self._expected_fraction[plan_id] = self._fraction_of_before(result, view)
         payload = PlanProposed(

@@ -122,3 +122,54 @@ def test_a_group_level_fail_slow_waits_for_its_member_and_reactions_carry_event_
         (record,) = engine.state.plans.values()
         assert record.proposed_at_s == t0 + 2
         engine.close()
+
+
+def test_a_dead_device_stays_out_of_plans_after_its_incident_resolves_and_a_failed_layout_is_not_retried(
+        tmp_path: Path) -> None:
+    """The detector resolves a fail-stop once a plan leaves the rank out; the device is still dead,
+    so the next plan (for another fault) must not re-grow onto it. When the trainer cannot apply a
+    plan (ack failed), the engine plans again, but never proposes that same layout again."""
+    from collector.events import IncidentResolved
+
+    plan = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
+        engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), ModelSpec.uniform(8), plan)
+        analytics, trainer = EventFactory(JOB, "analytics"), EventFactory(JOB, "trainer")
+
+        def stop(incident_id: str, rank: int) -> None:
+            bus.publish([analytics.make(IncidentOpened(
+                incident_id=incident_id, category=FaultCategory.FAIL_STOP, severity=Severity.CRITICAL, iteration=5,
+                locations=[Location(target="compute", rank=rank)], evidence=Evidence(), summary=f"rank {rank} silent"))])
+
+        def apply(record, status=AckStatus.APPLIED) -> None:  # type: ignore[no-untyped-def]
+            from collector.events import PlanDecision
+            bus.publish([EventFactory(JOB, "console").make(PlanDecision(plan_id=record.plan_id, approve=True,
+                                                                        actor="ui:op"))])
+            engine.poll_once()
+            engine.poll_once()
+            cmd = next(c for c in _commands(bus) if c.payload.plan_id == record.plan_id)
+            epoch = cmd.payload.plan.epoch
+            bus.publish([trainer.make(CommandAck(command_id=cmd.payload.command_id, plan_id=record.plan_id,
+                                                 epoch=epoch, status=status,
+                                                 running_epoch=epoch if status == AckStatus.APPLIED else epoch - 1))])
+            engine.poll_once()
+
+        stop("s5", 5)
+        engine.poll_once()
+        (first,) = engine.state.plans.values()
+        apply(first)
+        bus.publish([analytics.make(IncidentResolved(incident_id="s5", iteration=9,
+                                                     reason="the new plan no longer uses this location"))])
+        stop("s12", 12)
+        engine.poll_once()
+        second = [r for r in engine.state.plans.values() if r.plan_id != first.plan_id]
+        assert len(second) == 1 and not {5, 12} & set(second[0].proposal.plan.devices)
+        apply(second[0], status=AckStatus.FAILED)
+        engine.poll_once()
+        assert len(engine.state.plans) == 2  # the same layout again would fail again: reported, not proposed
+        assert any(second[0].plan_id in r and "failed to apply" in r for r in engine.refusals), engine.refusals
+        stop("s13", 13)  # something changed: plan again, around every dead device
+        engine.poll_once()
+        third = [r for r in engine.state.plans.values() if r.plan_id not in (first.plan_id, second[0].plan_id)]
+        assert len(third) == 1 and not {5, 12, 13} & set(third[0].proposal.plan.devices)
+        engine.close()
