@@ -31,6 +31,7 @@ from typing import Protocol
 import numpy as np
 
 from analytics.schedule import op_table, pipeline_timing
+from collector.plan import Plan
 from remediation.cluster import ClusterState
 from remediation.model import ModelSpec
 
@@ -243,3 +244,23 @@ def expected_slowest_s(spans: Iterable[tuple[float, int]], cv: float, grid_point
     log_f = (np.log(np.clip(_normal_cdf(z), 1e-300, 1.0)) * counts[None, :]).sum(axis=1)
     survival = 1.0 - np.exp(log_f)
     return lo + float(np.trapezoid(survival, t))
+
+
+def compute_factor_from_chunks(cluster: ClusterState, model: ModelSpec, plan: Plan, device: int,
+                               chunk_factor: float) -> float:
+    """The compute slowdown behind a measured chunk slowdown of ``device``.
+
+    The detector's factor is how much longer the rank's chunks take than predicted: compute, TP
+    communication and per-layer overhead together. ``DeviceState.compute_factor`` multiplies the
+    compute alone (what a throttled GPU slows). With c the stage's compute and f the rest of one
+    F+B round trip, chunk_factor = (cf·c + f) / (c + f), so cf = 1 + (chunk_factor − 1)·(c + f)/c.
+    A device the plan does not use keeps the measured factor (no stage to take c and f from)."""
+    healthy = ClusterState(cluster.num_devices, cluster.hardware)
+    for pipe in plan.pipelines:
+        for i, st in enumerate(pipe.stages):
+            if device in st.devices:
+                cost = stage_cost(healthy, model, st.devices, last=i == len(pipe.stages) - 1)
+                compute = (1 + model.backward_factor) * (st.num_layers * cost.per_layer_compute_s + cost.head_s)
+                total = stage_round_trip_s(cost, model, st.num_layers)
+                return 1 + (chunk_factor - 1) * total / compute if compute > 0 else chunk_factor
+    return chunk_factor

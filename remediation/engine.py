@@ -36,6 +36,7 @@ from remediation.baselines import PlannerStrategy, Strategy, make_strategy
 from remediation.candidates import PlannerOptions
 from remediation.cluster import ClusterState, DeviceState, Hardware, cluster_from_incidents
 from remediation.cost_figures import calibrate_spread, model_from_fits
+from remediation.costs import compute_factor_from_chunks
 from remediation.horizon import HorizonEstimator
 from remediation.lifecycle import (
     LifecycleState, PlanStatus, Verification, initial_state, reaction_id, reactions, step,
@@ -101,10 +102,10 @@ class RemediationEngine:
         deliveries = self.stream.poll(timeout_s=timeout_s)
         for d in deliveries:
             self._clock_s = max(self._clock_s, d.event.time_s)
-            version = self.state.incident_version
+            faults = self._fault_set()
             if self.config.verify_from_telemetry or not isinstance(d.event.payload, IterationSummary):
                 step(self.state, d.event)
-            if self.state.incident_version != version:
+            if self._fault_set() != faults:  # a fault came or went; a confirmation or update is the same fault
                 self.horizon.change(d.event.time_s)
             p = d.event.payload
             if isinstance(p, IterationPrediction) and p.tokens > 0 and self.state.running_plan is not None:
@@ -120,6 +121,9 @@ class RemediationEngine:
         if deliveries:
             self.stream.commit()
         return len(deliveries)
+
+    def _fault_set(self) -> frozenset[str]:
+        return frozenset(i.incident_id for i in self.state.open_incidents())
 
     def run(self, idle_exit_s: float | None = None) -> None:
         import time
@@ -194,6 +198,13 @@ class RemediationEngine:
         for d in sorted(self.state.known_dead):
             if d < cluster.num_devices and not cluster.is_dead(d):
                 cluster = cluster.with_device(d, DeviceState(dead=True))
+        # The detector measures chunk slowdowns; the planner's compute factor slows compute alone.
+        plan, model = self.state.running_plan, self.model or self.fallback_model
+        if plan is not None and model is not None:
+            for d, st in sorted(cluster.damaged.items()):
+                if not st.dead and st.compute_factor > 1.0:
+                    cf = compute_factor_from_chunks(cluster, model, plan, d, st.compute_factor)
+                    cluster = cluster.with_device(d, DeviceState(compute_factor=cf))
         return cluster
 
     def _refuse(self, reason: str, key: str | None = None) -> None:

@@ -147,3 +147,23 @@ def test_horizon_follows_the_gaps_between_changes() -> None:
     h.change(545.0)
     h.change(550.0)
     assert h.horizon_s() == pytest.approx(max(60.0, (125.0 + 5.0 + 5.0) / 3))
+
+
+def test_a_measured_chunk_slowdown_is_turned_back_into_the_compute_slowdown_behind_it() -> None:
+    """The detector reports how much longer a rank's chunks take (compute, TP comm and overhead
+    together); the simulator's ×4 compute fault shows as a smaller chunk factor, and the
+    conversion recovers the ×4 the planner's compute factor means."""
+    from remediation.costs import compute_factor_from_chunks, stage_cost, stage_round_trip_s
+
+    config = _config()
+    model, hardware = exact_model(config.model, config.cluster, config.workload), hardware_of(config.cluster)
+    healthy = ClusterState(config.cluster.gpus, hardware)
+    slow = healthy.with_device(3, DeviceState(compute_factor=4.0))
+    stage = next(st for st in PLAN.pipelines[0].stages if 3 in st.devices)
+    last = stage is PLAN.pipelines[0].stages[-1]
+    chunk_factor = (stage_round_trip_s(stage_cost(slow, model, stage.devices, last), model, stage.num_layers)
+                    / stage_round_trip_s(stage_cost(healthy, model, stage.devices, last), model, stage.num_layers))
+    assert 1.0 < chunk_factor < 4.0  # the chunk also holds work a slow GPU does not slow
+    assert compute_factor_from_chunks(healthy, model, PLAN, 3, chunk_factor) == pytest.approx(4.0)
+    unused = config.cluster.gpus + 0  # a device outside the plan keeps the measured factor
+    assert compute_factor_from_chunks(ClusterState(unused + 8, hardware), model, PLAN, unused, 2.0) == 2.0
