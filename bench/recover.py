@@ -23,8 +23,6 @@ import argparse
 import json
 from dataclasses import dataclass, field, replace
 
-from remediation.engine import EngineConfig
-
 SCENARIOS = ("slow_x1.5", "slow_x2", "slow_x4", "slow_link_x4", "stop_gpu", "stop_node", "every_30min", "cascading")
 STRATEGIES = ("oracle", "ours", "do_nothing", "drop_replica", "elastic_restart", "oobleck", "tp_only", "pp_only",
               "dp_only")
@@ -32,7 +30,6 @@ DETECT_STOP_S = 20.0
 DETECT_SLOW_S = 30.0
 RESHAPE_PAUSE_S = 20.0
 HORIZON_S = 1800.0
-MIN_GAIN = EngineConfig.min_gain_fraction  # the engine's rule: apply only what gains this much over the horizon
 SPREAD_ITERATIONS = 300  # healthy iterations the spread is calibrated on (~90 s; the first fault comes at 5 min)
 
 
@@ -163,6 +160,7 @@ def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run
     from resihp.planning_models import hardware_of
     from remediation.baselines import ElasticRestart, PlannerStrategy, make_strategy
     from remediation.cluster import ClusterState, DeviceState
+    from remediation.engine import EngineConfig
     from remediation.horizon import HorizonEstimator
     from remediation.planner import PlanRefused
     from trainer.sim.engine import SimEngine
@@ -219,7 +217,7 @@ def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run
                 result = None
             horizon_s = getattr(strategy, "options", None)
             horizon_s = horizon_s.horizon_s if horizon_s is not None else HORIZON_S
-            if result is not None and result.worth_applying(horizon_s, 0.0 if oracle else MIN_GAIN):
+            if result is not None and result.worth_applying(horizon_s, 0.0 if oracle else EngineConfig.min_gain_fraction):
                 commands += 1
                 new = result.plan.model_copy(update={"epoch": engine.plan.epoch + 1})
                 cmd = ReconfigureCommand(command_id=f"c{commands}", plan_id=f"p{commands}",

@@ -79,6 +79,7 @@ class RemediationEngine:
         self._tokens_per_mb: dict[int, tuple[float, int]] = {}  # epoch -> (sum of per-mb tokens, count)
         self._observed_s: dict[int, float] = {}  # epoch -> sum of observed iteration seconds
         self.horizon = HorizonEstimator(default_s=config.options.horizon_s)
+        self._faults: frozenset[str] = frozenset()  # open incident ids when the horizon last saw a change
         self.initial_plan = initial_plan
         self.state: LifecycleState = initial_state(config.job, initial_plan)
         self.factory = EventFactory(config.job, "remediation")
@@ -102,11 +103,14 @@ class RemediationEngine:
         deliveries = self.stream.poll(timeout_s=timeout_s)
         for d in deliveries:
             self._clock_s = max(self._clock_s, d.event.time_s)
-            faults = self._fault_set()
+            version = self.state.incident_version
             if self.config.verify_from_telemetry or not isinstance(d.event.payload, IterationSummary):
                 step(self.state, d.event)
-            if self._fault_set() != faults:  # a fault came or went; a confirmation or update is the same fault
-                self.horizon.change(d.event.time_s)
+            if self.state.incident_version != version:
+                faults = frozenset(i.incident_id for i in self.state.open_incidents())
+                if faults != self._faults:  # a fault came or went; a confirmation or update is the same fault
+                    self._faults = faults
+                    self.horizon.change(d.event.time_s)
             p = d.event.payload
             if isinstance(p, IterationPrediction) and p.tokens > 0 and self.state.running_plan is not None:
                 total, n = self._tokens_per_mb.get(p.epoch, (0.0, 0))
@@ -121,9 +125,6 @@ class RemediationEngine:
         if deliveries:
             self.stream.commit()
         return len(deliveries)
-
-    def _fault_set(self) -> frozenset[str]:
-        return frozenset(i.incident_id for i in self.state.open_incidents())
 
     def run(self, idle_exit_s: float | None = None) -> None:
         import time
@@ -228,8 +229,7 @@ class RemediationEngine:
             log.exception("remediation job=%s: cannot read the open incidents", s.job)
             self._refuse(f"cannot read the open incidents: {exc!r}")
             return None
-        failed = sum(1 for r in s.plans.values() if r.status == PlanStatus.FAILED)  # the trainer could not apply it
-        key = (s.incident_version, view.key, failed)
+        key = (s.incident_version, view.key, len(s.failed()))  # a failed apply is a reason to plan again
         if key == self._planned_key:
             return None
         self._planned_key = key
@@ -263,7 +263,7 @@ class RemediationEngine:
         horizon_s = getattr(strategy, "options", self.config.options).horizon_s
         if not result.worth_applying(horizon_s, self.config.min_gain_fraction):
             return None
-        failed = [r for r in s.plans.values() if r.status == PlanStatus.FAILED]
+        failed = s.failed()
         same = next((r for r in failed if r.proposal.plan.pipelines == result.plan.pipelines), None)
         if same is not None:  # it would fail again: say so and wait for something to change
             self._refuse(f"the best plan is {same.plan_id}'s layout, which the trainer failed to apply "

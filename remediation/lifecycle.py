@@ -133,6 +133,10 @@ class LifecycleState:
     def waiting(self) -> list[PlanRecord]:
         return [p for p in self.plans.values() if p.status == PlanStatus.PROPOSED]
 
+    def failed(self) -> list[PlanRecord]:
+        """Plans the trainer could not apply (or that went stale on the way)."""
+        return [p for p in self.plans.values() if p.status == PlanStatus.FAILED]
+
     def max_severity(self) -> Severity:
         open_ = self.open_incidents()
         return max((i.severity for i in open_), key=lambda s: _SEVERITY_ORDER[s], default=Severity.LOW)
@@ -214,9 +218,7 @@ def _incident_confirmed(state: LifecycleState, e: Envelope, p: IncidentConfirmed
         return
     inc.status = "confirmed"
     if p.locations:
-        inc.locations = list(p.locations)
-        _note_dead(state, inc.category, inc.locations)
-        state.incident_version += 1
+        _relocate(state, inc, p.locations)
 
 
 def _incident_updated(state: LifecycleState, e: Envelope, p: IncidentUpdated) -> None:
@@ -225,7 +227,12 @@ def _incident_updated(state: LifecycleState, e: Envelope, p: IncidentUpdated) ->
         _report(state, e, f"update of unknown incident {p.incident_id}")
         return
     inc.severity = p.severity
-    inc.locations = list(p.locations)
+    _relocate(state, inc, p.locations)
+
+
+def _relocate(state: LifecycleState, inc: IncidentRecord, locations: list[Location]) -> None:
+    """New locations for an open incident: what the planner plans around changed."""
+    inc.locations = list(locations)
     _note_dead(state, inc.category, inc.locations)
     state.incident_version += 1
 
