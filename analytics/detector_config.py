@@ -37,6 +37,15 @@ class DetectorConfig(BaseModel):
     heartbeat_miss_intervals: float = Field(
         default=3.0, gt=0, description="missed intervals that make a rank dead, in event time relative to the "
                                        "other ranks' progress (analytics/fail_stop.py)")
+    reference_max_lag_intervals: float = Field(
+        default=20.0, gt=0, description="the job's reference time never trails its newest event by more than this "
+                                       "many intervals, so a third or more of the job dying at once is still judged; "
+                                       "a partition lagging longer than this while the job hangs looks dead")
+    hang_miss_intervals: float = Field(
+        default=1.5, gt=0, description="the same while the job is hung: no iteration completed for "
+                                       "hang_stall_iterations typical iterations and one heartbeat interval")
+    hang_stall_iterations: float = Field(
+        default=3.0, gt=0, description="typical iterations without a completed one that make the job hung")
     telemetry_lag_iterations: int = Field(
         default=3, ge=1, description="iterations in a row a rank's own stream moved on without its report")
     flush_lag_iterations: int = Field(

@@ -10,7 +10,16 @@ a rank is judged against the others' progress:
   intervals older than the job's reference time, the lower third (``REFERENCE_QUANTILE``) of the
   watched ranks' watermarks. A low quantile, not the newest: when a group of partitions lags, the
   reference lags with it, so the lagging ranks are not called dead; when a node dies (a quarter of
-  a 32-GPU job, say) the reference still comes from the living.
+  a 32-GPU job, say) the reference still comes from the living. When a third or more of the job
+  dies at once (a node of a two-node job), the lower third is the dead ranks' own time; so the
+  reference never trails the newest watermark by more than ``reference_max_lag_intervals``
+  intervals, which bounds how long any dead set can go unjudged.
+- **Hung job**: a dead rank stalls a synchronous job, and a stall is itself evidence. When no
+  iteration of the newest epoch completed for ``hang_stall_iterations`` typical iterations (and at
+  least one heartbeat interval) of the job's progress, a rank is dead after
+  ``hang_miss_intervals`` missed intervals instead of ``heartbeat_miss_intervals``: the others'
+  heartbeats say they are waiting, and the one that stopped is what they wait for. This halves
+  the time a dead rank holds the job before remediation can start.
 - **Proof of life**: a synchronous job cannot finish iteration j+1 unless every rank of the plan
   finished j. So if peers of r's epoch reported iteration ≥ k+2 while r's stream only got to k,
   r's events are late (its partition lags), not missing: r is not judged dead, however old its
@@ -21,7 +30,7 @@ a rank is judged against the others' progress:
   the detector had to score without them (``missing``).
 
 What can go wrong: while the job hangs (nobody progresses, so there is no proof of life) a live
-rank whose partition lags the others by more than the heartbeat threshold looks dead until its
+rank whose partition lags the others by more than the hung threshold looks dead until its
 heartbeats arrive; it is then revived (``alive``) and its incident resolved.
 """
 
@@ -78,6 +87,8 @@ class FailStopWatch:
     streams: dict[int, RankStream] = field(default_factory=dict)
     watched: set[int] = field(default_factory=set)  # the running plan's ranks (or those heard from)
     _epoch_top: dict[int, int] = field(default_factory=dict)  # epoch -> newest iteration any rank reported
+    _top_time_s: dict[int, float] = field(default_factory=dict)  # epoch -> event time its top was first reported
+    _iteration_s: float | None = None  # typical event time between iterations of the newest epoch
     _missing: dict[int, int] = field(default_factory=dict)
     _retired: set[int] = field(default_factory=set)
     _next_check_s: float = float("-inf")
@@ -107,11 +118,21 @@ class FailStopWatch:
         self._advance(s, epoch, time_s)
         if epoch == s.epoch:
             s.reported = max(s.reported, iteration)
-        self._epoch_top[epoch] = max(self._epoch_top.get(epoch, -1), iteration)
+        self._note_progress(epoch, iteration, time_s)
         self._missing[rank] = 0
         if rank not in self._retired:
             self.watched.add(rank)
         return self._revive(rank, f"telemetry resumed at iteration {iteration}") + self._maybe_check(time_s)
+
+    def _note_progress(self, epoch: int, iteration: int, time_s: float) -> None:
+        """Keep the epoch's top iteration, when it was reached, and the typical time per iteration."""
+        top = self._epoch_top.get(epoch, -1)
+        if iteration <= top:
+            return
+        if top >= 0 and time_s > self._top_time_s[epoch]:
+            step = (time_s - self._top_time_s[epoch]) / (iteration - top)
+            self._iteration_s = step if self._iteration_s is None else 0.8 * self._iteration_s + 0.2 * step
+        self._epoch_top[epoch], self._top_time_s[epoch] = iteration, time_s
 
     @staticmethod
     def _advance(s: RankStream, epoch: int, time_s: float) -> None:
@@ -142,11 +163,17 @@ class FailStopWatch:
     # ---- judgement ------------------------------------------------------------------------------
 
     def reference_s(self) -> float:
-        """The job's progress in event time: the lower third of the watched live ranks' watermarks."""
+        """The job's progress in event time: the lower third of the watched live ranks' watermarks,
+        but no more than ``reference_max_lag_intervals`` heartbeat intervals behind the newest."""
         times = [self.streams[r].time_s for r in self.watched if r not in self.dead and r in self.streams]
         if not times:
             return float("-inf")
-        return float(np.quantile(np.asarray(times), REFERENCE_QUANTILE, method="lower"))
+        lower = float(np.quantile(np.asarray(times), REFERENCE_QUANTILE, method="lower"))
+        return max(lower, max(times) - self.config.reference_max_lag_intervals * self._interval_s())
+
+    def _interval_s(self) -> float:
+        """The shortest heartbeat interval announced (1 s before any heartbeat)."""
+        return min((s.hb_interval_s for s in self.streams.values() if s.hb_time_s is not None), default=1.0)
 
     def proof_of_life(self, rank: int) -> bool:
         """Peers of the rank's epoch completed iterations it must have run: its stream is just late."""
@@ -156,15 +183,25 @@ class FailStopWatch:
         top = self._epoch_top.get(s.epoch, -1)
         return top >= s.known_iteration(s.epoch) + 2
 
+    def stalled_s(self, ref_s: float, interval_s: float) -> float:
+        """How long (in the job's progress) the newest epoch has completed nothing, or 0 while that
+        is within ``hang_stall_iterations`` typical iterations or one heartbeat interval."""
+        epoch = self.newest_epoch()
+        if epoch < 0 or self._iteration_s is None:
+            return 0.0
+        stalled = ref_s - self._top_time_s[epoch]
+        return stalled if stalled > max(interval_s, self.config.hang_stall_iterations * self._iteration_s) else 0.0
+
     def _maybe_check(self, time_s: float) -> list[LivenessChange]:
-        """Judge when this event is half an interval newer than the last judgement's, or after as many
-        events as there are watched ranks (so that lagging streams, whose events are older, still get
-        judged). The judgement walks every rank, so this keeps it O(1) per event."""
+        """Judge when this event is half an interval newer than the last judgement's, or after a third
+        as many events as there are watched ranks (so that lagging streams, whose events are older,
+        still get judged, and a burst of heartbeats that moves the reference is judged before the
+        next burst). The judgement walks every rank, so this keeps it O(1) per event."""
         self._events_since_check += 1
-        if time_s < self._next_check_s and self._events_since_check < max(len(self.watched), 8):
+        if time_s < self._next_check_s and self._events_since_check < max(len(self.watched) // 3, 8):
             return []
         self._events_since_check = 0
-        interval = min((s.hb_interval_s for s in self.streams.values() if s.hb_time_s is not None), default=1.0)
+        interval = self._interval_s()
         self._next_check_s = max(self._next_check_s, time_s + 0.5 * interval)
         return self.check()
 
@@ -172,7 +209,6 @@ class FailStopWatch:
         """Judge every watched rank's heartbeats against the reference."""
         ref = self.reference_s()
         out = []
-        miss = self.config.heartbeat_miss_intervals
         for rank in sorted(self.watched):
             s = self.streams.get(rank)
             if s is None or s.hb_time_s is None or rank in self.dead or rank in self._retired:
@@ -180,11 +216,16 @@ class FailStopWatch:
             if self._newest_plan is not None and rank not in self._newest_plan[1] and s.epoch < self._newest_plan[0]:
                 continue
             late_s = ref - s.hb_time_s
+            stalled = self.stalled_s(ref, s.hb_interval_s)
+            miss = self.config.heartbeat_miss_intervals
+            if stalled:
+                miss = min(miss, self.config.hang_miss_intervals)
             if late_s > miss * s.hb_interval_s and not self.proof_of_life(rank):
                 self.dead.add(rank)
+                why = f"; the job completed nothing for {stalled:.1f} s" if stalled else ""
                 out.append(LivenessChange(
                     rank, False, f"no heartbeat for {late_s:.1f} s of the job's progress "
-                                 f"(> {miss:g} intervals of {s.hb_interval_s:g} s)",
+                                 f"(> {miss:g} intervals of {s.hb_interval_s:g} s{why})",
                     s.known_iteration(s.epoch) + 1 if s.epoch >= 0 else 0))
         return out
 

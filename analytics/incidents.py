@@ -72,6 +72,7 @@ class _Open:
     probe_id: str | None = None
     probe_ratios: dict[int, float] = field(default_factory=dict)
     probe_used: bool = False  # its answers already named (or confirmed) the suspect
+    probe_sized: bool = False  # a probe measured the named link itself: its factor is the probe's
 
 
 def severity_of(factor: float, category: FaultCategory) -> Severity:
@@ -148,6 +149,8 @@ class IncidentBook:
                                                 f"{inc.healthy_streak} iterations")]
             return []
         inc.healthy_streak = 0
+        if inc.probe_sized:
+            return []  # telemetry sees the iteration's excess, not the link's own slowdown
         inc.factor = factor
         change = abs(factor / inc.published_factor - 1.0)
         if change > self.config.update_min_change and iteration - inc.last_update_iteration >= 3:
@@ -201,6 +204,10 @@ class IncidentBook:
                 else:
                     s.link, s.rank = None, worst  # one device's NIC
                 s.confidence = 0.9
+                # Telemetry measured how much the iteration lost; the planner needs how slow the
+                # link is (it costs every transfer over it), which is what the probe timed.
+                inc.factor = inc.published_factor = max(ratio, inc.factor)
+                inc.probe_sized = True
             ratios = ", ".join(f"{r}: ×{v:.2f}" for r, v in sorted(inc.probe_ratios.items()))
             if already:
                 return [IncidentUpdated(incident_id=inc.incident_id, iteration=inc.last_update_iteration,

@@ -190,3 +190,29 @@ def test_a_resumed_job_is_judged_against_what_ran_before_the_fail_stop():
     # short of the prediction, but the layout before it hung on a dead device: kept, never rolled back
     assert reactions(s, expected_fractions={"p1": 0.95})[0][0] == "verified/p1"
     assert reactions(s)[0][0] == "verified/p1"  # no reference: it trains again
+
+
+def _judged_after(measured_tokens_per_s: float, predicted_gain: float):
+    """A plan answering incident i1 (opened at iteration 3 while 100 tokens/s ran) that promised
+    ``predicted_gain`` and then measured ``measured_tokens_per_s``: its verdict event."""
+    opened = F.make(IncidentOpened(incident_id="i1", category=FaultCategory.FAIL_SLOW, severity=Severity.MEDIUM,
+                                   iteration=3, locations=[Location(target="link", link=(1, 3), factor=4.0)],
+                                   evidence=Evidence(), summary="link 1->3 slow"))
+    before = [F.make(IterationSummary(epoch=0, iteration=i, tokens=100, wall_s=1.0)) for i in range(3, 9)]
+    plan = F.make(PlanProposed(plan_id="p1", incident_ids=["i1"], strategy="ours", base_epoch=0, plan=PLAN1,
+                               current_tokens_per_s=100.0, predicted_tokens_per_s=100.0 * predicted_gain,
+                               reshape_cost_s=3.0, diff=["replica 1: re-formed"]))
+    s = fold([opened, *before, plan, decision(), command(), ack()], state0())
+    tokens = int(measured_tokens_per_s)
+    s = fold([F.make(IterationSummary(epoch=1, iteration=i, tokens=tokens, wall_s=1.0)) for i in range(10, 16)], s)
+    (key, verdict), = reactions(s)
+    return key, verdict
+
+
+def test_a_plan_that_promised_a_gain_and_measured_a_loss_rolls_back_despite_the_tolerance():
+    """×1.08 promised, ×0.93 measured: inside the 15 % tolerance of the prediction, but slower than
+    the faulty layout it replaced, so it is rolled back; ×0.99 is noise and verifies."""
+    key, verdict = _judged_after(93.0, 1.08)
+    assert key == "rolled_back/p1" and "needs ×0.980" in verdict.reason
+    key, _ = _judged_after(99.0, 1.08)
+    assert key == "verified/p1"

@@ -1,0 +1,71 @@
+"""Fail-stop while the job hangs: a dead rank stalls every synchronous peer, and the stall shortens
+the wait for its missing heartbeats (analytics/fail_stop.py)."""
+
+from __future__ import annotations
+
+from analytics.detector_config import DetectorConfig
+from analytics.fail_stop import FailStopWatch
+from collector.events import Heartbeat
+
+RANKS = 24
+HB_S = 5.0  # heartbeat interval; one iteration takes 1 s
+
+
+def drive(config: DetectorConfig, *, die_at_s: float | None, stall=(None, None), until_s: float = 60.0,
+          dying=frozenset({3})):
+    """Event-time drive of the watch: an iteration completes every second (unless the job stalls or a
+    rank is dead), every live rank heartbeats every ``HB_S``. Returns (time, change) for each verdict."""
+    watch = FailStopWatch(config)
+    verdicts = []
+    iteration = 0
+    for tick in range(int(until_s) + 1):
+        t = float(tick)
+        dead = die_at_s is not None and t > die_at_s
+        stalled = stall[0] is not None and stall[0] <= t < stall[1]
+        if not dead and not stalled:
+            for r in range(RANKS):
+                verdicts += [(t, c) for c in watch.telemetry(r, 0, iteration, t)]
+            iteration += 1
+        if tick % int(HB_S) == 0:
+            for r in range(RANKS):
+                if not (dead and r in dying):
+                    hb = Heartbeat(rank=r, epoch=0, iteration=iteration, interval_s=HB_S)
+                    verdicts += [(t, c) for c in watch.heartbeat(hb, t)]
+    return verdicts
+
+
+def test_a_dead_rank_that_hangs_the_job_is_found_one_interval_after_its_first_missed_heartbeat() -> None:
+    (t, change), = drive(DetectorConfig(), die_at_s=20.5)
+    assert change.rank == 3 and not change.alive
+    assert t == 30.0  # last heartbeat at 20, first missed at 25, judged at the next one
+    assert "completed nothing" in change.reason
+    (t_plain, _), = drive(DetectorConfig(hang_miss_intervals=3.0), die_at_s=20.5)
+    assert t_plain == 40.0  # without the stall rule: three missed intervals
+
+
+def test_a_stall_while_every_rank_heartbeats_kills_nobody() -> None:
+    assert drive(DetectorConfig(), die_at_s=None, stall=(12.0, 45.0)) == []
+
+
+def test_the_stall_rule_waits_for_a_stall_of_several_iterations() -> None:
+    """Slow iterations (3 s) and a 2-interval heartbeat gap while iterations still complete: the
+    job is not hung, so the ordinary threshold holds."""
+    watch = FailStopWatch(DetectorConfig())
+    out = []
+    for it in range(10):
+        t = 3.0 * it
+        for r in range(RANKS):
+            out += watch.telemetry(r, 0, it, t)
+    assert watch.stalled_s(27.0 + 2.5, HB_S) == 0.0  # 2.5 s after the last report: within one interval
+    assert watch.stalled_s(27.0 + 9.5, HB_S) == 9.5  # > 3 iterations of 3 s and > one interval
+    assert out == []
+
+
+def test_half_the_job_dying_at_once_is_judged_within_the_reference_lag_bound() -> None:
+    """A node of a two-node job: the lower third of the watermarks is the dead ranks' own time, so
+    only the bound on how far the reference trails the newest event gets them judged."""
+    half = frozenset(range(RANKS // 2))
+    verdicts = drive(DetectorConfig(), die_at_s=20.5, dying=half, until_s=160.0)
+    assert {c.rank for _, c in verdicts} == half and not any(c.alive for _, c in verdicts)
+    # newest watermark 20 + 20 intervals of reference lag, then 1.5 missed intervals (judged on a beat)
+    assert max(t for t, _ in verdicts) == 20.0 + 20 * HB_S + 2 * HB_S
