@@ -38,3 +38,23 @@ def test_a_reshape_resolves_a_dead_rank_it_dropped_but_keeps_a_slow_one_open() -
     out = book.reconfigured(present=set(range(16)) - {4, 5, 9}, iteration=8)
     assert [type(p) for p in out] == [IncidentResolved]
     assert book.open_compute_ranks() == {4, 5}
+
+
+def test_a_probed_link_carries_the_probes_factor_and_telemetry_no_longer_moves_it() -> None:
+    """The job-level communication incident says the iteration lost 10 %; the probe times the link
+    itself at ×4, which is what the planner must cost every transfer over it with."""
+    config = DetectorConfig(probes=True)
+    book = IncidentBook("j", config)
+    comm = Suspect(key=("comm",), target="link", rank=None, link=None, node=None, replica=None, stage=None,
+                   tp_group=None, factor=1.10, confidence=0.5, iterations=[], observed_s=[], predicted_s=[],
+                   rank_factors={}, statistic="", note="", ranks=(1, 2, 3))
+    (probe,) = [p for p in book.open_fail_slow(comm, iteration=10) if isinstance(p, ProbeRequest)]
+    answers = {1: 0.05, 2: 0.20, 3: 0.20}
+    out = [p for r, d in answers.items()
+           for p in book.probe_result(ProbeResult(probe_id=probe.probe_id, rank=r, duration_s=d, reference_s=0.05))]
+    (confirmed,) = out
+    assert isinstance(confirmed, IncidentConfirmed) and confirmed.method == "probe"
+    (loc,) = confirmed.locations
+    assert set(loc.link) == {2, 3} and loc.factor == 4.0
+    assert book.observe(("comm",), z=0.5, k=0.02, iteration=20, factor=1.6) == []  # no update from the excess
+    assert book.open[("comm",)].factor == 4.0
