@@ -21,8 +21,8 @@ from pathlib import Path
 from collector import topics
 from collector.embedded import EmbeddedBus
 from collector.events import (
-    AckStatus, EventFactory, FaultInjected, IncidentOpened, IncidentUpdated, IterationSummary, Location,
-    PolicyChanged, PolicyMode, Severity,
+    AckStatus, EventFactory, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentUpdated, IterationSummary,
+    Location, PolicyChanged, PolicyMode, Severity,
 )
 from collector.stream import EventStream
 
@@ -34,7 +34,7 @@ class Detection:
     fault_id: str
     category: str
     onset_s: float  # simulated seconds from the job's start
-    detected_s: float | None = None  # first incident (opened or updated) that covers its devices
+    detected_s: float | None = None  # first incident event (opened, confirmed, updated) covering its devices
 
     @property
     def delay_s(self) -> float | None:
@@ -86,7 +86,8 @@ class _Referee:
             if isinstance(p, FaultInjected) and p.fault_id not in self.faults:
                 self.faults[p.fault_id] = (Detection(p.fault_id, p.category.value, t),
                                            location_devices(p.location, self.per_node))
-            elif isinstance(p, IncidentOpened | IncidentUpdated):
+            elif isinstance(p, IncidentOpened | IncidentUpdated | IncidentConfirmed):
+                # a confirmation can be what first locates an incident (a probe naming a link)
                 named = set().union(*(location_devices(loc, self.per_node) for loc in p.locations))
                 hit = False
                 for det, devices in self.faults.values():

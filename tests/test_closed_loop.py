@@ -73,3 +73,35 @@ def test_location_devices_names_ranks_groups_links_and_nodes() -> None:
     assert location_devices(Location(target="link", link=(1, 9)), 8) == {1, 9}
     assert location_devices(Location(target="node", node=1), 8) == set(range(8, 16))
     assert location_devices(Location(target="compute", rank=3, node=0), 8) == {3}  # node: where it lives
+
+
+def test_the_referee_counts_a_confirmation_that_locates_an_unplaced_incident(tmp_path: Path) -> None:
+    """A communication incident opens naming no device and a probe's confirmation names the link:
+    the fault is detected at the confirmation and the incident is not a false one."""
+    from collector import topics
+    from collector.embedded import EmbeddedBus
+    from collector.events import (
+        Evidence, EventFactory, FaultCategory, FaultInjected, IncidentConfirmed, IncidentOpened, Severity,
+    )
+    from resihp.closed_loop import _Referee
+
+    bus = EmbeddedBus(tmp_path / "bus.sqlite")
+    truth, analytics = EventFactory("j", "sim"), EventFactory("j", "analytics")
+    link = Location(target="link", link=(51, 59), factor=4.0)
+    bus.publish([truth.make(FaultInjected(fault_id="f0", category=FaultCategory.FAIL_SLOW, location=link,
+                                          start_iteration=10), time_s=1010.0)])
+    bus.publish([analytics.make(IncidentOpened(incident_id="i1", category=FaultCategory.FAIL_SLOW,
+                                               severity=Severity.MEDIUM, iteration=11, evidence=Evidence(),
+                                               locations=[Location(target="link", factor=1.1)], summary="comm"),
+                                time_s=1011.0),
+                 analytics.make(IncidentConfirmed(incident_id="i1", method="probe", detail="rank 59 ×4",
+                                                  locations=[link]), time_s=1012.0)])
+    referee = _Referee(bus, "j", 8, t0_s=1000.0)
+    try:
+        referee.poll()
+    finally:
+        referee.close()
+        bus.close()
+    ((det, devices),) = referee.faults.values()
+    assert devices == {51, 59} and det.onset_s == 10.0 and det.detected_s == 12.0
+    assert referee.unmatched - referee.matched == set()
