@@ -196,6 +196,12 @@ class IncidentBook:
             if s.target == "compute" and s.rank is None:
                 s.rank, s.ranks = worst, (worst,)
                 s.confidence = min(0.99, s.confidence * len(asked))
+                # The incident is now about the member alone: its healthy peers stop being suspects
+                # (left out of fits, never alarmed on), or a later fault on one of them, in a
+                # layout that keeps them, would go unseen for as long as this incident is open.
+                if ("ranks", (worst,)) not in self.open:
+                    self.open[("ranks", (worst,))] = self.open.pop(s.key)
+                    s.key = ("ranks", (worst,))
             elif s.target == "link":
                 slow = sorted((r for r, v in inc.probe_ratios.items() if v >= self.config.probe_confirm_ratio),
                               key=lambda r: -inc.probe_ratios[r])

@@ -26,6 +26,7 @@ def test_a_probe_answered_after_persistence_confirmed_still_names_the_member() -
     assert book.probe_result(ProbeResult(probe_id=probe.probe_id, rank=4, duration_s=0.05, reference_s=0.05)) == []
     (named,) = book.probe_result(ProbeResult(probe_id=probe.probe_id, rank=5, duration_s=0.15, reference_s=0.05))
     assert isinstance(named, IncidentUpdated) and named.locations[0].rank == 5
+    assert book.open_compute_ranks() == {5}  # the healthy peer is no longer a suspect
     assert "rank 5" in named.evidence.statistic
     again = book.probe_result(ProbeResult(probe_id=probe.probe_id, rank=5, duration_s=0.15, reference_s=0.05))
     assert again == []  # one naming per probe
