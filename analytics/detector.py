@@ -249,9 +249,10 @@ class Detector:
         s = np.where(judged, np.maximum(0.0, prev + np.minimum(np.nan_to_num(score.z) - k, cap)), prev)
         self._cusum[frame.rank] = s
         out: list[Payload] = []
-        open_ranks = self.book.open_compute_ranks()
-        alarmed = [i for i in np.flatnonzero(s > h)
-                   if int(frame.rank[i]) not in open_ranks and int(frame.rank[i]) not in self.fail_stop.dead]
+        # Not alarmed on: a suspect (its incident is open) and its TP peers in this layout — in
+        # lock-step their own times are entangled with the suspect's (identical, without TP waits).
+        clean = fit_ranks(frame, self.book.open_compute_ranks())
+        alarmed = [i for i in np.flatnonzero(s > h) if clean[i] and int(frame.rank[i]) not in self.fail_stop.dead]
         self._cusum[frame.rank[s > h]] = 0.0
         for members in self._merge_tp_peers(frame, score, alarmed, k):
             out += self.book.open_fail_slow(self._compute_suspect(frame, score, members, sigma, k, h), frame.iteration)

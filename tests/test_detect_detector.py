@@ -148,6 +148,8 @@ def test_identical_tp_telemetry_makes_one_group_incident_and_a_probe_names_the_r
     _, out = run(events, DetectorConfig(probes=True), probe={5: 1.6})
     confirmed = [p for p in out if isinstance(p, IncidentConfirmed) and p.method == "probe"]
     assert confirmed and confirmed[0].locations[0].rank == 5
+    # rank 4 keeps reporting rank 5's times (lock-step): explained by the named rank, not a new incident
+    assert len(opened(out)) == 1
 
 
 def test_a_rank_that_stops_heartbeating_and_reporting_is_a_fail_stop() -> None:
