@@ -18,7 +18,9 @@ a rank is judged against the others' progress:
   iteration of the newest epoch completed for ``hang_stall_iterations`` typical iterations (and at
   least one heartbeat interval) of the job's progress, a rank is dead after
   ``hang_miss_intervals`` missed intervals instead of ``heartbeat_miss_intervals``: the others'
-  heartbeats say they are waiting, and the one that stopped is what they wait for. This halves
+  heartbeats say they are waiting, and the one that stopped is what they wait for. Not while a
+  newer plan than the newest reporting epoch has been announced: a reshape's pause is a stall
+  with a reason, and heartbeats may be late through it (ranks restarting their groups). This halves
   the time a dead rank holds the job before remediation can start.
 - **Proof of life**: a synchronous job cannot finish iteration j+1 unless every rank of the plan
   finished j. So if peers of r's epoch reported iteration ≥ k+2 while r's stream only got to k,
@@ -189,6 +191,8 @@ class FailStopWatch:
         epoch = self.newest_epoch()
         if epoch < 0 or self._iteration_s is None:
             return 0.0
+        if self._newest_plan is not None and self._newest_plan[0] > epoch:
+            return 0.0  # a newer plan was announced: the job is pausing to reshape, not hung
         stalled = ref_s - self._top_time_s[epoch]
         return stalled if stalled > max(interval_s, self.config.hang_stall_iterations * self._iteration_s) else 0.0
 

@@ -12,7 +12,7 @@ HB_S = 5.0  # heartbeat interval; one iteration takes 1 s
 
 
 def drive(config: DetectorConfig, *, die_at_s: float | None, stall=(None, None), until_s: float = 60.0,
-          dying=frozenset({3})):
+          dying=frozenset({3}), announce_at_s: float | None = None):
     """Event-time drive of the watch: an iteration completes every second (unless the job stalls or a
     rank is dead), every live rank heartbeats every ``HB_S``. Returns (time, change) for each verdict."""
     watch = FailStopWatch(config)
@@ -22,6 +22,8 @@ def drive(config: DetectorConfig, *, die_at_s: float | None, stall=(None, None),
         t = float(tick)
         dead = die_at_s is not None and t > die_at_s
         stalled = stall[0] is not None and stall[0] <= t < stall[1]
+        if announce_at_s is not None and t == announce_at_s:
+            watch.plan_announced(1, set(range(RANKS)))  # a reshape: its pause is the stall
         if not dead and not stalled:
             for r in range(RANKS):
                 verdicts += [(t, c) for c in watch.telemetry(r, 0, iteration, t)]
@@ -69,3 +71,12 @@ def test_half_the_job_dying_at_once_is_judged_within_the_reference_lag_bound() -
     assert {c.rank for _, c in verdicts} == half and not any(c.alive for _, c in verdicts)
     # newest watermark 20 + 20 intervals of reference lag, then 1.5 missed intervals (judged on a beat)
     assert max(t for t, _ in verdicts) == 20.0 + 20 * HB_S + 2 * HB_S
+
+
+def test_a_reshape_pause_is_a_stall_with_a_reason_and_keeps_the_ordinary_threshold() -> None:
+    """A newer plan announced as the stall begins: rank 3's heartbeats late by two intervals (at
+    t=30, as in the dead-rank case above) is not a verdict; three intervals (t=40) still is."""
+    quiet = drive(DetectorConfig(), die_at_s=20.5, stall=(21.0, 60.0), announce_at_s=21.0, until_s=35.0)
+    assert quiet == []
+    ((t, change),) = drive(DetectorConfig(), die_at_s=20.5, stall=(21.0, 60.0), announce_at_s=21.0)
+    assert change.rank == 3 and t == 40.0 and "completed nothing" not in change.reason
