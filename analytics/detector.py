@@ -81,7 +81,7 @@ class Detector:
         self._link_cusum: dict[tuple[int, int], float] = {}
         self._comm_hist: deque[float] = deque(maxlen=4 * self.config.window_iterations)
         self._comm_cusum = 0.0
-        self._comm_unjudged: set[tuple] = set()  # open communication incidents with no healthy reference
+        self._comm_unjudged = False  # the open communication incident has no healthy reference in this layout
         self._history: deque[_FrameRecord] = deque(maxlen=8)
         self._published_health: dict[int, tuple[str, float]] = {}
         self.last_frame: IterationFrame | None = None
@@ -206,7 +206,7 @@ class Detector:
         # A communication incident open across a new plan can no longer be judged from the excess
         # over this layout's history (it would be learned with the fault in it, and resolve it).
         # It stays open, as a fail-slow on a rank left out does: nothing measured the link healthy.
-        self._comm_unjudged = {key for key in self.book.open if key == ("comm",)}
+        self._comm_unjudged = ("comm",) in self.book.open
         expected = self.arrival.expected(frame.epoch)
         present = set(frame.rank.tolist()) | (expected or set())
         self.fail_stop.new_epoch(present)
@@ -372,7 +372,7 @@ class Detector:
         k, h, cap = self._thresholds(sig)
         z = r - centre
         if key in self.book.open:
-            if key in self._comm_unjudged:
+            if self._comm_unjudged:
                 return []  # this layout's history was learned with the fault in it: no healthy reference
             return self.book.observe(key, z, k, frame.iteration, float(np.exp(z)))
         if self.book.open_compute_ranks():
