@@ -212,6 +212,11 @@ class FailStopWatch:
     def check(self) -> list[LivenessChange]:
         """Judge every watched rank's heartbeats against the reference."""
         ref = self.reference_s()
+        stalled = self.stalled_s(ref, self._interval_s())
+        miss = self.config.heartbeat_miss_intervals
+        if stalled:
+            miss = min(miss, self.config.hang_miss_intervals)
+        why = f"; the job completed nothing for {stalled:.1f} s" if stalled else ""
         out = []
         for rank in sorted(self.watched):
             s = self.streams.get(rank)
@@ -220,13 +225,8 @@ class FailStopWatch:
             if self._newest_plan is not None and rank not in self._newest_plan[1] and s.epoch < self._newest_plan[0]:
                 continue
             late_s = ref - s.hb_time_s
-            stalled = self.stalled_s(ref, s.hb_interval_s)
-            miss = self.config.heartbeat_miss_intervals
-            if stalled:
-                miss = min(miss, self.config.hang_miss_intervals)
             if late_s > miss * s.hb_interval_s and not self.proof_of_life(rank):
                 self.dead.add(rank)
-                why = f"; the job completed nothing for {stalled:.1f} s" if stalled else ""
                 out.append(LivenessChange(
                     rank, False, f"no heartbeat for {late_s:.1f} s of the job's progress "
                                  f"(> {miss:g} intervals of {s.hb_interval_s:g} s{why})",

@@ -268,10 +268,7 @@ class IncidentBook:
         planner the device is fine and invite it back, slow, into the next plan."""
         out: list[Payload] = []
         for key in list(self.open):
-            if key[0] != "dead":
-                continue  # fail-slow stays open while unobserved; "comm" is job-level and ends with the excess
-            ranks = [key[1]] if key[0] == "dead" else list(key[1]) if key[0] == "ranks" else [key[1], key[2]]
-            if not all(r in present for r in ranks):
+            if key[0] == "dead" and key[1] not in present:  # fail-slow (ranks, links, comm) stays open
                 inc = self.open.pop(key)
                 out.append(IncidentResolved(incident_id=inc.incident_id, iteration=iteration,
                                             reason="the new plan no longer uses this location"))
