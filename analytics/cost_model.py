@@ -44,6 +44,7 @@ class ClassFit:
     has_seq_lens: bool = True
     rel_error: float = float("nan")  # median |observed/predicted − 1| over the window
     rows: int = 0
+    workload_cv: float = float("nan")  # std/mean of the line's predictions over the window's rows
 
 
 @dataclass
@@ -136,7 +137,10 @@ def fit_class(tokens: np.ndarray, sum_sq_len: np.ndarray, duration_s: np.ndarray
     """Robust fit of duration = α·N + β·S2 + γ minimising Huber-weighted relative error.
 
     Coefficients are kept non-negative (a negative cost per token means the rows cannot tell the
-    terms apart): a negative one is dropped and the rest refitted.
+    terms apart): a negative one is dropped and the rest refitted. ``workload_cv`` is the spread
+    of the fitted line over the rows (std/mean of α·N + β·S2 + γ): the part of a chunk's time the
+    packed mix moves, free of jitter and stalls, which the planner needs for a pipeline's mean
+    (remediation.costs.ScheduleModelScorer).
     """
     ok = np.isfinite(duration_s) & (duration_s > 0) & np.isfinite(tokens)
     has_s2 = bool(np.all(np.isfinite(sum_sq_len[ok]))) and ok.any()
@@ -158,8 +162,10 @@ def fit_class(tokens: np.ndarray, sum_sq_len: np.ndarray, duration_s: np.ndarray
         active = [k for k in active if k not in negative]
     pred = sum(coef.get(k, 0.0) * features[k] for k in features)
     rel = np.abs(d / np.maximum(pred, 1e-12) - 1.0)
+    mean_pred = float(pred.mean())
+    spread = float(pred.std() / mean_pred) if mean_pred > 0 else float("nan")
     return ClassFit(alpha=coef.get("alpha", 0.0), beta=coef.get("beta", 0.0), gamma=coef.get("gamma", 0.0),
-                    has_seq_lens=has_s2, rel_error=float(np.median(rel)), rows=len(d))
+                    has_seq_lens=has_s2, rel_error=float(np.median(rel)), rows=len(d), workload_cv=spread)
 
 
 def _irls(features: dict[str, np.ndarray], active: list[str], d: np.ndarray, weights: np.ndarray) -> dict[str, float]:

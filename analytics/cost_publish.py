@@ -149,8 +149,10 @@ def stage_fits(source: CostModel, own: CostModel, plan: Plan) -> list[CostFit] |
                     return None
                 continue
             errs = [p.rel_error for p in parts if np.isfinite(p.rel_error)]
+            cvs = [p.workload_cv for p in parts if np.isfinite(getattr(p, "workload_cv", float("nan")))]
             out.append(CostFit(
                 stage=s, kind=ChunkKind(name), alpha_s_per_token=float(sum(p.alpha for p in parts)),
                 beta_s_per_token_sq=float(sum(p.beta for p in parts)), gamma_s=float(sum(p.gamma for p in parts)),
-                samples=int(sum(p.rows for p in parts)), rel_error=float(np.median(errs)) if errs else None))
+                samples=int(sum(p.rows for p in parts)), rel_error=float(np.median(errs)) if errs else None,
+                workload_cv=float(np.mean(cvs)) if cvs else None))
     return out

@@ -473,6 +473,9 @@ class CostFit(BaseModel):
     gamma_s: float
     samples: int = Field(ge=0)
     rel_error: float | None = Field(default=None, description="recent median |observed − predicted| / predicted")
+    workload_cv: float | None = Field(
+        default=None, ge=0, description="relative spread of the line's prediction over the window's micro-batches: how "
+        "much the packed mix (N, Σl²) moves one micro-batch's chunk time, a spread its chunks share at every stage")
 
 
 class CostModelFitted(Payload):

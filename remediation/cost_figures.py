@@ -112,44 +112,65 @@ def model_from_fits(
         linear_s_per_token=max(linear, 1e-18), attn_s_per_sq_token=max(0.0, median(att)), sum_sq_per_microbatch=s2,
         overhead_s=median(over), head_s_per_token=head, tp_bytes_per_token=tp_bytes,
         activation_bytes_per_token=float(h * BYTES_PER_VALUE), grad_bytes_per_layer=None,
-        backward_factor=median(bfs) if bfs else 2.0,
+        backward_factor=median(bfs) if bfs else 2.0, microbatch_cv=_microbatch_cv(by_key.values()),
     )
 
 
-def calibrate_spread(model: ModelSpec, plan: Plan, cluster: ClusterState, observed_iteration_s: float) -> ModelSpec:
-    """``model`` with its spread set so that the healthy ``plan``'s predicted iteration equals the
-    observed mean iteration time (``analytics.prediction``'s observed_s, or the summaries').
+def _microbatch_cv(fits) -> float:  # type: ignore[no-untyped-def]
+    """The workload's spread of a micro-batch's chunk time: the median of the forward lines'
+    ``workload_cv`` (0 when no line carries one — an older analytics consumer)."""
+    cvs = [f.workload_cv for f in fits if str(f.kind) == "F" and f.workload_cv is not None]
+    return median(cvs) if cvs else 0.0
 
-    Why: the job waits for its slowest replica every iteration, and the replicas' makespans vary
-    with the micro-batch mix and stalls; the mean gap between what runs and the per-replica mean
-    is what that spread costs. Knowing it keeps the planner from over-valuing a fix for one
-    slightly slow replica among many.
 
-    What is fitted is the *relative* spread ``makespan_cv`` (``makespan_sd_s`` is set to 0). The
-    gap has two parts: the spread proper, which barely grows with a pipeline's length, and the
-    mean's bias — a pipeline of varying chunks takes longer on average than one of mean chunks
-    (~9 % for 7B TP8·PP4 in the simulator), which grows with it. One observed number cannot tell
-    them apart; measured against the simulator over damaged plans (a dropped replica, a TP
-    shrink, a re-split, a rebalance), a relative spread predicts E[slowest] closer than an
-    absolute one, every time (docs/remediation.md).
+def calibrate_spread(model: ModelSpec, plan: Plan, cluster: ClusterState,
+                     observed_s: Sequence[float] | float) -> ModelSpec:
+    """``model`` with the replicas' spread and the stalls' tail fitted to the healthy ``plan``'s
+    observed iteration times (``analytics.prediction``'s observed_s, or the summaries').
 
-    What can go wrong: the observed mean must come from enough healthy iterations — rare stalls
-    are a large part of the gap, and a few dozen iterations may see none or several. A
-    non-positive gap leaves no spread."""
+    Why: the job waits for its slowest replica every iteration. Its typical time sits above the
+    per-replica mean by how much the replicas vary (the micro-batch mix, jitter), and a fix for
+    one slightly slow replica among many gains less than its mean says. Rare long stalls add on
+    top, whichever replica they hit. The two behave differently when one replica is well behind
+    the others: the spread then barely matters, the stalls still do. So they are fitted apart:
+
+    * ``makespan_cv`` (relative, ``makespan_sd_s`` set to 0) so that the predicted *median*
+      iteration equals the observed median — the body, which stalls barely move;
+    * ``tail_s`` = observed mean − the predicted mean with that spread (≥ 0).
+
+    The pipelines' means already include the micro-batch mix's bias (``microbatch_cv``, through
+    the scorer). Given one number (the mean, as before the median was kept) the whole gap goes
+    to the spread and ``tail_s`` is 0.
+
+    What can go wrong: the times must come from enough healthy iterations — rare stalls are a
+    large part of the mean, and a few dozen iterations may see none or several. A body at or
+    below the prediction leaves no spread; a mean below the body's leaves no tail."""
     from dataclasses import replace as _replace
 
-    from remediation.planner import predict_tokens_per_s
+    from remediation.costs import expected_slowest_s, median_slowest_s
+    from remediation.planner import expected_iteration_s, plan_spans
 
-    base = _replace(model, makespan_cv=0.0, makespan_sd_s=0.0)
-    tokens = plan.global_microbatches * model.tokens_per_microbatch
-    mean_iteration_s = tokens / predict_tokens_per_s(cluster, base, plan)
-    if observed_iteration_s <= mean_iteration_s:
+    base = _replace(model, makespan_cv=0.0, makespan_sd_s=0.0, tail_s=0.0)
+    scored = plan_spans(cluster, base, plan)
+    if scored is None:
+        return base
+    spans, dp_s = scored
+    times = [float(observed_s)] if isinstance(observed_s, (int, float)) else [float(x) for x in observed_s]
+    if not times:
+        return base
+    mean_s = sum(times) / len(times)
+    body_s = median(times) if len(times) > 1 else mean_s
+    typical = median_slowest_s if len(times) > 1 else expected_slowest_s
+    if body_s - dp_s <= typical(spans.items(), 0.0):
         return base
     lo, hi = 0.0, 1.0
     for _ in range(40):
         mid = (lo + hi) / 2
-        if tokens / predict_tokens_per_s(cluster, _replace(base, makespan_cv=mid), plan) < observed_iteration_s:
+        if typical(spans.items(), mid) + dp_s < body_s:
             lo = mid
         else:
             hi = mid
-    return _replace(base, makespan_cv=lo)
+    fitted = _replace(base, makespan_cv=lo)
+    if len(times) > 1:
+        fitted = _replace(fitted, tail_s=max(0.0, mean_s - expected_iteration_s(fitted, spans, dp_s)))
+    return fitted

@@ -21,6 +21,7 @@ when they cannot describe the model) it uses the model it was started with.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -45,6 +46,8 @@ from remediation.model import ModelSpec
 from remediation.planner import Planner, PlanRefused, predict_tokens_per_s
 from remediation.verification import verdict
 from remediation.planning_view import PlanningView, planning_view
+
+OBSERVED_WINDOW = 4096  # healthy iterations per epoch the spread and the tail are fitted on
 
 log = logging.getLogger("resihp.remediation")
 
@@ -77,7 +80,8 @@ class RemediationEngine:
         self.strategy = strategy or (Planner(model, config.options) if model is not None else None)
         self._model_key: tuple | None = None
         self._tokens_per_mb: dict[int, tuple[float, int]] = {}  # epoch -> (sum of per-mb tokens, count)
-        self._observed_s: dict[int, float] = {}  # epoch -> sum of observed iteration seconds
+        # epoch -> the latest observed iteration seconds, for the replicas' spread and the stalls' tail
+        self._observed_s: dict[int, deque[float]] = {}
         self.horizon = HorizonEstimator(default_s=config.options.horizon_s)
         self._faults: frozenset[str] = frozenset()  # open incident ids when the horizon last saw a change
         self.initial_plan = initial_plan
@@ -116,7 +120,7 @@ class RemediationEngine:
                 total, n = self._tokens_per_mb.get(p.epoch, (0.0, 0))
                 plan = self._epoch_plan(p.epoch) or self.state.running_plan
                 self._tokens_per_mb[p.epoch] = (total + p.tokens / plan.global_microbatches, n + 1)
-                self._observed_s[p.epoch] = self._observed_s.get(p.epoch, 0.0) + p.observed_s
+                self._observed_s.setdefault(p.epoch, deque(maxlen=OBSERVED_WINDOW)).append(p.observed_s)
         out = self._react()
         if out:
             self.bus.publish(out)
@@ -310,7 +314,7 @@ class RemediationEngine:
                                         tokens_per_microbatch=total / n if n else None,
                                         mean_document_tokens=self.config.mean_document_tokens)
                 if n and not s.open_incidents():  # the spread of replicas, from healthy iterations only
-                    model = calibrate_spread(model, current.plan, self.cluster(), self._observed_s[epoch] / n)
+                    model = calibrate_spread(model, current.plan, self.cluster(), self._observed_s[epoch])
             except ValueError as exc:
                 log.warning("cost fits of epoch %s unusable (%s); using the fallback model", epoch, exc)
                 model, key = self.fallback_model, ("fallback",)

@@ -45,6 +45,16 @@ class ModelSpec:
         (remediation.costs.expected_slowest_s).
     makespan_sd_s: the part of that spread that does not scale with the length (seconds): the
         micro-batch mix at fill and drain, stalls. What ``cost_figures.calibrate_spread`` fits.
+    microbatch_cv: relative spread of one micro-batch's chunk time across micro-batches (the packed
+        mix of N and Σlᵢ²), shared by that micro-batch's chunks at every stage. A pipeline of
+        varying chunks takes longer on average than one of mean chunks (~9 % for 7B TP8·PP4 at
+        the simulator's 0.2): the scorer takes the expectation over this spread
+        (remediation.costs.ScheduleModelScorer). From the cost model's ``workload_cv``.
+    tail_s: what rare long stalls (a GC pause, a retransmit) add to the mean iteration on top of
+        the slowest replica's typical time (seconds). A stall on any rank holds the whole
+        synchronous step, whatever the layout, so it is a constant, not a spread; as a spread it
+        made a replica well behind the others look nearly free. Fitted with ``makespan_cv`` by
+        ``cost_figures.calibrate_spread`` (mean minus the body the median sees).
     """
 
     num_layers: int
@@ -61,6 +71,8 @@ class ModelSpec:
     backward_factor: float = 2.0
     makespan_cv: float = 0.0
     makespan_sd_s: float = 0.0
+    microbatch_cv: float = 0.0
+    tail_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -72,8 +84,8 @@ class ModelSpec:
         if min(self.linear_s_per_token, self.attn_s_per_sq_token, self.overhead_s, self.head_s_per_token,
                self.tp_bytes_per_token, self.activation_bytes_per_token) < 0:
             raise ValueError("cost figures must be ≥ 0")
-        if self.makespan_cv < 0 or self.makespan_sd_s < 0:
-            raise ValueError("makespan spreads (makespan_cv, makespan_sd_s) must be ≥ 0")
+        if min(self.makespan_cv, self.makespan_sd_s, self.microbatch_cv, self.tail_s) < 0:
+            raise ValueError("spreads (makespan_cv, makespan_sd_s, microbatch_cv, tail_s) must be ≥ 0")
 
     @property
     def grad_bytes(self) -> float:
@@ -130,6 +142,8 @@ class ModelSpecFile(BaseModel):
     backward_factor: float = Field(default=2.0, gt=0)
     makespan_cv: float = Field(default=0.0, ge=0)
     makespan_sd_s: float = Field(default=0.0, ge=0)
+    microbatch_cv: float = Field(default=0.0, ge=0)
+    tail_s: float = Field(default=0.0, ge=0)
 
     @classmethod
     def of(cls, spec: ModelSpec) -> ModelSpecFile:
@@ -152,5 +166,6 @@ class ModelSpecFile(BaseModel):
             overhead_s=self.overhead_s, head_s_per_token=self.head_s_per_token,
             tp_bytes_per_token=self.tp_bytes_per_token, activation_bytes_per_token=act,
             grad_bytes_per_layer=self.grad_bytes_per_layer, backward_factor=self.backward_factor,
-            makespan_cv=self.makespan_cv, makespan_sd_s=self.makespan_sd_s,
+            makespan_cv=self.makespan_cv, makespan_sd_s=self.makespan_sd_s, microbatch_cv=self.microbatch_cv,
+            tail_s=self.tail_s,
         )

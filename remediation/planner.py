@@ -109,7 +109,7 @@ class Planner:
 
     def scorer_for(self, plan: Plan) -> PipelineScorer:
         if self._scorer is None or getattr(self._scorer, "schedule", plan.schedule) != plan.schedule:
-            self._scorer = ScheduleModelScorer(plan.schedule, plan.virtual_stages)
+            self._scorer = ScheduleModelScorer(plan.schedule, plan.virtual_stages, self.model.microbatch_cv)
         return self._scorer
 
     # ---- public --------------------------------------------------------------------------------
@@ -358,7 +358,7 @@ class Planner:
                 spans[span] = spans.get(span, 0) + 1
         live = [c for _, c, m in chosen if m > 0]
         dp_s = max((c.dp_s for c in live), default=0.0) if len(live) > 1 else 0.0
-        return expected_slowest_s(spans.items(), self.model.makespan_cv, sd_s=self.model.makespan_sd_s) + dp_s
+        return expected_iteration_s(self.model, spans, dp_s)
 
     def _result(self, chosen: list[tuple[PipelinePlan, PipelineCandidate, int]], current: Plan, current_tps: float,
                 scorer: PipelineScorer, cluster: ClusterState) -> PlanResult:
@@ -430,12 +430,17 @@ class Planner:
         )
 
 
-def predict_tokens_per_s(
-    cluster: ClusterState, model: ModelSpec, plan: Plan, scorer: PipelineScorer | None = None,
-) -> float:
-    """Tokens/s of ``plan`` as it stands on ``cluster`` (0 when it uses a dead device), scored
-    with the schedule model; identical healthy pipelines are scored once."""
-    scorer = scorer or ScheduleModelScorer(plan.schedule, plan.virtual_stages)
+def expected_iteration_s(model: ModelSpec, spans: dict[float, int], dp_s: float) -> float:
+    """The mean iteration: the expected slowest pipeline (``spans``: mean makespan → how many
+    pipelines), the stalls' tail, and the DP all-reduce after it."""
+    return expected_slowest_s(spans.items(), model.makespan_cv, sd_s=model.makespan_sd_s) + model.tail_s + dp_s
+
+
+def plan_spans(cluster: ClusterState, model: ModelSpec, plan: Plan, scorer: PipelineScorer | None = None
+               ) -> tuple[dict[float, int], float] | None:
+    """(mean makespan → how many pipelines, DP all-reduce seconds) of ``plan`` as it stands on
+    ``cluster``; None when it uses a dead device. Identical healthy pipelines are scored once."""
+    scorer = scorer or ScheduleModelScorer(plan.schedule, plan.virtual_stages, model.microbatch_cv)
     opts = PlannerOptions()
     bad = cluster.bad_devices()
     spans: dict[float, int] = {}
@@ -449,15 +454,24 @@ def predict_tokens_per_s(
         else:
             cand = unchanged_candidate(cluster, model, pipe, plan.schedule, opts, plan.dp)
             if cand is None:
-                return 0.0
+                return None
             s, d = scorer.makespan_s(cand.times, pipe.microbatches), cand.dp_s
             if not damaged:
                 seen[key] = (s, d)
         spans[s] = spans.get(s, 0) + 1
         dp_s = max(dp_s, d)
-    iteration_s = (expected_slowest_s(spans.items(), model.makespan_cv, sd_s=model.makespan_sd_s)
-                   + (dp_s if plan.dp > 1 else 0.0))
-    return plan.global_microbatches * model.tokens_per_microbatch / iteration_s
+    return spans, (dp_s if plan.dp > 1 else 0.0)
+
+
+def predict_tokens_per_s(
+    cluster: ClusterState, model: ModelSpec, plan: Plan, scorer: PipelineScorer | None = None,
+) -> float:
+    """Tokens/s of ``plan`` as it stands on ``cluster`` (0 when it uses a dead device), scored
+    with the schedule model."""
+    scored = plan_spans(cluster, model, plan, scorer)
+    if scored is None:
+        return 0.0
+    return plan.global_microbatches * model.tokens_per_microbatch / expected_iteration_s(model, *scored)
 
 
 PlanFunction = Callable[[ClusterState, Plan], PlanResult]

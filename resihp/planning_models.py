@@ -47,9 +47,10 @@ def workload_means(workload, samples: int = 4096) -> tuple[float, float]:  # typ
 
 
 def exact_model(sim_model, cluster_spec, workload, makespan_cv: float = 0.0,  # type: ignore[no-untyped-def]
-                makespan_sd_s: float = 0.0) -> ModelSpec:
+                makespan_sd_s: float = 0.0, microbatch_cv: float = 0.0, tail_s: float = 0.0) -> ModelSpec:
     """The simulator's truth in the planner's terms (trainer/sim/cost.py, term by term); the
-    spread is not in the simulator's cost terms, so the caller passes it (e.g. a calibrated one)."""
+    spreads are not in the simulator's cost terms, so the caller passes them (e.g. a fitted
+    model's)."""
     n, s2 = workload_means(workload)
     h, bpv, flops = sim_model.hidden, sim_model.bytes_per_value, cluster_spec.effective_flops
     return ModelSpec(
@@ -58,7 +59,7 @@ def exact_model(sim_model, cluster_spec, workload, makespan_cv: float = 0.0,  # 
         overhead_s=cluster_spec.layer_overhead_s, head_s_per_token=2 * h * sim_model.vocab / flops,
         tp_bytes_per_token=2 * h * bpv, activation_bytes_per_token=h * bpv,
         grad_bytes_per_layer=sim_model.params_per_layer * bpv, backward_factor=2.0, makespan_cv=makespan_cv,
-        makespan_sd_s=makespan_sd_s,
+        makespan_sd_s=makespan_sd_s, microbatch_cv=microbatch_cv, tail_s=tail_s,
     )
 
 
@@ -66,22 +67,22 @@ def fitted_model(config, iterations: int = 24, spread_iterations: int = 0) -> Mo
     """Fit the cost model on a healthy warm-up of ``config``'s job, as the analytics consumer would,
     and build the planner's figures from the fits and the job's ``plan.current``.
 
-    ``iterations`` of telemetry feed the fits; the replicas' spread is calibrated on the mean
-    observed iteration of max(iterations, ``spread_iterations``) healthy iterations — what the
-    engine has by the time a fault comes (it sums every healthy ``analytics.prediction`` of the
-    epoch). Rare stalls are a large part of that spread, so a few dozen iterations give a noisy
-    figure."""
-    fits, current, tokens, sum_sq, observed_s = warmup_fits(config, iterations, spread_iterations)
+    ``iterations`` of telemetry feed the fits; the replicas' spread and the stalls' tail are
+    calibrated on the observed times of max(iterations, ``spread_iterations``) healthy
+    iterations — what the engine has by the time a fault comes (it keeps every healthy
+    ``analytics.prediction`` of the epoch). Rare stalls are most of the tail, so a few dozen
+    iterations give a noisy figure."""
+    fits, current, tokens, sum_sq, walls = warmup_fits(config, iterations, spread_iterations)
     hardware = hardware_of(config.cluster)
     model = model_from_fits(fits, current, hardware, tokens_per_microbatch=tokens, sum_sq_per_microbatch=sum_sq)
-    return calibrate_spread(model, config.plan, ClusterState(config.cluster.gpus, hardware), observed_s)
+    return calibrate_spread(model, config.plan, ClusterState(config.cluster.gpus, hardware), walls)
 
 
 def warmup_fits(config, iterations: int = 24, spread_iterations: int = 0  # type: ignore[no-untyped-def]
-                ) -> tuple[list[CostFit], PlanCurrent, float, float, float]:
+                ) -> tuple[list[CostFit], PlanCurrent, float, float, list[float]]:
     """(CostFit per stage and kind, the job's plan.current, mean tokens and Σlᵢ² per micro-batch,
-    mean observed iteration time) from a healthy warm-up of ``config``'s job; the mean iteration
-    is over max(iterations, spread_iterations) iterations (the ones past ``iterations`` are run
+    observed iteration times) from a healthy warm-up of ``config``'s job; the iteration times
+    are max(iterations, spread_iterations) of them (the ones past ``iterations`` are run
     without building events)."""
     from analytics.cost_model import fit_class
     from trainer.sim.engine import SimEngine
@@ -116,5 +117,6 @@ def warmup_fits(config, iterations: int = 24, spread_iterations: int = 0  # type
         a = np.asarray(xs, dtype=float)
         f = fit_class(a[:, 0], a[:, 1], a[:, 2])
         fits.append(CostFit(stage=stage, kind=kind, alpha_s_per_token=f.alpha, beta_s_per_token_sq=f.beta,
-                            gamma_s=f.gamma, samples=f.rows, rel_error=f.rel_error))
-    return fits, current, float(np.mean(tokens)), float(np.nanmean(sum_sq)), float(np.mean(walls))
+                            gamma_s=f.gamma, samples=f.rows, rel_error=f.rel_error,
+                            workload_cv=f.workload_cv if np.isfinite(f.workload_cv) else None))
+    return fits, current, float(np.mean(tokens)), float(np.nanmean(sum_sq)), [float(w) for w in walls]
