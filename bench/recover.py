@@ -2,9 +2,10 @@
 
 For each scenario and strategy a fresh simulator (trainer.sim.SimEngine, noise on) runs a 7B job
 (TP8·PP4·DP N/32, 1F1B). When a fault starts or ends the strategy learns of it after a detection
-delay (fail-stop: two heartbeats, 20 s; fail-slow: 30 s — the order the detector needs), plans on
-the cluster it then knows, and its plan is applied through ``SimEngine.reconfigure`` (the same
-epoch-fenced command the bus carries), which pauses the job ``reshape_pause_s`` (20 s). The oracle
+delay (fail-stop: at the second heartbeat the dead rank misses, 10–20 s with 10-s heartbeats;
+fail-slow: 30 s — the order the detector needs), plans on the cluster it then knows, and its plan
+is applied through ``SimEngine.reconfigure`` (the same epoch-fenced command the bus carries),
+which pauses the job ``reshape_pause_s`` (20 s). The oracle
 knows every fault at onset and reshapes for free. Elastic restart also pays its restart and half a
 checkpoint interval of lost work; do-nothing hangs on a dead device.
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field, replace
 SCENARIOS = ("slow_x1.5", "slow_x2", "slow_x4", "slow_link_x4", "stop_gpu", "stop_node", "every_30min", "cascading")
 STRATEGIES = ("oracle", "ours", "do_nothing", "drop_replica", "elastic_restart", "oobleck", "tp_only", "pp_only",
               "dp_only")
-DETECT_STOP_S = 20.0
+STOP_MISSED_HEARTBEATS = 2  # fail-stop is known at the second heartbeat a dead rank misses (≤ 20 s)
 DETECT_SLOW_S = 30.0
 RESHAPE_PAUSE_S = 20.0
 HORIZON_S = 1800.0
@@ -47,7 +48,7 @@ class _Models:
         if key not in self._exact:
             fitted = self.fitted(config)  # the oracle knows the spread as well as anyone
             self._exact[key] = exact_model(config.model, config.cluster, config.workload, fitted.makespan_cv,
-                                           fitted.makespan_sd_s)
+                                           fitted.makespan_sd_s, fitted.microbatch_cv, fitted.tail_s)
         return self._exact[key]
 
     def fitted(self, config):  # type: ignore[no-untyped-def]
@@ -154,6 +155,15 @@ def _run_bused(name: str, strategy_name: str, gpus: int, duration_s: float) -> R
                detections=loop.detections, false_incidents=loop.false_incidents)
 
 
+def _detected(fault, now_s: float, heartbeat_s: float) -> bool:  # type: ignore[no-untyped-def]
+    """Whether a perfect detector knows ``fault`` at ``now_s``: a fail-stop once the dead rank has
+    missed two heartbeats (heartbeats go out every ``heartbeat_s`` on the job's clock, so that is
+    10–20 s after the onset), a fail-slow ``DETECT_SLOW_S`` after it."""
+    if fault.spec.kind.startswith("stop"):
+        return int(now_s // heartbeat_s) - int(fault.start_s // heartbeat_s) >= STOP_MISSED_HEARTBEATS
+    return now_s - fault.start_s >= DETECT_SLOW_S
+
+
 def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run:
     from collector.events import IterationSummary, ReconfigureCommand
     from collector.plan import Plan
@@ -186,11 +196,7 @@ def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run
     window_tokens, window_start = 0, 0.0
     while engine.now_s < duration_s and not engine.finished:
         # What the strategy knows now: faults whose onset is older than the detection delay.
-        known = []
-        for f in engine.active:
-            delay = 0.0 if oracle else (DETECT_STOP_S if f.spec.kind.startswith("stop") else DETECT_SLOW_S)
-            if engine.now_s - f.start_s >= delay:
-                known.append(f)
+        known = [f for f in engine.active if oracle or _detected(f, engine.now_s, config.heartbeat_interval_s)]
         version = tuple(sorted(f.fault_id for f in known))
         if version != known_version:
             known_version = version
