@@ -5,9 +5,9 @@ For each scenario and strategy a fresh simulator (trainer.sim.SimEngine, noise o
 delay (fail-stop: at the second heartbeat the dead rank misses, 10–20 s with 10-s heartbeats;
 fail-slow: 30 s — the order the detector needs), plans on the cluster it then knows, and its plan
 is applied through ``SimEngine.reconfigure`` (the same epoch-fenced command the bus carries),
-which pauses the job ``reshape_pause_s`` (20 s). The oracle
-knows every fault at onset and reshapes for free. Elastic restart also pays its restart and half a
-checkpoint interval of lost work; do-nothing hangs on a dead device.
+which pauses the job ``reshape_pause_s`` (20 s). The oracle knows every fault at onset and
+reshapes for free. Elastic restart also pays its restart and half a checkpoint interval of lost
+work; do-nothing hangs on a dead device.
 
 This default ("direct") loop skips the bus and the analytics detector: strategies are given the
 true fault factors after the delay, as a perfect detector would, which keeps 8,192 GPUs tractable
@@ -195,7 +195,7 @@ def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run
     commands = 0
     window_tokens, window_start = 0, 0.0
     while engine.now_s < duration_s and not engine.finished:
-        # What the strategy knows now: faults whose onset is older than the detection delay.
+        # What the strategy knows now: the faults a perfect detector has found by now.
         known = [f for f in engine.active if oracle or _detected(f, engine.now_s, config.heartbeat_interval_s)]
         version = tuple(sorted(f.fault_id for f in known))
         if version != known_version:

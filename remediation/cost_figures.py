@@ -123,8 +123,7 @@ def _microbatch_cv(fits) -> float:  # type: ignore[no-untyped-def]
     return median(cvs) if cvs else 0.0
 
 
-def calibrate_spread(model: ModelSpec, plan: Plan, cluster: ClusterState,
-                     observed_s: Sequence[float] | float) -> ModelSpec:
+def calibrate_spread(model: ModelSpec, plan: Plan, cluster: ClusterState, observed_s: Sequence[float]) -> ModelSpec:
     """``model`` with the replicas' spread and the stalls' tail fitted to the healthy ``plan``'s
     observed iteration times (``analytics.prediction``'s observed_s, or the summaries').
 
@@ -139,8 +138,7 @@ def calibrate_spread(model: ModelSpec, plan: Plan, cluster: ClusterState,
     * ``tail_s`` = observed mean − the predicted mean with that spread (≥ 0).
 
     The pipelines' means already include the micro-batch mix's bias (``microbatch_cv``, through
-    the scorer). Given one number (the mean, as before the median was kept) the whole gap goes
-    to the spread and ``tail_s`` is 0.
+    the scorer). Given one time (a mean, say) the whole gap goes to the spread and ``tail_s`` is 0.
 
     What can go wrong: the times must come from enough healthy iterations — rare stalls are a
     large part of the mean, and a few dozen iterations may see none or several. A body at or
@@ -155,12 +153,11 @@ def calibrate_spread(model: ModelSpec, plan: Plan, cluster: ClusterState,
     if scored is None:
         return base
     spans, dp_s = scored
-    times = [float(observed_s)] if isinstance(observed_s, (int, float)) else [float(x) for x in observed_s]
-    if not times:
+    if not observed_s:
         return base
-    mean_s = sum(times) / len(times)
-    body_s = median(times) if len(times) > 1 else mean_s
-    typical = median_slowest_s if len(times) > 1 else expected_slowest_s
+    mean_s = sum(observed_s) / len(observed_s)
+    body_s = median(observed_s)
+    typical = median_slowest_s if len(observed_s) > 1 else expected_slowest_s
     if body_s - dp_s <= typical(spans.items(), 0.0):
         return base
     lo, hi = 0.0, 1.0
@@ -171,6 +168,6 @@ def calibrate_spread(model: ModelSpec, plan: Plan, cluster: ClusterState,
         else:
             hi = mid
     fitted = _replace(base, makespan_cv=lo)
-    if len(times) > 1:
+    if len(observed_s) > 1:
         fitted = _replace(fitted, tail_s=max(0.0, mean_s - expected_iteration_s(fitted, spans, dp_s)))
     return fitted

@@ -43,8 +43,8 @@ class ModelSpec:
         part that scales with the pipeline's length; the iteration waits for the slowest replica,
         so the spread sets how much the many healthy replicas already lose to bad luck
         (remediation.costs.expected_slowest_s).
-    makespan_sd_s: the part of that spread that does not scale with the length (seconds): the
-        micro-batch mix at fill and drain, stalls. What ``cost_figures.calibrate_spread`` fits.
+    makespan_sd_s: the part of that spread that does not scale with the length (seconds), for
+        figures that measure it; ``cost_figures.calibrate_spread`` fits ``makespan_cv`` instead.
     microbatch_cv: relative spread of one micro-batch's chunk time across micro-batches (the packed
         mix of N and Σlᵢ²), shared by that micro-batch's chunks at every stage. A pipeline of
         varying chunks takes longer on average than one of mean chunks (~9 % for 7B TP8·PP4 at

@@ -69,8 +69,8 @@ def fitted_model(config, iterations: int = 24, spread_iterations: int = 0) -> Mo
 
     ``iterations`` of telemetry feed the fits; the replicas' spread and the stalls' tail are
     calibrated on the observed times of max(iterations, ``spread_iterations``) healthy
-    iterations — what the engine has by the time a fault comes (it keeps every healthy
-    ``analytics.prediction`` of the epoch). Rare stalls are most of the tail, so a few dozen
+    iterations — what the engine has by the time a fault comes (it keeps the epoch's latest
+    4,096 healthy ``analytics.prediction`` times). Rare stalls are most of the tail, so a few dozen
     iterations give a noisy figure."""
     fits, current, tokens, sum_sq, walls = warmup_fits(config, iterations, spread_iterations)
     hardware = hardware_of(config.cluster)
@@ -85,6 +85,7 @@ def warmup_fits(config, iterations: int = 24, spread_iterations: int = 0  # type
     are max(iterations, spread_iterations) of them (the ones past ``iterations`` are run
     without building events)."""
     from analytics.cost_model import fit_class
+    from analytics.cost_publish import cost_fit
     from trainer.sim.engine import SimEngine
 
     plan: Plan = config.plan
@@ -115,8 +116,5 @@ def warmup_fits(config, iterations: int = 24, spread_iterations: int = 0  # type
     fits = []
     for (stage, kind), xs in sorted(rows.items()):
         a = np.asarray(xs, dtype=float)
-        f = fit_class(a[:, 0], a[:, 1], a[:, 2])
-        fits.append(CostFit(stage=stage, kind=kind, alpha_s_per_token=f.alpha, beta_s_per_token_sq=f.beta,
-                            gamma_s=f.gamma, samples=f.rows, rel_error=f.rel_error,
-                            workload_cv=f.workload_cv if np.isfinite(f.workload_cv) else None))
+        fits.append(cost_fit(stage, kind, [fit_class(a[:, 0], a[:, 1], a[:, 2])]))
     return fits, current, float(np.mean(tokens)), float(np.nanmean(sum_sq)), [float(w) for w in walls]

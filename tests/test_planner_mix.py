@@ -112,5 +112,5 @@ def test_the_spread_is_fitted_on_the_body_and_stalls_are_a_constant() -> None:
     tokens = PLAN.global_microbatches * model.tokens_per_microbatch
     assert tokens / predict_tokens_per_s(cluster, fitted, PLAN) == pytest.approx(times.mean(), rel=1e-3)
     assert median_slowest_s(spans.items(), fitted.makespan_cv) + dp_s == pytest.approx(np.median(times), rel=1e-3)
-    mean_only = calibrate_spread(model, PLAN, cluster, float(times.mean()))  # one number: all of it is spread
+    mean_only = calibrate_spread(model, PLAN, cluster, [float(times.mean())])  # one number: all of it is spread
     assert mean_only.tail_s == 0.0 and mean_only.makespan_cv > fitted.makespan_cv
