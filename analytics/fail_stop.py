@@ -96,6 +96,8 @@ class FailStopWatch:
     _next_check_s: float = float("-inf")
     _events_since_check: int = 0
     _newest_plan: tuple[int, set[int]] | None = None  # (epoch, devices) of the newest plan announced
+    _deadline_s: float = float("inf")  # the reference beyond which the next rank would be judged dead
+    _short_of_deadline: int = 0  # live watched streams still to pass _deadline_s before the reference can
 
     # ---- input ----------------------------------------------------------------------------------
 
@@ -107,7 +109,7 @@ class FailStopWatch:
 
     def heartbeat(self, hb: Heartbeat, time_s: float) -> list[LivenessChange]:
         s = self.stream(hb.rank)
-        self._advance(s, hb.epoch, time_s)
+        self._advance(hb.rank, s, hb.epoch, time_s)
         s.hb_time_s, s.hb_interval_s = time_s, hb.interval_s
         if hb.epoch == s.epoch:
             s.started = max(s.started, hb.iteration)
@@ -117,7 +119,7 @@ class FailStopWatch:
 
     def telemetry(self, rank: int, epoch: int, iteration: int, time_s: float) -> list[LivenessChange]:
         s = self.stream(rank)
-        self._advance(s, epoch, time_s)
+        self._advance(rank, s, epoch, time_s)
         if epoch == s.epoch:
             s.reported = max(s.reported, iteration)
         self._note_progress(epoch, iteration, time_s)
@@ -136,8 +138,9 @@ class FailStopWatch:
             self._iteration_s = step if self._iteration_s is None else 0.8 * self._iteration_s + 0.2 * step
         self._epoch_top[epoch], self._top_time_s[epoch] = iteration, time_s
 
-    @staticmethod
-    def _advance(s: RankStream, epoch: int, time_s: float) -> None:
+    def _advance(self, rank: int, s: RankStream, epoch: int, time_s: float) -> None:
+        if s.time_s <= self._deadline_s < time_s and rank in self.watched and rank not in self.dead:
+            self._short_of_deadline -= 1  # one more stream the reference's quantile can rise past
         s.time_s = max(s.time_s, time_s)
         if epoch > s.epoch:
             s.epoch, s.reported, s.started = epoch, -1, -1
@@ -197,12 +200,16 @@ class FailStopWatch:
         return stalled if stalled > max(interval_s, self.config.hang_stall_iterations * self._iteration_s) else 0.0
 
     def _maybe_check(self, time_s: float) -> list[LivenessChange]:
-        """Judge when this event is half an interval newer than the last judgement's, or after a third
-        as many events as there are watched ranks (so that lagging streams, whose events are older,
-        still get judged, and a burst of heartbeats that moves the reference is judged before the
-        next burst). The judgement walks every rank, so this keeps it O(1) per event."""
+        """Judge when the reference can have passed the next rank's deadline (enough streams moved
+        past it, or the newest event is past it by the reference's lag bound), so that a dead rank
+        is named at the event that makes it dead, not one heartbeat round later. Otherwise judge
+        when this event is half an interval newer than the last judgement's, or after a third as
+        many events as there are watched ranks (so that lagging streams, whose events are older,
+        still get judged). The judgement walks every rank; it runs O(1) times per heartbeat round."""
         self._events_since_check += 1
-        if time_s < self._next_check_s and self._events_since_check < max(len(self.watched) // 3, 8):
+        due = (self._short_of_deadline <= 0
+               or time_s - self.config.reference_max_lag_intervals * self._interval_s() > self._deadline_s)
+        if not due and time_s < self._next_check_s and self._events_since_check < max(len(self.watched) // 3, 8):
             return []
         self._events_since_check = 0
         interval = self._interval_s()
@@ -210,14 +217,16 @@ class FailStopWatch:
         return self.check()
 
     def check(self) -> list[LivenessChange]:
-        """Judge every watched rank's heartbeats against the reference."""
+        """Judge every watched rank's heartbeats against the reference; then find the next deadline."""
         ref = self.reference_s()
-        stalled = self.stalled_s(ref, self._interval_s())
+        interval = self._interval_s()
+        stalled = self.stalled_s(ref, interval)
         miss = self.config.heartbeat_miss_intervals
         if stalled:
             miss = min(miss, self.config.hang_miss_intervals)
         why = f"; the job completed nothing for {stalled:.1f} s" if stalled else ""
         out = []
+        deadline = float("inf")
         for rank in sorted(self.watched):
             s = self.streams.get(rank)
             if s is None or s.hb_time_s is None or rank in self.dead or rank in self._retired:
@@ -225,13 +234,41 @@ class FailStopWatch:
             if self._newest_plan is not None and rank not in self._newest_plan[1] and s.epoch < self._newest_plan[0]:
                 continue
             late_s = ref - s.hb_time_s
-            if late_s > miss * s.hb_interval_s and not self.proof_of_life(rank):
+            if self.proof_of_life(rank):
+                continue
+            if late_s > miss * s.hb_interval_s:
                 self.dead.add(rank)
                 out.append(LivenessChange(
                     rank, False, f"no heartbeat for {late_s:.1f} s of the job's progress "
                                  f"(> {miss:g} intervals of {s.hb_interval_s:g} s{why})",
                     s.known_iteration(s.epoch) + 1 if s.epoch >= 0 else 0))
+            else:
+                deadline = min(deadline, self._rank_deadline_s(s))
+        self._arm(deadline, ref)
         return out
+
+    def _rank_deadline_s(self, s: RankStream) -> float:
+        """The reference beyond which this rank is dead: its last heartbeat plus the ordinary miss,
+        or the hung miss once the job would count as stalled (whichever comes first)."""
+        plain = s.hb_time_s + self.config.heartbeat_miss_intervals * s.hb_interval_s
+        epoch = self.newest_epoch()
+        if epoch < 0 or self._iteration_s is None or (self._newest_plan is not None and self._newest_plan[0] > epoch):
+            return plain
+        stall_from = self._top_time_s[epoch] + max(self._interval_s(), self.config.hang_stall_iterations * self._iteration_s)
+        return min(plain, max(s.hb_time_s + self.config.hang_miss_intervals * s.hb_interval_s, stall_from))
+
+    def _arm(self, deadline_s: float, ref_s: float) -> None:
+        """Count the live watched streams at or before ``deadline_s``: the reference (their lower
+        ``REFERENCE_QUANTILE``) passes it once only ⌊q·(n−1)⌋ of them are left there. A deadline
+        the reference is already past (a rank the judgement kept alive) disarms the trigger, so it
+        cannot fire on every event; the periodic judgement still runs."""
+        times = [self.streams[r].time_s for r in self.watched if r not in self.dead and r in self.streams]
+        if not times or deadline_s == float("inf") or ref_s > deadline_s:
+            self._deadline_s, self._short_of_deadline = float("inf"), 0
+            return
+        behind = sum(t <= deadline_s for t in times)
+        short = behind - int(REFERENCE_QUANTILE * (len(times) - 1))
+        self._deadline_s, self._short_of_deadline = (deadline_s, short) if short > 0 else (float("inf"), 0)
 
     def missing(self, ranks: set[int], iteration: int) -> list[LivenessChange]:
         """Ranks expected in this iteration's frame that did not report (the frame was scored

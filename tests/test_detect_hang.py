@@ -80,3 +80,32 @@ def test_a_reshape_pause_is_a_stall_with_a_reason_and_keeps_the_ordinary_thresho
     assert quiet == []
     ((t, change),) = drive(DetectorConfig(), die_at_s=20.5, stall=(21.0, 60.0), announce_at_s=21.0)
     assert change.rank == 3 and t == 40.0 and "completed nothing" not in change.reason
+
+
+def test_a_dead_node_is_named_at_the_heartbeat_that_makes_it_dead_in_a_large_job() -> None:
+    """200 ranks whose heartbeats arrive in a different order every round; a node (8 ranks) dies
+    and hangs the job. The verdict comes with the round of the second missed heartbeat, the first
+    whose reference is far enough past the last one, not a round later because the periodic
+    judgement happened to run before most of that round had arrived."""
+    import random
+
+    ranks, hb_s, dying = 200, 10.0, set(range(112, 120))
+    watch = FailStopWatch(DetectorConfig())
+    rng = random.Random(3)
+    verdicts = []
+    iteration = 0
+    for tick in range(121):
+        t = float(tick)
+        dead = t > 50.5
+        if not dead:
+            for r in range(ranks):
+                verdicts += [(t, c) for c in watch.telemetry(r, 0, iteration, t)]
+            iteration += 1
+        if tick % int(hb_s) == 0:
+            order = [r for r in range(ranks) if not (dead and r in dying)]
+            rng.shuffle(order)
+            for r in order:
+                verdicts += [(t, c) for c in watch.heartbeat(Heartbeat(rank=r, epoch=0, iteration=iteration,
+                                                                       interval_s=hb_s), t)]
+    assert {c.rank for _, c in verdicts} == dying and not any(c.alive for _, c in verdicts)
+    assert {t for t, _ in verdicts} == {70.0}  # last heartbeat at 50, missed at 60 and 70
