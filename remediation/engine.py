@@ -28,8 +28,8 @@ from dataclasses import dataclass, field, replace
 from collector import topics
 from collector.bus import Bus, TopicPartition
 from collector.events import (
-    Envelope, EventFactory, FaultCategory, IterationPrediction, IterationSummary, Location, PlanProposed,
-    PlanRolledBack, PlanVerified,
+    Envelope, EventFactory, FaultCategory, IncidentOpened, IterationPrediction, IterationSummary, Location,
+    PlanProposed, PlanRolledBack, PlanVerified,
 )
 from collector.plan import Plan
 from collector.stream import EventStream
@@ -48,6 +48,7 @@ from remediation.verification import verdict
 from remediation.planning_view import PlanningView, planning_view
 
 OBSERVED_WINDOW = 4096  # healthy iterations per epoch the spread and the tail are fitted on
+SPREAD_MIN_ITERATIONS = 100  # fewer healthy iterations of an epoch than this: carry an earlier epoch's spread
 
 log = logging.getLogger("resihp.remediation")
 
@@ -80,8 +81,9 @@ class RemediationEngine:
         self.strategy = strategy or (Planner(model, config.options) if model is not None else None)
         self._model_key: tuple | None = None
         self._tokens_per_mb: dict[int, tuple[float, int]] = {}  # epoch -> (sum of per-mb tokens, count)
-        # epoch -> the latest observed iteration seconds, for the replicas' spread and the stalls' tail
-        self._observed_s: dict[int, deque[float]] = {}
+        # epoch -> (iteration, observed seconds) of its latest iterations while no incident was open,
+        # for the replicas' spread and the stalls' tail
+        self._observed_s: dict[int, deque[tuple[int, float]]] = {}
         self.horizon = HorizonEstimator(default_s=config.options.horizon_s)
         self._faults: frozenset[str] = frozenset()  # open incident ids when the horizon last saw a change
         self.initial_plan = initial_plan
@@ -120,7 +122,12 @@ class RemediationEngine:
                 total, n = self._tokens_per_mb.get(p.epoch, (0.0, 0))
                 plan = self._epoch_plan(p.epoch) or self.state.running_plan
                 self._tokens_per_mb[p.epoch] = (total + p.tokens / plan.global_microbatches, n + 1)
-                self._observed_s.setdefault(p.epoch, deque(maxlen=OBSERVED_WINDOW)).append(p.observed_s)
+                if not self.state.open_incidents():  # a slow replica's times would pass for spread
+                    self._observed_s.setdefault(p.epoch, deque(maxlen=OBSERVED_WINDOW)).append((p.iteration, p.observed_s))
+            elif isinstance(p, IncidentOpened):  # iterations from its detection on may have reached us first
+                observed = self._observed_s.get(self.state.running_epoch)
+                while observed and observed[-1][0] >= p.iteration:
+                    observed.pop()
         out = self._react()
         if out:
             self.bus.publish(out)
@@ -313,8 +320,7 @@ class RemediationEngine:
                 model = model_from_fits(fitted.fits, current, self.config.hardware,
                                         tokens_per_microbatch=total / n if n else None,
                                         mean_document_tokens=self.config.mean_document_tokens)
-                if n and not s.open_incidents():  # the spread of replicas, from healthy iterations only
-                    model = calibrate_spread(model, current.plan, self.cluster(), self._observed_s[epoch])
+                model = self._with_spread(model, epoch, current.plan)
             except ValueError as exc:
                 log.warning("cost fits of epoch %s unusable (%s); using the fallback model", epoch, exc)
                 model, key = self.fallback_model, ("fallback",)
@@ -335,6 +341,21 @@ class RemediationEngine:
             return PlannerStrategy(self.strategy.model, self.strategy.name,
                                    replace(self.strategy.options, horizon_s=self.horizon.horizon_s()))
         return self.strategy
+
+    def _with_spread(self, model: ModelSpec, epoch: int, plan: Plan) -> ModelSpec:
+        """``model`` with the replicas' spread and the stalls' tail (``calibrate_spread``), fitted on
+        the iterations observed while no incident was open — on a healthy cluster, since that is
+        what ran them — of this epoch, or of the newest earlier one with enough of them when this
+        one has too few (a fault came soon after a reshape). Without a spread the planner sees every
+        slow replica as the job's bottleneck and overrates fixing it: a ×1.5 GPU in one of eight
+        replicas was predicted to cost 6.7 % of the job's throughput where it costs 3 %."""
+        healthy = ClusterState(self.num_devices(), self.config.hardware)
+        for e in sorted((e for e in self._observed_s if e <= epoch), reverse=True):
+            observed = self._observed_s[e]
+            ran = plan if e == epoch else self._epoch_plan(e)
+            if len(observed) >= SPREAD_MIN_ITERATIONS and ran is not None:
+                return calibrate_spread(model, ran, healthy, [t for _, t in observed])
+        return model
 
     def _rollback_proposal(self, plan_id: str) -> Envelope | None:
         """Propose the layout that ran before ``plan_id`` if it is still usable and was faster."""

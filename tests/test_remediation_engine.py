@@ -173,3 +173,57 @@ def test_a_dead_device_stays_out_of_plans_after_its_incident_resolves_and_a_fail
         third = [r for r in engine.state.plans.values() if r.plan_id not in (first.plan_id, second[0].plan_id)]
         assert len(third) == 1 and not {5, 12, 13} & set(third[0].proposal.plan.devices)
         engine.close()
+
+
+def test_the_spread_is_fitted_on_the_iterations_before_the_incident_on_a_healthy_cluster(tmp_path: Path) -> None:
+    """The engine builds its figures when it first has to plan, which is when an incident is
+    open. The replicas' spread must come from the iterations observed before it (on the plan as
+    it ran, healthy), not be dropped because an incident is open, nor fitted on the slow
+    iterations after the fault, which would pass the fault's cost off as spread."""
+    import numpy as np
+    import pytest
+
+    from collector.events import CostModelFitted
+    from remediation.cluster import ClusterState
+    from remediation.cost_figures import calibrate_spread, model_from_fits
+    from remediation.costs import median_slowest_s
+    from remediation.planner import plan_spans
+    from resihp.planning_models import warmup_fits
+    from trainer.sim.engine import SimConfig
+    from trainer.sim.presets import MODEL_PRESETS, ClusterSpec
+
+    plan = Plan.uniform(tp=4, pp=2, dp=2, num_layers=8, microbatches_per_replica=4)
+    config = SimConfig(model=MODEL_PRESETS["tiny"], cluster=ClusterSpec(gpus=16), plan=plan, telemetry="none")
+    fits, current, _, _, _ = warmup_fits(config, iterations=6)
+    engine_config = EngineConfig(job=JOB)
+    tokens = 4096 * plan.global_microbatches
+    base = model_from_fits(fits, current, engine_config.hardware, tokens_per_microbatch=tokens / plan.global_microbatches)
+    healthy_cluster = ClusterState(16, engine_config.hardware)
+    spans, dp_s = plan_spans(healthy_cluster, base, plan)
+    typical_s = median_slowest_s(spans.items(), 0.0) + dp_s
+    healthy = typical_s * (1.06 + 0.03 * np.random.default_rng(0).standard_normal(150))
+    analytics = EventFactory(JOB, "analytics")
+
+    def predictions(times, first):  # type: ignore[no-untyped-def]
+        return [analytics.make(IterationPrediction(epoch=0, iteration=first + i, observed_s=float(t),
+                                                   predicted_s=typical_s, tokens=tokens)) for i, t in enumerate(times)]
+
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
+        engine = RemediationEngine(bus, engine_config)
+        bus.publish([EventFactory(JOB, "trainer").make(current),
+                     analytics.make(CostModelFitted(epoch=0, iteration=6, fits=fits))])
+        engine.poll_once()
+        # the slow iterations may be read before the incident that their slowness caused
+        bus.publish([*predictions(healthy, 10), *predictions(1.5 * healthy[:20], 160),
+                     analytics.make(IncidentOpened(
+                         incident_id="i1", category=FaultCategory.FAIL_SLOW, severity=Severity.HIGH, iteration=160,
+                         locations=[Location(target="compute", rank=5, replica=0, stage=1, factor=1.5)],
+                         evidence=Evidence(), summary="rank 5 ×1.5")),
+                     *predictions(1.5 * healthy[20:60], 180)])
+        engine.poll_once()
+        engine.poll_once()
+        assert engine.model is not None and engine.model.makespan_cv > 0
+        expected = calibrate_spread(engine.model, plan, healthy_cluster, healthy.tolist())
+        assert engine.model.makespan_cv == pytest.approx(expected.makespan_cv)
+        assert engine.model.tail_s == pytest.approx(expected.tail_s)
+        engine.close()
