@@ -45,6 +45,7 @@ class ClassFit:
     rel_error: float = float("nan")  # median |observed/predicted − 1| over the window
     rows: int = 0
     workload_cv: float = float("nan")  # std/mean of the line's predictions over the window's rows
+    mean_sum_sq_len: float = float("nan")  # mean Σlᵢ² of the window's rows (NaN without sequence lengths)
 
 
 @dataclass
@@ -140,7 +141,8 @@ def fit_class(tokens: np.ndarray, sum_sq_len: np.ndarray, duration_s: np.ndarray
     terms apart): a negative one is dropped and the rest refitted. ``workload_cv`` is the spread
     of the fitted line over the rows (std/mean of α·N + β·S2 + γ): the part of a chunk's time the
     packed mix moves, free of jitter and stalls, which the planner needs for a pipeline's mean
-    (remediation.costs.ScheduleModelScorer).
+    (remediation.costs.ScheduleModelScorer). ``mean_sum_sq_len`` is the rows' mean Σlᵢ²: what
+    β multiplies for a typical micro-batch, which the planner cannot infer from N alone.
     """
     ok = np.isfinite(duration_s) & (duration_s > 0) & np.isfinite(tokens)
     has_s2 = bool(np.all(np.isfinite(sum_sq_len[ok]))) and ok.any()
@@ -165,7 +167,8 @@ def fit_class(tokens: np.ndarray, sum_sq_len: np.ndarray, duration_s: np.ndarray
     mean_pred = float(pred.mean())
     spread = float(pred.std() / mean_pred) if mean_pred > 0 else float("nan")
     return ClassFit(alpha=coef.get("alpha", 0.0), beta=coef.get("beta", 0.0), gamma=coef.get("gamma", 0.0),
-                    has_seq_lens=has_s2, rel_error=float(np.median(rel)), rows=len(d), workload_cv=spread)
+                    has_seq_lens=has_s2, rel_error=float(np.median(rel)), rows=len(d), workload_cv=spread,
+                    mean_sum_sq_len=float(s2.mean()) if has_s2 else float("nan"))
 
 
 def _irls(features: dict[str, np.ndarray], active: list[str], d: np.ndarray, weights: np.ndarray) -> dict[str, float]:

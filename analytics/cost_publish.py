@@ -154,12 +154,13 @@ def stage_fits(source: CostModel, own: CostModel, plan: Plan) -> list[CostFit] |
 
 def cost_fit(stage: int, kind: str, parts: list[ClassFit]) -> CostFit:
     """The published line of one (stage, kind) from its class fits — one, or one per virtual
-    stage, summed (they are slices of the stage's layers); errors and spreads are their median
-    and mean, left out where a class has none (NaN)."""
+    stage, summed (they are slices of the stage's layers); errors, spreads and Σlᵢ² are their
+    median and means, left out where a class has none (NaN)."""
     errs = [p.rel_error for p in parts if np.isfinite(p.rel_error)]
     cvs = [p.workload_cv for p in parts if np.isfinite(p.workload_cv)]
+    s2s = [p.mean_sum_sq_len for p in parts if np.isfinite(p.mean_sum_sq_len)]
     return CostFit(
         stage=stage, kind=ChunkKind(kind), alpha_s_per_token=float(sum(p.alpha for p in parts)),
         beta_s_per_token_sq=float(sum(p.beta for p in parts)), gamma_s=float(sum(p.gamma for p in parts)),
         samples=int(sum(p.rows for p in parts)), rel_error=float(np.median(errs)) if errs else None,
-        workload_cv=float(np.mean(cvs)) if cvs else None)
+        workload_cv=float(np.mean(cvs)) if cvs else None, mean_sum_sq_len=float(np.mean(s2s)) if s2s else None)

@@ -476,6 +476,9 @@ class CostFit(BaseModel):
     workload_cv: float | None = Field(
         default=None, ge=0, description="relative spread of the line's prediction over the window's micro-batches: how "
         "much the packed mix (N, Σl²) moves one micro-batch's chunk time, a spread its chunks share at every stage")
+    mean_sum_sq_len: float | None = Field(
+        default=None, ge=0, description="mean Σlᵢ² (tokens²) of the window's micro-batches: what beta multiplies for a "
+        "typical one; absent when sequence lengths were not reported")
 
 
 class CostModelFitted(Payload):

@@ -47,7 +47,8 @@ def model_from_fits(
     """A ModelSpec from the fitted lines of the running plan's stages.
 
     tokens_per_microbatch / sum_sq_per_microbatch: the workload's means (N and Σlᵢ²); default the
-    plan's packing budget and N × ``mean_document_tokens`` (Σlᵢ² = N · E[l²]/E[l]).
+    plan's packing budget and the forward lines' ``mean_sum_sq_len`` (their median), or without
+    it N × ``mean_document_tokens`` (Σlᵢ² = N · E[l²]/E[l]), a guess that can be 2× off.
     Raises ValueError naming what is missing when the fits cannot describe the model.
     """
     plan = current.plan
@@ -68,7 +69,13 @@ def model_from_fits(
         raise ValueError("tokens per micro-batch unknown: plan.current carries none; pass tokens_per_microbatch")
     # a document cannot be longer than its micro-batch: with 64-token rows (the torch demo) the default
     # 1024 made Σlᵢ² 16× too large and the attention term swamped the prediction
-    s2 = sum_sq_per_microbatch if sum_sq_per_microbatch is not None else n_tok * min(mean_document_tokens, n_tok)
+    fitted_s2 = [f.mean_sum_sq_len for f in fits if str(f.kind) == "F" and f.mean_sum_sq_len is not None]
+    if sum_sq_per_microbatch is not None:
+        s2 = sum_sq_per_microbatch
+    elif fitted_s2:
+        s2 = median(fitted_s2)
+    else:
+        s2 = n_tok * min(mean_document_tokens, n_tok)
     h = hidden_size(current.layer_state_bytes)
     tp_bytes = 2.0 * h * BYTES_PER_VALUE  # two all-reduces of h values per token per layer
 

@@ -72,9 +72,9 @@ def fitted_model(config, iterations: int = 24, spread_iterations: int = 0) -> Mo
     iterations — what the engine has by the time a fault comes (it keeps the epoch's latest
     4,096 healthy ``analytics.prediction`` times). Rare stalls are most of the tail, so a few dozen
     iterations give a noisy figure."""
-    fits, current, tokens, sum_sq, walls = warmup_fits(config, iterations, spread_iterations)
+    fits, current, tokens, _, walls = warmup_fits(config, iterations, spread_iterations)
     hardware = hardware_of(config.cluster)
-    model = model_from_fits(fits, current, hardware, tokens_per_microbatch=tokens, sum_sq_per_microbatch=sum_sq)
+    model = model_from_fits(fits, current, hardware, tokens_per_microbatch=tokens)  # Σlᵢ² from the fits, as the engine
     return calibrate_spread(model, config.plan, ClusterState(config.cluster.gpus, hardware), walls)
 
 

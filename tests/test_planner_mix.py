@@ -64,6 +64,26 @@ def test_the_fitted_mix_spread_is_the_workloads(fitted) -> None:  # type: ignore
     assert fitted.microbatch_cv == pytest.approx(truth, rel=0.25)
 
 
+def test_the_fits_carry_the_mean_sum_sq_that_beta_multiplies() -> None:
+    """The engine knows N per micro-batch from the predictions, but Σlᵢ² only from the fits: their
+    ``mean_sum_sq_len`` is the window's mean, and the figures use it instead of N × a guessed mean
+    document length (1,024 tokens), which for this mix is off by more than a third."""
+    from remediation.cost_figures import model_from_fits
+    from resihp.planning_models import warmup_fits
+
+    config = SimConfig(model=SIM_MODEL, cluster=CLUSTER, workload=WORKLOAD_PRESETS["pretrain"], plan=PLAN,
+                       telemetry="none", seed=3)
+    fits, current, tokens, sum_sq, _ = warmup_fits(config, iterations=12)
+    forward = [f for f in fits if str(f.kind) == "F"]
+    assert forward and all(f.mean_sum_sq_len == pytest.approx(sum_sq, rel=0.02) for f in forward)
+    model = model_from_fits(fits, current, hardware_of(CLUSTER), tokens_per_microbatch=tokens)
+    assert model.sum_sq_per_microbatch == pytest.approx(sum_sq, rel=0.02)
+    assert abs(tokens * 1024 / sum_sq - 1) > 0.33
+    without = [f.model_copy(update={"mean_sum_sq_len": None}) for f in fits]  # an older analytics consumer
+    assert model_from_fits(without, current, hardware_of(CLUSTER), tokens_per_microbatch=tokens
+                           ).sum_sq_per_microbatch == pytest.approx(tokens * 1024)
+
+
 def test_a_pipelines_mean_follows_its_shape(fitted) -> None:  # type: ignore[no-untyped-def]
     """Single-replica plans (no max over replicas): the predicted mean iteration is the simulator's
     within 3 % for four, three and two stages and one; without the mix the four-stage pipeline is
