@@ -13,7 +13,7 @@ the location, or a dead rank coming back.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from analytics.detector_config import DetectorConfig
 from analytics.fail_stop import LivenessChange
@@ -72,7 +72,8 @@ class _Open:
     probe_id: str | None = None
     probe_ratios: dict[int, float] = field(default_factory=dict)
     probe_used: bool = False  # its answers already named (or confirmed) the suspect
-    probe_sized: bool = False  # a probe measured the named link itself: its factor is the probe's
+    probe_sized: bool = False  # a probe measured the location itself: its factor is the probe's
+    reprobe: bool = False  # the pending probe re-asks the named rank's TP group (it got slower)
 
 
 def severity_of(factor: float, category: FaultCategory) -> Severity:
@@ -154,12 +155,25 @@ class IncidentBook:
         inc.factor = factor
         change = abs(factor / inc.published_factor - 1.0)
         if change > self.config.update_min_change and iteration - inc.last_update_iteration >= 3:
+            worse = factor > inc.published_factor
             inc.published_factor, inc.last_update_iteration = factor, iteration
             s = inc.suspect
-            return [IncidentUpdated(incident_id=inc.incident_id, iteration=iteration,
-                                    severity=severity_of(factor, inc.category), locations=[s.location(factor)],
-                                    evidence=s.evidence())]
+            out: list[Payload] = [IncidentUpdated(incident_id=inc.incident_id, iteration=iteration,
+                                                  severity=severity_of(factor, inc.category),
+                                                  locations=[s.location(factor)], evidence=s.evidence())]
+            if worse and self._can_reprobe(inc):
+                # Its TP peers run in lock-step with it and are never alarmed on while it is open,
+                # so a peer that slows down too only shows up here, as the named rank getting worse.
+                inc.probe_id, inc.probe_ratios, inc.reprobe = f"probe-{inc.incident_id[4:]}-{iteration}", {}, True
+                out.append(ProbeRequest(probe_id=inc.probe_id, incident_id=inc.incident_id,
+                                        ranks=list(s.tp_group or ()), target="compute"))
+            return out
         return []
+
+    def _can_reprobe(self, inc: _Open) -> bool:
+        s = inc.suspect
+        return (self.config.probes and s.target == "compute" and inc.probe_used and not inc.reprobe
+                and len(s.ranks) == 1 and len(s.tp_group or ()) > 1)
 
     def end_of_iteration(self, iteration: int) -> list[Payload]:
         out: list[Payload] = []
@@ -180,9 +194,11 @@ class IncidentBook:
             if inc.probe_id != p.probe_id:
                 continue
             inc.probe_ratios[p.rank] = p.duration_s / p.reference_s
-            asked = inc.suspect.ranks or tuple(inc.suspect.link or ())
+            asked = (inc.suspect.tp_group or ()) if inc.reprobe else inc.suspect.ranks or tuple(inc.suspect.link or ())
             if set(inc.probe_ratios) < set(asked):
                 return []
+            if inc.reprobe:
+                return self._reprobe_result(inc)
             worst = max(inc.probe_ratios, key=inc.probe_ratios.get)
             ratio = inc.probe_ratios[worst]
             if ratio < self.config.probe_confirm_ratio or inc.probe_used:
@@ -226,6 +242,53 @@ class IncidentBook:
                 detail=f"probe: rank {worst} took ×{ratio:.2f} of the healthy reference ({ratios})",
                 locations=[s.location(inc.factor)])]
         return []
+
+    def _reprobe_result(self, inc: _Open) -> list[Payload]:
+        """A named rank's TP group answered a re-probe. If other members are slow too, each gets
+        an incident of its own (opened and confirmed by the probe), and every slow member's factor
+        becomes its share of the group's: telemetry measures the group's chunks, which the slowest
+        member sets, so a member ×r in compute (by the probe) is 1 + (r − 1)·(F − 1)/(r_max − 1)
+        in chunk time, F being the group's. Those factors are the probe's from then on (telemetry
+        would give every member the group's)."""
+        inc.reprobe = False
+        ratios, s = inc.probe_ratios, inc.suspect
+        slow = sorted((r for r, v in ratios.items() if v >= self.config.probe_confirm_ratio), key=lambda r: -ratios[r])
+        if not set(slow) - set(s.ranks):
+            return []  # still only the named member: it got worse itself
+        r_max, group_f = ratios[slow[0]], inc.factor
+
+        def chunk_factor(r: float) -> float:
+            return 1.0 + (r - 1.0) * (group_f - 1.0) / (r_max - 1.0)
+
+        table = ", ".join(f"{r}: ×{v:.2f}" for r, v in sorted(ratios.items()))
+        statistic = f"re-probe of TP group {list(s.tp_group or ())}: {table}"
+        own = chunk_factor(ratios.get(s.rank, 1.0)) if s.rank is not None else group_f
+        inc.factor = inc.published_factor = own
+        inc.probe_sized = True
+        out: list[Payload] = [IncidentUpdated(
+            incident_id=inc.incident_id, iteration=inc.last_update_iteration, severity=severity_of(own, inc.category),
+            locations=[s.location(own)], evidence=s.evidence().model_copy(update={"statistic": statistic}))]
+        for r in slow:
+            key = ("ranks", (r,))
+            if r in s.ranks or key in self.open:
+                continue
+            f = chunk_factor(ratios[r])
+            peer = replace(s, key=key, rank=r, ranks=(r,), factor=f, confidence=0.9, statistic=statistic,
+                           note=f"a TP peer of rank {s.rank}, found by re-probing its group when it got slower")
+            new = _Open(self._id(key, inc.last_update_iteration), FaultCategory.FAIL_SLOW, peer,
+                        inc.last_update_iteration, f, f, confirmed=True, last_update_iteration=inc.last_update_iteration,
+                        probe_used=True, probe_sized=True)
+            self.open[key] = new
+            self.opened_total += 1
+            out += [IncidentOpened(incident_id=new.incident_id, category=new.category,
+                                   severity=severity_of(f, new.category), iteration=new.opened_iteration,
+                                   locations=[peer.location()], evidence=peer.evidence(),
+                                   summary=f"rank {r} is ×{f:.2f} slower than its work predicts (replica "
+                                           f"{peer.replica}, stage {peer.stage}; a TP peer of rank {s.rank})"),
+                    IncidentConfirmed(incident_id=new.incident_id, method="probe",
+                                      detail=f"re-probe: rank {r} took ×{ratios[r]:.2f} of the healthy reference ({table})",
+                                      locations=[peer.location()])]
+        return out
 
     # ---- fail-stop and reconfiguration -----------------------------------------------------------
 

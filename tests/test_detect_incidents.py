@@ -1,12 +1,15 @@
 """The incident book's rules that the live loop depends on: a probe answered late still names the
-member, and a reshape resolves fail-stops it routed around but never a fail-slow it only hid."""
+member, a named member that gets worse has its TP group probed again, and a reshape resolves
+fail-stops it routed around but never a fail-slow it only hid."""
 
 from __future__ import annotations
 
 from analytics.detector_config import DetectorConfig
 from analytics.fail_stop import LivenessChange
 from analytics.incidents import IncidentBook, Suspect
-from collector.events import IncidentConfirmed, IncidentResolved, IncidentUpdated, ProbeRequest, ProbeResult
+from collector.events import (
+    IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated, ProbeRequest, ProbeResult,
+)
 
 
 def _group_suspect() -> Suspect:
@@ -59,3 +62,48 @@ def test_a_probed_link_carries_the_probes_factor_and_telemetry_no_longer_moves_i
     assert set(loc.link) == {2, 3} and loc.factor == 4.0
     assert book.observe(("comm",), z=0.5, k=0.02, iteration=20, factor=1.6) == []  # no update from the excess
     assert book.open[("comm",)].factor == 4.0
+
+
+def _answer(book: IncidentBook, probe: ProbeRequest, ratios: dict[int, float]) -> list:
+    return [p for r, v in ratios.items()
+            for p in book.probe_result(ProbeResult(probe_id=probe.probe_id, rank=r, duration_s=0.05 * v, reference_s=0.05))]
+
+
+def test_a_named_rank_that_gets_worse_has_its_group_probed_again_and_a_slow_peer_gets_its_own_incident() -> None:
+    """Rank 5 is named ×1.5 in compute (chunks ×1.25). Then its TP peer 6 slows ×2: its lock-step
+    peers are never alarmed on while 5's incident is open, so all telemetry shows is rank 5's
+    chunks getting worse (×1.5). The update re-probes the group; the answer opens and confirms an
+    incident for 6, and each member's factor becomes its share of the group's chunk slowdown."""
+    config = DetectorConfig(probes=True)
+    book = IncidentBook("j", config)
+    group = Suspect(key=("ranks", (4, 5, 6, 7)), target="compute", rank=None, link=None, node=0, replica=1, stage=0,
+                    tp_group=(4, 5, 6, 7), factor=1.25, confidence=0.5, iterations=[], observed_s=[],
+                    predicted_s=[], rank_factors={}, statistic="", note="", ranks=(4, 5, 6, 7))
+    (probe,) = [p for p in book.open_fail_slow(group, iteration=10) if isinstance(p, ProbeRequest)]
+    (named,) = _answer(book, probe, {4: 1.0, 5: 1.5, 6: 1.0, 7: 1.0})
+    assert isinstance(named, IncidentConfirmed) and named.locations[0].rank == 5
+    assert book.observe(("ranks", (5,)), z=0.22, k=0.02, iteration=14, factor=1.25) == []  # as before: no update
+    out = book.observe(("ranks", (5,)), z=0.4, k=0.02, iteration=40, factor=1.5)
+    update, again = out
+    assert isinstance(update, IncidentUpdated) and isinstance(again, ProbeRequest)
+    assert sorted(again.ranks) == [4, 5, 6, 7] and again.probe_id != probe.probe_id
+    later = book.observe(("ranks", (5,)), z=0.4, k=0.02, iteration=50, factor=1.7)
+    assert [type(p) for p in later] == [IncidentUpdated]  # one re-probe at a time
+    own, opened, confirmed = _answer(book, again, {4: 1.0, 5: 1.5, 6: 2.0, 7: 1.01})
+    assert isinstance(own, IncidentUpdated) and own.locations[0].rank == 5
+    assert isinstance(opened, IncidentOpened) and opened.locations[0].rank == 6
+    assert isinstance(confirmed, IncidentConfirmed) and confirmed.method == "probe"
+    assert opened.locations[0].factor == 1.7  # the slowest member sets the group's chunks
+    assert own.locations[0].factor == 1.0 + 0.5 * 0.7  # half as slow in compute: half the excess
+    assert book.slow_factors() == {5: 1.35, 6: 1.7}
+    assert book.observe(("ranks", (5,)), z=0.5, k=0.02, iteration=60, factor=1.7) == []  # the probe's from now on
+
+
+def test_a_re_probe_that_finds_only_the_named_rank_changes_nothing() -> None:
+    config = DetectorConfig(probes=True)
+    book = IncidentBook("j", config)
+    (probe,) = [p for p in book.open_fail_slow(_group_suspect(), iteration=10) if isinstance(p, ProbeRequest)]
+    _answer(book, probe, {4: 1.0, 5: 3.0})
+    _, again = book.observe(("ranks", (5,)), z=1.5, k=0.02, iteration=30, factor=4.5)
+    assert _answer(book, again, {4: 1.0, 5: 4.5}) == []
+    assert book.slow_factors() == {5: 4.5}
