@@ -188,16 +188,24 @@ class FailStopWatch:
         top = self._epoch_top.get(s.epoch, -1)
         return top >= s.known_iteration(s.epoch) + 2
 
-    def stalled_s(self, ref_s: float, interval_s: float) -> float:
-        """How long (in the job's progress) the newest epoch has completed nothing, or 0 while that
-        is within ``hang_stall_iterations`` typical iterations or one heartbeat interval."""
+    def _stall_from_s(self, interval_s: float) -> float:
+        """The reference beyond which the job counts as hung: the newest epoch's last completed
+        iteration plus ``hang_stall_iterations`` typical iterations or one heartbeat interval,
+        whichever is longer (never, before an iteration time is known or while a newer plan
+        than the newest epoch has been announced)."""
         epoch = self.newest_epoch()
         if epoch < 0 or self._iteration_s is None:
-            return 0.0
+            return float("inf")
         if self._newest_plan is not None and self._newest_plan[0] > epoch:
-            return 0.0  # a newer plan was announced: the job is pausing to reshape, not hung
-        stalled = ref_s - self._top_time_s[epoch]
-        return stalled if stalled > max(interval_s, self.config.hang_stall_iterations * self._iteration_s) else 0.0
+            return float("inf")  # a newer plan was announced: the job is pausing to reshape, not hung
+        return self._top_time_s[epoch] + max(interval_s, self.config.hang_stall_iterations * self._iteration_s)
+
+    def stalled_s(self, ref_s: float, interval_s: float) -> float:
+        """How long (in the job's progress) the newest epoch has completed nothing, or 0 while the
+        job does not count as hung (``_stall_from_s``)."""
+        if ref_s <= self._stall_from_s(interval_s):
+            return 0.0
+        return ref_s - self._top_time_s[self.newest_epoch()]
 
     def _maybe_check(self, time_s: float) -> list[LivenessChange]:
         """Judge when the reference can have passed the next rank's deadline (enough streams moved
@@ -225,6 +233,7 @@ class FailStopWatch:
         if stalled:
             miss = min(miss, self.config.hang_miss_intervals)
         why = f"; the job completed nothing for {stalled:.1f} s" if stalled else ""
+        stall_from = self._stall_from_s(interval)
         out = []
         deadline = float("inf")
         for rank in sorted(self.watched):
@@ -243,19 +252,15 @@ class FailStopWatch:
                                  f"(> {miss:g} intervals of {s.hb_interval_s:g} s{why})",
                     s.known_iteration(s.epoch) + 1 if s.epoch >= 0 else 0))
             else:
-                deadline = min(deadline, self._rank_deadline_s(s))
+                deadline = min(deadline, self._rank_deadline_s(s, stall_from))
         self._arm(deadline, ref)
         return out
 
-    def _rank_deadline_s(self, s: RankStream) -> float:
+    def _rank_deadline_s(self, s: RankStream, stall_from_s: float) -> float:
         """The reference beyond which this rank is dead: its last heartbeat plus the ordinary miss,
-        or the hung miss once the job would count as stalled (whichever comes first)."""
+        or the hung miss once the job counts as stalled (whichever comes first)."""
         plain = s.hb_time_s + self.config.heartbeat_miss_intervals * s.hb_interval_s
-        epoch = self.newest_epoch()
-        if epoch < 0 or self._iteration_s is None or (self._newest_plan is not None and self._newest_plan[0] > epoch):
-            return plain
-        stall_from = self._top_time_s[epoch] + max(self._interval_s(), self.config.hang_stall_iterations * self._iteration_s)
-        return min(plain, max(s.hb_time_s + self.config.hang_miss_intervals * s.hb_interval_s, stall_from))
+        return min(plain, max(s.hb_time_s + self.config.hang_miss_intervals * s.hb_interval_s, stall_from_s))
 
     def _arm(self, deadline_s: float, ref_s: float) -> None:
         """Count the live watched streams at or before ``deadline_s``: the reference (their lower

@@ -262,7 +262,7 @@ class IncidentBook:
 
         table = ", ".join(f"{r}: ×{v:.2f}" for r, v in sorted(ratios.items()))
         statistic = f"re-probe of TP group {list(s.tp_group or ())}: {table}"
-        own = chunk_factor(ratios.get(s.rank, 1.0)) if s.rank is not None else group_f
+        own = chunk_factor(ratios.get(s.rank, 1.0))  # _can_reprobe: a single named rank
         inc.factor = inc.published_factor = own
         inc.probe_sized = True
         out: list[Payload] = [IncidentUpdated(

@@ -69,12 +69,8 @@ def model_from_fits(
         raise ValueError("tokens per micro-batch unknown: plan.current carries none; pass tokens_per_microbatch")
     # a document cannot be longer than its micro-batch: with 64-token rows (the torch demo) the default
     # 1024 made Σlᵢ² 16× too large and the attention term swamped the prediction
-    fitted_s2 = [f.mean_sum_sq_len for f in fits if str(f.kind) == "F" and f.mean_sum_sq_len is not None]
-    if sum_sq_per_microbatch is not None:
-        s2 = sum_sq_per_microbatch
-    elif fitted_s2:
-        s2 = median(fitted_s2)
-    else:
+    s2 = sum_sq_per_microbatch if sum_sq_per_microbatch is not None else _forward_median(fits, "mean_sum_sq_len")
+    if s2 is None:
         s2 = n_tok * min(mean_document_tokens, n_tok)
     h = hidden_size(current.layer_state_bytes)
     tp_bytes = 2.0 * h * BYTES_PER_VALUE  # two all-reduces of h values per token per layer
@@ -119,15 +115,16 @@ def model_from_fits(
         linear_s_per_token=max(linear, 1e-18), attn_s_per_sq_token=max(0.0, median(att)), sum_sq_per_microbatch=s2,
         overhead_s=median(over), head_s_per_token=head, tp_bytes_per_token=tp_bytes,
         activation_bytes_per_token=float(h * BYTES_PER_VALUE), grad_bytes_per_layer=None,
-        backward_factor=median(bfs) if bfs else 2.0, microbatch_cv=_microbatch_cv(by_key.values()),
+        backward_factor=median(bfs) if bfs else 2.0, microbatch_cv=_forward_median(by_key.values(), "workload_cv") or 0.0,
     )
 
 
-def _microbatch_cv(fits) -> float:  # type: ignore[no-untyped-def]
-    """The workload's spread of a micro-batch's chunk time: the median of the forward lines'
-    ``workload_cv`` (0 when no line carries one — an older analytics consumer)."""
-    cvs = [f.workload_cv for f in fits if str(f.kind) == "F" and f.workload_cv is not None]
-    return median(cvs) if cvs else 0.0
+def _forward_median(fits, name: str) -> float | None:  # type: ignore[no-untyped-def]
+    """The median over the forward lines of an optional CostFit field (the mix's spread
+    ``workload_cv``, the mean Σlᵢ² ``mean_sum_sq_len``); None when no line carries it — an older
+    analytics consumer, or no sequence lengths."""
+    values = [getattr(f, name) for f in fits if str(f.kind) == "F" and getattr(f, name) is not None]
+    return median(values) if values else None
 
 
 def calibrate_spread(model: ModelSpec, plan: Plan, cluster: ClusterState, observed_s: Sequence[float]) -> ModelSpec:
