@@ -158,16 +158,18 @@ class IncidentBook:
             worse = factor > inc.published_factor
             inc.published_factor, inc.last_update_iteration = factor, iteration
             s = inc.suspect
-            out: list[Payload] = [IncidentUpdated(incident_id=inc.incident_id, iteration=iteration,
-                                                  severity=severity_of(factor, inc.category),
-                                                  locations=[s.location(factor)], evidence=s.evidence())]
-            if worse and self._can_reprobe(inc):
-                # Its TP peers run in lock-step with it and are never alarmed on while it is open,
-                # so a peer that slows down too only shows up here, as the named rank getting worse.
-                inc.probe_id, inc.probe_ratios, inc.reprobe = f"probe-{inc.incident_id[4:]}-{iteration}", {}, True
-                out.append(ProbeRequest(probe_id=inc.probe_id, incident_id=inc.incident_id,
-                                        ranks=list(s.tp_group or ()), target="compute"))
-            return out
+            update = IncidentUpdated(incident_id=inc.incident_id, iteration=iteration,
+                                     severity=severity_of(factor, inc.category),
+                                     locations=[s.location(factor)], evidence=s.evidence())
+            if not (worse and self._can_reprobe(inc)):
+                return [update]
+            # Its TP peers run in lock-step with it and are never alarmed on while it is open, so a
+            # peer that slows down too only shows up here, as the named rank getting worse. The
+            # update says the group is being probed: a planner should wait for the answer.
+            inc.probe_id, inc.probe_ratios, inc.reprobe = f"probe-{inc.incident_id[4:]}-{iteration}", {}, True
+            group = list(s.tp_group or ())
+            return [update.model_copy(update={"probing": group}),
+                    ProbeRequest(probe_id=inc.probe_id, incident_id=inc.incident_id, ranks=group, target="compute")]
         return []
 
     def _can_reprobe(self, inc: _Open) -> bool:
@@ -249,46 +251,47 @@ class IncidentBook:
         becomes its share of the group's: telemetry measures the group's chunks, which the slowest
         member sets, so a member ×r in compute (by the probe) is 1 + (r − 1)·(F − 1)/(r_max − 1)
         in chunk time, F being the group's. Those factors are the probe's from then on (telemetry
-        would give every member the group's)."""
+        would give every member the group's). The named rank's incident is always updated, last:
+        that update (``probing`` empty) is the answer a planner waits for, so every peer's
+        incident is already on the log when it comes."""
         inc.reprobe = False
         ratios, s = inc.probe_ratios, inc.suspect
         slow = sorted((r for r, v in ratios.items() if v >= self.config.probe_confirm_ratio), key=lambda r: -ratios[r])
-        if not set(slow) - set(s.ranks):
-            return []  # still only the named member: it got worse itself
-        r_max, group_f = ratios[slow[0]], inc.factor
-
-        def chunk_factor(r: float) -> float:
-            return 1.0 + (r - 1.0) * (group_f - 1.0) / (r_max - 1.0)
-
         table = ", ".join(f"{r}: ×{v:.2f}" for r, v in sorted(ratios.items()))
         statistic = f"re-probe of TP group {list(s.tp_group or ())}: {table}"
-        own = chunk_factor(ratios.get(s.rank, 1.0))  # _can_reprobe: a single named rank
-        inc.factor = inc.published_factor = own
-        inc.probe_sized = True
-        out: list[Payload] = [IncidentUpdated(
-            incident_id=inc.incident_id, iteration=inc.last_update_iteration, severity=severity_of(own, inc.category),
-            locations=[s.location(own)], evidence=s.evidence().model_copy(update={"statistic": statistic}))]
-        for r in slow:
-            key = ("ranks", (r,))
-            if r in s.ranks or key in self.open:
-                continue
-            f = chunk_factor(ratios[r])
-            peer = replace(s, key=key, rank=r, ranks=(r,), factor=f, confidence=0.9, statistic=statistic,
-                           note=f"a TP peer of rank {s.rank}, found by re-probing its group when it got slower")
-            new = _Open(self._id(key, inc.last_update_iteration), FaultCategory.FAIL_SLOW, peer,
-                        inc.last_update_iteration, f, f, confirmed=True, last_update_iteration=inc.last_update_iteration,
-                        probe_used=True, probe_sized=True)
-            self.open[key] = new
-            self.opened_total += 1
-            out += [IncidentOpened(incident_id=new.incident_id, category=new.category,
-                                   severity=severity_of(f, new.category), iteration=new.opened_iteration,
-                                   locations=[peer.location()], evidence=peer.evidence(),
-                                   summary=f"rank {r} is ×{f:.2f} slower than its work predicts (replica "
-                                           f"{peer.replica}, stage {peer.stage}; a TP peer of rank {s.rank})"),
-                    IncidentConfirmed(incident_id=new.incident_id, method="probe",
-                                      detail=f"re-probe: rank {r} took ×{ratios[r]:.2f} of the healthy reference ({table})",
-                                      locations=[peer.location()])]
-        return out
+        out: list[Payload] = []
+        if set(slow) - set(s.ranks):  # else only the named member is slow: it got worse itself
+            r_max, group_f = ratios[slow[0]], inc.factor
+
+            def chunk_factor(r: float) -> float:
+                return 1.0 + (r - 1.0) * (group_f - 1.0) / (r_max - 1.0)
+
+            inc.factor = inc.published_factor = chunk_factor(ratios.get(s.rank, 1.0))  # _can_reprobe: one rank
+            inc.probe_sized = True
+            for r in slow:
+                key = ("ranks", (r,))
+                if r in s.ranks or key in self.open:
+                    continue
+                f = chunk_factor(ratios[r])
+                peer = replace(s, key=key, rank=r, ranks=(r,), factor=f, confidence=0.9, statistic=statistic,
+                               note=f"a TP peer of rank {s.rank}, found by re-probing its group when it got slower")
+                new = _Open(self._id(key, inc.last_update_iteration), FaultCategory.FAIL_SLOW, peer,
+                            inc.last_update_iteration, f, f, confirmed=True,
+                            last_update_iteration=inc.last_update_iteration, probe_used=True, probe_sized=True)
+                self.open[key] = new
+                self.opened_total += 1
+                out += [IncidentOpened(incident_id=new.incident_id, category=new.category,
+                                       severity=severity_of(f, new.category), iteration=new.opened_iteration,
+                                       locations=[peer.location()], evidence=peer.evidence(),
+                                       summary=f"rank {r} is ×{f:.2f} slower than its work predicts (replica "
+                                               f"{peer.replica}, stage {peer.stage}; a TP peer of rank {s.rank})"),
+                        IncidentConfirmed(incident_id=new.incident_id, method="probe",
+                                          detail=f"re-probe: rank {r} took ×{ratios[r]:.2f} of the healthy "
+                                                 f"reference ({table})", locations=[peer.location()])]
+        return out + [IncidentUpdated(
+            incident_id=inc.incident_id, iteration=inc.last_update_iteration,
+            severity=severity_of(inc.factor, inc.category), locations=[s.location(inc.factor)],
+            evidence=s.evidence().model_copy(update={"statistic": statistic}))]
 
     # ---- fail-stop and reconfiguration -----------------------------------------------------------
 

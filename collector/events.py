@@ -323,6 +323,10 @@ class IncidentUpdated(Payload):
     severity: Severity
     locations: list[Location]
     evidence: Evidence
+    probing: list[int] = Field(
+        default_factory=list,
+        description="ranks a probe is asking again because of this update: a more precise location follows "
+                    "(the next update of the incident), so a plan made on this one would soon be stale")
 
 
 class IncidentResolved(Payload):

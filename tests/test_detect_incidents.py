@@ -87,10 +87,11 @@ def test_a_named_rank_that_gets_worse_has_its_group_probed_again_and_a_slow_peer
     update, again = out
     assert isinstance(update, IncidentUpdated) and isinstance(again, ProbeRequest)
     assert sorted(again.ranks) == [4, 5, 6, 7] and again.probe_id != probe.probe_id
+    assert update.probing == [4, 5, 6, 7]  # a planner waits for the answer
     later = book.observe(("ranks", (5,)), z=0.4, k=0.02, iteration=50, factor=1.7)
-    assert [type(p) for p in later] == [IncidentUpdated]  # one re-probe at a time
-    own, opened, confirmed = _answer(book, again, {4: 1.0, 5: 1.5, 6: 2.0, 7: 1.01})
-    assert isinstance(own, IncidentUpdated) and own.locations[0].rank == 5
+    assert [type(p) for p in later] == [IncidentUpdated] and not later[0].probing  # one re-probe at a time
+    opened, confirmed, own = _answer(book, again, {4: 1.0, 5: 1.5, 6: 2.0, 7: 1.01})
+    assert isinstance(own, IncidentUpdated) and own.locations[0].rank == 5 and not own.probing  # the answer, last
     assert isinstance(opened, IncidentOpened) and opened.locations[0].rank == 6
     assert isinstance(confirmed, IncidentConfirmed) and confirmed.method == "probe"
     assert opened.locations[0].factor == 1.7  # the slowest member sets the group's chunks
@@ -99,11 +100,15 @@ def test_a_named_rank_that_gets_worse_has_its_group_probed_again_and_a_slow_peer
     assert book.observe(("ranks", (5,)), z=0.5, k=0.02, iteration=60, factor=1.7) == []  # the probe's from now on
 
 
-def test_a_re_probe_that_finds_only_the_named_rank_changes_nothing() -> None:
+def test_a_re_probe_that_finds_only_the_named_rank_keeps_the_location_and_says_so() -> None:
     config = DetectorConfig(probes=True)
     book = IncidentBook("j", config)
     (probe,) = [p for p in book.open_fail_slow(_group_suspect(), iteration=10) if isinstance(p, ProbeRequest)]
     _answer(book, probe, {4: 1.0, 5: 3.0})
-    _, again = book.observe(("ranks", (5,)), z=1.5, k=0.02, iteration=30, factor=4.5)
-    assert _answer(book, again, {4: 1.0, 5: 4.5}) == []
+    update, again = book.observe(("ranks", (5,)), z=1.5, k=0.02, iteration=30, factor=4.5)
+    assert update.probing == [4, 5]
+    (answer,) = _answer(book, again, {4: 1.0, 5: 4.5})
+    assert isinstance(answer, IncidentUpdated) and not answer.probing
+    assert answer.locations[0].rank == 5 and answer.locations[0].factor == 4.5
+    assert "re-probe of TP group [4, 5]" in answer.evidence.statistic
     assert book.slow_factors() == {5: 4.5}
