@@ -6,8 +6,8 @@ telemetry topic (``telemetry.summary``), always from the beginning: the state is
 restarted engine rebuilds it by replaying and re-derives the same reactions, whose deterministic
 event ids make any re-publication a no-op for every reader.
 
-Planning happens when the set of open incidents changed since the last plan and no plan is in
-flight; the proposal's id is derived from (base epoch, incident version) so two engines — or one
+Planning happens when the set of open incidents changed since the last plan, no plan is in
+flight and no probe's answer is due (remediation.planning_view); the proposal's id is derived from (base epoch, incident version) so two engines — or one
 restarted — propose the same plan id. A plan whose verification fails is rolled back by proposing
 the previous layout (when none of its devices is known dead), through the same approval path.
 
@@ -249,6 +249,8 @@ class RemediationEngine:
             self._refuse(w.reason, key=f"wait/{w.incident_id}/{s.incident_version}/{w.reason}")
         if view.waiting and not view.incidents:
             return None  # every open incident waits to be located: planning now would answer none of them
+        if view.probing and not any(FaultCategory(c) == FaultCategory.FAIL_STOP for c, _ in view.incidents):
+            return None  # a re-probe's answer is due: a plan now might keep a member it names slow
         for incident_id in view.grouped:
             self._refuse(f"incident {incident_id}: planning around its whole TP group (the member is not named)",
                          key=f"group/{incident_id}/{s.incident_version}")

@@ -58,6 +58,8 @@ class IncidentRecord:
     opened_iteration: int
     status: str = "open"  # open | confirmed | resolved
     opened_at_s: float = 0.0  # the opening event's time (the analytics consumer stamps the telemetry's)
+    probing: tuple[int, ...] = ()  # ranks a probe re-asks since the latest update: a better location follows
+    probing_since_s: float = 0.0  # that update's time
 
 
 @dataclass
@@ -217,6 +219,7 @@ def _incident_confirmed(state: LifecycleState, e: Envelope, p: IncidentConfirmed
         _report(state, e, f"confirmation of unknown incident {p.incident_id}")
         return
     inc.status = "confirmed"
+    inc.probing = ()
     if p.locations:
         _relocate(state, inc, p.locations)
 
@@ -227,6 +230,7 @@ def _incident_updated(state: LifecycleState, e: Envelope, p: IncidentUpdated) ->
         _report(state, e, f"update of unknown incident {p.incident_id}")
         return
     inc.severity = p.severity
+    inc.probing, inc.probing_since_s = tuple(p.probing), e.time_s
     _relocate(state, inc, p.locations)
 
 
@@ -243,6 +247,7 @@ def _incident_resolved(state: LifecycleState, e: Envelope, p: IncidentResolved) 
         _report(state, e, f"resolution of unknown incident {p.incident_id}")
         return
     inc.status = "resolved"
+    inc.probing = ()
     state.incident_version += 1
 
 

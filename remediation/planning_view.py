@@ -13,7 +13,12 @@ avoid one bad one, so:
 * a **group-level fail-stop** is planned around at once (the job hangs meanwhile): the whole
   group is treated as dead; once the member is named, its healthy peers re-grow into the plan;
 * a location that names **no device** (a link fault with no ends) cannot be planned around; it
-  waits for a confirmation that locates it, and is reported meanwhile.
+  waits for a confirmation that locates it, and is reported meanwhile;
+* an incident whose latest update says a probe is **re-asking** its TP group (the named member
+  got slower, which is how a lock-step peer slowing too first shows) holds planning for up to
+  ``wait_s`` after that update: the answer may name more slow members, and a plan made before it
+  keeps them (it ran, failed verification and was rolled back: two pauses for nothing). Its
+  location stays in the view; the engine plans anyway while a fail-stop is open (the job hangs).
 
 Every location left out is listed in :attr:`PlanningView.waiting` with the reason, so the engine
 can report it (never silently dropped). The view is a pure function of the fold and the clock.
@@ -43,11 +48,12 @@ class PlanningView:
     incidents: list[tuple[FaultCategory, list[Location]]] = field(default_factory=list)
     waiting: list[Waiting] = field(default_factory=list)
     grouped: tuple[str, ...] = ()  # incidents whose TP-group location is planned around as a whole
+    probing: tuple[str, ...] = ()  # incidents whose TP group a probe re-asks: planning waits for the answer
 
     @property
-    def key(self) -> tuple[str, ...]:
+    def key(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """What changes the view without a new incident event (a wait running out)."""
-        return self.grouped
+        return self.grouped, self.probing
 
 
 def planning_view(open_incidents: Iterable[IncidentRecord], now_s: float, wait_s: float) -> PlanningView:
@@ -55,7 +61,16 @@ def planning_view(open_incidents: Iterable[IncidentRecord], now_s: float, wait_s
     usable: list[tuple[FaultCategory, list[Location]]] = []
     waiting: list[Waiting] = []
     grouped: list[str] = []
+    probing: list[str] = []
     for inc in open_incidents:
+        if inc.probing and now_s < inc.probing_since_s + wait_s:
+            probing.append(inc.incident_id)
+            members = ", ".join(str(d) for d in inc.probing)
+            waiting.append(Waiting(
+                inc.incident_id,
+                f"incident {inc.incident_id} got worse and a probe is re-asking TP group [{members}]; waiting up "
+                f"to {wait_s:.0f} s for the answer before planning (another member may be slow too)",
+                until_s=inc.probing_since_s + wait_s))
         keep: list[Location] = []
         for loc in inc.locations:
             kind = precision(loc)
@@ -81,4 +96,4 @@ def planning_view(open_incidents: Iterable[IncidentRecord], now_s: float, wait_s
                     "nothing to plan around until a confirmation locates it"))
         if keep:
             usable.append((FaultCategory(inc.category), keep))
-    return PlanningView(usable, waiting, tuple(grouped))
+    return PlanningView(usable, waiting, tuple(grouped), tuple(probing))

@@ -8,7 +8,8 @@ import pytest
 
 from collector.embedded import EmbeddedBus
 from collector.events import (
-    Evidence, EventFactory, FaultCategory, IncidentConfirmed, IncidentOpened, IterationPrediction, Location, Severity,
+    Evidence, EventFactory, FaultCategory, IncidentConfirmed, IncidentOpened, IncidentUpdated, IterationPrediction,
+    Location, Severity,
 )
 from collector.plan import Plan
 from remediation.cluster import ClusterState, Unlocatable, cluster_from_incidents
@@ -81,6 +82,48 @@ def test_group_fail_slow_is_planned_around_as_a_whole_after_the_wait(tmp_path: P
         engine.poll_once()
         (record,) = engine.state.plans.values()
         assert record.plan_id.endswith("-g1") and record.proposal.current_tokens_per_s > 0
+        assert record.proposal.predicted_tokens_per_s > record.proposal.current_tokens_per_s
+        engine.close()
+
+
+def _updated(incident_id: str, location: Location, time_s: float, probing: tuple[int, ...] = ()):
+    return EventFactory(JOB, "analytics").make(IncidentUpdated(
+        incident_id=incident_id, iteration=20, severity=Severity.HIGH, locations=[location], evidence=Evidence(),
+        probing=list(probing)), time_s=time_s)
+
+
+def test_a_re_probed_incident_holds_planning_until_the_answer_names_the_slow_peer(tmp_path: Path) -> None:
+    """Rank 10 was named slow; it got worse, and the update says its TP group is being probed
+    again. A plan then would keep peer 9, which the answer names slow too: the engine waits."""
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
+        engine = _engine(bus)
+        bus.publish([_opened("i1", Location(target="compute", rank=10, factor=3.0)),
+                     _updated("i1", Location(target="compute", rank=10, factor=4.0), T0 + 1, probing=GROUP)])
+        engine.poll_once()
+        assert not engine.state.plans and "re-asking TP group [8, 9, 10, 11]" in engine.waiting["i1"]
+        assert any("re-asking" in r for r in engine.refusals)
+        bus.publish([_opened("i2", Location(target="compute", rank=9, factor=3.0), time_s=T0 + 3),
+                     _updated("i1", Location(target="compute", rank=10, factor=2.0), T0 + 3)])
+        engine.poll_once()
+        (record,) = engine.state.plans.values()
+        assert record.proposal.incident_ids == ["i1", "i2"] and not engine.waiting
+        cluster = engine.cluster()
+        assert cluster.compute_factor(9) > 1.0 and cluster.compute_factor(10) > 1.0 and cluster.is_healthy(8)
+        engine.close()
+
+
+def test_a_re_probe_that_is_never_answered_holds_planning_only_for_the_wait(tmp_path: Path) -> None:
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
+        engine = _engine(bus)
+        bus.publish([_opened("i1", Location(target="compute", rank=10, factor=3.0)),
+                     _updated("i1", Location(target="compute", rank=10, factor=4.0), T0 + 1, probing=GROUP)]
+                    + _ticks(11, 10, T0 + 2))
+        engine.poll_once()
+        assert not engine.state.plans
+        bus.publish(_ticks(21, 5, T0 + 40))
+        engine.poll_once()
+        (record,) = engine.state.plans.values()
+        assert record.proposal.incident_ids == ["i1"] and not engine.waiting
         assert record.proposal.predicted_tokens_per_s > record.proposal.current_tokens_per_s
         engine.close()
 
