@@ -128,11 +128,15 @@ class RemediationEngine:
                 observed = self._observed_s.get(self.state.running_epoch)
                 while observed and observed[-1][0] >= p.iteration:
                     observed.pop()
+        # React until quiet: a proposal under the auto policy is decided, and a decision commanded,
+        # in this same call rather than one poll apart (a trainer hung on a dead rank waits for it).
+        # Every reaction's id is deterministic and folded at once, so no reaction repeats.
         out = self._react()
-        if out:
+        while out:
             self.bus.publish(out)
             for e in out:  # fold our own output at once; reading it back later is deduplicated
                 step(self.state, e)
+            out = self._react()
         if deliveries:
             self.stream.commit()
         return len(deliveries)

@@ -8,7 +8,7 @@ from collector import topics
 from collector.embedded import EmbeddedBus
 from collector.events import (
     AckStatus, CommandAck, Evidence, EventFactory, FaultCategory, IncidentOpened, IterationPrediction, Location,
-    ReconfigureCommand, Severity,
+    PolicyChanged, PolicyMode, ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
 from collector.stream import EventStream
@@ -69,6 +69,27 @@ def test_incident_to_verified_plan_over_the_embedded_bus(tmp_path: Path, capsys)
         assert len(engine.state.plans) == 1
         engine.close()
         assert len(_commands(bus)) == 1
+
+
+def test_under_the_auto_policy_one_poll_takes_an_incident_to_a_command(tmp_path: Path) -> None:
+    """Proposal, decision and command come out of the same poll: a trainer hung on a dead rank
+    waits for the command, and one poll apart each (the loop's pace while hung) cost it seconds."""
+    plan = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
+        engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), ModelSpec.uniform(8), plan)
+        bus.publish([EventFactory(JOB, "operator").make(PolicyChanged(
+            mode=PolicyMode.AUTO, auto_severities=[Severity.HIGH], actor="test")),
+            EventFactory(JOB, "analytics").make(IncidentOpened(
+                incident_id="i1", category=FaultCategory.FAIL_STOP, severity=Severity.HIGH, iteration=5,
+                locations=[Location(target="compute", rank=5)], evidence=Evidence(), summary="rank 5 silent"))])
+        engine.poll_once()
+        (record,) = engine.state.plans.values()
+        assert record.status == PlanStatus.COMMANDED and record.decided_by == "policy:auto"
+        (cmd,) = _commands(bus)
+        assert cmd.payload.plan_id == record.plan_id and 5 not in cmd.payload.plan.devices
+        engine.poll_once()  # reading its own output back changes nothing
+        assert len(_commands(bus)) == 1 and len(engine.state.plans) == 1
+        engine.close()
 
 
 def test_engine_plans_from_plan_current_and_published_cost_fits(tmp_path: Path) -> None:
