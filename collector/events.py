@@ -451,6 +451,20 @@ class PlanRolledBack(Payload):
     predicted_tokens_per_s: float = Field(ge=0)
 
 
+class PlanWithheld(Payload):
+    """Why the engine did not plan for the open incidents now, or planned around one only in part:
+    the planner refused (too few devices left to hold the model), an incident waits to be located
+    or for a probe's answer, a failed layout would be proposed again, a roll-back is impossible.
+    Published once per reason, so an operator sees on the console what the engine's log says."""
+
+    KIND: ClassVar[str] = "plan.withheld"
+    reason: str = Field(min_length=1)
+    base_epoch: int = Field(ge=0, description="the plan epoch running when the engine decided")
+    incident_ids: list[str] = Field(default_factory=list, description="the incidents open then")
+    waiting: bool = Field(default=False, description="true: it waits for something due (a location, a probe's "
+                                                     "answer) and plans once it comes; false: it cannot plan")
+
+
 class PlanCurrent(Payload):
     """The plan a job runs now, with what a planner needs to know of the model. Published by the
     trainer (or simulator) at start and after every applied reshape, so that no consumer needs
@@ -525,7 +539,7 @@ PAYLOAD_TYPES: tuple[type[Payload], ...] = (
     IterationPrediction, RankHealth,
     IncidentOpened, IncidentConfirmed, IncidentUpdated, IncidentResolved, ProbeRequest, ProbeResult,
     PlanProposed, PlanDecision, PolicyChanged, ReconfigureCommand, CommandAck, PlanVerified, PlanRolledBack,
-    PlanCurrent, CostModelFitted,
+    PlanWithheld, PlanCurrent, CostModelFitted,
     FaultInjected, DeadLetter,
 )
 PAYLOAD_BY_KIND: dict[str, type[Payload]] = {p.KIND: p for p in PAYLOAD_TYPES}

@@ -29,7 +29,7 @@ from collector import topics
 from collector.bus import Bus, TopicPartition
 from collector.events import (
     Envelope, EventFactory, FaultCategory, IncidentOpened, IterationPrediction, IterationSummary, Location,
-    PlanProposed, PlanRolledBack, PlanVerified,
+    PlanProposed, PlanRolledBack, PlanVerified, PlanWithheld,
 )
 from collector.plan import Plan
 from collector.stream import EventStream
@@ -94,6 +94,7 @@ class RemediationEngine:
         self._clock_s = float("-inf")  # the newest event time read: the engine's clock (replays the same)
         self.refusals: list[str] = []  # why something could not be planned, in order (also logged)
         self._reported: set[str] = set()
+        self._withheld: list[Envelope] = []  # plan.withheld events due with the next reactions
         self.waiting: dict[str, str] = {}  # incident id -> why the planner leaves it out for now
         wanted = [topics.ANALYTICS, topics.CONTROL] + ([topics.TELEMETRY] if config.verify_from_telemetry else [])
         self.stream = EventStream(bus, config.group, wanted, on_assign=self._from_start, job=config.job)
@@ -187,6 +188,8 @@ class RemediationEngine:
         proposal = self._maybe_plan()
         if proposal is not None:
             out.append(proposal)
+        out += self._withheld
+        self._withheld = []
         return [e for e in out if e.id not in self.state.seen]
 
     def num_devices(self) -> int:
@@ -223,14 +226,20 @@ class RemediationEngine:
                     cluster = cluster.with_device(d, DeviceState(compute_factor=cf))
         return cluster
 
-    def _refuse(self, reason: str, key: str | None = None) -> None:
-        """Report why something is not planned: logged and kept in ``refusals`` (once per key)."""
+    def _refuse(self, reason: str, key: str | None = None, waiting: bool = False) -> None:
+        """Report why something is not planned (once per key): logged, kept in ``refusals``, and
+        published as ``plan.withheld`` with the next reactions (its id derives from the key, so a
+        replaying engine re-derives the same event and every reader keeps one)."""
         key = key or reason
         if key in self._reported:
             return
         self._reported.add(key)
         self.refusals.append(reason)
         log.warning("remediation job=%s epoch=%s: %s", self.config.job, self.state.running_epoch, reason)
+        s = self.state
+        self._withheld.append(self._make(f"withheld/{key}", PlanWithheld(
+            reason=reason, base_epoch=s.running_epoch, incident_ids=[i.incident_id for i in s.open_incidents()],
+            waiting=waiting)))
 
     def _maybe_plan(self) -> Envelope | None:
         """Plan when what the planner knows changed; never raises: an error is reported and the
@@ -250,7 +259,7 @@ class RemediationEngine:
         self._planned_key = key
         self.waiting = {w.incident_id: w.reason for w in view.waiting}
         for w in view.waiting:
-            self._refuse(w.reason, key=f"wait/{w.incident_id}/{s.incident_version}/{w.reason}")
+            self._refuse(w.reason, key=f"wait/{w.incident_id}/{s.incident_version}/{w.reason}", waiting=True)
         if view.waiting and not view.incidents:
             return None  # every open incident waits to be located: planning now would answer none of them
         if view.probing and not any(FaultCategory(c) == FaultCategory.FAIL_STOP for c, _ in view.incidents):

@@ -24,7 +24,7 @@ from enum import StrEnum
 from collector.events import (
     AckStatus, CommandAck, CostModelFitted, Envelope, FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved,
     IncidentUpdated, IterationPrediction, IterationSummary, Location, Payload, PlanDecision, PlanProposed,
-    PlanCurrent, PlanRolledBack, PlanVerified, PolicyChanged, PolicyMode, ReconfigureCommand, Severity,
+    PlanCurrent, PlanRolledBack, PlanVerified, PlanWithheld, PolicyChanged, PolicyMode, ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
 from remediation.verification import Verification, verdict
@@ -113,6 +113,7 @@ class LifecycleState:
     # fail-stop incident is *resolved* once the new plan leaves its device out, but the device stays dead
     known_dead: set[int] = field(default_factory=set)
     layouts: dict[int, Plan] = field(default_factory=dict)  # epoch -> the plan that ran (for roll-backs)
+    withheld: list[PlanWithheld] = field(default_factory=list)  # why the engine did not plan, in order
 
     def open_incidents(self) -> list[IncidentRecord]:
         return [i for i in self.incidents.values() if i.status != "resolved"]
@@ -391,12 +392,16 @@ def _cost_model(state: LifecycleState, e: Envelope, p: CostModelFitted) -> None:
         state.cost_fits[p.epoch] = p
 
 
+def _withheld(state: LifecycleState, e: Envelope, p: PlanWithheld) -> None:
+    state.withheld.append(p)
+
+
 _HANDLERS = {
     PlanCurrent: _plan_current, CostModelFitted: _cost_model,
     IncidentOpened: _incident_opened, IncidentConfirmed: _incident_confirmed, IncidentUpdated: _incident_updated,
     IncidentResolved: _incident_resolved, PlanProposed: _plan_proposed, PlanDecision: _plan_decision,
     PolicyChanged: _policy_changed, ReconfigureCommand: _command, CommandAck: _ack, IterationSummary: _summary,
-    IterationPrediction: _prediction, PlanVerified: _verified, PlanRolledBack: _rolled_back,
+    IterationPrediction: _prediction, PlanVerified: _verified, PlanRolledBack: _rolled_back, PlanWithheld: _withheld,
 }
 
 

@@ -92,6 +92,32 @@ def test_under_the_auto_policy_one_poll_takes_an_incident_to_a_command(tmp_path:
         engine.close()
 
 
+def test_what_cannot_be_planned_is_published_as_withheld_and_listed(tmp_path: Path, capsys) -> None:
+    """Every device dead: the planner refuses, and the reason reaches the log (plan.withheld), the
+    fold and `resihp plans list`, not only the engine's own log; a restarted engine adds nothing."""
+    path = tmp_path / "bus.sqlite"
+    plan = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
+    incident = EventFactory(JOB, "analytics").make(IncidentOpened(
+        incident_id="i1", category=FaultCategory.FAIL_STOP, severity=Severity.CRITICAL, iteration=5,
+        locations=[Location(target="compute", rank=r) for r in range(16)], evidence=Evidence(), summary="all dead"))
+    with EmbeddedBus(path) as bus:
+        bus.publish([incident])
+        engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), ModelSpec.uniform(8), plan)
+        engine.poll_once()
+        assert not engine.state.plans
+        (withheld,) = engine.state.withheld
+        assert not withheld.waiting and withheld.incident_ids == ["i1"] and withheld.reason.startswith("plan refused")
+        engine.close()
+        again = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), ModelSpec.uniform(8), plan)
+        again.poll_once()
+        again.poll_once()
+        assert len(again.state.withheld) == 1  # the replay re-derived the same event id
+        again.close()
+    assert main(["plans", "list", "--bus", "embedded", "--bus-path", str(path), "--job", JOB]) == 0
+    out = capsys.readouterr().out
+    assert "not planned at epoch 0" in out and f"withheld: {withheld.reason}" in out
+
+
 def test_engine_plans_from_plan_current_and_published_cost_fits(tmp_path: Path) -> None:
     """No --plan, no --model: the trainer's plan.current and analytics' cost fits are enough."""
     from resihp.planning_models import warmup_fits

@@ -102,6 +102,8 @@ def test_a_re_probed_incident_holds_planning_until_the_answer_names_the_slow_pee
         engine.poll_once()
         assert not engine.state.plans and "re-asking TP group [8, 9, 10, 11]" in engine.waiting["i1"]
         assert any("re-asking" in r for r in engine.refusals)
+        (withheld,) = engine.state.withheld  # published: the console shows why nothing is planned yet
+        assert withheld.waiting and "re-asking" in withheld.reason
         bus.publish([_opened("i2", Location(target="compute", rank=9, factor=3.0), time_s=T0 + 3),
                      _updated("i1", Location(target="compute", rank=10, factor=2.0), T0 + 3)])
         engine.poll_once()
@@ -159,5 +161,6 @@ def test_a_planner_error_is_reported_and_the_engine_keeps_running(tmp_path: Path
         assert any("planner bug" in r for r in engine.refusals)
         assert any("outside the cluster" in r for r in engine.refusals)  # rank 99 of 32 devices: left out
         bus.publish(_ticks(11, 2, T0 + 1))
-        assert engine.poll_once() == 2  # still polling
+        assert engine.poll_once() == 4  # still polling: the two ticks, and its own two plan.withheld read back
+        assert len(engine.state.withheld) == 2 and not any(w.waiting for w in engine.state.withheld)
         engine.close()

@@ -86,6 +86,11 @@ def _list(args: argparse.Namespace) -> int:
                     print(f"    {line}")
                 if r.verdict:
                     print(f"    verdict: {r.verdict}")
+    withheld = [w for w in state.withheld if w.base_epoch == state.running_epoch][-5:]
+    if withheld:
+        print(f"not planned at epoch {state.running_epoch} (latest {len(withheld)}):")
+        for w in withheld:
+            print(f"  {'waits' if w.waiting else 'withheld'}: {w.reason}")
     if args.verbose and state.reports:
         print("reports (not applied):")
         for rep in state.reports:
