@@ -13,7 +13,10 @@ from streamlit.testing.v1 import AppTest
 
 from collector import topics
 from collector.embedded import EmbeddedBus
-from collector.events import PlanDecision, PolicyChanged, PolicyMode
+from collector.events import (
+    Evidence, EventFactory, FaultCategory, IncidentOpened, Location, PlanDecision, PlanWithheld, PolicyChanged,
+    PolicyMode, Severity,
+)
 from collector.stream import EventStream
 from ui.auth import Session, User, UsersFile
 from ui.demo import DemoSpec, demo_events
@@ -92,6 +95,24 @@ def test_ui_operator_approve_publishes_a_plan_decision_naming_the_user(console: 
     assert any("Approved by ui:alice" in s.value for s in at.success)
     # A second press on a decided plan changes nothing: the buttons are gone and nothing more is published.
     assert not [b for b in at.button if b.key == f"approve-{PLAN_ID}"]
+
+
+def test_ui_an_incident_without_a_plan_shows_why_the_engine_made_none(console: Path) -> None:
+    with EmbeddedBus(console) as bus:
+        bus.publish([
+            EventFactory("demo", "analytics").make(IncidentOpened(
+                incident_id="inc-stuck", category=FaultCategory.FAIL_STOP, severity=Severity.CRITICAL, iteration=80,
+                locations=[Location(target="compute", rank=1)], evidence=Evidence(), summary="rank 1 stopped")),
+            EventFactory("demo", "remediation").make(PlanWithheld(
+                reason="plan refused: no replica has a healthy device for stage 0", base_epoch=0,
+                incident_ids=["inc-stuck"]))])
+    at = sign_in(AppTest.from_file(APP, default_timeout=60).run(), "bob", "bob-pw")
+    at.sidebar.radio(key="page").set_value("Incidents").run()
+    at = at.button(key="open-inc-stuck").click().run()
+    assert not at.exception, at.exception
+    assert any(s.value == "No plan proposed for this incident yet." for s in at.info)
+    (warning,) = [w.value for w in at.warning if "not planned" in w.value]
+    assert warning.endswith("not planned: plan refused: no replica has a healthy device for stage 0")
 
 
 def test_ui_viewer_pressing_approve_gets_a_message_and_publishes_nothing(console: Path) -> None:

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from collector.embedded import EmbeddedBus
-from collector.events import EventFactory, PlanDecision, PolicyMode, Severity
+from collector.events import (
+    Evidence, EventFactory, FaultCategory, IncidentOpened, Location, PlanDecision, PlanWithheld, PolicyMode, Severity,
+)
 from ui.actions import ActionRefused, change_policy, decide_plan
 from ui.auth import AuthError, NotAllowed, Session, SessionExpired, User, UsersFile, UsersFileError, verify_password
 from ui.charts import downsample, plan_cells
@@ -34,6 +36,24 @@ def test_ui_fold_follows_the_whole_lifecycle_and_is_idempotent() -> None:
     assert len(job.predictions) == 90 and list(job.predictions.arrays()["iteration"]) == list(range(90))
     assert [m.kind for m in job.marks] == ["incident", "reshape"]
     assert job.marks[1].iteration == 72  # the ack's time mapped onto the iteration then running
+
+
+def test_ui_fold_attaches_why_no_plan_was_made_to_its_incident_even_when_it_comes_first() -> None:
+    """plan.withheld travels on control, the incident on analytics: either may be read first."""
+    engine, analytics = EventFactory("demo", "remediation"), EventFactory("demo", "analytics")
+    withheld = engine.make(PlanWithheld(reason="plan refused: 3 devices cannot hold 32 layers", base_epoch=2,
+                                        incident_ids=["i-late", "i-early"]), time_s=20.0)
+    opened = [analytics.make(IncidentOpened(
+        incident_id=iid, category=FaultCategory.FAIL_STOP, severity=Severity.CRITICAL, iteration=5,
+        locations=[Location(target="compute", rank=r)], evidence=Evidence(), summary="rank stopped"), time_s=10.0)
+        for iid, r in (("i-early", 3), ("i-late", 4))]
+    model = ReadModel()
+    for e in [opened[0], withheld, opened[1], withheld]:  # the second copy is a replay: ignored
+        model.apply(e)
+    for iid in ("i-early", "i-late"):
+        ((at, why),) = model.incidents[iid].withheld
+        assert at == 20.0 and not why.waiting and why.reason.startswith("plan refused")
+        assert not model.incidents[iid].plan_ids
 
 
 def test_ui_fold_shows_a_pending_plan_and_the_slow_rank_in_the_heatmap() -> None:

@@ -23,7 +23,7 @@ import numpy as np
 
 from collector.events import (
     AckStatus, CommandAck, Envelope, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentResolved,
-    IncidentUpdated, IterationPrediction, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified,
+    IncidentUpdated, IterationPrediction, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified, PlanWithheld,
     PolicyChanged, PolicyMode, RankHealthEntry, RankIteration, ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
@@ -183,6 +183,7 @@ class IncidentView:
     updates: list[tuple[float, IncidentUpdated]] = field(default_factory=list)
     resolved: tuple[float, IncidentResolved] | None = None
     plan_ids: list[str] = field(default_factory=list)
+    withheld: list[tuple[float, PlanWithheld]] = field(default_factory=list)  # why the engine did not plan
 
     @property
     def latest_evidence(self):  # -> Evidence
@@ -265,7 +266,7 @@ class ReadModel:
         self.incidents[p.incident_id] = IncidentView(p.incident_id, e.job, p, e.time_s, p.severity)
         job.marks.append(Mark("incident", p.iteration, e.time_s, f"{p.severity.value}: {p.summary}"))
         for pending in self._early_plan_events.pop(p.incident_id, []):
-            self._link_plan(pending.payload.plan_id, p.incident_id)
+            self._attach(pending, p.incident_id)
 
     def _on_incident_confirmed(self, e: Envelope, job: JobView) -> None:
         inc = self.incidents.get(e.payload.incident_id)
@@ -297,16 +298,26 @@ class ReadModel:
     def _on_plan_proposed(self, e: Envelope, job: JobView) -> None:
         p: PlanProposed = e.payload
         self.plans[p.plan_id] = PlanView(p.plan_id, e.job, p, e.time_s, e.source)
-        for iid in p.incident_ids:
+        self._attach_to_incidents(e, p.incident_ids)
+
+    def _on_plan_withheld(self, e: Envelope, job: JobView) -> None:
+        self._attach_to_incidents(e, e.payload.incident_ids)
+
+    def _attach_to_incidents(self, e: Envelope, incident_ids: list[str]) -> None:
+        """A remediation event about incidents; one that came before its incident (control and
+        analytics are different topics) waits for it."""
+        for iid in incident_ids:
             if iid in self.incidents:
-                self._link_plan(p.plan_id, iid)
+                self._attach(e, iid)
             else:
                 self._early_plan_events.setdefault(iid, []).append(e)
 
-    def _link_plan(self, plan_id: str, incident_id: str) -> None:
+    def _attach(self, e: Envelope, incident_id: str) -> None:
         inc = self.incidents[incident_id]
-        if plan_id not in inc.plan_ids:
-            inc.plan_ids.append(plan_id)
+        if isinstance(e.payload, PlanWithheld):
+            inc.withheld.append((e.time_s, e.payload))
+        elif e.payload.plan_id not in inc.plan_ids:
+            inc.plan_ids.append(e.payload.plan_id)
 
     def _on_plan_decision(self, e: Envelope, job: JobView) -> None:
         plan = self.plans.get(e.payload.plan_id)

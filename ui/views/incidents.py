@@ -84,6 +84,11 @@ def _detail(feed: Feed, session: Session, inc: IncidentView) -> None:
     st.subheader("Plan")
     if plan is None:
         st.info("No plan proposed for this incident yet.")
+        if inc.withheld:  # the engine said why (plan.withheld)
+            at, why = inc.withheld[-1]
+            say = st.info if why.waiting else st.warning
+            say(f"Remediation engine at {clock(at)} (epoch {why.base_epoch}) — "
+                f"{'waiting' if why.waiting else 'not planned'}: {why.reason}")
         return
     _plan(feed, plan)
     _decision(feed, session, plan)
