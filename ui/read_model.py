@@ -214,7 +214,7 @@ class ReadModel:
         self.ignored = 0
         self._seen: set[str] = set()
         self._max_rank_iterations = max_rank_iterations
-        self._early_plan_events: dict[str, list[Envelope]] = {}
+        self._early_remediation_events: dict[str, list[Envelope]] = {}
 
     def job(self, name: str) -> JobView:
         view = self.jobs.get(name)
@@ -265,7 +265,7 @@ class ReadModel:
         p: IncidentOpened = e.payload
         self.incidents[p.incident_id] = IncidentView(p.incident_id, e.job, p, e.time_s, p.severity)
         job.marks.append(Mark("incident", p.iteration, e.time_s, f"{p.severity.value}: {p.summary}"))
-        for pending in self._early_plan_events.pop(p.incident_id, []):
+        for pending in self._early_remediation_events.pop(p.incident_id, []):
             self._attach(pending, p.incident_id)
 
     def _on_incident_confirmed(self, e: Envelope, job: JobView) -> None:
@@ -310,7 +310,7 @@ class ReadModel:
             if iid in self.incidents:
                 self._attach(e, iid)
             else:
-                self._early_plan_events.setdefault(iid, []).append(e)
+                self._early_remediation_events.setdefault(iid, []).append(e)
 
     def _attach(self, e: Envelope, incident_id: str) -> None:
         inc = self.incidents[incident_id]
