@@ -67,7 +67,9 @@ def location_devices(loc: Location, gpus_per_node: int) -> set[int]:
 
 
 class _Referee:
-    """Matches incidents to the truth's faults by the devices both name."""
+    """Matches incidents to the truth's faults by the devices both name: an incident matches a
+    fault when it names a device the fault hits (a group-level incident names its whole TP group,
+    so it matches a fault on any member; one naming only healthy devices is false)."""
 
     def __init__(self, bus: EmbeddedBus, job: str, gpus_per_node: int, t0_s: float) -> None:
         self.stream = EventStream(bus, f"referee:{job}", [topics.TRUTH, topics.ANALYTICS],
@@ -84,8 +86,9 @@ class _Referee:
         for e in events:
             p, t = e.payload, e.time_s - self.t0
             if isinstance(p, FaultInjected) and p.fault_id not in self.faults:
-                self.faults[p.fault_id] = (Detection(p.fault_id, p.category.value, t),
-                                           location_devices(p.location, self.per_node))
+                # the devices the fault hits, not its TP group's: an incident on a healthy peer is false
+                hit_devices = location_devices(p.location.model_copy(update={"tp_group": None}), self.per_node)
+                self.faults[p.fault_id] = (Detection(p.fault_id, p.category.value, t), hit_devices)
             elif isinstance(p, IncidentOpened | IncidentUpdated | IncidentConfirmed):
                 # a confirmation can be what first locates an incident (a probe naming a link)
                 named = set().union(*(location_devices(loc, self.per_node) for loc in p.locations))

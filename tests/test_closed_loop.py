@@ -105,3 +105,34 @@ def test_the_referee_counts_a_confirmation_that_locates_an_unplaced_incident(tmp
     ((det, devices),) = referee.faults.values()
     assert devices == {51, 59} and det.onset_s == 10.0 and det.detected_s == 12.0
     assert referee.unmatched - referee.matched == set()
+
+
+def test_the_referee_counts_an_incident_on_a_faulty_devices_healthy_peers_as_false(tmp_path: Path) -> None:
+    """The truth's location carries the slow GPU's TP group (its coordinates); the fault hits the
+    GPU alone. An incident on the group matches; one naming only two healthy peers is false."""
+    from collector.embedded import EmbeddedBus
+    from collector.events import Evidence, EventFactory, FaultCategory, FaultInjected, IncidentOpened, Severity
+    from resihp.closed_loop import _Referee
+
+    bus = EmbeddedBus(tmp_path / "bus.sqlite")
+    truth, analytics = EventFactory("j", "sim"), EventFactory("j", "analytics")
+    slow = Location(target="compute", rank=51, tp_group=tuple(range(48, 56)), factor=2.0)
+    bus.publish([truth.make(FaultInjected(fault_id="f0", category=FaultCategory.FAIL_SLOW, location=slow,
+                                          start_iteration=10), time_s=1010.0)])
+
+    def opened(incident_id: str, group: tuple[int, ...], time_s: float):
+        return analytics.make(IncidentOpened(
+            incident_id=incident_id, category=FaultCategory.FAIL_SLOW, severity=Severity.LOW, iteration=11,
+            evidence=Evidence(), locations=[Location(target="compute", tp_group=group, factor=1.2)], summary="slow"),
+            time_s=time_s)
+
+    bus.publish([opened("group", tuple(range(48, 56)), 1011.0), opened("peers", (54, 55), 1100.0)])
+    referee = _Referee(bus, "j", 8, t0_s=1000.0)
+    try:
+        referee.poll()
+    finally:
+        referee.close()
+        bus.close()
+    ((det, devices),) = referee.faults.values()
+    assert devices == {51} and det.detected_s == 11.0
+    assert referee.unmatched - referee.matched == {"peers"}
