@@ -75,15 +75,26 @@ def test_location_devices_names_ranks_groups_links_and_nodes() -> None:
     assert location_devices(Location(target="compute", rank=3, node=0), 8) == {3}  # node: where it lives
 
 
+def _referee_over(bus):  # type: ignore[no-untyped-def]
+    """A referee that has read everything on ``bus`` (then closed, with the bus)."""
+    from resihp.closed_loop import _Referee
+
+    referee = _Referee(bus, "j", 8, t0_s=1000.0)
+    try:
+        referee.poll()
+    finally:
+        referee.close()
+        bus.close()
+    return referee
+
+
 def test_the_referee_counts_a_confirmation_that_locates_an_unplaced_incident(tmp_path: Path) -> None:
     """A communication incident opens naming no device and a probe's confirmation names the link:
     the fault is detected at the confirmation and the incident is not a false one."""
-    from collector import topics
     from collector.embedded import EmbeddedBus
     from collector.events import (
         Evidence, EventFactory, FaultCategory, FaultInjected, IncidentConfirmed, IncidentOpened, Severity,
     )
-    from resihp.closed_loop import _Referee
 
     bus = EmbeddedBus(tmp_path / "bus.sqlite")
     truth, analytics = EventFactory("j", "sim"), EventFactory("j", "analytics")
@@ -96,12 +107,7 @@ def test_the_referee_counts_a_confirmation_that_locates_an_unplaced_incident(tmp
                                 time_s=1011.0),
                  analytics.make(IncidentConfirmed(incident_id="i1", method="probe", detail="rank 59 ×4",
                                                   locations=[link]), time_s=1012.0)])
-    referee = _Referee(bus, "j", 8, t0_s=1000.0)
-    try:
-        referee.poll()
-    finally:
-        referee.close()
-        bus.close()
+    referee = _referee_over(bus)
     ((det, devices),) = referee.faults.values()
     assert devices == {51, 59} and det.onset_s == 10.0 and det.detected_s == 12.0
     assert referee.unmatched - referee.matched == set()
@@ -112,7 +118,6 @@ def test_the_referee_counts_an_incident_on_a_faulty_devices_healthy_peers_as_fal
     GPU alone. An incident on the group matches; one naming only two healthy peers is false."""
     from collector.embedded import EmbeddedBus
     from collector.events import Evidence, EventFactory, FaultCategory, FaultInjected, IncidentOpened, Severity
-    from resihp.closed_loop import _Referee
 
     bus = EmbeddedBus(tmp_path / "bus.sqlite")
     truth, analytics = EventFactory("j", "sim"), EventFactory("j", "analytics")
@@ -127,12 +132,7 @@ def test_the_referee_counts_an_incident_on_a_faulty_devices_healthy_peers_as_fal
             time_s=time_s)
 
     bus.publish([opened("group", tuple(range(48, 56)), 1011.0), opened("peers", (54, 55), 1100.0)])
-    referee = _Referee(bus, "j", 8, t0_s=1000.0)
-    try:
-        referee.poll()
-    finally:
-        referee.close()
-        bus.close()
+    referee = _referee_over(bus)
     ((det, devices),) = referee.faults.values()
     assert devices == {51} and det.detected_s == 11.0
     assert referee.unmatched - referee.matched == {"peers"}
