@@ -7,9 +7,10 @@ restarted engine rebuilds it by replaying and re-derives the same reactions, who
 event ids make any re-publication a no-op for every reader.
 
 Planning happens when the set of open incidents changed since the last plan, no plan is in
-flight and no probe's answer is due (remediation.planning_view); the proposal's id is derived from (base epoch, incident version) so two engines — or one
-restarted — propose the same plan id. A plan whose verification fails is rolled back by proposing
-the previous layout (when none of its devices is known dead), through the same approval path.
+flight and no probe's answer is due (remediation.planning_view); the proposal's id is derived
+from (base epoch, incident version) so two engines — or one restarted — propose the same plan
+id. A plan whose verification fails is rolled back by proposing the previous layout (when none of
+its devices is known dead), through the same approval path.
 
 What it plans with: the running plan is the trainer's latest ``plan.current`` (or, before one
 arrives, the plan it was started with); the cost figures are built from the analytics consumer's
