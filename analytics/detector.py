@@ -14,8 +14,10 @@ the live consumer, in ``resihp detect`` over a trace, and in the benchmark.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +36,7 @@ from collector.events import (
 )
 
 _GROW = 1024
+_MEDIAN_STEP_PER_SIGMA = 0.6745 * math.sqrt(2)  # median |z_t − z_{t−1}| for independent normal z of σ 1
 
 
 @dataclass
@@ -77,6 +80,9 @@ class Detector:
         self.epoch = -1
         self._layers: dict[int, LayerLookup] = {}
         self._cusum = np.zeros(_GROW)
+        self._z_last = np.full(_GROW, np.nan)  # each rank's z in its last judged iteration of this epoch
+        self._z_noise = np.full(_GROW, np.nan)  # each rank's running median step (rank_noise_iterations)
+        self._z_steps = np.zeros(_GROW)  # how many steps that median has seen
         self._zhist: deque[np.ndarray] = deque(maxlen=self.config.window_iterations)
         self._link_cusum: dict[tuple[int, int], float] = {}
         self._comm_hist: deque[float] = deque(maxlen=4 * self.config.window_iterations)
@@ -200,6 +206,7 @@ class Detector:
             self.model.forget()
             self._zhist.clear()  # with layer-range classes the noise of z is the same as before: kept
         self._cusum[:] = 0.0
+        self._z_last[:] = np.nan  # z moves with the layout: no step is measured across a reshape
         self._link_cusum.clear()
         self._comm_hist.clear()
         self._comm_cusum = 0.0
@@ -233,29 +240,70 @@ class Detector:
         mad = float(np.median(below)) if len(below) else 0.0
         return max(1.4826 * mad, self.config.sigma_floor)
 
-    def _thresholds(self, sigma: float) -> tuple[float, float, float]:
+    def _thresholds(self, sigma: Any) -> tuple[Any, Any, Any]:
+        """(k, h, cap) for a σ, or element-wise for an array of them."""
         c = self.config
-        k = max(c.k_sigma * sigma, c.log_min_slowdown)
-        h = max(c.h_sigma * sigma, c.log_min_alarm)
+        k = np.maximum(c.k_sigma * sigma, c.log_min_slowdown)
+        h = np.maximum(c.h_sigma * sigma, c.log_min_alarm)
         return k, h, c.step_cap * h
+
+    def _rank_sigma(self, frame: IterationFrame, score: FrameScore, sigma: float) -> np.ndarray:
+        """Per row of the frame, the σ its CUSUM is judged with: the job's ``sigma``, or the rank's
+        own noise when that is larger.
+
+        The rank's own noise is the running median of |z_t − z_{t−1}| (steps, not deviations: a
+        slowdown is one large step, not a lasting spread), tracked by a sign rule in log space —
+        up by 2/``span`` when a step exceeds it, down when not (by more over its first steps) — so
+        rare spikes (a preempted chunk on a shared CPU) count as one vote, not by their size. For
+        independent normal z the median step is 0.954 σ. It starts at the job's σ and counts only
+        after ``span``/2 steps: an estimate from a handful of noisy iterations (the torch trainer's
+        first ones) is itself noisy, and taking the larger of two σs would only ever raise the bar. Why per rank: σ pooled over the job describes the typical rank. A TP
+        group that alone runs its layer range is predicted from its own recent iterations and is
+        ~2.5× noisier; judged with the job's σ it raised ×1.04 incidents that resolved within a
+        second. Larger only: a quiet rank keeps the job's thresholds."""
+        span = self.config.rank_noise_iterations
+        if span <= 0:
+            return np.full(len(frame.rank), sigma)
+        r, z = frame.rank, score.z
+        med = self._z_noise[r]
+        med = np.where(np.isfinite(med), med, _MEDIAN_STEP_PER_SIGMA * sigma)  # a new rank starts at the job's
+        step = np.abs(z - self._z_last[r])
+        ok = np.isfinite(step)
+        vote = np.where(step > med, 1.0, -1.0)
+        seen = self._z_steps[r]
+        rate = 2.0 / np.minimum(seen + 4.0, span)  # larger moves while young
+        self._z_noise[r] = np.where(ok, med * np.exp(vote * rate), self._z_noise[r])
+        self._z_steps[r] = seen + ok
+        self._z_last[r] = np.where(np.isfinite(z), z, self._z_last[r])
+        own = np.where(self._z_steps[r] >= span / 2, self._z_noise[r] / _MEDIAN_STEP_PER_SIGMA, sigma)
+        return np.maximum(sigma, np.nan_to_num(own, nan=sigma))
 
     def _rank_cusum(self, frame: IterationFrame, score: FrameScore, sigma: float) -> list[Payload]:
         k, h, cap = self._thresholds(sigma)
         top = int(frame.rank.max()) + 1
         if top > len(self._cusum):
-            self._cusum = np.concatenate([self._cusum, np.zeros(top - len(self._cusum) + _GROW)])
+            grow = top - len(self._cusum) + _GROW
+            self._cusum = np.concatenate([self._cusum, np.zeros(grow)])
+            self._z_last = np.concatenate([self._z_last, np.full(grow, np.nan)])
+            self._z_noise = np.concatenate([self._z_noise, np.full(grow, np.nan)])
+            self._z_steps = np.concatenate([self._z_steps, np.zeros(grow)])
+        sig_r = self._rank_sigma(frame, score, sigma)
+        k_r, h_r, cap_r = self._thresholds(sig_r)
         judged = np.isfinite(score.z)  # a rank without predictions keeps its CUSUM as it was
         prev = self._cusum[frame.rank]
-        s = np.where(judged, np.maximum(0.0, prev + np.minimum(np.nan_to_num(score.z) - k, cap)), prev)
+        s = np.where(judged, np.maximum(0.0, prev + np.minimum(np.nan_to_num(score.z) - k_r, cap_r)), prev)
         self._cusum[frame.rank] = s
         out: list[Payload] = []
         # Not alarmed on: a suspect (its incident is open) and its TP peers in this layout — in
         # lock-step their own times are entangled with the suspect's (identical, without TP waits).
         clean = fit_ranks(frame, self.book.open_compute_ranks())
-        alarmed = [i for i in np.flatnonzero(s > h) if clean[i] and int(frame.rank[i]) not in self.fail_stop.dead]
-        self._cusum[frame.rank[s > h]] = 0.0
+        alarmed = [i for i in np.flatnonzero(s > h_r) if clean[i] and int(frame.rank[i]) not in self.fail_stop.dead]
+        self._cusum[frame.rank[s > h_r]] = 0.0
         for members in self._merge_tp_peers(frame, score, alarmed, k):
-            out += self.book.open_fail_slow(self._compute_suspect(frame, score, members, sigma, k, h), frame.iteration)
+            i = max(members, key=lambda j: score.z[j])
+            out += self.book.open_fail_slow(
+                self._compute_suspect(frame, score, members, float(sig_r[i]), float(k_r[i]), float(h_r[i])),
+                frame.iteration)
         for key in self.book.open_rank_keys():
             idx = np.flatnonzero(np.isin(frame.rank, key[1]) & judged)
             if len(idx):  # no judged member this iteration: no evidence either way (not a healthy one)

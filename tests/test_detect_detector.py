@@ -20,12 +20,13 @@ PREEMPT_MEAN = 2.0
 
 def synth(tp=2, pp=3, dp=3, M=6, iterations=24, slow=None, slow_kind=None, start=0, end=None, seed=0,
           noise=0.02, seq_lens=True, long_ctx=False, stage_weights=None, tp_waits=True, dead=None, plan=False,
-          preempt=0.0):
+          preempt=0.0, jitter=None):
     """Events of a synthetic job. ``dead=(rank, iteration)``: the rank dies then and, as in any
     synchronous job, nobody completes an iteration after it; the others keep heartbeating.
     ``plan``: announce the plan first (plan.current), as the trainer and the simulator do.
     ``preempt``: the chance that the OS preempts a chunk, adding an exponential delay of mean 3× its
-    work (what 8 torch ranks on 2 CPU cores see)."""
+    work (what 8 torch ranks on 2 CPU cores see). ``jitter={rank: σ}``: those ranks' TP groups run
+    slower or faster by a log-normal factor drawn per iteration (a group noisier than the rest)."""
     rng = np.random.default_rng(seed)
     slow = slow or {}
     sw = stage_weights or [1.0] * pp
@@ -49,13 +50,15 @@ def synth(tp=2, pp=3, dp=3, M=6, iterations=24, slow=None, slow_kind=None, start
                 mbs = [[int(x) for x in rng.integers(64, 2048, size=rng.integers(2, 12))] for _ in range(M)]
             for s in range(pp):
                 ranks = [(d * pp + s) * tp + t for t in range(tp)]
+                wobble = max((float(np.exp(rng.normal(0, (jitter or {})[r]))) for r in ranks if r in (jitter or {})),
+                             default=1.0)
                 chunks = {r: [] for r in ranks}
                 comm = {r: [] for r in ranks}
                 t0 = 0.0
                 for m, lens in enumerate(mbs):
                     n, s2 = sum(lens), float(sum(x * x for x in lens))
                     for kind, mult in (("F", 1.0), ("B", 2.0)):
-                        base = sw[s] * mult * (2e-6 * n + 4e-11 * s2 + 1e-3)
+                        base = sw[s] * mult * (2e-6 * n + 4e-11 * s2 + 1e-3) * wobble
                         own = {}
                         for r in ranks:
                             active = r in slow and it >= start and (end is None or it < end)
@@ -117,6 +120,22 @@ def test_a_slow_rank_is_localised_with_its_factor_within_two_iterations() -> Non
     assert any(isinstance(p, IncidentConfirmed) and p.method == "persistence" for p in out)
     health = [p for p in out if isinstance(p, RankHealth)]
     assert any(e.rank == 7 and e.state == "slow" for e in health[-1].ranks)
+
+
+def test_a_tp_group_noisier_than_the_job_is_judged_against_its_own_noise() -> None:
+    # The group of ranks 8-9 wobbles ×e^N(0, 0.05) per iteration, ten times the job's σ (what a
+    # group that alone runs its layer range sees: its class is fitted on itself). Judged with the
+    # job's σ it opens ×1.03-×1.1 incidents; with its own, known after 32 iterations, none; and a
+    # real ×1.2 on it is still caught, later than on a quiet rank: its evidence is that much noisier.
+    noisy = synth(iterations=300, seed=1, noise=0.01, jitter={8: 0.05}, plan=True)
+    _, out = run(noisy, DetectorConfig(rank_noise_iterations=0))
+    late = [inc for inc in opened(out) if inc.iteration >= 40]
+    assert late and {inc.locations[0].tp_group for inc in late} == {(8, 9)}
+    _, out = run(noisy)
+    assert [inc for inc in opened(out) if inc.iteration >= 40] == []
+    _, out = run(synth(iterations=230, seed=1, noise=0.01, jitter={8: 0.05}, plan=True, slow={8: 1.2}, start=200))
+    (inc,) = [inc for inc in opened(out) if inc.iteration >= 40]
+    assert inc.locations[0].rank == 8 and 200 <= inc.iteration <= 207
 
 
 def test_a_rank_slow_from_the_first_iteration_is_caught_against_its_peers() -> None:
