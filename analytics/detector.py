@@ -257,10 +257,12 @@ class Detector:
         rare spikes (a preempted chunk on a shared CPU) count as one vote, not by their size. For
         independent normal z the median step is 0.954 σ. It starts at the job's σ and counts only
         after ``span``/2 steps: an estimate from a handful of noisy iterations (the torch trainer's
-        first ones) is itself noisy, and taking the larger of two σs would only ever raise the bar. Why per rank: σ pooled over the job describes the typical rank. A TP
-        group that alone runs its layer range is predicted from its own recent iterations and is
-        ~2.5× noisier; judged with the job's σ it raised ×1.04 incidents that resolved within a
-        second. Larger only: a quiet rank keeps the job's thresholds."""
+        first ones) is itself noisy, and taking the larger of two σs would only ever raise the bar.
+
+        Why per rank: σ pooled over the job describes the typical rank. A TP group that alone runs
+        its layer range is predicted from its own recent iterations and is ~2.5× noisier; judged
+        with the job's σ it raised ×1.04 incidents that resolved within a second. Larger only: a
+        quiet rank keeps the job's thresholds."""
         span = self.config.rank_noise_iterations
         if span <= 0:
             return np.full(len(frame.rank), sigma)
@@ -279,7 +281,7 @@ class Detector:
         return np.maximum(sigma, np.nan_to_num(own, nan=sigma))
 
     def _rank_cusum(self, frame: IterationFrame, score: FrameScore, sigma: float) -> list[Payload]:
-        k, h, cap = self._thresholds(sigma)
+        k = self._thresholds(sigma)[0]  # the job's drift allowance: TP-peer merging, open incidents
         top = int(frame.rank.max()) + 1
         if top > len(self._cusum):
             grow = top - len(self._cusum) + _GROW
