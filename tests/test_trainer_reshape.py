@@ -9,7 +9,9 @@
 * the interleaved and zero-bubble schedules train exactly like the 1F1B reference;
 * a command whose device dies before the reshape fails at once and the job goes on;
 * with no live copy left, the ranks fall back to the newest periodic disk checkpoint;
-* a disk checkpoint written by one layout loads into another.
+* a disk checkpoint written by one layout loads into another;
+* the detector's probes are answered between iterations, name the slow rank and the slow NIC,
+  and leave training exactly as it was.
 
 Each scenario is one launch (the fork server imports torch once for all of them).
 """
@@ -25,7 +27,7 @@ import torch
 from collector import topics
 from collector.embedded import EmbeddedBus
 from collector.events import (AckStatus, ChunkKind, CommandAck, EventFactory, IterationSummary, PlanCurrent,
-                              RankIteration, ReconfigureCommand)
+                              ProbeRequest, ProbeResult, RankIteration, ReconfigureCommand)
 from collector.plan import PipelinePlan, Plan, StagePlan
 from collector.stream import EventStream
 from trainer.faults import KILL_EXIT_CODE, Fault
@@ -238,3 +240,30 @@ def test_trainer_checkpoint_moves_between_layouts(reference: Path, tmp_path: Pat
     for name, kinds in ref_state.items():
         for kind, tensor in kinds.items():
             assert torch.equal(got_state[name][kind], tensor), f"{name} {kind}"
+
+
+def test_probes_name_the_slow_rank_and_the_slow_nic_without_changing_training(reference: Path,
+                                                                             tmp_path: Path) -> None:
+    # Device 5 computes ×3 and device 2 delays every send by 20 ms, from the start. The detector
+    # would ask TP group [4, 5] for a compute probe and [2, 3] for a link probe; a request for
+    # another job is not this launcher's to post.
+    requests = [ProbeRequest(probe_id="p-compute", ranks=[4, 5]),
+                ProbeRequest(probe_id="p-link", ranks=[2, 3], target="link"),
+                ProbeRequest(probe_id="p-other-job", ranks=[0, 1])]
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
+        bus.publish([EventFactory("resihp" if r.probe_id != "p-other-job" else "other", "test").make(r)
+                     for r in requests])
+    # Devices are emulated (pacing), as in the torch demo: 8 ranks share the machine's cores.
+    spec = _spec(tmp_path, pace_s_per_layer_token=1e-5, faults=[Fault(kind="slow_compute", rank=5, factor=3.0),
+                                                                Fault(kind="slow_send", rank=2, delay_s=0.02)])
+
+    result = launch(spec, BASE, 8, commands_from="beginning")
+
+    assert result.exit_codes == {d: 0 for d in range(8)}
+    answers = [e.payload for e in _events(tmp_path / "bus.sqlite", topics.CONTROL) if isinstance(e.payload, ProbeResult)]
+    assert sorted((a.probe_id, a.rank) for a in answers) == [
+        ("p-compute", 4), ("p-compute", 5), ("p-link", 2), ("p-link", 3)], "each asked rank answers once"
+    ratio = {(a.probe_id, a.rank): a.duration_s / a.reference_s for a in answers}
+    assert 2.0 < ratio["p-compute", 5] < 4.0 and ratio["p-compute", 4] < 1.5, ratio  # it measures the ×3
+    assert ratio["p-link", 2] > 10 and ratio["p-link", 3] < 2, ratio  # 20 ms on a sub-millisecond send
+    _assert_same_training(tmp_path, reference)

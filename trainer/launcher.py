@@ -2,7 +2,7 @@
 
 The launcher — not rank 0 — owns the TCPStore, so any rank may die and the survivors can still
 meet. It is also the single reader of the control topic (trainer/intake.py fences and posts the
-commands) and it watches its children: a rank that exits with an error is dead. With
+commands; probe requests are posted for the ranks to run, trainer/probe.py) and it watches its children: a rank that exits with an error is dead. With
 ``on_death="drop-replica"`` the launcher itself publishes a command that drops the dead device's
 replica and gives its micro-batches to the others, or — when no replica would survive — puts
 spare devices in the dead ones' places (state then comes from the newest disk checkpoint); a
@@ -21,13 +21,13 @@ from datetime import timedelta
 
 from collector import topics
 from collector.events import (AckStatus, CommandAck, EventFactory, FaultCategory, FaultInjected, Location, PlanCurrent,
-                              ReconfigureCommand)
+                              ProbeRequest, ReconfigureCommand)
 from collector.plan import PipelinePlan, Plan
 from collector.stream import EventStream
 from trainer.chunks import schedule_problem
 from trainer.faults import KILL_EXIT_CODE
 from trainer.intake import CommandIntake
-from trainer.rendezvous import PROGRESS
+from trainer.rendezvous import CONTROL_PROBE, PROGRESS, write_probe
 from trainer.spec import RunSpec
 
 @dataclass
@@ -110,6 +110,8 @@ def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", com
     intake = CommandIntake(store, plan, n_layer=cfg.n_layer, n_head=cfg.n_head,
                            global_microbatches=plan.global_microbatches)
     intake.start(tuple(range(ranks)))
+    probes = 0
+    store.set(CONTROL_PROBE, "0")
     procs = _start_ranks(spec, ranks)
     result = LaunchResult(exit_codes={})
     last_echoed = -1
@@ -141,6 +143,9 @@ def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", com
                 ev = delivery.event
                 if ev.job == spec.job and isinstance(ev.payload, ReconfigureCommand):
                     intake.offer(ev.payload)
+                elif ev.job == spec.job and isinstance(ev.payload, ProbeRequest):
+                    probes += 1
+                    write_probe(store, probes, ev.payload)
             stream.commit()
             alive = {d for d, p in procs.items() if p.exitcode is None}
             progress = _progress(store)

@@ -12,6 +12,8 @@ Keys:
 * ``abort/P``: the launcher gave up on post P (a device of its world died before everyone arrived);
 * ``done/P/D`` / ``failed/P/D``: D's outcome of the reshape to post P (JSON report / reason);
 * ``progress``: the last committed iteration (world rank 0 writes it);
+* ``probe/Q`` / ``control/probe``: the detector's Q-th probe request (Q = 1, 2 …) and the newest Q
+  (0: none yet); ranks read it at every commit and run it at that boundary (trainer/probe.py);
 * ``pg/P/…``: the torch.distributed rendezvous of post P's default process group.
 
 Why an arrival barrier before ``init_process_group``: c10d's rendezvous can only fail by its
@@ -28,9 +30,11 @@ import json
 import time
 from dataclasses import dataclass
 
+from collector.events import ProbeRequest
 from collector.plan import Plan
 
 CONTROL_POST = "control/post"
+CONTROL_PROBE = "control/probe"
 PROGRESS = "progress"
 
 
@@ -79,6 +83,20 @@ def read_post(store, number: int) -> Post:
 
 def newest_post(store) -> int:
     return int(store.get(CONTROL_POST))
+
+
+def write_probe(store, number: int, request: ProbeRequest) -> None:
+    """Publish probe request ``number`` (the launcher only; ``control/probe`` last)."""
+    store.set(f"probe/{number}", request.model_dump_json())
+    store.set(CONTROL_PROBE, str(number))
+
+
+def read_probe(store, number: int) -> ProbeRequest:
+    return ProbeRequest.model_validate_json(store.get(f"probe/{number}"))
+
+
+def newest_probe(store) -> int:
+    return int(store.get(CONTROL_PROBE))
 
 
 def await_arrivals(store, number: int, world: tuple[int, ...], device: int, timeout_s: float,

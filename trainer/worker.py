@@ -39,7 +39,9 @@ from trainer.parallel import GradReducer, Groups, Layout, apply_dp, apply_pp, ap
 from trainer.schedule import PipelineSchedule
 from trainer.spec import RunSpec
 from trainer.checkpoint import load_checkpoint, periodic_dir, prune_periodic, save_checkpoint
-from trainer.rendezvous import PROGRESS, Post, await_arrivals, newest_post, pg_prefix, read_post
+from trainer.probe import run_probe
+from trainer.rendezvous import (PROGRESS, Post, await_arrivals, newest_post, newest_probe, pg_prefix, read_post,
+                                  read_probe)
 from trainer.state import import_state, make_optimizer
 from trainer.telemetry import IterationRecorder, TelemetryPublisher
 
@@ -70,6 +72,8 @@ class Trainer:
         self.faults = FaultInjector(spec.faults, device)
         self.current: Role | None = None
         self.post = -1  # the number of the post (trainer/rendezvous.py) whose plan this rank runs
+        self.probes_done = 0  # the newest probe request (trainer/rendezvous.py) this rank answered
+        self.probes_due: range = range(0)
         self.telemetry = (TelemetryPublisher(spec.bus.open, spec.job, device, spec.heartbeat_s)
                           if spec.telemetry else None)
 
@@ -126,7 +130,7 @@ class Trainer:
             cur.stage.tp.timer = rec.tp_timer
             cur.reducer.timer = rec.dp_timer
         denom = global_targets(self.spec.seed, self.iteration, plan.global_microbatches, self.cfg.block_size)
-        commit = torch.zeros(plan.dp + 1, dtype=torch.float64)
+        commit = torch.zeros(plan.dp + 3, dtype=torch.float64)
         if cur.role is not None:
             ids = replica_microbatch_ids(plan, cur.role.replica)
             mbs = [microbatch(self.spec.seed, self.iteration, m, self.cfg.vocab_size, self.cfg.block_size) for m in ids]
@@ -136,13 +140,30 @@ class Trainer:
             cur.reducer.reduce()
             if cur.stage.is_last:
                 commit[plan.pipelines.index(next(p for p in plan.pipelines if p.replica == cur.role.replica))] = loss
+        commit[-3] = float(newest_probe(self.store))
+        commit[-2] = -float(self.probes_done)  # MAX of the negatives: the world's fewest answered
         commit[-1] = float(newest_post(self.store))
         dist.all_reduce(commit, op=dist.ReduceOp.MAX, group=cur.train_group)
         if cur.opt is not None:
             cur.opt.step()
         wall_s = rec.now_s()
-        self._report(rec, wall_s, float(commit[:-1].sum()))
-        return float(commit[:-1].sum()), int(commit[-1]), wall_s
+        loss = float(commit[:-3].sum())
+        self._report(rec, wall_s, loss)
+        self.probes_due = range(int(-commit[-2]) + 1, int(commit[-3]) + 1)
+        return loss, int(commit[-1]), wall_s
+
+    def answer_probes(self) -> None:
+        """Run the probes the last commit agreed are due (every world member, in order) and publish
+        this device's answers to those it was asked and had not answered yet (trainer/probe.py)."""
+        cur = self.current
+        for number in self.probes_due:
+            request = read_probe(self.store, number)
+            result = run_probe(request, self.device, cur.layout.rank(self.device), len(cur.layout.world),
+                               cur.train_group, self.cfg, self.faults, self.spec.pace_s_per_layer_token)
+            if result is not None and number > self.probes_done and self.telemetry is not None:
+                self.telemetry.publish(result)
+            self.probes_done = max(self.probes_done, number)
+        self.probes_due = range(0)
 
     def _report(self, rec: IterationRecorder, wall_s: float, loss: float) -> None:
         cur = self.current
@@ -238,6 +259,11 @@ def run_rank(spec: RunSpec, device: int) -> int:
                 continue
             trainer.iteration += 1
             executor.note_iteration(wall_s)
+            try:
+                trainer.answer_probes()
+            except (RuntimeError, dist.DistError) as exc:  # a peer died while probing: the step stands
+                executor.recover(exc)
+                continue
             if trainer.checkpoint_due():
                 try:
                     trainer.save_periodic()
