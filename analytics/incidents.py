@@ -74,6 +74,7 @@ class _Open:
     probe_used: bool = False  # its answers already named (or confirmed) the suspect
     probe_sized: bool = False  # a probe measured the location itself: its factor is the probe's
     reprobe: bool = False  # the pending probe re-asks the named rank's TP group (it got slower)
+    probe_asked_iteration: int | None = None  # when the pending probe was asked (None: none pending)
 
 
 def severity_of(factor: float, category: FaultCategory) -> Severity:
@@ -130,7 +131,7 @@ class IncidentBook:
             summary=f"{where} is ×{s.factor:.2f} slower than its work predicts"
                     + (f" (replica {s.replica}, stage {s.stage})" if s.replica is not None else ""))]
         if self.config.probes:
-            inc.probe_id = "probe-" + inc.incident_id[4:]
+            inc.probe_id, inc.probe_asked_iteration = "probe-" + inc.incident_id[4:], iteration
             ranks = list(s.ranks) or list(s.link or ())
             out.append(ProbeRequest(probe_id=inc.probe_id, incident_id=inc.incident_id, ranks=ranks,
                                     target="compute" if s.target == "compute" else "link"))
@@ -167,6 +168,7 @@ class IncidentBook:
             # peer that slows down too only shows up here, as the named rank getting worse. The
             # update says the group is being probed: a planner should wait for the answer.
             inc.probe_id, inc.probe_ratios, inc.reprobe = f"probe-{inc.incident_id[4:]}-{iteration}", {}, True
+            inc.probe_asked_iteration = iteration
             group = list(s.tp_group or ())
             return [update.model_copy(update={"probing": group}),
                     ProbeRequest(probe_id=inc.probe_id, incident_id=inc.incident_id, ranks=group, target="compute")]
@@ -179,6 +181,10 @@ class IncidentBook:
 
     def end_of_iteration(self, iteration: int) -> list[Payload]:
         out: list[Payload] = []
+        for inc in list(self.open.values()):
+            if (inc.probe_asked_iteration is not None
+                    and iteration >= inc.probe_asked_iteration + self.config.probe_timeout_iterations):
+                out += self._conclude_probe(inc)  # an asked rank never answered (it may have died)
         for inc in self.open.values():
             if (not inc.confirmed and inc.category is FaultCategory.FAIL_SLOW and inc.healthy_streak == 0
                     and iteration >= inc.opened_iteration + self.config.confirm_iterations):
@@ -189,6 +195,10 @@ class IncidentBook:
                     locations=[inc.suspect.location(inc.factor)]))
         return out
 
+    @staticmethod
+    def _asked(inc: _Open) -> tuple[int, ...]:
+        return (inc.suspect.tp_group or ()) if inc.reprobe else inc.suspect.ranks or tuple(inc.suspect.link or ())
+
     def probe_result(self, p: ProbeResult) -> list[Payload]:
         """Collect a probe's answers; once every asked rank answered, confirm on the slowest one
         (and name it, when telemetry could only point at its TP group)."""
@@ -196,56 +206,67 @@ class IncidentBook:
             if inc.probe_id != p.probe_id:
                 continue
             inc.probe_ratios[p.rank] = p.duration_s / p.reference_s
-            asked = (inc.suspect.tp_group or ()) if inc.reprobe else inc.suspect.ranks or tuple(inc.suspect.link or ())
-            if set(inc.probe_ratios) < set(asked):
+            if set(inc.probe_ratios) < set(self._asked(inc)):
                 return []
-            if inc.reprobe:
-                return self._reprobe_result(inc)
-            worst = max(inc.probe_ratios, key=inc.probe_ratios.get)
-            ratio = inc.probe_ratios[worst]
-            if ratio < self.config.probe_confirm_ratio or inc.probe_used:
-                return []
-            inc.probe_used = True
-            # Persistence may have confirmed the incident while the probe ran (telemetry and the
-            # answers travel on different topics): the answers still name the member, as an update.
-            already = inc.confirmed
-            inc.confirmed = True
-            s = inc.suspect
-            if s.target == "compute" and s.rank is None:
-                s.rank, s.ranks = worst, (worst,)
-                s.confidence = min(0.99, s.confidence * len(asked))
-                # The incident is now about the member alone: its healthy peers stop being suspects
-                # (left out of fits, never alarmed on), or a later fault on one of them, in a
-                # layout that keeps them, would go unseen for as long as this incident is open.
-                if ("ranks", (worst,)) not in self.open:
-                    self.open[("ranks", (worst,))] = self.open.pop(s.key)
-                    s.key = ("ranks", (worst,))
-            elif s.target == "link":
-                slow = sorted((r for r, v in inc.probe_ratios.items() if v >= self.config.probe_confirm_ratio),
-                              key=lambda r: -inc.probe_ratios[r])
-                if len(slow) >= 2 and abs(inc.probe_ratios[slow[1]] / ratio - 1) < 0.25:
-                    s.link, s.rank = (slow[0], slow[1]), None  # both ends of one slow link
-                else:
-                    s.link, s.rank = None, worst  # one device's NIC
-                s.confidence = 0.9
-                # Telemetry measured how much the iteration lost; the planner needs how slow the
-                # link is (it costs every transfer over it), which is what the probe timed.
-                inc.factor = inc.published_factor = max(ratio, inc.factor)
-                inc.probe_sized = True
-            ratios = ", ".join(f"{r}: ×{v:.2f}" for r, v in sorted(inc.probe_ratios.items()))
-            if already:
-                return [IncidentUpdated(incident_id=inc.incident_id, iteration=inc.last_update_iteration,
-                                        severity=severity_of(inc.factor, inc.category),
-                                        locations=[s.location(inc.factor)],
-                                        evidence=s.evidence().model_copy(update={
-                                            "statistic": f"probe: rank {worst} took ×{ratio:.2f} ({ratios})"}))]
-            return [IncidentConfirmed(
-                incident_id=inc.incident_id, method="probe",
-                detail=f"probe: rank {worst} took ×{ratio:.2f} of the healthy reference ({ratios})",
-                locations=[s.location(inc.factor)])]
+            return self._conclude_probe(inc)
         return []
 
-    def _reprobe_result(self, inc: _Open) -> list[Payload]:
+    def _conclude_probe(self, inc: _Open) -> list[Payload]:
+        """Judge a probe on the answers it has: all of them, or those in when it timed out."""
+        if inc.probe_asked_iteration is None:
+            return []  # concluded already: a late or repeated answer changes nothing
+        inc.probe_asked_iteration = None
+        asked = self._asked(inc)
+        if inc.reprobe:
+            return self._reprobe_result(inc, missing=sorted(set(asked) - set(inc.probe_ratios)))
+        if not inc.probe_ratios:
+            return []
+        worst = max(inc.probe_ratios, key=inc.probe_ratios.get)
+        ratio = inc.probe_ratios[worst]
+        if ratio < self.config.probe_confirm_ratio or inc.probe_used:
+            return []
+        inc.probe_used = True
+        # Persistence may have confirmed the incident while the probe ran (telemetry and the
+        # answers travel on different topics): the answers still name the member, as an update.
+        already = inc.confirmed
+        inc.confirmed = True
+        s = inc.suspect
+        if s.target == "compute" and s.rank is None:
+            s.rank, s.ranks = worst, (worst,)
+            s.confidence = min(0.99, s.confidence * len(asked))
+            # The incident is now about the member alone: its healthy peers stop being suspects
+            # (left out of fits, never alarmed on), or a later fault on one of them, in a
+            # layout that keeps them, would go unseen for as long as this incident is open.
+            if ("ranks", (worst,)) not in self.open:
+                self.open[("ranks", (worst,))] = self.open.pop(s.key)
+                s.key = ("ranks", (worst,))
+        elif s.target == "link":
+            slow = sorted((r for r, v in inc.probe_ratios.items() if v >= self.config.probe_confirm_ratio),
+                          key=lambda r: -inc.probe_ratios[r])
+            if len(slow) >= 2 and abs(inc.probe_ratios[slow[1]] / ratio - 1) < 0.25:
+                s.link, s.rank = (slow[0], slow[1]), None  # both ends of one slow link
+            else:
+                s.link, s.rank = None, worst  # one device's NIC
+            s.confidence = 0.9
+            # Telemetry measured how much the iteration lost; the planner needs how slow the
+            # link is (it costs every transfer over it), which is what the probe timed.
+            inc.factor = inc.published_factor = max(ratio, inc.factor)
+            inc.probe_sized = True
+        ratios = ", ".join(f"{r}: ×{v:.2f}" for r, v in sorted(inc.probe_ratios.items()))
+        if missing := sorted(set(asked) - set(inc.probe_ratios)):
+            ratios += f"; no answer from {missing}"
+        if already:
+            return [IncidentUpdated(incident_id=inc.incident_id, iteration=inc.last_update_iteration,
+                                    severity=severity_of(inc.factor, inc.category),
+                                    locations=[s.location(inc.factor)],
+                                    evidence=s.evidence().model_copy(update={
+                                        "statistic": f"probe: rank {worst} took ×{ratio:.2f} ({ratios})"}))]
+        return [IncidentConfirmed(
+            incident_id=inc.incident_id, method="probe",
+            detail=f"probe: rank {worst} took ×{ratio:.2f} of the healthy reference ({ratios})",
+            locations=[s.location(inc.factor)])]
+
+    def _reprobe_result(self, inc: _Open, missing: list[int]) -> list[Payload]:
         """A named rank's TP group answered a re-probe. If other members are slow too, each gets
         an incident of its own (opened and confirmed by the probe), and every slow member's factor
         becomes its share of the group's: telemetry measures the group's chunks, which the slowest
@@ -259,6 +280,8 @@ class IncidentBook:
         slow = sorted((r for r, v in ratios.items() if v >= self.config.probe_confirm_ratio), key=lambda r: -ratios[r])
         table = ", ".join(f"{r}: ×{v:.2f}" for r, v in sorted(ratios.items()))
         statistic = f"re-probe of TP group {list(s.tp_group or ())}: {table}"
+        if missing:
+            statistic += f" (no answer from {missing} within {self.config.probe_timeout_iterations} iterations)"
         out: list[Payload] = []
         if set(slow) - set(s.ranks):  # else only the named member is slow: it got worse itself
             r_max, group_f = ratios[slow[0]], inc.factor

@@ -112,3 +112,49 @@ def test_a_re_probe_that_finds_only_the_named_rank_keeps_the_location_and_says_s
     assert answer.locations[0].rank == 5 and answer.locations[0].factor == 4.5
     assert "re-probe of TP group [4, 5]" in answer.evidence.statistic
     assert book.slow_factors() == {5: 4.5}
+
+
+def test_a_re_probe_with_a_member_that_never_answers_is_concluded_on_the_answers_in() -> None:
+    """Rank 7 of the re-probed group died (or its answer was lost): after ``probe_timeout_iterations``
+    the re-probe is judged on the three answers in, so the slow peer still gets its incident and a
+    planner waiting for the answer is released; 7's answer coming late changes nothing."""
+    config = DetectorConfig(probes=True, probe_timeout_iterations=5)
+    book = IncidentBook("j", config)
+    group = Suspect(key=("ranks", (4, 5, 6, 7)), target="compute", rank=None, link=None, node=0, replica=1, stage=0,
+                    tp_group=(4, 5, 6, 7), factor=1.25, confidence=0.5, iterations=[], observed_s=[],
+                    predicted_s=[], rank_factors={}, statistic="", note="", ranks=(4, 5, 6, 7))
+    (probe,) = [p for p in book.open_fail_slow(group, iteration=10) if isinstance(p, ProbeRequest)]
+    _answer(book, probe, {4: 1.0, 5: 1.5, 6: 1.0, 7: 1.0})
+    _, again = book.observe(("ranks", (5,)), z=0.4, k=0.02, iteration=40, factor=1.5)
+    assert _answer(book, again, {4: 1.0, 5: 1.5, 6: 2.0}) == []  # 7 is still due
+    assert [p for p in book.end_of_iteration(44) if not isinstance(p, IncidentConfirmed)] == []
+    opened, confirmed, own = book.end_of_iteration(45)
+    assert isinstance(opened, IncidentOpened) and opened.locations[0].rank == 6
+    assert isinstance(confirmed, IncidentConfirmed) and confirmed.method == "probe"
+    assert isinstance(own, IncidentUpdated) and own.locations[0].rank == 5 and not own.probing
+    assert "no answer from [7] within 5 iterations" in own.evidence.statistic
+    assert _answer(book, again, {7: 1.0}) == [] and book.end_of_iteration(60) == []
+
+
+def test_a_timed_out_re_probe_lets_the_group_be_re_probed_when_the_rank_gets_worse_again() -> None:
+    config = DetectorConfig(probes=True, probe_timeout_iterations=5)
+    book = IncidentBook("j", config)
+    (probe,) = [p for p in book.open_fail_slow(_group_suspect(), iteration=10) if isinstance(p, ProbeRequest)]
+    _answer(book, probe, {4: 1.0, 5: 3.0})
+    _, again = book.observe(("ranks", (5,)), z=1.5, k=0.02, iteration=30, factor=4.5)
+    _answer(book, again, {5: 4.5})  # rank 4's answer never comes
+    (answer,) = book.end_of_iteration(35)
+    assert isinstance(answer, IncidentUpdated) and answer.locations[0].rank == 5 and not answer.probing
+    update, third = book.observe(("ranks", (5,)), z=2.5, k=0.02, iteration=50, factor=7.0)
+    assert update.probing == [4, 5] and isinstance(third, ProbeRequest) and third.probe_id != again.probe_id
+
+
+def test_a_first_probe_missing_an_answer_names_the_slow_member_that_did_answer() -> None:
+    config = DetectorConfig(probes=True, probe_timeout_iterations=5, confirm_iterations=10)
+    book = IncidentBook("j", config)
+    (probe,) = [p for p in book.open_fail_slow(_group_suspect(), iteration=10) if isinstance(p, ProbeRequest)]
+    assert _answer(book, probe, {5: 3.0}) == []
+    (named,) = book.end_of_iteration(15)
+    assert isinstance(named, IncidentConfirmed) and named.method == "probe" and named.locations[0].rank == 5
+    assert "no answer from [4]" in named.detail
+    assert _answer(book, probe, {4: 1.0}) == []
