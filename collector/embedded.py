@@ -85,7 +85,10 @@ class EmbeddedBus(Bus):
                     )
                 self._conn.execute("COMMIT")
             except BaseException:
-                self._conn.execute("ROLLBACK")
+                # A failed COMMIT (a full disk, say) has already rolled back: a second ROLLBACK would
+                # raise "no transaction is active" and hide the error that names the problem.
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
                 raise
 
     def consumer(
@@ -169,7 +172,8 @@ class EmbeddedConsumer(Consumer):
             )
             self._conn.execute("COMMIT")
         except BaseException:
-            self._conn.execute("ROLLBACK")
+            if self._conn.in_transaction:  # as in publish_raw: keep the error that names the problem
+                self._conn.execute("ROLLBACK")
             raise
 
     def seek(self, positions: Mapping[TopicPartition, int]) -> None:

@@ -3,6 +3,8 @@
 - A publisher killed right after ``publish`` returned: everything it was told was durable is there.
 - The analytics consumer killed again and again mid-stream: after a final clean run its DuckDB
   table holds every published event exactly once (offsets live in the same transaction as rows).
+- A full disk under the embedded bus fails the publish with SQLite's own error and loses nothing
+  already written.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import os
 import random
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -18,6 +21,7 @@ import time
 from pathlib import Path
 
 import duckdb
+import pytest
 
 from collector import topics
 from collector.events import Coords, EventFactory, Heartbeat, RankIteration
@@ -127,3 +131,21 @@ def test_analytics_killed_mid_stream_resumes_without_loss_or_duplicates(bus_fact
         conn.close()
     assert rows == (len(published), len(published)), f"rows, distinct ids = {rows}; published {len(published)}"
     assert ids == set(published)
+
+
+def test_a_full_disk_on_the_embedded_bus_fails_the_publish_with_its_own_error_and_keeps_the_log(tmp_path):
+    """SQLite rolls a transaction back itself when the disk is full (here: a page limit); the
+    publish must fail with that error, not with a second ROLLBACK's "no transaction is active",
+    and leave the log as it was and usable."""
+    from collector.embedded import EmbeddedBus, _table
+
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
+        bus.publish_raw([("t", None, b"first")])
+        (pages,) = bus._conn.execute("PRAGMA page_count").fetchone()
+        bus._conn.execute(f"PRAGMA max_page_count = {pages + 2}")
+        with pytest.raises(sqlite3.OperationalError, match="full"):
+            bus.publish_raw([("t", None, b"lost with the batch"), ("t", None, b"x" * 100_000)])
+        bus._conn.execute("PRAGMA max_page_count = 1073741823")
+        bus.publish_raw([("t", None, b"second")])
+        values = [v for (v,) in bus._conn.execute(f"SELECT value FROM {_table('t')} ORDER BY offset")]
+    assert values == [b"first", b"second"]
