@@ -98,6 +98,7 @@ class FailStopWatch:
     _newest_plan: tuple[int, set[int]] | None = None  # (epoch, devices) of the newest plan announced
     _deadline_s: float = float("inf")  # the reference beyond which the next rank would be judged dead
     _short_of_deadline: int = 0  # live watched streams still to pass _deadline_s before the reference can
+    _interval_cache_s: float | None = None  # _interval_s(), until a stream's announced interval changes
 
     # ---- input ----------------------------------------------------------------------------------
 
@@ -110,6 +111,8 @@ class FailStopWatch:
     def heartbeat(self, hb: Heartbeat, time_s: float) -> list[LivenessChange]:
         s = self.stream(hb.rank)
         self._advance(hb.rank, s, hb.epoch, time_s)
+        if s.hb_time_s is None or s.hb_interval_s != hb.interval_s:
+            self._interval_cache_s = None
         s.hb_time_s, s.hb_interval_s = time_s, hb.interval_s
         if hb.epoch == s.epoch:
             s.started = max(s.started, hb.iteration)
@@ -177,8 +180,12 @@ class FailStopWatch:
         return max(lower, max(times) - self.config.reference_max_lag_intervals * self._interval_s())
 
     def _interval_s(self) -> float:
-        """The shortest heartbeat interval announced (1 s before any heartbeat)."""
-        return min((s.hb_interval_s for s in self.streams.values() if s.hb_time_s is not None), default=1.0)
+        """The shortest heartbeat interval announced (1 s before any heartbeat). Cached: it is asked
+        at every event, and walking every rank's stream each time made this quadratic in ranks."""
+        if self._interval_cache_s is None:
+            self._interval_cache_s = min((s.hb_interval_s for s in self.streams.values() if s.hb_time_s is not None),
+                                         default=1.0)
+        return self._interval_cache_s
 
     def proof_of_life(self, rank: int) -> bool:
         """Peers of the rank's epoch completed iterations it must have run: its stream is just late."""

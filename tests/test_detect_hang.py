@@ -109,3 +109,16 @@ def test_a_dead_node_is_named_at_the_heartbeat_that_makes_it_dead_in_a_large_job
                                                                        interval_s=hb_s), t)]
     assert {c.rank for _, c in verdicts} == dying and not any(c.alive for _, c in verdicts)
     assert {t for t, _ in verdicts} == {70.0}  # last heartbeat at 50, missed at 60 and 70
+
+
+def test_the_reference_lag_bound_follows_a_rank_that_announces_a_shorter_heartbeat_interval() -> None:
+    config = DetectorConfig()
+    watch = FailStopWatch(config)
+    for r in range(3):
+        watch.heartbeat(Heartbeat(rank=r, epoch=0, iteration=0, interval_s=5.0), 0.0)
+    for r in (0, 1):
+        watch.telemetry(r, 0, 50, 100.0)  # rank 2's stream lags far behind: the lag bound decides
+    lag = config.reference_max_lag_intervals
+    assert watch.reference_s() == 100.0 - lag * 5.0
+    watch.heartbeat(Heartbeat(rank=0, epoch=0, iteration=51, interval_s=1.0), 100.0)
+    assert watch.reference_s() == 100.0 - lag * 1.0  # the shortest interval announced, at once
