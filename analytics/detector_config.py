@@ -11,8 +11,8 @@ model's prediction (see analytics/scoring.py):
 whose z is noisier than the job's is judged against its own noise. Why: after a reshape a TP group
 may run a layer range nobody else runs; its cost class is then fitted on its own last few
 iterations, so its z carries its own jitter twice (≈ 2.5× the job's σ in the simulator), and the
-job's thresholds opened ×1.04 incidents on it every half hour or so. ``k`` ignores noise and slowdowns below ``min_slowdown``; ``h`` sets how much
-accumulated excess is proof; ``step_cap`` < 1 means no single iteration can raise an alarm, so a
+job's thresholds opened ×1.04 incidents on it every half hour or so. ``k`` ignores noise and
+slowdowns below ``min_slowdown``; ``h`` sets how much accumulated excess is proof; ``step_cap`` < 1 means no single iteration can raise an alarm, so a
 one-off spike (a GC pause, a checkpoint) never opens an incident, while ×1.2 and more are caught
 on the second iteration.
 """
@@ -36,9 +36,9 @@ class DetectorConfig(BaseModel):
     step_cap: float = Field(default=0.6, gt=0, le=1.0, description="largest CUSUM step, as a fraction of h")
     sigma_floor: float = Field(default=0.004, gt=0)
     rank_noise_iterations: int = Field(
-        default=64, ge=0, description="span of each rank's own noise estimate (an exponentially weighted mean of "
-                                      "|Δz| between its iterations); a rank noisier than the job is judged with its "
-                                      "own σ; 0: every rank with the job's σ")
+        default=64, ge=0, description="span of each rank's own noise estimate (a running median of |Δz| between "
+                                      "its iterations); a rank noisier than the job is judged with its own σ; 0: "
+                                      "every rank with the job's σ")
     confirm_iterations: int = Field(default=3, ge=1, description="persistence needed to confirm")
     resolve_iterations: int = Field(default=3, ge=1, description="healthy iterations needed to resolve")
     update_min_change: float = Field(default=0.10, ge=0, description="relative factor change that earns an update")

@@ -2,8 +2,8 @@
 
 The launcher — not rank 0 — owns the TCPStore, so any rank may die and the survivors can still
 meet. It is also the single reader of the control topic (trainer/intake.py fences and posts the
-commands; probe requests are posted for the ranks to run, trainer/probe.py) and it watches its children: a rank that exits with an error is dead. With
-``on_death="drop-replica"`` the launcher itself publishes a command that drops the dead device's
+commands; probe requests are posted for the ranks to run, trainer/probe.py) and it watches its
+children: a rank that exits with an error is dead. With ``on_death="drop-replica"`` the launcher itself publishes a command that drops the dead device's
 replica and gives its micro-batches to the others, or — when no replica would survive — puts
 spare devices in the dead ones' places (state then comes from the newest disk checkpoint); a
 minimal policy so the job survives on its own; the remediation engine's commands take the same

@@ -95,8 +95,10 @@ def read_probe(store, number: int) -> ProbeRequest:
     return ProbeRequest.model_validate_json(store.get(f"probe/{number}"))
 
 
-def newest_probe(store) -> int:
-    return int(store.get(CONTROL_PROBE))
+def newest_post_and_probe(store) -> tuple[int, int]:
+    """The newest post and probe numbers, in one round trip (every rank asks at every commit)."""
+    post, probe = store.multi_get([CONTROL_POST, CONTROL_PROBE])
+    return int(post), int(probe)
 
 
 def await_arrivals(store, number: int, world: tuple[int, ...], device: int, timeout_s: float,

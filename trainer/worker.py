@@ -40,8 +40,8 @@ from trainer.schedule import PipelineSchedule
 from trainer.spec import RunSpec
 from trainer.checkpoint import load_checkpoint, periodic_dir, prune_periodic, save_checkpoint
 from trainer.probe import run_probe
-from trainer.rendezvous import (PROGRESS, Post, await_arrivals, newest_post, newest_probe, pg_prefix, read_post,
-                                  read_probe)
+from trainer.rendezvous import (PROGRESS, Post, await_arrivals, newest_post, newest_post_and_probe, pg_prefix,
+                                  read_post, read_probe)
 from trainer.state import import_state, make_optimizer
 from trainer.telemetry import IterationRecorder, TelemetryPublisher
 
@@ -140,9 +140,10 @@ class Trainer:
             cur.reducer.reduce()
             if cur.stage.is_last:
                 commit[plan.pipelines.index(next(p for p in plan.pipelines if p.replica == cur.role.replica))] = loss
-        commit[-3] = float(newest_probe(self.store))
+        newest_post_seen, newest_probe_seen = newest_post_and_probe(self.store)
+        commit[-3] = float(newest_probe_seen)
         commit[-2] = -float(self.probes_done)  # MAX of the negatives: the world's fewest answered
-        commit[-1] = float(newest_post(self.store))
+        commit[-1] = float(newest_post_seen)
         dist.all_reduce(commit, op=dist.ReduceOp.MAX, group=cur.train_group)
         if cur.opt is not None:
             cur.opt.step()
