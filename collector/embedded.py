@@ -10,21 +10,37 @@ machine does not need more, and per-key order is then trivially kept. Writers se
 ``BEGIN IMMEDIATE`` and assign offsets inside the transaction, so offsets become visible in order
 and a reader never sees a gap that later fills. A consumer group should have one active member at
 a time; a second member of the same group reads the same records (there is nothing to split).
+
+Retention (off by default: the log keeps everything): ``retention_s={topic: seconds}``, or
+RESIHP_EMBEDDED_TELEMETRY_RETENTION_S for the telemetry topic, deletes a topic's oldest records once
+they are older than that, as Kafka's ``retention.ms`` does. Telemetry is what fills a disk (one
+message per rank per iteration) and only the live analytics consumer reads it; the control topic is
+the remediation lifecycle's record, folded from its first event, so it cannot be given a retention.
+Deletion takes a prefix of the log and always keeps the newest record, so offsets never restart. A
+consumer whose position was deleted under it continues from the oldest record left, logs a warning
+naming the range it lost, and counts it in ``lost_to_retention``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from collector.bus import Bus, Consumer, OnAssign, RawMessage, Record, TopicPartition
+from collector.topics import CONTROL, TELEMETRY
+
+log = logging.getLogger(__name__)
 
 _BUSY_TIMEOUT_MS = 60_000
 _PARTITION = 0
+_TRIM_EVERY_FRACTION = 0.1  # look for expired records at most every tenth of the retention
+RETENTION_ENV = "RESIHP_EMBEDDED_TELEMETRY_RETENTION_S"
 
 
 def _connect(path: Path) -> sqlite3.Connection:
@@ -44,11 +60,48 @@ def _table(topic: str) -> str:
     return '"log:' + topic.replace('"', '""') + '"'
 
 
+def _retention_from_env() -> dict[str, float]:
+    raw = os.environ.get(RETENTION_ENV, "").strip()
+    if not raw:
+        return {}
+    try:
+        return {TELEMETRY: float(raw)}
+    except ValueError:
+        raise ValueError(f"{RETENTION_ENV}={raw!r}: give the telemetry retention in seconds") from None
+
+
+@contextmanager
+def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """BEGIN IMMEDIATE … COMMIT, rolled back on any error. A failed COMMIT (a full disk, say) has
+    already rolled back: a second ROLLBACK would raise "no transaction is active" and hide the error
+    that names the problem, so it is issued only while a transaction is open."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+
+
+def _checked_retention(retention_s: Mapping[str, float]) -> dict[str, float]:
+    for topic, seconds in retention_s.items():
+        if topic == CONTROL:
+            raise ValueError(f"{topic} cannot have a retention: the remediation lifecycle is folded from its "
+                             "first event, and deleting any would lose plans and decisions")
+        if not seconds > 0:  # also refuses NaN
+            raise ValueError(f"retention of {topic} must be a positive number of seconds, got {seconds!r}")
+    return dict(retention_s)
+
+
 class EmbeddedBus(Bus):
     name = "embedded"
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], retention_s: Mapping[str, float] | None = None) -> None:
         self.path = Path(path)
+        self.retention_s = _checked_retention(_retention_from_env() if retention_s is None else retention_s)
+        self._next_trim: dict[str, float] = {}  # monotonic time of each retained topic's next trim
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._conn = _connect(self.path)
         self._lock = threading.Lock()  # one writer connection, shared by this process's threads
@@ -74,8 +127,7 @@ class EmbeddedBus(Bus):
         with self._lock:
             for topic in by_topic:
                 self._ensure_topic(self._conn, topic)
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
+            with _transaction(self._conn):
                 for topic, rows in by_topic.items():
                     table = _table(topic)
                     (nxt,) = self._conn.execute(f"SELECT COALESCE(MAX(offset) + 1, 0) FROM {table}").fetchone()
@@ -83,13 +135,44 @@ class EmbeddedBus(Bus):
                         f"INSERT INTO {table} (offset, key, value, ts) VALUES (?, ?, ?, ?)",
                         ((nxt + i, k, v, now) for i, (k, v) in enumerate(rows)),
                     )
-                self._conn.execute("COMMIT")
-            except BaseException:
-                # A failed COMMIT (a full disk, say) has already rolled back: a second ROLLBACK would
-                # raise "no transaction is active" and hide the error that names the problem.
-                if self._conn.in_transaction:
-                    self._conn.execute("ROLLBACK")
-                raise
+            for topic in by_topic:
+                if topic in self.retention_s and time.monotonic() >= self._next_trim.get(topic, 0.0):
+                    self._next_trim[topic] = time.monotonic() + _TRIM_EVERY_FRACTION * self.retention_s[topic]
+                    try:
+                        self._trim(topic, now - self.retention_s[topic])
+                    except sqlite3.Error as exc:  # the batch is durable: a failed trim must not fail the publish
+                        log.warning("embedded bus %s: retention could not trim %s: %s", self.path, topic, exc)
+
+    def trim(self, topic: str, older_than_s: float) -> int:
+        """Delete the prefix of ``topic`` published before ``older_than_s`` (Unix time), keeping the
+        newest record; returns how many records went. Publishing does this for topics with a
+        retention; calling it directly is for operators and tests."""
+        if topic == CONTROL:
+            raise ValueError(f"{topic} cannot be trimmed: the remediation lifecycle is folded from its first event")
+        with self._lock:
+            self._ensure_topic(self._conn, topic)
+            return self._trim(topic, older_than_s)
+
+    def _trim(self, topic: str, older_than_s: float) -> int:
+        table = _table(topic)
+        first, last = self._conn.execute(f"SELECT MIN(offset), MAX(offset) FROM {table}").fetchone()
+        if first is None:
+            return 0
+        # The first offset at or after the cutoff, by bisection: publish times rise with offsets
+        # (up to writers racing for the lock by a few ms, which only moves the cut by as much).
+        lo, hi = first, last  # the newest record stays, whatever its age
+        while lo < hi:
+            mid = (lo + hi) // 2
+            (ts,) = self._conn.execute(f"SELECT ts FROM {table} WHERE offset = ?", (mid,)).fetchone()
+            if ts < older_than_s:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo == first:
+            return 0
+        with _transaction(self._conn):
+            self._conn.execute(f"DELETE FROM {table} WHERE offset < ?", (lo,))
+        return lo - first
 
     def consumer(
         self, group: str, topics: Sequence[str], on_assign: OnAssign | None = None, instance_id: str | None = None
@@ -122,13 +205,14 @@ class EmbeddedConsumer(Consumer):
         for topic in topics:
             bus._ensure_topic(self._conn, topic)
         self._partitions = [TopicPartition(t, _PARTITION) for t in topics]
-        committed = dict(
-            ((t, p), o)
+        committed = {
+            (t, p): o
             for t, p, o in self._conn.execute(
                 "SELECT topic, part, next_offset FROM group_offsets WHERE grp = ?", (group,)
             )
-        )
+        }
         self._pos = {tp: committed.get(tp, 0) for tp in self._partitions}
+        self.lost_to_retention: dict[TopicPartition, int] = {}
         if on_assign is not None:
             self.seek(on_assign(list(self._partitions)))
         self._next_topic = 0
@@ -156,6 +240,8 @@ class EmbeddedConsumer(Consumer):
                 (self._pos[tp], room),
             ).fetchall()
             if rows:
+                if rows[0][0] > self._pos[tp]:  # offsets are dense: only retention leaves a hole
+                    self._lost(tp, rows[0][0])
                 out.extend(Record(tp.topic, tp.partition, o, k, v, ts) for o, k, v, ts in rows)
                 self._pos[tp] = rows[-1][0] + 1
         self._next_topic = (self._next_topic + 1) % n
@@ -163,18 +249,12 @@ class EmbeddedConsumer(Consumer):
 
     def commit(self, positions: Mapping[TopicPartition, int] | None = None) -> None:
         positions = dict(self._pos if positions is None else positions)
-        self._conn.execute("BEGIN IMMEDIATE")
-        try:
+        with _transaction(self._conn):
             self._conn.executemany(
                 "INSERT INTO group_offsets (grp, topic, part, next_offset) VALUES (?, ?, ?, ?) "
                 "ON CONFLICT (grp, topic, part) DO UPDATE SET next_offset = excluded.next_offset",
                 [(self.group, tp.topic, tp.partition, off) for tp, off in positions.items()],
             )
-            self._conn.execute("COMMIT")
-        except BaseException:
-            if self._conn.in_transaction:  # as in publish_raw: keep the error that names the problem
-                self._conn.execute("ROLLBACK")
-            raise
 
     def seek(self, positions: Mapping[TopicPartition, int]) -> None:
         for tp, off in positions.items():
@@ -184,9 +264,17 @@ class EmbeddedConsumer(Consumer):
                 raise ValueError(f"cannot seek {tp} to negative offset {off}")
             self._pos[tp] = off
 
+    def _lost(self, tp: TopicPartition, first_held: int) -> None:
+        lost = first_held - self._pos[tp]
+        self.lost_to_retention[tp] = self.lost_to_retention.get(tp, 0) + lost
+        log.warning("embedded bus %s: group %s lost %s offsets %d-%d of %s to retention (deleted before it "
+                    "read them); continuing from %d", self._bus.path, self.group, f"{lost:,}", self._pos[tp],
+                    first_held - 1, tp.topic, first_held)
+
     def seek_to_beginning(self) -> None:
-        for tp in self._pos:
-            self._pos[tp] = 0
+        for tp in self._pos:  # the oldest record still held: nothing before it is a loss to report
+            (first,) = self._conn.execute(f"SELECT MIN(offset) FROM {_table(tp.topic)}").fetchone()
+            self._pos[tp] = first or 0
 
     def positions(self) -> dict[TopicPartition, int]:
         return dict(self._pos)

@@ -50,6 +50,8 @@ class LoopRun:
     false_incidents: int = 0  # incidents whose locations cover no injected fault's devices
     plans_applied: int = 0
     refusals: list[str] = field(default_factory=list)
+    telemetry_lost: int = 0  # telemetry records retention deleted before the analytics consumer read them
+    bus_bytes: int = 0  # the embedded log's size on disk at the end of the run
 
 
 def location_devices(loc: Location, gpus_per_node: int) -> set[int]:
@@ -110,14 +112,16 @@ class _Referee:
 
 def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,  # type: ignore[no-untyped-def]
                     options, hardware, detector_config=None, analytics_every: int = 5, window_s: float = 60.0,
-                    directory: str | Path | None = None,
+                    directory: str | Path | None = None, telemetry_retention_s: float = 60.0,
                     on_applied: Callable[[object], None] | None = None) -> LoopRun:
     """Run ``sim_engine``'s job for ``duration_s`` simulated seconds with the platform in the loop.
 
     ``model`` is the engine's fallback cost figures (it switches to the analytics cost fits once they
     arrive); ``options`` the planner's (pauses, horizon); ``on_applied(sim_engine)`` runs after each
     applied command (a baseline that pays a restart advances the clock there). The job's
-    throughput is sampled into ``series`` every ``window_s`` simulated seconds."""
+    throughput is sampled into ``series`` every ``window_s`` simulated seconds. Telemetry is kept on
+    the bus for ``telemetry_retention_s`` wall seconds: the analytics consumer reads it every few
+    iterations, and a 2-hour run at 256 GPUs would otherwise hold ~20 GB of it."""
     from analytics.detector_config import DetectorConfig
     from analytics.detector_projection import DetectorProjection
     from analytics.projector import Projector
@@ -127,7 +131,7 @@ def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,  # t
     cfg = sim_engine.config
     job = cfg.job
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        bus = EmbeddedBus(Path(tmp) / "bus.sqlite")
+        bus = EmbeddedBus(Path(tmp) / "bus.sqlite", retention_s={topics.TELEMETRY: telemetry_retention_s})
         runner = SimulatorRunner(bus, sim_engine)
         detector = DetectorProjection(config=detector_config or DetectorConfig(probes=True))
         projector = Projector(bus, Path(tmp) / "analytics.duckdb", "analytics", [topics.TELEMETRY, topics.CONTROL],
@@ -164,6 +168,8 @@ def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,  # t
                     window_tokens, window_start = 0, sim_engine.now_s
                 run.training_at_end = sim_engine.now_s > before and sim_engine.hanging_for_s == 0.0
             referee.poll()
+            run.telemetry_lost = sum(getattr(projector.stream.consumer, "lost_to_retention", {}).values())
+            run.bus_bytes = sum(p.stat().st_size for p in Path(tmp).glob("bus.sqlite*"))
         finally:
             referee.close()
             engine.close()

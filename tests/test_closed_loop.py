@@ -26,12 +26,13 @@ def _config(strategy: str) -> SimConfig:
                      reshape_pause_s=0.5, heartbeat_interval_s=1.0)
 
 
-def _run(strategy: str, faults: list[FaultSpec], duration_s: float, tmp_path: Path):  # type: ignore[no-untyped-def]
+def _run(strategy: str, faults: list[FaultSpec], duration_s: float, tmp_path: Path,  # type: ignore[no-untyped-def]
+         **loop_options):
     config = _config(strategy)
     options = PlannerOptions(horizon_s=600.0, pause_s=0.5, rebalance_pause_s=0.5)
     return SimEngine(config, faults), run_closed_loop(
         SimEngine(config, faults), fitted_model(config), strategy=strategy, duration_s=duration_s, options=options,
-        hardware=hardware_of(config.cluster), window_s=2.0, directory=tmp_path)
+        hardware=hardware_of(config.cluster), window_s=2.0, directory=tmp_path, **loop_options)
 
 
 def test_a_slow_gpu_is_detected_from_telemetry_and_the_plan_wins_back_tokens(tmp_path: Path) -> None:
@@ -45,6 +46,13 @@ def test_a_slow_gpu_is_detected_from_telemetry_and_the_plan_wins_back_tokens(tmp
     assert ours.plans_applied >= 1 and idle.plans_applied == 0
     assert ours.tokens > 1.1 * idle.tokens
     assert ours.training_at_end and ours.series
+    assert ours.telemetry_lost == 0 and ours.bus_bytes > 0
+
+
+def test_telemetry_deleted_before_analytics_read_it_is_counted_not_hidden(tmp_path: Path) -> None:
+    """A retention shorter than the gap between analytics reads loses telemetry; the run says how much."""
+    _, starved = _run("ours", [], 4.0, tmp_path, telemetry_retention_s=1e-9, analytics_every=10)
+    assert starved.telemetry_lost > 0
 
 
 def test_a_dead_gpu_is_found_by_heartbeats_and_the_job_trains_again(tmp_path: Path) -> None:
