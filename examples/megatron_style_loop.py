@@ -8,6 +8,7 @@ marked ``# ResiHP``; everything else is an ordinary loop.
 
     python examples/megatron_style_loop.py --iterations 5                  # embedded bus, .resihp/bus.sqlite
     python examples/megatron_style_loop.py --iterations 5 --command-at 2   # play the remediation engine once
+    python examples/megatron_style_loop.py --iterations 5 --probe-at 1     # play the detector's probe once
     RESIHP_BUS=kafka RESIHP_KAFKA_BOOTSTRAP=host:9092 python examples/megatron_style_loop.py
 
 On a GPU, time chunks with CUDA events instead of ``it.time_chunk`` (docs/real-cluster.md).
@@ -30,10 +31,10 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from collector.bus import open_bus  # noqa: E402
-from collector.events import EventFactory  # noqa: E402
+from collector.events import EventFactory, ProbeRequest  # noqa: E402
 from collector.plan import PipelinePlan, Plan  # noqa: E402
-from trainer.integration import (CommandListener, ResiHPReporter, coords_in, new_command,  # noqa: E402
-                                 seq_lens_from_cu_seqlens)
+from trainer.integration import (CommandListener, ResiHPReporter, best_seconds, coords_in,  # noqa: E402
+                                 new_command, probe_answer, seq_lens_from_cu_seqlens)
 
 VOCAB, WIDTH, HEADS, LAYERS, BLOCK = 256, 64, 4, 2, 256
 
@@ -100,6 +101,24 @@ def layer_state_bytes(model: TinyGPT) -> int:
     return sum(p.numel() for p in model.blocks[0].parameters()) * 16
 
 
+def answer_probes(requests: list[ProbeRequest], model: TinyGPT, rank: int, reporter: ResiHPReporter) -> None:
+    """Run each probe on every rank at this boundary and publish the asked ranks' answers (ResiHP).
+
+    compute: one GEMM of a block's MLP on a full row (on a GPU, pass ``sync=torch.cuda.synchronize``
+    to ``best_seconds``). link: a world of one device has no link and answers 0 s; with more ranks,
+    post the receive, meet at a barrier and time the send alone (trainer/probe.py, ``link_seconds``)."""
+    shared = [requests]
+    dist.broadcast_object_list(shared, src=0)  # rank 0's listener read them; every rank runs them
+    for request in shared[0]:
+        seconds = 0.0
+        if request.target == "compute":
+            x, w = torch.ones(BLOCK, WIDTH), model.blocks[0].mlp[0].weight.detach()
+            seconds = best_seconds(lambda: x @ w.T, request.repeats)
+        everyone: list[float] = [0.0] * dist.get_world_size()
+        dist.all_gather_object(everyone, seconds)
+        reporter.answer_probe(probe_answer(request, rank, seconds, everyone))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iterations", type=int, default=5)
@@ -110,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (default: $RESIHP_KAFKA_BOOTSTRAP)")
     ap.add_argument("--command-at", type=int, default=None, metavar="ITERATION",
                     help="after this iteration, publish a command (one micro-batch fewer) as the remediation engine would")
+    ap.add_argument("--probe-at", type=int, default=None, metavar="ITERATION",
+                    help="after this iteration, publish a compute probe of rank 0 as the detector would")
     args = ap.parse_args(argv)
 
     torch.manual_seed(0)
@@ -139,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 plan = command.plan  # a real loop rebuilds groups and moves state here (docs/real-cluster.md)
                 reporter.follow(plan)
                 listener.ack_applied(command, pause_s=time.perf_counter() - t0)
+            answer_probes(listener.take_probes() if listener else [], model, rank, reporter)  # ResiHP: optional
             microbatches = plan.role_of(rank).microbatches
             with reporter.iteration(i) as it:  # ResiHP: one telemetry.iteration per rank per iteration
                 total_loss = 0.0
@@ -162,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                 fewer = plan.model_copy(update={"epoch": plan.epoch + 1, "pipelines": (PipelinePlan(
                     replica=0, microbatches=max(1, microbatches - 1), stages=plan.pipelines[0].stages),)})
                 bus.publish([EventFactory(args.job, "example-remediation").make(new_command(fewer, "example-fewer"))])
+            if args.probe_at == i and listener:  # the detector's part, for the demonstration
+                bus.publish([EventFactory(args.job, "example-analytics").make(
+                    ProbeRequest(probe_id=f"example-probe-{i}", ranks=[rank], target="compute", repeats=3))])
     finally:
         reporter.close()  # flushes the queue
         if listener:

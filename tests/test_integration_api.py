@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,10 +17,10 @@ from collector.bus import Bus, Consumer, OnAssign, RawMessage, TopicPartition
 from collector.codec import decode
 from collector.embedded import EmbeddedBus
 from collector.events import (AckStatus, CommandAck, Coords, EventFactory, Heartbeat, IterationSummary, PlanCurrent,
-                              RankIteration, ReconfigureCommand)
+                              ProbeRequest, ProbeResult, RankIteration, ReconfigureCommand)
 from collector.plan import Plan
-from trainer.integration import (CommandListener, EpochFence, ResiHPReporter, coords_in, new_command,
-                                 seq_lens_from_cu_seqlens)
+from trainer.integration import (CommandListener, EpochFence, ResiHPReporter, best_seconds, coords_in, new_command,
+                                 probe_answer, seq_lens_from_cu_seqlens)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -252,6 +253,105 @@ def test_fence_marks_each_command_once() -> None:
     assert fence.judge(new_command(_plan(epoch=2)))[0] is AckStatus.IGNORED_STALE
 
 
+# ---- probes -----------------------------------------------------------------------------------------
+
+
+def test_probe_answer_is_against_the_median_and_only_for_asked_ranks() -> None:
+    request = ProbeRequest(probe_id="p", ranks=[4, 5], target="compute")
+    everyone = [1.0, 1.1, 0.9, 1.0, 1.05, 3.0, 1.0, 0.95]  # rank 5 is slow; the median ignores it
+    slow, peer = probe_answer(request, 5, 3.0, everyone), probe_answer(request, 4, 1.05, everyone)
+    assert (slow.rank, slow.duration_s, slow.reference_s) == (5, 3.0, 1.0)
+    assert peer.duration_s / peer.reference_s == pytest.approx(1.05)
+    assert probe_answer(request, 0, 1.0, everyone) is None
+    alone = probe_answer(ProbeRequest(probe_id="l", ranks=[0], target="link"), 0, 0.0, [0.0])
+    assert (alone.duration_s, alone.reference_s) == (0.0, 1.0)  # nothing to time: not slow
+    with pytest.raises(ValueError, match="needs every rank's time"):
+        probe_answer(request, 5, 3.0, [])
+
+
+def test_best_seconds_keeps_the_fastest_repeat_and_syncs_around_each() -> None:
+    calls: list[str] = []
+    delays = iter([0.03, 0.002, 0.02])
+    import time as _time
+
+    seconds = best_seconds(lambda: (calls.append("run"), _time.sleep(next(delays))), 3, sync=lambda: calls.append("sync"))
+    assert 0.002 <= seconds < 0.02
+    assert calls == ["sync", "run", "sync"] * 3
+    with pytest.raises(ValueError, match="repeats must be at least 1"):
+        best_seconds(lambda: None, 0)
+
+
+def test_listener_hands_each_probe_of_its_job_over_once(tmp_path: Path) -> None:
+    bus = EmbeddedBus(tmp_path / "bus.sqlite")
+    listener = CommandListener("job", _plan(), bus=bus)
+    analytics = EventFactory("job", "analytics")
+    mine = ProbeRequest(probe_id="p1", ranks=[3], target="link")
+    bus.publish([analytics.make(mine), analytics.make(mine),  # a re-published request runs once
+                 EventFactory("other", "analytics").make(ProbeRequest(probe_id="p2", ranks=[3]))])
+    assert listener.poll() is None
+    assert listener.take_probes() == [mine]
+    assert listener.take_probes() == []
+    listener.close()
+    reporter = ResiHPReporter("job", 3, (0, 0, 0), bus=bus)
+    with pytest.raises(ValueError, match="probe result for rank 4 given to rank 3's reporter"):
+        reporter.answer_probe(ProbeResult(probe_id="p1", rank=4, duration_s=1.0, reference_s=1.0))
+    reporter.close()
+    bus.close()
+
+
+PROBE_RANK = textwrap.dedent(
+    """
+    import sys, time
+    import torch, torch.distributed as dist
+    from collector.embedded import EmbeddedBus
+    from collector.plan import Plan
+    from trainer.integration import CommandListener, ResiHPReporter, best_seconds, coords_in, probe_answer
+
+    rank, world, bus_path, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    plan = Plan.uniform(tp=1, pp=1, dp=world, num_layers=2, microbatches_per_replica=1)
+    bus = EmbeddedBus(bus_path)
+    reporter = ResiHPReporter("job", rank, coords_in(plan, rank), bus=bus)
+    listener = CommandListener("job", plan, bus=bus, from_beginning=True) if rank == 0 else None
+    if listener:
+        listener.poll()
+    shared = [listener.take_probes() if listener else None]
+    dist.broadcast_object_list(shared, src=0)
+    slow = 3.0 if rank == 2 else 1.0  # this rank's device is three times slower
+    for request in shared[0]:
+        seconds = best_seconds(lambda: time.sleep(0.02 * slow), request.repeats)
+        everyone = [0.0] * world
+        dist.all_gather_object(everyone, seconds)
+        reporter.answer_probe(probe_answer(request, rank, seconds, everyone))
+    reporter.close()
+    if listener:
+        listener.close()
+    bus.close()
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_ranks_of_a_real_process_group_answer_a_probe_through_the_api(tmp_path: Path) -> None:
+    """Four gloo ranks: rank 0's listener reads the request, every rank runs it, the asked ones
+    (1 and 2, a TP pair) answer, and the slow one stands out against the world's median."""
+    path, world = tmp_path / "bus.sqlite", 4
+    with EmbeddedBus(path) as bus:
+        bus.publish([EventFactory("job", "analytics").make(
+            ProbeRequest(probe_id="p", ranks=[1, 2], target="compute", repeats=3))])
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", PROBE_RANK, str(r), str(world), str(path), str(tmp_path / "store")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+    results = {e.payload.rank: e.payload for e in _events(path, topics.CONTROL) if isinstance(e.payload, ProbeResult)}
+    assert sorted(results) == [1, 2]
+    ratio = {r: p.duration_s / p.reference_s for r, p in results.items()}
+    assert ratio[2] > 2.0 and ratio[1] < 1.5, ratio
+
+
 # ---- the example ------------------------------------------------------------------------------------
 
 
@@ -281,3 +381,16 @@ def test_megatron_style_example_runs_and_its_events_land(tmp_path: Path) -> None
     assert [(a.status, a.epoch) for a in acks] == [(AckStatus.APPLIED, 1)]
     assert [(e.payload.reason, e.payload.plan.epoch) for e in control if isinstance(e.payload, PlanCurrent)] == [
         ("start", 0), ("reshape", 1)]
+
+
+def test_the_example_answers_the_probe_it_is_sent(tmp_path: Path) -> None:
+    path = tmp_path / "bus.sqlite"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "megatron_style_loop.py"), "--iterations", "3", "--bus-path",
+         str(path), "--job", "example", "--probe-at", "0"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = [e.payload for e in _events(path, topics.CONTROL) if isinstance(e.payload, ProbeResult)]
+    assert result.probe_id == "example-probe-0" and result.rank == 0
+    assert result.duration_s > 0 and result.reference_s == result.duration_s  # one device: its own reference

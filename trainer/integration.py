@@ -14,6 +14,14 @@ Two objects, one per side of the contract:
   ``ignored_duplicate`` and any other epoch ``ignored_stale``, without the loop seeing them. The
   loop reshapes (or cannot) and says so with ``ack_applied(command, pause_s)`` / ``ack_failed``.
 
+Probes (optional; the detector asks only when its config says ``probes: true``): the listener also
+collects this job's ``probe.request`` events (``take_probes()``). The loop shares each with every
+rank at an iteration boundary, as it shares plans; every rank times the workload
+(``best_seconds``), the ranks gather their times, and ``probe_answer`` turns them into this rank's
+``probe.result`` against the median, which ``reporter.answer_probe`` publishes. The workload is
+the loop's own (one GEMM of a layer for ``compute``, one activation sent to the next rank for
+``link``); the protocol is trainer/probe.py's, which our torch trainer runs.
+
 Durations are measured on the rank's own clock; never subtract the clocks of two hosts. On a GPU,
 measure chunks with CUDA events and pass ``start_s`` / ``duration_s`` explicitly (docs/real-cluster.md);
 ``time_chunk`` times with the host clock, which is right only for synchronous (CPU) work.
@@ -21,6 +29,8 @@ measure chunks with CUDA events and pass ``start_s`` / ``duration_s`` explicitly
 
 from __future__ import annotations
 
+import statistics
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -30,7 +40,8 @@ from dataclasses import dataclass, field
 from collector import topics
 from collector.bus import Bus, Consumer, OnAssign, RawMessage, TopicPartition, open_bus
 from collector.events import (AckStatus, Chunk, ChunkKind, CommandAck, CommOp, CommWait, Coords, EventFactory,
-                              IterationSummary, PlanCurrent, RankIteration, ReconfigureCommand)
+                              IterationSummary, PlanCurrent, ProbeRequest, ProbeResult, RankIteration,
+                              ReconfigureCommand)
 from collector.plan import Plan
 from collector.stream import EventStream
 from trainer.telemetry import IterationRecorder, TelemetryPublisher
@@ -194,6 +205,13 @@ class ResiHPReporter:
         for payload in report.payloads(wall_s):
             self.publisher.publish(payload)
 
+    def answer_probe(self, result: ProbeResult | None) -> None:
+        """Publish this rank's ``probe.result`` (from ``probe_answer``; None, not asked, publishes nothing)."""
+        if result is not None:
+            if result.rank != self.rank:
+                raise ValueError(f"probe result for rank {result.rank} given to rank {self.rank}'s reporter")
+            self.publisher.publish(result)
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Flush what is queued (up to ``timeout_s``) and stop the publisher thread."""
         self.publisher.close(timeout_s)
@@ -255,6 +273,8 @@ class CommandListener:
         self._queue: deque[ReconfigureCommand] = deque()
         self.pending: ReconfigureCommand | None = None
         self._announced: PlanCurrent | None = None
+        self._probes: list[ProbeRequest] = []
+        self._probes_seen: set[str] = set()
         # "From now on" is the log's end *now*, not when the group gets around to assigning the
         # partition (on Kafka that is the first poll): a command published in between still counts.
         start = None if from_beginning else self.bus.end_offsets([topics.CONTROL])
@@ -277,6 +297,10 @@ class CommandListener:
             ev = delivery.event
             if ev.job == self.job and isinstance(ev.payload, ReconfigureCommand):
                 self._queue.append(ev.payload)
+            elif (ev.job == self.job and isinstance(ev.payload, ProbeRequest)
+                  and ev.payload.probe_id not in self._probes_seen):
+                self._probes_seen.add(ev.payload.probe_id)
+                self._probes.append(ev.payload)
         self.stream.commit()
         ignored: list[CommandAck] = []
         while self._queue and self.pending is None:
@@ -288,6 +312,12 @@ class CommandListener:
                 ignored.append(self._ack(command, status, detail))
         self._publish(ignored)
         return self.pending
+
+    def take_probes(self) -> list[ProbeRequest]:
+        """This job's probe requests read by ``poll()`` since the last call, each once, oldest first.
+        Every rank must run each one (see ``probe_answer``), so share them as you share plans."""
+        out, self._probes = self._probes, []
+        return out
 
     def ack_applied(self, command: ReconfigureCommand, pause_s: float, pause_iterations: int = 0,
                     detail: str = "") -> None:
@@ -340,10 +370,48 @@ class CommandListener:
         self.close()
 
 
+# ---- probes -----------------------------------------------------------------------------------------
+
+
+def best_seconds(workload: Callable[[], object], repeats: int, *, sync: Callable[[], object] | None = None) -> float:
+    """The best wall time of ``repeats`` runs of ``workload``. ``sync()`` runs before each clock
+    stop: pass ``torch.cuda.synchronize`` on a GPU, where kernels only queue. The best, not the
+    mean: noise (preemption, a shared host) only ever adds time, and a slow device is slow in every
+    repeat."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    samples = []
+    for _ in range(repeats):
+        if sync is not None:
+            sync()
+        start = time.perf_counter()
+        workload()
+        if sync is not None:
+            sync()
+        samples.append(time.perf_counter() - start)
+    return min(samples)
+
+
+def probe_answer(request: ProbeRequest, rank: int, seconds: float, everyone: Sequence[float]) -> ProbeResult | None:
+    """This rank's answer to ``request``, or None when it was not asked.
+
+    ``everyone`` is every rank's ``seconds`` for the same probe, gathered (all-gather) after all
+    ranks ran it at the same boundary. The reference a healthy device takes is their median:
+    measured under the same conditions, and a minority of slow devices cannot move it. A world with
+    nothing to time (one device, a link probe) answers against a reference of 1 s."""
+    if not everyone:
+        raise ValueError("probe_answer needs every rank's time (gathered), got none")
+    if rank not in request.ranks:
+        return None
+    reference = statistics.median(float(t) for t in everyone)
+    return ProbeResult(probe_id=request.probe_id, rank=rank, duration_s=seconds,
+                       reference_s=reference if reference > 0 else 1.0)
+
+
 def new_command(plan: Plan, plan_id: str = "manual") -> ReconfigureCommand:
     """A reconfiguration command for ``plan`` (tests, examples, a hand-made reshape)."""
     return ReconfigureCommand(command_id=uuid.uuid4().hex, plan_id=plan_id, plan=plan)
 
 
 __all__ = ["ResiHPReporter", "IterationReport", "CommandListener", "EpochFence", "coords_in", "new_command",
-           "seq_lens_from_cu_seqlens"]
+           "seq_lens_from_cu_seqlens", "best_seconds", "probe_answer"]

@@ -32,7 +32,6 @@ A dead rank does not answer, as with the simulator (trainer/sim/engine.py: ``Sim
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -40,6 +39,7 @@ import torch.distributed as dist
 
 from collector.events import ProbeRequest, ProbeResult
 from trainer.faults import FaultInjector
+from trainer.integration import probe_answer
 from trainer.model import GPTConfig
 
 MIN_PROBE_DIM = 256
@@ -92,9 +92,4 @@ def run_probe(request: ProbeRequest, device: int, world_rank: int, world_size: i
         seconds = link_seconds(config, faults, request.repeats, world_rank, world_size, group)
     everyone = [torch.zeros(1, dtype=torch.float64) for _ in range(world_size)]
     dist.all_gather(everyone, torch.tensor([seconds], dtype=torch.float64), group=group)
-    if device not in request.ranks:
-        return None
-    reference = statistics.median(float(t) for t in everyone)
-    if reference <= 0:  # a world of one device timing a link: nothing was measured
-        reference = 1.0
-    return ProbeResult(probe_id=request.probe_id, rank=device, duration_s=seconds, reference_s=reference)
+    return probe_answer(request, device, seconds, [float(t) for t in everyone])
