@@ -63,6 +63,12 @@ class DetectorStats:
     inferred_frames: int = 0
 
 
+# The layout of a pickled Detector (its state moves with the consumer's offsets, see
+# analytics/detector_projection.py). Bump it when a change to these classes makes an old pickle
+# unreadable or wrong; a consumer then refuses the old state and names the way out (--rebuild).
+STATE_VERSION = 1
+
+
 @dataclass
 class Detector:
     """Streaming detector for one job (``job`` names the job its events are about)."""
@@ -92,6 +98,23 @@ class Detector:
         self._published_health: dict[int, tuple[str, float]] = {}
         self.last_frame: IterationFrame | None = None
         self.last_score: FrameScore | None = None
+
+    def retune(self, config: DetectorConfig) -> None:
+        """Go on under ``config``: a restarted analytics consumer restores this detector and applies
+        the config it was started with (``--detector-config``), or a tuning would reach only jobs
+        first seen after it. Thresholds are read from the config at each use, so they apply from
+        the next event; the window sizes the state (histories, cost fits), so changing it needs
+        the log replayed (``resihp analytics --rebuild``)."""
+        if config == self.config:
+            return
+        if config.window_iterations != self.config.window_iterations:
+            raise ValueError(f"job {self.job}: window_iterations {self.config.window_iterations} → "
+                             f"{config.window_iterations} resizes the detector's state; replay the log with "
+                             "`resihp analytics --rebuild` to apply it")
+        old = self.config
+        for part in (self, *vars(self).values()):  # every part holds the one config object it was built with
+            if getattr(part, "config", None) is old:
+                part.config = config
 
     # ---- input ------------------------------------------------------------------------------------
 

@@ -7,10 +7,16 @@ events it produced in an outbox. After the commit the outbox is published and em
 before the commit loses nothing (the batch is re-read and re-detected from the old state); a crash
 after publishing but before emptying the outbox publishes the same events again, with the same
 ids (they are derived from the job and a counter kept in the state), which consumers dedupe.
+
+A restart restores each job's detector under the config the consumer was started with
+(``Detector.retune``). State pickled by a build with another ``STATE_VERSION``, or that this build
+cannot unpickle, is refused with ``DetectorStateError`` naming the job and the way out: replaying
+the log (``resihp analytics --rebuild``) rebuilds every table and the detectors with this build.
 """
 
 from __future__ import annotations
 
+import logging
 import pickle
 import uuid
 from collections.abc import Sequence
@@ -18,7 +24,7 @@ from collections.abc import Sequence
 import duckdb
 import pyarrow as pa
 
-from analytics.detector import Detector
+from analytics.detector import STATE_VERSION, Detector
 from analytics.detector_config import DetectorConfig
 from analytics.tables import insert_arrow
 from collector.bus import Bus
@@ -29,6 +35,12 @@ from collector.stream import Delivery
 _NS = uuid.UUID("a3b7e5d1-2c4f-4e8a-9b6d-7f1e3c5a9d20")
 SOURCE = "analytics"
 _OUTBOX_SCHEMA = pa.schema([("seq", pa.int64()), ("event", pa.binary())])
+_REBUILD = "stop this consumer and replay the log with this build: resihp analytics --rebuild"
+log = logging.getLogger(__name__)
+
+
+class DetectorStateError(RuntimeError):
+    """Stored detector state this build cannot go on from."""
 
 
 class DetectorProjection:
@@ -43,12 +55,34 @@ class DetectorProjection:
     def create(self, conn: duckdb.DuckDBPyConnection) -> None:
         conn.execute("CREATE TABLE IF NOT EXISTS detector_state (job VARCHAR PRIMARY KEY, emitted BIGINT, "
                      "state BLOB)")
+        conn.execute("ALTER TABLE detector_state ADD COLUMN IF NOT EXISTS version INTEGER")  # NULL: before versions, 1
         conn.execute("CREATE TABLE IF NOT EXISTS detector_outbox (seq BIGINT PRIMARY KEY, event BLOB)")
-        for job, emitted, state in conn.execute("SELECT job, emitted, state FROM detector_state").fetchall():
-            self.detectors[job] = pickle.loads(state)
+        rows = conn.execute("SELECT job, emitted, state, COALESCE(version, 1) FROM detector_state").fetchall()
+        for job, emitted, state, version in rows:
+            self.detectors[job] = self._restore(job, bytes(state), version)
             self.emitted[job] = emitted
         (top,) = conn.execute("SELECT COALESCE(MAX(seq) + 1, 0) FROM detector_outbox").fetchone()
         self._outbox_seq = top
+
+    def _restore(self, job: str, state: bytes, version: int) -> Detector:
+        if version != STATE_VERSION:
+            raise DetectorStateError(f"the stored detector state of job {job!r} has layout version {version}; "
+                                     f"this build reads version {STATE_VERSION}: {_REBUILD}")
+        try:
+            detector = pickle.loads(state)
+        except Exception as exc:  # noqa: BLE001 - whatever unpickling raises, the remedy is the same
+            raise DetectorStateError(f"the stored detector state of job {job!r} cannot be read by this build "
+                                     f"({type(exc).__name__}: {exc}): {_REBUILD}") from exc
+        if not isinstance(detector, Detector):
+            raise DetectorStateError(f"the stored detector state of job {job!r} is a {type(detector).__name__}, "
+                                     f"not a Detector: {_REBUILD}")
+        if detector.config != self.config:
+            log.info("job %s: the restored detector goes on under this consumer's detector config", job)
+        try:
+            detector.retune(self.config)
+        except ValueError as exc:
+            raise DetectorStateError(str(exc)) from exc
+        return detector
 
     def apply(self, conn: duckdb.DuckDBPyConnection, deliveries: Sequence[Delivery]) -> None:
         rows: dict[str, list] = {"seq": [], "event": []}
@@ -72,8 +106,9 @@ class DetectorProjection:
                 touched.add(e.job)
         insert_arrow(conn, "detector_outbox", pa.Table.from_pydict(rows, schema=_OUTBOX_SCHEMA))
         for job in touched:
-            conn.execute("INSERT OR REPLACE INTO detector_state VALUES (?, ?, ?)",
-                         [job, self.emitted[job], pickle.dumps(self.detectors[job], protocol=pickle.HIGHEST_PROTOCOL)])
+            conn.execute("INSERT OR REPLACE INTO detector_state (job, emitted, state, version) VALUES (?, ?, ?, ?)",
+                         [job, self.emitted[job], pickle.dumps(self.detectors[job], protocol=pickle.HIGHEST_PROTOCOL),
+                          STATE_VERSION])
 
     def _envelope(self, job: str, payload: Payload, time_s: float):
         n = self.emitted[job]

@@ -88,3 +88,99 @@ def test_the_consumer_publishes_incidents_and_its_own_tables_fold_them_back(tmp_
     with EventStream(bus, "reader", [topics.ANALYTICS]) as stream:
         kinds = [d.event.kind for d in stream.poll(10_000, 0.5)]
     assert kinds.count("incident.opened") == 1 and "analytics.prediction" in kinds
+
+
+# ---- the detector's stored state across restarts ------------------------------------------------------
+
+
+def _detect(bus, db: Path, config=None) -> Projector:  # type: ignore[no-untyped-def]
+    """Run a consumer with the detector over everything on ``bus``, then close it."""
+    from analytics.detector_config import DetectorConfig
+
+    pj = _project(bus, db, [DetectorProjection(config=config or DetectorConfig())])
+    det = pj.projections[-1]
+    while pj.step(max_records=150, timeout_s=0.05) or pj.step(timeout_s=0.05):
+        det.flush_outbox(pj.conn, bus)
+    det.flush_outbox(pj.conn, bus)
+    return pj
+
+
+def test_a_restarted_consumer_goes_on_under_the_detector_config_it_was_started_with(tmp_path: Path) -> None:
+    """An operator tunes the detector and restarts analytics: the restored state of a running job
+    must obey the new config, not the one pickled with it."""
+    from analytics.detector_config import DetectorConfig
+    from test_detect_detector import synth
+
+    events = synth(slow={7: 1.4}, start=6, iterations=24, plan=True)
+    bus = EmbeddedBus(tmp_path / "bus.sqlite")
+    bus.publish(events[: len(events) * 2 // 5])
+    deaf = DetectorConfig(min_slowdown=5.0, min_alarm_factor=5.0)  # a ×1.4 rank is below its allowance
+    pj = _detect(bus, tmp_path / "a.duckdb", deaf)
+    assert pj.conn.execute("SELECT count(*) FROM incidents").fetchone()[0] == 0
+    pj.close()
+    bus.publish(events[len(events) * 2 // 5:])
+    pj = _detect(bus, tmp_path / "a.duckdb")  # the default config
+    restored = pj.projections[-1].detectors["j"]
+    assert restored.config == DetectorConfig()
+    assert all(part.config is restored.config for part in (restored.book, restored.fail_stop, restored.arrival,
+                                                           restored.costs))
+    assert pj.conn.execute("SELECT locations->>'$[0].rank' FROM incidents").fetchall() == [("7",)]
+    pj.close()
+
+
+def _stored_state(tmp_path: Path) -> Path:
+    """A DuckDB file holding the detector state of job ``j`` (and the bus beside it)."""
+    from test_detect_detector import synth
+
+    bus = EmbeddedBus(tmp_path / "bus.sqlite")
+    bus.publish(synth(iterations=4, plan=True))
+    _detect(bus, tmp_path / "a.duckdb").close()
+    bus.close()
+    return tmp_path / "a.duckdb"
+
+
+def _reopen(db: Path, config=None):  # type: ignore[no-untyped-def]
+    import duckdb
+
+    from analytics.detector_config import DetectorConfig
+
+    conn = duckdb.connect(str(db))
+    try:
+        projection = DetectorProjection(config=config or DetectorConfig())
+        projection.create(conn)
+        return projection
+    finally:
+        conn.close()
+
+
+def test_stored_detector_state_from_another_layout_version_is_refused_with_the_way_out(tmp_path: Path) -> None:
+    import duckdb
+    import pytest
+
+    from analytics.detector_config import DetectorConfig
+    from analytics.detector_projection import DetectorStateError
+
+    db = _stored_state(tmp_path)
+    assert _reopen(db).detectors["j"].job == "j"
+    with pytest.raises(DetectorStateError, match=r"window_iterations 8 → 16 .*--rebuild"):
+        _reopen(db, DetectorConfig(window_iterations=16))
+    with duckdb.connect(str(db)) as conn:
+        conn.execute("UPDATE detector_state SET version = 99")
+    with pytest.raises(DetectorStateError, match=r"job 'j' has layout version 99; this build reads version 1: "
+                                                 r"stop this consumer .* resihp analytics --rebuild"):
+        _reopen(db)
+    with duckdb.connect(str(db)) as conn:
+        conn.execute("UPDATE detector_state SET version = NULL, state = 'not a pickle'::BLOB")
+    with pytest.raises(DetectorStateError, match=r"job 'j' cannot be read by this build \(UnpicklingError"):
+        _reopen(db)
+
+
+def test_state_stored_before_layout_versions_is_read_as_version_1(tmp_path: Path) -> None:
+    import duckdb
+
+    db = _stored_state(tmp_path)
+    with duckdb.connect(str(db)) as conn:
+        conn.execute("ALTER TABLE detector_state DROP COLUMN version")  # the table as older builds made it
+    assert _reopen(db).detectors["j"].job == "j"
+    with duckdb.connect(str(db)) as conn:
+        assert conn.execute("SELECT version FROM detector_state").fetchall() == [(None,)]
