@@ -6,25 +6,30 @@ the batch. Keys are ``job/source``: one rank's events land in one partition, in 
 Consumers: a consumer group with manual commits; ``on_assign`` seeks to positions a consumer stored
 itself (in its DuckDB transaction) whenever the group hands it partitions.
 Topics are created at start-up with the admin client (replication from RESIHP_KAFKA_REPLICATION,
-default 1 for the single-node broker).
+default 1 for the single-node broker) and the configs of ``collector.topics.TOPIC_CONFIGS`` (the
+control topic keeps every record). A control topic that already exists with another retention is
+left as it is and reported: changing a cluster's topic is its operator's call.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka import TopicPartition as KafkaTP
+from kafka.admin import ConfigResource, ConfigResourceType
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata
 
 from collector.bus import Bus, Consumer, OnAssign, RawMessage, Record, TopicPartition
 from collector.codec import MAX_EVENT_BYTES
-from collector.topics import ALL_TOPICS, PARTITIONS
+from collector.topics import ALL_TOPICS, PARTITIONS, TOPIC_CONFIGS
 
 _JOIN_POLL_MS = 250
+log = logging.getLogger(__name__)
 
 
 def ensure_topics(bootstrap: str, topics: Sequence[str] = ALL_TOPICS, namespace: str = "") -> None:
@@ -34,7 +39,8 @@ def ensure_topics(bootstrap: str, topics: Sequence[str] = ALL_TOPICS, namespace:
     try:
         existing = set(admin.list_topics())
         missing = {
-            namespace + t: {"num_partitions": PARTITIONS.get(t, 1), "replication_factor": replication}
+            namespace + t: {"num_partitions": PARTITIONS.get(t, 1), "replication_factor": replication,
+                            "configs": dict(TOPIC_CONFIGS.get(t, {}))}
             for t in topics
             if namespace + t not in existing
         }
@@ -43,8 +49,32 @@ def ensure_topics(bootstrap: str, topics: Sequence[str] = ALL_TOPICS, namespace:
                 admin.create_topics(missing, wait_for_metadata=True)
             except TopicAlreadyExistsError:
                 pass  # another process created them first
+        for t in topics:
+            if namespace + t in existing and t in TOPIC_CONFIGS:
+                _report_drift(admin, namespace + t, TOPIC_CONFIGS[t])
     finally:
         admin.close()
+
+
+def topic_configs(admin: KafkaAdminClient, topic: str, keys: Sequence[str]) -> dict[str, str | None]:
+    """The values of ``keys`` on ``topic`` as the brokers hold them (defaults included)."""
+    resource = ConfigResource(ConfigResourceType.TOPIC, topic, configs={k: None for k in keys})
+    described = admin.describe_configs([resource], config_filter="all")
+    entries = next(iter(next(iter(described.values())).values()))
+    return {k: (entries.get(k) or {}).get("value") for k in keys}
+
+
+def _report_drift(admin: KafkaAdminClient, topic: str, wanted: Mapping[str, str]) -> None:
+    try:
+        held = topic_configs(admin, topic, list(wanted))
+    except KafkaError as exc:  # reporting only: a cluster that refuses DescribeConfigs still works
+        log.warning("cannot read the configs of topic %s (%s); check that it has %s", topic, exc, dict(wanted))
+        return
+    for key, value in wanted.items():
+        if held.get(key) != value:
+            log.warning("topic %s has %s=%s, not %s: the broker may delete records the remediation lifecycle is "
+                        "folded from; fix it with kafka-configs.sh --alter --entity-type topics --entity-name %s "
+                        "--add-config %s=%s", topic, key, held.get(key), value, topic, key, value)
 
 
 class KafkaBus(Bus):

@@ -19,6 +19,12 @@ ALL_TOPICS: tuple[str, ...] = (TELEMETRY, ANALYTICS, CONTROL, TRUTH, DEADLETTER)
 # Kafka partitions per topic; telemetry scales out with the analytics consumer group.
 PARTITIONS: dict[str, int] = {TELEMETRY: 8, ANALYTICS: 2, CONTROL: 1, TRUTH: 1, DEADLETTER: 1}
 
+# Kafka topic configs the platform sets when it creates a topic. The control topic is the remediation
+# lifecycle's record, folded from its first event by the engine and the console: the broker's
+# default retention (7 days) would delete a long job's plans and commands, so it keeps everything.
+# The other topics take the cluster's retention (telemetry is most of the bytes).
+TOPIC_CONFIGS: dict[str, dict[str, str]] = {CONTROL: {"retention.ms": "-1"}}
+
 _TOPIC_BY_PREFIX: dict[str, str] = {
     "telemetry": TELEMETRY,
     "analytics": ANALYTICS,
