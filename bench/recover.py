@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset (oracle always runs)")
     parser.add_argument("--duration-s", type=float, default=1800.0, help="simulated seconds per run (default 1800)")
     parser.add_argument("--plot", default="docs/remediation_recover.png", help="PNG of throughput over time ('' for none)")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="runs in parallel, one process each (default 1); every run is seeded on its own, "
+                        "so the figures do not depend on N. The bus loop takes ~10 min per 30-minute run on a core")
     parser.add_argument("--loop", choices=("direct", "bus"), default="direct",
                         help="direct: strategies learn each fault after a fixed detection delay and command the "
                         "simulator in-process (fast); bus: the whole loop, simulator → embedded bus → analytics "
@@ -246,6 +249,14 @@ def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run
     return run
 
 
+def _call(job: tuple[int, str, str], loop: str, duration_s: float):  # type: ignore[no-untyped-def]
+    """The function and arguments of one (GPUs, scenario, strategy) run."""
+    g, s, st = job
+    duration = max(duration_s, 7200.0) if s == "every_30min" else duration_s
+    bused = loop == "bus" and st != "oracle"
+    return (_run_bused if bused else _run_one), (s, st, g, duration)
+
+
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -255,12 +266,24 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, dict[str, float]] = {}
     series: dict[str, dict[str, list[tuple[float, float]]]] = {}
     alive: dict[str, bool] = {}
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs must be at least 1, got {args.jobs}")
     jobs = [(g, s, st) for g in sizes for s in scenarios for st in strategies]
     runs: dict[tuple[int, str, str], Run] = {}
-    for g, s, st in tqdm(jobs, desc="recover", unit="run"):
-        duration = max(args.duration_s, 7200.0) if s == "every_30min" else args.duration_s
-        bused = args.loop == "bus" and st != "oracle"
-        runs[(g, s, st)] = (_run_bused if bused else _run_one)(s, st, g, duration)
+    calls = {job: _call(job, args.loop, args.duration_s) for job in jobs}
+    if args.jobs == 1:
+        for job in tqdm(jobs, desc="recover", unit="run"):
+            fn, fn_args = calls[job]
+            runs[job] = fn(*fn_args)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        # spawn: each worker starts clean (no inherited SQLite or DuckDB handles, no threads)
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(fn, *fn_args): job for job, (fn, fn_args) in calls.items()}
+            for future in tqdm(as_completed(futures), total=len(futures), desc="recover", unit="run"):
+                runs[futures[future]] = future.result()
     for g in sizes:
         for s in scenarios:
             key = f"{s}@{g}"

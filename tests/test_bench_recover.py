@@ -1,0 +1,41 @@
+"""``resihp bench recover --jobs N``: runs in worker processes give the figures one process gives,
+through the direct loop and through the bus loop (whose runs carry their detections back)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from bench import recover
+
+
+def _bench(capsys: pytest.CaptureFixture[str], jobs: int, loop: str, scenarios: str, strategies: str,
+           duration_s: float) -> tuple[dict, str]:
+    args = argparse.Namespace(gpus="256", scenarios=scenarios, strategies=strategies, duration_s=duration_s,
+                              plot="", loop=loop, jobs=jobs, json=True)
+    assert recover.run(args) == 0
+    out = capsys.readouterr().out
+    return json.loads(out.strip().splitlines()[-1]), out
+
+
+def test_parallel_runs_give_the_figures_of_one_process(capsys: pytest.CaptureFixture[str]) -> None:
+    one, _ = _bench(capsys, 1, "direct", "stop_gpu,slow_x4", "ours,dp_only", 300.0)
+    two, _ = _bench(capsys, 2, "direct", "stop_gpu,slow_x4", "ours,dp_only", 300.0)
+    assert one == two
+    assert set(one["scenarios"]) == {"stop_gpu@256", "slow_x4@256"}
+    assert all(0 < row["ours"] < 1 and row["oracle"] == 1.0 for row in one["scenarios"].values())
+
+
+def test_a_bus_loop_run_in_a_worker_brings_its_detections_back(capsys: pytest.CaptureFixture[str]) -> None:
+    figures, out = _bench(capsys, 2, "bus", "stop_gpu", "ours", 60.0)
+    assert 0 < figures["scenarios"]["stop_gpu@256"]["ours"] < 1
+    (line,) = [row for row in out.splitlines() if row.startswith("stop_gpu@256 ours")]
+    delay, false_incidents, _bus_mb, lost = line.split()[3:]
+    assert int(delay) <= 20 and (int(false_incidents), int(lost)) == (0, 0)  # fail-stop at the second missed beat
+
+
+def test_jobs_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match="--jobs must be at least 1, got 0"):
+        _bench(capsys, 0, "direct", "stop_gpu", "ours", 60.0)
