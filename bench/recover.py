@@ -265,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
     strategies = ["oracle"] + [s for s in args.strategies.split(",") if s and s != "oracle"]
     results: dict[str, dict[str, float]] = {}
     series: dict[str, dict[str, list[tuple[float, float]]]] = {}
-    alive: dict[str, bool] = {}
+    alive: dict[str, str] = {}
     if args.jobs < 1:
         raise SystemExit(f"--jobs must be at least 1, got {args.jobs}")
     jobs = [(g, s, st) for g in sizes for s in scenarios for st in strategies]
@@ -290,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
             oracle = runs[(g, s, "oracle")].tokens
             results[key] = {st: runs[(g, s, st)].tokens / oracle for st in strategies}
             series[key] = {st: runs[(g, s, st)].series for st in strategies}
-            alive[key] = runs[(g, s, "ours")].training_at_end if "ours" in strategies else False
+            alive[key] = str(runs[(g, s, "ours")].training_at_end) if "ours" in strategies else "— (not run)"
     cols = strategies
     print(f"{'scenario':<22}" + "".join(f"{c:>16}" for c in cols) + "  ours training at end")
     for key, row in results.items():
