@@ -355,14 +355,20 @@ def test_ranks_of_a_real_process_group_answer_a_probe_through_the_api(tmp_path: 
 # ---- the example ------------------------------------------------------------------------------------
 
 
-def test_megatron_style_example_runs_and_its_events_land(tmp_path: Path) -> None:
+def _run_example(tmp_path: Path, *args: str) -> Path:
+    """Run examples/megatron_style_loop.py as job "example" on an embedded log; returns the log's path."""
     path = tmp_path / "bus.sqlite"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "megatron_style_loop.py"), "--iterations", "2", "--bus-path",
-         str(path), "--job", "example", "--command-at", "0"],
+        [sys.executable, str(REPO / "examples" / "megatron_style_loop.py"), "--bus-path", str(path),
+         "--job", "example", *args],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return path
+
+
+def test_megatron_style_example_runs_and_its_events_land(tmp_path: Path) -> None:
+    path = _run_example(tmp_path, "--iterations", "2", "--command-at", "0")
     telemetry = _events(path, topics.TELEMETRY)
     reports = [e.payload for e in telemetry if isinstance(e.payload, RankIteration)]
     assert [r.iteration for r in reports] == [0, 1]
@@ -384,13 +390,7 @@ def test_megatron_style_example_runs_and_its_events_land(tmp_path: Path) -> None
 
 
 def test_the_example_answers_the_probe_it_is_sent(tmp_path: Path) -> None:
-    path = tmp_path / "bus.sqlite"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "megatron_style_loop.py"), "--iterations", "3", "--bus-path",
-         str(path), "--job", "example", "--probe-at", "0"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    path = _run_example(tmp_path, "--iterations", "3", "--probe-at", "0")
     (result,) = [e.payload for e in _events(path, topics.CONTROL) if isinstance(e.payload, ProbeResult)]
     assert result.probe_id == "example-probe-0" and result.rank == 0
     assert result.duration_s > 0 and result.reference_s == result.duration_s  # one device: its own reference
