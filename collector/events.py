@@ -369,6 +369,7 @@ class PlanProposed(Payload):
     """The planner's answer to open incidents: a new plan, what it should gain and cost, and a readable diff."""
 
     KIND: ClassVar[str] = "plan.proposed"
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # 2 adds fraction_of_before
     plan_id: str
     incident_ids: list[str]
     strategy: str
@@ -379,6 +380,10 @@ class PlanProposed(Payload):
     reshape_cost_s: float = Field(ge=0)
     diff: list[str]
     severity: Severity = Severity.MEDIUM
+    fraction_of_before: float | None = Field(
+        default=None, gt=0, description="a plan that resumes a job hung on a dead device: its predicted tokens/s over "
+                                        "the prediction for the layout that ran before the fail-stop; verification "
+                                        "compares the measured throughput with what was measured then")
 
 
 class PlanDecision(Payload):

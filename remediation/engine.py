@@ -91,7 +91,6 @@ class RemediationEngine:
         self.state: LifecycleState = initial_state(config.job, initial_plan)
         self.factory = EventFactory(config.job, "remediation")
         self._planned_key: tuple = (0, (), 0)
-        self._expected_fraction: dict[str, float | None] = {}  # resume plans: predicted / before the fail-stop
         self._clock_s = float("-inf")  # the newest event time read: the engine's clock (replays the same)
         self.refusals: list[str] = []  # why something could not be planned, in order (also logged)
         self._reported: set[str] = set()
@@ -167,12 +166,11 @@ class RemediationEngine:
 
     def _react(self) -> list[Envelope]:
         out = [self._make(key, payload)
-               for key, payload in reactions(self.state, self.config.verification, self._expected_fraction)]
+               for key, payload in reactions(self.state, self.config.verification)]
         for e in out:
             if isinstance(e.payload, PlanVerified) and e.id not in self.state.seen:
                 record = self.state.plans[e.payload.plan_id]
-                judged = verdict(self.state, record, self.config.verification,
-                                 self._expected_fraction.get(record.plan_id))
+                judged = verdict(self.state, record, self.config.verification)
                 if judged is not None and not judged[0]:
                     self._refuse(f"plan {record.plan_id} fell short ({judged[2]}) but is kept: the layout before it "
                                  "cannot run again (it used a dead device)", key=f"kept/{record.plan_id}")
@@ -298,13 +296,12 @@ class RemediationEngine:
             return None
         plan_id = (f"p{s.running_epoch}-{s.incident_version}" + (f"-g{len(view.grouped)}" if view.grouped else "")
                    + (f"-f{len(failed)}" if failed else ""))  # after a failed apply the id must be new
-        if result.current_tokens_per_s <= 0:
-            self._expected_fraction[plan_id] = self._fraction_of_before(result, view)
         payload = PlanProposed(
             plan_id=plan_id, incident_ids=[i.incident_id for i in s.open_incidents()],
             strategy=result.strategy, base_epoch=s.running_epoch, plan=result.plan,
             current_tokens_per_s=result.current_tokens_per_s, predicted_tokens_per_s=result.predicted_tokens_per_s,
             reshape_cost_s=result.reshape_cost_s, diff=result.diff, severity=s.max_severity(),
+            fraction_of_before=self._fraction_of_before(result, view) if result.current_tokens_per_s <= 0 else None,
         )
         return self._make(f"proposal/{plan_id}", payload)
 
@@ -318,7 +315,8 @@ class RemediationEngine:
         alive = [(c, locs) for c, locs in view.incidents if FaultCategory(c) != FaultCategory.FAIL_STOP]
         before = cluster_from_incidents(self.num_devices(), alive, self.config.hardware, [])
         reference = predict_tokens_per_s(before, model, self.state.running_plan)
-        return result.predicted_tokens_per_s / reference if reference > 0 else None
+        fraction = result.predicted_tokens_per_s / reference if reference > 0 else 0.0
+        return fraction if fraction > 0 else None
 
     def _current_strategy(self) -> Strategy | None:
         """The strategy over the freshest cost figures: fits of the latest epoch the trainer

@@ -320,6 +320,10 @@ def _ack(state: LifecycleState, e: Envelope, p: CommandAck) -> None:
         record.ack = p
         _run(state, record.proposal.plan)
         state.running_epoch = p.running_epoch
+        # Iterations of the new epoch folded before the ack (they travel on other topics, so a
+        # replay or a lagging control consumer can read them first) are this plan's samples too.
+        for iteration, sample in state.epoch_samples.get(record.epoch, {}).items():
+            record.samples.setdefault(iteration, sample)
     elif p.status == AckStatus.FAILED:
         record.status = PlanStatus.FAILED
         record.ack = p
@@ -422,11 +426,8 @@ def reaction_id(job: str, what: str) -> str:
     return uuid.uuid5(_NAMESPACE, f"{job}/{what}").hex
 
 
-def reactions(state: LifecycleState, verification: Verification = Verification(),
-              expected_fractions: dict[str, float | None] | None = None) -> list[tuple[str, Payload]]:
-    """(event id key, payload) the engine should publish now. ``expected_fractions``: per plan
-    that resumes a hung job, the engine's predicted fraction of the throughput before the
-    fail-stop (see :func:`verdict`)."""
+def reactions(state: LifecycleState, verification: Verification = Verification()) -> list[tuple[str, Payload]]:
+    """(event id key, payload) the engine should publish now."""
     out: list[tuple[str, Payload]] = []
     for record in state.plans.values():
         prop = record.proposal
@@ -439,7 +440,7 @@ def reactions(state: LifecycleState, verification: Verification = Verification()
             out.append((f"command/{record.plan_id}", ReconfigureCommand(
                 command_id=f"cmd-{record.plan_id}", plan_id=record.plan_id, plan=prop.plan)))
         elif record.status == PlanStatus.APPLIED:
-            judged = verdict(state, record, verification, (expected_fractions or {}).get(record.plan_id))
+            judged = verdict(state, record, verification)
             if judged is None:
                 continue
             ok, measured, why = judged

@@ -31,8 +31,8 @@ def _rate(samples: dict[int, tuple[int, float]], iterations: list[int]) -> float
     return sum(samples[i][0] for i in iterations) / wall_s if wall_s > 0 else 0.0
 
 
-def verdict(state: LifecycleState, record: PlanRecord, verification: Verification = Verification(),
-            expected_fraction: float | None = None) -> tuple[bool, float, str] | None:
+def verdict(state: LifecycleState, record: PlanRecord,
+            verification: Verification = Verification()) -> tuple[bool, float, str] | None:
     """(verified?, measured tokens/s, why) for an applied plan, or None while samples are missing.
 
     The rule judges the *measured change* against the *predicted change*, both relative, so a cost
@@ -46,10 +46,10 @@ def verdict(state: LifecycleState, record: PlanRecord, verification: Verificatio
        after / before ≥ 1 − ``max_loss``: the tolerance is for a model that over-promised, not
        for a plan that made the job slower than the faulty layout it replaced.
     2. The old layout was hung on a dead device (predicted 0): the reference is what the base
-       epoch measured before the fail-stop; with ``expected_fraction`` (the engine's prediction of
-       the new plan over the old layout before the fault) verified when after / before ≥
-       (1 − tolerance) · expected_fraction; without it, verified once the job trains again (a
-       hung layout cannot be rolled back to anyway).
+       epoch measured before the fail-stop; with the proposal's ``fraction_of_before`` (the
+       engine's prediction of the new plan over the old layout before the fault) verified when
+       after / before ≥ (1 − tolerance) · fraction_of_before; without it (a proposal of schema 1),
+       verified once the job trains again (a hung layout cannot be rolled back to anyway).
     3. Nothing was measured on the base epoch: the absolute rule, measured ≥ (1 − tolerance) ·
        predicted tokens/s (trusts the model's scale; only when nothing better exists).
     """
@@ -75,12 +75,12 @@ def verdict(state: LifecycleState, record: PlanRecord, verification: Verificatio
         ok = achieved >= floor
         why = (f"measured ×{achieved:.3f} ({before:,.0f} → {after:,.0f} tokens/s) against the predicted "
                f"×{expected:.3f} (needs ×{floor:.3f})")
-    elif prop.current_tokens_per_s <= 0 and healthy and expected_fraction is not None:
+    elif prop.current_tokens_per_s <= 0 and healthy and prop.fraction_of_before is not None:
         before = _rate(base, healthy)
         achieved = after / before if before > 0 else float("inf")
-        ok = achieved >= (1 - tol) * expected_fraction
+        ok = achieved >= (1 - tol) * prop.fraction_of_before
         why = (f"measured {achieved:.3f} of the {before:,.0f} tokens/s before the fail-stop against the predicted "
-               f"{expected_fraction:.3f} (tolerance {tol:.0%})")
+               f"{prop.fraction_of_before:.3f} (tolerance {tol:.0%})")
     elif prop.current_tokens_per_s <= 0:
         ok = after > 0
         why = f"training resumed at {after:,.0f} tokens/s (no measured reference to check the predicted change on)"

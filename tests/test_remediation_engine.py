@@ -71,6 +71,42 @@ def test_incident_to_verified_plan_over_the_embedded_bus(tmp_path: Path, capsys)
         assert len(_commands(bus)) == 1
 
 
+def test_a_restarted_engine_judges_a_resumed_job_by_the_fraction_its_proposal_carries(tmp_path: Path) -> None:
+    """A plan that resumes a job hung on a dead rank is judged against what ran before the fail-stop.
+    The predicted fraction travels in the proposal, so an engine restarted after the command still
+    sees that the job came back far short of it (and says so; the hung layout cannot be rolled back to)."""
+    plan = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
+    config = EngineConfig(job=JOB, num_devices=16)
+    analytics = EventFactory(JOB, "analytics")
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
+        bus.publish([analytics.make(IterationPrediction(epoch=0, iteration=i, observed_s=1.0, predicted_s=1.0,
+                                                        tokens=1_000)) for i in range(5)])
+        bus.publish([EventFactory(JOB, "operator").make(PolicyChanged(
+            mode=PolicyMode.AUTO, auto_severities=[Severity.HIGH], actor="test")),
+            analytics.make(IncidentOpened(
+                incident_id="i1", category=FaultCategory.FAIL_STOP, severity=Severity.HIGH, iteration=5,
+                locations=[Location(target="compute", rank=5)], evidence=Evidence(), summary="rank 5 silent"))])
+        engine = RemediationEngine(bus, config, ModelSpec.uniform(8), plan)
+        engine.poll_once()
+        (record,) = engine.state.plans.values()
+        fraction = record.proposal.fraction_of_before
+        assert record.proposal.current_tokens_per_s == 0 and fraction is not None and 0.5 < fraction < 1
+        (cmd,) = _commands(bus)
+        engine.close()
+        bus.publish([EventFactory(JOB, "trainer").make(CommandAck(
+            command_id=cmd.payload.command_id, plan_id=record.plan_id, epoch=1, status=AckStatus.APPLIED,
+            running_epoch=1))])
+        bus.publish([analytics.make(IterationPrediction(epoch=1, iteration=i, observed_s=1.0, predicted_s=1.0,
+                                                        tokens=300)) for i in range(20, 27)])  # 0.3 of before
+        again = RemediationEngine(bus, config, ModelSpec.uniform(8), plan)
+        again.poll_once()
+        again.poll_once()
+        assert again.state.plans[record.plan_id].status == PlanStatus.VERIFIED  # kept: nothing to roll back to
+        (short,) = [r for r in again.refusals if "fell short" in r]
+        assert f"measured 0.300 of the 1,000 tokens/s before the fail-stop against the predicted {fraction:.3f}" in short
+        again.close()
+
+
 def test_under_the_auto_policy_one_poll_takes_an_incident_to_a_command(tmp_path: Path) -> None:
     """Proposal, decision and command come out of the same poll: a trainer hung on a dead rank
     waits for the command, and one poll apart each (the loop's pace while hung) cost it seconds."""

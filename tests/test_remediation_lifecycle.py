@@ -9,6 +9,7 @@ from collector.events import (
 )
 from collector.plan import Plan
 from remediation.lifecycle import PlanStatus, Verification, fold, initial_state, reactions, step
+from remediation.verification import verdict
 
 JOB = "job"
 F = EventFactory(JOB, "test")
@@ -158,11 +159,11 @@ def _summaries(epoch: int, first: int, count: int, tokens: int):
             for i in range(first, first + count)]
 
 
-def _applied(current: float, predicted: float, before_tokens: int):
+def _applied(current: float, predicted: float, before_tokens: int, fraction_of_before: float | None = None):
     """Healthy at 200 tokens/s until iteration 10, then the fault: ``before_tokens`` a second."""
     prop = F.make(PlanProposed(plan_id="p1", incident_ids=["i1"], strategy="ours", base_epoch=0, plan=PLAN1,
                                current_tokens_per_s=current, predicted_tokens_per_s=predicted, reshape_cost_s=3.0,
-                               diff=[], severity=Severity.HIGH))
+                               diff=[], severity=Severity.HIGH, fraction_of_before=fraction_of_before))
     return fold(_summaries(0, 0, 10, 200) + [_opened_at(10)] + _summaries(0, 10, 8, before_tokens)
                 + [prop, decision(), command(), ack()], state0())
 
@@ -176,6 +177,21 @@ def test_a_mis_scaled_model_does_not_roll_back_a_plan_that_gained_as_predicted()
     assert key == "verified/p1" and verdict.measured_tokens_per_s == 150.0
 
 
+def test_iterations_of_the_new_epoch_read_before_the_ack_count_for_the_plan():
+    """Summaries travel on the telemetry topic and the ack on control: a replaying engine can fold
+    the new epoch's iterations first. They are the plan's samples all the same, or it would wait
+    for samples forever."""
+    prop = F.make(PlanProposed(plan_id="p1", incident_ids=["i1"], strategy="ours", base_epoch=0, plan=PLAN1,
+                               current_tokens_per_s=100.0, predicted_tokens_per_s=150.0, reshape_cost_s=3.0,
+                               diff=[], severity=Severity.HIGH))
+    events = (_summaries(0, 0, 10, 200) + [_opened_at(10)] + _summaries(0, 10, 8, 100)
+              + [prop, decision(), command()])
+    late_ack = fold(events + _summaries(1, 20, 6, 150) + [ack()], state0())
+    in_order = fold(events + [ack()] + _summaries(1, 20, 6, 150), state0())
+    assert late_ack.plans["p1"].samples == in_order.plans["p1"].samples and len(in_order.plans["p1"].samples) == 6
+    assert [k for k, _ in reactions(late_ack)] == [k for k, _ in reactions(in_order)] == ["verified/p1"]
+
+
 def test_a_plan_that_gained_less_than_predicted_rolls_back_whatever_the_scale():
     s = _applied(current=100.0, predicted=150.0, before_tokens=100)
     s = fold(_summaries(1, 20, 6, 110), s)  # ×1.1 against ×1.5
@@ -184,12 +200,20 @@ def test_a_plan_that_gained_less_than_predicted_rolls_back_whatever_the_scale():
 
 
 def test_a_resumed_job_is_judged_against_what_ran_before_the_fail_stop():
-    s = _applied(current=0.0, predicted=9_999.0, before_tokens=0)  # the old layout hung: nothing measured
-    s = fold(_summaries(1, 20, 6, 150), s)  # 150 of the 200 before the fault
-    assert reactions(s, expected_fractions={"p1": 0.8})[0][0] == "verified/p1"  # 0.75 ≥ 0.85 · 0.8
+    """The proposal carries the predicted fraction of the throughput before the fail-stop, so any
+    engine, a restarted one too, judges the plan on it."""
+    def judged(fraction: float | None):  # type: ignore[no-untyped-def]
+        s = _applied(current=0.0, predicted=9_999.0, before_tokens=0, fraction_of_before=fraction)  # hung: nothing measured
+        s = fold(_summaries(1, 20, 6, 150), s)  # 150 of the 200 before the fault
+        return reactions(s)[0][0], verdict(s, s.plans["p1"])
+
+    key, (ok, _, why) = judged(0.8)
+    assert key == "verified/p1" and ok and "measured 0.750 of the 200 tokens/s before the fail-stop" in why
     # short of the prediction, but the layout before it hung on a dead device: kept, never rolled back
-    assert reactions(s, expected_fractions={"p1": 0.95})[0][0] == "verified/p1"
-    assert reactions(s)[0][0] == "verified/p1"  # no reference: it trains again
+    key, (ok, _, why) = judged(0.95)
+    assert key == "verified/p1" and not ok and "against the predicted 0.950" in why
+    key, (ok, _, why) = judged(None)  # a proposal of schema 1: no reference, verified because it trains again
+    assert key == "verified/p1" and ok and "no measured reference" in why
 
 
 def _judged_after(measured_tokens_per_s: float, predicted_gain: float):
