@@ -74,9 +74,6 @@ class DetectorConfig(BaseModel):
                                      "epoch excepted)")
     probes: bool = Field(default=False, description="ask suspects to run a probe and confirm from its result")
     probe_confirm_ratio: float = Field(default=1.03, gt=1.0)
-    probe_timeout_iterations: int = Field(
-        default=8, ge=1, description="a probe still missing answers this many iterations after it was asked is "
-                                     "concluded on the answers it has (an asked rank may have died)")
     links: bool = Field(default=True, description="score point-to-point links as well as ranks")
 
     @property

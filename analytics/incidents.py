@@ -181,10 +181,6 @@ class IncidentBook:
 
     def end_of_iteration(self, iteration: int) -> list[Payload]:
         out: list[Payload] = []
-        for inc in list(self.open.values()):
-            if (inc.probe_asked_iteration is not None
-                    and iteration >= inc.probe_asked_iteration + self.config.probe_timeout_iterations):
-                out += self._conclude_probe(inc)  # an asked rank never answered (it may have died)
         for inc in self.open.values():
             if (not inc.confirmed and inc.category is FaultCategory.FAIL_SLOW and inc.healthy_streak == 0
                     and iteration >= inc.opened_iteration + self.config.confirm_iterations):
@@ -200,21 +196,39 @@ class IncidentBook:
         return (inc.suspect.tp_group or ()) if inc.reprobe else inc.suspect.ranks or tuple(inc.suspect.link or ())
 
     def probe_result(self, p: ProbeResult) -> list[Payload]:
-        """Collect a probe's answers; once every asked rank answered, confirm on the slowest one
-        (and name it, when telemetry could only point at its TP group)."""
+        """Collect a probe's answers; once every asked rank that is alive answered, confirm on the
+        slowest one (and name it, when telemetry could only point at its TP group)."""
         for inc in self.open.values():
             if inc.probe_id != p.probe_id:
                 continue
             inc.probe_ratios[p.rank] = p.duration_s / p.reference_s
-            if set(inc.probe_ratios) < set(self._asked(inc)):
+            if self._awaited(inc) - self._dead():
                 return []
             return self._conclude_probe(inc)
         return []
 
+    def _dead(self) -> set[int]:
+        return {key[1] for key in self.open if key[0] == "dead"}
+
+    def _awaited(self, inc: _Open) -> set[int]:
+        """The asked ranks whose answer has not come."""
+        return set(self._asked(inc)) - set(inc.probe_ratios)
+
+    def _probes_left_to_the_dead(self, also: int) -> list[Payload]:
+        """Conclude every pending probe whose missing answers are all from ranks now dead: a dead
+        rank never answers. Nothing else concludes a probe early. In particular not a count of
+        iterations: an analytics consumer catching up reads telemetry far ahead of the answers,
+        which travel on the control topic, and would give up on answers already published."""
+        dead, out = self._dead() | {also}, []
+        for inc in list(self.open.values()):
+            if inc.probe_asked_iteration is not None and (awaited := self._awaited(inc)) and awaited <= dead:
+                out += self._conclude_probe(inc)
+        return out
+
     def _conclude_probe(self, inc: _Open) -> list[Payload]:
-        """Judge a probe on the answers it has: all of them, or those in when it timed out."""
+        """Judge a probe on the answers it has: all of them, or all but those of ranks now dead."""
         if inc.probe_asked_iteration is None:
-            return []  # concluded already: a late or repeated answer changes nothing
+            return []  # concluded already: a repeated answer changes nothing
         inc.probe_asked_iteration = None
         asked = self._asked(inc)
         if inc.reprobe:
@@ -254,7 +268,7 @@ class IncidentBook:
             inc.probe_sized = True
         ratios = ", ".join(f"{r}: ×{v:.2f}" for r, v in sorted(inc.probe_ratios.items()))
         if missing := sorted(set(asked) - set(inc.probe_ratios)):
-            ratios += f"; no answer from {missing}"
+            ratios += f"; no answer from {missing}: stopped"
         if already:
             return [IncidentUpdated(incident_id=inc.incident_id, iteration=inc.last_update_iteration,
                                     severity=severity_of(inc.factor, inc.category),
@@ -281,7 +295,7 @@ class IncidentBook:
         table = ", ".join(f"{r}: ×{v:.2f}" for r, v in sorted(ratios.items()))
         statistic = f"re-probe of TP group {list(s.tp_group or ())}: {table}"
         if missing:
-            statistic += f" (no answer from {missing} within {self.config.probe_timeout_iterations} iterations)"
+            statistic += f" (no answer from {missing}: stopped)"
         out: list[Payload] = []
         if set(slow) - set(s.ranks):  # else only the named member is slow: it got worse itself
             r_max, group_f = ratios[slow[0]], inc.factor
@@ -326,6 +340,9 @@ class IncidentBook:
             iteration = ch.iteration
             key = ("dead", ch.rank)
             if not ch.alive and key not in self.open:
+                # A dead rank never answers: judge its pending probes on the answers in first, so
+                # a slow peer it answered alongside is named before a group incident is superseded.
+                out += self._probes_left_to_the_dead(also=ch.rank)
                 slow_key = next((k for k in self.open if k[0] == "ranks" and ch.rank in k[1]), None)
                 slow = self.open.pop(slow_key) if slow_key else None
                 if slow is not None:

@@ -8,7 +8,7 @@ from analytics.detector_config import DetectorConfig
 from analytics.fail_stop import LivenessChange
 from analytics.incidents import IncidentBook, Suspect
 from collector.events import (
-    IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated, ProbeRequest, ProbeResult,
+    FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated, ProbeRequest, ProbeResult,
 )
 
 
@@ -114,11 +114,18 @@ def test_a_re_probe_that_finds_only_the_named_rank_keeps_the_location_and_says_s
     assert book.slow_factors() == {5: 4.5}
 
 
-def test_a_re_probe_with_a_member_that_never_answers_is_concluded_on_the_answers_in() -> None:
-    """Rank 7 of the re-probed group died (or its answer was lost): after ``probe_timeout_iterations``
-    the re-probe is judged on the three answers in, so the slow peer still gets its incident and a
-    planner waiting for the answer is released; 7's answer coming late changes nothing."""
-    config = DetectorConfig(probes=True, probe_timeout_iterations=5)
+def _dies(book: IncidentBook, rank: int, iteration: int) -> list:
+    """What the book publishes when the fail-stop watch finds ``rank`` dead, fail-stop incident aside."""
+    out = book.fail_stop([LivenessChange(rank=rank, alive=False, reason="missed heartbeats", iteration=iteration)])
+    (stop,) = [p for p in out if isinstance(p, IncidentOpened) and p.category == FaultCategory.FAIL_STOP]
+    return [p for p in out if p.incident_id != stop.incident_id]
+
+
+def test_a_re_probe_whose_missing_member_died_is_concluded_on_the_answers_in() -> None:
+    """Rank 7 of the re-probed group died before answering: once the fail-stop watch says so, the
+    re-probe is judged on the three answers in, so the slow peer still gets its incident and a
+    planner waiting for the answer is released."""
+    config = DetectorConfig(probes=True)
     book = IncidentBook("j", config)
     group = Suspect(key=("ranks", (4, 5, 6, 7)), target="compute", rank=None, link=None, node=0, replica=1, stage=0,
                     tp_group=(4, 5, 6, 7), factor=1.25, confidence=0.5, iterations=[], observed_s=[],
@@ -127,34 +134,46 @@ def test_a_re_probe_with_a_member_that_never_answers_is_concluded_on_the_answers
     _answer(book, probe, {4: 1.0, 5: 1.5, 6: 1.0, 7: 1.0})
     _, again = book.observe(("ranks", (5,)), z=0.4, k=0.02, iteration=40, factor=1.5)
     assert _answer(book, again, {4: 1.0, 5: 1.5, 6: 2.0}) == []  # 7 is still due
-    assert [p for p in book.end_of_iteration(44) if not isinstance(p, IncidentConfirmed)] == []
-    opened, confirmed, own = book.end_of_iteration(45)
+    assert [p for p in book.end_of_iteration(300) if not isinstance(p, IncidentConfirmed)] == []  # however long
+    opened, confirmed, own = _dies(book, 7, 301)
     assert isinstance(opened, IncidentOpened) and opened.locations[0].rank == 6
     assert isinstance(confirmed, IncidentConfirmed) and confirmed.method == "probe"
     assert isinstance(own, IncidentUpdated) and own.locations[0].rank == 5 and not own.probing
-    assert "no answer from [7] within 5 iterations" in own.evidence.statistic
-    assert _answer(book, again, {7: 1.0}) == [] and book.end_of_iteration(60) == []
+    assert "no answer from [7]: stopped" in own.evidence.statistic
 
 
-def test_a_timed_out_re_probe_lets_the_group_be_re_probed_when_the_rank_gets_worse_again() -> None:
-    config = DetectorConfig(probes=True, probe_timeout_iterations=5)
+def test_a_re_probe_concluded_without_a_dead_peer_lets_the_group_be_re_probed_when_the_rank_gets_worse_again(
+) -> None:
+    config = DetectorConfig(probes=True)
     book = IncidentBook("j", config)
     (probe,) = [p for p in book.open_fail_slow(_group_suspect(), iteration=10) if isinstance(p, ProbeRequest)]
     _answer(book, probe, {4: 1.0, 5: 3.0})
     _, again = book.observe(("ranks", (5,)), z=1.5, k=0.02, iteration=30, factor=4.5)
-    _answer(book, again, {5: 4.5})  # rank 4's answer never comes
-    (answer,) = book.end_of_iteration(35)
+    _answer(book, again, {5: 4.5})  # rank 4 dies before it answers
+    (answer,) = _dies(book, 4, 35)
     assert isinstance(answer, IncidentUpdated) and answer.locations[0].rank == 5 and not answer.probing
     update, third = book.observe(("ranks", (5,)), z=2.5, k=0.02, iteration=50, factor=7.0)
     assert update.probing == [4, 5] and isinstance(third, ProbeRequest) and third.probe_id != again.probe_id
 
 
-def test_a_first_probe_missing_an_answer_names_the_slow_member_that_did_answer() -> None:
-    config = DetectorConfig(probes=True, probe_timeout_iterations=5, confirm_iterations=10)
+def test_a_first_probe_missing_a_dead_members_answer_names_the_slow_member_that_did_answer() -> None:
+    config = DetectorConfig(probes=True, confirm_iterations=10)
     book = IncidentBook("j", config)
     (probe,) = [p for p in book.open_fail_slow(_group_suspect(), iteration=10) if isinstance(p, ProbeRequest)]
     assert _answer(book, probe, {5: 3.0}) == []
-    (named,) = book.end_of_iteration(15)
+    (named,) = _dies(book, 4, 15)
     assert isinstance(named, IncidentConfirmed) and named.method == "probe" and named.locations[0].rank == 5
-    assert "no answer from [4]" in named.detail
-    assert _answer(book, probe, {4: 1.0}) == []
+    assert "no answer from [4]: stopped" in named.detail
+
+
+def test_answers_read_long_after_the_request_still_name_the_member() -> None:
+    """An analytics consumer catching up reads telemetry far ahead of the control topic: many
+    iterations pass between a request and its answers, which were published in time. The probe
+    waits for them (persistence confirms meanwhile), and the answers then name the member."""
+    config = DetectorConfig(probes=True, confirm_iterations=3)
+    book = IncidentBook("j", config)
+    (probe,) = [p for p in book.open_fail_slow(_group_suspect(), iteration=10) if isinstance(p, ProbeRequest)]
+    confirmed = [p for i in range(11, 200) for p in book.end_of_iteration(i)]
+    assert [c.method for c in confirmed] == ["persistence"] and confirmed[0].locations[0].rank is None
+    (named,) = _answer(book, probe, {4: 1.0, 5: 3.0})
+    assert isinstance(named, IncidentUpdated) and named.locations[0].rank == 5
