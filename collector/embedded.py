@@ -158,8 +158,9 @@ class EmbeddedBus(Bus):
         first, last = self._conn.execute(f"SELECT MIN(offset), MAX(offset) FROM {table}").fetchone()
         if first is None:
             return 0
-        # The first offset at or after the cutoff, by bisection: publish times rise with offsets
-        # (up to writers racing for the lock by a few ms, which only moves the cut by as much).
+        # The first offset at or after the cutoff, by bisection: publish times rise with offsets,
+        # up to how long a writer waited for the lock after reading the clock, which only moves
+        # the cut by as much.
         lo, hi = first, last  # the newest record stays, whatever its age
         while lo < hi:
             mid = (lo + hi) // 2
