@@ -254,9 +254,7 @@ class RemediationEngine:
             log.exception("remediation job=%s: cannot read the open incidents", s.job)
             self._refuse(f"cannot read the open incidents: {exc!r}")
             return None
-        # A failed apply is a reason to plan again, and so is a horizon that doubled in a calm: a
-        # reshape declined over a burst's pace may pay over the longer one.
-        key = (s.incident_version, view.key, len(s.failed()), self.horizon.band(self._clock_s))
+        key = (s.incident_version, view.key, len(s.failed()))  # a failed apply is a reason to plan again
         if key == self._planned_key:
             return None
         self._planned_key = key
@@ -357,7 +355,7 @@ class RemediationEngine:
                                           self.config.options)
         if isinstance(self.strategy, PlannerStrategy):  # weigh reshapes against the expected time to the next change
             return PlannerStrategy(self.strategy.model, self.strategy.name,
-                                   replace(self.strategy.options, horizon_s=self.horizon.horizon_s(self._clock_s)))
+                                   replace(self.strategy.options, horizon_s=self.horizon.horizon_s()))
         return self.strategy
 
     def _with_spread(self, model: ModelSpec, epoch: int, plan: Plan) -> ModelSpec:
