@@ -27,9 +27,7 @@ from remediation.cluster import ClusterState
 from remediation.costs import max_layers
 from remediation.diff import plan_diff
 from remediation.model import ModelSpec
-from remediation.plan_result import PlanRefused, PlanResult
-from remediation.planner import Planner
-from remediation.throughput import predict_tokens_per_s
+from remediation.planner import Planner, PlanRefused, PlanResult, predict_tokens_per_s
 
 
 class Strategy(Protocol):
