@@ -27,7 +27,9 @@ from remediation.cluster import ClusterState
 from remediation.costs import max_layers
 from remediation.diff import plan_diff
 from remediation.model import ModelSpec
-from remediation.planner import Planner, PlanRefused, PlanResult, predict_tokens_per_s
+from remediation.plan_result import PlanRefused, PlanResult
+from remediation.planner import Planner
+from remediation.throughput import predict_tokens_per_s
 
 
 class Strategy(Protocol):

@@ -150,7 +150,7 @@ def calibrate_spread(model: ModelSpec, plan: Plan, cluster: ClusterState, observ
     from dataclasses import replace as _replace
 
     from remediation.costs import expected_slowest_s, median_slowest_s
-    from remediation.planner import expected_iteration_s, plan_spans
+    from remediation.throughput import expected_iteration_s, plan_spans
 
     base = _replace(model, makespan_cv=0.0, makespan_sd_s=0.0, tail_s=0.0)
     scored = plan_spans(cluster, base, plan)

@@ -44,7 +44,9 @@ from remediation.lifecycle import (
     LifecycleState, PlanStatus, Verification, initial_state, reaction_id, reactions, step,
 )
 from remediation.model import ModelSpec
-from remediation.planner import Planner, PlanRefused, predict_tokens_per_s
+from remediation.plan_result import PlanRefused
+from remediation.planner import Planner
+from remediation.throughput import predict_tokens_per_s
 from remediation.verification import verdict
 from remediation.planning_view import PlanningView, planning_view
 

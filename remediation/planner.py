@@ -23,8 +23,7 @@ devices or too little memory), with the numbers; the caller keeps the old plan.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from collector.plan import PipelinePlan, Plan, StagePlan
 from remediation.candidates import (
@@ -32,51 +31,13 @@ from remediation.candidates import (
     unchanged_candidate,
 )
 from remediation.cluster import ClusterState
-from remediation.costs import PipelineScorer, ScheduleModelScorer, expected_slowest_s
+from remediation.costs import PipelineScorer, ScheduleModelScorer
 from remediation.diff import plan_diff
 from remediation.model import ModelSpec
+from remediation.plan_result import PlanRefused, PlanResult
+from remediation.throughput import expected_iteration_s, pipeline_signature, predict_tokens_per_s
 
 _T_BISECTION_STEPS = 60
-
-
-class PlanRefused(Exception):
-    """No plan can train on what is left; ``reason`` says why and what would fix it."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-@dataclass(frozen=True)
-class PlanResult:
-    """The planner's answer. ``changed`` is False when keeping the current plan is best (then
-    ``plan`` is the current plan)."""
-
-    plan: Plan
-    strategy: str
-    changed: bool
-    iteration_s: float
-    predicted_tokens_per_s: float
-    current_tokens_per_s: float
-    reshape_cost_s: float
-    horizon_tokens: float
-    diff: list[str] = field(default_factory=list)
-    choices: dict[int, str] = field(default_factory=dict)  # source replica -> candidate label
-
-    @property
-    def gain_tokens_per_s(self) -> float:
-        return self.predicted_tokens_per_s - self.current_tokens_per_s
-
-    def worth_applying(self, horizon_s: float, min_gain_fraction: float) -> bool:
-        """Whether the change trains at least ``min_gain_fraction`` more tokens over ``horizon_s``
-        than keeping the current plan, the reshape's pause paid. The margin is there because the
-        prediction is a model: a gain smaller than its error is a coin toss that costs a pause. A
-        job that trains nothing now (hung on a dead device) takes any plan that trains."""
-        if not self.changed:
-            return False
-        if self.current_tokens_per_s <= 0:
-            return True
-        return self.horizon_tokens / (self.current_tokens_per_s * horizon_s) - 1 >= min_gain_fraction
 
 
 @dataclass
@@ -85,10 +46,6 @@ class _Slot:
 
     members: list[PipelinePlan]
     candidates: list[PipelineCandidate]
-
-
-def _signature(pipe: PipelinePlan) -> tuple:
-    return tuple((st.tp, st.first_layer, st.end_layer) for st in pipe.stages)
 
 
 class Planner:
@@ -170,7 +127,7 @@ class Planner:
                 kept = unchanged_candidate(cluster, self.model, pipe, current.schedule, opts, dp)
                 keep_slots.append(_Slot([pipe], [kept] if kept else [dropped(pipe)]))
                 continue
-            sig = _signature(pipe)
+            sig = pipeline_signature(pipe)
             if sig in classes:
                 classes[sig].members.append(pipe)
                 class_keep[sig].members.append(pipe)
@@ -428,50 +385,3 @@ class Planner:
             "are alive with no replica able to re-form around its dead devices; restore from a checkpoint on "
             "replacement nodes (elastic restart) or add devices"
         )
-
-
-def expected_iteration_s(model: ModelSpec, spans: dict[float, int], dp_s: float) -> float:
-    """The mean iteration: the expected slowest pipeline (``spans``: mean makespan → how many
-    pipelines), the stalls' tail, and the DP all-reduce after it."""
-    return expected_slowest_s(spans.items(), model.makespan_cv, sd_s=model.makespan_sd_s) + model.tail_s + dp_s
-
-
-def plan_spans(cluster: ClusterState, model: ModelSpec, plan: Plan, scorer: PipelineScorer | None = None
-               ) -> tuple[dict[float, int], float] | None:
-    """(mean makespan → how many pipelines, DP all-reduce seconds) of ``plan`` as it stands on
-    ``cluster``; None when it uses a dead device. Identical healthy pipelines are scored once."""
-    scorer = scorer or ScheduleModelScorer(plan.schedule, plan.virtual_stages, model.microbatch_cv)
-    opts = PlannerOptions()
-    bad = cluster.bad_devices()
-    spans: dict[float, int] = {}
-    dp_s = 0.0
-    seen: dict[tuple, tuple[float, float]] = {}
-    for pipe in plan.pipelines:
-        damaged = bool(bad) and any(d in bad for st in pipe.stages for d in st.devices)
-        key = (_signature(pipe), pipe.microbatches)
-        if not damaged and key in seen:
-            s, d = seen[key]
-        else:
-            cand = unchanged_candidate(cluster, model, pipe, plan.schedule, opts, plan.dp)
-            if cand is None:
-                return None
-            s, d = scorer.makespan_s(cand.times, pipe.microbatches), cand.dp_s
-            if not damaged:
-                seen[key] = (s, d)
-        spans[s] = spans.get(s, 0) + 1
-        dp_s = max(dp_s, d)
-    return spans, (dp_s if plan.dp > 1 else 0.0)
-
-
-def predict_tokens_per_s(
-    cluster: ClusterState, model: ModelSpec, plan: Plan, scorer: PipelineScorer | None = None,
-) -> float:
-    """Tokens/s of ``plan`` as it stands on ``cluster`` (0 when it uses a dead device), scored
-    with the schedule model."""
-    scored = plan_spans(cluster, model, plan, scorer)
-    if scored is None:
-        return 0.0
-    return plan.global_microbatches * model.tokens_per_microbatch / expected_iteration_s(model, *scored)
-
-
-PlanFunction = Callable[[ClusterState, Plan], PlanResult]

@@ -11,7 +11,8 @@ from resihp.planning_models import exact_model, fitted_model, hardware_of
 from collector.plan import PipelinePlan, Plan, StagePlan
 from remediation.baselines import make_strategy
 from remediation.cluster import ClusterState, DeviceState
-from remediation.planner import Planner, predict_tokens_per_s
+from remediation.planner import Planner
+from remediation.throughput import predict_tokens_per_s
 from trainer.sim.engine import NOISE_OFF, SimConfig, SimEngine
 from trainer.sim.faults import FaultSpec
 from trainer.sim.presets import MODEL_PRESETS, ClusterSpec

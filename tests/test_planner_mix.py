@@ -17,7 +17,7 @@ from collector.plan import PipelinePlan, Plan, StagePlan
 from remediation.cluster import ClusterState
 from remediation.cost_figures import calibrate_spread
 from remediation.costs import ScheduleModelScorer, StageTimes, expected_slowest_s, median_slowest_s
-from remediation.planner import plan_spans, predict_tokens_per_s
+from remediation.throughput import plan_spans, predict_tokens_per_s
 from resihp.planning_models import fitted_model, hardware_of
 from trainer.sim.cost import healthy_chunk_s
 from trainer.sim.engine import SimConfig, SimEngine

@@ -15,7 +15,9 @@ from remediation.costs import ScheduleModelScorer, StageTimes
 from remediation.diff import plan_diff, ranges
 from remediation.model import ModelSpec
 from remediation.partition import balanced_partition
-from remediation.planner import Planner, PlanRefused, predict_tokens_per_s
+from remediation.plan_result import PlanRefused
+from remediation.planner import Planner
+from remediation.throughput import predict_tokens_per_s
 
 MODEL = ModelSpec.uniform(32)
 PLAN = Plan.uniform(tp=8, pp=4, dp=8, num_layers=32, microbatches_per_replica=16)

@@ -270,7 +270,7 @@ def test_the_spread_is_fitted_on_the_iterations_before_the_incident_on_a_healthy
     from remediation.cluster import ClusterState
     from remediation.cost_figures import calibrate_spread, model_from_fits
     from remediation.costs import median_slowest_s
-    from remediation.planner import plan_spans
+    from remediation.throughput import plan_spans
     from resihp.planning_models import warmup_fits
     from trainer.sim.engine import SimConfig
     from trainer.sim.presets import MODEL_PRESETS, ClusterSpec

@@ -15,7 +15,7 @@ from collector.plan import Plan
 from remediation.cluster import ClusterState, Unlocatable, cluster_from_incidents
 from remediation.engine import EngineConfig, RemediationEngine
 from remediation.model import ModelSpec
-from remediation.planner import PlanResult
+from remediation.plan_result import PlanResult
 
 JOB = "inc"
 PLAN = Plan.uniform(tp=4, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)  # replica 1 stage 0: GPUs 8–11
