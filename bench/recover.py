@@ -7,7 +7,8 @@ fail-slow: 30 s — the order the detector needs), plans on the cluster it then 
 is applied through ``SimEngine.reconfigure`` (the same epoch-fenced command the bus carries),
 which pauses the job ``reshape_pause_s`` (20 s). The oracle knows every fault at onset and
 reshapes for free. Elastic restart also pays its restart and half a checkpoint interval of lost
-work; do-nothing hangs on a dead device.
+work, as downtime in which faults still happen on time and live ranks keep their heartbeats
+(``SimEngine.idle``); do-nothing hangs on a dead device.
 
 This default ("direct") loop skips the bus and the analytics detector: strategies are given the
 true fault factors after the delay, as a perfect detector would, which keeps 8,192 GPUs tractable
@@ -150,8 +151,8 @@ def _run_bused(name: str, strategy_name: str, gpus: int, duration_s: float) -> R
     options = PlannerOptions(horizon_s=HORIZON_S, pause_s=RESHAPE_PAUSE_S, rebalance_pause_s=RESHAPE_PAUSE_S)
     restart = ElasticRestart(models.fitted(config))
 
-    def pay_restart(sim) -> None:  # type: ignore[no-untyped-def]
-        sim.now_s += restart.restart_s + restart.checkpoint_interval_s / 2
+    def pay_restart(sim) -> list:  # type: ignore[no-untyped-def]
+        return sim.idle(restart.restart_s + restart.checkpoint_interval_s / 2)
 
     loop = run_closed_loop(engine, models.fitted(config), strategy=strategy_name, duration_s=duration_s,
                            options=options, hardware=hardware_of(config.cluster),
@@ -178,7 +179,7 @@ def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run
     from remediation.cluster import ClusterState, DeviceState
     from remediation.engine import EngineConfig
     from remediation.horizon import HorizonEstimator
-    from remediation.planner import PlanRefused
+    from remediation.plan_result import PlanRefused
     from trainer.sim.engine import SimEngine
 
     oracle = strategy_name == "oracle"
@@ -236,7 +237,7 @@ def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run
                                          plan=Plan.model_validate(new.model_dump()))
                 engine.reconfigure(cmd)
                 if isinstance(strategy, ElasticRestart):
-                    engine.now_s += strategy.restart_s + strategy.checkpoint_interval_s / 2
+                    engine.idle(strategy.restart_s + strategy.checkpoint_interval_s / 2)
         before = engine.now_s
         for e in engine.step():
             if isinstance(e.payload, IterationSummary) and engine.now_s <= duration_s:

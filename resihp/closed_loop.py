@@ -21,8 +21,8 @@ from pathlib import Path
 from collector import topics
 from collector.embedded import EmbeddedBus
 from collector.events import (
-    AckStatus, EventFactory, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentUpdated, IterationSummary,
-    Location, PolicyChanged, PolicyMode, Severity,
+    AckStatus, Envelope, EventFactory, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentUpdated,
+    IterationSummary, Location, PolicyChanged, PolicyMode, Severity,
 )
 from collector.stream import EventStream
 
@@ -113,12 +113,13 @@ class _Referee:
 def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,  # type: ignore[no-untyped-def]
                     options, hardware, detector_config=None, analytics_every: int = 5, window_s: float = 60.0,
                     directory: str | Path | None = None, telemetry_retention_s: float = 60.0,
-                    on_applied: Callable[[object], None] | None = None) -> LoopRun:
+                    on_applied: Callable[[object], list[Envelope]] | None = None) -> LoopRun:
     """Run ``sim_engine``'s job for ``duration_s`` simulated seconds with the platform in the loop.
 
     ``model`` is the engine's fallback cost figures (it switches to the analytics cost fits once they
     arrive); ``options`` the planner's (pauses, horizon); ``on_applied(sim_engine)`` runs after each
-    applied command (a baseline that pays a restart advances the clock there). The job's
+    applied command and returns events to publish (a baseline that pays a restart idles the
+    simulator there, and the heartbeats of the downtime go out). The job's
     throughput is sampled into ``series`` every ``window_s`` simulated seconds. Telemetry is kept on
     the bus for ``telemetry_retention_s`` wall seconds: the analytics consumer reads it every few
     iterations, and a 2-hour run at 256 GPUs would otherwise hold ~20 GB of it."""
@@ -157,7 +158,7 @@ def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,  # t
                     if ack.payload.status == AckStatus.APPLIED:
                         run.plans_applied += 1
                         if on_applied is not None:
-                            on_applied(sim_engine)
+                            runner.publish(on_applied(sim_engine))
                 if sim_engine.iteration % analytics_every == 0 or sim_engine.hanging_for_s > 0:
                     projector.step(timeout_s=0.0)
                     detector.flush_outbox(projector.conn, bus)

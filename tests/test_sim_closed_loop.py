@@ -116,3 +116,24 @@ def test_telemetry_of_replicas_with_different_stage_counts() -> None:
     dp = {r.rank: next(c.bytes for c in r.comm if c.op == "dp_allreduce") for r in reports}
     assert dp[4] == dp[5] == 2 * MODEL.params_per_layer * MODEL.bytes_per_value  # 2 layers, TP 1
     assert dp[6] == 4 * MODEL.params_per_layer // 2 * MODEL.bytes_per_value
+
+
+def test_downtime_keeps_the_clock_the_faults_and_the_heartbeats_in_step() -> None:
+    """A restart's downtime trains nothing, but a device that dies in the middle of it is stamped
+    when it died, and its heartbeats stop there, not when training resumes."""
+    engine = _engine([FaultSpec(kind="stop_device", device=3, at_s=45.0),
+                      FaultSpec(kind="slow_compute", device=5, factor=2.0, at_s=20.0, duration_s=30.0)])
+    engine.run(2)
+    start, iteration = engine.now_s, engine.iteration
+    events = engine.idle(100.0)
+    assert engine.now_s == pytest.approx(start + 100.0) and engine.iteration == iteration
+    assert not [e for e in events if e.kind in ("telemetry.iteration", "iteration.summary")]
+    t0 = engine.config.start_time_s
+    truth = [(e.payload.category.value, e.payload.end_iteration is None, e.time_s - t0)
+             for e in events if e.kind == "truth.fault"]
+    assert truth == [("fail_slow", True, 20.0), ("fail_stop", True, 45.0), ("fail_slow", False, 50.0)]
+    beats = [(e.payload.rank, e.time_s - t0) for e in events if e.kind == "telemetry.heartbeat"]
+    assert {t for r, t in beats if r == 3} == {10.0, 20.0, 30.0, 40.0}
+    assert {t for r, t in beats if r == 4} == {10.0 * k for k in range(1, 11)}
+    with pytest.raises(ValueError, match="non-negative"):
+        engine.idle(-1.0)

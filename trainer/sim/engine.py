@@ -417,6 +417,26 @@ class SimEngine:
             self._restart_without_dead()
         return events
 
+    def idle(self, seconds: float) -> list[Envelope]:
+        """The job is down for ``seconds`` (a restart from a checkpoint, say): nothing trains, but
+        the cluster's clock runs. Faults start and end at their own times and every live rank keeps
+        its heartbeat, so the heartbeats and the truth agree on when a device died during the
+        downtime: a death is stamped when it happened, not when training resumed."""
+        if seconds < 0:
+            raise ValueError(f"idle needs a non-negative duration, got {seconds} s")
+        end = self.now_s + seconds
+        events = self._update_faults()
+        while self.now_s < end:
+            self.now_s = min(end, self._next_heartbeat_s, self._next_fault_change_s())
+            events += self._update_faults() + self._heartbeats()
+        return events
+
+    def _next_fault_change_s(self) -> float:
+        """When the next timed fault starts or ends (inf when none is due after now)."""
+        times = [s.at_s for _, s in self._pending if s.at_s is not None]
+        times += [f.start_s + f.spec.duration_s for f in self.active if f.spec.duration_s is not None]
+        return min((t for t in times if t > self.now_s), default=math.inf)
+
     def _restart_without_dead(self) -> None:
         """Open loop only: what an elastic launcher does — drop every replica that lost a device
         and give its micro-batches to the survivors, at the next epoch."""
