@@ -91,23 +91,30 @@ class DropReplica:
 
 def _pipelines_from_nodes(
     cluster: ClusterState, model: ModelSpec, node_groups: list[list[int]], tp: int, num_layers: int,
+    pp: int | None = None,
 ) -> list[tuple[StagePlan, ...]]:
-    """One pipeline per group of nodes: TP groups of ``tp`` consecutive devices, layers split evenly."""
+    """Pipelines on groups of nodes: TP groups of ``tp`` consecutive devices, layers split evenly.
+    Without ``pp`` a group is one pipeline of as many stages as it has TP groups (a template);
+    with it, every ``tp × pp`` consecutive devices of a group are a pipeline of ``pp`` stages, so a
+    node holding two TP 2 · PP 2 pipelines gives two."""
     per = cluster.hardware.devices_per_node
     out = []
     for nodes in node_groups:
         devices = [d for n in nodes for d in range(n * per, min((n + 1) * per, cluster.num_devices))]
-        groups = [tuple(devices[i:i + tp]) for i in range(0, len(devices) - tp + 1, tp)]
-        S = min(len(groups), num_layers)
-        if S == 0 or num_layers > S * max_layers(cluster, model, tp):
-            continue
-        base, extra = divmod(num_layers, S)
-        stages, first = [], 0
-        for s in range(S):
-            end = first + base + (1 if s < extra else 0)
-            stages.append(StagePlan(devices=groups[s], first_layer=first, end_layer=end))
-            first = end
-        out.append(tuple(stages))
+        size = tp * pp if pp else len(devices)
+        for start in range(0, len(devices) - size + 1, size):
+            block = devices[start:start + size]
+            groups = [tuple(block[i:i + tp]) for i in range(0, len(block) - tp + 1, tp)]
+            S = min(len(groups), num_layers)
+            if S == 0 or num_layers > S * max_layers(cluster, model, tp):
+                continue
+            base, extra = divmod(num_layers, S)
+            stages, first = [], 0
+            for s in range(S):
+                end = first + base + (1 if s < extra else 0)
+                stages.append(StagePlan(devices=groups[s], first_layer=first, end_layer=end))
+                first = end
+            out.append(tuple(stages))
     return out
 
 
@@ -133,7 +140,7 @@ class ElasticRestart:
         bad_nodes = {cluster.node_of(d) for d in bad}
         good = [n for n in used_nodes if n not in bad_nodes]
         groups = [good[i:i + nodes_per_pipe] for i in range(0, len(good) - nodes_per_pipe + 1, nodes_per_pipe)]
-        pipes = _pipelines_from_nodes(cluster, self.model, groups, tp, current.num_layers)
+        pipes = _pipelines_from_nodes(cluster, self.model, groups, tp, current.num_layers, pp)
         pipes = [p for p in pipes if len(p) == pp][: current.global_microbatches]
         if not pipes:
             raise PlanRefused(f"elastic restart needs {nodes_per_pipe} healthy nodes per replica; {len(good)} are left")

@@ -144,3 +144,15 @@ def test_the_referee_counts_an_incident_on_a_faulty_devices_healthy_peers_as_fal
     ((det, devices),) = referee.faults.values()
     assert devices == {51} and det.detected_s == 11.0
     assert referee.unmatched - referee.matched == {"peers"}
+
+
+def test_a_device_dying_during_a_restarts_downtime_is_found_when_it_died(tmp_path: Path) -> None:
+    """Elastic restart moves the job off node 1 and is down 10 s; GPU 12, on the node it left, dies
+    in the middle of that. The downtime's heartbeats go out (on_applied's events), so the death is
+    seen at the time it happened, and nothing is counted false."""
+    faults = [FaultSpec(kind="stop_device", device=9, at_s=3.0), FaultSpec(kind="stop_device", device=12, at_s=9.0)]
+    _, run = _run("elastic_restart", faults, 30.0, tmp_path, on_applied=lambda sim: sim.idle(10.0))
+    assert run.plans_applied == 1 and run.training_at_end
+    first, second = sorted(run.detections, key=lambda d: d.onset_s)
+    assert second.onset_s == pytest.approx(9.0, abs=0.5) and second.delay_s is not None and second.delay_s <= 3.5
+    assert run.false_incidents == 0

@@ -121,6 +121,15 @@ def test_elastic_restart_pays_restart_and_lost_progress():
     assert not {cluster.node_of(d) for d in r.plan.devices} & {2}
 
 
+def test_elastic_restart_keeps_every_pipeline_a_healthy_node_can_hold():
+    """TP 2 · PP 2 puts two pipelines on a node: losing a GPU on node 1 leaves node 0's two."""
+    small = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
+    cluster = ClusterState(16).with_device(9, DeviceState(dead=True))
+    r = make_strategy("elastic_restart", ModelSpec.uniform(8)).plan(cluster, small)
+    assert r.plan.dp == 2 and sorted(r.plan.devices) == list(range(8))
+    assert [len(p.stages) for p in r.plan.pipelines] == [2, 2] and r.plan.global_microbatches == 16
+
+
 def test_do_nothing_on_dead_device_trains_nothing():
     cluster = HEALTHY.with_device(3, DeviceState(dead=True))
     assert predict_tokens_per_s(cluster, MODEL, PLAN) == 0.0
