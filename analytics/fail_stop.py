@@ -188,12 +188,18 @@ class FailStopWatch:
         return self._interval_cache_s
 
     def proof_of_life(self, rank: int) -> bool:
-        """Peers of the rank's epoch completed iterations it must have run: its stream is just late."""
+        """Peers completed iterations the rank must have run: its stream is just late. Peers of its
+        own epoch, or of the newest announced plan when that plan keeps the rank: right after a
+        reshape a lagging stream's last event is of the old epoch, while the job's progress is
+        in the new one, which cannot complete an iteration without the rank either."""
         s = self.streams.get(rank)
         if s is None:
             return False
-        top = self._epoch_top.get(s.epoch, -1)
-        return top >= s.known_iteration(s.epoch) + 2
+        need = s.known_iteration(s.epoch) + 2
+        if self._epoch_top.get(s.epoch, -1) >= need:
+            return True
+        plan = self._newest_plan
+        return plan is not None and plan[0] > s.epoch and rank in plan[1] and self._epoch_top.get(plan[0], -1) >= need
 
     def _stall_from_s(self, interval_s: float) -> float:
         """The reference beyond which the job counts as hung: the newest epoch's last completed

@@ -122,3 +122,26 @@ def test_the_reference_lag_bound_follows_a_rank_that_announces_a_shorter_heartbe
     assert watch.reference_s() == 100.0 - lag * 5.0
     watch.heartbeat(Heartbeat(rank=0, epoch=0, iteration=51, interval_s=1.0), 100.0)
     assert watch.reference_s() == 100.0 - lag * 1.0  # the shortest interval announced, at once
+
+
+def test_a_rank_whose_stream_lags_across_a_reshape_is_alive_while_the_new_epoch_progresses() -> None:
+    """Its last event is of epoch 0; the new plan keeps it and its peers complete epoch-1
+    iterations, which a synchronous job cannot do without it: late, not dead."""
+    watch = FailStopWatch(DetectorConfig())
+    for r in range(RANKS):
+        watch.heartbeat(Heartbeat(rank=r, epoch=0, iteration=0, interval_s=HB_S), 0.0)
+        watch.telemetry(r, 0, 0, 0.5)
+    watch.plan_announced(1, set(range(RANKS)))
+    verdicts = []
+    for k, t in enumerate(range(1, 40), start=1):
+        for r in range(1, RANKS):  # rank 0's stream lags: nothing of it arrives
+            verdicts += watch.telemetry(r, 1, k, float(t))
+            if t % int(HB_S) == 0:
+                verdicts += watch.heartbeat(Heartbeat(rank=r, epoch=1, iteration=k, interval_s=HB_S), float(t))
+    assert [v for v in verdicts if not v.alive] == []
+    left_out = FailStopWatch(DetectorConfig())
+    for r in range(RANKS):
+        left_out.heartbeat(Heartbeat(rank=r, epoch=0, iteration=0, interval_s=HB_S), 0.0)
+        left_out.telemetry(r, 0, 0, 0.5)
+    left_out.plan_announced(1, set(range(1, RANKS)))  # the new plan leaves rank 0 out: not judged at all
+    assert left_out.proof_of_life(0) is False
