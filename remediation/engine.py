@@ -29,8 +29,8 @@ from dataclasses import dataclass, field, replace
 from collector import topics
 from collector.bus import Bus, TopicPartition
 from collector.events import (
-    Envelope, EventFactory, FaultCategory, IncidentOpened, IterationPrediction, IterationSummary, Location,
-    PlanProposed, PlanRolledBack, PlanVerified, PlanWithheld,
+    CommandAck, Envelope, EventFactory, FaultCategory, IncidentOpened, IterationPrediction, IterationSummary, Location,
+    PlanDecision, PlanProposed, PlanRolledBack, PlanVerified, PlanWithheld, ReconfigureCommand,
 )
 from collector.plan import Plan
 from collector.stream import EventStream
@@ -127,6 +127,9 @@ class RemediationEngine:
                 self._tokens_per_mb[p.epoch] = (total + p.tokens / plan.global_microbatches, n + 1)
                 if not self.state.open_incidents():  # a slow replica's times would pass for spread
                     self._observed_s.setdefault(p.epoch, deque(maxlen=OBSERVED_WINDOW)).append((p.iteration, p.observed_s))
+            elif isinstance(p, CommandAck):
+                log.info("remediation job=%s: trainer %s %s as epoch %s (%s)", self.config.job, p.status.value,
+                         p.plan_id, p.epoch, p.detail)
             elif isinstance(p, IncidentOpened):  # iterations from its detection on may have reached us first
                 observed = self._observed_s.get(self.state.running_epoch)
                 while observed and observed[-1][0] >= p.iteration:
@@ -138,6 +141,8 @@ class RemediationEngine:
         while out:
             self.bus.publish(out)
             for e in out:  # fold our own output at once; reading it back later is deduplicated
+                if not isinstance(e.payload, PlanWithheld):  # refusals are logged where they are made
+                    log.info("remediation job=%s epoch=%s: %s", self.config.job, self.state.running_epoch, _said(e))
                 step(self.state, e)
             out = self._react()
         if deliveries:
@@ -415,3 +420,23 @@ class RemediationEngine:
         if announced is not None:
             return announced.plan
         return self.initial_plan if self.initial_plan is not None and self.initial_plan.epoch == epoch else None
+
+
+def _said(e: Envelope) -> str:
+    """One log line for a reaction the engine published: what an operator tailing the engine's
+    log needs to follow a plan from proposal to verdict (the full event is on the control topic)."""
+    p = e.payload
+    if isinstance(p, PlanProposed):
+        return (f"proposed {p.plan_id} ({p.strategy}, epoch {p.base_epoch}→{p.plan.epoch}, "
+                f"{p.current_tokens_per_s:,.0f} → {p.predicted_tokens_per_s:,.0f} tokens/s): {'; '.join(p.diff)}")
+    if isinstance(p, ReconfigureCommand):
+        return f"commanded {p.plan_id} as epoch {p.plan.epoch} ({p.command_id})"
+    if isinstance(p, PlanDecision):
+        return f"{'approved' if p.approve else 'rejected'} {p.plan_id} ({p.actor})"
+    if isinstance(p, PlanVerified):
+        return (f"verified {p.plan_id}: {p.measured_tokens_per_s:,.0f} tokens/s measured, "
+                f"{p.predicted_tokens_per_s:,.0f} predicted")
+    if isinstance(p, PlanRolledBack):
+        return f"rolled back {p.plan_id}: {p.reason}"
+    plan_id = getattr(p, "plan_id", None)
+    return f"{e.kind}" + (f" {plan_id}" if plan_id else "")

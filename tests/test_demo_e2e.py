@@ -36,6 +36,19 @@ def _run_demo(workdir: Path, bus: str, env_extra: dict[str, str], workload: str 
     return json.loads(lines[-1]), proc.stderr
 
 
+def _component_logs(workdir: Path, lines: int = 25) -> str:
+    """The end of each component's log (a CI run keeps nothing but the test's output): what a failed
+    run's engine proposed and commanded, and what the trainer acknowledged."""
+    out = []
+    for name in ("remediate", "workload", "analytics"):
+        path = workdir / "logs" / f"{name}.log"
+        if path.exists():
+            kept = [ln for ln in path.read_text(errors="replace").splitlines() if not ln.startswith("iteration ")]
+            tail = kept[-lines:]  # the trainer's per-iteration loss lines say nothing a failure needs
+            out.append(f"\n--- {path.name} (last {len(tail)} lines)\n" + "\n".join(tail))
+    return "".join(out)
+
+
 @pytest.mark.parametrize("bus, workload", [
     ("embedded", "sim"), pytest.param("kafka", "sim", marks=pytest.mark.kafka), ("embedded", "torch")])
 def test_demo_detects_localises_fixes_and_loses_nothing(
@@ -43,7 +56,7 @@ def test_demo_detects_localises_fixes_and_loses_nothing(
 ) -> None:
     env = {"RESIHP_KAFKA_BOOTSTRAP": request.getfixturevalue("kafka_bootstrap")} if bus == "kafka" else {}
     result, log = _run_demo(tmp_path / "demo", bus, env, workload)
-    why = f"\n{json.dumps(result, indent=1)}\n{log[-4000:]}"
+    why = f"\n{json.dumps(result, indent=1)}\n{log[-4000:]}{_component_logs(tmp_path / 'demo')}"
 
     # The story: both faults injected, each detected on the right rank, each fixed by an applied plan.
     injected = {f["fault_id"]: f for f in result["injected"]}
