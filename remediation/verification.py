@@ -44,7 +44,12 @@ def verdict(state: LifecycleState, record: PlanRecord,
        when after / before ≥ (1 − tolerance) · predicted / current, "before" being the mean of the
        base epoch's last ``iterations`` samples since then, and, when the plan promised a gain,
        after / before ≥ 1 − ``max_loss``: the tolerance is for a model that over-promised, not
-       for a plan that made the job slower than the faulty layout it replaced.
+       for a plan that made the job slower than the faulty layout it replaced. A plan short of
+       the predicted change that brought the job back to ≥ (1 − tolerance) of what the base
+       epoch measured before the fault is verified all the same: the layout it replaced is the
+       faulty one, and rolling back to it would only be slower. ("before" may be one or two
+       iterations when the plan was applied right after the detection, so the predicted-change
+       rule alone can fail a plan that restored the job on one noisy sample.)
     2. The old layout was hung on a dead device (predicted 0): the reference is what the base
        epoch measured before the fail-stop; with the proposal's ``fraction_of_before`` (the
        engine's prediction of the new plan over the old layout before the fault) verified when
@@ -70,11 +75,15 @@ def verdict(state: LifecycleState, record: PlanRecord,
         expected = prop.predicted_tokens_per_s / prop.current_tokens_per_s
         achieved = after / before if before > 0 else float("inf")
         floor = (1 - tol) * expected
-        if expected > 1:
-            floor = max(floor, 1 - verification.max_loss)
-        ok = achieved >= floor
+        no_loss = 1 - verification.max_loss if expected > 1 else 0.0
+        unfaulted = _rate(base, healthy) if healthy else 0.0
+        restored = unfaulted > 0 and after >= (1 - tol) * unfaulted
+        ok = achieved >= no_loss and (achieved >= floor or restored)
         why = (f"measured ×{achieved:.3f} ({before:,.0f} → {after:,.0f} tokens/s) against the predicted "
-               f"×{expected:.3f} (needs ×{floor:.3f})")
+               f"×{expected:.3f} (needs ×{max(floor, no_loss):.3f})")
+        if restored and achieved < floor:
+            why += (f", but back to {after / unfaulted:.0%} of the {unfaulted:,.0f} tokens/s before the fault "
+                    f"(tolerance {tol:.0%})")
     elif prop.current_tokens_per_s <= 0 and healthy and prop.fraction_of_before is not None:
         before = _rate(base, healthy)
         achieved = after / before if before > 0 else float("inf")

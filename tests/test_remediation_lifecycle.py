@@ -199,6 +199,22 @@ def test_a_plan_that_gained_less_than_predicted_rolls_back_whatever_the_scale():
     assert key == "rolled_back/p1" and "×1.100" in verdict.reason and "×1.500" in verdict.reason
 
 
+def test_a_plan_short_of_its_prediction_that_restored_the_job_is_kept():
+    """Healthy 200, faulted 100, a model that promised ×2.2 (more than healthy): the plan measured
+    ×1.8, short of the ×1.87 needed, but 90 % of the healthy rate. Rolling back would go back to
+    the faulty layout's 100: it is verified. At 160 (80 % of healthy) it is rolled back."""
+    def judged(measured: int):  # type: ignore[no-untyped-def]
+        s = _applied(current=100.0, predicted=220.0, before_tokens=100)
+        s = fold(_summaries(1, 20, 6, measured), s)
+        (key, event), = reactions(s)
+        return key, verdict(s, s.plans["p1"])
+
+    key, (ok, _, why) = judged(180)
+    assert key == "verified/p1" and ok and "back to 90% of the 200 tokens/s before the fault" in why
+    key, (ok, _, why) = judged(160)
+    assert key == "rolled_back/p1" and not ok and "needs ×1.870" in why
+
+
 def test_a_resumed_job_is_judged_against_what_ran_before_the_fail_stop():
     """The proposal carries the predicted fraction of the throughput before the fail-stop, so any
     engine, a restarted one too, judges the plan on it."""
