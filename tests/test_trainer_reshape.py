@@ -7,6 +7,7 @@
 * fail-stop: a rank killed at iteration 3, the survivors reshape from live state (no checkpoint)
   and the loss curve continues as the reference's;
 * the interleaved and zero-bubble schedules train exactly like the 1F1B reference;
+* a dead spare (a rank the plan leaves out) re-forms the world under the same plan, no planner asked;
 * a command whose device dies before the reshape fails at once and the job goes on;
 * with no live copy left, the ranks fall back to the newest periodic disk checkpoint;
 * a disk checkpoint written by one layout loads into another;
@@ -180,6 +181,23 @@ def test_trainer_survives_a_killed_rank_from_live_state(reference: Path, tmp_pat
     assert 5 not in result.final_plan.devices and result.final_plan.dp == 1
     losses = _losses(tmp_path)
     assert losses[2][0] == 0 and losses[3][0] == 1, "iteration 3 was re-run under the new plan"
+    _assert_same_training(tmp_path, reference)
+
+
+def test_a_dead_spare_leaves_the_plan_as_it_is_and_the_job_goes_on(reference: Path, tmp_path: Path) -> None:
+    # Rank 8 is a spare (the plan leaves it out, as it does a slow GPU an earlier reshape
+    # excluded), yet it sits in the world's commit all-reduce, so its death stops the others.
+    # No policy and no engine run here (on_death="wait"): the launcher re-posts the same plan as
+    # epoch 1 on the live ranks, and training ends exactly like the reference.
+    spec = _spec(tmp_path, faults=[Fault(kind="kill", rank=8, start_iteration=3)])
+
+    result = launch(spec, BASE, 9)
+
+    assert result.exit_codes[8] == KILL_EXIT_CODE
+    assert all(code == 0 for d, code in result.exit_codes.items() if d != 8)
+    (ack,) = _acks(tmp_path)
+    assert ack.status == AckStatus.APPLIED and ack.epoch == 1 and ack.plan_id == "launcher-spare-8"
+    assert result.final_plan.pipelines == BASE.pipelines and result.final_plan.epoch == 1
     _assert_same_training(tmp_path, reference)
 
 

@@ -139,6 +139,16 @@ def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", com
                         if new_plan is not None:
                             bus.publish([factory.make(ReconfigureCommand(
                                 command_id=uuid.uuid4().hex, plan_id=f"launcher-drop-{d}", plan=new_plan))])
+                    elif d not in target.devices and intake.in_flight is None and alive_now:
+                        # A spare died (a device the plan leaves out, such as a slow GPU an earlier
+                        # plan excluded). It still sat in the world's commit all-reduce, so the
+                        # survivors are waiting for a plan; nothing about the layout changes, and a
+                        # planner asked about it has nothing to propose. Re-post the running plan
+                        # as the next epoch: the world re-forms without the dead spare.
+                        echo(f"spare device {d} died: the running plan goes on without it")
+                        bus.publish([factory.make(ReconfigureCommand(
+                            command_id=uuid.uuid4().hex, plan_id=f"launcher-spare-{d}",
+                            plan=target.model_copy(update={"epoch": target.epoch + 1})))])
             for delivery in stream.poll(timeout_s=poll_s):
                 ev = delivery.event
                 if ev.job == spec.job and isinstance(ev.payload, ReconfigureCommand):
