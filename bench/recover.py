@@ -198,18 +198,23 @@ def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run
             strategy.options, pause_s=pause_s, rebalance_pause_s=pause_s, free_reshape=oracle))
     horizon = HorizonEstimator(default_s=HORIZON_S)
     run = Run()
-    known_version: tuple = ()
+    known_faults: tuple = ()
+    planned_key = (known_faults, horizon.band())
     commands = 0
     window_tokens, window_start = 0, 0.0
     while engine.now_s < duration_s and not engine.finished:
         # What the strategy knows now: the faults a perfect detector has found by now.
         known = [f for f in engine.active if oracle or _detected(f, engine.now_s, config.heartbeat_interval_s)]
         version = tuple(sorted(f.fault_id for f in known))
-        if version != known_version:
-            known_version = version
+        if version != known_faults:
+            known_faults = version
             horizon.change(engine.now_s)
+        # Plan when the known faults change, and when a calm doubles the horizon (as the engine does).
+        if (version, horizon.band(engine.now_s)) != planned_key:
+            planned_key = (version, horizon.band(engine.now_s))
             if isinstance(strategy, PlannerStrategy) and not oracle:
-                strategy = PlannerStrategy(model, strategy.name, replace(strategy.options, horizon_s=horizon.horizon_s()))
+                strategy = PlannerStrategy(model, strategy.name,
+                                           replace(strategy.options, horizon_s=horizon.horizon_s(engine.now_s)))
             cluster = ClusterState(gpus, hardware)
             for f in known:
                 s = f.spec

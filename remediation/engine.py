@@ -259,7 +259,9 @@ class RemediationEngine:
             log.exception("remediation job=%s: cannot read the open incidents", s.job)
             self._refuse(f"cannot read the open incidents: {exc!r}")
             return None
-        key = (s.incident_version, view.key, len(s.failed()))  # a failed apply is a reason to plan again
+        # A failed apply is a reason to plan again, and so is a horizon that doubled in a calm: a
+        # reshape declined over a burst's pace may pay over the longer one.
+        key = (s.incident_version, view.key, len(s.failed()), self.horizon.band(self._clock_s))
         if key == self._planned_key:
             return None
         self._planned_key = key
@@ -360,7 +362,7 @@ class RemediationEngine:
                                           self.config.options)
         if isinstance(self.strategy, PlannerStrategy):  # weigh reshapes against the expected time to the next change
             return PlannerStrategy(self.strategy.model, self.strategy.name,
-                                   replace(self.strategy.options, horizon_s=self.horizon.horizon_s()))
+                                   replace(self.strategy.options, horizon_s=self.horizon.horizon_s(self._clock_s)))
         return self.strategy
 
     def _with_spread(self, model: ModelSpec, epoch: int, plan: Plan) -> ModelSpec:

@@ -151,6 +151,21 @@ def test_horizon_follows_the_gaps_between_changes() -> None:
     assert h.horizon_s() == pytest.approx(max(60.0, (125.0 + 5.0 + 5.0) / 3))
 
 
+def test_calm_after_a_burst_lengthens_the_horizon() -> None:
+    """The open gap is observed calm: four changes in six minutes, then quiet."""
+    from remediation.horizon import HorizonEstimator
+
+    h = HorizonEstimator(default_s=1800.0, min_s=60.0)
+    for t in (300.0, 420.0, 540.0, 660.0):
+        h.change(t)
+    assert h.horizon_s(now_s=660.0) == 120.0 == h.horizon_s()
+    assert h.horizon_s(now_s=960.0) == pytest.approx((3 * 120.0 + 300.0) / 3)
+    assert h.horizon_s(now_s=660.0 + 20 * 3600) == 1800.0  # never past the independent-failure default
+    bands = [h.band(now_s=660.0 + s) for s in range(0, 6000, 30)]
+    assert bands == sorted(bands) and bands[0] == 1 and bands[-1] == 4  # 120 s → 1,800 s, in doublings of 60 s
+    assert h.band(now_s=660.0) == h.band(now_s=700.0)  # 133 s: same doubling, no reason to plan again
+
+
 def test_a_measured_chunk_slowdown_is_turned_back_into_the_compute_slowdown_behind_it() -> None:
     """The detector reports how much longer a rank's chunks take (compute, TP comm and overhead
     together); the simulator's ×4 compute fault shows as a smaller chunk factor, and the

@@ -310,3 +310,45 @@ def test_the_spread_is_fitted_on_the_iterations_before_the_incident_on_a_healthy
         assert engine.model.makespan_cv == pytest.approx(expected.makespan_cv)
         assert engine.model.tail_s == pytest.approx(expected.tail_s)
         engine.close()
+
+
+def test_a_reshape_declined_over_a_bursts_pace_is_proposed_once_the_calm_doubles_the_horizon(tmp_path: Path) -> None:
+    """A fault comes and goes a minute apart, then a slow GPU a minute later: the next change looks
+    a minute away, and the rebalance (8 % faster, a 20-s pause) does not pay in a minute. Twenty
+    calm minutes later it does, and the engine proposes it without a new incident."""
+    from collector.events import IncidentResolved
+    from remediation.candidates import PlannerOptions
+
+    plan = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
+    t0 = 1_000.0
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
+        options = PlannerOptions(pause_s=20.0, rebalance_pause_s=20.0)
+        engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16, options=options), ModelSpec.uniform(8),
+                                   plan)
+        analytics = EventFactory(JOB, "analytics")
+
+        def slow(incident_id: str, rank: int, factor: float, t: float) -> None:
+            bus.publish([analytics.make(IncidentOpened(
+                incident_id=incident_id, category=FaultCategory.FAIL_SLOW, severity=Severity.HIGH, iteration=5,
+                locations=[Location(target="compute", rank=rank, factor=factor)], evidence=Evidence(),
+                summary=f"rank {rank} ×{factor}"), time_s=t)])
+
+        slow("blip", 12, 1.01, t0 - 120)
+        bus.publish([analytics.make(IncidentResolved(incident_id="blip", iteration=6, reason="recovered"),
+                                    time_s=t0 - 60)])
+        slow("i1", 5, 1.5, t0)
+        engine.poll_once()
+        assert engine.horizon.horizon_s(t0) == 60.0 and not engine.state.plans
+
+        def calm(t: float) -> None:
+            bus.publish([analytics.make(IterationPrediction(epoch=0, iteration=10, observed_s=1.0, predicted_s=1.0,
+                                                            tokens=1), time_s=t)])
+            engine.poll_once()
+
+        calm(t0 + 50)  # 110 s: the same doubling of the horizon, nothing to look at again
+        assert not engine.state.plans
+        calm(t0 + 1_200)
+        assert engine.horizon.horizon_s(t0 + 1_200) == 660.0
+        (record,) = engine.state.plans.values()
+        assert record.proposal.incident_ids == ["i1"] and record.proposed_at_s == t0 + 1_200
+        engine.close()
