@@ -234,7 +234,7 @@ def regrow_candidate(
     earlier reshape excluded, now repaired): consecutive stages on one node and the node's idle
     devices become the largest power-of-two groups again (TP 4+2+1 and a repaired GPU → TP 8).
     None when nothing would change or the result cannot hold the model. ``idle`` maps a node to
-    its idle healthy devices and must only name nodes no other pipeline uses."""
+    the idle healthy devices given to this pipeline there (the planner gives each to one pipeline)."""
     per = cluster.hardware.devices_per_node
     runs: list[tuple[int | None, list[int]]] = []  # (node or None, old stage indices)
     for s, st in enumerate(old.stages):

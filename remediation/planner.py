@@ -116,9 +116,10 @@ class Planner:
         keep_slots: list[_Slot] = []
         classes: dict[tuple, _Slot] = {}
         class_keep: dict[tuple, _Slot] = {}
-        idle = self._idle_healthy(cluster, current) if opts.allow_tp else set()
+        idle = self._idle_healthy(cluster, current) if opts.allow_tp else {}
         for pipe in current.pipelines:
-            regrow = regrow_candidate(cluster, self.model, pipe, idle, current.schedule, opts, dp) if idle else None
+            mine = idle.get(pipe.replica) if idle else None
+            regrow = regrow_candidate(cluster, self.model, pipe, mine, current.schedule, opts, dp) if mine else None
             if (bad and any(d in bad for st in pipe.stages for d in st.devices)) or regrow is not None:
                 cands = pipeline_candidates(cluster, self.model, pipe, current.schedule, opts, dp)
                 if regrow is not None:
@@ -156,27 +157,33 @@ class Planner:
                 out.append(self._result(rebalance, current, current_tps, scorer, cluster))
         return out
 
-    def _idle_healthy(self, cluster: ClusterState, current: Plan) -> dict[int, tuple[int, ...]]:
-        """Per node: healthy devices the plan does not use, on nodes exactly one pipeline uses —
-        devices an earlier reshape excluded whose fault has since been resolved."""
+    def _idle_healthy(self, cluster: ClusterState, current: Plan) -> dict[int, dict[int, tuple[int, ...]]]:
+        """Per pipeline (replica), per node: the healthy devices the plan does not use that this
+        pipeline may re-grow onto — devices an earlier reshape excluded whose fault has since been
+        resolved. On a node several pipelines share (TP below the node size), each such device
+        goes to exactly one of them: the one holding the device nearest to it (TP groups are
+        blocks of consecutive devices, so that is the group it was excluded from), then the one
+        with the fewest devices on the node. No device is offered twice, so the joint search
+        cannot give one device to two pipelines."""
         per = cluster.hardware.devices_per_node
-        users: dict[int, set[int]] = {}
-        count: dict[int, int] = {}
+        on_node: dict[int, dict[int, list[int]]] = {}  # node -> replica -> devices it uses there
         used: set[int] = set()
         for pipe in current.pipelines:
             for st in pipe.stages:
                 for d in st.devices:
                     used.add(d)
-                    users.setdefault(d // per, set()).add(pipe.replica)
-                    count[d // per] = count.get(d // per, 0) + 1
-        out: dict[int, tuple[int, ...]] = {}
-        for n, reps in users.items():
-            if len(reps) != 1 or count[n] >= per:
-                continue
-            free = tuple(d for d in range(n * per, min((n + 1) * per, cluster.num_devices))
-                         if d not in used and cluster.is_healthy(d))
-            if free:
-                out[n] = free
+                    on_node.setdefault(d // per, {}).setdefault(pipe.replica, []).append(d)
+        out: dict[int, dict[int, tuple[int, ...]]] = {}
+        for n, holders in on_node.items():
+            free = [d for d in range(n * per, min((n + 1) * per, cluster.num_devices))
+                    if d not in used and cluster.is_healthy(d)]
+            given: dict[int, list[int]] = {}
+            for d in free:
+                replica = min(holders, key=lambda r: (min(abs(d - x) for x in holders[r]),
+                                                      len(holders[r]) + len(given.get(r, [])), r))
+                given.setdefault(replica, []).append(d)
+            for replica, devices in given.items():
+                out.setdefault(replica, {})[n] = tuple(devices)
         return out
 
     # ---- search --------------------------------------------------------------------------------

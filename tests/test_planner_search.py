@@ -211,3 +211,24 @@ def test_remediation_imports_neither_trainer_nor_bench():
     from resihp.planning_models import exact_model  # the simulator → ModelSpec bridge lives here now
 
     assert exact_model.__module__ == "resihp.planning_models"
+
+
+def test_repaired_devices_on_a_node_two_pipelines_share_rejoin_the_group_they_left():
+    """TP 2 puts two pipelines on each 8-GPU node. Replica 0 runs its second stage on GPU 3 alone
+    (GPU 2 was excluded), replica 1 its first on GPU 4 alone (GPU 5 was): once both are repaired,
+    each goes back to the pipeline it left (re-grow may make one TP 4 stage of a node's two)."""
+    whole = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
+
+    def shrunk(pipe, stage: int, keep: int):  # type: ignore[no-untyped-def]
+        stages = [st.model_dump() for st in pipe.stages]
+        stages[stage]["devices"] = [keep]
+        return {**pipe.model_dump(), "stages": stages}
+
+    pipes = [p.model_dump() for p in whole.pipelines]
+    pipes[0], pipes[1] = shrunk(whole.pipelines[0], 1, 3), shrunk(whole.pipelines[1], 0, 4)
+    current = Plan.model_validate({**whole.model_dump(), "pipelines": pipes})
+    r = Planner(ModelSpec.uniform(8)).plan(ClusterState(16), current)
+    assert r.changed and sorted(r.plan.devices) == list(range(16))
+    for replica, devices in ((0, {0, 1, 2, 3}), (1, {4, 5, 6, 7})):
+        assert {d for st in r.plan.pipelines[replica].stages for d in st.devices} == devices
+    assert "re-grow" in r.choices[0] and "re-grow" in r.choices[1]
