@@ -75,6 +75,10 @@ class _Open:
     probe_sized: bool = False  # a probe measured the location itself: its factor is the probe's
     reprobe: bool = False  # the pending probe re-asks the named rank's TP group (it got slower)
     probe_asked_iteration: int | None = None  # when the pending probe was asked (None: none pending)
+    # A fail-slow rank the running plan leaves out sends no telemetry: only a probe can see it heal.
+    excluded_since: int | None = None  # the iteration the plan left it out (None: in the plan)
+    health_asked_iteration: int | None = None  # the last health probe's (it is pending when probe_id says so)
+    health: bool = False  # the pending probe is a health check of an excluded rank
 
 
 def severity_of(factor: float, category: FaultCategory) -> Severity:
@@ -183,13 +187,31 @@ class IncidentBook:
         out: list[Payload] = []
         for inc in self.open.values():
             if (not inc.confirmed and inc.category is FaultCategory.FAIL_SLOW and inc.healthy_streak == 0
+                    and inc.excluded_since is None
                     and iteration >= inc.opened_iteration + self.config.confirm_iterations):
                 inc.confirmed = True
                 out.append(IncidentConfirmed(
                     incident_id=inc.incident_id, method="persistence",
                     detail=f"still ×{inc.factor:.2f} after {iteration - inc.opened_iteration} iterations",
                     locations=[inc.suspect.location(inc.factor)]))
+            out += self._health_probe(inc, iteration)
         return out
+
+    def _health_probe(self, inc: _Open, iteration: int) -> list[Payload]:
+        """Ask an excluded slow rank for a probe every ``excluded_probe_iterations``: a GPU that
+        throttled and recovered is otherwise never seen healthy (it sends no telemetry), its
+        incident never resolves, and the planner never takes it back."""
+        every = self.config.excluded_probe_iterations
+        if (not (self.config.probes and every) or inc.excluded_since is None
+                or inc.probe_asked_iteration is not None or not inc.suspect.ranks):
+            return []
+        last = max(inc.excluded_since, inc.health_asked_iteration or inc.excluded_since)
+        if iteration - last < every:
+            return []
+        inc.probe_id, inc.probe_ratios, inc.health = f"probe-{inc.incident_id[4:]}-health-{iteration}", {}, True
+        inc.probe_asked_iteration = inc.health_asked_iteration = iteration
+        return [ProbeRequest(probe_id=inc.probe_id, incident_id=inc.incident_id, ranks=list(inc.suspect.ranks),
+                             target="compute")]
 
     @staticmethod
     def _asked(inc: _Open) -> tuple[int, ...]:
@@ -229,8 +251,10 @@ class IncidentBook:
         """Judge a probe on the answers it has: all of them, or all but those of ranks now dead."""
         if inc.probe_asked_iteration is None:
             return []  # concluded already: a repeated answer changes nothing
-        inc.probe_asked_iteration = None
+        asked_iteration, inc.probe_asked_iteration = inc.probe_asked_iteration, None
         asked = self._asked(inc)
+        if inc.health:
+            return self._health_result(inc, asked_iteration)
         if inc.reprobe:
             return self._reprobe_result(inc, missing=sorted(set(asked) - set(inc.probe_ratios)))
         if not inc.probe_ratios:
@@ -279,6 +303,19 @@ class IncidentBook:
             incident_id=inc.incident_id, method="probe",
             detail=f"probe: rank {worst} took ×{ratio:.2f} of the healthy reference ({ratios})",
             locations=[s.location(inc.factor)])]
+
+    def _health_result(self, inc: _Open, iteration: int) -> list[Payload]:
+        """An excluded rank's health probe: resolved when every asked rank answered below the
+        ratio that confirms a slowdown; otherwise it stays open, to be probed again."""
+        inc.health = False
+        ratios, asked = inc.probe_ratios, self._asked(inc)
+        if set(ratios) != set(asked) or max(ratios.values()) >= self.config.probe_confirm_ratio:
+            return []
+        key = next(k for k, v in self.open.items() if v is inc)
+        del self.open[key]
+        table = ", ".join(f"{r}: ×{v:.2f}" for r, v in sorted(ratios.items()))
+        return [IncidentResolved(incident_id=inc.incident_id, iteration=iteration,
+                                 reason=f"probed healthy while the plan left it out ({table})")]
 
     def _reprobe_result(self, inc: _Open, missing: list[int]) -> list[Payload]:
         """A named rank's TP group answered a re-probe. If other members are slow too, each gets
@@ -371,11 +408,19 @@ class IncidentBook:
         """A new plan: a fail-stop on a rank it no longer uses is resolved (the remediation keeps the
         device as dead until a plan uses it again). A fail-slow on a rank or link it no longer
         uses stays open: nothing measured the device healthy, so resolving it would tell the
-        planner the device is fine and invite it back, slow, into the next plan."""
+        planner the device is fine and invite it back, slow, into the next plan. A left-out slow
+        rank is probed now and then instead, and resolved when the probe finds it healthy."""
         out: list[Payload] = []
         for key in list(self.open):
             if key[0] == "dead" and key[1] not in present:  # fail-slow (ranks, links, comm) stays open
                 inc = self.open.pop(key)
                 out.append(IncidentResolved(incident_id=inc.incident_id, iteration=iteration,
                                             reason="the new plan no longer uses this location"))
+            elif key[0] == "ranks":  # left out, a slow rank is health-probed now and then (end_of_iteration)
+                inc = self.open[key]
+                out_of_plan = not set(inc.suspect.ranks) & present
+                if out_of_plan and inc.excluded_since is None:
+                    inc.excluded_since = iteration
+                elif not out_of_plan:
+                    inc.excluded_since = None
         return out

@@ -228,11 +228,13 @@ def unchanged_candidate(
 
 def regrow_candidate(
     cluster: ClusterState, model: ModelSpec, old: PipelinePlan, idle: dict[int, tuple[int, ...]], schedule: str,
-    opts: PlannerOptions, dp: int,
+    opts: PlannerOptions, dp: int, tp: int | None = None,
 ) -> PipelineCandidate | None:
     """Re-form this pipeline's TP groups with healthy idle devices of their nodes (devices an
     earlier reshape excluded, now repaired): consecutive stages on one node and the node's idle
-    devices become the largest power-of-two groups again (TP 4+2+1 and a repaired GPU → TP 8).
+    devices become the largest power-of-two groups again (TP 4+2+1 and a repaired GPU → TP 8),
+    or, with ``tp``, groups of that size first (the job's own degree: TP 1 + TP 2 and a repaired
+    GPU → TP 2 + TP 2, where the largest groups would make one TP 4 stage).
     None when nothing would change or the result cannot hold the model. ``idle`` maps a node to
     the idle healthy devices given to this pipeline there (the planner gives each to one pipeline)."""
     per = cluster.hardware.devices_per_node
@@ -255,7 +257,8 @@ def regrow_candidate(
             origin.extend(stages)
             continue
         pool = tuple(sorted({d for g in current for d in g} | set(extra)))
-        parts = _pow2_parts(len(pool))[: len(stages)] if not opts.allow_pp else _pow2_parts(len(pool))
+        parts = [tp] * (len(pool) // tp) + _pow2_parts(len(pool) % tp) if tp else _pow2_parts(len(pool))
+        parts = parts if opts.allow_pp else parts[: len(stages)]
         new, i = [], 0
         for size in parts:
             new.append(pool[i:i + size])

@@ -117,13 +117,18 @@ class Planner:
         classes: dict[tuple, _Slot] = {}
         class_keep: dict[tuple, _Slot] = {}
         idle = self._idle_healthy(cluster, current) if opts.allow_tp else {}
+        tps = [st.tp for p in current.pipelines for st in p.stages]
+        job_tp = max(set(tps), key=lambda t: (tps.count(t), t))  # the layout's own TP degree
         for pipe in current.pipelines:
             mine = idle.get(pipe.replica) if idle else None
-            regrow = regrow_candidate(cluster, self.model, pipe, mine, current.schedule, opts, dp) if mine else None
-            if (bad and any(d in bad for st in pipe.stages for d in st.devices)) or regrow is not None:
+            regrow: list[PipelineCandidate] = []
+            for tp in (None, job_tp) if mine else ():
+                c = regrow_candidate(cluster, self.model, pipe, mine, current.schedule, opts, dp, tp)
+                if c is not None and all(c.stages != r.stages for r in regrow):
+                    regrow.append(c)
+            if (bad and any(d in bad for st in pipe.stages for d in st.devices)) or regrow:
                 cands = pipeline_candidates(cluster, self.model, pipe, current.schedule, opts, dp)
-                if regrow is not None:
-                    cands.insert(0, regrow)
+                cands[:0] = regrow
                 joint_slots.append(_Slot([pipe], cands))
                 kept = unchanged_candidate(cluster, self.model, pipe, current.schedule, opts, dp)
                 keep_slots.append(_Slot([pipe], [kept] if kept else [dropped(pipe)]))

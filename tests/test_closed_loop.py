@@ -28,10 +28,12 @@ def _config(strategy: str) -> SimConfig:
 
 def _run(strategy: str, faults: list[FaultSpec], duration_s: float, tmp_path: Path,  # type: ignore[no-untyped-def]
          **loop_options):
+    """(the simulator as the run left it, the run)."""
     config = _config(strategy)
     options = PlannerOptions(horizon_s=600.0, pause_s=0.5, rebalance_pause_s=0.5)
-    return SimEngine(config, faults), run_closed_loop(
-        SimEngine(config, faults), fitted_model(config), strategy=strategy, duration_s=duration_s, options=options,
+    sim = SimEngine(config, faults)
+    return sim, run_closed_loop(
+        sim, fitted_model(config), strategy=strategy, duration_s=duration_s, options=options,
         hardware=hardware_of(config.cluster), window_s=2.0, directory=tmp_path, **loop_options)
 
 
@@ -156,3 +158,13 @@ def test_a_device_dying_during_a_restarts_downtime_is_found_when_it_died(tmp_pat
     first, second = sorted(run.detections, key=lambda d: d.onset_s)
     assert second.onset_s == pytest.approx(9.0, abs=0.5) and second.delay_s is not None and second.delay_s <= 3.5
     assert run.false_incidents == 0
+
+
+def test_a_slow_gpu_left_out_is_taken_back_once_a_probe_finds_it_recovered(tmp_path: Path) -> None:
+    """A ×4 GPU is left out of its TP group; it recovers 12 s later. Nothing it runs measures it
+    any more, so the detector probes it now and then, resolves the incident when it answers
+    healthy, and the engine re-grows the group around it."""
+    faults = [FaultSpec(kind="slow_compute", device=5, factor=4.0, at_s=3.0, duration_s=12.0)]
+    sim, ours = _run("ours", faults, 40.0, tmp_path)
+    assert ours.plans_applied == 2 and ours.false_incidents == 0 and ours.training_at_end
+    assert 5 in sim.plan.devices and sorted(sim.plan.devices) == list(range(16))

@@ -164,3 +164,40 @@ def test_a_first_probe_missing_a_dead_members_answer_names_the_slow_member_that_
     (named,) = _dies(book, 4, 15)
     assert isinstance(named, IncidentConfirmed) and named.method == "probe" and named.locations[0].rank == 5
     assert "no answer from [4]: stopped" in named.detail
+
+
+def _named_slow(rank: int = 5, factor: float = 3.0) -> Suspect:
+    return Suspect(key=("ranks", (rank,)), target="compute", rank=rank, link=None, node=0, replica=1, stage=0,
+                   tp_group=(4, 5), factor=factor, confidence=0.9, iterations=[], observed_s=[], predicted_s=[],
+                   rank_factors={}, statistic="", note="", ranks=(rank,))
+
+
+def test_a_slow_rank_the_plan_left_out_is_probed_now_and_then_and_resolved_once_healthy() -> None:
+    """Left out, a slow GPU sends no telemetry; without a probe its incident would stay open for
+    good and the planner would never take the GPU back after it recovered."""
+    book = IncidentBook("j", DetectorConfig(probes=True, excluded_probe_iterations=50))
+    (opening,) = [p for p in book.open_fail_slow(_named_slow(), iteration=10) if isinstance(p, ProbeRequest)]
+    _answer(book, opening, {5: 3.0})  # confirmed by the probe, as usual
+    assert book.reconfigured(present=set(range(16)) - {5}, iteration=20) == []
+    assert [p for i in range(21, 70) for p in book.end_of_iteration(i)] == []  # not before 50 iterations out
+    (check,) = book.end_of_iteration(70)
+    assert isinstance(check, ProbeRequest) and check.ranks == [5] and check.target == "compute"
+    assert _answer(book, check, {5: 2.5}) == [] and book.open_compute_ranks() == {5}  # still slow: stays open
+    assert [p for i in range(71, 120) for p in book.end_of_iteration(i)] == []
+    (again,) = book.end_of_iteration(120)
+    (resolved,) = _answer(book, again, {5: 1.01})
+    assert isinstance(resolved, IncidentResolved) and "probed healthy" in resolved.reason
+    assert resolved.iteration == 120 and book.open_compute_ranks() == set()
+
+
+def test_a_slow_rank_back_in_the_plan_is_not_health_probed_and_probes_off_ask_nothing() -> None:
+    book = IncidentBook("j", DetectorConfig(probes=True, excluded_probe_iterations=10))
+    (opening,) = [p for p in book.open_fail_slow(_named_slow(), iteration=10) if isinstance(p, ProbeRequest)]
+    _answer(book, opening, {5: 3.0})
+    book.reconfigured(present=set(range(16)) - {5}, iteration=20)
+    book.reconfigured(present=set(range(16)), iteration=25)  # a rollback took it back
+    assert [p for i in range(26, 100) for p in book.end_of_iteration(i)] == []
+    quiet = IncidentBook("j", DetectorConfig(probes=False, excluded_probe_iterations=10))
+    quiet.open_fail_slow(_named_slow(), iteration=10)
+    quiet.reconfigured(present=set(range(16)) - {5}, iteration=20)
+    assert [p for i in range(21, 100) for p in quiet.end_of_iteration(i)] == []
