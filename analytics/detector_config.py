@@ -75,8 +75,9 @@ class DetectorConfig(BaseModel):
     probes: bool = Field(default=False, description="ask suspects to run a probe and confirm from its result")
     probe_confirm_ratio: float = Field(default=1.03, gt=1.0)
     excluded_probe_iterations: int = Field(
-        default=100, ge=0, description="with probes: probe a slow rank the plan left out every this many "
-                                       "iterations and resolve its incident once it measures healthy (0: never)")
+        default=100, ge=0, description="with probes: probe a slow rank the plan left out this many iterations "
+                                       "after, then twice as long after each probe, and resolve its incident once "
+                                       "it measures healthy (0: never)")
     links: bool = Field(default=True, description="score point-to-point links as well as ranks")
 
     @property

@@ -78,6 +78,7 @@ class _Open:
     # A fail-slow rank the running plan leaves out sends no telemetry: only a probe can see it heal.
     excluded_since: int | None = None  # the iteration the plan left it out (None: in the plan)
     health_asked_iteration: int | None = None  # the last health probe's (it is pending when probe_id says so)
+    health_probes: int = 0  # asked since it was left out: each one doubles the wait for the next
     health: bool = False  # the pending probe is a health check of an excluded rank
 
 
@@ -198,18 +199,23 @@ class IncidentBook:
         return out
 
     def _health_probe(self, inc: _Open, iteration: int) -> list[Payload]:
-        """Ask an excluded slow rank for a probe every ``excluded_probe_iterations``: a GPU that
-        throttled and recovered is otherwise never seen healthy (it sends no telemetry), its
-        incident never resolves, and the planner never takes it back."""
-        every = self.config.excluded_probe_iterations
-        if (not (self.config.probes and every) or inc.excluded_since is None
+        """Ask an excluded slow rank for a probe ``excluded_probe_iterations`` after it was left
+        out, then after twice that, four times, ...: a GPU that throttled and recovered is
+        otherwise never seen healthy (it sends no telemetry), its incident never resolves, and the
+        planner never takes it back. The wait doubles because a probe pauses the job while it
+        runs (every rank runs it at the same boundary) and a device slow for long is ever less
+        likely to have just recovered: over a 30-minute run at 0.26 s an iteration that is 6
+        probes, not 60."""
+        first = self.config.excluded_probe_iterations
+        if (not (self.config.probes and first) or inc.excluded_since is None
                 or inc.probe_asked_iteration is not None or not inc.suspect.ranks):
             return []
-        last = max(inc.excluded_since, inc.health_asked_iteration or inc.excluded_since)
-        if iteration - last < every:
+        last = inc.health_asked_iteration if inc.health_asked_iteration is not None else inc.excluded_since
+        if iteration - last < first * 2 ** inc.health_probes:
             return []
         inc.probe_id, inc.probe_ratios, inc.health = f"probe-{inc.incident_id[4:]}-health-{iteration}", {}, True
         inc.probe_asked_iteration = inc.health_asked_iteration = iteration
+        inc.health_probes += 1
         return [ProbeRequest(probe_id=inc.probe_id, incident_id=inc.incident_id, ranks=list(inc.suspect.ranks),
                              target="compute")]
 
@@ -420,7 +426,7 @@ class IncidentBook:
                 inc = self.open[key]
                 out_of_plan = not set(inc.suspect.ranks) & present
                 if out_of_plan and inc.excluded_since is None:
-                    inc.excluded_since = iteration
+                    inc.excluded_since, inc.health_asked_iteration, inc.health_probes = iteration, None, 0
                 elif not out_of_plan:
                     inc.excluded_since = None
         return out

@@ -183,11 +183,11 @@ def test_a_slow_rank_the_plan_left_out_is_probed_now_and_then_and_resolved_once_
     (check,) = book.end_of_iteration(70)
     assert isinstance(check, ProbeRequest) and check.ranks == [5] and check.target == "compute"
     assert _answer(book, check, {5: 2.5}) == [] and book.open_compute_ranks() == {5}  # still slow: stays open
-    assert [p for i in range(71, 120) for p in book.end_of_iteration(i)] == []
-    (again,) = book.end_of_iteration(120)
+    assert [p for i in range(71, 170) for p in book.end_of_iteration(i)] == []  # the wait doubled: 100
+    (again,) = book.end_of_iteration(170)
     (resolved,) = _answer(book, again, {5: 1.01})
     assert isinstance(resolved, IncidentResolved) and "probed healthy" in resolved.reason
-    assert resolved.iteration == 120 and book.open_compute_ranks() == set()
+    assert resolved.iteration == 170 and book.open_compute_ranks() == set()
 
 
 def test_a_slow_rank_back_in_the_plan_is_not_health_probed_and_probes_off_ask_nothing() -> None:
