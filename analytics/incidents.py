@@ -204,7 +204,7 @@ class IncidentBook:
         otherwise never seen healthy (it sends no telemetry), its incident never resolves, and the
         planner never takes it back. The wait doubles because a probe pauses the job while it
         runs (every rank runs it at the same boundary) and a device slow for long is ever less
-        likely to have just recovered: over a 30-minute run at 0.26 s an iteration that is 6
+        likely to have just recovered: over a 30-minute run at 0.26 s an iteration that is 5
         probes, not 60."""
         first = self.config.excluded_probe_iterations
         if (not (self.config.probes and first) or inc.excluded_since is None
