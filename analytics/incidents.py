@@ -77,7 +77,7 @@ class _Open:
     probe_asked_iteration: int | None = None  # when the pending probe was asked (None: none pending)
     # A fail-slow rank the running plan leaves out sends no telemetry: only a probe can see it heal.
     excluded_since: int | None = None  # the iteration the plan left it out (None: in the plan)
-    health_asked_iteration: int | None = None  # the last health probe's (it is pending when probe_id says so)
+    health_asked_iteration: int | None = None  # when the last health probe was asked
     health_probes: int = 0  # asked since it was left out: each one doubles the wait for the next
     health: bool = False  # the pending probe is a health check of an excluded rank
 
