@@ -180,6 +180,8 @@ class Planner:
                     on_node.setdefault(d // per, {}).setdefault(pipe.replica, []).append(d)
         out: dict[int, dict[int, tuple[int, ...]]] = {}
         for n, holders in on_node.items():
+            if sum(map(len, holders.values())) >= per:
+                continue  # the plan uses the whole node
             free = [d for d in range(n * per, min((n + 1) * per, cluster.num_devices))
                     if d not in used and cluster.is_healthy(d)]
             given: dict[int, list[int]] = {}
