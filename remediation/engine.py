@@ -303,6 +303,15 @@ class RemediationEngine:
             self._refuse(f"the best plan is {same.plan_id}'s layout, which the trainer failed to apply "
                          f"({same.verdict}); waiting for a change", key=f"failed-again/{same.plan_id}")
             return None
+        open_ids = {i.incident_id for i in s.open_incidents()}
+        undone = next((r for r in s.plans.values() if r.status == PlanStatus.ROLLED_BACK
+                       and r.proposal.plan.pipelines == result.plan.pipelines
+                       and set(r.proposal.incident_ids) == open_ids), None)
+        if undone is not None:  # a re-plan (the horizon grew) found it again: same faults, same verdict
+            self._refuse(f"the best plan is {undone.plan_id}'s layout, rolled back for these incidents "
+                         f"({undone.verdict or 'below its prediction'}); waiting for a change",
+                         key=f"rolled-back-again/{undone.plan_id}")
+            return None
         plan_id = (f"p{s.running_epoch}-{s.incident_version}" + (f"-g{len(view.grouped)}" if view.grouped else "")
                    + (f"-f{len(failed)}" if failed else ""))  # after a failed apply the id must be new
         payload = PlanProposed(

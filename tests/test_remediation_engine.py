@@ -352,3 +352,60 @@ def test_a_reshape_declined_over_a_bursts_pace_is_proposed_once_the_calm_doubles
         (record,) = engine.state.plans.values()
         assert record.proposal.incident_ids == ["i1"] and record.proposed_at_s == t0 + 1_200
         engine.close()
+
+
+def test_a_layout_rolled_back_for_the_same_incidents_is_not_proposed_again_when_the_horizon_grows(
+        tmp_path: Path) -> None:
+    """A plan for a ×3 GPU is applied and rolled back. Twenty calm minutes later the horizon has
+    grown, the engine plans again and finds the same layout: it says so and proposes nothing (a
+    re-plan on the horizon alone would apply and roll back the same plan again and again)."""
+    from collector.events import IncidentResolved, PlanDecision
+
+    plan = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
+    t0 = 1_000.0
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
+        engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), ModelSpec.uniform(8), plan)
+        analytics, ui, trainer = (EventFactory(JOB, s) for s in ("analytics", "ui", "trainer"))
+
+        def opened(incident_id: str, rank: int, factor: float, t: float) -> None:
+            bus.publish([analytics.make(IncidentOpened(
+                incident_id=incident_id, category=FaultCategory.FAIL_SLOW, severity=Severity.HIGH, iteration=5,
+                locations=[Location(target="compute", rank=rank, factor=factor)], evidence=Evidence(),
+                summary=f"rank {rank} ×{factor}"), time_s=t)])
+
+        def applied(plan_id: str, epoch: int, t: float) -> None:
+            bus.publish([ui.make(PlanDecision(plan_id=plan_id, approve=True, actor="ui:alice"), time_s=t)])
+            engine.poll_once()
+            bus.publish([trainer.make(CommandAck(command_id=f"cmd-{plan_id}", plan_id=plan_id, epoch=epoch,
+                                                 status=AckStatus.APPLIED, running_epoch=epoch), time_s=t)])
+            engine.poll_once()
+
+        opened("blip", 12, 1.01, t0 - 120)  # a burst: the next change looks a minute away
+        bus.publish([analytics.make(IncidentResolved(incident_id="blip", iteration=6, reason="recovered"),
+                                    time_s=t0 - 60)])
+        def iterations(epoch: int, first_iteration: int, t: float) -> None:  # 100 tokens/s, no better
+            bus.publish([analytics.make(IterationPrediction(epoch=epoch, iteration=i, observed_s=1.0, predicted_s=1.0,
+                                                            tokens=100), time_s=t + k)
+                         for k, i in enumerate(range(first_iteration, first_iteration + 6))])
+            engine.poll_once()
+
+        iterations(0, 5, t0 - 6)
+        opened("i1", 5, 3.0, t0)
+        engine.poll_once()
+        (first,) = engine.state.plans.values()
+        applied(first.plan_id, 1, t0 + 1)
+        iterations(1, 12, t0 + 2)  # the plan gained nothing of what it promised: rolled back
+        assert engine.state.plans[first.plan_id].status == PlanStatus.ROLLED_BACK
+        rollback = engine.state.plans[f"{first.plan_id}-rollback"]
+        applied(rollback.plan_id, 2, t0 + 31)
+        iterations(2, 20, t0 + 32)  # the roll-back did what it promised (the old rate)
+        assert engine.state.plans[rollback.plan_id].status == PlanStatus.VERIFIED
+        band = engine.horizon.band(t0 + 40)
+
+        iterations(2, 40, t0 + 1_200)  # twenty calm minutes
+
+        assert engine.horizon.band(t0 + 1_200) > band  # the engine did look again
+        assert sorted(engine.state.plans) == sorted([first.plan_id, rollback.plan_id])
+        assert any(f"the best plan is {first.plan_id}'s layout, rolled back for these incidents" in r
+                   for r in engine.refusals), engine.refusals
+        engine.close()
