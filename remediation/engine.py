@@ -298,19 +298,17 @@ class RemediationEngine:
         if not result.worth_applying(horizon_s, self.config.min_gain_fraction):
             return None
         failed = s.failed()
-        same = next((r for r in failed if r.proposal.plan.pipelines == result.plan.pipelines), None)
-        if same is not None:  # it would fail again: say so and wait for something to change
-            self._refuse(f"the best plan is {same.plan_id}'s layout, which the trainer failed to apply "
-                         f"({same.verdict}); waiting for a change", key=f"failed-again/{same.plan_id}")
-            return None
         open_ids = {i.incident_id for i in s.open_incidents()}
-        undone = next((r for r in s.plans.values() if r.status == PlanStatus.ROLLED_BACK
-                       and r.proposal.plan.pipelines == result.plan.pipelines
-                       and set(r.proposal.incident_ids) == open_ids), None)
-        if undone is not None:  # a re-plan (the horizon grew) found it again: same faults, same verdict
-            self._refuse(f"the best plan is {undone.plan_id}'s layout, rolled back for these incidents "
-                         f"({undone.verdict or 'below its prediction'}); waiting for a change",
-                         key=f"rolled-back-again/{undone.plan_id}")
+        # A layout the trainer failed to apply would fail again; one rolled back for these same
+        # incidents would roll back again (a re-plan because the horizon grew finds it anew).
+        undone = next((r for r in s.plans.values() if r.proposal.plan.pipelines == result.plan.pipelines and (
+            r.status == PlanStatus.FAILED
+            or (r.status == PlanStatus.ROLLED_BACK and set(r.proposal.incident_ids) == open_ids))), None)
+        if undone is not None:  # say so and wait for something to change
+            how = ("which the trainer failed to apply" if undone.status == PlanStatus.FAILED
+                   else "rolled back for these incidents")
+            self._refuse(f"the best plan is {undone.plan_id}'s layout, {how} ({undone.verdict}); waiting for a change",
+                         key=f"{undone.status.value}-again/{undone.plan_id}")
             return None
         plan_id = (f"p{s.running_epoch}-{s.incident_version}" + (f"-g{len(view.grouped)}" if view.grouped else "")
                    + (f"-f{len(failed)}" if failed else ""))  # after a failed apply the id must be new
@@ -449,5 +447,4 @@ def _said(e: Envelope) -> str:
                 f"{p.predicted_tokens_per_s:,.0f} predicted")
     if isinstance(p, PlanRolledBack):
         return f"rolled back {p.plan_id}: {p.reason}"
-    plan_id = getattr(p, "plan_id", None)
-    return f"{e.kind}" + (f" {plan_id}" if plan_id else "")
+    return e.kind

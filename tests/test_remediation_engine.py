@@ -380,15 +380,15 @@ def test_a_layout_rolled_back_for_the_same_incidents_is_not_proposed_again_when_
                                                  status=AckStatus.APPLIED, running_epoch=epoch), time_s=t)])
             engine.poll_once()
 
-        opened("blip", 12, 1.01, t0 - 120)  # a burst: the next change looks a minute away
-        bus.publish([analytics.make(IncidentResolved(incident_id="blip", iteration=6, reason="recovered"),
-                                    time_s=t0 - 60)])
         def iterations(epoch: int, first_iteration: int, t: float) -> None:  # 100 tokens/s, no better
             bus.publish([analytics.make(IterationPrediction(epoch=epoch, iteration=i, observed_s=1.0, predicted_s=1.0,
                                                             tokens=100), time_s=t + k)
                          for k, i in enumerate(range(first_iteration, first_iteration + 6))])
             engine.poll_once()
 
+        opened("blip", 12, 1.01, t0 - 120)  # a burst: the next change looks a minute away
+        bus.publish([analytics.make(IncidentResolved(incident_id="blip", iteration=6, reason="recovered"),
+                                    time_s=t0 - 60)])
         iterations(0, 5, t0 - 6)
         opened("i1", 5, 3.0, t0)
         engine.poll_once()

@@ -206,8 +206,7 @@ def test_a_plan_short_of_its_prediction_that_restored_the_job_is_kept():
     def judged(measured: int):  # type: ignore[no-untyped-def]
         s = _applied(current=100.0, predicted=220.0, before_tokens=100)
         s = fold(_summaries(1, 20, 6, measured), s)
-        (key, event), = reactions(s)
-        return key, verdict(s, s.plans["p1"])
+        return reactions(s)[0][0], verdict(s, s.plans["p1"])
 
     key, (ok, _, why) = judged(180)
     assert key == "verified/p1" and ok and "back to 90% of the 200 tokens/s before the fault" in why
