@@ -9,6 +9,7 @@
 * the interleaved and zero-bubble schedules train exactly like the 1F1B reference;
 * a dead spare (a rank the plan leaves out) re-forms the world under the same plan, no planner asked;
 * a command whose device dies before the reshape fails at once and the job goes on;
+* a spare that dies mid-reshape: the same command is posted again without it and applies;
 * with no live copy left, the ranks fall back to the newest periodic disk checkpoint;
 * a disk checkpoint written by one layout loads into another;
 * the detector's probes are answered between iterations, name the slow rank and the slow NIC,
@@ -223,6 +224,30 @@ def test_a_command_whose_device_dies_before_the_reshape_fails_at_once_and_the_jo
     assert "device 3 died" in failed.detail and "names [3]" in failed.detail
     assert applied.status == AckStatus.APPLIED and applied.epoch == 1 and applied.plan_id.startswith("launcher-drop")
     assert result.final_plan.devices == [0, 1]
+    _assert_same_training(tmp_path, reference)
+
+
+def test_a_spare_that_dies_mid_reshape_leaves_the_command_to_apply_without_it(reference: Path,
+                                                                           tmp_path: Path) -> None:
+    # Rank 8 is a spare; the command for epoch 1 (micro-batches 5/3) is posted to all nine, and rank
+    # 8 dies on its way into the new world. The plan needs nothing of it: the intake posts the same
+    # command again to the eight live ranks, it applies (one ack, no planner asked, on_death="wait"),
+    # and training ends exactly like the reference.
+    shifted = BASE.model_copy(update={"epoch": 1, "pipelines": tuple(
+        p.model_copy(update={"microbatches": m}) for p, m in zip(BASE.pipelines, [5, 3]))})
+    command = _command(shifted)
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
+        bus.publish([EventFactory("resihp", "test").make(command)])
+    spec = _spec(tmp_path, faults=[Fault(kind="kill_in_reshape", rank=8, start_iteration=1)])
+
+    result = launch(spec, BASE, 9, commands_from="beginning")
+
+    assert result.exit_codes[8] == KILL_EXIT_CODE
+    assert all(code == 0 for d, code in result.exit_codes.items() if d != 8)
+    (ack,) = _acks(tmp_path)
+    assert ack.command_id == command.command_id and ack.status == AckStatus.APPLIED and ack.epoch == 1
+    assert "spare devices [8] died mid-reshape" in ack.detail
+    assert result.final_plan == shifted
     _assert_same_training(tmp_path, reference)
 
 

@@ -81,7 +81,7 @@ class FaultInjector:
 
     def begin_reshape(self, iteration: int) -> None:
         """Kill now if a ``kill_in_reshape`` fault is due: the rank dies after the launcher posted a
-        plan that names it and before the new world meets (the race a real crash can hit)."""
+        world that holds it and before the new world meets (the race a real crash can hit)."""
         for f in self.faults:
             if f.kind == "kill_in_reshape" and f.start_iteration <= iteration:
                 os._exit(KILL_EXIT_CODE)

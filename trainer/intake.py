@@ -13,9 +13,12 @@ Posting a plan writes a numbered post (trainer/rendezvous.py: the plan and the l
 ``control/post``), which ranks read at every commit. The acknowledgement waits until every device
 of the world has written ``done/P/D`` (or one wrote ``failed/P/D``, or died) and states the largest
 pause and where the state came from (live peers, or a disk checkpoint when no live copy was left).
-A device of the posted world that dies before the reshape is done fails the command at once — the
-ack names the device — and the post is aborted so the waiting ranks do not sit out a rendezvous
+A device the posted plan names that dies before the reshape is done fails the command at once —
+the ack names the device — and the post is aborted so the waiting ranks do not sit out a rendezvous
 timeout; the same epoch can then be posted again (a new command, e.g. the launcher's own policy).
+A device of the world the plan does not name (a spare, such as a slow GPU an earlier plan left
+out) that dies mid-reshape changes nothing the plan needs: the post is aborted and the same
+command posted again to the devices still alive, and it stays in flight — one command, one ack.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class InFlight:
     world: tuple[int, ...]
     posted_s: float
     post: int
+    reposted: tuple[int, ...] = ()  # spares that died mid-reshape, each time the command was posted again
 
 
 class CommandIntake:
@@ -57,8 +61,9 @@ class CommandIntake:
         write_post(self.store, 0, self.running, world)
 
     def doomed(self, device: int) -> bool:
-        """The in-flight reshape includes ``device`` (so it fails if ``device`` died)."""
-        return self.in_flight is not None and device in self.in_flight.world
+        """The in-flight reshape's plan names ``device``, so it fails if ``device`` died (a device of
+        its world the plan leaves out only makes the intake post the command again without it)."""
+        return self.in_flight is not None and device in self.in_flight.command.plan.devices
 
     def offer(self, command: ReconfigureCommand) -> None:
         self.queue.append(command)
@@ -119,16 +124,23 @@ class CommandIntake:
             self._post(command, alive)
         return acks
 
-    def _post(self, command: ReconfigureCommand, alive: set[int]) -> None:
+    def _post(self, command: ReconfigureCommand, alive: set[int], reposted: tuple[int, ...] = ()) -> None:
         world = tuple(sorted(alive))
         self.posts += 1
         write_post(self.store, self.posts, command.plan, world)
-        self.in_flight = InFlight(command, world, time.monotonic(), self.posts)
+        self.in_flight = InFlight(command, world, time.monotonic(), self.posts, reposted)
 
     def _check_in_flight(self, alive: set[int], progress_iteration: int) -> CommandAck | None:
         fl = self.in_flight
         failed = [d for d in fl.world if self.store.check([failed_key(fl.post, d)])]
         died = [d for d in fl.world if d not in alive]
+        if died and not failed and not set(died) & set(fl.command.plan.devices):
+            # Only spares died: the plan needs none of them. Release the ranks waiting at this
+            # post's rendezvous and post the same command to the devices still alive.
+            self.store.set(abort_key(fl.post), f"spare devices {died} died before the reshape to epoch "
+                                               f"{fl.command.plan.epoch} finished; posted again without them")
+            self._post(fl.command, alive, fl.reposted + tuple(died))
+            return None
         if failed or died:
             reasons = []
             if died:
@@ -160,6 +172,8 @@ class CommandIntake:
         detail += "; state from live peers" if source == "live" else f"; state from {source}"
         if waited > 0:
             detail += f"; survivors waited {waited:.2f} s for this plan after the failure"
+        if fl.reposted:
+            detail += f"; posted again after spare devices {list(fl.reposted)} died mid-reshape"
         return self._ack(fl.command, AckStatus.APPLIED, detail, pause_s, pause_iterations)
 
     def finish(self) -> list[CommandAck]:

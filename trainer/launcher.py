@@ -8,6 +8,10 @@ replica and gives its micro-batches to the others, or — when no replica would 
 spare devices in the dead ones' places (state then comes from the newest disk checkpoint); a
 minimal policy so the job survives on its own; the remediation engine's commands take the same
 path through the bus. With ``"wait"`` the survivors wait for a command from the bus.
+
+A dead spare (a rank the plan leaves out, still in the world's commit all-reduce) needs no planner:
+between reshapes the launcher posts the running plan again as the next epoch; during one, the
+intake posts the in-flight command again without it.
 """
 
 from __future__ import annotations
@@ -129,7 +133,8 @@ def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", com
                         fault_id=f"{spec.job}/death/{d}", category=FaultCategory.FAIL_STOP,
                         location=Location(target="compute", rank=d, factor=1e9),
                         start_iteration=_progress(store)["iteration"] + 1))])
-                    # The in-flight reshape fails if its world held d: plan on top of what runs.
+                    # The in-flight reshape fails if its plan names d: plan on top of what runs.
+                    # If it only held d as a spare, the intake posts it again without d.
                     target = (intake.in_flight.command.plan if intake.in_flight and not intake.doomed(d)
                               else intake.running)
                     alive_now = {e for e, q in procs.items() if q.exitcode is None}
