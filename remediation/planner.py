@@ -223,7 +223,10 @@ class Planner:
         The iteration is the slowest pipeline plus the gradient all-reduce, whose time is set by the
         device holding the most gradient bytes anywhere in the job. So for each possible all-reduce
         time D (the distinct ones the candidates have) the search allows only candidates with
-        all-reduce ≤ D and bounds the pipelines by T − D; the best D wins.
+        all-reduce ≤ D and bounds the pipelines by T − D. The best D is the one whose solution the
+        full score rates fastest (the expected slowest of the pipelines, the stalls' tail, D: what
+        the result will predict), not the one with the smallest T: with many replicas the expected
+        slowest grows with their number, so dropping one can win on the score and lose on T.
         """
         live = [s for s in slots if any(not c.dropped for c in s.candidates)]
         if not live:
@@ -236,10 +239,11 @@ class Planner:
             allowed = [_Slot(s.members, [c for c in s.candidates if c.dropped or c.dp_s <= limit_s + 1e-8]
                              or [dropped(s.members[0])]) for s in slots]
             found = self._solve_bounded(allowed, M, scorer, limit_s)
-            if found is not None and sum(m for _, _, m in found[1]) != M:
-                found = None  # interleaved granules could not add up to the global batch
-            if found is not None and (best is None or found[0] < best[0] * (1 - 1e-9)):
-                best = found
+            if found is None or sum(m for _, _, m in found[1]) != M:
+                continue  # infeasible, or interleaved granules could not add up to the global batch
+            scored = (self._iteration_s(found[1], scorer), found[1])
+            if best is None or scored[0] < best[0] * (1 - 1e-9):
+                best = scored
         return None if best is None else best[1]
 
     def _solve_bounded(self, slots: list[_Slot], M: int, scorer: PipelineScorer, dp_s: float
