@@ -76,6 +76,17 @@ def _command(plan: Plan, command_id: str | None = None) -> ReconfigureCommand:
     return ReconfigureCommand(command_id=command_id or uuid.uuid4().hex, plan_id=f"plan-{plan.epoch}", plan=plan)
 
 
+def _publish_shift_to_5_3(tmp: Path, plan: Plan) -> ReconfigureCommand:
+    """Publish (before the launch) the command for epoch 1 that moves a micro-batch from replica 1
+    to replica 0 of a two-replica ``plan``; training semantics are unchanged."""
+    shifted = plan.model_copy(update={"epoch": 1, "pipelines": tuple(
+        p.model_copy(update={"microbatches": m}) for p, m in zip(plan.pipelines, [5, 3]))})
+    command = _command(shifted)
+    with EmbeddedBus(tmp / "bus.sqlite") as bus:
+        bus.publish([EventFactory("resihp", "test").make(command)])
+    return command
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("reference")
@@ -209,11 +220,7 @@ def test_a_command_whose_device_dies_before_the_reshape_fails_at_once_and_the_jo
     # 60 s rendezvous timeout), the waiting ranks keep their state, the launcher's policy drops
     # replica 1 as epoch 1, and training ends exactly like the reference.
     plan = Plan.uniform(tp=1, pp=2, dp=2, num_layers=4, microbatches_per_replica=4)
-    shifted = plan.model_copy(update={"epoch": 1, "pipelines": tuple(
-        p.model_copy(update={"microbatches": m}) for p, m in zip(plan.pipelines, [5, 3]))})
-    doomed = _command(shifted)
-    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
-        bus.publish([EventFactory("resihp", "test").make(doomed)])
+    doomed = _publish_shift_to_5_3(tmp_path, plan)
     spec = _spec(tmp_path, faults=[Fault(kind="kill_in_reshape", rank=3, start_iteration=1)])
 
     result = launch(spec, plan, 4, on_death="drop-replica", commands_from="beginning")
@@ -233,11 +240,7 @@ def test_a_spare_that_dies_mid_reshape_leaves_the_command_to_apply_without_it(re
     # 8 dies on its way into the new world. The plan needs nothing of it: the intake posts the same
     # command again to the eight live ranks, it applies (one ack, no planner asked, on_death="wait"),
     # and training ends exactly like the reference.
-    shifted = BASE.model_copy(update={"epoch": 1, "pipelines": tuple(
-        p.model_copy(update={"microbatches": m}) for p, m in zip(BASE.pipelines, [5, 3]))})
-    command = _command(shifted)
-    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
-        bus.publish([EventFactory("resihp", "test").make(command)])
+    command = _publish_shift_to_5_3(tmp_path, BASE)
     spec = _spec(tmp_path, faults=[Fault(kind="kill_in_reshape", rank=8, start_iteration=1)])
 
     result = launch(spec, BASE, 9, commands_from="beginning")
@@ -247,7 +250,7 @@ def test_a_spare_that_dies_mid_reshape_leaves_the_command_to_apply_without_it(re
     (ack,) = _acks(tmp_path)
     assert ack.command_id == command.command_id and ack.status == AckStatus.APPLIED and ack.epoch == 1
     assert "spare devices [8] died mid-reshape" in ack.detail
-    assert result.final_plan == shifted
+    assert result.final_plan == command.plan
     _assert_same_training(tmp_path, reference)
 
 
