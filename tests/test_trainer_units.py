@@ -14,7 +14,8 @@ from trainer.data import IGNORE, global_targets, microbatch, replica_microbatch_
 from trainer.faults import FaultList
 from trainer.intake import CommandIntake
 from trainer.launcher import drop_replicas, on_death_plan
-from trainer.rendezvous import CONTROL_POST, PostAborted, await_arrivals, done_key, newest_post, read_post
+from trainer.rendezvous import (CONTROL_POST, PostAborted, abort_key, arrive_key, await_arrivals, done_key, newest_post,
+                                read_post)
 from trainer.model import GPTConfig, GPTStage, init_full, init_stage, shard, shard_rule, unshard
 from trainer.optim import AdamW
 from trainer.parallel import Layout
@@ -171,6 +172,30 @@ def test_a_spare_that_dies_mid_reshape_gets_the_same_command_posted_again_withou
     (ack,) = intake.poll({0, 1, 2, 3}, progress_iteration=0)
     assert (ack.command_id, ack.status, ack.running_epoch) == ("a", AckStatus.APPLIED, 1)
     assert "spare devices [4] died mid-reshape" in ack.detail and intake.running == p1
+
+
+def test_a_spare_that_dies_past_the_arrival_barrier_lets_the_reshape_run_its_course() -> None:
+    # Everyone arrived at post 1, so the ranks no longer heed an abort: posting the command again
+    # would hand them the epoch they are already reshaping to. The intake waits for the live
+    # devices instead, and the running world it reports still holds the dead spare (the launcher
+    # re-posts the plan without it).
+    store = _Store()
+    p0 = Plan.uniform(tp=1, pp=2, dp=2, num_layers=4, microbatches_per_replica=2)
+    intake = CommandIntake(store, p0, n_layer=4, n_head=4, global_microbatches=4)
+    intake.start((0, 1, 2, 3, 4))
+    p1 = p0.model_copy(update={"epoch": 1})
+    intake.offer(_cmd(p1, "a"))
+    assert intake.poll({0, 1, 2, 3, 4}, progress_iteration=0) == []
+    for d in range(5):
+        store.set(arrive_key(1, d), "1")
+    assert intake.poll({0, 1, 2, 3}, progress_iteration=0) == []  # 4 died: still in flight, not posted again
+    assert newest_post(store) == 1 and not store.check([abort_key(1)])
+    for d in range(4):
+        store.set(done_key(1, d), json.dumps({"pause_s": 0.1, "pause_iterations": 1, "failure_wait_s": 0,
+                                              "iteration": 1, "source": "live"}))
+    (ack,) = intake.poll({0, 1, 2, 3}, progress_iteration=0)
+    assert (ack.command_id, ack.status) == ("a", AckStatus.APPLIED)
+    assert intake.running == p1 and intake.running_world == (0, 1, 2, 3, 4)
 
 
 def test_intake_fails_a_plan_the_job_cannot_run_without_touching_the_ranks() -> None:

@@ -17,8 +17,12 @@ A device the posted plan names that dies before the reshape is done fails the co
 the ack names the device — and the post is aborted so the waiting ranks do not sit out a rendezvous
 timeout; the same epoch can then be posted again (a new command, e.g. the launcher's own policy).
 A device of the world the plan does not name (a spare, such as a slow GPU an earlier plan left
-out) that dies mid-reshape changes nothing the plan needs: the post is aborted and the same
-command posted again to the devices still alive, and it stays in flight — one command, one ack.
+out) that dies mid-reshape changes nothing the plan needs. While the world still waits at the
+arrival barrier, the post is aborted and the same command posted again to the devices still
+alive; it stays in flight — one command, one ack. Once everyone arrived the ranks no longer heed
+an abort, so the reshape runs its course: it applies when every live device is done (the
+running world then still holds the dead spare, ``running_world``, and the launcher re-posts the
+plan without it), or fails when a rank reports failure.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from dataclasses import dataclass
 from collector.events import AckStatus, CommandAck, ReconfigureCommand
 from collector.plan import Plan
 from trainer.chunks import schedule_problem
-from trainer.rendezvous import abort_key, done_key, failed_key, write_post
+from trainer.rendezvous import abort_key, arrive_key, done_key, failed_key, write_post
 
 
 @dataclass
@@ -55,10 +59,12 @@ class CommandIntake:
         self.death_pending = False
         self.applied: list[Plan] = []
         self.posts = 0
+        self.running_world: tuple[int, ...] = ()  # the world of the newest applied post
 
     def start(self, world: tuple[int, ...]) -> None:
         """Post the plan the job starts with (post 0) to ``world``."""
         write_post(self.store, 0, self.running, world)
+        self.running_world = world
 
     def doomed(self, device: int) -> bool:
         """The in-flight reshape's plan names ``device``, so it fails if ``device`` died (a device of
@@ -134,14 +140,15 @@ class CommandIntake:
         fl = self.in_flight
         failed = [d for d in fl.world if self.store.check([failed_key(fl.post, d)])]
         died = [d for d in fl.world if d not in alive]
-        if died and not failed and not set(died) & set(fl.command.plan.devices):
-            # Only spares died: the plan needs none of them. Release the ranks waiting at this
-            # post's rendezvous and post the same command to the devices still alive.
+        spares_only = bool(died) and not failed and not set(died) & set(fl.command.plan.devices)
+        if spares_only and not self.store.check([arrive_key(fl.post, d) for d in fl.world]):
+            # Only spares died and the world still waits at the arrival barrier: release it and
+            # post the same command to the devices still alive.
             self.store.set(abort_key(fl.post), f"spare devices {died} died before the reshape to epoch "
                                                f"{fl.command.plan.epoch} finished; posted again without them")
             self._post(fl.command, alive, fl.reposted + tuple(died))
             return None
-        if failed or died:
+        if failed or (died and not spares_only):
             reasons = []
             if died:
                 reasons.append(f"devices {died} died before the reshape to epoch {fl.command.plan.epoch} finished"
@@ -154,14 +161,16 @@ class CommandIntake:
             reasons += [f"device {d}: {self.store.get(failed_key(fl.post, d)).decode()}" for d in failed]
             self.in_flight = None
             return self._ack(fl.command, AckStatus.FAILED, "; ".join(reasons)[:2000])
-        if not self.store.check([done_key(fl.post, d) for d in fl.world]):
+        live_world = [d for d in fl.world if d in alive]  # all of it, unless a spare died past the barrier
+        if not self.store.check([done_key(fl.post, d) for d in live_world]):
             return None
-        reports = [json.loads(self.store.get(done_key(fl.post, d))) for d in fl.world]
+        reports = [json.loads(self.store.get(done_key(fl.post, d))) for d in live_world]
         pause_s = max(r["pause_s"] for r in reports)
         pause_iterations = max(r["pause_iterations"] for r in reports)
         waited = max(r["failure_wait_s"] for r in reports)
         source = next((r["source"] for r in reports if r.get("source", "live") != "live"), "live")
         self.running = fl.command.plan
+        self.running_world = fl.world
         self.applied.append(self.running)
         resumed_at = max(r["iteration"] for r in reports)
         # After a roll-back to a checkpoint the progress counter restarts lower: count from there.

@@ -119,6 +119,7 @@ def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", com
     procs = _start_ranks(spec, ranks)
     result = LaunchResult(exit_codes={})
     last_echoed = -1
+    spare_reposts: set[int] = set()  # running epochs already re-posted without their dead spares
     try:
         while len(result.exit_codes) < ranks:
             for d, p in procs.items():
@@ -134,7 +135,7 @@ def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", com
                         location=Location(target="compute", rank=d, factor=1e9),
                         start_iteration=_progress(store)["iteration"] + 1))])
                     # The in-flight reshape fails if its plan names d: plan on top of what runs.
-                    # If it only held d as a spare, the intake posts it again without d.
+                    # If it only held d as a spare, it goes on without d (trainer/intake.py).
                     target = (intake.in_flight.command.plan if intake.in_flight and not intake.doomed(d)
                               else intake.running)
                     alive_now = {e for e, q in procs.items() if q.exitcode is None}
@@ -144,16 +145,6 @@ def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", com
                         if new_plan is not None:
                             bus.publish([factory.make(ReconfigureCommand(
                                 command_id=uuid.uuid4().hex, plan_id=f"launcher-drop-{d}", plan=new_plan))])
-                    elif d not in target.devices and intake.in_flight is None and alive_now:
-                        # A spare died (a device the plan leaves out, such as a slow GPU an earlier
-                        # plan excluded). It still sat in the world's commit all-reduce, so the
-                        # survivors are waiting for a plan; nothing about the layout changes, and a
-                        # planner asked about it has nothing to propose. Re-post the running plan
-                        # as the next epoch: the world re-forms without the dead spare.
-                        echo(f"spare device {d} died: the running plan goes on without it")
-                        bus.publish([factory.make(ReconfigureCommand(
-                            command_id=uuid.uuid4().hex, plan_id=f"launcher-spare-{d}",
-                            plan=target.model_copy(update={"epoch": target.epoch + 1})))])
             for delivery in stream.poll(timeout_s=poll_s):
                 ev = delivery.event
                 if ev.job == spec.job and isinstance(ev.payload, ReconfigureCommand):
@@ -176,6 +167,18 @@ def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", com
                     a.status is AckStatus.APPLIED for a in acks) else []
                 bus.publish([factory.make(a) for a in [*acks, *applied]])
                 result.acks += acks
+            if alive and intake.in_flight is None and intake.running.epoch not in spare_reposts:
+                # A spare died (a device the plan leaves out, such as a slow GPU an earlier plan
+                # excluded) and the running world still holds it: it sat in the commit all-reduce,
+                # so the survivors wait for a plan, and a planner asked has nothing to propose.
+                # Re-post the running plan as the next epoch: the world re-forms without it.
+                dead_spares = sorted(set(result.dead) & set(intake.running_world) - set(intake.running.devices))
+                if dead_spares:
+                    spare_reposts.add(intake.running.epoch)
+                    echo(f"spare devices {dead_spares} died: the running plan goes on without them")
+                    bus.publish([factory.make(ReconfigureCommand(
+                        command_id=uuid.uuid4().hex, plan_id=f"launcher-spare-{dead_spares[0]}",
+                        plan=intake.running.model_copy(update={"epoch": intake.running.epoch + 1})))])
             if not alive:
                 time.sleep(poll_s)
         for delivery in stream.poll(timeout_s=0):

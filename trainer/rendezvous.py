@@ -61,6 +61,10 @@ def failed_key(number: int, device: int) -> str:
     return f"failed/{number}/{device}"
 
 
+def arrive_key(number: int, device: int) -> str:
+    return f"arrive/{number}/{device}"
+
+
 def abort_key(number: int) -> str:
     return f"abort/{number}"
 
@@ -108,13 +112,13 @@ def await_arrivals(store, number: int, world: tuple[int, ...], device: int, time
     Raises ``PostAborted`` as soon as the launcher aborts the post (unless everyone had already
     arrived: then every rank goes on, so they all decide alike), ``TimeoutError`` after ``timeout_s``.
     """
-    store.set(f"arrive/{number}/{device}", "1")
-    keys = [f"arrive/{number}/{d}" for d in world]
+    store.set(arrive_key(number, device), "1")
+    keys = [arrive_key(number, d) for d in world]
     deadline = time.monotonic() + timeout_s
     while not store.check(keys):
         if store.check([abort_key(number)]):
             raise PostAborted(f"post {number}: {store.get(abort_key(number)).decode()}")
         if time.monotonic() > deadline:
-            missing = [d for d in world if not store.check([f"arrive/{number}/{d}"])]
+            missing = [d for d in world if not store.check([arrive_key(number, d)])]
             raise TimeoutError(f"post {number}: devices {missing} did not arrive within {timeout_s:.0f} s")
         time.sleep(poll_s)
