@@ -152,23 +152,34 @@ def test_a_post_whose_device_dies_is_failed_at_once_and_waiting_ranks_are_releas
     assert read_post(store, 2).plan == survivors and read_post(store, 2).world == (0, 1, 2)
 
 
-def test_a_spare_that_dies_mid_reshape_gets_the_same_command_posted_again_without_it() -> None:
-    # Device 4 is in the world but the plan leaves it out: its death changes nothing the plan needs.
+def _intake_with_a_spare() -> tuple[_Store, CommandIntake, Plan]:
+    """An intake whose world is devices 0-4 under a plan that uses 0-3 (4 is a spare), with the
+    command "a" for epoch 1 offered; returns the store, the intake and epoch 1's plan."""
     store = _Store()
     p0 = Plan.uniform(tp=1, pp=2, dp=2, num_layers=4, microbatches_per_replica=2)
     intake = CommandIntake(store, p0, n_layer=4, n_head=4, global_microbatches=4)
     intake.start((0, 1, 2, 3, 4))
     p1 = p0.model_copy(update={"epoch": 1})
     intake.offer(_cmd(p1, "a"))
+    return store, intake, p1
+
+
+def _report_done(store: _Store, post: int, devices) -> None:  # type: ignore[no-untyped-def]
+    for d in devices:
+        store.set(done_key(post, d), json.dumps({"pause_s": 0.1, "pause_iterations": 1, "failure_wait_s": 0,
+                                                 "iteration": 1, "source": "live"}))
+
+
+def test_a_spare_that_dies_mid_reshape_gets_the_same_command_posted_again_without_it() -> None:
+    # Device 4 is in the world but the plan leaves it out: its death changes nothing the plan needs.
+    store, intake, p1 = _intake_with_a_spare()
     assert intake.poll({0, 1, 2, 3, 4}, progress_iteration=0) == []  # posted as post 1
     assert not intake.doomed(4) and intake.doomed(3)
     assert intake.poll({0, 1, 2, 3}, progress_iteration=0) == []  # 4 died: still in flight, posted again
     with pytest.raises(PostAborted, match=r"spare devices \[4\]"):
         await_arrivals(store, 1, (0, 1, 2, 3, 4), device=0, timeout_s=60)
     assert newest_post(store) == 2 and read_post(store, 2).plan == p1 and read_post(store, 2).world == (0, 1, 2, 3)
-    for d in range(4):
-        store.set(done_key(2, d), json.dumps({"pause_s": 0.1, "pause_iterations": 1, "failure_wait_s": 0,
-                                              "iteration": 1, "source": "live"}))
+    _report_done(store, 2, range(4))
     (ack,) = intake.poll({0, 1, 2, 3}, progress_iteration=0)
     assert (ack.command_id, ack.status, ack.running_epoch) == ("a", AckStatus.APPLIED, 1)
     assert "spare devices [4] died mid-reshape" in ack.detail and intake.running == p1
@@ -179,20 +190,13 @@ def test_a_spare_that_dies_past_the_arrival_barrier_lets_the_reshape_run_its_cou
     # would hand them the epoch they are already reshaping to. The intake waits for the live
     # devices instead, and the running world it reports still holds the dead spare (the launcher
     # re-posts the plan without it).
-    store = _Store()
-    p0 = Plan.uniform(tp=1, pp=2, dp=2, num_layers=4, microbatches_per_replica=2)
-    intake = CommandIntake(store, p0, n_layer=4, n_head=4, global_microbatches=4)
-    intake.start((0, 1, 2, 3, 4))
-    p1 = p0.model_copy(update={"epoch": 1})
-    intake.offer(_cmd(p1, "a"))
+    store, intake, p1 = _intake_with_a_spare()
     assert intake.poll({0, 1, 2, 3, 4}, progress_iteration=0) == []
     for d in range(5):
         store.set(arrive_key(1, d), "1")
     assert intake.poll({0, 1, 2, 3}, progress_iteration=0) == []  # 4 died: still in flight, not posted again
     assert newest_post(store) == 1 and not store.check([abort_key(1)])
-    for d in range(4):
-        store.set(done_key(1, d), json.dumps({"pause_s": 0.1, "pause_iterations": 1, "failure_wait_s": 0,
-                                              "iteration": 1, "source": "live"}))
+    _report_done(store, 1, range(4))
     (ack,) = intake.poll({0, 1, 2, 3}, progress_iteration=0)
     assert (ack.command_id, ack.status) == ("a", AckStatus.APPLIED)
     assert intake.running == p1 and intake.running_world == (0, 1, 2, 3, 4)
