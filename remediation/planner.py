@@ -238,16 +238,18 @@ class Planner:
         for limit_s in dps:
             allowed = [_Slot(s.members, [c for c in s.candidates if c.dropped or c.dp_s <= limit_s + 1e-8]
                              or [dropped(s.members[0])]) for s in slots]
-            found = self._solve_bounded(allowed, M, scorer, limit_s)
-            if found is None or sum(m for _, _, m in found[1]) != M:
+            found = self._solve_bounded(allowed, M, scorer)
+            if found is None or sum(m for _, _, m in found) != M:
                 continue  # infeasible, or interleaved granules could not add up to the global batch
-            scored = (self._iteration_s(found[1], scorer), found[1])
-            if best is None or scored[0] < best[0] * (1 - 1e-9):
-                best = scored
+            score = self._iteration_s(found, scorer)
+            if best is None or score < best[0] * (1 - 1e-9):
+                best = (score, found)
         return None if best is None else best[1]
 
-    def _solve_bounded(self, slots: list[_Slot], M: int, scorer: PipelineScorer, dp_s: float
-                       ) -> tuple[float, list[tuple[PipelinePlan, PipelineCandidate, int]]] | None:
+    def _solve_bounded(self, slots: list[_Slot], M: int, scorer: PipelineScorer
+                       ) -> list[tuple[PipelinePlan, PipelineCandidate, int]] | None:
+        """The smallest pipeline makespan T that absorbs all M micro-batches (bisection), and per
+        slot the candidate that absorbs the most within T; None if no slot has a live candidate."""
         live = [s for s in slots if any(not c.dropped for c in s.candidates)]
         if not live:
             return None
@@ -276,7 +278,7 @@ class Planner:
             m = self._max_mb(scorer, pick, hi, M)
             for pipe in slot.members:
                 chosen.append((pipe, pick, m))
-        return hi + dp_s, self._trim(chosen, M, scorer)
+        return self._trim(chosen, M, scorer)
 
     def _trim(self, chosen: list[tuple[PipelinePlan, PipelineCandidate, int]], M: int, scorer: PipelineScorer
               ) -> list[tuple[PipelinePlan, PipelineCandidate, int]]:

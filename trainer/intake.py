@@ -10,8 +10,8 @@ Commands are handled in arrival order, one in flight at a time; a command queued
 in-flight reshape is judged against the epoch that reshape leaves running.
 
 Posting a plan writes a numbered post (trainer/rendezvous.py: the plan and the live devices, then
-``control/post``), which ranks read at every commit. The acknowledgement waits until every device
-of the world has written ``done/P/D`` (or one wrote ``failed/P/D``, or died) and states the largest
+``control/post``), which ranks read at every commit. The acknowledgement waits until every live
+device of the world has written ``done/P/D`` (or one wrote ``failed/P/D``, or died) and states the largest
 pause and where the state came from (live peers, or a disk checkpoint when no live copy was left).
 A device the posted plan names that dies before the reshape is done fails the command at once —
 the ack names the device — and the post is aborted so the waiting ranks do not sit out a rendezvous

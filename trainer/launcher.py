@@ -10,8 +10,9 @@ minimal policy so the job survives on its own; the remediation engine's commands
 path through the bus. With ``"wait"`` the survivors wait for a command from the bus.
 
 A dead spare (a rank the plan leaves out, still in the world's commit all-reduce) needs no planner:
-between reshapes the launcher posts the running plan again as the next epoch; during one, the
-intake posts the in-flight command again without it.
+during a reshape whose world still waits at the arrival barrier, the intake posts the in-flight
+command again without it; otherwise, once nothing is in flight and the running world still holds
+it, the launcher posts the running plan again as the next epoch.
 """
 
 from __future__ import annotations
