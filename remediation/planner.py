@@ -31,7 +31,7 @@ from remediation.candidates import (
     unchanged_candidate,
 )
 from remediation.cluster import ClusterState
-from remediation.costs import PipelineScorer, ScheduleModelScorer
+from remediation.costs import PipelineScorer, ScheduleModelScorer, dp_allreduce_s
 from remediation.diff import plan_diff
 from remediation.model import ModelSpec
 from remediation.plan_result import PlanRefused, PlanResult
@@ -153,11 +153,11 @@ class Planner:
         keep_slots.extend(class_keep.values())
 
         out: list[PlanResult] = []
-        joint = self._solve(joint_slots, M, scorer, current, opts)
+        joint = self._solve(joint_slots, M, scorer, cluster, opts)
         if joint is not None:
             out.append(self._result(joint, current, current_tps, scorer, cluster))
         if opts.allow_dp:
-            rebalance = self._solve(keep_slots, M, scorer, current, opts)
+            rebalance = self._solve(keep_slots, M, scorer, cluster, opts)
             if rebalance is not None:
                 out.append(self._result(rebalance, current, current_tps, scorer, cluster))
         return out
@@ -216,7 +216,7 @@ class Planner:
         (Megatron's interleaved order runs groups of S micro-batches), else 1."""
         return len(cand.stages) if self._interleaved and cand.stages else 1
 
-    def _solve(self, slots: list[_Slot], M: int, scorer: PipelineScorer, current: Plan, opts: PlannerOptions
+    def _solve(self, slots: list[_Slot], M: int, scorer: PipelineScorer, cluster: ClusterState, opts: PlannerOptions
                ) -> list[tuple[PipelinePlan, PipelineCandidate, int]] | None:
         """Per current pipeline: (pipeline, chosen candidate, micro-batches); None if infeasible.
 
@@ -241,7 +241,7 @@ class Planner:
             found = self._solve_bounded(allowed, M, scorer)
             if found is None or sum(m for _, _, m in found) != M:
                 continue  # infeasible, or interleaved granules could not add up to the global batch
-            score = self._iteration_s(found, scorer)
+            score = self._iteration_s(found, scorer, cluster)
             if best is None or score < best[0] * (1 - 1e-9):
                 best = (score, found)
         return None if best is None else best[1]
@@ -327,15 +327,26 @@ class Planner:
 
     # ---- results -------------------------------------------------------------------------------
 
-    def _iteration_s(self, chosen: list[tuple[PipelinePlan, PipelineCandidate, int]], scorer: PipelineScorer) -> float:
+    def _iteration_s(self, chosen: list[tuple[PipelinePlan, PipelineCandidate, int]], scorer: PipelineScorer,
+                     cluster: ClusterState) -> float:
         spans: dict[float, int] = {}
         for _, c, m in chosen:
             if m > 0 and c.times:
                 span = scorer.makespan_s(c.times, m)
                 spans[span] = spans.get(span, 0) + 1
         live = [c for _, c, m in chosen if m > 0]
-        dp_s = max((c.dp_s for c in live), default=0.0) if len(live) > 1 else 0.0
-        return expected_iteration_s(self.model, spans, dp_s)
+        return expected_iteration_s(self.model, spans, self._allreduce_s(live, cluster))
+
+    def _allreduce_s(self, live: list[PipelineCandidate], cluster: ClusterState) -> float:
+        """The DP all-reduce after the slowest pipeline, over the replicas that still run.
+        Candidates price it over the current replica count; a plan that drops replicas
+        all-reduces over fewer (a ring's 2(n−1)/n and its n−1 latencies), so it is priced again
+        here: the prediction is then what the new plan scores on its own."""
+        n = len(live)
+        if n <= 1:
+            return 0.0
+        unique = {id(c): c for c in live}.values()  # class members share their candidate
+        return max(dp_allreduce_s(cluster, self.model, c.stages, n) for c in unique)
 
     def _result(self, chosen: list[tuple[PipelinePlan, PipelineCandidate, int]], current: Plan, current_tps: float,
                 scorer: PipelineScorer, cluster: ClusterState) -> PlanResult:
@@ -362,7 +373,7 @@ class Planner:
             num_layers=current.num_layers,
             pipelines=tuple(PipelinePlan(replica=i, microbatches=m, stages=st) for i, (_, m, st) in enumerate(pipelines)),
         )
-        iteration_s = self._iteration_s(chosen, scorer)
+        iteration_s = self._iteration_s(chosen, scorer, cluster)
         tps = current.global_microbatches * self.model.tokens_per_microbatch / iteration_s
         cost = (move_s + self.options.pause_s) if structural else (self.options.rebalance_pause_s if changed_mb else 0.0)
         if self.options.free_reshape:

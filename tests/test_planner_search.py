@@ -254,3 +254,13 @@ def test_the_dp_search_picks_the_allocation_its_own_score_rates_fastest():
     assert r.changed and r.choices[1] == "drop replica"
     assert r.predicted_tokens_per_s == pytest.approx(predict_tokens_per_s(cluster, noisy, dropped), rel=0.005)
     assert r.predicted_tokens_per_s > 1.03 * r.current_tokens_per_s
+
+
+def test_a_plan_that_drops_a_replica_is_priced_with_the_replicas_that_remain():
+    # Candidates price the gradient all-reduce over the current replica count (8). Dropping the
+    # replica that holds a dead GPU leaves 7: the prediction must be what the new plan scores on
+    # its own, not the old ring's 2·7/8 and 7 latencies (0.1 % pessimistic at 256 GPUs).
+    cluster = HEALTHY.with_device(20, DeviceState(dead=True))
+    r = make_strategy("dp_only", MODEL).plan(cluster, PLAN)
+    assert r.choices[0] == "drop replica" and r.plan.dp == PLAN.dp - 1
+    assert r.predicted_tokens_per_s == pytest.approx(predict_tokens_per_s(cluster, MODEL, r.plan), rel=1e-12)
