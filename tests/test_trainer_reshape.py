@@ -10,6 +10,9 @@
 * a dead spare (a rank the plan leaves out) re-forms the world under the same plan, no planner asked;
 * a command whose device dies before the reshape fails at once and the job goes on;
 * a spare that dies mid-reshape: the same command is posted again without it and applies;
+* a device that dies after the new world met (no abort reaches the others there): the ranks go
+  back to the running epoch; a device the plan names fails the command and the policy re-plans,
+  a spare gets the same command posted again;
 * with no live copy left, the ranks fall back to the newest periodic disk checkpoint;
 * a disk checkpoint written by one layout loads into another;
 * the detector's probes are answered between iterations, name the slow rank and the slow NIC,
@@ -242,6 +245,47 @@ def test_a_spare_that_dies_mid_reshape_leaves_the_command_to_apply_without_it(re
     # and training ends exactly like the reference.
     command = _publish_shift_to_5_3(tmp_path, BASE)
     spec = _spec(tmp_path, faults=[Fault(kind="kill_in_reshape", rank=8, start_iteration=1)])
+
+    result = launch(spec, BASE, 9, commands_from="beginning")
+
+    assert result.exit_codes[8] == KILL_EXIT_CODE
+    assert all(code == 0 for d, code in result.exit_codes.items() if d != 8)
+    (ack,) = _acks(tmp_path)
+    assert ack.command_id == command.command_id and ack.status == AckStatus.APPLIED and ack.epoch == 1
+    assert "spare devices [8] died mid-reshape" in ack.detail
+    assert result.final_plan == command.plan
+    _assert_same_training(tmp_path, reference)
+
+
+def test_a_device_that_dies_after_the_new_world_met_fails_the_command_and_the_job_goes_on(
+        reference: Path, tmp_path: Path) -> None:
+    # TP1·PP2·DP2 on 4 ranks; the command for epoch 1 (micro-batches 5/3) is posted, every device
+    # arrives and the new world's rendezvous completes, then device 3 dies as the state transfer
+    # starts. No abort reaches the others there: they find out from a group that never forms, go
+    # back to epoch 0's state and wait. The command fails, the launcher's policy drops replica 1
+    # as epoch 1, and training ends exactly like the reference.
+    plan = Plan.uniform(tp=1, pp=2, dp=2, num_layers=4, microbatches_per_replica=4)
+    doomed = _publish_shift_to_5_3(tmp_path, plan)
+    spec = _spec(tmp_path, faults=[Fault(kind="kill_in_transfer", rank=3, start_iteration=1)])
+
+    result = launch(spec, plan, 4, on_death="drop-replica", commands_from="beginning")
+
+    assert result.exit_codes == {0: 0, 1: 0, 2: 0, 3: KILL_EXIT_CODE}
+    failed, applied = _acks(tmp_path)
+    assert failed.command_id == doomed.command_id and failed.status == AckStatus.FAILED
+    assert applied.status == AckStatus.APPLIED and applied.epoch == 1 and applied.plan_id.startswith("launcher-drop")
+    assert result.final_plan.devices == [0, 1]
+    _assert_same_training(tmp_path, reference)
+
+
+def test_a_spare_that_dies_after_the_new_world_met_gets_the_command_posted_again(reference: Path,
+                                                                                tmp_path: Path) -> None:
+    # Rank 8 is a spare; it dies after the world of the command for epoch 1 met, so the groups
+    # cannot form without it. The ranks report the failure and go back to epoch 0; the intake
+    # posts the same command to the eight live ranks, it applies (one ack, on_death="wait"), and
+    # training ends exactly like the reference.
+    command = _publish_shift_to_5_3(tmp_path, BASE)
+    spec = _spec(tmp_path, faults=[Fault(kind="kill_in_transfer", rank=8, start_iteration=1)])
 
     result = launch(spec, BASE, 9, commands_from="beginning")
 

@@ -14,8 +14,8 @@ from trainer.data import IGNORE, global_targets, microbatch, replica_microbatch_
 from trainer.faults import FaultList
 from trainer.intake import CommandIntake
 from trainer.launcher import drop_replicas, on_death_plan
-from trainer.rendezvous import (CONTROL_POST, PostAborted, abort_key, arrive_key, await_arrivals, done_key, newest_post,
-                                read_post)
+from trainer.rendezvous import (CONTROL_POST, PostAborted, abort_key, arrive_key, await_arrivals, done_key, failed_key,
+                                newest_post, read_post)
 from trainer.model import GPTConfig, GPTStage, init_full, init_stage, shard, shard_rule, unshard
 from trainer.optim import AdamW
 from trainer.parallel import Layout
@@ -200,6 +200,24 @@ def test_a_spare_that_dies_past_the_arrival_barrier_lets_the_reshape_run_its_cou
     (ack,) = intake.poll({0, 1, 2, 3}, progress_iteration=0)
     assert (ack.command_id, ack.status) == ("a", AckStatus.APPLIED)
     assert intake.running == p1 and intake.running_world == (0, 1, 2, 3, 4)
+
+
+def test_a_spare_whose_death_fails_the_ranks_past_the_barrier_gets_the_command_posted_again() -> None:
+    # Everyone arrived at post 1, then the spare died and the ranks' transfer failed: they report it
+    # and wait on the running epoch. The same command is posted again without the spare (still one
+    # command, one ack), not failed.
+    store, intake, p1 = _intake_with_a_spare()
+    assert intake.poll({0, 1, 2, 3, 4}, progress_iteration=0) == []
+    for d in range(5):
+        store.set(arrive_key(1, d), "1")
+    for d in range(4):
+        store.set(failed_key(1, d), "DistNetworkError: Connection closed by peer")
+    assert intake.poll({0, 1, 2, 3}, progress_iteration=0) == []
+    assert newest_post(store) == 2 and read_post(store, 2).plan == p1 and read_post(store, 2).world == (0, 1, 2, 3)
+    _report_done(store, 2, range(4))
+    (ack,) = intake.poll({0, 1, 2, 3}, progress_iteration=0)
+    assert (ack.command_id, ack.status) == ("a", AckStatus.APPLIED)
+    assert "spare devices [4] died mid-reshape" in ack.detail and intake.running_world == (0, 1, 2, 3)
 
 
 def test_intake_fails_a_plan_the_job_cannot_run_without_touching_the_ranks() -> None:

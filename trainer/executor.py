@@ -6,13 +6,16 @@ e+1 on top of e reaches the ranks — and posted the plan and the live world int
 numbered post (trainer/rendezvous.py).
 
     reshape(P):    agree → export_state → rebuild_world → restore_state → rebuild_groups → resume
+                   (a failure after rebuild_world: back to the running epoch, await_plan → reshape)
     recover(exc):  await_plan → reshape(P)              (after a collective failed: a peer died)
 
 ``restore_state`` pulls every shard from live peers when some replica still holds each unit;
 when none does (``units_without_live_copy``), every rank loads the newest disk checkpoint of the
 run instead and the iteration rolls back to it (``restore_from_disk``). If the launcher aborts a
 post while the ranks wait to rendezvous (a device of its world died), the ranks keep their state
-and wait for the next post.
+and wait for the next post. Past that point (the world met) an abort no longer reaches them; a
+death there fails a transfer or a group, and each rank goes back to the running epoch's state —
+still whole in memory — and waits for the next post the same way.
 
 Process groups: the default group is re-created for every epoch over the live processes (a
 ``PrefixStore`` of ``pg/<epoch>/`` on the launcher's store gives each epoch a fresh rendezvous), so
@@ -83,8 +86,8 @@ class Executor:
         """Wait for the post's whole world, then destroy the old default group and rendezvous a new one.
 
         ``PostAborted`` if the launcher gives up on the post first (a device of the world died);
-        a timeout if a device dies after everyone arrived; ``Released`` if this device is not in
-        the world."""
+        a collective error or timeout if a device dies after everyone arrived; ``Released`` if
+        this device is not in the world."""
         if self.trainer.device in post.world:
             self.trainer.faults.begin_reshape(self.trainer.iteration)
         layout = self.trainer.join_world(post)
@@ -95,9 +98,10 @@ class Executor:
     def restore_state(self, old, layout: Layout, mine: ShardState | None) -> tuple[ShardState | None, str]:
         """This device's state under the new plan, and where it came from ("live", or the checkpoint).
 
-        From live holders when every unit still has one (see trainer/state.py; fails by timeout if
-        a sender dies mid-way), else from disk (:meth:`restore_from_disk`). Every rank takes the
+        From live holders when every unit still has one (see trainer/state.py; a sender that dies
+        mid-way fails the receive, see :meth:`reshape`), else from disk (:meth:`restore_from_disk`). Every rank takes the
         same branch: the choice is a pure function of the two plans and the world."""
+        self.trainer.faults.begin_transfer(self.trainer.iteration)
         missing = units_without_live_copy(old, layout)
         if missing:
             return self.restore_from_disk(layout, missing)
@@ -136,6 +140,7 @@ class Executor:
         """Barrier over the new world, then report ``done/<post>/<device>`` with the pause and the
         state's source. After the barrier every rank trains under the new epoch."""
         dist.barrier(group=self.trainer.current.train_group)
+        self.trainer.post = number
         wall = sum(self.recent_walls_s[-5:]) / max(1, len(self.recent_walls_s[-5:])) if self.recent_walls_s else 0.0
         iterations = (math.ceil(pause_s / wall) if wall > 0 else 0) + self.lost_iterations
         self.trainer.store.set(done_key(number, self.trainer.device), json.dumps({
@@ -146,31 +151,54 @@ class Executor:
     # ---- the protocols -----------------------------------------------------------------------------
 
     def reshape(self, number: int) -> None:
-        """Move to the plan of post ``number`` at this iteration boundary. If the launcher aborts
-        the post, keep the state and take the next post; on any other failure report it and re-raise."""
+        """Move to the plan of post ``number`` at this iteration boundary.
+
+        If the launcher aborts the post while the world gathers, keep the state and take the next
+        post. If a collective fails after the new world met (a device of it died during the
+        transfer or while the groups formed: no abort reaches ranks past the arrival barrier, they
+        find out from a dead socket or a group that never forms), report it, go back to the
+        running epoch's state — every rank still holds what it exported, nothing was stepped — and
+        reshape onto the next post, as after any failed collective. Any other failure is reported
+        and re-raised."""
         start = time.perf_counter()
+        previous, iteration, lost = self.trainer.current, self.trainer.iteration, self.lost_iterations
+        met = False
         try:
-            old = self.trainer.current.layout.plan
+            old = previous.layout.plan
             post = self.agree(number)
             mine = self.export_state()
             layout = self.rebuild_world(post)
+            met = True
             state, source = self.restore_state(old, layout, mine)
             self.rebuild_groups(layout, state)
+            self.resume(number, time.perf_counter() - start, source)
         except Released:
             raise
         except PostAborted as exc:
             log.warning("device %d: %s; waiting for the next plan", self.trainer.device, exc)
-            waited_from = time.perf_counter()
-            following = self.await_plan(after=number)
-            self.failure_wait_s += time.perf_counter() - waited_from
-            self.reshape(following)
+            self._wait_and_reshape(number)
+            return
+        except (RuntimeError, dist.DistError) as exc:
+            self.trainer.store.set(failed_key(number, self.trainer.device), f"{type(exc).__name__}: {exc}"[:1000])
+            if not met or isinstance(exc, NoLiveSource | ReshapeFailed):
+                raise
+            log.warning("device %d: the world of post %d failed mid-reshape (%s); back to epoch %d, waiting for "
+                        "the next plan", self.trainer.device, number, str(exc).splitlines()[0][:200], old.epoch)
+            self.trainer.current, self.trainer.iteration, self.lost_iterations = previous, iteration, lost
+            self._wait_and_reshape(number)
             return
         except Exception as exc:
             self.trainer.store.set(failed_key(number, self.trainer.device), f"{type(exc).__name__}: {exc}")
             raise
-        self.trainer.post = number
-        self.resume(number, time.perf_counter() - start, source)
         log.info("device %d: now at epoch %d (%s)", self.trainer.device, layout.plan.epoch, layout.plan.shape())
+
+    def _wait_and_reshape(self, number: int) -> None:
+        """Post ``number`` will not complete: wait for a newer one (counted as failure wait) and
+        reshape onto it."""
+        waited_from = time.perf_counter()
+        following = self.await_plan(after=number)
+        self.failure_wait_s += time.perf_counter() - waited_from
+        self.reshape(following)
 
     def await_plan(self, after: int) -> int:
         """Wait until the launcher posts a plan newer than post ``after`` (from a command on the

@@ -22,7 +22,8 @@ arrival barrier, the post is aborted and the same command posted again to the de
 alive; it stays in flight — one command, one ack. Once everyone arrived the ranks no longer heed
 an abort, so the reshape runs its course: it applies when every live device is done (the
 running world then still holds the dead spare, ``running_world``, and the launcher re-posts the
-plan without it), or fails when a rank reports failure.
+plan without it); if the spare's death fails a transfer or a group instead, the ranks report it,
+go back to the running epoch's state and wait, and the same command is posted again as above.
 """
 
 from __future__ import annotations
@@ -140,10 +141,11 @@ class CommandIntake:
         fl = self.in_flight
         failed = [d for d in fl.world if self.store.check([failed_key(fl.post, d)])]
         died = [d for d in fl.world if d not in alive]
-        spares_only = bool(died) and not failed and not set(died) & set(fl.command.plan.devices)
-        if spares_only and not self.store.check([arrive_key(fl.post, d) for d in fl.world]):
-            # Only spares died and the world still waits at the arrival barrier: release it and
-            # post the same command to the devices still alive.
+        spares_only = bool(died) and not set(died) & set(fl.command.plan.devices)
+        if spares_only and (failed or not self.store.check([arrive_key(fl.post, d) for d in fl.world])):
+            # Only spares died, and the world still waits at the arrival barrier or the ranks past
+            # it report a failed transfer or group (they went back to the running epoch and wait):
+            # release them and post the same command to the devices still alive.
             self.store.set(abort_key(fl.post), f"spare devices {died} died before the reshape to epoch "
                                                f"{fl.command.plan.epoch} finished; posted again without them")
             self._post(fl.command, alive, fl.reposted + tuple(died))
