@@ -13,9 +13,10 @@ numbered post (trainer/rendezvous.py).
 when none does (``units_without_live_copy``), every rank loads the newest disk checkpoint of the
 run instead and the iteration rolls back to it (``restore_from_disk``). If the launcher aborts a
 post while the ranks wait to rendezvous (a device of its world died), the ranks keep their state
-and wait for the next post. Past that point (the world met) an abort no longer reaches them; a
-death there fails a transfer or a group, and each rank goes back to the running epoch's state —
-still whole in memory — and waits for the next post the same way.
+and wait for the next post. Past that point (everyone arrived) an abort no longer reaches them; a
+death in the c10d rendezvous, the transfer or the new groups fails a collective instead, and each
+rank goes back to the running epoch's state — still whole in memory — and waits for the next post
+the same way.
 
 Process groups: the default group is re-created for every epoch over the live processes (a
 ``PrefixStore`` of ``pg/<epoch>/`` on the launcher's store gives each epoch a fresh rendezvous), so
@@ -154,21 +155,21 @@ class Executor:
         """Move to the plan of post ``number`` at this iteration boundary.
 
         If the launcher aborts the post while the world gathers, keep the state and take the next
-        post. If a collective fails after the new world met (a device of it died during the
-        transfer or while the groups formed: no abort reaches ranks past the arrival barrier, they
-        find out from a dead socket or a group that never forms), report it, go back to the
-        running epoch's state — every rank still holds what it exported, nothing was stepped — and
-        reshape onto the next post, as after any failed collective. Any other failure is reported
-        and re-raised."""
+        post. If a collective fails once this rank left the old world (a device of the new one died
+        in the c10d rendezvous, during the transfer or while the groups formed: no abort reaches
+        ranks past the arrival barrier, they find out from a dead socket or a group that never
+        forms), report it, go back to the running epoch's state — every rank still holds what it
+        exported, nothing was stepped — and reshape onto the next post, as after any failed
+        collective. Any other failure is reported and re-raised."""
         start = time.perf_counter()
         previous, iteration, lost = self.trainer.current, self.trainer.iteration, self.lost_iterations
-        met = False
+        left = False  # the old world: from here on a collective failure sends us back to wait
         try:
             old = previous.layout.plan
             post = self.agree(number)
             mine = self.export_state()
+            left = True
             layout = self.rebuild_world(post)
-            met = True
             state, source = self.restore_state(old, layout, mine)
             self.rebuild_groups(layout, state)
             self.resume(number, time.perf_counter() - start, source)
@@ -180,7 +181,7 @@ class Executor:
             return
         except (RuntimeError, dist.DistError) as exc:
             self.trainer.store.set(failed_key(number, self.trainer.device), f"{type(exc).__name__}: {exc}"[:1000])
-            if not met or isinstance(exc, NoLiveSource | ReshapeFailed):
+            if not left or isinstance(exc, NoLiveSource | ReshapeFailed):
                 raise
             log.warning("device %d: the world of post %d failed mid-reshape (%s); back to epoch %d, waiting for "
                         "the next plan", self.trainer.device, number, str(exc).splitlines()[0][:200], old.epoch)
