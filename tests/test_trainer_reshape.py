@@ -216,76 +216,43 @@ def test_a_dead_spare_leaves_the_plan_as_it_is_and_the_job_goes_on(reference: Pa
     _assert_same_training(tmp_path, reference)
 
 
-def test_a_command_whose_device_dies_before_the_reshape_fails_at_once_and_the_job_goes_on(
-        reference: Path, tmp_path: Path) -> None:
-    # TP1·PP2·DP2 on 4 ranks; the command for epoch 1 (micro-batches 5/3) is posted, then device 3
-    # dies on its way into the new world. The command fails at once naming device 3 (not at the
-    # 60 s rendezvous timeout), the waiting ranks keep their state, the launcher's policy drops
-    # replica 1 as epoch 1, and training ends exactly like the reference.
-    plan = Plan.uniform(tp=1, pp=2, dp=2, num_layers=4, microbatches_per_replica=4)
-    doomed = _publish_shift_to_5_3(tmp_path, plan)
-    spec = _spec(tmp_path, faults=[Fault(kind="kill_in_reshape", rank=3, start_iteration=1)])
-
-    result = launch(spec, plan, 4, on_death="drop-replica", commands_from="beginning")
-
-    assert result.exit_codes == {0: 0, 1: 0, 2: 0, 3: KILL_EXIT_CODE}
-    failed, applied = _acks(tmp_path)
-    assert failed.command_id == doomed.command_id and failed.status == AckStatus.FAILED
-    assert "device 3 died" in failed.detail and "names [3]" in failed.detail
-    assert applied.status == AckStatus.APPLIED and applied.epoch == 1 and applied.plan_id.startswith("launcher-drop")
-    assert result.final_plan.devices == [0, 1]
-    _assert_same_training(tmp_path, reference)
-
-
-def test_a_spare_that_dies_mid_reshape_leaves_the_command_to_apply_without_it(reference: Path,
+@pytest.mark.parametrize("kill", ["kill_in_reshape", "kill_in_transfer"])
+def test_a_command_whose_device_dies_mid_reshape_fails_and_the_job_goes_on(kill: str, reference: Path,
                                                                            tmp_path: Path) -> None:
-    # Rank 8 is a spare; the command for epoch 1 (micro-batches 5/3) is posted to all nine, and rank
-    # 8 dies on its way into the new world. The plan needs nothing of it: the intake posts the same
-    # command again to the eight live ranks, it applies (one ack, no planner asked, on_death="wait"),
-    # and training ends exactly like the reference.
-    command = _publish_shift_to_5_3(tmp_path, BASE)
-    spec = _spec(tmp_path, faults=[Fault(kind="kill_in_reshape", rank=8, start_iteration=1)])
-
-    result = launch(spec, BASE, 9, commands_from="beginning")
-
-    assert result.exit_codes[8] == KILL_EXIT_CODE
-    assert all(code == 0 for d, code in result.exit_codes.items() if d != 8)
-    (ack,) = _acks(tmp_path)
-    assert ack.command_id == command.command_id and ack.status == AckStatus.APPLIED and ack.epoch == 1
-    assert "spare devices [8] died mid-reshape" in ack.detail
-    assert result.final_plan == command.plan
-    _assert_same_training(tmp_path, reference)
-
-
-def test_a_device_that_dies_after_the_new_world_met_fails_the_command_and_the_job_goes_on(
-        reference: Path, tmp_path: Path) -> None:
-    # TP1·PP2·DP2 on 4 ranks; the command for epoch 1 (micro-batches 5/3) is posted, every device
-    # arrives and the new world's rendezvous completes, then device 3 dies as the state transfer
-    # starts. No abort reaches the others there: they find out from a group that never forms, go
-    # back to epoch 0's state and wait. The command fails, the launcher's policy drops replica 1
-    # as epoch 1, and training ends exactly like the reference.
+    # TP1·PP2·DP2 on 4 ranks; the command for epoch 1 (micro-batches 5/3) is posted, then device 3
+    # dies: on its way into the new world (kill_in_reshape), or after every device arrived and
+    # the new world's rendezvous completed, as the state transfer starts (kill_in_transfer). The
+    # command fails — in the first case at once, naming device 3, not at the 60 s rendezvous
+    # timeout; in the second the others find out from a group that never forms and go back to
+    # epoch 0's state — the launcher's policy drops replica 1 as epoch 1, and training ends
+    # exactly like the reference.
     plan = Plan.uniform(tp=1, pp=2, dp=2, num_layers=4, microbatches_per_replica=4)
     doomed = _publish_shift_to_5_3(tmp_path, plan)
-    spec = _spec(tmp_path, faults=[Fault(kind="kill_in_transfer", rank=3, start_iteration=1)])
+    spec = _spec(tmp_path, faults=[Fault(kind=kill, rank=3, start_iteration=1)])
 
     result = launch(spec, plan, 4, on_death="drop-replica", commands_from="beginning")
 
     assert result.exit_codes == {0: 0, 1: 0, 2: 0, 3: KILL_EXIT_CODE}
     failed, applied = _acks(tmp_path)
     assert failed.command_id == doomed.command_id and failed.status == AckStatus.FAILED
+    if kill == "kill_in_reshape":
+        assert "device 3 died" in failed.detail and "names [3]" in failed.detail
     assert applied.status == AckStatus.APPLIED and applied.epoch == 1 and applied.plan_id.startswith("launcher-drop")
     assert result.final_plan.devices == [0, 1]
     _assert_same_training(tmp_path, reference)
 
 
-def test_a_spare_that_dies_after_the_new_world_met_gets_the_command_posted_again(reference: Path,
+@pytest.mark.parametrize("kill", ["kill_in_reshape", "kill_in_transfer"])
+def test_a_spare_that_dies_mid_reshape_gets_the_command_posted_again_without_it(kill: str, reference: Path,
                                                                                 tmp_path: Path) -> None:
-    # Rank 8 is a spare; it dies after the world of the command for epoch 1 met, so the groups
-    # cannot form without it. The ranks report the failure and go back to epoch 0; the intake
-    # posts the same command to the eight live ranks, it applies (one ack, on_death="wait"), and
-    # training ends exactly like the reference.
+    # Rank 8 is a spare; the command for epoch 1 (micro-batches 5/3) is posted to all nine, and rank
+    # 8 dies on its way into the new world (kill_in_reshape) or after it met (kill_in_transfer: the
+    # groups cannot form without it, and the ranks report it and go back to epoch 0). The plan
+    # needs nothing of it: the intake posts the same command again to the eight live ranks, it
+    # applies (one ack, no planner asked, on_death="wait"), and training ends exactly like the
+    # reference.
     command = _publish_shift_to_5_3(tmp_path, BASE)
-    spec = _spec(tmp_path, faults=[Fault(kind="kill_in_transfer", rank=8, start_iteration=1)])
+    spec = _spec(tmp_path, faults=[Fault(kind=kill, rank=8, start_iteration=1)])
 
     result = launch(spec, BASE, 9, commands_from="beginning")
 
