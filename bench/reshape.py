@@ -4,7 +4,8 @@ rank slowed ×2, and after remediation.
 One launch of the real trainer (gloo, local processes), driven from here through the bus:
 iterations run healthy on TP1·PP2·DP4; then rank 3 (replica 1, stage 1) computes at half speed;
 a remediation command gives its stage fewer layers and its replica fewer micro-batches; the slow
-fault ends; then one command per kind of reshape (micro-batches, TP, PP, the schedule — the PP
+fault ends; then one command per kind of reshape (micro-batches only — the ranks keep their
+groups —, TP, PP, the schedule — the PP
 layout switched to interleaved 1F1B with 2 chunks per stage, then to zero-bubble — and DP) is
 published, each after a few iterations on the previous plan, and finally a rank is killed and the
 launcher's drop-replica policy reshapes around it from live state. Tokens/s is the median of the
@@ -56,7 +57,9 @@ def _plans(layers: int):
     counts = [5, 3, 4, 4]
     remediated = remediated.model_copy(update={"pipelines": tuple(
         p.model_copy(update={"microbatches": c}) for p, c in zip(remediated.pipelines, counts))})
-    microbatches = base.model_copy(update={"epoch": 2})  # back to the uniform split
+    # The same stages, micro-batches back to 4/4/4/4: only counts change, so the ranks keep their groups.
+    microbatches = remediated.model_copy(update={"epoch": 2, "pipelines": tuple(
+        p.model_copy(update={"microbatches": 4}) for p in remediated.pipelines)})
     tp = Plan.uniform(tp=2, pp=2, dp=2, num_layers=layers, microbatches_per_replica=8, epoch=3)
     pp = Plan.uniform(tp=1, pp=4, dp=2, num_layers=layers, microbatches_per_replica=8, epoch=4)
     interleaved = Plan.uniform(tp=1, pp=4, dp=2, num_layers=layers, microbatches_per_replica=8, epoch=5,

@@ -1,8 +1,9 @@
 """Proofs of the live reshape, on 8 CPU ranks over gloo with a tiny float64 model.
 
 * equivalence: the same 12 iterations with no reshape, and with four reshapes in between
-  (TP2·PP2·DP2 → TP1·PP4·DP2 → TP2·PP1·DP4 → a micro-batch reallocation → replicas with different
-  TP degrees and layer splits plus a spare) give the same losses and the same final parameters;
+  (TP2·PP2·DP2 → TP1·PP4·DP2 → TP2·PP1·DP4 → a micro-batch reallocation, which keeps the groups →
+  replicas with different TP degrees and layer splits plus a spare) give the same losses and the
+  same final parameters;
 * a duplicated and a stale command are ignored and reported on the bus;
 * fail-stop: a rank killed at iteration 3, the survivors reshape from live state (no checkpoint)
   and the loss curve continues as the reference's;
@@ -79,11 +80,19 @@ def _command(plan: Plan, command_id: str | None = None) -> ReconfigureCommand:
     return ReconfigureCommand(command_id=command_id or uuid.uuid4().hex, plan_id=f"plan-{plan.epoch}", plan=plan)
 
 
-def _publish_shift_to_5_3(tmp: Path, plan: Plan) -> ReconfigureCommand:
+def _publish_shift_to_5_3(tmp: Path, plan: Plan, resplit: bool = False) -> ReconfigureCommand:
     """Publish (before the launch) the command for epoch 1 that moves a micro-batch from replica 1
-    to replica 0 of a two-replica ``plan``; training semantics are unchanged."""
+    to replica 0 of a two-stage, two-replica ``plan`` (only micro-batch counts change: the ranks
+    keep their groups) and, with ``resplit``, also moves replica 0's stage boundary from layer 2
+    to layer 1 (the world re-forms and state moves). Training semantics are unchanged."""
+    def changed(p: PipelinePlan, m: int) -> PipelinePlan:
+        if not (resplit and p.replica == 0):
+            return p.model_copy(update={"microbatches": m})
+        first, second = p.stages
+        return p.model_copy(update={"microbatches": m, "stages": (first.model_copy(update={"end_layer": 1}),
+                                                                  second.model_copy(update={"first_layer": 1}))})
     shifted = plan.model_copy(update={"epoch": 1, "pipelines": tuple(
-        p.model_copy(update={"microbatches": m}) for p, m in zip(plan.pipelines, [5, 3]))})
+        changed(p, m) for p, m in zip(plan.pipelines, [5, 3]))})
     command = _command(shifted)
     with EmbeddedBus(tmp / "bus.sqlite") as bus:
         bus.publish([EventFactory("resihp", "test").make(command)])
@@ -135,6 +144,9 @@ def test_trainer_reshapes_live_and_trains_exactly_like_the_reference(reference: 
         (2, AckStatus.APPLIED), (3, AckStatus.APPLIED), (4, AckStatus.APPLIED)]
     assert acks[1].command_id == acks[0].command_id and acks[2].command_id == stale.command_id
     assert all(a.pause_s > 0 for a in acks if a.status == AckStatus.APPLIED)
+    # p3 only moves micro-batches: the ranks keep their groups and state; every other plan re-forms.
+    assert "process groups and state kept" in acks[4].detail
+    assert all("state from live peers" in acks[i].detail for i in (0, 3, 5))
     assert result.final_plan == p4
     announced = [(e.payload.reason, e.payload.plan) for e in _events(tmp_path / "bus.sqlite", topics.CONTROL)
                  if isinstance(e.payload, PlanCurrent)]
@@ -216,18 +228,23 @@ def test_a_dead_spare_leaves_the_plan_as_it_is_and_the_job_goes_on(reference: Pa
     _assert_same_training(tmp_path, reference)
 
 
-@pytest.mark.parametrize("kill", ["kill_in_reshape", "kill_in_transfer"])
-def test_a_command_whose_device_dies_mid_reshape_fails_and_the_job_goes_on(kill: str, reference: Path,
-                                                                           tmp_path: Path) -> None:
-    # TP1·PP2·DP2 on 4 ranks; the command for epoch 1 (micro-batches 5/3) is posted, then device 3
-    # dies: on its way into the new world (kill_in_reshape), or after every device arrived and
-    # the new world's rendezvous completed, as the state transfer starts (kill_in_transfer). The
-    # command fails — in the first case at once, naming device 3, not at the 60 s rendezvous
-    # timeout; in the second the others find out from a group that never forms and go back to
-    # epoch 0's state — the launcher's policy drops replica 1 as epoch 1, and training ends
-    # exactly like the reference.
+# (fault, whether the command re-splits layers): a death at the arrival barrier of a micro-batch-only
+# change and of a re-forming one, and a death after the new world met (only a re-forming change has one).
+MID_RESHAPE = [("kill_in_reshape", False), ("kill_in_reshape", True), ("kill_in_transfer", True)]
+
+
+@pytest.mark.parametrize("kill, resplit", MID_RESHAPE)
+def test_a_command_whose_device_dies_mid_reshape_fails_and_the_job_goes_on(kill: str, resplit: bool,
+                                                                           reference: Path, tmp_path: Path) -> None:
+    # TP1·PP2·DP2 on 4 ranks; the command for epoch 1 (micro-batches 5/3, maybe a layer re-split)
+    # is posted, then device 3 dies: on its way to the arrival barrier (kill_in_reshape), or after
+    # every device arrived and the new world's rendezvous completed, as the state transfer starts
+    # (kill_in_transfer). The command fails — in the first case at once, naming device 3, not at
+    # the 60 s rendezvous timeout; in the second the others find out from a group that never forms
+    # and go back to epoch 0's state — the launcher's policy drops replica 1 as epoch 1, and
+    # training ends exactly like the reference.
     plan = Plan.uniform(tp=1, pp=2, dp=2, num_layers=4, microbatches_per_replica=4)
-    doomed = _publish_shift_to_5_3(tmp_path, plan)
+    doomed = _publish_shift_to_5_3(tmp_path, plan, resplit)
     spec = _spec(tmp_path, faults=[Fault(kind=kill, rank=3, start_iteration=1)])
 
     result = launch(spec, plan, 4, on_death="drop-replica", commands_from="beginning")
@@ -242,16 +259,17 @@ def test_a_command_whose_device_dies_mid_reshape_fails_and_the_job_goes_on(kill:
     _assert_same_training(tmp_path, reference)
 
 
-@pytest.mark.parametrize("kill", ["kill_in_reshape", "kill_in_transfer"])
-def test_a_spare_that_dies_mid_reshape_gets_the_command_posted_again_without_it(kill: str, reference: Path,
+@pytest.mark.parametrize("kill, resplit", MID_RESHAPE)
+def test_a_spare_that_dies_mid_reshape_gets_the_command_posted_again_without_it(kill: str, resplit: bool,
+                                                                                reference: Path,
                                                                                 tmp_path: Path) -> None:
-    # Rank 8 is a spare; the command for epoch 1 (micro-batches 5/3) is posted to all nine, and rank
-    # 8 dies on its way into the new world (kill_in_reshape) or after it met (kill_in_transfer: the
-    # groups cannot form without it, and the ranks report it and go back to epoch 0). The plan
-    # needs nothing of it: the intake posts the same command again to the eight live ranks, it
-    # applies (one ack, no planner asked, on_death="wait"), and training ends exactly like the
-    # reference.
-    command = _publish_shift_to_5_3(tmp_path, BASE)
+    # Rank 8 is a spare; the command for epoch 1 (micro-batches 5/3, maybe a layer re-split) is
+    # posted to all nine, and rank 8 dies on its way to the arrival barrier (kill_in_reshape) or
+    # after the new world met (kill_in_transfer: the groups cannot form without it, and the ranks
+    # report it and go back to epoch 0). The plan needs nothing of it: the intake posts the same
+    # command again to the eight live ranks, it applies (one ack, no planner asked,
+    # on_death="wait"), and training ends exactly like the reference.
+    command = _publish_shift_to_5_3(tmp_path, BASE, resplit)
     spec = _spec(tmp_path, faults=[Fault(kind=kill, rank=8, start_iteration=1)])
 
     result = launch(spec, BASE, 9, commands_from="beginning")

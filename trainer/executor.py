@@ -6,7 +6,8 @@ e+1 on top of e reaches the ranks — and posted the plan and the live world int
 numbered post (trainer/rendezvous.py).
 
     reshape(P):    agree → export_state → rebuild_world → restore_state → rebuild_groups → resume
-                   (a failure after rebuild_world: back to the running epoch, await_plan → reshape)
+                   agree → rebalance → resume     (only micro-batch counts change: arrival barrier, groups kept)
+                   (a failure past agree: back to the running epoch, await_plan → reshape)
     recover(exc):  await_plan → reshape(P)              (after a collective failed: a peer died)
 
 ``restore_state`` pulls every shard from live peers when some replica still holds each unit;
@@ -38,8 +39,9 @@ import torch.distributed as dist
 
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.chunks import role_chunks
-from trainer.parallel import Layout
-from trainer.rendezvous import Post, PostAborted, done_key, failed_key, newest_post, read_post
+from trainer.parallel import Layout, keeps_groups
+from trainer.rendezvous import (GROUPS_KEPT, Post, PostAborted, await_arrivals, done_key, failed_key, newest_post,
+                                read_post)
 from trainer.state import NoLiveSource, ShardState, export_state, transfer_live, units_without_live_copy
 
 log = logging.getLogger("resihp.trainer")
@@ -75,6 +77,16 @@ class Executor:
                                 "only e+1 is applied on top of e")
         return post
 
+    def rebalance(self, post: Post) -> None:
+        """The post only moves micro-batches between replicas (``keeps_groups``): wait at the
+        arrival barrier (``PostAborted`` if a device of the world died first, as in
+        :meth:`rebuild_world`), then switch the running role to its plan. No rendezvous and no
+        transfer: the groups, the stages and their optimizer state stay as they are."""
+        t = self.trainer
+        t.faults.begin_reshape(t.iteration)
+        await_arrivals(t.store, post.number, post.world, t.device, t.spec.rendezvous_timeout_s)
+        t.current = t.reassign(Layout(post.plan, post.world))
+
     def export_state(self) -> ShardState | None:
         """This device's shards of parameters and optimizer state under the running plan (from
         memory; cannot fail short of a bug). None for a device without a role."""
@@ -100,8 +112,8 @@ class Executor:
         """This device's state under the new plan, and where it came from ("live", or the checkpoint).
 
         From live holders when every unit still has one (see trainer/state.py; a sender that dies
-        mid-way fails the receive, see :meth:`reshape`), else from disk (:meth:`restore_from_disk`). Every rank takes the
-        same branch: the choice is a pure function of the two plans and the world."""
+        mid-way fails the receive, see :meth:`reshape`), else from disk (:meth:`restore_from_disk`).
+        Every rank takes the same branch: the choice is a pure function of the two plans and the world."""
         self.trainer.faults.begin_transfer(self.trainer.iteration)
         missing = units_without_live_copy(old, layout)
         if missing:
@@ -163,15 +175,20 @@ class Executor:
         collective. Any other failure is reported and re-raised."""
         start = time.perf_counter()
         previous, iteration, lost = self.trainer.current, self.trainer.iteration, self.lost_iterations
-        left = False  # the old world: from here on a collective failure sends us back to wait
+        switching = False  # from here on a collective failure sends this rank back to wait
         try:
             old = previous.layout.plan
             post = self.agree(number)
-            mine = self.export_state()
-            left = True
-            layout = self.rebuild_world(post)
-            state, source = self.restore_state(old, layout, mine)
-            self.rebuild_groups(layout, state)
+            if keeps_groups(previous.layout, post.plan, post.world):
+                switching = True
+                self.rebalance(post)
+                source = GROUPS_KEPT
+            else:
+                mine = self.export_state()
+                switching = True
+                layout = self.rebuild_world(post)
+                state, source = self.restore_state(old, layout, mine)
+                self.rebuild_groups(layout, state)
             self.resume(number, time.perf_counter() - start, source)
         except Released:
             raise
@@ -181,7 +198,7 @@ class Executor:
             return
         except (RuntimeError, dist.DistError) as exc:
             self.trainer.store.set(failed_key(number, self.trainer.device), f"{type(exc).__name__}: {exc}"[:1000])
-            if not left or isinstance(exc, NoLiveSource | ReshapeFailed):
+            if not switching or isinstance(exc, NoLiveSource | ReshapeFailed):
                 raise
             log.warning("device %d: the world of post %d failed mid-reshape (%s); back to epoch %d, waiting for "
                         "the next plan", self.trainer.device, number, str(exc).splitlines()[0][:200], old.epoch)
@@ -191,7 +208,8 @@ class Executor:
         except Exception as exc:
             self.trainer.store.set(failed_key(number, self.trainer.device), f"{type(exc).__name__}: {exc}")
             raise
-        log.info("device %d: now at epoch %d (%s)", self.trainer.device, layout.plan.epoch, layout.plan.shape())
+        plan = self.trainer.current.layout.plan
+        log.info("device %d: now at epoch %d (%s)", self.trainer.device, plan.epoch, plan.shape())
 
     def _wait_and_reshape(self, number: int) -> None:
         """Post ``number`` will not complete: wait for a newer one (counted as failure wait) and

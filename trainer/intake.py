@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from collector.events import AckStatus, CommandAck, ReconfigureCommand
 from collector.plan import Plan
 from trainer.chunks import schedule_problem
-from trainer.rendezvous import abort_key, arrive_key, done_key, failed_key, write_post
+from trainer.rendezvous import GROUPS_KEPT, abort_key, arrive_key, done_key, failed_key, write_post
 
 
 @dataclass
@@ -170,17 +170,20 @@ class CommandIntake:
         pause_s = max(r["pause_s"] for r in reports)
         pause_iterations = max(r["pause_iterations"] for r in reports)
         waited = max(r["failure_wait_s"] for r in reports)
-        source = next((r["source"] for r in reports if r.get("source", "live") != "live"), "live")
+        source = next((r["source"] for r in reports if r.get("source", "live") not in ("live", GROUPS_KEPT)),
+                      reports[0].get("source", "live"))
         self.running = fl.command.plan
         self.running_world = fl.world
         self.applied.append(self.running)
         resumed_at = max(r["iteration"] for r in reports)
         # After a roll-back to a checkpoint the progress counter restarts lower: count from there.
-        self.applied_at_iteration = resumed_at - 1 if source != "live" else max(progress_iteration, resumed_at - 1)
+        rolled_back = source not in ("live", GROUPS_KEPT)
+        self.applied_at_iteration = resumed_at - 1 if rolled_back else max(progress_iteration, resumed_at - 1)
         self.death_pending = False
         self.in_flight = None
         detail = f"now {self.running.shape()} on devices {list(self.running.devices)}"
-        detail += "; state from live peers" if source == "live" else f"; state from {source}"
+        detail += {"live": "; state from live peers", GROUPS_KEPT: "; micro-batches moved, process groups and state kept"
+                   }.get(source, f"; state from {source}")
         if waited > 0:
             detail += f"; survivors waited {waited:.2f} s for this plan after the failure"
         if fl.reposted:

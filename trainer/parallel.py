@@ -78,6 +78,16 @@ class Layout:
         return sorted(keys)
 
 
+def keeps_groups(running: Layout, plan: Plan, world: tuple[int, ...]) -> bool:
+    """``plan`` on ``world`` changes only how many micro-batches each replica runs: the same world,
+    schedule and stages, replica by replica. Every process group and every shard stays valid, so
+    the ranks can switch at an iteration boundary without re-forming the world or moving state.
+    A pure function of the two plans and the world, so every rank decides alike."""
+    old = running.plan
+    return (world == running.world and plan.schedule == old.schedule and plan.virtual_stages == old.virtual_stages
+            and [(p.replica, p.stages) for p in plan.pipelines] == [(p.replica, p.stages) for p in old.pipelines])
+
+
 @dataclass
 class Groups:
     """Process groups by their sorted device tuple."""

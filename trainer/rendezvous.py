@@ -20,8 +20,12 @@ Why an arrival barrier before ``init_process_group``: c10d's rendezvous can only
 timeout (minutes, so that a survivor noticing a failure late still finds the others waiting). If a
 device named by the post dies before it arrives, the launcher writes ``abort/P`` and the waiting
 ranks return at once (``PostAborted``) and wait for the next post instead of for a timeout.
-What remains: a device dying *after* every device arrived — inside the few milliseconds of the
-c10d rendezvous, or during the state transfer — still fails that reshape by timeout.
+A device dying *after* every device arrived — inside the few milliseconds of the c10d
+rendezvous, or during the state transfer — is not reached by an abort: the ranks find out from a
+failed collective, write ``failed/P/D``, go back to the running epoch and wait for the next post
+(trainer/executor.py). A post that only moves micro-batches between replicas (same world and
+stages) needs no rendezvous at all: past the arrival barrier the ranks switch to its plan and
+report ``source`` ``GROUPS_KEPT``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from collector.plan import Plan
 CONTROL_POST = "control/post"
 CONTROL_PROBE = "control/probe"
 PROGRESS = "progress"
+GROUPS_KEPT = "groups kept"  # a done report's source when only micro-batch counts changed
 
 
 class PostAborted(RuntimeError):

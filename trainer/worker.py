@@ -119,6 +119,22 @@ class Trainer:
                                                   group=train_group)
         return role
 
+    def reassign(self, layout: Layout) -> Role:
+        """The running role under ``layout``, whose plan differs from the running one only in
+        micro-batch counts (:func:`keeps_groups`): the process groups, the stage and its optimizer
+        state stay as they are; only what reads the counts is rebuilt (the role, the schedule, the
+        DP reducer's view of the plan)."""
+        cur = self.current
+        role = Role(layout, cur.groups, cur.train_group)
+        if self.device not in layout.plan.roles:
+            return role
+        rr = layout.plan.role_of(self.device)
+        role.role, role.stage, role.opt = rr, cur.stage, cur.opt
+        role.reducer = apply_dp(cur.stage, layout, rr, cur.groups)
+        role.schedule = PipelineSchedule.for_plan(cur.stage, layout, rr, self.faults, self.spec.pace_s_per_layer_token,
+                                                  group=cur.train_group)
+        return role
+
     # ---- one iteration ---------------------------------------------------------------------------
 
     def train_step(self) -> tuple[float, int, float]:
