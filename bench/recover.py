@@ -5,7 +5,8 @@ For each scenario and strategy a fresh simulator (trainer.sim.SimEngine, noise o
 delay (fail-stop: at the second heartbeat the dead rank misses, 10–20 s with 10-s heartbeats;
 fail-slow: 30 s — the order the detector needs), plans on the cluster it then knows, and its plan
 is applied through ``SimEngine.reconfigure`` (the same epoch-fenced command the bus carries),
-which pauses the job ``reshape_pause_s`` (20 s). The oracle knows every fault at onset and
+which pauses the job ``reshape_pause_s`` (20 s), or ``rebalance_pause_s`` (1 s) for a plan that
+only moves micro-batches (the trainer keeps its groups for that). The oracle knows every fault at onset and
 reshapes for free. Elastic restart also pays its restart and half a checkpoint interval of lost
 work, as downtime in which faults still happen on time and live ranks keep their heartbeats
 (``SimEngine.idle``); do-nothing hangs on a dead device.
@@ -31,6 +32,7 @@ STRATEGIES = ("oracle", "ours", "do_nothing", "drop_replica", "elastic_restart",
 STOP_MISSED_HEARTBEATS = 2  # fail-stop is known at the second heartbeat a dead rank misses (≤ 20 s)
 DETECT_SLOW_S = 30.0
 RESHAPE_PAUSE_S = 20.0
+REBALANCE_PAUSE_S = 1.0  # a plan that only moves micro-batches: the trainer keeps its groups (trainer.md)
 HORIZON_S = 1800.0
 SPREAD_ITERATIONS = 300  # healthy iterations the spread is calibrated on (~90 s; the first fault comes at 5 min)
 
@@ -133,9 +135,11 @@ def _job(name: str, strategy_name: str, gpus: int, telemetry: str = "none"):  # 
 
     sim_model = MODEL_PRESETS["7b"]
     plan = Plan.uniform(tp=8, pp=4, dp=gpus // 32, num_layers=sim_model.layers, microbatches_per_replica=8)
-    pause_s = 0.0 if strategy_name == "oracle" else RESHAPE_PAUSE_S
+    free = strategy_name == "oracle"
     return SimConfig(model=sim_model, cluster=ClusterSpec(gpus=gpus), workload=WORKLOAD_PRESETS["pretrain"], plan=plan,
-                     telemetry=telemetry, job=f"{name}-{strategy_name}", reshape_pause_s=pause_s, seed=11)
+                     telemetry=telemetry, job=f"{name}-{strategy_name}", seed=11,
+                     reshape_pause_s=0.0 if free else RESHAPE_PAUSE_S,
+                     rebalance_pause_s=0.0 if free else REBALANCE_PAUSE_S)
 
 
 def _run_bused(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run:
@@ -148,7 +152,7 @@ def _run_bused(name: str, strategy_name: str, gpus: int, duration_s: float) -> R
 
     config = _job(name, strategy_name, gpus, telemetry="all")
     engine = SimEngine(config, _faults(name, gpus, duration_s))
-    options = PlannerOptions(horizon_s=HORIZON_S, pause_s=RESHAPE_PAUSE_S, rebalance_pause_s=RESHAPE_PAUSE_S)
+    options = PlannerOptions(horizon_s=HORIZON_S, pause_s=RESHAPE_PAUSE_S, rebalance_pause_s=REBALANCE_PAUSE_S)
     restart = ElasticRestart(models.fitted(config))
 
     def pay_restart(sim) -> list:  # type: ignore[no-untyped-def]
@@ -184,7 +188,6 @@ def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run
 
     oracle = strategy_name == "oracle"
     config = _job(name, strategy_name, gpus)
-    pause_s = config.reshape_pause_s
     cluster_spec = config.cluster
     engine = SimEngine(config, _faults(name, gpus, duration_s))
     # The oracle scores with the simulator's own cost figures; everyone else with the figures the
@@ -193,9 +196,11 @@ def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run
     hardware = hardware_of(cluster_spec)
     strategy = make_strategy(strategy_name, model, horizon_s=HORIZON_S)
     if isinstance(strategy, PlannerStrategy):
-        # Every applied plan pauses the simulated job RESHAPE_PAUSE_S, a micro-batch-only one too.
+        # The planner weighs the pauses the simulated job pays: a reshape's, or a micro-batch-only
+        # rebalance's (the trainer keeps its groups for that one).
         strategy = PlannerStrategy(model, strategy.name, replace(
-            strategy.options, pause_s=pause_s, rebalance_pause_s=pause_s, free_reshape=oracle))
+            strategy.options, pause_s=config.reshape_pause_s, rebalance_pause_s=config.rebalance_pause_s,
+            free_reshape=oracle))
     horizon = HorizonEstimator(default_s=HORIZON_S)
     run = Run()
     known_faults: tuple = ()

@@ -117,6 +117,14 @@ class Plan(BaseModel):
 
     # ---- derived views -------------------------------------------------------------------------
 
+    def same_stages(self, other: Plan) -> bool:
+        """Whether ``other`` differs from this plan at most in micro-batch counts: the same
+        schedule, and replica by replica the same stages (devices and layers). Moving from one to
+        the other moves no state and needs no new process group (a DP rebalance)."""
+        return (self.schedule == other.schedule and self.virtual_stages == other.virtual_stages
+                and self.num_layers == other.num_layers
+                and [(p.replica, p.stages) for p in self.pipelines] == [(p.replica, p.stages) for p in other.pipelines])
+
     @property
     def global_microbatches(self) -> int:
         return sum(p.microbatches for p in self.pipelines)

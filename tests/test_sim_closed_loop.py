@@ -22,7 +22,8 @@ MODEL = MODEL_PRESETS["tiny"]
 
 def _engine(faults: list[FaultSpec] | None = None) -> SimEngine:
     plan = Plan.uniform(tp=2, pp=2, dp=2, num_layers=MODEL.layers, microbatches_per_replica=4)
-    cfg = SimConfig(model=MODEL, cluster=ClusterSpec(gpus=16), plan=plan, job="loop", reshape_pause_s=7.0)
+    cfg = SimConfig(model=MODEL, cluster=ClusterSpec(gpus=16), plan=plan, job="loop", reshape_pause_s=7.0,
+                    rebalance_pause_s=0.5)
     return SimEngine(cfg, faults)
 
 
@@ -64,6 +65,23 @@ def test_reconfigure_is_applied_acked_and_stale_or_duplicate_ones_ignored(tmp_pa
     finally:
         runner.close()
         bus.close()
+
+
+def test_a_plan_that_only_moves_micro_batches_pauses_the_rebalance_pause() -> None:
+    # The torch trainer applies a micro-batch-only plan without re-forming its groups; the
+    # simulator charges it rebalance_pause_s, and anything that changes a stage reshape_pause_s.
+    engine = _engine()
+    engine.step()
+    shifted = engine.plan.model_copy(update={"epoch": 1, "pipelines": tuple(
+        p.model_copy(update={"microbatches": m}) for p, m in zip(engine.plan.pipelines, [5, 3]))})
+    before = engine.now_s
+    engine.reconfigure(_command(shifted, "m"))
+    assert engine.plan == shifted and engine.now_s - before == pytest.approx(0.5)
+    moved = Plan.uniform(tp=2, pp=2, dp=2, num_layers=MODEL.layers, microbatches_per_replica=4, epoch=2,
+                         first_device=8)
+    before = engine.now_s
+    engine.reconfigure(_command(moved, "r"))
+    assert engine.plan == moved and engine.now_s - before == pytest.approx(7.0)
 
 
 def test_probe_answers_per_live_rank_with_the_slowdown(tmp_path: Path) -> None:

@@ -83,9 +83,7 @@ def keeps_groups(running: Layout, plan: Plan, world: tuple[int, ...]) -> bool:
     schedule and stages, replica by replica. Every process group and every shard stays valid, so
     the ranks can switch at an iteration boundary without re-forming the world or moving state.
     A pure function of the two plans and the world, so every rank decides alike."""
-    old = running.plan
-    return (world == running.world and plan.schedule == old.schedule and plan.virtual_stages == old.virtual_stages
-            and [(p.replica, p.stages) for p in plan.pipelines] == [(p.replica, p.stages) for p in old.pipelines])
+    return world == running.world and running.plan.same_stages(plan)
 
 
 @dataclass

@@ -67,6 +67,9 @@ class SimConfig(BaseModel):
     heartbeat_interval_s: float = Field(default=10.0, gt=0)
     start_time_s: float = SIM_EPOCH_TIME_S
     reshape_pause_s: float = Field(default=20.0, ge=0, description="simulated pause to apply a new plan")
+    rebalance_pause_s: float = Field(default=1.0, ge=0, description=(
+        "simulated pause to apply a plan that only moves micro-batches (same stages: the trainer keeps "
+        "its process groups and state and switches at an iteration boundary)"))
     restart_after_s: float | None = Field(
         default=None, ge=0, description="open loop: after hanging this long on a dead device, restart without "
         "its replicas (an elastic launcher); None: hang until a reconfigure command")
@@ -493,7 +496,7 @@ class SimEngine:
             status, detail = AckStatus.FAILED, f"plan uses dead devices {sorted(self.dead & set(plan.devices))}"
         self._seen_commands.add(command.command_id)
         if status is AckStatus.APPLIED:
-            pause = self.config.reshape_pause_s
+            pause = self.config.rebalance_pause_s if self.plan.same_stages(plan) else self.config.reshape_pause_s
             self._switch(plan)
             self.now_s += pause
             self._hang_started_s = None

@@ -63,6 +63,7 @@ class Scenario(BaseModel):
     duration_s: float | None = Field(default=None, gt=0, description="stop once simulated time passes this")
     heartbeat_interval_s: float = Field(default=10.0, gt=0)
     reshape_pause_s: float = Field(default=20.0, ge=0)
+    rebalance_pause_s: float = Field(default=1.0, ge=0)
     restart_after_s: float | None = Field(default=None, ge=0)
     telemetry: Literal["all", "none"] | list[int] = "all"
     faults: list[FaultSpec] = Field(default_factory=list)
@@ -99,7 +100,8 @@ class Scenario(BaseModel):
         fields: dict[str, Any] = dict(
             model=self.model_spec(), cluster=self.cluster, workload=workload, noise=noise, plan=self.build_plan(),
             job=self.job or self.name, seed=self.seed, heartbeat_interval_s=self.heartbeat_interval_s,
-            reshape_pause_s=self.reshape_pause_s, restart_after_s=self.restart_after_s, telemetry=self.telemetry,
+            reshape_pause_s=self.reshape_pause_s, rebalance_pause_s=self.rebalance_pause_s,
+            restart_after_s=self.restart_after_s, telemetry=self.telemetry,
         )
         fields.update(overrides)
         return SimConfig(**fields)
