@@ -18,7 +18,7 @@ from trainer.rendezvous import (CONTROL_POST, PostAborted, abort_key, arrive_key
                                 newest_post, read_post)
 from trainer.model import GPTConfig, GPTStage, init_full, init_stage, shard, shard_rule, unshard
 from trainer.optim import AdamW
-from trainer.parallel import Layout
+from trainer.parallel import Layout, keeps_groups
 
 CFG = GPTConfig(vocab_size=64, n_layer=4, n_head=4, n_embd=32, block_size=64, dtype="float64")
 
@@ -232,6 +232,25 @@ def test_intake_fails_a_plan_the_job_cannot_run_without_touching_the_ranks() -> 
     assert [a.status for a in acks] == [AckStatus.FAILED, AckStatus.FAILED]
     assert "global batch" in acks[0].detail and "[2]" in acks[1].detail
     assert CONTROL_POST not in store.data
+
+
+def test_only_a_change_of_micro_batch_counts_on_the_same_world_keeps_the_groups() -> None:
+    running = Layout(Plan.uniform(tp=1, pp=2, dp=2, num_layers=4, microbatches_per_replica=4), (0, 1, 2, 3))
+    p0 = running.plan
+
+    def counts(*ms: int) -> Plan:
+        return p0.model_copy(update={"epoch": 1, "pipelines": tuple(
+            p.model_copy(update={"microbatches": m}) for p, m in zip(p0.pipelines, ms))})
+
+    assert keeps_groups(running, counts(5, 3), (0, 1, 2, 3))
+    assert not keeps_groups(running, counts(5, 3), (0, 1, 2, 3, 4)), "a world with a spare more re-forms"
+    resplit = counts(5, 3).model_copy(update={"pipelines": (
+        PipelinePlan(replica=0, microbatches=5, stages=(StagePlan(devices=(0,), first_layer=0, end_layer=1),
+                                                        StagePlan(devices=(1,), first_layer=1, end_layer=4))),
+        counts(5, 3).pipelines[1])})
+    assert not keeps_groups(running, resplit, (0, 1, 2, 3)), "moving a stage boundary moves state"
+    interleaved = counts(4, 4).model_copy(update={"schedule": "interleaved", "virtual_stages": 2})
+    assert not keeps_groups(running, interleaved, (0, 1, 2, 3)), "another schedule re-deals the layers"
 
 
 def test_drop_replicas_keeps_the_global_batch() -> None:
