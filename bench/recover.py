@@ -152,7 +152,8 @@ def _run_bused(name: str, strategy_name: str, gpus: int, duration_s: float) -> R
 
     config = _job(name, strategy_name, gpus, telemetry="all")
     engine = SimEngine(config, _faults(name, gpus, duration_s))
-    options = PlannerOptions(horizon_s=HORIZON_S, pause_s=RESHAPE_PAUSE_S, rebalance_pause_s=REBALANCE_PAUSE_S)
+    options = PlannerOptions(horizon_s=HORIZON_S, pause_s=config.reshape_pause_s,
+                             rebalance_pause_s=config.rebalance_pause_s)
     restart = ElasticRestart(models.fitted(config))
 
     def pay_restart(sim) -> list:  # type: ignore[no-untyped-def]

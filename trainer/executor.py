@@ -196,18 +196,17 @@ class Executor:
             log.warning("device %d: %s; waiting for the next plan", self.trainer.device, exc)
             self._wait_and_reshape(number)
             return
-        except (RuntimeError, dist.DistError) as exc:
+        except Exception as exc:
             self.trainer.store.set(failed_key(number, self.trainer.device), f"{type(exc).__name__}: {exc}"[:1000])
-            if not switching or isinstance(exc, NoLiveSource | ReshapeFailed):
+            failed_collective = isinstance(exc, RuntimeError | dist.DistError)  # a peer died or timed out
+            hopeless = isinstance(exc, NoLiveSource | ReshapeFailed)  # would fail on any world
+            if not switching or not failed_collective or hopeless:
                 raise
             log.warning("device %d: the world of post %d failed mid-reshape (%s); back to epoch %d, waiting for "
                         "the next plan", self.trainer.device, number, str(exc).splitlines()[0][:200], old.epoch)
             self.trainer.current, self.trainer.iteration, self.lost_iterations = previous, iteration, lost
             self._wait_and_reshape(number)
             return
-        except Exception as exc:
-            self.trainer.store.set(failed_key(number, self.trainer.device), f"{type(exc).__name__}: {exc}")
-            raise
         plan = self.trainer.current.layout.plan
         log.info("device %d: now at epoch %d (%s)", self.trainer.device, plan.epoch, plan.shape())
 

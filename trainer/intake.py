@@ -170,8 +170,8 @@ class CommandIntake:
         pause_s = max(r["pause_s"] for r in reports)
         pause_iterations = max(r["pause_iterations"] for r in reports)
         waited = max(r["failure_wait_s"] for r in reports)
-        source = next((r["source"] for r in reports if r.get("source", "live") not in ("live", GROUPS_KEPT)),
-                      reports[0].get("source", "live"))
+        # Every rank takes the same branch, so one source: live peers, kept groups, or a checkpoint.
+        source = reports[0].get("source", "live")
         self.running = fl.command.plan
         self.running_world = fl.world
         self.applied.append(self.running)
