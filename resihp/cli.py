@@ -19,6 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="resihp",
         description="ResiHP: detect failing and slow GPUs in hybrid-parallel training and reshape the job around them.",
+        epilog="Every command runs with the garbage collector set for streaming (collector/gc_policy.py); "
+        "RESIHP_GC=python keeps CPython's defaults.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(resihp.commands.__path__), key=lambda m: m.name):
@@ -33,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from collector.gc_policy import tune_for_streaming
+
+    try:
+        tune_for_streaming()
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
