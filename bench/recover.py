@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from dataclasses import dataclass, field, replace
 
 SCENARIOS = ("slow_x1.5", "slow_x2", "slow_x4", "slow_link_x4", "stop_gpu", "stop_node", "every_30min", "cascading")
@@ -90,6 +91,7 @@ class Run:
     false_incidents: int = 0
     telemetry_lost: int = 0  # bus loop: telemetry the bus's retention deleted before analytics read it
     bus_bytes: int = 0  # bus loop: the embedded log on disk at the end
+    wall_s: float = 0.0  # bus loop: wall seconds the loop took (the platform's cost, set-up aside)
 
 
 def _faults(name: str, gpus: int, duration_s: float):  # type: ignore[no-untyped-def]
@@ -159,12 +161,13 @@ def _run_bused(name: str, strategy_name: str, gpus: int, duration_s: float) -> R
     def pay_restart(sim) -> list:  # type: ignore[no-untyped-def]
         return sim.idle(restart.restart_s + restart.checkpoint_interval_s / 2)
 
+    started = time.perf_counter()
     loop = run_closed_loop(engine, models.fitted(config), strategy=strategy_name, duration_s=duration_s,
                            options=options, hardware=hardware_of(config.cluster),
                            on_applied=pay_restart if strategy_name == "elastic_restart" else None)
     return Run(tokens=loop.tokens, series=loop.series, training_at_end=loop.training_at_end,
                detections=loop.detections, false_incidents=loop.false_incidents,
-               telemetry_lost=loop.telemetry_lost, bus_bytes=loop.bus_bytes)
+               telemetry_lost=loop.telemetry_lost, bus_bytes=loop.bus_bytes, wall_s=time.perf_counter() - started)
 
 
 def _detected(fault, now_s: float, heartbeat_s: float) -> bool:  # type: ignore[no-untyped-def]
@@ -320,14 +323,14 @@ def run(args: argparse.Namespace) -> int:
 def _print_detections(runs: dict[tuple[int, str, str], Run]) -> None:
     """Per bused run: how long each injected fault took to be named, and incidents matching none."""
     print(f"\n{'run':<34}{'fault delays s (onset → first incident naming its devices)':<64}false incidents"
-          "  bus MB  telemetry lost")
+          "  bus MB  telemetry lost  wall s")
     for (g, s, st), r in runs.items():
         if st == "oracle":
             continue
         delays = ", ".join(f"{d.category} {d.delay_s:.0f}" if d.delay_s is not None else f"{d.category} missed"
                            for d in sorted(r.detections, key=lambda d: d.onset_s))
         print(f"{f'{s}@{g} {st}':<34}{delays or '—':<64}{r.false_incidents:>15}{r.bus_bytes / 1e6:>8.0f}"
-              f"{r.telemetry_lost:>16}")
+              f"{r.telemetry_lost:>16}{r.wall_s:>8.0f}")
 
 
 def _plot(series: dict[str, dict[str, list[tuple[float, float]]]], path: str) -> None:
