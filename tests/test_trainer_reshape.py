@@ -46,9 +46,10 @@ BASE = Plan.uniform(tp=2, pp=2, dp=2, num_layers=4, microbatches_per_replica=4)
 
 
 def _spec(tmp: Path, **extra) -> RunSpec:
-    return RunSpec(model=MODEL, iterations=ITERATIONS, pg_timeout_s=5, rendezvous_timeout_s=60,
-                   recovery_timeout_s=60, heartbeat_s=0.5, bus=BusSpec(backend="embedded", path=str(tmp / "bus.sqlite")),
-                   save_dir=str(tmp / "final"), **extra)
+    settings = dict(model=MODEL, iterations=ITERATIONS, pg_timeout_s=5, rendezvous_timeout_s=60, recovery_timeout_s=60,
+                    heartbeat_s=0.5, bus=BusSpec(backend="embedded", path=str(tmp / "bus.sqlite")),
+                    save_dir=str(tmp / "final"))
+    return RunSpec(**{**settings, **extra})
 
 
 def _events(path: Path, topic: str) -> list:
@@ -229,31 +230,40 @@ def test_a_dead_spare_leaves_the_plan_as_it_is_and_the_job_goes_on(reference: Pa
 
 
 # (fault, whether the command re-splits layers): a death at the arrival barrier of a micro-batch-only
-# change and of a re-forming one, and a death after the new world met (only a re-forming change has one).
-MID_RESHAPE = [("kill_in_reshape", False), ("kill_in_reshape", True), ("kill_in_transfer", True)]
+# change and of a re-forming one, and, only a re-forming change has these, a death in the new world's
+# c10d rendezvous and after the new world met.
+MID_RESHAPE = [("kill_in_reshape", False), ("kill_in_reshape", True), ("kill_in_rendezvous", True),
+               ("kill_in_transfer", True)]
+
+
+def _mid_reshape_spec(tmp: Path, kill: str, device: int) -> RunSpec:
+    """A death in the c10d rendezvous is noticed only at the rendezvous timeout: 15 s here (above
+    the 5-s collective timeout a survivor may spend before it arrives), not the default's 60."""
+    timeout = {"rendezvous_timeout_s": 15} if kill == "kill_in_rendezvous" else {}
+    return _spec(tmp, faults=[Fault(kind=kill, rank=device, start_iteration=1)], **timeout)
 
 
 @pytest.mark.parametrize("kill, resplit", MID_RESHAPE)
 def test_a_command_whose_device_dies_mid_reshape_fails_and_the_job_goes_on(kill: str, resplit: bool,
                                                                            reference: Path, tmp_path: Path) -> None:
     # TP1·PP2·DP2 on 4 ranks; the command for epoch 1 (micro-batches 5/3, maybe a layer re-split)
-    # is posted, then device 3 dies: on its way to the arrival barrier (kill_in_reshape), or after
-    # every device arrived and the new world's rendezvous completed, as the state transfer starts
-    # (kill_in_transfer). The command fails — in the first case at once, naming device 3, not at
-    # the 60 s rendezvous timeout; in the second the others find out from a group that never forms
-    # and go back to epoch 0's state — the launcher's policy drops replica 1 as epoch 1, and
-    # training ends exactly like the reference.
+    # is posted, then device 3 dies: on its way to the arrival barrier (kill_in_reshape), after
+    # every device arrived as the new world's c10d rendezvous starts (kill_in_rendezvous), or after
+    # that rendezvous completed, as the state transfer starts (kill_in_transfer). The command fails,
+    # naming device 3 — in the first case at once, not at the rendezvous timeout; in the others the
+    # survivors find out from a rendezvous that times out or a group that never forms and go back
+    # to epoch 0's state — the launcher's policy drops replica 1 as epoch 1, and training ends
+    # exactly like the reference.
     plan = Plan.uniform(tp=1, pp=2, dp=2, num_layers=4, microbatches_per_replica=4)
     doomed = _publish_shift_to_5_3(tmp_path, plan, resplit)
-    spec = _spec(tmp_path, faults=[Fault(kind=kill, rank=3, start_iteration=1)])
+    spec = _mid_reshape_spec(tmp_path, kill, 3)
 
     result = launch(spec, plan, 4, on_death="drop-replica", commands_from="beginning")
 
     assert result.exit_codes == {0: 0, 1: 0, 2: 0, 3: KILL_EXIT_CODE}
     failed, applied = _acks(tmp_path)
     assert failed.command_id == doomed.command_id and failed.status == AckStatus.FAILED
-    if kill == "kill_in_reshape":
-        assert "device 3 died" in failed.detail and "names [3]" in failed.detail
+    assert "device 3 died" in failed.detail and "names [3]" in failed.detail
     assert applied.status == AckStatus.APPLIED and applied.epoch == 1 and applied.plan_id.startswith("launcher-drop")
     assert result.final_plan.devices == [0, 1]
     _assert_same_training(tmp_path, reference)
@@ -264,13 +274,14 @@ def test_a_spare_that_dies_mid_reshape_gets_the_command_posted_again_without_it(
                                                                                 reference: Path,
                                                                                 tmp_path: Path) -> None:
     # Rank 8 is a spare; the command for epoch 1 (micro-batches 5/3, maybe a layer re-split) is
-    # posted to all nine, and rank 8 dies on its way to the arrival barrier (kill_in_reshape) or
-    # after the new world met (kill_in_transfer: the groups cannot form without it, and the ranks
-    # report it and go back to epoch 0). The plan needs nothing of it: the intake posts the same
-    # command again to the eight live ranks, it applies (one ack, no planner asked,
-    # on_death="wait"), and training ends exactly like the reference.
+    # posted to all nine, and rank 8 dies on its way to the arrival barrier (kill_in_reshape), in
+    # the new world's c10d rendezvous (kill_in_rendezvous) or after the new world met
+    # (kill_in_transfer); in the last two the world cannot form without it, and the ranks report
+    # it and go back to epoch 0. The plan needs nothing of it: the intake posts the same command
+    # again to the eight live ranks, it applies (one ack, no planner asked, on_death="wait"), and
+    # training ends exactly like the reference.
     command = _publish_shift_to_5_3(tmp_path, BASE, resplit)
-    spec = _spec(tmp_path, faults=[Fault(kind=kill, rank=8, start_iteration=1)])
+    spec = _mid_reshape_spec(tmp_path, kill, 8)
 
     result = launch(spec, BASE, 9, commands_from="beginning")
 

@@ -275,3 +275,12 @@ def test_fault_list_reads_the_documented_yaml(tmp_path) -> None:
     faults = FaultList.load(path).faults
     assert [f.kind for f in faults] == ["slow_compute", "kill"]
     assert [faults[0].active(i) for i in range(5)] == [False, False, True, True, False]
+
+
+def test_a_rendezvous_timeout_not_above_the_collective_timeout_is_refused() -> None:
+    from trainer.spec import RunSpec
+
+    assert RunSpec(pg_timeout_s=5, rendezvous_timeout_s=15).rendezvous_timeout_s == 15
+    with pytest.raises(ValueError, match=r"rendezvous timeout 30 s must exceed the collective timeout 30 s.*"
+                                         r"--rendezvous-timeout"):
+        RunSpec(pg_timeout_s=30, rendezvous_timeout_s=30)

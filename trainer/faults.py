@@ -18,6 +18,9 @@ Format (a ``faults:`` list; the same keys the simulator's scenarios use where th
       - kind: kill_in_reshape   # the process exits when it enters the first reshape it starts
         rank: 3                 # at or after this iteration (before the new world's rendezvous)
         start_iteration: 1
+      - kind: kill_in_rendezvous  # the same, but after every device arrived, as the new
+        rank: 3                   # world's c10d rendezvous starts
+        start_iteration: 1
       - kind: kill_in_transfer  # the same, but after the new world met (every device arrived,
         rank: 3                 # c10d rendezvous done), as the state transfer starts
         start_iteration: 1
@@ -43,7 +46,7 @@ KILL_EXIT_CODE = 43
 class Fault(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    kind: Literal["slow_compute", "slow_send", "kill", "kill_in_reshape", "kill_in_transfer"]
+    kind: Literal["slow_compute", "slow_send", "kill", "kill_in_reshape", "kill_in_rendezvous", "kill_in_transfer"]
     rank: int = Field(ge=0, description="device id")
     start_iteration: int = Field(default=0, ge=0)
     end_iteration: int | None = Field(default=None, description="exclusive")
@@ -85,16 +88,23 @@ class FaultInjector:
     def begin_reshape(self, iteration: int) -> None:
         """Kill now if a ``kill_in_reshape`` fault is due: the rank dies after the launcher posted a
         world that holds it and before the new world meets (the race a real crash can hit)."""
-        for f in self.faults:
-            if f.kind == "kill_in_reshape" and f.start_iteration <= iteration:
-                os._exit(KILL_EXIT_CODE)
+        self._kill_if_due("kill_in_reshape", iteration)
+
+    def begin_rendezvous(self, iteration: int) -> None:
+        """Kill now if a ``kill_in_rendezvous`` fault is due: every device of the new world arrived
+        (an abort no longer reaches them) and this one dies before it registers in the c10d
+        rendezvous — the others wait there until the rendezvous timeout."""
+        self._kill_if_due("kill_in_rendezvous", iteration)
 
     def begin_transfer(self, iteration: int) -> None:
         """Kill now if a ``kill_in_transfer`` fault is due: the rank dies after the new world met
         (past the arrival barrier, where an abort no longer reaches the others) and before the
         state moved — the survivors find out from a send, a receive or a group that never forms."""
+        self._kill_if_due("kill_in_transfer", iteration)
+
+    def _kill_if_due(self, kind: str, iteration: int) -> None:
         for f in self.faults:
-            if f.kind == "kill_in_transfer" and f.start_iteration <= iteration:
+            if f.kind == kind and f.start_iteration <= iteration:
                 os._exit(KILL_EXIT_CODE)
 
     def after_compute(self, duration_s: float, paced_s: float = 0.0) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainer.faults import Fault
 from trainer.model import GPTConfig
@@ -41,7 +41,9 @@ class RunSpec(BaseModel):
     store_port: int = 0
     pg_timeout_s: float = Field(default=30.0, gt=0, description="collective timeout: how long a survivor "
                                 "not next to a dead rank waits before it notices")
-    rendezvous_timeout_s: float = Field(default=120.0, gt=0)
+    rendezvous_timeout_s: float = Field(default=120.0, gt=0, description=(
+        "how long the ranks wait for a new world to gather and meet; a rank dead inside the rendezvous holds the "
+        "others this long"))
     recovery_timeout_s: float = Field(default=300.0, gt=0, description="how long survivors wait for a new plan")
     heartbeat_s: float = Field(default=1.0, gt=0)
     faults: list[Fault] = Field(default_factory=list)
@@ -57,6 +59,15 @@ class RunSpec(BaseModel):
     pace_s_per_layer_token: float = Field(default=0.0, ge=0, description=(
         "emulate devices: pad each forward chunk to layers × (p·tokens + p/32·Σl²) seconds (backward: 2×), "
         "so ranks sharing few CPU cores behave like devices of a set speed; 0 = off"))
+
+    @model_validator(mode="after")
+    def _rendezvous_outlasts_a_collective(self) -> RunSpec:
+        if self.rendezvous_timeout_s <= self.pg_timeout_s:
+            raise ValueError(f"rendezvous timeout {self.rendezvous_timeout_s:g} s must exceed the collective timeout "
+                             f"{self.pg_timeout_s:g} s: a survivor may spend a whole collective timeout noticing a "
+                             "death before it arrives at the next world; raise --rendezvous-timeout or lower "
+                             "--pg-timeout")
+        return self
 
     @property
     def config(self) -> GPTConfig:

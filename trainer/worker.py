@@ -93,6 +93,7 @@ class Trainer:
         if dist.is_initialized():
             dist.destroy_process_group()
         await_arrivals(self.store, post.number, post.world, self.device, self.spec.rendezvous_timeout_s)
+        self.faults.begin_rendezvous(self.iteration)
         prefixed = dist.PrefixStore(pg_prefix(post.number), self.store)
         dist.init_process_group("gloo", store=prefixed, rank=post.world.index(self.device), world_size=len(post.world),
                                 timeout=timedelta(seconds=self.spec.rendezvous_timeout_s))

@@ -39,6 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--commands-from", choices=["end", "beginning"], default="end",
                    help="read control-topic commands published from now on, or the whole log")
     p.add_argument("--pg-timeout", type=float, default=30.0, help="collective timeout, seconds")
+    p.add_argument("--rendezvous-timeout", type=float, default=120.0,
+                   help="seconds the ranks wait for a new world to gather and meet (arrival barrier, c10d "
+                        "rendezvous); a rank that dies inside the rendezvous holds the others this long; keep it "
+                        "above --pg-timeout")
     p.add_argument("--save-dir", default=None, help="write a layout-free checkpoint here at the end")
     p.add_argument("--resume-dir", default=None, help="start from a checkpoint written by any layout")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
@@ -52,6 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict, replace
     from pathlib import Path
+
+    from pydantic import ValidationError
 
     from collector.plan import Plan
     from trainer.faults import FaultList
@@ -73,12 +79,16 @@ def run(args: argparse.Namespace) -> int:
     ranks = args.ranks or max(plan.devices) + 1
     if args.checkpoint_every and not args.save_dir:
         raise SystemExit("--checkpoint-every needs --save-dir DIR (where the periodic checkpoints go)")
-    spec = RunSpec(
-        job=args.job, model=asdict(cfg), seed=args.seed, iterations=args.iterations, lr=args.lr,
-        pg_timeout_s=args.pg_timeout, faults=FaultList.load(args.faults).faults if args.faults else [],
-        bus=BusSpec(backend=args.bus, path=args.bus_path, bootstrap=args.bootstrap),
-        telemetry=not args.no_telemetry, save_dir=args.save_dir, resume_dir=args.resume_dir, threads=args.threads,
-        checkpoint_every=args.checkpoint_every)
+    faults = FaultList.load(args.faults).faults if args.faults else []
+    try:
+        spec = RunSpec(
+            job=args.job, model=asdict(cfg), seed=args.seed, iterations=args.iterations, lr=args.lr,
+            pg_timeout_s=args.pg_timeout, rendezvous_timeout_s=args.rendezvous_timeout, faults=faults,
+            bus=BusSpec(backend=args.bus, path=args.bus_path, bootstrap=args.bootstrap),
+            telemetry=not args.no_telemetry, save_dir=args.save_dir, resume_dir=args.resume_dir, threads=args.threads,
+            checkpoint_every=args.checkpoint_every)
+    except ValidationError as exc:  # flags that contradict each other
+        raise SystemExit("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
     print(f"job {args.job}: {plan.shape()} {plan.schedule} on {ranks} ranks, {cfg.n_layer} layers, "
           f"{args.iterations} iterations")
     result = launch(spec, plan, ranks, on_death=args.on_death, commands_from=args.commands_from, echo=print)
