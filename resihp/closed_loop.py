@@ -111,7 +111,8 @@ class _Referee:
 
 
 def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,  # type: ignore[no-untyped-def]
-                    options, hardware, detector_config=None, analytics_every: int = 5, window_s: float = 60.0,
+                    options, hardware, detector_config=None, analytics_every: int = 5, analytics_batch: int = 20_000,
+                    window_s: float = 60.0,
                     directory: str | Path | None = None, telemetry_retention_s: float = 60.0,
                     on_applied: Callable[[object], list[Envelope]] | None = None) -> LoopRun:
     """Run ``sim_engine``'s job for ``duration_s`` simulated seconds with the platform in the loop.
@@ -122,7 +123,10 @@ def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,  # t
     simulator there, and the heartbeats of the downtime go out). The job's
     throughput is sampled into ``series`` every ``window_s`` simulated seconds. Telemetry is kept on
     the bus for ``telemetry_retention_s`` wall seconds: the analytics consumer reads it every few
-    iterations, and a 2-hour run at 256 GPUs would otherwise hold ~20 GB of it."""
+    iterations, and a 2-hour run at 256 GPUs would otherwise hold ~20 GB of it. At its turn the
+    consumer reads everything published so far, in transactions of at most ``analytics_batch``
+    records (one turn at 8,192 ranks is ~45,000 records: a single transaction per turn would fall
+    further behind at every turn until retention deleted what it had not read)."""
     from analytics.detector_config import DetectorConfig
     from analytics.detector_projection import DetectorProjection
     from analytics.projector import Projector
@@ -162,7 +166,8 @@ def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,  # t
                         if on_applied is not None:
                             runner.publish(on_applied(sim_engine))
                 if sim_engine.iteration % analytics_every == 0 or sim_engine.hanging_for_s > 0:
-                    projector.step(timeout_s=0.0)
+                    while projector.step(max_records=analytics_batch, timeout_s=0.0) >= analytics_batch:
+                        pass  # a full transaction: more may be waiting
                     detector.flush_outbox(projector.conn, bus)
                     engine.poll_once(timeout_s=0.0)
                     referee.poll()

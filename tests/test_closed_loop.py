@@ -51,6 +51,19 @@ def test_a_slow_gpu_is_detected_from_telemetry_and_the_plan_wins_back_tokens(tmp
     assert ours.telemetry_lost == 0 and ours.bus_bytes > 0
 
 
+def test_analytics_reads_everything_at_its_turn_however_small_its_transactions(tmp_path: Path) -> None:
+    """A turn holds ~5 iterations × 16 ranks of telemetry and heartbeats; in transactions of 8 records
+    the consumer must still drain it all, or it falls further behind at every turn (at 8,192 ranks a
+    turn is ~45,000 records against the default 20,000). Same events, same order: the same run."""
+    faults = [FaultSpec(kind="slow_compute", device=5, factor=4.0, at_s=3.0)]
+    _, whole = _run("ours", faults, 10.0, tmp_path)
+    _, small = _run("ours", faults, 10.0, tmp_path, analytics_batch=8)
+    (det,) = small.detections
+    assert det.delay_s is not None and det.delay_s < 2.0
+    assert (small.tokens, small.plans_applied, small.telemetry_lost) == (whole.tokens, whole.plans_applied, 0)
+    assert [d.detected_s for d in small.detections] == [d.detected_s for d in whole.detections]
+
+
 def test_telemetry_deleted_before_analytics_read_it_is_counted_not_hidden(tmp_path: Path) -> None:
     """A retention shorter than the gap between analytics reads loses telemetry; the run says how much."""
     _, starved = _run("ours", [], 4.0, tmp_path, telemetry_retention_s=1e-9, analytics_every=10)
