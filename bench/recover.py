@@ -294,8 +294,12 @@ def run(args: argparse.Namespace) -> int:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
-        # spawn: each worker starts clean (no inherited SQLite or DuckDB handles, no threads)
-        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        from collector.gc_policy import tune_for_streaming
+
+        # spawn: each worker starts clean (no inherited SQLite or DuckDB handles, no threads); it does
+        # not go through the command line's main, so it takes the streaming GC setting here
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=tune_for_streaming) as pool:
             futures = {pool.submit(fn, *fn_args): job for job, (fn, fn_args) in calls.items()}
             for future in tqdm(as_completed(futures), total=len(futures), desc="recover", unit="run"):
                 runs[futures[future]] = future.result()

@@ -130,11 +130,9 @@ def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,  # t
     from analytics.detector_config import DetectorConfig
     from analytics.detector_projection import DetectorProjection
     from analytics.projector import Projector
-    from collector.gc_policy import tune_for_streaming
     from remediation.engine import EngineConfig, RemediationEngine
     from trainer.sim.runner import SimulatorRunner
 
-    tune_for_streaming()  # a third of the wall time at 1,024 ranks went to full collections
     cfg = sim_engine.config
     job = cfg.job
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
