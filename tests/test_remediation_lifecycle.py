@@ -177,6 +177,32 @@ def test_a_mis_scaled_model_does_not_roll_back_a_plan_that_gained_as_predicted()
     assert key == "verified/p1" and verdict.measured_tokens_per_s == 150.0
 
 
+def test_a_stalled_iteration_neither_rolls_back_a_good_plan_nor_passes_a_bad_one():
+    """A synchronous iteration stalls whole when any rank pauses (GC, the OS): at 1,024 GPUs one
+    iteration in eight. One 4-s stall among the samples is the layout's noise, not its speed."""
+    def judged(before: list[float], after: list[float]) -> str:
+        """Faulted at 100 tokens an iteration, then the plan: 150 an iteration; ``*`` their walls."""
+        def timed(epoch: int, first: int, tokens: int, walls: list[float]):  # type: ignore[no-untyped-def]
+            return [F.make(IterationSummary(epoch=epoch, iteration=first + i, tokens=tokens, wall_s=w))
+                    for i, w in enumerate(walls)]
+
+        prop = F.make(PlanProposed(plan_id="p1", incident_ids=["i1"], strategy="ours", base_epoch=0, plan=PLAN1,
+                                   current_tokens_per_s=100.0, predicted_tokens_per_s=150.0, reshape_cost_s=3.0,
+                                   diff=[], severity=Severity.HIGH))
+        s = fold(_summaries(0, 0, 10, 200) + [_opened_at(10)] + timed(0, 10, 100, before)
+                 + [prop, decision(), command(), ack()] + timed(1, 20, 150, after), state0())
+        (key, _), = reactions(s)
+        return key
+
+    steady = [1.0] * 6
+    # the plan gained ×1.5 as predicted; one stall after it (the first sample is the warm-up)
+    assert judged(before=steady, after=[1.0, 1.0, 1.0, 4.0, 1.0, 1.0]) == "verified/p1"
+    # the plan gained nothing (150 tokens in 1.5 s, as before it); one stall before it
+    assert judged(before=[1.0, 1.0, 4.0, 1.0, 1.0, 1.0], after=[1.5] * 6) == "rolled_back/p1"
+    # a layout slower in every iteration still shows in full
+    assert judged(before=steady, after=[1.5, 1.5, 1.5, 4.0, 1.5, 1.5]) == "rolled_back/p1"
+
+
 def test_iterations_of_the_new_epoch_read_before_the_ack_count_for_the_plan():
     """Summaries travel on the telemetry topic and the ack on control: a replaying engine can fold
     the new epoch's iterations first. They are the plan's samples all the same, or it would wait
