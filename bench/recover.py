@@ -89,6 +89,8 @@ class Run:
     training_at_end: bool = False
     detections: list = field(default_factory=list)  # bus loop: resihp.closed_loop.Detection per fault
     false_incidents: int = 0
+    plans_applied: int = 0  # bus loop: commands applied, roll-backs included
+    rolled_back: int = 0  # bus loop: applied plans whose verification failed
     telemetry_lost: int = 0  # bus loop: telemetry the bus's retention deleted before analytics read it
     bus_bytes: int = 0  # bus loop: the embedded log on disk at the end
     wall_s: float = 0.0  # bus loop: wall seconds the loop took (the platform's cost, set-up aside)
@@ -167,6 +169,7 @@ def _run_bused(name: str, strategy_name: str, gpus: int, duration_s: float) -> R
                            on_applied=pay_restart if strategy_name == "elastic_restart" else None)
     return Run(tokens=loop.tokens, series=loop.series, training_at_end=loop.training_at_end,
                detections=loop.detections, false_incidents=loop.false_incidents,
+               plans_applied=loop.plans_applied, rolled_back=loop.rolled_back,
                telemetry_lost=loop.telemetry_lost, bus_bytes=loop.bus_bytes, wall_s=time.perf_counter() - started)
 
 
@@ -327,13 +330,14 @@ def run(args: argparse.Namespace) -> int:
 def _print_detections(runs: dict[tuple[int, str, str], Run]) -> None:
     """Per bused run: how long each injected fault took to be named, and incidents matching none."""
     print(f"\n{'run':<34}{'fault delays s (onset → first incident naming its devices)':<64}false incidents"
-          "  bus MB  telemetry lost  wall s")
+          "  applied  rolled back  bus MB  telemetry lost  wall s")
     for (g, s, st), r in runs.items():
         if st == "oracle":
             continue
         delays = ", ".join(f"{d.category} {d.delay_s:.0f}" if d.delay_s is not None else f"{d.category} missed"
                            for d in sorted(r.detections, key=lambda d: d.onset_s))
-        print(f"{f'{s}@{g} {st}':<34}{delays or '—':<64}{r.false_incidents:>15}{r.bus_bytes / 1e6:>8.0f}"
+        print(f"{f'{s}@{g} {st}':<34}{delays or '—':<64}{r.false_incidents:>15}{r.plans_applied:>9}"
+              f"{r.rolled_back:>13}{r.bus_bytes / 1e6:>8.0f}"
               f"{r.telemetry_lost:>16}{r.wall_s:>8.0f}")
 
 

@@ -48,7 +48,8 @@ class LoopRun:
     training_at_end: bool = False
     detections: list[Detection] = field(default_factory=list)
     false_incidents: int = 0  # incidents whose locations cover no injected fault's devices
-    plans_applied: int = 0
+    plans_applied: int = 0  # commands the simulator applied, roll-backs included
+    rolled_back: int = 0  # applied plans whose verification failed (the engine proposed the layout before)
     refusals: list[str] = field(default_factory=list)
     telemetry_lost: int = 0  # telemetry records retention deleted before the analytics consumer read them
     bus_bytes: int = 0  # the embedded log's size on disk at the end of the run
@@ -131,6 +132,7 @@ def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,  # t
     from analytics.detector_projection import DetectorProjection
     from analytics.projector import Projector
     from remediation.engine import EngineConfig, RemediationEngine
+    from remediation.lifecycle import PlanStatus
     from trainer.sim.runner import SimulatorRunner
 
     cfg = sim_engine.config
@@ -174,6 +176,7 @@ def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,  # t
                     window_tokens, window_start = 0, sim_engine.now_s
                 run.training_at_end = sim_engine.now_s > before and sim_engine.hanging_for_s == 0.0
             referee.poll()
+            run.rolled_back = sum(r.status == PlanStatus.ROLLED_BACK for r in engine.state.plans.values())
             run.telemetry_lost = sum(getattr(projector.stream.consumer, "lost_to_retention", {}).values())
             run.bus_bytes = sum(p.stat().st_size for p in Path(tmp).glob("bus.sqlite*"))
         finally:

@@ -32,8 +32,9 @@ def test_a_bus_loop_run_in_a_worker_brings_its_detections_back(capsys: pytest.Ca
     figures, out = _bench(capsys, 2, "bus", "stop_gpu", "ours", 60.0)
     assert 0 < figures["scenarios"]["stop_gpu@256"]["ours"] < 1
     (line,) = [row for row in out.splitlines() if row.startswith("stop_gpu@256 ours")]
-    delay, false_incidents, _bus_mb, lost, wall_s = line.split()[3:]
+    delay, false_incidents, applied, rolled_back, _bus_mb, lost, wall_s = line.split()[3:]
     assert int(delay) <= 20 and (int(false_incidents), int(lost)) == (0, 0)  # fail-stop at the second missed beat
+    assert (int(applied), int(rolled_back)) == (1, 0)  # the plan that leaves the dead GPU out, kept
     assert int(wall_s) >= 1  # the loop's own wall time came back from the worker
 
 

@@ -45,7 +45,7 @@ def test_a_slow_gpu_is_detected_from_telemetry_and_the_plan_wins_back_tokens(tmp
     assert det.category == "fail_slow" and det.onset_s == pytest.approx(3.0, abs=0.5)
     assert det.delay_s is not None and 0 <= det.delay_s < 2.0
     assert ours.false_incidents == 0 and idle.false_incidents == 0
-    assert ours.plans_applied >= 1 and idle.plans_applied == 0
+    assert ours.plans_applied >= 1 and idle.plans_applied == 0 and ours.rolled_back == 0
     assert ours.tokens > 1.1 * idle.tokens
     assert ours.training_at_end and ours.series
     assert ours.telemetry_lost == 0 and ours.bus_bytes > 0
@@ -179,5 +179,5 @@ def test_a_slow_gpu_left_out_is_taken_back_once_a_probe_finds_it_recovered(tmp_p
     healthy, and the engine re-grows the group around it."""
     faults = [FaultSpec(kind="slow_compute", device=5, factor=4.0, at_s=3.0, duration_s=12.0)]
     sim, ours = _run("ours", faults, 40.0, tmp_path)
-    assert ours.plans_applied == 2 and ours.false_incidents == 0 and ours.training_at_end
+    assert ours.plans_applied == 2 and ours.rolled_back == 0 and ours.false_incidents == 0 and ours.training_at_end
     assert 5 in sim.plan.devices and sorted(sim.plan.devices) == list(range(16))
