@@ -17,6 +17,7 @@ layout that slows every iteration still shows in full.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from statistics import median
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -36,11 +37,8 @@ class Verification:
 def _rate(samples: dict[int, tuple[int, float]], iterations: list[int]) -> float:
     """The median of the iterations' tokens/s (see the module's docstring); an iteration that
     reports no time is no measurement and is left out."""
-    rates = sorted(samples[i][0] / samples[i][1] for i in iterations if samples[i][1] > 0)
-    if not rates:
-        return 0.0
-    mid = len(rates) // 2
-    return rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2
+    rates = [samples[i][0] / samples[i][1] for i in iterations if samples[i][1] > 0]
+    return median(rates) if rates else 0.0
 
 
 def verdict(state: LifecycleState, record: PlanRecord,

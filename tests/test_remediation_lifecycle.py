@@ -181,7 +181,8 @@ def test_a_stalled_iteration_neither_rolls_back_a_good_plan_nor_passes_a_bad_one
     """A synchronous iteration stalls whole when any rank pauses (GC, the OS): at 1,024 GPUs one
     iteration in eight. One 4-s stall among the samples is the layout's noise, not its speed."""
     def judged(before: list[float], after: list[float]) -> str:
-        """Faulted at 100 tokens an iteration, then the plan: 150 an iteration; ``*`` their walls."""
+        """Faulted at 100 tokens an iteration, then the plan at 150; ``before`` and ``after`` are the
+        two epochs' iteration walls in seconds."""
         def timed(epoch: int, first: int, tokens: int, walls: list[float]):  # type: ignore[no-untyped-def]
             return [F.make(IterationSummary(epoch=epoch, iteration=first + i, tokens=tokens, wall_s=w))
                     for i, w in enumerate(walls)]
