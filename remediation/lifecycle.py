@@ -57,6 +57,9 @@ class IncidentRecord:
     summary: str
     opened_iteration: int
     status: str = "open"  # open | confirmed | resolved
+    # the iteration of its latest update (or opening): the faults it describes have been as they are
+    # since then, so a plan answering it is judged against the old layout's samples from there on
+    changed_iteration: int = -1
     opened_at_s: float = 0.0  # the opening event's time (the analytics consumer stamps the telemetry's)
     probing: tuple[int, ...] = ()  # ranks a probe re-asks since the latest update: a better location follows
     probing_since_s: float = 0.0  # that update's time
@@ -209,7 +212,8 @@ def _incident_opened(state: LifecycleState, e: Envelope, p: IncidentOpened) -> N
         _report(state, e, f"incident {p.incident_id} opened twice; kept the first")
         return
     state.incidents[p.incident_id] = IncidentRecord(p.incident_id, p.category, p.severity, list(p.locations),
-                                                    p.summary, p.iteration, opened_at_s=e.time_s)
+                                                    p.summary, p.iteration, changed_iteration=p.iteration,
+                                                    opened_at_s=e.time_s)
     _note_dead(state, p.category, list(p.locations))
     state.incident_version += 1
 
@@ -231,6 +235,7 @@ def _incident_updated(state: LifecycleState, e: Envelope, p: IncidentUpdated) ->
         _report(state, e, f"update of unknown incident {p.incident_id}")
         return
     inc.severity = p.severity
+    inc.changed_iteration = max(inc.changed_iteration, p.iteration)
     inc.probing, inc.probing_since_s = tuple(p.probing), e.time_s
     _relocate(state, inc, p.locations)
 

@@ -52,7 +52,10 @@ def verdict(state: LifecycleState, record: PlanRecord,
     1. The old layout was running under the faults the plan answers (its predicted tokens/s > 0
        and the base epoch has samples since the newest of the plan's incidents opened): verified
        when after / before ≥ (1 − tolerance) · predicted / current, "before" being the median of the
-       base epoch's last ``iterations`` samples since then, and, when the plan promised a gain,
+       base epoch's last ``iterations`` samples since the latest update of those incidents (since
+       the opening when none came after it: an incident that got worse, a second GPU of its TP
+       group slow, has run slower since its update, and samples from before it would credit the
+       old layout with a speed it no longer had), and, when the plan promised a gain,
        after / before ≥ 1 − ``max_loss``: the tolerance is for a model that over-promised, not
        for a plan that made the job slower than the faulty layout it replaced. A plan short of
        the predicted change that brought the job back to ≥ (1 − tolerance) of what the base
@@ -75,10 +78,12 @@ def verdict(state: LifecycleState, record: PlanRecord,
     prop = record.proposal
     tol = verification.tolerance
     base = state.epoch_samples.get(prop.base_epoch, {})
-    opened = [state.incidents[i].opened_iteration for i in prop.incident_ids if i in state.incidents]
-    since = max(opened) if opened else None
+    answered = [state.incidents[i] for i in prop.incident_ids if i in state.incidents]
+    since = max((i.opened_iteration for i in answered), default=None)
+    changed = max((i.changed_iteration for i in answered), default=None)
     ordered = sorted(base)
-    faulted = [i for i in ordered if since is None or i >= since][-verification.iterations:]
+    faulted = ([i for i in ordered if changed is not None and i >= changed]
+               or [i for i in ordered if since is None or i >= since])[-verification.iterations:]
     healthy = [i for i in ordered if since is not None and i < since][-verification.iterations:]
     if prop.current_tokens_per_s > 0 and faulted:
         before = _rate(base, faulted)

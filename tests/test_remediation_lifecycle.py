@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collector.events import (
     AckStatus, CommandAck, Evidence, EventFactory, FaultCategory, IncidentOpened, IncidentResolved,
-    IterationSummary, Location, PlanDecision, PlanProposed, PolicyChanged, PolicyMode, ReconfigureCommand,
+    IncidentUpdated, IterationSummary, Location, PlanDecision, PlanProposed, PolicyChanged, PolicyMode, ReconfigureCommand,
     Severity,
 )
 from collector.plan import Plan
@@ -202,6 +202,27 @@ def test_a_stalled_iteration_neither_rolls_back_a_good_plan_nor_passes_a_bad_one
     assert judged(before=[1.0, 1.0, 4.0, 1.0, 1.0, 1.0], after=[1.5] * 6) == "rolled_back/p1"
     # a layout slower in every iteration still shows in full
     assert judged(before=steady, after=[1.5, 1.5, 1.5, 4.0, 1.5, 1.5]) == "rolled_back/p1"
+
+
+def test_a_plan_answering_an_incident_that_got_worse_is_judged_against_the_layout_since_the_update():
+    """Faulted at 1,000 tokens/s from iteration 10; at 18 the incident is updated (a second GPU of its
+    group slow) and the job runs at 900. The plan promised ×1.05 over those 900 and measures 945. Read
+    against the five samples before it, three of them at 1,000, it would look like a 5.5 % loss and be
+    rolled back; against the two since the update it gained as promised."""
+    worse = F.make(IncidentUpdated(incident_id="i1", iteration=18, severity=Severity.HIGH,
+                                   locations=[Location(target="compute", rank=1, factor=2.2)], evidence=Evidence()))
+    prop = F.make(PlanProposed(plan_id="p1", incident_ids=["i1"], strategy="ours", base_epoch=0, plan=PLAN1,
+                               current_tokens_per_s=900.0, predicted_tokens_per_s=945.0, reshape_cost_s=1.0,
+                               diff=[], severity=Severity.HIGH))
+    faulted = _summaries(0, 0, 10, 2_000) + [_opened_at(10)] + _summaries(0, 10, 8, 1_000)
+    applied = [prop, decision(), command(), ack()] + _summaries(1, 20, 6, 945)
+    s = fold(faulted + [worse] + _summaries(0, 18, 2, 900) + applied, state0())
+    ok, _, why = verdict(s, s.plans["p1"])
+    assert ok and "(900 → 945 tokens/s)" in why
+    # an update no sample of the old layout followed: the samples since the opening are all there is
+    s = fold(faulted + [worse] + applied, state0())
+    ok, _, why = verdict(s, s.plans["p1"])
+    assert not ok and "(1,000 → 945 tokens/s)" in why
 
 
 def test_iterations_of_the_new_epoch_read_before_the_ack_count_for_the_plan():
