@@ -19,6 +19,7 @@ from trainer.rendezvous import (CONTROL_POST, PostAborted, abort_key, arrive_key
 from trainer.model import GPTConfig, GPTStage, init_full, init_stage, shard, shard_rule, unshard
 from trainer.optim import AdamW
 from trainer.parallel import Layout, keeps_groups
+from trainer.schedule import paced_chunk_s
 
 CFG = GPTConfig(vocab_size=64, n_layer=4, n_head=4, n_embd=32, block_size=64, dtype="float64")
 
@@ -284,3 +285,12 @@ def test_a_rendezvous_timeout_not_above_the_collective_timeout_is_refused() -> N
     with pytest.raises(ValueError, match=r"rendezvous timeout 30 s must exceed the collective timeout 30 s.*"
                                          r"--rendezvous-timeout"):
         RunSpec(pg_timeout_s=30, rendezvous_timeout_s=30)
+
+
+def test_pacing_splits_a_layers_time_over_the_stages_tp_ranks() -> None:
+    """A paced rank emulates a device: a TP-2 rank does half a layer's work, so a stage that shrinks
+    from TP 2 to TP 1 takes twice as long per layer. Attention's β·Σl² is α/32 per token squared."""
+    one_device = paced_chunk_s(1e-3, layers=2, tp=1, tokens=64, seq_lens=[32, 32])
+    assert one_device == pytest.approx(2 * (1e-3 * 64 + 1e-3 / 32 * 2048))
+    assert paced_chunk_s(1e-3, layers=2, tp=2, tokens=64, seq_lens=[32, 32]) == pytest.approx(one_device / 2)
+    assert paced_chunk_s(0.0, layers=2, tp=1, tokens=64, seq_lens=[64]) == 0.0

@@ -106,6 +106,18 @@ class _Iteration:
     loss_sum: float = 0.0
 
 
+def paced_chunk_s(pace_s_per_layer_token: float, layers: int, tp: int, tokens: int, seq_lens: list[int]) -> float:
+    """Emulated device time of a forward chunk on one rank of a TP group (0 when not pacing).
+
+    The cost model's α·N + β·Σl² per layer, with β = α/32, split over the group's ``tp`` ranks as
+    tensor parallelism splits a layer's matmuls: a stage that shrinks from TP 2 to TP 1 takes twice
+    as long per layer, as it would on devices. The pace is one device's time per layer-token."""
+    if not pace_s_per_layer_token:
+        return 0.0
+    per_layer = pace_s_per_layer_token * tokens + pace_s_per_layer_token / 32 * sum(n * n for n in seq_lens)
+    return layers * per_layer / tp
+
+
 class PipelineSchedule:
     """Runs one iteration's micro-batches through this rank's stage in the plan's schedule."""
 
@@ -116,6 +128,7 @@ class PipelineSchedule:
         self.group = group  # spans the whole world (group rank = world rank); None: the default group
         self.pace = pace_s_per_layer_token
         self.S = len(pipe.stages)
+        self.tp = pipe.stages[role.stage].tp
         self.V = virtual_stages_ if schedule == "interleaved" else 1
         if len(stage.chunks) != self.V:
             raise ValueError(f"stage holds {len(stage.chunks)} chunks but the {schedule} schedule runs {self.V}")
@@ -165,11 +178,7 @@ class PipelineSchedule:
         return (mb.index * self.S * self.V + sender_g) * 2 + int(grad)
 
     def _paced_s(self, mb: MicroBatch, chunk: int) -> float:
-        """Emulated device time of a forward chunk (cost model α·N + β·Σl², per layer)."""
-        if not self.pace:
-            return 0.0
-        layers = self.stage.chunk_layers(chunk)
-        return layers * (self.pace * len(mb.tokens) + self.pace / 32 * sum(n * n for n in mb.seq_lens))
+        return paced_chunk_s(self.pace, self.stage.chunk_layers(chunk), self.tp, len(mb.tokens), mb.seq_lens)
 
     def _recv(self, it: _Iteration, src: int, device: int | None, tag: int, like: torch.Tensor | None,
               mb: MicroBatch) -> torch.Tensor:

@@ -57,8 +57,9 @@ class RunSpec(BaseModel):
     run_id: str = Field(default="", description="set by the launcher; periodic checkpoints of other runs are ignored")
     threads: int = Field(default=1, ge=1)
     pace_s_per_layer_token: float = Field(default=0.0, ge=0, description=(
-        "emulate devices: pad each forward chunk to layers × (p·tokens + p/32·Σl²) seconds (backward: 2×), "
-        "so ranks sharing few CPU cores behave like devices of a set speed; 0 = off"))
+        "emulate devices: pad each forward chunk to layers × (p·tokens + p/32·Σl²) / tp seconds (backward: 2×; "
+        "tp: the stage's TP degree, which splits a layer's work), so ranks sharing few CPU cores behave like "
+        "devices of a set speed; 0 = off"))
 
     @model_validator(mode="after")
     def _rendezvous_outlasts_a_collective(self) -> RunSpec:
