@@ -12,7 +12,7 @@ vs all-reduce latency), β (attention only), the LM head (what the last stage co
 others), and the backward's factor (B over F).
 
 What can go wrong: with fixed-length packing N never varies and the fit cannot tell α from γ (it
-puts everything in γ); such a line is read as per-token cost at the mean N. Fits from too few samples, or a plan whose stages differ, give noisy figures —
+puts α·N in γ, whether or not Σl² varies); such a line is read as per-token cost at the mean N. Fits from too few samples, or a plan whose stages differ, give noisy figures —
 the median over stages is used; a stage whose α is smaller than the all-reduce estimate means the
 bandwidth is underestimated, and then everything is counted as compute (tp_bytes_per_token = 0).
 Without fits the caller keeps its fallback (``--model``).
@@ -56,9 +56,11 @@ def model_from_fits(
     n_tok0 = tokens_per_microbatch or float(current.tokens_per_microbatch or 0)
     by_key = {}
     for f in fits:
-        if f.alpha_s_per_token <= 0 and f.beta_s_per_token_sq <= 0 and f.gamma_s > 0 and n_tok0 > 0:
-            # Fixed-length packing: N never varied, so the fit put everything in γ. A layer's time
-            # is compute, not launch overhead: read the line as per-token cost at the mean N.
+        if f.alpha_s_per_token <= 0 and f.gamma_s > 0 and n_tok0 > 0:
+            # Fixed-length packing: N never varied, so the fit put α·N in γ (β, fitted on Σl², which
+            # still varies, is the attention's). A layer's time is compute, not launch overhead:
+            # read γ as per-token cost at the mean N. As overhead it would neither shrink with TP
+            # nor slow with a throttled GPU, and a ×3 GPU would be read as ×5 in compute.
             f = f.model_copy(update={"alpha_s_per_token": f.gamma_s / n_tok0, "gamma_s": 0.0})
         by_key[(f.stage, str(f.kind))] = f
     if not any((s, "F") in by_key for s in range(len(stages))):

@@ -53,3 +53,23 @@ def test_the_remediation_engine_turns_the_published_fits_into_planner_figures() 
     # one layer's forward on one device (TP 2 halves 2 layers' work) ≈ α_layer·N + β·Σl² + γ
     assert spec.linear_s_per_token > 0 and spec.attn_s_per_sq_token > 0
     assert 1.6 < spec.backward_factor < 2.4
+
+
+def test_a_line_fitted_on_fixed_length_rows_reads_its_constant_as_compute() -> None:
+    """Fixed-length packing (the torch demo's 64-token rows): N never varies, so the fit puts α·N in
+    γ while β still fits Σl². Read as launch overhead, γ would not slow with a throttled GPU, and a
+    chunk ×3 slower would be taken for a GPU ×5 slower in compute; read as compute, it is ×3."""
+    from collector.events import ChunkKind, CostFit
+    from collector.plan import Plan
+    from remediation.cluster import ClusterState
+    from remediation.costs import compute_factor_from_chunks
+
+    plan = Plan.uniform(tp=2, pp=2, dp=2, num_layers=4, microbatches_per_replica=4)
+    fits = [CostFit(stage=s, kind=k, alpha_s_per_token=0.0, beta_s_per_token_sq=1.25e-5 * m, gamma_s=0.0257 * m,
+                    samples=32, mean_sum_sq_len=1392.0)
+            for s in (0, 1) for k, m in ((ChunkKind.FORWARD, 1), (ChunkKind.BACKWARD, 2))]
+    current = PlanCurrent(plan=plan, layer_state_bytes=203_264, tokens_per_microbatch=64)
+    spec = model_from_fits(fits, current, Hardware())
+    assert spec.overhead_s == 0.0 and spec.linear_s_per_token > 0
+    cluster = ClusterState(8, Hardware())
+    assert 2.9 < compute_factor_from_chunks(cluster, spec, plan, 5, 3.0) < 3.1  # 4.96 with γ read as overhead
