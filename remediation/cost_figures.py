@@ -12,8 +12,9 @@ vs all-reduce latency), β (attention only), the LM head (what the last stage co
 others), and the backward's factor (B over F).
 
 What can go wrong: with fixed-length packing N never varies and the fit cannot tell α from γ (it
-puts α·N in γ, whether or not Σl² varies); such a line is read as per-token cost at the mean N. Fits from too few samples, or a plan whose stages differ, give noisy figures —
-the median over stages is used; a stage whose α is smaller than the all-reduce estimate means the
+puts α·N in γ, whether or not Σl² varies); such a line is read as per-token cost at the mean N.
+Fits from too few samples, or a plan whose stages differ, give noisy figures — the median over
+stages is used; a stage whose α is smaller than the all-reduce estimate means the
 bandwidth is underestimated, and then everything is counted as compute (tp_bytes_per_token = 0).
 Without fits the caller keeps its fallback (``--model``).
 """

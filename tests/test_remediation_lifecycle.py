@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collector.events import (
     AckStatus, CommandAck, Evidence, EventFactory, FaultCategory, IncidentOpened, IncidentResolved,
-    IncidentUpdated, IterationSummary, Location, PlanDecision, PlanProposed, PolicyChanged, PolicyMode, ReconfigureCommand,
-    Severity,
+    IncidentUpdated, IterationSummary, Location, PlanDecision, PlanProposed, PolicyChanged, PolicyMode,
+    ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
 from remediation.lifecycle import PlanStatus, Verification, fold, initial_state, reactions, step
