@@ -38,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=None, help="TP degree of the layout (default 2)")
     p.add_argument("--pace", type=float, default=None, metavar="S",
                    help="torch only: emulated device seconds per layer-token, so 8 ranks on few cores behave like "
-                        "devices of a set speed (default 2e-4; 0: raw CPU)")
+                        "devices of a set speed; a stage's TP ranks split a layer's time (default 4e-4; 0: raw CPU)")
     p.add_argument("--port", type=int, default=8501, help="console port (default 8501)")
     p.add_argument("--linger", type=float, default=None, metavar="SECONDS",
                    help="with the console: keep it up this long after the story ends (default: until Ctrl-C)")
