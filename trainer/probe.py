@@ -41,6 +41,7 @@ from collector.events import ProbeRequest, ProbeResult
 from trainer.faults import FaultInjector
 from trainer.integration import probe_answer
 from trainer.model import GPTConfig
+from trainer.schedule import paced_chunk_s
 
 MIN_PROBE_DIM = 256
 
@@ -52,7 +53,7 @@ def compute_seconds(config: GPTConfig, faults: FaultInjector, repeats: int, pace
     rows, width = max(t, floor), max(config.n_embd, floor)
     x = torch.ones(rows, width, dtype=config.torch_dtype)
     w = torch.full((width, width), 1.0 / width, dtype=config.torch_dtype)
-    paced_s = pace_s_per_layer_token * t + pace_s_per_layer_token / 32 * t * t
+    paced_s = paced_chunk_s(pace_s_per_layer_token, layers=1, tp=1, tokens=t, seq_lens=[t])  # one device's layer
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
