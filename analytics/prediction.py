@@ -34,9 +34,14 @@ def predicted_iteration_s(frame: IterationFrame, c_pred: np.ndarray, schedule: s
     V = virtual_stages or 1
     dp_c, pp_c = frame.dp[frame.c_rank], frame.pp[frame.c_rank]
     S = int(frame.pp.max()) + 1
-    M = int(frame.c_mb.max()) + 1
-    cell = ((dp_c * S + pp_c) * V + frame.c_vs) * M * 3 + frame.c_mb * 3 + frame.c_kind
     n_rep = int(frame.dp.max()) + 1
+    # a replica's micro-batches in schedule order: the trainer may number them within the global
+    # batch (replica 1 runs 4–7) or within the replica (0–3); either way they are contiguous
+    first_mb = np.full(n_rep, np.iinfo(np.int64).max, np.int64)
+    np.minimum.at(first_mb, dp_c, frame.c_mb)
+    mb_c = frame.c_mb - first_mb[dp_c]
+    M = int(mb_c.max()) + 1
+    cell = ((dp_c * S + pp_c) * V + frame.c_vs) * M * 3 + mb_c * 3 + frame.c_kind
     size = n_rep * S * V * M * 3
     med = group_median(cell, np.nan_to_num(c_pred), size).reshape(n_rep, S, V, M, 3)
     sends = frame.k_dur[(frame.k_op == OP_CODE["pp_send"])]
@@ -44,12 +49,13 @@ def predicted_iteration_s(frame: IterationFrame, c_pred: np.ndarray, schedule: s
     dp_waits = np.bincount(frame.k_rank[frame.k_op == OP_CODE["dp_allreduce"]],
                            weights=frame.k_dur[frame.k_op == OP_CODE["dp_allreduce"]], minlength=frame.num_ranks)
     dp_s = float(dp_waits.min()) if len(dp_waits) and include_comm else 0.0
+    mb_count = np.full(n_rep, -1, np.int64)  # per replica: its last micro-batch's position (-1: no chunk at all)
+    np.maximum.at(mb_count, dp_c, mb_c)
+    if (mb_count < 0).any():
+        return float("nan")
     reps = []
     for r in range(n_rep):
-        in_rep = dp_c == r
-        if not in_rep.any():
-            return float("nan")
-        a = med[r][:, :, : int(frame.c_mb[in_rep].max()) + 1]  # replicas may run different micro-batch counts
+        a = med[r][:, :, : int(mb_count[r]) + 1]  # replicas may run different micro-batch counts
         if np.isnan(a[..., 0]).any() or np.isnan(a[..., 1]).any():
             return float("nan")
         f, b = a[..., 0], a[..., 1]

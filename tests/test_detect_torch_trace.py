@@ -35,3 +35,31 @@ def test_a_slow_torch_rank_is_found_within_three_iterations_despite_cpu_preempti
 
 def test_a_healthy_torch_run_raises_nothing() -> None:
     assert _opened("detect_torch_healthy.parquet") == []
+
+
+def test_a_torch_jobs_iterations_are_laid_out_whichever_way_its_micro_batches_are_numbered() -> None:
+    """The torch trainer numbers micro-batches within the global batch (replica 1 runs 4–7), the
+    simulator within the replica (0–3). The schedule lays out a replica's micro-batches by their
+    place in it, so both give the same iteration. Numbered globally, the torch job's iterations
+    could not be laid out at all: every prediction read 0 s, and the communication check, which
+    replays the measured compute through the same schedule, never ran."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from analytics.frame import build_frame
+    from analytics.prediction import predicted_iteration_s
+
+    events = read_trace(HERE / "detect_torch_healthy.parquet")
+    reports = [e.payload for e in events if e.kind == "telemetry.iteration" and e.payload.iteration == 5]
+    frame = build_frame(reports)
+    dp_c = frame.dp[frame.c_rank]
+    assert not set(frame.c_mb[dp_c == 1].tolist()) & set(frame.c_mb[dp_c == 0].tolist())  # numbered globally
+    local = replace(frame, c_mb=frame.c_mb - np.array([frame.c_mb[dp_c == r].min() for r in dp_c]))
+    global_s = predicted_iteration_s(frame, frame.c_own)
+    assert np.isfinite(global_s) and global_s > 0
+    assert global_s == predicted_iteration_s(local, local.c_own)
+    assert global_s <= frame.wall_s.max()  # the measured chunks fit in the slowest rank's wall
+
+    predictions = [e.payload for e in detect_events(events, kinds_prefix=("analytics.prediction",))]
+    assert len(predictions) == 30 and all(p.predicted_s > 0 for p in predictions)
