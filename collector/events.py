@@ -441,12 +441,16 @@ class CommandAck(Payload):
 
 
 class PlanVerified(Payload):
-    """Measured throughput under the applied plan matches its prediction."""
+    """Measured throughput under the applied plan matches its prediction, or the plan is kept
+    because rolling it back would be slower (``reason`` says which)."""
 
     KIND: ClassVar[str] = "plan.verified"
     plan_id: str
     measured_tokens_per_s: float = Field(ge=0)
     predicted_tokens_per_s: float = Field(ge=0)
+    reason: str | None = Field(
+        default=None, description="the measured change against the predicted one, and why a plan that fell short of "
+        "it is kept; None from an engine that did not say")
 
 
 class PlanRolledBack(Payload):

@@ -451,8 +451,10 @@ def reactions(state: LifecycleState, verification: Verification = Verification()
             ok, measured, why = judged
             predicted = prop.predicted_tokens_per_s
             if ok or not can_roll_back(state, record):
+                reason = why if ok else f"{why}; kept: the layout before it cannot run again"
                 out.append((f"verified/{record.plan_id}", PlanVerified(
-                    plan_id=record.plan_id, measured_tokens_per_s=measured, predicted_tokens_per_s=predicted)))
+                    plan_id=record.plan_id, measured_tokens_per_s=measured, predicted_tokens_per_s=predicted,
+                    reason=reason)))
             else:
                 out.append((f"rolled_back/{record.plan_id}", PlanRolledBack(
                     plan_id=record.plan_id, measured_tokens_per_s=measured, predicted_tokens_per_s=predicted,

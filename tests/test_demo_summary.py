@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collector.events import Location
 from resihp.demo.story import story_for
-from resihp.demo.summary import fault_stories, match_incident, overall_tokens_per_s
+from resihp.demo.summary import fault_stories, match_incident, overall_tokens_per_s, summary_lines
 from resihp.demo.watch import Incident, Injected, LogState, PlanRecord, Summary
 
 
@@ -81,3 +81,14 @@ def test_the_default_story_is_tp2_and_the_detector_runs_at_its_defaults_plus_pro
     assert story.slow.device == 5  # the second member of replica 1's first TP pair: a probe must name it
     config, defaults = DetectorConfig.model_validate(DETECTOR_SETTINGS), DetectorConfig()
     assert config.probes and config.model_copy(update={"probes": False}) == defaults
+
+
+def test_a_plans_verdict_is_printed_under_it() -> None:
+    """Why a plan was verified or rolled back, as the engine's event says it: a plan kept short of
+    its prediction reads as verified, and the line under it says what it measured."""
+    s = _state()
+    s.plans["p1"].verdict = "measured ×1.680 (350 → 588 tokens/s) against the predicted ×2.004 (needs ×1.703)"
+    s.plans["p2"].status, s.plans["p2"].verdict = "rolled_back", "below the predicted change: measured ×0.900"
+    text = "\n".join(summary_lines(s, fault_stories(s)))
+    assert "      verified: measured ×1.680 (350 → 588 tokens/s)" in text
+    assert "      rolled back: below the predicted change: measured ×0.900" in text

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collector.events import (
     AckStatus, CommandAck, Evidence, EventFactory, FaultCategory, IncidentOpened, IncidentResolved,
-    IncidentUpdated, IterationSummary, Location, PlanDecision, PlanProposed, PolicyChanged, PolicyMode,
-    ReconfigureCommand, Severity,
+    IncidentUpdated, IterationSummary, Location, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified, PolicyChanged,
+    PolicyMode, ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
 from remediation.lifecycle import PlanStatus, Verification, fold, initial_state, reactions, step
@@ -247,19 +247,34 @@ def test_a_plan_that_gained_less_than_predicted_rolls_back_whatever_the_scale():
     assert key == "rolled_back/p1" and "×1.100" in verdict.reason and "×1.500" in verdict.reason
 
 
-def test_a_plan_short_of_its_prediction_that_restored_the_job_is_kept():
-    """Healthy 200, faulted 100, a model that promised ×2.2 (more than healthy): the plan measured
-    ×1.8, short of the ×1.87 needed, but 90 % of the healthy rate. Rolling back would go back to
-    the faulty layout's 100: it is verified. At 160 (80 % of healthy) it is rolled back."""
-    def judged(measured: int):  # type: ignore[no-untyped-def]
-        s = _applied(current=100.0, predicted=220.0, before_tokens=100)
-        s = fold(_summaries(1, 20, 6, measured), s)
-        return reactions(s)[0][0], verdict(s, s.plans["p1"])
+def _short_of_220(measured: int):  # type: ignore[no-untyped-def]
+    """Healthy 200, faulted 100, a model that promised ×2.2 (more than healthy), then ``measured``:
+    (the verdict event, verdict())."""
+    s = _applied(current=100.0, predicted=220.0, before_tokens=100)
+    s = fold(_summaries(1, 20, 6, measured), s)
+    (event,) = [p for _, p in reactions(s)]
+    return event, verdict(s, s.plans["p1"])
 
-    key, (ok, _, why) = judged(180)
-    assert key == "verified/p1" and ok and "back to 90% of the 200 tokens/s before the fault" in why
-    key, (ok, _, why) = judged(160)
-    assert key == "rolled_back/p1" and not ok and "needs ×1.870" in why
+
+def test_a_plan_short_of_its_prediction_that_restored_the_job_is_kept():
+    """The plan measured ×1.8, short of the ×1.87 needed, but 90 % of the healthy rate. Rolling
+    back would go back to the faulty layout's 100: it is verified, and the event says why."""
+    event, (ok, _, why) = _short_of_220(180)
+    assert isinstance(event, PlanVerified) and ok and "back to 90% of the 200 tokens/s before the fault" in why
+    assert event.reason == why
+
+
+def test_a_plan_short_of_its_prediction_that_left_the_faulty_layout_well_behind_is_kept():
+    """The torch demo's ×3 GPU: the plan measured ×1.68 against ×2.00 predicted and was rolled back,
+    sending the job from 588 tokens/s back to the faulty layout's 350. Here ×1.6 against ×2.2 (80 %
+    of healthy, so not "restored"): the model over-promised, but a roll-back would only be slower,
+    so it is kept and the event says so. At ×1.1, within the margin of the faulty layout's rate,
+    it is rolled back."""
+    event, (ok, _, why) = _short_of_220(160)
+    assert isinstance(event, PlanVerified) and ok and "needs ×1.870" in why
+    assert "faster than the layout it replaced by more than 15%" in (event.reason or "")
+    event, (ok, _, why) = _short_of_220(110)
+    assert isinstance(event, PlanRolledBack) and not ok and "measured ×1.100" in event.reason
 
 
 def test_a_resumed_job_is_judged_against_what_ran_before_the_fail_stop():

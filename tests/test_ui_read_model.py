@@ -31,6 +31,9 @@ def test_ui_fold_follows_the_whole_lifecycle_and_is_idempotent() -> None:
                      ("applied", True), ("verified", True), ("resolved", True)]
     plan = model.plans[inc.plan_ids[0]]
     assert len(plan.decisions) == 1 and plan.status == "verified"
+    verified = next(s for s in model.timeline(inc) if s.label == "verified")
+    assert verified.detail.endswith(f"tokens/s measured: {plan.verified[1].reason}")
+    assert "against the predicted" in verified.detail
     job = model.jobs["demo"]
     assert job.current_plan is not None and job.current_plan.epoch == 1
     assert len(job.predictions) == 90 and list(job.predictions.arrays()["iteration"]) == list(range(90))

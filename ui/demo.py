@@ -175,8 +175,9 @@ def demo_events(spec: DemoSpec = DemoSpec()) -> list[Envelope]:
                 running_epoch=new_plan.epoch, pause_s=3.9, pause_iterations=2), time_s=t))
         if apply_at is not None and it == apply_at + 10:
             tps = tokens / spec.iteration_s
-            out.append(planner.make(PlanVerified(plan_id=plan_id, measured_tokens_per_s=tps,
-                                                 predicted_tokens_per_s=tps * 0.99), time_s=t + 0.5))
+            out.append(planner.make(PlanVerified(
+                plan_id=plan_id, measured_tokens_per_s=tps, predicted_tokens_per_s=tps * 0.99,
+                reason=f"measured {tps:,.0f} tokens/s against the predicted {tps * 0.99:,.0f}"), time_s=t + 0.5))
             out.append(analytics.make(IncidentResolved(incident_id=incident_id, iteration=it,
                                                        reason="rank removed by plan epoch 1"), time_s=t + 0.6))
     return out

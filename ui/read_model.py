@@ -397,7 +397,8 @@ class ReadModel:
         else:
             v = plan.verified if plan else None
             steps.append(TimelineStep("verified", v[0] if v else None,
-                                      f"{v[1].measured_tokens_per_s:,.0f} tokens/s measured" if v else ""))
+                                      f"{v[1].measured_tokens_per_s:,.0f} tokens/s measured"
+                                      + (f": {v[1].reason}" if v[1].reason else "") if v else ""))
         if inc.resolved:
             steps.append(TimelineStep("resolved", inc.resolved[0], inc.resolved[1].reason))
         return steps

@@ -188,6 +188,8 @@ def summary_lines(state: LogState, stories: list[FaultStory]) -> list[str]:
                          f"{p.decided_by or '-'}, {p.status}; pause {p.pause_s:.1f} s")
             for d in p.diff[:4]:
                 lines.append(f"      {d}")
+            if p.verdict:
+                lines.append(f"      {p.status.replace('_', ' ')}: {p.verdict}")
         lines.append(f"    tokens/s  before {_fmt(st.before_tokens_per_s)}  during {_fmt(st.during_tokens_per_s)}  "
                      f"after {_fmt(st.after_tokens_per_s)}")
     return lines

@@ -79,6 +79,7 @@ class PlanRecord:
     applied_time_s: float | None = None
     pause_s: float = 0.0
     measured_tokens_per_s: float | None = None
+    verdict: str | None = None  # the verified or rolled-back event's reason
 
 
 @dataclass
@@ -210,6 +211,7 @@ class LogWatch:
             if rec is not None:
                 rec.status = "verified" if isinstance(p, PlanVerified) else "rolled_back"
                 rec.measured_tokens_per_s = p.measured_tokens_per_s
+                rec.verdict = p.reason
         elif isinstance(p, PlanCurrent):
             s.epoch = max(s.epoch, p.plan.epoch)
             s.plan_shape = p.plan.shape()
