@@ -17,7 +17,8 @@
 * with no live copy left, the ranks fall back to the newest periodic disk checkpoint;
 * a disk checkpoint written by one layout loads into another;
 * the detector's probes are answered between iterations, name the slow rank and the slow NIC,
-  and leave training exactly as it was.
+  and leave training exactly as it was;
+* device pacing pads a rank's compute, not the TP all-reduces inside its chunks.
 
 Each scenario is one launch (the fork server imports torch once for all of them).
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -356,3 +358,40 @@ def test_probes_name_the_slow_rank_and_the_slow_nic_without_changing_training(re
     # needs is that the slow end stands far apart, so it names rank 2's NIC and not the link's both ends.
     assert ratio["p-link", 2] > 10 and ratio["p-link", 2] > 8 * ratio["p-link", 3], ratio
     _assert_same_training(tmp_path, reference)
+
+
+def test_pacing_pads_a_ranks_compute_not_the_tp_all_reduces_inside_its_chunks(tmp_path: Path) -> None:
+    """Device pacing emulates compute; the TP all-reduces inside a chunk are communication. Padded
+    over them, a ×3 device's own time (chunk less its TP waits, what the detector scores) read
+    ×3.3-×3.6 in the demo while a probe timed ×3.00, and its healthy TP peer, which spent the pad
+    waiting for it, got no pad at all (here: ×2.65 for the slow rank, 0.11 of the device's time for
+    its peer, ×28 between them). Padding the compute alone, each rank's own time is its emulated
+    device's (here ×3.00 and 1.00)."""
+    from analytics.frame import build_frame
+    from trainer.schedule import paced_chunk_s
+
+    plan = Plan.uniform(tp=2, pp=1, dp=1, num_layers=4, microbatches_per_replica=4)
+    pace = 2e-4
+    spec = _spec(tmp_path, iterations=4, pace_s_per_layer_token=pace,
+                 faults=[Fault(kind="slow_compute", rank=1, factor=3.0)])
+    result = launch(spec, plan, 2)
+    assert result.exit_codes == {0: 0, 1: 0}
+    reports: dict[int, list[RankIteration]] = {}
+    for e in _events(tmp_path / "bus.sqlite", topics.TELEMETRY):
+        if isinstance(e.payload, RankIteration) and e.payload.iteration >= 1:  # the first warms up
+            reports.setdefault(e.payload.iteration, []).append(e.payload)
+    own, device = {0: [], 1: []}, {0: [], 1: []}
+    for it in reports.values():
+        frame = build_frame(it)  # its chunks: the reports' in rank order, each report's in its order
+        for i, report in enumerate(sorted(it, key=lambda r: r.rank)):
+            table = report.chunk_table
+            for j, c in enumerate(np.flatnonzero(frame.c_rank == i)):
+                if table.kind[j] == "F":
+                    own[report.rank].append(float(frame.c_own[c]))
+                    device[report.rank].append(paced_chunk_s(pace, layers=4, tp=2, tokens=table.tokens[j],
+                                                             seq_lens=table.seq_lens[j] or []))
+    assert len(own[0]) == len(own[1]) == 12
+    ratio = float(np.median(own[1]) / np.median(own[0]))
+    assert 2.7 < ratio < 3.3, ratio  # the device's ×3, as the probe times it
+    # the peer that waited for it is padded too: its own time is its device's (it read 0.1 of it)
+    assert 0.8 < float(np.median(np.divide(own[0], device[0]))) < 1.3, (own[0], device[0])

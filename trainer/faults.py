@@ -108,8 +108,9 @@ class FaultInjector:
                 os._exit(KILL_EXIT_CODE)
 
     def after_compute(self, duration_s: float, paced_s: float = 0.0) -> None:
-        """Pad a chunk that took ``duration_s``: first up to ``paced_s`` (the emulated device time,
-        0 when not pacing), then by the slow factor of any active slow_compute fault."""
+        """Pad compute that took ``duration_s`` (a chunk's, less its communication): first up to
+        ``paced_s`` (the emulated device time, 0 when not pacing), then by the slow factor of any
+        active slow_compute fault."""
         factor = 1.0
         for f in self.faults:
             if f.kind == "slow_compute" and f.active(self.iteration):

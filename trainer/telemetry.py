@@ -50,6 +50,17 @@ class IterationRecorder:
             self.comm.append(CommWait(op=op, peer=peer, microbatch=microbatch, bytes=nbytes,
                                       start_s=max(0.0, start), duration_s=max(0.0, self.now_s() - start)))
 
+    def waited_s(self, op: CommOp, since_s: float) -> float:
+        """Seconds of ``op`` waits that began at or after ``since_s``: called at a chunk's end with
+        its start, the chunk's own waits (waits are appended as they end, in order)."""
+        total = 0.0
+        for w in reversed(self.comm):
+            if w.start_s < since_s:
+                break
+            if w.op == op:
+                total += w.duration_s
+        return total
+
     def tp_timer(self, _what: str = "tp"):
         return self.comm_wait(CommOp.TP_ALLREDUCE)
 
