@@ -41,13 +41,12 @@ from remediation.cost_figures import calibrate_spread, model_from_fits
 from remediation.costs import compute_factor_from_chunks
 from remediation.horizon import HorizonEstimator
 from remediation.lifecycle import (
-    LifecycleState, PlanStatus, Verification, initial_state, reaction_id, reactions, step,
+    KEPT_UNVERIFIED, LifecycleState, PlanStatus, Verification, initial_state, reaction_id, reactions, step,
 )
 from remediation.model import ModelSpec
 from remediation.plan_result import PlanRefused
 from remediation.planner import Planner
 from remediation.throughput import predict_tokens_per_s
-from remediation.verification import verdict
 from remediation.planning_view import PlanningView, planning_view
 
 OBSERVED_WINDOW = 4096  # healthy iterations per epoch the spread and the tail are fitted on
@@ -175,12 +174,11 @@ class RemediationEngine:
         out = [self._make(key, payload)
                for key, payload in reactions(self.state, self.config.verification)]
         for e in out:
-            if isinstance(e.payload, PlanVerified) and e.id not in self.state.seen:
-                record = self.state.plans[e.payload.plan_id]
-                judged = verdict(self.state, record, self.config.verification)
-                if judged is not None and not judged[0]:
-                    self._refuse(f"plan {record.plan_id} fell short ({judged[2]}) but is kept: the layout before it "
-                                 "cannot run again (it used a dead device)", key=f"kept/{record.plan_id}")
+            reason = (e.payload.reason or "") if isinstance(e.payload, PlanVerified) else ""
+            if reason.endswith(KEPT_UNVERIFIED) and e.id not in self.state.seen:
+                why = reason.removesuffix(KEPT_UNVERIFIED).rstrip("; ")
+                self._refuse(f"plan {e.payload.plan_id} fell short ({why}) but is kept: the layout before it "
+                             "cannot run again (it used a dead device)", key=f"kept/{e.payload.plan_id}")
         for e in out:
             if isinstance(e.payload, PlanRolledBack):
                 try:

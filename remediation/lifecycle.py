@@ -341,6 +341,7 @@ def _ack(state: LifecycleState, e: Envelope, p: CommandAck) -> None:
             record.verdict = f"trainer runs epoch {p.running_epoch}; command was stale"
 
 
+KEPT_UNVERIFIED = "kept: the layout before it cannot run again"  # a short plan's verdict when no roll-back exists
 SAMPLES_KEPT_PER_EPOCH = 256  # the newest iterations of each epoch, the "before" of a plan's verification
 
 
@@ -451,7 +452,7 @@ def reactions(state: LifecycleState, verification: Verification = Verification()
             ok, measured, why = judged
             predicted = prop.predicted_tokens_per_s
             if ok or not can_roll_back(state, record):
-                reason = why if ok else f"{why}; kept: the layout before it cannot run again"
+                reason = why if ok else f"{why}; {KEPT_UNVERIFIED}"
                 out.append((f"verified/{record.plan_id}", PlanVerified(
                     plan_id=record.plan_id, measured_tokens_per_s=measured, predicted_tokens_per_s=predicted,
                     reason=reason)))
