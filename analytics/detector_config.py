@@ -42,6 +42,12 @@ class DetectorConfig(BaseModel):
     confirm_iterations: int = Field(default=3, ge=1, description="persistence needed to confirm")
     resolve_iterations: int = Field(default=3, ge=1, description="healthy iterations needed to resolve")
     update_min_change: float = Field(default=0.10, ge=0, description="relative factor change that earns an update")
+    refine_iterations: int = Field(
+        default=8, ge=0, description="slow iterations after which a fail-slow's size is estimated again, once, as "
+                                     "their median (0: never); the size at opening comes from 3 iterations, one of "
+                                     "which may be from before the onset")
+    refine_min_change: float = Field(default=0.01, ge=0, description="relative change that earns the refined size "
+                                                                     "an update")
     heartbeat_miss_intervals: float = Field(
         default=3.0, gt=0, description="missed intervals that make a rank dead, in event time relative to the "
                                        "other ranks' progress (analytics/fail_stop.py)")

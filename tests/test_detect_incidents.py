@@ -201,3 +201,45 @@ def test_a_slow_rank_back_in_the_plan_is_not_health_probed_and_probes_off_ask_no
     quiet.open_fail_slow(_named_slow(), iteration=10)
     quiet.reconfigured(present=set(range(16)) - {5}, iteration=20)
     assert [p for i in range(21, 100) for p in quiet.end_of_iteration(i)] == []
+
+
+def test_a_fail_slow_is_sized_again_once_on_its_first_slow_iterations() -> None:
+    """The size an incident opens with may include an iteration from before the onset (×1.85 for a
+    ×1.90 chunk slowdown), and updates need a 10 % move: without a second look that figure stays,
+    and the planner's gains follow from it."""
+    import math
+
+    config = DetectorConfig(refine_iterations=8, refine_min_change=0.01)
+    book = IncidentBook("j", config)
+    book.open_fail_slow(_named_slow(factor=1.85), iteration=10)
+    key, k = ("ranks", (5,)), 0.05
+    slow = [1.91, 1.88, 1.93, 1.89, 1.90, 1.92, 1.87]  # seven of the eight: not yet
+    out = [p for i, f in enumerate(slow) for p in book.observe(key, math.log(f), k, 11 + i, factor=1.86)]
+    assert out == []
+    assert book.observe(key, -0.1, k, 18, factor=1.0) == []  # a healthy iteration is no evidence of the size
+    (update,) = book.observe(key, math.log(1.90), k, 19, factor=1.86)
+    assert isinstance(update, IncidentUpdated) and update.iteration == 19
+    assert update.locations[0].factor == 1.90 and update.locations[0].rank == 5  # the median of the eight
+    assert "sized again on 8 slow iterations: ×1.900 (was ×1.850)" in update.evidence.statistic
+    assert [p for i in range(20, 60) for p in book.observe(key, math.log(1.95), k, i, factor=1.95)] == []  # once
+
+    close = IncidentBook("j", config)  # within 1 %: nothing to say
+    close.open_fail_slow(_named_slow(factor=1.89), iteration=10)
+    assert [p for i in range(11, 30) for p in close.observe(key, math.log(1.90), k, i, factor=1.90)] == []
+    off = IncidentBook("j", DetectorConfig(refine_iterations=0))
+    off.open_fail_slow(_named_slow(factor=1.85), iteration=10)
+    assert [p for i in range(11, 30) for p in off.observe(key, math.log(1.90), k, i, factor=1.86)] == []
+
+
+def test_a_fail_slow_that_moves_past_the_update_threshold_is_sized_again_on_its_new_iterations() -> None:
+    import math
+
+    book = IncidentBook("j", DetectorConfig(refine_iterations=4, refine_min_change=0.01))
+    book.open_fail_slow(_named_slow(factor=1.5), iteration=10)
+    key, k = ("ranks", (5,)), 0.05
+    first = [p for i in range(11, 15) for p in book.observe(key, math.log(1.6), k, i, factor=1.52)]
+    assert [round(p.locations[0].factor, 3) for p in first] == [1.6]  # refined once
+    (worse,) = book.observe(key, math.log(2.5), k, 20, factor=2.4)  # a new size: the 10 % rule
+    assert worse.locations[0].factor == 2.4
+    later = [p for i in range(21, 30) for p in book.observe(key, math.log(2.6), k, i, factor=2.45)]
+    assert [round(p.locations[0].factor, 3) for p in later] == [2.6]  # refined on the new size's iterations
