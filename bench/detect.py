@@ -81,10 +81,12 @@ class Tracked:
     opened: int
     category: str
     locations: list = field(default_factory=list)
+    sized: list = field(default_factory=list)  # (simulator iteration, locations) of every opening, confirmation, update
 
 
 def run_case(case: Case) -> tuple[list, dict[str, dict[str, Tracked]], int, int, object]:
-    """Simulate one case; returns (truth, incidents per detector, iterations, healthy iterations, cluster)."""
+    """Simulate one case; returns (truth, incidents per detector, iterations, healthy iterations, the
+    simulator's config)."""
     from collector.events import (
         FaultInjected, IncidentConfirmed, IncidentOpened, IncidentUpdated, ProbeRequest,
     )
@@ -107,10 +109,12 @@ def run_case(case: Case) -> tuple[list, dict[str, dict[str, Tracked]], int, int,
         probes = []
         for p in payloads:
             if isinstance(p, IncidentOpened):
-                incidents[name][p.incident_id] = Tracked(p.iteration, p.category.value, list(p.locations))
+                incidents[name][p.incident_id] = Tracked(p.iteration, p.category.value, list(p.locations),
+                                                         [(engine.iteration, list(p.locations))])
             elif isinstance(p, (IncidentConfirmed, IncidentUpdated)) and p.locations:
                 if p.incident_id in incidents[name]:
                     incidents[name][p.incident_id].locations = list(p.locations)
+                    incidents[name][p.incident_id].sized.append((engine.iteration, list(p.locations)))
             elif isinstance(p, ProbeRequest):
                 probes.append(p)
         return probes
@@ -135,7 +139,7 @@ def run_case(case: Case) -> tuple[list, dict[str, dict[str, Tracked]], int, int,
     for f in faults:
         faulty |= set(range(f.start_iteration, f.end_iteration if f.end_iteration is not None else iterations))
     healthy = sum(1 for i in range(iterations) if i not in faulty)
-    return faults, incidents, iterations, healthy, engine.config.cluster
+    return faults, incidents, iterations, healthy, engine.config
 
 
 def _fault_devices(f, cluster) -> set[int]:
@@ -175,6 +179,49 @@ def _exact(f, locs: list, cluster, tp_of: dict[int, tuple]) -> bool:
     return loc.rank is not None and loc.rank == truth.rank and (truth.target != "link" or loc.target == "link")
 
 
+def _hits(f, incs: dict[str, Tracked], iterations: int, cluster, grace: int) -> list[tuple[int, str]]:
+    """(opening iteration, incident id) of the incidents that detect fault ``f``, first first: its
+    category, opened while it is active (or ``grace`` iterations after), sharing a device with it."""
+    end = f.end_iteration if f.end_iteration is not None else iterations
+    devices = _fault_devices(f, cluster)
+    return sorted(((t.opened, iid) for iid, t in incs.items()
+                   if t.category == f.category.value and f.start_iteration - 1 <= t.opened < end + grace
+                   and (not _incident_devices(t.locations) or _incident_devices(t.locations) & devices)))
+
+
+def sizing(faults: list, incs: dict[str, Tracked], iterations: int, config, grace: int = 5  # type: ignore[no-untyped-def]
+           ) -> list[tuple[float, float, float]]:
+    """(true factor, the detecting incident's last factor while the fault lasted, that factor as the
+    planner reads it) per slow-GPU fault whose incident named the GPU.
+
+    The detector sizes a slow GPU by how much longer its chunks take than predicted: compute, TP
+    communication and per-layer overhead together. The engine turns that into the GPU's compute
+    factor (``compute_factor_from_chunks``, here with the simulator's exact cost figures), and the
+    planner's gains follow from it: a ×2 GPU read as ×1.9 can put a plan's gain under the engine's
+    minimum. So sizing is scored on the compute factor, against the injected one."""
+    from remediation.cluster import ClusterState
+    from remediation.costs import compute_factor_from_chunks
+    from resihp.planning_models import exact_model, hardware_of
+
+    model = exact_model(config.model, config.cluster, config.workload)
+    cluster = ClusterState(config.cluster.gpus, hardware_of(config.cluster))
+    out = []
+    for f in faults:
+        if f.category.value != "fail_slow" or f.location.target != "compute" or f.location.rank is None:
+            continue
+        hits = _hits(f, incs, iterations, config.cluster, grace)
+        end = f.end_iteration if f.end_iteration is not None else iterations
+        # the last size published while the fault lasted: after a recovery the factor falls again
+        during = [locs for it, locs in incs[hits[0][1]].sized if it <= end] if hits else []
+        locs = during[-1] if during else []
+        if not locs or locs[0].rank != f.location.rank:
+            continue
+        chunk = float(locs[0].factor)
+        out.append((float(f.location.factor), chunk,
+                    compute_factor_from_chunks(cluster, model, config.plan, f.location.rank, chunk)))
+    return out
+
+
 def score(results: list, grace: int = 5) -> dict[str, dict]:
     per: dict[str, dict] = {}
     for faults, incidents, iterations, healthy, cluster, tp_of in results:
@@ -186,11 +233,7 @@ def score(results: list, grace: int = 5) -> dict[str, dict]:
             matched: set[str] = set()
             for f in faults:
                 acc["faults"] += 1
-                end = f.end_iteration if f.end_iteration is not None else iterations
-                devices = _fault_devices(f, cluster)
-                hits = sorted(((t.opened, iid) for iid, t in incs.items()
-                               if t.category == f.category.value and f.start_iteration - 1 <= t.opened < end + grace
-                               and (not _incident_devices(t.locations) or _incident_devices(t.locations) & devices)))
+                hits = _hits(f, incs, iterations, cluster, grace)
                 matched |= {iid for _, iid in hits}
                 if not hits:
                     continue
@@ -232,15 +275,17 @@ def run(args: argparse.Namespace) -> int:
     cases = [c for c in suite(args.iterations) if args.only is None or args.only in c.name]
     results = []
     rows = []
+    sized: list[tuple[str, float, float, float]] = []
     t0 = time.perf_counter()
     for case in tqdm(cases, desc="scenarios", disable=args.json):
-        faults, incidents, iterations, healthy, cluster = run_case(case)
+        faults, incidents, iterations, healthy, config = run_case(case)
         from trainer.sim.scenario import load_scenario
 
         plan = load_scenario(SCENARIO_DIR / f"{case.base}.yaml").build_plan()
         tp_of = {d: plan.pipelines[r.replica].stages[r.stage].devices for d, r in plan.roles.items()}
-        results.append((faults, incidents, iterations, healthy, cluster, tp_of))
+        results.append((faults, incidents, iterations, healthy, config.cluster, tp_of))
         rows.append((case.name, iterations, len(faults), {n: len(i) for n, i in incidents.items()}))
+        sized += [(case.name, *row) for row in sizing(faults, incidents["ours"], iterations, config, args.grace)]
     scores = score(results, args.grace)
     names = list(scores)
     print(f"{'case':34} {'iters':>5} {'faults':>6} " + " ".join(f"{n[:14]:>14}" for n in names))
@@ -252,9 +297,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'detector':22} " + " ".join(f"{c[:16]:>16}" for c in cols))
     for n in names:
         print(f"{n:22} " + " ".join(f"{scores[n][c]:16.3f}" for c in cols))
+    errors = [abs(read / true - 1) for _, true, _, read in sized]
+    if sized:
+        print(f"\n{'slow GPU sized by ours':34} {'true':>6} {'chunks':>8} {'compute':>8} {'error':>7}")
+        for (name, true, chunk, read), err in zip(sized, errors):
+            print(f"{name:34} {true:6.2f} {chunk:8.3f} {read:8.3f} {err:7.1%}")
+        print(f"{'median / worst error':34} {'':6} {'':8} {'':8} {np.median(errors):7.1%} / {max(errors):.1%}")
     print(f"\n{len(cases)} scenarios in {time.perf_counter() - t0:.0f} s")
     if args.json:
-        print(json.dumps({"detectors": {n: {k: scores[n][k] for k in (
+        out = {"detectors": {n: {k: scores[n][k] for k in (
             "precision", "recall", "f1", "localisation", "delay_p95_iters", "false_alarms_per_10k",
-            "delay_p50_iters", "delay_p95_iters_x1_2_plus")} for n in names}}))
+            "delay_p50_iters", "delay_p95_iters_x1_2_plus")} for n in names}}
+        if sized:
+            out["sizing"] = {"median_error": round(float(np.median(errors)), 4), "worst_error": round(max(errors), 4),
+                             "gpus": len(sized)}
+        print(json.dumps(out))
     return 0
