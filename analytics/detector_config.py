@@ -46,8 +46,10 @@ class DetectorConfig(BaseModel):
         default=8, ge=0, description="slow iterations after which a fail-slow's size is estimated again, once, as "
                                      "their median (0: never); the size at opening comes from 3 iterations, one of "
                                      "which may be from before the onset")
-    refine_min_change: float = Field(default=0.01, ge=0, description="relative change that earns the refined size "
-                                                                     "an update")
+    refine_min_change: float = Field(
+        default=0.005, ge=0, description="relative change that earns the refined size an update: 0.5 % in a chunk "
+                                         "slowdown is about 1 % in the GPU's compute factor the planner reads (compute "
+                                         "is about half a chunk at TP 8), and about the 8-iteration median's own error")
     heartbeat_miss_intervals: float = Field(
         default=3.0, gt=0, description="missed intervals that make a rank dead, in event time relative to the "
                                        "other ranks' progress (analytics/fail_stop.py)")
