@@ -67,7 +67,7 @@ class _Open:
     suspect: Suspect
     opened_iteration: int
     factor: float
-    published_factor: float
+    published_factor: float  # the size consumers hold: the last one an opening, confirmation or update carried
     confirmed: bool = False
     healthy_streak: int = 0
     last_update_iteration: int = -1
@@ -226,6 +226,7 @@ class IncidentBook:
                     and inc.excluded_since is None
                     and iteration >= inc.opened_iteration + self.config.confirm_iterations):
                 inc.confirmed = True
+                inc.published_factor = inc.factor
                 out.append(IncidentConfirmed(
                     incident_id=inc.incident_id, method="persistence",
                     detail=f"still ×{inc.factor:.2f} after {iteration - inc.opened_iteration} iterations",
@@ -331,6 +332,7 @@ class IncidentBook:
             # link is (it costs every transfer over it), which is what the probe timed.
             inc.factor = inc.published_factor = max(ratio, inc.factor)
             inc.probe_sized = True
+        inc.published_factor = inc.factor  # what the naming below publishes: the size consumers now hold
         ratios = ", ".join(f"{r}: ×{v:.2f}" for r, v in sorted(inc.probe_ratios.items()))
         if missing := sorted(set(asked) - set(inc.probe_ratios)):
             ratios += f"; no answer from {missing}: stopped"

@@ -243,3 +243,21 @@ def test_a_fail_slow_that_moves_past_the_update_threshold_is_sized_again_on_its_
     assert worse.locations[0].factor == 2.4
     later = [p for i in range(21, 30) for p in book.observe(key, math.log(2.6), k, i, factor=2.45)]
     assert [round(p.locations[0].factor, 3) for p in later] == [2.6]  # refined on the new size's iterations
+
+
+def test_a_refined_size_is_compared_with_the_size_last_published_even_by_a_probes_naming() -> None:
+    """The probe that names the member publishes the telemetry's factor of that moment (×1.80 on a
+    noisy iteration); the refinement must correct that figure, not the opening's (×1.90)."""
+    import math
+
+    book = IncidentBook("j", DetectorConfig(probes=True, refine_iterations=4, refine_min_change=0.005))
+    (probe,) = [p for p in book.open_fail_slow(_group_suspect(factor=1.90), iteration=10)
+                if isinstance(p, ProbeRequest)]
+    group, k = ("ranks", (4, 5)), 0.05
+    assert book.observe(group, math.log(1.80), k, 11, factor=1.80) == []
+    _answer(book, probe, {4: 1.0, 5: 2.0})  # names rank 5 at the factor of the moment
+    named = book.open[("ranks", (5,))]
+    assert named.published_factor == 1.80
+    out = [p for i in range(12, 16) for p in book.observe(("ranks", (5,)), math.log(1.90), k, i, factor=1.85)]
+    (update,) = out
+    assert update.locations[0].factor == 1.90 and "(was ×1.800)" in update.evidence.statistic
