@@ -71,7 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", default="256", help="comma-separated cluster sizes, multiples of 32 (default 256)")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset of " + ", ".join(SCENARIOS))
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset (oracle always runs)")
-    parser.add_argument("--duration-s", type=float, default=1800.0, help="simulated seconds per run (default 1800)")
+    parser.add_argument("--duration-s", type=float, default=None,
+                        help="simulated seconds per run (default 1800; every_30min 7200, a 2-hour run: it needs "
+                        "one to show three failures)")
     parser.add_argument("--plot", default="docs/remediation_recover.png", help="PNG of throughput over time ('' for none)")
     parser.add_argument("--jobs", type=int, default=1, metavar="N",
                         help="runs in parallel, one process each (default 1); every run is seeded on its own, "
@@ -267,10 +269,11 @@ def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run
     return run
 
 
-def _call(job: tuple[int, str, str], loop: str, duration_s: float):  # type: ignore[no-untyped-def]
-    """The function and arguments of one (GPUs, scenario, strategy) run."""
+def _call(job: tuple[int, str, str], loop: str, duration_s: float | None):  # type: ignore[no-untyped-def]
+    """The function and arguments of one (GPUs, scenario, strategy) run; ``duration_s`` None is the
+    scenario's own length (2 h for every_30min, 30 min for the others)."""
     g, s, st = job
-    duration = max(duration_s, 7200.0) if s == "every_30min" else duration_s
+    duration = duration_s if duration_s is not None else (7200.0 if s == "every_30min" else 1800.0)
     bused = loop == "bus" and st != "oracle"
     return (_run_bused if bused else _run_one), (s, st, g, duration)
 

@@ -41,3 +41,13 @@ def test_a_bus_loop_run_in_a_worker_brings_its_detections_back(capsys: pytest.Ca
 def test_jobs_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit, match="--jobs must be at least 1, got 0"):
         _bench(capsys, 0, "direct", "stop_gpu", "ours", 60.0)
+
+
+def test_a_run_lasts_its_scenarios_length_unless_told_otherwise() -> None:
+    """every_30min needs 2 hours to show its three failures; --duration-s, when given, holds for it
+    too (a shorter cut of its first failure is a 45-minute bus-loop run at 1,024 GPUs, not 2 hours)."""
+    assert recover._call((256, "every_30min", "ours"), "direct", None)[1][3] == 7200.0
+    assert recover._call((256, "slow_x2", "ours"), "direct", None)[1][3] == 1800.0
+    fn, (name, strategy, gpus, duration) = recover._call((1024, "every_30min", "ours"), "bus", 3000.0)
+    assert (fn, name, strategy, gpus, duration) == (recover._run_bused, "every_30min", "ours", 1024, 3000.0)
+    assert recover._call((1024, "every_30min", "oracle"), "bus", 3000.0)[0] is recover._run_one  # oracle: direct
