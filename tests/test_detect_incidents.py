@@ -209,7 +209,7 @@ def test_a_fail_slow_is_sized_again_once_on_its_first_slow_iterations() -> None:
     and the planner's gains follow from it."""
     import math
 
-    config = DetectorConfig(refine_iterations=8, refine_min_change=0.01)
+    config = DetectorConfig(refine_iterations=[8], refine_min_change=0.01)
     book = IncidentBook("j", config)
     book.open_fail_slow(_named_slow(factor=1.85), iteration=10)
     key, k = ("ranks", (5,)), 0.05
@@ -226,7 +226,7 @@ def test_a_fail_slow_is_sized_again_once_on_its_first_slow_iterations() -> None:
     close = IncidentBook("j", config)  # within 1 %: nothing to say
     close.open_fail_slow(_named_slow(factor=1.89), iteration=10)
     assert [p for i in range(11, 30) for p in close.observe(key, math.log(1.90), k, i, factor=1.90)] == []
-    off = IncidentBook("j", DetectorConfig(refine_iterations=0))
+    off = IncidentBook("j", DetectorConfig(refine_iterations=[]))
     off.open_fail_slow(_named_slow(factor=1.85), iteration=10)
     assert [p for i in range(11, 30) for p in off.observe(key, math.log(1.90), k, i, factor=1.86)] == []
 
@@ -234,7 +234,7 @@ def test_a_fail_slow_is_sized_again_once_on_its_first_slow_iterations() -> None:
 def test_a_fail_slow_that_moves_past_the_update_threshold_is_sized_again_on_its_new_iterations() -> None:
     import math
 
-    book = IncidentBook("j", DetectorConfig(refine_iterations=4, refine_min_change=0.01))
+    book = IncidentBook("j", DetectorConfig(refine_iterations=[4], refine_min_change=0.01))
     book.open_fail_slow(_named_slow(factor=1.5), iteration=10)
     key, k = ("ranks", (5,)), 0.05
     first = [p for i in range(11, 15) for p in book.observe(key, math.log(1.6), k, i, factor=1.52)]
@@ -250,7 +250,7 @@ def test_a_refined_size_is_compared_with_the_size_last_published_even_by_a_probe
     noisy iteration); the refinement must correct that figure, not the opening's (×1.90)."""
     import math
 
-    book = IncidentBook("j", DetectorConfig(probes=True, refine_iterations=4, refine_min_change=0.005))
+    book = IncidentBook("j", DetectorConfig(probes=True, refine_iterations=[4], refine_min_change=0.005))
     (probe,) = [p for p in book.open_fail_slow(_group_suspect(factor=1.90), iteration=10)
                 if isinstance(p, ProbeRequest)]
     group, k = ("ranks", (4, 5)), 0.05
@@ -261,3 +261,15 @@ def test_a_refined_size_is_compared_with_the_size_last_published_even_by_a_probe
     out = [p for i in range(12, 16) for p in book.observe(("ranks", (5,)), math.log(1.90), k, i, factor=1.85)]
     (update,) = out
     assert update.locations[0].factor == 1.90 and "(was ×1.800)" in update.evidence.statistic
+
+
+def test_a_fail_slow_is_sized_again_at_each_refinement_point_while_the_size_moves() -> None:
+    """8 iterations correct the opening's window; 32 are precise where one iteration is noisy."""
+    import math
+
+    book = IncidentBook("j", DetectorConfig(refine_iterations=[4, 8], refine_min_change=0.005))
+    book.open_fail_slow(_named_slow(factor=1.80), iteration=10)
+    key, k = ("ranks", (5,)), 0.05
+    factors = [1.90, 1.86, 1.87, 1.88, 1.95, 1.96, 1.97, 1.95, 1.96, 1.96, 1.96, 1.96]
+    out = [p for i, f in enumerate(factors) for p in book.observe(key, math.log(f), k, 11 + i, factor=1.85)]
+    assert [(p.iteration, round(p.locations[0].factor, 3)) for p in out] == [(14, 1.875), (18, 1.925)]
