@@ -165,7 +165,8 @@ class IncidentBook:
         if inc.probe_sized:
             return []  # telemetry sees the iteration's excess, not the link's own slowdown
         inc.factor = factor
-        inc.slow_factors.append(math.exp(z))
+        if inc.refined < len(self.config.refine_iterations):  # the evidence a refinement still to come needs
+            inc.slow_factors.append(math.exp(z))
         change = abs(factor / inc.published_factor - 1.0)
         if change > self.config.update_min_change and iteration - inc.last_update_iteration >= 3:
             worse = factor > inc.published_factor
@@ -334,7 +335,7 @@ class IncidentBook:
             s.confidence = 0.9
             # Telemetry measured how much the iteration lost; the planner needs how slow the
             # link is (it costs every transfer over it), which is what the probe timed.
-            inc.factor = inc.published_factor = max(ratio, inc.factor)
+            inc.factor = max(ratio, inc.factor)
             inc.probe_sized = True
         inc.published_factor = inc.factor  # what the naming below publishes: the size consumers now hold
         ratios = ", ".join(f"{r}: ×{v:.2f}" for r, v in sorted(inc.probe_ratios.items()))

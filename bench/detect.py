@@ -80,8 +80,12 @@ def make_detectors(job: str) -> dict:
 class Tracked:
     opened: int
     category: str
-    locations: list = field(default_factory=list)
     sized: list = field(default_factory=list)  # (simulator iteration, locations) of every opening, confirmation, update
+
+    @property
+    def locations(self) -> list:
+        """Where the incident's latest event put it."""
+        return self.sized[-1][1] if self.sized else []
 
 
 def run_case(case: Case) -> tuple[list, dict[str, dict[str, Tracked]], int, int, object]:
@@ -109,11 +113,10 @@ def run_case(case: Case) -> tuple[list, dict[str, dict[str, Tracked]], int, int,
         probes = []
         for p in payloads:
             if isinstance(p, IncidentOpened):
-                incidents[name][p.incident_id] = Tracked(p.iteration, p.category.value, list(p.locations),
+                incidents[name][p.incident_id] = Tracked(p.iteration, p.category.value,
                                                          [(engine.iteration, list(p.locations))])
             elif isinstance(p, (IncidentConfirmed, IncidentUpdated)) and p.locations:
                 if p.incident_id in incidents[name]:
-                    incidents[name][p.incident_id].locations = list(p.locations)
                     incidents[name][p.incident_id].sized.append((engine.iteration, list(p.locations)))
             elif isinstance(p, ProbeRequest):
                 probes.append(p)

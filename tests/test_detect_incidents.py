@@ -4,6 +4,8 @@ fail-stops it routed around but never a fail-slow it only hid."""
 
 from __future__ import annotations
 
+import math
+
 from analytics.detector_config import DetectorConfig
 from analytics.fail_stop import LivenessChange
 from analytics.incidents import IncidentBook, Suspect
@@ -207,8 +209,6 @@ def test_a_fail_slow_is_sized_again_once_on_its_first_slow_iterations() -> None:
     """The size an incident opens with may include an iteration from before the onset (×1.85 for a
     ×1.90 chunk slowdown), and updates need a 10 % move: without a second look that figure stays,
     and the planner's gains follow from it."""
-    import math
-
     config = DetectorConfig(refine_iterations=[8], refine_min_change=0.01)
     book = IncidentBook("j", config)
     book.open_fail_slow(_named_slow(factor=1.85), iteration=10)
@@ -232,8 +232,6 @@ def test_a_fail_slow_is_sized_again_once_on_its_first_slow_iterations() -> None:
 
 
 def test_a_fail_slow_that_moves_past_the_update_threshold_is_sized_again_on_its_new_iterations() -> None:
-    import math
-
     book = IncidentBook("j", DetectorConfig(refine_iterations=[4], refine_min_change=0.01))
     book.open_fail_slow(_named_slow(factor=1.5), iteration=10)
     key, k = ("ranks", (5,)), 0.05
@@ -248,8 +246,6 @@ def test_a_fail_slow_that_moves_past_the_update_threshold_is_sized_again_on_its_
 def test_a_refined_size_is_compared_with_the_size_last_published_even_by_a_probes_naming() -> None:
     """The probe that names the member publishes the telemetry's factor of that moment (×1.80 on a
     noisy iteration); the refinement must correct that figure, not the opening's (×1.90)."""
-    import math
-
     book = IncidentBook("j", DetectorConfig(probes=True, refine_iterations=[4], refine_min_change=0.005))
     (probe,) = [p for p in book.open_fail_slow(_group_suspect(factor=1.90), iteration=10)
                 if isinstance(p, ProbeRequest)]
@@ -265,8 +261,6 @@ def test_a_refined_size_is_compared_with_the_size_last_published_even_by_a_probe
 
 def test_a_fail_slow_is_sized_again_at_each_refinement_point_while_the_size_moves() -> None:
     """8 iterations correct the opening's window; 32 are precise where one iteration is noisy."""
-    import math
-
     book = IncidentBook("j", DetectorConfig(refine_iterations=[4, 8], refine_min_change=0.005))
     book.open_fail_slow(_named_slow(factor=1.80), iteration=10)
     key, k = ("ranks", (5,)), 0.05
