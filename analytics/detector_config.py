@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class DetectorConfig(BaseModel):
@@ -89,6 +89,15 @@ class DetectorConfig(BaseModel):
                                        "after, then twice as long after each probe, and resolve its incident once "
                                        "it measures healthy (0: never)")
     links: bool = Field(default=True, description="score point-to-point links as well as ranks")
+
+    @field_validator("refine_iterations")
+    @classmethod
+    def _refine_points_increase(cls, points: list[int]) -> list[int]:
+        """Each point is a longer window of the same slow iterations: one out of order would size
+        the incident again on fewer of them than the point before."""
+        if any(n < 1 for n in points) or any(b <= a for a, b in zip(points, points[1:])):
+            raise ValueError(f"refine_iterations must be positive and increasing, got {points}")
+        return points
 
     @property
     def log_min_slowdown(self) -> float:

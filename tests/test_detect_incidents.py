@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from analytics.detector_config import DetectorConfig
 from analytics.fail_stop import LivenessChange
 from analytics.incidents import IncidentBook, Suspect
@@ -226,6 +228,8 @@ def test_a_fail_slow_is_sized_again_once_on_its_first_slow_iterations() -> None:
     close = IncidentBook("j", config)  # within 1 %: nothing to say
     close.open_fail_slow(_named_slow(factor=1.89), iteration=10)
     assert [p for i in range(11, 30) for p in close.observe(key, math.log(1.90), k, i, factor=1.90)] == []
+    with pytest.raises(ValueError, match=r"refine_iterations must be positive and increasing, got \[32, 8\]"):
+        DetectorConfig(refine_iterations=[32, 8])
     off = IncidentBook("j", DetectorConfig(refine_iterations=[]))
     off.open_fail_slow(_named_slow(factor=1.85), iteration=10)
     assert [p for i in range(11, 30) for p in off.observe(key, math.log(1.90), k, i, factor=1.86)] == []
