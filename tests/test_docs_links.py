@@ -1,0 +1,81 @@
+"""Every relative link (and image) in the README and docs/ reaches a file, and every #anchor a heading in it.
+
+The docs cross-reference each other by section (a table's provenance, a design choice, a
+benchmark's command); a section renamed or moved silently strands those links. Anchors follow
+GitHub's rule: the heading's text (a link counts by its words) lowercased, punctuation other than ``-`` and ``_`` dropped, each space
+a ``-``, and a repeated heading suffixed ``-1``, ``-2``, ...
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^(```|~~~)")
+
+
+def slug(heading: str) -> str:
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()  # a link counts by its text
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    fenced = False
+    for line in path.read_text().splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        if fenced or not line.startswith("#"):
+            continue
+        base = slug(line.lstrip("#"))
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def links(path: Path) -> list[tuple[int, str]]:
+    out = []
+    fenced = False
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if FENCE.match(line):
+            fenced = not fenced
+        if not fenced:
+            out += [(number, target) for target in LINK.findall(line)]
+    return out
+
+
+def test_slug_follows_githubs_rule() -> None:
+    assert slug("Lifecycle (`remediation/lifecycle.py`, `remediation/engine.py`)") == (
+        "lifecycle-remediationlifecyclepy-remediationenginepy")
+    assert slug("Closed loop — `resihp bench recover [--gpus N]`") == "closed-loop--resihp-bench-recover---gpus-n"
+    assert slug("The goals, honestly") == "the-goals-honestly"
+    assert slug("Bus — `resihp bench bus` ([architecture](architecture.md))") == "bus--resihp-bench-bus-architecture"
+
+
+def test_a_missing_heading_is_caught(tmp_path: Path) -> None:
+    doc = tmp_path / "a.md"
+    doc.write_text("# Title\n\n## Part one\n\n## Part one\n\n```\n# not a heading\n```\n")
+    assert anchors(doc) == {"title", "part-one", "part-one-1"}
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_every_relative_link_resolves(path: Path) -> None:
+    broken = []
+    for number, target in links(path):
+        if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+            continue
+        file_part, _, anchor = target.partition("#")
+        dest = (path.parent / file_part).resolve() if file_part else path
+        if not dest.exists():
+            broken.append(f"line {number}: {target} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"line {number}: {target} (no heading #{anchor} in {dest.name})")
+    assert not broken, f"{path.relative_to(ROOT)} has broken links:\n" + "\n".join(broken)
