@@ -1,9 +1,11 @@
-"""Every relative link (and image) in the README and docs/ reaches a file, and every #anchor a heading in it.
+"""Every relative link (and image) in the README and docs/ reaches a file, every #anchor a heading in it,
+and every project file a doc names (`remediation/planner.py`) exists.
 
 The docs cross-reference each other by section (a table's provenance, a design choice, a
-benchmark's command); a section renamed or moved silently strands those links. Anchors follow
-GitHub's rule: the heading's text (a link counts by its words) lowercased, punctuation other than ``-`` and ``_`` dropped, each space
-a ``-``, and a repeated heading suffixed ``-1``, ``-2``, ...
+benchmark's command) and name the modules they describe; a section renamed or a module moved
+silently strands them. Anchors follow GitHub's rule: the heading's text (a link counts by its
+words) lowercased, punctuation other than ``-`` and ``_`` dropped, each space a ``-``, and a
+repeated heading suffixed ``-1``, ``-2``, ...
 """
 
 from __future__ import annotations
@@ -79,3 +81,20 @@ def test_every_relative_link_resolves(path: Path) -> None:
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(f"line {number}: {target} (no heading #{anchor} in {dest.name})")
     assert not broken, f"{path.relative_to(ROOT)} has broken links:\n" + "\n".join(broken)
+
+
+SOURCE_PATH = re.compile(r"(?<![\w./-])((?:analytics|bench|collector|remediation|resihp|trainer|ui|tests|examples|scenarios"
+                         r"|docs|infra)/[\w./-]*\w\.(?:py|md|yaml|yml|png|json|toml|parquet|sh))\b")
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_every_project_file_named_exists(path: Path) -> None:
+    """A doc that names a module or a file of this repository (``remediation/planner.py``) names
+    one that exists: a moved or deleted module otherwise leaves the reader looking for it."""
+    missing = sorted({m for m in SOURCE_PATH.findall(path.read_text()) if not (ROOT / m).exists()})
+    assert not missing, f"{path.relative_to(ROOT)} names files that do not exist: {missing}"
+
+
+def test_a_named_file_that_is_gone_is_caught() -> None:
+    text = "see `remediation/planner.py`, `bench/_gone.py` and /etc/resihp/users.toml"
+    assert [m for m in SOURCE_PATH.findall(text) if not (ROOT / m).exists()] == ["bench/_gone.py"]
