@@ -83,8 +83,8 @@ def test_every_relative_link_resolves(path: Path) -> None:
     assert not broken, f"{path.relative_to(ROOT)} has broken links:\n" + "\n".join(broken)
 
 
-SOURCE_PATH = re.compile(r"(?<![\w./-])((?:analytics|bench|collector|remediation|resihp|trainer|ui|tests|examples|scenarios"
-                         r"|docs|infra)/[\w./-]*\w\.(?:py|md|yaml|yml|png|json|toml|parquet|sh))\b")
+TOP_DIRS = "analytics|bench|collector|remediation|resihp|trainer|ui|tests|examples|scenarios|docs|infra"
+SOURCE_PATH = re.compile(rf"(?<![\w./-])((?:{TOP_DIRS})/[\w./-]*\w\.(?:py|md|yaml|yml|png|json|toml|parquet|sh))\b")
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
