@@ -193,6 +193,7 @@ def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run
     from remediation.engine import EngineConfig
     from remediation.horizon import HorizonEstimator
     from remediation.plan_result import PlanRefused
+    from resihp.closed_loop import ThroughputSeries
     from trainer.sim.engine import SimEngine
 
     oracle = strategy_name == "oracle"
@@ -212,10 +213,10 @@ def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run
             free_reshape=oracle))
     horizon = HorizonEstimator(default_s=HORIZON_S)
     run = Run()
+    series = ThroughputSeries()
     known_faults: tuple = ()
     planned_key = (known_faults, horizon.band())
     commands = 0
-    window_tokens, window_start = 0, 0.0
     while engine.now_s < duration_s and not engine.finished:
         # What the strategy knows now: the faults a perfect detector has found by now.
         known = [f for f in engine.active if oracle or _detected(f, engine.now_s, config.heartbeat_interval_s)]
@@ -256,16 +257,17 @@ def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run
                                          plan=Plan.model_validate(new.model_dump()))
                 engine.reconfigure(cmd)
                 if isinstance(strategy, ElasticRestart):
+                    series.close(engine.now_s)
                     engine.idle(strategy.restart_s + strategy.checkpoint_interval_s / 2)
+                    series.close(engine.now_s)
         before = engine.now_s
         for e in engine.step():
             if isinstance(e.payload, IterationSummary) and engine.now_s <= duration_s:
                 run.tokens += e.payload.tokens
-                window_tokens += e.payload.tokens
-        if engine.now_s - window_start >= 60.0:
-            run.series.append((engine.now_s, window_tokens / (engine.now_s - window_start)))
-            window_tokens, window_start = 0, engine.now_s
+                series.add(e.payload.tokens)
+        series.tick(engine.now_s)
         run.training_at_end = engine.now_s > before and engine.hanging_for_s == 0.0
+    run.series = series.points
     return run
 
 
@@ -323,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
     if args.loop == "bus":
         _print_detections(runs)
     if args.plot:
-        _plot(series, args.plot)
+        _plot(series, args.plot, {f"{s}@{g}": calls[(g, s, "oracle")][1][3] for g in sizes for s in scenarios})
         print(f"plot: {args.plot}")
     if args.json:
         print(json.dumps({"scenarios": {k: {c: round(v, 4) for c, v in row.items()} for k, row in results.items()}}))
@@ -344,7 +346,10 @@ def _print_detections(runs: dict[tuple[int, str, str], Run]) -> None:
               f"{r.telemetry_lost:>16}{r.wall_s:>8.0f}")
 
 
-def _plot(series: dict[str, dict[str, list[tuple[float, float]]]], path: str) -> None:
+def _plot(series: dict[str, dict[str, list[tuple[float, float]]]], path: str, durations_s: dict[str, float]) -> None:
+    """Throughput over time per scenario, each strategy's windows drawn as steps (a point is the
+    rate over the window that ends there), up to the scenario's length (``durations_s``): a
+    restart's downtime can run past it, and nothing after it counts."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -357,8 +362,10 @@ def _plot(series: dict[str, dict[str, list[tuple[float, float]]]], path: str) ->
     for ax, key in zip(axes.flat, keys):
         for strategy, pts in series[key].items():
             if pts:
-                ax.plot([t / 60 for t, _ in pts], [v / 1e3 for _, v in pts], label=strategy,
+                pts = [(0.0, pts[0][1])] + pts  # the first window starts at 0
+                ax.plot([t / 60 for t, _ in pts], [v / 1e3 for _, v in pts], label=strategy, drawstyle="steps-pre",
                         linewidth=2.2 if strategy in ("ours", "oracle") else 1.0)
+        ax.set_xlim(0, durations_s[key] / 60)
         ax.set_title(key)
         ax.set_xlabel("minutes")
         ax.set_ylabel("k tokens/s")

@@ -42,6 +42,35 @@ class Detection:
 
 
 @dataclass
+class ThroughputSeries:
+    """Tokens/s over time, one point per window of ``window_s`` simulated seconds: (end_s, rate)
+    is the rate over the window that ends at end_s, so a plot draws it as a step over that window.
+
+    ``close(now_s)`` ends the window early. A loop calls it around a jump of the clock (a
+    restart's downtime, which the simulator runs in one call): the downtime then gets a point of
+    its own at 0 tokens/s, instead of averaging into the window around it, which drew as a slope
+    from full speed down to the restart's end."""
+
+    window_s: float = 60.0
+    points: list[tuple[float, float]] = field(default_factory=list)
+    _start_s: float = 0.0
+    _tokens: int = 0
+
+    def add(self, tokens: int) -> None:
+        self._tokens += tokens
+
+    def tick(self, now_s: float) -> None:
+        """Close the window if it is ``window_s`` long by ``now_s``."""
+        if now_s - self._start_s >= self.window_s:
+            self.close(now_s)
+
+    def close(self, now_s: float) -> None:
+        if now_s > self._start_s:
+            self.points.append((now_s, self._tokens / (now_s - self._start_s)))
+            self._start_s, self._tokens = now_s, 0
+
+
+@dataclass
 class LoopRun:
     tokens: int = 0
     series: list[tuple[float, float]] = field(default_factory=list)  # (time_s, tokens/s) per window
@@ -151,7 +180,7 @@ def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,  # t
             mode=PolicyMode.AUTO, auto_severities=list(Severity), actor="closed-loop"),
             time_s=cfg.start_time_s)])  # on the job's clock: the engine's clock is the newest event time
         run = LoopRun()
-        window_tokens, window_start = 0, 0.0
+        series = ThroughputSeries(window_s)
         try:
             while sim_engine.now_s < duration_s and not sim_engine.finished:
                 acks = len(runner.acks)
@@ -159,23 +188,24 @@ def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,  # t
                 for e in runner.step():
                     if isinstance(e.payload, IterationSummary) and sim_engine.now_s <= duration_s:
                         run.tokens += e.payload.tokens
-                        window_tokens += e.payload.tokens
+                        series.add(e.payload.tokens)
                 for ack in runner.acks[acks:]:
                     if ack.payload.status == AckStatus.APPLIED:
                         run.plans_applied += 1
                         if on_applied is not None:
+                            series.close(sim_engine.now_s)
                             runner.publish(on_applied(sim_engine))
+                            series.close(sim_engine.now_s)
                 if sim_engine.iteration % analytics_every == 0 or sim_engine.hanging_for_s > 0:
                     while projector.step(max_records=analytics_batch, timeout_s=0.0) >= analytics_batch:
                         pass  # a full transaction: more may be waiting
                     detector.flush_outbox(projector.conn, bus)
                     engine.poll_once(timeout_s=0.0)
                     referee.poll()
-                if sim_engine.now_s - window_start >= window_s:
-                    run.series.append((sim_engine.now_s, window_tokens / (sim_engine.now_s - window_start)))
-                    window_tokens, window_start = 0, sim_engine.now_s
+                series.tick(sim_engine.now_s)
                 run.training_at_end = sim_engine.now_s > before and sim_engine.hanging_for_s == 0.0
             referee.poll()
+            run.series = series.points
             run.rolled_back = sum(r.status == PlanStatus.ROLLED_BACK for r in engine.state.plans.values())
             run.telemetry_lost = sum(getattr(projector.stream.consumer, "lost_to_retention", {}).values())
             run.bus_bytes = sum(p.stat().st_size for p in Path(tmp).glob("bus.sqlite*"))

@@ -51,3 +51,28 @@ def test_a_run_lasts_its_scenarios_length_unless_told_otherwise() -> None:
     fn, (name, strategy, gpus, duration) = recover._call((1024, "every_30min", "ours"), "bus", 3000.0)
     assert (fn, name, strategy, gpus, duration) == (recover._run_bused, "every_30min", "ours", 1024, 3000.0)
     assert recover._call((1024, "every_30min", "oracle"), "bus", 3000.0)[0] is recover._run_one  # oracle: direct
+
+
+def test_a_throughput_series_gives_a_clock_jump_a_point_of_its_own() -> None:
+    """A restart's downtime is one call that moves the clock by minutes; closed around it, it reads
+    0 tokens/s over its whole span instead of averaging into the window around it."""
+    from resihp.closed_loop import ThroughputSeries
+
+    series = ThroughputSeries(window_s=60.0)
+    series.add(600)
+    series.tick(30.0)
+    assert series.points == []  # half a window
+    series.add(600)
+    series.tick(60.0)
+    series.add(300)
+    series.close(75.0)  # the downtime starts
+    series.close(1155.0)  # and ends 1,080 s later
+    series.close(1155.0)  # an empty window adds nothing
+    assert series.points == [(60.0, 20.0), (75.0, 20.0), (1155.0, 0.0)]
+
+
+def test_an_elastic_restarts_downtime_reads_zero_over_its_span() -> None:
+    run = recover._run_one("stop_gpu", "elastic_restart", 256, 600.0)
+    spans = [(t1 - t0, v) for (t0, _), (t1, v) in zip(run.series, run.series[1:])]
+    assert any(v == 0.0 and span >= 180.0 for span, v in spans), spans  # the 180-s restart at least
+    assert all(v > 0 for _, v in run.series[:1])  # it trained before the GPU died
