@@ -250,9 +250,10 @@ def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run
                 result = None
             horizon_s = getattr(strategy, "options", None)
             horizon_s = horizon_s.horizon_s if horizon_s is not None else HORIZON_S
-            if result is not None and result.worth_applying(horizon_s, 0.0 if oracle else EngineConfig.min_gain_fraction):
+            chosen = result and result.to_apply(horizon_s, 0.0 if oracle else EngineConfig.min_gain_fraction)
+            if chosen is not None:
                 commands += 1
-                new = result.plan.model_copy(update={"epoch": engine.plan.epoch + 1})
+                new = chosen.plan.model_copy(update={"epoch": engine.plan.epoch + 1})
                 cmd = ReconfigureCommand(command_id=f"c{commands}", plan_id=f"p{commands}",
                                          plan=Plan.model_validate(new.model_dump()))
                 engine.reconfigure(cmd)

@@ -36,6 +36,9 @@ class PlannerOptions:
     pause_s: training pause of a structural reshape (rebuild process groups, move state).
     rebalance_pause_s: pause of a micro-batch-only change (no state moves).
     free_reshape: the oracle's privilege — reshapes cost nothing.
+    prefer_rebalance_within: when the best plan re-forms groups or moves layers, the best
+        micro-batch-only rebalance is offered beside it (``PlanResult.rebalance``) if it trains
+        within this fraction of it over the horizon; the apply rule then takes the rebalance.
     """
 
     allow_tp: bool = True
@@ -48,6 +51,7 @@ class PlannerOptions:
     rebalance_pause_s: float = 1.0
     checkpoint_restore_s: float = 300.0
     free_reshape: bool = False
+    prefer_rebalance_within: float = 0.005
     max_combinations: int = 64
 
 

@@ -293,8 +293,10 @@ class RemediationEngine:
             self._refuse(f"plan refused: {exc.reason}", key=f"refused/{s.running_epoch}/{s.incident_version}")
             return None
         horizon_s = getattr(strategy, "options", self.config.options).horizon_s
-        if not result.worth_applying(horizon_s, self.config.min_gain_fraction):
+        chosen = result.to_apply(horizon_s, self.config.min_gain_fraction)
+        if chosen is None:
             return None
+        result = chosen
         failed = s.failed()
         open_ids = {i.incident_id for i in s.open_incidents()}
         # A layout the trainer failed to apply would fail again; one rolled back for these same

@@ -1,7 +1,7 @@
 """What a planning strategy answers: a plan with its prediction and cost, or a refusal.
 
 The planner, every baseline and the oracle answer in these terms, so the engine and the benchmark
-judge them with one rule (:meth:`PlanResult.worth_applying`).
+judge them with one rule (:meth:`PlanResult.to_apply`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ class PlanResult:
     horizon_tokens: float
     diff: list[str] = field(default_factory=list)
     choices: dict[int, str] = field(default_factory=dict)  # source replica -> candidate label
+    # the micro-batch-only rebalance to take instead of this plan, which re-forms groups or moves
+    # layers, when the planner rates the two within its margin (PlannerOptions.prefer_rebalance_within)
+    rebalance: PlanResult | None = None
 
     @property
     def gain_tokens_per_s(self) -> float:
@@ -51,6 +54,21 @@ class PlanResult:
         if self.current_tokens_per_s <= 0:
             return True
         return self.horizon_tokens / (self.current_tokens_per_s * horizon_s) - 1 >= min_gain_fraction
+
+    def to_apply(self, horizon_s: float, min_gain_fraction: float) -> PlanResult | None:
+        """The plan to apply, or None to keep the current one: the offered rebalance when it is
+        itself worth applying, else this plan when it is.
+
+        Why the rebalance, though the plan rates a little higher: the model cannot rank two
+        plans that close (a re-form and a layer re-split it rates within 1 % of each other are a
+        coin toss in truth, docs/remediation.md), and the rebalance is the cheaper bet. It pauses
+        the job for a second instead of twenty, moves no state, and is undone as cheaply when the
+        fault clears: a re-formed group stays until a re-grow wins back its own pause, which a
+        fault recovered 15 minutes later, with the next change due, may never do. But a
+        rebalance short of the minimum gain does not displace a plan that reaches it."""
+        if self.rebalance is not None and self.rebalance.worth_applying(horizon_s, min_gain_fraction):
+            return self.rebalance
+        return self if self.worth_applying(horizon_s, min_gain_fraction) else None
 
 
 PlanFunction = Callable[[ClusterState, Plan], PlanResult]

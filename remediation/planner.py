@@ -91,7 +91,22 @@ class Planner:
         best = max(options, key=lambda r: (r.horizon_tokens, not r.changed, -r.reshape_cost_s))
         if not best.changed and current_tps > 0:
             return options[-1]  # the unchanged plan itself (epoch kept), not an identical copy
-        return best
+        return self._offer_rebalance(best, options, current)
+
+    def _offer_rebalance(self, best: PlanResult, options: list[PlanResult], current: Plan) -> PlanResult:
+        """``best`` with the best micro-batch-only rebalance attached when ``best`` re-forms groups
+        or moves layers and the rebalance trains within ``prefer_rebalance_within`` of it over the
+        horizon (why: ``PlanResult.to_apply``). Not for the oracle: it reshapes for free and knows."""
+        margin = self.options.prefer_rebalance_within
+        if margin <= 0 or self.options.free_reshape or best.plan.same_stages(current):
+            return best
+        light = [r for r in options if r.changed and r.plan.same_stages(current)]
+        if not light:
+            return best
+        rebalance = max(light, key=lambda r: r.horizon_tokens)
+        if rebalance.horizon_tokens < best.horizon_tokens * (1 - margin):
+            return best
+        return replace(best, rebalance=rebalance)
 
     def _variants(self) -> list[PlannerOptions]:
         """The joint search and every single-dimension one it allows: the joint search's candidate

@@ -264,3 +264,37 @@ def test_a_plan_that_drops_a_replica_is_priced_with_the_replicas_that_remain():
     r = make_strategy("dp_only", MODEL).plan(cluster, PLAN)
     assert r.choices[0] == "drop replica" and r.plan.dp == PLAN.dp - 1
     assert r.predicted_tokens_per_s == pytest.approx(predict_tokens_per_s(cluster, MODEL, r.plan), rel=1e-12)
+
+
+def test_a_rebalance_within_the_margin_is_offered_and_taken_instead_of_a_reshape():
+    """A ×2 GPU: re-forming its stage trains a little more than moving micro-batches off its
+    replica (0.36 % over the horizon here); within the planner's margin the apply rule takes the
+    1-s rebalance, outside it the reshape, and a rebalance short of the minimum gain never
+    displaces a reshape that reaches it."""
+    cluster = HEALTHY.with_device(20, DeviceState(compute_factor=2.0))
+    reshape = Planner(MODEL, PlannerOptions(prefer_rebalance_within=0.0)).plan(cluster, PLAN)
+    moved = Planner(MODEL, PlannerOptions(allow_tp=False, allow_pp=False)).plan(cluster, PLAN)
+    assert not reshape.plan.same_stages(PLAN) and moved.plan.same_stages(PLAN) and moved.changed
+    gap = 1 - moved.horizon_tokens / reshape.horizon_tokens
+    assert 0 < gap < 0.005 and reshape.rebalance is None
+
+    near = Planner(MODEL, PlannerOptions(prefer_rebalance_within=gap * 1.01)).plan(cluster, PLAN)
+    assert near.plan.pipelines == reshape.plan.pipelines  # the planner's answer is still its best
+    assert near.rebalance is not None and near.rebalance.plan.pipelines == moved.plan.pipelines
+    assert near.rebalance.reshape_cost_s < near.reshape_cost_s
+    assert near.to_apply(1800.0, 0.02) is near.rebalance
+    far = Planner(MODEL, PlannerOptions(prefer_rebalance_within=gap * 0.99)).plan(cluster, PLAN)
+    assert far.rebalance is None and far.to_apply(1800.0, 0.02) is far
+
+    def gain(r):  # over the horizon, the pause paid
+        return r.horizon_tokens / (r.current_tokens_per_s * 1800.0) - 1
+
+    between = (gain(near.rebalance) + gain(near)) / 2
+    assert near.to_apply(1800.0, between) is near  # the rebalance alone would not be applied
+    assert near.to_apply(1800.0, gain(near) * 1.01) is None
+
+
+def test_the_oracle_is_offered_no_rebalance():
+    cluster = HEALTHY.with_device(20, DeviceState(compute_factor=2.0))
+    r = Planner(MODEL, PlannerOptions(free_reshape=True, prefer_rebalance_within=0.05)).plan(cluster, PLAN)
+    assert r.changed and not r.plan.same_stages(PLAN) and r.rebalance is None
