@@ -250,7 +250,8 @@ def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run
                 result = None
             horizon_s = getattr(strategy, "options", None)
             horizon_s = horizon_s.horizon_s if horizon_s is not None else HORIZON_S
-            chosen = result and result.to_apply(horizon_s, 0.0 if oracle else EngineConfig.min_gain_fraction)
+            min_gain = 0.0 if oracle else EngineConfig.min_gain_fraction
+            chosen = result.to_apply(horizon_s, min_gain) if result is not None else None
             if chosen is not None:
                 commands += 1
                 new = chosen.plan.model_copy(update={"epoch": engine.plan.epoch + 1})
