@@ -11,6 +11,8 @@ repeated heading suffixed ``-1``, ``-2``, ...
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -27,31 +29,32 @@ def slug(heading: str) -> str:
     return text.replace(" ", "-")
 
 
-def anchors(path: Path) -> set[str]:
-    seen: dict[str, int] = {}
-    out = set()
+def prose_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, line) of ``path`` outside fenced code blocks."""
     fenced = False
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(path.read_text().splitlines(), 1):
         if FENCE.match(line):
             fenced = not fenced
-        if fenced or not line.startswith("#"):
+        elif not fenced:
+            yield number, line
+
+
+@cache
+def anchors(path: Path) -> frozenset[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for _, line in prose_lines(path):
+        if not line.startswith("#"):
             continue
         base = slug(line.lstrip("#"))
         n = seen.get(base, 0)
         seen[base] = n + 1
         out.add(base if n == 0 else f"{base}-{n}")
-    return out
+    return frozenset(out)
 
 
 def links(path: Path) -> list[tuple[int, str]]:
-    out = []
-    fenced = False
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if FENCE.match(line):
-            fenced = not fenced
-        if not fenced:
-            out += [(number, target) for target in LINK.findall(line)]
-    return out
+    return [(number, target) for number, line in prose_lines(path) for target in LINK.findall(line)]
 
 
 def test_slug_follows_githubs_rule() -> None:
