@@ -148,8 +148,11 @@ def _job(name: str, strategy_name: str, gpus: int, telemetry: str = "none"):  # 
                      rebalance_pause_s=0.0 if free else REBALANCE_PAUSE_S)
 
 
-def _run_bused(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run:
-    """One run with the platform in the loop (resihp.closed_loop): the detector decides what is known."""
+def _run_bused(name: str, strategy_name: str, gpus: int, duration_s: float, progress: bool = False) -> Run:
+    """One run with the platform in the loop (resihp.closed_loop): the detector decides what is known.
+    ``progress`` draws the run's own bar in simulated seconds (one process only: workers stay quiet)."""
+    from tqdm import tqdm
+
     from remediation.baselines import ElasticRestart
     from remediation.candidates import PlannerOptions
     from resihp.closed_loop import run_closed_loop
@@ -165,10 +168,18 @@ def _run_bused(name: str, strategy_name: str, gpus: int, duration_s: float) -> R
     def pay_restart(sim) -> list:  # type: ignore[no-untyped-def]
         return sim.idle(restart.restart_s + restart.checkpoint_interval_s / 2)
 
+    bar = tqdm(total=round(duration_s), desc=f"{name}@{gpus} {strategy_name}", unit="sim s", leave=False,
+               disable=not progress)
+
+    def advance(now_s: float) -> None:
+        bar.update(round(now_s) - bar.n)
+
     started = time.perf_counter()
-    loop = run_closed_loop(engine, models.fitted(config), strategy=strategy_name, duration_s=duration_s,
-                           options=options, hardware=hardware_of(config.cluster),
-                           on_applied=pay_restart if strategy_name == "elastic_restart" else None)
+    with bar:
+        loop = run_closed_loop(engine, models.fitted(config), strategy=strategy_name, duration_s=duration_s,
+                               options=options, hardware=hardware_of(config.cluster),
+                               on_applied=pay_restart if strategy_name == "elastic_restart" else None,
+                               on_progress=advance)
     return Run(tokens=loop.tokens, series=loop.series, training_at_end=loop.training_at_end,
                detections=loop.detections, false_incidents=loop.false_incidents,
                plans_applied=loop.plans_applied, rolled_back=loop.rolled_back,
@@ -299,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
     if args.jobs == 1:
         for job in tqdm(jobs, desc="recover", unit="run"):
             fn, fn_args = calls[job]
-            runs[job] = fn(*fn_args)
+            runs[job] = fn(*fn_args, progress=True) if fn is _run_bused else fn(*fn_args)
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed

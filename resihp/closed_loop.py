@@ -144,13 +144,15 @@ def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,  # t
                     options, hardware, detector_config=None, analytics_every: int = 5, analytics_batch: int = 20_000,
                     window_s: float = 60.0,
                     directory: str | Path | None = None, telemetry_retention_s: float = 60.0,
-                    on_applied: Callable[[object], list[Envelope]] | None = None) -> LoopRun:
+                    on_applied: Callable[[object], list[Envelope]] | None = None,
+                    on_progress: Callable[[float], None] | None = None) -> LoopRun:
     """Run ``sim_engine``'s job for ``duration_s`` simulated seconds with the platform in the loop.
 
     ``model`` is the engine's fallback cost figures (it switches to the analytics cost fits once they
     arrive); ``options`` the planner's (pauses, horizon); ``on_applied(sim_engine)`` runs after each
     applied command and returns events to publish (a baseline that pays a restart idles the
-    simulator there, and the heartbeats of the downtime go out). The job's
+    simulator there, and the heartbeats of the downtime go out); ``on_progress(now_s)`` gets the
+    simulated seconds done after every iteration (a run at 8,192 GPUs takes hours). The job's
     throughput is sampled into ``series`` every ``window_s`` simulated seconds. Telemetry is kept on
     the bus for ``telemetry_retention_s`` wall seconds: the analytics consumer reads it every few
     iterations, and a 2-hour run at 256 GPUs would otherwise hold ~20 GB of it. At its turn the
@@ -203,6 +205,8 @@ def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,  # t
                     engine.poll_once(timeout_s=0.0)
                     referee.poll()
                 series.tick(sim_engine.now_s)
+                if on_progress is not None:
+                    on_progress(min(sim_engine.now_s, duration_s))
                 run.training_at_end = sim_engine.now_s > before and sim_engine.hanging_for_s == 0.0
             referee.poll()
             run.series = series.points

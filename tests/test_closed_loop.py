@@ -51,6 +51,14 @@ def test_a_slow_gpu_is_detected_from_telemetry_and_the_plan_wins_back_tokens(tmp
     assert ours.telemetry_lost == 0 and ours.bus_bytes > 0
 
 
+def test_the_caller_hears_the_simulated_seconds_done_up_to_the_runs_end(tmp_path: Path) -> None:
+    """A bus-loop run at 8,192 GPUs takes hours of wall time: its progress is reported per iteration."""
+    done: list[float] = []
+    _run("do_nothing", [], 3.0, tmp_path, on_progress=done.append)
+    assert len(done) > 3 and done == sorted(done) and done[0] > 0
+    assert done[-1] == 3.0  # the last iteration crosses the end: reported at the run's length, not past it
+
+
 def test_analytics_reads_everything_at_its_turn_however_small_its_transactions(tmp_path: Path) -> None:
     """A turn holds ~5 iterations × 16 ranks of telemetry and heartbeats; in transactions of 8 records
     the consumer must still drain it all, or it falls further behind at every turn (at 8,192 ranks a
