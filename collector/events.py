@@ -54,7 +54,7 @@ class Chunk(BaseModel):
     kind: ChunkKind
     microbatch: int = Field(ge=0)
     virtual_stage: int = Field(default=0, ge=0)
-    tokens: int = Field(ge=0)
+    tokens: int | None = Field(default=None, ge=0, description="tokens in the chunk; None when unknown (never 0)")
     seq_lens: list[int] | None = Field(
         default=None, description="packed sequence lengths; None when the source does not report them"
     )
@@ -67,6 +67,14 @@ class CommOp(StrEnum):
     PP_SEND = "pp_send"
     PP_RECV = "pp_recv"
     DP_ALLREDUCE = "dp_allreduce"
+    PP_SENDRECV = "pp_sendrecv"  # a fused send+recv p2p op (Megatron style); its timer holds the wait
+    ALL_GATHER = "all_gather"  # FSDP / sequence-parallel TP
+    REDUCE_SCATTER = "reduce_scatter"
+    EMBEDDING_ALLREDUCE = "embedding_allreduce"  # tied embeddings, first and last stage
+    LOSS_ALLREDUCE = "loss_allreduce"
+
+
+ProcessGroupName = Literal["tp", "pp", "dp", "cp", "fsdp"]
 
 
 class CommWait(BaseModel):
@@ -80,16 +88,23 @@ class CommWait(BaseModel):
     bytes: int | None = Field(default=None, ge=0)
     start_s: float = Field(ge=0)
     duration_s: float = Field(ge=0)
+    includes_wait: bool = Field(
+        default=False, description="true when the timer holds the wait for the peer (a fused or blocking p2p or "
+        "collective timer): its duration is wait + wire, not wire alone")
+    group: ProcessGroupName | None = Field(
+        default=None, description="the process group a collective ran on, when the source knows it")
 
 
 class Coords(BaseModel):
-    """A rank's coordinates under the plan of ``epoch``: TP rank, pipeline stage, DP replica."""
+    """A rank's coordinates under the plan of ``epoch``: TP rank, pipeline stage, DP replica, and
+    context-parallel rank (0 in a job without context parallelism)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     tp: int = Field(ge=0)
     pp: int = Field(ge=0)
     dp: int = Field(ge=0)
+    cp: int = Field(default=0, ge=0)
 
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -110,7 +125,7 @@ class ChunkTable(BaseModel):
     kind: str = Field(pattern=r"^[FBW]*$", description="one letter per chunk: F forward, B backward, W weight-gradient")
     microbatch: list[NonNegativeInt]
     virtual_stage: list[NonNegativeInt]
-    tokens: list[NonNegativeInt]
+    tokens: list[NonNegativeInt | None] = Field(description="tokens per chunk; null when unknown (never 0)")
     seq_lens: list[list[int] | None] = Field(description="packed sequence lengths per chunk; null when not reported")
     start_s: list[NonNegativeFloat] = Field(description="offsets from the rank's iteration start, local clock")
     duration_s: list[NonNegativeFloat]
@@ -158,11 +173,14 @@ class RankIteration(Payload):
     """One rank's telemetry for one iteration: every chunk it ran and every wait it measured.
 
     Build it with ``chunks=[Chunk(...), ...]`` (converted to a ChunkTable) or ``chunk_table=...``;
-    read ``.chunks`` for objects or ``.chunk_table`` for columns. Schema 2 carries chunks as columns.
+    read ``.chunks`` for objects or ``.chunk_table`` for columns. Schema 2 carries chunks as columns;
+    schema 3 adds ``coords.cp``, unknown token counts (null), the collectives real jobs record and
+    the comm fields ``includes_wait`` / ``group``. Every schema-3 addition has a default, so a schema-2
+    record decodes unchanged: that is the migration of old logs.
     """
 
     KIND: ClassVar[str] = "telemetry.iteration"
-    VERSIONS: ClassVar[tuple[int, ...]] = (2,)
+    VERSIONS: ClassVar[tuple[int, ...]] = (2, 3)
     epoch: int = Field(ge=0)
     iteration: int = Field(ge=0)
     rank: int = Field(ge=0, description="device id")
@@ -187,6 +205,32 @@ class RankIteration(Payload):
     @cached_property
     def chunks(self) -> list[Chunk]:
         return self.chunk_table.rows()
+
+
+class TracingDeclared(Payload):
+    """What a producer records: which ranks and which steps report telemetry, and in which dialect.
+    Published at start and again when it changes. A rank the plan holds but the declaration leaves
+    out is "not traced": missing telemetry from it is expected, so it is neither dead nor healthy.
+
+    Iteration ``i`` is traced iff ``i % step_every == step_offset % step_every``.
+    """
+
+    KIND: ClassVar[str] = "telemetry.tracing"
+    epoch: int = Field(ge=0)
+    dialect: str = Field(min_length=1, description='free label: "ours", "megatron", "profiler", "sampled", ...')
+    traced_ranks: list[NonNegativeInt] | None = Field(
+        default=None, description="None: every rank of the plan reports; a list: only these device ids do")
+    step_every: int = Field(default=1, ge=1)
+    step_offset: int = Field(default=0, ge=0)
+    seq_lens: bool = Field(default=True, description="whether chunks carry packed sequence lengths")
+    tokens: bool = Field(default=True, description="whether chunks carry token counts")
+    fused_p2p: bool = Field(default=False, description="whether p2p timers hold the wait for the peer")
+
+    def rank_traced(self, rank: int) -> bool:
+        return self.traced_ranks is None or rank in self.traced_ranks
+
+    def step_traced(self, iteration: int) -> bool:
+        return iteration % self.step_every == self.step_offset % self.step_every
 
 
 class IterationSummary(Payload):
@@ -229,6 +273,7 @@ class RankState(StrEnum):
     HEALTHY = "healthy"
     SLOW = "slow"
     DEAD = "dead"
+    NOT_TRACED = "not_traced"  # the producer declared the rank untraced (TracingDeclared)
 
 
 class RankHealthEntry(BaseModel):
@@ -547,7 +592,7 @@ class DeadLetter(Payload):
 
 
 PAYLOAD_TYPES: tuple[type[Payload], ...] = (
-    RankIteration, IterationSummary, Heartbeat,
+    RankIteration, IterationSummary, Heartbeat, TracingDeclared,
     IterationPrediction, RankHealth,
     IncidentOpened, IncidentConfirmed, IncidentUpdated, IncidentResolved, ProbeRequest, ProbeResult,
     PlanProposed, PlanDecision, PolicyChanged, ReconfigureCommand, CommandAck, PlanVerified, PlanRolledBack,
