@@ -33,6 +33,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from collector.epoch_fence import fence_verdict
 from collector.events import AckStatus, CommandAck, ReconfigureCommand
 from collector.plan import Plan
 from trainer.chunks import schedule_problem
@@ -83,14 +84,9 @@ class CommandIntake:
 
     def judge(self, command: ReconfigureCommand, alive: set[int]) -> tuple[AckStatus | None, str]:
         """None when the command should be applied; otherwise its status and why."""
-        epoch, running = command.plan.epoch, self.running.epoch
-        if command.command_id in self.seen:
-            return AckStatus.IGNORED_DUPLICATE, f"command {command.command_id} was already handled"
-        if epoch <= running:
-            return AckStatus.IGNORED_STALE, f"epoch {epoch} is not newer than the running epoch {running}"
-        if epoch > running + 1:
-            return AckStatus.IGNORED_STALE, (f"epoch {epoch} skips epochs: only {running + 1} applies on top of "
-                                             f"{running}; re-plan from the running epoch")
+        status, detail = fence_verdict(command, self.running.epoch, self.seen)
+        if status is not None:
+            return status, detail
         plan = command.plan
         if plan.num_layers != self.n_layer:
             return AckStatus.FAILED, f"plan has {plan.num_layers} layers but the model has {self.n_layer}"

@@ -35,9 +35,10 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from collector import topics
+from collector.epoch_fence import EpochFence
 from collector.bus import Bus, Consumer, OnAssign, RawMessage, TopicPartition, open_bus
 from collector.events import (AckStatus, Chunk, ChunkKind, CommandAck, CommOp, CommWait, Coords, EventFactory,
                               IterationSummary, PlanCurrent, ProbeRequest, ProbeResult, RankIteration,
@@ -224,32 +225,6 @@ class ResiHPReporter:
 
 
 # ---- commands ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class EpochFence:
-    """The contract's command fence, without any transport: apply e+1 only on top of e, each
-    command id once. ``check`` is an optional extra judge (plan → reason it cannot run, or None)."""
-
-    running_epoch: int
-    check: Callable[[Plan], str | None] | None = None
-    seen: set[str] = field(default_factory=set)
-
-    def judge(self, command: ReconfigureCommand) -> tuple[AckStatus | None, str]:
-        """(None, "") when the command should be applied; else its status and why. Marks it seen."""
-        epoch, running = command.plan.epoch, self.running_epoch
-        if command.command_id in self.seen:
-            return AckStatus.IGNORED_DUPLICATE, f"command {command.command_id} was already handled"
-        self.seen.add(command.command_id)
-        if epoch <= running:
-            return AckStatus.IGNORED_STALE, f"epoch {epoch} is not newer than the running epoch {running}"
-        if epoch > running + 1:
-            return AckStatus.IGNORED_STALE, (f"epoch {epoch} skips epochs: only {running + 1} applies on top of "
-                                             f"{running}; re-plan from the running epoch")
-        reason = self.check(command.plan) if self.check is not None else None
-        if reason:
-            return AckStatus.FAILED, reason
-        return None, ""
 
 
 class CommandListener:

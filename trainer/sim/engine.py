@@ -28,6 +28,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from analytics.schedule import OpTable, PipelineTiming, op_table, pipeline_timing
+from collector.epoch_fence import fence_verdict
 from collector.events import (
     AckStatus, CommandAck, Envelope, FaultInjected, Heartbeat, IterationSummary, ProbeRequest, ProbeResult,
     PlanCurrent, ReconfigureCommand,
@@ -481,13 +482,9 @@ class SimEngine:
         events = self._update_faults()
         plan, current = command.plan, self.plan.epoch
         status, detail, pause = AckStatus.APPLIED, "", 0.0
-        if command.command_id in self._seen_commands:
-            status, detail = AckStatus.IGNORED_DUPLICATE, f"command {command.command_id} was already handled"
-        elif plan.epoch <= current:
-            status, detail = AckStatus.IGNORED_STALE, f"plan epoch {plan.epoch} is not newer than running epoch {current}"
-        elif plan.epoch != current + 1:
-            status, detail = (AckStatus.IGNORED_STALE,
-                              f"plan epoch {plan.epoch} skips ahead of {current} + 1; resend on top of {current}")
+        fenced, fence_detail = fence_verdict(command, current, self._seen_commands)
+        if fenced is not None:
+            status, detail = fenced, fence_detail
         elif plan.num_layers != self.config.model.layers:
             status, detail = AckStatus.FAILED, f"plan has {plan.num_layers} layers; the model has {self.config.model.layers}"
         elif [d for d in plan.devices if d >= self.config.cluster.gpus]:
