@@ -1,6 +1,7 @@
 """Console responsiveness: fold a 1,024-rank job's log and render its pages (Jobs, incident).
 
-Builds a realistic log with ui/demo.py (TP8·PP8·DP16 by default: 1,024 ranks, hours of predictions,
+Builds a realistic log with the console's test fixture, tests/fixtures/console_demo.py
+(TP8·PP8·DP16 by default: 1,024 ranks, hours of predictions,
 per-rank telemetry for the last iterations, one incident with a proposed plan), publishes it to a
 throw-away embedded bus, then times: the console's fold of the whole log from the beginning, the
 incremental fold of one more iteration, building the figures, and a full script run of each page
@@ -10,11 +11,32 @@ under Streamlit's AppTest (server-side render; the browser's drawing is not incl
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
+
+CONSOLE_DEMO = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "console_demo.py"
+
+
+def console_demo() -> ModuleType:
+    """The console's fake-data generator. It lives with the tests, not in the product, so it is
+    loaded from the checkout by path (benchmarks run from a checkout; the installed package has no
+    tests/)."""
+    if "tests.fixtures.console_demo" in sys.modules:
+        return sys.modules["tests.fixtures.console_demo"]
+    if not CONSOLE_DEMO.is_file():
+        raise SystemExit(f"{CONSOLE_DEMO} not found: run `resihp bench ui` from a checkout of the repository")
+    spec = importlib.util.spec_from_file_location("tests.fixtures.console_demo", CONSOLE_DEMO)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     from collector.events import IterationPrediction
     from ui.auth import Session, User, UsersFile
     from ui.charts import downsample, plan_cells, plan_grid_chart, series_chart, slowdown_figure
-    from ui.demo import DemoSpec, demo_events
+    demo = console_demo()
+    DemoSpec, demo_events = demo.DemoSpec, demo.demo_events
     from ui.feed import Feed
 
     rows: list[tuple[str, float, str]] = []

@@ -3,6 +3,9 @@
 A command module defines ``register(subparsers)``, which adds its parser and sets ``func`` to a
 callable taking the parsed arguments and returning an exit code. Modules are discovered, so adding
 a subcommand never touches this file. Heavy imports (torch, streamlit) stay inside ``func``.
+
+Packages above the composition root (bench/) add their subcommands through the ``resihp.commands``
+entry-point group (pyproject.toml), so resihp imports nothing that sits on top of it.
 """
 
 from __future__ import annotations
@@ -11,8 +14,11 @@ import argparse
 import importlib
 import pkgutil
 import sys
+from importlib.metadata import entry_points
 
 import resihp.commands
+
+COMMAND_ENTRY_POINTS = "resihp.commands"  # each names a register(subparsers) function
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     for info in sorted(pkgutil.iter_modules(resihp.commands.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"resihp.commands.{info.name}")
         module.register(sub)
+    for entry_point in sorted(entry_points(group=COMMAND_ENTRY_POINTS), key=lambda e: e.name):
+        entry_point.load()(sub)
     return parser
 
 

@@ -19,7 +19,7 @@ from collector.events import (
 )
 from collector.stream import EventStream
 from ui.auth import Session, User, UsersFile
-from ui.demo import DemoSpec, demo_events
+from tests.fixtures.console_demo import DemoSpec, demo_events
 
 APP = str(Path(__file__).resolve().parent.parent / "ui" / "app.py")
 PLAN_ID = "plan-demo-60"

@@ -25,7 +25,7 @@ from collector.embedded import EmbeddedBus
 from collector.events import PlanDecision
 from collector.stream import EventStream
 from ui.auth import UsersFile
-from ui.demo import DemoSpec, demo_events
+from tests.fixtures.console_demo import DemoSpec, demo_events
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -14,7 +14,7 @@ from collector.events import (
 from ui.actions import ActionRefused, change_policy, decide_plan
 from ui.auth import AuthError, NotAllowed, Session, SessionExpired, User, UsersFile, UsersFileError, verify_password
 from ui.charts import downsample, plan_cells
-from ui.demo import DemoSpec, demo_events
+from tests.fixtures.console_demo import DemoSpec, demo_events
 from ui.feed import Feed
 from ui.read_model import ReadModel
 

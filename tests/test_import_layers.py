@@ -1,0 +1,102 @@
+"""Imports point one way (docs/architecture.md, "Layers"): a package imports only packages in lower
+layers, never a sibling in its own layer and never one above it. Every import counts, the lazy ones
+inside functions too, and ``importlib.import_module("pkg...")`` with a literal name. There is no
+exceptions list: a wrong-way import is fixed where it is written.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Low to high. remediation sits above analytics because the planner scores candidate plans with
+# analytics' schedule model (remediation/costs.py); trainer and ui are siblings and never import
+# each other.
+LAYERS: list[set[str]] = [
+    {"collector"},
+    {"analytics"},
+    {"remediation"},
+    {"trainer", "ui"},
+    {"infra"},
+    {"resihp"},
+    {"bench"},
+]
+# infra starts and stops a Kafka broker for the command line and the benchmarks: a leaf tool that
+# imports none of our packages, so only the composition root and bench/ import it.
+LEAVES = {"collector", "infra"}
+
+RANK = {pkg: rank for rank, layer in enumerate(LAYERS) for pkg in layer}
+PACKAGES = sorted(RANK)
+
+
+def imported_modules(tree: ast.AST, package: str) -> list[tuple[int, str]]:
+    """(line, dotted name) of every import in a module's tree; relative imports stay in ``package``."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append((node.lineno, package if node.level else node.module or ""))
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) == "import_module"):
+            found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def wrong_way_imports(package: str, files: list[Path]) -> list[str]:
+    """Every import in ``files`` (which belong to ``package``) that the layers forbid."""
+    problems = []
+    for path in files:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for line, name in imported_modules(tree, package):
+            target = name.split(".")[0]
+            if target not in RANK or target == package:
+                continue
+            where = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{line} imports {name}"
+            if package in LEAVES:
+                problems.append(f"{where}: {package} is a leaf and imports none of our packages")
+            elif RANK[target] == RANK[package]:
+                problems.append(f"{where}: {target} is a sibling of {package} in the same layer")
+            elif RANK[target] > RANK[package]:
+                problems.append(f"{where}: {target} sits above {package}")
+    return problems
+
+
+def test_every_package_has_a_layer():
+    on_disk = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert on_disk - {"tests"} <= set(RANK), f"place {sorted(on_disk - set(RANK))} in LAYERS"
+    assert set(RANK) <= on_disk, f"LAYERS names packages that do not exist: {sorted(set(RANK) - on_disk)}"
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_imports_point_down_the_layers(package):
+    files = sorted((ROOT / package).rglob("*.py"))
+    assert files, f"no modules under {package}/"
+    problems = wrong_way_imports(package, files)
+    assert not problems, "imports that point the wrong way:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("source, package, expected", [
+    ("from resihp.cli import main\n", "collector", "collector is a leaf"),
+    ("def f():\n    import bench.recover\n", "resihp", "bench sits above resihp"),
+    ("import importlib\nimportlib.import_module('ui.feed')\n", "trainer", "ui is a sibling of trainer"),
+    ("from trainer.sim import engine\n", "analytics", "trainer sits above analytics"),
+    ("from remediation import planner\n", "infra", "infra is a leaf"),
+])
+def test_the_check_catches_a_wrong_way_import(tmp_path, source, package, expected):
+    module = tmp_path / "m.py"
+    module.write_text(source)
+    problems = wrong_way_imports(package, [module])
+    assert len(problems) == 1 and expected in problems[0], problems
+
+
+def test_the_check_allows_a_downward_import(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("from collector.events import Envelope\nfrom . import sibling\n"
+                      "def f():\n    from analytics.schedule import op_table\n")
+    assert wrong_way_imports("remediation", [module]) == []
