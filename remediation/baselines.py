@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from collector.plan import PipelinePlan, Plan, StagePlan
+from collector.replica_drop import drop_replicas, even_split, surviving_replicas
 from remediation.candidates import PlannerOptions
 from remediation.cluster import ClusterState
 from remediation.costs import max_layers
@@ -51,11 +52,6 @@ def _result(name: str, model: ModelSpec, cluster: ClusterState, current: Plan, n
     )
 
 
-def _even_split(M: int, n: int) -> list[int]:
-    base, extra = divmod(M, n)
-    return [base + (1 if i < extra else 0) for i in range(n)]
-
-
 @dataclass
 class DoNothing:
     model: ModelSpec
@@ -75,16 +71,13 @@ class DropReplica:
 
     def plan(self, cluster: ClusterState, current: Plan) -> PlanResult:
         bad = cluster.bad_devices()
-        keep = [p for p in current.pipelines if not any(d in bad for st in p.stages for d in st.devices)]
+        keep = surviving_replicas(current, bad)
         if len(keep) == len(current.pipelines):
             return _result(self.name, self.model, cluster, current, current, 0.0, self.horizon_s)
-        if not keep or current.global_microbatches < len(keep):
-            raise PlanRefused(f"every replica holds a bad device ({len(bad)} bad devices); nothing left to train on")
-        split = _even_split(current.global_microbatches, len(keep))
-        new = Plan(epoch=current.epoch + 1, schedule=current.schedule, virtual_stages=current.virtual_stages,
-                   num_layers=current.num_layers,
-                   pipelines=tuple(PipelinePlan(replica=i, microbatches=m, stages=p.stages)
-                                   for i, (p, m) in enumerate(zip(keep, split))))
+        try:
+            new = drop_replicas(current, bad)
+        except ValueError as e:
+            raise PlanRefused(f"every replica holds a bad device or too few are left ({len(bad)} bad devices): {e}") from e
         return _result(self.name, self.model, cluster, current, new, self.pause_s, self.horizon_s,
                        [p.replica for p in keep])
 
@@ -144,7 +137,7 @@ class ElasticRestart:
         pipes = [p for p in pipes if len(p) == pp][: current.global_microbatches]
         if not pipes:
             raise PlanRefused(f"elastic restart needs {nodes_per_pipe} healthy nodes per replica; {len(good)} are left")
-        split = _even_split(current.global_microbatches, len(pipes))
+        split = even_split(current.global_microbatches, len(pipes))
         new = Plan(epoch=current.epoch + 1, schedule=current.schedule, virtual_stages=current.virtual_stages,
                    num_layers=current.num_layers,
                    pipelines=tuple(PipelinePlan(replica=i, microbatches=m, stages=st) for i, (st, m) in enumerate(zip(pipes, split))))

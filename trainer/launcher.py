@@ -27,7 +27,8 @@ from datetime import timedelta
 from collector import topics
 from collector.events import (AckStatus, CommandAck, EventFactory, FaultCategory, FaultInjected, Location, PlanCurrent,
                               ProbeRequest, ReconfigureCommand)
-from collector.plan import PipelinePlan, Plan
+from collector.plan import Plan
+from collector.replica_drop import drop_replicas
 from collector.stream import EventStream
 from trainer.chunks import schedule_problem
 from trainer.faults import KILL_EXIT_CODE
@@ -41,20 +42,6 @@ class LaunchResult:
     acks: list[CommandAck] = field(default_factory=list)
     final_plan: Plan | None = None
     dead: list[int] = field(default_factory=list)
-
-
-def drop_replicas(plan: Plan, dead: set[int]) -> Plan:
-    """The next epoch without every replica that holds a dead device; their micro-batches are
-    shared out to the survivors (earlier replicas take the remainder)."""
-    keep = [p for p in plan.pipelines if not any(d in dead for s in p.stages for d in s.devices)]
-    if not keep:
-        raise ValueError(f"devices {sorted(dead)} touch every replica of epoch {plan.epoch}; nothing survives")
-    total = plan.global_microbatches
-    base, extra = divmod(total, len(keep))
-    pipelines = tuple(
-        PipelinePlan(replica=i, microbatches=base + (1 if i < extra else 0), stages=p.stages)
-        for i, p in enumerate(keep))
-    return plan.model_copy(update={"epoch": plan.epoch + 1, "pipelines": pipelines})
 
 
 def replace_with_spares(plan: Plan, dead: set[int], spares: list[int]) -> Plan:

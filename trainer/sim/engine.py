@@ -33,7 +33,8 @@ from collector.events import (
     AckStatus, CommandAck, Envelope, FaultInjected, Heartbeat, IterationSummary, ProbeRequest, ProbeResult,
     PlanCurrent, ReconfigureCommand,
 )
-from collector.plan import PipelinePlan, Plan
+from collector.plan import Plan
+from collector.replica_drop import drop_replicas
 from trainer.sim.cost import StageCoefficients, dp_allreduce_s, stage_coefficients
 from trainer.sim.faults import ActiveFault, FaultEffects, FaultSpec, truth_event_payload
 from trainer.sim.presets import ClusterSpec, ModelSpec
@@ -444,16 +445,12 @@ class SimEngine:
     def _restart_without_dead(self) -> None:
         """Open loop only: what an elastic launcher does — drop every replica that lost a device
         and give its micro-batches to the survivors, at the next epoch."""
-        keep = [p for p in self.plan.pipelines if not (set(d for st in p.stages for d in st.devices) & self.dead)]
-        if not keep:
+        try:
+            survivors = drop_replicas(self.plan, self.dead)
+        except ValueError:
             self.finished = True
             return
-        lost = sum(p.microbatches for p in self.plan.pipelines) - sum(p.microbatches for p in keep)
-        pipes = []
-        for i, p in enumerate(keep):
-            extra = lost // len(keep) + (1 if i < lost % len(keep) else 0)
-            pipes.append(PipelinePlan(replica=i, microbatches=p.microbatches + extra, stages=p.stages))
-        self._switch(self.plan.model_copy(update={"epoch": self.plan.epoch + 1, "pipelines": tuple(pipes)}), "restart")
+        self._switch(survivors, "restart")
         self._hang_started_s = None
 
     def _switch(self, plan: Plan, reason: str = "reshape") -> None:
