@@ -21,15 +21,21 @@ for the epoch (it travels on the control topic, which may arrive later than tele
 learned from what arrived, and the iteration also waits until reports ``unplanned_wait_iterations``
 later arrived (a rank not heard from yet may still exist) or the plan comes. A hard cap,
 ``max_wait_iterations``, bounds the memory a stream that never comes can hold.
+
+Sampled tracing: a producer's ``TracingDeclared`` (the newest declared at or before an epoch is in
+force for it) narrows what is expected to the traced ranks, and only traced steps are assembled.
+A report of a step the declaration leaves out is counted and dropped: the other traced ranks do not
+report it, and a partial frame would read as missing ranks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from analytics.detector_config import DetectorConfig
-from analytics.fail_stop import FailStopWatch
-from collector.events import RankIteration
+from analytics.fail_stop import FailStopWatch, tracing_at
+from collector.events import RankIteration, TracingDeclared
 from collector.plan import Plan
 
 
@@ -43,24 +49,61 @@ class FrameAssembler:
     late_reports: int = 0
 
     _expected: dict[int, frozenset[int]] = field(default_factory=dict)
+    # Immutable with class-level defaults, so a detector pickled before declarations existed restores.
+    tracing: tuple[TracingDeclared, ...] = ()  # every TracingDeclared seen
+    untraced_reports: int = 0  # reports of steps the declaration leaves out (dropped)
 
     def add_plan(self, plan: Plan) -> None:
         self.plans[plan.epoch] = plan
-        self._expected[plan.epoch] = frozenset(plan.roles)
+        self._expected[plan.epoch] = self._traced_of(plan.epoch, plan.roles)
+
+    def declare(self, tracing: TracingDeclared) -> None:
+        """A producer's tracing declaration: from its epoch on, expect only what it traces."""
+        self.tracing = tuple(d for d in self.tracing if d.epoch != tracing.epoch) + (tracing,)
+        for epoch, plan in self.plans.items():
+            self._expected[epoch] = self._traced_of(epoch, plan.roles)
+        for epoch, ranks in self.learned.items():
+            ranks.intersection_update(self._traced_of(epoch, ranks))
+
+    def _traced_of(self, epoch: int, ranks: Iterable[int]) -> frozenset[int]:
+        declared = tracing_at(self.tracing, epoch)
+        if declared is None or declared.traced_ranks is None:
+            return frozenset(ranks)
+        return frozenset(ranks) & frozenset(declared.traced_ranks)
 
     def expected(self, epoch: int) -> frozenset[int] | None:
-        """The ranks of the plan of ``epoch``; None when no plan is known for it."""
+        """The traced ranks of the plan of ``epoch``; None when no plan is known for it."""
         return self._expected.get(epoch)
 
+    def untraced(self, epoch: int) -> set[int]:
+        """The ranks of the plan of ``epoch`` that the declaration in force leaves untraced."""
+        declared = tracing_at(self.tracing, epoch)
+        if declared is None or declared.traced_ranks is None:
+            return set()
+        plan = self.plans.get(epoch)
+        ranks = set(plan.roles) if plan is not None else set()
+        return ranks - set(declared.traced_ranks)
+
+    def step_traced(self, epoch: int, iteration: int) -> bool:
+        declared = tracing_at(self.tracing, epoch)
+        return declared is None or declared.step_traced(iteration)
+
     def heard(self, epoch: int, rank: int) -> None:
+        declared = tracing_at(self.tracing, epoch) if self.tracing else None
+        if declared is not None and not declared.rank_traced(rank):
+            return  # an untraced rank's heartbeats say it lives, not that its reports are due
         self.learned.setdefault(epoch, set()).add(rank)
 
     def add(self, report: RankIteration) -> bool:
-        """Hold a report until its iteration is complete; False if that iteration was already scored."""
+        """Hold a report until its iteration is complete; False if that iteration was already scored.
+        A report of an untraced step is dropped (True: it is not late)."""
         key = (report.epoch, report.iteration)
         if key <= self.done:
             self.late_reports += 1
             return False
+        if self.tracing and not self.step_traced(*key):
+            self.untraced_reports += 1
+            return True
         self.heard(report.epoch, report.rank)
         self.pending.setdefault(key, {})[report.rank] = report  # a duplicated report counts once
         return True

@@ -18,7 +18,10 @@ What can go wrong: with fixed-length packing N is the same for every chunk and �
 separately identifiable; the least-squares minimum-norm solution still predicts correctly, which is
 all the detector needs. When the source reports no ``seq_lens`` (Σ lᵢ² is NaN) the class is fitted
 on N alone and ``has_seq_lens`` says so; the detector then corrects per micro-batch (see
-analytics/scoring.py).
+analytics/scoring.py). When the source reports no token counts either (N is NaN: unknown, not 0),
+the class is fitted on γ alone and ``has_tokens`` says so: its chunks are taken as unknown but equal
+work, so the fit is the class's robust centre (its Huber-weighted median), which is what the
+TP/DP comparison and the per-micro-batch correction need; a slow rank is still off it.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class ClassFit:
     beta: float = 0.0
     gamma: float = 0.0
     has_seq_lens: bool = True
+    has_tokens: bool = True  # False: fitted without token counts (γ alone, plus β when Σl² is known)
     rel_error: float = float("nan")  # median |observed/predicted − 1| over the window
     rows: int = 0
     workload_cv: float = float("nan")  # std/mean of the line's predictions over the window's rows
@@ -99,7 +103,7 @@ class CostModel:
         if fit is None:
             return np.full(len(tokens), np.nan)
         s2 = np.nan_to_num(np.asarray(sum_sq_len, float), nan=0.0) if fit.has_seq_lens else 0.0
-        return fit.alpha * np.asarray(tokens, float) + fit.beta * s2 + fit.gamma
+        return _token_term(fit.alpha, np.asarray(tokens, float)) + fit.beta * s2 + fit.gamma
 
     def predict_classes(self, keys: list[Hashable], c_class: np.ndarray, tokens: np.ndarray,
                         sum_sq_len: np.ndarray) -> np.ndarray:
@@ -111,7 +115,7 @@ class CostModel:
                 coef[i] = (fit.alpha, fit.beta, fit.gamma, 1.0 if fit.has_seq_lens else 0.0)
         c = coef[c_class]
         s2 = np.nan_to_num(np.asarray(sum_sq_len, float), nan=0.0)
-        return c[:, 0] * np.asarray(tokens, float) + c[:, 1] * s2 * c[:, 3] + c[:, 2]
+        return _token_term(c[:, 0], np.asarray(tokens, float)) + c[:, 1] * s2 * c[:, 3] + c[:, 2]
 
     def error(self) -> float:
         """The model's recent relative error over all classes (median of the class errors)."""
@@ -134,6 +138,12 @@ class CostModel:
         self.fits = state["fits"]
 
 
+def _token_term(alpha: np.ndarray | float, tokens: np.ndarray) -> np.ndarray:
+    """α·N, where an unknown N (NaN) costs nothing under a fit made without tokens (α = 0) and is
+    unknown (NaN: not judged) under one made with them."""
+    return np.where(np.asarray(alpha) == 0.0, 0.0, alpha * tokens)
+
+
 def fit_class(tokens: np.ndarray, sum_sq_len: np.ndarray, duration_s: np.ndarray) -> ClassFit:
     """Robust fit of duration = α·N + β·S2 + γ minimising Huber-weighted relative error.
 
@@ -143,13 +153,18 @@ def fit_class(tokens: np.ndarray, sum_sq_len: np.ndarray, duration_s: np.ndarray
     packed mix moves, free of jitter and stalls, which the planner needs for a pipeline's mean
     (remediation.costs.ScheduleModelScorer). ``mean_sum_sq_len`` is the rows' mean Σlᵢ²: what
     β multiplies for a typical micro-batch, which the planner cannot infer from N alone.
+
+    Rows without a token count (NaN) make the class a γ-only fit (``has_tokens`` False): the source
+    does not report tokens, so its chunks count as equal work and γ is their robust centre. Fitting
+    α on the rows that have counts would instead predict nothing for those that do not.
     """
-    ok = np.isfinite(duration_s) & (duration_s > 0) & np.isfinite(tokens)
+    ok = np.isfinite(duration_s) & (duration_s > 0)
+    has_n = bool(np.all(np.isfinite(tokens[ok])))
     has_s2 = bool(np.all(np.isfinite(sum_sq_len[ok]))) and ok.any()
-    n, d = tokens[ok], duration_s[ok]
+    n, d = (tokens[ok] if has_n else np.zeros(int(ok.sum()))), duration_s[ok]
     s2 = sum_sq_len[ok] if has_s2 else np.zeros_like(n)
     if len(d) == 0:
-        return ClassFit(has_seq_lens=has_s2)
+        return ClassFit(has_seq_lens=has_s2, has_tokens=has_n)
     features = {"alpha": n, "beta": s2, "gamma": np.ones_like(n)}
     active = [k for k in ("alpha", "beta", "gamma") if np.ptp(features[k]) > 0 or k == "gamma"]
     if not has_s2 and "beta" in active:
@@ -167,7 +182,7 @@ def fit_class(tokens: np.ndarray, sum_sq_len: np.ndarray, duration_s: np.ndarray
     mean_pred = float(pred.mean())
     spread = float(pred.std() / mean_pred) if mean_pred > 0 else float("nan")
     return ClassFit(alpha=coef.get("alpha", 0.0), beta=coef.get("beta", 0.0), gamma=coef.get("gamma", 0.0),
-                    has_seq_lens=has_s2, rel_error=float(np.median(rel)), rows=len(d), workload_cv=spread,
+                    has_seq_lens=has_s2, has_tokens=has_n, rel_error=float(np.median(rel)), rows=len(d), workload_cv=spread,
                     mean_sum_sq_len=float(s2.mean()) if has_s2 else float("nan"))
 
 

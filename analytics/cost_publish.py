@@ -113,9 +113,10 @@ class CostPublisher:
             stage = frame.pp[frame.c_rank[sel]]
             for s in np.unique(stage).tolist():
                 m = stage == s
-                s2 = frame.c_s2[sel][m]
+                s2, n = frame.c_s2[sel][m], frame.c_tokens[sel][m]  # NaN: not reported
                 self._reference.setdefault((s, KIND_NAME[k]), (
-                    float(frame.c_tokens[sel][m].mean()), float(np.nanmean(s2)) if np.isfinite(s2).any() else 0.0))
+                    float(np.nanmean(n)) if np.isfinite(n).any() else 0.0,
+                    float(np.nanmean(s2)) if np.isfinite(s2).any() else 0.0))
 
     def _moved(self, fits: list[CostFit]) -> bool:
         for f in fits:

@@ -32,7 +32,7 @@ from analytics.prediction import predicted_iteration_s
 from analytics.scoring import FrameScore, fit_ranks, score_frame, tp_group_max
 from collector.events import (
     Envelope, Heartbeat, IterationPrediction, Payload, PlanCurrent, ProbeResult, RankHealth, RankHealthEntry,
-    RankIteration, RankState, ReconfigureCommand,
+    RankIteration, RankState, ReconfigureCommand, TracingDeclared,
 )
 
 _GROW = 1024
@@ -51,9 +51,10 @@ class _FrameRecord:
 def job_tokens(frame: IterationFrame) -> int:
     """Tokens the job trained in this iteration: each micro-batch once, from the forward chunks of
     the first stage's TP rank 0 (first model chunk) in every replica. Every other rank reruns the
-    same micro-batches, so summing all ranks would count each one TP·PP·v times."""
+    same micro-batches, so summing all ranks would count each one TP·PP·v times. Chunks whose
+    count the source did not report (NaN) add nothing: 0 when none is known."""
     first = (frame.c_kind == 0) & (frame.c_vs == 0) & (frame.pp[frame.c_rank] == 0) & (frame.tp[frame.c_rank] == 0)
-    return int(frame.c_tokens[first].sum())
+    return int(np.nansum(frame.c_tokens[first]))
 
 
 @dataclass
@@ -131,6 +132,10 @@ class Detector:
             out = self.book.fail_stop(self.fail_stop.heartbeat(p, event.time_s))
             check = len(self.fail_stop.dead) != dead_before or not self.arrival.oldest_has(p.rank)
             return out + self._flush_ready(check)
+        if isinstance(p, TracingDeclared):
+            self.arrival.declare(p)
+            self.fail_stop.declare(p)
+            return self._flush_ready(True)
         if isinstance(p, ProbeResult):
             return self.book.probe_result(p)
         if isinstance(p, (PlanCurrent, ReconfigureCommand)):
@@ -487,6 +492,8 @@ class Detector:
     def _health(self, frame: IterationFrame) -> RankHealth | None:
         """The full rank view, only when some rank's state or factor (to 5%) changed."""
         states = {int(r): ("healthy", 1.0) for r in frame.rank}
+        for r in self.arrival.untraced(frame.epoch):
+            states[r] = ("not_traced", 1.0)  # declared untraced: neither healthy nor dead from silence
         for r in self.fail_stop.dead:
             states[r] = ("dead", 1e6)
         for r, f in self.book.slow_factors().items():

@@ -31,6 +31,12 @@ a rank is judged against the others' progress:
   times in a row: its reports are being lost. Sources without heartbeats fall back to the frames
   the detector had to score without them (``missing``).
 
+- **Sampled tracing**: a producer that records only some ranks or some steps says so
+  (``TracingDeclared``, routed here by ``declare``). A declared-untraced rank is never judged dead
+  for missing telemetry (nothing is expected of it) and is kept watched across a new epoch, so its
+  heartbeats, if it sends any, still count. Gaps between traced steps are not a stall: the hung-job
+  threshold stretches by ``step_every``.
+
 What can go wrong: while the job hangs (nobody progresses, so there is no proof of life) a live
 rank whose partition lags the others by more than the hung threshold looks dead until its
 heartbeats arrive; it is then revived (``alive``) and its incident resolved.
@@ -43,9 +49,19 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from analytics.detector_config import DetectorConfig
-from collector.events import Heartbeat
+from collector.events import Heartbeat, TracingDeclared
 
 REFERENCE_QUANTILE = 1 / 3
+
+
+def tracing_at(declarations: tuple[TracingDeclared, ...], epoch: int) -> TracingDeclared | None:
+    """The declaration in force at ``epoch``: the newest declared at or before it (a producer
+    declares at start and when it changes; a reshape alone does not re-declare). None: all traced."""
+    best = None
+    for d in declarations:
+        if d.epoch <= epoch and (best is None or d.epoch >= best.epoch):
+            best = d
+    return best
 
 
 @dataclass(frozen=True)
@@ -99,6 +115,8 @@ class FailStopWatch:
     _deadline_s: float = float("inf")  # the reference beyond which the next rank would be judged dead
     _short_of_deadline: int = 0  # live watched streams still to pass _deadline_s before the reference can
     _interval_cache_s: float | None = None  # _interval_s(), until a stream's announced interval changes
+    # Immutable with a class-level default, so a detector pickled before declarations existed restores.
+    tracing: tuple[TracingDeclared, ...] = ()  # every TracingDeclared seen, oldest first
 
     # ---- input ----------------------------------------------------------------------------------
 
@@ -154,6 +172,23 @@ class FailStopWatch:
             self._missing[rank] = 0
             return [LivenessChange(rank, True, reason, max(self.streams[rank].reported, 0))]
         return []
+
+    def declare(self, tracing: TracingDeclared) -> None:
+        """A producer's tracing declaration (replaces an earlier one of the same epoch)."""
+        self.tracing = tuple(d for d in self.tracing if d.epoch != tracing.epoch) + (tracing,)
+
+    def traced(self, rank: int, epoch: int | None = None) -> bool:
+        """Whether ``rank`` reports telemetry under the declaration in force at ``epoch`` (the
+        newest epoch heard of by default); True without a declaration."""
+        d = tracing_at(self.tracing, self.newest_epoch() if epoch is None else epoch)
+        return d is None or d.rank_traced(rank)
+
+    def _untraced_planned(self) -> set[int]:
+        """Ranks of the newest announced plan that the declaration in force leaves untraced."""
+        if self._newest_plan is None:
+            return set()
+        epoch, devices = self._newest_plan
+        return {r for r in devices if not self.traced(r, epoch)}
 
     def plan_announced(self, epoch: int, devices: set[int]) -> None:
         """A plan (plan.current or a command) for ``epoch``: a rank it leaves out is being
@@ -211,7 +246,9 @@ class FailStopWatch:
             return float("inf")
         if self._newest_plan is not None and self._newest_plan[0] > epoch:
             return float("inf")  # a newer plan was announced: the job is pausing to reshape, not hung
-        return self._top_time_s[epoch] + max(interval_s, self.config.hang_stall_iterations * self._iteration_s)
+        declared = tracing_at(self.tracing, epoch)
+        every = declared.step_every if declared is not None else 1  # the top moves once per traced step
+        return self._top_time_s[epoch] + max(interval_s, self.config.hang_stall_iterations * every * self._iteration_s)
 
     def stalled_s(self, ref_s: float, interval_s: float) -> float:
         """How long (in the job's progress) the newest epoch has completed nothing, or 0 while the
@@ -293,6 +330,8 @@ class FailStopWatch:
         without them because their stream moved on, or, without heartbeats, the wait ran out)."""
         out = []
         for rank in sorted(ranks):
+            if not self.traced(rank):
+                continue  # declared untraced: its silence is expected, not a death
             n = self._missing.get(rank, 0) + 1
             self._missing[rank] = n
             if n >= self.config.telemetry_lag_iterations and rank not in self.dead and rank not in self._retired:
@@ -303,7 +342,9 @@ class FailStopWatch:
         return out
 
     def new_epoch(self, present: set[int]) -> None:
-        """Ranks outside the new plan are no longer watched (nor dead: they were reconfigured away)."""
+        """Ranks outside the new plan are no longer watched (nor dead: they were reconfigured away).
+        The plan's declared-untraced ranks stay: ``present`` holds only the ranks that report."""
+        present = set(present) | self._untraced_planned()
         self._retired = (set(self.streams) | self.watched) - present
         self.watched = set(present)
         self.dead &= present

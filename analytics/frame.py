@@ -23,7 +23,9 @@ _KIND_LUT = np.zeros(256, np.int8)
 for _name, _code in KIND_CODE.items():
     _KIND_LUT[ord(_name)] = _code
 KIND_NAME = ("F", "B", "W")
-OP_CODE = {"tp_allreduce": 0, "pp_send": 1, "pp_recv": 2, "dp_allreduce": 3}
+OP_CODE = {"tp_allreduce": 0, "pp_send": 1, "pp_recv": 2, "dp_allreduce": 3, "pp_sendrecv": 4, "all_gather": 5,
+           "reduce_scatter": 6, "embedding_allreduce": 7, "loss_allreduce": 8}
+GROUP_CODE = {"tp": 0, "pp": 1, "dp": 2, "cp": 3, "fsdp": 4}  # k_group; -1 when the source did not say
 
 
 @dataclass
@@ -35,6 +37,7 @@ class IterationFrame:
     tp: np.ndarray
     pp: np.ndarray
     dp: np.ndarray
+    cp: np.ndarray  # context-parallel rank; 0 without context parallelism
     node: np.ndarray  # -1 when unknown
     wall_s: np.ndarray
     first_layer: np.ndarray  # the rank's layer range under the plan; -1 when the plan is unknown
@@ -44,7 +47,7 @@ class IterationFrame:
     c_kind: np.ndarray
     c_mb: np.ndarray
     c_vs: np.ndarray
-    c_tokens: np.ndarray
+    c_tokens: np.ndarray  # NaN when the source did not report the chunk's token count
     c_s2: np.ndarray  # Σ lᵢ²; NaN when seq_lens were not reported
     c_start: np.ndarray
     c_dur: np.ndarray
@@ -56,6 +59,12 @@ class IterationFrame:
     k_mb: np.ndarray
     k_bytes: np.ndarray  # NaN when unknown
     k_dur: np.ndarray
+    k_wait: np.ndarray  # bool: the timer holds the wait for the peer (fused / blocking), not the wire alone
+    k_group: np.ndarray  # GROUP_CODE of the collective's process group; -1 when unknown
+
+    @property
+    def has_tokens(self) -> bool:
+        return bool(np.isfinite(self.c_tokens).all())
 
     @property
     def has_seq_lens(self) -> bool:
@@ -79,7 +88,8 @@ def build_frame(reports: Sequence[RankIteration], layers: LayerLookup | None = N
     R = len(reports)
     epoch, iteration = reports[0].epoch, reports[0].iteration
     rank = np.fromiter((r.rank for r in reports), np.int64, R)
-    coords = np.array([(r.coords.tp, r.coords.pp, r.coords.dp) for r in reports], dtype=np.int64).reshape(R, 3)
+    coords = np.array([(r.coords.tp, r.coords.pp, r.coords.dp, r.coords.cp) for r in reports],
+                      dtype=np.int64).reshape(R, 4)
     node = np.fromiter((-1 if r.node is None else r.node for r in reports), np.int64, R)
     wall = np.fromiter((r.wall_s for r in reports), float, R)
     tables = [r.chunk_table for r in reports]
@@ -90,7 +100,7 @@ def build_frame(reports: Sequence[RankIteration], layers: LayerLookup | None = N
     c_kind = _KIND_LUT[kind_bytes].astype(np.int64)
     c_mb = np.fromiter(chain(t.microbatch for t in tables), np.int64, C)
     c_vs = np.fromiter(chain(t.virtual_stage for t in tables), np.int64, C)
-    c_tokens = np.fromiter(chain(t.tokens for t in tables), float, C)
+    c_tokens = _tokens(tables, C)
     c_start = np.fromiter(chain(t.start_s for t in tables), float, C)
     c_dur = np.fromiter(chain(t.duration_s for t in tables), float, C)
     c_s2 = sum_sq_lens(list(chain(t.seq_lens for t in tables)))
@@ -102,24 +112,36 @@ def build_frame(reports: Sequence[RankIteration], layers: LayerLookup | None = N
     if layers is not None:
         first_layer, end_layer = layers.ranges(rank)
     return IterationFrame(
-        epoch=epoch, iteration=iteration, rank=rank, tp=coords[:, 0], pp=coords[:, 1], dp=coords[:, 2], node=node,
+        epoch=epoch, iteration=iteration, rank=rank, tp=coords[:, 0], pp=coords[:, 1], dp=coords[:, 2],
+        cp=coords[:, 3], node=node,
         wall_s=wall, first_layer=first_layer, end_layer=end_layer,
         c_rank=c_rank, c_kind=c_kind, c_mb=c_mb, c_vs=c_vs, c_tokens=c_tokens, c_s2=c_s2, c_start=c_start,
         c_dur=c_dur, c_own=np.maximum(own, 0.0),
         k_rank=k[:, 0].astype(np.int64), k_op=k[:, 1].astype(np.int64), k_peer=k[:, 2].astype(np.int64),
-        k_mb=k[:, 3].astype(np.int64), k_bytes=k[:, 4], k_dur=k[:, 6],
+        k_mb=k[:, 3].astype(np.int64), k_bytes=k[:, 4], k_dur=k[:, 6], k_wait=k[:, 7] > 0,
+        k_group=k[:, 8].astype(np.int64),
     )
 
 
+def _tokens(tables: Sequence, n: int) -> np.ndarray:
+    """Token count per chunk as floats; NaN where the source did not report it (unknown, not 0)."""
+    chain = itertools.chain.from_iterable
+    if not any(None in t.tokens for t in tables):
+        return np.fromiter(chain(t.tokens for t in tables), float, n)
+    return np.fromiter((np.nan if x is None else x for x in chain(t.tokens for t in tables)), float, n)
+
+
 def _comm_rows(reports: Sequence[RankIteration]) -> np.ndarray:
-    """(K, 7) rank index, op, peer, micro-batch, bytes (NaN unknown), start, duration."""
-    oc = OP_CODE
+    """(K, 9) rank index, op, peer, micro-batch, bytes (NaN unknown), start, duration, includes_wait,
+    group code (-1 unknown)."""
+    oc, gc = OP_CODE, GROUP_CODE
     rows = [
         (i, oc[w.op], -1 if w.peer is None else w.peer, -1 if w.microbatch is None else w.microbatch,
-         np.nan if w.bytes is None else w.bytes, w.start_s, w.duration_s)
+         np.nan if w.bytes is None else w.bytes, w.start_s, w.duration_s, w.includes_wait,
+         -1 if w.group is None else gc[w.group])
         for i, r in enumerate(reports) for w in r.comm
     ]
-    return np.array(rows, dtype=float).reshape(-1, 7)
+    return np.array(rows, dtype=float).reshape(-1, 9)
 
 
 class LayerLookup:

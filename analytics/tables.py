@@ -7,6 +7,7 @@ single ``INSERT ... SELECT`` (row-by-row inserts would cap ingestion at a few th
 
 ``sum_sq_len`` (Σ lᵢ² of a chunk's packed sequences) is NULL when the source did not report
 ``seq_lens``; the cost model then falls back to what can be inferred (see analytics/cost_model.py).
+``tokens`` is NULL when the source did not report it (unknown, never 0).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import duckdb
 import pyarrow as pa
 
 from analytics.frame import sum_sq_lens
-from collector.events import Heartbeat, IterationSummary, RankIteration
+from collector.events import CommOp, Heartbeat, IterationSummary, RankIteration
 from collector.stream import Delivery
 
 CHUNK_SCHEMA = pa.schema([
@@ -141,12 +142,13 @@ def _add_rank_iteration(ch: dict[str, list], ri: dict[str, list], rk: dict[str, 
     durations = t.duration_s
     ch["duration_s"].extend(durations)
     compute_s = sum(durations)
-    waits = {"tp_allreduce": 0.0, "pp_send": 0.0, "pp_recv": 0.0, "dp_allreduce": 0.0}
+    waits = dict.fromkeys(CommOp, 0.0)  # the other collectives (all-gather, ...) have no column of their own
     for w in p.comm:
-        waits[w.op.value] += w.duration_s
+        waits[w.op] += w.duration_s
+    pp_wait_s = waits[CommOp.PP_SEND] + waits[CommOp.PP_RECV] + waits[CommOp.PP_SENDRECV]
     for col, value in (("job", job), ("epoch", p.epoch), ("iteration", p.iteration), ("rank", p.rank),
-                       ("wall_s", p.wall_s), ("compute_s", compute_s), ("tp_wait_s", waits["tp_allreduce"]),
-                       ("pp_wait_s", waits["pp_send"] + waits["pp_recv"]), ("dp_wait_s", waits["dp_allreduce"]),
+                       ("wall_s", p.wall_s), ("compute_s", compute_s), ("tp_wait_s", waits[CommOp.TP_ALLREDUCE]),
+                       ("pp_wait_s", pp_wait_s), ("dp_wait_s", waits[CommOp.DP_ALLREDUCE]),
                        ("time_s", time_s)):
         ri[col].append(value)
     for col, value in (("job", job), ("epoch", p.epoch), ("rank", p.rank), ("node", p.node), ("tp", c.tp),

@@ -33,6 +33,36 @@ reports them; `start_s` offsets are relative to the reporting rank's own iterati
 subtract the clocks of two hosts.
 """
 
+TRACING = """## Dialects and sampled tracing
+
+Real trainers record less than this contract can carry, and differently. A producer says what it
+records with a `telemetry.tracing` event (TracingDeclared), published at start and again when it
+changes; the newest declared at or before an epoch is in force for it (a reshape alone does not
+re-declare).
+
+- `dialect` is a free label (`ours`, `megatron`, `profiler`, `sampled`, ...) for people and tools;
+  the detector reads the flags, not the label.
+- `traced_ranks`: only these devices report telemetry (None: every rank of the plan does).
+  `step_every` / `step_offset`: iteration `i` is traced iff `i % step_every == step_offset % step_every`.
+- `seq_lens`, `tokens`: whether chunks carry them. An unknown token count is `null`, never 0
+  (`RankIteration` schema 3; the analytics frame holds it as NaN and fits such a class on its centre).
+- `fused_p2p`: p2p timers hold the wait for the peer; per op, `CommWait.includes_wait` says the same.
+
+**Not traced.** A rank of the plan that the declaration leaves out is *not traced*: no telemetry
+is expected from it, so its silence is neither a death nor a sign of health. The detector waits
+only for traced ranks and traced steps, never declares an untraced rank dead from missing
+telemetry, and reports it in `analytics.rank_health` as `not_traced` (the console shows "not
+traced"). Heartbeats from an untraced rank, if it sends any, still count: a rank whose heartbeats
+stop while the job hangs is dead, traced or not. A declared-traced rank that stops reporting is
+found dead as before. A report of a step the declaration leaves out is dropped (its peers do not
+report that step, and a partial iteration would read as missing ranks).
+
+**Migration.** `telemetry.iteration` schema 3 adds `Coords.cp`, null token counts, the collectives
+`pp_sendrecv`, `all_gather`, `reduce_scatter`, `embedding_allreduce`, `loss_allreduce`, and the
+comm fields `includes_wait` and `group`. Every addition has a default, so a schema-2 record (an
+old log) decodes unchanged; schema 3 is written.
+"""
+
 
 def _type_name(annotation: object) -> str:
     text = repr(annotation) if not isinstance(annotation, type) else annotation.__name__
@@ -95,7 +125,7 @@ def render() -> str:
         kinds = ", ".join(f"`{p.KIND}`" for p in PAYLOAD_TYPES if topic_for(p.KIND) == t)
         lines.append(f"| `{t}` | {topics.PARTITIONS[t]} | {kinds} |")
     lines += ["", "Records are keyed `job/source`, so one source's events stay in order within a partition.", ""]
-    lines += ["## Kinds", ""]
+    lines += [TRACING, "## Kinds", ""]
     for p in PAYLOAD_TYPES:
         versions = ", ".join(str(v) for v in p.VERSIONS)
         lines += [f"### `{p.KIND}` — {p.__name__}", "", _doc(p), "",

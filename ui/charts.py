@@ -25,7 +25,8 @@ MARK_COLOURS = {"incident": "#c8362f", "reshape": "#3b7dd8", "detector": "#e8a33
 TABLEAU20 = ["#4e79a7", "#a0cbe8", "#f28e2b", "#ffbe7d", "#59a14f", "#8cd17d", "#b6992d", "#f1ce63", "#499894",
              "#86bcb6", "#e15759", "#ff9d9a", "#79706e", "#bab0ac", "#d37295", "#fabfd2", "#b07aa1", "#d4a6c8",
              "#9d7660", "#d7b5a6"]
-HEALTH_COLOURS = {"healthy": "#4c9a52", "slow": "#e8a33d", "dead": "#c8362f", "unused": "#c9c9c9"}
+HEALTH_COLOURS = {"healthy": "#4c9a52", "slow": "#e8a33d", "dead": "#c8362f", "not_traced": "#9db4c9",
+                  "unused": "#c9c9c9"}
 
 
 def downsample(columns: dict[str, np.ndarray], max_points: int = MAX_POINTS, *, x: str = "iteration",

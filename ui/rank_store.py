@@ -38,7 +38,9 @@ class RankStore:
     def add(self, t: RankIteration) -> None:
         """Fold one rank's iteration (idempotent: a repeat overwrites the same cell)."""
         row = self._row(t.iteration, t.rank)
-        tokens = sum(c.tokens for c in t.chunks if c.kind == ChunkKind.FORWARD) or 1
+        forward = [c.tokens for c in t.chunks if c.kind == ChunkKind.FORWARD]
+        # Unknown token counts (None): per forward chunk instead, the same for every rank of the job.
+        tokens = (len(forward) if None in forward else sum(forward)) or 1
         row.compute_s[t.rank] = sum(c.duration_s for c in t.chunks) / tokens
         row.stage[t.rank] = t.coords.pp
         if t.coords.pp == 0 and t.coords.tp == 0:

@@ -38,7 +38,9 @@ from collector.replica_drop import drop_replicas
 from trainer.sim.cost import StageCoefficients, dp_allreduce_s, stage_coefficients
 from trainer.sim.faults import ActiveFault, FaultEffects, FaultSpec, truth_event_payload
 from trainer.sim.presets import ClusterSpec, ModelSpec
-from trainer.sim.telemetry import DeterministicEvents, replica_rank_iterations, stage_ops
+from trainer.sim.telemetry import (
+    Dialect, DeterministicEvents, dialect_rank_iterations, replica_rank_iterations, stage_ops, tracing_of, transfer_consumers,
+)
 from trainer.sim.workload import Packed, WorkloadSpec, draw_microbatches
 
 SIM_EPOCH_TIME_S = 1_700_000_000.0  # 2023-11-14T22:13:20Z: simulated time starts here
@@ -79,6 +81,11 @@ class SimConfig(BaseModel):
         default="all", description="ranks that emit RankIteration/Heartbeat: all, none (truth-only), or a list")
     probe_reference_s: float = Field(default=0.05, gt=0, description="a healthy device's probe time")
     block_iterations: int = Field(default=0, ge=0, description="iterations per vectorised block; 0: automatic")
+    dialect: Dialect = Field(default="ours", description=(
+        "how the ranks record (docs/dialects.md): ours, megatron (one rank per TP group, fused p2p timers that "
+        "hold waits, no sequence lengths or token counts), profiler (torch.profiler: blocking p2p ops, "
+        "collectives by group, no lengths, tokens or nodes), sampled (ours on a declared subset of ranks and "
+        "every 2nd step); the timeline is the same in every dialect"))
 
 
 def _poisson_quantile(u: float, lam: float) -> int:
@@ -102,6 +109,7 @@ class _Group:
     table: OpTable
     coeffs: StageCoefficients
     ops_by_stage: list[np.ndarray]
+    consumers: np.ndarray  # (n_ops,) the op that receives each op's output over a link, or -1
 
 
 @dataclass
@@ -111,6 +119,7 @@ class _Block:
     durations_s: np.ndarray  # (n,)
     tokens: np.ndarray  # (n,) whole job
     parts: list[tuple[_Group, PipelineTiming, Packed]] = field(default_factory=list)
+    wires: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # per part: p2p and TP comm, (n·R, S, M)
 
     @property
     def n(self) -> int:
@@ -158,12 +167,16 @@ class SimEngine:
         for gi, ((S, M), reps) in enumerate(sorted(shapes.items())):
             table = op_table(self.plan.schedule, S, M, self.plan.virtual_stages)
             coeffs = stage_coefficients(self.config.model, self.config.cluster, self.plan, reps)
-            self._groups.append(_Group(gi, reps, table, coeffs, stage_ops(table)))
+            self._groups.append(_Group(gi, reps, table, coeffs, stage_ops(table), transfer_consumers(table)))
         self._dp_allreduce_s = dp_allreduce_s(self.config.model, self.config.cluster, self.plan)
         m = self.config.model  # gradient bytes per TP rank, per replica and stage (replicas may differ in shape)
         self._dp_bytes = [[st.num_layers * m.params_per_layer // st.tp * m.bytes_per_value for st in pipe.stages]
                           for pipe in self.plan.pipelines]
         self._block = None
+        self._tracing = tracing_of(self.config.dialect, self.plan, self.config.seed, self._ranks)
+        # who sends RankIteration and heartbeats: the dialect's traced ranks (the telemetry option narrows them)
+        traced = None if self._tracing is None or self._tracing.traced_ranks is None else set(self._tracing.traced_ranks)
+        self._reporting: set[int] | None = traced if traced is not None else self._ranks
 
     # ---- faults ------------------------------------------------------------------------------
 
@@ -228,7 +241,7 @@ class SimEngine:
         c, k0 = self.config, self.iteration
         n = self._block_size()
         eff = self._effects
-        parts = []
+        parts, wires = [], []
         ends = np.zeros(n)
         tokens = np.zeros(n)
         stalls = self._stalls(n, k0)
@@ -241,8 +254,9 @@ class SimEngine:
                                for s, st in enumerate(p.stages)] for p in pipes])
             wl_rngs = [np.random.default_rng([c.seed, k0 + j, g.index, 0]) for j in range(n)]
             packed = draw_microbatches(wl_rngs, c.workload, R, M)
-            f_s, b_s, w_s, p2p_s = self._durations(g, n, packed, comp_f, tp_f, p2p_f, k0, stalls[g.index])
+            f_s, b_s, w_s, p2p_s, tp_s = self._durations(g, n, packed, comp_f, tp_f, p2p_f, k0, stalls[g.index])
             timing = pipeline_timing(g.table, f_s, b_s, w_s, p2p_s)
+            wires.append((p2p_s, tp_s))
             ends = np.maximum(ends, timing.makespan_s.reshape(n, R).max(axis=1))
             tokens += packed.tokens.reshape(n, R * M).sum(axis=1)
             parts.append((g, timing, packed))
@@ -254,7 +268,7 @@ class SimEngine:
         cut = next((j for j in range(1, n) if self._changes_at(k0 + j, starts[j])), n)
         if cut < n:  # a fault starts or ends inside: keep what ran under today's faults
             durations, starts, tokens = durations[:cut], starts[:cut], tokens[:cut]
-        return _Block(k0, starts, durations, tokens, parts)
+        return _Block(k0, starts, durations, tokens, parts, wires)
 
     def _stalls(self, n: int, k0: int) -> dict[int, np.ndarray]:
         """The stalls of the block's iterations, group index → (n·R, S, M) seconds added to forwards.
@@ -292,9 +306,9 @@ class SimEngine:
 
     def _durations(self, g: _Group, n: int, packed: Packed, comp_f: np.ndarray, tp_f: np.ndarray,
                    p2p_f: np.ndarray, k0: int, stall: np.ndarray
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
-        """Chunk and transfer durations, (n·R, S, M) each, rows iteration-major; ``stall`` from
-        :meth:`_stalls`."""
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]:
+        """Chunk durations, pipeline transfer times and the TP all-reduce time inside each F / B
+        chunk, (n·R, S, M) each, rows iteration-major; ``stall`` from :meth:`_stalls`."""
         nz = self.config.noise
         co = g.coeffs
         R, S, M = len(g.replicas), g.table.stages, g.table.microbatches
@@ -326,7 +340,7 @@ class SimEngine:
             b_s = 2 * (lin + att) * cf * noise[:, 1] + over + comm
             w_s = None
         p2p_s = (tile(co.p2p_s_per_token) * tok + tile(co.p2p_latency_s)) * tile(p2p_f)
-        return f_s, b_s, w_s, p2p_s
+        return f_s, b_s, w_s, p2p_s, np.broadcast_to(comm, f_s.shape)
 
     # ---- stepping ----------------------------------------------------------------------------
 
@@ -379,18 +393,27 @@ class SimEngine:
         dur = float(block.durations_s[j])
         t_end = self._abs(self.now_s + dur)
         out: list[Envelope] = []
-        if self._ranks is None or self._ranks:
-            for g, timing, packed in block.parts:
+        ranks, tracing = self._reporting, self._tracing
+        if (ranks is None or ranks) and (tracing is None or tracing.step_traced(k)):
+            for (g, timing, packed), (p2p_s, tp_s) in zip(block.parts, block.wires):
                 R = len(g.replicas)
                 for i, replica in enumerate(g.replicas):
                     row = j * R + i
-                    seq = [packed.seq_lens(row, m) for m in range(g.table.microbatches)]
-                    for p in replica_rank_iterations(
-                        plan=self.plan, cluster=self.config.cluster, replica=replica, iteration=k, table=g.table,
-                        ops_by_stage=g.ops_by_stage, start_s=timing.start_s[row], end_s=timing.end_s[row],
-                        tokens=packed.tokens[row], seq_lens=seq, iteration_s=dur, dp_bytes=self._dp_bytes[replica],
-                        ranks=self._ranks,
-                    ):
+                    if self.config.dialect in ("megatron", "profiler"):
+                        payloads = dialect_rank_iterations(
+                            dialect=self.config.dialect, plan=self.plan, cluster=self.config.cluster, model=self.config.model,
+                            replica=replica, iteration=k, table=g.table, ops_by_stage=g.ops_by_stage,
+                            consumers=g.consumers, start_s=timing.start_s[row], end_s=timing.end_s[row],
+                            wire_s=p2p_s[row], tp_comm_s=tp_s[row], tokens=packed.tokens[row], iteration_s=dur,
+                            dp_bytes=self._dp_bytes[replica], ranks=ranks)
+                    else:
+                        seq = [packed.seq_lens(row, m) for m in range(g.table.microbatches)]
+                        payloads = replica_rank_iterations(
+                            plan=self.plan, cluster=self.config.cluster, replica=replica, iteration=k, table=g.table,
+                            ops_by_stage=g.ops_by_stage, start_s=timing.start_s[row], end_s=timing.end_s[row],
+                            tokens=packed.tokens[row], seq_lens=seq, iteration_s=dur, dp_bytes=self._dp_bytes[replica],
+                            ranks=ranks)
+                    for p in payloads:
                         out.append(self.events.make(f"rank-{p.rank}", p, t_end))
         loss = 2.0 + 6.0 / math.sqrt(1.0 + k / 100.0)
         summary = IterationSummary(epoch=self.plan.epoch, iteration=k, loss=loss, tokens=int(block.tokens[j]), wall_s=dur)
@@ -402,9 +425,10 @@ class SimEngine:
         interval = self.config.heartbeat_interval_s
         while self._next_heartbeat_s <= self.now_s:
             t = self._next_heartbeat_s
-            if self._ranks is None or self._ranks:
+            ranks = self._reporting  # untraced ranks send no heartbeats either: they are "not traced", not dead
+            if ranks is None or ranks:
                 alive = [d for d in range(self.config.cluster.gpus) if d not in self.dead
-                         and (self._ranks is None or d in self._ranks)]
+                         and (ranks is None or d in ranks)]
                 for d in alive:
                     hb = Heartbeat(rank=d, epoch=self.plan.epoch, iteration=self.iteration, interval_s=interval)
                     out.append(self.events.make(f"rank-{d}", hb, self._abs(t)))
@@ -470,7 +494,10 @@ class SimEngine:
             tokens_per_microbatch=c.workload.tokens_per_microbatch,
         )
         self._plan_news = None
-        return [self.events.make("trainer", payload, self._abs(self.now_s))]
+        out = [self.events.make("trainer", payload, self._abs(self.now_s))]
+        if self._tracing is not None:  # what the ranks record under this plan (ours declares nothing)
+            out.append(self.events.make("trainer", self._tracing, self._abs(self.now_s)))
+        return out
 
     # ---- the closed loop ---------------------------------------------------------------------
 

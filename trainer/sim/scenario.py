@@ -4,7 +4,8 @@ Presets by name (``model: 7b``, ``workload: pretrain``, ``noise: off``) or full 
 as the textbook layout (``tp``, ``pp``, ``dp``, ``microbatches_per_replica``, ``schedule``,
 ``virtual_stages``) or a full contract Plan under ``plan.explicit``. ``periodic_faults`` expands to
 one fault every ``every_s`` seconds on devices drawn with the scenario's seed (e.g. one failure
-every 30 minutes).
+every 30 minutes). ``dialect`` says how the ranks record (ours, megatron, profiler, sampled; see
+docs/dialects.md).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collector.plan import Plan, Schedule
 from trainer.sim.engine import NOISE_OFF, NoiseSpec, SimConfig
 from trainer.sim.faults import FaultKind, FaultSpec
 from trainer.sim.presets import MODEL_PRESETS, ClusterSpec, ModelSpec
+from trainer.sim.telemetry import Dialect
 from trainer.sim.workload import WORKLOAD_PRESETS, WorkloadSpec
 
 
@@ -66,6 +68,7 @@ class Scenario(BaseModel):
     rebalance_pause_s: float = Field(default=1.0, ge=0)
     restart_after_s: float | None = Field(default=None, ge=0)
     telemetry: Literal["all", "none"] | list[int] = "all"
+    dialect: Dialect = Field(default="ours", description="how the ranks record: ours, megatron, profiler, sampled")
     faults: list[FaultSpec] = Field(default_factory=list)
     periodic_faults: PeriodicFaults | None = None
 
@@ -101,7 +104,7 @@ class Scenario(BaseModel):
             model=self.model_spec(), cluster=self.cluster, workload=workload, noise=noise, plan=self.build_plan(),
             job=self.job or self.name, seed=self.seed, heartbeat_interval_s=self.heartbeat_interval_s,
             reshape_pause_s=self.reshape_pause_s, rebalance_pause_s=self.rebalance_pause_s,
-            restart_after_s=self.restart_after_s, telemetry=self.telemetry,
+            restart_after_s=self.restart_after_s, telemetry=self.telemetry, dialect=self.dialect,
         )
         fields.update(overrides)
         return SimConfig(**fields)

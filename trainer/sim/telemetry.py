@@ -6,20 +6,34 @@ receives and for the DP all-reduce), one ``IterationSummary`` per iteration, ``H
 live rank per interval. All TP ranks of a stage run in lock-step, so they report the same chunks.
 
 Event ids are uuid5 of (job, source, seq), so the same run produces byte-identical events.
+
+That is the ``ours`` dialect. Real trainers record the same run differently, and the simulator can
+record it their way too (docs/dialects.md), from the same timeline: ``megatron`` (one traced rank
+per TP group, p2p as fused send+recv timers that hold the wait for the peer, no sequence lengths
+or token counts), ``profiler`` (what torch.profiler/Kineto shows every rank: blocking pp_send /
+pp_recv kernels that hold waits, collectives labelled by process group, no lengths, tokens or node
+ids) and ``sampled`` (ours, on a declared subset of ranks and every 2nd step). A p2p record's
+transfer part is the simulator's own wire time (message bytes / bandwidth, times a slow link's
+factor), so a slow link lengthens a fused timer even where no wait hides in it.
 """
 
 from __future__ import annotations
 
 import uuid
+from typing import Literal
 
 import numpy as np
 
 from analytics.schedule import KIND_NAMES, OpTable
 from collector.events import (
-    ChunkKind, ChunkTable, CommOp, CommWait, Coords, Envelope, EventFactory, Payload, RankIteration,
+    ChunkKind, ChunkTable, CommOp, CommWait, Coords, Envelope, EventFactory, Payload, RankIteration, TracingDeclared,
 )
 from collector.plan import Plan
-from trainer.sim.presets import ClusterSpec
+from trainer.sim.presets import ClusterSpec, ModelSpec
+
+Dialect = Literal["ours", "megatron", "profiler", "sampled"]
+DIALECTS: tuple[str, ...] = ("ours", "megatron", "profiler", "sampled")
+SAMPLED_STEP_EVERY = 2  # the sampled dialect traces every 2nd iteration
 
 _ID_NAMESPACE = uuid.UUID("0b7d3f0e-8a51-4f5e-9a8e-5d3c9b1f2a61")
 _KINDS = [ChunkKind(k) for k in KIND_NAMES]
@@ -107,6 +121,164 @@ def replica_rank_iterations(
                 continue
             out.append(RankIteration(
                 epoch=plan.epoch, iteration=iteration, rank=d, node=cluster.node_of(d),
+                coords=Coords(tp=t, pp=s, dp=replica), wall_s=iteration_s, chunk_table=chunks, comm=comm,
+            ))
+    return out
+
+
+# ---- the dialects of real trainers ---------------------------------------------------------------
+
+
+def tracing_of(dialect: Dialect, plan: Plan, seed: int, ranks: set[int] | None) -> TracingDeclared | None:
+    """What a producer of ``dialect`` declares under ``plan`` (None for ours: it declares nothing,
+    and every rank reports). ``ranks``: the simulator's telemetry option, which narrows the traced set.
+
+    megatron traces TP rank 0 of every stage; sampled traces every second DP replica (replicas 0, 2,
+    …) when there are two or more, otherwise a quarter of the TP groups drawn with ``seed`` (at
+    least one), and every 2nd step of either."""
+    if dialect == "ours":
+        return None
+    if dialect == "profiler":
+        return TracingDeclared(epoch=plan.epoch, dialect=dialect, traced_ranks=None if ranks is None else sorted(ranks),
+                               seq_lens=False, tokens=False, fused_p2p=True)
+    if dialect == "megatron":
+        traced = [st.devices[0] for pipe in plan.pipelines for st in pipe.stages]
+        extra: dict = dict(seq_lens=False, tokens=False, fused_p2p=True)
+    else:
+        if plan.dp >= 2:
+            groups = [st.devices for pipe in plan.pipelines if pipe.replica % 2 == 0 for st in pipe.stages]
+        else:
+            every = [st.devices for pipe in plan.pipelines for st in pipe.stages]
+            rng = np.random.default_rng([seed, 33])
+            pick = rng.choice(len(every), size=max(1, len(every) // 4), replace=False)
+            groups = [every[i] for i in sorted(pick.tolist())]
+        traced = [d for devs in groups for d in devs]
+        extra = dict(step_every=SAMPLED_STEP_EVERY, step_offset=0)
+    if ranks is not None:
+        traced = [d for d in traced if d in ranks]
+    return TracingDeclared(epoch=plan.epoch, dialect=dialect, traced_ranks=sorted(traced), **extra)
+
+
+def transfer_consumers(table: OpTable) -> np.ndarray:
+    """(n_ops,) the op that receives each op's output over a pipeline link, or -1 (no transfer:
+    the last virtual stage's forward feeds its own backward, and W sends nothing)."""
+    out = np.full(table.n_ops, -1)
+    has = table.link >= 0
+    out[table.dep[has]] = np.flatnonzero(has)
+    return out
+
+
+def dialect_rank_iterations(
+    *,
+    dialect: Literal["megatron", "profiler"],
+    plan: Plan,
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    replica: int,
+    iteration: int,
+    table: OpTable,
+    ops_by_stage: list[np.ndarray],
+    consumers: np.ndarray,  # transfer_consumers(table)
+    start_s: np.ndarray,  # (n_ops,) this replica's row
+    end_s: np.ndarray,  # (n_ops,)
+    wire_s: np.ndarray,  # (S, M) the simulator's transfer time over link s -> (s+1) % S, faults included
+    tp_comm_s: np.ndarray,  # (S, M) TP all-reduce time inside each F / B chunk
+    tokens: np.ndarray,  # (M,)
+    iteration_s: float,
+    dp_bytes: list[int],
+    ranks: set[int] | None,
+) -> list[RankIteration]:
+    """The RankIteration payloads of one replica's ranks as Megatron-LM's timers or torch.profiler
+    record them, from the same timeline as :func:`replica_rank_iterations`.
+
+    A stage calls its p2p op when its previous chunk ends (``b``) and its next chunk starts when the
+    op returns (``a``): the op holds the wait for the peer and the transfer. Megatron fuses the send
+    of the previous chunk's output and the receive of the next chunk's input into one timer, ending
+    at ``max(a, b + send wire)``; the profiler sees the receive kernel (``b`` to ``max(a, b + wire)``)
+    and the send kernel apart, the send holding the wait until the peer posts its receive (when the
+    peer's chunk before the consuming one ends) and then the wire time."""
+    pipe = plan.pipelines[replica]
+    S = table.stages
+    n = table.n_ops
+    ends = np.append(end_s, 0.0)  # index n: "no op" ends at the iteration start
+    prev = table.prev_on_stage
+    out: list[RankIteration] = []
+    h_bytes = model.hidden * model.bytes_per_value
+    tok = tokens.tolist()
+    for s, stage in enumerate(pipe.stages):
+        wanted = [t for t, d in enumerate(stage.devices) if ranks is None or d in ranks]
+        if not wanted:
+            continue
+        idx = ops_by_stage[s]
+        st = start_s[idx].tolist()
+        en = end_s[idx].tolist()
+        kinds = table.kind[idx].tolist()
+        mbs = table.microbatch[idx].tolist()
+        chunks = ChunkTable.model_construct(
+            kind="".join(_KINDS[k].value for k in kinds), microbatch=mbs, virtual_stage=table.chunk[idx].tolist(),
+            tokens=[None] * len(idx), seq_lens=[None] * len(idx), start_s=st, duration_s=[b - a for a, b in zip(st, en)],
+        )
+
+        def peer(stage_index: int, t: int) -> int:
+            devices = pipe.stages[stage_index].devices
+            return devices[0] if dialect == "megatron" else devices[min(t, len(devices) - 1)]
+
+        def msg_bytes(link: int, m: int) -> int:
+            return int(tok[m]) * h_bytes // min(pipe.stages[link].tp, pipe.stages[(link + 1) % S].tp)
+
+        # (op position k) -> the transfer it receives / the transfer it sends: (link, peer stage, wire s)
+        recv: list[tuple[int, int, float] | None] = []
+        send: list[tuple[int, int, float, int] | None] = []  # ... and the consumer op
+        for j in idx.tolist():
+            link, m = int(table.link[j]), int(table.microbatch[j])
+            recv.append(None if link < 0 else (link, int(table.stage[table.dep[j]]), float(wire_s[link, m])))
+            c = int(consumers[j])
+            lc = int(table.link[c]) if c >= 0 else -1
+            send.append(None if c < 0 else (lc, int(table.stage[c]), float(wire_s[lc, m]), c))
+        for t in wanted:
+            comm: list[CommWait] = []
+            if dialect == "megatron":
+                for k in range(len(idx) + 1):  # the gap before chunk k (k = len: after the last chunk)
+                    r = recv[k] if k < len(idx) else None
+                    snd = send[k - 1] if k > 0 else None
+                    if r is None and snd is None:
+                        continue
+                    b = en[k - 1] if k > 0 else 0.0
+                    end = st[k] if r is not None else b
+                    if snd is not None:
+                        end = max(end, b + snd[2])
+                    m = mbs[k] if r is not None else mbs[k - 1]
+                    comm.append(CommWait.model_construct(
+                        op=CommOp.PP_SENDRECV, peer=peer(r[1] if r is not None else snd[1], t), microbatch=m,  # type: ignore[index]
+                        bytes=None, start_s=b, duration_s=end - b, includes_wait=True, group=None))
+            else:
+                for k in range(len(idx)):
+                    b = en[k - 1] if k > 0 else 0.0
+                    r = recv[k]
+                    if r is not None:
+                        comm.append(CommWait.model_construct(
+                            op=CommOp.PP_RECV, peer=peer(r[1], t), microbatch=mbs[k], bytes=msg_bytes(r[0], mbs[k]),
+                            start_s=b, duration_s=max(st[k], b + r[2]) - b, includes_wait=True, group="pp"))
+                    snd = send[k]
+                    if snd is not None:
+                        posted = float(ends[prev[snd[3]]]) if prev[snd[3]] < n else 0.0
+                        comm.append(CommWait.model_construct(
+                            op=CommOp.PP_SEND, peer=peer(snd[1], t), microbatch=mbs[k], bytes=msg_bytes(snd[0], mbs[k]),
+                            start_s=en[k], duration_s=max(en[k], posted) + snd[2] - en[k], includes_wait=True, group="pp"))
+                    if stage.tp > 1 and kinds[k] != 2:  # the chunk's TP all-reduces, on the TP group
+                        comm.append(CommWait.model_construct(
+                            op=CommOp.TP_ALLREDUCE, peer=None, microbatch=mbs[k],
+                            bytes=2 * stage.num_layers * int(tok[mbs[k]]) * h_bytes, start_s=st[k],
+                            duration_s=float(tp_comm_s[s, mbs[k]]), includes_wait=True, group="tp"))
+            last = max(en) if en else 0.0
+            if plan.dp > 1:
+                profiler = dialect == "profiler"
+                comm.append(CommWait.model_construct(
+                    op=CommOp.DP_ALLREDUCE, peer=None, microbatch=None, bytes=dp_bytes[s], start_s=last,
+                    duration_s=max(0.0, iteration_s - last), includes_wait=profiler, group="dp" if profiler else None))
+            out.append(RankIteration(
+                epoch=plan.epoch, iteration=iteration, rank=stage.devices[t],
+                node=None if dialect == "profiler" else cluster.node_of(stage.devices[t]),
                 coords=Coords(tp=t, pp=s, dp=replica), wall_s=iteration_s, chunk_table=chunks, comm=comm,
             ))
     return out
