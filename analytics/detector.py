@@ -67,7 +67,7 @@ class DetectorStats:
 # The layout of a pickled Detector (its state moves with the consumer's offsets, see
 # analytics/detector_projection.py). Bump it when a change to these classes makes an old pickle
 # unreadable or wrong; a consumer then refuses the old state and names the way out (--rebuild).
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 @dataclass
@@ -92,10 +92,12 @@ class Detector:
         self._z_steps = np.zeros(_GROW)  # how many steps that median has seen
         self._zhist: deque[np.ndarray] = deque(maxlen=self.config.window_iterations)
         self._link_cusum: dict[tuple[int, int], float] = {}
+        self._link_zhist: dict[int, deque[np.ndarray]] = {}  # per stage pair, its links' recent scores
         self._comm_hist: deque[float] = deque(maxlen=4 * self.config.window_iterations)
         self._comm_cusum = 0.0
         self._comm_unjudged = False  # the open communication incident has no healthy reference in this layout
         self._history: deque[_FrameRecord] = deque(maxlen=8)
+        self._outside_s: deque[float] = deque(maxlen=self.config.window_iterations)  # time outside the pipeline
         self._published_health: dict[int, tuple[str, float]] = {}
         self.last_frame: IterationFrame | None = None
         self.last_score: FrameScore | None = None
@@ -398,34 +400,76 @@ class Detector:
             note=note, ranks=ranks,
         )
 
+    def _link_sigma(self, score: FrameScore) -> np.ndarray:
+        """Per link, its noise: from the window of recent iterations of the links of its stage pair
+        (fast side only, as for ranks), never less than ``sigma_floor``.
+
+        Why a window: one iteration's spread of a few links is itself noise, and near zero it made
+        any wobble cross the threshold (a ×0.98 link opened, confidence 0). Why per stage pair: a
+        timer that holds the wait for the peer is as noisy as that wait, and the links out of the
+        first stage wait longest; pooled with quiet links their σ was too small. A slowdown only
+        adds time, so the half below the median is what healthy noise looks like."""
+        lz, cls = score.link_z, score.link_class
+        out = np.full(len(lz), self.config.sigma_floor)
+        for c in np.unique(cls).tolist():
+            sel = cls == c
+            judged = lz[sel & np.isfinite(lz)]
+            hist = self._link_zhist.setdefault(c, deque(maxlen=self.config.window_iterations))
+            if len(judged):
+                hist.append(judged)
+            if not hist:
+                continue
+            pooled = np.concatenate(list(hist))
+            centre = float(np.median(pooled))
+            below = centre - pooled[pooled < centre]
+            mad = float(np.median(below)) if len(below) else 0.0
+            out[sel] = max(1.4826 * mad, self.config.sigma_floor)
+        return out
+
+    def _links_explained_by_compute(self, frame: IterationFrame, score: FrameScore, k: float) -> set[int]:
+        """Replicas whose links cannot be judged this iteration: one of their ranks computes slower
+        than predicted (z above the drift allowance, alarmed or not yet), has an open compute
+        incident, or is dead. In a pipeline every send waits, directly or through the stages after
+        it, on the compute of the ranks downstream, so their slowness lengthens the timers of the
+        links upstream; only a pipeline whose compute is on time can blame a wire."""
+        busy = (np.nan_to_num(score.z, nan=0.0) >= k)
+        suspects = self.book.open_compute_ranks() | set(self.fail_stop.dead)
+        if suspects:
+            busy |= np.isin(frame.rank, np.fromiter(suspects, np.int64, len(suspects)))
+        return set(frame.dp[busy].tolist())
+
     def _link_cusum_step(self, frame: IterationFrame, score: FrameScore, sigma_rank: float) -> list[Payload]:
         lz = score.link_z
-        mad = float(np.median(np.abs(lz - np.median(lz))))
-        k, h, cap = self._thresholds(max(1.4826 * mad, sigma_rank))
+        sigmas = self._link_sigma(score)
+        ks, hs, caps = self._thresholds(sigmas)
         out: list[Payload] = []
         open_links = self.book.open_links()
-        compute = self.book.open_compute_ranks()
         coord = {int(r): i for i, r in enumerate(frame.rank)}
-        for a, b, z in zip(score.link_src.tolist(), score.link_dst.tolist(), lz.tolist()):
+        explained = self._links_explained_by_compute(frame, score, float(self._thresholds(sigma_rank)[0]))
+        for a, b, z, sigma, k, h, cap in zip(score.link_src.tolist(), score.link_dst.tolist(), lz.tolist(),
+                                             sigmas.tolist(), ks.tolist(), hs.tolist(), caps.tolist()):
+            if not math.isfinite(z):
+                continue  # not judged this iteration (a fused timer without peers to compare with)
             key = (a, b)
+            i = coord.get(a)
             if ("link", a, b) in open_links:
                 out += self.book.observe(("link", a, b), z, k, frame.iteration, float(np.exp(z)))
                 continue
+            if i is not None and int(frame.dp[i]) in explained:
+                continue  # a slow rank in this pipeline explains slow transfers better than the wire does
             s = max(0.0, self._link_cusum.get(key, 0.0) + min(z - k, cap))
             if s <= h:
                 self._link_cusum[key] = s
                 continue
             self._link_cusum[key] = 0.0
-            if a in compute or b in compute:
-                continue  # a slow endpoint explains slow transfers better than the wire does
-            i = coord.get(a)
             out += self.book.open_fail_slow(Suspect(
                 key=("link", a, b), target="link", rank=None, link=(a, b), node=None,
                 replica=int(frame.dp[i]) if i is not None else None, stage=int(frame.pp[i]) if i is not None else None,
                 tp_group=None, factor=float(np.exp(z)),
-                confidence=float(min(0.99, 1.0 - np.exp(-max(z - k, 0.0) / max(sigma_rank, 1e-6) / 2))),
+                confidence=float(min(0.99, 1.0 - np.exp(-max(z - k, 0.0) / max(sigma, 1e-6) / 2))),
                 iterations=[frame.iteration], observed_s=[], predicted_s=[], rank_factors={},
-                statistic=f"CUSUM on log(lower-quartile pp_send time), centred on the median link; k={k:.4f} h={h:.4f}",
+                statistic=f"CUSUM on log(lower-quartile p2p send time), centred on the same stage pair's links; "
+                          f"k={k:.4f} h={h:.4f} sigma={sigma:.4f} (links' own window)",
                 note=f"link {a}->{b} (stage {int(frame.pp[i]) if i is not None else '?'} to the next)",
             ), frame.iteration)
         return out
@@ -460,7 +504,8 @@ class Detector:
             self._comm_hist.append(r)
             return []
         self._comm_cusum = 0.0
-        best = int(np.argmax(score.link_z)) if len(score.link_z) else None
+        judged = np.isfinite(score.link_z)
+        best = int(np.flatnonzero(judged)[np.argmax(score.link_z[judged])]) if judged.any() else None
         link = (int(score.link_src[best]), int(score.link_dst[best])) if best is not None else None
         if link is not None and score.link_z[best] < k:
             link = None
@@ -480,11 +525,23 @@ class Detector:
         return (plan.schedule, plan.virtual_stages) if plan is not None else (None, None)
 
     def _prediction(self, frame: IterationFrame, score: FrameScore) -> IterationPrediction:
-        predicted = predicted_iteration_s(frame, score.c_pred, *self._schedule(frame))
+        """Observed against predicted iteration time: the pipeline's critical path with predicted
+        chunks, plus the job's time outside the pipeline.
+
+        Outside the pipeline a step also spends time the chunks and the schedule do not hold: the
+        optimizer step, data loading, logging, a checkpoint's bookkeeping. It is the job's own
+        (model size, optimizer, loader), so it is learned per job: the median, over the last
+        ``window_iterations`` iterations with no incident open, of observed minus the pipeline's
+        prediction, never below zero. Without it a healthy job read +28 % against its prediction."""
+        pipeline = predicted_iteration_s(frame, score.c_pred, *self._schedule(frame))
+        observed = float(frame.wall_s.max())
+        if np.isfinite(pipeline) and pipeline > 0 and not self.book.open:
+            self._outside_s.append(observed - pipeline)
+        outside = max(float(np.median(self._outside_s)), 0.0) if self._outside_s else 0.0
         err = self.model.error()
         return IterationPrediction(
-            epoch=frame.epoch, iteration=frame.iteration, observed_s=float(frame.wall_s.max()),
-            predicted_s=float(predicted) if np.isfinite(predicted) else 0.0,
+            epoch=frame.epoch, iteration=frame.iteration, observed_s=observed,
+            predicted_s=float(pipeline + outside) if np.isfinite(pipeline) else 0.0,
             tokens=job_tokens(frame),
             model_error=float(err) if np.isfinite(err) else None,
         )

@@ -128,6 +128,13 @@ class IncidentBook:
         return "inc-" + uuid.uuid5(_NS, f"{self.job}/{key}/{iteration}").hex[:16]
 
     def open_fail_slow(self, s: Suspect, iteration: int) -> list[Payload]:
+        """Open a fail-slow incident for ``s``, unless its size says it is not slow at all.
+
+        A factor of 1 or less (or not a number) is no slowdown, whatever a statistic summed on the way
+        there: such a suspect opens nothing. This is the one place the rule lives, for ranks, links
+        and communication alike."""
+        if not (s.factor > 1.0):
+            return []
         inc = _Open(self._id(s.key, iteration), FaultCategory.FAIL_SLOW, s, iteration, s.factor, s.factor,
                     last_update_iteration=iteration)
         self.open[s.key] = inc

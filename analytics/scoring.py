@@ -35,7 +35,8 @@ class FrameScore:
     class_keys: list[Hashable]
     link_src: np.ndarray  # (L,) device ids
     link_dst: np.ndarray
-    link_z: np.ndarray  # (L,) centred log time per message
+    link_z: np.ndarray  # (L,) centred log time per message; NaN: not judged this iteration
+    link_class: np.ndarray  # (L,) the link's stage pair, as a code: links that do the same work share it
     inferred: bool  # True when seq_lens were missing and per-micro-batch inference filled in
 
 
@@ -80,16 +81,26 @@ def unit_ids(frame: IterationFrame) -> np.ndarray:
 
 
 def _sort_groups(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Values sorted by (group id, value), with each group's [start, end) — one float argsort.
+    """Finite values sorted by (group id, value), with each group's [start, end) — one float argsort.
+
+    A value that is not finite (NaN: not judged, no prediction, a partner with nothing measured)
+    is left out, so it is never read as the slowest of its group: a group of one finite value and
+    one NaN has that value as its median, and a group of NaNs has no entry at all (its statistic
+    stays NaN, "not judged").
 
     The sort key is ``id + (value - min) / span`` scaled into [id, id + 1): one argsort of a float
     array instead of a two-key lexsort (about 3x faster at 30k chunks). Values closer than about
     1e-9 of the span may swap places, which no median or quantile here can notice."""
     v = np.asarray(values, float)
     finite = np.isfinite(v)
-    lo = float(v[finite].min()) if finite.any() else 0.0
-    span = float(v[finite].max()) - lo if finite.any() else 1.0
-    frac = np.where(finite, (v - lo) / (span * (1 + 1e-9) if span > 0 else 1.0), 0.999999)
+    if not finite.all():
+        ids, v = np.asarray(ids)[finite], v[finite]
+    if len(v) == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, np.zeros(0), empty, empty
+    lo = float(v.min())
+    span = float(v.max()) - lo
+    frac = (v - lo) / (span * (1 + 1e-9) if span > 0 else 1.0)
     order = np.argsort(ids + np.clip(frac, 0.0, 0.999999), kind="stable")
     ids_s, v_s = ids[order], v[order]
     starts = np.flatnonzero(np.r_[True, ids_s[1:] != ids_s[:-1]])
@@ -254,12 +265,36 @@ def _layer_scaled_prior(model: CostModel, keys: list[Hashable], c_class: np.ndar
 
 def _per_microbatch_correction(frame: IterationFrame, units: np.ndarray, u_own: np.ndarray,
                                pred: np.ndarray) -> np.ndarray:
-    """Without seq_lens the model knows only token counts. One micro-batch runs through every stage
-    of its replica with the same sequences, so its attention share shows in all of them alike:
-    scale each prediction by the median (over stages) observed/predicted ratio of its micro-batch."""
-    mb_group = (frame.dp[frame.c_rank] * (frame.c_mb.max() + 1) + frame.c_mb) * 3 + frame.c_kind
-    ratio = np.log(np.maximum(u_own[units], 1e-12) / np.maximum(pred, 1e-12))
-    corr = group_median(mb_group, ratio, int(mb_group.max()) + 1)
+    """Without seq_lens the model knows only token counts (or nothing, when those are unknown too).
+    One micro-batch runs through every stage of its replica with the same sequences, so its
+    attention share shows in all of them alike. Per (replica, micro-batch, kind) the correction is
+    the median over stages of the observed/predicted log-ratio, split in two parts:
+
+    - the micro-batch's deviation from its replica's typical micro-batch (the correction minus its
+      median over the replica's micro-batches): workload that moves within an iteration, taken out
+      of every stage's chunks alike;
+    - the replica's level (that median): the replica's whole mix, heavier or lighter than the job's.
+
+    Why the split: the median over stages cannot outvote a slow stage at pipeline depth 2 (it is
+    the mean of the two), so a ×f stage would lend half its log to the level and be sized √f. At
+    depth 2 or less the level is therefore taken from the job (the median level over replicas),
+    whose micro-batch mixes average out, so a slow stage keeps its whole factor; the replica's own
+    level differs from the job's only by its mix's sampling noise (σ/√M), which the thresholds'
+    noise estimate absorbs. At depth 3 and more the median over stages is robust to one slow stage,
+    and the replica keeps its own level (less noise). A DP 1 job at depth 2 has no other replica:
+    there the split is not identified from one iteration, and a slow stage reads low (√f) until
+    the cost model has learned the stage's line from its own healthy history."""
+    M = int(frame.c_mb.max()) + 1
+    mb_group = (frame.dp[frame.c_rank] * M + frame.c_mb) * 3 + frame.c_kind
+    n_groups = int(mb_group.max()) + 1
+    ratio = np.log(np.maximum(u_own[units], 1e-12) / np.maximum(pred, 1e-12))  # NaN where the unit is not fitted
+    corr = group_median(mb_group, ratio, n_groups)
+    if int(frame.pp.max()) + 1 <= 2:
+        groups = np.arange(n_groups)
+        rep_kind = groups // (3 * M) * 3 + groups % 3  # the (replica, kind) of each micro-batch group
+        level = group_median(rep_kind, corr, int(rep_kind.max()) + 1)
+        job_level = group_median(np.arange(len(level)) % 3, level, 3)[rep_kind % 3]
+        corr = corr - level[rep_kind] + np.where(np.isfinite(job_level), job_level, level[rep_kind])
     return pred * np.exp(np.nan_to_num(corr[mb_group]))
 
 
@@ -313,17 +348,38 @@ def score_frame(frame: IterationFrame, model: CostModel, suspects: set[int],
     if not len(pool):
         pool = x[np.isfinite(x)]
     centre = float(np.median(pool)) if len(pool) else 0.0
-    src, dst, lz = score_links(frame)
+    src, dst, lz, lcls = score_links(frame)
     return FrameScore(z=x - centre, x=x, z_by_kind=xk - centre, c_pred=pred, c_class=c_class, class_keys=keys,
-                      link_src=src, link_dst=dst, link_z=lz, inferred=inferred)
+                      link_src=src, link_dst=dst, link_z=lz, link_class=lcls, inferred=inferred)
 
 
-def score_links(frame: IterationFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(src device, dst device, centred log per-message time) for every link with pp_send records."""
-    sel = (frame.k_op == OP_CODE["pp_send"]) & (frame.k_peer >= 0)
+P2P_OPS = (OP_CODE["pp_send"], OP_CODE["pp_sendrecv"])
+MIN_LINK_PEERS = 3  # links of one stage pair needed to centre them on each other
+
+
+def score_links(frame: IterationFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(src device, dst device, centred log per-message time, stage-pair code) for every link with
+    p2p send records (``pp_send``, or a fused ``pp_sendrecv``); a link that cannot be judged this
+    iteration has NaN.
+
+    A link's time is the lower quartile over its messages of the time per message (per byte when
+    sizes are known), so that messages that waited for the peer count less. It is centred on the
+    links that do the same work in the schedule: the same stage pair (source stage, destination
+    stage) in the other replicas and TP ranks. Why not on the median link: a send timer holds some
+    of the wait for the peer, and a fused send+recv timer (Megatron's) holds all of it — the
+    pipeline bubble lands in it — so the links out of a stage that waits are slower than the
+    median link in every healthy iteration, and centred on it they all looked slow. The same stage
+    pair in another replica waits the same way, so only a slower wire (or a slower peer, which the
+    detector conditions on separately) stands out.
+
+    With fewer than ``MIN_LINK_PEERS`` links of a stage pair (DP 1 and one traced rank per TP
+    group), a link whose timers hold waits cannot be told apart from its wait in one iteration and
+    is not judged (NaN); timers of the wire alone (``includes_wait`` false) are centred on the
+    median link, whose wait they do not carry."""
+    sel = np.isin(frame.k_op, P2P_OPS) & (frame.k_peer >= 0)
     if not sel.any():
         empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, np.zeros(0)
+        return empty, empty, np.zeros(0), empty
     src = frame.rank[frame.k_rank[sel]]
     dst = frame.k_peer[sel]
     per = frame.k_dur[sel]
@@ -334,4 +390,21 @@ def score_links(frame: IterationFrame) -> tuple[np.ndarray, np.ndarray, np.ndarr
     inv = inv.reshape(-1)
     q = group_quantile_low(inv, per, len(pairs))
     lq = np.log(np.maximum(q, 1e-15))
-    return pairs // span, pairs % span, lq - np.median(lq)
+    waits = np.zeros(len(pairs), dtype=bool)
+    np.logical_or.at(waits, inv, frame.k_wait[sel])
+    p_src, p_dst = pairs // span, pairs % span
+    # stage pair of each link: the destination's stage from its own report, else "the next one"
+    stage_of = np.full(span, -1, np.int64)
+    known = frame.rank < span
+    stage_of[frame.rank[known]] = frame.pp[known]
+    s_src = stage_of[p_src]
+    s_dst = np.where(stage_of[p_dst] >= 0, stage_of[p_dst], s_src + 1)
+    S = int(frame.pp.max()) + 2
+    cls = (s_src + 1) * (S + 1) + (s_dst + 1)
+    uniq, c_inv = np.unique(cls, return_inverse=True)
+    c_inv = c_inv.reshape(-1)
+    size = np.bincount(c_inv, minlength=len(uniq))
+    centre = group_median(c_inv, lq, len(uniq))[c_inv]
+    peers = size[c_inv] >= MIN_LINK_PEERS
+    z = np.where(peers, lq - centre, np.where(waits, np.nan, lq - np.median(lq)))
+    return p_src, p_dst, z, cls
