@@ -136,8 +136,7 @@ class Detector:
             return out + self._flush_ready(check)
         if isinstance(p, TracingDeclared):
             self.arrival.declare(p)
-            self.fail_stop.declare(p)
-            return self._flush_ready(True)
+            return self.book.fail_stop(self.fail_stop.declare(p)) + self._flush_ready(True)
         if isinstance(p, ProbeResult):
             return self.book.probe_result(p)
         if isinstance(p, (PlanCurrent, ReconfigureCommand)):

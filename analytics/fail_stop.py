@@ -173,9 +173,21 @@ class FailStopWatch:
             return [LivenessChange(rank, True, reason, max(self.streams[rank].reported, 0))]
         return []
 
-    def declare(self, tracing: TracingDeclared) -> None:
-        """A producer's tracing declaration (replaces an earlier one of the same epoch)."""
+    def declare(self, tracing: TracingDeclared) -> list[LivenessChange]:
+        """A producer's tracing declaration (replaces an earlier one of the same epoch). A rank
+        judged dead for its silence before the declaration came (it travels on another partition
+        than the ranks' reports) and now declared untraced is revived, unless it ever sent a
+        heartbeat: then heartbeats are what judge it, and they still count."""
         self.tracing = tuple(d for d in self.tracing if d.epoch != tracing.epoch) + (tracing,)
+        out = []
+        for rank in sorted(self.dead):
+            s = self.streams.get(rank)
+            if not self.traced(rank) and (s is None or s.hb_time_s is None) and rank not in self._retired:
+                self.dead.discard(rank)
+                self._missing[rank] = 0
+                out.append(LivenessChange(rank, True, f"declared not traced ({tracing.dialect}): its silence is "
+                                                      "expected", max(s.reported, 0) if s is not None else 0))
+        return out
 
     def traced(self, rank: int, epoch: int | None = None) -> bool:
         """Whether ``rank`` reports telemetry under the declaration in force at ``epoch`` (the

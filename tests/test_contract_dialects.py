@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from analytics.cost_model import fit_class
 from analytics.detector import Detector
@@ -122,7 +123,7 @@ def test_unknown_token_counts_are_null_on_the_wire_and_never_zero() -> None:
     body = json.loads(encode(ev))
     assert set(body["payload"]["chunk_table"]["tokens"]) == {None}
     assert decode(encode(ev)).payload.chunks[0].tokens is None
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         Chunk(kind="F", microbatch=0, tokens=-1, start_s=0.0, duration_s=1.0)
 
 
@@ -133,7 +134,7 @@ def test_a_tracing_declaration_travels_on_the_telemetry_topic_and_says_what_is_t
     assert [i for i in range(10) if d.step_traced(i)] == [1, 4, 7]
     assert d.rank_traced(2) and not d.rank_traced(1)
     assert TracingDeclared(epoch=0, dialect="ours").rank_traced(99)
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         TracingDeclared(epoch=0, dialect="ours", step_every=0)
 
 
@@ -281,3 +282,19 @@ def test_projections_and_the_rank_store_take_the_new_fields() -> None:
             store.add(e.payload)
     _, matrix = store.slowdown(0, 2)
     assert np.isfinite(matrix[TP0_ONLY]).all() and np.isnan(matrix[[1, 3, 5, 7]]).all()
+
+
+def test_a_declaration_later_than_the_wait_resolves_the_fail_stops_it_explains() -> None:
+    """The declaration travels on another partition than the reports: past ``max_wait_iterations``
+    the untraced ranks are called dead; the declaration, when it comes, revives them (they never
+    heartbeated) and resolves those incidents."""
+    from collector.events import IncidentResolved
+
+    declared = TracingDeclared(epoch=0, dialect="megatron", traced_ranks=TP0_ONLY)
+    late = EventFactory("j", "trainer").make(declared, time_s=180.0)
+    det, out = run(sorted(job(100, traced=lambda r: r in TP0_ONLY) + [late], key=lambda e: e.time_s))
+    opened = fail_stops(out)
+    assert {p.locations[0].rank for p in opened} == {1, 3, 5, 7}
+    resolved = {p.incident_id for p in out if isinstance(p, IncidentResolved)}
+    assert {p.incident_id for p in opened} <= resolved
+    assert det.fail_stop.dead == set() and det.stats.frames == 100
