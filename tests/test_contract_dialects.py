@@ -29,8 +29,8 @@ def _device(d: int, s: int, t: int) -> int:
 
 
 def job(iterations: int = 40, *, traced=lambda rank: True, step_every: int = 1, tokens: bool = True,
-        declare: TracingDeclared | None = None, stops: tuple[int, int] | None = None, heartbeats: bool = True,
-        seed: int = 0) -> list:
+        seq_lens: bool = True, declare: TracingDeclared | None = None, stops: tuple[int, int] | None = None,
+        heartbeats: bool = True, seed: int = 0) -> list:
     """Events of a healthy TP2 x PP2 x DP2 job: the plan, an optional tracing declaration, then per
     iteration a report from every traced rank on every traced step, and heartbeats from the traced
     ranks. ``stops=(rank, iteration)``: that rank sends nothing from then on, the others go on."""
@@ -56,7 +56,8 @@ def job(iterations: int = 40, *, traced=lambda rank: True, step_every: int = 1, 
                             for kind, mult in (("F", 1.0), ("B", 2.0)):
                                 dur = mult * (2e-6 * n + 4e-11 * s2 + 1e-3) * float(np.exp(rng.normal(0, 0.02)))
                                 chunks.append(Chunk(kind=kind, microbatch=m, tokens=n if tokens else None,
-                                                    seq_lens=ls, start_s=t0, duration_s=dur))
+                                                    seq_lens=ls if seq_lens else None, start_s=t0,
+                                                    duration_s=dur))
                                 t0 += dur
                         peer = _device(d, 1 - s, t)
                         comm = [CommWait(op=CommOp.PP_SENDRECV, peer=peer, microbatch=0, bytes=1 << 20, start_s=t0,
@@ -170,8 +171,9 @@ def test_a_class_without_token_counts_is_fitted_on_its_centre() -> None:
     assert fit.gamma == pytest.approx(0.05, rel=0.03)
 
 
-def test_unknown_tokens_flow_through_the_detector_without_error_or_false_incident() -> None:
-    det, out = run(job(30, tokens=False))
+@pytest.mark.parametrize("seq_lens", [True, False])
+def test_unknown_tokens_flow_through_the_detector_without_error_or_false_incident(seq_lens: bool) -> None:
+    det, out = run(job(30, tokens=False, seq_lens=seq_lens))
     assert det.stats.frames == 30
     assert [p for p in out if isinstance(p, IncidentOpened)] == []
     preds = [p for p in out if isinstance(p, IterationPrediction)]
@@ -184,8 +186,9 @@ def test_unknown_tokens_flow_through_the_detector_without_error_or_false_inciden
 
 
 def test_one_traced_rank_per_tp_group_raises_no_fail_stop_and_the_others_read_not_traced() -> None:
-    declared = TracingDeclared(epoch=0, dialect="megatron", traced_ranks=TP0_ONLY, seq_lens=False, fused_p2p=True)
-    det, out = run(job(40, traced=lambda r: r in TP0_ONLY, declare=declared))
+    declared = TracingDeclared(epoch=0, dialect="megatron", traced_ranks=TP0_ONLY, seq_lens=False, tokens=False,
+                               fused_p2p=True)
+    det, out = run(job(40, traced=lambda r: r in TP0_ONLY, declare=declared, seq_lens=False, tokens=False))
     assert fail_stops(out) == [] and det.fail_stop.dead == set()
     assert det.stats.frames == 40
     health = [p for p in out if isinstance(p, RankHealth)][-1]
