@@ -8,9 +8,11 @@ The simulator records its full log plus ground truth (``truth.fault`` on ``resih
 torch trainer records the same format. Schema-level metadata ``resihp.trace`` names the version.
 
 What can go wrong: a file without the ``resihp.trace`` metadata or with a newer version is refused
-with the versions this build reads; a row whose ``value`` no longer decodes is kept as raw bytes by
-``TraceReader.records`` and only fails in ``TraceReader.events`` (replay sends raw bytes, so bad
-rows reach the consumers' dead-letter path just as they did live).
+with the versions this build reads; a file that is not Parquet (or is cut short) is a ``TraceError``
+naming it; a row whose ``value`` no longer decodes is kept as raw bytes by ``TraceReader.records``
+and only fails in ``TraceReader.events`` (a ``TraceError`` naming file and row; replay sends raw
+bytes, so bad rows reach the consumers' dead-letter path just as they did live). Every
+``TraceError`` message is one line a command can print as it is.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from collector.bus import Bus, RawMessage
-from collector.codec import decode, encode
+from collector.codec import InvalidEvent, decode, encode
 from collector.events import ENVELOPE_HEADER, Envelope
 from collector.topics import key_for, topic_for
 
@@ -39,6 +41,14 @@ SCHEMA = pa.schema(
     ],
     metadata={b"resihp.trace": TRACE_FORMAT.encode()},
 )
+
+
+class TraceError(ValueError):
+    """A trace this build cannot read: the message is one line naming the file and the problem."""
+
+
+def _arrow_problem(exc: Exception) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 class TraceRecord(NamedTuple):
@@ -123,10 +133,14 @@ class TraceReader:
     def __init__(self, path: str | Path) -> None:
         self.files = _files(path)
         for f in self.files:
-            meta = pq.read_schema(f).metadata or {}
-            fmt = meta.get(b"resihp.trace", b"").decode()
+            try:
+                meta = pq.read_schema(f).metadata or {}
+            except (pa.ArrowException, OSError) as exc:
+                raise TraceError(f"{f} is not a ResiHP trace: not a complete Parquet file "
+                                 f"({_arrow_problem(exc)}); record one with `resihp simulate` or `resihp import`") from None
+            fmt = meta.get(b"resihp.trace", b"").decode(errors="replace")
             if fmt not in READABLE_FORMATS:
-                raise ValueError(
+                raise TraceError(
                     f"{f} is not a ResiHP trace this build reads (format {fmt or 'missing'!r}; reads "
                     f"{', '.join(READABLE_FORMATS)}); re-record it or upgrade"
                 )
@@ -136,15 +150,32 @@ class TraceReader:
 
     def records(self) -> Iterator[TraceRecord]:
         for f in self.files:
-            pf = pq.ParquetFile(f)
-            for batch in pf.iter_batches(batch_size=10_000):
-                cols = batch.to_pydict()
-                for i in range(batch.num_rows):
-                    yield TraceRecord(*(cols[name][i] for name in SCHEMA.names[:-1]), cols["value"][i].encode())
+            try:
+                pf = pq.ParquetFile(f)
+                batches = pf.iter_batches(batch_size=10_000)
+                for batch in batches:
+                    cols = batch.to_pydict()
+                    for i in range(batch.num_rows):
+                        yield TraceRecord(*(cols[name][i] for name in SCHEMA.names[:-1]), cols["value"][i].encode())
+            except (pa.ArrowException, OSError, KeyError, AttributeError) as exc:
+                raise TraceError(f"{f} is damaged: {_arrow_problem(exc)}") from None
 
     def events(self) -> Iterator[Envelope]:
-        for r in self.records():
-            yield decode(r.value)
+        for n, r in enumerate(self.records()):
+            try:
+                event = decode(r.value)
+            except InvalidEvent as exc:
+                raise TraceError(f"{self._where(n)}: {exc.reason}") from None
+            yield event
+
+    def _where(self, n: int) -> str:
+        """'FILE row R' for the n-th record over all files."""
+        for f in self.files:
+            rows = pq.ParquetFile(f).metadata.num_rows
+            if n < rows:
+                return f"{f} row {n}"
+            n -= rows
+        return str(self.files[-1])
 
     def __len__(self) -> int:
         return sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)

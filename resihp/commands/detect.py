@@ -18,23 +18,45 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """A trace that cannot be read ends in one line naming the file and the problem (exit 2); --out
+    is written beside itself and renamed into place when complete, so a failed run keeps the old one."""
+    import os
     import sys
+    import tempfile
+    from pathlib import Path
 
     from analytics.detector_config import DetectorConfig
     from analytics.offline import detect_events
     from collector.codec import encode
-    from collector.trace import TraceReader
+    from collector.trace import TraceError, TraceReader
 
     config = DetectorConfig.load(args.detector_config)
-    reader = TraceReader(args.trace)
-    out = sys.stdout.buffer if args.out == "-" else open(args.out, "wb")  # noqa: SIM115
+    tmp = None
+    if args.out == "-":
+        out = sys.stdout.buffer
+    else:
+        target = Path(args.out)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent if str(target.parent) else ".")
+        out = os.fdopen(fd, "wb")
     n = 0
     try:
+        reader = TraceReader(args.trace)
         for event in detect_events(reader.events(), config, kinds_prefix=("",) if args.all else ("incident.",)):
             out.write(encode(event) + b"\n")
             n += 1
-    finally:
-        if out is not sys.stdout.buffer:
+    except (TraceError, OSError) as exc:
+        if tmp is not None:
             out.close()
+            os.unlink(tmp)
+        print(f"resihp detect: error: {exc}", file=sys.stderr)
+        return 2
+    except BaseException:
+        if tmp is not None:
+            out.close()
+            os.unlink(tmp)
+        raise
+    if tmp is not None:
+        out.close()
+        os.replace(tmp, args.out)
     print(f"{n} events from {args.trace}", file=sys.stderr)
     return 0

@@ -13,15 +13,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("trace", help="trace file (.parquet) or directory")
     p.add_argument("--speed", type=float, default=1.0,
                    help="1: original pace; X: X times faster; 0 or inf: as fast as possible (default 1)")
+    p.add_argument("--send-invalid", action="store_true",
+                   help="publish records that no longer decode as recorded (they reach the consumers' dead-letter "
+                        "path) instead of refusing the trace")
     add_bus_flags(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from collector.trace import TraceReader, replay
+    import sys
+
+    from collector.trace import TraceError, TraceReader, replay
     from resihp.options import bus_from_args
 
-    total = len(TraceReader(args.trace))
+    try:  # check the whole trace before the first record is published
+        reader = TraceReader(args.trace)
+        total = len(reader)
+        for _ in (reader.records() if args.send_invalid else reader.events()):
+            pass
+    except (TraceError, OSError) as exc:
+        print(f"resihp replay: error: {exc}", file=sys.stderr)
+        return 2
     with bus_from_args(args) as bus:
         sent = replay(args.trace, bus, speed=args.speed)
     print(f"replayed {sent:,} of {total:,} events from {args.trace} onto the {bus.name} bus")
