@@ -5,6 +5,13 @@ appended to ``plan_events`` / ``incident_events`` through Arrow, and the views `
 ``incidents`` fold them into one row each, ordered by log position (control and incident events
 are keyed by their source, so their order in the log is the order they happened). Appending plus a
 view keeps ingestion one statement per batch and makes replay trivially identical.
+
+A plan event's ``status`` is the state collector/plan_lifecycle.py's fold moves the plan to
+(:func:`~collector.plan_lifecycle.claimed_status`): one vocabulary with the engine, the console and
+the demo. An event that moves no plan (a trainer's ``ignored_*`` ack) has no status, and the view
+keeps the plan's last one. The view does not re-judge events the fold would refuse (a second
+decision, a stale command): the engine never acts on those, so they are rare, and the fold itself
+is the referee.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from collector.events import (
     CommandAck, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated, IterationPrediction,
     PlanDecision, PlanProposed, PlanRolledBack, PlanVerified, RankHealth, ReconfigureCommand,
 )
+from collector.plan_lifecycle import claimed_status
 from collector.stream import Delivery
 
 PLAN_EVENT_SCHEMA = pa.schema([
@@ -59,7 +67,8 @@ _DDL = (
     "state VARCHAR, factor DOUBLE, time_s DOUBLE)",
     # One row per plan: what was proposed, and where its lifecycle stands now.
     "CREATE OR REPLACE VIEW plans AS SELECT plan_id, any_value(job) AS job, "
-    "arg_max(status, log_offset) AS status, max(epoch) AS epoch, max(strategy) AS strategy, max(shape) AS shape, "
+    "arg_max(status, CASE WHEN status IS NULL THEN -1 ELSE log_offset END) AS status, "
+    "max(epoch) AS epoch, max(strategy) AS strategy, max(shape) AS shape, "
     "max(predicted_tokens_per_s) AS predicted_tokens_per_s, "
     "arg_max(plan, CASE WHEN plan IS NULL THEN -1 ELSE log_offset END) AS plan, "
     "arg_max(detail, log_offset) AS detail, max(time_s) AS updated_s FROM plan_events GROUP BY plan_id",
@@ -75,9 +84,6 @@ _DDL = (
     "max(summary) FILTER (WHERE kind = 'opened') AS summary, "
     "max(summary) FILTER (WHERE kind = 'resolved') AS resolution FROM incident_events GROUP BY incident_id",
 )
-
-_PLAN_STATUS = {"applied": "applied", "failed": "failed", "ignored_stale": "ignored", "ignored_duplicate": "ignored"}
-
 
 class ControlProjection:
     """plan_events (+ view plans), incident_events (+ view incidents), predictions, rank_health."""
@@ -120,23 +126,25 @@ def _append(cols: dict[str, list], schema: pa.Schema, values: tuple) -> None:
 
 def _plan_row(job: str, p: object) -> tuple | None:
     """(job, plan_id, kind, status, epoch, strategy, shape, predicted, plan, detail) or None."""
+    claimed = claimed_status(p)
+    status = claimed.value if claimed is not None else None
     if isinstance(p, PlanProposed):
-        return (job, p.plan_id, "proposed", "proposed", p.plan.epoch, p.strategy, p.plan.shape(),
+        return (job, p.plan_id, "proposed", status, p.plan.epoch, p.strategy, p.plan.shape(),
                 p.predicted_tokens_per_s, p.plan.model_dump_json(), "; ".join(p.diff))
     if isinstance(p, PlanDecision):
-        return (job, p.plan_id, "decision", "approved" if p.approve else "rejected", None, None, None, None, None,
+        return (job, p.plan_id, "decision", status, None, None, None, None, None,
                 f"{p.actor}: {p.comment}".rstrip(": "))
     if isinstance(p, ReconfigureCommand):
-        return (job, p.plan_id, "command", "commanded", p.plan.epoch, None, p.plan.shape(), None,
+        return (job, p.plan_id, "command", status, p.plan.epoch, None, p.plan.shape(), None,
                 p.plan.model_dump_json(), p.command_id)
     if isinstance(p, CommandAck):
-        return (job, p.plan_id, "ack", _PLAN_STATUS[p.status.value], p.running_epoch, None, None, None, None,
+        return (job, p.plan_id, "ack", status, p.running_epoch, None, None, None, None,
                 p.detail or f"pause {p.pause_s:.2f} s")
     if isinstance(p, PlanVerified):
-        return (job, p.plan_id, "verified", "verified", None, None, None, p.predicted_tokens_per_s, None,
+        return (job, p.plan_id, "verified", status, None, None, None, p.predicted_tokens_per_s, None,
                 f"measured {p.measured_tokens_per_s:.0f} tokens/s")
     if isinstance(p, PlanRolledBack):
-        return (job, p.plan_id, "rolled_back", "rolled_back", None, None, None, p.predicted_tokens_per_s, None,
+        return (job, p.plan_id, "rolled_back", status, None, None, None, p.predicted_tokens_per_s, None,
                 p.reason)
     return None
 

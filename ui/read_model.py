@@ -9,8 +9,9 @@ are keyed by (epoch, iteration[, rank]) and overwrite, so their ids need not be 
 1,024-rank job would otherwise fill memory with ids). Events of an unknown kind are counted and
 ignored — the stream has already sent undecodable records to the dead-letter topic.
 
-The incident → plan → decision → command → acknowledgement fold is the console's own:
-remediation/lifecycle.py did not exist when this was written; switch to it when it does.
+Where a plan stands is collector/plan_lifecycle.py's fold (one per job), the same one the engine,
+the demo and the DuckDB rows use; a :class:`PlanView` keeps only what the screens draw on top of it
+(every decision, command and ack with its time) and names the fold's state in the console's words.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from collector.events import (
     IncidentUpdated, IterationPrediction, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified, PlanWithheld,
     PolicyChanged, PolicyMode, RankHealthEntry, RankIteration, ReconfigureCommand, Severity,
 )
+from collector import plan_lifecycle
 from collector.plan import Plan
+from collector.plan_lifecycle import PlanLifecycle, PlanRecord, PlanStatus
 from ui.rank_store import RankStore
 
 SEVERITY_ORDER = {Severity.LOW: 0, Severity.MEDIUM: 1, Severity.HIGH: 2, Severity.CRITICAL: 3}
@@ -135,6 +138,7 @@ class PlanView:
     proposed: PlanProposed
     proposed_time_s: float
     source: str
+    record: PlanRecord | None = None  # the fold's record of this plan (None: the fold kept another proposal)
     decisions: list[tuple[float, PlanDecision]] = field(default_factory=list)
     commands: list[tuple[float, ReconfigureCommand]] = field(default_factory=list)
     acks: list[tuple[float, CommandAck]] = field(default_factory=list)
@@ -156,20 +160,19 @@ class PlanView:
 
     @property
     def status(self) -> str:
-        if self.rolled_back:
-            return "rolled back"
-        if self.verified:
-            return "verified"
-        if self.applied:
-            return "applied"
-        if self.acks:
+        """The fold's state in the console's words."""
+        state = self.record.status if self.record is not None else PlanStatus.PROPOSED
+        if state == PlanStatus.PROPOSED:
+            return "awaiting decision"
+        if state == PlanStatus.APPROVED:
+            by = self.record.decided_by if self.record is not None else None
+            return "auto-applied" if by is not None and by.startswith("policy:") else "approved"
+        if state == PlanStatus.FAILED and self.acks:
             return f"command {self.acks[-1][1].status.value}"
-        if self.decision:
-            _, d = self.decision
-            if not d.approve:
-                return "rejected"
-            return "auto-applied" if d.actor.startswith("policy:") else "approved"
-        return "awaiting decision"
+        return _STATUS_WORDS.get(state, state.value)
+
+
+_STATUS_WORDS = {PlanStatus.ROLLED_BACK: "rolled back"}
 
 
 @dataclass
@@ -209,6 +212,7 @@ class ReadModel:
         self.incidents: dict[str, IncidentView] = {}
         self.plans: dict[str, PlanView] = {}
         self.commands: dict[str, str] = {}  # command id -> plan id
+        self.lifecycles: dict[str, PlanLifecycle] = {}  # job -> the plan lifecycle's fold
         self.last_seq: dict[tuple[str, str], int] = {}  # (job, source) -> highest seq seen
         self.applied = 0
         self.ignored = 0
@@ -221,6 +225,13 @@ class ReadModel:
         if view is None:
             view = self.jobs[name] = JobView(name, ranks=RankStore(self._max_rank_iterations))
         return view
+
+    def lifecycle(self, job: str) -> PlanLifecycle:
+        """The plan lifecycle's fold for ``job``."""
+        state = self.lifecycles.get(job)
+        if state is None:
+            state = self.lifecycles[job] = PlanLifecycle(job=job)
+        return state
 
     def next_seq(self, job: str, source: str) -> int:
         """The sequence number a source that restarts should use next (contract: per-source seq)."""
@@ -249,6 +260,7 @@ class ReadModel:
             return
         self._seen.add(event.id)
         self.applied += 1
+        plan_lifecycle.step(self.lifecycle(event.job), event)
         handler = getattr(self, "_on_" + event.kind.replace(".", "_"), None)
         if handler is None:
             self.ignored += 1
@@ -291,13 +303,12 @@ class ReadModel:
 
     def _on_plan_current(self, e: Envelope, job: JobView) -> None:
         """The trainer (or simulator) says what it runs: the grid needs no telemetry to be drawn."""
-        plan = e.payload.plan
-        if job.current_plan is None or plan.epoch >= job.current_plan.epoch:
-            job.current_plan = plan
+        job.current_plan = self.lifecycle(e.job).running_plan or job.current_plan
 
     def _on_plan_proposed(self, e: Envelope, job: JobView) -> None:
         p: PlanProposed = e.payload
-        self.plans[p.plan_id] = PlanView(p.plan_id, e.job, p, e.time_s, e.source)
+        self.plans[p.plan_id] = PlanView(p.plan_id, e.job, p, e.time_s, e.source,
+                                         record=self.lifecycle(e.job).plans.get(p.plan_id))
         self._attach_to_incidents(e, p.incident_ids)
 
     def _on_plan_withheld(self, e: Envelope, job: JobView) -> None:
@@ -336,12 +347,9 @@ class ReadModel:
         plan = self.plans.get(p.plan_id)
         if plan is not None:
             plan.acks.append((e.time_s, p))
-        if p.status == AckStatus.APPLIED:
-            new_plan = next((c.plan for _, c in (plan.commands if plan else []) if c.command_id == p.command_id), None)
-            if new_plan is None and plan is not None:
-                new_plan = plan.proposed.plan
-            if new_plan is not None and (job.current_plan is None or new_plan.epoch >= job.current_plan.epoch):
-                job.current_plan = new_plan
+        record = self.lifecycle(e.job).plans.get(p.plan_id)
+        if record is not None and record.ack is p and record.status == PlanStatus.APPLIED:  # this ack applied it
+            job.current_plan = self.lifecycle(e.job).running_plan or job.current_plan
             job.marks.append(Mark("reshape", job.predictions.iteration_at(e.time_s), e.time_s,
                                   f"epoch {p.running_epoch} applied ({p.pause_s:.1f}s pause)"))
 

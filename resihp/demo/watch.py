@@ -21,11 +21,13 @@ from typing import NamedTuple
 from collector import topics
 from collector.bus import Bus
 from collector.codec import InvalidEvent, decode
+from collector import plan_lifecycle
 from collector.events import (
-    AckStatus, CommandAck, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated,
+    CommandAck, Envelope, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated,
     IterationSummary, Location, PlanCurrent, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified, ProbeRequest,
     ReconfigureCommand,
 )
+from collector.plan_lifecycle import PlanLifecycle, PlanStatus
 from collector.trace import TraceWriter
 
 
@@ -74,12 +76,12 @@ class PlanRecord:
     predicted_tokens_per_s: float
     current_tokens_per_s: float
     proposed_time_s: float
-    status: str = "proposed"  # proposed, approved, rejected, commanded, applied, verified, rolled_back, failed
+    status: PlanStatus = PlanStatus.PROPOSED  # the plan lifecycle fold's state
     decided_by: str | None = None
     applied_time_s: float | None = None
     pause_s: float = 0.0
     measured_tokens_per_s: float | None = None
-    verdict: str | None = None  # the verified or rolled-back event's reason
+    verdict: str | None = None  # the verified or rolled-back event's reason, or why the fold closed it
 
 
 @dataclass
@@ -103,7 +105,7 @@ class LogState:
     injected: list[Injected] = field(default_factory=list)
     incidents: dict[str, Incident] = field(default_factory=dict)
     plans: dict[str, PlanRecord] = field(default_factory=dict)
-    commands: dict[str, str] = field(default_factory=dict)  # command id -> plan id
+    lifecycle: PlanLifecycle = field(default_factory=PlanLifecycle)  # the plan lifecycle's fold
     probes: int = 0
     epoch: int = 0
     plan_shape: str = ""
@@ -155,11 +157,14 @@ class LogWatch:
                 continue
             s.first_time_s = event.time_s if s.first_time_s is None else min(s.first_time_s, event.time_s)
             s.last_time_s = event.time_s if s.last_time_s is None else max(s.last_time_s, event.time_s)
-            self._fold(event.payload, event.time_s)
+            self._fold(event)
         return len(records)
 
-    def _fold(self, p, time_s: float) -> None:  # type: ignore[no-untyped-def]
-        s = self.state
+    def _fold(self, event: Envelope) -> None:
+        s, p, time_s = self.state, event.payload, event.time_s
+        if isinstance(p, PlanProposed | PlanDecision | ReconfigureCommand | CommandAck | PlanVerified | PlanRolledBack
+                      | PlanCurrent):
+            self._fold_plan(event)
         if isinstance(p, IterationSummary):
             s.summaries.append(Summary(time_s, p.epoch, p.iteration, p.tokens, p.wall_s))
             s.iteration = max(s.iteration, p.iteration)
@@ -184,37 +189,33 @@ class LogWatch:
                 s.incidents[p.incident_id].resolved = True
         elif isinstance(p, ProbeRequest):
             s.probes += 1
-        elif isinstance(p, PlanProposed):
-            s.plans.setdefault(p.plan_id, PlanRecord(
-                p.plan_id, p.strategy, p.base_epoch, p.plan.epoch, list(p.incident_ids), list(p.diff),
-                p.predicted_tokens_per_s, p.current_tokens_per_s, time_s))
-        elif isinstance(p, PlanDecision):
-            rec = s.plans.get(p.plan_id)
-            if rec is not None and rec.decided_by is None:
-                rec.decided_by = p.actor
-                rec.status = "approved" if p.approve else "rejected"
-        elif isinstance(p, ReconfigureCommand):
-            s.commands[p.command_id] = p.plan_id
-            rec = s.plans.get(p.plan_id)
-            if rec is not None and rec.status == "approved":
-                rec.status = "commanded"
-        elif isinstance(p, CommandAck):
-            rec = s.plans.get(s.commands.get(p.command_id, p.plan_id))
-            if rec is not None and rec.status in ("approved", "commanded"):
-                if p.status == AckStatus.APPLIED:
-                    rec.status, rec.applied_time_s, rec.pause_s = "applied", time_s, p.pause_s
-                elif p.status == AckStatus.FAILED:
-                    rec.status = "failed"
+        if isinstance(p, CommandAck):
             s.epoch = max(s.epoch, p.running_epoch)
-        elif isinstance(p, PlanVerified | PlanRolledBack):
-            rec = s.plans.get(p.plan_id)
-            if rec is not None:
-                rec.status = "verified" if isinstance(p, PlanVerified) else "rolled_back"
-                rec.measured_tokens_per_s = p.measured_tokens_per_s
-                rec.verdict = p.reason
         elif isinstance(p, PlanCurrent):
             s.epoch = max(s.epoch, p.plan.epoch)
             s.plan_shape = p.plan.shape()
+
+    def _fold_plan(self, event: Envelope) -> None:
+        """The plan lifecycle's fold, then this watcher's rows of it (every plan: an epoch change
+        can close plans other than the event's)."""
+        s, p = self.state, event.payload
+        if isinstance(p, PlanProposed):
+            s.plans.setdefault(p.plan_id, PlanRecord(
+                p.plan_id, p.strategy, p.base_epoch, p.plan.epoch, list(p.incident_ids), list(p.diff),
+                p.predicted_tokens_per_s, p.current_tokens_per_s, event.time_s))
+        changed = plan_lifecycle.step(s.lifecycle, event)
+        for plan_id, record in s.lifecycle.plans.items():
+            rec = s.plans.get(plan_id)
+            if rec is None:
+                continue
+            rec.status, rec.decided_by = record.status, record.decided_by
+            if record.applied_at_s is not None and record.ack is not None:
+                rec.applied_time_s, rec.pause_s = record.applied_at_s, record.ack.pause_s
+            rec.measured_tokens_per_s = record.measured_tokens_per_s
+            if record is changed and isinstance(p, PlanVerified | PlanRolledBack):
+                rec.verdict = p.reason
+            elif record.verdict and rec.verdict is None:
+                rec.verdict = record.verdict
 
     def drain(self, idle_polls: int = 3) -> None:
         """Read until ``idle_polls`` polls in a row bring nothing."""

@@ -1,0 +1,291 @@
+"""The plan lifecycle as one fold over contract events: every reader of the stream imports it.
+
+    plan.proposed → plan.decision (an operator or policy:auto) → command.reconfigure (epoch e+1)
+    → command.ack → plan.verified | plan.rolled_back, with plan.current and policy.changed
+
+:class:`PlanStatus` names the states once; :func:`claimed_status` says which state an event moves
+its plan to; :func:`transition` applies one event to a :class:`PlanLifecycle` (no I/O), so the same
+log folds to the same plans in the remediation engine, the console's read model, the demo's
+watcher and the DuckDB ``plan_events`` rows. Each reader keeps only its own projection on top.
+
+Anything that must not take effect is *reported*, never applied: a decision on a plan that is no
+longer waiting (a decision applies once), a command for a plan nobody approved, a command whose
+epoch is not the running epoch + 1 (stale or out of order), a duplicate command, an ack for a
+command the fold has not accepted, a trainer's ``ignored_*`` acknowledgement. Events are
+deduplicated on their id (:func:`admit`).
+
+The fold lives in collector/ because it reads nothing but the contract: analytics, which must not
+import remediation, projects it as well as the engine does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from collector.events import (
+    AckStatus, CommandAck, Envelope, PlanCurrent, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified,
+    PolicyChanged, PolicyMode, ReconfigureCommand, Severity,
+)
+from collector.plan import Plan
+
+
+class PlanStatus(StrEnum):
+    """Where a plan stands. The values are what DuckDB rows, the demo and ``resihp plans`` show."""
+
+    PROPOSED = "proposed"
+    APPROVED = "approved"
+    REJECTED = "rejected"
+    SUPERSEDED = "superseded"
+    COMMANDED = "commanded"
+    APPLIED = "applied"
+    VERIFIED = "verified"
+    ROLLED_BACK = "rolled_back"
+    FAILED = "failed"
+
+
+WAITING = (PlanStatus.PROPOSED, PlanStatus.APPROVED)
+IN_FLIGHT = (PlanStatus.APPROVED, PlanStatus.COMMANDED, PlanStatus.APPLIED)
+
+
+def claimed_status(payload: object) -> PlanStatus | None:
+    """The status an event moves its plan to when the fold accepts it; None for an event that moves
+    no plan (an ``ignored_*`` ack, or an event of another stream)."""
+    if isinstance(payload, PlanProposed):
+        return PlanStatus.PROPOSED
+    if isinstance(payload, PlanDecision):
+        return PlanStatus.APPROVED if payload.approve else PlanStatus.REJECTED
+    if isinstance(payload, ReconfigureCommand):
+        return PlanStatus.COMMANDED
+    if isinstance(payload, CommandAck):
+        return {AckStatus.APPLIED: PlanStatus.APPLIED, AckStatus.FAILED: PlanStatus.FAILED}.get(payload.status)
+    if isinstance(payload, PlanVerified):
+        return PlanStatus.VERIFIED
+    if isinstance(payload, PlanRolledBack):
+        return PlanStatus.ROLLED_BACK
+    return None
+
+
+@dataclass
+class PlanRecord:
+    """One plan as the fold knows it. ``*_at_s`` are the times of the events that moved it."""
+
+    plan_id: str
+    proposal: PlanProposed
+    status: PlanStatus = PlanStatus.PROPOSED
+    proposed_at_s: float = 0.0
+    decided_by: str | None = None
+    decided_at_s: float | None = None
+    comment: str = ""
+    command_id: str | None = None
+    ack: CommandAck | None = None
+    applied_at_s: float | None = None
+    # iteration -> (tokens, wall_s) of the plan's epoch while it runs: the "after" of its verification
+    samples: dict[int, tuple[int, float]] = field(default_factory=dict)
+    measured_tokens_per_s: float | None = None
+    verdict: str = ""
+
+    @property
+    def epoch(self) -> int:
+        return self.proposal.plan.epoch
+
+
+@dataclass(frozen=True)
+class Report:
+    """Something that was not applied, and why (stale, duplicate, unknown, refused)."""
+
+    event_id: str
+    kind: str
+    message: str
+
+
+@dataclass
+class PlanLifecycle:
+    """The fold's state for one job (``job=None``: every job's events are folded together).
+
+    Subclasses extend it (the engine adds incidents and samples) and may override
+    :meth:`plan_runs` and :meth:`plan_applied`, the two points where a reader learns more."""
+
+    job: str | None = None
+    running_epoch: int = 0
+    running_plan: Plan | None = None
+    layouts: dict[int, Plan] = field(default_factory=dict)  # epoch -> the plan that ran (for roll-backs)
+    plans: dict[str, PlanRecord] = field(default_factory=dict)
+    commands: dict[str, str] = field(default_factory=dict)  # command_id -> plan_id
+    policy_mode: PolicyMode = PolicyMode.PROPOSE
+    auto_severities: list[Severity] = field(default_factory=list)
+    reports: list[Report] = field(default_factory=list)
+    seen: set[str] = field(default_factory=set)
+
+    def plan_runs(self, plan: Plan) -> None:
+        """``plan`` runs now; plans left behind by the epoch change close."""
+        self.running_epoch = plan.epoch
+        self.running_plan = plan
+        self.layouts[plan.epoch] = plan
+        for other in self.plans.values():
+            if other.status == PlanStatus.APPLIED and other.epoch < plan.epoch:
+                other.status = PlanStatus.SUPERSEDED
+                other.verdict = f"not verified: epoch {plan.epoch} replaced it first"
+            elif other.status in WAITING and other.proposal.base_epoch < plan.epoch:
+                other.status = PlanStatus.SUPERSEDED
+                other.verdict = f"its base epoch {other.proposal.base_epoch} no longer runs (epoch {plan.epoch} does)"
+
+    def plan_applied(self, record: PlanRecord) -> None:
+        """The trainer acknowledged ``record`` as applied (after :meth:`plan_runs`)."""
+
+    def report(self, event: Envelope, message: str) -> None:
+        self.reports.append(Report(event.id, event.kind, message))
+
+
+def admit(state: PlanLifecycle, event: Envelope) -> bool:
+    """Whether ``event`` is new to ``state`` and of its job; remembers its id."""
+    if state.job is not None and event.job != state.job:
+        return False
+    if event.id in state.seen:
+        return False
+    state.seen.add(event.id)
+    return True
+
+
+def transition(state: PlanLifecycle, event: Envelope) -> PlanRecord | None:
+    """Apply one admitted event. Returns the plan whose status it changed (None: it changed none —
+    reported, another stream's event, or one that changes no status, such as policy.changed)."""
+    handler = _HANDLERS.get(type(event.payload))
+    return handler(state, event, event.payload) if handler is not None else None
+
+
+def step(state: PlanLifecycle, event: Envelope) -> PlanRecord | None:
+    """:func:`admit` then :func:`transition`."""
+    return transition(state, event) if admit(state, event) else None
+
+
+def fold(events: list[Envelope] | tuple[Envelope, ...], state: PlanLifecycle | None = None) -> PlanLifecycle:
+    state = state if state is not None else PlanLifecycle()
+    for e in events:
+        step(state, e)
+    return state
+
+
+# ---- transitions ---------------------------------------------------------------------------------
+
+
+def _proposed(state: PlanLifecycle, e: Envelope, p: PlanProposed) -> PlanRecord | None:
+    if p.plan_id in state.plans:
+        state.report(e, f"plan {p.plan_id} proposed twice; kept the first")
+        return None
+    record = PlanRecord(p.plan_id, p, proposed_at_s=e.time_s)
+    state.plans[p.plan_id] = record
+    if p.base_epoch != state.running_epoch:
+        record.status = PlanStatus.SUPERSEDED
+        state.report(e, f"plan {p.plan_id} is based on epoch {p.base_epoch} but epoch {state.running_epoch} runs; "
+                        "superseded on arrival")
+        return record
+    for other in state.plans.values():
+        if other is not record and other.status == PlanStatus.PROPOSED and other.proposal.base_epoch == p.base_epoch:
+            other.status = PlanStatus.SUPERSEDED
+            other.verdict = f"superseded by {p.plan_id}"
+    return record
+
+
+def _decision(state: PlanLifecycle, e: Envelope, p: PlanDecision) -> PlanRecord | None:
+    record = state.plans.get(p.plan_id)
+    if record is None:
+        state.report(e, f"decision by {p.actor} on unknown plan {p.plan_id}; ignored")
+        return None
+    if record.status != PlanStatus.PROPOSED:
+        state.report(e, f"decision by {p.actor} on plan {p.plan_id}, which is already {record.status.value}"
+                        f"{' by ' + record.decided_by if record.decided_by else ''}; ignored (a decision applies once)")
+        return None
+    record.status = claimed_status(p) or record.status  # a decision always claims approved or rejected
+    record.decided_by, record.decided_at_s, record.comment = p.actor, e.time_s, p.comment
+    return record
+
+
+def _policy(state: PlanLifecycle, e: Envelope, p: PolicyChanged) -> None:
+    state.policy_mode = p.mode
+    state.auto_severities = list(p.auto_severities)
+
+
+def _command(state: PlanLifecycle, e: Envelope, p: ReconfigureCommand) -> PlanRecord | None:
+    record = state.plans.get(p.plan_id)
+    if p.command_id in state.commands:
+        state.report(e, f"duplicate command {p.command_id} for plan {p.plan_id}; ignored")
+        return None
+    if record is None or record.status != PlanStatus.APPROVED:
+        status = "unknown" if record is None else record.status.value
+        state.report(e, f"command {p.command_id} for plan {p.plan_id} ({status}, not approved); ignored")
+        return None
+    if p.plan.epoch != state.running_epoch + 1:
+        state.report(e, f"stale command {p.command_id}: asks for epoch {p.plan.epoch} but epoch "
+                        f"{state.running_epoch} runs (needs {state.running_epoch + 1}); ignored")
+        return None
+    state.commands[p.command_id] = p.plan_id
+    record.status = PlanStatus.COMMANDED
+    record.command_id = p.command_id
+    return record
+
+
+def _ack(state: PlanLifecycle, e: Envelope, p: CommandAck) -> PlanRecord | None:
+    plan_id = state.commands.get(p.command_id)
+    record = state.plans.get(plan_id) if plan_id else None
+    if record is None:
+        state.report(e, f"ack for unknown command {p.command_id}")
+        return None
+    if p.status == AckStatus.APPLIED:
+        if record.status != PlanStatus.COMMANDED:
+            state.report(e, f"second 'applied' ack for command {p.command_id}; ignored")
+            return None
+        record.status, record.ack, record.applied_at_s = PlanStatus.APPLIED, p, e.time_s
+        state.plan_runs(record.proposal.plan)
+        state.running_epoch = p.running_epoch
+        state.plan_applied(record)
+        return record
+    if p.status == AckStatus.FAILED:
+        record.status, record.ack = PlanStatus.FAILED, p
+        record.verdict = f"trainer failed to apply: {p.detail}"
+        return record
+    state.report(e, f"trainer {p.status.value.replace('_', ' ')} command {p.command_id} "
+                    f"(asked epoch {p.epoch}, runs {p.running_epoch}): {p.detail}")
+    if p.running_epoch != state.running_epoch and p.status == AckStatus.IGNORED_STALE:
+        record.status = PlanStatus.FAILED
+        record.verdict = f"trainer runs epoch {p.running_epoch}; command was stale"
+        return record
+    return None
+
+
+def _verified(state: PlanLifecycle, e: Envelope, p: PlanVerified) -> PlanRecord | None:
+    record = state.plans.get(p.plan_id)
+    if record is None or record.status != PlanStatus.APPLIED:
+        state.report(e, f"verification of plan {p.plan_id} that is not applied; ignored")
+        return None
+    record.status = PlanStatus.VERIFIED
+    record.measured_tokens_per_s = p.measured_tokens_per_s
+    return record
+
+
+def _rolled_back(state: PlanLifecycle, e: Envelope, p: PlanRolledBack) -> PlanRecord | None:
+    record = state.plans.get(p.plan_id)
+    if record is None or record.status != PlanStatus.APPLIED:
+        state.report(e, f"roll-back of plan {p.plan_id} that is not applied; ignored")
+        return None
+    record.status = PlanStatus.ROLLED_BACK
+    record.measured_tokens_per_s = p.measured_tokens_per_s
+    record.verdict = p.reason
+    return record
+
+
+def _plan_current(state: PlanLifecycle, e: Envelope, p: PlanCurrent) -> None:
+    """The trainer's own word on what runs: authoritative for the running plan (it covers a start
+    with no command, and an elastic restart the launcher did by itself)."""
+    if p.plan.epoch >= state.running_epoch:
+        state.plan_runs(p.plan)
+    else:
+        state.report(e, f"plan.current for epoch {p.plan.epoch} arrived after epoch {state.running_epoch}; kept")
+
+
+_HANDLERS: dict[type, Callable[[PlanLifecycle, Envelope, Any], PlanRecord | None]] = {
+    PlanProposed: _proposed, PlanDecision: _decision, PolicyChanged: _policy, ReconfigureCommand: _command,
+    CommandAck: _ack, PlanVerified: _verified, PlanRolledBack: _rolled_back, PlanCurrent: _plan_current,
+}
