@@ -27,6 +27,7 @@ not know, a rank the layout lacks).
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import re
@@ -193,8 +194,10 @@ def read_kineto(path: str | Path, rank: int | None = None) -> RankTrace:
     p = Path(path)
     try:
         raw = p.read_bytes()
-    except OSError as exc:
-        raise ImportProblem(f"{p}: cannot read it ({exc.strerror or exc})") from None
+        if p.name.endswith(".gz"):  # tensorboard_trace_handler(use_gzip=True)
+            raw = gzip.decompress(raw)
+    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+        raise ImportProblem(f"{p}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
     try:
         doc = json.loads(raw)
     except UnicodeDecodeError:
@@ -418,14 +421,14 @@ class ImportResult:
 
 
 def trace_files(inputs: Sequence[str | Path]) -> list[Path]:
-    """The trace files named, folders expanded to their ``*.json`` / ``*.json.gz``-less JSON files."""
+    """The trace files named, folders expanded to their ``*.json`` and ``*.json.gz`` files."""
     files: list[Path] = []
     for item in inputs:
         p = Path(item)
         if p.is_dir():
-            found = sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith(".json"))
+            found = sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith((".json", ".json.gz")))
             if not found:
-                raise ImportProblem(f"{p}: the folder holds no .json trace")
+                raise ImportProblem(f"{p}: the folder holds no .json or .json.gz trace")
             files.extend(found)
         elif p.exists():
             files.append(p)
@@ -437,14 +440,21 @@ def trace_files(inputs: Sequence[str | Path]) -> list[Path]:
 def import_traces(files: Sequence[str | Path], layout: Layout, *, job: str) -> ImportResult:
     """Every event the job would have published, in the order a consumer should see them: the plan
     and the tracing declaration, then iteration by iteration, rank by rank."""
-    traces: dict[int, RankTrace] = {}
+    # A rank may have several files (tensorboard_trace_handler writes one per profiling cycle); each
+    # is read on its own, and a step is taken once.
+    traces: dict[int, list[RankTrace]] = defaultdict(list)
+    per_rank: dict[int, list[tuple[float | None, RankIteration]]] = defaultdict(list)
+    seen: dict[tuple[int, int], Path] = {}
     for f in files:
         t = read_kineto(f)
-        if t.rank in traces:
-            raise ImportProblem(f"{f}: rank {t.rank} again (also in {traces[t.rank].path}); give one trace per rank")
-        traces[t.rank] = t
+        traces[t.rank].append(t)
+        for end, it in rank_iterations(t, layout):
+            if (t.rank, it.iteration) in seen:
+                raise ImportProblem(f"{f}: rank {t.rank} step {it.iteration} again (also in "
+                                    f"{seen[t.rank, it.iteration]}); give each rank's steps once")
+            seen[t.rank, it.iteration] = t.path
+            per_rank[t.rank].append((end, it))
     plan = layout.plan()
-    per_rank = {r: rank_iterations(t, layout) for r, t in traces.items()}
     steps = sorted({it.iteration for items in per_rank.values() for _, it in items})
     notes = []
     every, offset = _step_pattern(steps)

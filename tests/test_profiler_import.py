@@ -296,3 +296,20 @@ def test_a_failed_detect_keeps_the_previous_output(tmp_path: Path, capsys: pytes
     assert main(["detect", str(whole), "--out", str(out)]) == 2
     assert out.read_text() == "yesterday's incidents\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["incidents.jsonl", "whole.parquet"]
+
+
+def test_a_ranks_profiling_cycles_in_several_gzipped_files_import_as_one_series(tmp_path: Path) -> None:
+    import gzip
+
+    for cycle, step in enumerate((4, 8)):  # tensorboard_trace_handler(use_gzip=True): a file per cycle
+        doc = _kineto(0, [_x(f"ProfilerStep#{step}", 0, 100), _x("PP:0F0", 10, 40), _x("PP:0B0", 50, 40)])
+        (tmp_path / f"host_{cycle}.pt.trace.json.gz").write_bytes(gzip.compress(json.dumps(doc).encode()))
+    layout = Layout(microbatches=1, num_layers=1, ranks=[RankLayout(rank=0, pp=0)])
+    from collector.profiler_import import trace_files
+
+    result = import_traces(trace_files([tmp_path]), layout, job="j")
+    assert result.steps == [4, 8]
+    declared = result.events[1].payload
+    assert (declared.step_every, declared.step_offset, declared.traced_ranks) == (4, 0, None)
+    with pytest.raises(ImportProblem, match="rank 0 step 4 again"):
+        import_traces(trace_files([tmp_path, tmp_path / "host_0.pt.trace.json.gz"]), layout, job="j")
