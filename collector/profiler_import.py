@@ -357,6 +357,8 @@ def rank_iterations(trace: RankTrace, layout: Layout, *, epoch: int = 0) -> list
                             f"(it lists {sorted(layout.by_rank())})")
     num_stages = len({r.pp for r in layout.ranks if r.dp == me.dp})
     near = neighbours(layout)[trace.rank]
+    tp_size = sum(1 for r in layout.ranks if (r.dp, r.pp, r.cp) == (me.dp, me.pp, me.cp))
+    dp_size = len({r.dp for r in layout.ranks})
     tokens = layout.tokens_per_microbatch
     out = []
     for number, step in trace.steps:
@@ -384,8 +386,8 @@ def rank_iterations(trace: RankTrace, layout: Layout, *, epoch: int = 0) -> list
                 if peer is None and around is not None:
                     downstream = (around.kind is ChunkKind.FORWARD) == (op is CommOp.PP_SEND)
                     peer = near.next if downstream else near.previous
-            elif op is CommOp.DP_ALLREDUCE and around is not None:
-                op = CommOp.TP_ALLREDUCE  # inside a chunk: the layer's tensor-parallel reduction
+            elif op is CommOp.DP_ALLREDUCE and _is_tp_allreduce(w.args, around, tp_size, dp_size):
+                op = CommOp.TP_ALLREDUCE
             waits.append(CommWait(
                 op=op, peer=peer, microbatch=mb, start_s=(w.ts_us - t0) / 1e6,
                 duration_s=(w.end_us - w.ts_us) / 1e6, includes_wait=True,
@@ -396,6 +398,16 @@ def rank_iterations(trace: RankTrace, layout: Layout, *, epoch: int = 0) -> list
             coords=Coords(tp=me.tp, pp=me.pp, dp=me.dp, cp=me.cp), wall_s=step.dur_us / 1e6,
             chunks=built_chunks, comm=waits)))
     return out
+
+
+def _is_tp_allreduce(args: dict, around: ChunkSpan | None, tp_size: int, dp_size: int) -> bool:
+    """An all-reduce is tensor-parallel when the trace's group size says so (NCCL traces record it);
+    without one, when it runs inside a chunk of a stage with TP > 1 (DDP's gradient all-reduces
+    also run inside backward chunks, so with TP 1 an all-reduce is data-parallel)."""
+    size = args.get("Group size")
+    if isinstance(size, int) and tp_size != dp_size:
+        return size == tp_size
+    return around is not None and tp_size > 1
 
 
 def _whole_step_chunks(trace: RankTrace, step: Span) -> list[ChunkSpan]:

@@ -313,3 +313,23 @@ def test_a_ranks_profiling_cycles_in_several_gzipped_files_import_as_one_series(
     assert (declared.step_every, declared.step_offset, declared.traced_ranks) == (4, 0, None)
     with pytest.raises(ImportProblem, match="rank 0 step 4 again"):
         import_traces(trace_files([tmp_path, tmp_path / "host_0.pt.trace.json.gz"]), layout, job="j")
+
+
+@pytest.mark.parametrize(("tp", "group_size", "inside"), [
+    (2, None, CommOp.TP_ALLREDUCE),  # TP > 1: an all-reduce in a chunk is the layer's reduction
+    (1, None, CommOp.DP_ALLREDUCE),  # TP 1: it can only be data-parallel (DDP reduces during backward)
+    (2, 4, CommOp.DP_ALLREDUCE),     # the trace's group size decides when it records one
+])
+def test_an_all_reduce_is_tensor_parallel_only_when_the_layout_or_the_trace_says_so(
+        tmp_path: Path, tp: int, group_size: int | None, inside: CommOp) -> None:
+    reduce_in_chunk = _x("c10d::allreduce_", 20, 10, cat="cpu_op")
+    if group_size is not None:
+        reduce_in_chunk["args"]["Group size"] = group_size
+    events = [_x("ProfilerStep#1", 0, 200), _x("PP:0B0", 10, 50), reduce_in_chunk,
+              _x("c10d::allreduce_", 100, 10, cat="cpu_op")]
+    (tmp_path / "rank0.json").write_text(json.dumps(_kineto(0, events)))
+    ranks = [RankLayout(rank=r * tp + t, tp=t, dp=r, pp=0) for r in range(4) for t in range(tp)]
+    layout = Layout(microbatches=1, num_layers=1, ranks=ranks)
+    (report,) = [e.payload for e in import_traces([tmp_path / "rank0.json"], layout, job="j").events
+                 if e.kind == "telemetry.iteration"]
+    assert [w.op for w in report.comm] == [inside, CommOp.DP_ALLREDUCE]
