@@ -372,7 +372,7 @@ def predict_iteration(
     timings = []
     for (S, M), members in groups.items():
         table = op_table(schedule, S, M, virtual_stages)
-        stack = lambda get: np.stack([np.broadcast_to(np.asarray(get(replicas[r]), float), np.shape(replicas[r].f_s))  # noqa: E731
+        stack = lambda get, members=members: np.stack([np.broadcast_to(np.asarray(get(replicas[r]), float), np.shape(replicas[r].f_s))  # noqa: E731
                                       for r in members])
         w = None if replicas[members[0]].w_s is None else stack(lambda p: p.w_s)
         p2p = np.stack([np.broadcast_to(np.asarray(replicas[r].p2p_s, float), (S, M)) for r in members])

@@ -193,7 +193,7 @@ def _hits(f, incs: dict[str, Tracked], iterations: int, cluster, grace: int) -> 
                    and (not _incident_devices(t.locations) or _incident_devices(t.locations) & devices)))
 
 
-def sizing(faults: list, incs: dict[str, Tracked], iterations: int, config, grace: int = 5  # type: ignore[no-untyped-def]
+def sizing(faults: list, incs: dict[str, Tracked], iterations: int, config, grace: int = 5
            ) -> list[tuple[float, float, float]]:
     """(true factor, the detecting incident's last factor while the fault lasted, that factor as the
     planner reads it) per slow-GPU fault whose incident named the GPU.

@@ -45,7 +45,7 @@ class _Models:
         self._exact: dict[int, object] = {}
         self._fitted: dict[int, object] = {}
 
-    def exact(self, config):  # type: ignore[no-untyped-def]
+    def exact(self, config):
         from resihp.planning_models import exact_model
 
         key = config.cluster.gpus
@@ -55,7 +55,7 @@ class _Models:
                                            fitted.makespan_sd_s, fitted.microbatch_cv, fitted.tail_s)
         return self._exact[key]
 
-    def fitted(self, config):  # type: ignore[no-untyped-def]
+    def fitted(self, config):
         from resihp.planning_models import fitted_model
 
         key = config.cluster.gpus
@@ -98,7 +98,7 @@ class Run:
     wall_s: float = 0.0  # bus loop: wall seconds the loop took (the platform's cost, set-up aside)
 
 
-def _faults(name: str, gpus: int, duration_s: float):  # type: ignore[no-untyped-def]
+def _faults(name: str, gpus: int, duration_s: float):
     from trainer.sim.faults import FaultSpec
 
     at = duration_s / 6
@@ -132,7 +132,7 @@ def _faults(name: str, gpus: int, duration_s: float):  # type: ignore[no-untyped
     raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
 
 
-def _job(name: str, strategy_name: str, gpus: int, telemetry: str = "none"):  # type: ignore[no-untyped-def]
+def _job(name: str, strategy_name: str, gpus: int, telemetry: str = "none"):
     """The simulated job of every run: 7B, TP8·PP4·DP gpus/32, 8 micro-batches per replica."""
     from collector.plan import Plan
     from trainer.sim.engine import SimConfig
@@ -165,7 +165,7 @@ def _run_bused(name: str, strategy_name: str, gpus: int, duration_s: float, prog
                              rebalance_pause_s=config.rebalance_pause_s)
     restart = ElasticRestart(models.fitted(config))
 
-    def pay_restart(sim) -> list:  # type: ignore[no-untyped-def]
+    def pay_restart(sim) -> list:
         return sim.idle(restart.restart_s + restart.checkpoint_interval_s / 2)
 
     bar = tqdm(total=round(duration_s), desc=f"{name}@{gpus} {strategy_name}", unit="sim s", leave=False,
@@ -186,7 +186,7 @@ def _run_bused(name: str, strategy_name: str, gpus: int, duration_s: float, prog
                telemetry_lost=loop.telemetry_lost, bus_bytes=loop.bus_bytes, wall_s=time.perf_counter() - started)
 
 
-def _detected(fault, now_s: float, heartbeat_s: float) -> bool:  # type: ignore[no-untyped-def]
+def _detected(fault, now_s: float, heartbeat_s: float) -> bool:
     """Whether a perfect detector knows ``fault`` at ``now_s``: a fail-stop once the dead rank has
     missed two heartbeats (heartbeats go out every ``heartbeat_s`` on the job's clock, so that is
     10–20 s after the onset), a fail-slow ``DETECT_SLOW_S`` after it."""
@@ -284,7 +284,7 @@ def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run
     return run
 
 
-def _call(job: tuple[int, str, str], loop: str, duration_s: float | None):  # type: ignore[no-untyped-def]
+def _call(job: tuple[int, str, str], loop: str, duration_s: float | None):
     """The function and arguments of one (GPUs, scenario, strategy) run; ``duration_s`` None is the
     scenario's own length (2 h for every_30min, 30 min for the others)."""
     g, s, st = job

@@ -141,10 +141,10 @@ class _SeekOnAssign(ConsumerRebalanceListener):
         self.owner = owner
         self.on_assign = on_assign
 
-    def on_partitions_revoked(self, revoked):  # type: ignore[no-untyped-def]
+    def on_partitions_revoked(self, revoked):
         pass
 
-    def on_partitions_assigned(self, assigned):  # type: ignore[no-untyped-def]
+    def on_partitions_assigned(self, assigned):
         if self.owner._rewind_pending and assigned:
             self.owner._kafka.seek_to_beginning(*assigned)
             self.owner._rewind_pending = False

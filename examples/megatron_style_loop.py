@@ -113,7 +113,7 @@ def answer_probes(requests: list[ProbeRequest], model: TinyGPT, rank: int, repor
         seconds = 0.0
         if request.target == "compute":
             x, w = torch.ones(BLOCK, WIDTH), model.blocks[0].mlp[0].weight.detach()
-            seconds = best_seconds(lambda: x @ w.T, request.repeats)
+            seconds = best_seconds(lambda x=x, w=w: x @ w.T, request.repeats)
         everyone: list[float] = [0.0] * dist.get_world_size()
         dist.all_gather_object(everyone, seconds)
         reporter.answer_probe(probe_answer(request, rank, seconds, everyone))

@@ -71,7 +71,10 @@ class BrokerError(RuntimeError):
 def kafka_version() -> str:
     """The Kafka version infra/pom.xml pins (its ``kafka.version`` property)."""
     ns = {"m": "http://maven.apache.org/POM/4.0.0"}
-    return ET.parse(POM).getroot().findtext("m:properties/m:kafka.version", namespaces=ns)
+    version = ET.parse(POM).getroot().findtext("m:properties/m:kafka.version", namespaces=ns)
+    if version is None:
+        raise RuntimeError(f"{POM} has no kafka.version property; restore it (the broker fetch pins it)")
+    return version
 
 
 def default_lib_dir() -> Path:

@@ -165,7 +165,8 @@ class Oobleck:
         per = cluster.hardware.devices_per_node
         nodes_per_pipe = max(1, (tp * pp + per - 1) // per)
         dead_nodes = {cluster.node_of(d) for d in dead}
-        keep, lost_nodes = [], set()
+        keep = []
+        lost_nodes: set[int] = set()
         for p in current.pipelines:
             nodes = sorted({cluster.node_of(d) for st in p.stages for d in st.devices})
             if any(n in dead_nodes for n in nodes):

@@ -122,7 +122,7 @@ def model_from_fits(
     )
 
 
-def _forward_median(fits, name: str) -> float | None:  # type: ignore[no-untyped-def]
+def _forward_median(fits, name: str) -> float | None:
     """The median over the forward lines of an optional CostFit field (the mix's spread
     ``workload_cv``, the mean Σlᵢ² ``mean_sum_sq_len``); None when no line carries it — an older
     analytics consumer, or no sequence lengths."""

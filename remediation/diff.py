@@ -28,7 +28,7 @@ def ranges(ids: Sequence[int]) -> str:
         return "none"
     parts = []
     start = prev = xs[0]
-    for x in xs[1:] + [None]:  # type: ignore[list-item]
+    for x in xs[1:] + [None]:
         if x is not None and x == prev + 1:
             prev = x
             continue

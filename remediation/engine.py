@@ -163,7 +163,7 @@ class RemediationEngine:
 
     # ---- reactions ------------------------------------------------------------------------------
 
-    def _make(self, key: str, payload) -> Envelope:  # type: ignore[no-untyped-def]
+    def _make(self, key: str, payload) -> Envelope:
         """A reaction, stamped with the engine's clock (the newest event time it read): a reaction
         happens at the time of what caused it, so a replay re-derives the same event, and a job on
         a simulated clock gets reactions on that clock, not the wall's."""
@@ -321,7 +321,7 @@ class RemediationEngine:
         )
         return self._make(f"proposal/{plan_id}", payload)
 
-    def _fraction_of_before(self, result, view: PlanningView) -> float | None:  # type: ignore[no-untyped-def]
+    def _fraction_of_before(self, result, view: PlanningView) -> float | None:
         """For a plan that resumes a job hung on a dead device: its predicted throughput over the
         prediction for the old layout with the dead devices alive again (what ran before the
         fail-stop), so verification can compare with what was measured then."""

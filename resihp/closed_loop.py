@@ -140,7 +140,7 @@ class _Referee:
         self.stream.close()
 
 
-def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,  # type: ignore[no-untyped-def]
+def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,
                     options, hardware, detector_config=None, analytics_every: int = 5, analytics_batch: int = 20_000,
                     window_s: float = 60.0,
                     directory: str | Path | None = None, telemetry_retention_s: float = 60.0,

@@ -28,7 +28,7 @@ from remediation.cost_figures import calibrate_spread, model_from_fits
 from remediation.model import ModelSpec
 
 
-def hardware_of(cluster_spec) -> Hardware:  # type: ignore[no-untyped-def]
+def hardware_of(cluster_spec) -> Hardware:
     return Hardware(
         devices_per_node=cluster_spec.gpus_per_node,
         link_bandwidth_Bps=cluster_spec.inter_node_gbps / 8 * 1e9,
@@ -37,7 +37,7 @@ def hardware_of(cluster_spec) -> Hardware:  # type: ignore[no-untyped-def]
     )
 
 
-def workload_means(workload, samples: int = 4096) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+def workload_means(workload, samples: int = 4096) -> tuple[float, float]:
     """Mean tokens and mean Σlᵢ² of the workload's packed micro-batches."""
     from trainer.sim.workload import draw_microbatches
 
@@ -46,7 +46,7 @@ def workload_means(workload, samples: int = 4096) -> tuple[float, float]:  # typ
     return float(packed.tokens.mean()), float(packed.sum_sq.mean())
 
 
-def exact_model(sim_model, cluster_spec, workload, makespan_cv: float = 0.0,  # type: ignore[no-untyped-def]
+def exact_model(sim_model, cluster_spec, workload, makespan_cv: float = 0.0,
                 makespan_sd_s: float = 0.0, microbatch_cv: float = 0.0, tail_s: float = 0.0) -> ModelSpec:
     """The simulator's truth in the planner's terms (trainer/sim/cost.py, term by term); the
     spreads are not in the simulator's cost terms, so the caller passes them (e.g. a fitted
@@ -63,7 +63,7 @@ def exact_model(sim_model, cluster_spec, workload, makespan_cv: float = 0.0,  # 
     )
 
 
-def fitted_model(config, iterations: int = 24, spread_iterations: int = 0) -> ModelSpec:  # type: ignore[no-untyped-def]
+def fitted_model(config, iterations: int = 24, spread_iterations: int = 0) -> ModelSpec:
     """Fit the cost model on a healthy warm-up of ``config``'s job, as the analytics consumer would,
     and build the planner's figures from the fits and the job's ``plan.current``.
 
@@ -78,7 +78,7 @@ def fitted_model(config, iterations: int = 24, spread_iterations: int = 0) -> Mo
     return calibrate_spread(model, config.plan, ClusterState(config.cluster.gpus, hardware), walls)
 
 
-def warmup_fits(config, iterations: int = 24, spread_iterations: int = 0  # type: ignore[no-untyped-def]
+def warmup_fits(config, iterations: int = 24, spread_iterations: int = 0
                 ) -> tuple[list[CostFit], PlanCurrent, float, float, list[float]]:
     """(CostFit per stage and kind, the job's plan.current, mean tokens and Σlᵢ² per micro-batch,
     observed iteration times) from a healthy warm-up of ``config``'s job; the iteration times

@@ -63,7 +63,7 @@ def test_published_telemetry_matches_what_the_loop_recorded(tmp_path: Path) -> N
     events = _events(path, topics.TELEMETRY)
     iterations = [e for e in events if isinstance(e.payload, RankIteration)]
     assert [e.payload.iteration for e in iterations] == [0, 1, 2]
-    for e, (i, chunks, comm) in zip(iterations, recorded):
+    for e, (_, chunks, comm) in zip(iterations, recorded):
         p = e.payload
         assert (e.job, e.source, p.rank, p.node, p.epoch) == ("job-a", "rank-5", 5, 0, 0)
         assert p.coords == Coords(tp=1, pp=0, dp=1)

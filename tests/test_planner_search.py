@@ -144,7 +144,7 @@ def test_scorer_extrapolation_matches_schedule_dag():
     scorer = ScheduleModelScorer("1f1b")
     for m in (3, 9, 25):
         t = op_table("1f1b", 3, m)
-        col = lambda xs: np.broadcast_to(np.asarray(xs)[:, None], (3, m))  # noqa: E731
+        col = lambda xs, m=m: np.broadcast_to(np.asarray(xs)[:, None], (3, m))  # noqa: E731
         exact = pipeline_timing(t, col(times.f_s), col(times.b_s), None, col(times.p2p_s)).makespan_s[0]
         assert scorer.makespan_s(times, m) == pytest.approx(exact, rel=1e-9)
 

@@ -35,7 +35,6 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from collector import topics
 from collector.epoch_fence import EpochFence
@@ -81,7 +80,7 @@ def _bus_opener(bus: BusSource) -> Callable[[], Bus]:
 def seq_lens_from_cu_seqlens(cu_seqlens: Iterable[int] | object) -> list[int]:
     """Packed sequence lengths from cumulative offsets ``[0, l0, l0+l1, ...]`` (flash-attention's
     ``cu_seqlens``; a tensor, array or list). Raises ValueError if the offsets decrease."""
-    values = cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else list(cu_seqlens)  # type: ignore[arg-type]
+    values = cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else list(cu_seqlens)  # type: ignore[call-overload]
     lens = [int(b) - int(a) for a, b in zip(values, values[1:])]
     if any(n < 0 for n in lens):
         raise ValueError(f"cu_seqlens must not decrease, got {values[:8]}...; pass the cumulative offsets")

@@ -63,12 +63,12 @@ class _CopyToTP(torch.autograd.Function):
     """f: identity forward; all-reduce of the input gradient backward (before column-parallel)."""
 
     @staticmethod
-    def forward(ctx, x, group, timer):  # type: ignore[override]
+    def forward(ctx, x, group, timer):
         ctx.group, ctx.timer = group, timer
         return x
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         grad = grad.contiguous()
         with ctx.timer("tp"):
             dist.all_reduce(grad, group=ctx.group)
@@ -79,14 +79,14 @@ class _ReduceFromTP(torch.autograd.Function):
     """g: all-reduce forward (after row-parallel); identity backward."""
 
     @staticmethod
-    def forward(ctx, x, group, timer):  # type: ignore[override]
+    def forward(ctx, x, group, timer):
         x = x.contiguous()
         with timer("tp"):
             dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         return grad, None, None
 
 

@@ -49,7 +49,7 @@ def _actor(args: argparse.Namespace) -> str:
     return args.actor or f"cli:{getpass.getuser()}"
 
 
-def _fold(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _fold(args: argparse.Namespace):
     from remediation.log_view import fold_log
 
     with bus_from_args(args) as bus:

@@ -215,7 +215,7 @@ def run_demo(opts: DemoOptions) -> int:
         bus.close()
 
 
-def _detected_json(st) -> dict:  # type: ignore[no-untyped-def]
+def _detected_json(st) -> dict:
     inc = st.incident
     ranks = sorted({loc.rank for loc in inc.locations if loc.rank is not None})
     groups = [list(loc.tp_group) for loc in inc.locations if loc.rank is None and loc.tp_group]

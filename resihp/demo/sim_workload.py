@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _join_control(runner, limit_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
+def _join_control(runner, limit_s: float = 60.0) -> None:
     """Join the control topic's consumer group before the first iteration.
 
     The runner polls the control topic with a zero timeout between iterations; on Kafka a consumer

@@ -119,7 +119,7 @@ class FaultEffects:
             if s.kind == "slow_compute":
                 out.compute[s.device] = out.compute.get(s.device, 1.0) * s.factor  # type: ignore[index]
             elif s.kind == "slow_link":
-                key = frozenset(s.link)  # type: ignore[arg-type]
+                key = frozenset(s.link)
                 out.links[key] = out.links.get(key, 1.0) * s.factor
             elif s.kind == "slow_nic":
                 out.nics[s.device] = out.nics.get(s.device, 1.0) * s.factor  # type: ignore[index]
