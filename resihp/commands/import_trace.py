@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
 
+    from collector.codec import InvalidEvent
     from collector.profiler_import import ImportProblem, import_traces, load_layout, trace_files
     from collector.trace import TraceWriter
 
@@ -51,6 +52,10 @@ def run(args: argparse.Namespace) -> int:
         with TraceWriter(tmp) as writer:
             writer.write(result.events)
         os.replace(tmp, out)
+    except InvalidEvent as exc:  # an event over the bus's size limit: nothing is written
+        Path(tmp).unlink(missing_ok=True)
+        print(f"resihp import: error: {out}: {exc.reason}", file=sys.stderr)
+        return 2
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
