@@ -4,17 +4,12 @@ Each scenario runs the cluster simulator (trainer/sim) for a fixed number of ite
 detector sees the same events; ours may probe suspects, and the simulator answers. Ground truth is
 the simulator's ``truth.fault`` events, which no detector reads.
 
-Scoring, per detector, over the whole suite:
-- a fault is *detected* by the first incident of its category opened while it is active (or up to
-  ``--grace`` iterations after it ends) whose location shares a device with the fault's (an
-  incident that names no location at all also counts: raw-time baselines cannot localise);
-- *exact localisation*: that incident's final location (after probe/updates) names the fault's
-  device (compute, fail-stop, NIC) or its link (either order; for a pipeline link the incident's
-  endpoints' TP groups must hold the fault's endpoints, since lock-step TP ranks report the same
-  waits), or for a node its node or a device on it;
-- precision = incidents matching some fault / incidents; recall = detected faults / faults;
-- delay = opening iteration − fault start (p50, p95; the ×1.2-and-more p95 is reported apart);
-- false alarms per 10,000 healthy iterations = unmatched incidents / iterations with no active fault.
+Scoring, per detector, over the whole suite, is the referee's (resihp/referee.py: ``score``):
+a fault is detected by the first incident of its category opened while it is active (from one
+iteration before its onset to ``--grace`` iterations after it ends) that names a device it hits
+(an incident that names no device also counts: raw-time baselines cannot localise); precision,
+recall, exact localisation, delay p50 / p95 (the x1.2-and-more p95 apart) and false alarms per
+10,000 healthy iterations follow from that match.
 """
 
 from __future__ import annotations
@@ -26,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from resihp.referee import detecting, score
 
 SCENARIO_DIR = Path(__file__).resolve().parent.parent / "scenarios"
 
@@ -88,10 +85,9 @@ class Tracked:
         return self.sized[-1][1] if self.sized else []
 
 
-def run_case(case: Case, dialect: str = "ours") -> tuple[list, dict[str, dict[str, Tracked]], int, int, object]:
-    """Simulate one case, its ranks recording in ``dialect`` (docs/dialects.md: the same timeline and
-    faults in every dialect, only what the ranks report differs); returns (truth, incidents per
-    detector, iterations, healthy iterations, the simulator's config)."""
+def run_case(case: Case) -> tuple[list, dict[str, dict[str, Tracked]], int, int, object]:
+    """Simulate one case; returns (truth, incidents per detector, iterations, healthy iterations, the
+    simulator's config)."""
     from collector.events import (
         FaultInjected, IncidentConfirmed, IncidentOpened, IncidentUpdated, ProbeRequest,
     )
@@ -100,7 +96,7 @@ def run_case(case: Case, dialect: str = "ours") -> tuple[list, dict[str, dict[st
     from trainer.sim.scenario import load_scenario
 
     sc = load_scenario(SCENARIO_DIR / f"{case.base}.yaml")
-    update: dict = {"iterations": case.iterations or sc.iterations, "dialect": dialect}
+    update: dict = {"iterations": case.iterations or sc.iterations}
     if case.faults is not None:
         update["faults"] = [FaultSpec(**f) for f in case.faults]
     sc = sc.model_copy(update=update)
@@ -146,54 +142,7 @@ def run_case(case: Case, dialect: str = "ours") -> tuple[list, dict[str, dict[st
     return faults, incidents, iterations, healthy, engine.config
 
 
-def _fault_devices(f, cluster) -> set[int]:
-    loc = f.location
-    if loc.target == "node" and loc.node is not None:
-        return {d for d in range(cluster.gpus) if cluster.node_of(d) == loc.node}
-    if loc.link is not None:
-        return set(loc.link)
-    return {loc.rank} if loc.rank is not None else set()
-
-
-def _incident_devices(locs: list) -> set[int]:
-    out: set[int] = set()
-    for loc in locs:
-        if loc.rank is not None:
-            out.add(loc.rank)
-        if loc.link is not None:
-            out |= set(loc.link)
-        if loc.tp_group:
-            out |= set(loc.tp_group)
-    return out
-
-
-def _exact(f, locs: list, cluster, tp_of: dict[int, tuple]) -> bool:
-    if not locs:
-        return False
-    loc, truth = locs[0], f.location
-    if truth.target == "node":
-        return loc.node == truth.node or (loc.rank is not None and cluster.node_of(loc.rank) == truth.node)
-    if truth.target == "link" and truth.link is not None:
-        if loc.link is None:
-            return False
-        a, b = loc.link
-        ga, gb = set(tp_of.get(a, (a,))), set(tp_of.get(b, (b,)))
-        x, y = truth.link
-        return (x in ga and y in gb) or (y in ga and x in gb)
-    return loc.rank is not None and loc.rank == truth.rank and (truth.target != "link" or loc.target == "link")
-
-
-def _hits(f, incs: dict[str, Tracked], iterations: int, cluster, grace: int) -> list[tuple[int, str]]:
-    """(opening iteration, incident id) of the incidents that detect fault ``f``, first first: its
-    category, opened while it is active (or ``grace`` iterations after), sharing a device with it."""
-    end = f.end_iteration if f.end_iteration is not None else iterations
-    devices = _fault_devices(f, cluster)
-    return sorted(((t.opened, iid) for iid, t in incs.items()
-                   if t.category == f.category.value and f.start_iteration - 1 <= t.opened < end + grace
-                   and (not _incident_devices(t.locations) or _incident_devices(t.locations) & devices)))
-
-
-def sizing(faults: list, incs: dict[str, Tracked], iterations: int, config, grace: int = 5
+def sizing(faults: list, incs: dict[str, Tracked], iterations: int, config, grace: int = 5  # type: ignore[no-untyped-def]
            ) -> list[tuple[float, float, float]]:
     """(true factor, the detecting incident's last factor while the fault lasted, that factor as the
     planner reads it) per slow-GPU fault whose incident named the GPU.
@@ -213,7 +162,8 @@ def sizing(faults: list, incs: dict[str, Tracked], iterations: int, config, grac
     for f in faults:
         if f.category.value != "fail_slow" or f.location.target != "compute" or f.location.rank is None:
             continue
-        hits = _hits(f, incs, iterations, config.cluster, grace)
+        hits = detecting(f, incs, gpus_per_node=config.cluster.gpus_per_node, iterations=iterations,
+                         grace=grace)
         end = f.end_iteration if f.end_iteration is not None else iterations
         # the last size published while the fault lasted: after a recovery the factor falls again
         during = [locs for it, locs in incs[hits[0][1]].sized if it <= end] if hits else []
@@ -226,113 +176,53 @@ def sizing(faults: list, incs: dict[str, Tracked], iterations: int, config, grac
     return out
 
 
-def score(results: list, grace: int = 5) -> dict[str, dict]:
-    per: dict[str, dict] = {}
-    for faults, incidents, iterations, healthy, cluster, tp_of in results:
-        for name, incs in incidents.items():
-            acc = per.setdefault(name, {"faults": 0, "detected": 0, "exact": 0, "incidents": 0, "matched": 0,
-                                        "false": 0, "healthy_iterations": 0, "delays": [], "delays_big": []})
-            acc["healthy_iterations"] += healthy
-            acc["incidents"] += len(incs)
-            matched: set[str] = set()
-            for f in faults:
-                acc["faults"] += 1
-                hits = _hits(f, incs, iterations, cluster, grace)
-                matched |= {iid for _, iid in hits}
-                if not hits:
-                    continue
-                first = incs[hits[0][1]]
-                acc["detected"] += 1
-                acc["exact"] += int(_exact(f, first.locations, cluster, tp_of))
-                delay = max(0, first.opened - f.start_iteration)
-                acc["delays"].append(delay)
-                if f.location.factor >= 1.2:
-                    acc["delays_big"].append(delay)
-            acc["matched"] += len(matched)
-            acc["false"] += len(incs) - len(matched)
-    out = {}
-    for name, a in per.items():
-        precision = a["matched"] / a["incidents"] if a["incidents"] else 1.0
-        recall = a["detected"] / a["faults"] if a["faults"] else 1.0
-        f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-        pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
-        out[name] = {
-            "precision": round(precision, 4), "recall": round(recall, 4), "f1": round(f1, 4),
-            "localisation": round(a["exact"] / a["detected"], 4) if a["detected"] else 0.0,
-            "delay_p50_iters": pct(a["delays"], 50), "delay_p95_iters": pct(a["delays"], 95),
-            "delay_p95_iters_x1_2_plus": pct(a["delays_big"], 95),
-            "false_alarms_per_10k": round(1e4 * a["false"] / max(a["healthy_iterations"], 1), 2),
-            "faults": a["faults"], "detected": a["detected"], "incidents": a["incidents"],
-        }
-    return out
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=int, default=120, help="iterations per scenario")
     parser.add_argument("--only", default=None, help="run only cases whose name contains this text")
     parser.add_argument("--grace", type=int, default=5, help="iterations after a fault ends that still count")
-    parser.add_argument("--dialect", action="append", default=None, metavar="NAME",
-                        help="how the simulated ranks record: ours (default), megatron, profiler, sampled, or all; "
-                        "repeat for several: one table per dialect, the same runs for every detector")
-
-
-def dialects_of(names: list[str] | None) -> list[str]:
-    """``--dialect`` values to the dialects to run, in the simulator's order: none given is ours."""
-    from trainer.sim.telemetry import DIALECTS
-
-    wanted = set(DIALECTS) if names and "all" in names else set(names or ["ours"])
-    unknown = sorted(wanted - set(DIALECTS))
-    if unknown:
-        raise SystemExit(f"unknown dialect {', '.join(unknown)}; choose from {', '.join(DIALECTS)} or all")
-    return [d for d in DIALECTS if d in wanted]
 
 
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from trainer.sim.scenario import load_scenario
-
     cases = [c for c in suite(args.iterations) if args.only is None or args.only in c.name]
-    dialects = dialects_of(getattr(args, "dialect", None))
-    out: dict[str, dict] = {}
+    results = []
+    rows = []
+    sized: list[tuple[str, float, float, float]] = []
     t0 = time.perf_counter()
-    for dialect in dialects:
-        results = []
-        rows = []
-        sized: list[tuple[str, float, float, float]] = []
-        for case in tqdm(cases, desc=f"scenarios ({dialect})", disable=args.json):
-            faults, incidents, iterations, healthy, config = run_case(case, dialect)
-            plan = load_scenario(SCENARIO_DIR / f"{case.base}.yaml").build_plan()
-            tp_of = {d: plan.pipelines[r.replica].stages[r.stage].devices for d, r in plan.roles.items()}
-            results.append((faults, incidents, iterations, healthy, config.cluster, tp_of))
-            rows.append((case.name, iterations, len(faults), {n: len(i) for n, i in incidents.items()}))
-            sized += [(case.name, *row) for row in sizing(faults, incidents["ours"], iterations, config, args.grace)]
-        scores = score(results, args.grace)
-        names = list(scores)
-        print(f"\n== dialect: {dialect} ==")
-        print(f"{'case':34} {'iters':>5} {'faults':>6} " + " ".join(f"{n[:14]:>14}" for n in names))
-        for name, iters, nf, counts in rows:
-            print(f"{name:34} {iters:5d} {nf:6d} " + " ".join(f"{counts[n]:14d}" for n in names))
-        print()
-        cols = ("precision", "recall", "f1", "localisation", "delay_p50_iters", "delay_p95_iters",
-                "delay_p95_iters_x1_2_plus", "false_alarms_per_10k")
-        print(f"{'detector':22} " + " ".join(f"{c[:16]:>16}" for c in cols))
-        for n in names:
-            print(f"{n:22} " + " ".join(f"{scores[n][c]:16.3f}" for c in cols))
-        errors = [abs(read / true - 1) for _, true, _, read in sized]
-        if sized:
-            print(f"\n{'slow GPU sized by ours':34} {'true':>6} {'chunks':>8} {'compute':>8} {'error':>7}")
-            for (name, true, chunk, read), err in zip(sized, errors):
-                print(f"{name:34} {true:6.2f} {chunk:8.3f} {read:8.3f} {err:7.1%}")
-            print(f"{'median / worst error':34} {'':6} {'':8} {'':8} {np.median(errors):7.1%} / {max(errors):.1%}")
-        entry: dict = {"detectors": {n: {k: scores[n][k] for k in (
+    for case in tqdm(cases, desc="scenarios", disable=args.json):
+        faults, incidents, iterations, healthy, config = run_case(case)
+        from trainer.sim.scenario import load_scenario
+
+        plan = load_scenario(SCENARIO_DIR / f"{case.base}.yaml").build_plan()
+        tp_of = {d: plan.pipelines[r.replica].stages[r.stage].devices for d, r in plan.roles.items()}
+        results.append((faults, incidents, iterations, healthy, config.cluster, tp_of))
+        rows.append((case.name, iterations, len(faults), {n: len(i) for n, i in incidents.items()}))
+        sized += [(case.name, *row) for row in sizing(faults, incidents["ours"], iterations, config, args.grace)]
+    scores = score(results, args.grace)
+    names = list(scores)
+    print(f"{'case':34} {'iters':>5} {'faults':>6} " + " ".join(f"{n[:14]:>14}" for n in names))
+    for name, iters, nf, counts in rows:
+        print(f"{name:34} {iters:5d} {nf:6d} " + " ".join(f"{counts[n]:14d}" for n in names))
+    print()
+    cols = ("precision", "recall", "f1", "localisation", "delay_p50_iters", "delay_p95_iters",
+            "delay_p95_iters_x1_2_plus", "false_alarms_per_10k")
+    print(f"{'detector':22} " + " ".join(f"{c[:16]:>16}" for c in cols))
+    for n in names:
+        print(f"{n:22} " + " ".join(f"{scores[n][c]:16.3f}" for c in cols))
+    errors = [abs(read / true - 1) for _, true, _, read in sized]
+    if sized:
+        print(f"\n{'slow GPU sized by ours':34} {'true':>6} {'chunks':>8} {'compute':>8} {'error':>7}")
+        for (name, true, chunk, read), err in zip(sized, errors):
+            print(f"{name:34} {true:6.2f} {chunk:8.3f} {read:8.3f} {err:7.1%}")
+        print(f"{'median / worst error':34} {'':6} {'':8} {'':8} {np.median(errors):7.1%} / {max(errors):.1%}")
+    print(f"\n{len(cases)} scenarios in {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        out = {"detectors": {n: {k: scores[n][k] for k in (
             "precision", "recall", "f1", "localisation", "delay_p95_iters", "false_alarms_per_10k",
             "delay_p50_iters", "delay_p95_iters_x1_2_plus")} for n in names}}
         if sized:
-            entry["sizing"] = {"median_error": round(float(np.median(errors)), 4), "worst_error": round(max(errors), 4),
-                               "gpus": len(sized)}
-        out[dialect] = entry
-    print(f"\n{len(cases)} scenarios x {len(dialects)} dialect(s) in {time.perf_counter() - t0:.0f} s")
-    if args.json:
+            out["sizing"] = {"median_error": round(float(np.median(errors)), 4), "worst_error": round(max(errors), 4),
+                             "gpus": len(sized)}
         print(json.dumps(out))
     return 0

@@ -7,8 +7,8 @@ plans with a named strategy under an auto-apply policy and publishes commands. W
 ``resihp demo`` is the clock: the parts take turns (one simulator iteration, then analytics every
 ``analytics_every`` iterations, then the engine) instead of running as processes on the wall
 clock, so a 30-minute scenario runs as fast as the machine allows and the same seed gives the same
-run. A referee reads the truth and analytics topics to say how long each fault took to be detected
-and which incidents matched no fault.
+run. The referee (resihp/referee.py, in its closed-loop terms) reads the truth and analytics topics
+to say how long each fault took to be detected and which incidents matched no fault.
 """
 
 from __future__ import annotations
@@ -22,9 +22,12 @@ from collector import topics
 from collector.embedded import EmbeddedBus
 from collector.events import (
     AckStatus, Envelope, EventFactory, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentUpdated,
-    IterationSummary, Location, PolicyChanged, PolicyMode, Severity,
+    IterationSummary, PolicyChanged, PolicyMode, Severity,
 )
 from collector.stream import EventStream
+from resihp.referee import covers, fault_devices, location_devices
+
+__all__ = ["Detection", "ThroughputSeries", "LoopRun", "location_devices", "run_closed_loop"]
 
 
 @dataclass
@@ -84,24 +87,12 @@ class LoopRun:
     bus_bytes: int = 0  # the embedded log's size on disk at the end of the run
 
 
-def location_devices(loc: Location, gpus_per_node: int) -> set[int]:
-    """Devices a location names: a rank, a TP group, a link's two ends, or a node's devices."""
-    out: set[int] = set()
-    if loc.rank is not None:
-        out.add(loc.rank)
-    if loc.tp_group:
-        out.update(loc.tp_group)
-    if loc.link is not None:
-        out.update(loc.link)
-    if loc.target == "node" and loc.node is not None:  # elsewhere ``node`` only says where a rank lives
-        out.update(range(loc.node * gpus_per_node, (loc.node + 1) * gpus_per_node))
-    return out
-
-
 class _Referee:
-    """Matches incidents to the truth's faults by the devices both name: an incident matches a
-    fault when it names a device the fault hits (a group-level incident names its whole TP group,
-    so it matches a fault on any member; one naming only healthy devices is false)."""
+    """The referee's closed-loop terms (resihp/referee.py), read off the bus as events arrive: a
+    fault is detected at the first incident event (opened, confirmed, updated) from its onset on
+    that covers it, of any category; an incident that never covers a fault is a false one. A
+    group-level incident names its whole TP group, so it covers a fault on any member; one naming
+    only healthy devices is false; one naming no device covers nothing until a later event places it."""
 
     def __init__(self, bus: EmbeddedBus, job: str, gpus_per_node: int, t0_s: float) -> None:
         self.stream = EventStream(bus, f"referee:{job}", [topics.TRUTH, topics.ANALYTICS],
@@ -119,14 +110,13 @@ class _Referee:
             p, t = e.payload, e.time_s - self.t0
             if isinstance(p, FaultInjected) and p.fault_id not in self.faults:
                 # the devices the fault hits, not its TP group's: an incident on a healthy peer is false
-                hit_devices = location_devices(p.location.model_copy(update={"tp_group": None}), self.per_node)
+                hit_devices = fault_devices(p.location, self.per_node)
                 self.faults[p.fault_id] = (Detection(p.fault_id, p.category.value, t), hit_devices)
             elif isinstance(p, IncidentOpened | IncidentUpdated | IncidentConfirmed):
                 # a confirmation can be what first locates an incident (a probe naming a link)
-                named = set().union(*(location_devices(loc, self.per_node) for loc in p.locations))
                 hit = False
                 for det, devices in self.faults.values():
-                    if devices & named and t >= det.onset_s:
+                    if t >= det.onset_s and covers(devices, p.locations, self.per_node, unplaced_covers=False):
                         hit = True
                         if det.detected_s is None:
                             det.detected_s = t

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from collector.events import Location
 from resihp.demo.watch import Incident, Injected, LogState, PlanRecord
+from resihp.referee import grade, in_window
 
 WARMUP_SKIP_ITERATIONS = 3  # the first iterations carry start-up effects, not the healthy rate
 MATCH_SLACK_ITERATIONS = 3
@@ -48,28 +49,20 @@ def measured_start_s(state: LogState) -> float:
     return max(skipped) if skipped else min(s.time_s for s in state.summaries)
 
 
-def _where(loc: Location, fault: Injected) -> str | None:
-    """How precisely ``loc`` names the device of ``fault`` (None: it does not)."""
-    device = fault.location.rank
-    if loc.rank is not None and loc.rank == device:
-        return "rank"
-    if loc.tp_group and device in loc.tp_group:
-        return "tp_group"
-    if loc.target == "node" and loc.node is not None and loc.node == fault.location.node:
-        return "node"
-    return None
-
-
 def match_incident(state: LogState, fault: Injected) -> tuple[Incident | None, str]:
-    """The first incident of the fault's category opened at or after its onset that names its device."""
+    """The first incident of the fault's category opened from its onset on (less a few iterations'
+    slack) that names its device, graded by the referee (resihp/referee.py: ``grade``): one naming
+    the rank wins over an earlier one naming only its TP group or node; "wrong" when the first
+    incident of the category names another place, "missed" when there is none."""
     best: tuple[Incident | None, str] = (None, "missed")
     for inc in sorted(state.incidents.values(), key=lambda i: i.time_s):
         # A dead rank's incident names the last iteration the detector saw, which may precede the
         # iteration the launcher counts the death at: allow a few iterations of slack.
-        if inc.category != fault.category or inc.iteration < fault.start_iteration - MATCH_SLACK_ITERATIONS:
+        if inc.category != fault.category or not in_window(inc.iteration, fault.start_iteration, None,
+                                                           before=MATCH_SLACK_ITERATIONS, after=0):
             continue
         for loc in inc.locations:
-            where = _where(loc, fault)
+            where = grade(loc, fault.location)
             if where == "rank" or (where and best[0] is None):
                 best = (inc, where)
             if where == "rank":
