@@ -85,9 +85,10 @@ class Tracked:
         return self.sized[-1][1] if self.sized else []
 
 
-def run_case(case: Case) -> tuple[list, dict[str, dict[str, Tracked]], int, int, object]:
-    """Simulate one case; returns (truth, incidents per detector, iterations, healthy iterations, the
-    simulator's config)."""
+def run_case(case: Case, dialect: str = "ours") -> tuple[list, dict[str, dict[str, Tracked]], int, int, object]:
+    """Simulate one case, its ranks recording in ``dialect`` (docs/dialects.md: the same timeline and
+    faults in every dialect, only what the ranks report differs); returns (truth, incidents per
+    detector, iterations, healthy iterations, the simulator's config)."""
     from collector.events import (
         FaultInjected, IncidentConfirmed, IncidentOpened, IncidentUpdated, ProbeRequest,
     )
@@ -96,7 +97,7 @@ def run_case(case: Case) -> tuple[list, dict[str, dict[str, Tracked]], int, int,
     from trainer.sim.scenario import load_scenario
 
     sc = load_scenario(SCENARIO_DIR / f"{case.base}.yaml")
-    update: dict = {"iterations": case.iterations or sc.iterations}
+    update: dict = {"iterations": case.iterations or sc.iterations, "dialect": dialect}
     if case.faults is not None:
         update["faults"] = [FaultSpec(**f) for f in case.faults]
     sc = sc.model_copy(update=update)
@@ -142,7 +143,7 @@ def run_case(case: Case) -> tuple[list, dict[str, dict[str, Tracked]], int, int,
     return faults, incidents, iterations, healthy, engine.config
 
 
-def sizing(faults: list, incs: dict[str, Tracked], iterations: int, config, grace: int = 5  # type: ignore[no-untyped-def]
+def sizing(faults: list, incs: dict[str, Tracked], iterations: int, config, grace: int = 5
            ) -> list[tuple[float, float, float]]:
     """(true factor, the detecting incident's last factor while the fault lasted, that factor as the
     planner reads it) per slow-GPU fault whose incident named the GPU.
@@ -180,49 +181,68 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=int, default=120, help="iterations per scenario")
     parser.add_argument("--only", default=None, help="run only cases whose name contains this text")
     parser.add_argument("--grace", type=int, default=5, help="iterations after a fault ends that still count")
+    parser.add_argument("--dialect", action="append", default=None, metavar="NAME",
+                        help="how the simulated ranks record: ours (default), megatron, profiler, sampled, or all; "
+                        "repeat for several: one table per dialect, the same runs for every detector")
+
+
+def dialects_of(names: list[str] | None) -> list[str]:
+    """``--dialect`` values to the dialects to run, in the simulator's order: none given is ours."""
+    from trainer.sim.telemetry import DIALECTS
+
+    wanted = set(DIALECTS) if names and "all" in names else set(names or ["ours"])
+    unknown = sorted(wanted - set(DIALECTS))
+    if unknown:
+        raise SystemExit(f"unknown dialect {', '.join(unknown)}; choose from {', '.join(DIALECTS)} or all")
+    return [d for d in DIALECTS if d in wanted]
 
 
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    cases = [c for c in suite(args.iterations) if args.only is None or args.only in c.name]
-    results = []
-    rows = []
-    sized: list[tuple[str, float, float, float]] = []
-    t0 = time.perf_counter()
-    for case in tqdm(cases, desc="scenarios", disable=args.json):
-        faults, incidents, iterations, healthy, config = run_case(case)
-        from trainer.sim.scenario import load_scenario
+    from trainer.sim.scenario import load_scenario
 
-        plan = load_scenario(SCENARIO_DIR / f"{case.base}.yaml").build_plan()
-        tp_of = {d: plan.pipelines[r.replica].stages[r.stage].devices for d, r in plan.roles.items()}
-        results.append((faults, incidents, iterations, healthy, config.cluster, tp_of))
-        rows.append((case.name, iterations, len(faults), {n: len(i) for n, i in incidents.items()}))
-        sized += [(case.name, *row) for row in sizing(faults, incidents["ours"], iterations, config, args.grace)]
-    scores = score(results, args.grace)
-    names = list(scores)
-    print(f"{'case':34} {'iters':>5} {'faults':>6} " + " ".join(f"{n[:14]:>14}" for n in names))
-    for name, iters, nf, counts in rows:
-        print(f"{name:34} {iters:5d} {nf:6d} " + " ".join(f"{counts[n]:14d}" for n in names))
-    print()
-    cols = ("precision", "recall", "f1", "localisation", "delay_p50_iters", "delay_p95_iters",
-            "delay_p95_iters_x1_2_plus", "false_alarms_per_10k")
-    print(f"{'detector':22} " + " ".join(f"{c[:16]:>16}" for c in cols))
-    for n in names:
-        print(f"{n:22} " + " ".join(f"{scores[n][c]:16.3f}" for c in cols))
-    errors = [abs(read / true - 1) for _, true, _, read in sized]
-    if sized:
-        print(f"\n{'slow GPU sized by ours':34} {'true':>6} {'chunks':>8} {'compute':>8} {'error':>7}")
-        for (name, true, chunk, read), err in zip(sized, errors):
-            print(f"{name:34} {true:6.2f} {chunk:8.3f} {read:8.3f} {err:7.1%}")
-        print(f"{'median / worst error':34} {'':6} {'':8} {'':8} {np.median(errors):7.1%} / {max(errors):.1%}")
-    print(f"\n{len(cases)} scenarios in {time.perf_counter() - t0:.0f} s")
-    if args.json:
-        out = {"detectors": {n: {k: scores[n][k] for k in (
+    cases = [c for c in suite(args.iterations) if args.only is None or args.only in c.name]
+    dialects = dialects_of(getattr(args, "dialect", None))
+    out: dict[str, dict] = {}
+    t0 = time.perf_counter()
+    for dialect in dialects:
+        results = []
+        rows = []
+        sized: list[tuple[str, float, float, float]] = []
+        for case in tqdm(cases, desc=f"scenarios ({dialect})", disable=args.json):
+            faults, incidents, iterations, healthy, config = run_case(case, dialect)
+            plan = load_scenario(SCENARIO_DIR / f"{case.base}.yaml").build_plan()
+            tp_of = {d: plan.pipelines[r.replica].stages[r.stage].devices for d, r in plan.roles.items()}
+            results.append((faults, incidents, iterations, healthy, config.cluster, tp_of))
+            rows.append((case.name, iterations, len(faults), {n: len(i) for n, i in incidents.items()}))
+            sized += [(case.name, *row) for row in sizing(faults, incidents["ours"], iterations, config, args.grace)]
+        scores = score(results, args.grace)
+        names = list(scores)
+        print(f"\n== dialect: {dialect} ==")
+        print(f"{'case':34} {'iters':>5} {'faults':>6} " + " ".join(f"{n[:14]:>14}" for n in names))
+        for name, iters, nf, counts in rows:
+            print(f"{name:34} {iters:5d} {nf:6d} " + " ".join(f"{counts[n]:14d}" for n in names))
+        print()
+        cols = ("precision", "recall", "f1", "localisation", "delay_p50_iters", "delay_p95_iters",
+                "delay_p95_iters_x1_2_plus", "false_alarms_per_10k")
+        print(f"{'detector':22} " + " ".join(f"{c[:16]:>16}" for c in cols))
+        for n in names:
+            print(f"{n:22} " + " ".join(f"{scores[n][c]:16.3f}" for c in cols))
+        errors = [abs(read / true - 1) for _, true, _, read in sized]
+        if sized:
+            print(f"\n{'slow GPU sized by ours':34} {'true':>6} {'chunks':>8} {'compute':>8} {'error':>7}")
+            for (name, true, chunk, read), err in zip(sized, errors):
+                print(f"{name:34} {true:6.2f} {chunk:8.3f} {read:8.3f} {err:7.1%}")
+            print(f"{'median / worst error':34} {'':6} {'':8} {'':8} {np.median(errors):7.1%} / {max(errors):.1%}")
+        entry: dict = {"detectors": {n: {k: scores[n][k] for k in (
             "precision", "recall", "f1", "localisation", "delay_p95_iters", "false_alarms_per_10k",
             "delay_p50_iters", "delay_p95_iters_x1_2_plus")} for n in names}}
         if sized:
-            out["sizing"] = {"median_error": round(float(np.median(errors)), 4), "worst_error": round(max(errors), 4),
-                             "gpus": len(sized)}
+            entry["sizing"] = {"median_error": round(float(np.median(errors)), 4), "worst_error": round(max(errors), 4),
+                               "gpus": len(sized)}
+        out[dialect] = entry
+    print(f"\n{len(cases)} scenarios x {len(dialects)} dialect(s) in {time.perf_counter() - t0:.0f} s")
+    if args.json:
         print(json.dumps(out))
     return 0
