@@ -44,7 +44,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from collector.events import Location
+from collector.events import FaultInjected, Location
 
 Grade = Literal["rank", "tp_group", "node"]
 
@@ -98,8 +98,8 @@ def in_window(opened: int, start: int, end: int | None, *, before: int, after: i
     return start - before <= opened and (end is None or opened < end + after)
 
 
-def detects(fault, incident: Opened, *, gpus_per_node: int, iterations: int, before: int, after: int,  # type: ignore[no-untyped-def]
-            by_category: bool = True, unplaced_covers: bool = True) -> bool:
+def detects(fault: FaultInjected, incident: Opened, *, gpus_per_node: int, iterations: int, before: int,
+            after: int, by_category: bool = True, unplaced_covers: bool = True) -> bool:
     """Whether ``incident`` detects ``fault`` (a ``FaultInjected``); a fault without an end lasts
     to ``iterations``."""
     if by_category and incident.category != fault.category.value:
@@ -110,7 +110,7 @@ def detects(fault, incident: Opened, *, gpus_per_node: int, iterations: int, bef
                        unplaced_covers=unplaced_covers))
 
 
-def detecting(fault, incidents: Mapping[str, Opened], *, gpus_per_node: int, iterations: int,  # type: ignore[no-untyped-def]
+def detecting(fault: FaultInjected, incidents: Mapping[str, Opened], *, gpus_per_node: int, iterations: int,
               grace: int) -> list[tuple[int, str]]:
     """(opening iteration, incident id) of the incidents that detect ``fault`` in the detection
     benchmark's terms (its category, one iteration before the onset to ``grace`` after the end,
@@ -119,7 +119,7 @@ def detecting(fault, incidents: Mapping[str, Opened], *, gpus_per_node: int, ite
                   if detects(fault, t, gpus_per_node=gpus_per_node, iterations=iterations, before=1, after=grace))
 
 
-def exact(fault, locations: list, gpus_per_node: int, tp_of: Mapping[int, tuple]) -> bool:  # type: ignore[no-untyped-def]
+def exact(fault: FaultInjected, locations: list, gpus_per_node: int, tp_of: Mapping[int, tuple]) -> bool:
     """Whether ``locations`` (the detecting incident's latest) localise ``fault`` exactly;
     ``tp_of`` maps a device to its TP group in the plan the fault hit."""
     if not locations:
