@@ -157,6 +157,7 @@ def test_stored_detector_state_from_another_layout_version_is_refused_with_the_w
     import duckdb
     import pytest
 
+    from analytics.detector import STATE_VERSION
     from analytics.detector_config import DetectorConfig
     from analytics.detector_projection import DetectorStateError
 
@@ -166,21 +167,26 @@ def test_stored_detector_state_from_another_layout_version_is_refused_with_the_w
         _reopen(db, DetectorConfig(window_iterations=16))
     with duckdb.connect(str(db)) as conn:
         conn.execute("UPDATE detector_state SET version = 99")
-    with pytest.raises(DetectorStateError, match=r"job 'j' has layout version 99; this build reads version 1: "
+    with pytest.raises(DetectorStateError, match=rf"job 'j' has layout version 99; this build reads version {STATE_VERSION}: "
                                                  r"stop this consumer .* resihp analytics --rebuild"):
         _reopen(db)
     with duckdb.connect(str(db)) as conn:
-        conn.execute("UPDATE detector_state SET version = NULL, state = 'not a pickle'::BLOB")
+        conn.execute("UPDATE detector_state SET version = ?, state = 'not a pickle'::BLOB", [STATE_VERSION])
     with pytest.raises(DetectorStateError, match=r"job 'j' cannot be read by this build \(UnpicklingError"):
         _reopen(db)
 
 
 def test_state_stored_before_layout_versions_is_read_as_version_1(tmp_path: Path) -> None:
     import duckdb
+    import pytest
+
+    from analytics.detector import STATE_VERSION
+    from analytics.detector_projection import DetectorStateError
 
     db = _stored_state(tmp_path)
     with duckdb.connect(str(db)) as conn:
         conn.execute("ALTER TABLE detector_state DROP COLUMN version")  # the table as older builds made it
-    assert _reopen(db).detectors["j"].job == "j"
+    with pytest.raises(DetectorStateError, match=rf"layout version 1; this build reads version {STATE_VERSION}"):
+        _reopen(db)  # version 1 is not this build's layout: the way out is named, nothing is guessed
     with duckdb.connect(str(db)) as conn:
         assert conn.execute("SELECT version FROM detector_state").fetchall() == [(None,)]
