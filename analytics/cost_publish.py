@@ -89,7 +89,7 @@ class CostPublisher:
         if seen < max(1, self.config.window_iterations // 2):
             return None  # a few iterations first: one iteration's rows cannot tell α, β and γ apart
         source = self.durations if self.durations is not None and self.durations.fits else model
-        fits = stage_fits(source, model, plan)
+        fits = first_replica_cost_fits(source, model, plan)
         if fits is None:
             return None
         first = self._epoch != frame.epoch
@@ -132,7 +132,7 @@ class CostPublisher:
         return False
 
 
-def stage_fits(source: CostModel, own: CostModel, plan: Plan) -> list[CostFit] | None:
+def first_replica_cost_fits(source: CostModel, own: CostModel, plan: Plan) -> list[CostFit] | None:
     """CostFit lines for every (stage, kind) of the plan's first replica, or None until each of its
     stages has a forward fit. Virtual stages of one stage are summed (they are slices of its layers)."""
     pipe = min(plan.pipelines, key=lambda p: p.replica)

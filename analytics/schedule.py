@@ -340,7 +340,7 @@ class PipelineDurations:
 
 
 @dataclass(frozen=True)
-class IterationPrediction:
+class ScheduleTiming:
     """The predicted iteration: per-replica pipelines, then the DP gradient all-reduce."""
 
     iteration_s: float
@@ -361,7 +361,7 @@ def predict_iteration(
     *,
     virtual_stages: int = 1,
     dp_allreduce_s: float = 0.0,
-) -> IterationPrediction:
+) -> ScheduleTiming:
     """Iteration time of a whole job: every replica's pipeline (grouped by shape and batched),
     then a gradient all-reduce that starts when the slowest replica ends (no overlap with the
     backward pass: a conservative model)."""
@@ -379,7 +379,7 @@ def predict_iteration(
         timing = pipeline_timing(table, stack(lambda p: p.f_s), stack(lambda p: p.b_s), w, p2p)
         ends[members] = timing.makespan_s
         timings.append((members, timing))
-    return IterationPrediction(float(ends.max() + dp_allreduce_s), ends, timings)
+    return ScheduleTiming(float(ends.max() + dp_allreduce_s), ends, timings)
 
 
 # ---- closed forms (uniform chunks, no communication) --------------------------------------------
@@ -433,7 +433,7 @@ def durations_from_plan(plan: Plan, chunk_cost: ChunkCost, p2p_cost: LinkCost | 
 
 
 def predict_plan(plan: Plan, chunk_cost: ChunkCost, p2p_cost: LinkCost | float = 0.0,
-                 dp_allreduce_s: float = 0.0) -> IterationPrediction:
+                 dp_allreduce_s: float = 0.0) -> ScheduleTiming:
     """Shortcut: :func:`durations_from_plan` then :func:`predict_iteration` under the plan's schedule."""
     return predict_iteration(plan.schedule, durations_from_plan(plan, chunk_cost, p2p_cost),
                              virtual_stages=plan.virtual_stages, dp_allreduce_s=dp_allreduce_s)

@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from collector.events import Location
     from collector.plan import Plan
     from remediation.cluster import ClusterState, DeviceState
-    from remediation.model import ModelSpec
+    from remediation.model import PlannerModel
     from remediation.planner import Planner
 
     wanted = {int(s) for s in args.sizes.split(",") if s}
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         tp, layers = 8, 8 * pp
         dp = gpus // (tp * pp)
         plan = Plan.uniform(tp=tp, pp=pp, dp=dp, num_layers=layers, microbatches_per_replica=2 * pp)
-        model = replace(ModelSpec.uniform(layers), microbatch_cv=MIX_CV, makespan_cv=REPLICA_CV)
+        model = replace(PlannerModel.uniform(layers), microbatch_cv=MIX_CV, makespan_cv=REPLICA_CV)
         cluster = (ClusterState(gpus)
                    .with_device(13, DeviceState(compute_factor=2.5))
                    .with_device(gpus // 2 + 3, DeviceState(link_factor=3.0))

@@ -27,7 +27,7 @@ from remediation.candidates import PlannerOptions
 from remediation.cluster import ClusterState
 from remediation.costs import max_layers
 from remediation.diff import plan_diff
-from remediation.model import ModelSpec
+from remediation.model import PlannerModel
 from remediation.plan_result import PlanRefused, PlanResult
 from remediation.planner import Planner
 from remediation.throughput import predict_tokens_per_s
@@ -39,7 +39,7 @@ class Strategy(Protocol):
     def plan(self, cluster: ClusterState, current: Plan) -> PlanResult: ...
 
 
-def _result(name: str, model: ModelSpec, cluster: ClusterState, current: Plan, new: Plan, cost_s: float,
+def _result(name: str, model: PlannerModel, cluster: ClusterState, current: Plan, new: Plan, cost_s: float,
             horizon_s: float, sources: list[int] | None = None) -> PlanResult:
     tps = predict_tokens_per_s(cluster, model, new)
     cur = predict_tokens_per_s(cluster, model, current)
@@ -54,7 +54,7 @@ def _result(name: str, model: ModelSpec, cluster: ClusterState, current: Plan, n
 
 @dataclass
 class DoNothing:
-    model: ModelSpec
+    model: PlannerModel
     name: str = "do_nothing"
     horizon_s: float = 1800.0
 
@@ -64,7 +64,7 @@ class DoNothing:
 
 @dataclass
 class DropReplica:
-    model: ModelSpec
+    model: PlannerModel
     name: str = "drop_replica"
     horizon_s: float = 1800.0
     pause_s: float = 15.0
@@ -83,7 +83,7 @@ class DropReplica:
 
 
 def _pipelines_from_nodes(
-    cluster: ClusterState, model: ModelSpec, node_groups: list[list[int]], tp: int, num_layers: int,
+    cluster: ClusterState, model: PlannerModel, node_groups: list[list[int]], tp: int, num_layers: int,
     pp: int | None = None,
 ) -> list[tuple[StagePlan, ...]]:
     """Pipelines on groups of nodes: TP groups of ``tp`` consecutive devices, layers split evenly.
@@ -115,7 +115,7 @@ def _pipelines_from_nodes(
 class ElasticRestart:
     """Restart from the checkpoint on nodes without a bad device (same TP and PP, fewer replicas)."""
 
-    model: ModelSpec
+    model: PlannerModel
     name: str = "elastic_restart"
     horizon_s: float = 1800.0
     restart_s: float = 180.0
@@ -151,7 +151,7 @@ class ElasticRestart:
 class Oobleck:
     """Re-instantiate pipelines from templates over whole nodes that have no dead device."""
 
-    model: ModelSpec
+    model: PlannerModel
     name: str = "oobleck"
     horizon_s: float = 1800.0
     pause_s: float = 15.0
@@ -203,7 +203,7 @@ class Oobleck:
 class PlannerStrategy:
     """Our planner, or a restriction of it (the ablations), or the oracle."""
 
-    model: ModelSpec
+    model: PlannerModel
     name: str
     options: PlannerOptions
 
@@ -214,7 +214,7 @@ class PlannerStrategy:
         return self._planner.plan(cluster, current)
 
 
-def make_strategy(name: str, model: ModelSpec, horizon_s: float = 1800.0,
+def make_strategy(name: str, model: PlannerModel, horizon_s: float = 1800.0,
                   options: PlannerOptions | None = None) -> Strategy:
     """A strategy by name (see STRATEGY_NAMES); ``options`` (pauses, horizon) for the planner-based ones."""
     base = options or PlannerOptions(horizon_s=horizon_s)

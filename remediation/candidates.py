@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from collector.plan import PipelinePlan
 from remediation.cluster import ClusterState
 from remediation.costs import StageLayout, StageTimes, dp_allreduce_s, max_layers, stage_cost, stage_times
-from remediation.model import ModelSpec
+from remediation.model import PlannerModel
 from remediation.partition import balanced_partition
 
 
@@ -114,7 +114,7 @@ def _stage_options(
 
 
 def _move_s(
-    cluster: ClusterState, model: ModelSpec, old: PipelinePlan, new: Sequence[StageLayout], opts: PlannerOptions,
+    cluster: ClusterState, model: PlannerModel, old: PipelinePlan, new: Sequence[StageLayout], opts: PlannerOptions,
     dp: int,
 ) -> tuple[float, bool]:
     """(seconds to move state into the new stages, structural?). A layer moves when the TP group
@@ -144,7 +144,7 @@ def _move_s(
 
 
 def build_candidate(
-    cluster: ClusterState, model: ModelSpec, old: PipelinePlan, groups: Sequence[tuple[int, ...]],
+    cluster: ClusterState, model: PlannerModel, old: PipelinePlan, groups: Sequence[tuple[int, ...]],
     origin: Sequence[int], label: str, schedule: str, opts: PlannerOptions, dp: int,
     layer_ranges: Sequence[tuple[int, int]] | None = None,
 ) -> PipelineCandidate | None:
@@ -178,7 +178,7 @@ def dropped(old: PipelinePlan) -> PipelineCandidate:
 
 
 def pipeline_candidates(
-    cluster: ClusterState, model: ModelSpec, old: PipelinePlan, schedule: str, opts: PlannerOptions, dp: int,
+    cluster: ClusterState, model: PlannerModel, old: PipelinePlan, schedule: str, opts: PlannerOptions, dp: int,
 ) -> list[PipelineCandidate]:
     """Every candidate for one pipeline (the unchanged one first when it can still run)."""
     bad_stages = [s for s, st in enumerate(old.stages) if any(not cluster.is_healthy(d) for d in st.devices)]
@@ -220,7 +220,7 @@ def pipeline_candidates(
 
 
 def unchanged_candidate(
-    cluster: ClusterState, model: ModelSpec, old: PipelinePlan, schedule: str, opts: PlannerOptions, dp: int,
+    cluster: ClusterState, model: PlannerModel, old: PipelinePlan, schedule: str, opts: PlannerOptions, dp: int,
 ) -> PipelineCandidate | None:
     """The pipeline exactly as it runs now, or None if a device of it is dead."""
     if any(cluster.is_dead(d) for st in old.stages for d in st.devices):
@@ -231,7 +231,7 @@ def unchanged_candidate(
 
 
 def regrow_candidate(
-    cluster: ClusterState, model: ModelSpec, old: PipelinePlan, idle: dict[int, tuple[int, ...]], schedule: str,
+    cluster: ClusterState, model: PlannerModel, old: PipelinePlan, idle: dict[int, tuple[int, ...]], schedule: str,
     opts: PlannerOptions, dp: int, tp: int | None = None,
 ) -> PipelineCandidate | None:
     """Re-form this pipeline's TP groups with healthy idle devices of their nodes (devices an

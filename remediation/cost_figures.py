@@ -29,7 +29,7 @@ from collector.events import CostFit, PlanCurrent
 from collector.plan import Plan
 from remediation.cluster import ClusterState, Hardware
 from remediation.costs import ALLREDUCES_PER_LAYER, ring_factor
-from remediation.model import ModelSpec
+from remediation.model import PlannerModel
 
 BYTES_PER_PARAMETER_STATE = 16  # bf16 weights + grads, fp32 master + two Adam moments
 BYTES_PER_VALUE = 2  # bf16 activations and gradients
@@ -44,8 +44,8 @@ def model_from_fits(
     fits: Sequence[CostFit], current: PlanCurrent, hardware: Hardware, *,
     tokens_per_microbatch: float | None = None, sum_sq_per_microbatch: float | None = None,
     mean_document_tokens: float = 1024.0,
-) -> ModelSpec:
-    """A ModelSpec from the fitted lines of the running plan's stages.
+) -> PlannerModel:
+    """A PlannerModel from the fitted lines of the running plan's stages.
 
     tokens_per_microbatch / sum_sq_per_microbatch: the workload's means (N and Σlᵢ²); default the
     plan's packing budget and the forward lines' ``mean_sum_sq_len`` (their median), or without
@@ -113,7 +113,7 @@ def model_from_fits(
         st = stages[last]
         c_tok, _ = tp_comm(st.tp, st.num_layers) if tp_bytes else (0.0, 0.0)
         head = max(0.0, st.tp * (f_last.alpha_s_per_token - c_tok) - st.num_layers * linear)
-    return ModelSpec(
+    return PlannerModel(
         num_layers=plan.num_layers, layer_state_bytes=current.layer_state_bytes, tokens_per_microbatch=n_tok,
         linear_s_per_token=max(linear, 1e-18), attn_s_per_sq_token=max(0.0, median(att)), sum_sq_per_microbatch=s2,
         overhead_s=median(over), head_s_per_token=head, tp_bytes_per_token=tp_bytes,
@@ -130,7 +130,7 @@ def _forward_median(fits, name: str) -> float | None:
     return median(values) if values else None
 
 
-def calibrate_spread(model: ModelSpec, plan: Plan, cluster: ClusterState, observed_s: Sequence[float]) -> ModelSpec:
+def calibrate_spread(model: PlannerModel, plan: Plan, cluster: ClusterState, observed_s: Sequence[float]) -> PlannerModel:
     """``model`` with the replicas' spread and the stalls' tail fitted to the healthy ``plan``'s
     observed iteration times (``analytics.prediction``'s observed_s, or the summaries').
 

@@ -33,7 +33,7 @@ import numpy as np
 from analytics.schedule import op_table, pipeline_timing
 from collector.plan import Plan
 from remediation.cluster import ClusterState
-from remediation.model import ModelSpec
+from remediation.model import PlannerModel
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ class StageCost:
     head_s: float  # forward LM head on this group (last stage only), × slowdown
 
 
-def stage_cost(cluster: ClusterState, model: ModelSpec, devices: Sequence[int], last: bool) -> StageCost:
+def stage_cost(cluster: ClusterState, model: PlannerModel, devices: Sequence[int], last: bool) -> StageCost:
     """What one layer costs on the TP group ``devices`` (and the head, when it is the last stage)."""
     devices = tuple(devices)
     tp = len(devices)
@@ -176,14 +176,14 @@ def stage_cost(cluster: ClusterState, model: ModelSpec, devices: Sequence[int], 
     )
 
 
-def stage_round_trip_s(cost: StageCost, model: ModelSpec, layers: int) -> float:
+def stage_round_trip_s(cost: StageCost, model: PlannerModel, layers: int) -> float:
     """F + B (+ W) of a stage holding ``layers`` layers: what the layer split balances."""
     bf = model.backward_factor
     return (1 + bf) * (layers * cost.per_layer_compute_s + cost.head_s) + 2 * layers * cost.per_layer_fixed_s
 
 
 def stage_times(
-    cluster: ClusterState, model: ModelSpec, stages: Sequence[StageLayout], schedule: str = "1f1b"
+    cluster: ClusterState, model: PlannerModel, stages: Sequence[StageLayout], schedule: str = "1f1b"
 ) -> StageTimes:
     """Chunk durations of a pipeline built from ``stages`` on ``cluster``."""
     f, b, w, p2p = [], [], [], []
@@ -210,7 +210,7 @@ def stage_times(
     return StageTimes(tuple(f), tuple(b), tuple(w) if schedule == "zero_bubble" else None, tuple(p2p))
 
 
-def dp_allreduce_s(cluster: ClusterState, model: ModelSpec, stages: Sequence[StageLayout], dp: int = 2) -> float:
+def dp_allreduce_s(cluster: ClusterState, model: PlannerModel, stages: Sequence[StageLayout], dp: int = 2) -> float:
     """Ring all-reduce over ``dp`` replicas of the gradients held by the busiest device of these
     stages (between nodes), slowed by any slow link or NIC these stages' devices use."""
     if dp <= 1:
@@ -226,12 +226,12 @@ def dp_allreduce_s(cluster: ClusterState, model: ModelSpec, stages: Sequence[Sta
     return worst
 
 
-def stage_fits(cluster: ClusterState, model: ModelSpec, tp: int, num_layers: int) -> bool:
+def stage_fits(cluster: ClusterState, model: PlannerModel, tp: int, num_layers: int) -> bool:
     """Whether ``num_layers`` layers' state fits on a TP group of ``tp`` devices."""
     return num_layers * model.layer_state_bytes <= tp * cluster.hardware.state_capacity_bytes
 
 
-def max_layers(cluster: ClusterState, model: ModelSpec, tp: int) -> int:
+def max_layers(cluster: ClusterState, model: PlannerModel, tp: int) -> int:
     """The most layers a TP group of ``tp`` devices can hold."""
     if model.layer_state_bytes <= 0:
         return model.num_layers
@@ -277,7 +277,7 @@ def expected_slowest_s(spans: Iterable[tuple[float, int]], cv: float, grid_point
     Why it matters: with many replicas the iteration already waits for the unluckiest one, so a
     replica slightly slower on average costs less than its mean says, and fixing it gains less.
     ``cost_figures.calibrate_spread`` fits the relative spread on the body of the observed
-    iterations (their median); rare stalls are a separate, additive ``ModelSpec.tail_s``."""
+    iterations (their median); rare stalls are a separate, additive ``PlannerModel.tail_s``."""
     cdf = _slowest_cdf(spans, cv, sd_s, grid_points)
     if isinstance(cdf, float):
         return cdf
@@ -296,7 +296,7 @@ def median_slowest_s(spans: Iterable[tuple[float, int]], cv: float, grid_points:
     return float(np.interp(0.5, f, t))
 
 
-def compute_factor_from_chunks(cluster: ClusterState, model: ModelSpec, plan: Plan, device: int,
+def compute_factor_from_chunks(cluster: ClusterState, model: PlannerModel, plan: Plan, device: int,
                                chunk_factor: float) -> float:
     """The compute slowdown behind a measured chunk slowdown of ``device``.
 

@@ -43,7 +43,7 @@ from remediation.horizon import HorizonEstimator
 from remediation.lifecycle import (
     KEPT_UNVERIFIED, LifecycleState, PlanStatus, Verification, initial_state, reaction_id, reactions, step,
 )
-from remediation.model import ModelSpec
+from remediation.model import PlannerModel
 from remediation.plan_result import PlanRefused
 from remediation.planner import Planner
 from remediation.throughput import predict_tokens_per_s
@@ -73,7 +73,7 @@ class EngineConfig:
 class RemediationEngine:
     """One job's engine over a bus. ``poll_once`` is one step of the loop (tests drive it)."""
 
-    def __init__(self, bus: Bus, config: EngineConfig, model: ModelSpec | None = None,
+    def __init__(self, bus: Bus, config: EngineConfig, model: PlannerModel | None = None,
                  initial_plan: Plan | None = None, strategy: Strategy | None = None) -> None:
         self.bus = bus
         self.config = config
@@ -372,7 +372,7 @@ class RemediationEngine:
                                    replace(self.strategy.options, horizon_s=self.horizon.horizon_s(self._clock_s)))
         return self.strategy
 
-    def _with_spread(self, model: ModelSpec, epoch: int, plan: Plan) -> ModelSpec:
+    def _with_spread(self, model: PlannerModel, epoch: int, plan: Plan) -> PlannerModel:
         """``model`` with the replicas' spread and the stalls' tail (``calibrate_spread``), fitted on
         the iterations observed while no incident was open — on a healthy cluster, since that is
         what ran them — of this epoch, or of the newest earlier one with enough of them when this

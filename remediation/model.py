@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class PlannerModel:
     """Healthy per-layer costs of one micro-batch (the workload's mean N and Σlᵢ²).
 
     linear_s_per_token: forward linear-layer compute of one layer at TP 1, per token (α's compute).
@@ -108,7 +108,7 @@ class ModelSpec:
         layer_state_bytes: int = 3 * 2**30,
         activation_bytes: int = 64 * 2**20,
         tokens_per_microbatch: int = 8192,
-    ) -> ModelSpec:
+    ) -> PlannerModel:
         """Identical layers taking ``layer_time_s`` (forward + backward, TP 1) per micro-batch, all
         compute (no attention term, no TP traffic): a simple model for tests and demos."""
         return cls(
@@ -119,10 +119,10 @@ class ModelSpec:
 
 
 class ModelSpecFile(BaseModel):
-    """The JSON form of a ModelSpec (``resihp remediate --model FILE``).
+    """The JSON form of a PlannerModel (``resihp remediate --model FILE``).
 
     Either the simple form (``layer_time_s``: forward + backward of a layer at TP 1) or the cost
-    model's form (``linear_s_per_token`` and the rest, see :class:`ModelSpec`)."""
+    model's form (``linear_s_per_token`` and the rest, see :class:`PlannerModel`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -146,20 +146,20 @@ class ModelSpecFile(BaseModel):
     tail_s: float = Field(default=0.0, ge=0)
 
     @classmethod
-    def of(cls, spec: ModelSpec) -> ModelSpecFile:
+    def of(cls, spec: PlannerModel) -> ModelSpecFile:
         """The file form of ``spec`` (cost-model form); ``ModelSpecFile.of(s).spec() == s``."""
-        return cls(**{f.name: getattr(spec, f.name) for f in fields(ModelSpec)})
+        return cls(**{f.name: getattr(spec, f.name) for f in fields(PlannerModel)})
 
-    def spec(self) -> ModelSpec:
+    def spec(self) -> PlannerModel:
         if self.linear_s_per_token is None:
             if self.layer_time_s is None:
                 raise ValueError("a model file needs layer_time_s (simple form) or linear_s_per_token (cost-model form)")
-            return ModelSpec.uniform(self.num_layers, layer_time_s=self.layer_time_s,
+            return PlannerModel.uniform(self.num_layers, layer_time_s=self.layer_time_s,
                                      layer_state_bytes=self.layer_state_bytes, activation_bytes=self.activation_bytes,
                                      tokens_per_microbatch=int(self.tokens_per_microbatch))
         act = (self.activation_bytes_per_token if self.activation_bytes_per_token is not None
                else self.activation_bytes / self.tokens_per_microbatch)
-        return ModelSpec(
+        return PlannerModel(
             num_layers=self.num_layers, layer_state_bytes=self.layer_state_bytes,
             tokens_per_microbatch=self.tokens_per_microbatch, linear_s_per_token=self.linear_s_per_token,
             attn_s_per_sq_token=self.attn_s_per_sq_token, sum_sq_per_microbatch=self.sum_sq_per_microbatch,

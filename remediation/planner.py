@@ -33,7 +33,7 @@ from remediation.candidates import (
 from remediation.cluster import ClusterState
 from remediation.costs import PipelineScorer, ScheduleModelScorer, dp_allreduce_s
 from remediation.diff import plan_diff
-from remediation.model import ModelSpec
+from remediation.model import PlannerModel
 from remediation.plan_result import PlanRefused, PlanResult
 from remediation.throughput import expected_iteration_s, pipeline_signature, predict_tokens_per_s
 
@@ -53,7 +53,7 @@ class Planner:
 
     def __init__(
         self,
-        model: ModelSpec,
+        model: PlannerModel,
         options: PlannerOptions | None = None,
         scorer: PipelineScorer | None = None,
         strategy: str = "ours",

@@ -11,7 +11,7 @@ from collector.plan import PipelinePlan, Plan
 from remediation.candidates import PlannerOptions, unchanged_candidate
 from remediation.cluster import ClusterState
 from remediation.costs import PipelineScorer, ScheduleModelScorer, expected_slowest_s
-from remediation.model import ModelSpec
+from remediation.model import PlannerModel
 
 
 def pipeline_signature(pipe: PipelinePlan) -> tuple:
@@ -20,13 +20,13 @@ def pipeline_signature(pipe: PipelinePlan) -> tuple:
     return tuple((st.tp, st.first_layer, st.end_layer) for st in pipe.stages)
 
 
-def expected_iteration_s(model: ModelSpec, spans: dict[float, int], dp_s: float) -> float:
+def expected_iteration_s(model: PlannerModel, spans: dict[float, int], dp_s: float) -> float:
     """The mean iteration: the expected slowest pipeline (``spans``: mean makespan → how many
     pipelines), the stalls' tail, and the DP all-reduce after it."""
     return expected_slowest_s(spans.items(), model.makespan_cv, sd_s=model.makespan_sd_s) + model.tail_s + dp_s
 
 
-def plan_spans(cluster: ClusterState, model: ModelSpec, plan: Plan, scorer: PipelineScorer | None = None
+def plan_spans(cluster: ClusterState, model: PlannerModel, plan: Plan, scorer: PipelineScorer | None = None
                ) -> tuple[dict[float, int], float] | None:
     """(mean makespan → how many pipelines, DP all-reduce seconds) of ``plan`` as it stands on
     ``cluster``; None when it uses a dead device. Identical healthy pipelines are scored once."""
@@ -54,7 +54,7 @@ def plan_spans(cluster: ClusterState, model: ModelSpec, plan: Plan, scorer: Pipe
 
 
 def predict_tokens_per_s(
-    cluster: ClusterState, model: ModelSpec, plan: Plan, scorer: PipelineScorer | None = None,
+    cluster: ClusterState, model: PlannerModel, plan: Plan, scorer: PipelineScorer | None = None,
 ) -> float:
     """Tokens/s of ``plan`` as it stands on ``cluster`` (0 when it uses a dead device), scored
     with the schedule model."""

@@ -1,7 +1,7 @@
 """The planner's cost figures for a simulated job: the exact ones (the simulator's truth) and the
 ones a running job would publish. The composition root's bridge between the simulator (trainer)
 and the planner (remediation): remediation must not import trainer, and bench/ is not a library,
-so whoever needs "a ModelSpec for this simulator config" imports it from here (``resihp bench
+so whoever needs "a PlannerModel for this simulator config" imports it from here (``resihp bench
 recover``, the demo, tests).
 
 * ``exact_model``: the simulator's own per-layer coefficients (trainer/sim/cost.py) and the
@@ -10,7 +10,7 @@ recover``, the demo, tests).
   analytics cost model's robust fit (``analytics.cost_model.fit_class``) gives α, β, γ per stage
   and chunk kind, wrapped as the ``analytics.cost_model`` event's ``CostFit`` lines; the
   simulator's own ``plan.current`` announcement gives the plan and model facts; and
-  ``remediation.cost_figures.model_from_fits`` turns them into the planner's ModelSpec.
+  ``remediation.cost_figures.model_from_fits`` turns them into the planner's PlannerModel.
 * ``hardware_of``: the planner's Hardware for a simulator ClusterSpec.
 
 What can go wrong: ``fitted_model`` runs a short simulation (seconds at 1,024 GPUs); a
@@ -25,7 +25,7 @@ from collector.events import CostFit, IterationSummary, PlanCurrent, RankIterati
 from collector.plan import Plan
 from remediation.cluster import ClusterState, Hardware
 from remediation.cost_figures import calibrate_spread, model_from_fits
-from remediation.model import ModelSpec
+from remediation.model import PlannerModel
 
 
 def hardware_of(cluster_spec) -> Hardware:
@@ -47,13 +47,13 @@ def workload_means(workload, samples: int = 4096) -> tuple[float, float]:
 
 
 def exact_model(sim_model, cluster_spec, workload, makespan_cv: float = 0.0,
-                makespan_sd_s: float = 0.0, microbatch_cv: float = 0.0, tail_s: float = 0.0) -> ModelSpec:
+                makespan_sd_s: float = 0.0, microbatch_cv: float = 0.0, tail_s: float = 0.0) -> PlannerModel:
     """The simulator's truth in the planner's terms (trainer/sim/cost.py, term by term); the
     spreads are not in the simulator's cost terms, so the caller passes them (e.g. a fitted
     model's)."""
     n, s2 = workload_means(workload)
     h, bpv, flops = sim_model.hidden, sim_model.bytes_per_value, cluster_spec.effective_flops
-    return ModelSpec(
+    return PlannerModel(
         num_layers=sim_model.layers, layer_state_bytes=sim_model.params_per_layer * 16, tokens_per_microbatch=n,
         linear_s_per_token=24 * h * h / flops, attn_s_per_sq_token=2 * h / flops, sum_sq_per_microbatch=s2,
         overhead_s=cluster_spec.layer_overhead_s, head_s_per_token=2 * h * sim_model.vocab / flops,
@@ -63,7 +63,7 @@ def exact_model(sim_model, cluster_spec, workload, makespan_cv: float = 0.0,
     )
 
 
-def fitted_model(config, iterations: int = 24, spread_iterations: int = 0) -> ModelSpec:
+def fitted_model(config, iterations: int = 24, spread_iterations: int = 0) -> PlannerModel:
     """Fit the cost model on a healthy warm-up of ``config``'s job, as the analytics consumer would,
     and build the planner's figures from the fits and the job's ``plan.current``.
 

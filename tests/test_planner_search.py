@@ -13,13 +13,13 @@ from remediation.candidates import PlannerOptions
 from remediation.cluster import ClusterState, DeviceState, Hardware, cluster_from_incidents
 from remediation.costs import ScheduleModelScorer, StageTimes
 from remediation.diff import plan_diff, ranges
-from remediation.model import ModelSpec
+from remediation.model import PlannerModel
 from remediation.partition import balanced_partition
 from remediation.plan_result import PlanRefused
 from remediation.planner import Planner
 from remediation.throughput import predict_tokens_per_s
 
-MODEL = ModelSpec.uniform(32)
+MODEL = PlannerModel.uniform(32)
 PLAN = Plan.uniform(tp=8, pp=4, dp=8, num_layers=32, microbatches_per_replica=16)
 HEALTHY = ClusterState(256)
 
@@ -81,7 +81,7 @@ def test_dead_node_removes_the_stage_and_keeps_the_replica():
 
 
 def test_refuses_when_no_replica_can_hold_the_model():
-    model = ModelSpec.uniform(4, layer_state_bytes=40 * 2**30)  # 160 GiB of state
+    model = PlannerModel.uniform(4, layer_state_bytes=40 * 2**30)  # 160 GiB of state
     plan = Plan.uniform(tp=4, pp=1, dp=1, num_layers=4, microbatches_per_replica=4)
     cluster = ClusterState(8).with_device(0, DeviceState(dead=True)).with_device(1, DeviceState(dead=True))
     with pytest.raises(PlanRefused, match="no pipeline can hold the model"):
@@ -100,7 +100,7 @@ def test_large_cluster_plans_only_damaged_pipelines():
     n = 16_384
     plan = Plan.uniform(tp=8, pp=16, dp=n // 128, num_layers=64, microbatches_per_replica=8)
     cluster = ClusterState(n).with_device(5, DeviceState(dead=True)).with_device(9000, DeviceState(compute_factor=2))
-    r = Planner(ModelSpec.uniform(64)).plan(cluster, plan)
+    r = Planner(PlannerModel.uniform(64)).plan(cluster, plan)
     assert r.plan.global_microbatches == plan.global_microbatches
     assert 5 not in r.plan.devices
     assert len(r.diff) <= 40
@@ -125,7 +125,7 @@ def test_elastic_restart_keeps_every_pipeline_a_healthy_node_can_hold():
     """TP 2 · PP 2 puts two pipelines on a node: losing a GPU on node 1 leaves node 0's two."""
     small = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
     cluster = ClusterState(16).with_device(9, DeviceState(dead=True))
-    r = make_strategy("elastic_restart", ModelSpec.uniform(8)).plan(cluster, small)
+    r = make_strategy("elastic_restart", PlannerModel.uniform(8)).plan(cluster, small)
     assert r.plan.dp == 2 and sorted(r.plan.devices) == list(range(8))
     assert [len(p.stages) for p in r.plan.pipelines] == [2, 2] and r.plan.global_microbatches == 16
 
@@ -190,11 +190,11 @@ def test_model_file_round_trips_every_model_spec_field():
 
     from remediation.model import ModelSpecFile
 
-    spec = ModelSpec(num_layers=12, layer_state_bytes=3 * 2**30, tokens_per_microbatch=3295.5,
+    spec = PlannerModel(num_layers=12, layer_state_bytes=3 * 2**30, tokens_per_microbatch=3295.5,
                      linear_s_per_token=1e-7, attn_s_per_sq_token=2e-11, sum_sq_per_microbatch=4e6, overhead_s=4e-5,
                      head_s_per_token=3e-8, tp_bytes_per_token=16384.0, activation_bytes_per_token=8192.0,
                      grad_bytes_per_layer=4e8, backward_factor=2.1, makespan_cv=0.05, makespan_sd_s=0.02)
-    assert {f.name for f in fields(ModelSpec)} <= set(ModelSpecFile.model_fields)
+    assert {f.name for f in fields(PlannerModel)} <= set(ModelSpecFile.model_fields)
     text = ModelSpecFile.of(spec).model_dump_json()
     assert ModelSpecFile.model_validate_json(text).spec() == spec
 
@@ -208,7 +208,7 @@ def test_remediation_imports_neither_trainer_nor_bench():
             "print(sorted({n.split('.')[0] for n in sys.modules} & {'trainer', 'bench', 'ui'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
-    from resihp.planning_models import exact_model  # the simulator → ModelSpec bridge lives here now
+    from resihp.planning_models import exact_model  # the simulator → PlannerModel bridge lives here now
 
     assert exact_model.__module__ == "resihp.planning_models"
 
@@ -227,7 +227,7 @@ def test_repaired_devices_on_a_node_two_pipelines_share_rejoin_the_group_they_le
     pipes = [p.model_dump() for p in whole.pipelines]
     pipes[0], pipes[1] = shrunk(whole.pipelines[0], 1, 3), shrunk(whole.pipelines[1], 0, 4)
     current = Plan.model_validate({**whole.model_dump(), "pipelines": pipes})
-    r = Planner(ModelSpec.uniform(8)).plan(ClusterState(16), current)
+    r = Planner(PlannerModel.uniform(8)).plan(ClusterState(16), current)
     assert r.changed and sorted(r.plan.devices) == list(range(16))
     for replica, devices in ((0, {0, 1, 2, 3}), (1, {4, 5, 6, 7})):
         assert {d for st in r.plan.pipelines[replica].stages for d in st.devices} == devices
@@ -241,7 +241,7 @@ def test_the_dp_search_picks_the_allocation_its_own_score_rates_fastest():
     # faster than dropping it; by the score every prediction uses, dropping it is 3 % faster. The
     # DP search must choose by the score, or dp_only settles for a plan it rates worse than one
     # it had found.
-    noisy = ModelSpec(num_layers=32, layer_state_bytes=3 * 2**30, tokens_per_microbatch=3296,
+    noisy = PlannerModel(num_layers=32, layer_state_bytes=3 * 2**30, tokens_per_microbatch=3296,
                       linear_s_per_token=8.1e-7, attn_s_per_sq_token=1.6e-11, sum_sq_per_microbatch=6.76e6,
                       overhead_s=4e-5, head_s_per_token=5.6e-7, tp_bytes_per_token=16384.0,
                       activation_bytes_per_token=8192.0, backward_factor=2.0, makespan_cv=0.043,

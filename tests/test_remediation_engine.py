@@ -14,7 +14,7 @@ from collector.plan import Plan
 from collector.stream import EventStream
 from remediation.engine import EngineConfig, RemediationEngine
 from remediation.lifecycle import PlanStatus
-from remediation.model import ModelSpec
+from remediation.model import PlannerModel
 from resihp.cli import main
 
 JOB = "itest"
@@ -31,7 +31,7 @@ def test_incident_to_verified_plan_over_the_embedded_bus(tmp_path: Path, capsys)
     path = tmp_path / "bus.sqlite"
     flags = ["--bus", "embedded", "--bus-path", str(path), "--job", JOB]
     plan = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
-    model = ModelSpec.uniform(8)
+    model = PlannerModel.uniform(8)
     with EmbeddedBus(path) as bus:
         engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), model, plan)
         detector = EventFactory(JOB, "analytics")
@@ -86,7 +86,7 @@ def test_a_restarted_engine_judges_a_resumed_job_by_the_fraction_its_proposal_ca
             analytics.make(IncidentOpened(
                 incident_id="i1", category=FaultCategory.FAIL_STOP, severity=Severity.HIGH, iteration=5,
                 locations=[Location(target="compute", rank=5)], evidence=Evidence(), summary="rank 5 silent"))])
-        engine = RemediationEngine(bus, config, ModelSpec.uniform(8), plan)
+        engine = RemediationEngine(bus, config, PlannerModel.uniform(8), plan)
         engine.poll_once()
         (record,) = engine.state.plans.values()
         fraction = record.proposal.fraction_of_before
@@ -98,7 +98,7 @@ def test_a_restarted_engine_judges_a_resumed_job_by_the_fraction_its_proposal_ca
             running_epoch=1))])
         bus.publish([analytics.make(IterationPrediction(epoch=1, iteration=i, observed_s=1.0, predicted_s=1.0,
                                                         tokens=300)) for i in range(20, 27)])  # 0.3 of before
-        again = RemediationEngine(bus, config, ModelSpec.uniform(8), plan)
+        again = RemediationEngine(bus, config, PlannerModel.uniform(8), plan)
         again.poll_once()
         again.poll_once()
         assert again.state.plans[record.plan_id].status == PlanStatus.VERIFIED  # kept: nothing to roll back to
@@ -112,7 +112,7 @@ def test_under_the_auto_policy_one_poll_takes_an_incident_to_a_command(tmp_path:
     waits for the command, and one poll apart each (the loop's pace while hung) cost it seconds."""
     plan = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
     with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
-        engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), ModelSpec.uniform(8), plan)
+        engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), PlannerModel.uniform(8), plan)
         bus.publish([EventFactory(JOB, "operator").make(PolicyChanged(
             mode=PolicyMode.AUTO, auto_severities=[Severity.HIGH], actor="test")),
             EventFactory(JOB, "analytics").make(IncidentOpened(
@@ -138,13 +138,13 @@ def test_what_cannot_be_planned_is_published_as_withheld_and_listed(tmp_path: Pa
         locations=[Location(target="compute", rank=r) for r in range(16)], evidence=Evidence(), summary="all dead"))
     with EmbeddedBus(path) as bus:
         bus.publish([incident])
-        engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), ModelSpec.uniform(8), plan)
+        engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), PlannerModel.uniform(8), plan)
         engine.poll_once()
         assert not engine.state.plans
         (withheld,) = engine.state.withheld
         assert not withheld.waiting and withheld.incident_ids == ["i1"] and withheld.reason.startswith("plan refused")
         engine.close()
-        again = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), ModelSpec.uniform(8), plan)
+        again = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), PlannerModel.uniform(8), plan)
         again.poll_once()
         again.poll_once()
         assert len(again.state.withheld) == 1  # the replay re-derived the same event id
@@ -190,7 +190,7 @@ def test_a_group_level_fail_slow_waits_for_its_member_and_reactions_carry_event_
     plan = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
     t0 = 1_000.0
     with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
-        engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), ModelSpec.uniform(8), plan)
+        engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), PlannerModel.uniform(8), plan)
         analytics = EventFactory(JOB, "analytics")
         group = Location(target="compute", tp_group=(4, 5), replica=1, stage=0, factor=3.0)
         bus.publish([analytics.make(IncidentOpened(
@@ -216,7 +216,7 @@ def test_a_dead_device_stays_out_of_plans_after_its_incident_resolves_and_a_fail
 
     plan = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
     with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
-        engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), ModelSpec.uniform(8), plan)
+        engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), PlannerModel.uniform(8), plan)
         analytics, trainer = EventFactory(JOB, "analytics"), EventFactory(JOB, "trainer")
 
         def stop(incident_id: str, rank: int) -> None:
@@ -323,7 +323,7 @@ def test_a_reshape_declined_over_a_bursts_pace_is_proposed_once_the_calm_doubles
     t0 = 1_000.0
     with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
         options = PlannerOptions(pause_s=20.0, rebalance_pause_s=20.0)
-        engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16, options=options), ModelSpec.uniform(8),
+        engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16, options=options), PlannerModel.uniform(8),
                                    plan)
         analytics = EventFactory(JOB, "analytics")
 
@@ -364,7 +364,7 @@ def test_a_layout_rolled_back_for_the_same_incidents_is_not_proposed_again_when_
     plan = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
     t0 = 1_000.0
     with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
-        engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), ModelSpec.uniform(8), plan)
+        engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), PlannerModel.uniform(8), plan)
         analytics, ui, trainer = (EventFactory(JOB, s) for s in ("analytics", "ui", "trainer"))
 
         def opened(incident_id: str, rank: int, factor: float, t: float) -> None:

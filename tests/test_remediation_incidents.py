@@ -14,7 +14,7 @@ from collector.events import (
 from collector.plan import Plan
 from remediation.cluster import ClusterState, Unlocatable, cluster_from_incidents
 from remediation.engine import EngineConfig, RemediationEngine
-from remediation.model import ModelSpec
+from remediation.model import PlannerModel
 from remediation.plan_result import PlanResult
 
 JOB = "inc"
@@ -37,7 +37,7 @@ def _ticks(first: int, count: int, time_s: float) -> list:
 
 def _engine(bus: EmbeddedBus, **kw) -> RemediationEngine:
     return RemediationEngine(bus, EngineConfig(job=JOB, num_devices=32, localisation_wait_s=30.0, **kw),
-                             ModelSpec.uniform(8), PLAN)
+                             PlannerModel.uniform(8), PLAN)
 
 
 def test_a_tp_group_location_marks_every_member_and_an_empty_link_is_unlocatable() -> None:
@@ -153,7 +153,7 @@ class _Broken:
 
 def test_a_planner_error_is_reported_and_the_engine_keeps_running(tmp_path: Path) -> None:
     with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
-        engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=32), ModelSpec.uniform(8), PLAN,
+        engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=32), PlannerModel.uniform(8), PLAN,
                                    strategy=_Broken())
         bus.publish([_opened("i1", Location(target="compute", rank=3), FaultCategory.FAIL_STOP),
                      _opened("i2", Location(target="compute", rank=99), FaultCategory.FAIL_STOP)])

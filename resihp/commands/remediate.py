@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from remediation.candidates import PlannerOptions
     from remediation.cluster import Hardware
     from remediation.engine import EngineConfig, RemediationEngine
-    from remediation.model import ModelSpec, ModelSpecFile
+    from remediation.model import PlannerModel, ModelSpecFile
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     plan = None
@@ -79,13 +79,13 @@ def run(args: argparse.Namespace) -> int:
     if args.model:
         model = ModelSpecFile.model_validate_json(Path(args.model).read_text()).spec()
     elif plan is not None:
-        model = ModelSpec.uniform(plan.num_layers)
+        model = PlannerModel.uniform(plan.num_layers)
     if model is not None and plan is not None and model.num_layers != plan.num_layers:
         print(f"the model has {model.num_layers} layers but the plan {plan.num_layers}; pass matching --model/--plan",
               file=sys.stderr)
         return 2
     try:
-        make_strategy(args.strategy, model or ModelSpec.uniform(1), args.horizon_s)
+        make_strategy(args.strategy, model or PlannerModel.uniform(1), args.horizon_s)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
