@@ -36,6 +36,7 @@ from collector.events import (
 )
 
 _GROW = 1024
+LINK_SUSTAIN = 3  # iterations a link whose timers hold waits must read slow before it counts
 _MEDIAN_STEP_PER_SIGMA = 0.6745 * math.sqrt(2)  # median |z_t − z_{t−1}| for independent normal z of σ 1
 
 
@@ -93,6 +94,7 @@ class Detector:
         self._zhist: deque[np.ndarray] = deque(maxlen=self.config.window_iterations)
         self._link_cusum: dict[tuple[int, int], float] = {}
         self._link_zhist: dict[int, deque[np.ndarray]] = {}  # per stage pair, its links' recent scores
+        self._link_recent: dict[tuple[int, int], deque[float]] = {}  # per link whose timers hold waits
         self._comm_hist: deque[float] = deque(maxlen=4 * self.config.window_iterations)
         self._comm_cusum = 0.0
         self._comm_unjudged = False  # the open communication incident has no healthy reference in this layout
@@ -237,6 +239,7 @@ class Detector:
         self._cusum[:] = 0.0
         self._z_last[:] = np.nan  # z moves with the layout: no step is measured across a reshape
         self._link_cusum.clear()
+        self._link_recent.clear()
         self._comm_hist.clear()
         self._comm_cusum = 0.0
         # A communication incident open across a new plan can no longer be judged from the excess
@@ -425,6 +428,18 @@ class Detector:
             out[sel] = max(1.4826 * mad, self.config.sigma_floor)
         return out
 
+    def _sustained_link_z(self, key: tuple[int, int], z: float) -> float:
+        """For a link whose timers hold waits: the smallest of its last ``LINK_SUSTAIN`` scores.
+
+        Why: such a timer reads the wire plus however long the peer kept it waiting, and whether the
+        peer was late flips from one iteration to the next with the stages' jitter (a stall, a
+        slower mix downstream), so one link reads ×10-×40 for a single iteration now and then in a
+        healthy job. A slower wire slows every message of every iteration: it raises the minimum of
+        a few iterations, a late peer does not."""
+        recent = self._link_recent.setdefault(key, deque(maxlen=LINK_SUSTAIN))
+        recent.append(z)
+        return min(recent) if len(recent) == LINK_SUSTAIN else min(min(recent), 0.0)
+
     def _links_explained_by_compute(self, frame: IterationFrame, score: FrameScore, k: float) -> set[int]:
         """Replicas whose links cannot be judged this iteration: one of their ranks computes slower
         than predicted (z above the drift allowance, alarmed or not yet), has an open compute
@@ -445,11 +460,14 @@ class Detector:
         open_links = self.book.open_links()
         coord = {int(r): i for i, r in enumerate(frame.rank)}
         explained = self._links_explained_by_compute(frame, score, float(self._thresholds(sigma_rank)[0]))
-        for a, b, z, sigma, k, h, cap in zip(score.link_src.tolist(), score.link_dst.tolist(), lz.tolist(),
-                                             sigmas.tolist(), ks.tolist(), hs.tolist(), caps.tolist()):
+        for a, b, z, waits, sigma, k, h, cap in zip(
+                score.link_src.tolist(), score.link_dst.tolist(), lz.tolist(), score.link_waits.tolist(),
+                sigmas.tolist(), ks.tolist(), hs.tolist(), caps.tolist()):
             if not math.isfinite(z):
                 continue  # not judged this iteration (a fused timer without peers to compare with)
             key = (a, b)
+            if waits:
+                z = self._sustained_link_z(key, z)
             i = coord.get(a)
             if ("link", a, b) in open_links:
                 out += self.book.observe(("link", a, b), z, k, frame.iteration, float(np.exp(z)))

@@ -37,6 +37,7 @@ class FrameScore:
     link_dst: np.ndarray
     link_z: np.ndarray  # (L,) centred log time per message; NaN: not judged this iteration
     link_class: np.ndarray  # (L,) the link's stage pair, as a code: links that do the same work share it
+    link_waits: np.ndarray  # (L,) bool: the link's timers hold the wait for the peer (fused / blocking)
     inferred: bool  # True when seq_lens were missing and per-micro-batch inference filled in
 
 
@@ -348,22 +349,23 @@ def score_frame(frame: IterationFrame, model: CostModel, suspects: set[int],
     if not len(pool):
         pool = x[np.isfinite(x)]
     centre = float(np.median(pool)) if len(pool) else 0.0
-    src, dst, lz, lcls = score_links(frame)
+    src, dst, lz, lcls, lwait = score_links(frame)
     return FrameScore(z=x - centre, x=x, z_by_kind=xk - centre, c_pred=pred, c_class=c_class, class_keys=keys,
-                      link_src=src, link_dst=dst, link_z=lz, link_class=lcls, inferred=inferred)
+                      link_src=src, link_dst=dst, link_z=lz, link_class=lcls, link_waits=lwait, inferred=inferred)
 
 
 P2P_OPS = (OP_CODE["pp_send"], OP_CODE["pp_sendrecv"])
 MIN_LINK_PEERS = 3  # links of one stage pair needed to centre them on each other
 
 
-def score_links(frame: IterationFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(src device, dst device, centred log per-message time, stage-pair code) for every link with
-    p2p send records (``pp_send``, or a fused ``pp_sendrecv``); a link that cannot be judged this
-    iteration has NaN.
+def score_links(frame: IterationFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(src device, dst device, centred log per-message time, stage-pair code, timers hold waits)
+    for every link with p2p send records (``pp_send``, or a fused ``pp_sendrecv``); a link that
+    cannot be judged this iteration has NaN.
 
     A link's time is the lower quartile over its messages of the time per message (per byte when
-    sizes are known), so that messages that waited for the peer count less. It is centred on the
+    sizes are known), so that messages that waited for the peer count less; for timers that hold
+    the wait (``includes_wait``) it is the fastest message, the one closest to the wire alone. It is centred on the
     links that do the same work in the schedule: the same stage pair (source stage, destination
     stage) in the other replicas and TP ranks. Why not on the median link: a send timer holds some
     of the wait for the peer, and a fused send+recv timer (Megatron's) holds all of it — the
@@ -379,7 +381,7 @@ def score_links(frame: IterationFrame) -> tuple[np.ndarray, np.ndarray, np.ndarr
     sel = np.isin(frame.k_op, P2P_OPS) & (frame.k_peer >= 0)
     if not sel.any():
         empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, np.zeros(0), empty
+        return empty, empty, np.zeros(0), empty, np.zeros(0, dtype=bool)
     src = frame.rank[frame.k_rank[sel]]
     dst = frame.k_peer[sel]
     per = frame.k_dur[sel]
@@ -388,10 +390,12 @@ def score_links(frame: IterationFrame) -> tuple[np.ndarray, np.ndarray, np.ndarr
     span = int(max(src.max(), dst.max())) + 1
     pairs, inv = np.unique(src * span + dst, return_inverse=True)
     inv = inv.reshape(-1)
-    q = group_quantile_low(inv, per, len(pairs))
-    lq = np.log(np.maximum(q, 1e-15))
     waits = np.zeros(len(pairs), dtype=bool)
     np.logical_or.at(waits, inv, frame.k_wait[sel])
+    # a timer that holds the wait: the fastest message is the one that waited least (the wire's
+    # time, or closest to it); otherwise the lower quartile, robust to one slow message
+    q = np.where(waits, group_quantile(inv, per, len(pairs), 0.0), group_quantile_low(inv, per, len(pairs)))
+    lq = np.log(np.maximum(q, 1e-15))
     p_src, p_dst = pairs // span, pairs % span
     # stage pair of each link: the destination's stage from its own report, else "the next one"
     stage_of = np.full(span, -1, np.int64)
@@ -407,4 +411,4 @@ def score_links(frame: IterationFrame) -> tuple[np.ndarray, np.ndarray, np.ndarr
     centre = group_median(c_inv, lq, len(uniq))[c_inv]
     peers = size[c_inv] >= MIN_LINK_PEERS
     z = np.where(peers, lq - centre, np.where(waits, np.nan, lq - np.median(lq)))
-    return p_src, p_dst, z, cls
+    return p_src, p_dst, z, cls, waits

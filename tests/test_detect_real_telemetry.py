@@ -95,7 +95,7 @@ def test_a_slow_wire_under_a_fused_timer_is_named():
     out = run(fused_job(pp=2, dp=4, iterations=40, slow_link=(4, 5), link_factor=4.0))
     links = [i for i in opened(out) if i.locations[0].target == "link"]
     assert [tuple(i.locations[0].link) for i in links] == [(4, 5)]
-    assert links[0].locations[0].factor > 1.5
+    assert links[0].locations[0].factor > 1.2  # the timer's factor: the wire's ×4 under the wait it also holds
 
 
 def test_a_rank_slow_from_the_start_is_named_and_its_pipeline_links_are_not_blamed():
