@@ -274,7 +274,7 @@ def test_fault_list_reads_the_documented_yaml(tmp_path) -> None:
     path.write_text("faults:\n  - {kind: slow_compute, rank: 3, factor: 2.0, start_iteration: 2, end_iteration: 4}\n"
                     "  - {kind: kill, rank: 1, start_iteration: 5}\n")
     faults = FaultList.load(path).faults
-    assert [f.kind for f in faults] == ["slow_compute", "kill"]
+    assert [f.kind for f in faults] == ["slow_compute", "stop_device"]  # "kill": the old name, an alias
     assert [faults[0].active(i) for i in range(5)] == [False, False, True, True, False]
 
 
@@ -294,3 +294,11 @@ def test_pacing_splits_a_layers_time_over_the_stages_tp_ranks() -> None:
     assert one_device == pytest.approx(2 * (1e-3 * 64 + 1e-3 / 32 * 2048))
     assert paced_chunk_s(1e-3, layers=2, tp=2, tokens=64, seq_lens=[32, 32]) == pytest.approx(one_device / 2)
     assert paced_chunk_s(0.0, layers=2, tp=1, tokens=64, seq_lens=[64]) == 0.0
+
+
+def test_a_trainer_fault_uses_the_simulators_kind_names() -> None:
+    from trainer.faults import Fault
+    from trainer.sim.faults import FaultSpec
+
+    assert Fault(kind="kill", rank=2, start_iteration=1) == Fault(kind="stop_device", rank=2, start_iteration=1)
+    assert FaultSpec(kind="stop_device", device=2, at_iteration=1).kind == Fault(kind="stop_device", rank=2).kind

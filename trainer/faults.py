@@ -12,8 +12,8 @@ Format (a ``faults:`` list; the same keys the simulator's scenarios use where th
         rank: 2
         delay_s: 0.02
         start_iteration: 0
-      - kind: kill              # the process exits (os._exit) at the start of the iteration
-        rank: 6
+      - kind: stop_device       # the process exits (os._exit) at the start of the iteration
+        rank: 6                 # (the simulator's name; ``kill`` is read as an alias)
         start_iteration: 4
       - kind: kill_in_reshape   # the process exits when it enters the first reshape it starts
         rank: 3                 # at or after this iteration (before the new world's rendezvous)
@@ -38,20 +38,28 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 KILL_EXIT_CODE = 43
+KIND_ALIASES = {"kill": "stop_device"}  # older trainer name -> the kind the simulator uses too
 
 
 class Fault(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    kind: Literal["slow_compute", "slow_send", "kill", "kill_in_reshape", "kill_in_rendezvous", "kill_in_transfer"]
+    kind: Literal["slow_compute", "slow_send", "stop_device", "kill_in_reshape", "kill_in_rendezvous", "kill_in_transfer"]
     rank: int = Field(ge=0, description="device id")
     start_iteration: int = Field(default=0, ge=0)
     end_iteration: int | None = Field(default=None, description="exclusive")
     factor: float = Field(default=2.0, ge=1.0)
     delay_s: float = Field(default=0.0, ge=0.0)
+
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _simulator_names(cls, kind: object) -> object:
+        """One vocabulary with the simulator's scenarios: a process exit is ``stop_device`` there
+        and here; older fault files say ``kill``, read as the same kind."""
+        return KIND_ALIASES.get(kind, kind) if isinstance(kind, str) else kind
 
     def active(self, iteration: int) -> bool:
         return self.start_iteration <= iteration and (self.end_iteration is None or iteration < self.end_iteration)
@@ -82,7 +90,7 @@ class FaultInjector:
         """Kill now if a kill fault starts at this iteration (no goodbye: peers see a dead socket)."""
         self.iteration = iteration
         for f in self.faults:
-            if f.kind == "kill" and f.start_iteration == iteration:
+            if f.kind == "stop_device" and f.start_iteration == iteration:
                 os._exit(KILL_EXIT_CODE)
 
     def begin_reshape(self, iteration: int) -> None:

@@ -100,7 +100,7 @@ class DemoStory:
         return {"faults": [
             {"kind": "slow_compute", "rank": self.slow.device, "factor": self.slow.factor,
              "start_iteration": self.slow.at_iteration},
-            {"kind": "kill", "rank": self.stop.device, "start_iteration": self.stop.at_iteration},
+            {"kind": "stop_device", "rank": self.stop.device, "start_iteration": self.stop.at_iteration},
         ]}
 
     def write(self, workdir: Path) -> dict[str, Path]:
