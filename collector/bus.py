@@ -11,13 +11,15 @@ records 0..9 are done.
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from collector.codec import encode
 from collector.events import Envelope
+from collector.settings import DEFAULT_EMBEDDED_PATH as DEFAULT_EMBEDDED_PATH
+from collector.settings import DEFAULT_KAFKA_BOOTSTRAP as DEFAULT_KAFKA_BOOTSTRAP
+from collector.settings import environment
 from collector.topics import key_for, topic_for
 
 
@@ -124,8 +126,6 @@ class Bus(ABC):
         self.close()
 
 
-DEFAULT_EMBEDDED_PATH = ".resihp/bus.sqlite"
-DEFAULT_KAFKA_BOOTSTRAP = "127.0.0.1:19092"
 
 
 def open_bus(backend: str | None = None, *, path: str | None = None, bootstrap: str | None = None) -> Bus:
@@ -133,13 +133,14 @@ def open_bus(backend: str | None = None, *, path: str | None = None, bootstrap: 
 
     Environment: RESIHP_BUS (embedded|kafka), RESIHP_EMBEDDED_PATH, RESIHP_KAFKA_BOOTSTRAP.
     """
-    backend = backend or os.environ.get("RESIHP_BUS", "embedded")
+    env = environment()
+    backend = backend or env.bus
     if backend == "embedded":
         from collector.embedded import EmbeddedBus
 
-        return EmbeddedBus(path or os.environ.get("RESIHP_EMBEDDED_PATH", DEFAULT_EMBEDDED_PATH))
+        return EmbeddedBus(path or env.embedded_path)
     if backend == "kafka":
         from collector.kafka_bus import KafkaBus
 
-        return KafkaBus(bootstrap or os.environ.get("RESIHP_KAFKA_BOOTSTRAP", DEFAULT_KAFKA_BOOTSTRAP))
+        return KafkaBus(bootstrap or env.kafka_bootstrap)
     raise ValueError(f"unknown bus backend {backend!r}; choose 'embedded' or 'kafka'")

@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from collector.bus import Bus, Consumer, OnAssign, RawMessage, Record, TopicPartition
+from collector.settings import environment
 from collector.topics import CONTROL, TELEMETRY
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ def _connect(path: Path) -> sqlite3.Connection:
     mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
     if mode.lower() != "wal":
         raise RuntimeError(f"embedded bus at {path}: SQLite refused WAL mode (got {mode}); use a local disk")
-    sync = os.environ.get("RESIHP_EMBEDDED_SYNC", "normal").lower()
+    sync = environment().embedded_sync.lower()
     if sync not in ("normal", "full"):
         raise ValueError(f"RESIHP_EMBEDDED_SYNC={sync!r}: choose 'normal' or 'full'")
     conn.execute(f"PRAGMA synchronous={sync.upper()}")
@@ -61,7 +62,7 @@ def _table(topic: str) -> str:
 
 
 def _retention_from_env() -> dict[str, float]:
-    raw = os.environ.get(RETENTION_ENV, "").strip()
+    raw = environment().embedded_telemetry_retention_s.strip()
     if not raw:
         return {}
     try:

@@ -16,7 +16,8 @@ process's memory grows).
 from __future__ import annotations
 
 import gc
-import os
+
+from collector.settings import environment
 
 GC_ENV = "RESIHP_GC"
 STREAMING_THRESHOLDS = (50_000, 20, 100)
@@ -26,7 +27,7 @@ def tune_for_streaming() -> tuple[int, int, int]:
     """Apply the streaming settings unless ``RESIHP_GC=python``; returns the thresholds in force.
 
     Idempotent. Raises ValueError for an unknown ``RESIHP_GC`` value."""
-    mode = os.environ.get(GC_ENV, "streaming").strip().lower() or "streaming"
+    mode = environment().gc.strip().lower() or "streaming"
     if mode == "python":
         return gc.get_threshold()
     if mode != "streaming":

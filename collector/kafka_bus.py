@@ -14,7 +14,6 @@ left as it is and reported: changing a cluster's topic is its operator's call.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping, Sequence
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
@@ -26,6 +25,7 @@ from kafka.structs import OffsetAndMetadata
 
 from collector.bus import Bus, Consumer, OnAssign, RawMessage, Record, TopicPartition
 from collector.codec import MAX_EVENT_BYTES
+from collector.settings import environment
 from collector.topics import ALL_TOPICS, PARTITIONS, TOPIC_CONFIGS
 
 _JOIN_POLL_MS = 250
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 def ensure_topics(bootstrap: str, topics: Sequence[str] = ALL_TOPICS, namespace: str = "") -> None:
     """Create the platform's topics (under ``namespace``) if they do not exist (idempotent)."""
-    replication = int(os.environ.get("RESIHP_KAFKA_REPLICATION", "1"))
+    replication = environment().kafka_replication
     admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="resihp-admin")
     try:
         existing = set(admin.list_topics())
@@ -83,7 +83,7 @@ class KafkaBus(Bus):
     def __init__(self, bootstrap: str, *, namespace: str | None = None, create_topics: bool = True) -> None:
         self.bootstrap = bootstrap
         # Several environments (or tests) can share a cluster: every topic name gets this prefix.
-        self.namespace = os.environ.get("RESIHP_KAFKA_NAMESPACE", "") if namespace is None else namespace
+        self.namespace = environment().kafka_namespace if namespace is None else namespace
         if create_topics:
             try:
                 ensure_topics(bootstrap, namespace=self.namespace)

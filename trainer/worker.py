@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from collector.events import Coords, FaultCategory, FaultInjected, IterationSummary, Location, RankIteration
 from collector.plan import RankRole
+from collector.settings import environment
 from trainer.chunks import role_chunks
 from trainer.data import global_targets, microbatch, replica_microbatch_ids
 from trainer.faults import FaultInjector
@@ -237,7 +238,7 @@ class Trainer:
 
 
 def _t(what: str) -> None:
-    if os.environ.get("RESIHP_TRACE"):
+    if environment().trace:
         print(f"{time.time():.2f} {what}", file=sys.stderr, flush=True)
 
 
@@ -307,7 +308,7 @@ def process_main(device: int, spec_json: str) -> None:
     """Entry point of a rank process (the launcher forks it). Exits with the rank's code,
     skipping interpreter teardown: gloo pairs to a dead peer need no goodbye."""
     spec = RunSpec.model_validate_json(spec_json)
-    logging.basicConfig(level=os.environ.get("RESIHP_LOG", "WARNING"),
+    logging.basicConfig(level=environment().log,
                         format=f'{{"rank": {device}, "level": "%(levelname)s", "msg": "%(message)s"}}')
     code = 1
     try:

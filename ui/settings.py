@@ -9,10 +9,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from collector.bus import DEFAULT_EMBEDDED_PATH, DEFAULT_KAFKA_BOOTSTRAP
-
-DEFAULT_USERS_PATH = ".resihp/ui-users.toml"
-DEFAULT_TRACE_DIR = ".resihp/traces"
+from collector.settings import (
+    DEFAULT_EMBEDDED_PATH, DEFAULT_KAFKA_BOOTSTRAP, DEFAULT_TRACE_DIR, DEFAULT_USERS_PATH, environment,
+)
 
 
 @dataclass(frozen=True)
@@ -30,19 +29,19 @@ class Settings:
 
     @classmethod
     def from_env(cls) -> Settings:
-        env = os.environ
         try:
+            env = environment()
             return cls(
-                bus=env.get("RESIHP_BUS", "embedded"),
-                embedded_path=env.get("RESIHP_EMBEDDED_PATH", DEFAULT_EMBEDDED_PATH),
-                bootstrap=env.get("RESIHP_KAFKA_BOOTSTRAP", DEFAULT_KAFKA_BOOTSTRAP),
-                kafka_namespace=env.get("RESIHP_KAFKA_NAMESPACE", ""),
-                users_path=env.get("RESIHP_UI_USERS", DEFAULT_USERS_PATH),
-                session_s=float(env.get("RESIHP_UI_SESSION_S", 8 * 3600.0)),
-                trace_dir=env.get("RESIHP_UI_TRACE_DIR", DEFAULT_TRACE_DIR),
-                page_size=int(env.get("RESIHP_UI_PAGE_SIZE", 25)),
-                refresh_s=float(env.get("RESIHP_UI_REFRESH_S", 5.0)),
-                telemetry=env.get("RESIHP_UI_TELEMETRY", "1").lower() not in ("0", "false", "no"),
+                bus=env.bus,
+                embedded_path=env.embedded_path,
+                bootstrap=env.kafka_bootstrap,
+                kafka_namespace=env.kafka_namespace,
+                users_path=env.ui_users,
+                session_s=env.ui_session_s,
+                trace_dir=env.ui_trace_dir,
+                page_size=env.ui_page_size,
+                refresh_s=env.ui_refresh_s,
+                telemetry=env.ui_telemetry.lower() not in ("0", "false", "no"),
             )
         except ValueError as exc:
             raise ValueError(f"bad console setting in the environment: {exc}; "

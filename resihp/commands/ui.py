@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from collector.settings import environment
 from resihp.options import add_bus_flags
 
 APP = Path(__file__).resolve().parents[2] / "ui" / "app.py"
@@ -63,8 +64,9 @@ def run(args: argparse.Namespace) -> int:
 def _add_user(args: argparse.Namespace) -> int:
     from ui.auth import UsersFile
 
-    path = args.users or os.environ.get("RESIHP_UI_USERS", ".resihp/ui-users.toml")
-    password = os.environ.get("RESIHP_UI_PASSWORD")
+    env = environment()
+    path = args.users or env.ui_users
+    password = env.ui_password
     if password is None:
         password = getpass.getpass(f"password for {args.add_user}: ")
         if password != getpass.getpass("again: "):

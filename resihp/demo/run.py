@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from collector.bus import Bus
+from collector.settings import environment
 from collector.events import EventFactory, PolicyChanged, PolicyMode, Severity
 from resihp.demo.procs import ProcessGroup, bus_flags, resihp_argv
 from resihp.demo.progress import Progress
@@ -62,8 +63,9 @@ def _open_bus(opts: DemoOptions, workdir: Path, env: dict[str, str]) -> tuple[Bu
         return EmbeddedBus(path), path, f"embedded log {path}"
     from collector.kafka_bus import KafkaBus
 
-    bootstrap = os.environ.get("RESIHP_KAFKA_BOOTSTRAP")
-    if not bootstrap:
+    settings = environment()
+    bootstrap = settings.kafka_bootstrap if "kafka_bootstrap" in settings.model_fields_set else None
+    if not bootstrap:  # no broker named: start the test broker
         from infra import broker
 
         bootstrap = broker.up()

@@ -14,9 +14,9 @@ Run as ``python -m resihp.demo.torch_workload --tp 2 --pp 2 --dp 2 ... [bus flag
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from collector.settings import environment
 from resihp.options import add_bus_flags
 
 DEFAULT_PACE_S_PER_LAYER_TOKEN = 4e-4  # one device; a TP-2 rank takes half: 2e-4
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                         microbatches_per_replica=args.microbatches)
     ranks = max(plan.devices) + 1
     bus = BusSpec(backend=args.bus, path=args.bus_path, bootstrap=args.bootstrap,
-                  namespace=os.environ.get("RESIHP_KAFKA_NAMESPACE", "") if args.bus == "kafka" else "")
+                  namespace=environment().kafka_namespace if args.bus == "kafka" else "")
     spec = RunSpec(job=args.job, model=asdict(cfg), iterations=args.iterations, pg_timeout_s=args.pg_timeout,
                    faults=FaultList.load(args.faults).faults if args.faults else [], bus=bus,
                    pace_s_per_layer_token=args.pace)

@@ -1,0 +1,55 @@
+"""Every ``RESIHP_*`` environment variable the platform reads, in one place (docs/settings.md).
+
+Defaults run on one machine. ``environment()`` reads the environment afresh on each call, so a
+process (or a test) that changes a variable sees it at the next read; each reader still judges the
+values it owns (``RESIHP_EMBEDDED_SYNC`` is checked by the embedded bus, ``RESIHP_GC`` by
+collector/gc_policy.py) and names the fix. A variable that is not a number where a number is wanted
+raises pydantic's ``ValidationError`` (a ``ValueError``) naming it.
+
+infra/ (the Kafka broker tool) imports none of our packages and reads its own few variables
+(``RESIHP_KAFKA_LIB_DIR``, ``RESIHP_KAFKA_DATA_DIR``, ``RESIHP_KAFKA_PORT``,
+``RESIHP_KAFKA_CONTROLLER_PORT``, ``KAFKA_HEAP_OPTS``); they are listed in docs/settings.md too.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_EMBEDDED_PATH = ".resihp/bus.sqlite"
+DEFAULT_KAFKA_BOOTSTRAP = "127.0.0.1:19092"
+DEFAULT_USERS_PATH = ".resihp/ui-users.toml"
+DEFAULT_TRACE_DIR = ".resihp/traces"
+
+
+class Environment(BaseSettings):
+    """The platform's environment variables: field ``x`` is ``RESIHP_X``."""
+
+    model_config = SettingsConfigDict(env_prefix="RESIHP_", extra="ignore")
+
+    # the bus (collector/bus.py, kafka_bus.py, embedded.py)
+    bus: str = Field(default="embedded", description="the bus backend: embedded or kafka")
+    embedded_path: str = Field(default=DEFAULT_EMBEDDED_PATH, description="the embedded log's SQLite file")
+    embedded_sync: str = Field(default="normal", description="normal survives a process crash; full also power loss")
+    embedded_telemetry_retention_s: str = Field(
+        default="", description="seconds of telemetry the embedded log keeps (empty: all); the newest record always stays")
+    kafka_bootstrap: str = Field(default=DEFAULT_KAFKA_BOOTSTRAP, description="Kafka bootstrap servers, host:port[,…]")
+    kafka_namespace: str = Field(default="", description="prefix of every Kafka topic, so environments share a cluster")
+    kafka_replication: int = Field(default=1, description="replication factor of the topics the platform creates")
+    # processes
+    gc: str = Field(default="streaming", description="streaming (raised collector thresholds) or python (CPython's)")
+    log: str = Field(default="WARNING", description="log level of the trainer's worker processes")
+    trace: str = Field(default="", description="non-empty: workers print timestamped progress lines to stderr")
+    # the console (ui/settings.py; `resihp ui` passes them to Streamlit)
+    ui_users: str = Field(default=DEFAULT_USERS_PATH, description="the console's users file")
+    ui_password: str | None = Field(default=None, description="password for `resihp ui --add-user` (else asked)")
+    ui_session_s: float = Field(default=8 * 3600.0, description="how long a sign-in lasts, seconds")
+    ui_trace_dir: str = Field(default=DEFAULT_TRACE_DIR, description="where the Replay page looks for traces")
+    ui_page_size: int = Field(default=25, description="rows per page of the incident list")
+    ui_refresh_s: float = Field(default=5.0, description="auto-refresh period of the Jobs page, seconds")
+    ui_telemetry: str = Field(default="1", description="0/false/no: the console skips per-rank telemetry")
+
+
+def environment() -> Environment:
+    """The environment as it is now (read on every call)."""
+    return Environment()
