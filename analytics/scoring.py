@@ -348,10 +348,53 @@ def score_frame(frame: IterationFrame, model: CostModel, suspects: set[int],
     pool = tp_group_max(frame, x, clean)
     if not len(pool):
         pool = x[np.isfinite(x)]
-    centre = float(np.median(pool)) if len(pool) else 0.0
+    centre: float | np.ndarray = float(np.median(pool)) if len(pool) else 0.0
+    if inferred:
+        centre = work_class_centres(frame, x, clean, float(centre))
     src, dst, lz, lcls, lwait = score_links(frame)
-    return FrameScore(z=x - centre, x=x, z_by_kind=xk - centre, c_pred=pred, c_class=c_class, class_keys=keys,
+    c2 = centre[:, None] if isinstance(centre, np.ndarray) else centre
+    return FrameScore(z=x - centre, x=x, z_by_kind=xk - c2, c_pred=pred, c_class=c_class, class_keys=keys,
                       link_src=src, link_dst=dst, link_z=lz, link_class=lcls, link_waits=lwait, inferred=inferred)
+
+
+MIN_CLASS_PEERS = 3  # TP groups of one work class needed to centre a rank on its own class
+
+
+def work_class_centres(frame: IterationFrame, x: np.ndarray, clean: np.ndarray, job_centre: float) -> np.ndarray:
+    """Per rank, the centre it is judged against: the median, over the clean TP groups that run
+    the same work (the same layer range, or stage without a plan, and TP degree), of each group's
+    slowest member; the job's centre where fewer than ``MIN_CLASS_PEERS`` groups run it.
+
+    Why, when sequence lengths are not reported: the per-micro-batch correction scales every
+    stage of a replica by the same mix, but stages are not equally sensitive to it (the last stage's
+    LM head costs per token, the others' attention per Σlᵢ²), so a whole class of stages reads a
+    few per cent off the job in every iteration — slow enough, held long enough, to open ×1.04
+    incidents on every replica's last stage. The same stage in the other replicas carries the same
+    bias; a rank slower than the ranks doing its own work still stands out."""
+    S = int(frame.pp.max()) + 1
+    group = frame.dp * S + frame.pp
+    tp_degree = np.bincount(group)[group]
+    L = int(frame.end_layer.max()) + 2
+    work = np.where(frame.first_layer >= 0, frame.first_layer * L + frame.end_layer, L * L + frame.pp)
+    work = work * (int(tp_degree.max()) + 1) + tp_degree
+    ok = clean & np.isfinite(x)
+    gmax = np.full(int(group.max()) + 1, -np.inf)
+    np.maximum.at(gmax, group[ok], x[ok])
+    gwork = np.full(len(gmax), -1, np.int64)
+    gwork[group] = work
+    live = np.isfinite(gmax)
+    out = np.full(len(x), job_centre)
+    if not live.any():
+        return out
+    classes, inv = np.unique(gwork[live], return_inverse=True)
+    centres = group_median(inv.reshape(-1), gmax[live], len(classes))
+    sizes = np.bincount(inv.reshape(-1), minlength=len(classes))
+    pos = np.searchsorted(classes, work)
+    found = (pos < len(classes)) & (classes[np.minimum(pos, len(classes) - 1)] == work)
+    pos = np.minimum(pos, len(classes) - 1)
+    use = found & (sizes[pos] >= MIN_CLASS_PEERS)
+    out[use] = centres[pos[use]]
+    return out
 
 
 P2P_OPS = (OP_CODE["pp_send"], OP_CODE["pp_sendrecv"])
