@@ -161,3 +161,21 @@ def test_a_healthy_job_reads_within_5_percent_of_its_prediction_with_time_outsid
     assert len(ratios) == 25
     assert abs(float(np.median(ratios)) - 1) <= 0.05, ratios  # the console's figure: +28 % before
     assert float(np.percentile([abs(r - 1) for r in ratios], 90)) <= 0.06, ratios  # each step: its own mix
+
+
+def test_a_healthy_simulated_job_in_the_megatron_dialect_opens_nothing():
+    # the simulator's fused timers, TP rank 0 only, no lengths and no tokens; its last stage carries
+    # the LM head, which the per-micro-batch correction does not scale like the other stages
+    from trainer.sim.engine import SimEngine
+    from trainer.sim.scenario import load_scenario
+    from pathlib import Path
+
+    sc = load_scenario(Path(__file__).resolve().parent.parent / "scenarios" / "fail_slow_link.yaml")
+    engine = SimEngine(sc.model_copy(update={"iterations": 60, "dialect": "megatron", "faults": []}).sim_config(), [])
+    det = Detector(engine.config.job, DetectorConfig())
+    out = []
+    while engine.iteration < 60 and not engine.finished:
+        for e in engine.step():
+            out += det.on_event(e)
+    out += det.flush()
+    assert [i.summary for i in opened(out)] == []
