@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
                    pace_s_per_layer_token=args.pace,
                    faults=[Fault(kind="slow_compute", rank=3, factor=args.slow_factor, start_iteration=slow_start,
                                  end_iteration=slow_end),
-                           Fault(kind="kill", rank=7, start_iteration=kill_at)])
+                           Fault(kind="stop_device", rank=7, start_iteration=kill_at)])
     factory = EventFactory(spec.job, "bench")
     summaries: dict[int, IterationSummary] = {}
     acks: list[CommandAck] = []
