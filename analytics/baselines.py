@@ -78,7 +78,7 @@ class RawThresholdDetector:
             self._open = inc.incident_id
             return [inc]
         if self._open is not None and self._over == 0:
-            out = [IncidentResolved(incident_id=self._open, iteration=it, reason="iteration time back under threshold")]
+            out: list[Payload] = [IncidentResolved(incident_id=self._open, iteration=it, reason="iteration time back under threshold")]
             self._open = None
             return out
         return []
@@ -120,7 +120,7 @@ class ChangePointDetector:
             return [inc]
         if shift <= -self.min_shift / (1 + self.min_shift) and self._open is not None:
             self._last_change = it
-            out = [IncidentResolved(incident_id=self._open, iteration=it, reason="change point: faster again")]
+            out: list[Payload] = [IncidentResolved(incident_id=self._open, iteration=it, reason="change point: faster again")]
             self._open = None
             return out
         return []
