@@ -203,7 +203,7 @@ class Detector:
             expected = self.arrival.learned.get(frame.epoch, present)
         missing = expected - present - self.fail_stop.dead
         out += self.book.fail_stop(self.fail_stop.missing(missing, frame.iteration))
-        suspects = self.book.suspect_ranks()
+        suspects = self._with_traced_peers(frame, self.book.suspect_ranks())
         score = score_frame(frame, self.model, suspects, self.config.chunk_quantile)
         self.stats.frames += 1
         self.stats.inferred_frames += int(score.inferred)
@@ -330,7 +330,7 @@ class Detector:
         out: list[Payload] = []
         # Not alarmed on: a suspect (its incident is open) and its TP peers in this layout — in
         # lock-step their own times are entangled with the suspect's (identical, without TP waits).
-        clean = fit_ranks(frame, self.book.open_compute_ranks())
+        clean = fit_ranks(frame, self._with_traced_peers(frame, self.book.open_compute_ranks()))
         alarmed = [i for i in np.flatnonzero(s > h_r) if clean[i] and int(frame.rank[i]) not in self.fail_stop.dead]
         self._cusum[frame.rank[s > h_r]] = 0.0
         for members in self._merge_tp_peers(frame, score, alarmed, k):
@@ -339,10 +339,11 @@ class Detector:
                 self._compute_suspect(frame, score, members, float(sig_r[i]), float(k_r[i]), float(h_r[i])),
                 frame.iteration)
         for key in self.book.open_rank_keys():
-            idx = np.flatnonzero(np.isin(frame.rank, key[1]) & judged)
+            watched = tuple(sorted(self._with_traced_peers(frame, set(key[1]))))  # an untraced suspect: its peer
+            idx = np.flatnonzero(np.isin(frame.rank, watched) & judged)
             if len(idx):  # no judged member this iteration: no evidence either way (not a healthy one)
                 z_now = float(score.z[idx].max())
-                out += self.book.observe(key, z_now, k, frame.iteration, self._factor(key[1], z_now))
+                out += self.book.observe(key, z_now, k, frame.iteration, self._factor(watched, z_now))
         return out
 
     def _merge_tp_peers(self, frame: IterationFrame, score: FrameScore, alarmed: list[int], k: float) -> list[list[int]]:
@@ -370,11 +371,40 @@ class Detector:
                 zs.append(float(rec.z[idx].max()))
         return float(np.exp(np.median(zs))) if zs else float(np.exp(z_now))
 
+    def _untraced_tp_peers(self, frame: IterationFrame, rank: int) -> list[int]:
+        """The members of ``rank``'s TP group under the running plan that sent no report this
+        iteration (one traced rank per TP group, as Megatron-style tracing records). In lock-step
+        their slowness shows in the traced member's chunks, so none of them can be cleared."""
+        present = set(frame.rank.tolist())
+        return [d for d in self._tp_group_of(frame.epoch, rank) if d not in present and d not in self.fail_stop.dead]
+
+    def _tp_group_of(self, epoch: int, rank: int) -> tuple[int, ...]:
+        """The devices of ``rank``'s TP group under the plan of ``epoch`` (empty when unknown)."""
+        plan = self.arrival.plans.get(epoch)
+        role = plan.roles.get(rank) if plan is not None else None
+        if plan is None or role is None:
+            return ()
+        return tuple(int(d) for d in plan.pipelines[role.replica].stages[role.stage].devices)
+
+    def _with_traced_peers(self, frame: IterationFrame, ranks: set[int]) -> set[int]:
+        """``ranks`` plus the reporting members of the TP group of each one that sent no report:
+        a suspect nobody traces taints its traced peer's chunks, which wait for it in lock-step."""
+        present = set(frame.rank.tolist())
+        out = set(ranks)
+        for r in ranks - present:
+            out |= present.intersection(self._tp_group_of(frame.epoch, r))
+        return out
+
     def _compute_suspect(self, frame: IterationFrame, score: FrameScore, members: list[int], sigma: float,
                          k: float, h: float) -> Suspect:
         i = max(members, key=lambda j: score.z[j])
         ranks = tuple(sorted(int(frame.rank[j]) for j in members))
         group = np.flatnonzero((frame.dp == frame.dp[i]) & (frame.pp == frame.pp[i]))
+        tp_group = tuple(int(r) for r in frame.rank[group])
+        untraced = self._untraced_tp_peers(frame, int(frame.rank[i]))
+        if untraced:  # a member nobody traces may be the slow one: the group is the suspect
+            ranks = tuple(sorted(set(ranks) | set(untraced)))
+            tp_group = tuple(sorted(set(tp_group) | set(untraced)))
         hist = [(r.iteration, float(r.own_s[j]), float(r.pred_s[j]))
                 for r in self._history for j in np.flatnonzero(r.rank == frame.rank[i])]
         factor = self._factor(ranks, score.z[i])
@@ -383,7 +413,10 @@ class Detector:
         note = f"own compute per chunk kind ×{', '.join(f'{n}:{v:.2f}' for n, v in kinds.items())}"
         if worst == "B" and kinds.get("F", 1.0) < 1.0 + 0.5 * (kinds["B"] - 1.0):
             note += "; backward-pass straggler (hidden in wall time by collective synchronisation)"
-        if len(ranks) > 1:
+        if untraced:
+            note += (f"; TP ranks {list(untraced)} are not traced and run in lock-step with the traced one: the "
+                     "group is the suspect" + ("; a probe will tell which member" if self.config.probes else ""))
+        elif len(ranks) > 1:
             note += (f"; TP ranks {list(ranks)} report identical timings (lock-step, no TP waits): the group is "
                      "the suspect" + ("; a probe will tell which member" if self.config.probes else ""))
         if score.inferred:
@@ -392,7 +425,7 @@ class Detector:
         return Suspect(
             key=("ranks", ranks), target="compute", rank=ranks[0] if len(ranks) == 1 else None, link=None,
             node=int(frame.node[i]) if frame.node[i] >= 0 else None, replica=int(frame.dp[i]),
-            stage=int(frame.pp[i]), tp_group=tuple(int(r) for r in frame.rank[group]), factor=factor,
+            stage=int(frame.pp[i]), tp_group=tp_group, factor=factor,
             confidence=conf, iterations=[h_[0] for h_ in hist], observed_s=[h_[1] for h_ in hist],
             predicted_s=[h_[2] for h_ in hist],
             rank_factors={int(frame.rank[j]): round(float(np.exp(score.z[j])), 4) for j in group

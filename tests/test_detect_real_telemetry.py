@@ -179,3 +179,28 @@ def test_a_healthy_simulated_job_in_the_megatron_dialect_opens_nothing():
             out += det.on_event(e)
     out += det.flush()
     assert [i.summary for i in opened(out)] == []
+
+
+def test_a_slow_gpu_nobody_traces_is_named_through_its_traced_tp_peer_and_resolved_when_it_recovers():
+    # megatron traces TP rank 0 only; device 17 is TP rank 1 of its stage
+    from pathlib import Path
+
+    from collector.events import IncidentResolved
+    from trainer.sim.engine import SimEngine
+    from trainer.sim.faults import FaultSpec
+    from trainer.sim.scenario import load_scenario
+
+    sc = load_scenario(Path(__file__).resolve().parent.parent / "scenarios" / "healthy_short_context.yaml")
+    fault = FaultSpec(kind="slow_compute", device=17, factor=1.5, at_iteration=20, duration_iterations=20)
+    engine = SimEngine(sc.model_copy(update={"iterations": 70, "dialect": "megatron"}).sim_config(), [fault])
+    det = Detector(engine.config.job, DetectorConfig())
+    out = []
+    while engine.iteration < 70 and not engine.finished:
+        for e in engine.step():
+            out += det.on_event(e)
+    incidents = opened(out)
+    assert len(incidents) == 1, [i.summary for i in incidents]
+    loc = incidents[0].locations[0]
+    assert 17 in loc.tp_group and loc.target == "compute" and 20 <= incidents[0].iteration <= 23
+    resolved = [p for p in out if isinstance(p, IncidentResolved) and p.incident_id == incidents[0].incident_id]
+    assert resolved and 40 <= resolved[0].iteration <= 50  # judged on its traced peer: it does not stay open
