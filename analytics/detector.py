@@ -473,6 +473,12 @@ class Detector:
         recent.append(z)
         return min(recent) if len(recent) == LINK_SUSTAIN else min(min(recent), 0.0)
 
+    def _tp_group_pair(self, frame: IterationFrame, a: int, b: int) -> frozenset[tuple[int, ...]]:
+        """The two TP groups a link joins, whichever way it runs and whichever TP ranks report it:
+        in lock-step every TP rank of a stage sends to its peer of the next, so one slow transfer
+        between two stages reads on each TP rank's link, and in both directions of a fused timer."""
+        return frozenset((self._tp_group_of(frame.epoch, a) or (a,), self._tp_group_of(frame.epoch, b) or (b,)))
+
     def _links_explained_by_compute(self, frame: IterationFrame, score: FrameScore, k: float) -> set[int]:
         """Replicas whose links cannot be judged this iteration: one of their ranks computes slower
         than predicted (z above the drift allowance, alarmed or not yet), has an open compute
@@ -493,6 +499,8 @@ class Detector:
         open_links = self.book.open_links()
         coord = {int(r): i for i, r in enumerate(frame.rank)}
         explained = self._links_explained_by_compute(frame, score, float(self._thresholds(sigma_rank)[0]))
+        named = {self._tp_group_pair(frame, *inc.suspect.link) for inc in self.book.open.values()
+                 if inc.suspect.target == "link" and inc.suspect.link is not None}
         for a, b, z, waits, sigma, k, h, cap in zip(
                 score.link_src.tolist(), score.link_dst.tolist(), lz.tolist(), score.link_waits.tolist(),
                 sigmas.tolist(), ks.tolist(), hs.tolist(), caps.tolist()):
@@ -512,6 +520,10 @@ class Detector:
                 self._link_cusum[key] = s
                 continue
             self._link_cusum[key] = 0.0
+            pair = self._tp_group_pair(frame, a, b)
+            if pair in named:
+                continue  # the same two TP groups' link is already named (another TP rank, or the other way)
+            named.add(pair)
             out += self.book.open_fail_slow(Suspect(
                 key=("link", a, b), target="link", rank=None, link=(a, b), node=None,
                 replica=int(frame.dp[i]) if i is not None else None, stage=int(frame.pp[i]) if i is not None else None,

@@ -204,3 +204,25 @@ def test_a_slow_gpu_nobody_traces_is_named_through_its_traced_tp_peer_and_resolv
     assert 17 in loc.tp_group and loc.target == "compute" and 20 <= incidents[0].iteration <= 23
     resolved = [p for p in out if isinstance(p, IncidentResolved) and p.incident_id == incidents[0].incident_id]
     assert resolved and 40 <= resolved[0].iteration <= 50  # judged on its traced peer: it does not stay open
+
+
+def test_one_slow_transfer_between_two_tp_groups_is_one_incident():
+    # the profiler dialect: every TP rank reports its own p2p timers, both ways, and all of them
+    # read the slow transfer between stages 1 and 2 of replica 1
+    from pathlib import Path
+
+    from trainer.sim.engine import SimEngine
+    from trainer.sim.faults import FaultSpec
+    from trainer.sim.scenario import load_scenario
+
+    sc = load_scenario(Path(__file__).resolve().parent.parent / "scenarios" / "fail_slow_link.yaml")
+    fault = FaultSpec(kind="slow_link", link=[10, 12], factor=3.0, at_iteration=20, duration_iterations=20)
+    engine = SimEngine(sc.model_copy(update={"iterations": 45, "dialect": "profiler"}).sim_config(), [fault])
+    det = Detector(engine.config.job, DetectorConfig())
+    out = []
+    while engine.iteration < 45 and not engine.finished:
+        for e in engine.step():
+            out += det.on_event(e)
+    incidents = opened(out)
+    assert len(incidents) == 1, [i.summary for i in incidents]
+    assert incidents[0].locations[0].target == "link" and set(incidents[0].locations[0].link or ()) <= {10, 11, 12, 13}
