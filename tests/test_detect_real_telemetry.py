@@ -80,6 +80,25 @@ def run(events, **config):
     return out
 
 
+def simulate_and_detect(scenario: str, dialect: str, iterations: int, faults=()) -> list:
+    """The simulator's ``scenario`` (a file under scenarios/) recording in ``dialect``, through the
+    detector; every payload the detector returned."""
+    from pathlib import Path
+
+    from trainer.sim.engine import SimEngine
+    from trainer.sim.scenario import load_scenario
+
+    sc = load_scenario(Path(__file__).resolve().parent.parent / "scenarios" / f"{scenario}.yaml")
+    config = sc.model_copy(update={"iterations": iterations, "dialect": dialect, "faults": []}).sim_config()
+    engine = SimEngine(config, list(faults))
+    det = Detector(engine.config.job, DetectorConfig())
+    out = []
+    while engine.iteration < iterations and not engine.finished:
+        for e in engine.step():
+            out += det.on_event(e)
+    return out
+
+
 def opened(out):
     return [p for p in out if isinstance(p, IncidentOpened)]
 
@@ -166,38 +185,17 @@ def test_a_healthy_job_reads_within_5_percent_of_its_prediction_with_time_outsid
 def test_a_healthy_simulated_job_in_the_megatron_dialect_opens_nothing():
     # the simulator's fused timers, TP rank 0 only, no lengths and no tokens; its last stage carries
     # the LM head, which the per-micro-batch correction does not scale like the other stages
-    from trainer.sim.engine import SimEngine
-    from trainer.sim.scenario import load_scenario
-    from pathlib import Path
-
-    sc = load_scenario(Path(__file__).resolve().parent.parent / "scenarios" / "fail_slow_link.yaml")
-    engine = SimEngine(sc.model_copy(update={"iterations": 60, "dialect": "megatron", "faults": []}).sim_config(), [])
-    det = Detector(engine.config.job, DetectorConfig())
-    out = []
-    while engine.iteration < 60 and not engine.finished:
-        for e in engine.step():
-            out += det.on_event(e)
-    out += det.flush()
+    out = simulate_and_detect("fail_slow_link", "megatron", 60)
     assert [i.summary for i in opened(out)] == []
 
 
 def test_a_slow_gpu_nobody_traces_is_named_through_its_traced_tp_peer_and_resolved_when_it_recovers():
     # megatron traces TP rank 0 only; device 17 is TP rank 1 of its stage
-    from pathlib import Path
-
     from collector.events import IncidentResolved
-    from trainer.sim.engine import SimEngine
     from trainer.sim.faults import FaultSpec
-    from trainer.sim.scenario import load_scenario
 
-    sc = load_scenario(Path(__file__).resolve().parent.parent / "scenarios" / "healthy_short_context.yaml")
     fault = FaultSpec(kind="slow_compute", device=17, factor=1.5, at_iteration=20, duration_iterations=20)
-    engine = SimEngine(sc.model_copy(update={"iterations": 70, "dialect": "megatron"}).sim_config(), [fault])
-    det = Detector(engine.config.job, DetectorConfig())
-    out = []
-    while engine.iteration < 70 and not engine.finished:
-        for e in engine.step():
-            out += det.on_event(e)
+    out = simulate_and_detect("healthy_short_context", "megatron", 70, [fault])
     incidents = opened(out)
     assert len(incidents) == 1, [i.summary for i in incidents]
     loc = incidents[0].locations[0]
@@ -209,20 +207,9 @@ def test_a_slow_gpu_nobody_traces_is_named_through_its_traced_tp_peer_and_resolv
 def test_one_slow_transfer_between_two_tp_groups_is_one_incident():
     # the profiler dialect: every TP rank reports its own p2p timers, both ways, and all of them
     # read the slow transfer between stages 1 and 2 of replica 1
-    from pathlib import Path
-
-    from trainer.sim.engine import SimEngine
     from trainer.sim.faults import FaultSpec
-    from trainer.sim.scenario import load_scenario
 
-    sc = load_scenario(Path(__file__).resolve().parent.parent / "scenarios" / "fail_slow_link.yaml")
     fault = FaultSpec(kind="slow_link", link=[10, 12], factor=3.0, at_iteration=20, duration_iterations=20)
-    engine = SimEngine(sc.model_copy(update={"iterations": 45, "dialect": "profiler"}).sim_config(), [fault])
-    det = Detector(engine.config.job, DetectorConfig())
-    out = []
-    while engine.iteration < 45 and not engine.finished:
-        for e in engine.step():
-            out += det.on_event(e)
-    incidents = opened(out)
+    incidents = opened(simulate_and_detect("fail_slow_link", "profiler", 45, [fault]))
     assert len(incidents) == 1, [i.summary for i in incidents]
     assert incidents[0].locations[0].target == "link" and set(incidents[0].locations[0].link or ()) <= {10, 11, 12, 13}
