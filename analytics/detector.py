@@ -389,10 +389,13 @@ class Detector:
     def _with_traced_peers(self, frame: IterationFrame, ranks: set[int]) -> set[int]:
         """``ranks`` plus the reporting members of the TP group of each one that sent no report:
         a suspect nobody traces taints its traced peer's chunks, which wait for it in lock-step."""
-        present = set(frame.rank.tolist())
+        if not ranks:
+            return set()  # the common case, every frame: no set of the job's ranks is built
+        wanted = np.fromiter(ranks, np.int64, len(ranks))
         out = set(ranks)
-        for r in ranks - present:
-            out |= present.intersection(self._tp_group_of(frame.epoch, r))
+        for r in wanted[~np.isin(wanted, frame.rank)].tolist():
+            group = np.array(self._tp_group_of(frame.epoch, r), dtype=np.int64)
+            out.update(group[np.isin(group, frame.rank)].tolist())
         return out
 
     def _compute_suspect(self, frame: IterationFrame, score: FrameScore, members: list[int], sigma: float,
