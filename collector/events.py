@@ -591,13 +591,26 @@ class DeadLetter(Payload):
     raw_b64: str
 
 
+class ControlRejected(Payload):
+    """A reader refused a control event (unsigned, signed by a role that may not write it, or
+    asking for more work than it allows) and did not act on it; published once per event id by the
+    reader that refused it (collector/auth.py)."""
+
+    KIND: ClassVar[str] = "control.rejected"
+    event_id: str
+    kind: str
+    source: str
+    reason: str = Field(min_length=1)
+    reader: str = Field(default="", description="who refused it: remediation, trainer, simulator, ...")
+
+
 PAYLOAD_TYPES: tuple[type[Payload], ...] = (
     RankIteration, IterationSummary, Heartbeat, TracingDeclared,
     IterationPrediction, RankHealth,
     IncidentOpened, IncidentConfirmed, IncidentUpdated, IncidentResolved, ProbeRequest, ProbeResult,
     PlanProposed, PlanDecision, PolicyChanged, ReconfigureCommand, CommandAck, PlanVerified, PlanRolledBack,
     PlanWithheld, PlanCurrent, CostModelFitted,
-    FaultInjected, DeadLetter,
+    FaultInjected, DeadLetter, ControlRejected,
 )
 PAYLOAD_BY_KIND: dict[str, type[Payload]] = {p.KIND: p for p in PAYLOAD_TYPES}
 
@@ -621,6 +634,10 @@ class Envelope(BaseModel):
     seq: int = Field(ge=0, description="per-source sequence number")
     time_s: float = Field(description="Unix time at the source")
     payload: Payload = Field(description="one of the kinds below")
+    signature: str | None = Field(
+        default=None, max_length=200, exclude_if=lambda v: v is None,
+        description="role:HMAC-SHA256 of the canonical event, on control events only (collector/auth.py); absent "
+                    "on telemetry")
 
     @field_validator("schema_version")
     @classmethod
