@@ -20,6 +20,7 @@ DEFAULT_EMBEDDED_PATH = ".resihp/bus.sqlite"
 DEFAULT_KAFKA_BOOTSTRAP = "127.0.0.1:19092"
 DEFAULT_USERS_PATH = ".resihp/ui-users.toml"
 DEFAULT_TRACE_DIR = ".resihp/traces"
+DEFAULT_KEYS_PATH = ".resihp/keys.json"
 
 
 class Environment(BaseSettings):
@@ -36,6 +37,12 @@ class Environment(BaseSettings):
     kafka_bootstrap: str = Field(default=DEFAULT_KAFKA_BOOTSTRAP, description="Kafka bootstrap servers, host:port[,…]")
     kafka_namespace: str = Field(default="", description="prefix of every Kafka topic, so environments share a cluster")
     kafka_replication: int = Field(default=1, description="replication factor of the topics the platform creates")
+    # control-event keys (collector/auth.py, docs/security.md)
+    keys: str = Field(default=DEFAULT_KEYS_PATH, description="the role key file (0600), made on first use")
+    key_engine: str = Field(default="", description="the engine's key, hex (overrides the key file)")
+    key_analytics: str = Field(default="", description="the analytics consumer's key, hex (overrides the key file)")
+    key_console: str = Field(default="", description="the console's key, hex (overrides the key file)")
+    key_executor: str = Field(default="", description="the trainer's (executor's) key, hex (overrides the key file)")
     # processes
     gc: str = Field(default="streaming", description="streaming (raised collector thresholds) or python (CPython's)")
     log: str = Field(default="WARNING", description="log level of the trainer's worker processes")
