@@ -18,6 +18,23 @@ import pytest
 from collector.bus import Bus
 
 
+@pytest.fixture(scope="session", autouse=True)
+def control_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One throw-away key set for the session (collector/auth.py), inherited by child processes;
+    tests sign control events with it through tests/fixtures/signing.py."""
+    from collector.auth import create_key_file
+
+    path = tmp_path_factory.mktemp("keys") / "keys.json"
+    create_key_file(path)
+    before = os.environ.get("RESIHP_KEYS")
+    os.environ["RESIHP_KEYS"] = str(path)
+    yield path
+    if before is None:
+        os.environ.pop("RESIHP_KEYS", None)
+    else:
+        os.environ["RESIHP_KEYS"] = before
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
