@@ -27,6 +27,7 @@ import pyarrow as pa
 from analytics.detector import STATE_VERSION, Detector
 from analytics.detector_config import DetectorConfig
 from analytics.tables import insert_arrow
+from collector.auth import Signer, load_keyring
 from collector.bus import Bus
 from collector.codec import decode, encode
 from collector.events import EventFactory, Payload
@@ -51,6 +52,7 @@ class DetectorProjection:
         self.detectors: dict[str, Detector] = {}
         self.emitted: dict[str, int] = {}
         self._outbox_seq = 0
+        self._keyring = load_keyring()  # incidents, probe requests and cost models go out signed as analytics
 
     def create(self, conn: duckdb.DuckDBPyConnection) -> None:
         conn.execute("CREATE TABLE IF NOT EXISTS detector_state (job VARCHAR PRIMARY KEY, emitted BIGINT, "
@@ -114,7 +116,8 @@ class DetectorProjection:
         n = self.emitted[job]
         self.emitted[job] = n + 1
         event_id = uuid.uuid5(_NS, f"{job}/{n}").hex
-        return EventFactory(job, SOURCE, first_seq=n).make(payload, time_s=time_s, event_id=event_id)
+        return Signer(EventFactory(job, SOURCE, first_seq=n), "analytics", self._keyring).make(
+            payload, time_s=time_s, event_id=event_id)
 
     def flush_outbox(self, conn: duckdb.DuckDBPyConnection, bus: Bus) -> int:
         """Publish what committed transactions produced, then forget it; returns how many."""

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from collector import topics
 from collector.embedded import EmbeddedBus
+from collector.auth import Signer
 from collector.events import (
     AckStatus, Envelope, EventFactory, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentUpdated,
     IterationSummary, PolicyChanged, PolicyMode, Severity,
@@ -168,8 +169,8 @@ def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,
                                                      options=options, strategy=strategy),
                                    model, cfg.plan)
         referee = _Referee(bus, job, cfg.cluster.gpus_per_node, cfg.start_time_s)
-        bus.publish([EventFactory(job, "operator").make(PolicyChanged(
-            mode=PolicyMode.AUTO, auto_severities=list(Severity), actor="closed-loop"),
+        bus.publish([Signer(EventFactory(job, "cli:closed-loop"), "console").make(PolicyChanged(
+            mode=PolicyMode.AUTO, auto_severities=list(Severity), actor="cli:closed-loop"),
             time_s=cfg.start_time_s)])  # on the job's clock: the engine's clock is the newest event time
         run = LoopRun()
         series = ThroughputSeries(window_s)

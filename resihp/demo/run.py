@@ -27,6 +27,7 @@ from pathlib import Path
 
 from collector.bus import Bus
 from collector.settings import environment
+from collector.auth import Signer, create_key_file, key_path
 from collector.events import EventFactory, PolicyChanged, PolicyMode, Severity
 from resihp.demo.procs import ProcessGroup, bus_flags, resihp_argv
 from resihp.demo.progress import Progress
@@ -128,7 +129,13 @@ def run_demo(opts: DemoOptions) -> int:
     progress.message(f"story: healthy warm-up, ×{story.slow.factor:g} fail-slow on device {story.slow.device} at "
                      f"iteration {story.slow.at_iteration}, device {story.stop.device} stops at iteration "
                      f"{story.stop.at_iteration}, {story.iterations} iterations; policy: auto-apply every severity")
-    bus.publish([EventFactory(story.job, "cli:demo").make(PolicyChanged(
+    # Every part signs and checks control events with one key set (docs/security.md), made here on
+    # first use; children find it through RESIHP_KEYS, whatever their working directory.
+    keys = key_path().resolve()
+    if create_key_file(keys):
+        progress.message(f"made the control-event keys {keys} (mode 0600)")
+    env["RESIHP_KEYS"] = str(keys)
+    bus.publish([Signer(EventFactory(story.job, "cli:demo"), "console").make(PolicyChanged(
         mode=PolicyMode.AUTO, auto_severities=list(Severity), actor="cli:demo"))])
     group = ProcessGroup(workdir, env)
     analytics_argv = resihp_argv("analytics", *flags, "--db", str(db), "--detector-config", str(files["detector"]))
