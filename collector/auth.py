@@ -192,7 +192,7 @@ def load_keyring(create: bool = True) -> Keyring:
         create_key_file(path)
     try:
         st = path.stat()
-        cache_key: tuple = (str(path), st.st_mtime_ns, st.st_ino, tuple(sorted(env.items())))
+        cache_key: tuple = (str(path), (st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_mode), tuple(sorted(env.items())))
     except FileNotFoundError:
         cache_key = (str(path), None, None, tuple(sorted(env.items())))
     cached = _cache.get(cache_key)
@@ -238,6 +238,7 @@ class Gate:
     keyring: Keyring = field(default_factory=load_keyring)
     rejected: dict[str, str] = field(default_factory=dict)  # refused event id -> why
     _pending: list[Envelope] = field(default_factory=list)
+    _published: set[str] = field(default_factory=set)  # ids of our rejections already on the log
 
     def admit(self, event: Envelope, time_s: float | None = None) -> bool:
         reason = self.keyring.verify(event)
@@ -258,6 +259,13 @@ class Gate:
         rid = uuid.uuid5(_NAMESPACE, f"{self.reader}/{event.job}/{event.id}").hex
         self._pending.append(EventFactory(event.job, self.reader).make(payload, time_s=time_s, event_id=rid))
 
+    def note(self, event: Envelope) -> None:
+        """A reader that replays its log sees its own earlier rejections: they need no second copy."""
+        p = event.payload
+        if isinstance(p, ControlRejected) and p.reader == self.reader:
+            self._published.add(event.id)
+
     def take(self) -> list[Envelope]:
-        out, self._pending = self._pending, []
+        out = [e for e in self._pending if e.id not in self._published]
+        self._pending = []
         return out

@@ -120,6 +120,7 @@ class RemediationEngine:
         """Read what is new, fold it, react; returns how many events were read."""
         deliveries = self.stream.poll(timeout_s=timeout_s)
         for d in deliveries:
+            self.gate.note(d.event)
             if not self.gate.admit(d.event, time_s=self._clock_s if self._clock_s != float("-inf") else None):
                 continue  # refused before its time can move the engine's clock
             self._clock_s = max(self._clock_s, d.event.time_s)
