@@ -73,6 +73,7 @@ def _plans(layers: int):
 
 def run(args: argparse.Namespace) -> int:
     from collector import topics
+    from collector.auth import Signer
     from collector.embedded import EmbeddedBus
     from collector.events import CommandAck, EventFactory, IterationSummary, ReconfigureCommand
     from collector.stream import EventStream
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
                    faults=[Fault(kind="slow_compute", rank=3, factor=args.slow_factor, start_iteration=slow_start,
                                  end_iteration=slow_end),
                            Fault(kind="stop_device", rank=7, start_iteration=kill_at)])
-    factory = EventFactory(spec.job, "bench")
+    factory = Signer(EventFactory(spec.job, "bench"), "engine")  # it plays the engine: the trainer obeys signed commands
     summaries: dict[int, IterationSummary] = {}
     acks: list[CommandAck] = []
     done = threading.Event()
