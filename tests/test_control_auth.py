@@ -249,3 +249,23 @@ def test_a_simulator_process_executes_no_forged_command_and_reports_each(tmp_pat
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert b"Traceback" not in err, err.decode()[-2000:]
+
+
+def test_the_launchers_intake_queues_only_signed_commands_and_bounded_probes() -> None:
+    from trainer.intake import CommandIntake
+
+    intake = CommandIntake(store=None, plan=PLAN, n_layer=8, n_head=4, global_microbatches=PLAN.global_microbatches)
+    nxt = PLAN.model_copy(update={"epoch": 1})
+    forged = EventFactory(JOB, "remediation").make(new_command(nxt, "mallory"))
+    analytics = Authors(JOB, "analytics")
+    hang = analytics.make(ProbeRequest(probe_id="hang", ranks=[0], repeats=10**7))
+    assert not intake.offer_event(forged) and not intake.offer_event(forged) and not intake.queue
+    assert intake.admit_probe(hang) is None
+    assert [(r.payload.event_id, r.payload.reader) for r in intake.rejections()] == [(forged.id, "trainer"),
+                                                                                   (hang.id, "trainer")]
+    assert intake.rejections() == []  # once per event id
+    good = signed(EventFactory(JOB, "remediation").make(new_command(nxt, "p1")))
+    own = load_keyring().sign(EventFactory(JOB, "trainer").make(new_command(nxt, "launcher-drop-3")), "executor")
+    assert intake.offer_event(good) and intake.offer_event(own) and len(intake.queue) == 2
+    probe = analytics.make(ProbeRequest(probe_id="ok", ranks=[0, 1]))
+    assert intake.admit_probe(probe) == probe.payload and intake.rejections() == []
