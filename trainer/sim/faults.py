@@ -86,13 +86,11 @@ def location_of(spec: FaultSpec, cluster: ClusterSpec, plan: Plan) -> Location:
     d = spec.device
     assert d is not None
     role = plan.roles.get(d)
-    extra = {}
-    if role is not None:
-        stage = plan.pipelines[role.replica].stages[role.stage]
-        extra = {"replica": role.replica, "stage": role.stage, "tp_group": stage.devices}
-    target = "link" if spec.kind == "slow_nic" else "compute"
-    factor = 1e9 if spec.kind == "stop_device" else spec.factor
-    return Location(target=target, rank=d, node=cluster.node_of(d), factor=factor, **extra)
+    stage = None if role is None else plan.pipelines[role.replica].stages[role.stage]
+    return Location(target="link" if spec.kind == "slow_nic" else "compute", rank=d, node=cluster.node_of(d),
+                    factor=1e9 if spec.kind == "stop_device" else spec.factor,
+                    replica=None if role is None else role.replica, stage=None if role is None else role.stage,
+                    tp_group=None if stage is None else stage.devices)
 
 
 def truth_event_payload(f: ActiveFault, cluster: ClusterSpec, plan: Plan) -> FaultInjected:
@@ -115,14 +113,14 @@ class FaultEffects:
     def of(cls, active: list[ActiveFault], cluster: ClusterSpec) -> FaultEffects:
         out = cls({}, {}, {}, set())
         for f in active:
-            s = f.spec
-            if s.kind == "slow_compute":
-                out.compute[s.device] = out.compute.get(s.device, 1.0) * s.factor  # type: ignore[index]
-            elif s.kind == "slow_link":
+            s, d = f.spec, f.spec.device
+            if s.kind == "slow_compute" and d is not None:
+                out.compute[d] = out.compute.get(d, 1.0) * s.factor
+            elif s.kind == "slow_link" and s.link is not None:
                 key = frozenset(s.link)
                 out.links[key] = out.links.get(key, 1.0) * s.factor
-            elif s.kind == "slow_nic":
-                out.nics[s.device] = out.nics.get(s.device, 1.0) * s.factor  # type: ignore[index]
+            elif s.kind == "slow_nic" and d is not None:
+                out.nics[d] = out.nics.get(d, 1.0) * s.factor
             else:
                 out.dead |= devices_of(s, cluster)
         return out
