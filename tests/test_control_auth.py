@@ -269,3 +269,16 @@ def test_the_launchers_intake_queues_only_signed_commands_and_bounded_probes() -
     assert intake.offer_event(good) and intake.offer_event(own) and len(intake.queue) == 2
     probe = analytics.make(ProbeRequest(probe_id="ok", ranks=[0, 1]))
     assert intake.admit_probe(probe) == probe.payload and intake.rejections() == []
+
+
+def test_a_forged_plan_current_neither_moves_the_running_epoch_nor_supersedes_a_waiting_plan() -> None:
+    from collector.events import PlanCurrent
+
+    authors = Authors(JOB, "trainer")
+    proposal = authors.make(PlanProposed(plan_id="p0-1", incident_ids=["i1"], strategy="ours", base_epoch=0,
+                                         plan=PLAN.model_copy(update={"epoch": 1}), current_tokens_per_s=1.0,
+                                         predicted_tokens_per_s=2.0, reshape_cost_s=1.0, diff=[]))
+    forged = EventFactory(JOB, "trainer").make(PlanCurrent(plan=PLAN.model_copy(update={"epoch": 5})))
+    state = fold([authors.make(PlanCurrent(plan=PLAN)), proposal, forged], PlanLifecycle(job=JOB))
+    assert state.running_epoch == 0 and state.plans["p0-1"].status == PlanStatus.PROPOSED
+    assert "unsigned plan.current" in state.rejected[forged.id]

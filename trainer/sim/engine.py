@@ -501,7 +501,7 @@ class SimEngine:
             tokens_per_microbatch=c.workload.tokens_per_microbatch,
         )
         self._plan_news = None
-        out = [self.events.make("trainer", payload, self._abs(self.now_s))]
+        out = [self.keyring.sign(self.events.make("trainer", payload, self._abs(self.now_s)), "executor")]
         if self._tracing is not None:  # what the ranks record under this plan (ours declares nothing)
             out.append(self.events.make("trainer", self._tracing, self._abs(self.now_s)))
         return out
