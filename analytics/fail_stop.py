@@ -26,6 +26,14 @@ a rank is judged against the others' progress:
   finished j. So if peers of r's epoch reported iteration ≥ k+2 while r's stream only got to k,
   r's events are late (its partition lags), not missing: r is not judged dead, however old its
   last delivered heartbeat is. This is what makes a lagging partition harmless.
+- **Behind its peers' epoch**: a reshape is collective, so when peers' streams already show a
+  newer epoch (their heartbeats through the reshape's pause, before any report of it, and before
+  the new plan arrives on the control topic) a rank whose stream is still in an older epoch is
+  lagging, and no peer can prove it alive until the new epoch completes iterations. Its heartbeats
+  are then judged with ``reference_max_lag_intervals`` (the bound on how long any lag is ridden
+  out), not the ordinary miss; and heartbeats of a newer epoch than any report make the job count
+  as pausing to reshape, not hung. Without this, a lagging partition across a reshape read as a
+  dead rank.
 - **Telemetry stopped**: r's *own* stream moved on (a heartbeat that says it started iteration
   ≥ i+2, or a report of a later iteration) without a report of i, ``telemetry_lag_iterations``
   times in a row: its reports are being lost. Sources without heartbeats fall back to the frames
@@ -115,6 +123,8 @@ class FailStopWatch:
     _deadline_s: float = float("inf")  # the reference beyond which the next rank would be judged dead
     _short_of_deadline: int = 0  # live watched streams still to pass _deadline_s before the reference can
     _interval_cache_s: float | None = None  # _interval_s(), until a stream's announced interval changes
+    _heard_epoch: int = -1  # the newest epoch any stream showed (a heartbeat's included)
+    heartbeating: int = 0  # streams that delivered a heartbeat so far
     # Immutable with a class-level default, so a detector pickled before declarations existed restores.
     tracing: tuple[TracingDeclared, ...] = ()  # every TracingDeclared seen, oldest first
 
@@ -131,6 +141,8 @@ class FailStopWatch:
         self._advance(hb.rank, s, hb.epoch, time_s)
         if s.hb_time_s is None or s.hb_interval_s != hb.interval_s:
             self._interval_cache_s = None
+        if s.hb_time_s is None:
+            self.heartbeating += 1
         s.hb_time_s, s.hb_interval_s = time_s, hb.interval_s
         if hb.epoch == s.epoch:
             s.started = max(s.started, hb.iteration)
@@ -165,6 +177,7 @@ class FailStopWatch:
         s.time_s = max(s.time_s, time_s)
         if epoch > s.epoch:
             s.epoch, s.reported, s.started = epoch, -1, -1
+        self._heard_epoch = max(self._heard_epoch, epoch)
 
     def _revive(self, rank: int, reason: str) -> list[LivenessChange]:
         if rank in self.dead and rank not in self._retired:
@@ -258,6 +271,8 @@ class FailStopWatch:
             return float("inf")
         if self._newest_plan is not None and self._newest_plan[0] > epoch:
             return float("inf")  # a newer plan was announced: the job is pausing to reshape, not hung
+        if self._heard_epoch > epoch:
+            return float("inf")  # heartbeats of a newer epoch than any report: the same pause, seen by the ranks
         declared = tracing_at(self.tracing, epoch)
         every = declared.step_every if declared is not None else 1  # the top moves once per traced step
         return self._top_time_s[epoch] + max(interval_s, self.config.hang_stall_iterations * every * self._iteration_s)
@@ -307,20 +322,32 @@ class FailStopWatch:
             late_s = ref - s.hb_time_s
             if self.proof_of_life(rank):
                 continue
-            if late_s > miss * s.hb_interval_s:
+            behind = s.epoch < self._heard_epoch
+            rank_miss = self._behind_miss() if behind else miss
+            if late_s > rank_miss * s.hb_interval_s:
                 self.dead.add(rank)
+                more = (f"; its stream is still in epoch {s.epoch} while peers are in {self._heard_epoch}"
+                        if behind else why)
                 out.append(LivenessChange(
                     rank, False, f"no heartbeat for {late_s:.1f} s of the job's progress "
-                                 f"(> {miss:g} intervals of {s.hb_interval_s:g} s{why})",
+                                 f"(> {rank_miss:g} intervals of {s.hb_interval_s:g} s{more})",
                     s.known_iteration(s.epoch) + 1 if s.epoch >= 0 else 0))
             else:
                 deadline = min(deadline, self._rank_deadline_s(s, stall_from))
         self._arm(deadline, ref)
         return out
 
+    def _behind_miss(self) -> float:
+        """The miss, in intervals, for a stream still in an older epoch than its peers' streams."""
+        return max(self.config.heartbeat_miss_intervals, self.config.reference_max_lag_intervals)
+
     def _rank_deadline_s(self, s: RankStream, stall_from_s: float) -> float:
         """The reference beyond which this rank is dead: its last heartbeat plus the ordinary miss,
-        or the hung miss once the job counts as stalled (whichever comes first)."""
+        or the hung miss once the job counts as stalled (whichever comes first); the longer miss of
+        a stream behind its peers' epoch."""
+        assert s.hb_time_s is not None
+        if s.epoch < self._heard_epoch:
+            return s.hb_time_s + self._behind_miss() * s.hb_interval_s
         plain = s.hb_time_s + self.config.heartbeat_miss_intervals * s.hb_interval_s
         return min(plain, max(s.hb_time_s + self.config.hang_miss_intervals * s.hb_interval_s, stall_from_s))
 
