@@ -5,6 +5,9 @@ written twice; ``publish`` flushes and checks every send, so it returns only whe
 the batch. Keys are ``job/source``: one rank's events land in one partition, in order.
 Consumers: a consumer group with manual commits; ``on_assign`` seeks to positions a consumer stored
 itself (in its DuckDB transaction) whenever the group hands it partitions.
+Security: with ``RESIHP_KAFKA_USERNAME`` (collector/settings.py) every client signs in with SASL
+(SCRAM-SHA-256 by default) as that principal; the broker's ACLs decide what it may read and write
+(docs/kafka.md). A principal without the right to create topics uses the ones that exist.
 Topics are created at start-up with the admin client (replication from RESIHP_KAFKA_REPLICATION,
 default 1 for the single-node broker) and the configs of ``collector.topics.TOPIC_CONFIGS`` (the
 control topic keeps every record). A control topic that already exists with another retention is
@@ -20,22 +23,38 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka import TopicPartition as KafkaTP
 from kafka.admin import ConfigResource, ConfigResourceType
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import AuthorizationError, KafkaError, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata
 
 from collector.bus import Bus, Consumer, OnAssign, RawMessage, Record, TopicPartition
 from collector.codec import MAX_EVENT_BYTES
-from collector.settings import environment
+from collector.settings import Environment, environment
 from collector.topics import ALL_TOPICS, PARTITIONS, TOPIC_CONFIGS
 
 _JOIN_POLL_MS = 250
 log = logging.getLogger(__name__)
 
 
-def ensure_topics(bootstrap: str, topics: Sequence[str] = ALL_TOPICS, namespace: str = "") -> None:
-    """Create the platform's topics (under ``namespace``) if they do not exist (idempotent)."""
+def client_security(env: Environment | None = None) -> dict[str, str]:
+    """kafka-python's SASL settings from the environment (empty: plaintext, no sign-in)."""
+    env = env or environment()
+    protocol = env.kafka_security_protocol or ("SASL_PLAINTEXT" if env.kafka_username else "")
+    if not protocol or protocol == "PLAINTEXT":
+        return {}
+    if not env.kafka_username:
+        raise ValueError(f"RESIHP_KAFKA_SECURITY_PROTOCOL={protocol} needs RESIHP_KAFKA_USERNAME and "
+                         "RESIHP_KAFKA_PASSWORD (source a principal's env file: docs/kafka.md)")
+    return {"security_protocol": protocol, "sasl_mechanism": env.kafka_sasl_mechanism,
+            "sasl_plain_username": env.kafka_username, "sasl_plain_password": env.kafka_password}
+
+
+def ensure_topics(bootstrap: str, topics: Sequence[str] = ALL_TOPICS, namespace: str = "",
+                  security: Mapping[str, str] | None = None) -> None:
+    """Create the platform's topics (under ``namespace``) if they do not exist (idempotent). A
+    principal the ACLs do not let create topics logs it and goes on with those that exist."""
     replication = environment().kafka_replication
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="resihp-admin")
+    security = client_security() if security is None else security
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="resihp-admin", **security)
     try:
         existing = set(admin.list_topics())
         missing = {
@@ -49,6 +68,10 @@ def ensure_topics(bootstrap: str, topics: Sequence[str] = ALL_TOPICS, namespace:
                 admin.create_topics(missing, wait_for_metadata=True)
             except TopicAlreadyExistsError:
                 pass  # another process created them first
+            except AuthorizationError as exc:
+                log.info("principal %s may not create topics %s (%s); using what exists (the admin creates them: "
+                         "resihp kafka up --secure)", security.get("sasl_plain_username"), sorted(missing), exc)
+                return
         for t in topics:
             if namespace + t in existing and t in TOPIC_CONFIGS:
                 _report_drift(admin, namespace + t, TOPIC_CONFIGS[t])
@@ -80,13 +103,16 @@ def _report_drift(admin: KafkaAdminClient, topic: str, wanted: Mapping[str, str]
 class KafkaBus(Bus):
     name = "kafka"
 
-    def __init__(self, bootstrap: str, *, namespace: str | None = None, create_topics: bool = True) -> None:
+    def __init__(self, bootstrap: str, *, namespace: str | None = None, create_topics: bool = True,
+                 security: Mapping[str, str] | None = None) -> None:
         self.bootstrap = bootstrap
+        # SASL settings for every client (default: from the environment, client_security()).
+        self.security = dict(client_security() if security is None else security)
         # Several environments (or tests) can share a cluster: every topic name gets this prefix.
         self.namespace = environment().kafka_namespace if namespace is None else namespace
         if create_topics:
             try:
-                ensure_topics(bootstrap, namespace=self.namespace)
+                ensure_topics(bootstrap, namespace=self.namespace, security=self.security)
             except KafkaError as exc:
                 raise ConnectionError(
                     f"cannot reach Kafka at {bootstrap} ({exc.__class__.__name__}: {exc}); start the local "
@@ -105,6 +131,7 @@ class KafkaBus(Bus):
                 linger_ms=5,
                 batch_size=512 * 1024,
                 max_request_size=MAX_EVENT_BYTES + 64 * 1024,
+                **self.security,
             )
         return self._producer
 
@@ -113,16 +140,21 @@ class KafkaBus(Bus):
         futures = [self.producer.send(ns + topic, key=key, value=value) for topic, key, value in messages]
         self.producer.flush()
         for f in futures:
+            if f.failed() and isinstance(f.exception, AuthorizationError):
+                raise PermissionError(
+                    f"Kafka refused principal {self.security.get('sasl_plain_username', 'ANONYMOUS')!r} a write "
+                    f"({f.exception}); its ACLs do not allow this topic (docs/kafka.md lists who may write what)"
+                ) from f.exception
             if f.failed():
                 raise ConnectionError(f"Kafka did not accept a record: {f.exception}") from f.exception
 
     def consumer(
         self, group: str, topics: Sequence[str], on_assign: OnAssign | None = None, instance_id: str | None = None
     ) -> Consumer:
-        return KafkaBusConsumer(self.bootstrap, group, topics, on_assign, self.namespace, instance_id)
+        return KafkaBusConsumer(self.bootstrap, group, topics, on_assign, self.namespace, instance_id, self.security)
 
     def end_offsets(self, topics: Sequence[str]) -> dict[TopicPartition, int]:
-        c = KafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
+        c = KafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False, **self.security)
         try:
             ns = self.namespace
             tps = [KafkaTP(ns + t, p) for t in topics for p in sorted(c.partitions_for_topic(ns + t) or ())]
@@ -163,6 +195,7 @@ class KafkaBusConsumer(Consumer):
         on_assign: OnAssign | None,
         namespace: str = "",
         instance_id: str | None = None,
+        security: Mapping[str, str] | None = None,
     ) -> None:
         if not topics:
             raise ValueError("a consumer needs at least one topic")
@@ -180,6 +213,7 @@ class KafkaBusConsumer(Consumer):
             heartbeat_interval_ms=1_000,
             max_partition_fetch_bytes=8 * 1024 * 1024,
             fetch_max_bytes=64 * 1024 * 1024,
+            **(security or {}),
         )
         self._kafka.subscribe([namespace + t for t in topics], listener=_SeekOnAssign(self, on_assign))
 
