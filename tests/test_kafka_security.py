@@ -4,7 +4,6 @@ itself; an authorised one lands. The platform's own client (collector/kafka_bus.
 
 from __future__ import annotations
 
-import socket
 import uuid
 from pathlib import Path
 
@@ -16,26 +15,16 @@ from collector.events import EventFactory, Heartbeat
 from collector.kafka_bus import KafkaBus
 from infra import broker
 from infra import kafka_security as security
-from resihp.commands.kafka import secure_topics
 
 pytestmark = pytest.mark.kafka
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def secure_broker(tmp_path_factory: pytest.TempPathFactory):
-    data_dir = tmp_path_factory.mktemp("kafka-secure")
-    bootstrap = broker.up(port=_free_port(), controller_port=_free_port(), data_dir=data_dir, secure=True)
-    try:
-        secure_topics(bootstrap, str(data_dir), "")
-        yield bootstrap, data_dir, security.load_or_create_credentials(data_dir)
-    finally:
-        broker.down(data_dir)
+@pytest.fixture
+def secure_broker(secure_kafka):
+    if not broker.status(secure_kafka["data_dir"])["running"]:  # a test before stopped it
+        broker.up(port=secure_kafka["port"], controller_port=secure_kafka["controller_port"],
+                data_dir=secure_kafka["data_dir"], secure=True)
+    return secure_kafka["bootstrap"], secure_kafka["data_dir"], secure_kafka["creds"]
 
 
 def _bus(bootstrap: str, creds: dict[str, str], user: str) -> KafkaBus:

@@ -1,4 +1,8 @@
-"""``resihp analytics``: keep the DuckDB projections of the log, exactly once."""
+"""``resihp analytics``: keep the DuckDB projections of the log, exactly once.
+
+It never exits on a broker outage: the bus client retries with back-off, and fail-stop judgement
+is suspended from the outage until this consumer has caught up (analytics/bus_outage.py), each
+said in a JSON line on stderr."""
 
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
     import time
 
+    from analytics.bus_outage import OutageGuard
     from analytics.control_tables import ControlProjection
     from analytics.event_log import EventLogProjection
     from analytics.projector import Projector
@@ -51,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
             bus, args.db, args.group, [topics.TELEMETRY, topics.ANALYTICS, topics.CONTROL],
             projections, rebuild=args.rebuild, instance_id=args.instance_id,
         )
+        outage = OutageGuard(bus, projector.stream.consumer, [topics.TELEMETRY, topics.ANALYTICS, topics.CONTROL])
         try:
             if detector is not None:
                 detector.flush_outbox(projector.conn, bus)  # what a crash left unpublished
@@ -58,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
             while True:
                 consumed = projector.step(max_records=args.batch)
                 if detector is not None:
+                    outage.after_step(consumed, [d.fail_stop for d in detector.detectors.values()])
                     detector.flush_outbox(projector.conn, bus)
                 if consumed:
                     idle_since = time.monotonic()
