@@ -1,6 +1,6 @@
 """A component's guard: the process that ties a component's whole process group to the demo.
 
-``python -m resihp.demo.guard CMD...`` runs ``CMD`` as its child in its own process group (the
+``python -m resihp.demo.guard [--parent PID] -- CMD...`` runs ``CMD`` as its child in its own process group (the
 demo starts the guard in a new session, so the guard leads it, and every process the component
 starts — the trainer's ranks, Streamlit's server — joins that group unless it leaves on purpose).
 
@@ -27,7 +27,6 @@ from types import FrameType
 
 PR_SET_PDEATHSIG = 1
 GRACE_S = 5.0
-SUPERVISOR_ENV = "RESIHP_SUPERVISOR_PID"  # the pid the guard's parent should be (set by the demo)
 
 
 def set_parent_death_signal(sig: int = signal.SIGTERM, parent_pid: int | None = None) -> bool:
@@ -60,13 +59,15 @@ def _end_group(child: subprocess.Popen, grace_s: float = GRACE_S) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     cmd = list(sys.argv[1:] if argv is None else argv)
+    parent = None
+    if cmd[:1] == ["--parent"] and len(cmd) > 1:  # the pid the guard's parent should be (the demo)
+        parent, cmd = int(cmd[1]), cmd[2:]
     if cmd[:1] == ["--"]:
         cmd = cmd[1:]
     if not cmd:
-        print("usage: python -m resihp.demo.guard CMD [ARG...]", file=sys.stderr)
+        print("usage: python -m resihp.demo.guard [--parent PID] -- CMD [ARG...]", file=sys.stderr)
         return 2
-    supervisor = os.environ.get(SUPERVISOR_ENV)
-    set_parent_death_signal(signal.SIGTERM, int(supervisor) if supervisor else None)
+    set_parent_death_signal(signal.SIGTERM, parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the component gets the demo's SIGINT and stops cleanly
     child = subprocess.Popen(cmd, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 

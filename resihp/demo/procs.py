@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from collector.bus import Bus
-from resihp.demo.guard import SUPERVISOR_ENV, set_parent_death_signal
+from resihp.demo.guard import set_parent_death_signal
 
 
 def _child_setup(supervisor_pid: int) -> None:
@@ -40,8 +40,8 @@ def _child_setup(supervisor_pid: int) -> None:
 
 
 def guarded(argv: list[str]) -> list[str]:
-    """``argv`` run under the guard that ends its process group when the demo dies."""
-    return [sys.executable, "-m", "resihp.demo.guard", "--", *argv]
+    """``argv`` run under the guard that ends its process group when the demo (this process) dies."""
+    return [sys.executable, "-m", "resihp.demo.guard", "--parent", str(os.getpid()), "--", *argv]
 
 
 def resihp_argv(*args: str) -> list[str]:
@@ -98,7 +98,7 @@ class ProcessGroup:
         log.flush()
         me = os.getpid()
         comp.proc = subprocess.Popen(guarded(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=dict(self.env, **{SUPERVISOR_ENV: str(me)}), cwd=os.getcwd(),
+                                     env=self.env, cwd=os.getcwd(),
                                      start_new_session=True, preexec_fn=lambda: _child_setup(me))
         log.close()
         comp.started_at = time.monotonic()
