@@ -295,6 +295,20 @@ class RankHealth(Payload):
     ranks: list[RankHealthEntry]
 
 
+class AnalyticsLease(Payload):
+    """An analytics consumer with the detector says it runs, every few seconds (and that it stopped,
+    ``released``). Two consumers on one bus would both publish incidents; the one that started
+    later sees the other's lease, warns, publishes no incidents and says whom it defers to."""
+
+    KIND: ClassVar[str] = "analytics.lease"
+    instance: str = Field(min_length=1, max_length=200, description="this consumer's id (random per process)")
+    started_s: float = Field(allow_inf_nan=False, description="when it started (its wall clock)")
+    db: str = Field(default="", max_length=4096, description="its DuckDB file")
+    deferring_to: str | None = Field(default=None, max_length=200,
+                                     description="set when this one is the duplicate: the instance that publishes")
+    released: bool = Field(default=False, description="it stopped: the lease is free")
+
+
 # ---- incidents ----------------------------------------------------------------------------------
 
 
@@ -593,7 +607,7 @@ class DeadLetter(Payload):
 
 PAYLOAD_TYPES: tuple[type[Payload], ...] = (
     RankIteration, IterationSummary, Heartbeat, TracingDeclared,
-    IterationPrediction, RankHealth,
+    IterationPrediction, RankHealth, AnalyticsLease,
     IncidentOpened, IncidentConfirmed, IncidentUpdated, IncidentResolved, ProbeRequest, ProbeResult,
     PlanProposed, PlanDecision, PolicyChanged, ReconfigureCommand, CommandAck, PlanVerified, PlanRolledBack,
     PlanWithheld, PlanCurrent, CostModelFitted,

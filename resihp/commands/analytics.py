@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from analytics.bus_outage import OutageGuard
     from analytics.control_tables import ControlProjection
     from analytics.event_log import EventLogProjection
+    from analytics.lease import AnalyticsLeases
     from analytics.projector import Projector
     from analytics.tables import TelemetryProjection
     from collector import topics
@@ -47,11 +48,12 @@ def run(args: argparse.Namespace) -> int:
     with bus_from_args(args) as bus:
         projections = [EventLogProjection(), TelemetryProjection(), ControlProjection()]
         detector = None
+        leases = AnalyticsLeases(db=str(args.db))
         if not args.no_detect:
             from analytics.detector_projection import DetectorProjection
 
             detector = DetectorProjection(args.detector_config)
-            projections.append(detector)
+            projections += [detector, leases]
         projector = Projector(
             bus, args.db, args.group, [topics.TELEMETRY, topics.ANALYTICS, topics.CONTROL],
             projections, rebuild=args.rebuild, instance_id=args.instance_id,
@@ -65,7 +67,10 @@ def run(args: argparse.Namespace) -> int:
                 consumed = projector.step(max_records=args.batch)
                 if detector is not None:
                     outage.after_step(consumed, [d.fail_stop for d in detector.detectors.values()])
-                    detector.flush_outbox(projector.conn, bus)
+                    if leases.tick(bus):
+                        detector.flush_outbox(projector.conn, bus)
+                    else:  # a second consumer on this bus: the first one publishes (analytics/lease.py)
+                        projector.conn.execute("DELETE FROM detector_outbox")
                 if consumed:
                     idle_since = time.monotonic()
                     if args.log_batches:
@@ -76,5 +81,11 @@ def run(args: argparse.Namespace) -> int:
                 elif args.exit_when_idle is not None and time.monotonic() - idle_since >= args.exit_when_idle:
                     break
         finally:
+            if detector is not None:
+                try:
+                    leases.release(bus)
+                except Exception as exc:  # noqa: BLE001 - the bus may be gone; the lease then expires
+                    print(json.dumps({"event": "analytics_lease_not_released", "why": repr(exc)[:200]}),
+                          file=sys.stderr, flush=True)
             projector.close()
     return 0
