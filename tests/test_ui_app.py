@@ -168,3 +168,33 @@ def test_ui_replay_and_jobs_pages_render_the_log(console: Path) -> None:
     table = at.dataframe[0].value
     assert "opened inc-demo-60 (high)" in " ".join(table["what"])
     assert set(table["who"]) >= {"detector", "planner"}
+
+
+def test_ui_five_wrong_passwords_lock_the_user_and_each_failure_is_an_event(console: Path) -> None:
+    from collector.events import SignInFailed
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    for _ in range(5):
+        at = sign_in(at, "bob", "guess-pw-123")
+    assert any("sign-in is now locked" in e.value for e in at.error)
+    at = sign_in(at, "bob", "bob-pw")  # the right password during the lockout is refused too
+    assert "session" not in at.session_state
+    assert any("locked until" in e.value for e in at.error)
+    failures = [e.payload for e in control_events(console, SignInFailed)]
+    assert [(f.user, f.reason, f.user_failures) for f in failures] == [
+        ("bob", "wrong_password", n) for n in range(1, 6)]
+    assert failures[-1].locks == ["user"] and failures[-1].locked_until_s is not None
+    at = sign_in(at, "mallory-pw-in-name-box", "x")
+    (unknown,) = [e for e in control_events(console, SignInFailed) if e.payload.reason == "unknown_user"]
+    assert unknown.payload.user == ""
+    with EmbeddedBus(console) as bus, EventStream(bus, "raw-reader", [topics.CONTROL]) as stream:
+        raw = b" ".join(d.event.model_dump_json().encode() for d in stream.poll(10_000, 0.1))
+    for secret in (b"guess-pw-123", b"bob-pw", b"mallory-pw-in-name-box"):
+        assert secret not in raw
+
+    # The operator sees the failures and the lockout on the Security page; a viewer would not.
+    at = sign_in(AppTest.from_file(APP, default_timeout=60).run(), "alice", "alice-pw")
+    at.sidebar.radio(key="page").set_value("Security").run()
+    assert not at.exception, at.exception
+    (table,) = [d.value for d in at.dataframe]  # no rejected control events here: one table
+    assert list(table["user"][:2]) == ["(unknown name)", "bob"] and len(table) == 6
+    assert any("Locked out at" in w.value and "user bob" in w.value for w in at.warning)

@@ -36,8 +36,8 @@ def _feed(bus_key: tuple[str, str, bool], _settings: Settings) -> Feed:
 
 
 @st.cache_resource(show_spinner=False)
-def _guard() -> SignInGuard:
-    """One sign-in guard per console process: every browser session counts against the same limits."""
+def _guard(users_path: str) -> SignInGuard:
+    """One sign-in guard per users file per process: every browser session counts against the same limits."""
     return SignInGuard()
 
 
@@ -45,7 +45,7 @@ def main() -> None:
     st.set_page_config(page_title="ResiHP console", layout="wide")
     settings = Settings.from_env()
     feed = _feed((*settings.bus_key(), settings.telemetry), settings)
-    session = signin.gate(settings, UsersFile(settings.users_path), _guard(), feed)
+    session = signin.gate(settings, UsersFile(settings.users_path), _guard(settings.users_path), feed)
     try:
         with st.spinner("reading the bus…"):
             feed.refresh()
