@@ -23,13 +23,15 @@ _publish_lock = threading.Lock()
 
 
 def client_address() -> str:
-    """The address of the browser's connection as the server saw it ("unknown" when there is none).
-    Not X-Forwarded-For: a client can write that header itself."""
+    """The address of the browser's connection as the server saw it: Streamlit gives None for a
+    loopback connection ("localhost" here) and "unknown" stands for no connection at all."""
     try:
         address = st.context.ip_address
     except Exception:  # noqa: BLE001 - outside a browser session there is no connection
         return "unknown"
-    return address[:200] if isinstance(address, str) and address else "unknown"  # AppTest has a stand-in object
+    if address is None:
+        return "localhost"
+    return address[:200] if isinstance(address, str) else "unknown"  # AppTest has a stand-in object
 
 
 def record_failure(feed: Feed, payload: SignInFailed) -> None:
