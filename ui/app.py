@@ -44,8 +44,10 @@ def _guard(users_path: str) -> SignInGuard:
 def main() -> None:
     st.set_page_config(page_title="ResiHP console", layout="wide")
     settings = Settings.from_env()
-    feed = _feed((*settings.bus_key(), settings.telemetry), settings)
-    session = signin.gate(settings, UsersFile(settings.users_path), _guard(settings.users_path), feed)
+    bus_key = (*settings.bus_key(), settings.telemetry)
+    session = signin.gate(settings, UsersFile(settings.users_path), _guard(settings.users_path),
+                          lambda: _feed(bus_key, settings))
+    feed = _feed(bus_key, settings)
     try:
         with st.spinner("reading the bus…"):
             feed.refresh()

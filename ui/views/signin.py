@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import streamlit as st
 
@@ -36,7 +37,7 @@ def client_address() -> str:
 
 def record_failure(feed: Feed, payload: SignInFailed) -> None:
     """Publish the refusal on the control topic, numbered after this console's previous ones."""
-    with _publish_lock:
+    with _publish_lock:  # one numbering for every browser session of this process
         feed.refresh()
         factory = EventFactory(CONSOLE_JOB, CONSOLE_SOURCE, first_seq=feed.model.next_seq(CONSOLE_JOB, CONSOLE_SOURCE))
         feed.publish(factory.make(payload))
@@ -56,8 +57,9 @@ def current_session() -> Session | None:
     return session
 
 
-def gate(settings: Settings, authenticator: Authenticator, guard: SignInGuard, feed: Feed) -> Session:
-    """Return the live session, or draw the sign-in form and stop the script."""
+def gate(settings: Settings, authenticator: Authenticator, guard: SignInGuard, feed: Callable[[], Feed]) -> Session:
+    """Return the live session, or draw the sign-in form and stop the script. ``feed`` is called only
+    to record a failure, so an unreachable bus never hides the form."""
     session = current_session()
     if session is not None:
         return session
@@ -79,7 +81,7 @@ def gate(settings: Settings, authenticator: Authenticator, guard: SignInGuard, f
         except AuthError as exc:
             event = guard.failed(name, client, known_user=authenticator.knows(name), now_s=now)
             try:
-                record_failure(feed, event)
+                record_failure(feed(), event)
             except Exception as pub:  # noqa: BLE001 - the refusal stands even if the bus is down
                 st.warning(f"the failed sign-in could not be recorded on the bus: {pub}")
             st.error(f"{exc}. Nothing was changed; try again."
