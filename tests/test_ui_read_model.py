@@ -201,10 +201,16 @@ def test_ui_fold_shows_rejected_control_events_from_a_plain_dict_payload() -> No
         id="rej-1", kind="control.rejected", schema_version=1, job="demo", source="remediation", seq=0, time_s=5.0,
         payload={"event_id": "forged-7", "kind": "plan.decision", "source": "ui:alice",
                  "reason": "no valid signature for ui:alice"})
+    by_trainer = Envelope.model_construct(
+        id="rej-2", kind="control.rejected", schema_version=1, job="demo", source="trainer", seq=0, time_s=6.0,
+        payload={"event_id": "forged-8", "kind": "command.reconfigure", "source": "mallory",
+                 "reason": "unsigned command.reconfigure", "reader": "trainer:rank-0"})
     model = ReadModel()
     model.apply(rejected)
     model.apply(rejected)  # a duplicate adds nothing
-    (row,) = model.security.rejected
+    model.apply(by_trainer)
+    assert [(r.by, r.source) for r in model.security.rejected][1:] == [("trainer:rank-0", "mallory")]
+    row = model.security.rejected[0]
     assert (row.job, row.by, row.event_id, row.kind, row.source, row.reason) == (
         "demo", "remediation", "forged-7", "plan.decision", "ui:alice", "no valid signature for ui:alice")
     assert "demo" not in model.jobs and not model.plans

@@ -37,7 +37,7 @@ def field(payload: Any, name: str, default: Any = "") -> Any:
 class RejectedEvent:
     time_s: float
     job: str
-    by: str  # who rejected it (the envelope's source: remediation, trainer, …)
+    by: str  # who refused it: the payload's ``reader`` if it names one, else the envelope's source
     event_id: str
     kind: str
     source: str  # who the rejected event claimed to come from
@@ -70,7 +70,7 @@ class SecurityLog:
         if e.kind == REJECTED_KIND:
             p = e.payload
             self.rejected.append(RejectedEvent(
-                e.time_s, e.job, e.source, str(field(p, "event_id")), str(field(p, "kind")), str(field(p, "source")),
+                e.time_s, e.job, str(field(p, "reader") or e.source), str(field(p, "event_id")), str(field(p, "kind")), str(field(p, "source")),
                 str(field(p, "reason"))))
             return True
         return False
