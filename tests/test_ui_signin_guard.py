@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ui.signin_guard import GuardPolicy, LockedOut, SignInGuard
-from ui.views.common import plain
+from ui.views.common import WORD_JOINER, plain
 
 
 def fail(guard: SignInGuard, user: str, client: str, now_s: float, known: bool = True):
@@ -72,4 +72,10 @@ def test_plain_escapes_every_markdown_punctuation_and_line_break(text: str) -> N
     unescaped = [ch for i, ch in enumerate(out) if not ch.isalnum() and not ch.isspace() and ch.isascii()
                  and (i == 0 or out[i - 1] != "\\") and not (ch == "\\" and i + 1 < len(out))]
     assert unescaped == []
-    assert out.replace("\\", "") == text.replace("\n", " ").replace("\\", "")
+    assert out.replace("\\", "").replace(WORD_JOINER, "") == text.replace("\n", " ").replace("\\", "")
+
+
+def test_plain_breaks_links_and_emoji_that_are_found_after_parsing() -> None:
+    out = plain("http://127.0.0.1:9/p www.evil.example bob@evil.example :smile:")
+    assert f"http\\:{WORD_JOINER}\\/\\/" in out and f"www{WORD_JOINER}\\." in out
+    assert f"\\@{WORD_JOINER}evil" in out and f"\\:{WORD_JOINER}smile\\:" in out
