@@ -44,6 +44,7 @@ from collector.topics import ALL_TOPICS, PARTITIONS, TOPIC_CONFIGS
 
 _JOIN_POLL_MS = 250
 _RETRY_MAX_S = 5.0  # the longest back-off between two tries of a publish during an outage
+_FLUSH_TIMEOUT_S = 30.0  # twice the producer's delivery timeout
 log = logging.getLogger(__name__)
 
 
@@ -178,7 +179,9 @@ class KafkaBus(Bus):
         """Send and flush; returns the messages to try again (their send failed and may succeed)."""
         ns = self.namespace
         futures = [(m, self.producer.send(ns + m.topic, key=m.key, value=m.value)) for m in messages]
-        self.producer.flush()
+        # Bounded: after a broker restart kafka-python can leave a batch that neither completes nor
+        # expires; the timeout (KafkaTimeoutError) drops that producer and the batch goes again.
+        self.producer.flush(timeout=_FLUSH_TIMEOUT_S)
         again = []
         for m, f in futures:
             if not f.failed():

@@ -63,7 +63,7 @@ def test_a_broker_outage_raises_no_fail_stop_and_every_process_survives(secure_k
     namespace = f"o{uuid.uuid4().hex[:8]}."
     secure_topics(bootstrap, str(data_dir), namespace)  # topics and ACLs under this test's namespace
     story = story_for(8, short=True)
-    scenario = dict(story.scenario(), faults=[], iterations=24)  # a healthy job: any fail-stop is false
+    scenario = dict(story.scenario(), faults=[], iterations=40)  # a healthy job: any fail-stop is false
     (tmp_path / "scenario.yaml").write_text(yaml.safe_dump(scenario))
     env = dict(os.environ, PYTHONPATH=str(REPO), RESIHP_KAFKA_NAMESPACE=namespace, PYTHONUNBUFFERED="1",
                PYTHONFAULTHANDLER="1")
@@ -75,10 +75,10 @@ def test_a_broker_outage_raises_no_fail_stop_and_every_process_survives(secure_k
             [sys.executable, "-m", "resihp.cli", "analytics", *flags, "--db", str(tmp_path / "a.duckdb")],
             cwd=REPO, env=dict(env, **_as("analytics", creds)), stdout=logs["analytics"], stderr=subprocess.STDOUT)
         procs["workload"] = subprocess.Popen(
-            [sys.executable, "-m", "resihp.demo.sim_workload", str(tmp_path / "scenario.yaml"), "--speed", "6",
+            [sys.executable, "-m", "resihp.demo.sim_workload", str(tmp_path / "scenario.yaml"), "--speed", "2",
              *flags], cwd=REPO, env=dict(env, **_as("trainer", creds)), stdout=logs["workload"],
             stderr=subprocess.STDOUT)
-        _wait_for("the job's 6th iteration", lambda: _last_iteration(tmp_path / "workload.log") >= 6, procs)
+        _wait_for("the job's 4th iteration", lambda: _last_iteration(tmp_path / "workload.log") >= 4, procs)
 
         assert broker.down(data_dir) is True
         time.sleep(OUTAGE_S)
