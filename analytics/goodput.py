@@ -47,6 +47,7 @@ from collector.events import (
 
 CAUSES: tuple[str, ...] = ("fail_stop", "fail_slow", "reshape", "restart", "approval", "other")
 _WINDOW_ITERATIONS = 4096  # predictions kept for back-dating drag to an incident's first evidence
+_EXCESS_WINDOW = 64  # iterations of an incident whose excess sets the cap on one iteration's drag
 _CLOCK_KINDS = frozenset({IterationSummary.KIND, Heartbeat.KIND, CommandAck.KIND, PlanCurrent.KIND})
 
 
@@ -74,7 +75,8 @@ class OpenIncident:
     factor: float
     confidence: float
     first_iteration: int
-    drag_raw_s: float = 0.0  # signed sum of observed − predicted over its iterations
+    drag_raw_s: float = 0.0  # signed sum of observed − predicted over its iterations (outliers capped)
+    excess: list[float] = field(default_factory=list)  # recent observed / predicted − 1 of its iterations
     drag_charged_s: float = 0.0  # what the counters hold: the running maximum of drag_raw_s, never below 0
 
 
@@ -266,7 +268,7 @@ class GoodputFold:
             if inc.category != FaultCategory.FAIL_SLOW or iteration < inc.first_iteration or iid in charged:
                 continue
             charged.append(iid)
-            inc.drag_raw_s += obs - pred
+            inc.drag_raw_s += pred * _capped_excess(inc, obs / pred - 1.0)
             grow = inc.drag_raw_s - inc.drag_charged_s
             if grow > 0:
                 inc.drag_charged_s = inc.drag_raw_s
@@ -286,6 +288,20 @@ class GoodputFold:
         st["charged_iterations"] = {int(k): v for k, v in st.get("charged_iterations", {}).items()}
         st["loss_s"] = {**dict.fromkeys(CAUSES, 0.0), **st.get("loss_s", {})}
         self.jobs[job] = JobGoodput(**st)
+
+
+def _capped_excess(inc: OpenIncident, excess: float) -> float:
+    """``excess`` capped at the incident's recent median + 4 MAD: a stall (a GC pause, a slow data
+    load) that lands in a fail-slow window is the job's own noise, not the fault's drag, and one of
+    them can weigh as much as a hundred slow iterations. The first few iterations are taken as they are."""
+    recent = inc.excess[-_EXCESS_WINDOW:]
+    inc.excess = recent[-(_EXCESS_WINDOW - 1):] + [excess]
+    if len(recent) < 8:
+        return excess
+    ordered = sorted(recent)
+    median = ordered[len(ordered) // 2]
+    mad = sorted(abs(x - median) for x in recent)[len(recent) // 2]
+    return min(excess, median + 4.0 * max(mad, 0.01))
 
 
 def _factor(locations: list) -> float:
