@@ -6,8 +6,8 @@ job view — so the figure an operator sees on a dashboard and on the console is
 
 Time is the job's event time (the trainer's and simulator's ``time_s``; the detector and the engine
 stamp their events with the event time that caused them). The wall time of a job runs from its first
-``plan.current`` or iteration to the newest event of its own clock (iteration summaries, heartbeats,
-acknowledgements, plan announcements); operators' decisions carry their own clock and never move it.
+event to the newest event of its own clock; operators' decisions (``plan.decision``) carry the
+operator's clock and never move it.
 Wall time is cut into:
 
 * **training**: each ``telemetry.summary`` covers ``[time_s − wall_s, time_s]``. Of that, the part an
@@ -27,7 +27,10 @@ decision could have saved. The loss counters only grow: a gap is charged when it
 (progressively while a fail-stop hang or a wait for approval lasts, otherwise when the next iteration
 starts), and until then it is ``pending_s``: part of the wall time, not of any cause. Drag is kept as
 a signed running sum per incident and the counter follows its maximum, so noise around a prediction
-neither inflates the loss nor makes a counter go back.
+neither inflates the loss nor makes a counter go back. Each iteration's excess (observed / predicted
+− 1) is taken less the median excess of recent healthy iterations (the prediction's own bias: the
+truth it is graded on includes the job's usual noise), and capped at the incident's median + 4 MAD
+(a stall in a slow window is noise, not the fault).
 
 The state is plain data (:meth:`GoodputFold.to_state` / :meth:`GoodputFold.from_state`) so the
 analytics consumer stores it in the same DuckDB transaction as its offsets
@@ -48,6 +51,7 @@ from collector.events import (
 CAUSES: tuple[str, ...] = ("fail_stop", "fail_slow", "reshape", "restart", "approval", "other")
 _WINDOW_ITERATIONS = 4096  # predictions kept for back-dating drag to an incident's first evidence
 _EXCESS_WINDOW = 64  # iterations of an incident whose excess sets the cap on one iteration's drag
+_BASELINE_WINDOW = 256  # healthy iterations whose median excess is the prediction's own bias
 _CLOCK_KINDS = frozenset({IterationSummary.KIND, Heartbeat.KIND, CommandAck.KIND, PlanCurrent.KIND})
 
 
@@ -98,6 +102,7 @@ class JobGoodput:
     predictions: dict[int, list[float]] = field(default_factory=dict)  # iteration -> [observed, predicted]
     charged_iterations: dict[int, list[str]] = field(default_factory=dict)  # iteration -> incident ids charged
     acks: list[str] = field(default_factory=list)  # applied command ids (bounded), so a re-sent ack is charged once
+    healthy_excess: list[list[float]] = field(default_factory=list)  # [iteration, observed / predicted − 1], no fail-slow open
     last_observed_s: float | None = None
     last_predicted_s: float | None = None
     tokens: int = 0
@@ -162,6 +167,8 @@ class GoodputFold:
             if isinstance(p, PlanCurrent) and p.reason == "restart":
                 s.restart_in_gap = True
             return
+        if not isinstance(p, PlanDecision):  # an operator's decision carries the operator's clock
+            self._advance(s, event.time_s)
         if isinstance(p, IncidentOpened):
             self._incident_opened(s, p)
         elif isinstance(p, IncidentUpdated):
@@ -197,14 +204,16 @@ class GoodputFold:
             s.committed_until_s = until_s
 
     def _charge_gap(self, s: JobGoodput, *, closing: bool, until_s: float | None = None) -> None:
-        """Charge the uncharged gap up to ``until_s`` (default: now) if its cause is known. While the
-        cause is only "no progress yet" the last iteration's length stays pending: the job may be in
-        the middle of an iteration whose summary has not come."""
+        """Charge the uncharged gap up to ``until_s`` (default: now) if its cause is known. Before the
+        gap closes only a hang (fail-stop) or a wait for approval is charged, and the last iteration's
+        length stays pending: the job may be in the middle of an iteration whose summary has not come."""
         end = s.now_s if until_s is None else until_s
         cause = _cause_now(s, closing=closing)
         if cause is None:
             return
-        if not closing and cause not in ("approval", "fail_stop"):
+        if not closing:
+            if cause not in ("approval", "fail_stop"):
+                return  # charged when the gap closes: until then the job may be mid-iteration
             end -= s.last_wall_s
         self._charge(s, cause, end)
 
@@ -242,6 +251,8 @@ class GoodputFold:
         s.incidents[p.incident_id] = OpenIncident(
             category=p.category.value, severity=p.severity.value, factor=_factor(p.locations),
             confidence=_confidence(p.locations), first_iteration=min(first, p.iteration))
+        first = s.incidents[p.incident_id].first_iteration
+        s.healthy_excess = [h for h in s.healthy_excess if h[0] < first]  # they were slow, not healthy
         if p.category == FaultCategory.FAIL_STOP:
             self._charge_gap(s, closing=False)  # the hang began at the last iteration's end: charge it now
         else:
@@ -253,6 +264,8 @@ class GoodputFold:
             return  # the detector could not predict this iteration: nothing to compare
         s.last_observed_s, s.last_predicted_s = p.observed_s, p.predicted_s
         s.predictions[p.iteration] = [p.observed_s, p.predicted_s]
+        if not any(i.category == FaultCategory.FAIL_SLOW for i in s.incidents.values()):
+            s.healthy_excess = s.healthy_excess[-(_BASELINE_WINDOW - 1):] + [[p.iteration, p.observed_s / p.predicted_s - 1]]
         if len(s.predictions) > _WINDOW_ITERATIONS:
             for it in sorted(s.predictions)[: len(s.predictions) - _WINDOW_ITERATIONS]:
                 del s.predictions[it]
@@ -268,7 +281,7 @@ class GoodputFold:
             if inc.category != FaultCategory.FAIL_SLOW or iteration < inc.first_iteration or iid in charged:
                 continue
             charged.append(iid)
-            inc.drag_raw_s += pred * _capped_excess(inc, obs / pred - 1.0)
+            inc.drag_raw_s += pred * (_capped_excess(inc, obs / pred - 1.0) - _median([x for _, x in s.healthy_excess]))
             grow = inc.drag_raw_s - inc.drag_charged_s
             if grow > 0:
                 inc.drag_charged_s = inc.drag_raw_s
@@ -288,6 +301,10 @@ class GoodputFold:
         st["charged_iterations"] = {int(k): v for k, v in st.get("charged_iterations", {}).items()}
         st["loss_s"] = {**dict.fromkeys(CAUSES, 0.0), **st.get("loss_s", {})}
         self.jobs[job] = JobGoodput(**st)
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2] if values else 0.0
 
 
 def _capped_excess(inc: OpenIncident, excess: float) -> float:
