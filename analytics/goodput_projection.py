@@ -74,7 +74,7 @@ def _health_of(p: RankHealth) -> _Health:
 
 
 class GoodputProjection:
-    tables = ("goodput_state",)
+    tables: tuple[str, ...] = ("goodput_state",)
 
     def __init__(self) -> None:
         self.fold = GoodputFold()
