@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration-s", type=float, default=20.0, help="simulated seconds per goodput case (default 20)")
 
 
-def _synthetic_projection(ranks: int):  # type: ignore[no-untyped-def]
+def _synthetic_projection(ranks: int):
     from analytics.goodput_projection import GoodputProjection
     from collector.events import (
         EventFactory, Evidence, FaultCategory, IncidentOpened, IterationPrediction, IterationSummary, Location,
@@ -92,7 +92,7 @@ def _scrape_figures(ranks: int, scrapes: int) -> dict:
             "scrape_p95_ms": 1e3 * sorted(times)[int(0.95 * (len(times) - 1))], "bytes": size, "series": series}
 
 
-def _case(name: str, duration_s: float):  # type: ignore[no-untyped-def]
+def _case(name: str, duration_s: float):
     from bench._goodput_truth import GoodputCase
     from trainer.sim.faults import FaultSpec
 
@@ -113,7 +113,7 @@ def _case(name: str, duration_s: float):  # type: ignore[no-untyped-def]
     return GoodputCase(name, tuple(faults[name]), duration_s)
 
 
-def _config(name: str):  # type: ignore[no-untyped-def]
+def _config(name: str):
     from collector.plan import Plan
     from trainer.sim.engine import SimConfig
     from trainer.sim.presets import MODEL_PRESETS, ClusterSpec

@@ -181,3 +181,20 @@ def test_on_the_simulator_the_fold_matches_the_twin_engines_ground_truth() -> No
     assert truth < 0.8 and stop == pytest.approx(truth, abs=0.01)
     slow, truth = _sim_goodput([FaultSpec(kind="slow_compute", device=3, factor=4.0, at_s=1.0)], 5.0)
     assert truth < 0.8 and slow == pytest.approx(truth, abs=0.02)
+
+
+def test_the_console_shows_the_same_goodput_as_the_fold() -> None:
+    from ui.read_model import ReadModel
+
+    log = _Log()
+    log.iterate(5)
+    log.incident("dead", FaultCategory.FAIL_STOP)
+    log.at(1030.0, CommandAck(command_id="c", plan_id="p", epoch=1, status=AckStatus.APPLIED, running_epoch=1,
+                              pause_s=2.0), log.trainer)
+    log.iterate(3)
+    model = ReadModel()
+    for e in log.events:
+        model.apply(e)
+    shown = model.goodput.breakdown(JOB)
+    assert shown is not None and shown == _fold(log.events).breakdown(JOB)
+    assert shown.loss_s["fail_stop"] == pytest.approx(23.0) and shown.ratio == pytest.approx(8 / 33)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from analytics.goodput import GoodputFold
 from collector.events import (
     AckStatus, CommandAck, Envelope, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentResolved,
     IncidentUpdated, IterationPrediction, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified, PlanWithheld,
@@ -219,6 +220,7 @@ class ReadModel:
         self._seen: set[str] = set()
         self._max_rank_iterations = max_rank_iterations
         self._early_remediation_events: dict[str, list[Envelope]] = {}
+        self.goodput = GoodputFold()  # the one definition /metrics serves too (analytics/goodput.py)
 
     def job(self, name: str) -> JobView:
         view = self.jobs.get(name)
@@ -243,6 +245,7 @@ class ReadModel:
             self.last_seq[key] = event.seq
         p = event.payload
         job = self.job(event.job)
+        self.goodput.apply(event)
         if isinstance(p, RankIteration):
             job.ranks.add(p)
             job.layout[p.rank] = Slot(p.rank, p.node, p.coords.dp, p.coords.pp, p.coords.tp, p.epoch)

@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     down.set_defaults(func=run_down)
 
 
-def _printing_receiver(port: int):  # type: ignore[no-untyped-def]
+def _printing_receiver(port: int):
     import json
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
