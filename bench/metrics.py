@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration-s", type=float, default=20.0, help="simulated seconds per goodput case (default 20)")
 
 
-def _synthetic_projection(ranks: int):
+def _synthetic_projection(ranks: int, iterations: int = 2000):
     from analytics.goodput_projection import GoodputProjection
     from collector.events import (
         EventFactory, Evidence, FaultCategory, IncidentOpened, IterationPrediction, IterationSummary, Location,
@@ -41,17 +41,17 @@ def _synthetic_projection(ranks: int):
     job, t = "big-job", 1_700_000_000.0
     proj = GoodputProjection()
     launcher, analytics = EventFactory(job, "launcher"), EventFactory(job, "analytics")
-    for k in range(2000):
+    for k in range(iterations):
         t += 10.0
         proj.fold.apply(launcher.make(IterationSummary(epoch=0, iteration=k, tokens=4_000_000, wall_s=10.0), time_s=t))
         proj.fold.apply(analytics.make(IterationPrediction(epoch=0, iteration=k, observed_s=10.0, predicted_s=9.9,
                                                            tokens=4_000_000), time_s=t))
     slow = {r: 1.5 + (r % 7) / 10 for r in range(0, 64)}
     dead = set(range(64, 72))
-    entries = [RankHealthEntry(rank=r, state=RankState.DEAD if r in dead else RankState.SLOW if r in slow else
+    entries = [RankHealthEntry.model_construct(rank=r, state=RankState.DEAD if r in dead else RankState.SLOW if r in slow else
                                RankState.HEALTHY, factor=1e6 if r in dead else slow.get(r, 1.0 + (r % 13) / 200))
                for r in range(ranks)]
-    health = analytics.make(RankHealth(epoch=0, iteration=2000, ranks=entries), time_s=t)
+    health = analytics.make(RankHealth.model_construct(epoch=0, iteration=2000, ranks=entries), time_s=t)
     incidents = [analytics.make(IncidentOpened(
         incident_id=f"inc-{i}", category=FaultCategory.FAIL_SLOW if i < 8 else FaultCategory.FAIL_STOP,
         severity=Severity.HIGH, iteration=2000,
