@@ -36,14 +36,14 @@ def missing_binaries() -> list[str]:
 
 def prometheus_config(targets: list[str], alertmanager: str, *, scrape_interval: str = "5s",
                       evaluation_interval: str = "5s", rules: Path = RULES) -> str:
-    text = (HERE / "prometheus" / "prometheus.yml.template").read_text()
+    text = (HERE / "prometheus" / "prometheus.template.yml").read_text()
     return string.Template(text).substitute(
         scrape_interval=scrape_interval, evaluation_interval=evaluation_interval, rules=str(rules),
         alertmanager=alertmanager, targets=", ".join(f"'{t}'" for t in targets))
 
 
 def alertmanager_config(webhook_url: str, *, group_wait: str = "10s", group_interval: str = "1m") -> str:
-    text = (HERE / "alertmanager" / "alertmanager.yml.template").read_text()
+    text = (HERE / "alertmanager" / "alertmanager.template.yml").read_text()
     return string.Template(text).substitute(webhook_url=webhook_url, group_wait=group_wait,
                                             group_interval=group_interval)
 

@@ -103,7 +103,7 @@ class _Stack:
         plan = Plan.uniform(tp=2, pp=2, dp=2, num_layers=MODEL_PRESETS["tiny"].layers, microbatches_per_replica=4)
         self.sim = SimEngine(SimConfig(model=MODEL_PRESETS["tiny"], cluster=ClusterSpec(gpus=8), plan=plan, job=JOB,
                                        seed=7, heartbeat_interval_s=1.0),
-                             [FaultSpec(kind="stop_device", device=3, at_iteration=400)])
+                             [FaultSpec(kind="stop_device", device=3, at_iteration=150)])
         self.metrics_port = _free_port()
         self.webhook = _Webhook()
         self.alertmanager = monitoring.start_alertmanager(tmp / "ops", self.webhook.url, port=_free_port(),
@@ -163,7 +163,7 @@ def test_promtool_accepts_the_shipped_rules() -> None:
 
 
 def test_prometheus_scrapes_the_consumer_and_reads_the_folds_figures(stack: _Stack) -> None:
-    stack.run(iterations=300)
+    stack.run(iterations=100)
     expected = stack.published_fold().breakdown(JOB)
     assert expected is not None and expected.wall_s > 0
     _wait("up == 1", lambda: _scalar(stack.prometheus, 'up{job="resihp"}') == 1.0)
@@ -172,7 +172,7 @@ def test_prometheus_scrapes_the_consumer_and_reads_the_folds_figures(stack: _Sta
           lambda: (_scalar(stack.prometheus, wall) or 0) >= expected.wall_s - 1e-9)
     assert _scalar(stack.prometheus, wall) == pytest.approx(expected.wall_s, rel=1e-9)
     assert _scalar(stack.prometheus, f'resihp_goodput_ratio{{job="{JOB}"}}') == pytest.approx(expected.ratio, rel=1e-9)
-    assert _scalar(stack.prometheus, f'resihp_iterations_total{{job="{JOB}"}}') == 300
+    assert _scalar(stack.prometheus, f'resihp_iterations_total{{job="{JOB}"}}') == 100
     causes = {r["metric"]["cause"] for r in _query(stack.prometheus, f'resihp_goodput_loss_seconds_total{{job="{JOB}"}}')}
     assert causes == {"fail_stop", "fail_slow", "reshape", "restart", "approval", "other"}
     assert _scalar(stack.prometheus, f'sum(resihp_open_incidents{{job="{JOB}",category="fail_stop"}})') == 0
@@ -191,7 +191,7 @@ def test_an_unknown_job_is_a_404_and_a_known_one_only_its_series(stack: _Stack) 
 
 
 def test_an_injected_fail_stop_fires_the_alert_and_alertmanager_delivers_it(stack: _Stack) -> None:
-    stack.run(duration_s=stack.sim.now_s + 60.0)  # the device stops at iteration 400; the job hangs
+    stack.run(duration_s=stack.sim.now_s + 60.0)  # the device stops at iteration 150; the job hangs
     assert stack.sim.hanging_for_s > 0
     firing = _wait("ResihpFailStop to fire in Prometheus", lambda: [
         a for a in json.loads(urllib.request.urlopen(f"{stack.prometheus.url}/api/v1/alerts", timeout=5).read())
