@@ -23,7 +23,7 @@ from analytics.goodput_projection import GoodputProjection
 from collector.events import Envelope, IterationSummary
 from collector.plan import Plan
 from trainer.sim.engine import SimConfig, SimEngine
-from trainer.sim.faults import FaultSpec
+from trainer.fault_spec import FaultSpec
 
 
 class TruthRecordingEngine(SimEngine):

@@ -94,7 +94,7 @@ def _scrape_figures(ranks: int, scrapes: int) -> dict:
 
 def _case(name: str, duration_s: float):
     from bench._goodput_truth import GoodputCase
-    from trainer.sim.faults import FaultSpec
+    from trainer.fault_spec import FaultSpec
 
     at, d = duration_s / 5, 5
     faults = {

@@ -21,7 +21,7 @@ from collector.events import (
 from collector.plan import Plan
 from collector.stream import Delivery
 from trainer.sim.engine import SimConfig
-from trainer.sim.faults import FaultSpec
+from trainer.fault_spec import FaultSpec
 from trainer.sim.presets import MODEL_PRESETS, ClusterSpec
 from trainer.sim.runner import run_open_loop
 

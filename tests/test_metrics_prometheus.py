@@ -33,7 +33,7 @@ from collector.embedded import EmbeddedBus
 from collector.plan import Plan
 from infra import monitoring
 from trainer.sim.engine import SimConfig, SimEngine
-from trainer.sim.faults import FaultSpec
+from trainer.fault_spec import FaultSpec
 from trainer.sim.presets import MODEL_PRESETS, ClusterSpec
 from trainer.sim.runner import run_open_loop
 
