@@ -189,7 +189,11 @@ class MetricsServer:
         self.collector = collector
         self.host = host
         handler = _handler(collector)
-        self.httpd = ThreadingHTTPServer((host, port), handler)
+        try:
+            self.httpd = ThreadingHTTPServer((host, port), handler)
+        except OSError as exc:
+            raise OSError(f"cannot serve /metrics on {host}:{port} ({exc.strerror}): another process holds the port; "
+                          "pass another --metrics-port (0 picks a free one)") from exc
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="metrics", daemon=True)
 

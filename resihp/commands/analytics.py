@@ -58,12 +58,12 @@ def run(args: argparse.Namespace) -> int:
             projections, rebuild=args.rebuild, instance_id=args.instance_id,
         )
         exporter = None
-        if args.metrics_port is not None:
-            from analytics.metrics_exporter import AnalyticsExporter
-
-            exporter = AnalyticsExporter(goodput, bus, projector.stream, port=args.metrics_port)
-            exporter.announce()
         try:
+            if args.metrics_port is not None:
+                from analytics.metrics_exporter import AnalyticsExporter
+
+                exporter = AnalyticsExporter(goodput, bus, projector.stream, port=args.metrics_port)
+                exporter.announce()
             if detector is not None:
                 detector.flush_outbox(projector.conn, bus)  # what a crash left unpublished
             idle_since = time.monotonic()
