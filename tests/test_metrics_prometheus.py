@@ -111,14 +111,17 @@ class _Stack:
         self.prometheus = monitoring.start_prometheus(
             tmp / "ops", [f"127.0.0.1:{self.metrics_port}"], self.alertmanager.url.removeprefix("http://"),
             port=_free_port(), scrape_interval="1s", evaluation_interval="1s")
-        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.analytics = subprocess.Popen(
-            [sys.executable, "-m", "resihp.cli", "analytics", "--bus", "embedded", "--bus-path", str(self.bus_path),
-             "--db", str(tmp / "analytics.duckdb"), "--metrics-port", str(self.metrics_port)],
-            env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / "analytics.log", "wb"))
+        self.analytics = self.start_analytics()
 
-    def run(self, iterations: int | None = None, duration_s: float | None = None) -> None:
-        run_open_loop(self.sim, self.bus.publish, iterations=iterations, duration_s=duration_s, max_hang_s=30.0)
+    def start_analytics(self) -> subprocess.Popen:
+        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        return subprocess.Popen(
+            [sys.executable, "-m", "resihp.cli", "analytics", "--bus", "embedded", "--bus-path", str(self.bus_path),
+             "--db", str(self.tmp / "analytics.duckdb"), "--metrics-port", str(self.metrics_port)],
+            env=env, stdout=subprocess.DEVNULL, stderr=open(self.tmp / "analytics.log", "ab"))
+
+    def run(self, iterations: int | None = None, duration_s: float | None = None, max_hang_s: float = 30.0) -> None:
+        run_open_loop(self.sim, self.bus.publish, iterations=iterations, duration_s=duration_s, max_hang_s=max_hang_s)
 
     def published_fold(self) -> GoodputFold:
         """The goodput fold applied to every event on the bus, in this process: what /metrics must show."""
@@ -207,3 +210,21 @@ def test_an_injected_fail_stop_fires_the_alert_and_alertmanager_delivers_it(stac
     assert expected is not None and expected.loss_s["fail_stop"] > 10.0
     loss = f'resihp_goodput_loss_seconds_total{{job="{JOB}",cause="fail_stop"}}'
     _wait("the fail-stop loss to reach the fold's", lambda: (_scalar(stack.prometheus, loss) or 0) >= expected.loss_s["fail_stop"] - 1e-6)
+
+
+def test_a_restarted_consumer_goes_on_from_its_counters(stack: _Stack) -> None:
+    """Killed outright and started again on the same DuckDB file, the consumer serves the counters it
+    had: Prometheus sees no reset of any goodput counter across the gap."""
+    wall = f'resihp_goodput_wall_seconds_total{{job="{JOB}"}}'
+    before = _scalar(stack.prometheus, wall)
+    assert before is not None and before > 0
+    stack.analytics.kill()
+    stack.analytics.wait(10)
+    _wait("Prometheus to see the consumer down", lambda: _scalar(stack.prometheus, 'up{job="resihp"}') == 0.0)
+    stack.run(duration_s=stack.sim.now_s + 5.0, max_hang_s=1e9)  # the job goes on (hung) while it is away
+    stack.analytics = stack.start_analytics()
+    _wait("the consumer back up", lambda: _scalar(stack.prometheus, 'up{job="resihp"}') == 1.0)
+    _wait("the wall time past where it was", lambda: (_scalar(stack.prometheus, wall) or 0) > before)
+    for series in (wall, f'resihp_goodput_loss_seconds_total{{job="{JOB}"}}'):
+        resets = _query(stack.prometheus, f"resets({series}[10m])")
+        assert resets and all(float(r["value"][1]) == 0 for r in resets), resets
