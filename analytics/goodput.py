@@ -52,6 +52,7 @@ CAUSES: tuple[str, ...] = ("fail_stop", "fail_slow", "reshape", "restart", "appr
 _WINDOW_ITERATIONS = 4096  # predictions kept for back-dating drag to an incident's first evidence
 _EXCESS_WINDOW = 64  # iterations of an incident whose excess sets the cap on one iteration's drag
 _BASELINE_WINDOW = 256  # healthy iterations whose median excess is the prediction's own bias
+_JOB_PREFIXES = ("telemetry.", "analytics.", "incident.", "probe.", "plan.", "command.")
 _CLOCK_KINDS = frozenset({IterationSummary.KIND, Heartbeat.KIND, CommandAck.KIND, PlanCurrent.KIND})
 
 
@@ -149,8 +150,8 @@ class GoodputFold:
     def apply(self, event: Envelope) -> None:
         p = event.payload
         kind = event.kind
-        if kind == "telemetry.iteration":
-            return  # per-rank telemetry: the summary says the same for the job, once
+        if kind == "telemetry.iteration" or not kind.startswith(_JOB_PREFIXES):
+            return  # per-rank telemetry (the summary says it once), or no part of a job's time (ui.*, truth.*)
         s = self.jobs.get(event.job)
         if s is None:
             s = self.jobs[event.job] = JobGoodput()
