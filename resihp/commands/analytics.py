@@ -27,6 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="only keep the tables; do not run the detector or publish analytics events")
     p.add_argument("--detector-config", default=None, metavar="YAML",
                    help="detector settings (thresholds, heartbeat intervals); see docs/detector.md")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus /metrics (goodput, incidents, lag) on 127.0.0.1:PORT (0: a free port, printed "
+                   "on stderr); see docs/metrics.md")
     p.add_argument("--log-batches", action="store_true",
                    help="print one JSON line per committed transaction to stderr")
     p.set_defaults(func=run)
@@ -46,7 +49,10 @@ def run(args: argparse.Namespace) -> int:
     from collector import topics
 
     with bus_from_args(args) as bus:
-        projections = [EventLogProjection(), TelemetryProjection(), ControlProjection()]
+        from analytics.goodput_projection import GoodputProjection
+
+        goodput = GoodputProjection()
+        projections = [EventLogProjection(), TelemetryProjection(), ControlProjection(), goodput]
         detector = None
         leases = AnalyticsLeases(db=str(args.db))
         if not args.no_detect:
@@ -59,7 +65,13 @@ def run(args: argparse.Namespace) -> int:
             projections, rebuild=args.rebuild, instance_id=args.instance_id,
         )
         outage = OutageGuard(bus, projector.stream.consumer, [topics.TELEMETRY, topics.ANALYTICS, topics.CONTROL])
+        exporter = None
         try:
+            if args.metrics_port is not None:
+                from analytics.metrics_exporter import AnalyticsExporter
+
+                exporter = AnalyticsExporter(goodput, bus, projector.stream, port=args.metrics_port)
+                exporter.announce()
             if detector is not None:
                 detector.flush_outbox(projector.conn, bus)  # what a crash left unpublished
             idle_since = time.monotonic()
@@ -71,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
                         detector.flush_outbox(projector.conn, bus)
                     else:  # a second consumer on this bus: the first one publishes (analytics/lease.py)
                         projector.conn.execute("DELETE FROM detector_outbox")
+                if exporter is not None:
+                    exporter.refresh(changed=bool(consumed))
                 if consumed:
                     idle_since = time.monotonic()
                     if args.log_batches:
@@ -87,5 +101,7 @@ def run(args: argparse.Namespace) -> int:
                 except Exception as exc:  # noqa: BLE001 - the bus may be gone; the lease then expires
                     print(json.dumps({"event": "analytics_lease_not_released", "why": repr(exc)[:200]}),
                           file=sys.stderr, flush=True)
+            if exporter is not None:
+                exporter.close()
             projector.close()
     return 0
