@@ -20,6 +20,7 @@ factor), so a slow link lengthens a fused timer even where no wait hides in it.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from typing import Literal
 
 import numpy as np
@@ -28,7 +29,7 @@ from analytics.schedule import KIND_NAMES, OpTable
 from collector.events import (
     ChunkKind, ChunkTable, CommOp, CommWait, Coords, Envelope, EventFactory, Payload, RankIteration, TracingDeclared,
 )
-from collector.plan import Plan
+from collector.plan import PipelinePlan, Plan
 from trainer.sim.presets import ClusterSpec, ModelSpec
 
 Dialect = Literal["ours", "megatron", "profiler", "sampled"]
@@ -65,6 +66,20 @@ def stage_ops(table: OpTable) -> list[np.ndarray]:
     return out
 
 
+def _traced_stages(pipe: PipelinePlan, table: OpTable, ops_by_stage: list[np.ndarray], start_s: np.ndarray,
+                   end_s: np.ndarray, ranks: set[int] | None) -> Iterator[tuple]:
+    """Per stage of ``pipe`` with a rank to report: (stage index, stage, TP indices that report, op
+    indices in run order, their starts, ends, kinds and micro-batches as lists). Every dialect walks
+    the same timeline this way; only what it records from it differs."""
+    for s, stage in enumerate(pipe.stages):
+        wanted = [t for t, d in enumerate(stage.devices) if ranks is None or d in ranks]
+        if not wanted:
+            continue
+        idx = ops_by_stage[s]
+        yield (s, stage, wanted, idx, start_s[idx].tolist(), end_s[idx].tolist(), table.kind[idx].tolist(),
+               table.microbatch[idx].tolist())
+
+
 def replica_rank_iterations(
     *,
     plan: Plan,
@@ -86,15 +101,7 @@ def replica_rank_iterations(
     S = table.stages
     out: list[RankIteration] = []
     tok = tokens.tolist()
-    for s, stage in enumerate(pipe.stages):
-        wanted = [d for d in stage.devices if ranks is None or d in ranks]
-        if not wanted:
-            continue
-        idx = ops_by_stage[s]
-        st = start_s[idx].tolist()
-        en = end_s[idx].tolist()
-        kinds = table.kind[idx].tolist()
-        mbs = table.microbatch[idx].tolist()
+    for s, stage, wanted, idx, st, en, kinds, mbs in _traced_stages(pipe, table, ops_by_stage, start_s, end_s, ranks):
         chunks_v = table.chunk[idx].tolist()
         links = table.link[idx].tolist()
         # Columns straight from the schedule arrays: one table shared by the stage's TP ranks.
@@ -117,7 +124,7 @@ def replica_rank_iterations(
                                                  bytes=dp_bytes[s], start_s=prev_end,
                                                  duration_s=max(0.0, iteration_s - prev_end)))
         for t, d in enumerate(stage.devices):
-            if d not in wanted:
+            if t not in wanted:
                 continue
             out.append(RankIteration(
                 epoch=plan.epoch, iteration=iteration, rank=d, node=cluster.node_of(d),
@@ -205,15 +212,7 @@ def dialect_rank_iterations(
     out: list[RankIteration] = []
     h_bytes = model.hidden * model.bytes_per_value
     tok = tokens.tolist()
-    for s, stage in enumerate(pipe.stages):
-        wanted = [t for t, d in enumerate(stage.devices) if ranks is None or d in ranks]
-        if not wanted:
-            continue
-        idx = ops_by_stage[s]
-        st = start_s[idx].tolist()
-        en = end_s[idx].tolist()
-        kinds = table.kind[idx].tolist()
-        mbs = table.microbatch[idx].tolist()
+    for s, stage, wanted, idx, st, en, kinds, mbs in _traced_stages(pipe, table, ops_by_stage, start_s, end_s, ranks):
         chunks = ChunkTable.model_construct(
             kind="".join(_KINDS[k].value for k in kinds), microbatch=mbs, virtual_stage=table.chunk[idx].tolist(),
             tokens=[None] * len(idx), seq_lens=[None] * len(idx), start_s=st, duration_s=[b - a for a, b in zip(st, en)],
