@@ -155,8 +155,11 @@ class IncidentBook:
                                     target="compute" if s.target == "compute" else "link"))
         return out
 
-    def observe(self, key: tuple, z: float, k: float, iteration: int, factor: float) -> list[Payload]:
-        """One more iteration of an open incident's location: update, or count toward resolution."""
+    def observe(self, key: tuple, z: float, k: float, iteration: int, factor: float,
+                sample: float | None = None) -> list[Payload]:
+        """One more iteration of an open incident's location: update, or count toward resolution.
+        ``sample``: this iteration's own size for the refinements (default exp(z), the location's
+        slowdown; a location sized another way, as an untraced replica's stage, passes its own)."""
         inc = self.open.get(key)
         if inc is None:
             return []
@@ -173,7 +176,7 @@ class IncidentBook:
             return []  # telemetry sees the iteration's excess, not the link's own slowdown
         inc.factor = factor
         if inc.refined < len(self.config.refine_iterations):  # the evidence a refinement still to come needs
-            inc.slow_factors.append(math.exp(z))
+            inc.slow_factors.append(math.exp(z) if sample is None else sample)
         change = abs(factor / inc.published_factor - 1.0)
         if change > self.config.update_min_change and iteration - inc.last_update_iteration >= 3:
             worse = factor > inc.published_factor
@@ -229,7 +232,7 @@ class IncidentBook:
 
     def _can_reprobe(self, inc: _Open) -> bool:
         s = inc.suspect
-        return (self.config.probes and s.target == "compute" and inc.probe_used and not inc.reprobe
+        return (self.config.probes and s.target == "compute" and s.key[0] == "ranks" and inc.probe_used and not inc.reprobe
                 and len(s.ranks) == 1 and len(s.tp_group or ()) > 1)
 
     def end_of_iteration(self, iteration: int) -> list[Payload]:
@@ -330,7 +333,7 @@ class IncidentBook:
             # The incident is now about the member alone: its healthy peers stop being suspects
             # (left out of fits, never alarmed on), or a later fault on one of them, in a
             # layout that keeps them, would go unseen for as long as this incident is open.
-            if ("ranks", (worst,)) not in self.open:
+            if s.key[0] == "ranks" and ("ranks", (worst,)) not in self.open:  # an untraced one stays job-level
                 self.open[("ranks", (worst,))] = self.open.pop(s.key)
                 s.key = ("ranks", (worst,))
         elif s.target == "link":
