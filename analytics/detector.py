@@ -562,9 +562,10 @@ class Detector:
         wall = float(frame.wall_s.max())
         r = float(np.log(wall / explained))
         untraced = self._hidden_ranks(frame.epoch)
-        if untraced:  # the untraced replicas' own mix moves the job's time: only a lasting excess counts
-            self._excess_recent.append(r)
-            r = min(self._excess_recent)
+        r_size = r
+        if untraced:  # the untraced replicas' own mix moves the job's time: only a lasting excess counts,
+            self._excess_recent.append(r)  # and it is sized on the last few iterations, not their least
+            r, r_size = min(self._excess_recent), float(np.median(list(self._excess_recent)[-LINK_SUSTAIN:]))
         span = traced_pipeline_s(frame) if untraced else float("nan")
         r_pipe = float(np.log(span / explained)) if np.isfinite(span) and span > 0 else float("nan")
         hist = np.array(self._comm_hist)
@@ -580,7 +581,7 @@ class Detector:
             if key in self.book.open:
                 if self._comm_unjudged:
                     return []  # this layout's history was learned with the fault in it: no healthy reference
-                size = (self._untraced_size(frame, sched, explained, wall, z) if key == ("untraced",)
+                size = (self._untraced_size(frame, sched, explained, wall, r_size - centre) if key == ("untraced",)
                         else float(np.exp(z)))
                 return self.book.observe(key, z, k, frame.iteration, size, sample=size)
         if self.book.open_compute_ranks():
@@ -593,7 +594,7 @@ class Detector:
         self._comm_cusum = 0.0
         pipe_hist = np.array([v for v in self._pipe_hist if np.isfinite(v)])
         if untraced and np.isfinite(r_pipe) and len(pipe_hist) >= 4 and r_pipe - float(np.median(pipe_hist)) < k:
-            return self._open_untraced(frame, sched, explained, wall, z, k, h, sig, untraced)
+            return self._open_untraced(frame, sched, explained, wall, r_size - centre, k, h, sig, untraced)
         judged = np.isfinite(score.link_z)
         best = int(np.flatnonzero(judged)[np.argmax(score.link_z[judged])]) if judged.any() else None
         link = (int(score.link_src[best]), int(score.link_dst[best])) if best is not None else None

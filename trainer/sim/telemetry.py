@@ -205,7 +205,7 @@ def dialect_rank_iterations(
     and the send kernel apart, the send holding the wait until the peer posts its receive (when the
     peer's chunk before the consuming one ends) and then the wire time."""
     pipe = plan.pipelines[replica]
-    S = table.stages
+    S, V = table.stages, table.virtual_stages
     n = table.n_ops
     ends = np.append(end_s, 0.0)  # index n: "no op" ends at the iteration start
     prev = table.prev_on_stage
@@ -265,10 +265,12 @@ def dialect_rank_iterations(
                             op=CommOp.PP_SEND, peer=peer(snd[1], t), microbatch=mbs[k], bytes=msg_bytes(snd[0], mbs[k]),
                             start_s=en[k], duration_s=max(en[k], posted) + snd[2] - en[k], includes_wait=True, group="pp"))
                     if stage.tp > 1 and kinds[k] != 2:  # the chunk's TP all-reduces, on the TP group
+                        # a stage's time is spread evenly over its V model chunks (analytics/schedule.py),
+                        # its TP all-reduces too: each model chunk holds 1/V of them
                         comm.append(CommWait.model_construct(
                             op=CommOp.TP_ALLREDUCE, peer=None, microbatch=mbs[k],
-                            bytes=2 * stage.num_layers * int(tok[mbs[k]]) * h_bytes, start_s=st[k],
-                            duration_s=float(tp_comm_s[s, mbs[k]]), includes_wait=True, group="tp"))
+                            bytes=2 * stage.num_layers * int(tok[mbs[k]]) * h_bytes // V, start_s=st[k],
+                            duration_s=float(tp_comm_s[s, mbs[k]]) / V, includes_wait=True, group="tp"))
             last = max(en) if en else 0.0
             if plan.dp > 1:
                 profiler = dialect == "profiler"
