@@ -643,8 +643,15 @@ class Detector:
             note=f"the job is ×{math.exp(z):.2f} slower than its traced ranks explain while their own pipelines "
                  f"are on time: the time is lost outside what is traced, on one of the {len(ranks)} untraced ranks "
                  f"(sized as one pipeline stage ×{size:.2f})"
-                 + ("; a probe will tell which" if self.config.probes else ""),
-            ranks=ranks), frame.iteration)
+                 + ("; a probe will tell which (and, if none computes slow, a probe of every rank's links)"
+                    if self.config.probes else ""),
+            ranks=ranks, link_probe_ranks=self._plan_ranks(frame)), frame.iteration)
+
+    def _plan_ranks(self, frame: IterationFrame) -> tuple[int, ...]:
+        """Every live rank of the running plan (the ranks heard from when the plan is unknown)."""
+        plan = self.arrival.plans.get(frame.epoch)
+        ranks = set(plan.roles) if plan is not None else set(frame.rank.tolist())
+        return tuple(sorted(ranks - self.fail_stop.dead))[:4096]
 
     def _schedule(self, frame: IterationFrame) -> tuple[str | None, int | None]:
         """The plan's schedule when the plan of this epoch is known, else None (inferred from chunks)."""

@@ -131,9 +131,11 @@ def run_case(case: Case, dialect: str = "ours") -> tuple[list, dict[str, dict[st
                 truth[e.payload.fault_id] = e.payload
                 continue
             for name, det in detectors.items():
-                for probe in absorb(name, det.on_event(e)):
+                probes = absorb(name, det.on_event(e))
+                while probes:  # an answer may ask for another probe (an untraced suspect's links)
+                    probe = probes.pop(0)
                     for answer in engine.probe(probe):
-                        absorb(name, det.on_event(answer))
+                        probes += absorb(name, det.on_event(answer))
     for name, det in detectors.items():
         absorb(name, det.flush())
     faults = list(truth.values())
