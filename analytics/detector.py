@@ -368,13 +368,21 @@ class Detector:
                 out.extend([i] for i in members)
         return out
 
-    def _factor(self, ranks: tuple[int, ...], z_now: float) -> float:
-        """exp(median z) over the last 3 iterations of these ranks (the slowest rank per iteration)."""
+    def _factor(self, ranks: tuple[int, ...], z_now: float, k: float | None = None) -> float:
+        """exp(median z) over the last 3 iterations of these ranks (the slowest rank per iteration);
+        with ``k`` (an opening), over those of them that read slow (z ≥ k) when any did.
+
+        Why at an opening: the CUSUM alarms on the second slow iteration, so one of the three is
+        often from before the onset, and the median of {healthy, slow, slow} is the lower slow one
+        (a ×2 GPU first reported ×1.89 against its ×1.94 chunks; the first report is what a planner
+        acting at once reads)."""
         zs = []
         for rec in list(self._history)[-3:]:
             idx = np.flatnonzero(np.isin(rec.rank, ranks) & np.isfinite(rec.z))
             if len(idx):
                 zs.append(float(rec.z[idx].max()))
+        if k is not None and any(z >= k for z in zs):
+            zs = [z for z in zs if z >= k]
         return float(np.exp(np.median(zs))) if zs else float(np.exp(z_now))
 
     def _untraced_tp_peers(self, frame: IterationFrame, rank: int) -> list[int]:
@@ -416,7 +424,7 @@ class Detector:
             tp_group = tuple(sorted(set(tp_group) | set(untraced)))
         hist = [(r.iteration, float(r.own_s[j]), float(r.pred_s[j]))
                 for r in self._history for j in np.flatnonzero(r.rank == frame.rank[i])]
-        factor = self._factor(ranks, score.z[i])
+        factor = self._factor(ranks, score.z[i], k)
         kinds = {name: float(np.exp(v)) for name, v in zip("FBW", score.z_by_kind[i]) if np.isfinite(v)}
         worst = max(kinds, key=kinds.get) if kinds else "F"
         note = f"own compute per chunk kind ×{', '.join(f'{n}:{v:.2f}' for n, v in kinds.items())}"

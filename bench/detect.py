@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from resihp.referee import detecting, score
+from resihp.referee import detecting, fault_devices, named_devices, score
 
 SCENARIO_DIR = Path(__file__).resolve().parent.parent / "scenarios"
 
@@ -184,10 +184,14 @@ def sizing(faults: list, incs: dict[str, Tracked], iterations: int, config, grac
 def first_sizes(faults: list, incs: dict[str, Tracked], iterations: int, config, grace: int = 5
                 ) -> list[tuple[str, float, float]]:
     """(fault kind, injected factor, the size its detecting incident first reported) per detected
-    fail-slow fault: what a planner acting at once would read. A slow GPU's size is read as the
-    engine reads it (its compute factor, ``compute_factor_from_chunks``, wherever the incident
-    points: a TP group or the untraced ranks are sized by the same chunks), a link's or NIC's as
-    it stands. Later refinements do not count here; ``sizing`` scores the last size."""
+    fail-slow fault: what a planner acting at once would read. The first report is the incident's
+    first event (opened, confirmed, updated) whose locations name a device the fault hits — the
+    referee's rule for the closed loop: a communication incident opens on the iteration's excess
+    with no place, and the probe that names the link, answered in the same iteration, is what
+    first gives it a place and a size. A slow GPU's size is read as the engine reads it (its compute
+    factor, ``compute_factor_from_chunks``, wherever the incident points: a TP group or the
+    untraced ranks are sized by the same chunks), a link's or NIC's as it stands. Later
+    refinements do not count here; ``sizing`` scores the last size."""
     from remediation.cluster import ClusterState
     from remediation.costs import compute_factor_from_chunks
     from resihp.planning_models import exact_model, hardware_of
@@ -198,8 +202,12 @@ def first_sizes(faults: list, incs: dict[str, Tracked], iterations: int, config,
     for f in faults:
         if f.category.value != "fail_slow":
             continue
-        hits = detecting(f, incs, gpus_per_node=config.cluster.gpus_per_node, iterations=iterations, grace=grace)
-        locs = incs[hits[0][1]].sized[0][1] if hits else []
+        per_node = config.cluster.gpus_per_node
+        hits = detecting(f, incs, gpus_per_node=per_node, iterations=iterations, grace=grace)
+        reports = [locs for _, locs in incs[hits[0][1]].sized] if hits else []
+        hit = fault_devices(f.location, per_node)
+        placed = [locs for locs in reports if named_devices(locs, per_node) & hit]
+        locs = (placed or reports or [[]])[0]
         if not locs:
             continue
         read = float(locs[0].factor)
