@@ -30,7 +30,7 @@ from collector.events import ChunkKind, RankIteration
 class _IterationRow:
     compute_s: np.ndarray  # (columns,) float32 seconds of compute per forward token, NaN where a rank did not report
     stage: np.ndarray  # (columns,) int32, -1 where unknown
-    seq_lens: list[np.ndarray] = field(default_factory=list)
+    seq_lens: dict[int, np.ndarray] = field(default_factory=dict)  # rank -> its micro-batches' lengths
 
 
 class RankStore:
@@ -69,7 +69,7 @@ class RankStore:
         if t.coords.pp == 0 and t.coords.tp == 0:
             lens = [x for c in t.chunks if c.kind == ChunkKind.FORWARD and c.seq_lens for x in c.seq_lens]
             if lens:
-                row.seq_lens.append(np.asarray(lens, dtype=np.int32))
+                row.seq_lens[t.rank] = np.asarray(lens, dtype=np.int32)  # a repeat replaces, never adds
 
     def _column_of(self, rank: int) -> int:
         col = self._column.get(rank)
@@ -151,7 +151,7 @@ class RankStore:
         its = its[::step]
         out: dict[str, list[float]] = {"iteration": [], "p5": [], "p50": [], "p95": [], "max": []}
         for i in its:
-            lens = np.concatenate(self._rows[i].seq_lens)
+            lens = np.concatenate(list(self._rows[i].seq_lens.values()))
             p5, p50, p95 = np.percentile(lens, [5, 50, 95])
             for k, v in (("iteration", i), ("p5", p5), ("p50", p50), ("p95", p95), ("max", lens.max())):
                 out[k].append(float(v))
