@@ -108,7 +108,8 @@ payloads = st.one_of(
 @st.composite
 def valid_events(draw: st.DrawFn) -> bytes:
     source = draw(st.sampled_from(["rank-0", "rank-7", "remediation", "ui:alice", "analytics", "x" * 200]))
-    factory = EventFactory(JOB, source, first_seq=draw(st.sampled_from([0, COUNT_MAX - 10])))
+    job = draw(st.sampled_from([JOB, JOB, "j\x00\u2028'; DROP TABLE events; --", "é" * 200]))
+    factory = EventFactory(job, source, first_seq=draw(st.sampled_from([0, COUNT_MAX - 10])))
     event = factory.make(draw(payloads), time_s=draw(st.one_of(st.floats(0, TIME_MAX_S), st.just(TIME_MAX_S))),
                          event_id=draw(ids))
     return encode(event)
