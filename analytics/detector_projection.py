@@ -37,7 +37,9 @@ from analytics.detector_config import DetectorConfig
 from analytics.tables import insert_arrow
 from collector.bus import Bus
 from collector.codec import dead_letter, decode, encode
-from collector.events import Envelope, EventFactory, Payload, PlanCurrent, RankIteration, ReconfigureCommand
+from collector.events import (
+    Envelope, EventFactory, Heartbeat, Payload, PlanCurrent, ProbeResult, RankIteration, ReconfigureCommand,
+)
 from collector.stream import Delivery
 
 _NS = uuid.UUID("a3b7e5d1-2c4f-4e8a-9b6d-7f1e3c5a9d20")
@@ -73,6 +75,9 @@ def undetectable(event: Envelope, stages: dict[tuple[str, int], tuple[int, int]]
         if (dp + 1) * (pp + 1) > MAX_DEVICES:
             return f"{dp + 1} replicas × {pp + 1} stages in epoch {p.epoch} exceed {MAX_DEVICES:,} devices"
         stages[key] = (dp, pp)
+    elif isinstance(p, (Heartbeat, ProbeResult)):
+        if p.rank >= MAX_DEVICES:  # a rank whose reports the detector never sees must not be waited for
+            return f"rank {p.rank} ≥ {MAX_DEVICES:,}"
     elif isinstance(p, (PlanCurrent, ReconfigureCommand)):
         top = max(p.plan.roles)
         if top >= MAX_DEVICES:
