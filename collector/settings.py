@@ -39,6 +39,7 @@ class Environment(BaseSettings):
     # processes
     gc: str = Field(default="streaming", description="streaming (raised collector thresholds) or python (CPython's)")
     log: str = Field(default="WARNING", description="log level of the trainer's worker processes")
+    log_format: str = Field(default="json", description="json (one object per line, collector/logs.py) or text")
     trace: str = Field(default="", description="non-empty: workers print timestamped progress lines to stderr")
     # the console (ui/settings.py; `resihp ui` passes them to Streamlit)
     ui_users: str = Field(default=DEFAULT_USERS_PATH, description="the console's users file")

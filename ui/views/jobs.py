@@ -10,7 +10,7 @@ from collector.events import RankState
 from ui.charts import downsample, plan_cells, plan_grid_chart, series_chart
 from ui.feed import Feed
 from ui.read_model import JobView
-from ui.views.common import pick_job
+from ui.views.common import pick_job, writer_warnings
 
 WINDOWS = {"last 500 iterations": 500, "last 5,000 iterations": 5000, "all": None}
 
@@ -20,6 +20,7 @@ def render(feed: Feed, refresh_s: float) -> None:
     job_name = pick_job(feed.model, key="jobs_job")
     if job_name is None:
         return
+    writer_warnings(feed.model, job_name)
     auto = st.toggle("Auto-refresh", value=False, key="jobs_auto", help=f"re-read the bus every {refresh_s:g} s")
 
     @st.fragment(run_every=refresh_s if auto else None)
