@@ -641,10 +641,10 @@ class SignInFailed(Payload):
     user: str = Field(default="", max_length=64, description="the user name if it exists; empty otherwise")
     client: str = Field(max_length=200, description="the client address the console saw")
     reason: Literal["unknown_user", "wrong_password"]
-    user_failures: int = Field(ge=0, description="consecutive failures for this user name")
-    client_failures: int = Field(ge=0, description="consecutive failures from this client")
+    user_failures: int = Field(ge=0, le=COUNT_MAX, description="consecutive failures for this user name")
+    client_failures: int = Field(ge=0, le=COUNT_MAX, description="consecutive failures from this client")
     locks: list[Literal["user", "client"]] = Field(default_factory=list)
-    locked_until_s: float | None = Field(default=None, description="Unix time the new lock ends")
+    locked_until_s: float | None = Field(default=None, ge=0, le=TIME_MAX_S, description="Unix time the new lock ends")
 
 
 class DeadLetter(Payload):
