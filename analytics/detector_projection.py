@@ -17,9 +17,11 @@ No record stops the consumer. The projector hands this projection each event id 
 or a republished record never re-folds. The detector keeps arrays indexed by device id and by
 pipeline coordinates, so an event whose numbers no real job has (:func:`undetectable` says which:
 a device id or coordinate of a million or more, more pipeline stages than a million devices hold)
-goes to the tables but not to the detector, and is counted in ``skipped``. An event the detector
-still fails on (or whose output the contract refuses: a non-finite factor) is logged and
-dead-lettered through the outbox with the reason, and the consumer goes on with the next one.
+goes to the tables but not to the detector, and is counted in ``skipped``; so does a report that
+would make one iteration's arrays exceed ``MAX_CELLS`` (replicas × stages × virtual stages ×
+micro-batch span). The shapes admitted are kept in memory only: after a restart they are learned
+again. An event the detector still fails on (or whose output the contract refuses: a non-finite
+factor) is logged and dead-lettered through the outbox with the reason, and the consumer goes on.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import logging
 import pickle
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import duckdb
 import pyarrow as pa
@@ -50,11 +53,27 @@ log = logging.getLogger(__name__)
 MAX_DEVICES = 1 << 20  # device ids, coordinates and pipeline stages (dp x pp) the detector's arrays may hold
 MAX_VIRTUAL_STAGES = 1 << 8
 MAX_MICROBATCH = 1 << 24
+# The detector's per-iteration arrays hold replicas × stages × virtual stages × a replica's micro-batch
+# span × 3 chunk kinds cells (analytics/prediction.py): 2^24 is 128 MiB of doubles, some 25 times a
+# 100,000-GPU job's (781 replicas × 16 stages × 16 micro-batches × 3).
+MAX_CELLS = 1 << 24
 
 
-def undetectable(event: Envelope, stages: dict[tuple[str, int], tuple[int, int]]) -> str | None:
-    """Why the detector must not fold ``event`` (None: it may). ``stages`` holds, per (job, epoch),
-    the largest DP and PP coordinates admitted so far, and is updated for an admitted report."""
+@dataclass
+class EpochShape:
+    """What a job's reports of one epoch have admitted so far: the largest coordinates and, per
+    replica, the micro-batch numbers it ran (the detector allocates by the widest span)."""
+
+    dp: int = 0
+    pp: int = 0
+    vs: int = 0
+    span: int = 1
+    microbatches: dict[int, tuple[int, int]] = field(default_factory=dict)  # replica -> (lowest, highest)
+
+
+def undetectable(event: Envelope, stages: dict[tuple[str, int], EpochShape]) -> str | None:
+    """Why the detector must not fold ``event`` (None: it may). ``stages`` holds the shape each
+    (job, epoch) has admitted so far, and is updated for an admitted report."""
     p = event.payload
     if isinstance(p, RankIteration):
         c = p.coords
@@ -69,12 +88,23 @@ def undetectable(event: Envelope, stages: dict[tuple[str, int], tuple[int, int]]
             return f"virtual stage {max(t.virtual_stage)} ≥ {MAX_VIRTUAL_STAGES}"
         if t.microbatch and max(t.microbatch) >= MAX_MICROBATCH:
             return f"micro-batch {max(t.microbatch)} ≥ {MAX_MICROBATCH:,}"
-        key = (event.job, p.epoch)
-        dp, pp = stages.get(key, (0, 0))
-        dp, pp = max(dp, c.dp), max(pp, c.pp)
+        shape = stages.get((event.job, p.epoch)) or EpochShape()
+        dp, pp = max(shape.dp, c.dp), max(shape.pp, c.pp)
         if (dp + 1) * (pp + 1) > MAX_DEVICES:
             return f"{dp + 1} replicas × {pp + 1} stages in epoch {p.epoch} exceed {MAX_DEVICES:,} devices"
-        stages[key] = (dp, pp)
+        vs, lo_hi, span = max([shape.vs, *t.virtual_stage]), shape.microbatches.get(c.dp), shape.span
+        if t.microbatch:
+            lo, hi = min(t.microbatch), max(t.microbatch)
+            lo_hi = (lo, hi) if lo_hi is None else (min(lo, lo_hi[0]), max(hi, lo_hi[1]))
+            span = max(span, lo_hi[1] - lo_hi[0] + 1)
+        cells = (dp + 1) * (pp + 1) * (vs + 1) * span * 3
+        if cells > MAX_CELLS:
+            return (f"{dp + 1} replicas × {pp + 1} stages × {vs + 1} virtual stages × {span:,} micro-batches in epoch "
+                    f"{p.epoch} exceed the detector's {MAX_CELLS:,} cells")
+        shape.dp, shape.pp, shape.vs, shape.span = dp, pp, vs, span
+        if lo_hi is not None:
+            shape.microbatches[c.dp] = lo_hi
+        stages[(event.job, p.epoch)] = shape
     elif isinstance(p, (Heartbeat, ProbeResult)):
         if p.rank >= MAX_DEVICES:  # a rank whose reports the detector never sees must not be waited for
             return f"rank {p.rank} ≥ {MAX_DEVICES:,}"
@@ -97,7 +127,7 @@ class DetectorProjection:
         self.detectors: dict[str, Detector] = {}
         self.emitted: dict[str, int] = {}
         self._outbox_seq = 0
-        self._stages: dict[tuple[str, int], tuple[int, int]] = {}
+        self._stages: dict[tuple[str, int], EpochShape] = {}
         self.skipped = 0  # events with numbers no real job has, kept from the detector
         self.failed = 0  # events the detector failed on, dead-lettered
 

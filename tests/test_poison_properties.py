@@ -279,3 +279,25 @@ def test_a_record_with_a_huge_field_name_gets_a_clipped_reason():
         raise AssertionError("an unknown field was accepted")
     event = EventFactory(JOB, "consumer:x").make(letter, event_id=uuid.uuid4().hex)
     assert len(encode(event)) < MAX_EVENT_BYTES and letter.reason.endswith("…")
+
+
+def test_reports_that_would_blow_up_the_detectors_arrays_are_kept_from_it_and_the_next_ones_are_judged():
+    """Two schema-valid reports of one iteration, micro-batches 0 and 2^23 of one replica: the frame
+    would hold 2^23 micro-batch columns per stage. The second is kept from the detector (counted),
+    a rank of 2^31 - 1 likewise, and an ordinary report after them still reaches it."""
+    import duckdb
+
+    from collector.stream import Delivery
+
+    def report(rank: int, microbatch: int, iteration: int = 0):
+        return EventFactory(JOB, f"rank-{rank}").make(RankIteration(
+            epoch=0, iteration=iteration, rank=rank, coords=Coords(tp=0, pp=0, dp=0), wall_s=1.0,
+            chunks=[Chunk(kind="F", microbatch=microbatch, tokens=8, start_s=0.0, duration_s=0.5)]))
+
+    events = [report(0, 0), report(1, 2**23), report(INT32_MAX, 0), report(0, 1, iteration=1)]
+    projection = DetectorProjection()
+    with duckdb.connect() as conn:
+        projection.create(conn)
+        projection.apply(conn, [Delivery(topics.TELEMETRY, 0, i, e) for i, e in enumerate(events)])
+    assert projection.skipped == 2 and projection.failed == 0
+    assert projection.detectors[JOB].fail_stop.top_iteration(0) == 1  # the last report was folded
