@@ -34,6 +34,7 @@ _TOPIC_BY_PREFIX: dict[str, str] = {
     "policy": CONTROL,
     "command": CONTROL,
     "control": CONTROL,
+    "ui": CONTROL,
     "truth": TRUTH,
     "deadletter": DEADLETTER,
 }
