@@ -9,7 +9,7 @@ import pytest
 
 from collector.embedded import EmbeddedBus
 from collector.events import (
-    Evidence, FaultCategory, IncidentOpened, Location, PlanDecision, PlanWithheld, PolicyMode, Severity,
+    EventFactory, Evidence, FaultCategory, IncidentOpened, Location, PlanDecision, PlanWithheld, PolicyMode, Severity,
 )
 from ui.actions import ActionRefused, change_policy, decide_plan
 from ui.auth import AuthError, NotAllowed, Session, SessionExpired, User, UsersFile, UsersFileError, verify_password
