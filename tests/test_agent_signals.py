@@ -10,7 +10,9 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from collector import topics
 from collector.bus import open_bus
@@ -20,10 +22,11 @@ from tests.test_agent_run import agent_cmd, alive, env, pid_dir, written_pids
 from trainer.agent.flight import flight_file_path, read_flight
 from trainer.agent.hang import process_state
 
+T = TypeVar("T")
 PATIENCE_S = 300  # how long to wait for something that must happen (not a speed bound)
 
 
-def wait_for(what: str, check, patience_s: float = PATIENCE_S):  # type: ignore[no-untyped-def]
+def wait_for(what: str, check: Callable[[], T], patience_s: float = PATIENCE_S) -> T:
     deadline = time.monotonic() + patience_s
     while time.monotonic() < deadline:
         if value := check():
