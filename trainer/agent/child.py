@@ -39,9 +39,20 @@ def stack_file_path(stack_dir: str, local_rank: int | str) -> str:
     return os.path.join(stack_dir, f"local-{local_rank}.stacks")
 
 
+def run_script(*argv: str) -> None:
+    """The entry point of a rank forked from the agent's preloaded fork server (``--preload``):
+    its parent is the fork server, which exits when the agent dies, so the death signal still
+    follows the agent."""
+    _run(list(argv), expected_parent=None)
+
+
 def main(argv: list[str]) -> None:
     agent = os.environ.get(AGENT_PID_ENV)
-    die_with_parent(int(agent) if agent else None)
+    _run(argv, expected_parent=int(agent) if agent else None)
+
+
+def _run(argv: list[str], expected_parent: int | None) -> None:
+    die_with_parent(expected_parent)
     stack_dir = os.environ.get(STACK_DIR_ENV)
     if stack_dir:
         # Kept open for the life of the process: faulthandler writes to the descriptor from a

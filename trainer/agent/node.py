@@ -32,6 +32,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from collector.events import Evidence, FaultCategory, Heartbeat, IncidentOpened, Location, Severity
 from trainer.agent.child import AGENT_PID_ENV, STACK_DIR_ENV, stack_file_path
 from trainer.agent.flight import FLIGHT_DIR_ENV, FlightEntry, flight_file_path, read_flight
+from trainer.agent.store import forget_bootstrap_store
 from trainer.agent.hang import HangPolicy, HangReport, collect_stacks, judge_hang, process_state
 from trainer.telemetry import TelemetryPublisher
 
@@ -94,6 +95,7 @@ class NodeAgent(LocalElasticAgent):
         return pids
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        forget_bootstrap_store(worker_group.spec.rdzv_handler)
         super()._rendezvous(worker_group)
         if self._pending is not None:
             self._pending.mark("new world")

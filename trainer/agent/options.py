@@ -36,6 +36,10 @@ def agent_parser(prog: str = "resihp run") -> argparse.ArgumentParser:
     ours.add_argument("--on-hang", choices=["report", "restart"], default="report",
                       help="after a hang report: only report, or kill the stuck rank and restart the worker "
                            "group (needs --max-restarts)")
+    ours.add_argument("--preload", default=None, metavar="MODULES",
+                      help="comma-separated modules (e.g. torch,train) imported once by a fork server the ranks are "
+                           "forked from, so starting and restarting ranks costs no imports; default: a fresh "
+                           "interpreter per rank, as torchrun")
     ours.add_argument("--no-telemetry", action="store_true", help="publish nothing on the bus")
     return parser
 

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             save_checkpoint(ckpt, model, opt, done)
         if rank == 0 and args.progress_file:
             with open(args.progress_file, "a") as f:
-                f.write(json.dumps({"t": time.time(), "step": done, "restart": restart, "world": world,
+                f.write(json.dumps({"t": time.time(), "pid": os.getpid(), "step": done, "restart": restart, "world": world,
                                     "loss": loss.detach().item()}) + "\n")
     if flight:
         flight.enter("barrier(end)")

@@ -138,3 +138,17 @@ def make_handler(rdzv: RendezvousStore, params: RendezvousParameters, node_addre
         # torch names this a private method; it is the one place the bootstrap store is created.
         setattr(handler, "_create_tcp_store_server", create_server)  # noqa: B010
     return handler
+
+
+def forget_bootstrap_store(handler: RendezvousHandler) -> None:
+    """Before each rendezvous round: make the next round create a new bootstrap store.
+
+    torch's handler creates the ranks' bootstrap store once and hands the same one to every round,
+    while the ranks assume a new store per attempt (torch/distributed/rendezvous.py says so) and
+    gloo reads its peers' addresses from it. After a restart the new ranks then read the dead
+    ranks' addresses and fail to connect ("connectFullMesh failed … Connection refused"), restart
+    after restart. Dropping the handler's cached store and address makes the rank-0 node create a
+    fresh store and every node read its address from the new round."""
+    if hasattr(handler, "_bootstrap_store_info"):
+        setattr(handler, "_bootstrap_store_info", None)  # noqa: B010 - torch's private cache
+        setattr(handler, "_shared_tcp_store_server", None)  # noqa: B010
