@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -47,6 +50,20 @@ def alive(pids: list[int]) -> list[int]:
     return left
 
 
+def rows_of(progress: Path) -> list[dict]:
+    if not progress.exists():
+        return []
+    return [json.loads(line) for line in progress.read_text().splitlines() if line.endswith("}")]
+
+
+def wait_until(check: Callable[[], bool], patience_s: float = 300) -> None:
+    deadline = time.monotonic() + patience_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("the job never got there (see the agents' output)")
+        time.sleep(0.1)
+
+
 def pid_dir(tmp_path: Path) -> Path:
     (tmp_path / "pids").mkdir(exist_ok=True)
     return tmp_path / "pids"
@@ -56,23 +73,40 @@ def written_pids(tmp_path: Path) -> list[int]:
     return [int(p.name) for p in pid_dir(tmp_path).iterdir()]
 
 
-def test_two_agents_on_loopback_train_a_four_rank_world_to_the_end(tmp_path: Path) -> None:
+def test_two_agents_train_a_four_rank_world_to_the_end_through_a_killed_rank(tmp_path: Path) -> None:
+    """SIGKILL of a rank: its agent restarts the group, the other agent joins the new round, the
+    ranks resume from the last checkpoint and the job ends; the rendezvous port is closed after."""
     port = free_port()
     progress = tmp_path / "progress.jsonl"
-    common = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job-a", "--rdzv-conf", "join_timeout=120")
-    job = ("--steps", "4", "--step-s", "0", "--progress-file", str(progress), "--pid-dir", str(pid_dir(tmp_path)))
+    common = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--max-restarts", "1",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job-a", "--rdzv-conf", "join_timeout=300",
+              "--preload", "torch")
+    job = ("--steps", "12", "--step-s", "0.2", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2",
+           "--progress-file", str(progress), "--pid-dir", str(pid_dir(tmp_path)))
     agents = [subprocess.Popen(agent_cmd(*common, "--node-rank", str(n), "--work-dir", str(tmp_path / f"w{n}"),
                                          job_args=job), env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True) for n in (0, 1)]
-    outs = [a.communicate(timeout=600)[0] for a in agents]
+    try:
+        wait_until(lambda: len(rows_of(progress)) >= 3)
+        first_pids = set(written_pids(tmp_path))
+        rank3 = next(pid for pid in first_pids if (pid_dir(tmp_path) / str(pid)).read_text() == "3")
+        os.kill(rank3, signal.SIGKILL)
+        killed_at = time.time()
+        outs = [a.communicate(timeout=600)[0] for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+                a.wait()
     assert [a.returncode for a in agents] == [0, 0], outs
-    rows = [json.loads(line) for line in progress.read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    rows = rows_of(progress)
+    before = [r for r in rows if r["t"] <= killed_at]
+    after = [r for r in rows if r["t"] > killed_at and r["pid"] != before[0]["pid"]]
     assert {r["world"] for r in rows} == {4}
-    assert len(written_pids(tmp_path)) == 4
-    listening = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout
-    assert f":{port} " not in listening  # the rendezvous closed with the job
+    assert after and (after[0]["step"] - 1) % 2 == 0  # resumed from a checkpoint (every 2 steps)
+    assert after[0]["step"] <= before[-1]["step"] + 1 and after[-1]["step"] == 12
+    assert len(set(written_pids(tmp_path)) - first_pids) == 4  # a whole new world of ranks
+    assert f":{port} " not in subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout
 
 
 def test_an_agent_of_another_job_gets_one_clear_line(tmp_path: Path) -> None:
