@@ -372,11 +372,14 @@ class Detector:
         return float(np.exp(np.median(zs))) if zs else float(np.exp(z_now))
 
     def _untraced_tp_peers(self, frame: IterationFrame, rank: int) -> list[int]:
-        """The members of ``rank``'s TP group under the running plan that sent no report this
-        iteration (one traced rank per TP group, as Megatron-style tracing records). In lock-step
-        their slowness shows in the traced member's chunks, so none of them can be cleared."""
-        present = set(frame.rank.tolist())
-        return [d for d in self._tp_group_of(frame.epoch, rank) if d not in present and d not in self.fail_stop.dead]
+        """The members of ``rank``'s TP group under the running plan that the producer declared
+        untraced (one traced rank per TP group, as Megatron-style tracing records). In lock-step
+        their slowness shows in the traced member's chunks, so none of them can be cleared. A
+        traced peer whose report is merely late (a lagging Kafka partition) is not one of them."""
+        untraced = self.arrival.untraced(frame.epoch)
+        if not untraced:
+            return []
+        return [d for d in self._tp_group_of(frame.epoch, rank) if d in untraced and d not in self.fail_stop.dead]
 
     def _tp_group_of(self, epoch: int, rank: int) -> tuple[int, ...]:
         """The devices of ``rank``'s TP group under the plan of ``epoch`` (empty when unknown)."""

@@ -93,7 +93,7 @@ def run_case(case: Case, dialect: str = "ours") -> tuple[list, dict[str, dict[st
         FaultInjected, IncidentConfirmed, IncidentOpened, IncidentUpdated, ProbeRequest,
     )
     from trainer.sim.engine import SimEngine
-    from trainer.sim.faults import FaultSpec
+    from trainer.fault_spec import FaultSpec
     from trainer.sim.scenario import load_scenario
 
     sc = load_scenario(SCENARIO_DIR / f"{case.base}.yaml")

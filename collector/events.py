@@ -579,6 +579,21 @@ class FaultInjected(Payload):
     end_iteration: int | None = Field(default=None, description="exclusive; None while it lasts")
 
 
+class SignInFailed(Payload):
+    """The operators' console refused a sign-in. Never holds a password, and names the user only when
+    the name exists (a mistyped name may be a password typed into the wrong field). When this failure
+    locks the user name or the client out, ``locks`` says which and ``locked_until_s`` until when."""
+
+    KIND: ClassVar[str] = "ui.signin_failed"
+    user: str = Field(default="", max_length=64, description="the user name if it exists; empty otherwise")
+    client: str = Field(max_length=200, description="the client address the console saw")
+    reason: Literal["unknown_user", "wrong_password"]
+    user_failures: int = Field(ge=0, description="consecutive failures for this user name")
+    client_failures: int = Field(ge=0, description="consecutive failures from this client")
+    locks: list[Literal["user", "client"]] = Field(default_factory=list)
+    locked_until_s: float | None = Field(default=None, description="Unix time the new lock ends")
+
+
 class DeadLetter(Payload):
     """A record that could not be decoded, kept with its raw bytes and the reason."""
 
@@ -597,7 +612,7 @@ PAYLOAD_TYPES: tuple[type[Payload], ...] = (
     IncidentOpened, IncidentConfirmed, IncidentUpdated, IncidentResolved, ProbeRequest, ProbeResult,
     PlanProposed, PlanDecision, PolicyChanged, ReconfigureCommand, CommandAck, PlanVerified, PlanRolledBack,
     PlanWithheld, PlanCurrent, CostModelFitted,
-    FaultInjected, DeadLetter,
+    FaultInjected, DeadLetter, SignInFailed,
 )
 PAYLOAD_BY_KIND: dict[str, type[Payload]] = {p.KIND: p for p in PAYLOAD_TYPES}
 

@@ -192,7 +192,7 @@ def test_a_healthy_simulated_job_in_the_megatron_dialect_opens_nothing():
 def test_a_slow_gpu_nobody_traces_is_named_through_its_traced_tp_peer_and_resolved_when_it_recovers():
     # megatron traces TP rank 0 only; device 17 is TP rank 1 of its stage
     from collector.events import IncidentResolved
-    from trainer.sim.faults import FaultSpec
+    from trainer.fault_spec import FaultSpec
 
     fault = FaultSpec(kind="slow_compute", device=17, factor=1.5, at_iteration=20, duration_iterations=20)
     out = simulate_and_detect("healthy_short_context", "megatron", 70, [fault])
@@ -207,7 +207,7 @@ def test_a_slow_gpu_nobody_traces_is_named_through_its_traced_tp_peer_and_resolv
 def test_one_slow_transfer_between_two_tp_groups_is_one_incident():
     # the profiler dialect: every TP rank reports its own p2p timers, both ways, and all of them
     # read the slow transfer between stages 1 and 2 of replica 1
-    from trainer.sim.faults import FaultSpec
+    from trainer.fault_spec import FaultSpec
 
     fault = FaultSpec(kind="slow_link", link=[10, 12], factor=3.0, at_iteration=20, duration_iterations=20)
     incidents = opened(simulate_and_detect("fail_slow_link", "profiler", 45, [fault]))

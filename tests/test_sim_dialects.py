@@ -12,7 +12,7 @@ from collector.events import (
 from collector.plan import Plan
 from trainer.sim.cost import stage_coefficients
 from trainer.sim.engine import NOISE_OFF, SimConfig, SimEngine
-from trainer.sim.faults import FaultSpec
+from trainer.fault_spec import FaultSpec
 from trainer.sim.presets import MODEL_PRESETS, ClusterSpec
 from trainer.sim.scenario import load_scenario
 from trainer.sim.workload import WORKLOAD_PRESETS

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from collector import logs
-from collector.events import Coords, FaultCategory, FaultInjected, IterationSummary, Location, RankIteration
+from collector.events import Coords, FaultInjected, IterationSummary, Location, RankIteration
 from collector.plan import RankRole
 from collector.settings import environment
 from trainer.chunks import role_chunks
@@ -202,11 +202,11 @@ class Trainer:
             for f in self.faults.started(self.iteration):
                 if f.kind in ("slow_compute", "slow_send"):
                     self.telemetry.publish(FaultInjected(
-                        fault_id=f"{self.spec.job}/{f.kind}/{f.rank}/{f.start_iteration}",
-                        category=FaultCategory.FAIL_SLOW,
-                        location=Location(target="compute" if f.kind == "slow_compute" else "link", rank=f.rank,
+                        fault_id=f"{self.spec.job}/{f.kind}/{f.device}/{self.iteration}",
+                        category=f.category,
+                        location=Location(target="compute" if f.kind == "slow_compute" else "link", rank=f.device,
                                           factor=f.factor),
-                        start_iteration=f.start_iteration, end_iteration=f.end_iteration))
+                        start_iteration=self.iteration, end_iteration=f.end_iteration))
         if cur.layout.rank(self.device) == 0:
             self.store.set(PROGRESS, json.dumps({"iteration": self.iteration, "epoch": plan.epoch, "loss": loss}))
 

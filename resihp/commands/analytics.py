@@ -23,6 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="only keep the tables; do not run the detector or publish analytics events")
     p.add_argument("--detector-config", default=None, metavar="YAML",
                    help="detector settings (thresholds, heartbeat intervals); see docs/detector.md")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus /metrics (goodput, incidents, lag) on 127.0.0.1:PORT (0: a free port, printed "
+                   "on stderr); see docs/metrics.md")
     p.add_argument("--log-batches", action="store_true",
                    help="print one JSON line per committed transaction to stderr")
     p.set_defaults(func=run)
@@ -40,7 +43,10 @@ def run(args: argparse.Namespace) -> int:
     from collector import topics
 
     with bus_from_args(args) as bus:
-        projections = [EventLogProjection(), TelemetryProjection(), ControlProjection()]
+        from analytics.goodput_projection import GoodputProjection
+
+        goodput = GoodputProjection()
+        projections = [EventLogProjection(), TelemetryProjection(), ControlProjection(), goodput]
         detector = None
         if not args.no_detect:
             from analytics.detector_projection import DetectorProjection
@@ -51,7 +57,13 @@ def run(args: argparse.Namespace) -> int:
             bus, args.db, args.group, [topics.TELEMETRY, topics.ANALYTICS, topics.CONTROL],
             projections, rebuild=args.rebuild, instance_id=args.instance_id,
         )
+        exporter = None
         try:
+            if args.metrics_port is not None:
+                from analytics.metrics_exporter import AnalyticsExporter
+
+                exporter = AnalyticsExporter(goodput, bus, projector.stream, port=args.metrics_port)
+                exporter.announce()
             if detector is not None:
                 detector.flush_outbox(projector.conn, bus)  # what a crash left unpublished
             idle_since = time.monotonic()
@@ -59,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
                 consumed = projector.step(max_records=args.batch)
                 if detector is not None:
                     detector.flush_outbox(projector.conn, bus)
+                if exporter is not None:
+                    exporter.refresh(changed=bool(consumed))
                 if consumed:
                     idle_since = time.monotonic()
                     if args.log_batches:
@@ -69,5 +83,7 @@ def run(args: argparse.Namespace) -> int:
                 elif args.exit_when_idle is not None and time.monotonic() - idle_since >= args.exit_when_idle:
                     break
         finally:
+            if exporter is not None:
+                exporter.close()
             projector.close()
     return 0

@@ -97,6 +97,18 @@ def _remediate_argv(opts: DemoOptions, story: DemoStory, files: dict[str, Path],
     return argv + ["--model", str(files["model"])]
 
 
+def _free_or_any(port: int) -> int:
+    """``port`` if nothing listens there, else a free one (a second demo on the machine)."""
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _duckdb_telemetry(db: Path) -> tuple[int, int]:
     """(telemetry rows, distinct telemetry ids) in the analytics file, opened read-only."""
     import duckdb
@@ -131,12 +143,16 @@ def run_demo(opts: DemoOptions) -> int:
     bus.publish([EventFactory(story.job, "cli:demo").make(PolicyChanged(
         mode=PolicyMode.AUTO, auto_severities=list(Severity), actor="cli:demo"))])
     group = ProcessGroup(workdir, env)
-    analytics_argv = resihp_argv("analytics", *flags, "--db", str(db), "--detector-config", str(files["detector"]))
+    ports = (_free_or_any(9464), _free_or_any(9465))  # the ports `resihp ops up` scrapes by default
+    analytics_argv = resihp_argv("analytics", *flags, "--db", str(db), "--detector-config", str(files["detector"]),
+                                 "--metrics-port", str(ports[0]))
     names = ["analytics", "remediate"]
     watch: LogWatch | None = None
     try:
         group.start("analytics", analytics_argv)
-        group.start("remediate", _remediate_argv(opts, story, files, flags))
+        group.start("remediate", _remediate_argv(opts, story, files, flags) + ["--metrics-port", str(ports[1])])
+        progress.message(f"metrics: http://127.0.0.1:{ports[0]}/metrics (analytics), http://127.0.0.1:{ports[1]}/metrics "
+                         f"(engine); `resihp ops up --targets 127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}` scrapes them")
         password = None
         if not opts.headless:
             password = _start_console(group, opts, workdir, flags, env)
