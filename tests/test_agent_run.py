@@ -79,8 +79,7 @@ def test_two_agents_train_a_four_rank_world_to_the_end_through_a_killed_rank(tmp
     port = free_port()
     progress = tmp_path / "progress.jsonl"
     common = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--max-restarts", "1",
-              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job-a", "--rdzv-conf", "join_timeout=300",
-              "--preload", "torch")
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job-a", "--rdzv-conf", "join_timeout=300")
     job = ("--steps", "12", "--step-s", "0.2", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2",
            "--progress-file", str(progress), "--pid-dir", str(pid_dir(tmp_path)))
     agents = [subprocess.Popen(agent_cmd(*common, "--node-rank", str(n), "--work-dir", str(tmp_path / f"w{n}"),
