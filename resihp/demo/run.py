@@ -19,7 +19,9 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -119,7 +121,15 @@ def _duckdb_telemetry(db: Path) -> tuple[int, int]:
     return int(n), int(distinct)
 
 
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM ends the demo the way Ctrl-C does: through ``run_demo``'s ``finally``, which stops
+    every component in order (Python's default for SIGTERM is to die on the spot)."""
+    raise SystemExit(128 + signum)
+
+
 def run_demo(opts: DemoOptions) -> int:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)
     workdir = opts.workdir or Path(".resihp/demo") / time.strftime("%Y%m%d-%H%M%S")
     if (workdir / "analytics.duckdb").exists() or (workdir / "bus.sqlite").exists():
         print(f"{workdir} already holds a demo run; pass a new --workdir (or delete it)", file=sys.stderr)
