@@ -1,0 +1,124 @@
+"""Moving a native job's training state between layouts: live between processes, DCP on disk.
+
+Units are state-dict keys (fully-qualified parameter names, global because a stage keeps the
+model's layer indices), so "who holds what" is a set of names per rank, whatever the layout.
+
+* :func:`export_full` — on the old mesh, DTensor-gather every parameter and AdamW moment of this
+  rank's stage to full size (``full_state_dict=True``: an all-gather over FSDP's dp dimension and
+  TP's tp dimension). Memory: one stage's full state per rank.
+* :func:`exchange` — on the new world, every rank announces the keys it holds; each key a rank
+  needs under the new plan comes from the lowest-ranked live holder (a broadcast from that holder
+  of everything it is the source of). Keys nobody holds are returned as missing.
+* :func:`load_full` — into the freshly built stage: torch's ``set_model_state_dict`` /
+  ``set_optimizer_state_dict`` cut each full tensor to this rank's DTensor shard locally.
+* :func:`save_dcp` / :func:`load_dcp` — the sharded DCP checkpoint: written by any layout, read by
+  any other (DCP's resharding planner), and the fallback when a key has no live holder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+FULL = StateDictOptions(full_state_dict=True)
+
+
+@dataclass
+class FullState:
+    """Full-size tensors of the keys this rank holds: parameters, AdamW state per parameter,
+    the param groups and the LR scheduler's state."""
+
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    optim: dict[str, dict[str, Any]] = field(default_factory=dict)
+    param_groups: list[dict[str, Any]] = field(default_factory=list)
+    scheduler: dict[str, Any] = field(default_factory=dict)
+
+
+def export_full(model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> FullState:
+    """Collective over the old mesh: every rank of a stage gets that stage's full state."""
+    params = {k: v.detach().cpu() for k, v in get_model_state_dict(model, options=FULL).items()}
+    osd = get_optimizer_state_dict(model, opt, options=FULL)
+    optim = {k: {n: (t.detach().cpu() if isinstance(t, torch.Tensor) else t) for n, t in s.items()}
+             for k, s in osd["state"].items()}
+    return FullState(params, optim, list(osd["param_groups"]), sched.state_dict())
+
+
+def needed_keys(model: nn.Module) -> list[str]:
+    """The parameter names the freshly built stage ``model`` holds under the new plan."""
+    return [k for k, _ in model.named_parameters()]
+
+
+def exchange(mine: FullState | None, needed: list[str], rank: int, world_size: int
+             ) -> tuple[FullState, list[str]]:
+    """Collective over the new world: bring every key in ``needed`` to this rank from a live
+    holder. Returns the assembled state and the keys no live rank holds (every rank gets the same
+    missing list, so all take the disk fallback together)."""
+    held = sorted(mine.params) if mine is not None else []
+    holders: list[Any] = [None] * world_size
+    wants: list[Any] = [None] * world_size
+    dist.all_gather_object(holders, held)
+    dist.all_gather_object(wants, needed)
+    source: dict[str, int] = {}
+    for r, keys in enumerate(holders):
+        for k in keys:
+            source.setdefault(k, r)
+    all_needed = {k for keys in wants for k in keys}
+    missing = sorted(all_needed - set(source))
+    out = FullState()
+    for r in range(world_size):
+        mine_to_send = sorted(k for k in all_needed if source.get(k) == r)
+        if not mine_to_send:
+            continue
+        box: list[Any] = [None]
+        if r == rank:
+            assert mine is not None
+            box[0] = ({k: mine.params[k] for k in mine_to_send},
+                      {k: mine.optim[k] for k in mine_to_send if k in mine.optim},
+                      mine.param_groups, mine.scheduler)
+        dist.broadcast_object_list(box, src=r)
+        params, optim, groups, sched = box[0]
+        want = set(needed)
+        out.params.update({k: v for k, v in params.items() if k in want})
+        out.optim.update({k: v for k, v in optim.items() if k in want})
+        out.param_groups, out.scheduler = groups, sched
+    return out, missing
+
+
+def load_full(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, state: FullState) -> None:
+    """Cut ``state``'s full tensors to this rank's shards (local, no communication) and load them."""
+    set_model_state_dict(model, state.params, options=FULL)
+    groups = [dict(g, params=[k for k in g["params"] if k in state.params]) for g in state.param_groups]
+    set_optimizer_state_dict(model, opt, {"state": state.optim, "param_groups": groups}, options=FULL)
+    sched.load_state_dict(state.scheduler)
+
+
+def save_dcp(directory: str | Path, model: nn.Module, opt: torch.optim.Optimizer, sched: Any, iteration: int) -> None:
+    """Every world rank: a sharded DCP checkpoint (each rank writes its own shards, replicas
+    deduplicated) plus the scheduler and iteration in ``meta.pt`` from world rank 0."""
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=str(directory))
+    if dist.get_rank() == 0:
+        torch.save({"iteration": iteration, "scheduler": sched.state_dict()}, Path(directory) / "meta.pt")
+    dist.barrier()
+
+
+def load_dcp(directory: str | Path, model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> int:
+    """Every world rank: load a DCP checkpoint written by any layout into this layout's shards
+    (DCP's default planner reshards: each rank reads the byte ranges of its own shards).
+    Returns the checkpoint's iteration."""
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=str(directory))
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    meta = torch.load(Path(directory) / "meta.pt", weights_only=False)
+    sched.load_state_dict(meta["scheduler"])
+    return int(meta["iteration"])
