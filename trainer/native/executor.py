@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from collector.plan import Plan
-from trainer.native.layout import NativeLayout, PlanRefused
+from trainer.native.capabilities import refusal
+from trainer.native.layout import NativeLayout
 from trainer.native.model import LlamaConfig
 from trainer.native.stage import NativeRole, TrainSettings
 from trainer.native.state import FullState, exchange, export_full, load_dcp, load_full, needed_keys
@@ -83,12 +84,9 @@ class NativeExecutor:
         """The new layout, or ``ReshapeRefused`` (nothing stopped): the plan breaks a mesh rule,
         is not the running epoch + 1, or the ranks do not all hold the same plan."""
         running = self.current.layout.plan.epoch if self.current else -1
-        if plan.epoch != running + 1:
-            raise ReshapeRefused(f"plan epoch {plan.epoch} is not the running epoch {running} + 1")
-        try:
-            layout = NativeLayout.of(plan, self.cfg)
-        except PlanRefused as exc:
-            raise ReshapeRefused(str(exc)) from None
+        if reason := refusal(plan, self.cfg, running):
+            raise ReshapeRefused(reason)
+        layout = NativeLayout.of(plan, self.cfg)
         seen = torch.tensor([plan.epoch, -plan.epoch, zlib.crc32(plan.model_dump_json().encode())], dtype=torch.float64,
                             device=self.torch_device)
         low = seen.clone()

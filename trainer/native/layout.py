@@ -17,9 +17,6 @@ import torch
 from collector.plan import Plan, RankRole
 from trainer.native.model import LlamaConfig
 
-SCHEDULES = ("1f1b", "gpipe")
-
-
 class PlanRefused(ValueError):
     """The native executor cannot run this plan; the message says why and what it can run."""
 

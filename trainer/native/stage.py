@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from collector.plan import RankRole
@@ -76,8 +76,7 @@ class NativeRole:
         apply_dp(model, mesh["dp"])
         stage = pipeline_stage(model, role, mesh["pp"], torch_device)
         loss = GlobalTokenLoss()
-        schedule_class = Schedule1F1B if layout.plan.schedule == "1f1b" else ScheduleGPipe
-        schedule = schedule_class(stage, n_microbatches=role.microbatches, loss_fn=loss, scale_grads=False)
+        schedule = Schedule1F1B(stage, n_microbatches=role.microbatches, loss_fn=loss, scale_grads=False)
         opt, sched = build_optimizer(model, settings.lr, settings.weight_decay, settings.warmup_iterations)
         return cls(layout, role, mesh, model, stage, schedule, loss, opt, sched, ScheduleWatcher(stage))
 

@@ -45,8 +45,9 @@ class FullState:
 
 def export_full(model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> FullState:
     """Collective over the old mesh: every rank of a stage gets that stage's full state."""
-    params = {k: v.detach().cpu() for k, v in get_model_state_dict(model, options=FULL).items()}
-    osd = get_optimizer_state_dict(model, opt, options=FULL)
+    msd: Any = get_model_state_dict(model, options=FULL)
+    params = {k: v.detach().cpu() for k, v in msd.items()}
+    osd: Any = get_optimizer_state_dict(model, opt, options=FULL)
     optim = {k: {n: (t.detach().cpu() if isinstance(t, torch.Tensor) else t) for n, t in s.items()}
              for k, s in osd["state"].items()}
     return FullState(params, optim, list(osd["param_groups"]), sched.state_dict())
@@ -95,9 +96,12 @@ def exchange(mine: FullState | None, needed: list[str], rank: int, world_size: i
 
 def load_full(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, state: FullState) -> None:
     """Cut ``state``'s full tensors to this rank's shards (local, no communication) and load them."""
-    set_model_state_dict(model, state.params, options=FULL)
-    groups = [dict(g, params=[k for k in g["params"] if k in state.params]) for g in state.param_groups]
-    set_optimizer_state_dict(model, opt, {"state": state.optim, "param_groups": groups}, options=FULL)
+    params: Any = state.params
+    set_model_state_dict(model, params, options=FULL)
+    # One param group (build_optimizer's): its hyper-parameters from any source, its members this stage's keys.
+    groups = [dict(state.param_groups[0], params=sorted(state.params))]
+    osd: Any = {"state": state.optim, "param_groups": groups}
+    set_optimizer_state_dict(model, opt, osd, options=FULL)
     sched.load_state_dict(state.scheduler)
 
 
@@ -115,7 +119,7 @@ def load_dcp(directory: str | Path, model: nn.Module, opt: torch.optim.Optimizer
     """Every world rank: load a DCP checkpoint written by any layout into this layout's shards
     (DCP's default planner reshards: each rank reads the byte ranges of its own shards).
     Returns the checkpoint's iteration."""
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    state: dict[str, Any] = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(state, checkpoint_id=str(directory))
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optim"])

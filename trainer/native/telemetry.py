@@ -58,7 +58,7 @@ def _install_p2p_timer() -> None:
                                  includes_wait=True, group="pp"))
 
     _schedules._batch_p2p = timed_batch  # type: ignore[assignment]
-    _schedules._wait_batch_p2p = timed_wait  # type: ignore[assignment]
+    _schedules._wait_batch_p2p = timed_wait
     _schedules._resihp_timed = True  # type: ignore[attr-defined]
 
 
