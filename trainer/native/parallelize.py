@@ -85,6 +85,7 @@ def apply_dp(model: Transformer, dp_mesh: DeviceMesh) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
 
 
 def pipeline_stage(model: nn.Module, role: RankRole, pp_mesh: DeviceMesh, device: torch.device) -> PipelineStage:

@@ -127,6 +127,8 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
                                             "phases_s": first_step_of.phases_s, "iteration": iteration})
                 first_step_of = None
             results["losses"][iteration] = loss
+            if cur.layout.rank(device) == 0:
+                print(f"iteration {iteration} epoch {cur.layout.plan.epoch} loss {loss:.4f} ({wall_s:.3f} s)", flush=True)
             if telemetry is not None:
                 _publish(telemetry, cur, device, iteration, wall_s, loss, settings)
             iteration += 1
