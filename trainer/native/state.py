@@ -96,11 +96,14 @@ def exchange(mine: FullState | None, needed: list[str], rank: int, world_size: i
 
 def load_full(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, state: FullState) -> None:
     """Cut ``state``'s full tensors to this rank's shards (local, no communication) and load them."""
-    params: Any = state.params
+    device = next(model.parameters()).device  # the exchange carries CPU tensors; a CUDA stage wants its own
+    params: Any = {k: v.to(device) for k, v in state.params.items()}
     set_model_state_dict(model, params, options=FULL)
     # One param group (build_optimizer's): its hyper-parameters from any source, its members this stage's keys.
     groups = [dict(state.param_groups[0], params=sorted(state.params))]
-    osd: Any = {"state": state.optim, "param_groups": groups}
+    optim = {k: {n: (t.to(device) if isinstance(t, torch.Tensor) and n != "step" else t) for n, t in v.items()}
+             for k, v in state.optim.items()}
+    osd: Any = {"state": optim, "param_groups": groups}
     set_optimizer_state_dict(model, opt, osd, options=FULL)
     sched.load_state_dict(state.scheduler)
 

@@ -93,7 +93,7 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
     store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
     ex = NativeExecutor(device, cfg, settings, store, torch_device, backend, spec.timeout_s)
     telemetry = (TelemetryPublisher(spec.bus.open, spec.job, device, spec.heartbeat_s) if spec.bus else None)
-    results: dict = {"device": device, "losses": {}, "reshapes": [], "refused": [], "backend": backend}
+    results: dict = {"device": device, "losses": {}, "walls": {}, "reshapes": [], "refused": [], "backend": backend}
     try:
         layout = NativeLayout.of(spec.plan, cfg)
         if device not in layout.world:
@@ -127,6 +127,7 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
                                             "phases_s": first_step_of.phases_s, "iteration": iteration})
                 first_step_of = None
             results["losses"][iteration] = loss
+            results["walls"][iteration] = wall_s
             if cur.layout.rank(device) == 0:
                 print(f"iteration {iteration} epoch {cur.layout.plan.epoch} loss {loss:.4f} ({wall_s:.3f} s)", flush=True)
             if telemetry is not None:
