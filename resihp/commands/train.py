@@ -128,7 +128,7 @@ def run_native(args: argparse.Namespace) -> int:
     spec = NativeRunSpec(
         job=args.job, model=asdict(cfg), settings=asdict(TrainSettings(seed=args.seed, lr=args.lr)), plan=plan,
         iterations=args.iterations, timeout_s=args.rendezvous_timeout, threads=args.threads,
-        save_dir=args.save_dir, resume_dir=args.resume_dir,
+        save_dir=args.save_dir, resume_dir=args.resume_dir, echo=True,
         bus=None if args.no_telemetry else BusSpec(backend=args.bus, path=args.bus_path, bootstrap=args.bootstrap))
     print(f"job {args.job} (native): {plan.shape()} 1f1b on {len(plan.devices)} ranks, {cfg.n_layers} layers, "
           f"{args.iterations} iterations")

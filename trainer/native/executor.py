@@ -38,7 +38,7 @@ import torch.distributed as dist
 from collector.plan import Plan
 from trainer.native.capabilities import refusal
 from trainer.native.layout import NativeLayout
-from trainer.native.model import LlamaConfig
+from trainer.native.model import LlamaConfig, ModelFactory, build_model
 from trainer.native.stage import NativeRole, TrainSettings
 from trainer.native.state import FullState, exchange, export_full, load_dcp, load_full, needed_keys
 
@@ -71,10 +71,12 @@ class NativeExecutor:
 
     def __init__(self, device: int, cfg: LlamaConfig, settings: TrainSettings, store: dist.Store,
                  torch_device: torch.device, backend: str, timeout_s: float,
-                 checkpoint_dir: Callable[[], Path | None] = lambda: None) -> None:
+                 checkpoint_dir: Callable[[], Path | None] = lambda: None,
+                 model_factory: ModelFactory = build_model) -> None:
         self.device, self.cfg, self.settings, self.store = device, cfg, settings, store
         self.torch_device, self.backend, self.timeout_s = torch_device, backend, timeout_s
         self.checkpoint_dir = checkpoint_dir
+        self.model_factory = model_factory
         self.current: NativeRole | None = None
         self.reports: list[ReshapeReport] = []
 
@@ -115,7 +117,7 @@ class NativeExecutor:
     def rebuild_stages(self, layout: NativeLayout) -> NativeRole:
         """The new mesh and this device's stage, schedule, optimizer (initial weights, replaced by
         :meth:`restore_state`)."""
-        return NativeRole.build(layout, self.device, self.cfg, self.settings, self.torch_device)
+        return NativeRole.build(layout, self.device, self.cfg, self.settings, self.torch_device, self.model_factory)
 
     def restore_state(self, role: NativeRole, mine: FullState | None) -> tuple[str, int | None]:
         """Load the state the new stage needs from live holders; with a key nobody holds, every

@@ -14,7 +14,9 @@ hidden state travels between stages.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -143,6 +145,9 @@ class Transformer(nn.Module):
         return self.output(h) if self.output is not None else h
 
 
+ModelFactory = Callable[[LlamaConfig, int], nn.Module]
+
+
 def build_model(cfg: LlamaConfig, seed: int) -> Transformer:
     """The full model, initialised the same way on every rank (the same seed gives the same weights
     whatever the layout, so a parallel run can be compared with a single-process one)."""
@@ -150,15 +155,18 @@ def build_model(cfg: LlamaConfig, seed: int) -> Transformer:
     return Transformer(cfg).to(cfg.torch_dtype)
 
 
-def keep_layers(model: Transformer, first_layer: int, end_layer: int) -> Transformer:
+def keep_layers(model: Any, first_layer: int, end_layer: int) -> Any:
     """Prune ``model`` in place to one pipeline stage: layers [first_layer, end_layer), the
-    embedding only on the first stage, norm and output only on the last."""
+    embedding only on the first stage, norm and output only on the last. Any module with the
+    torchtitan layout works (``layers`` a ModuleDict keyed by global index, ``tok_embeddings``,
+    ``norm``, ``output`` attributes its forward skips when None)."""
+    n_layers = len(model.layers)
     for i in list(model.layers.keys()):
         if not first_layer <= int(i) < end_layer:
             del model.layers[i]
     if first_layer > 0:
         model.tok_embeddings = None
-    if end_layer < model.cfg.n_layers:
+    if end_layer < n_layers:
         model.norm = None
         model.output = None
     return model

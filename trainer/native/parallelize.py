@@ -17,6 +17,7 @@ that names those submodules.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,7 +29,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from collector.plan import RankRole
 from trainer.native.layout import NativeLayout
-from trainer.native.model import Transformer, keep_layers
+from trainer.native.model import keep_layers
 
 
 def build_mesh(layout: NativeLayout, device_type: str = "cpu") -> DeviceMesh:
@@ -37,7 +38,7 @@ def build_mesh(layout: NativeLayout, device_type: str = "cpu") -> DeviceMesh:
     return DeviceMesh(device_type, layout.mesh_ranks(), mesh_dim_names=("dp", "pp", "tp"))
 
 
-def apply_pp(model: Transformer, role: RankRole) -> Transformer:
+def apply_pp(model: Any, role: RankRole) -> Any:
     """Keep only this device's stage of the model (its layers; embedding on the first stage,
     norm and output on the last)."""
     return keep_layers(model, role.first_layer, role.end_layer)
@@ -55,7 +56,7 @@ def tp_plan_for_block() -> dict[str, ParallelStyle]:
     }
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
+def apply_tp(model: Any, tp_mesh: DeviceMesh) -> None:
     """DTensor tensor parallelism over ``tp_mesh`` (skipped at TP 1: plain tensors train the same)."""
     if tp_mesh.size() == 1:
         return
@@ -70,7 +71,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
         parallelize_module(block, tp_mesh, tp_plan_for_block())
 
 
-def apply_dp(model: Transformer, dp_mesh: DeviceMesh) -> None:
+def apply_dp(model: Any, dp_mesh: DeviceMesh) -> None:
     """FSDP2 over ``dp_mesh``: each block, then the root, with gradients summed (not averaged)
     across replicas. Parameters stay gathered from the first micro-batch's forward to the
     iteration's last backward (``reshard_after_forward=False``, ZeRO-2-like): that makes the

@@ -22,7 +22,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from collector.plan import RankRole
 from trainer.data import IGNORE, MicroBatch, global_targets, microbatch, replica_microbatch_ids
 from trainer.native.layout import NativeLayout
-from trainer.native.model import LlamaConfig, build_model
+from trainer.native.model import LlamaConfig, ModelFactory, build_model
 from trainer.native.parallelize import apply_dp, apply_pp, apply_tp, build_mesh, build_optimizer, pipeline_stage
 from trainer.native.telemetry import ScheduleWatcher
 from trainer.telemetry import IterationRecorder
@@ -66,12 +66,12 @@ class NativeRole:
 
     @classmethod
     def build(cls, layout: NativeLayout, device: int, cfg: LlamaConfig, settings: TrainSettings,
-              torch_device: torch.device) -> NativeRole:
+              torch_device: torch.device, model_factory: ModelFactory = build_model) -> NativeRole:
         """Every world rank calls this together (the mesh creates its sub-groups collectively).
         The weights are the seed's initial ones; a reshape then loads the moved state over them."""
         role = layout.role(device)
         mesh = build_mesh(layout, torch_device.type)
-        model = apply_pp(build_model(cfg, settings.seed), role).to(torch_device)
+        model = apply_pp(model_factory(cfg, settings.seed), role).to(torch_device)
         apply_tp(model, mesh["tp"])
         apply_dp(model, mesh["dp"])
         stage = pipeline_stage(model, role, mesh["pp"], torch_device)
@@ -111,11 +111,11 @@ class NativeRole:
         return float(total)
 
 
-def reference_losses(cfg: LlamaConfig, settings: TrainSettings, global_microbatches_per_iteration: list[int]
-                     ) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_losses(cfg: LlamaConfig, settings: TrainSettings, global_microbatches_per_iteration: list[int],
+                     model_factory: ModelFactory = build_model) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, no parallelism: the losses per iteration and the final parameters, for the
     same global batches (iteration i runs micro-batches 0..n_i-1). What every layout must equal."""
-    model = build_model(cfg, settings.seed)
+    model = model_factory(cfg, settings.seed)
     opt, sched = build_optimizer(model, settings.lr, settings.weight_decay, settings.warmup_iterations)
     loss_fn = GlobalTokenLoss()
     out = []

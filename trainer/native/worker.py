@@ -13,6 +13,7 @@ own chunk timings) and writes ``rank-<device>.json`` (losses, reshape phases, re
 from __future__ import annotations
 
 import faulthandler
+import importlib
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ from collector.events import Coords, IterationSummary, RankIteration
 from collector.plan import Plan
 from trainer.native.executor import NativeExecutor, Released, ReshapeRefused
 from trainer.native.layout import NativeLayout
-from trainer.native.model import LlamaConfig
+from trainer.native.model import LlamaConfig, ModelFactory
 from trainer.native.stage import NativeRole, TrainSettings
 from trainer.native.state import export_full, load_dcp, save_dcp
 from trainer.spec import BusSpec
@@ -50,6 +51,9 @@ class NativeRunSpec(BaseModel):
 
     job: str = "resihp-native"
     model: dict = Field(default_factory=dict, description="LlamaConfig fields")
+    model_factory: str = Field(default="trainer.native.model:build_model", description=(
+        "module:function building the full model from (LlamaConfig, seed) — a user's own torchtitan-style "
+        "decoder (see examples/native_user_model.py)"))
     settings: dict = Field(default_factory=dict, description="TrainSettings fields")
     plan: Plan
     reshapes: list[ScheduledReshape] = Field(default_factory=list)
@@ -64,6 +68,7 @@ class NativeRunSpec(BaseModel):
     resume_dir: str | None = Field(default=None, description="start from a DCP checkpoint written by any layout")
     bus: BusSpec | None = None
     heartbeat_s: float = Field(default=1.0, gt=0)
+    echo: bool = Field(default=False, description="world rank 0 prints each iteration's loss")
 
     @property
     def config(self) -> LlamaConfig:
@@ -72,6 +77,10 @@ class NativeRunSpec(BaseModel):
     @property
     def train_settings(self) -> TrainSettings:
         return TrainSettings(**self.settings)
+
+    def factory(self) -> ModelFactory:
+        module, _, name = self.model_factory.partition(":")
+        return getattr(importlib.import_module(module), name)
 
 
 def select_device(preference: str, device: int) -> tuple[torch.device, str]:
@@ -91,7 +100,8 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
     cfg, settings = spec.config, spec.train_settings
     torch_device, backend = select_device(spec.device, device)
     store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
-    ex = NativeExecutor(device, cfg, settings, store, torch_device, backend, spec.timeout_s)
+    ex = NativeExecutor(device, cfg, settings, store, torch_device, backend, spec.timeout_s,
+                        model_factory=spec.factory())
     telemetry = (TelemetryPublisher(spec.bus.open, spec.job, device, spec.heartbeat_s) if spec.bus else None)
     results: dict = {"device": device, "losses": {}, "walls": {}, "reshapes": [], "refused": [], "backend": backend}
     try:
@@ -99,7 +109,7 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
         if device not in layout.world:
             return 0
         ex.join_world(layout)
-        ex.current = NativeRole.build(layout, device, cfg, settings, torch_device)
+        ex.current = ex.rebuild_stages(layout)
         iteration = 0
         if spec.resume_dir:
             cur = ex.current
@@ -128,7 +138,7 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
                 first_step_of = None
             results["losses"][iteration] = loss
             results["walls"][iteration] = wall_s
-            if cur.layout.rank(device) == 0:
+            if spec.echo and cur.layout.rank(device) == 0:
                 print(f"iteration {iteration} epoch {cur.layout.plan.epoch} loss {loss:.4f} ({wall_s:.3f} s)", flush=True)
             if telemetry is not None:
                 _publish(telemetry, cur, device, iteration, wall_s, loss, settings)
