@@ -39,6 +39,7 @@ from collector.plan import Plan
 from trainer.native.capabilities import refusal
 from trainer.native.layout import NativeLayout
 from trainer.native.model import LlamaConfig, ModelFactory, build_model
+from trainer.native.parallelize import forget_old_meshes
 from trainer.native.stage import NativeRole, TrainSettings
 from trainer.native.state import FullState, exchange, export_full, load_dcp, load_full, needed_keys
 
@@ -108,6 +109,7 @@ class NativeExecutor:
         """(Re)create the default group over ``layout.world``; ``Released`` if this device is not in it."""
         if dist.is_initialized():
             dist.destroy_process_group()
+            forget_old_meshes()
         if self.device not in layout.world:
             raise Released(f"device {self.device} is not in the world of epoch {layout.plan.epoch}")
         prefixed = dist.PrefixStore(f"native/pg/{layout.plan.epoch}/", self.store)

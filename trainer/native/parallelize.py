@@ -38,6 +38,24 @@ def build_mesh(layout: NativeLayout, device_type: str = "cpu") -> DeviceMesh:
     return DeviceMesh(device_type, layout.mesh_ranks(), mesh_dim_names=("dp", "pp", "tp"))
 
 
+def forget_old_meshes() -> None:
+    """Clear DTensor's sharding caches; call after the default process group is re-created.
+
+    DTensor caches sharding decisions (in C++ and Python) keyed by DeviceMesh *equality*, which
+    compares the mesh layout and rank map but not its process groups. After a reshape re-forms the
+    world, a new mesh equal to one of an earlier epoch would reuse a cached decision that holds the
+    old mesh, whose groups were destroyed ("Could not resolve the process group registered under
+    the name …")."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    clear_redistribute_planner_cache()
+
+
 def apply_pp(model: Any, role: RankRole) -> Any:
     """Keep only this device's stage of the model (its layers; embedding on the first stage,
     norm and output on the last)."""
