@@ -100,8 +100,9 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
     cfg, settings = spec.config, spec.train_settings
     torch_device, backend = select_device(spec.device, device)
     store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
+    fallback = Path(spec.resume_dir) if spec.resume_dir else None  # no periodic checkpoints yet
     ex = NativeExecutor(device, cfg, settings, store, torch_device, backend, spec.timeout_s,
-                        model_factory=spec.factory())
+                        checkpoint_dir=lambda: fallback, model_factory=spec.factory())
     telemetry = (TelemetryPublisher(spec.bus.open, spec.job, device, spec.heartbeat_s) if spec.bus else None)
     results: dict = {"device": device, "losses": {}, "walls": {}, "reshapes": [], "refused": [], "backend": backend}
     try:
