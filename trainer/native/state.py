@@ -7,8 +7,8 @@ model's layer indices), so "who holds what" is a set of names per rank, whatever
   rank's stage to full size (``full_state_dict=True``: an all-gather over FSDP's dp dimension and
   TP's tp dimension). Memory: one stage's full state per rank.
 * :func:`exchange` — on the new world, every rank announces the keys it holds; each key a rank
-  needs under the new plan comes from the lowest-ranked live holder (a broadcast from that holder
-  of everything it is the source of). Keys nobody holds are returned as missing.
+  needs under the new plan comes from itself or the lowest-ranked live holder, one point-to-point
+  message per (source, destination) pair. Keys nobody holds are returned as missing.
 * :func:`load_full` — into the freshly built stage: torch's ``set_model_state_dict`` /
   ``set_optimizer_state_dict`` cut each full tensor to this rank's DTensor shard locally.
 * :func:`save_dcp` / :func:`load_dcp` — the sharded DCP checkpoint: written by any layout, read by
@@ -61,36 +61,53 @@ def needed_keys(model: nn.Module) -> list[str]:
 def exchange(mine: FullState | None, needed: list[str], rank: int, world_size: int
              ) -> tuple[FullState, list[str]]:
     """Collective over the new world: bring every key in ``needed`` to this rank from a live
-    holder. Returns the assembled state and the keys no live rank holds (every rank gets the same
-    missing list, so all take the disk fallback together)."""
+    holder, point to point. Returns the assembled state and the keys no live rank holds (every
+    rank gets the same missing list, so all take the disk fallback together).
+
+    Each key comes from its lowest-ranked holder (this rank itself when it holds it). The transfers
+    are one message per (source, destination) pair that has something to move, taken by every rank
+    in the same global order, so the first unfinished pair always has both ends waiting on it and
+    the exchange cannot deadlock."""
     held = sorted(mine.params) if mine is not None else []
     holders: list[Any] = [None] * world_size
     wants: list[Any] = [None] * world_size
     dist.all_gather_object(holders, held)
     dist.all_gather_object(wants, needed)
-    source: dict[str, int] = {}
-    for r, keys in enumerate(holders):
-        for k in keys:
-            source.setdefault(k, r)
-    all_needed = {k for keys in wants for k in keys}
-    missing = sorted(all_needed - set(source))
+    held_by = [set(h) for h in holders]
+    missing = sorted({k for keys in wants for k in keys} - set().union(*held_by))
     out = FullState()
-    for r in range(world_size):
-        mine_to_send = sorted(k for k in all_needed if source.get(k) == r)
-        if not mine_to_send:
-            continue
-        box: list[Any] = [None]
-        if r == rank:
-            assert mine is not None
-            box[0] = ({k: mine.params[k] for k in mine_to_send},
-                      {k: mine.optim[k] for k in mine_to_send if k in mine.optim},
-                      mine.param_groups, mine.scheduler)
-        dist.broadcast_object_list(box, src=r)
-        params, optim, groups, sched = box[0]
-        want = set(needed)
-        out.params.update({k: v for k, v in params.items() if k in want})
-        out.optim.update({k: v for k, v in optim.items() if k in want})
-        out.param_groups, out.scheduler = groups, sched
+    if mine is not None:
+        out.param_groups, out.scheduler = mine.param_groups, mine.scheduler
+
+    def source_of(k: str, dst: int) -> int | None:
+        if k in held_by[dst]:
+            return dst
+        return next((r for r in range(world_size) if k in held_by[r]), None)
+
+    for dst in range(world_size):
+        by_source: dict[int, list[str]] = {}
+        for k in wants[dst]:
+            src = source_of(k, dst)
+            if src is not None:
+                by_source.setdefault(src, []).append(k)
+        for src in sorted(by_source):
+            keys = by_source[src]
+            if src == dst == rank:
+                assert mine is not None
+                out.params.update({k: mine.params[k] for k in keys})
+                out.optim.update({k: mine.optim[k] for k in keys if k in mine.optim})
+            elif src == rank:
+                assert mine is not None
+                dist.send_object_list([({k: mine.params[k] for k in keys},
+                                        {k: mine.optim[k] for k in keys if k in mine.optim},
+                                        mine.param_groups, mine.scheduler)], dst=dst)
+            elif dst == rank:
+                box: list[Any] = [None]
+                dist.recv_object_list(box, src=src)
+                params, optim, groups, sched = box[0]
+                out.params.update(params)
+                out.optim.update(optim)
+                out.param_groups, out.scheduler = groups, sched
     return out, missing
 
 
