@@ -73,6 +73,10 @@ def exchange(mine: FullState | None, needed: list[str], rank: int, world_size: i
     wants: list[Any] = [None] * world_size
     dist.all_gather_object(holders, held)
     dist.all_gather_object(wants, needed)
+    # Point-to-point on a group of its own, closed by a barrier on it: otherwise a rank done early
+    # would start the next collective on the default group (a mesh dimension spanning the world
+    # reuses it) while its peers still exchange there, and gloo would mix the two up.
+    moves: Any = dist.new_group(list(range(world_size)))
     held_by = [set(h) for h in holders]
     missing = sorted({k for keys in wants for k in keys} - set().union(*held_by))
     out = FullState()
@@ -100,26 +104,30 @@ def exchange(mine: FullState | None, needed: list[str], rank: int, world_size: i
                 assert mine is not None
                 dist.send_object_list([({k: mine.params[k] for k in keys},
                                         {k: mine.optim[k] for k in keys if k in mine.optim},
-                                        mine.param_groups, mine.scheduler)], dst=dst)
+                                        mine.param_groups, mine.scheduler)], dst=dst, group=moves)
             elif dst == rank:
                 box: list[Any] = [None]
-                dist.recv_object_list(box, src=src)
+                dist.recv_object_list(box, src=src, group=moves)
                 params, optim, groups, sched = box[0]
                 out.params.update(params)
                 out.optim.update(optim)
                 out.param_groups, out.scheduler = groups, sched
+    dist.barrier(group=moves)
+    dist.destroy_process_group(moves)
     return out, missing
 
 
 def load_full(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, state: FullState) -> None:
     """Cut ``state``'s full tensors to this rank's shards (local, no communication) and load them."""
     device = next(model.parameters()).device  # the exchange carries CPU tensors; a CUDA stage wants its own
-    params: Any = {k: v.to(device) for k, v in state.params.items()}
+    # The model's own key order on every rank: loading scatters key by key, a collective each.
+    order = [k for k, _ in model.named_parameters() if k in state.params]
+    params: Any = {k: state.params[k].to(device) for k in order}
     set_model_state_dict(model, params, options=FULL)
     # One param group (build_optimizer's): its hyper-parameters from any source, its members this stage's keys.
-    groups = [dict(state.param_groups[0], params=sorted(state.params))]
-    optim = {k: {n: (t.to(device) if isinstance(t, torch.Tensor) and n != "step" else t) for n, t in v.items()}
-             for k, v in state.optim.items()}
+    groups = [dict(state.param_groups[0], params=order)]
+    optim = {k: {n: (t.to(device) if isinstance(t, torch.Tensor) and n != "step" else t)
+                 for n, t in state.optim[k].items()} for k in order if k in state.optim}
     osd: Any = {"state": optim, "param_groups": groups}
     set_optimizer_state_dict(model, opt, osd, options=FULL)
     sched.load_state_dict(state.scheduler)
