@@ -40,7 +40,7 @@ NATIVE_CAPABILITIES = Capabilities(
     dp_microbatch_migration="yes: per-replica micro-batch counts may differ; the global batch and loss scaling stay",
     spares="no: every device of the world holds a role; a device left out of the plan is released",
     schedules=("1f1b",),
-    state_transfer="live (DTensor gather on the old mesh, broadcast from a live holder, local re-shard); "
+    state_transfer="live (DTensor gather on the old mesh, point to point from a live holder, re-shard on load); "
                    "DCP checkpoint when a key has no live holder",
 )
 

@@ -10,7 +10,7 @@ model's layer indices), so "who holds what" is a set of names per rank, whatever
   needs under the new plan comes from itself or the lowest-ranked live holder, one point-to-point
   message per (source, destination) pair. Keys nobody holds are returned as missing.
 * :func:`load_full` — into the freshly built stage: torch's ``set_model_state_dict`` /
-  ``set_optimizer_state_dict`` cut each full tensor to this rank's DTensor shard locally.
+  ``set_optimizer_state_dict`` cut each full tensor to this rank's DTensor shard (a scatter per key).
 * :func:`save_dcp` / :func:`load_dcp` — the sharded DCP checkpoint: written by any layout, read by
   any other (DCP's resharding planner), and the fallback when a key has no live holder.
 """
@@ -118,7 +118,7 @@ def exchange(mine: FullState | None, needed: list[str], rank: int, world_size: i
 
 
 def load_full(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, state: FullState) -> None:
-    """Cut ``state``'s full tensors to this rank's shards (local, no communication) and load them."""
+    """Cut ``state``'s full tensors to this rank's shards and load them (a collective per key over the new mesh)."""
     device = next(model.parameters()).device  # the exchange carries CPU tensors; a CUDA stage wants its own
     # The model's own key order on every rank: loading scatters key by key, a collective each.
     order = [k for k, _ in model.named_parameters() if k in state.params]
