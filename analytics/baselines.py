@@ -36,6 +36,27 @@ def _incident(name: str, job: str, iteration: int, locations: list[Location], fa
         evidence=Evidence(iterations=[iteration], statistic=statistic), summary=summary)
 
 
+@dataclass
+class _JobIncident:
+    """The one job-level incident a whole-job baseline keeps open at a time."""
+
+    name: str
+    job: str
+    open_id: str | None = None
+
+    def open(self, iteration: int, factor: float, statistic: str, summary: str) -> list[Payload]:
+        inc = _incident(self.name, self.job, iteration, [Location(target="compute", factor=factor)], factor,
+                        statistic, summary)
+        self.open_id = inc.incident_id
+        return [inc]
+
+    def resolve(self, iteration: int, reason: str) -> list[Payload]:
+        assert self.open_id is not None
+        out: list[Payload] = [IncidentResolved(incident_id=self.open_id, iteration=iteration, reason=reason)]
+        self.open_id = None
+        return out
+
+
 class _JobSeries:
     """Iteration wall times from IterationSummary (or, lacking one, the slowest rank's wall_s)."""
 
@@ -60,7 +81,10 @@ class RawThresholdDetector:
     _series: _JobSeries = field(default_factory=_JobSeries)
     _warm: list[float] = field(default_factory=list)
     _over: int = 0
-    _open: str | None = None
+    _incident: _JobIncident = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._incident = _JobIncident(self.name, self.job)
 
     def on_event(self, event: Envelope) -> list[Payload]:
         got = self._series.times(event) if event.job == self.job else None
@@ -72,15 +96,12 @@ class RawThresholdDetector:
             return []
         base = float(np.median(self._warm))
         self._over = self._over + 1 if wall > self.factor * base else 0
-        if self._open is None and self._over >= self.consecutive:
-            inc = _incident(self.name, self.job, it, [Location(target="compute", factor=wall / base)], wall / base,
-                            f"iteration time > {self.factor}× warm-up median", "iteration time above threshold")
-            self._open = inc.incident_id
-            return [inc]
-        if self._open is not None and self._over == 0:
-            out: list[Payload] = [IncidentResolved(incident_id=self._open, iteration=it, reason="iteration time back under threshold")]
-            self._open = None
-            return out
+        incident = self._incident
+        if incident.open_id is None and self._over >= self.consecutive:
+            return incident.open(it, wall / base, f"iteration time > {self.factor}× warm-up median",
+                                 "iteration time above threshold")
+        if incident.open_id is not None and self._over == 0:
+            return incident.resolve(it, "iteration time back under threshold")
         return []
 
     def flush(self) -> list[Payload]:
@@ -98,7 +119,10 @@ class ChangePointDetector:
     _series: _JobSeries = field(default_factory=_JobSeries)
     _hist: deque = field(default_factory=lambda: deque(maxlen=200))
     _last_change: int = -10**9
-    _open: str | None = None
+    _incident: _JobIncident = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._incident = _JobIncident(self.name, self.job)
 
     def on_event(self, event: Envelope) -> list[Payload]:
         got = self._series.times(event) if event.job == self.job else None
@@ -112,17 +136,14 @@ class ChangePointDetector:
         h = list(self._hist)[-n:]
         ref, recent = float(np.mean(h[: self.reference_window])), float(np.mean(h[self.reference_window:]))
         shift = recent / ref - 1.0
-        if shift >= self.min_shift and self._open is None:
+        incident = self._incident
+        if shift >= self.min_shift and incident.open_id is None:
             self._last_change = it
-            inc = _incident(self.name, self.job, it, [Location(target="compute", factor=1 + shift)], 1 + shift,
-                            f"mean shift ≥ {self.min_shift:.0%} on raw iteration time", "change point: slower")
-            self._open = inc.incident_id
-            return [inc]
-        if shift <= -self.min_shift / (1 + self.min_shift) and self._open is not None:
+            return incident.open(it, 1 + shift, f"mean shift ≥ {self.min_shift:.0%} on raw iteration time",
+                                 "change point: slower")
+        if shift <= -self.min_shift / (1 + self.min_shift) and incident.open_id is not None:
             self._last_change = it
-            out: list[Payload] = [IncidentResolved(incident_id=self._open, iteration=it, reason="change point: faster again")]
-            self._open = None
-            return out
+            return incident.resolve(it, "change point: faster again")
         return []
 
     def flush(self) -> list[Payload]:

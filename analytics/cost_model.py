@@ -177,7 +177,7 @@ def fit_class(tokens: np.ndarray, sum_sq_len: np.ndarray, duration_s: np.ndarray
         if not negative:
             break
         active = [k for k in active if k not in negative]
-    pred = sum(coef.get(k, 0.0) * features[k] for k in features)
+    pred = np.sum([coef.get(k, 0.0) * features[k] for k in features], axis=0)
     rel = np.abs(d / np.maximum(pred, 1e-12) - 1.0)
     mean_pred = float(pred.mean())
     spread = float(pred.std() / mean_pred) if mean_pred > 0 else float("nan")

@@ -53,7 +53,7 @@ def bench_ingest(events: int, batch: int) -> dict:
     from collector.events import EventFactory
     from collector.stream import Delivery
 
-    reports = []
+    reports: list = []
     it = 0
     while len(reports) < events:
         reports += _reports(8, 4, 4, 16, it, 1)
@@ -80,7 +80,7 @@ def bench_ingest(events: int, batch: int) -> dict:
             proj.apply(conn, deliveries[i:i + batch])
             conn.commit()
         ingest_s = time.perf_counter() - t0
-        stored = conn.execute("SELECT count(*) FROM chunks").fetchone()[0]
+        (stored,) = conn.execute("SELECT count(*) FROM chunks").fetchall()[0]
         conn.close()
     assert stored == chunks, f"stored {stored} chunk rows, expected {chunks}"
     return {"events": len(reports), "chunks": chunks, "batch_events": batch,

@@ -22,7 +22,7 @@ import time
 import uuid
 
 from collector import topics
-from collector.events import Chunk, Coords, EventFactory, RankIteration
+from collector.events import Chunk, ChunkKind, Coords, EventFactory, RankIteration
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +47,7 @@ def make_payloads(ranks: int, microbatches: int, seed: int = 0) -> list[RankIter
                 n = min(budget, int(rng.paretovariate(1.2) * 256))
                 lens.append(n)
                 budget -= n
-            for kind, dur in (("F", 0.011), ("B", 0.023)):
+            for kind, dur in ((ChunkKind.FORWARD, 0.011), (ChunkKind.BACKWARD, 0.023)):
                 chunks.append(Chunk(kind=kind, microbatch=m, tokens=sum(lens), seq_lens=lens, start_s=t, duration_s=dur))
                 t += dur
         out.append(RankIteration(epoch=0, iteration=0, rank=r, node=r // 8,
@@ -118,7 +118,7 @@ def _phase(spec: dict, payloads: list[RankIteration], iterations: int, rate_msgs
 def measure(backend: str, args: argparse.Namespace) -> dict:
     import tempfile
 
-    spec = {"backend": backend, "path": None, "bootstrap": None, "namespace": f"bench{uuid.uuid4().hex[:8]}."}
+    spec: dict[str, str] = {"backend": backend, "path": "", "bootstrap": "", "namespace": f"bench{uuid.uuid4().hex[:8]}."}
     if backend == "embedded":
         spec["path"] = args.path or tempfile.mkdtemp(prefix="resihp-bench-") + "/bus.sqlite"
     else:

@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from remediation.planner import Planner
 
     wanted = {int(s) for s in args.sizes.split(",") if s}
-    rows = []
+    rows: list[dict] = []
     for gpus, pp in SIZES:
         if gpus not in wanted:
             continue
@@ -61,5 +61,5 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"{r['gpus']:>8,}  {r['layout']:<16} {r['plan_s']:>9.3f}s  {r['diff_lines']:>10}")
     if args.json:
-        print(json.dumps({"plan_s": {str(r["gpus"]): round(r["plan_s"], 4) for r in rows}}))
+        print(json.dumps({"plan_s": {str(r["gpus"]): round(float(r["plan_s"]), 4) for r in rows}}))
     return 0

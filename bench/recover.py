@@ -99,7 +99,7 @@ class Run:
 
 
 def _faults(name: str, gpus: int, duration_s: float):
-    from trainer.sim.faults import FaultSpec
+    from trainer.fault_spec import FaultSpec
 
     at = duration_s / 6
     d = 32 + 16 + 3  # replica 1, stage 2, TP rank 3

@@ -186,7 +186,7 @@ def run_reference(args: argparse.Namespace) -> dict:
     from collector.embedded import EmbeddedBus
     from collector.events import CommandAck, EventFactory, IterationSummary, ReconfigureCommand
     from collector.stream import EventStream
-    from trainer.faults import Fault
+    from trainer.fault_spec import FaultSpec
     from trainer.launcher import launch
     from trainer.model import GPTConfig
     from trainer.spec import BusSpec, RunSpec
@@ -201,9 +201,9 @@ def run_reference(args: argparse.Namespace) -> dict:
     spec = RunSpec(job="bench-reshape", model=asdict(cfg), iterations=iterations, pg_timeout_s=args.pg_timeout,
                    bus=BusSpec(backend="embedded", path=str(bus_path)), heartbeat_s=1.0,
                    pace_s_per_layer_token=args.pace,
-                   faults=[Fault(kind="slow_compute", rank=3, factor=args.slow_factor, start_iteration=slow_start,
-                                 end_iteration=slow_end),
-                           Fault(kind="stop_device", rank=7, start_iteration=kill_at)])
+                   faults=[FaultSpec(kind="slow_compute", device=3, factor=args.slow_factor, at_iteration=slow_start,
+                                 duration_iterations=slow_end - slow_start),
+                           FaultSpec(kind="stop_device", device=7, at_iteration=kill_at)])
     factory = EventFactory(spec.job, "bench")
     summaries: dict[int, IterationSummary] = {}
     acks: list[CommandAck] = []

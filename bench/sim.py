@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Literal
 
 JOBS = [  # (gpus label, tp, pp, dp, microbatches per replica, iterations measured)
     (1_024, 8, 8, 16, 16, 1_000),
@@ -26,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also time 20 iterations of the 1,024-GPU job with full telemetry objects built")
 
 
-def _engine(tp: int, pp: int, dp: int, mb: int, telemetry: str = "none"):  # noqa: ANN202
+def _engine(tp: int, pp: int, dp: int, mb: int, telemetry: Literal["all", "none"] = "none"):  # noqa: ANN202
     from collector.plan import Plan
     from trainer.sim.engine import SimConfig, SimEngine
     from trainer.sim.presets import MODEL_PRESETS, ClusterSpec

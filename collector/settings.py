@@ -36,9 +36,17 @@ class Environment(BaseSettings):
     kafka_bootstrap: str = Field(default=DEFAULT_KAFKA_BOOTSTRAP, description="Kafka bootstrap servers, host:port[,…]")
     kafka_namespace: str = Field(default="", description="prefix of every Kafka topic, so environments share a cluster")
     kafka_replication: int = Field(default=1, description="replication factor of the topics the platform creates")
+    kafka_outage_limit_s: float = Field(
+        default=0.0, ge=0, description="how long a publish waits out a broker outage before it fails (0: for ever)")
+    kafka_security_protocol: str = Field(
+        default="", description="PLAINTEXT, SASL_PLAINTEXT or SASL_SSL (empty: SASL_PLAINTEXT when a username is set)")
+    kafka_sasl_mechanism: str = Field(default="SCRAM-SHA-256", description="SCRAM-SHA-256, SCRAM-SHA-512 or PLAIN")
+    kafka_username: str = Field(default="", description="the SASL principal this process signs in as (docs/kafka.md)")
+    kafka_password: str = Field(default="", description="that principal's password")
     # processes
     gc: str = Field(default="streaming", description="streaming (raised collector thresholds) or python (CPython's)")
     log: str = Field(default="WARNING", description="log level of the trainer's worker processes")
+    log_format: str = Field(default="json", description="json (one object per line, collector/logs.py) or text")
     trace: str = Field(default="", description="non-empty: workers print timestamped progress lines to stderr")
     # the console (ui/settings.py; `resihp ui` passes them to Streamlit)
     ui_users: str = Field(default=DEFAULT_USERS_PATH, description="the console's users file")

@@ -17,6 +17,7 @@ bytes, so bad rows reach the consumers' dead-letter path just as they did live).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -51,7 +52,9 @@ def _arrow_problem(exc: Exception) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-class TraceRecord(NamedTuple):
+class EventHeader(NamedTuple):
+    """An event's envelope columns (``ENVELOPE_HEADER``), without its payload."""
+
     id: str
     kind: str
     schema_version: int
@@ -59,6 +62,20 @@ class TraceRecord(NamedTuple):
     source: str
     seq: int
     time_s: float
+
+    @classmethod
+    def parse(cls, raw: bytes) -> EventHeader | None:
+        """The header of an encoded event, read without validating its payload (None if unreadable)."""
+        try:
+            d = json.loads(raw)
+            return cls(str(d["id"]), str(d["kind"]), int(d["schema_version"]), str(d["job"]), str(d["source"]),
+                       int(d["seq"]), float(d["time_s"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+class TraceRecord(NamedTuple):
+    header: EventHeader
     topic: str
     key: str
     value: bytes  # the encoded event, as on the bus
@@ -87,7 +104,7 @@ class TraceWriter:
         for e in events:
             self.write_encoded(e, encode(e))
 
-    def write_encoded(self, event: Envelope, value: bytes) -> None:
+    def write_encoded(self, event: Envelope | EventHeader, value: bytes) -> None:
         """Record an event whose bus bytes are already at hand (a recorder that also publishes)."""
         b = self._buf
         for name in ENVELOPE_HEADER:
@@ -156,7 +173,8 @@ class TraceReader:
                 for batch in batches:
                     cols = batch.to_pydict()
                     for i in range(batch.num_rows):
-                        yield TraceRecord(*(cols[name][i] for name in SCHEMA.names[:-1]), cols["value"][i].encode())
+                        yield TraceRecord(EventHeader(*(cols[name][i] for name in ENVELOPE_HEADER)), cols["topic"][i],
+                                          cols["key"][i], cols["value"][i].encode())
             except (pa.ArrowException, OSError, KeyError, AttributeError) as exc:
                 raise TraceError(f"{f} is damaged: {_arrow_problem(exc)}") from None
 
@@ -208,9 +226,9 @@ def replay(
     wall0 = clock()
     for r in TraceReader(path).records():
         if t0 is None:
-            t0 = r.time_s
+            t0 = r.header.time_s
         if not fast:
-            due = wall0 + max(0.0, r.time_s - t0) / speed
+            due = wall0 + max(0.0, r.header.time_s - t0) / speed
             wait = due - clock()
             if wait > 0:
                 if pending:

@@ -75,6 +75,13 @@ class PipelineCandidate:
     def dropped(self) -> bool:
         return not self.stages
 
+    @property
+    def running_times(self) -> StageTimes:
+        """The stage times of a pipeline that runs; a dropped one has none to score."""
+        if self.times is None:
+            raise ValueError(f"candidate {self.label!r} drops its pipeline: it has no stage times to score")
+        return self.times
+
 
 def _pow2_parts(n: int) -> list[int]:
     """7 → [4, 2, 1]: the binary decomposition, largest first."""
@@ -121,9 +128,9 @@ def _move_s(
     that will hold it is not exactly the one that holds it now; it comes from a DP peer (or from a
     checkpoint when there is none and its old holder is dead)."""
     owner: list[tuple[int, ...]] = [()] * model.num_layers
-    for st in old.stages:
-        for layer in range(st.first_layer, st.end_layer):
-            owner[layer] = st.devices
+    for held in old.stages:
+        for layer in range(held.first_layer, held.end_layer):
+            owner[layer] = held.devices
     worst = 0.0
     structural = len(new) != len(old.stages)
     needs_checkpoint = False

@@ -88,18 +88,18 @@ def model_from_fits(
     last = len(stages) - 1
     lin, att, over, bfs = [], [], [], []
     for s, st in enumerate(stages):
-        f = by_key.get((s, "F"))
-        if f is None or s == last and len(stages) > 1:
+        forward = by_key.get((s, "F"))
+        if forward is None or s == last and len(stages) > 1:
             continue
         c_tok, c_fix = tp_comm(st.tp, st.num_layers)
-        lin.append(st.tp * (f.alpha_s_per_token - c_tok) / st.num_layers)
-        att.append(st.tp * f.beta_s_per_token_sq / st.num_layers)
-        over.append(max(0.0, (f.gamma_s - c_fix) / st.num_layers))
+        lin.append(st.tp * (forward.alpha_s_per_token - c_tok) / st.num_layers)
+        att.append(st.tp * forward.beta_s_per_token_sq / st.num_layers)
+        over.append(max(0.0, (forward.gamma_s - c_fix) / st.num_layers))
         b = by_key.get((s, "B"))
         w = by_key.get((s, "W"))
         if b is not None:
             back = b.alpha_s_per_token - c_tok + (w.alpha_s_per_token if w is not None else 0.0)
-            fwd = f.alpha_s_per_token - c_tok
+            fwd = forward.alpha_s_per_token - c_tok
             if fwd > 0:
                 bfs.append(back / fwd)
     linear = median(lin)

@@ -148,6 +148,11 @@ class RemediationEngine:
             self.stream.commit()
         return len(deliveries)
 
+    @property
+    def clock_s(self) -> float:
+        """The newest event time the engine has read (-inf before the first)."""
+        return self._clock_s
+
     def run(self, idle_exit_s: float | None = None) -> None:
         import time
 

@@ -137,8 +137,9 @@ class Planner:
         for pipe in current.pipelines:
             mine = idle.get(pipe.replica) if idle else None
             regrow: list[PipelineCandidate] = []
-            for tp in (None, job_tp) if mine else ():
-                c = regrow_candidate(cluster, self.model, pipe, mine, current.schedule, opts, dp, tp)
+            for tp in (None, job_tp):
+                c = (regrow_candidate(cluster, self.model, pipe, mine, current.schedule, opts, dp, tp)
+                     if mine else None)  # no idle healthy device near this pipeline: nothing to regrow with
                 if c is not None and all(c.stages != r.stages for r in regrow):
                     regrow.append(c)
             if (bad and any(d in bad for st in pipe.stages for d in st.devices)) or regrow:
@@ -215,12 +216,12 @@ class Planner:
         if cand.dropped or cand.times is None:
             return 0
         step = self._granule(cand)
-        if step > M or scorer.makespan_s(cand.times, step) > span_bound_s:
+        if step > M or scorer.makespan_s(cand.running_times, step) > span_bound_s:
             return 0
         lo, hi = 1, M // step
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if scorer.makespan_s(cand.times, mid * step) <= span_bound_s:
+            if scorer.makespan_s(cand.running_times, mid * step) <= span_bound_s:
                 lo = mid
             else:
                 hi = mid - 1
@@ -277,7 +278,7 @@ class Planner:
                     return total
             return total
 
-        hi = min(scorer.makespan_s(c.times, M) for s in live for c in s.candidates if c.times is not None)
+        hi = min(scorer.makespan_s(c.running_times, M) for s in live for c in s.candidates if c.times is not None)
         lo = 0.0
         for _ in range(_T_BISECTION_STEPS):
             mid = (lo + hi) / 2
@@ -302,7 +303,7 @@ class Planner:
         if surplus <= 0:
             return chosen
         ms = [m for _, _, m in chosen]
-        heap = [(-scorer.makespan_s(c.times, m), i) for i, (_, c, m) in enumerate(chosen) if m > 0]
+        heap = [(-scorer.makespan_s(c.running_times, m), i) for i, (_, c, m) in enumerate(chosen) if m > 0]
         heapq.heapify(heap)
         while surplus > 0 and heap:
             _, i = heapq.heappop(heap)
@@ -312,7 +313,7 @@ class Planner:
             ms[i] -= step
             surplus -= step
             if ms[i] > 0:
-                heapq.heappush(heap, (-scorer.makespan_s(chosen[i][1].times, ms[i]), i))
+                heapq.heappush(heap, (-scorer.makespan_s(chosen[i][1].running_times, ms[i]), i))
         return [(p, c, m) for (p, c, _), m in zip(chosen, ms)]
 
     def _even(self, slots: list[_Slot], M: int, scorer: PipelineScorer
@@ -331,7 +332,7 @@ class Planner:
             fits = [c for c in slot.candidates if not c.dropped and m % self._granule(c) == 0]
             if not fits:
                 return None
-            best = min(fits, key=lambda c: (scorer.makespan_s(c.times, m), c.structural, c.move_s))
+            best = min(fits, key=lambda c: (scorer.makespan_s(c.running_times, m), c.structural, c.move_s))
             chosen.append((pipe, best, m))
         alive_ids = {id(p) for p, _ in alive}
         for slot in slots:
@@ -347,7 +348,7 @@ class Planner:
         spans: dict[float, int] = {}
         for _, c, m in chosen:
             if m > 0 and c.times:
-                span = scorer.makespan_s(c.times, m)
+                span = scorer.makespan_s(c.running_times, m)
                 spans[span] = spans.get(span, 0) + 1
         live = [c for _, c, m in chosen if m > 0]
         return expected_iteration_s(self.model, spans, self._allreduce_s(live, cluster))

@@ -45,7 +45,7 @@ def plan_spans(cluster: ClusterState, model: PlannerModel, plan: Plan, scorer: P
             cand = unchanged_candidate(cluster, model, pipe, plan.schedule, opts, plan.dp)
             if cand is None:
                 return None
-            s, d = scorer.makespan_s(cand.times, pipe.microbatches), cand.dp_s
+            s, d = scorer.makespan_s(cand.running_times, pipe.microbatches), cand.dp_s
             if not damaged:
                 seen[key] = (s, d)
         spans[s] = spans.get(s, 0) + 1

@@ -105,9 +105,10 @@ def warmup_fits(config, iterations: int = 24, spread_iterations: int = 0
             continue
         for c in p.chunks:
             s2 = float(sum(x * x for x in c.seq_lens)) if c.seq_lens else float("nan")
-            rows.setdefault((p.coords.pp, str(c.kind)), []).append((c.tokens, s2, c.duration_s))
+            n = float(c.tokens) if c.tokens is not None else float("nan")  # unknown, never 0
+            rows.setdefault((p.coords.pp, str(c.kind)), []).append((n, s2, c.duration_s))
             if p.coords.pp == 0 and str(c.kind) == "F":
-                tokens.append(c.tokens)
+                tokens.append(n)
                 sum_sq.append(s2)
     if spread_iterations > iterations:
         walls.extend(engine.iteration_durations(spread_iterations - iterations).tolist())
@@ -117,4 +118,4 @@ def warmup_fits(config, iterations: int = 24, spread_iterations: int = 0
     for (stage, kind), xs in sorted(rows.items()):
         a = np.asarray(xs, dtype=float)
         fits.append(cost_fit(stage, kind, [fit_class(a[:, 0], a[:, 1], a[:, 2])]))
-    return fits, current, float(np.mean(tokens)), float(np.nanmean(sum_sq)), [float(w) for w in walls]
+    return fits, current, float(np.nanmean(tokens)), float(np.nanmean(sum_sq)), [float(w) for w in walls]

@@ -13,7 +13,7 @@ from remediation.candidates import PlannerOptions
 from resihp.closed_loop import location_devices, run_closed_loop
 from resihp.planning_models import fitted_model, hardware_of
 from trainer.sim.engine import SimConfig, SimEngine
-from trainer.sim.faults import FaultSpec
+from trainer.fault_spec import FaultSpec
 from trainer.sim.presets import MODEL_PRESETS, ClusterSpec
 from collector.events import Location
 

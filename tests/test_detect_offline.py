@@ -10,7 +10,7 @@ from collector.events import EventFactory, IterationSummary
 from collector.trace import TraceWriter
 from resihp.cli import main
 from trainer.sim.engine import SimEngine
-from trainer.sim.faults import FaultSpec
+from trainer.fault_spec import FaultSpec
 from trainer.sim.scenario import load_scenario
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"

@@ -14,7 +14,7 @@ from remediation.cluster import ClusterState, DeviceState
 from remediation.planner import Planner
 from remediation.throughput import predict_tokens_per_s
 from trainer.sim.engine import NOISE_OFF, SimConfig, SimEngine
-from trainer.sim.faults import FaultSpec
+from trainer.fault_spec import FaultSpec
 from trainer.sim.presets import MODEL_PRESETS, ClusterSpec
 from trainer.sim.workload import WORKLOAD_PRESETS
 

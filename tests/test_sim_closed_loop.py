@@ -13,7 +13,7 @@ from collector.events import AckStatus, EventFactory, ProbeRequest, ReconfigureC
 from collector.plan import Plan
 from collector.stream import EventStream
 from trainer.sim.engine import SimConfig, SimEngine
-from trainer.sim.faults import FaultSpec
+from trainer.fault_spec import FaultSpec
 from trainer.sim.presets import MODEL_PRESETS, ClusterSpec
 from trainer.sim.runner import SimulatorRunner
 

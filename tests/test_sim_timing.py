@@ -11,7 +11,7 @@ from analytics.schedule import (
 from collector.events import Envelope, RankIteration
 from collector.plan import Plan
 from trainer.sim.engine import NOISE_OFF, SimConfig, SimEngine
-from trainer.sim.faults import FaultSpec
+from trainer.fault_spec import FaultSpec
 from trainer.sim.presets import ClusterSpec, ModelSpec
 from trainer.sim.workload import WORKLOAD_PRESETS
 

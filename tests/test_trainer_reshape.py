@@ -38,7 +38,8 @@ from collector.events import (AckStatus, ChunkKind, CommandAck, EventFactory, It
                               ProbeRequest, ProbeResult, RankIteration, ReconfigureCommand)
 from collector.plan import PipelinePlan, Plan, StagePlan
 from collector.stream import EventStream
-from trainer.faults import KILL_EXIT_CODE, Fault
+from trainer.fault_spec import FaultSpec
+from trainer.faults import KILL_EXIT_CODE
 from trainer.launcher import launch
 from trainer.spec import BusSpec, RunSpec
 
@@ -200,7 +201,7 @@ def test_interleaved_and_zero_bubble_schedules_train_exactly_like_1f1b(reference
 
 
 def test_trainer_survives_a_killed_rank_from_live_state(reference: Path, tmp_path: Path) -> None:
-    spec = _spec(tmp_path, faults=[Fault(kind="kill", rank=5, start_iteration=3)])
+    spec = _spec(tmp_path, faults=[FaultSpec(kind="stop_device", device=5, at_iteration=3)])
 
     result = launch(spec, BASE, 8, on_death="drop-replica")
 
@@ -219,7 +220,7 @@ def test_a_dead_spare_leaves_the_plan_as_it_is_and_the_job_goes_on(reference: Pa
     # excluded), yet it sits in the world's commit all-reduce, so its death stops the others.
     # No policy and no engine run here (on_death="wait"): the launcher re-posts the same plan as
     # epoch 1 on the live ranks, and training ends exactly like the reference.
-    spec = _spec(tmp_path, faults=[Fault(kind="kill", rank=8, start_iteration=3)])
+    spec = _spec(tmp_path, faults=[FaultSpec(kind="stop_device", device=8, at_iteration=3)])
 
     result = launch(spec, BASE, 9)
 
@@ -242,7 +243,7 @@ def _mid_reshape_spec(tmp: Path, kill: str, device: int) -> RunSpec:
     """A death in the c10d rendezvous is noticed only at the rendezvous timeout: 15 s here (above
     the 5-s collective timeout a survivor may spend before it arrives), not the default's 60."""
     timeout = {"rendezvous_timeout_s": 15} if kill == "kill_in_rendezvous" else {}
-    return _spec(tmp, faults=[Fault(kind=kill, rank=device, start_iteration=1)], **timeout)
+    return _spec(tmp, faults=[FaultSpec(kind=kill, device=device, at_iteration=1)], **timeout)
 
 
 @pytest.mark.parametrize("kill, resplit", MID_RESHAPE)
@@ -302,7 +303,7 @@ def test_trainer_falls_back_to_the_latest_disk_checkpoint_when_no_live_copy_surv
     # 2-3 and the head is left. The launcher puts the spare in its place; the ranks load the newest
     # periodic checkpoint (iteration 4), re-run from there, and end exactly where the reference does.
     plan = Plan.uniform(tp=1, pp=2, dp=1, num_layers=4, microbatches_per_replica=8)
-    spec = _spec(tmp_path, checkpoint_every=2, faults=[Fault(kind="kill", rank=1, start_iteration=5)])
+    spec = _spec(tmp_path, checkpoint_every=2, faults=[FaultSpec(kind="stop_device", device=1, at_iteration=5)])
 
     result = launch(spec, plan, 3, on_death="drop-replica")
 
@@ -342,8 +343,8 @@ def test_probes_name_the_slow_rank_and_the_slow_nic_without_changing_training(re
         bus.publish([EventFactory("resihp" if r.probe_id != "p-other-job" else "other", "test").make(r)
                      for r in requests])
     # Devices are emulated (pacing), as in the torch demo: 8 ranks share the machine's cores.
-    spec = _spec(tmp_path, pace_s_per_layer_token=1e-5, faults=[Fault(kind="slow_compute", rank=5, factor=3.0),
-                                                                Fault(kind="slow_send", rank=2, delay_s=0.02)])
+    spec = _spec(tmp_path, pace_s_per_layer_token=1e-5, faults=[FaultSpec(kind="slow_compute", device=5, factor=3.0),
+                                                                FaultSpec(kind="slow_send", device=2, delay_s=0.02)])
 
     result = launch(spec, BASE, 8, commands_from="beginning")
 
@@ -373,7 +374,7 @@ def test_pacing_pads_a_ranks_compute_not_the_tp_all_reduces_inside_its_chunks(tm
     plan = Plan.uniform(tp=2, pp=1, dp=1, num_layers=4, microbatches_per_replica=4)
     pace = 2e-4
     spec = _spec(tmp_path, iterations=4, pace_s_per_layer_token=pace,
-                 faults=[Fault(kind="slow_compute", rank=1, factor=3.0)])
+                 faults=[FaultSpec(kind="slow_compute", device=1, factor=3.0)])
     result = launch(spec, plan, 2)
     assert result.exit_codes == {0: 0, 1: 0}
     reports: dict[int, list[RankIteration]] = {}

@@ -298,7 +298,7 @@ def test_pacing_splits_a_layers_time_over_the_stages_tp_ranks() -> None:
 
 def test_a_trainer_fault_uses_the_simulators_kind_names() -> None:
     from trainer.faults import Fault
-    from trainer.sim.faults import FaultSpec
+    from trainer.fault_spec import FaultSpec
 
     assert Fault(kind="kill", rank=2, start_iteration=1) == Fault(kind="stop_device", rank=2, start_iteration=1)
     assert FaultSpec(kind="stop_device", device=2, at_iteration=1).kind == Fault(kind="stop_device", rank=2).kind

@@ -19,6 +19,7 @@ from collector.events import (
 )
 from collector.stream import EventStream
 from ui.auth import Session, User, UsersFile
+from ui.views.common import plain
 from tests.fixtures.console_demo import DemoSpec, demo_events
 
 APP = str(Path(__file__).resolve().parent.parent / "ui" / "app.py")
@@ -82,7 +83,7 @@ def test_ui_operator_approve_publishes_a_plan_decision_naming_the_user(console: 
     at = sign_in(AppTest.from_file(APP, default_timeout=60).run(), "alice", "alice-pw")
     at = open_incident(at)
     assert not at.exception, at.exception
-    assert at.header[0].value == f"Incident {INCIDENT_ID}"
+    assert at.header[0].value == f"Incident {plain(INCIDENT_ID)}"
     at.text_area(key=f"comment-{PLAN_ID}").input("drop the slow GPU")
     at = at.button(key=f"approve-{PLAN_ID}").click().run()
     assert not at.exception, at.exception
@@ -92,7 +93,7 @@ def test_ui_operator_approve_publishes_a_plan_decision_naming_the_user(console: 
     assert (d.payload.plan_id, d.payload.approve, d.payload.actor, d.payload.comment) == (
         PLAN_ID, True, "ui:alice", "drop the slow GPU")
     assert d.source == "ui:alice" and d.job == "demo"
-    assert any("Approved by ui:alice" in s.value for s in at.success)
+    assert any(f"Approved by {plain('ui:alice')}" in s.value for s in at.success)
     # A second press on a decided plan changes nothing: the buttons are gone and nothing more is published.
     assert not [b for b in at.button if b.key == f"approve-{PLAN_ID}"]
 
@@ -112,7 +113,7 @@ def test_ui_an_incident_without_a_plan_shows_why_the_engine_made_none(console: P
     assert not at.exception, at.exception
     assert any(s.value == "No plan proposed for this incident yet." for s in at.info)
     (warning,) = [w.value for w in at.warning if "not planned" in w.value]
-    assert warning.endswith("not planned: plan refused: no replica has a healthy device for stage 0")
+    assert warning.endswith("not planned: " + plain("plan refused: no replica has a healthy device for stage 0"))
 
 
 def test_ui_viewer_pressing_approve_gets_a_message_and_publishes_nothing(console: Path) -> None:
@@ -151,7 +152,7 @@ def test_ui_policy_change_by_operator_publishes_policy_changed_and_viewer_cannot
     assert changed.job == "demo" and changed.payload.actor == "ui:alice"
     assert changed.payload.mode.value == "auto"
     assert [s.value for s in changed.payload.auto_severities] == ["high", "critical"]
-    assert any("set by ui:alice" in m.value for m in at.markdown)
+    assert any(f"set by {plain('ui:alice')}" in m.value for m in at.markdown)
 
 
 def test_ui_replay_and_jobs_pages_render_the_log(console: Path) -> None:
@@ -167,3 +168,33 @@ def test_ui_replay_and_jobs_pages_render_the_log(console: Path) -> None:
     table = at.dataframe[0].value
     assert "opened inc-demo-60 (high)" in " ".join(table["what"])
     assert set(table["who"]) >= {"detector", "planner"}
+
+
+def test_ui_five_wrong_passwords_lock_the_user_and_each_failure_is_an_event(console: Path) -> None:
+    from collector.events import SignInFailed
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    for _ in range(5):
+        at = sign_in(at, "bob", "guess-pw-123")
+    assert any("sign-in is now locked" in e.value for e in at.error)
+    at = sign_in(at, "bob", "bob-pw")  # the right password during the lockout is refused too
+    assert "session" not in at.session_state
+    assert any("locked until" in e.value for e in at.error)
+    failures = [e.payload for e in control_events(console, SignInFailed)]
+    assert [(f.user, f.reason, f.user_failures) for f in failures] == [
+        ("bob", "wrong_password", n) for n in range(1, 6)]
+    assert failures[-1].locks == ["user"] and failures[-1].locked_until_s is not None
+    at = sign_in(at, "mallory-pw-in-name-box", "x")
+    (unknown,) = [e for e in control_events(console, SignInFailed) if e.payload.reason == "unknown_user"]
+    assert unknown.payload.user == ""
+    with EmbeddedBus(console) as bus, EventStream(bus, "raw-reader", [topics.CONTROL]) as stream:
+        raw = b" ".join(d.event.model_dump_json().encode() for d in stream.poll(10_000, 0.1))
+    for secret in (b"guess-pw-123", b"bob-pw", b"mallory-pw-in-name-box"):
+        assert secret not in raw
+
+    # The operator sees the failures and the lockout on the Security page; a viewer would not.
+    at = sign_in(AppTest.from_file(APP, default_timeout=60).run(), "alice", "alice-pw")
+    at.sidebar.radio(key="page").set_value("Security").run()
+    assert not at.exception, at.exception
+    (table,) = [d.value for d in at.dataframe]  # no rejected control events here: one table
+    assert list(table["user"][:2]) == ["(unknown name)", "bob"] and len(table) == 6
+    assert any("Locked out at" in w.value and "user bob" in w.value for w in at.warning)

@@ -186,3 +186,61 @@ def test_ui_fold_takes_the_running_plan_from_plan_current_without_telemetry() ->
     model.apply(trainer.make(PlanCurrent(plan=reshaped, reason="reshape")))
     model.apply(trainer.make(PlanCurrent(plan=start, reason="start")))  # a late duplicate of an older epoch
     assert model.job("grid-job").current_plan == reshaped
+
+
+def _incident(incident_id: str, summary: str = "rank 5 slow") -> IncidentOpened:
+    return IncidentOpened(incident_id=incident_id, category=FaultCategory.FAIL_SLOW, severity=Severity.HIGH,
+                          iteration=10, locations=[Location(target="compute", rank=5)], evidence=Evidence(),
+                          summary=summary)
+
+
+def test_ui_fold_shows_rejected_control_events_from_a_plain_dict_payload() -> None:
+    """control.rejected is folded by kind, whether its payload is the contract's class or a dict."""
+    from collector.events import Envelope
+    rejected = Envelope.model_construct(
+        id="rej-1", kind="control.rejected", schema_version=1, job="demo", source="remediation", seq=0, time_s=5.0,
+        payload={"event_id": "forged-7", "kind": "plan.decision", "source": "ui:alice",
+                 "reason": "no valid signature for ui:alice"})
+    by_trainer = Envelope.model_construct(
+        id="rej-2", kind="control.rejected", schema_version=1, job="demo", source="trainer", seq=0, time_s=6.0,
+        payload={"event_id": "forged-8", "kind": "command.reconfigure", "source": "mallory",
+                 "reason": "unsigned command.reconfigure", "reader": "trainer:rank-0"})
+    model = ReadModel()
+    model.apply(rejected)
+    model.apply(rejected)  # a duplicate adds nothing
+    model.apply(by_trainer)
+    assert [(r.by, r.source) for r in model.security.rejected][1:] == [("trainer:rank-0", "mallory")]
+    row = model.security.rejected[0]
+    assert (row.job, row.by, row.event_id, row.kind, row.source, row.reason) == (
+        "demo", "remediation", "forged-7", "plan.decision", "ui:alice", "no valid signature for ui:alice")
+    assert "demo" not in model.jobs and not model.plans
+
+
+def test_ui_fold_keeps_failed_sign_ins_out_of_the_job_list() -> None:
+    from collector.events import SignInFailed
+    from ui.read_model import CONSOLE_JOB, CONSOLE_SOURCE
+    factory = EventFactory(CONSOLE_JOB, CONSOLE_SOURCE)
+    model = ReadModel()
+    model.apply(factory.make(SignInFailed(user="alice", client="10.0.0.1", reason="wrong_password",
+                                          user_failures=4, client_failures=4)))
+    model.apply(factory.make(SignInFailed(user="alice", client="10.0.0.1", reason="wrong_password",
+                                          user_failures=5, client_failures=5, locks=["user"], locked_until_s=99.0)))
+    assert len(model.security.signin_failures) == 2 and len(model.security.lockouts) == 1
+    assert model.jobs == {} and model.next_seq(CONSOLE_JOB, CONSOLE_SOURCE) == 2
+
+
+def test_ui_fold_warns_when_two_analytics_writers_publish_incidents_for_one_job() -> None:
+    model = ReadModel()
+    first = EventFactory("demo", "analytics").make(_incident("inc-1"), event_id="e1")
+    for e in (first, first):  # a republished record is not a second writer
+        model.apply(e)
+    assert model.security.writer_warnings("demo") == []
+    # A second consumer with the same source name and deterministic ids: same id, other content.
+    model.apply(EventFactory("demo", "analytics").make(_incident("inc-1", "rank 2 slow"), event_id="e1"))
+    (conflict,) = model.security.writer_warnings("demo")
+    assert conflict.startswith("1 incident events of job demo reuse another event's id with different content")
+    # A second consumer with its own source name.
+    model.apply(EventFactory("demo", "analytics-b").make(_incident("inc-2")))
+    warnings = model.security.writer_warnings("demo")
+    assert any("come from 2 sources (analytics, analytics-b)" in w for w in warnings)
+    assert model.security.writer_warnings("other-job") == []

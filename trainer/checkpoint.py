@@ -52,6 +52,7 @@ def save_checkpoint(directory: str | Path, layout: Layout, me: int, stage: GPTSt
             names = unit_names(stage.cfg, unit)
             flat = flatten(state, names)
             if role.tp_degree > 1:
+                assert tp_devices is not None, "a TP stage's checkpoint needs its group's devices"
                 flats = gather_tp(flat, stage.tp, tp_devices, layout)
                 pieces = [unflatten(stage.cfg, f, names, role.tp_degree) for f in flats]
             else:

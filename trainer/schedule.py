@@ -74,14 +74,14 @@ def pipeline_peers(pipe: PipelinePlan, role: RankRole, layout: Layout, wrap: boo
     me = pipe.stages[s]
     prev = pipe.stages[(s - 1) % S] if (s > 0 or wrap) else None
     nxt = pipe.stages[(s + 1) % S] if (s + 1 < S or wrap) else None
-    act_from_dev = prev.devices[t % prev.tp] if prev else None
-    grad_from_dev = nxt.devices[t % nxt.tp] if nxt else None
+    act_from_dev = prev.devices[t % prev.tp] if prev is not None else None
+    grad_from_dev = nxt.devices[t % nxt.tp] if nxt is not None else None
     act_to = [d for j, d in enumerate(nxt.devices) if j % me.tp == t] if nxt else []
     grad_to = [d for j, d in enumerate(prev.devices) if j % me.tp == t] if prev else []
     return Peers(
-        act_from=layout.rank(act_from_dev) if prev else None,
+        act_from=layout.rank(act_from_dev) if act_from_dev is not None else None,
         act_to=[layout.rank(d) for d in act_to],
-        grad_from=layout.rank(grad_from_dev) if nxt else None,
+        grad_from=layout.rank(grad_from_dev) if grad_from_dev is not None else None,
         grad_to=[layout.rank(d) for d in grad_to],
         act_from_device=act_from_dev, grad_from_device=grad_from_dev,
     )
@@ -180,8 +180,11 @@ class PipelineSchedule:
     def _paced_s(self, mb: MicroBatch, chunk: int) -> float:
         return paced_chunk_s(self.pace, self.stage.chunk_layers(chunk), self.tp, len(mb.tokens), mb.seq_lens)
 
-    def _recv(self, it: _Iteration, src: int, device: int | None, tag: int, like: torch.Tensor | None,
+    def _recv(self, it: _Iteration, src: int | None, device: int | None, tag: int, like: torch.Tensor | None,
               mb: MicroBatch) -> torch.Tensor:
+        """The tensor ``src`` sends under ``tag``; a chunk that receives always has a peer (``src``
+        is None only for the pipeline's first chunk, which receives nothing)."""
+        assert src is not None, "a chunk with no upstream peer has nothing to receive"
         if src == self.me:
             return it.local.pop(tag)
         buf = torch.empty(len(mb.tokens), self.hidden, dtype=self.dtype) if like is None else torch.empty_like(like)
@@ -197,7 +200,9 @@ class PipelineSchedule:
             if dst == self.me:
                 it.local[tag] = data.clone()
             else:
-                it.pending.append(dist.isend(data, dst=dst, tag=tag, group=self.group))
+                work = dist.isend(data, dst=dst, tag=tag, group=self.group)
+                if work is not None:  # None only where this rank is outside the group
+                    it.pending.append(work)
 
     def _record(self, it: _Iteration, kind: ChunkKind, c: int, mb: MicroBatch, start: float, paced_s: float) -> None:
         """Pad the chunk's compute (its time less the TP all-reduces inside it) to the emulated
@@ -246,6 +251,7 @@ class PipelineSchedule:
             paced = self._paced_s(mb, c)
         self._record(it, ChunkKind.BACKWARD, c, mb, start, paced)
         if g > 0:
+            assert input_grad is not None, "every chunk after the first has an input to differentiate"
             self._send(it, self.peers.grad_to, input_grad, self._tag(mb, g, True))
 
     def _weight(self, it: _Iteration, c: int, mb: MicroBatch) -> None:

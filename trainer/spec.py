@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trainer.faults import Fault
+from trainer.fault_spec import FaultSpec
 from trainer.model import GPTConfig
 
 
@@ -46,7 +46,7 @@ class RunSpec(BaseModel):
         "others this long"))
     recovery_timeout_s: float = Field(default=300.0, gt=0, description="how long survivors wait for a new plan")
     heartbeat_s: float = Field(default=1.0, gt=0)
-    faults: list[Fault] = Field(default_factory=list)
+    faults: list[FaultSpec] = Field(default_factory=list)
     bus: BusSpec = Field(default_factory=BusSpec)
     telemetry: bool = True
     save_dir: str | None = Field(default=None, description="final checkpoint here; periodic ones in step-N/ below")
@@ -60,6 +60,12 @@ class RunSpec(BaseModel):
         "emulate devices: pad each forward chunk to layers × (p·tokens + p/32·Σl²) / tp seconds (backward: 2×; "
         "tp: the stage's TP degree, which splits a layer's work), so ranks sharing few CPU cores behave like "
         "devices of a set speed; 0 = off"))
+
+    @model_validator(mode="after")
+    def _faults_the_trainer_injects(self) -> RunSpec:
+        for fault in self.faults:
+            fault.check_runs_on("trainer")
+        return self
 
     @model_validator(mode="after")
     def _rendezvous_outlasts_a_collective(self) -> RunSpec:

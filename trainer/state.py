@@ -119,6 +119,7 @@ def transfer_live(cfg: GPTConfig, old: Plan, new: Layout, me: int, mine: ShardSt
     ``mine`` is this device's state under ``old`` (None if it had no role). Must be called by every
     member of ``new.world`` (the default process group), in any order of arrival.
     """
+    have: ShardState = mine if mine is not None else {}  # a device with no role sends and keeps nothing
     alive = set(new.world)
     new_roles = new.plan.roles
     result: ShardState = {}
@@ -130,7 +131,7 @@ def transfer_live(cfg: GPTConfig, old: Plan, new: Layout, me: int, mine: ShardSt
                 nr = new_roles[dst]
                 if _keeps(old, new, unit, dst):
                     if dst == me:
-                        result.update({n: mine[n] for n in names})
+                        result.update({n: have[n] for n in names})
                     continue
                 if source is None:
                     raise NoLiveSource(f"no replica of plan epoch {old.epoch} has a live copy of {unit}; "
@@ -140,9 +141,9 @@ def transfer_live(cfg: GPTConfig, old: Plan, new: Layout, me: int, mine: ShardSt
                 pieces: list[ShardState] = []
                 for src in source.devices:
                     if src == me and dst == me:
-                        pieces.append({n: mine[n] for n in names})
+                        pieces.append({n: have[n] for n in names})
                     elif src == me:
-                        dist.send(flatten(mine, names), dst=new.rank(dst))
+                        dist.send(flatten(have, names), dst=new.rank(dst))
                     elif dst == me:
                         buf = torch.empty(sum(_shard_numel(cfg, n, source.tp) for n in names) * len(STATE_KINDS),
                                           dtype=cfg.torch_dtype)

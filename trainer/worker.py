@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import sys
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -28,7 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from collector.events import Coords, FaultCategory, FaultInjected, IterationSummary, Location, RankIteration
+from collector import logs
+from collector.events import Coords, FaultInjected, IterationSummary, Location, RankIteration
 from collector.plan import RankRole
 from collector.settings import environment
 from trainer.chunks import role_chunks
@@ -202,11 +202,11 @@ class Trainer:
             for f in self.faults.started(self.iteration):
                 if f.kind in ("slow_compute", "slow_send"):
                     self.telemetry.publish(FaultInjected(
-                        fault_id=f"{self.spec.job}/{f.kind}/{f.rank}/{f.start_iteration}",
-                        category=FaultCategory.FAIL_SLOW,
-                        location=Location(target="compute" if f.kind == "slow_compute" else "link", rank=f.rank,
+                        fault_id=f"{self.spec.job}/{f.kind}/{f.device}/{self.iteration}",
+                        category=f.category,
+                        location=Location(target="compute" if f.kind == "slow_compute" else "link", rank=f.device,
                                           factor=f.factor),
-                        start_iteration=f.start_iteration, end_iteration=f.end_iteration))
+                        start_iteration=self.iteration, end_iteration=f.end_iteration))
         if cur.layout.rank(self.device) == 0:
             self.store.set(PROGRESS, json.dumps({"iteration": self.iteration, "epoch": plan.epoch, "loss": loss}))
 
@@ -237,9 +237,12 @@ class Trainer:
             prune_periodic(self.spec.save_dir, self.spec.run_id)
 
 
+_progress = logging.getLogger("resihp.trace")
+
+
 def _t(what: str) -> None:
-    if environment().trace:
-        print(f"{time.time():.2f} {what}", file=sys.stderr, flush=True)
+    """A progress line (``RESIHP_TRACE``): where a rank is, for reading a hang or a slow reshape."""
+    _progress.info(what)
 
 
 def run_rank(spec: RunSpec, device: int) -> int:
@@ -308,8 +311,10 @@ def process_main(device: int, spec_json: str) -> None:
     """Entry point of a rank process (the launcher forks it). Exits with the rank's code,
     skipping interpreter teardown: gloo pairs to a dead peer need no goodbye."""
     spec = RunSpec.model_validate_json(spec_json)
-    logging.basicConfig(level=environment().log,
-                        format=f'{{"rank": {device}, "level": "%(levelname)s", "msg": "%(message)s"}}')
+    env = environment()
+    logs.configure(env.log, fmt=env.log_format, job=spec.job, rank=device)
+    if env.trace:
+        logging.getLogger("resihp.trace").setLevel(logging.INFO)
     code = 1
     try:
         code = run_rank(spec, device)

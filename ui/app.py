@@ -18,9 +18,10 @@ from ui.auth import UsersFile  # noqa: E402
 from collector import topics  # noqa: E402
 from ui.feed import CONSOLE_TOPICS, Feed  # noqa: E402
 from ui.settings import Settings  # noqa: E402
-from ui.views import incidents, jobs, policy, replay, signin  # noqa: E402
+from ui.signin_guard import SignInGuard  # noqa: E402
+from ui.views import incidents, jobs, policy, replay, security, signin  # noqa: E402
 
-PAGES = ["Jobs", "Incidents", "Policy", "Replay"]
+PAGES = ["Jobs", "Incidents", "Policy", "Replay", "Security"]
 
 
 def _bus_factory(settings: Settings):
@@ -34,11 +35,19 @@ def _feed(bus_key: tuple[str, str, bool], _settings: Settings) -> Feed:
     return Feed(_bus_factory(_settings), topics_read=read)
 
 
+@st.cache_resource(show_spinner=False)
+def _guard(users_path: str) -> SignInGuard:
+    """One sign-in guard per users file per process: every browser session counts against the same limits."""
+    return SignInGuard()
+
+
 def main() -> None:
     st.set_page_config(page_title="ResiHP console", layout="wide")
     settings = Settings.from_env()
-    session = signin.gate(settings, UsersFile(settings.users_path))
-    feed = _feed((*settings.bus_key(), settings.telemetry), settings)
+    bus_key = (*settings.bus_key(), settings.telemetry)
+    session = signin.gate(settings, UsersFile(settings.users_path), _guard(settings.users_path),
+                          lambda: _feed(bus_key, settings))
+    feed = _feed(bus_key, settings)
     try:
         with st.spinner("reading the bus…"):
             feed.refresh()
@@ -61,6 +70,8 @@ def main() -> None:
         incidents.render(feed, session, settings.page_size)
     elif page == "Policy":
         policy.render(feed, session)
+    elif page == "Security":
+        security.render(feed, session)
     else:
         replay.render(settings, _bus_factory(settings))
 

@@ -89,6 +89,10 @@ class User:
 class Authenticator(Protocol):
     def authenticate(self, name: str, password: str) -> User: ...
 
+    def knows(self, name: str) -> bool:
+        """Whether ``name`` is a user (for the sign-in record only; never shown to the one signing in)."""
+        ...
+
 
 class UsersFile:
     """The TOML users file. Re-read on each sign-in, so added users need no restart."""
@@ -114,6 +118,12 @@ class UsersFile:
                     f"users file {self.path}: user {name!r} needs role = one of {list(ROLES)} and a password hash; "
                     "rewrite it with `resihp ui --add-user`")
         return users
+
+    def knows(self, name: str) -> bool:
+        try:
+            return name in self.load()
+        except UsersFileError:
+            return False
 
     def authenticate(self, name: str, password: str) -> User:
         entry = self.load().get(name)

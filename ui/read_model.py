@@ -2,7 +2,8 @@
 
 Every screen is a projection of the log (ARCHITECTURE.md), so this is the only state the console
 has: jobs (predicted against observed series, rank health, the layout, the current plan, the
-policy), incidents and plans with their lifecycle. It never opens another process's DuckDB file.
+policy), incidents and plans with their lifecycle, and the Security page's log (ui/security_log.py).
+It never opens another process's DuckDB file.
 
 Idempotent: control and incident events are deduplicated on their id; telemetry and predictions
 are keyed by (epoch, iteration[, rank]) and overwrite, so their ids need not be remembered (a
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from analytics.goodput import GoodputFold
 from collector.events import (
     AckStatus, CommandAck, Envelope, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentResolved,
     IncidentUpdated, IterationPrediction, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified, PlanWithheld,
@@ -31,6 +33,10 @@ from collector import plan_lifecycle
 from collector.plan import Plan
 from collector.plan_lifecycle import PlanLifecycle, PlanRecord, PlanStatus
 from ui.rank_store import RankStore
+from ui.security_log import SecurityLog
+
+CONSOLE_JOB = "resihp-console"  # the job name on events about the console itself (sign-in), not a training job
+CONSOLE_SOURCE = "ui:console"
 
 SEVERITY_ORDER = {Severity.LOW: 0, Severity.MEDIUM: 1, Severity.HIGH: 2, Severity.CRITICAL: 3}
 
@@ -219,6 +225,8 @@ class ReadModel:
         self._seen: set[str] = set()
         self._max_rank_iterations = max_rank_iterations
         self._early_remediation_events: dict[str, list[Envelope]] = {}
+        self.security = SecurityLog()
+        self.goodput = GoodputFold()  # the one definition /metrics serves too (analytics/goodput.py)
 
     def job(self, name: str) -> JobView:
         view = self.jobs.get(name)
@@ -242,8 +250,9 @@ class ReadModel:
         if event.seq > self.last_seq.get(key, -1):
             self.last_seq[key] = event.seq
         p = event.payload
-        job = self.job(event.job)
+        self.goodput.apply(event)
         if isinstance(p, RankIteration):
+            job = self.job(event.job)
             job.ranks.add(p)
             job.layout[p.rank] = Slot(p.rank, p.node, p.coords.dp, p.coords.pp, p.coords.tp, p.epoch)
             job.last_iteration = max(job.last_iteration, p.iteration)
@@ -251,15 +260,21 @@ class ReadModel:
             self.applied += 1
             return
         if isinstance(p, IterationPrediction):
+            job = self.job(event.job)
             job.predictions.add(p, event.time_s)
             job.last_iteration = max(job.last_iteration, p.iteration)
             job.last_epoch = max(job.last_epoch, p.epoch)
             self.applied += 1
             return
+        if event.kind.startswith("incident."):
+            self.security.saw_incident_event(event, duplicate=event.id in self._seen)
         if event.id in self._seen:
             return
         self._seen.add(event.id)
         self.applied += 1
+        if self.security.apply(event):  # console-wide: no job view, no plan lifecycle
+            return
+        job = self.job(event.job)
         plan_lifecycle.step(self.lifecycle(event.job), event)
         handler = getattr(self, "_on_" + event.kind.replace(".", "_"), None)
         if handler is None:

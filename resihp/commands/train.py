@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--job", default="resihp", help="job name on the bus (commands for other jobs are ignored)")
-    p.add_argument("--faults", default=None, help="fault list YAML (see docs/trainer.md)")
+    p.add_argument("--faults", default=None, help="a scenario or fault-list YAML: its faults: list is injected (docs/scenarios.md)")
     p.add_argument("--on-death", choices=["wait", "drop-replica"], default="wait",
                    help="after a rank dies: wait for a command, or drop its replica right away (spares take "
                         "the dead devices' places when no replica would survive)")
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from collector.plan import Plan
-    from trainer.faults import FaultList
+    from trainer.fault_spec import FaultList
     from trainer.launcher import launch
     from trainer.model import PRESETS
     from trainer.spec import BusSpec, RunSpec
@@ -86,7 +86,14 @@ def run(args: argparse.Namespace) -> int:
     ranks = args.ranks or max(plan.devices) + 1
     if args.checkpoint_every and not args.save_dir:
         raise SystemExit("--checkpoint-every needs --save-dir DIR (where the periodic checkpoints go)")
-    faults = FaultList.load(args.faults).faults if args.faults else []
+    try:
+        faults = FaultList.load(args.faults, "trainer").faults if args.faults else []
+    except ValueError as exc:
+        raise SystemExit(f"resihp train: {exc}") from None
+    outside = sorted({f.device for f in faults if f.device is not None and f.device not in plan.devices})
+    if outside:
+        raise SystemExit(f"resihp train: {args.faults} injects faults on device(s) {outside}, which the plan "
+                         f"{plan.shape()} does not have (devices 0-{max(plan.devices)})")
     try:
         spec = RunSpec(
             job=args.job, model=asdict(cfg), seed=args.seed, iterations=args.iterations, lr=args.lr,

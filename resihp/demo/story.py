@@ -96,12 +96,8 @@ class DemoStory:
         }
 
     def torch_faults(self) -> dict:
-        """The torch trainer's fault list (trainer/faults.py)."""
-        return {"faults": [
-            {"kind": "slow_compute", "rank": self.slow.device, "factor": self.slow.factor,
-             "start_iteration": self.slow.at_iteration},
-            {"kind": "stop_device", "rank": self.stop.device, "start_iteration": self.stop.at_iteration},
-        ]}
+        """The torch trainer's fault list: the scenario's own (trainer/fault_spec.py, one vocabulary)."""
+        return {"faults": self.scenario()["faults"]}
 
     def write(self, workdir: Path) -> dict[str, Path]:
         """Write scenario.yaml, faults.yaml, detector.yaml and planner-model.json into ``workdir``."""

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from dataclasses import asdict
 
     from collector.plan import Plan
-    from trainer.faults import FaultList
+    from trainer.fault_spec import FaultList
     from trainer.launcher import launch
     from trainer.model import PRESETS
     from trainer.spec import BusSpec, RunSpec
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     bus = BusSpec(backend=args.bus, path=args.bus_path, bootstrap=args.bootstrap,
                   namespace=environment().kafka_namespace if args.bus == "kafka" else "")
     spec = RunSpec(job=args.job, model=asdict(cfg), iterations=args.iterations, pg_timeout_s=args.pg_timeout,
-                   faults=FaultList.load(args.faults).faults if args.faults else [], bus=bus,
+                   faults=FaultList.load(args.faults, "trainer").faults if args.faults else [], bus=bus,
                    pace_s_per_layer_token=args.pace)
     print(f"job {args.job}: {plan.shape()} on {ranks} CPU ranks, {cfg.n_layer} layers, {args.iterations} "
           f"iterations, pace {args.pace:g} s/layer-token", flush=True)

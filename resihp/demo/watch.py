@@ -12,11 +12,9 @@ log's order; across topics, poll order), so ``resihp replay`` and the console's 
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 from collector import topics
 from collector.bus import Bus
@@ -28,19 +26,7 @@ from collector.events import (
     ReconfigureCommand,
 )
 from collector.plan_lifecycle import PlanLifecycle, PlanStatus
-from collector.trace import TraceWriter
-
-
-class _Header(NamedTuple):
-    """The envelope columns a trace row needs, parsed without validating the payload."""
-
-    id: str
-    kind: str
-    schema_version: int
-    job: str
-    source: str
-    seq: int
-    time_s: float
+from collector.trace import EventHeader, TraceWriter
 
 
 @dataclass
@@ -139,13 +125,13 @@ class LogWatch:
         s = self.state
         for r in records:
             s.records += 1
-            header = _header(r.value)
+            header = EventHeader.parse(r.value)
             if header is None:
                 s.undecodable += 1
                 continue
             s.by_kind[header.kind] = s.by_kind.get(header.kind, 0) + 1
             if self.trace is not None:
-                self.trace.write_encoded(header, r.value)  # type: ignore[arg-type]  # duck-typed header
+                self.trace.write_encoded(header, r.value)
             if header.kind.startswith("telemetry."):
                 s.telemetry_records += 1
             if header.kind == "telemetry.iteration" or header.job != self.job:
@@ -232,12 +218,3 @@ class LogWatch:
             if self.trace is not None:
                 self.trace.close()
         return None if self.trace is None else self.trace.path
-
-
-def _header(raw: bytes) -> _Header | None:
-    try:
-        d = json.loads(raw)
-        return _Header(str(d["id"]), str(d["kind"]), int(d["schema_version"]), str(d["job"]), str(d["source"]),
-                       int(d["seq"]), float(d["time_s"]))
-    except (ValueError, KeyError, TypeError):
-        return None

@@ -1,6 +1,7 @@
-"""Injected faults: what breaks, where, from when until when, and the truth events they produce.
+"""Injected faults in the simulator: what they do to the cluster and the truth events they produce.
 
-Kinds: ``slow_compute`` (a device computes ``factor`` times slower), ``slow_link`` (transfers
+The fault specs are the trainer's too (trainer/fault_spec.py: one vocabulary, one scenario format).
+The kinds the simulator injects: ``slow_compute`` (a device computes ``factor`` times slower), ``slow_link`` (transfers
 between two devices take ``factor`` times longer), ``slow_nic`` (all of a device's inter-node
 traffic takes ``factor`` times longer), ``stop_device`` and ``stop_node`` (fail-stop: the device
 or every device of the node stops; the job hangs until it is reshaped around them).
@@ -14,46 +15,11 @@ re-published with the same ``fault_id`` and its ``end_iteration`` when it ends (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from collector.events import FaultCategory, FaultInjected, Location
+from collector.events import FaultInjected, Location
 from collector.plan import Plan
+from trainer.fault_spec import FaultSpec
 from trainer.sim.presets import ClusterSpec
-
-FaultKind = Literal["slow_compute", "slow_link", "slow_nic", "stop_device", "stop_node"]
-
-
-class FaultSpec(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    kind: FaultKind
-    device: int | None = Field(default=None, ge=0)
-    link: tuple[int, int] | None = None
-    node: int | None = Field(default=None, ge=0)
-    factor: float = Field(default=2.0, ge=1.0, description="slowdown; 2.0 takes twice as long")
-    at_iteration: int | None = Field(default=None, ge=0)
-    at_s: float | None = Field(default=None, ge=0)
-    duration_iterations: int | None = Field(default=None, ge=1)
-    duration_s: float | None = Field(default=None, gt=0)
-    id: str | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> FaultSpec:
-        need = {"slow_compute": "device", "stop_device": "device", "slow_nic": "device",
-                "slow_link": "link", "stop_node": "node"}[self.kind]
-        if getattr(self, need) is None:
-            raise ValueError(f"a {self.kind} fault needs '{need}'")
-        if (self.at_iteration is None) == (self.at_s is None):
-            raise ValueError(f"{self.kind} fault: give exactly one of at_iteration or at_s")
-        if self.duration_iterations is not None and self.duration_s is not None:
-            raise ValueError(f"{self.kind} fault: give at most one of duration_iterations or duration_s")
-        return self
-
-    @property
-    def category(self) -> FaultCategory:
-        return FaultCategory.FAIL_STOP if self.kind.startswith("stop") else FaultCategory.FAIL_SLOW
 
 
 @dataclass
@@ -86,13 +52,11 @@ def location_of(spec: FaultSpec, cluster: ClusterSpec, plan: Plan) -> Location:
     d = spec.device
     assert d is not None
     role = plan.roles.get(d)
-    extra = {}
-    if role is not None:
-        stage = plan.pipelines[role.replica].stages[role.stage]
-        extra = {"replica": role.replica, "stage": role.stage, "tp_group": stage.devices}
-    target = "link" if spec.kind == "slow_nic" else "compute"
-    factor = 1e9 if spec.kind == "stop_device" else spec.factor
-    return Location(target=target, rank=d, node=cluster.node_of(d), factor=factor, **extra)
+    stage = None if role is None else plan.pipelines[role.replica].stages[role.stage]
+    return Location(target="link" if spec.kind == "slow_nic" else "compute", rank=d, node=cluster.node_of(d),
+                    factor=1e9 if spec.kind == "stop_device" else spec.factor,
+                    replica=None if role is None else role.replica, stage=None if role is None else role.stage,
+                    tp_group=None if stage is None else stage.devices)
 
 
 def truth_event_payload(f: ActiveFault, cluster: ClusterSpec, plan: Plan) -> FaultInjected:
@@ -115,14 +79,14 @@ class FaultEffects:
     def of(cls, active: list[ActiveFault], cluster: ClusterSpec) -> FaultEffects:
         out = cls({}, {}, {}, set())
         for f in active:
-            s = f.spec
-            if s.kind == "slow_compute":
-                out.compute[s.device] = out.compute.get(s.device, 1.0) * s.factor  # type: ignore[index]
-            elif s.kind == "slow_link":
+            s, d = f.spec, f.spec.device
+            if s.kind == "slow_compute" and d is not None:
+                out.compute[d] = out.compute.get(d, 1.0) * s.factor
+            elif s.kind == "slow_link" and s.link is not None:
                 key = frozenset(s.link)
                 out.links[key] = out.links.get(key, 1.0) * s.factor
-            elif s.kind == "slow_nic":
-                out.nics[s.device] = out.nics.get(s.device, 1.0) * s.factor  # type: ignore[index]
+            elif s.kind == "slow_nic" and d is not None:
+                out.nics[d] = out.nics.get(d, 1.0) * s.factor
             else:
                 out.dead |= devices_of(s, cluster)
         return out

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from collector.plan import Plan, Schedule
 from trainer.sim.engine import NOISE_OFF, NoiseSpec, SimConfig
-from trainer.sim.faults import FaultKind, FaultSpec
+from trainer.fault_spec import KINDS_BY_RUNTIME, FaultKind, FaultSpec
 from trainer.sim.presets import MODEL_PRESETS, ClusterSpec, ModelSpec
 from trainer.sim.telemetry import Dialect
 from trainer.sim.workload import WORKLOAD_PRESETS, WorkloadSpec
@@ -80,6 +80,12 @@ class Scenario(BaseModel):
             raise ValueError(f"unknown model preset {self.model!r}; choose one of {sorted(MODEL_PRESETS)} or give a mapping")
         if isinstance(self.workload, str) and self.workload not in WORKLOAD_PRESETS:
             raise ValueError(f"unknown workload preset {self.workload!r}; choose one of {sorted(WORKLOAD_PRESETS)}")
+        for fault in self.faults:
+            fault.check_runs_on("simulator")
+        simulated = KINDS_BY_RUNTIME["simulator"]
+        for kind in self.periodic_faults.kinds if self.periodic_faults is not None else []:
+            if kind not in simulated:
+                raise ValueError(f"periodic_faults: the simulator cannot inject {kind}; it injects {', '.join(simulated)}")
         return self
 
     # ---- to an engine ------------------------------------------------------------------------

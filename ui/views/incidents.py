@@ -13,7 +13,7 @@ from ui.auth import NotAllowed, Session, SessionExpired
 from ui.charts import downsample, plan_cells, plan_grid_chart, seq_len_chart, series_chart, slowdown_figure
 from ui.feed import Feed
 from ui.read_model import IncidentView, Mark, PlanView
-from ui.views.common import SEVERITY_BADGE, clock
+from ui.views.common import SEVERITY_BADGE, clock, plain, writer_warnings
 
 EVIDENCE_HALF_WINDOW = 60  # iterations either side of the detection drawn in the evidence plots
 
@@ -38,6 +38,7 @@ def _open(incident_id: str) -> None:
 def _list(feed: Feed, page_size: int) -> None:
     st.header("Incidents")
     model = feed.model
+    writer_warnings(model)
     show = st.radio("Show", ["open", "all"], horizontal=True, key="inc_filter")
     items = [i for i in model.incidents_sorted() if show == "all" or i.resolved is None]
     if not items:
@@ -52,21 +53,21 @@ def _list(feed: Feed, page_size: int) -> None:
         col.markdown(f"**{name}**")
     for inc in rows:
         c = st.columns([2, 1, 1, 0.9, 1.3, 0.7, 3, 1])
-        c[0].write(inc.incident_id)
-        c[1].write(inc.job)
-        c[2].write(inc.opened.category.value)
+        c[0].text(inc.incident_id)
+        c[1].text(inc.job)
+        c[2].text(inc.opened.category.value)
         c[3].markdown(SEVERITY_BADGE[inc.severity.value])
-        c[4].write(model.incident_state(inc))
-        c[5].write(str(inc.opened.iteration))
-        c[6].write(inc.opened.summary)
+        c[4].text(model.incident_state(inc))
+        c[5].text(str(inc.opened.iteration))
+        c[6].text(inc.opened.summary)
         c[7].button("Open", key=f"open-{inc.incident_id}", on_click=_open, args=(inc.incident_id,))
 
 
 def _detail(feed: Feed, session: Session, inc: IncidentView) -> None:
     model = feed.model
-    st.header(f"Incident {inc.incident_id}")
-    st.markdown(f"{SEVERITY_BADGE[inc.severity.value]} · **{model.incident_state(inc)}** · job `{inc.job}` · "
-                f"{inc.opened.category.value} · detected at iteration {inc.opened.iteration} — {inc.opened.summary}")
+    st.header(f"Incident {plain(inc.incident_id)}")
+    st.markdown(f"{SEVERITY_BADGE[inc.severity.value]} · **{plain(model.incident_state(inc))}** · job {plain(inc.job)} · "
+                f"{inc.opened.category.value} · detected at iteration {inc.opened.iteration} — {plain(inc.opened.summary)}")
 
     st.subheader("Timeline")
     steps = model.timeline(inc)
@@ -75,7 +76,7 @@ def _detail(feed: Feed, session: Session, inc: IncidentView) -> None:
         done = step.time_s is not None
         col.markdown(f"{':green[●]' if done else ':gray[○]'} **{step.label}**  \n{clock(step.time_s) if done else 'not yet'}")
         if step.detail:
-            col.caption(step.detail)
+            col.caption(plain(step.detail))
 
     st.subheader("Evidence")
     _evidence(feed, inc)
@@ -88,7 +89,7 @@ def _detail(feed: Feed, session: Session, inc: IncidentView) -> None:
             at, why = inc.withheld[-1]
             say = st.info if why.waiting else st.warning
             say(f"Remediation engine at {clock(at)} (epoch {why.base_epoch}) — "
-                f"{'waiting' if why.waiting else 'not planned'}: {why.reason}")
+                f"{'waiting' if why.waiting else 'not planned'}: {plain(why.reason)}")
         return
     _plan(feed, plan)
     _decision(feed, session, plan)
@@ -111,7 +112,7 @@ def _evidence(feed: Feed, inc: IncidentView) -> None:
             marks = [m for m in (job.marks if job else []) if m.kind == "reshape"]
             marks.append(Mark("incident", inc.opened.iteration, inc.opened_time_s, inc.opened.summary))
             st.altair_chart(series_chart(downsample(cols), marks, kind="time"), width="stretch")
-        st.caption(f"detector statistic: {ev.statistic or '—'}; {ev.note}")
+        st.caption(f"detector statistic: {plain(ev.statistic or '—')}; {plain(ev.note)}")
     with tabs[1]:
         suspects = [loc.rank for loc in inc.latest_locations if loc.rank is not None]
         if job is not None and len(job.ranks):
@@ -144,10 +145,10 @@ def _plan(feed: Feed, plan: PlanView) -> None:
     m[0].metric("Predicted gain", f"{gain * 100:+.1f}%", f"{p.current_tokens_per_s:,.0f} → {p.predicted_tokens_per_s:,.0f} tokens/s")
     m[1].metric("Reshape cost", f"{p.reshape_cost_s:.1f} s")
     m[2].metric("Pays back after", f"{payback_s:.0f} s" if math.isfinite(payback_s) else "never")
-    m[3].markdown(f"Status  \n**{plan.status}**")
-    st.caption(f"{plan.plan_id} · strategy {p.strategy} · proposed by {plan.source} at {clock(plan.proposed_time_s)} · "
-               f"epoch {p.base_epoch} → {p.plan.epoch}")
-    st.markdown("**Diff**\n" + "\n".join(f"- {line}" for line in p.diff) if p.diff else "no differences listed")
+    m[3].markdown(f"Status  \n**{plain(plan.status)}**")
+    st.caption(f"{plain(plan.plan_id)} · strategy {plain(p.strategy)} · proposed by {plain(plan.source)} at "
+               f"{clock(plan.proposed_time_s)} · epoch {p.base_epoch} → {p.plan.epoch}")
+    st.markdown("**Diff**\n" + "\n".join(f"- {plain(line)}" for line in p.diff) if p.diff else "no differences listed")
     job = feed.model.jobs.get(plan.job)
     base = feed.model.base_plan(plan)
     layout = job.layout if job else {}
@@ -172,7 +173,7 @@ def _decision(feed: Feed, session: Session, plan: PlanView) -> None:
     if not plan.pending:
         t, d = plan.decision
         verdict = "Approved" if d.approve else "Rejected"
-        st.success(f"{verdict} by {d.actor} at {clock(t)}" + (f" — “{d.comment}”" if d.comment else ""))
+        st.success(f"{verdict} by {plain(d.actor)} at {clock(t)}" + (f" — “{plain(d.comment)}”" if d.comment else ""))
         return
     if not session.user.can_decide:
         st.caption("You are signed in as a viewer: only operators can approve or reject.")
@@ -189,6 +190,6 @@ def _decision(feed: Feed, session: Session, plan: PlanView) -> None:
         except (NotAllowed, ActionRefused) as exc:
             st.error(str(exc))
         else:
-            st.session_state["flash"] = (f"{'Approved' if approve else 'Rejected'} plan {plan.plan_id} as "
-                                         f"{event.payload.actor} (event {event.id[:8]} on the bus)")
+            st.session_state["flash"] = (f"{'Approved' if approve else 'Rejected'} plan {plain(plan.plan_id)} as "
+                                         f"{plain(event.payload.actor)} (event {event.id[:8]} on the bus)")
             st.rerun()

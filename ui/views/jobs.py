@@ -10,7 +10,7 @@ from collector.events import RankState
 from ui.charts import downsample, plan_cells, plan_grid_chart, series_chart
 from ui.feed import Feed
 from ui.read_model import JobView
-from ui.views.common import pick_job
+from ui.views.common import pick_job, writer_warnings
 
 WINDOWS = {"last 500 iterations": 500, "last 5,000 iterations": 5000, "all": None}
 
@@ -20,6 +20,7 @@ def render(feed: Feed, refresh_s: float) -> None:
     job_name = pick_job(feed.model, key="jobs_job")
     if job_name is None:
         return
+    writer_warnings(feed.model, job_name)
     auto = st.toggle("Auto-refresh", value=False, key="jobs_auto", help=f"re-read the bus every {refresh_s:g} s")
 
     @st.fragment(run_every=refresh_s if auto else None)
@@ -46,6 +47,7 @@ def _job_body(feed: Feed, job: JobView) -> None:
         m[3].metric("Iteration time (last 20)", f"{obs:.2f} s", f"{(obs / pred - 1) * 100:+.0f}% vs predicted" if pred else None,
                     delta_color="inverse")
     m[4].metric("Open incidents", len(open_incidents))
+    _goodput_headline(feed, job.job)
 
     window = st.radio("History", list(WINDOWS), horizontal=True, key="jobs_window", index=0)
     if len(series["iteration"]):
@@ -75,6 +77,18 @@ def _job_body(feed: Feed, job: JobView) -> None:
     if unhealthy:
         st.dataframe(pd.DataFrame({"rank": [e.rank for e in unhealthy], "state": [e.state.value for e in unhealthy],
                                    "slowdown": [e.factor for e in unhealthy]}), hide_index=True)
+
+
+def _goodput_headline(feed: Feed, job_name: str) -> None:
+    """Goodput (ETTR) and where the rest of the wall time went: the same fold as /metrics'
+    ``resihp_goodput_ratio`` and ``resihp_goodput_loss_seconds_total`` (docs/metrics.md)."""
+    g = feed.model.goodput.breakdown(job_name)
+    if g is None:
+        return
+    lost = ", ".join(f"{cause.replace('_', '-')} {s:,.0f} s" for cause, s in g.loss_s.items() if s >= 0.5)
+    st.metric("Goodput", f"{g.ratio:.1%}", help="share of wall time in productive training (docs/metrics.md)")
+    st.caption(f"{g.productive_s:,.0f} s productive of {g.wall_s:,.0f} s wall time; lost: {lost or 'nothing'}"
+               + (f"; {g.pending_s:,.0f} s since the last iteration not yet attributed" if g.pending_s >= 0.5 else ""))
 
 
 def _layout_shape(job: JobView) -> str:

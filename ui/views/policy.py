@@ -8,7 +8,7 @@ from collector.events import PolicyMode, Severity
 from ui.actions import ActionRefused, change_policy
 from ui.auth import NotAllowed, Session, SessionExpired
 from ui.feed import Feed
-from ui.views.common import clock, pick_job
+from ui.views.common import clock, pick_job, plain
 
 MODE_LABELS = {PolicyMode.PROPOSE: "propose and wait for an operator", PolicyMode.AUTO: "auto-apply (by severity)"}
 
@@ -25,7 +25,7 @@ def render(feed: Feed, session: Session) -> None:
         sev = ", ".join(s.value for s in current.auto_severities) or "none"
         st.markdown(f"Current: **{MODE_LABELS[current.mode]}**"
                     + (f" for severities {sev}" if current.mode == PolicyMode.AUTO else "")
-                    + f" — set by {current.actor} at {clock(current.time_s)}")
+                    + f" — set by {plain(current.actor)} at {clock(current.time_s)}")
     modes = list(MODE_LABELS)
     mode = st.radio("Mode", modes, format_func=MODE_LABELS.get, key=f"policy_mode_{job_name}",
                     index=modes.index(current.mode) if current else 0)
@@ -45,5 +45,5 @@ def render(feed: Feed, session: Session) -> None:
         except (NotAllowed, ActionRefused) as exc:
             st.error(str(exc))
         else:
-            st.session_state["flash"] = f"Policy of {job_name} set to {MODE_LABELS[mode]} by {session.user.actor}"
+            st.session_state["flash"] = f"Policy of {plain(job_name)} set to {MODE_LABELS[mode]} by {plain(session.user.actor)}"
             st.rerun()

@@ -19,7 +19,7 @@ from ui.charts import downsample, series_chart
 from ui.read_model import Mark, ReadModel
 from ui.settings import Settings
 from ui.trace_source import LoadedTrace, list_traces, load_bus, load_trace
-from ui.views.common import clock
+from ui.views.common import clock, plain
 
 SPEEDS = [1, 10, 60, 600, 3600]
 TICK_S = 1.0
@@ -90,7 +90,7 @@ def render(settings: Settings, bus_factory) -> None:
     st.header("Replay")
     files = list_traces(settings.trace_dir)
     options = [BUS_SOURCE] + [str(p) for p in files]
-    st.caption(f"traces are read from {settings.trace_dir} (RESIHP_UI_TRACE_DIR)")
+    st.caption(f"traces are read from {plain(settings.trace_dir)} (RESIHP_UI_TRACE_DIR)")
     choice = st.selectbox("Trace", options, key="replay_source",
                           format_func=lambda o: o if o == BUS_SOURCE else os.path.relpath(o, settings.trace_dir))
     if st.button("Load", key="replay_load") or st.session_state.get("replay_loaded") != choice:
@@ -104,7 +104,7 @@ def render(settings: Settings, bus_factory) -> None:
         st.info("This trace holds no events to replay.")
         return
     if rs.trace.skipped:
-        st.warning(f"{rs.trace.skipped} lines of the trace were not events and were skipped")
+        st.warning(f"{rs.trace.skipped:,} lines of the trace were not events and were skipped")
     playing = st.session_state.get("replay_playing", False)
     c = st.columns([1, 1, 2, 4])
     if c[0].button("Pause" if playing else "Play", key="replay_play"):
@@ -113,7 +113,7 @@ def render(settings: Settings, bus_factory) -> None:
     if c[1].button("Restart", key="replay_start"):
         st.session_state["replay_pos"] = 0.0
     speed = c[2].selectbox("Speed", SPEEDS, index=2, format_func=lambda s: f"{s}×", key="replay_speed")
-    c[3].caption(f"{len(rs.trace.events):,} events over {rs.duration_s / 60:.1f} min from {rs.trace.source}")
+    c[3].caption(f"{len(rs.trace.events):,} events over {rs.duration_s / 60:.1f} min from {plain(rs.trace.source)}")
 
     @st.fragment(run_every=TICK_S if playing else None)
     def player() -> None:
@@ -146,7 +146,7 @@ def _frame(rs: ReplayState, pos_s: float) -> None:
                  and e.kind in ("incident.opened", "plan.proposed", "plan.decision")]
         marks += [m for m in job.marks if m.kind == "reshape"]
         cols = job.predictions.arrays()
-        st.markdown(f"Job `{name}` — epoch {job.running_epoch()}")
+        st.markdown(f"Job {plain(name)} — epoch {job.running_epoch()}")
         st.altair_chart(series_chart(downsample({k: cols[k] for k in ("iteration", "observed_s", "predicted_s", "tokens")}),
                                      marks, kind="time"), width="stretch")
     if decisions:
