@@ -12,7 +12,6 @@ own chunk timings) and writes ``rank-<device>.json`` (losses, reshape phases, re
 
 from __future__ import annotations
 
-import faulthandler
 import importlib
 import json
 import logging
@@ -28,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from collector.events import Coords, IterationSummary, RankIteration
 from collector.plan import Plan
+from collector.settings import environment
 from trainer.native.executor import NativeExecutor, Released, ReshapeRefused
 from trainer.native.layout import NativeLayout
 from trainer.native.model import LlamaConfig, ModelFactory
@@ -178,10 +178,8 @@ def _publish(telemetry: TelemetryPublisher, cur: NativeRole, device: int, iterat
 def process_main(device: int, spec_json: str) -> None:
     """Entry point of a forked rank process; exits with the rank's code."""
     spec = NativeRunSpec.model_validate_json(spec_json)
-    logging.basicConfig(level=os.environ.get("RESIHP_LOG", "WARNING"),
+    logging.basicConfig(level=environment().log,
                         format=f'{{"rank": {device}, "level": "%(levelname)s", "msg": "%(message)s"}}')
-    if dump_after := os.environ.get("RESIHP_NATIVE_STACKS_AFTER_S"):  # a hung rank prints where it waits
-        faulthandler.dump_traceback_later(float(dump_after), exit=True)
     code = 1
     try:
         code = run_rank(spec, device)
