@@ -28,7 +28,8 @@ def test_a_heartbeat_stamped_an_hour_ahead_is_not_believed_and_opens_nothing() -
 
 
 def test_a_heartbeat_stamped_far_in_the_past_moves_nothing_back() -> None:
-    events = synth(iterations=20, seed=3, plan=True)
+    # the job starts an hour and more into its clock, so an hour back is still a valid time_s (>= 0)
+    events = [e.model_copy(update={"time_s": e.time_s + 5000.0}) for e in synth(iterations=20, seed=3, plan=True)]
     det, out = run(_with_forged(events, rank=4, shift_s=-3600.0, at=len(events) // 2))
     assert [p for p in out if isinstance(p, IncidentOpened)] == []
     assert det.fail_stop.dead == set()

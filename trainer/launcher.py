@@ -221,17 +221,25 @@ def _start_ranks(spec: RunSpec, ranks: int) -> dict:
     """
     import multiprocessing as mp
 
-    from trainer.worker import process_main
-
     os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
     os.environ.setdefault("MKL_NUM_THREADS", str(spec.threads))
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["trainer.worker"])
     spec_json = spec.model_dump_json()
-    procs = {d: ctx.Process(target=process_main, args=(d, spec_json), name=f"rank-{d}") for d in range(ranks)}
+    procs = {d: ctx.Process(target=_rank_main, args=(d, spec_json), name=f"rank-{d}") for d in range(ranks)}
     for p in procs.values():
         p.start()
     return procs
+
+
+def _rank_main(device: int, spec_json: str) -> None:
+    """A rank dies with the fork server it came from, which exits with the launcher: a SIGKILLed
+    launcher leaves no rank behind (the node agent's guarantee, trainer/agent/child.py)."""
+    from trainer.agent.child import die_with_parent
+    from trainer.worker import process_main
+
+    die_with_parent(None)
+    process_main(device, spec_json)
 
 
 def _progress(store) -> dict:
