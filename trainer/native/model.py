@@ -55,7 +55,7 @@ class RMSNorm(nn.Module):
 
 def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (B, T, 1, head_dim/2) for per-document ``positions`` (B, T)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
     angles = positions.to(torch.float64)[..., None] * inv_freq  # (B, T, hd/2)
     return angles.cos().to(dtype)[:, :, None, :], angles.sin().to(dtype)[:, :, None, :]
 

@@ -91,15 +91,17 @@ class NativeRole:
         mbs = self.microbatches(iteration, cfg, settings)
         self.loss.denominator = global_targets(settings.seed, iteration, plan.global_microbatches, settings.block_size)
         dev = self.stage.device
-        args = [(mb.tokens[None].to(dev),) for mb in mbs] if self.role.stage == 0 else [() for _ in mbs]
-        kwargs = [{"positions": mb.positions[None].to(dev)} for mb in mbs]
-        targets = [mb.targets[None].to(dev) for mb in mbs]
+        # the replica's micro-batches stacked on the batch dimension: the schedule splits them back
+        # into one row each (the public step() of every torch release since pipelining landed)
+        tokens = torch.stack([mb.tokens for mb in mbs]).to(dev)  # (M, T)
+        positions = torch.stack([mb.positions for mb in mbs]).to(dev)  # (M, T)
+        targets = torch.stack([mb.targets for mb in mbs]).to(dev)  # (M, T)
         self.opt.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         self.watcher.begin(mbs)
         try:
-            self.schedule.step(arg_mbs=args, kwarg_mbs=kwargs, target_mbs=targets, losses=losses,
-                               return_outputs=False)
+            inputs = (tokens,) if self.role.stage == 0 else ()
+            self.schedule.step(*inputs, target=targets, losses=losses, return_outputs=False, positions=positions)
         finally:
             self.last_recorder = self.watcher.end()
         total = torch.zeros(1, dtype=torch.float64, device=dev)
