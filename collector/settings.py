@@ -64,7 +64,29 @@ class Environment(BaseSettings):
     ui_refresh_s: float = Field(default=5.0, description="auto-refresh period of the Jobs page, seconds")
     ui_telemetry: str = Field(default="1", description="0/false/no: the console skips per-rank telemetry")
 
+    # the node agent (trainer/agent/), set by `resihp run` for the ranks it starts
+    agent_pid: int | None = Field(default=None, description="set by the node agent: its pid, which a rank dies with")
+    stack_dir: str = Field(default="", description="set by the node agent: where a rank's stack dumps go")
+    flight_dir: str = Field(default="", description="set by the node agent: where a rank keeps its flight record")
+
 
 def environment() -> Environment:
     """The environment as it is now (read on every call)."""
     return Environment()
+
+
+class ElasticEnvironment(BaseSettings):
+    """The variables torch.distributed.elastic sets for each rank it starts (torchrun's contract,
+    not ours: no prefix). Defaults describe a process started outside an elastic agent."""
+
+    model_config = SettingsConfigDict(env_prefix="", extra="ignore", case_sensitive=True)
+
+    RANK: int = 0
+    WORLD_SIZE: int = 1
+    LOCAL_RANK: int = 0
+    TORCHELASTIC_RESTART_COUNT: int = 0
+
+
+def elastic_environment() -> ElasticEnvironment:
+    """The elastic agent's variables as they are now (read on every call)."""
+    return ElasticEnvironment()

@@ -34,14 +34,14 @@ def run(args: argparse.Namespace) -> int:
     # Set for the agent only (before torch loads) and taken back so the ranks log as usual.
     quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ
     if quiet:
-        os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+        os.environ.update(TORCH_CPP_LOG_LEVEL="FATAL")
     from trainer.agent.options import agent_parser
 
     parser = agent_parser()
     add_bus_flags(parser)
     parsed = parser.parse_args(args.argv)
     if quiet:
-        del os.environ["TORCH_CPP_LOG_LEVEL"]
+        os.environ.pop("TORCH_CPP_LOG_LEVEL")
 
     from trainer.agent.launch import run_agent
     from trainer.spec import BusSpec

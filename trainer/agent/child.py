@@ -18,6 +18,8 @@ import runpy
 import signal
 import sys
 
+from collector.settings import elastic_environment, environment
+
 AGENT_PID_ENV = "RESIHP_AGENT_PID"
 STACK_DIR_ENV = "RESIHP_STACK_DIR"
 PR_SET_PDEATHSIG = 1
@@ -47,17 +49,16 @@ def run_script(*argv: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    agent = os.environ.get(AGENT_PID_ENV)
-    _run(argv, expected_parent=int(agent) if agent else None)
+    _run(argv, expected_parent=environment().agent_pid)
 
 
 def _run(argv: list[str], expected_parent: int | None) -> None:
     die_with_parent(expected_parent)
-    stack_dir = os.environ.get(STACK_DIR_ENV)
+    stack_dir = environment().stack_dir
     if stack_dir:
         # Kept open for the life of the process: faulthandler writes to the descriptor from a
         # signal handler, where nothing can be opened.
-        stacks = open(stack_file_path(stack_dir, os.environ.get("LOCAL_RANK", "0")), "w")  # noqa: SIM115
+        stacks = open(stack_file_path(stack_dir, str(elastic_environment().LOCAL_RANK)), "w")  # noqa: SIM115
         faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
     if not argv:
         raise SystemExit("usage: python -m trainer.agent.child [-m] SCRIPT [ARGS...]")

@@ -20,6 +20,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from collector.settings import elastic_environment, environment
+
 FLIGHT_DIR_ENV = "RESIHP_FLIGHT_DIR"
 SLOT_BYTES = 1024
 FINISHED = "finished"  # the op of a rank that is past its last step
@@ -67,11 +69,12 @@ class FlightRecorder:
     @classmethod
     def from_env(cls) -> FlightRecorder | None:
         """The recorder the agent asked for (None when the script runs without ``resihp run``)."""
-        flight_dir = os.environ.get(FLIGHT_DIR_ENV)
+        flight_dir = environment().flight_dir
         if not flight_dir:
             return None
-        return cls(flight_file_path(flight_dir, os.environ.get("LOCAL_RANK", "0")),
-                   int(os.environ.get("RANK", "0")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+        elastic = elastic_environment()
+        return cls(flight_file_path(flight_dir, str(elastic.LOCAL_RANK)), elastic.RANK,
+                   elastic.TORCHELASTIC_RESTART_COUNT)
 
     def step(self, iteration: int) -> None:
         now = time.time()

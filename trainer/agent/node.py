@@ -86,9 +86,9 @@ class NodeAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         for stale in [*self.flight_dir.glob("*.flight"), *self.stack_dir.glob("*.stacks")]:
             stale.unlink()
-        os.environ[FLIGHT_DIR_ENV] = str(self.flight_dir)
-        os.environ[STACK_DIR_ENV] = str(self.stack_dir)
-        os.environ[AGENT_PID_ENV] = str(os.getpid())
+        # the ranks inherit the agent's environment (torch's elastic agent starts them with it)
+        os.environ.update({FLIGHT_DIR_ENV: str(self.flight_dir), STACK_DIR_ENV: str(self.stack_dir),
+                           AGENT_PID_ENV: str(os.getpid())})
         pids = super()._start_workers(worker_group)
         if self._pending is not None:
             self._pending.mark("ranks started")

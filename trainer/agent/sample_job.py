@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from collector.settings import elastic_environment
 from trainer.agent.flight import FlightRecorder
 
 
@@ -61,7 +62,8 @@ def save_checkpoint(directory: Path, model: torch.nn.Module, opt: torch.optim.Op
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    elastic = elastic_environment()
+    rank, world = elastic.RANK, elastic.WORLD_SIZE
     if args.pid_dir:
         Path(args.pid_dir, f"{os.getpid()}").write_text(str(rank))
     if args.exit_code is not None:
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build(args.width)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     start = load_checkpoint(ckpt, model, opt)
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restart = elastic.TORCHELASTIC_RESTART_COUNT
     for step in range(start, args.steps):
         if flight:
             flight.step(step)
