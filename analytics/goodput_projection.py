@@ -94,10 +94,11 @@ class GoodputProjection:
             e = d.event
             if e.kind == "telemetry.iteration":
                 continue
-            touched.add(e.job)
             self.fold.apply(e)
             if isinstance(e.payload, RankHealth):
                 self.health[e.job] = _health_of(e.payload)
+            if e.job in self.fold.jobs:  # events that are no part of a job's time (ui.*, leases) start none
+                touched.add(e.job)
         for job in touched:
             h = self.health.get(job, _Health())
             conn.execute("INSERT OR REPLACE INTO goodput_state VALUES (?, ?, ?)",

@@ -152,6 +152,17 @@ def test_counters_go_on_from_where_they_were_after_a_restart(tmp_path: Path) -> 
     assert after == whole
 
 
+def test_events_that_are_no_part_of_a_jobs_time_start_no_job_in_the_projection(tmp_path: Path) -> None:
+    """A refused sign-in (or an analytics lease) can be the first event of a job the fold has not
+    seen: it starts no job, and the projection stores nothing for it rather than failing."""
+    from collector.events import SignInFailed
+
+    refused = SignInFailed(client="127.0.0.1", reason="unknown_user", user_failures=1, client_failures=1)
+    first = EventFactory("fresh-job", "ui:console").make(refused, time_s=T0)
+    projection = _projection_over(tmp_path / "a.duckdb", [first])
+    assert projection.jobs() == []
+
+
 def _sim_goodput(faults: list[FaultSpec], duration_s: float, **config: object) -> tuple[float, float]:
     """(fold's ratio, truth's ratio) for an open-loop run with the real detector in process."""
     plan = Plan.uniform(tp=2, pp=2, dp=2, num_layers=MODEL_PRESETS["tiny"].layers, microbatches_per_replica=4)
