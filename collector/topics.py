@@ -50,3 +50,16 @@ def topic_for(kind: str) -> str:
 def key_for(job: str, source: str) -> bytes:
     """Partition key: one source's events (one rank's, say) land in one partition, in order."""
     return f"{job}/{source}".encode()
+
+
+def key_for_event(job: str, source: str, kind: str, payload: object) -> bytes:
+    """Partition key of one event. A rank report (telemetry.iteration) is keyed by its DP replica,
+    ``job/replica-D``: all of a replica's reports land in one partition, so one member of the
+    analytics consumer group holds whole replicas (docs/analytics-scaling.md). Everything else,
+    heartbeats included, keeps its per-source key (one rank's heartbeats stay in order; liveness
+    is judged per rank, wherever its reports went)."""
+    if kind == "telemetry.iteration":
+        coords = getattr(payload, "coords", None)
+        if coords is not None:
+            return f"{job}/replica-{coords.dp}".encode()
+    return key_for(job, source)
