@@ -6,8 +6,11 @@ have built (rows sorted by rank, as ``build_frame`` sorts them), and hands it to
 ``Detector.process_frame``: the cost-model fit, the centring across replicas, the CUSUMs and the
 incident book all run once, on the whole job, so the incidents are those of the single process.
 
-An iteration is judged once every replica of the plan sent its frame (or, without a plan, every
-replica seen in the epoch so far, once a later iteration has begun), strictly in order. The first
+An iteration is judged once every replica of its epoch's plan (``plan.current`` or a reconfigure
+command, read from the control topic) sent its frame, strictly in order. Without the plan the merge
+cannot know how many replicas make the job, and judging the replicas that happened to arrive first
+would centre the job on a part of it: it waits (``flush`` at the end of a recording judges what is
+there). Trainers and the simulator announce their plan before their first iteration. The first
 frame of each (epoch, iteration, replica) counts; a copy (a shard replaying after a rebalance) and a
 frame of an iteration already judged are dropped and counted in ``duplicates``.
 """
@@ -70,8 +73,7 @@ class JobMerge:
         self.detector = Detector(self.job, self.config)
         self._waiting: dict[tuple[int, int], dict[int, ReplicaFrame]] = {}
         self._judged: tuple[int, int] = (-1, -1)
-        self._replicas: dict[int, set[int]] = {}  # epoch -> replicas (from the plan, or learned)
-        self._planned: set[int] = set()
+        self._replicas: dict[int, set[int]] = {}  # epoch -> replicas of its plan
         self._lookup: dict[int, LayerLookup] = {}
 
     def on_event(self, event: Envelope) -> list[Payload]:
@@ -84,11 +86,8 @@ class JobMerge:
                 self.duplicates += 1
                 return []
             self._waiting.setdefault(key, {})[p.replica] = p
-            if p.epoch not in self._planned:
-                self._replicas.setdefault(p.epoch, set()).add(p.replica)
             return self._judge_ready(final=False)
         if isinstance(p, (PlanCurrent, ReconfigureCommand)):
-            self._planned.add(p.plan.epoch)
             self._replicas[p.plan.epoch] = set(range(len(p.plan.pipelines)))
         return self.detector.on_event(event) + self._judge_ready(final=False)
 
@@ -109,9 +108,8 @@ class JobMerge:
         while self._waiting:
             key = min(self._waiting)
             have = self._waiting[key]
-            want = self._replicas.get(key[0], set())
-            later = any(k > key for k in self._waiting)
-            if not final and not (want <= have.keys() and (key[0] in self._planned or later)):
+            want = self._replicas.get(key[0])
+            if not final and (want is None or not want <= have.keys()):
                 return out
             del self._waiting[key]
             self._judged = key

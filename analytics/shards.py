@@ -37,6 +37,7 @@ from collector.events import Envelope, PlanCurrent, RankIteration, ReconfigureCo
 RANK_COLUMNS = ("rank", "tp", "pp", "dp", "cp", "node", "wall_s")
 CHUNK_COLUMNS = ("c_rank", "c_kind", "c_mb", "c_vs", "c_tokens", "c_s2", "c_start", "c_dur", "c_own")
 COMM_COLUMNS = ("k_rank", "k_op", "k_peer", "k_mb", "k_bytes", "k_dur", "k_wait", "k_group")
+DONE_KEPT = 64  # iterations per replica whose emission is remembered (a rebalance re-reads far fewer)
 INT_COLUMNS = frozenset({"rank", "tp", "pp", "dp", "cp", "node", "c_rank", "c_kind", "c_mb", "c_vs",
                          "k_rank", "k_op", "k_peer", "k_mb", "k_group"})
 
@@ -71,6 +72,7 @@ class ReplicaShard:
     _members: dict[tuple[int, int], set[int]] = field(default_factory=dict)  # (epoch, replica) -> ranks
     _planned: set[int] = field(default_factory=set)  # epochs whose members come from the plan
     _top: dict[tuple[int, int], int] = field(default_factory=dict)  # (epoch, replica) -> latest iteration seen
+    _done: set[tuple[int, int, int]] = field(default_factory=set)  # emitted (epoch, iteration, replica)
     emitted: int = 0
 
     def on_event(self, event: Envelope, where: tuple[str, int, int] | None = None) -> list[ReplicaFrame]:
@@ -86,6 +88,8 @@ class ReplicaShard:
         if not isinstance(p, RankIteration):
             return []
         key = (p.epoch, p.iteration, p.coords.dp)
+        if key in self._done:
+            return []  # re-read after a rebalance: that replica's iteration is out already
         pend = self._pending.setdefault(key, _Pending())
         pend.reports.setdefault(p.rank, p)
         if where is not None:
@@ -117,12 +121,19 @@ class ReplicaShard:
     def _emit(self, key: tuple[int, int, int]) -> ReplicaFrame:
         epoch, iteration, replica = key
         pend = self._pending.pop(key)
+        self._done.add(key)
+        if len(self._done) > 4 * DONE_KEPT * max(len(self._top), 1):  # remember the recent ones only
+            self._done = {k for k in self._done if k[1] > self._top.get((k[0], k[2]), -1) - DONE_KEPT}
         if epoch not in self._planned:
             self._members[(epoch, replica)] = set(pend.reports)
         frame = build_frame(list(pend.reports.values()))
         self.emitted += 1
         return ReplicaFrame(epoch=epoch, iteration=iteration, replica=replica, ranks=frame.num_ranks,
                             shard=self.name, columns=frame_columns(frame))
+
+    def replicas_emitted(self) -> set[int]:
+        """The replicas this shard emitted frames of (recently): which replicas it holds."""
+        return {k[2] for k in self._done}
 
     def safe_positions(self, read: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
         """Per partition, the offset a successor may resume from without losing a pending report:
@@ -143,6 +154,9 @@ def shard_all(shard: ReplicaShard, events: Iterable[Envelope]) -> list[ReplicaFr
     return out + shard.flush()
 
 
+_REBALANCING = frozenset({"CommitFailedError", "RebalanceInProgressError"})
+
+
 class ShardWorker:
     """A ReplicaShard on the bus: one member of the analytics consumer group on the telemetry topic.
 
@@ -158,6 +172,7 @@ class ShardWorker:
         self.bus = bus
         self.shard = ReplicaShard(job, name)
         self.stream = EventStream(bus, group, [topics.TELEMETRY], instance_id=instance_id)
+        self._committed: dict[tuple[str, int], int] = {}
 
     def step(self, max_records: int = 20_000, timeout_s: float = 0.2) -> int:
         """One poll; returns the records consumed."""
@@ -170,9 +185,17 @@ class ShardWorker:
         if frames:
             f = EventFactory(self.shard.job, f"shard:{self.shard.name}")
             self.bus.publish([f.make(fr) for fr in frames])
-        read = {(tp.topic, tp.partition): off for tp, off in self.stream.positions_after_poll().items()}
+        owned = self.stream.consumer.positions()  # only partitions still ours may be committed
+        read = {(tp.topic, tp.partition): off for tp, off in self.stream.positions_after_poll().items() if tp in owned}
         safe = self.shard.safe_positions(read)
-        self.stream.commit({TopicPartition(t, p): off for (t, p), off in safe.items()})
+        if safe and safe != self._committed:
+            try:
+                self.stream.commit({TopicPartition(t, p): off for (t, p), off in safe.items()})
+                self._committed = safe
+            except Exception as exc:  # noqa: BLE001 - kafka's errors when a rebalance is taking them
+                if type(exc).__name__ not in _REBALANCING:
+                    raise
+                # Not committed: the next owner resumes from the previous commit, older hence still safe.
         return self.stream.last_polled
 
     def close(self) -> None:
