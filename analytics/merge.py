@@ -109,7 +109,7 @@ class JobMerge:
             key = min(self._waiting)
             have = self._waiting[key]
             want = self._replicas.get(key[0])
-            if not final and (want is None or not want <= have.keys()):
+            if not final and (want is None or len(have) < len(want) or not want <= have.keys()):
                 return out
             del self._waiting[key]
             self._judged = key

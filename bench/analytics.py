@@ -152,9 +152,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=2_000, help="events per transaction")
     parser.add_argument("--iterations", type=int, default=12, help="detector iterations per size (the first 2 are not timed)")
     parser.add_argument("--skip-16k", action="store_true", help="only 1,024 ranks (the 16k layout takes a minute)")
+    parser.add_argument("--shards", default=None, metavar="N[,N...]",
+                        help="instead: sharded analytics, per-shard work and merge time for these shard counts "
+                             "(bench/_analytics_shards.py)")
+    parser.add_argument("--ranks", type=int, default=100_000, help="with --shards: job size (TP8·PP16 replicas)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.shards:
+        from bench._analytics_shards import bench_shards, print_table
+
+        r = bench_shards(args.ranks, [int(n) for n in str(args.shards).split(",")])
+        print_table(r)
+        if args.json:
+            print(json.dumps(r))
+        return 0
     ingest = bench_ingest(args.events, args.batch)
     sizes = [(8, 8, 16, 16)] + ([] if args.skip_16k else [(8, 16, 128, 16)])
     det = [bench_detector(*s, iterations=args.iterations) for s in sizes]
