@@ -26,6 +26,7 @@ from analytics.detector import Detector
 from analytics.detector_config import DetectorConfig
 from analytics.frame import IterationFrame, LayerLookup
 from analytics.shards import CHUNK_COLUMNS, COMM_COLUMNS, INT_COLUMNS, RANK_COLUMNS
+from collector.bus import Bus
 from collector.events import Envelope, Payload, PlanCurrent, ReconfigureCommand, ReplicaFrame
 
 
@@ -116,3 +117,40 @@ class JobMerge:
             frame = concat_frames(*key, (have[r] for r in sorted(have)), self._layers(key[0]))
             out += self.detector.process_frame(frame)
         return out
+
+
+class MergeWorker:
+    """The merge on the bus: reads the analytics topic (ReplicaFrames) and the control topic (plans)
+    from their beginning as its own group, keeps one JobMerge per job, and publishes what they
+    raise. It keeps no state of its own: restarted, it replays both topics and rebuilds it, and its
+    publication is at-least-once (a restart republishes what the replay raises again; the
+    single-process path's exactly-once outbox is analytics/detector_projection.py)."""
+
+    def __init__(self, bus: Bus, group: str, config: DetectorConfig | None = None) -> None:
+        from collector import topics
+        from collector.stream import EventStream
+
+        self.bus = bus
+        self.config = config or DetectorConfig()
+        self.merges: dict[str, JobMerge] = {}
+        self.stream = EventStream(bus, group, [topics.ANALYTICS, topics.CONTROL])
+        self.stream.seek_to_beginning()
+
+    def step(self, max_records: int = 20_000, timeout_s: float = 0.5) -> int:
+        from collector.events import EventFactory
+
+        for d in self.stream.poll(max_records, timeout_s):
+            e = d.event
+            if not isinstance(e.payload, (ReplicaFrame, PlanCurrent, ReconfigureCommand)) and e.job not in self.merges:
+                continue
+            merge = self.merges.get(e.job)
+            if merge is None:
+                merge = self.merges[e.job] = JobMerge(e.job, self.config)
+            out = merge.on_event(e)
+            if out:
+                f = EventFactory(e.job, "analytics-merge")
+                self.bus.publish([f.make(p, time_s=e.time_s) for p in out])
+        return self.stream.last_polled
+
+    def close(self) -> None:
+        self.stream.close()

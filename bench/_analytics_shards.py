@@ -51,7 +51,7 @@ def bench_shards(ranks: int, shards: list[int], iterations: int = 4, microbatche
     from analytics.merge import JobMerge, concat_frames
     from analytics.shards import ReplicaShard
     from collector.codec import decode, encode
-    from collector.events import EventFactory, PlanCurrent
+    from collector.events import EventFactory, PlanCurrent, ReplicaFrame
     from collector.plan import Plan
 
     tp, pp = 8, 16
@@ -85,7 +85,8 @@ def bench_shards(ranks: int, shards: list[int], iterations: int = 4, microbatche
         t0 = time.perf_counter()
         events = [decode(w) for w in wires]
         t1 = time.perf_counter()
-        concat_frames(0, it, [e.payload for e in events], merge._layers(0))  # timed apart, not used
+        concat_frames(0, it, [e.payload for e in events if isinstance(e.payload, ReplicaFrame)],
+                      merge._layers(0))  # timed apart, not used
         t2 = time.perf_counter()
         for e in events:
             merge.on_event(e)

@@ -87,3 +87,24 @@ def test_rank_reports_are_keyed_by_replica_heartbeats_by_rank() -> None:
     assert key_for_event("j", "rank-13", r.KIND, r) == b"j/replica-2"
     h = Heartbeat(rank=13, epoch=0, iteration=0, interval_s=1.0)
     assert key_for_event("j", "rank-13", h.KIND, h) == b"j/rank-13"
+
+
+def test_shard_and_merge_workers_on_the_embedded_bus_publish_the_incident(tmp_path) -> None:
+    from analytics.merge import MergeWorker
+    from analytics.shards import ShardWorker
+    from collector import topics
+    from collector.bus import open_bus
+    from collector.stream import EventStream
+
+    with open_bus("embedded", path=str(tmp_path / "bus.sqlite")) as bus:
+        bus.publish(synth(slow={7: 1.3}, start=10, plan=True))
+        shard, merge = ShardWorker(bus, "j", "shards", name="s0"), MergeWorker(bus, "merge")
+        while shard.step(timeout_s=0.05) or merge.step(timeout_s=0.05):
+            pass
+        shard.close()
+        merge.close()
+        with EventStream(bus, "reader", [topics.ANALYTICS]) as reader:
+            got = [d.event.payload for d in reader.poll(100_000, 0.5)]
+    (inc,) = [p for p in got if isinstance(p, IncidentOpened)]
+    assert (inc.locations[0].target, inc.locations[0].rank) == ("compute", 7)
+    assert sum(isinstance(p, ReplicaFrame) for p in got) == 3 * 24
