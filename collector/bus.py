@@ -20,7 +20,7 @@ from collector.events import Envelope
 from collector.settings import DEFAULT_EMBEDDED_PATH as DEFAULT_EMBEDDED_PATH
 from collector.settings import DEFAULT_KAFKA_BOOTSTRAP as DEFAULT_KAFKA_BOOTSTRAP
 from collector.settings import environment
-from collector.topics import key_for_event, topic_for
+from collector.topics import PartitionKeys, topic_for
 
 
 class TopicPartition(NamedTuple):
@@ -94,7 +94,8 @@ class Bus(ABC):
 
         Raises InvalidEvent (before anything is sent) if an event cannot be encoded.
         """
-        batch = [RawMessage(topic_for(e.kind), key_for_event(e.job, e.source, e.kind, e.payload), encode(e)) for e in events]
+        keys: PartitionKeys = self.__dict__.setdefault("_partition_keys", PartitionKeys())  # per producer
+        batch = [RawMessage(topic_for(e.kind), keys.key(e.job, e.source, e.kind, e.payload), encode(e)) for e in events]
         if batch:
             self.publish_raw(batch)
         return len(batch)

@@ -9,7 +9,7 @@ from analytics.frame import build_frame
 from analytics.merge import JobMerge, concat_frames
 from analytics.shards import ReplicaShard, shard_all
 from collector.events import Coords, EventFactory, Heartbeat, IncidentOpened, RankIteration, ReplicaFrame
-from collector.topics import key_for_event
+from collector.topics import PartitionKeys
 from test_detect_detector import opened, run, synth
 
 
@@ -82,11 +82,14 @@ def test_a_shard_waits_for_every_rank_of_a_replica() -> None:
     assert [(f.iteration, f.replica, f.ranks) for f in late] == [(1, 0, 6)]
 
 
-def test_rank_reports_are_keyed_by_replica_heartbeats_by_rank() -> None:
-    r = RankIteration(epoch=0, iteration=0, rank=13, coords=Coords(tp=1, pp=0, dp=2), wall_s=1.0, chunks=[])
-    assert key_for_event("j", "rank-13", r.KIND, r) == b"j/replica-2"
+def test_rank_reports_are_keyed_by_replica_and_heartbeats_follow_them() -> None:
+    keys = PartitionKeys()
     h = Heartbeat(rank=13, epoch=0, iteration=0, interval_s=1.0)
-    assert key_for_event("j", "rank-13", h.KIND, h) == b"j/rank-13"
+    assert keys.key("j", "rank-13", h.KIND, h) == b"j/rank-13"  # before its first report: its own key
+    r = RankIteration(epoch=0, iteration=0, rank=13, coords=Coords(tp=1, pp=0, dp=2), wall_s=1.0, chunks=[])
+    assert keys.key("j", "rank-13", r.KIND, r) == b"j/replica-2"
+    assert keys.key("j", "rank-13", h.KIND, h) == b"j/replica-2"  # then in its reports' partition, in order
+    assert keys.key("other", "rank-13", h.KIND, h) == b"other/rank-13"
 
 
 def test_shard_and_merge_workers_on_the_embedded_bus_publish_the_incident(tmp_path) -> None:

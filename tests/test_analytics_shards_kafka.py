@@ -6,6 +6,7 @@ another ~30 s of CI for nothing the killed run does not show.)"""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
@@ -30,35 +31,42 @@ def _recording() -> list:
 
 
 def _sharded_run(bootstrap: str, events: list, shards: int, kill_at: int | None = None) -> tuple[JobMerge, list, list]:
-    """Publish the recording to a fresh namespace, run ``shards`` workers in one group and the merge
-    until every iteration is judged; workers read a few records per poll, as a loaded shard does.
-    ``kill_at``: once the first worker emitted that many frames, it leaves without another step
-    (its partitions, and its replicas half read, are rebuilt by the others from the log)."""
+    """Publish the recording to a fresh namespace, run ``shards`` workers in one group (a thread
+    each, as separate processes would poll) and the merge until every iteration is judged; workers
+    read a few records per poll, as a loaded shard does. ``kill_at``: once the first worker emitted
+    that many frames, it stops and leaves the group without another commit (its partitions, and
+    its replicas half read, are rebuilt by the others from the log)."""
     bus = KafkaBus(bootstrap, namespace=f"t{uuid.uuid4().hex[:10]}.")
     bus.publish(events)
     workers = [ShardWorker(bus, "j", "analytics-shards", name=f"s{i}") for i in range(shards)]
+    stops = [threading.Event() for _ in workers]
+    give_up = time.monotonic() + 240  # a guard against hanging, not a speed bound: the asserts say what failed
+
+    def loop(i: int) -> None:
+        w = workers[i]
+        while not stops[i].is_set() and time.monotonic() < give_up:
+            w.step(max_records=40, timeout_s=0.05)
+            if i == 0 and kill_at is not None and w.shard.emitted >= kill_at:
+                break
+        w.close()
+
+    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(shards)]
+    for t in threads:
+        t.start()
     merge = JobMerge("j")
     merge_in = EventStream(bus, "analytics-merge", [topics.ANALYTICS, topics.CONTROL])
     out: list = []
-    alive = list(workers)
     try:
-        give_up = time.monotonic() + 240  # a guard against hanging, not a speed bound: the asserts say what failed
-        while time.monotonic() < give_up:
-            for w in alive:
-                w.step(max_records=40, timeout_s=0.05)
-            for d in merge_in.poll(10_000, 0.05):
+        while merge.detector.stats.frames < ITERATIONS and time.monotonic() < give_up:
+            for d in merge_in.poll(10_000, 0.1):
                 out += merge.on_event(d.event)
-            judged = merge.detector.stats.frames
-            if kill_at is not None and workers[0].shard.emitted >= kill_at and len(alive) == shards:
-                alive[0].close()
-                alive = alive[1:]
-            if judged == ITERATIONS:
-                break
         return merge, out, workers
     finally:
+        for s in stops:
+            s.set()
+        for t in threads:
+            t.join()
         merge_in.close()
-        for w in alive:
-            w.close()
         bus.close()
 
 
