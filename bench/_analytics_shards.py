@@ -117,3 +117,43 @@ def print_table(r: dict, step_s: float = 5.0) -> None:
           f"concatenate {cat:.2f} s + judge the job (Detector.process_frame) {judge:.2f} s")
     print(f"bytes on the wire per iteration (JSON): rank reports {r['report_bytes_per_iteration'] / 1e6:,.1f} MB, "
           f"ReplicaFrames {r['frame_bytes_per_iteration'] / 1e6:,.1f} MB")
+
+
+def bench_kafka_shards(bootstrap: str, shards: list[int], dp: int = 16, iterations: int = 6) -> list[dict]:
+    """Measured on a broker: a TP8·PP16·DP``dp`` job's reports published once per run (fresh
+    namespace), then N ``resihp analytics --role shard`` processes in one group; the rate is frames
+    per second between the first and the last ReplicaFrame seen on the analytics topic (process
+    start and the group join are left out)."""
+    import os
+    import subprocess
+    import sys
+    import uuid
+
+    from collector import topics
+    from collector.events import EventFactory, ReplicaFrame
+    from collector.kafka_bus import KafkaBus
+    from collector.stream import EventStream
+
+    out = []
+    for n in shards:
+        ns = f"bench{uuid.uuid4().hex[:8]}."
+        bus = KafkaBus(bootstrap, namespace=ns)
+        fac = EventFactory("bench", "rank")
+        for it in range(iterations):
+            bus.publish([fac.make(r, time_s=float(it)) for d in range(dp) for r in _replica_reports(8, 16, d, 16, it)])
+        env = dict(os.environ, RESIHP_KAFKA_NAMESPACE=ns)
+        cmd = [sys.executable, "-m", "resihp.cli", "analytics", "--bus", "kafka", "--bootstrap", bootstrap,
+               "--role", "shard", "--job", "bench", "--group", "bench-shards", "--exit-when-idle", "5"]
+        procs = [subprocess.Popen(cmd + ["--instance-id", f"s{i}"], env=env) for i in range(n)]
+        seen: list[float] = []
+        with EventStream(bus, "bench-reader", [topics.ANALYTICS]) as reader:
+            while len(seen) < dp * iterations and all(p.poll() is None for p in procs):
+                for d in reader.poll(10_000, 0.2):
+                    if isinstance(d.event.payload, ReplicaFrame):
+                        seen.append(time.monotonic())
+        for p in procs:
+            p.wait()
+        bus.close()
+        rate = (len(seen) - 1) / (seen[-1] - seen[0]) if len(seen) > 1 else float("nan")
+        out.append({"shards": n, "frames": len(seen), "replicas_per_s": rate})
+    return out

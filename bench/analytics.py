@@ -156,14 +156,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead: sharded analytics, per-shard work and merge time for these shard counts "
                              "(bench/_analytics_shards.py)")
     parser.add_argument("--ranks", type=int, default=100_000, help="with --shards: job size (TP8·PP16 replicas)")
+    parser.add_argument("--kafka", default=None, metavar="BOOTSTRAP",
+                        help="with --shards: also measure shard processes on this broker (16 replicas, 6 iterations)")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.shards:
         from bench._analytics_shards import bench_shards, print_table
 
-        r = bench_shards(args.ranks, [int(n) for n in str(args.shards).split(",")])
+        counts = [int(n) for n in str(args.shards).split(",")]
+        r = bench_shards(args.ranks, counts)
         print_table(r)
+        if args.kafka:
+            from bench._analytics_shards import bench_kafka_shards
+
+            r["kafka"] = bench_kafka_shards(args.kafka, counts)
+            base = r["kafka"][0]["replicas_per_s"]
+            print(f"\non Kafka ({args.kafka}): `resihp analytics --role shard` processes, 2,048 ranks, 6 iterations")
+            for k in r["kafka"]:
+                print(f"  {k['shards']:2d} shard(s): {k['replicas_per_s']:7.1f} replica frames/s  "
+                      f"(×{k['replicas_per_s'] / base:.2f})")
         if args.json:
             print(json.dumps(r))
         return 0
