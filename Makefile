@@ -1,6 +1,6 @@
 # Two commands for a fresh machine (see README):
 #   make demo   - install, then run the platform end to end on the embedded bus
-#   make test   - install everything the tests need (venv, Python deps, Kafka, Chromium), run them
+#   make test   - install everything the tests need (venv, Python deps, Kafka, Chromium, Prometheus), run them
 #
 # Installs are cached: uv's cache for wheels, .kafka/lib for the broker's jars, a stamp file for
 # the virtual environment (re-made only when pyproject.toml changes).
@@ -10,12 +10,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test install kafka browser clean
+.PHONY: demo test install kafka browser monitoring clean
 
 demo: install
 	$(BIN)/resihp demo
 
-test: install kafka browser
+test: install kafka browser monitoring
 	$(BIN)/python -m pytest
 
 install: $(STAMP)
@@ -34,6 +34,13 @@ browser:
 	  echo "installing Debian's chromium for the real-browser console test"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || \
 	  { echo "could not install chromium (needs root and Debian's package index)"; exit 1; }; }
+
+monitoring:
+	@command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 && \
+	  command -v prometheus-alertmanager >/dev/null 2>&1 || { \
+	  echo "installing Debian's prometheus and prometheus-alertmanager for the metrics and alerting tests"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus prometheus-alertmanager >/dev/null) || \
+	  { echo "could not install prometheus (needs root and Debian's package index)"; exit 1; }; }
 
 clean:
 	rm -rf $(VENV) .resihp .kafka/broker

@@ -10,8 +10,10 @@ order in which streams interleave:
 - its stream moved past it (a later report, a heartbeat that says it started iteration ≥ i+2, or a
   later epoch): that report is lost, not late; or
 - it is judged dead (analytics/fail_stop.py, event time relative to the others' progress); or
-- it sent reports but never a heartbeat (a source without them, so silence cannot be told from
-  lag) and reports ``flush_lag_iterations`` later arrived from others.
+- it sent reports but no heartbeat yet (silence cannot be told from lag) and reports
+  ``flush_lag_iterations`` later arrived from others — ``unplanned_wait_iterations`` when other
+  ranks do heartbeat: then its first heartbeat is late (its partition lags from the job's start),
+  not absent.
 
 A planned rank never heard from at all is waited for (its partition may not have been read yet).
 
@@ -154,12 +156,16 @@ class FrameAssembler:
             expected = self.learned.get(epoch, set())
         reported = self.pending[key]
         waiting = expected - reported.keys() - watch.dead
-        bound = top >= iteration + self.config.flush_lag_iterations
+        # Reports but no heartbeat yet: silence cannot be told from lag, so the wait is bounded. When
+        # peers heartbeat the source surely does too and its first heartbeat is late, not absent (a
+        # partition that lags from the job's start): the longer bound then.
+        lag = self.config.unplanned_wait_iterations if watch.heartbeating else self.config.flush_lag_iterations
+        bound = top >= iteration + lag
         for rank in waiting:
             s = watch.streams.get(rank)
             if s is not None and s.passed(epoch, iteration):
                 continue
             if bound and s is not None and s.hb_time_s is None:
-                continue  # reports but never heartbeats: silence cannot be told from lag, the wait is bounded
+                continue
             return False
         return True

@@ -30,6 +30,7 @@ from analytics.frame import IterationFrame, LayerLookup, build_frame
 from analytics.incidents import IncidentBook, Suspect
 from analytics.prediction import predicted_iteration_s
 from analytics.scoring import FrameScore, fit_ranks, score_frame, tp_group_max
+from analytics.untraced import stage_factor_for, traced_pipeline_s
 from collector.events import (
     Envelope, Heartbeat, IterationPrediction, Payload, PlanCurrent, ProbeResult, RankHealth, RankHealthEntry,
     RankIteration, RankState, ReconfigureCommand, TracingDeclared,
@@ -37,6 +38,7 @@ from collector.events import (
 
 _GROW = 1024
 LINK_SUSTAIN = 3  # iterations a link whose timers hold waits must read slow before it counts
+UNTRACED_SUSTAIN = 4  # traced iterations the job must run late before time lost outside the traced ranks counts
 _MEDIAN_STEP_PER_SIGMA = 0.6745 * math.sqrt(2)  # median |z_t − z_{t−1}| for independent normal z of σ 1
 
 
@@ -68,7 +70,7 @@ class DetectorStats:
 # The layout of a pickled Detector (its state moves with the consumer's offsets, see
 # analytics/detector_projection.py). Bump it when a change to these classes makes an old pickle
 # unreadable or wrong; a consumer then refuses the old state and names the way out (--rebuild).
-STATE_VERSION = 2
+STATE_VERSION = 3
 
 
 @dataclass
@@ -96,6 +98,8 @@ class Detector:
         self._link_zhist: dict[int, deque[np.ndarray]] = {}  # per stage pair, its links' recent scores
         self._link_recent: dict[tuple[int, int], deque[float]] = {}  # per link whose timers hold waits
         self._comm_hist: deque[float] = deque(maxlen=4 * self.config.window_iterations)
+        self._pipe_hist: deque[float] = deque(maxlen=4 * self.config.window_iterations)  # traced pipelines' span
+        self._excess_recent: deque[float] = deque(maxlen=UNTRACED_SUSTAIN)  # with hidden ranks: the last excesses
         self._comm_cusum = 0.0
         self._comm_unjudged = False  # the open communication incident has no healthy reference in this layout
         self._history: deque[_FrameRecord] = deque(maxlen=8)
@@ -241,11 +245,13 @@ class Detector:
         self._link_cusum.clear()
         self._link_recent.clear()
         self._comm_hist.clear()
+        self._pipe_hist.clear()
+        self._excess_recent.clear()
         self._comm_cusum = 0.0
         # A communication incident open across a new plan can no longer be judged from the excess
         # over this layout's history (it would be learned with the fault in it, and resolve it).
         # It stays open, as a fail-slow on a rank left out does: nothing measured the link healthy.
-        self._comm_unjudged = ("comm",) in self.book.open
+        self._comm_unjudged = ("comm",) in self.book.open or ("untraced",) in self.book.open
         expected = self.arrival.expected(frame.epoch)
         present = set(frame.rank.tolist()) | (expected or set())
         self.fail_stop.new_epoch(present)
@@ -362,13 +368,21 @@ class Detector:
                 out.extend([i] for i in members)
         return out
 
-    def _factor(self, ranks: tuple[int, ...], z_now: float) -> float:
-        """exp(median z) over the last 3 iterations of these ranks (the slowest rank per iteration)."""
+    def _factor(self, ranks: tuple[int, ...], z_now: float, k: float | None = None) -> float:
+        """exp(median z) over the last 3 iterations of these ranks (the slowest rank per iteration);
+        with ``k`` (an opening), over those of them that read slow (z ≥ k) when any did.
+
+        Why at an opening: the CUSUM alarms on the second slow iteration, so one of the three is
+        often from before the onset, and the median of {healthy, slow, slow} is the lower slow one
+        (a ×2 GPU first reported ×1.89 against its ×1.94 chunks; the first report is what a planner
+        acting at once reads)."""
         zs = []
         for rec in list(self._history)[-3:]:
             idx = np.flatnonzero(np.isin(rec.rank, ranks) & np.isfinite(rec.z))
             if len(idx):
                 zs.append(float(rec.z[idx].max()))
+        if k is not None and any(z >= k for z in zs):
+            zs = [z for z in zs if z >= k]
         return float(np.exp(np.median(zs))) if zs else float(np.exp(z_now))
 
     def _untraced_tp_peers(self, frame: IterationFrame, rank: int) -> list[int]:
@@ -413,7 +427,7 @@ class Detector:
             tp_group = tuple(sorted(set(tp_group) | set(untraced)))
         hist = [(r.iteration, float(r.own_s[j]), float(r.pred_s[j]))
                 for r in self._history for j in np.flatnonzero(r.rank == frame.rank[i])]
-        factor = self._factor(ranks, score.z[i])
+        factor = self._factor(ranks, score.z[i], k)
         kinds = {name: float(np.exp(v)) for name, v in zip("FBW", score.z_by_kind[i]) if np.isfinite(v)}
         worst = max(kinds, key=kinds.get) if kinds else "F"
         note = f"own compute per chunk kind ×{', '.join(f'{n}:{v:.2f}' for n, v in kinds.items())}"
@@ -543,35 +557,55 @@ class Detector:
         return out
 
     def _comm_excess(self, frame: IterationFrame, score: FrameScore) -> list[Payload]:
-        """Wall time that the observed compute cannot explain is communication. The schedule model
-        replays the observed own chunk times (no transfers, no all-reduce); the log of observed
-        over that is steady while links are healthy. A CUSUM on its deviation from the recent
-        healthy median flags a communication fault; probes (target link) say where."""
+        """Wall time that the observed compute cannot explain is communication — or, in a job that
+        traces only some ranks, a fault outside what is traced (analytics/untraced.py). The
+        schedule model replays the observed own chunk times (no transfers, no all-reduce); the
+        log of observed over that is steady while links are healthy. A CUSUM on its deviation from
+        the recent healthy median flags the excess; probes say where.
+
+        Which of the two: with untraced ranks in the plan, the traced pipelines' own span (their
+        last chunk's end) is followed the same way. A late iteration whose traced pipelines are on
+        time lost its time while they waited in the DP all-reduce: for a replica nobody traces."""
         sched = self._schedule(frame)
         explained = predicted_iteration_s(frame, frame.c_own, *sched, include_comm=False)
         if not np.isfinite(explained) or explained <= 0:
             return []
-        r = float(np.log(frame.wall_s.max() / explained))
-        key = ("comm",)
+        wall = float(frame.wall_s.max())
+        r = float(np.log(wall / explained))
+        untraced = self._hidden_ranks(frame.epoch)
+        r_size = r
+        if untraced:  # the untraced replicas' own mix moves the job's time: only a lasting excess counts,
+            self._excess_recent.append(r)  # and it is sized on the last few iterations, not their least
+            r, r_size = min(self._excess_recent), float(np.median(list(self._excess_recent)[-LINK_SUSTAIN:]))
+        span = traced_pipeline_s(frame) if untraced else float("nan")
+        r_pipe = float(np.log(span / explained)) if np.isfinite(span) and span > 0 else float("nan")
         hist = np.array(self._comm_hist)
         if len(hist) < 4:
             self._comm_hist.append(r)
+            self._pipe_hist.append(r_pipe)
             return []
         centre = float(np.median(hist))
         sig = max(1.4826 * float(np.median(np.abs(hist - centre))), self.config.sigma_floor)
         k, h, cap = self._thresholds(sig)
         z = r - centre
-        if key in self.book.open:
-            if self._comm_unjudged:
-                return []  # this layout's history was learned with the fault in it: no healthy reference
-            return self.book.observe(key, z, k, frame.iteration, float(np.exp(z)))
+        for key in (("comm",), ("untraced",)):
+            if key in self.book.open:
+                if self._comm_unjudged:
+                    return []  # this layout's history was learned with the fault in it: no healthy reference
+                size = (self._untraced_size(frame, sched, explained, wall, r_size - centre) if key == ("untraced",)
+                        else float(np.exp(z)))
+                return self.book.observe(key, z, k, frame.iteration, size, sample=size)
         if self.book.open_compute_ranks():
             return []  # a slow rank explains a slow iteration; wait until it is handled
         self._comm_cusum = max(0.0, self._comm_cusum + min(z - k, cap))
         if self._comm_cusum <= h:
             self._comm_hist.append(r)
+            self._pipe_hist.append(r_pipe)
             return []
         self._comm_cusum = 0.0
+        pipe_hist = np.array([v for v in self._pipe_hist if np.isfinite(v)])
+        if untraced and np.isfinite(r_pipe) and len(pipe_hist) >= 4 and r_pipe - float(np.median(pipe_hist)) < k:
+            return self._open_untraced(frame, sched, explained, wall, r_size - centre, k, h, sig, untraced)
         judged = np.isfinite(score.link_z)
         best = int(np.flatnonzero(judged)[np.argmax(score.link_z[judged])]) if judged.any() else None
         link = (int(score.link_src[best]), int(score.link_dst[best])) if best is not None else None
@@ -579,13 +613,56 @@ class Detector:
             link = None
         candidates = tuple(int(r_) for r_ in frame.rank[: 4096])
         return self.book.open_fail_slow(Suspect(
-            key=key, target="link", rank=None, link=link, node=None, replica=None, stage=None, tp_group=None,
+            key=("comm",), target="link", rank=None, link=link, node=None, replica=None, stage=None, tp_group=None,
             factor=float(np.exp(z)), confidence=0.5, iterations=[frame.iteration],
-            observed_s=[float(frame.wall_s.max())], predicted_s=[float(explained * np.exp(centre))], rank_factors={},
+            observed_s=[wall], predicted_s=[float(explained * np.exp(centre))], rank_factors={},
             statistic=f"CUSUM on log(wall / iteration explained by observed compute); k={k:.4f} h={h:.4f}",
             note="iteration slower than its compute explains: communication" + (
                 "; probing every rank's links" if self.config.probes else ""),
             ranks=candidates), frame.iteration)
+
+    def _hidden_ranks(self, epoch: int) -> list[int]:
+        """The live ranks of TP groups none of whose members is traced (sampled tracing leaves whole
+        replicas out). An untraced member of a traced group is not hidden: in lock-step its
+        slowness shows in its traced peer's chunks (Megatron-style tracing)."""
+        untraced = self.arrival.untraced(epoch) - self.fail_stop.dead
+        plan = self.arrival.plans.get(epoch)
+        if not untraced or plan is None:
+            return []
+        return sorted(d for pipe in plan.pipelines for st in pipe.stages if set(st.devices) <= untraced | self.fail_stop.dead
+                      for d in st.devices if d in untraced)
+
+    def _untraced_size(self, frame: IterationFrame, sched: tuple[str | None, int | None], explained: float,
+                       wall: float, z: float) -> float:
+        """The slowdown of one stage of a replica that would make it as late as the job was: the
+        replica's compute-only path is the traced one's plus the iteration's excess over healthy."""
+        f = stage_factor_for(frame, frame.c_own, sched, explained + wall * (1.0 - math.exp(-z)))
+        return f if np.isfinite(f) else float(np.exp(z))
+
+    def _open_untraced(self, frame: IterationFrame, sched: tuple[str | None, int | None], explained: float,
+                       wall: float, z: float, k: float, h: float, sigma: float, untraced: list[int]
+                       ) -> list[Payload]:
+        """A compute incident on the ranks nobody traces (see analytics/untraced.py)."""
+        size = self._untraced_size(frame, sched, explained, wall, z)
+        ranks = tuple(untraced)
+        return self.book.open_fail_slow(Suspect(
+            key=("untraced",), target="compute", rank=None, link=None, node=None, replica=None, stage=None,
+            tp_group=ranks, factor=size, confidence=float(min(0.99, 1.0 - np.exp(-max(z - k, 0.0) / sigma / 2))),
+            iterations=[frame.iteration], observed_s=[wall], predicted_s=[wall * math.exp(-z)], rank_factors={},
+            statistic=f"CUSUM on log(wall / iteration explained by the traced compute); k={k:.4f} h={h:.4f}; "
+                      f"traced pipelines on time",
+            note=f"the job is ×{math.exp(z):.2f} slower than its traced ranks explain while their own pipelines "
+                 f"are on time: the time is lost outside what is traced, on one of the {len(ranks)} untraced ranks "
+                 f"(sized as one pipeline stage ×{size:.2f})"
+                 + ("; a probe will tell which (and, if none computes slow, a probe of every rank's links)"
+                    if self.config.probes else ""),
+            ranks=ranks, link_probe_ranks=self._plan_ranks(frame)), frame.iteration)
+
+    def _plan_ranks(self, frame: IterationFrame) -> tuple[int, ...]:
+        """Every live rank of the running plan (the ranks heard from when the plan is unknown)."""
+        plan = self.arrival.plans.get(frame.epoch)
+        ranks = set(plan.roles) if plan is not None else set(frame.rank.tolist())
+        return tuple(sorted(ranks - self.fail_stop.dead))[:4096]
 
     def _schedule(self, frame: IterationFrame) -> tuple[str | None, int | None]:
         """The plan's schedule when the plan of this epoch is known, else None (inferred from chunks)."""

@@ -12,6 +12,16 @@ A restart restores each job's detector under the config the consumer was started
 (``Detector.retune``). State pickled by a build with another ``STATE_VERSION``, or that this build
 cannot unpickle, is refused with ``DetectorStateError`` naming the job and the way out: replaying
 the log (``resihp analytics --rebuild``) rebuilds every table and the detectors with this build.
+
+No record stops the consumer. The projector hands this projection each event id once, so a replay
+or a republished record never re-folds. The detector keeps arrays indexed by device id and by
+pipeline coordinates, so an event whose numbers no real job has (:func:`undetectable` says which:
+a device id or coordinate of a million or more, more pipeline stages than a million devices hold)
+goes to the tables but not to the detector, and is counted in ``skipped``; so does a report that
+would make one iteration's arrays exceed ``MAX_CELLS`` (replicas × stages × virtual stages ×
+micro-batch span). The shapes admitted are kept in memory only: after a restart they are learned
+again. An event the detector still fails on (or whose output the contract refuses: a non-finite
+factor) is logged and dead-lettered through the outbox with the reason, and the consumer goes on.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import logging
 import pickle
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import duckdb
 import pyarrow as pa
@@ -27,9 +38,12 @@ import pyarrow as pa
 from analytics.detector import STATE_VERSION, Detector
 from analytics.detector_config import DetectorConfig
 from analytics.tables import insert_arrow
+from collector.auth import Signer, load_keyring
 from collector.bus import Bus
-from collector.codec import decode, encode
-from collector.events import EventFactory, Payload
+from collector.codec import dead_letter, decode, encode
+from collector.events import (
+    Envelope, EventFactory, Heartbeat, Payload, PlanCurrent, ProbeResult, RankIteration, ReconfigureCommand,
+)
 from collector.stream import Delivery
 
 _NS = uuid.UUID("a3b7e5d1-2c4f-4e8a-9b6d-7f1e3c5a9d20")
@@ -37,6 +51,69 @@ SOURCE = "analytics"
 _OUTBOX_SCHEMA = pa.schema([("seq", pa.int64()), ("event", pa.binary())])
 _REBUILD = "stop this consumer and replay the log with this build: resihp analytics --rebuild"
 log = logging.getLogger(__name__)
+MAX_DEVICES = 1 << 20  # device ids, coordinates and pipeline stages (dp x pp) the detector's arrays may hold
+MAX_VIRTUAL_STAGES = 1 << 8
+MAX_MICROBATCH = 1 << 24
+# The detector's per-iteration arrays hold replicas × stages × virtual stages × a replica's micro-batch
+# span × 3 chunk kinds cells (analytics/prediction.py): 2^24 is 128 MiB of doubles, some 25 times a
+# 100,000-GPU job's (781 replicas × 16 stages × 16 micro-batches × 3).
+MAX_CELLS = 1 << 24
+
+
+@dataclass
+class EpochShape:
+    """What a job's reports of one epoch have admitted so far: the largest coordinates and, per
+    replica, the micro-batch numbers it ran (the detector allocates by the widest span)."""
+
+    dp: int = 0
+    pp: int = 0
+    vs: int = 0
+    span: int = 1
+    microbatches: dict[int, tuple[int, int]] = field(default_factory=dict)  # replica -> (lowest, highest)
+
+
+def undetectable(event: Envelope, stages: dict[tuple[str, int], EpochShape]) -> str | None:
+    """Why the detector must not fold ``event`` (None: it may). ``stages`` holds the shape each
+    (job, epoch) has admitted so far, and is updated for an admitted report."""
+    p = event.payload
+    if isinstance(p, RankIteration):
+        c = p.coords
+        for name, value in (("rank", p.rank), ("node", p.node or 0), ("coords.tp", c.tp), ("coords.pp", c.pp),
+                            ("coords.dp", c.dp), ("coords.cp", c.cp)):
+            if value >= MAX_DEVICES:
+                return f"{name} {value} ≥ {MAX_DEVICES:,}"
+        if any(w.peer is not None and w.peer >= MAX_DEVICES for w in p.comm):
+            return f"a comm peer ≥ {MAX_DEVICES:,}"
+        t = p.chunk_table
+        if t.virtual_stage and max(t.virtual_stage) >= MAX_VIRTUAL_STAGES:
+            return f"virtual stage {max(t.virtual_stage)} ≥ {MAX_VIRTUAL_STAGES}"
+        if t.microbatch and max(t.microbatch) >= MAX_MICROBATCH:
+            return f"micro-batch {max(t.microbatch)} ≥ {MAX_MICROBATCH:,}"
+        shape = stages.get((event.job, p.epoch)) or EpochShape()
+        dp, pp = max(shape.dp, c.dp), max(shape.pp, c.pp)
+        if (dp + 1) * (pp + 1) > MAX_DEVICES:
+            return f"{dp + 1} replicas × {pp + 1} stages in epoch {p.epoch} exceed {MAX_DEVICES:,} devices"
+        vs, lo_hi, span = max([shape.vs, *t.virtual_stage]), shape.microbatches.get(c.dp), shape.span
+        if t.microbatch:
+            lo, hi = min(t.microbatch), max(t.microbatch)
+            lo_hi = (lo, hi) if lo_hi is None else (min(lo, lo_hi[0]), max(hi, lo_hi[1]))
+            span = max(span, lo_hi[1] - lo_hi[0] + 1)
+        cells = (dp + 1) * (pp + 1) * (vs + 1) * span * 3
+        if cells > MAX_CELLS:
+            return (f"{dp + 1} replicas × {pp + 1} stages × {vs + 1} virtual stages × {span:,} micro-batches in epoch "
+                    f"{p.epoch} exceed the detector's {MAX_CELLS:,} cells")
+        shape.dp, shape.pp, shape.vs, shape.span = dp, pp, vs, span
+        if lo_hi is not None:
+            shape.microbatches[c.dp] = lo_hi
+        stages[(event.job, p.epoch)] = shape
+    elif isinstance(p, (Heartbeat, ProbeResult)):
+        if p.rank >= MAX_DEVICES:  # a rank whose reports the detector never sees must not be waited for
+            return f"rank {p.rank} ≥ {MAX_DEVICES:,}"
+    elif isinstance(p, (PlanCurrent, ReconfigureCommand)):
+        top = max(p.plan.roles)
+        if top >= MAX_DEVICES:
+            return f"plan device {top} ≥ {MAX_DEVICES:,}"
+    return None
 
 
 class DetectorStateError(RuntimeError):
@@ -51,6 +128,10 @@ class DetectorProjection:
         self.detectors: dict[str, Detector] = {}
         self.emitted: dict[str, int] = {}
         self._outbox_seq = 0
+        self._keyring = load_keyring()  # incidents, probe requests and cost models go out signed as analytics
+        self._stages: dict[tuple[str, int], EpochShape] = {}
+        self.skipped = 0  # events with numbers no real job has, kept from the detector
+        self.failed = 0  # events the detector failed on, dead-lettered
 
     def create(self, conn: duckdb.DuckDBPyConnection) -> None:
         conn.execute("CREATE TABLE IF NOT EXISTS detector_state (job VARCHAR PRIMARY KEY, emitted BIGINT, "
@@ -91,19 +172,27 @@ class DetectorProjection:
             e = d.event
             if e.source == SOURCE:
                 continue  # our own output, read back from the analytics topic
+            why = undetectable(e, self._stages)
+            if why is not None:
+                self.skipped += 1
+                log.warning("job %s: event %s (%s) is kept from the detector: %s", e.job, e.id, e.kind, why)
+                continue
             det = self.detectors.get(e.job)
             if det is None:
                 det = self.detectors[e.job] = Detector(e.job, self.config)
                 self.emitted[e.job] = 0
-            payloads = det.on_event(e)
-            if payloads:
+            try:
+                encoded = [encode(self._envelope(e.job, p, e.time_s)) for p in det.on_event(e)]
+            except Exception as exc:  # noqa: BLE001 - one event must not stop the consumer (module docstring)
+                self.failed += 1
+                log.exception("job %s: the detector failed on event %s (%s); it is dead-lettered", e.job, e.id, e.kind)
+                encoded = [self._dead_letter(d, exc)]
+            if encoded or e.kind.startswith("telemetry"):
                 touched.add(e.job)
-                for p in payloads:
-                    rows["seq"].append(self._outbox_seq)
-                    rows["event"].append(encode(self._envelope(e.job, p, e.time_s)))
-                    self._outbox_seq += 1
-            elif e.kind.startswith("telemetry"):
-                touched.add(e.job)
+            for raw in encoded:
+                rows["seq"].append(self._outbox_seq)
+                rows["event"].append(raw)
+                self._outbox_seq += 1
         insert_arrow(conn, "detector_outbox", pa.Table.from_pydict(rows, schema=_OUTBOX_SCHEMA))
         for job in touched:
             conn.execute("INSERT OR REPLACE INTO detector_state (job, emitted, state, version) VALUES (?, ?, ?, ?)",
@@ -114,7 +203,15 @@ class DetectorProjection:
         n = self.emitted[job]
         self.emitted[job] = n + 1
         event_id = uuid.uuid5(_NS, f"{job}/{n}").hex
-        return EventFactory(job, SOURCE, first_seq=n).make(payload, time_s=time_s, event_id=event_id)
+        return Signer(EventFactory(job, SOURCE, first_seq=n), "analytics", self._keyring).make(
+            payload, time_s=time_s, event_id=event_id)
+
+    def _dead_letter(self, d: Delivery, exc: BaseException) -> bytes:
+        reason = f"the detector failed on this event: {type(exc).__name__}: {' '.join(str(exc).split())}"
+        payload = dead_letter(d.topic, d.partition, d.offset, "analytics-detector", reason,
+                              d.event.model_dump_json().encode())
+        event_id = uuid.uuid5(_NS, f"deadletter/{d.event.id}").hex
+        return encode(EventFactory(d.event.job, SOURCE).make(payload, time_s=d.event.time_s, event_id=event_id))
 
     def flush_outbox(self, conn: duckdb.DuckDBPyConnection, bus: Bus) -> int:
         """Publish what committed transactions produced, then forget it; returns how many."""

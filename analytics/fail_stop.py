@@ -26,6 +26,14 @@ a rank is judged against the others' progress:
   finished j. So if peers of r's epoch reported iteration ≥ k+2 while r's stream only got to k,
   r's events are late (its partition lags), not missing: r is not judged dead, however old its
   last delivered heartbeat is. This is what makes a lagging partition harmless.
+- **Behind its peers' epoch**: a reshape is collective, so when peers' streams already show a
+  newer epoch (their heartbeats through the reshape's pause, before any report of it, and before
+  the new plan arrives on the control topic) a rank whose stream is still in an older epoch is
+  lagging, and no peer can prove it alive until the new epoch completes iterations. Its heartbeats
+  are then judged with ``reference_max_lag_intervals`` (the bound on how long any lag is ridden
+  out), not the ordinary miss; and heartbeats of a newer epoch than any report make the job count
+  as pausing to reshape, not hung. Without this, a lagging partition across a reshape read as a
+  dead rank.
 - **Telemetry stopped**: r's *own* stream moved on (a heartbeat that says it started iteration
   ≥ i+2, or a report of a later iteration) without a report of i, ``telemetry_lag_iterations``
   times in a row: its reports are being lost. Sources without heartbeats fall back to the frames
@@ -37,6 +45,20 @@ a rank is judged against the others' progress:
   heartbeats, if it sends any, still count. Gaps between traced steps are not a stall: the hung-job
   threshold stretches by ``step_every``.
 
+- **Clocks**: an event's time is believed only within a bounded skew of what had arrived before
+  it: at most ``reference_max_lag_intervals`` heartbeat intervals ahead of the newer of the rank's
+  own watermark and the job's newest. A heartbeat (or report) stamped further in the future is not
+  believed — it would drag the job's reference ahead and make every other rank look dead — unless
+  a third of the watched ranks corroborate the jump (a job resuming after downtime moves all its
+  clocks at once); it is counted (``untrusted_times``) and logged, and never judges anybody. A
+  heartbeat stamped in the past never moves a rank's last heartbeat back nor revives a dead rank.
+- **Bus outages**: ``suspend`` while the bus client cannot reach the log, and until this consumer
+  has caught up after it (resihp/commands/analytics.py decides, from the bus client's own
+  connection errors): nothing is judged dead meanwhile, since what is missing is the bus, not the
+  ranks. ``resume`` then counts every live rank as heard at the job's reference time, so a rank
+  that died during the outage is named ``heartbeat_miss_intervals`` after it, and one whose
+  producer reconnects a little later than the others' is not.
+
 What can go wrong: while the job hangs (nobody progresses, so there is no proof of life) a live
 rank whose partition lags the others by more than the hung threshold looks dead until its
 heartbeats arrive; it is then revived (``alive``) and its incident resolved.
@@ -44,6 +66,9 @@ heartbeats arrive; it is then revived (``alive``) and its incident resolved.
 
 from __future__ import annotations
 
+import json
+import logging
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,6 +77,7 @@ from analytics.detector_config import DetectorConfig
 from collector.events import Heartbeat, TracingDeclared
 
 REFERENCE_QUANTILE = 1 / 3
+log = logging.getLogger(__name__)
 
 
 def tracing_at(declarations: tuple[TracingDeclared, ...], epoch: int) -> TracingDeclared | None:
@@ -82,6 +108,8 @@ class RankStream:
     epoch: int = -1
     reported: int = -1  # newest iteration reported in ``epoch``
     started: int = -1  # newest iteration a heartbeat said it started in ``epoch``
+    claimed_s: float = float("-inf")  # the newest time it stamped that was not believed (Clocks)
+    untrusted: int = 0  # its events whose time was not believed
 
     def known_iteration(self, epoch: int) -> int:
         """The newest iteration of ``epoch`` this stream proves the rank got to (−1 if none)."""
@@ -115,6 +143,11 @@ class FailStopWatch:
     _deadline_s: float = float("inf")  # the reference beyond which the next rank would be judged dead
     _short_of_deadline: int = 0  # live watched streams still to pass _deadline_s before the reference can
     _interval_cache_s: float | None = None  # _interval_s(), until a stream's announced interval changes
+    _heard_epoch: int = -1  # the newest epoch any stream showed (a heartbeat's included)
+    heartbeating: int = 0  # streams that delivered a heartbeat so far
+    suspended: bool = False  # a bus outage: judge nobody until resume()
+    untrusted_times: int = 0  # events whose time was not believed (too far ahead of the job's)
+    _newest_s: float = float("-inf")  # the newest believed event time of any stream
     # Immutable with a class-level default, so a detector pickled before declarations existed restores.
     tracing: tuple[TracingDeclared, ...] = ()  # every TracingDeclared seen, oldest first
 
@@ -128,18 +161,67 @@ class FailStopWatch:
 
     def heartbeat(self, hb: Heartbeat, time_s: float) -> list[LivenessChange]:
         s = self.stream(hb.rank)
+        if not self._believable(hb.rank, s, time_s, "heartbeat"):
+            return []
         self._advance(hb.rank, s, hb.epoch, time_s)
         if s.hb_time_s is None or s.hb_interval_s != hb.interval_s:
             self._interval_cache_s = None
-        s.hb_time_s, s.hb_interval_s = time_s, hb.interval_s
+        if s.hb_time_s is None:
+            self.heartbeating += 1
+        newer = s.hb_time_s is None or time_s > s.hb_time_s
+        s.hb_time_s, s.hb_interval_s = time_s if newer else s.hb_time_s, hb.interval_s
         if hb.epoch == s.epoch:
             s.started = max(s.started, hb.iteration)
         if hb.rank not in self._retired:
             self.watched.add(hb.rank)
-        return self._revive(hb.rank, "heartbeats resumed") + self._maybe_check(time_s)
+        revived = self._revive(hb.rank, "heartbeats resumed") if newer else []
+        return revived + self._maybe_check(time_s)
+
+    def _believable(self, rank: int, s: RankStream, time_s: float, what: str) -> bool:
+        """Whether ``time_s`` is within the skew bound of what arrived before (module docstring,
+        Clocks); an unbelieved time is counted, logged (the first per rank, then every 100th) and
+        remembered as the rank's claim, which peers' claims can corroborate."""
+        if not math.isfinite(time_s):
+            self.untrusted_times += 1
+            return False
+        base = max(s.time_s, self._newest_s)
+        bound = self.config.reference_max_lag_intervals * self._interval_s()
+        if base == float("-inf") or time_s <= base + bound:
+            return True
+        s.claimed_s = max(s.claimed_s, time_s)
+        floor = time_s - bound
+        backers = sum(1 for r in self.watched if r in self.streams
+                      and max(self.streams[r].time_s, self.streams[r].claimed_s) >= floor)
+        if self.watched and backers > REFERENCE_QUANTILE * len(self.watched):
+            self._believe_claims(floor, time_s)  # the job's clocks moved together (a restart after downtime)
+            return True
+        self.untrusted_times += 1
+        s.untrusted += 1
+        if s.untrusted % 100 == 1:
+            log.warning("%s", json.dumps({"event": "clock_skew", "rank": rank, "what": what,
+                                          "ahead_s": round(time_s - base, 3), "bound_s": round(bound, 3),
+                                          "untrusted": s.untrusted}))
+        return False
+
+    def _believe_claims(self, floor_s: float, now_s: float) -> None:
+        """The jump to ``now_s`` is corroborated: the claims at or after ``floor_s`` were true too,
+        and the time before it was observed for nobody, so every other live rank counts as heard
+        at ``now_s`` (as after an outage: only silence after the jump is judged)."""
+        for r in self.watched - self.dead:
+            st = self.streams.get(r)
+            if st is None:
+                continue
+            heard = st.claimed_s if st.claimed_s >= floor_s else now_s
+            st.time_s = max(st.time_s, heard)
+            if st.hb_time_s is not None:
+                st.hb_time_s = max(st.hb_time_s, heard)
+            self._newest_s = max(self._newest_s, heard)
+            st.claimed_s = float("-inf")
 
     def telemetry(self, rank: int, epoch: int, iteration: int, time_s: float) -> list[LivenessChange]:
         s = self.stream(rank)
+        if not self._believable(rank, s, time_s, "report"):
+            return []
         self._advance(rank, s, epoch, time_s)
         if epoch == s.epoch:
             s.reported = max(s.reported, iteration)
@@ -163,8 +245,10 @@ class FailStopWatch:
         if s.time_s <= self._deadline_s < time_s and rank in self.watched and rank not in self.dead:
             self._short_of_deadline -= 1  # one more stream the reference's quantile can rise past
         s.time_s = max(s.time_s, time_s)
+        self._newest_s = max(self._newest_s, time_s)
         if epoch > s.epoch:
             s.epoch, s.reported, s.started = epoch, -1, -1
+        self._heard_epoch = max(self._heard_epoch, epoch)
 
     def _revive(self, rank: int, reason: str) -> list[LivenessChange]:
         if rank in self.dead and rank not in self._retired:
@@ -258,6 +342,8 @@ class FailStopWatch:
             return float("inf")
         if self._newest_plan is not None and self._newest_plan[0] > epoch:
             return float("inf")  # a newer plan was announced: the job is pausing to reshape, not hung
+        if self._heard_epoch > epoch:
+            return float("inf")  # heartbeats of a newer epoch than any report: the same pause, seen by the ranks
         declared = tracing_at(self.tracing, epoch)
         every = declared.step_every if declared is not None else 1  # the top moves once per traced step
         return self._top_time_s[epoch] + max(interval_s, self.config.hang_stall_iterations * every * self._iteration_s)
@@ -286,8 +372,26 @@ class FailStopWatch:
         self._next_check_s = max(self._next_check_s, time_s + 0.5 * interval)
         return self.check()
 
+    def suspend(self) -> None:
+        """The bus is down (or this consumer is catching up after it): judge nobody dead."""
+        self.suspended = True
+
+    def resume(self) -> None:
+        """Caught up after an outage: every live rank counts as heard now (the job's reference), and
+        the telemetry-gap counts restart, so only silence after the outage is judged."""
+        ref = self.reference_s()
+        for rank in self.watched - self.dead:
+            s = self.streams.get(rank)
+            if s is not None and s.hb_time_s is not None and ref > s.hb_time_s:
+                s.hb_time_s = ref
+        self._missing = {r: 0 for r in self._missing}
+        self.suspended = False
+        self._deadline_s, self._short_of_deadline, self._next_check_s = float("inf"), 0, float("-inf")
+
     def check(self) -> list[LivenessChange]:
         """Judge every watched rank's heartbeats against the reference; then find the next deadline."""
+        if self.suspended:
+            return []
         ref = self.reference_s()
         interval = self._interval_s()
         stalled = self.stalled_s(ref, interval)
@@ -307,20 +411,32 @@ class FailStopWatch:
             late_s = ref - s.hb_time_s
             if self.proof_of_life(rank):
                 continue
-            if late_s > miss * s.hb_interval_s:
+            behind = s.epoch < self._heard_epoch
+            rank_miss = self._behind_miss() if behind else miss
+            if late_s > rank_miss * s.hb_interval_s:
                 self.dead.add(rank)
+                more = (f"; its stream is still in epoch {s.epoch} while peers are in {self._heard_epoch}"
+                        if behind else why)
                 out.append(LivenessChange(
                     rank, False, f"no heartbeat for {late_s:.1f} s of the job's progress "
-                                 f"(> {miss:g} intervals of {s.hb_interval_s:g} s{why})",
+                                 f"(> {rank_miss:g} intervals of {s.hb_interval_s:g} s{more})",
                     s.known_iteration(s.epoch) + 1 if s.epoch >= 0 else 0))
             else:
                 deadline = min(deadline, self._rank_deadline_s(s, stall_from))
         self._arm(deadline, ref)
         return out
 
+    def _behind_miss(self) -> float:
+        """The miss, in intervals, for a stream still in an older epoch than its peers' streams."""
+        return max(self.config.heartbeat_miss_intervals, self.config.reference_max_lag_intervals)
+
     def _rank_deadline_s(self, s: RankStream, stall_from_s: float) -> float:
         """The reference beyond which this rank is dead: its last heartbeat plus the ordinary miss,
-        or the hung miss once the job counts as stalled (whichever comes first)."""
+        or the hung miss once the job counts as stalled (whichever comes first); the longer miss of
+        a stream behind its peers' epoch."""
+        assert s.hb_time_s is not None
+        if s.epoch < self._heard_epoch:
+            return s.hb_time_s + self._behind_miss() * s.hb_interval_s
         plain = s.hb_time_s + self.config.heartbeat_miss_intervals * s.hb_interval_s
         return min(plain, max(s.hb_time_s + self.config.hang_miss_intervals * s.hb_interval_s, stall_from_s))
 
@@ -340,7 +456,9 @@ class FailStopWatch:
     def missing(self, ranks: set[int], iteration: int) -> list[LivenessChange]:
         """Ranks expected in this iteration's frame that did not report (the frame was scored
         without them because their stream moved on, or, without heartbeats, the wait ran out)."""
-        out = []
+        out: list[LivenessChange] = []
+        if self.suspended:
+            return out  # a report missing through a bus outage is the bus's
         for rank in sorted(ranks):
             if not self.traced(rank):
                 continue  # declared untraced: its silence is expected, not a death

@@ -49,6 +49,9 @@ class Suspect:
     statistic: str
     note: str
     ranks: tuple[int, ...] = ()  # the compute suspects (one, or a TP group telemetry cannot split)
+    # Ranks whose links to probe when the compute probe of ``ranks`` finds nobody slow: time lost
+    # outside the traced ranks is an untraced rank's compute or some link or NIC (analytics/untraced.py).
+    link_probe_ranks: tuple[int, ...] = ()
 
     def location(self, factor: float | None = None) -> Location:
         return Location(target=self.target, rank=self.rank, link=self.link, node=self.node, replica=self.replica,
@@ -86,6 +89,7 @@ class _Open:
     # last update that moved it by more than update_min_change): the refinement's evidence.
     slow_factors: list[float] = field(default_factory=list)
     refined: int = 0  # how many of the config's refine_iterations points the size was estimated again at
+    link_probe: bool = False  # the pending (or last) probe asks the suspect's link_probe_ranks for their links
 
 
 def severity_of(factor: float, category: FaultCategory) -> Severity:
@@ -155,8 +159,11 @@ class IncidentBook:
                                     target="compute" if s.target == "compute" else "link"))
         return out
 
-    def observe(self, key: tuple, z: float, k: float, iteration: int, factor: float) -> list[Payload]:
-        """One more iteration of an open incident's location: update, or count toward resolution."""
+    def observe(self, key: tuple, z: float, k: float, iteration: int, factor: float,
+                sample: float | None = None) -> list[Payload]:
+        """One more iteration of an open incident's location: update, or count toward resolution.
+        ``sample``: this iteration's own size for the refinements (default exp(z), the location's
+        slowdown; a location sized another way, as an untraced replica's stage, passes its own)."""
         inc = self.open.get(key)
         if inc is None:
             return []
@@ -173,7 +180,7 @@ class IncidentBook:
             return []  # telemetry sees the iteration's excess, not the link's own slowdown
         inc.factor = factor
         if inc.refined < len(self.config.refine_iterations):  # the evidence a refinement still to come needs
-            inc.slow_factors.append(math.exp(z))
+            inc.slow_factors.append(math.exp(z) if sample is None else sample)
         change = abs(factor / inc.published_factor - 1.0)
         if change > self.config.update_min_change and iteration - inc.last_update_iteration >= 3:
             worse = factor > inc.published_factor
@@ -229,7 +236,7 @@ class IncidentBook:
 
     def _can_reprobe(self, inc: _Open) -> bool:
         s = inc.suspect
-        return (self.config.probes and s.target == "compute" and inc.probe_used and not inc.reprobe
+        return (self.config.probes and s.target == "compute" and s.key[0] == "ranks" and inc.probe_used and not inc.reprobe
                 and len(s.ranks) == 1 and len(s.tp_group or ()) > 1)
 
     def end_of_iteration(self, iteration: int) -> list[Payload]:
@@ -270,6 +277,8 @@ class IncidentBook:
 
     @staticmethod
     def _asked(inc: _Open) -> tuple[int, ...]:
+        if inc.link_probe:
+            return inc.suspect.link_probe_ranks
         return (inc.suspect.tp_group or ()) if inc.reprobe else inc.suspect.ranks or tuple(inc.suspect.link or ())
 
     def probe_result(self, p: ProbeResult) -> list[Payload]:
@@ -316,21 +325,30 @@ class IncidentBook:
             return []
         worst = max(inc.probe_ratios, key=inc.probe_ratios.get)
         ratio = inc.probe_ratios[worst]
-        if ratio < self.config.probe_confirm_ratio or inc.probe_used:
+        s = inc.suspect
+        bar = self._probe_bar(inc.probe_ratios)
+        if ratio < bar and s.link_probe_ranks and not inc.link_probe:
+            # nobody it named computes slow: the time went to a link or a NIC; ask every rank's links
+            inc.link_probe, inc.probe_ratios = True, {}
+            inc.probe_id, inc.probe_asked_iteration = f"probe-{inc.incident_id[4:]}-links", asked_iteration
+            return [ProbeRequest(probe_id=inc.probe_id, incident_id=inc.incident_id, ranks=list(s.link_probe_ranks),
+                                 target="link")]
+        if ratio < bar or inc.probe_used:
             return []
         inc.probe_used = True
+        if inc.link_probe:  # the links' probe found the slow one: the incident is about that link or NIC
+            s.target, s.tp_group, s.ranks = "link", None, ()
         # Persistence may have confirmed the incident while the probe ran (telemetry and the
         # answers travel on different topics): the answers still name the member, as an update.
         already = inc.confirmed
         inc.confirmed = True
-        s = inc.suspect
         if s.target == "compute" and s.rank is None:
             s.rank, s.ranks = worst, (worst,)
             s.confidence = min(0.99, s.confidence * len(asked))
             # The incident is now about the member alone: its healthy peers stop being suspects
             # (left out of fits, never alarmed on), or a later fault on one of them, in a
             # layout that keeps them, would go unseen for as long as this incident is open.
-            if ("ranks", (worst,)) not in self.open:
+            if s.key[0] == "ranks" and ("ranks", (worst,)) not in self.open:  # an untraced one stays job-level
                 self.open[("ranks", (worst,))] = self.open.pop(s.key)
                 s.key = ("ranks", (worst,))
         elif s.target == "link":
@@ -359,6 +377,19 @@ class IncidentBook:
             incident_id=inc.incident_id, method="probe",
             detail=f"probe: rank {worst} took ×{ratio:.2f} of the healthy reference ({ratios})",
             locations=[s.location(inc.factor)])]
+
+    def _probe_bar(self, ratios: dict[int, float]) -> float:
+        """The probe ratio that names a rank slow: ``probe_confirm_ratio``, and with three or more
+        answers also four robust σ above their median. Why: a probe is noisy too (a few per cent per
+        answer in the simulator), and the worst of sixteen healthy answers (an untraced replica's
+        ranks, asked together) passed 1.03 by chance and named a healthy rank."""
+        bar = self.config.probe_confirm_ratio
+        if len(ratios) < 3:
+            return bar
+        logs = [math.log(max(v, 1e-12)) for v in ratios.values()]
+        centre = median(logs)
+        spread = 1.4826 * median(abs(x - centre) for x in logs)
+        return max(bar, math.exp(centre + 4.0 * spread))
 
     def _health_result(self, inc: _Open, iteration: int) -> list[Payload]:
         """An excluded rank's health probe: resolved when every asked rank answered below the

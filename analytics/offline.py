@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 
 from analytics.detector import Detector
 from analytics.detector_config import DetectorConfig
+from collector.auth import Signer, load_keyring
 from collector.events import Envelope, EventFactory
 
 _NS = uuid.UUID("a3b7e5d1-2c4f-4e8a-9b6d-7f1e3c5a9d20")  # the live consumer's: same ids offline and live
@@ -26,13 +27,14 @@ def detect_events(events: Iterable[Envelope], config: DetectorConfig | None = No
     detectors: dict[str, Detector] = {}
     counters: dict[str, int] = {}
     last_time: dict[str, float] = {}
+    keyring = load_keyring()  # what it yields may be published: signed as analytics, as the live consumer's
 
     def wrap(job: str, payloads: list, time_s: float) -> Iterator[Envelope]:
         for p in payloads:
             n = counters.get(job, 0)
             counters[job] = n + 1
             if p.KIND.startswith(kinds_prefix):
-                yield EventFactory(job, "analytics", first_seq=n).make(
+                yield Signer(EventFactory(job, "analytics", first_seq=n), "analytics", keyring).make(
                     p, time_s=time_s, event_id=uuid.uuid5(_NS, f"{job}/{n}").hex)
 
     for e in events:

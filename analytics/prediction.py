@@ -27,7 +27,7 @@ def infer_schedule(frame: IterationFrame) -> tuple[str, int]:
 def predicted_iteration_s(frame: IterationFrame, c_pred: np.ndarray, schedule: str | None = None,
                           virtual_stages: int | None = None, include_comm: bool = True) -> float:
     """Critical-path iteration time with predicted chunk times; NaN if the frame cannot be laid out
-    (a replica missing a stage's telemetry, say). ``c_pred`` may also be the observed own times:
+    (a replica missing a stage's telemetry, say); replicas that sent nothing are left out. ``c_pred`` may also be the observed own times:
     with ``include_comm=False`` that gives the iteration time compute alone explains."""
     if schedule is None:
         schedule, virtual_stages = infer_schedule(frame)
@@ -51,10 +51,12 @@ def predicted_iteration_s(frame: IterationFrame, c_pred: np.ndarray, schedule: s
     dp_s = float(dp_waits.min()) if len(dp_waits) and include_comm else 0.0
     mb_count = np.full(n_rep, -1, np.int64)  # per replica: its last micro-batch's position (-1: no chunk at all)
     np.maximum.at(mb_count, dp_c, mb_c)
-    if (mb_count < 0).any():
+    if (mb_count < 0).all():
         return float("nan")
     reps = []
-    for r in range(n_rep):
+    # A replica with no report at all is one nobody traces (sampled tracing): the prediction is
+    # the traced replicas'; one with a stage missing cannot be laid out (NaN below).
+    for r in np.flatnonzero(mb_count >= 0).tolist():
         a = med[r][:, :, : int(mb_count[r]) + 1]  # replicas may run different micro-batch counts
         if np.isnan(a[..., 0]).any() or np.isnan(a[..., 1]).any():
             return float("nan")

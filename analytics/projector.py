@@ -7,6 +7,13 @@ committed offsets, so a process killed at any instant — before, during or afte
 restarts exactly where its tables end: nothing lost, nothing applied twice. The group offsets are
 committed too, after the transaction, only so that lag is visible to Kafka's tools.
 
+Each event id is applied once (the contract's idempotence). Offsets alone cannot give that: a
+republished record, a replayed trace or a producer's retry is a *new* record with an old id. So the
+projector keeps every applied id in ``applied_events`` (a primary key, written in the same
+transaction) and hands the projections only the first delivery of each id; the others are counted
+in ``duplicates`` and change nothing — no row, no detector state, no incident. Every projection,
+the detector included, is idempotent through this one filter rather than each on its own.
+
 Each process owns its DuckDB file (DuckDB allows one writer process); whatever others need is
 published back to the bus as events.
 """
@@ -19,6 +26,7 @@ from pathlib import Path
 from typing import Protocol
 
 import duckdb
+import pyarrow as pa
 
 from collector.bus import Bus, TopicPartition
 from collector.stream import Delivery, EventStream
@@ -27,6 +35,7 @@ _OFFSETS_DDL = (
     "CREATE TABLE IF NOT EXISTS consumer_offsets (grp VARCHAR NOT NULL, topic VARCHAR NOT NULL, "
     "part INTEGER NOT NULL, next_offset BIGINT NOT NULL, PRIMARY KEY (grp, topic, part))"
 )
+_APPLIED_DDL = "CREATE TABLE IF NOT EXISTS applied_events (id VARCHAR PRIMARY KEY)"
 
 
 class Projection(Protocol):
@@ -59,10 +68,12 @@ class Projector:
         if rebuild:
             self._drop_all()
         self.conn.execute(_OFFSETS_DDL)
+        self.conn.execute(_APPLIED_DDL)
         for p in self.projections:
             p.create(self.conn)
         self.stream = EventStream(bus, group, topics, on_assign=self._stored_positions, instance_id=instance_id)
         self.transactions = 0
+        self.duplicates = 0  # deliveries whose event id was applied before (republished, replayed)
 
     def _drop_all(self) -> None:
         """--rebuild: forget every table and position; the log is replayed from its beginning."""
@@ -70,6 +81,7 @@ class Projector:
             for table in p.tables:
                 self.conn.execute(f"DROP TABLE IF EXISTS {table}")
         self.conn.execute("DROP TABLE IF EXISTS consumer_offsets")
+        self.conn.execute("DROP TABLE IF EXISTS applied_events")
 
     def _stored_positions(self, partitions: Sequence[TopicPartition]) -> dict[TopicPartition, int]:
         rows = self.conn.execute(
@@ -89,8 +101,9 @@ class Projector:
             return 0
         self.conn.begin()
         try:
+            fresh = self._first_seen(deliveries)
             for p in self.projections:
-                p.apply(self.conn, deliveries)
+                p.apply(self.conn, fresh)
             self.conn.executemany(
                 "INSERT OR REPLACE INTO consumer_offsets VALUES (?, ?, ?, ?)",
                 [[self.group, tp.topic, tp.partition, off] for tp, off in moved.items()],
@@ -102,6 +115,25 @@ class Projector:
         self.transactions += 1
         self.stream.commit(moved)
         return self.stream.last_polled
+
+    def _first_seen(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        """The deliveries whose event id was never applied, each id once (the first in log order);
+        records their ids as applied, inside the caller's transaction."""
+        if not deliveries:
+            return []
+        first: dict[str, Delivery] = {}
+        for d in deliveries:
+            first.setdefault(d.event.id, d)
+        self.conn.register("_batch_ids", pa.table({"id": pa.array(list(first), pa.string())}))
+        try:
+            new = self.conn.execute("INSERT INTO applied_events SELECT id FROM _batch_ids ON CONFLICT DO NOTHING "
+                                    "RETURNING id").fetchall()
+        finally:
+            self.conn.unregister("_batch_ids")
+        fresh_ids = {i for (i,) in new}
+        fresh = [d for d in deliveries if d.event.id in fresh_ids and first[d.event.id] is d]
+        self.duplicates += len(deliveries) - len(fresh)
+        return fresh
 
     def run(
         self,

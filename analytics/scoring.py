@@ -222,7 +222,7 @@ def fit_and_predict(frame: IterationFrame, model: CostModel, healthy_rank: np.nd
     pred = _layer_scaled_prior(model, keys, c_class, frame, pred)
     inferred = not frame.has_seq_lens
     if inferred:
-        pred = _per_microbatch_correction(frame, units, u_own, pred)
+        pred = _per_microbatch_correction(frame, units, u_own, _class_levels(frame, units, u_own, pred, c_class))
     unseen_set = set(unseen)
     live = np.isfinite(u_own)
     order = np.argsort(u_class[live], kind="stable")
@@ -264,6 +264,32 @@ def _layer_scaled_prior(model: CostModel, keys: list[Hashable], c_class: np.ndar
     return pred
 
 
+def _class_levels(frame: IterationFrame, units: np.ndarray, u_own: np.ndarray, pred: np.ndarray,
+                  c_class: np.ndarray) -> np.ndarray:
+    """Without sequence lengths: each work class's predictions moved to the class's level in this
+    iteration (the median over its clean work units of log(own / predicted)), where at least
+    ``MIN_CLASS_PEERS`` TP groups run the class.
+
+    Why: without token counts a class's line is the robust centre of its window, and the classes'
+    lines sit off their chunks by different and moving amounts (one class ×1.3 under, another ×2 for
+    the eight iterations a few short chunks are in its window). The per-micro-batch correction
+    below takes a median over a replica's stages, so with one stage left out (a suspect's TP group)
+    that median moved with the other classes' offsets and every healthy stage of the suspect's
+    replica read a few per cent to ×1.2 slow (the profiler's interleaved run opened an incident on
+    each). Levelled first, the classes agree and the correction keeps only the micro-batch's mix.
+    A class run by fewer groups (a DP 1 job) keeps its line: its level would absorb a slow stage."""
+    ratio = np.log(np.maximum(u_own[units], 1e-12) / np.maximum(pred, 1e-12))  # NaN where the unit is not fitted
+    n_cls = int(c_class.max()) + 1 if len(c_class) else 0
+    level = group_median(c_class, ratio, n_cls)
+    S = int(frame.pp.max()) + 1
+    group = (frame.dp * S + frame.pp)[frame.c_rank]
+    fitted = np.isfinite(ratio)
+    pairs = np.unique(c_class[fitted] * (int(group.max()) + 1) + group[fitted])
+    groups_per_class = np.bincount(pairs // (int(group.max()) + 1), minlength=n_cls)
+    level = np.where(np.isfinite(level) & (groups_per_class >= MIN_CLASS_PEERS), level, 0.0)
+    return pred * np.exp(level[c_class])
+
+
 def _per_microbatch_correction(frame: IterationFrame, units: np.ndarray, u_own: np.ndarray,
                                pred: np.ndarray) -> np.ndarray:
     """Without seq_lens the model knows only token counts (or nothing, when those are unknown too).
@@ -296,6 +322,15 @@ def _per_microbatch_correction(frame: IterationFrame, units: np.ndarray, u_own: 
         level = group_median(rep_kind, corr, int(rep_kind.max()) + 1)
         job_level = group_median(np.arange(len(level)) % 3, level, 3)[rep_kind % 3]
         corr = corr - level[rep_kind] + np.where(np.isfinite(job_level), job_level, level[rep_kind])
+    if not np.isfinite(corr).all():
+        # A micro-batch none of whose stages taught the fit (every TP group of its replica is under
+        # suspicion) takes the job's typical correction for its kind, never none: the bare line can
+        # sit far off the chunks (without token counts it is the class's centre over a window), and
+        # uncorrected, every healthy stage of that replica read as slow as the line was off (a ×2
+        # GPU's replica opened an incident on each of its stages, the profiler's interleaved run).
+        kind_of = np.arange(n_groups) % 3
+        job_kind = group_median(kind_of, corr, 3)
+        corr = np.where(np.isfinite(corr), corr, job_kind[kind_of])
     return pred * np.exp(np.nan_to_num(corr[mb_group]))
 
 

@@ -1,5 +1,12 @@
 """Live reshape on 8 CPU ranks: the pause of each kind of reshape, and tokens/s healthy, with one
-rank slowed ×2, and after remediation.
+rank slowed ×2, and after remediation — on the reference executor, and the same changes on the
+PyTorch-native one (``--executor native|reference|both``, side by side by default).
+
+The native run (trainer/native/) starts at the same TP1·PP2·DP4 and is given the same plans in the
+same order as scheduled reshapes, three iterations apart; it refuses the ones a DeviceMesh cannot
+express (the uneven remediation, interleaved, zero-bubble) before anything stops, and reports each
+applied reshape's phases. It has no fault injection or pacing yet, so its tokens/s are raw CPU
+speed and are not comparable with the reference's paced figures; the pauses are.
 
 One launch of the real trainer (gloo, local processes), driven from here through the bus:
 iterations run healthy on TP1·PP2·DP4; then rank 3 (replica 1, stage 1) computes at half speed;
@@ -34,6 +41,8 @@ ITERATIONS_PER_KIND = 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--executor", choices=["reference", "native", "both"], default="both",
+                        help="which executor runs the changes: ours, the PyTorch-native one, or both side by side")
     parser.add_argument("--slow-factor", type=float, default=2.0)
     parser.add_argument("--pg-timeout", type=float, default=5.0, help="collective timeout (fail-stop detection)")
     parser.add_argument("--layers", type=int, default=8)
@@ -72,7 +81,109 @@ def _plans(layers: int):
 
 
 def run(args: argparse.Namespace) -> int:
+    results = {}
+    if args.executor in ("reference", "both"):
+        results["reference"] = run_reference(args)
+    if args.executor in ("native", "both"):
+        results["native"] = run_native(args)
+    if args.executor == "both":
+        ref, nat = results["reference"]["pause_s"], results["native"]["pause_s"]
+        print(f"{'side by side':<14} {'reference s':>12} {'native s':>9} {'ratio':>6}")
+        for k in ("microbatches", "tp", "pp", "dp"):
+            if k in ref and k in nat:
+                print(f"{k:<14} {ref[k]:>12.3f} {nat[k]:>9.3f} {nat[k] / max(ref[k], 1e-9):>6.1f}")
+    if args.json:
+        print(json.dumps(results))
+    return 0
+
+
+NATIVE_ORDER = ("remediate", "microbatches", "tp", "pp", "interleaved", "zero_bubble", "dp")
+
+
+def _native_plans(layers: int, cfg):
+    """The reference run's plans in its order, re-numbered for the native run (a plan the native
+    executor refuses keeps the epoch, so the next one still is running + 1). The micro-batch-only
+    change moves counts to 5/3/4/4 on the starting stages (the reference's is on its remediated
+    stages, which the native executor refuses)."""
+    from trainer.native.capabilities import refusal
+
+    base, plans = _plans(layers)
+    plans = dict(plans)
+    plans["microbatches"] = base.model_copy(update={"pipelines": tuple(
+        p.model_copy(update={"microbatches": c}) for p, c in zip(base.pipelines, [5, 3, 4, 4]))})
+    epoch, out = 0, []
+    for kind in NATIVE_ORDER:
+        plan = plans[kind].model_copy(update={"epoch": epoch + 1})
+        reason = refusal(plan, cfg, epoch)
+        if reason is None:
+            epoch += 1
+        out.append((kind, plan, reason))
+    return base, out
+
+
+def run_native(args: argparse.Namespace) -> dict:
+    """The same changes on the PyTorch-native executor (no fault injection there: it reports the
+    pause of each reshape, its phases, and tokens/s on each plan)."""
+    from trainer.native.model import LlamaConfig
+    from trainer.native.stage import TrainSettings
+    from trainer.native.worker import NativeRunSpec, ScheduledReshape, launch_native, read_results
+
+    cfg = LlamaConfig(vocab_size=256, dim=args.embd, n_layers=args.layers, n_heads=4, ffn_hidden=2 * args.embd)
+    settings = TrainSettings(block_size=args.block)
+    base, changes = _native_plans(args.layers, cfg)
+    warmup = 4
+    reshapes = [ScheduledReshape(at_iteration=warmup + i * ITERATIONS_PER_KIND, plan=p) for i, (_, p, _) in
+                enumerate(changes)]
+    iterations = warmup + len(changes) * ITERATIONS_PER_KIND
+    tmp = Path(tempfile.mkdtemp(prefix="resihp-bench-native-"))
+    spec = NativeRunSpec(job="bench-reshape-native", model=asdict(cfg), settings=asdict(settings), plan=base,
+                         reshapes=reshapes, iterations=iterations, out_dir=str(tmp), device="cpu")
+    started = time.perf_counter()
+    codes = launch_native(spec)
+    elapsed = time.perf_counter() - started
+    ranks, _ = read_results(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    by_epoch: dict[int, list[dict]] = {}
+    for r in ranks.values():
+        for rep in r["reshapes"]:
+            by_epoch.setdefault(rep["epoch"], []).append(rep)
+    walls: dict[int, list[float]] = {}
+    for r in ranks.values():
+        for it, w in r.get("walls", {}).items():
+            walls.setdefault(int(it), []).append(w)
+    print(f"bench reshape (native executor): 8 CPU ranks, {args.layers} layers × {args.embd} wide, "
+          f"{args.block}-token micro-batches, no pacing, {elapsed:.1f} s total; exit codes {codes}")
+    print(f"{'reshape kind':<14} {'pause s':>9} {'tokens/s after':>15}  phases (s, slowest rank; pause excludes "
+          "first_step) / refusal")
+    pause_s, tokens_per_s = {}, {}
+    for i, (kind, plan, reason) in enumerate(changes):
+        if reason is not None:
+            print(f"{kind:<14} {'refused':>9} {'':>15}  {reason[:90]}")
+            continue
+        reports = by_epoch.get(plan.epoch, [])
+        if not reports:
+            print(f"{kind:<14} {'—':>9}  (not applied)")
+            continue
+        phases = {p: max(rep["phases_s"].get(p, 0.0) for rep in reports) for p in reports[0]["phases_s"]}
+        # The pause, as the reference executor's acknowledgement states it: the protocol, not the first step.
+        pause_s[kind] = round(max(sum(v for p, v in rep["phases_s"].items() if p != "first_step")
+                                  for rep in reports), 4)
+        at = warmup + i * ITERATIONS_PER_KIND
+        steady = [max(walls[it]) for it in range(at + 1, at + ITERATIONS_PER_KIND) if it in walls]
+        rate = plan.global_microbatches * args.block / statistics.median(steady) if steady else None
+        tokens_per_s[kind] = rate
+        print(f"{kind:<14} {pause_s[kind]:>9.3f} {rate if rate is None else round(rate):>15}  "
+              + " ".join(f"{p}={v:.3f}" for p, v in phases.items()))
+    healthy = [max(walls[it]) for it in range(1, warmup) if it in walls]
+    if healthy:
+        print(f"{'start':<14} {'':>9} {round(base.global_microbatches * args.block / statistics.median(healthy)):>15}"
+              f"  ({base.shape()})")
+    return {"pause_s": pause_s, "tokens_per_s": tokens_per_s}
+
+
+def run_reference(args: argparse.Namespace) -> dict:
     from collector import topics
+    from collector.auth import Signer
     from collector.embedded import EmbeddedBus
     from collector.events import CommandAck, EventFactory, IterationSummary, ReconfigureCommand
     from collector.stream import EventStream
@@ -94,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
                    faults=[FaultSpec(kind="slow_compute", device=3, factor=args.slow_factor, at_iteration=slow_start,
                                  duration_iterations=slow_end - slow_start),
                            FaultSpec(kind="stop_device", device=7, at_iteration=kill_at)])
-    factory = EventFactory(spec.job, "bench")
+    factory = Signer(EventFactory(spec.job, "bench"), "engine")  # it plays the engine: the trainer obeys signed commands
     summaries: dict[int, IterationSummary] = {}
     acks: list[CommandAck] = []
     done = threading.Event()
@@ -176,7 +287,4 @@ def run(args: argparse.Namespace) -> int:
         schedule_tokens_per_s[name] = rate(iters)
         v = schedule_tokens_per_s[name]
         print(f"{name:<14} {v if v is None else round(v):>9}  {iters}")
-    if args.json:
-        print(json.dumps({"pause_s": pause_s, "tokens_per_s": tokens_per_s,
-                          "schedule_tokens_per_s": schedule_tokens_per_s}))
-    return 0
+    return {"pause_s": pause_s, "tokens_per_s": tokens_per_s, "schedule_tokens_per_s": schedule_tokens_per_s}

@@ -11,8 +11,12 @@ records 0..9 are done.
 
 from __future__ import annotations
 
+import json
+import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from collector.codec import encode
@@ -21,6 +25,8 @@ from collector.settings import DEFAULT_EMBEDDED_PATH as DEFAULT_EMBEDDED_PATH
 from collector.settings import DEFAULT_KAFKA_BOOTSTRAP as DEFAULT_KAFKA_BOOTSTRAP
 from collector.settings import environment
 from collector.topics import PartitionKeys, topic_for
+
+log = logging.getLogger(__name__)
 
 
 class TopicPartition(NamedTuple):
@@ -50,8 +56,37 @@ class RawMessage(NamedTuple):
 OnAssign = Callable[[Sequence[TopicPartition]], Mapping[TopicPartition, int]]
 
 
+@dataclass
+class BusHealth:
+    """Whether the bus client can reach the log, as its own connections found (shared by a bus and
+    the consumers it opened). A backend marks it down on a connection error or when it has no
+    metadata, and up at its next success; ``outages`` counts the transitions to down, so a reader
+    that looked at it before and after can tell that an outage happened in between, however short."""
+
+    down_since: float | None = None  # time.time() of the first failure of the current outage
+    reason: str = ""
+    outages: int = 0
+
+    @property
+    def down(self) -> bool:
+        return self.down_since is not None
+
+    def mark_down(self, reason: str) -> None:
+        if self.down_since is None:
+            self.down_since, self.outages = time.time(), self.outages + 1
+            log.warning("%s", json.dumps({"event": "bus_outage", "reason": reason[:300]}))
+        self.reason = reason
+
+    def mark_up(self) -> None:
+        if self.down_since is not None:
+            log.warning("%s", json.dumps({"event": "bus_reconnected", "down_s": round(time.time() - self.down_since, 1)}))
+            self.down_since, self.reason = None, ""
+
+
 class Consumer(ABC):
     """A member of a consumer group reading some topics."""
+
+    health: BusHealth = BusHealth()  # a backend that can lose its log gives each consumer its bus's
 
     @abstractmethod
     def poll(self, max_records: int = 10_000, timeout_s: float = 1.0) -> list[Record]:
@@ -88,6 +123,7 @@ class Bus(ABC):
     """Where events go. ``publish`` returns only once the log has them durably."""
 
     name: str
+    health: BusHealth = BusHealth()  # the embedded log is a local file: never down
 
     def publish(self, events: Iterable[Envelope]) -> int:
         """Encode, route and key a batch of events; returns how many were published.
@@ -125,8 +161,6 @@ class Bus(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
 
 
 def open_bus(backend: str | None = None, *, path: str | None = None, bootstrap: str | None = None) -> Bus:

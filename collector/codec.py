@@ -7,13 +7,16 @@ problem; consumers send such records to the dead-letter topic instead of crashin
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import re
 
 from pydantic import ValidationError
 
-from collector.events import EVENT_ADAPTER, Envelope
+from collector.events import DEADLETTER_REASON_MAX, EVENT_ADAPTER, DeadLetter, Envelope
 
 MAX_EVENT_BYTES = 1_000_000  # Kafka's default message.max.bytes is ~1 MB; stay under it.
+DEADLETTER_RAW_PREFIX = 64 * 1024  # bytes of a bad record a dead letter carries whole (base64: ~87 KB)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -52,6 +55,30 @@ def decode(raw: bytes) -> Envelope:
         raise InvalidEvent(_one_line(exc)) from None
     except (ValueError, TypeError, RecursionError) as exc:  # defensive: parser errors outside pydantic
         raise InvalidEvent(f"undecodable record: {exc}") from None
+
+
+def dead_letter(topic: str, partition: int, offset: int, group: str, reason: str, raw: object) -> DeadLetter:
+    """The dead letter of one bad record, bounded so that it always fits on the bus.
+
+    Why bounded: a record just under the bus's limit, base64-encoded inside an envelope, would not
+    fit, and a consumer that cannot publish a record's dead letter cannot move past it (it would
+    crash-loop on every restart). A record longer than ``DEADLETTER_RAW_PREFIX`` keeps that prefix,
+    its length and its SHA-256 (enough to find it in the log and tell two apart); the reason and the
+    names keep their first characters. Never raises, whatever ``raw`` is (a Kafka tombstone is None).
+    """
+    data = bytes(raw) if isinstance(raw, (bytes, bytearray, memoryview)) else b""
+    whole = len(data) <= DEADLETTER_RAW_PREFIX
+    return DeadLetter(
+        topic=_clip(topic, 1000), partition=min(max(partition, 0), 2**31 - 1), offset=min(max(offset, 0), 2**53),
+        group=_clip(group, 1000), reason=_clip(reason, DEADLETTER_REASON_MAX) or "invalid record",
+        raw_b64=base64.b64encode(data[:DEADLETTER_RAW_PREFIX]).decode("ascii"),
+        raw_length=None if whole else len(data),
+        raw_sha256=None if whole else hashlib.sha256(data).hexdigest(),
+    )
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _one_line(exc: ValidationError) -> str:

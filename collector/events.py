@@ -22,17 +22,59 @@ from functools import cached_property
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import (
-    BaseModel, ConfigDict, Field, TypeAdapter, ValidationInfo, create_model, field_validator, model_validator,
+    AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationInfo, create_model, field_validator,
+    model_validator,
 )
 
 from collector.plan import Plan
+
+
+# ---- contract ranges ----------------------------------------------------------------------------
+# Every number on the wire has a range checked at decode, so whatever the bus holds fits every table
+# and array downstream: ids and coordinates fit int32, counters int64 with room to add, durations
+# and times are finite and bounded. A record outside them is dead-lettered with the field's name.
+# Non-finite floats (NaN, ±Infinity, or a literal too large for a double) are refused by every
+# model's ``allow_inf_nan=False``. docs/events.md lists the ranges (collector/reference.py).
+
+INT32_MAX = 2**31 - 1  # ranks, device ids, epochs, coordinates, micro-batch numbers, schema versions
+COUNT_MAX = 2**53  # iterations, sequence numbers, offsets, byte and token totals: exact as a double
+TOKENS_MAX = 2**40  # tokens of one chunk: sums over a whole iteration stay far inside int64
+DURATION_MAX_S = 1e6  # any measured duration or offset (about 11.6 days)
+TIME_MAX_S = 1e10  # Unix time (year 2286)
+RATE_MAX = 1e15  # tokens per second
+LIST_MAX = 1 << 20  # any list (a 1 MB record holds fewer items anyway)
+CHUNKS_MAX = 1 << 16  # chunks of one rank-iteration, and packed sequences of one chunk
+
+Int32 = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Count = Annotated[int, Field(ge=0, le=COUNT_MAX)]
+Tokens = Annotated[int, Field(ge=0, le=TOKENS_MAX)]
+SeqLen = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Duration = Annotated[float, Field(ge=0, le=DURATION_MAX_S)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]  # a fitted or derived value: finite, any sign
+_CONTRACT = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+def _plan_in_range(plan: Plan) -> Plan:
+    """A plan's numbers must fit int32 like every id (collector/plan.py checks its shape)."""
+    numbers = [("epoch", plan.epoch), ("virtual_stages", plan.virtual_stages), ("num_layers", plan.num_layers)]
+    for pipe in plan.pipelines:
+        numbers += [("replica", pipe.replica), ("microbatches", pipe.microbatches)]
+        for stage in pipe.stages:
+            numbers += [("end_layer", stage.end_layer)] + [("device", d) for d in stage.devices]
+    for name, value in numbers:
+        if not 0 <= value <= INT32_MAX:
+            raise ValueError(f"plan {name} {value} is outside 0..{INT32_MAX}")
+    return plan
+
+
+ContractPlan = Annotated[Plan, AfterValidator(_plan_in_range)]
 
 
 class Payload(BaseModel):
     """Base of every payload. ``KIND`` names it on the wire; ``VERSIONS`` are the schema versions
     this build reads (the newest is written)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = _CONTRACT
     KIND: ClassVar[str]
     VERSIONS: ClassVar[tuple[int, ...]] = (1,)
 
@@ -49,17 +91,19 @@ class ChunkKind(StrEnum):
 class Chunk(BaseModel):
     """One chunk a rank ran: a forward, backward or weight-gradient pass of one micro-batch."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = _CONTRACT
 
     kind: ChunkKind
-    microbatch: int = Field(ge=0)
-    virtual_stage: int = Field(default=0, ge=0)
-    tokens: int | None = Field(default=None, ge=0, description="tokens in the chunk; None when unknown (never 0)")
-    seq_lens: list[int] | None = Field(
-        default=None, description="packed sequence lengths; None when the source does not report them"
+    microbatch: int = Field(ge=0, le=INT32_MAX)
+    virtual_stage: int = Field(default=0, ge=0, le=INT32_MAX)
+    tokens: int | None = Field(default=None, ge=0, le=TOKENS_MAX,
+                               description="tokens in the chunk; None when unknown (never 0)")
+    seq_lens: list[SeqLen] | None = Field(
+        default=None, max_length=CHUNKS_MAX, description="packed sequence lengths; None when the source does not "
+        "report them"
     )
-    start_s: float = Field(ge=0, description="offset from the rank's iteration start, local clock")
-    duration_s: float = Field(ge=0)
+    start_s: float = Field(ge=0, le=DURATION_MAX_S, description="offset from the rank's iteration start, local clock")
+    duration_s: float = Field(ge=0, le=DURATION_MAX_S)
 
 
 class CommOp(StrEnum):
@@ -80,14 +124,15 @@ ProcessGroupName = Literal["tp", "pp", "dp", "cp", "fsdp"]
 class CommWait(BaseModel):
     """Time a rank spent in (or waiting on) one communication."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = _CONTRACT
 
     op: CommOp
-    peer: int | None = Field(default=None, description="device id on the other end, for point-to-point")
-    microbatch: int | None = None
-    bytes: int | None = Field(default=None, ge=0)
-    start_s: float = Field(ge=0)
-    duration_s: float = Field(ge=0)
+    peer: int | None = Field(default=None, ge=0, le=INT32_MAX,
+                             description="device id on the other end, for point-to-point")
+    microbatch: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    bytes: int | None = Field(default=None, ge=0, le=COUNT_MAX)
+    start_s: float = Field(ge=0, le=DURATION_MAX_S)
+    duration_s: float = Field(ge=0, le=DURATION_MAX_S)
     includes_wait: bool = Field(
         default=False, description="true when the timer holds the wait for the peer (a fused or blocking p2p or "
         "collective timer): its duration is wait + wire, not wire alone")
@@ -99,16 +144,14 @@ class Coords(BaseModel):
     """A rank's coordinates under the plan of ``epoch``: TP rank, pipeline stage, DP replica, and
     context-parallel rank (0 in a job without context parallelism)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = _CONTRACT
 
-    tp: int = Field(ge=0)
-    pp: int = Field(ge=0)
-    dp: int = Field(ge=0)
-    cp: int = Field(default=0, ge=0)
+    tp: int = Field(ge=0, le=INT32_MAX)
+    pp: int = Field(ge=0, le=INT32_MAX)
+    dp: int = Field(ge=0, le=INT32_MAX)
+    cp: int = Field(default=0, ge=0, le=INT32_MAX)
 
 
-NonNegativeInt = Annotated[int, Field(ge=0)]
-NonNegativeFloat = Annotated[float, Field(ge=0)]
 
 
 class ChunkTable(BaseModel):
@@ -120,15 +163,19 @@ class ChunkTable(BaseModel):
     them into Arrow columns without touching each chunk. Row ``i`` of every column is one chunk.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = _CONTRACT
 
-    kind: str = Field(pattern=r"^[FBW]*$", description="one letter per chunk: F forward, B backward, W weight-gradient")
-    microbatch: list[NonNegativeInt]
-    virtual_stage: list[NonNegativeInt]
-    tokens: list[NonNegativeInt | None] = Field(description="tokens per chunk; null when unknown (never 0)")
-    seq_lens: list[list[int] | None] = Field(description="packed sequence lengths per chunk; null when not reported")
-    start_s: list[NonNegativeFloat] = Field(description="offsets from the rank's iteration start, local clock")
-    duration_s: list[NonNegativeFloat]
+    kind: str = Field(pattern=r"^[FBW]*$", max_length=CHUNKS_MAX,
+                      description="one letter per chunk: F forward, B backward, W weight-gradient")
+    microbatch: list[Int32] = Field(max_length=CHUNKS_MAX)
+    virtual_stage: list[Int32] = Field(max_length=CHUNKS_MAX)
+    tokens: list[Tokens | None] = Field(max_length=CHUNKS_MAX, description="tokens per chunk; null when unknown "
+                                        "(never 0)")
+    seq_lens: list[Annotated[list[SeqLen], Field(max_length=CHUNKS_MAX)] | None] = Field(
+        max_length=CHUNKS_MAX, description="packed sequence lengths per chunk; null when not reported")
+    start_s: list[Duration] = Field(max_length=CHUNKS_MAX,
+                                    description="offsets from the rank's iteration start, local clock")
+    duration_s: list[Duration] = Field(max_length=CHUNKS_MAX)
 
     @model_validator(mode="after")
     def _same_length(self) -> ChunkTable:
@@ -181,14 +228,14 @@ class RankIteration(Payload):
 
     KIND: ClassVar[str] = "telemetry.iteration"
     VERSIONS: ClassVar[tuple[int, ...]] = (2, 3)
-    epoch: int = Field(ge=0)
-    iteration: int = Field(ge=0)
-    rank: int = Field(ge=0, description="device id")
-    node: int | None = Field(default=None, ge=0)
+    epoch: int = Field(ge=0, le=INT32_MAX)
+    iteration: int = Field(ge=0, le=COUNT_MAX)
+    rank: int = Field(ge=0, le=INT32_MAX, description="device id")
+    node: int | None = Field(default=None, ge=0, le=INT32_MAX)
     coords: Coords
-    wall_s: float = Field(ge=0, description="the rank's own iteration time, local clock")
+    wall_s: float = Field(ge=0, le=DURATION_MAX_S, description="the rank's own iteration time, local clock")
     chunk_table: ChunkTable = Field(description="every chunk the rank ran, as columns")
-    comm: list[CommWait] = Field(default_factory=list)
+    comm: list[CommWait] = Field(default_factory=list, max_length=LIST_MAX)
 
     def __init__(self, **data: Any) -> None:
         if "chunks" in data:
@@ -216,12 +263,14 @@ class TracingDeclared(Payload):
     """
 
     KIND: ClassVar[str] = "telemetry.tracing"
-    epoch: int = Field(ge=0)
-    dialect: str = Field(min_length=1, description='free label: "ours", "megatron", "profiler", "sampled", ...')
-    traced_ranks: list[NonNegativeInt] | None = Field(
-        default=None, description="None: every rank of the plan reports; a list: only these device ids do")
-    step_every: int = Field(default=1, ge=1)
-    step_offset: int = Field(default=0, ge=0)
+    epoch: int = Field(ge=0, le=INT32_MAX)
+    dialect: str = Field(min_length=1, max_length=200,
+                         description='free label: "ours", "megatron", "profiler", "sampled", ...')
+    traced_ranks: list[Int32] | None = Field(
+        default=None, max_length=LIST_MAX,
+        description="None: every rank of the plan reports; a list: only these device ids do")
+    step_every: int = Field(default=1, ge=1, le=INT32_MAX)
+    step_offset: int = Field(default=0, ge=0, le=INT32_MAX)
     seq_lens: bool = Field(default=True, description="whether chunks carry packed sequence lengths")
     tokens: bool = Field(default=True, description="whether chunks carry token counts")
     fused_p2p: bool = Field(default=False, description="whether p2p timers hold the wait for the peer")
@@ -237,21 +286,21 @@ class IterationSummary(Payload):
     """Job-level view of one iteration, reported once (by the launcher or the last stage)."""
 
     KIND: ClassVar[str] = "telemetry.summary"
-    epoch: int = Field(ge=0)
-    iteration: int = Field(ge=0)
-    loss: float | None = None
-    tokens: int = Field(ge=0)
-    wall_s: float = Field(ge=0)
+    epoch: int = Field(ge=0, le=INT32_MAX)
+    iteration: int = Field(ge=0, le=COUNT_MAX)
+    loss: Finite | None = None
+    tokens: int = Field(ge=0, le=COUNT_MAX)
+    wall_s: float = Field(ge=0, le=DURATION_MAX_S)
 
 
 class Heartbeat(Payload):
     """A rank is alive. Sent on a timer, independent of iteration progress."""
 
     KIND: ClassVar[str] = "telemetry.heartbeat"
-    rank: int = Field(ge=0)
-    epoch: int = Field(ge=0)
-    iteration: int = Field(ge=0, description="the last iteration the rank started")
-    interval_s: float = Field(gt=0, description="when the next heartbeat is due")
+    rank: int = Field(ge=0, le=INT32_MAX)
+    epoch: int = Field(ge=0, le=INT32_MAX)
+    iteration: int = Field(ge=0, le=COUNT_MAX, description="the last iteration the rank started")
+    interval_s: float = Field(gt=0, le=DURATION_MAX_S, description="when the next heartbeat is due")
 
 
 # ---- analytics (derived, published so no other process opens the analytics DuckDB) -----------
@@ -261,12 +310,12 @@ class IterationPrediction(Payload):
     """Observed against predicted time of one iteration, as the detector sees it."""
 
     KIND: ClassVar[str] = "analytics.prediction"
-    epoch: int = Field(ge=0)
-    iteration: int = Field(ge=0)
+    epoch: int = Field(ge=0, le=INT32_MAX)
+    iteration: int = Field(ge=0, le=COUNT_MAX)
     observed_s: float = Field(ge=0)
     predicted_s: float = Field(ge=0)
-    tokens: int = Field(ge=0, description="tokens the job trained in the iteration, each micro-batch once")
-    model_error: float | None = Field(default=None, description="the cost model's recent relative error")
+    tokens: int = Field(ge=0, le=COUNT_MAX, description="tokens the job trained in the iteration, each micro-batch once")
+    model_error: Finite | None = Field(default=None, description="the cost model's recent relative error")
 
 
 class ReplicaFrame(Payload):
@@ -296,9 +345,9 @@ class RankState(StrEnum):
 class RankHealthEntry(BaseModel):
     """One rank as the detector sees it."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = _CONTRACT
 
-    rank: int = Field(ge=0)
+    rank: int = Field(ge=0, le=INT32_MAX)
     state: RankState
     factor: float = Field(default=1.0, gt=0, description="estimated slowdown; 1.0 is healthy")
 
@@ -307,9 +356,23 @@ class RankHealth(Payload):
     """The detector's current view of every rank it has heard of (only changes are published)."""
 
     KIND: ClassVar[str] = "analytics.rank_health"
-    epoch: int = Field(ge=0)
-    iteration: int = Field(ge=0)
-    ranks: list[RankHealthEntry]
+    epoch: int = Field(ge=0, le=INT32_MAX)
+    iteration: int = Field(ge=0, le=COUNT_MAX)
+    ranks: list[RankHealthEntry] = Field(max_length=LIST_MAX)
+
+
+class AnalyticsLease(Payload):
+    """An analytics consumer with the detector says it runs, every few seconds (and that it stopped,
+    ``released``). Two consumers on one bus would both publish incidents; the one that started
+    later sees the other's lease, warns, publishes no incidents and says whom it defers to."""
+
+    KIND: ClassVar[str] = "analytics.lease"
+    instance: str = Field(min_length=1, max_length=200, description="this consumer's id (random per process)")
+    started_s: float = Field(allow_inf_nan=False, description="when it started (its wall clock)")
+    db: str = Field(default="", max_length=4096, description="its DuckDB file")
+    deferring_to: str | None = Field(default=None, max_length=200,
+                                     description="set when this one is the duplicate: the instance that publishes")
+    released: bool = Field(default=False, description="it stopped: the lease is free")
 
 
 # ---- incidents ----------------------------------------------------------------------------------
@@ -330,28 +393,28 @@ class Severity(StrEnum):
 class Location(BaseModel):
     """Where a fault is: a rank's compute, a link between two devices, or a whole node."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = _CONTRACT
 
     target: Literal["compute", "link", "node"]
-    rank: int | None = Field(default=None, ge=0)
-    link: tuple[int, int] | None = None
-    node: int | None = Field(default=None, ge=0)
-    replica: int | None = None
-    stage: int | None = None
-    tp_group: tuple[int, ...] | None = None
-    factor: float = Field(default=1.0, gt=0, description="estimated slowdown; inf-like for dead")
+    rank: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    link: tuple[Int32, Int32] | None = None
+    node: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    replica: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    stage: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    tp_group: tuple[Int32, ...] | None = Field(default=None, max_length=LIST_MAX)
+    factor: float = Field(default=1.0, gt=0, description="estimated slowdown; large (finite) for dead")
     confidence: float = Field(default=1.0, ge=0, le=1)
 
 
 class Evidence(BaseModel):
     """What the detector saw: the series it compared and the per-rank factors behind the call."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = _CONTRACT
 
-    iterations: list[int] = Field(default_factory=list)
-    observed_s: list[float] = Field(default_factory=list)
-    predicted_s: list[float] = Field(default_factory=list)
-    rank_factors: dict[int, float] = Field(default_factory=dict)
+    iterations: list[Count] = Field(default_factory=list, max_length=LIST_MAX)
+    observed_s: list[Finite] = Field(default_factory=list, max_length=LIST_MAX)
+    predicted_s: list[Finite] = Field(default_factory=list, max_length=LIST_MAX)
+    rank_factors: dict[Int32, Finite] = Field(default_factory=dict, max_length=LIST_MAX)
     statistic: str = ""
     note: str = ""
 
@@ -363,8 +426,8 @@ class IncidentOpened(Payload):
     incident_id: str
     category: FaultCategory
     severity: Severity
-    iteration: int = Field(ge=0, description="iteration at which it was detected")
-    locations: list[Location]
+    iteration: int = Field(ge=0, le=COUNT_MAX, description="iteration at which it was detected")
+    locations: list[Location] = Field(max_length=LIST_MAX)
     evidence: Evidence
     summary: str
 
@@ -376,7 +439,7 @@ class IncidentConfirmed(Payload):
     incident_id: str
     method: Literal["probe", "heartbeat", "persistence"]
     detail: str
-    locations: list[Location] = Field(default_factory=list)
+    locations: list[Location] = Field(default_factory=list, max_length=LIST_MAX)
 
 
 class IncidentUpdated(Payload):
@@ -384,12 +447,12 @@ class IncidentUpdated(Payload):
 
     KIND: ClassVar[str] = "incident.updated"
     incident_id: str
-    iteration: int = Field(ge=0)
+    iteration: int = Field(ge=0, le=COUNT_MAX)
     severity: Severity
-    locations: list[Location]
+    locations: list[Location] = Field(max_length=LIST_MAX)
     evidence: Evidence
-    probing: list[int] = Field(
-        default_factory=list,
+    probing: list[Int32] = Field(
+        default_factory=list, max_length=LIST_MAX,
         description="ranks a probe is asking again because of this update: a more precise location follows "
                     "(the next update of the incident), so a plan made on this one would soon be stale")
 
@@ -399,7 +462,7 @@ class IncidentResolved(Payload):
 
     KIND: ClassVar[str] = "incident.resolved"
     incident_id: str
-    iteration: int = Field(ge=0)
+    iteration: int = Field(ge=0, le=COUNT_MAX)
     reason: str
 
 
@@ -409,9 +472,9 @@ class ProbeRequest(Payload):
     KIND: ClassVar[str] = "probe.request"
     probe_id: str
     incident_id: str | None = None
-    ranks: list[int] = Field(min_length=1)
+    ranks: list[Int32] = Field(min_length=1, max_length=LIST_MAX)
     target: Literal["compute", "link"] = "compute"
-    repeats: int = Field(default=3, ge=1)
+    repeats: int = Field(default=3, ge=1, le=INT32_MAX)
 
 
 class ProbeResult(Payload):
@@ -419,9 +482,9 @@ class ProbeResult(Payload):
 
     KIND: ClassVar[str] = "probe.result"
     probe_id: str
-    rank: int = Field(ge=0)
-    duration_s: float = Field(ge=0)
-    reference_s: float = Field(gt=0, description="what a healthy device takes for the same probe")
+    rank: int = Field(ge=0, le=INT32_MAX)
+    duration_s: float = Field(ge=0, le=DURATION_MAX_S)
+    reference_s: float = Field(gt=0, le=DURATION_MAX_S, description="what a healthy device takes for the same probe")
 
 
 # ---- remediation lifecycle ----------------------------------------------------------------------
@@ -433,14 +496,14 @@ class PlanProposed(Payload):
     KIND: ClassVar[str] = "plan.proposed"
     VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # 2 adds fraction_of_before
     plan_id: str
-    incident_ids: list[str]
+    incident_ids: list[str] = Field(max_length=LIST_MAX)
     strategy: str
-    base_epoch: int = Field(ge=0)
-    plan: Plan
-    current_tokens_per_s: float = Field(ge=0)
-    predicted_tokens_per_s: float = Field(ge=0)
-    reshape_cost_s: float = Field(ge=0)
-    diff: list[str]
+    base_epoch: int = Field(ge=0, le=INT32_MAX)
+    plan: ContractPlan
+    current_tokens_per_s: float = Field(ge=0, le=RATE_MAX)
+    predicted_tokens_per_s: float = Field(ge=0, le=RATE_MAX)
+    reshape_cost_s: float = Field(ge=0, le=DURATION_MAX_S)
+    diff: list[str] = Field(max_length=LIST_MAX)
     severity: Severity = Severity.MEDIUM
     fraction_of_before: float | None = Field(
         default=None, gt=0, description="a plan that resumes a job hung on a dead device: its predicted tokens/s over "
@@ -468,7 +531,7 @@ class PolicyChanged(Payload):
 
     KIND: ClassVar[str] = "policy.changed"
     mode: PolicyMode
-    auto_severities: list[Severity] = Field(default_factory=list, description="severities auto-applied in auto mode")
+    auto_severities: list[Severity] = Field(default_factory=list, max_length=16, description="severities auto-applied in auto mode")
     actor: str = Field(min_length=1)
 
 
@@ -478,7 +541,7 @@ class ReconfigureCommand(Payload):
     KIND: ClassVar[str] = "command.reconfigure"
     command_id: str
     plan_id: str
-    plan: Plan
+    plan: ContractPlan
 
 
 class AckStatus(StrEnum):
@@ -494,11 +557,11 @@ class CommandAck(Payload):
     KIND: ClassVar[str] = "command.ack"
     command_id: str
     plan_id: str
-    epoch: int = Field(ge=0, description="the epoch the command asked for")
+    epoch: int = Field(ge=0, le=INT32_MAX, description="the epoch the command asked for")
     status: AckStatus
-    running_epoch: int = Field(ge=0, description="the epoch the trainer runs after handling it")
-    pause_s: float = Field(default=0.0, ge=0)
-    pause_iterations: int = Field(default=0, ge=0)
+    running_epoch: int = Field(ge=0, le=INT32_MAX, description="the epoch the trainer runs after handling it")
+    pause_s: float = Field(default=0.0, ge=0, le=DURATION_MAX_S)
+    pause_iterations: int = Field(default=0, ge=0, le=COUNT_MAX)
     detail: str = ""
 
 
@@ -508,8 +571,8 @@ class PlanVerified(Payload):
 
     KIND: ClassVar[str] = "plan.verified"
     plan_id: str
-    measured_tokens_per_s: float = Field(ge=0)
-    predicted_tokens_per_s: float = Field(ge=0)
+    measured_tokens_per_s: float = Field(ge=0, le=RATE_MAX)
+    predicted_tokens_per_s: float = Field(ge=0, le=RATE_MAX)
     reason: str | None = Field(
         default=None, description="the measured change against the predicted one, and why a plan that fell short of "
         "it is kept; None from an engine that did not say")
@@ -521,8 +584,8 @@ class PlanRolledBack(Payload):
     KIND: ClassVar[str] = "plan.rolled_back"
     plan_id: str
     reason: str
-    measured_tokens_per_s: float = Field(ge=0)
-    predicted_tokens_per_s: float = Field(ge=0)
+    measured_tokens_per_s: float = Field(ge=0, le=RATE_MAX)
+    predicted_tokens_per_s: float = Field(ge=0, le=RATE_MAX)
 
 
 class PlanWithheld(Payload):
@@ -533,8 +596,8 @@ class PlanWithheld(Payload):
 
     KIND: ClassVar[str] = "plan.withheld"
     reason: str = Field(min_length=1)
-    base_epoch: int = Field(ge=0, description="the plan epoch running when the engine decided")
-    incident_ids: list[str] = Field(default_factory=list, description="the incidents open then")
+    base_epoch: int = Field(ge=0, le=INT32_MAX, description="the plan epoch running when the engine decided")
+    incident_ids: list[str] = Field(default_factory=list, max_length=LIST_MAX, description="the incidents open then")
     waiting: bool = Field(default=False, description="true: it waits for something due (a location, a probe's "
                                                      "answer) and plans once it comes; false: it cannot plan")
 
@@ -545,26 +608,27 @@ class PlanCurrent(Payload):
     the plan on its command line."""
 
     KIND: ClassVar[str] = "plan.current"
-    plan: Plan
+    plan: ContractPlan
     reason: Literal["start", "reshape", "restart"] = "start"
-    gpus_per_node: int = Field(default=8, ge=1)
+    gpus_per_node: int = Field(default=8, ge=1, le=INT32_MAX)
     model_name: str = ""
-    layer_state_bytes: int = Field(default=0, ge=0, description="parameters + optimizer state of one layer")
-    tokens_per_microbatch: int = Field(default=0, ge=0)
+    layer_state_bytes: int = Field(default=0, ge=0, le=COUNT_MAX,
+                                   description="parameters + optimizer state of one layer")
+    tokens_per_microbatch: int = Field(default=0, ge=0, le=TOKENS_MAX)
 
 
 class CostFit(BaseModel):
     """One fitted line of the cost model: T = alpha·N + beta·Σl² + gamma for a (stage, kind)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = _CONTRACT
 
-    stage: int = Field(ge=0)
+    stage: int = Field(ge=0, le=INT32_MAX)
     kind: ChunkKind
-    alpha_s_per_token: float
-    beta_s_per_token_sq: float
-    gamma_s: float
-    samples: int = Field(ge=0)
-    rel_error: float | None = Field(default=None, description="recent median |observed − predicted| / predicted")
+    alpha_s_per_token: Finite
+    beta_s_per_token_sq: Finite
+    gamma_s: Finite
+    samples: int = Field(ge=0, le=COUNT_MAX)
+    rel_error: Finite | None = Field(default=None, description="recent median |observed − predicted| / predicted")
     workload_cv: float | None = Field(
         default=None, ge=0, description="relative spread of the line's prediction over the window's micro-batches: how "
         "much the packed mix (N, Σl²) moves one micro-batch's chunk time, a spread its chunks share at every stage")
@@ -577,9 +641,9 @@ class CostModelFitted(Payload):
     """The detector's current cost model, published when it changes, for the planner to score with."""
 
     KIND: ClassVar[str] = "analytics.cost_model"
-    epoch: int = Field(ge=0)
-    iteration: int = Field(ge=0)
-    fits: list[CostFit]
+    epoch: int = Field(ge=0, le=INT32_MAX)
+    iteration: int = Field(ge=0, le=COUNT_MAX)
+    fits: list[CostFit] = Field(max_length=LIST_MAX)
 
 
 # ---- ground truth and the dead letters ----------------------------------------------------------
@@ -592,8 +656,11 @@ class FaultInjected(Payload):
     fault_id: str
     category: FaultCategory
     location: Location
-    start_iteration: int = Field(ge=0)
-    end_iteration: int | None = Field(default=None, description="exclusive; None while it lasts")
+    start_iteration: int = Field(ge=0, le=COUNT_MAX)
+    end_iteration: int | None = Field(default=None, ge=0, le=COUNT_MAX, description="exclusive; None while it lasts")
+
+
+DEADLETTER_REASON_MAX = 2_000
 
 
 class SignInFailed(Payload):
@@ -605,31 +672,49 @@ class SignInFailed(Payload):
     user: str = Field(default="", max_length=64, description="the user name if it exists; empty otherwise")
     client: str = Field(max_length=200, description="the client address the console saw")
     reason: Literal["unknown_user", "wrong_password"]
-    user_failures: int = Field(ge=0, description="consecutive failures for this user name")
-    client_failures: int = Field(ge=0, description="consecutive failures from this client")
+    user_failures: int = Field(ge=0, le=COUNT_MAX, description="consecutive failures for this user name")
+    client_failures: int = Field(ge=0, le=COUNT_MAX, description="consecutive failures from this client")
     locks: list[Literal["user", "client"]] = Field(default_factory=list)
-    locked_until_s: float | None = Field(default=None, description="Unix time the new lock ends")
+    locked_until_s: float | None = Field(default=None, ge=0, le=TIME_MAX_S, description="Unix time the new lock ends")
 
 
 class DeadLetter(Payload):
-    """A record that could not be decoded, kept with its raw bytes and the reason."""
+    """A record that could not be decoded, kept with its raw bytes and the reason. A record too large
+    to carry whole keeps a prefix, its length and its SHA-256, so a dead letter always fits the bus."""
 
     KIND: ClassVar[str] = "deadletter"
-    topic: str
-    partition: int
-    offset: int
-    group: str
-    reason: str
-    raw_b64: str
+    topic: str = Field(max_length=1000)
+    partition: int = Field(ge=0, le=INT32_MAX)
+    offset: int = Field(ge=0, le=COUNT_MAX)
+    group: str = Field(max_length=1000)
+    reason: str = Field(max_length=DEADLETTER_REASON_MAX)
+    raw_b64: str = Field(description="the record's bytes (a prefix when raw_length says it was longer)")
+    raw_length: int | None = Field(default=None, ge=0, le=COUNT_MAX,
+                                   description="the record's length in bytes when raw_b64 holds only a prefix")
+    raw_sha256: str | None = Field(default=None, max_length=64,
+                                   description="hex SHA-256 of the whole record, when raw_b64 holds only a prefix")
+
+
+class ControlRejected(Payload):
+    """A reader refused a control event (unsigned, signed by a role that may not write it, or
+    asking for more work than it allows) and did not act on it; published once per event id by the
+    reader that refused it (collector/auth.py)."""
+
+    KIND: ClassVar[str] = "control.rejected"
+    event_id: str
+    kind: str
+    source: str
+    reason: str = Field(min_length=1)
+    reader: str = Field(default="", description="who refused it: remediation, trainer, simulator, ...")
 
 
 PAYLOAD_TYPES: tuple[type[Payload], ...] = (
     RankIteration, IterationSummary, Heartbeat, TracingDeclared,
-    IterationPrediction, RankHealth, ReplicaFrame,
+    IterationPrediction, RankHealth, AnalyticsLease, ReplicaFrame,
     IncidentOpened, IncidentConfirmed, IncidentUpdated, IncidentResolved, ProbeRequest, ProbeResult,
     PlanProposed, PlanDecision, PolicyChanged, ReconfigureCommand, CommandAck, PlanVerified, PlanRolledBack,
     PlanWithheld, PlanCurrent, CostModelFitted,
-    FaultInjected, DeadLetter, SignInFailed,
+    FaultInjected, DeadLetter, SignInFailed, ControlRejected,
 )
 PAYLOAD_BY_KIND: dict[str, type[Payload]] = {p.KIND: p for p in PAYLOAD_TYPES}
 
@@ -643,16 +728,20 @@ ENVELOPE_HEADER: tuple[str, ...] = ("id", "kind", "schema_version", "job", "sour
 class Envelope(BaseModel):
     """Header every event carries. Consumers are idempotent on ``id``."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = _CONTRACT
 
     id: str = Field(min_length=1, max_length=64, description="unique; consumers dedupe on it")
     kind: str = Field(description="names the payload type (see Kinds)")
-    schema_version: int = Field(description="version of the payload schema; the newest is written")
+    schema_version: int = Field(ge=0, le=INT32_MAX, description="version of the payload schema; the newest is written")
     job: str = Field(min_length=1, max_length=200, description="the training job")
     source: str = Field(min_length=1, max_length=200, description="rank-5, analytics, ui:alice, ...")
-    seq: int = Field(ge=0, description="per-source sequence number")
-    time_s: float = Field(description="Unix time at the source")
+    seq: int = Field(ge=0, le=COUNT_MAX, description="per-source sequence number")
+    time_s: float = Field(ge=0, le=TIME_MAX_S, description="Unix time at the source")
     payload: Payload = Field(description="one of the kinds below")
+    signature: str | None = Field(
+        default=None, max_length=200, exclude_if=lambda v: v is None,
+        description="role:HMAC-SHA256 of the canonical event, on control events only (collector/auth.py); absent "
+                    "on telemetry")
 
     @field_validator("schema_version")
     @classmethod

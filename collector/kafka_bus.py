@@ -5,6 +5,15 @@ written twice; ``publish`` flushes and checks every send, so it returns only whe
 the batch. Keys are ``job/source``: one rank's events land in one partition, in order.
 Consumers: a consumer group with manual commits; ``on_assign`` seeks to positions a consumer stored
 itself (in its DuckDB transaction) whenever the group hands it partitions.
+Security: with ``RESIHP_KAFKA_USERNAME`` (collector/settings.py) every client signs in with SASL
+(SCRAM-SHA-256 by default) as that principal; the broker's ACLs decide what it may read and write
+(docs/kafka.md). A principal without the right to create topics uses the ones that exist.
+Outages: a broker that goes away never stops a process. ``publish`` retries what the brokers did
+not take, with back-off, until they take it (``RESIHP_KAFKA_OUTAGE_LIMIT_S`` bounds the wait; 0, the
+default, waits for ever), and a consumer's ``poll`` and ``commit`` ride it out; both mark the bus's
+``BusHealth`` down on the connection errors and up again, so a consumer can say an outage happened
+and suspend what missing data would mislead (resihp/commands/analytics.py). A retried batch may land
+twice (the broker may have written it before the connection broke): consumers dedupe on event id.
 Topics are created at start-up with the admin client (replication from RESIHP_KAFKA_REPLICATION,
 default 1 for the single-node broker) and the configs of ``collector.topics.TOPIC_CONFIGS`` (the
 control topic keeps every record). A control topic that already exists with another retention is
@@ -14,28 +23,51 @@ left as it is and reported: changing a cluster's topic is its operator's call.
 from __future__ import annotations
 
 import logging
+import socket
+import time
 from collections.abc import Mapping, Sequence
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka import TopicPartition as KafkaTP
 from kafka.admin import ConfigResource, ConfigResourceType
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import (
+    AuthorizationError, CommitFailedError, IllegalGenerationError, KafkaConnectionError, KafkaError, KafkaTimeoutError,
+    RebalanceInProgressError, TopicAlreadyExistsError, UnknownMemberIdError,
+)
 from kafka.structs import OffsetAndMetadata
 
-from collector.bus import Bus, Consumer, OnAssign, RawMessage, Record, TopicPartition
+from collector.bus import Bus, BusHealth, Consumer, OnAssign, RawMessage, Record, TopicPartition
 from collector.codec import MAX_EVENT_BYTES
-from collector.settings import environment
+from collector.settings import Environment, environment
 from collector.topics import ALL_TOPICS, PARTITIONS, TOPIC_CONFIGS
 
 _JOIN_POLL_MS = 250
+_RETRY_MAX_S = 5.0  # the longest back-off between two tries of a publish during an outage
+_FLUSH_TIMEOUT_S = 30.0  # twice the producer's delivery timeout
 log = logging.getLogger(__name__)
 
 
-def ensure_topics(bootstrap: str, topics: Sequence[str] = ALL_TOPICS, namespace: str = "") -> None:
-    """Create the platform's topics (under ``namespace``) if they do not exist (idempotent)."""
+def client_security(env: Environment | None = None) -> dict[str, str]:
+    """kafka-python's SASL settings from the environment (empty: plaintext, no sign-in)."""
+    env = env or environment()
+    protocol = env.kafka_security_protocol or ("SASL_PLAINTEXT" if env.kafka_username else "")
+    if not protocol or protocol == "PLAINTEXT":
+        return {}
+    if not env.kafka_username:
+        raise ValueError(f"RESIHP_KAFKA_SECURITY_PROTOCOL={protocol} needs RESIHP_KAFKA_USERNAME and "
+                         "RESIHP_KAFKA_PASSWORD (source a principal's env file: docs/kafka.md)")
+    return {"security_protocol": protocol, "sasl_mechanism": env.kafka_sasl_mechanism,
+            "sasl_plain_username": env.kafka_username, "sasl_plain_password": env.kafka_password}
+
+
+def ensure_topics(bootstrap: str, topics: Sequence[str] = ALL_TOPICS, namespace: str = "",
+                  security: Mapping[str, str] | None = None) -> None:
+    """Create the platform's topics (under ``namespace``) if they do not exist (idempotent). A
+    principal the ACLs do not let create topics logs it and goes on with those that exist."""
     replication = environment().kafka_replication
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="resihp-admin")
+    security = client_security() if security is None else security
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="resihp-admin", **security)
     try:
         existing = set(admin.list_topics())
         missing = {
@@ -49,6 +81,10 @@ def ensure_topics(bootstrap: str, topics: Sequence[str] = ALL_TOPICS, namespace:
                 admin.create_topics(missing, wait_for_metadata=True)
             except TopicAlreadyExistsError:
                 pass  # another process created them first
+            except AuthorizationError as exc:
+                log.info("principal %s may not create topics %s (%s); using what exists (the admin creates them: "
+                         "resihp kafka up --secure)", security.get("sasl_plain_username"), sorted(missing), exc)
+                return
         for t in topics:
             if namespace + t in existing and t in TOPIC_CONFIGS:
                 _report_drift(admin, namespace + t, TOPIC_CONFIGS[t])
@@ -80,19 +116,23 @@ def _report_drift(admin: KafkaAdminClient, topic: str, wanted: Mapping[str, str]
 class KafkaBus(Bus):
     name = "kafka"
 
-    def __init__(self, bootstrap: str, *, namespace: str | None = None, create_topics: bool = True) -> None:
+    def __init__(self, bootstrap: str, *, namespace: str | None = None, create_topics: bool = True,
+                 security: Mapping[str, str] | None = None) -> None:
         self.bootstrap = bootstrap
+        # SASL settings for every client (default: from the environment, client_security()).
+        self.security = dict(client_security() if security is None else security)
         # Several environments (or tests) can share a cluster: every topic name gets this prefix.
         self.namespace = environment().kafka_namespace if namespace is None else namespace
         if create_topics:
             try:
-                ensure_topics(bootstrap, namespace=self.namespace)
+                ensure_topics(bootstrap, namespace=self.namespace, security=self.security)
             except KafkaError as exc:
                 raise ConnectionError(
                     f"cannot reach Kafka at {bootstrap} ({exc.__class__.__name__}: {exc}); start the local "
                     "broker with `resihp kafka up` or set RESIHP_KAFKA_BOOTSTRAP"
                 ) from exc
         self._producer: KafkaProducer | None = None
+        self.health = BusHealth()
 
     @property
     def producer(self) -> KafkaProducer:
@@ -105,24 +145,78 @@ class KafkaBus(Bus):
                 linger_ms=5,
                 batch_size=512 * 1024,
                 max_request_size=MAX_EVENT_BYTES + 64 * 1024,
+                # An outage shows within seconds (then publish_raw retries), not after Kafka's minutes.
+                max_block_ms=5_000,
+                request_timeout_ms=5_000,
+                delivery_timeout_ms=15_000,
+                **self.security,
             )
         return self._producer
 
     def publish_raw(self, messages: Sequence[RawMessage]) -> None:
+        """Return once the brokers hold every message; through an outage, retry with back-off."""
+        pending = list(messages)
+        limit_s = environment().kafka_outage_limit_s
+        started, delay_s = time.monotonic(), 0.25
+        while pending:
+            try:
+                pending = self._send(pending)
+            except KafkaError as exc:
+                if not _retriable(exc):
+                    raise ConnectionError(f"Kafka did not accept a record: {exc}") from exc
+                self._drop_producer()  # a fresh one re-bootstraps when the brokers are back
+                self.health.mark_down(f"publish: {exc.__class__.__name__}: {exc}")
+            if not pending:
+                break
+            if limit_s and time.monotonic() - started > limit_s:
+                raise ConnectionError(f"Kafka at {self.bootstrap} took no records for {limit_s:g} s "
+                                      f"({self.health.reason}); raise RESIHP_KAFKA_OUTAGE_LIMIT_S or check the brokers")
+            time.sleep(delay_s)
+            delay_s = min(2 * delay_s, _RETRY_MAX_S)
+        self.health.mark_up()
+
+    def _send(self, messages: list[RawMessage]) -> list[RawMessage]:
+        """Send and flush; returns the messages to try again (their send failed and may succeed)."""
         ns = self.namespace
-        futures = [self.producer.send(ns + topic, key=key, value=value) for topic, key, value in messages]
-        self.producer.flush()
-        for f in futures:
-            if f.failed():
+        futures = [(m, self.producer.send(ns + m.topic, key=m.key, value=m.value)) for m in messages]
+        # Bounded: after a broker restart kafka-python can leave a batch that neither completes nor
+        # expires; the timeout (KafkaTimeoutError) drops that producer and the batch goes again.
+        self.producer.flush(timeout=_FLUSH_TIMEOUT_S)
+        again = []
+        for m, f in futures:
+            if not f.failed():
+                continue
+            if isinstance(f.exception, AuthorizationError):
+                raise PermissionError(
+                    f"Kafka refused principal {self.security.get('sasl_plain_username', 'ANONYMOUS')!r} a write "
+                    f"({f.exception}); its ACLs do not allow this topic (docs/kafka.md lists who may write what)"
+                ) from f.exception
+            if not _retriable(f.exception):
                 raise ConnectionError(f"Kafka did not accept a record: {f.exception}") from f.exception
+            self.health.mark_down(f"publish: {f.exception.__class__.__name__}: {f.exception}")
+            again.append(m)
+        if again:
+            self._drop_producer()
+        return again
+
+    def _drop_producer(self) -> None:
+        if self._producer is not None:
+            try:
+                self._producer.close(timeout=0)
+            except Exception:  # noqa: BLE001 - closing a broken producer may fail any way; it is dropped
+                log.debug("closing the producer after an outage failed", exc_info=True)
+            self._producer = None
 
     def consumer(
         self, group: str, topics: Sequence[str], on_assign: OnAssign | None = None, instance_id: str | None = None
     ) -> Consumer:
-        return KafkaBusConsumer(self.bootstrap, group, topics, on_assign, self.namespace, instance_id)
+        consumer = KafkaBusConsumer(self.bootstrap, group, topics, on_assign, self.namespace, instance_id,
+                                    self.security)
+        consumer.health = self.health
+        return consumer
 
     def end_offsets(self, topics: Sequence[str]) -> dict[TopicPartition, int]:
-        c = KafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
+        c = KafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False, **self.security)
         try:
             ns = self.namespace
             tps = [KafkaTP(ns + t, p) for t in topics for p in sorted(c.partitions_for_topic(ns + t) or ())]
@@ -134,6 +228,30 @@ class KafkaBus(Bus):
         if self._producer is not None:
             self._producer.close()
             self._producer = None
+
+
+# A commit refused because the group is (re)forming, as it does after a broker restart: not fatal.
+_MEMBERSHIP_ERRORS = (CommitFailedError, RebalanceInProgressError, IllegalGenerationError, UnknownMemberIdError)
+
+
+def _retriable(exc: BaseException | None) -> bool:
+    """An error that a broker coming back can cure (connection, timeout, no leader, no metadata)."""
+    if isinstance(exc, AuthorizationError):
+        return False
+    return isinstance(exc, (KafkaTimeoutError, KafkaConnectionError, OSError)) or bool(
+        getattr(exc, "retriable", False))
+
+
+def reachable(bootstrap: str, timeout_s: float = 0.5) -> bool:
+    """True if any bootstrap broker accepts a connection (a broker process that is gone refuses it)."""
+    for address in bootstrap.split(","):
+        host, _, port = address.strip().rpartition(":")
+        try:
+            socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
+            return True
+        except (OSError, ValueError):
+            continue
+    return False
 
 
 class _SeekOnAssign(ConsumerRebalanceListener):
@@ -163,11 +281,15 @@ class KafkaBusConsumer(Consumer):
         on_assign: OnAssign | None,
         namespace: str = "",
         instance_id: str | None = None,
+        security: Mapping[str, str] | None = None,
     ) -> None:
         if not topics:
             raise ValueError("a consumer needs at least one topic")
         self.group = group
         self._ns = namespace
+        self._bootstrap = bootstrap
+        self.health = BusHealth()  # KafkaBus.consumer shares its bus's
+        self._probed_at = 0.0
         self._rewind_pending = False
         self._kafka = KafkaConsumer(
             bootstrap_servers=bootstrap,
@@ -180,6 +302,7 @@ class KafkaBusConsumer(Consumer):
             heartbeat_interval_ms=1_000,
             max_partition_fetch_bytes=8 * 1024 * 1024,
             fetch_max_bytes=64 * 1024 * 1024,
+            **(security or {}),
         )
         self._kafka.subscribe([namespace + t for t in topics], listener=_SeekOnAssign(self, on_assign))
 
@@ -196,18 +319,51 @@ class KafkaBusConsumer(Consumer):
             # that polls with timeout 0 (a simulator or trainer checking for commands between
             # iterations) would otherwise never join.
             timeout_ms = max(timeout_ms, _JOIN_POLL_MS)
-        batches = self._kafka.poll(timeout_ms=timeout_ms, max_records=max_records)
+        try:
+            batches = self._kafka.poll(timeout_ms=timeout_ms, max_records=max_records)
+        except KafkaError as exc:
+            if not _retriable(exc):
+                raise
+            self.health.mark_down(f"poll: {exc.__class__.__name__}: {exc}")
+            time.sleep(min(timeout_s, 1.0))
+            return []
+        self._probe(bool(batches))
         out: list[Record] = []
         for tp, records in batches.items():
             topic = tp.topic[len(self._ns):]
             out.extend(Record(topic, tp.partition, r.offset, r.key, r.value, r.timestamp / 1000.0) for r in records)
         return out
 
-    def commit(self, positions: Mapping[TopicPartition, int] | None = None) -> None:
-        if positions is None:
-            self._kafka.commit()
+    def _probe(self, delivered: bool) -> None:
+        """Records prove the brokers are there; with none, look (at most once a second) whether the
+        brokers accept connections: kafka-python reconnects quietly, so an empty poll alone cannot
+        tell an idle log from a gone broker."""
+        if delivered:
+            self.health.mark_up()
             return
-        self._kafka.commit({self._physical(tp): OffsetAndMetadata(off, "", -1) for tp, off in positions.items()})
+        now = time.monotonic()
+        if now - self._probed_at < 1.0:
+            return
+        self._probed_at = now
+        if reachable(self._bootstrap):
+            self.health.mark_up()
+        else:
+            self.health.mark_down(f"no broker of {self._bootstrap} accepts connections")
+
+    def commit(self, positions: Mapping[TopicPartition, int] | None = None) -> None:
+        """Commit the group's offsets. Through an outage this logs and returns: the next commit
+        carries later offsets, and a restart in between re-reads a little (consumers dedupe)."""
+        offsets = None if positions is None else {
+            self._physical(tp): OffsetAndMetadata(off, "", -1) for tp, off in positions.items()}
+        try:
+            self._kafka.commit(offsets, timeout_ms=5_000)
+        except _MEMBERSHIP_ERRORS as exc:  # the group rebalanced meanwhile: the partitions' owner goes on
+            log.warning("group %s: offsets not committed (%s); the next owner resumes from the last commit",
+                        self.group, exc)
+        except KafkaError as exc:
+            if not _retriable(exc):
+                raise
+            self.health.mark_down(f"commit: {exc.__class__.__name__}: {exc}")
 
     def seek(self, positions: Mapping[TopicPartition, int]) -> None:
         for tp, off in positions.items():

@@ -14,6 +14,11 @@ epoch is not the running epoch + 1 (stale or out of order), a duplicate command,
 command the fold has not accepted, a trainer's ``ignored_*`` acknowledgement. Events are
 deduplicated on their id (:func:`admit`).
 
+A control event that does not verify (collector/auth.py: unsigned, or signed by a role that may
+not write its kind) is refused before it can move anything: kept in ``rejected`` with why, and
+reported. Its id is not remembered as seen, so a forgery that copies the id of a real event the
+engine will publish (reaction ids are deterministic) cannot shadow it.
+
 The fold lives in collector/ because it reads nothing but the contract: analytics, which must not
 import remediation, projects it as well as the engine does.
 """
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from collector.auth import Keyring, load_keyring, needs_signature
 from collector.events import (
     AckStatus, CommandAck, Envelope, PlanCurrent, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified,
     PolicyChanged, PolicyMode, ReconfigureCommand, Severity,
@@ -118,6 +124,8 @@ class PlanLifecycle:
     auto_severities: list[Severity] = field(default_factory=list)
     reports: list[Report] = field(default_factory=list)
     seen: set[str] = field(default_factory=set)
+    keyring: Keyring | None = None  # None: the environment's (collector/auth.py's load_keyring)
+    rejected: dict[str, str] = field(default_factory=dict)  # refused event id -> why
 
     def plan_runs(self, plan: Plan) -> None:
         """``plan`` runs now; plans left behind by the epoch change close."""
@@ -140,12 +148,23 @@ class PlanLifecycle:
 
 
 def admit(state: PlanLifecycle, event: Envelope) -> bool:
-    """Whether ``event`` is new to ``state`` and of its job; remembers its id."""
+    """Whether ``event`` is new to ``state``, of its job and, for a control event, signed by a role
+    that may write it; remembers its id. A refused event is reported once and never remembered."""
     if state.job is not None and event.job != state.job:
         return False
-    if event.id in state.seen:
+    signed = needs_signature(event.kind)
+    # unsigned kinds keep their ids apart, so an unsigned event cannot take a control event's id
+    key = event.id if signed else "u:" + event.id
+    if key in state.seen:
         return False
-    state.seen.add(event.id)
+    if signed:
+        reason = (state.keyring or load_keyring()).verify(event)
+        if reason is not None:
+            if event.id not in state.rejected:
+                state.rejected[event.id] = reason
+                state.report(event, f"not authenticated, ignored: {reason}")
+            return False
+    state.seen.add(key)
     return True
 
 

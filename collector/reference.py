@@ -33,6 +33,34 @@ reports them; `start_s` offsets are relative to the reporting rank's own iterati
 subtract the clocks of two hosts.
 """
 
+RANGES = """## Contract ranges
+
+Every number is checked at decode, before any table, detector or screen sees it; a record outside a
+range goes to `{deadletter}` with a reason naming the field (`invalid event:
+payload.rank: Input should be less than or equal to {int32:,}`), and the consumer carries on.
+
+| what | range |
+|---|---|
+| ranks, device ids (plans' too), nodes, peers, epochs, TP/PP/DP/CP coordinates, micro-batch and virtual-stage numbers, stages, replicas, schema versions, partitions | integers 0 … {int32:,} (int32) |
+| iterations, sequence numbers (`seq`), offsets, byte counts, token totals of an iteration, sample counts | integers 0 … {count:,} (2^53: exact as a double, far from int64's end) |
+| tokens of one chunk, `tokens_per_microbatch` | integers 0 … {tokens:,} (2^40) |
+| packed sequence lengths | integers 0 … {int32:,} |
+| durations and offsets (`*_s` measured by a host: chunk, comm, wall, pause, probe, heartbeat interval, reshape cost) | finite, 0 … {duration:,.0f} s |
+| `time_s` (the envelope's Unix time) | finite, 0 … {time:,.0f} |
+| tokens per second | finite, 0 … {rate:.0e} |
+| everything else that is a float (loss, fitted coefficients, factors, evidence) | finite |
+| lists (chunks of a rank-iteration, sequences of a chunk) | at most {chunks:,} items |
+| other lists (comm waits, traced ranks, locations, evidence, plan ids) | at most {lists:,} items |
+
+Non-finite floats (`NaN`, `Infinity`, `-Infinity`, or a literal too large for a double such as
+`1e400`) are refused in every field. Text is any UTF-8 without lone surrogates; `id` is 1–64
+characters, `job` and `source` 1–200. A whole record is at most {max_bytes:,} bytes.
+
+**Dead letters are bounded.** A `deadletter` carries the bad record whole when it is at most 64 KiB;
+a longer one keeps its first 64 KiB, `raw_length` and `raw_sha256`, so a dead letter always fits
+the bus, however large the record was. Its reason is clipped to 2,000 characters.
+"""
+
 TRACING = """## Dialects and sampled tracing
 
 Real trainers record less than this contract can carry, and differently. A producer says what it
@@ -125,6 +153,10 @@ def render() -> str:
         kinds = ", ".join(f"`{p.KIND}`" for p in PAYLOAD_TYPES if topic_for(p.KIND) == t)
         lines.append(f"| `{t}` | {topics.PARTITIONS[t]} | {kinds} |")
     lines += ["", "Records are keyed `job/source`, so one source's events stay in order within a partition.", ""]
+    lines += [RANGES.format(deadletter=topics.DEADLETTER, int32=events.INT32_MAX, count=events.COUNT_MAX,
+                            tokens=events.TOKENS_MAX, duration=events.DURATION_MAX_S, time=events.TIME_MAX_S,
+                            rate=events.RATE_MAX, chunks=events.CHUNKS_MAX, lists=events.LIST_MAX,
+                            max_bytes=MAX_EVENT_BYTES)]
     lines += [TRACING, "## Kinds", ""]
     for p in PAYLOAD_TYPES:
         versions = ", ".join(str(v) for v in p.VERSIONS)

@@ -20,6 +20,7 @@ DEFAULT_EMBEDDED_PATH = ".resihp/bus.sqlite"
 DEFAULT_KAFKA_BOOTSTRAP = "127.0.0.1:19092"
 DEFAULT_USERS_PATH = ".resihp/ui-users.toml"
 DEFAULT_TRACE_DIR = ".resihp/traces"
+DEFAULT_KEYS_PATH = ".resihp/keys.json"
 
 
 class Environment(BaseSettings):
@@ -36,6 +37,19 @@ class Environment(BaseSettings):
     kafka_bootstrap: str = Field(default=DEFAULT_KAFKA_BOOTSTRAP, description="Kafka bootstrap servers, host:port[,…]")
     kafka_namespace: str = Field(default="", description="prefix of every Kafka topic, so environments share a cluster")
     kafka_replication: int = Field(default=1, description="replication factor of the topics the platform creates")
+    kafka_outage_limit_s: float = Field(
+        default=0.0, ge=0, description="how long a publish waits out a broker outage before it fails (0: for ever)")
+    kafka_security_protocol: str = Field(
+        default="", description="PLAINTEXT, SASL_PLAINTEXT or SASL_SSL (empty: SASL_PLAINTEXT when a username is set)")
+    kafka_sasl_mechanism: str = Field(default="SCRAM-SHA-256", description="SCRAM-SHA-256, SCRAM-SHA-512 or PLAIN")
+    kafka_username: str = Field(default="", description="the SASL principal this process signs in as (docs/kafka.md)")
+    kafka_password: str = Field(default="", description="that principal's password")
+    # control-event keys (collector/auth.py, docs/security.md)
+    keys: str = Field(default=DEFAULT_KEYS_PATH, description="the role key file (0600), made on first use")
+    key_engine: str = Field(default="", description="the engine's key, hex (overrides the key file)")
+    key_analytics: str = Field(default="", description="the analytics consumer's key, hex (overrides the key file)")
+    key_console: str = Field(default="", description="the console's key, hex (overrides the key file)")
+    key_executor: str = Field(default="", description="the trainer's (executor's) key, hex (overrides the key file)")
     # processes
     gc: str = Field(default="streaming", description="streaming (raised collector thresholds) or python (CPython's)")
     log: str = Field(default="WARNING", description="log level of the trainer's worker processes")
@@ -50,7 +64,29 @@ class Environment(BaseSettings):
     ui_refresh_s: float = Field(default=5.0, description="auto-refresh period of the Jobs page, seconds")
     ui_telemetry: str = Field(default="1", description="0/false/no: the console skips per-rank telemetry")
 
+    # the node agent (trainer/agent/), set by `resihp run` for the ranks it starts
+    agent_pid: int | None = Field(default=None, description="set by the node agent: its pid, which a rank dies with")
+    stack_dir: str = Field(default="", description="set by the node agent: where a rank's stack dumps go")
+    flight_dir: str = Field(default="", description="set by the node agent: where a rank keeps its flight record")
+
 
 def environment() -> Environment:
     """The environment as it is now (read on every call)."""
     return Environment()
+
+
+class ElasticEnvironment(BaseSettings):
+    """The variables torch.distributed.elastic sets for each rank it starts (torchrun's contract,
+    not ours: no prefix). Defaults describe a process started outside an elastic agent."""
+
+    model_config = SettingsConfigDict(env_prefix="", extra="ignore", case_sensitive=True)
+
+    RANK: int = 0
+    WORLD_SIZE: int = 1
+    LOCAL_RANK: int = 0
+    TORCHELASTIC_RESTART_COUNT: int = 0
+
+
+def elastic_environment() -> ElasticEnvironment:
+    """The elastic agent's variables as they are now (read on every call)."""
+    return ElasticEnvironment()

@@ -2,22 +2,22 @@
 
 This is the one place consumers turn bytes into events. A record that does not decode never
 crashes the consumer and is never dropped silently: it is published to ``resihp.deadletter``
-with the reason and its raw bytes *before* its offset can be committed, and counted. The dead
+with the reason and its raw bytes (a prefix and a digest when they are long: a dead letter always
+fits the bus) *before* its offset can be committed, and counted. The dead
 letter's id is derived from the record's position, so a consumer that crashes after publishing it
 and reads the record again produces the same id, which dead-letter readers dedupe on.
 """
 
 from __future__ import annotations
 
-import base64
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from collector.bus import Bus, Consumer, OnAssign, TopicPartition
-from collector.codec import InvalidEvent, decode
-from collector.events import DeadLetter, Envelope, EventFactory
+from collector.codec import InvalidEvent, dead_letter, decode
+from collector.events import Envelope, EventFactory
 
 
 class Delivery(NamedTuple):
@@ -54,7 +54,7 @@ class EventStream:
         self.group = group
         self.consumer: Consumer = bus.consumer(group, topics, on_assign, instance_id)
         self.counters = StreamCounters()
-        self._dead = EventFactory(job, f"consumer:{group}")
+        self._dead = EventFactory(job[:200], f"consumer:{group}"[:200])
         self._next: dict[TopicPartition, int] = {}
         self.last_polled = 0  # records (valid or not) returned by the last poll
 
@@ -81,10 +81,7 @@ class EventStream:
         return out
 
     def _dead_letter(self, topic: str, partition: int, offset: int, reason: str, raw: bytes) -> Envelope:
-        payload = DeadLetter(
-            topic=topic, partition=partition, offset=offset, group=self.group, reason=reason,
-            raw_b64=base64.b64encode(bytes(raw)).decode("ascii"),
-        )
+        payload = dead_letter(topic, partition, offset, self.group, reason, raw)
         event_id = uuid.uuid5(_DLQ_NAMESPACE, f"{self.group}/{topic}/{partition}/{offset}").hex
         return self._dead.make(payload, event_id=event_id)
 

@@ -33,6 +33,7 @@ _TOPIC_BY_PREFIX: dict[str, str] = {
     "plan": CONTROL,
     "policy": CONTROL,
     "command": CONTROL,
+    "control": CONTROL,
     "ui": CONTROL,
     "truth": TRUTH,
     "deadletter": DEADLETTER,

@@ -31,6 +31,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from collector.bus import open_bus  # noqa: E402
+from collector.auth import Signer  # noqa: E402
 from collector.events import EventFactory, ProbeRequest  # noqa: E402
 from collector.plan import PipelinePlan, Plan  # noqa: E402
 from trainer.integration import (CommandListener, ResiHPReporter, best_seconds, coords_in,  # noqa: E402
@@ -183,9 +184,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.command_at == i and listener:  # the remediation engine's part, for the demonstration
                 fewer = plan.model_copy(update={"epoch": plan.epoch + 1, "pipelines": (PipelinePlan(
                     replica=0, microbatches=max(1, microbatches - 1), stages=plan.pipelines[0].stages),)})
-                bus.publish([EventFactory(args.job, "example-remediation").make(new_command(fewer, "example-fewer"))])
+                # signed with the engine's key from the key file (docs/security.md): the listener obeys nothing else
+                bus.publish([Signer(EventFactory(args.job, "example-remediation"), "engine").make(
+                    new_command(fewer, "example-fewer"))])
             if args.probe_at == i and listener:  # the detector's part, for the demonstration
-                bus.publish([EventFactory(args.job, "example-analytics").make(
+                bus.publish([Signer(EventFactory(args.job, "example-analytics"), "analytics").make(
                     ProbeRequest(probe_id=f"example-probe-{i}", ranks=[rank], target="compute", repeats=3))])
     finally:
         reporter.close()  # flushes the queue

@@ -14,8 +14,9 @@ Public API (``resihp kafka up|down|status`` calls these)::
     bootstrap = up()           # '127.0.0.1:19092'; returns the running one if already up
     status()                   # {'running': True, 'pid': ..., 'bootstrap': ..., 'reachable': True, ...}
     down()                     # True if a broker was stopped
+    up(secure=True)            # SASL/SCRAM principals and ACLs (infra/kafka_security.py)
 
-CLI: ``python -m infra.broker up|down|status [--port N] [--data-dir D]``.
+CLI: ``python -m infra.broker up|down|status [--port N] [--data-dir D] [--secure]``.
 
 Environment (arguments win over these):
     RESIHP_KAFKA_PORT             client port (default 19092)
@@ -41,6 +42,8 @@ import time
 import uuid
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from infra import kafka_security as security
 
 INFRA_DIR = Path(__file__).resolve().parent
 REPO_ROOT = INFRA_DIR.parent
@@ -145,8 +148,13 @@ def up(
     controller_port: int | None = None,
     timeout_s: float = 120.0,
     lib_dir: Path | str | None = None,
+    secure: bool = False,
 ) -> str:
     """Start the broker (fetching it first if needed) and return its bootstrap address.
+
+    ``secure``: SASL/SCRAM-SHA-256 principals and ACLs (infra/kafka_security.py); the data dir
+    must be fresh or have been formatted secure, and the principals' credentials are written
+    under ``<data dir>/credentials/``.
 
     If a broker already runs on ``data_dir`` no other is started: ``up`` waits for that one and
     returns its address (even if it listens on another port than asked). Otherwise the data dir is
@@ -157,6 +165,12 @@ def up(
     data_dir = Path(data_dir or default_data_dir()).resolve()
     if _running_pid(data_dir) is not None:
         return _wait_ready(data_dir, _bootstrap_of(data_dir), timeout_s)
+    formatted = (data_dir / KRAFT_DIR / "meta.properties").exists()
+    was_secure = (data_dir / security.SECURE_MARKER).exists()
+    if formatted and secure != was_secure:
+        raise BrokerError(f"{data_dir} was formatted {'with' if was_secure else 'without'} SASL users; start it "
+                          f"{'with' if was_secure else 'without'} --secure, or use a fresh --data-dir")
+    creds = security.load_or_create_credentials(data_dir) if secure else None
 
     port, controller_port = _resolve_ports(port, controller_port)
     lib_dir = fetch(lib_dir)
@@ -165,10 +179,12 @@ def up(
         _require_free(p)
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    config = _write_config(data_dir, port, controller_port)
+    config = _write_config(data_dir, port, controller_port, creds)
     classpath = ["-cp", str(lib_dir / "*")]
-    if not (data_dir / KRAFT_DIR / "meta.properties").exists():
-        _format_storage(java, classpath, config)
+    if not formatted:
+        _format_storage(java, classpath, config, security.format_args(creds) if creds else [])
+        if creds:
+            (data_dir / security.SECURE_MARKER).write_text("formatted with SCRAM-SHA-256 users\n")
 
     jvm = [java, *os.environ.get("KAFKA_HEAP_OPTS", DEFAULT_HEAP_OPTS).split(),
            "-Djava.awt.headless=true", f"-Dlog4j.configuration={LOG4J_CONFIG.as_uri()}",
@@ -177,13 +193,25 @@ def up(
     pid = _spawn_detached([*jvm, *classpath, MAIN_CLASS, str(config)], data_dir / LOG_FILE)
     (data_dir / PID_FILE).write_text(f"{pid}\n")
 
-    return _wait_ready(data_dir, f"{HOST}:{port}", timeout_s)
+    bootstrap = _wait_ready(data_dir, f"{HOST}:{port}", timeout_s)
+    if creds:
+        security.apply_acls(bootstrap, creds)
+        security.write_env_files(data_dir, bootstrap, creds)
+    return bootstrap
+
+
+def _admin_config(data_dir: Path) -> dict:
+    """kafka-python settings of the broker's admin principal (empty for a plaintext broker)."""
+    if not (data_dir / security.SECURE_MARKER).exists():
+        return {}
+    creds = security.load_or_create_credentials(data_dir)
+    return security.client_config(security.ADMIN, creds[security.ADMIN])
 
 
 def _wait_ready(data_dir: Path, bootstrap: str, timeout_s: float) -> str:
     """Return ``bootstrap`` once the broker answers; stop it and raise if it does not in time."""
     deadline = time.monotonic() + timeout_s
-    while not _answers(bootstrap, timeout_s=5.0):
+    while not _answers(bootstrap, timeout_s=5.0, client=_admin_config(data_dir)):
         if _running_pid(data_dir) is None:
             (data_dir / PID_FILE).unlink(missing_ok=True)
             raise BrokerError(f"the Kafka broker exited during start-up; its log ({data_dir / LOG_FILE}) ends with:\n"
@@ -234,7 +262,8 @@ def status(data_dir: Path | str | None = None) -> dict:
         "running": pid is not None,
         "pid": pid,
         "bootstrap": bootstrap,
-        "reachable": bool(pid and bootstrap and _answers(bootstrap, timeout_s=5.0)),
+        "reachable": bool(pid and bootstrap and _answers(bootstrap, timeout_s=5.0, client=_admin_config(data_dir))),
+        "secure": (data_dir / security.SECURE_MARKER).exists(),
         "data_dir": str(data_dir),
         "log": str(data_dir / LOG_FILE),
     }
@@ -243,19 +272,23 @@ def status(data_dir: Path | str | None = None) -> dict:
 # --- helpers -----------------------------------------------------------------------------------
 
 
-def _write_config(data_dir: Path, port: int, controller_port: int) -> Path:
-    """Render infra/server.properties for this data dir and these ports (rewritten on every start)."""
+def _write_config(data_dir: Path, port: int, controller_port: int, creds: dict[str, str] | None = None) -> Path:
+    """Render infra/server.properties for this data dir and these ports (rewritten on every start),
+    with SASL and ACLs when ``creds`` are given."""
+    plain = {"client_listener": "PLAINTEXT", "controller_protocol": "PLAINTEXT", "security": ""}
+    values = security.server_properties(creds[security.ADMIN]) if creds else plain
     text = string.Template(SERVER_TEMPLATE.read_text()).substitute(
-        host=HOST, port=port, controller_port=controller_port, log_dir=data_dir / KRAFT_DIR)
+        host=HOST, port=port, controller_port=controller_port, log_dir=data_dir / KRAFT_DIR, **values)
     config = data_dir / CONFIG_FILE
     config.write_text(text)
     return config
 
 
-def _format_storage(java: str, classpath: list[str], config: Path) -> None:
-    """Format the KRaft log dir with a fresh cluster id; a KRaft broker refuses to start without."""
+def _format_storage(java: str, classpath: list[str], config: Path, extra: list[str]) -> None:
+    """Format the KRaft log dir with a fresh cluster id (a KRaft broker refuses to start without),
+    and ``extra`` arguments (the SCRAM users of a secure broker)."""
     cmd = [java, "-Xmx256m", f"-Dlog4j.configuration={LOG4J_CONFIG.as_uri()}", *classpath,
-           STORAGE_TOOL, "format", "--config", str(config), "--cluster-id", _random_cluster_id()]
+           STORAGE_TOOL, "format", "--config", str(config), "--cluster-id", _random_cluster_id(), *extra]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise BrokerError(f"formatting the Kafka log dir failed (exit {done.returncode}):\n"
@@ -331,7 +364,11 @@ def _bootstrap_of(data_dir: Path) -> str:
 
 
 def _require_free(port: int) -> None:
+    """Refuse a port another process listens on. SO_REUSEADDR, as the JVM's own listener sets it:
+    the sockets a stopped broker leaves in TIME_WAIT do not block the port, so ``up`` right after
+    ``down`` reuses it at once instead of refusing for a minute."""
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((HOST, port))
         except OSError as exc:
@@ -340,7 +377,7 @@ def _require_free(port: int) -> None:
                               f"RESIHP_KAFKA_CONTROLLER_PORT") from None
 
 
-def _answers(bootstrap: str, timeout_s: float) -> bool:
+def _answers(bootstrap: str, timeout_s: float, client: dict | None = None) -> bool:
     """True if a kafka-python admin client connects to ``bootstrap`` and lists topics.
 
     A plain TCP probe comes first: it is instant while the JVM is still starting, and spares the
@@ -357,7 +394,7 @@ def _answers(bootstrap: str, timeout_s: float) -> bool:
     try:
         admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="resihp-infra",
                                  bootstrap_timeout_ms=int(timeout_s * 1000),
-                                 request_timeout_ms=int(timeout_s * 1000))
+                                 request_timeout_ms=int(timeout_s * 1000), **(client or {}))
     except (KafkaError, OSError):
         return False
     try:
@@ -395,13 +432,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--controller-port", type=int, help="KRaft controller port (default: port + 1)")
     parser.add_argument("--data-dir", type=Path, help="broker data dir (default $RESIHP_KAFKA_DATA_DIR or .kafka/broker)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for start-up / shutdown")
+    parser.add_argument("--secure", action="store_true",
+                        help="SASL/SCRAM principals and ACLs (a fresh data dir; credentials in <data dir>/credentials)")
     args = parser.parse_args(argv)
     try:
         if args.action == "fetch":
             print(fetch())
         elif args.action == "up":
             print(up(port=args.port, data_dir=args.data_dir, controller_port=args.controller_port,
-                     timeout_s=args.timeout))
+                     timeout_s=args.timeout, secure=args.secure))
         elif args.action == "down":
             stopped = down(args.data_dir, timeout_s=args.timeout)
             print("stopped" if stopped else "not running", file=sys.stderr)

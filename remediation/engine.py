@@ -17,6 +17,11 @@ arrives, the plan it was started with); the cost figures are built from the anal
 latest ``analytics.cost_model`` fits of the running epoch's stages (remediation.cost_figures) with
 the mean tokens per micro-batch measured from ``analytics.prediction``; until fits arrive (or
 when they cannot describe the model) it uses the model it was started with.
+
+What it trusts: control events pass its gate (collector/auth.py) before the fold sees them —
+incidents and cost models signed by analytics, decisions and policies by the console (or its own
+policy:auto decisions), plans and commands by itself. A refused event changes nothing and is
+published as ``control.rejected``, once per event id; its own reactions are signed as the engine.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from collector import topics
+from collector.auth import Gate, Keyring, Signer, load_keyring
 from collector.bus import Bus, TopicPartition
 from collector.events import (
     CommandAck, Envelope, EventFactory, FaultCategory, IncidentOpened, IterationPrediction, IterationSummary, Location,
@@ -74,7 +80,8 @@ class RemediationEngine:
     """One job's engine over a bus. ``poll_once`` is one step of the loop (tests drive it)."""
 
     def __init__(self, bus: Bus, config: EngineConfig, model: PlannerModel | None = None,
-                 initial_plan: Plan | None = None, strategy: Strategy | None = None) -> None:
+                 initial_plan: Plan | None = None, strategy: Strategy | None = None,
+                 keyring: Keyring | None = None) -> None:
         self.bus = bus
         self.config = config
         self.fallback_model = model
@@ -89,8 +96,11 @@ class RemediationEngine:
         self.horizon = HorizonEstimator(default_s=config.options.horizon_s)
         self._faults: frozenset[str] = frozenset()  # open incident ids when the horizon last saw a change
         self.initial_plan = initial_plan
+        self.keyring = keyring or load_keyring()
         self.state: LifecycleState = initial_state(config.job, initial_plan)
-        self.factory = EventFactory(config.job, "remediation")
+        self.state.keyring = self.keyring
+        self.factory = Signer(EventFactory(config.job, "remediation"), "engine", self.keyring)
+        self.gate = Gate("remediation", self.keyring)
         self._planned_key: tuple = (0, (), 0)
         self._clock_s = float("-inf")  # the newest event time read: the engine's clock (replays the same)
         self.refusals: list[str] = []  # why something could not be planned, in order (also logged)
@@ -110,6 +120,9 @@ class RemediationEngine:
         """Read what is new, fold it, react; returns how many events were read."""
         deliveries = self.stream.poll(timeout_s=timeout_s)
         for d in deliveries:
+            self.gate.note(d.event)
+            if not self.gate.admit(d.event, time_s=self._clock_s if self._clock_s != float("-inf") else None):
+                continue  # refused before its time can move the engine's clock
             self._clock_s = max(self._clock_s, d.event.time_s)
             version = self.state.incident_version
             if self.config.verify_from_telemetry or not isinstance(d.event.payload, IterationSummary):
@@ -136,6 +149,9 @@ class RemediationEngine:
         # React until quiet: a proposal under the auto policy is decided, and a decision commanded,
         # in this same call rather than one poll apart (a trainer hung on a dead rank waits for it).
         # Every reaction's id is deterministic and folded at once, so no reaction repeats.
+        rejected = self.gate.take()
+        if rejected:
+            self.bus.publish(rejected)
         out = self._react()
         while out:
             self.bus.publish(out)
@@ -147,6 +163,11 @@ class RemediationEngine:
         if deliveries:
             self.stream.commit()
         return len(deliveries)
+
+    @property
+    def clock_s(self) -> float:
+        """The newest event time the engine has read (-inf before the first)."""
+        return self._clock_s
 
     def run(self, idle_exit_s: float | None = None) -> None:
         import time

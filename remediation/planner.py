@@ -139,7 +139,7 @@ class Planner:
             regrow: list[PipelineCandidate] = []
             for tp in (None, job_tp):
                 c = (regrow_candidate(cluster, self.model, pipe, mine, current.schedule, opts, dp, tp)
-                     if mine is not None else None)
+                     if mine else None)  # no idle healthy device near this pipeline: nothing to regrow with
                 if c is not None and all(c.stages != r.stages for r in regrow):
                     regrow.append(c)
             if (bad and any(d in bad for st in pipe.stages for d in st.devices)) or regrow:

@@ -14,17 +14,19 @@ to say how long each fault took to be detected and which incidents matched no fa
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from collector import topics
 from collector.embedded import EmbeddedBus
+from collector.auth import Signer
 from collector.events import (
     AckStatus, Envelope, EventFactory, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentUpdated,
     IterationSummary, PolicyChanged, PolicyMode, Severity,
 )
 from collector.stream import EventStream
+from analytics.projector import Projection, Projector
 from resihp.referee import covers, fault_devices, location_devices
 
 __all__ = ["Detection", "ThroughputSeries", "LoopRun", "location_devices", "run_closed_loop"]
@@ -135,7 +137,8 @@ def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,
                     window_s: float = 60.0,
                     directory: str | Path | None = None, telemetry_retention_s: float = 60.0,
                     on_applied: Callable[[object], list[Envelope]] | None = None,
-                    on_progress: Callable[[float], None] | None = None) -> LoopRun:
+                    on_progress: Callable[[float], None] | None = None,
+                    observers: Sequence[Projection] = ()) -> LoopRun:
     """Run ``sim_engine``'s job for ``duration_s`` simulated seconds with the platform in the loop.
 
     ``model`` is the engine's fallback cost figures (it switches to the analytics cost fits once they
@@ -151,7 +154,6 @@ def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,
     further behind at every turn until retention deleted what it had not read)."""
     from analytics.detector_config import DetectorConfig
     from analytics.detector_projection import DetectorProjection
-    from analytics.projector import Projector
     from remediation.engine import EngineConfig, RemediationEngine
     from remediation.lifecycle import PlanStatus
     from trainer.sim.runner import SimulatorRunner
@@ -168,8 +170,10 @@ def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,
                                                      options=options, strategy=strategy),
                                    model, cfg.plan)
         referee = _Referee(bus, job, cfg.cluster.gpus_per_node, cfg.start_time_s)
-        bus.publish([EventFactory(job, "operator").make(PolicyChanged(
-            mode=PolicyMode.AUTO, auto_severities=list(Severity), actor="closed-loop"),
+        watch = Projector(bus, Path(tmp) / "observers.duckdb", "observers",
+                          [topics.TELEMETRY, topics.ANALYTICS, topics.CONTROL], observers) if observers else None
+        bus.publish([Signer(EventFactory(job, "cli:closed-loop"), "console").make(PolicyChanged(
+            mode=PolicyMode.AUTO, auto_severities=list(Severity), actor="cli:closed-loop"),
             time_s=cfg.start_time_s)])  # on the job's clock: the engine's clock is the newest event time
         run = LoopRun()
         series = ThroughputSeries(window_s)
@@ -194,16 +198,26 @@ def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,
                     detector.flush_outbox(projector.conn, bus)
                     engine.poll_once(timeout_s=0.0)
                     referee.poll()
+                    while watch is not None and watch.step(max_records=analytics_batch, timeout_s=0.0):
+                        pass
                 series.tick(sim_engine.now_s)
                 if on_progress is not None:
                     on_progress(min(sim_engine.now_s, duration_s))
                 run.training_at_end = sim_engine.now_s > before and sim_engine.hanging_for_s == 0.0
             referee.poll()
+            if watch is not None:  # the last turn's telemetry, and what analytics derived from it
+                while projector.step(max_records=analytics_batch, timeout_s=0.0):
+                    pass
+                detector.flush_outbox(projector.conn, bus)
+                while watch.step(max_records=analytics_batch, timeout_s=0.0):
+                    pass
             run.series = series.points
             run.rolled_back = sum(r.status == PlanStatus.ROLLED_BACK for r in engine.state.plans.values())
             run.telemetry_lost = sum(getattr(projector.stream.consumer, "lost_to_retention", {}).values())
             run.bus_bytes = sum(p.stat().st_size for p in Path(tmp).glob("bus.sqlite*"))
         finally:
+            if watch is not None:
+                watch.close()
             referee.close()
             engine.close()
             projector.close()

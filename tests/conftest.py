@@ -18,6 +18,23 @@ import pytest
 from collector.bus import Bus
 
 
+@pytest.fixture(scope="session", autouse=True)
+def control_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One throw-away key set for the session (collector/auth.py), inherited by child processes;
+    tests sign control events with it through tests/fixtures/signing.py."""
+    from collector.auth import create_key_file
+
+    path = tmp_path_factory.mktemp("keys") / "keys.json"
+    create_key_file(path)
+    before = os.environ.get("RESIHP_KEYS")
+    os.environ["RESIHP_KEYS"] = str(path)
+    yield path
+    if before is None:
+        os.environ.pop("RESIHP_KEYS", None)
+    else:
+        os.environ["RESIHP_KEYS"] = before
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -82,3 +99,29 @@ def bus_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BusF
 @pytest.fixture
 def bus(bus_factory: BusFactory) -> Bus:
     return bus_factory()
+
+
+@pytest.fixture(scope="session")
+def secure_kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """A single-node broker started with ``up --secure`` (SASL/SCRAM principals and ACLs), its
+    topics created by the admin principal: ``bootstrap``, ``data_dir``, ``port``,
+    ``controller_port`` and ``creds`` (principal -> password). A test may stop and restart it
+    (tests/test_bus_outage.py); whatever it leaves stopped is started again for the next."""
+    from infra import broker
+    from infra import kafka_security as security
+    from resihp.commands.kafka import secure_topics
+
+    data_dir = tmp_path_factory.mktemp("kafka-secure")
+    port, controller_port = _free_port(), _free_port()
+    try:
+        bootstrap = broker.up(port=port, controller_port=controller_port, data_dir=data_dir, secure=True)
+        secure_topics(bootstrap, str(data_dir), "")
+    except Exception as exc:  # noqa: BLE001 - any failure to start is a test failure, with the reason
+        broker.down(data_dir)
+        pytest.fail(f"the secure Kafka broker from infra/ did not start: {exc}", pytrace=False)
+    info = {"bootstrap": bootstrap, "data_dir": data_dir, "port": port, "controller_port": controller_port,
+            "creds": security.load_or_create_credentials(data_dir)}
+    try:
+        yield info
+    finally:
+        broker.down(data_dir)

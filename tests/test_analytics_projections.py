@@ -15,11 +15,12 @@ from analytics.tables import TelemetryProjection
 from collector import topics
 from collector.embedded import EmbeddedBus
 from collector.events import (
-    Chunk, Coords, EventFactory, Evidence, FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved,
+    Chunk, Coords, Evidence, FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved,
     Location, PlanDecision, PlanProposed, RankIteration, Severity,
 )
 from collector.plan import Plan
 from collector.stream import EventStream
+from tests.fixtures.signing import Authors
 
 
 def _project(bus, db: Path, extra=()) -> Projector:
@@ -30,7 +31,7 @@ def _project(bus, db: Path, extra=()) -> Projector:
 
 def test_chunk_rows_carry_sum_of_squares_or_null_and_ranks_keep_their_first_iteration(tmp_path: Path) -> None:
     bus = EmbeddedBus(tmp_path / "bus.sqlite")
-    f = EventFactory("j", "rank-3")
+    f = Authors("j", "rank-3")
     bus.publish([f.make(RankIteration(
         epoch=0, iteration=it, rank=3, node=0, coords=Coords(tp=1, pp=0, dp=1), wall_s=1.0,
         chunks=[Chunk(kind="F", microbatch=0, tokens=30, seq_lens=[10, 20], start_s=0, duration_s=0.1),
@@ -48,7 +49,7 @@ def test_chunk_rows_carry_sum_of_squares_or_null_and_ranks_keep_their_first_iter
 def test_plans_and_incidents_are_folds_of_their_lifecycle_events(tmp_path: Path) -> None:
     bus = EmbeddedBus(tmp_path / "bus.sqlite")
     plan = Plan.uniform(tp=1, pp=2, dp=1, num_layers=4, microbatches_per_replica=4, epoch=1)
-    ui, an = EventFactory("j", "ui:alice"), EventFactory("j", "analytics")
+    ui, an = Authors("j", "ui:alice"), Authors("j", "analytics")
     loc = Location(target="compute", rank=2, factor=1.5)
     bus.publish([
         an.make(IncidentOpened(incident_id="i1", category=FaultCategory.FAIL_SLOW, severity=Severity.MEDIUM,

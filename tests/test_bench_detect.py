@@ -20,10 +20,15 @@ def test_a_slow_gpu_is_sized_within_a_percent_of_its_injected_factor() -> None:
     assert true == 2.0
     assert 1.85 < chunks < 1.95  # the chunk slowdown: compute is only part of a chunk
     assert abs(read / true - 1) < 0.01
+    # the first report is the opening's size, from three iterations (one before the onset): read low
+    ((kind, injected, first),) = detect.first_sizes(faults, incidents["ours"], iterations, config)
+    assert (kind, injected) == ("compute", 2.0)
+    assert 1.85 < first < read
 
 
 def test_sizing_skips_what_is_not_a_slow_gpu_named_by_its_incident() -> None:
     faults, incidents, iterations, _, config = detect.run_case(_case("fail-stop gpu"))
     assert faults and detect.sizing(faults, incidents["ours"], iterations, config) == []
+    assert detect.first_sizes(faults, incidents["ours"], iterations, config) == []  # a fail-stop has no size
     faults, incidents, iterations, _, config = detect.run_case(_case("compute x2.0 (recovers)"))
     assert detect.sizing(faults, incidents["raw_threshold"], iterations, config) == []  # it names no rank

@@ -16,6 +16,7 @@ from trainer.sim.engine import SimConfig, SimEngine
 from trainer.fault_spec import FaultSpec
 from trainer.sim.presets import MODEL_PRESETS, ClusterSpec
 from collector.events import Location
+from tests.fixtures.signing import Authors
 
 MODEL = MODEL_PRESETS["tiny"]
 
@@ -124,11 +125,11 @@ def test_the_referee_counts_a_confirmation_that_locates_an_unplaced_incident(tmp
     the fault is detected at the confirmation and the incident is not a false one."""
     from collector.embedded import EmbeddedBus
     from collector.events import (
-        Evidence, EventFactory, FaultCategory, FaultInjected, IncidentConfirmed, IncidentOpened, Severity,
+        Evidence, FaultCategory, FaultInjected, IncidentConfirmed, IncidentOpened, Severity,
     )
 
     bus = EmbeddedBus(tmp_path / "bus.sqlite")
-    truth, analytics = EventFactory("j", "sim"), EventFactory("j", "analytics")
+    truth, analytics = Authors("j", "sim"), Authors("j", "analytics")
     link = Location(target="link", link=(51, 59), factor=4.0)
     bus.publish([truth.make(FaultInjected(fault_id="f0", category=FaultCategory.FAIL_SLOW, location=link,
                                           start_iteration=10), time_s=1010.0)])
@@ -148,10 +149,10 @@ def test_the_referee_counts_an_incident_on_a_faulty_devices_healthy_peers_as_fal
     """The truth's location carries the slow GPU's TP group (its coordinates); the fault hits the
     GPU alone. An incident on the group matches; one naming only two healthy peers is false."""
     from collector.embedded import EmbeddedBus
-    from collector.events import Evidence, EventFactory, FaultCategory, FaultInjected, IncidentOpened, Severity
+    from collector.events import Evidence, FaultCategory, FaultInjected, IncidentOpened, Severity
 
     bus = EmbeddedBus(tmp_path / "bus.sqlite")
-    truth, analytics = EventFactory("j", "sim"), EventFactory("j", "analytics")
+    truth, analytics = Authors("j", "sim"), Authors("j", "analytics")
     slow = Location(target="compute", rank=51, tp_group=tuple(range(48, 56)), factor=2.0)
     bus.publish([truth.make(FaultInjected(fault_id="f0", category=FaultCategory.FAIL_SLOW, location=slow,
                                           start_iteration=10), time_s=1010.0)])

@@ -286,3 +286,30 @@ def test_by_default_a_size_that_32_iterations_leave_within_their_noise_is_correc
     (update,) = later
     assert update.iteration == 10 + 128 and update.locations[0].factor == 1.450
     assert "sized again on 128 slow iterations: ×1.450 (was ×1.433)" in update.evidence.statistic
+
+
+def test_time_lost_outside_the_traced_ranks_probes_the_untraced_ranks_then_every_ranks_links() -> None:
+    """Sampled tracing: the job is late, its traced pipelines on time. The untraced ranks are asked
+    first; sixteen answers within the probe's noise name nobody (the worst of them passed the bare
+    1.03 by chance), so every rank's links are asked next, and the slow link is named."""
+    config = DetectorConfig(probes=True)
+    book = IncidentBook("j", config)
+    untraced = tuple(range(8, 16)) + tuple(range(24, 32))
+    suspect = Suspect(key=("untraced",), target="compute", rank=None, link=None, node=None, replica=None, stage=None,
+                      tp_group=untraced, factor=1.7, confidence=0.5, iterations=[], observed_s=[], predicted_s=[],
+                      rank_factors={}, statistic="", note="", ranks=untraced, link_probe_ranks=tuple(range(32)))
+    (probe,) = [p for p in book.open_fail_slow(suspect, iteration=40) if isinstance(p, ProbeRequest)]
+    assert probe.target == "compute" and tuple(probe.ranks) == untraced
+    noise = [1.0, 0.99, 1.01, 1.02, 0.98, 1.0, 1.01, 0.99, 1.0, 1.02, 0.98, 1.01, 1.0, 0.99, 1.0]
+    out: list = []
+    for r, ratio in zip(untraced, [1.04] + noise):
+        out = book.probe_result(ProbeResult(probe_id=probe.probe_id, rank=r, duration_s=0.05 * ratio, reference_s=0.05))
+    (links,) = out
+    assert isinstance(links, ProbeRequest) and links.target == "link" and tuple(links.ranks) == tuple(range(32))
+    for r in range(32):
+        ratio = 3.0 if r in (10, 12) else 1.0 + 0.01 * (r % 3 - 1)
+        out = book.probe_result(ProbeResult(probe_id=links.probe_id, rank=r, duration_s=0.05 * ratio, reference_s=0.05))
+    (named,) = out
+    assert isinstance(named, IncidentConfirmed) and named.method == "probe"
+    loc = named.locations[0]
+    assert loc.target == "link" and set(loc.link or ()) == {10, 12} and loc.factor == pytest.approx(3.0)

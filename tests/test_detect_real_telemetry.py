@@ -213,3 +213,42 @@ def test_one_slow_transfer_between_two_tp_groups_is_one_incident():
     incidents = opened(simulate_and_detect("fail_slow_link", "profiler", 45, [fault]))
     assert len(incidents) == 1, [i.summary for i in incidents]
     assert incidents[0].locations[0].target == "link" and set(incidents[0].locations[0].link or ()) <= {10, 11, 12, 13}
+
+
+def test_a_suspects_replica_is_corrected_like_the_others_when_the_classes_lines_are_off_by_different_amounts():
+    # without token counts each class's line is its window's centre, off its chunks by its own
+    # amount; with a suspect's stage left out, the median over the replica's other stages moved
+    # with those amounts and its healthy stages read slow (the profiler's interleaved run opened one
+    # incident per stage of the ×2 GPU's replica)
+    from analytics.frame import build_frame
+    from analytics.scoring import _class_levels, _per_microbatch_correction, chunk_classes, unit_ids, unit_own_time
+
+    events = fused_job(pp=4, dp=4, iterations=1, noise=0.0)
+    frame = build_frame([e.payload for e in events if isinstance(e.payload, RankIteration)])
+    units = unit_ids(frame)
+    u_own = unit_own_time(units, frame.c_own, int(units.max()) + 1)
+    c_class, _ = chunk_classes(frame)
+    stage, replica = frame.pp[frame.c_rank], frame.dp[frame.c_rank]
+    u_own[units[(replica == 1) & (stage == 2)]] = np.nan  # the suspect's TP group teaches nothing
+    centre = group_median(c_class, frame.c_own, int(c_class.max()) + 1)[c_class]
+    line = centre * np.exp(-np.array([0.3, 0.1, 0.7, 0.2])[stage])  # each class's line off by its own amount
+    pred = _per_microbatch_correction(frame, units, u_own, _class_levels(frame, units, u_own, line, c_class))
+    ratio = np.log(frame.c_own / pred)
+    for s in (0, 1, 3):
+        own_replica = float(np.median(ratio[(replica == 1) & (stage == s)]))
+        others = float(np.median(ratio[(replica != 1) & (stage == s)]))
+        assert abs(own_replica - others) < 0.02, (s, own_replica, others)
+
+
+def test_a_slow_gpu_on_a_replica_nobody_traces_opens_an_incident_on_the_untraced_ranks():
+    # the sampled dialect traces replicas 0 and 2; device 30 is on replica 3: only the job's time,
+    # late while the traced pipelines are on time, says where it is
+    from trainer.sim.faults import FaultSpec
+
+    fault = FaultSpec(kind="slow_compute", device=30, factor=2.0, at_iteration=20, duration_iterations=40)
+    incidents = opened(simulate_and_detect("fail_slow_compute_x2", "sampled", 50, [fault]))
+    assert len(incidents) == 1, [i.summary for i in incidents]
+    loc = incidents[0].locations[0]
+    assert loc.target == "compute" and loc.rank is None and 30 in (loc.tp_group or ())
+    assert not {0, 1, 16, 17} & set(loc.tp_group or ())  # no traced rank is named
+    assert incidents[0].iteration >= 20 and loc.factor > 1.2

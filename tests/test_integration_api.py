@@ -16,9 +16,10 @@ from collector import topics
 from collector.bus import Bus, Consumer, OnAssign, RawMessage, TopicPartition
 from collector.codec import decode
 from collector.embedded import EmbeddedBus
-from collector.events import (AckStatus, CommandAck, Coords, EventFactory, Heartbeat, IterationSummary, PlanCurrent,
+from collector.events import (AckStatus, CommandAck, Coords, Heartbeat, IterationSummary, PlanCurrent,
                               ProbeRequest, ProbeResult, RankIteration, ReconfigureCommand)
 from collector.plan import Plan
+from tests.fixtures.signing import factory
 from trainer.integration import (CommandListener, EpochFence, ResiHPReporter, best_seconds, coords_in, new_command,
                                  probe_answer, seq_lens_from_cu_seqlens)
 
@@ -174,7 +175,7 @@ def test_a_blocked_bus_never_blocks_the_loop_and_overflow_drops_the_oldest() -> 
 
 def _publish_commands(path: Path, job: str, commands: list[ReconfigureCommand]) -> None:
     with EmbeddedBus(path) as bus:
-        bus.publish([EventFactory(job, "remediation").make(c) for c in commands])
+        bus.publish([factory(job, "remediation").make(c) for c in commands])
 
 
 def _acks(path: Path) -> dict[str, CommandAck]:
@@ -284,10 +285,10 @@ def test_best_seconds_keeps_the_fastest_repeat_and_syncs_around_each() -> None:
 def test_listener_hands_each_probe_of_its_job_over_once(tmp_path: Path) -> None:
     bus = EmbeddedBus(tmp_path / "bus.sqlite")
     listener = CommandListener("job", _plan(), bus=bus)
-    analytics = EventFactory("job", "analytics")
+    analytics = factory("job", "analytics")
     mine = ProbeRequest(probe_id="p1", ranks=[3], target="link")
     bus.publish([analytics.make(mine), analytics.make(mine),  # a re-published request runs once
-                 EventFactory("other", "analytics").make(ProbeRequest(probe_id="p2", ranks=[3]))])
+                 factory("other", "analytics").make(ProbeRequest(probe_id="p2", ranks=[3]))])
     assert listener.poll() is None
     assert listener.take_probes() == [mine]
     assert listener.take_probes() == []
@@ -337,7 +338,7 @@ def test_ranks_of_a_real_process_group_answer_a_probe_through_the_api(tmp_path: 
     (1 and 2, a TP pair) answer, and the slow one stands out against the world's median."""
     path, world = tmp_path / "bus.sqlite", 4
     with EmbeddedBus(path) as bus:
-        bus.publish([EventFactory("job", "analytics").make(
+        bus.publish([factory("job", "analytics").make(
             ProbeRequest(probe_id="p", ranks=[1, 2], target="compute", repeats=3))])
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", PROBE_RANK, str(r), str(world), str(path), str(tmp_path / "store")],

@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 
 from collector.events import (
-    AckStatus, CommandAck, EventFactory, PlanCurrent, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified,
+    AckStatus, CommandAck, PlanCurrent, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified,
     PolicyChanged, PolicyMode, ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
 from collector.plan_lifecycle import PlanLifecycle, PlanStatus, claimed_status, fold, step
+from tests.fixtures.signing import Authors
 
 JOB = "job"
-F = EventFactory(JOB, "test")
+F = Authors(JOB, "test")
 PLAN0 = Plan.uniform(tp=2, pp=2, dp=2, num_layers=8, microbatches_per_replica=4)
 PLAN1 = Plan.uniform(tp=2, pp=2, dp=1, num_layers=8, microbatches_per_replica=8, epoch=1)
 PLAN2 = Plan.uniform(tp=1, pp=2, dp=1, num_layers=8, microbatches_per_replica=8, epoch=2)
@@ -127,7 +128,7 @@ def test_a_newer_proposal_and_a_new_epoch_supersede_waiting_plans() -> None:
 
 def test_other_jobs_events_and_policy_changes_move_no_plan() -> None:
     s = started()
-    other = EventFactory("other", "test")
+    other = Authors("other", "test")
     assert step(s, other.make(proposed().payload)) is None and s.plans == {}
     assert step(s, F.make(PolicyChanged(mode=PolicyMode.AUTO, auto_severities=[Severity.HIGH], actor="ui:a"))) is None
     assert s.policy_mode == PolicyMode.AUTO and s.auto_severities == [Severity.HIGH]

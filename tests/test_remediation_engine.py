@@ -7,7 +7,7 @@ from pathlib import Path
 from collector import topics
 from collector.embedded import EmbeddedBus
 from collector.events import (
-    AckStatus, CommandAck, Evidence, EventFactory, FaultCategory, IncidentOpened, IterationPrediction, Location,
+    AckStatus, CommandAck, Evidence, FaultCategory, IncidentOpened, IterationPrediction, Location,
     PolicyChanged, PolicyMode, ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
@@ -16,6 +16,7 @@ from remediation.engine import EngineConfig, RemediationEngine
 from remediation.lifecycle import PlanStatus
 from remediation.model import PlannerModel
 from resihp.cli import main
+from tests.fixtures.signing import Authors
 
 JOB = "itest"
 
@@ -34,7 +35,7 @@ def test_incident_to_verified_plan_over_the_embedded_bus(tmp_path: Path, capsys)
     model = PlannerModel.uniform(8)
     with EmbeddedBus(path) as bus:
         engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), model, plan)
-        detector = EventFactory(JOB, "analytics")
+        detector = Authors(JOB, "analytics")
         bus.publish([detector.make(IncidentOpened(
             incident_id="i1", category=FaultCategory.FAIL_STOP, severity=Severity.HIGH, iteration=5,
             locations=[Location(target="compute", rank=5)], evidence=Evidence(), summary="rank 5 silent"))])
@@ -54,7 +55,7 @@ def test_incident_to_verified_plan_over_the_embedded_bus(tmp_path: Path, capsys)
         (cmd,) = _commands(bus)
         assert cmd.payload.plan.epoch == 1 and engine.state.plans[record.plan_id].decided_by == "cli:alice"
 
-        trainer = EventFactory(JOB, "trainer")
+        trainer = Authors(JOB, "trainer")
         bus.publish([trainer.make(CommandAck(command_id=cmd.payload.command_id, plan_id=record.plan_id, epoch=1,
                                              status=AckStatus.APPLIED, running_epoch=1))])
         engine.poll_once()
@@ -77,12 +78,12 @@ def test_a_restarted_engine_judges_a_resumed_job_by_the_fraction_its_proposal_ca
     sees that the job came back far short of it (and says so; the hung layout cannot be rolled back to)."""
     plan = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
     config = EngineConfig(job=JOB, num_devices=16)
-    analytics = EventFactory(JOB, "analytics")
+    analytics = Authors(JOB, "analytics")
     with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
         bus.publish([analytics.make(IterationPrediction(epoch=0, iteration=i, observed_s=1.0, predicted_s=1.0,
                                                         tokens=1_000)) for i in range(5)])
-        bus.publish([EventFactory(JOB, "operator").make(PolicyChanged(
-            mode=PolicyMode.AUTO, auto_severities=[Severity.HIGH], actor="test")),
+        bus.publish([Authors(JOB, "operator").make(PolicyChanged(
+            mode=PolicyMode.AUTO, auto_severities=[Severity.HIGH], actor="cli:test")),
             analytics.make(IncidentOpened(
                 incident_id="i1", category=FaultCategory.FAIL_STOP, severity=Severity.HIGH, iteration=5,
                 locations=[Location(target="compute", rank=5)], evidence=Evidence(), summary="rank 5 silent"))])
@@ -93,7 +94,7 @@ def test_a_restarted_engine_judges_a_resumed_job_by_the_fraction_its_proposal_ca
         assert record.proposal.current_tokens_per_s == 0 and fraction is not None and 0.5 < fraction < 1
         (cmd,) = _commands(bus)
         engine.close()
-        bus.publish([EventFactory(JOB, "trainer").make(CommandAck(
+        bus.publish([Authors(JOB, "trainer").make(CommandAck(
             command_id=cmd.payload.command_id, plan_id=record.plan_id, epoch=1, status=AckStatus.APPLIED,
             running_epoch=1))])
         bus.publish([analytics.make(IterationPrediction(epoch=1, iteration=i, observed_s=1.0, predicted_s=1.0,
@@ -113,9 +114,9 @@ def test_under_the_auto_policy_one_poll_takes_an_incident_to_a_command(tmp_path:
     plan = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
     with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
         engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), PlannerModel.uniform(8), plan)
-        bus.publish([EventFactory(JOB, "operator").make(PolicyChanged(
-            mode=PolicyMode.AUTO, auto_severities=[Severity.HIGH], actor="test")),
-            EventFactory(JOB, "analytics").make(IncidentOpened(
+        bus.publish([Authors(JOB, "operator").make(PolicyChanged(
+            mode=PolicyMode.AUTO, auto_severities=[Severity.HIGH], actor="cli:test")),
+            Authors(JOB, "analytics").make(IncidentOpened(
                 incident_id="i1", category=FaultCategory.FAIL_STOP, severity=Severity.HIGH, iteration=5,
                 locations=[Location(target="compute", rank=5)], evidence=Evidence(), summary="rank 5 silent"))])
         engine.poll_once()
@@ -133,7 +134,7 @@ def test_what_cannot_be_planned_is_published_as_withheld_and_listed(tmp_path: Pa
     fold and `resihp plans list`, not only the engine's own log; a restarted engine adds nothing."""
     path = tmp_path / "bus.sqlite"
     plan = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
-    incident = EventFactory(JOB, "analytics").make(IncidentOpened(
+    incident = Authors(JOB, "analytics").make(IncidentOpened(
         incident_id="i1", category=FaultCategory.FAIL_STOP, severity=Severity.CRITICAL, iteration=5,
         locations=[Location(target="compute", rank=r) for r in range(16)], evidence=Evidence(), summary="all dead"))
     with EmbeddedBus(path) as bus:
@@ -168,9 +169,9 @@ def test_engine_plans_from_plan_current_and_published_cost_fits(tmp_path: Path) 
         engine = RemediationEngine(bus, EngineConfig(job=JOB))
         engine.poll_once()
         assert engine.state.running_plan is None and not engine.state.plans
-        bus.publish([EventFactory(JOB, "trainer").make(current),
-                     EventFactory(JOB, "analytics").make(CostModelFitted(epoch=0, iteration=6, fits=fits)),
-                     EventFactory(JOB, "analytics").make(IncidentOpened(
+        bus.publish([Authors(JOB, "trainer").make(current),
+                     Authors(JOB, "analytics").make(CostModelFitted(epoch=0, iteration=6, fits=fits)),
+                     Authors(JOB, "analytics").make(IncidentOpened(
                          incident_id="i1", category=FaultCategory.FAIL_STOP, severity=Severity.HIGH, iteration=7,
                          locations=[Location(target="compute", rank=5)], evidence=Evidence(), summary="rank 5 silent"))])
         engine.poll_once()
@@ -191,7 +192,7 @@ def test_a_group_level_fail_slow_waits_for_its_member_and_reactions_carry_event_
     t0 = 1_000.0
     with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
         engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), PlannerModel.uniform(8), plan)
-        analytics = EventFactory(JOB, "analytics")
+        analytics = Authors(JOB, "analytics")
         group = Location(target="compute", tp_group=(4, 5), replica=1, stage=0, factor=3.0)
         bus.publish([analytics.make(IncidentOpened(
             incident_id="i1", category=FaultCategory.FAIL_SLOW, severity=Severity.CRITICAL, iteration=5,
@@ -217,7 +218,7 @@ def test_a_dead_device_stays_out_of_plans_after_its_incident_resolves_and_a_fail
     plan = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
     with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
         engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), PlannerModel.uniform(8), plan)
-        analytics, trainer = EventFactory(JOB, "analytics"), EventFactory(JOB, "trainer")
+        analytics, trainer = Authors(JOB, "analytics"), Authors(JOB, "trainer")
 
         def stop(incident_id: str, rank: int) -> None:
             bus.publish([analytics.make(IncidentOpened(
@@ -226,7 +227,7 @@ def test_a_dead_device_stays_out_of_plans_after_its_incident_resolves_and_a_fail
 
         def apply(record, status=AckStatus.APPLIED) -> None:  # type: ignore[no-untyped-def]
             from collector.events import PlanDecision
-            bus.publish([EventFactory(JOB, "console").make(PlanDecision(plan_id=record.plan_id, approve=True,
+            bus.publish([Authors(JOB, "console").make(PlanDecision(plan_id=record.plan_id, approve=True,
                                                                         actor="ui:op"))])
             engine.poll_once()
             engine.poll_once()
@@ -285,7 +286,7 @@ def test_the_spread_is_fitted_on_the_iterations_before_the_incident_on_a_healthy
     spans, dp_s = plan_spans(healthy_cluster, base, plan)
     typical_s = median_slowest_s(spans.items(), 0.0) + dp_s
     healthy = typical_s * (1.06 + 0.03 * np.random.default_rng(0).standard_normal(150))
-    analytics = EventFactory(JOB, "analytics")
+    analytics = Authors(JOB, "analytics")
 
     def predictions(times, first):  # type: ignore[no-untyped-def]
         return [analytics.make(IterationPrediction(epoch=0, iteration=first + i, observed_s=float(t),
@@ -293,7 +294,7 @@ def test_the_spread_is_fitted_on_the_iterations_before_the_incident_on_a_healthy
 
     with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
         engine = RemediationEngine(bus, engine_config)
-        bus.publish([EventFactory(JOB, "trainer").make(current),
+        bus.publish([Authors(JOB, "trainer").make(current),
                      analytics.make(CostModelFitted(epoch=0, iteration=6, fits=fits))])
         engine.poll_once()
         # the slow iterations may be read before the incident that their slowness caused
@@ -325,7 +326,7 @@ def test_a_reshape_declined_over_a_bursts_pace_is_proposed_once_the_calm_doubles
         options = PlannerOptions(pause_s=20.0, rebalance_pause_s=20.0)
         engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16, options=options), PlannerModel.uniform(8),
                                    plan)
-        analytics = EventFactory(JOB, "analytics")
+        analytics = Authors(JOB, "analytics")
 
         def slow(incident_id: str, rank: int, factor: float, t: float) -> None:
             bus.publish([analytics.make(IncidentOpened(
@@ -365,7 +366,7 @@ def test_a_layout_rolled_back_for_the_same_incidents_is_not_proposed_again_when_
     t0 = 1_000.0
     with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
         engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16), PlannerModel.uniform(8), plan)
-        analytics, ui, trainer = (EventFactory(JOB, s) for s in ("analytics", "ui", "trainer"))
+        analytics, ui, trainer = (Authors(JOB, s) for s in ("analytics", "ui", "trainer"))
 
         def opened(incident_id: str, rank: int, factor: float, t: float) -> None:
             bus.publish([analytics.make(IncidentOpened(

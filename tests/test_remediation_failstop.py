@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collector.events import (
-    AckStatus, CommandAck, Evidence, EventFactory, FaultCategory, IncidentOpened, IncidentResolved,
+    AckStatus, CommandAck, Evidence, FaultCategory, IncidentOpened, IncidentResolved,
     IterationPrediction, IterationSummary, Location, PlanCurrent, PlanDecision, PlanProposed, PolicyChanged,
     PolicyMode, ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
 from remediation.lifecycle import PlanStatus, can_roll_back, fold, initial_state, reactions
+from tests.fixtures.signing import Authors
 
-F = EventFactory("job", "test")
+F = Authors("job", "test")
 PLAN0 = Plan.uniform(tp=2, pp=2, dp=2, num_layers=8, microbatches_per_replica=4)
 PLAN1 = Plan.uniform(tp=2, pp=2, dp=1, num_layers=8, microbatches_per_replica=8, epoch=1)
 

@@ -8,7 +8,7 @@ import pytest
 
 from collector.embedded import EmbeddedBus
 from collector.events import (
-    Evidence, EventFactory, FaultCategory, IncidentConfirmed, IncidentOpened, IncidentUpdated, IterationPrediction,
+    Evidence, FaultCategory, IncidentConfirmed, IncidentOpened, IncidentUpdated, IterationPrediction,
     Location, Severity,
 )
 from collector.plan import Plan
@@ -16,6 +16,7 @@ from remediation.cluster import ClusterState, Unlocatable, cluster_from_incident
 from remediation.engine import EngineConfig, RemediationEngine
 from remediation.model import PlannerModel
 from remediation.plan_result import PlanResult
+from tests.fixtures.signing import Authors
 
 JOB = "inc"
 PLAN = Plan.uniform(tp=4, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)  # replica 1 stage 0: GPUs 8–11
@@ -24,13 +25,13 @@ T0 = 1_000.0
 
 
 def _opened(incident_id: str, location: Location, category=FaultCategory.FAIL_SLOW, time_s: float = T0):
-    return EventFactory(JOB, "analytics").make(IncidentOpened(
+    return Authors(JOB, "analytics").make(IncidentOpened(
         incident_id=incident_id, category=category, severity=Severity.HIGH, iteration=10, locations=[location],
         evidence=Evidence(), summary="test"), time_s=time_s)
 
 
 def _ticks(first: int, count: int, time_s: float) -> list:
-    f = EventFactory(JOB, "analytics")
+    f = Authors(JOB, "analytics")
     return [f.make(IterationPrediction(epoch=0, iteration=first + i, observed_s=1.0, predicted_s=1.0, tokens=100),
                    time_s=time_s + i) for i in range(count)]
 
@@ -61,7 +62,7 @@ def test_group_fail_slow_waits_for_the_rank_then_plans_around_only_that_member(t
         engine.poll_once()
         assert not engine.state.plans and "i1" in engine.waiting
         assert any("not the slow member" in r for r in engine.refusals)
-        bus.publish([EventFactory(JOB, "analytics").make(IncidentConfirmed(
+        bus.publish([Authors(JOB, "analytics").make(IncidentConfirmed(
             incident_id="i1", method="probe", detail="rank 10 ×3",
             locations=[Location(target="compute", rank=10, factor=3.0)]), time_s=T0 + 2)])
         engine.poll_once()
@@ -87,7 +88,7 @@ def test_group_fail_slow_is_planned_around_as_a_whole_after_the_wait(tmp_path: P
 
 
 def _updated(incident_id: str, location: Location, time_s: float, probing: tuple[int, ...] = ()):
-    return EventFactory(JOB, "analytics").make(IncidentUpdated(
+    return Authors(JOB, "analytics").make(IncidentUpdated(
         incident_id=incident_id, iteration=20, severity=Severity.HIGH, locations=[location], evidence=Evidence(),
         probing=list(probing)), time_s=time_s)
 

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from collector.events import (
-    AckStatus, CommandAck, Evidence, EventFactory, FaultCategory, IncidentOpened, IncidentResolved,
+    AckStatus, CommandAck, Evidence, FaultCategory, IncidentOpened, IncidentResolved,
     IncidentUpdated, IterationSummary, Location, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified, PolicyChanged,
     PolicyMode, ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
 from remediation.lifecycle import PlanStatus, Verification, fold, initial_state, reactions, step
 from remediation.verification import verdict
+from tests.fixtures.signing import Authors
 
 JOB = "job"
-F = EventFactory(JOB, "test")
+F = Authors(JOB, "test")
 PLAN0 = Plan.uniform(tp=2, pp=2, dp=2, num_layers=8, microbatches_per_replica=4)
 PLAN1 = Plan.uniform(tp=2, pp=2, dp=1, num_layers=8, microbatches_per_replica=8, epoch=1)
 
@@ -140,7 +141,7 @@ def test_fold_is_deterministic_and_idempotent_on_event_id():
 
 
 def test_other_jobs_events_are_ignored():
-    other = EventFactory("other", "x").make(PlanDecision(plan_id="p1", approve=True, actor="cli:eve"))
+    other = Authors("other", "x").make(PlanDecision(plan_id="p1", approve=True, actor="cli:eve"))
     s = step(fold([proposed()], state0()), other)
     assert s.plans["p1"].status == PlanStatus.PROPOSED
 

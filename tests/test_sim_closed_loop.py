@@ -9,13 +9,14 @@ import pytest
 
 from collector import topics
 from collector.embedded import EmbeddedBus
-from collector.events import AckStatus, EventFactory, ProbeRequest, ReconfigureCommand
+from collector.events import AckStatus, ProbeRequest, ReconfigureCommand
 from collector.plan import Plan
 from collector.stream import EventStream
 from trainer.sim.engine import SimConfig, SimEngine
 from trainer.fault_spec import FaultSpec
 from trainer.sim.presets import MODEL_PRESETS, ClusterSpec
 from trainer.sim.runner import SimulatorRunner
+from tests.fixtures.signing import Authors
 
 MODEL = MODEL_PRESETS["tiny"]
 
@@ -40,7 +41,7 @@ def test_reconfigure_is_applied_acked_and_stale_or_duplicate_ones_ignored(tmp_pa
     bus = EmbeddedBus(tmp_path / "bus.sqlite")
     engine = _engine()
     runner = SimulatorRunner(bus, engine)
-    ui = EventFactory("loop", "remediation")
+    ui = Authors("loop", "remediation")
     try:
         runner.run(iterations=3)
         new_plan = Plan.uniform(tp=2, pp=2, dp=2, num_layers=MODEL.layers, microbatches_per_replica=4,
@@ -90,7 +91,7 @@ def test_probe_answers_per_live_rank_with_the_slowdown(tmp_path: Path) -> None:
                       FaultSpec(kind="stop_device", device=6, at_iteration=0)])
     runner = SimulatorRunner(bus, engine)
     try:
-        bus.publish([EventFactory("loop", "analytics").make(ProbeRequest(probe_id="p1", ranks=[4, 5, 6]))])
+        bus.publish([Authors("loop", "analytics").make(ProbeRequest(probe_id="p1", ranks=[4, 5, 6]))])
         runner.step()
         results = {e.payload.rank: e.payload for e in _control(bus, "check") if e.kind == "probe.result"}
         assert set(results) == {4, 5}  # the dead rank does not answer

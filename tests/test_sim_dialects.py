@@ -157,3 +157,21 @@ def test_a_slow_link_lengthens_the_fused_timers_transfer_part() -> None:
         assert len(h) == len(s) and all(y >= x - 1e-12 for x, y in zip(h, s))
     # the timers holding waits grow too, but a slow link is also visible where nothing waits
     assert sum(map(sum, slow)) > sum(map(sum, healthy)) + 3 * 3 * wire
+
+
+def test_profiler_tp_allreduce_of_an_interleaved_model_chunk_is_its_share_of_the_stages() -> None:
+    # a stage's time is spread over its V model chunks, its TP all-reduces too: a record of the whole
+    # stage's all-reduce time left each model chunk's own compute a sliver of the truth
+    plan = Plan.uniform(tp=2, pp=2, dp=2, num_layers=MODEL.layers, microbatches_per_replica=4,
+                        schedule="interleaved", virtual_stages=2)
+    events = _run(SimConfig(model=MODEL, cluster=CLUSTER, plan=plan, job="v", seed=3, dialect="profiler",
+                            noise=NOISE_OFF), iterations=2)
+    checked = 0
+    for p in _payloads(events, RankIteration):
+        t = p.chunk_table
+        tp = {(w.microbatch, w.start_s): w.duration_s for w in p.comm if w.op is CommOp.TP_ALLREDUCE}
+        for kind, mb, start, dur in zip(t.kind, t.microbatch, t.start_s, t.duration_s):
+            if kind != "W" and (mb, start) in tp:
+                assert tp[(mb, start)] < 0.5 * dur, (kind, mb, tp[(mb, start)], dur)
+                checked += 1
+    assert checked > 0

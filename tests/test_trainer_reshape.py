@@ -34,7 +34,7 @@ import torch
 
 from collector import topics
 from collector.embedded import EmbeddedBus
-from collector.events import (AckStatus, ChunkKind, CommandAck, EventFactory, IterationSummary, PlanCurrent,
+from collector.events import (AckStatus, ChunkKind, CommandAck, IterationSummary, PlanCurrent,
                               ProbeRequest, ProbeResult, RankIteration, ReconfigureCommand)
 from collector.plan import PipelinePlan, Plan, StagePlan
 from collector.stream import EventStream
@@ -42,6 +42,7 @@ from trainer.fault_spec import FaultSpec
 from trainer.faults import KILL_EXIT_CODE
 from trainer.launcher import launch
 from trainer.spec import BusSpec, RunSpec
+from tests.fixtures.signing import Authors
 
 MODEL = dict(vocab_size=64, n_layer=4, n_head=4, n_embd=32, block_size=64, dtype="float64")
 ITERATIONS = 12
@@ -99,7 +100,7 @@ def _publish_shift_to_5_3(tmp: Path, plan: Plan, resplit: bool = False) -> Recon
         changed(p, m) for p, m in zip(plan.pipelines, [5, 3]))})
     command = _command(shifted)
     with EmbeddedBus(tmp / "bus.sqlite") as bus:
-        bus.publish([EventFactory("resihp", "test").make(command)])
+        bus.publish([Authors("resihp", "test").make(command)])
     return command
 
 
@@ -136,7 +137,7 @@ def test_trainer_reshapes_live_and_trains_exactly_like_the_reference(reference: 
     first = _command(p1)
     stale = _command(BASE)
     with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
-        bus.publish([EventFactory("resihp", "test").make(c) for c in
+        bus.publish([Authors("resihp", "test").make(c) for c in
                      [first, first, stale, _command(p2), _command(p3), _command(p4)]])
 
     result = launch(_spec(tmp_path), BASE, 8, commands_from="beginning")
@@ -176,7 +177,7 @@ def test_interleaved_and_zero_bubble_schedules_train_exactly_like_1f1b(reference
     p3 = Plan(epoch=3, schedule="zero_bubble", num_layers=4, pipelines=(
         pipe(0, 5, ((0, 1), 0, 1), ((2,), 1, 4)), pipe(1, 3, ((3, 4, 5, 6), 0, 4))))
     with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
-        bus.publish([EventFactory("resihp", "test").make(_command(p)) for p in (p1, p2, p3)])
+        bus.publish([Authors("resihp", "test").make(_command(p)) for p in (p1, p2, p3)])
 
     result = launch(_spec(tmp_path), BASE, 8, commands_from="beginning")
 
@@ -340,7 +341,7 @@ def test_probes_name_the_slow_rank_and_the_slow_nic_without_changing_training(re
                 ProbeRequest(probe_id="p-link", ranks=[2, 3], target="link", repeats=5),
                 ProbeRequest(probe_id="p-other-job", ranks=[0, 1])]
     with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
-        bus.publish([EventFactory("resihp" if r.probe_id != "p-other-job" else "other", "test").make(r)
+        bus.publish([Authors("resihp" if r.probe_id != "p-other-job" else "other", "test").make(r)
                      for r in requests])
     # Devices are emulated (pacing), as in the torch demo: 8 ranks share the machine's cores.
     spec = _spec(tmp_path, pace_s_per_layer_token=1e-5, faults=[FaultSpec(kind="slow_compute", device=5, factor=3.0),

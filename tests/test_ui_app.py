@@ -14,13 +14,14 @@ from streamlit.testing.v1 import AppTest
 from collector import topics
 from collector.embedded import EmbeddedBus
 from collector.events import (
-    Evidence, EventFactory, FaultCategory, IncidentOpened, Location, PlanDecision, PlanWithheld, PolicyChanged,
+    Evidence, FaultCategory, IncidentOpened, Location, PlanDecision, PlanWithheld, PolicyChanged,
     PolicyMode, Severity,
 )
 from collector.stream import EventStream
 from ui.auth import Session, User, UsersFile
 from ui.views.common import plain
 from tests.fixtures.console_demo import DemoSpec, demo_events
+from tests.fixtures.signing import factory
 
 APP = str(Path(__file__).resolve().parent.parent / "ui" / "app.py")
 PLAN_ID = "plan-demo-60"
@@ -101,10 +102,10 @@ def test_ui_operator_approve_publishes_a_plan_decision_naming_the_user(console: 
 def test_ui_an_incident_without_a_plan_shows_why_the_engine_made_none(console: Path) -> None:
     with EmbeddedBus(console) as bus:
         bus.publish([
-            EventFactory("demo", "analytics").make(IncidentOpened(
+            factory("demo", "analytics").make(IncidentOpened(
                 incident_id="inc-stuck", category=FaultCategory.FAIL_STOP, severity=Severity.CRITICAL, iteration=80,
                 locations=[Location(target="compute", rank=1)], evidence=Evidence(), summary="rank 1 stopped")),
-            EventFactory("demo", "remediation").make(PlanWithheld(
+            factory("demo", "remediation").make(PlanWithheld(
                 reason="plan refused: no replica has a healthy device for stage 0", base_epoch=0,
                 incident_ids=["inc-stuck"]))])
     at = sign_in(AppTest.from_file(APP, default_timeout=60).run(), "bob", "bob-pw")

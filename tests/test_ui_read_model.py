@@ -9,7 +9,7 @@ import pytest
 
 from collector.embedded import EmbeddedBus
 from collector.events import (
-    Evidence, EventFactory, FaultCategory, IncidentOpened, Location, PlanDecision, PlanWithheld, PolicyMode, Severity,
+    EventFactory, Evidence, FaultCategory, IncidentOpened, Location, PlanDecision, PlanWithheld, PolicyMode, Severity,
 )
 from ui.actions import ActionRefused, change_policy, decide_plan
 from ui.auth import AuthError, NotAllowed, Session, SessionExpired, User, UsersFile, UsersFileError, verify_password
@@ -17,6 +17,7 @@ from ui.charts import downsample, plan_cells
 from tests.fixtures.console_demo import DemoSpec, demo_events
 from ui.feed import Feed
 from ui.read_model import ReadModel
+from tests.fixtures.signing import factory
 
 
 def test_ui_fold_follows_the_whole_lifecycle_and_is_idempotent() -> None:
@@ -43,7 +44,7 @@ def test_ui_fold_follows_the_whole_lifecycle_and_is_idempotent() -> None:
 
 def test_ui_fold_attaches_why_no_plan_was_made_to_its_incident_even_when_it_comes_first() -> None:
     """plan.withheld travels on control, the incident on analytics: either may be read first."""
-    engine, analytics = EventFactory("demo", "remediation"), EventFactory("demo", "analytics")
+    engine, analytics = factory("demo", "remediation"), factory("demo", "analytics")
     withheld = engine.make(PlanWithheld(reason="plan refused: 3 devices cannot hold 32 layers", base_epoch=2,
                                         incident_ids=["i-late", "i-early"]), time_s=20.0)
     opened = [analytics.make(IncidentOpened(
@@ -151,12 +152,12 @@ def test_ui_fold_ignores_decisions_for_unknown_plans_and_keeps_the_first_verdict
     for e in demo_events(DemoSpec(iterations=70)):
         model.apply(e)
     plan_id = next(iter(model.plans))
-    f = EventFactory("demo", "ui:alice")
+    f = factory("demo", "ui:alice")
     model.apply(f.make(PlanDecision(plan_id="plan-unknown", approve=True, actor="ui:alice")))
     model.apply(f.make(PlanDecision(plan_id=plan_id, approve=True, actor="ui:alice")))
-    model.apply(f.make(PlanDecision(plan_id=plan_id, approve=False, actor="ui:bob")))
+    model.apply(factory("demo", "ui:bob").make(PlanDecision(plan_id=plan_id, approve=False, actor="ui:bob")))
     assert model.plans[plan_id].status == "approved"
-    assert model.next_seq("demo", "ui:alice") == 3
+    assert model.next_seq("demo", "ui:alice") == 2 and model.next_seq("demo", "ui:bob") == 1
 
 
 def test_ui_replay_reads_a_parquet_trace_without_telemetry(tmp_path: Path) -> None:
@@ -179,7 +180,7 @@ def test_ui_fold_takes_the_running_plan_from_plan_current_without_telemetry() ->
 
     start = Plan.uniform(tp=2, pp=2, dp=2, num_layers=8, microbatches_per_replica=4)
     reshaped = Plan.uniform(tp=2, pp=2, dp=2, num_layers=8, microbatches_per_replica=4, epoch=1, first_device=8)
-    trainer = EventFactory("grid-job", "trainer")
+    trainer = factory("grid-job", "trainer")
     model = ReadModel()
     model.apply(trainer.make(PlanCurrent(plan=start, reason="start")))
     assert model.job("grid-job").current_plan == start

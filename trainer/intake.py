@@ -9,6 +9,12 @@ divide the heads, an interleaved split it cannot run) is ``failed`` without touc
 Commands are handled in arrival order, one in flight at a time; a command queued behind an
 in-flight reshape is judged against the epoch that reshape leaves running.
 
+Only signed commands get this far (:meth:`CommandIntake.offer_event`): signed by the engine, or by
+this executor's own on-death policy (collector/auth.py). Probe requests must be signed by analytics
+and within trainer/integration.py's ``probe_refusal`` bounds (:meth:`CommandIntake.admit_probe`).
+Whatever is refused is kept as a ``control.rejected`` event (:meth:`CommandIntake.rejections`) for
+the launcher to publish, once per event id, and never touches the ranks.
+
 Posting a plan writes a numbered post (trainer/rendezvous.py: the plan and the live devices, then
 ``control/post``), which ranks read at every commit. The acknowledgement waits until every live
 device of the world has written ``done/P/D`` (or one wrote ``failed/P/D``, or died) and states the largest
@@ -33,10 +39,12 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from collector.auth import Gate
 from collector.epoch_fence import fence_verdict
-from collector.events import AckStatus, CommandAck, ReconfigureCommand
+from collector.events import AckStatus, CommandAck, Envelope, ProbeRequest, ReconfigureCommand
 from collector.plan import Plan
 from trainer.chunks import schedule_problem
+from trainer.integration import probe_refusal
 from trainer.rendezvous import GROUPS_KEPT, abort_key, arrive_key, done_key, failed_key, write_post
 
 
@@ -62,6 +70,7 @@ class CommandIntake:
         self.applied: list[Plan] = []
         self.posts = 0
         self.running_world: tuple[int, ...] = ()  # the world of the newest applied post
+        self.gate = Gate("trainer")
 
     def start(self, world: tuple[int, ...]) -> None:
         """Post the plan the job starts with (post 0) to ``world``."""
@@ -75,6 +84,28 @@ class CommandIntake:
 
     def offer(self, command: ReconfigureCommand) -> None:
         self.queue.append(command)
+
+    def offer_event(self, event: Envelope) -> bool:
+        """Queue a command read from the bus if its signature lets it act; False when refused."""
+        if not isinstance(event.payload, ReconfigureCommand) or not self.gate.admit(event):
+            return False
+        self.offer(event.payload)
+        return True
+
+    def admit_probe(self, event: Envelope) -> ProbeRequest | None:
+        """The probe request to run, or None when it is refused (unsigned, or over the bounds)."""
+        request = event.payload
+        if not isinstance(request, ProbeRequest) or not self.gate.admit(event):
+            return None
+        refusal = probe_refusal(request, self.running_world or self.running.devices)
+        if refusal is not None:
+            self.gate.refuse(event, refusal)
+            return None
+        return request
+
+    def rejections(self) -> list[Envelope]:
+        """``control.rejected`` events for what was refused since the last call, for the launcher to publish."""
+        return self.gate.take()
 
     def note_death(self) -> None:
         """A rank died: the next command may be applied without waiting for training progress."""

@@ -22,6 +22,11 @@ rank at an iteration boundary, as it shares plans; every rank times the workload
 the loop's own (one GEMM of a layer for ``compute``, one activation sent to the next rank for
 ``link``); the protocol is trainer/probe.py's, which our torch trainer runs.
 
+Trust: the listener hands over only commands signed by the engine (or the job's own executor) and
+probes signed by analytics and within :func:`probe_refusal`'s bounds (collector/auth.py); anything
+else is published as ``control.rejected`` with why and never reaches the loop. Its acknowledgements
+are signed with the executor's key.
+
 Durations are measured on the rank's own clock; never subtract the clocks of two hosts. On a GPU,
 measure chunks with CUDA events and pass ``start_s`` / ``duration_s`` explicitly (docs/real-cluster.md);
 ``time_chunk`` times with the host clock, which is right only for synchronous (CPU) work.
@@ -37,6 +42,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 from collector import topics
+from collector.auth import Gate, Signer
 from collector.epoch_fence import EpochFence
 from collector.bus import Bus, Consumer, OnAssign, RawMessage, TopicPartition, open_bus
 from collector.events import (AckStatus, Chunk, ChunkKind, CommandAck, CommOp, CommWait, Coords, EventFactory,
@@ -242,7 +248,8 @@ class CommandListener:
         self._owned = not isinstance(bus, Bus)
         self.bus: Bus = bus if isinstance(bus, Bus) else (bus or open_bus)()
         self.fence = EpochFence(plan.epoch, check)
-        self.factory = EventFactory(job, source)
+        self.factory = Signer(EventFactory(job, source), "executor")
+        self.gate = Gate(source, self.factory.keyring)
         self.acks: list[CommandAck] = []
         self._queue: deque[ReconfigureCommand] = deque()
         self.pending: ReconfigureCommand | None = None
@@ -269,12 +276,22 @@ class CommandListener:
         """Read new commands; acknowledge the ones to ignore; return the next one to apply."""
         for delivery in self.stream.poll(timeout_s=timeout_s):
             ev = delivery.event
-            if ev.job == self.job and isinstance(ev.payload, ReconfigureCommand):
+            if ev.job != self.job or not isinstance(ev.payload, (ReconfigureCommand, ProbeRequest)):
+                continue
+            if not self.gate.admit(ev):
+                continue
+            if isinstance(ev.payload, ReconfigureCommand):
                 self._queue.append(ev.payload)
-            elif (ev.job == self.job and isinstance(ev.payload, ProbeRequest)
-                  and ev.payload.probe_id not in self._probes_seen):
+            elif ev.payload.probe_id not in self._probes_seen:
                 self._probes_seen.add(ev.payload.probe_id)
-                self._probes.append(ev.payload)
+                refusal = probe_refusal(ev.payload, self.running.devices)
+                if refusal is None:
+                    self._probes.append(ev.payload)
+                else:
+                    self.gate.refuse(ev, refusal)
+        rejected = self.gate.take()
+        if rejected:
+            self.bus.publish(rejected)
         self.stream.commit()
         ignored: list[CommandAck] = []
         while self._queue and self.pending is None:
@@ -346,16 +363,43 @@ class CommandListener:
 
 # ---- probes -----------------------------------------------------------------------------------------
 
+MAX_PROBE_REPEATS = 16  # each repeat pauses the whole job; the detector asks for 3
+MAX_PROBE_S = 5.0  # a compute probe stops repeating once it has run this long (it keeps the best so far)
 
-def best_seconds(workload: Callable[[], object], repeats: int, *, sync: Callable[[], object] | None = None) -> float:
+
+def probe_refusal(request: ProbeRequest, devices: Iterable[int]) -> str | None:
+    """Why a job should not run ``request`` (None: run it). A probe pauses every rank, so its work
+    is bounded: at most :data:`MAX_PROBE_REPEATS` repeats, only devices the job runs, each named
+    once; the time of each compute probe is capped by :data:`MAX_PROBE_S` where it runs."""
+    if request.repeats > MAX_PROBE_REPEATS:
+        return (f"probe {request.probe_id} asks for {request.repeats:,} repeats; a job runs at most "
+                f"{MAX_PROBE_REPEATS} (each pauses every rank): ask again with fewer")
+    running = set(devices)
+    unknown = sorted(set(request.ranks) - running)
+    if unknown:
+        shown = unknown[:8]
+        return (f"probe {request.probe_id} names devices {shown}{' …' if len(unknown) > 8 else ''} the job does not "
+                f"run (it runs {len(running)}); probe devices of the running plan")
+    if len(set(request.ranks)) != len(request.ranks):
+        return f"probe {request.probe_id} names a device twice; name each once"
+    return None
+
+
+
+def best_seconds(workload: Callable[[], object], repeats: int, *, sync: Callable[[], object] | None = None,
+                 budget_s: float = MAX_PROBE_S) -> float:
     """The best wall time of ``repeats`` runs of ``workload``. ``sync()`` runs before each clock
     stop: pass ``torch.cuda.synchronize`` on a GPU, where kernels only queue. The best, not the
     mean: noise (preemption, a shared host) only ever adds time, and a slow device is slow in every
-    repeat."""
+    repeat. Repeating stops once ``budget_s`` has passed (after the first run), so a probe cannot
+    hold the job for long however many repeats it asks."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    samples = []
+    samples: list[float] = []
+    began = time.perf_counter()
     for _ in range(repeats):
+        if samples and time.perf_counter() - began >= budget_s:
+            break
         if sync is not None:
             sync()
         start = time.perf_counter()
@@ -388,4 +432,4 @@ def new_command(plan: Plan, plan_id: str = "manual") -> ReconfigureCommand:
 
 
 __all__ = ["ResiHPReporter", "IterationReport", "CommandListener", "EpochFence", "coords_in", "new_command",
-           "seq_lens_from_cu_seqlens", "best_seconds", "probe_answer"]
+           "seq_lens_from_cu_seqlens", "best_seconds", "probe_answer", "probe_refusal"]

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from collector import topics
+from collector.auth import Signer
 from collector.events import (AckStatus, CommandAck, EventFactory, FaultCategory, FaultInjected, Location, PlanCurrent,
                               ProbeRequest, ReconfigureCommand)
 from collector.plan import Plan
@@ -93,7 +94,7 @@ def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", com
     spec = spec.model_copy(update={"store_port": store.port, "run_id": spec.run_id or uuid.uuid4().hex})
 
     bus = spec.bus.open()
-    factory = EventFactory(spec.job, "trainer")
+    factory = Signer(EventFactory(spec.job, "trainer"), "executor")  # acks and its own on-death commands
     bus.publish([factory.make(_plan_current(spec, plan, "start"))])
     stream = EventStream(bus, f"trainer:{spec.job}", [topics.CONTROL], job=spec.job,
                          on_assign=None if commands_from == "beginning"
@@ -136,10 +137,14 @@ def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", com
             for delivery in stream.poll(timeout_s=poll_s):
                 ev = delivery.event
                 if ev.job == spec.job and isinstance(ev.payload, ReconfigureCommand):
-                    intake.offer(ev.payload)
+                    intake.offer_event(ev)
                 elif ev.job == spec.job and isinstance(ev.payload, ProbeRequest):
-                    probes += 1
-                    write_probe(store, probes, ev.payload)
+                    request = intake.admit_probe(ev)
+                    if request is not None:
+                        probes += 1
+                        write_probe(store, probes, request)
+            if rejected := intake.rejections():
+                bus.publish(rejected)
             stream.commit()
             alive = {d for d, p in procs.items() if p.exitcode is None}
             progress = _progress(store)
@@ -171,7 +176,9 @@ def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", com
                 time.sleep(poll_s)
         for delivery in stream.poll(timeout_s=0):
             if delivery.event.job == spec.job and isinstance(delivery.event.payload, ReconfigureCommand):
-                intake.offer(delivery.event.payload)
+                intake.offer_event(delivery.event)
+        if rejected := intake.rejections():
+            bus.publish(rejected)
         stream.commit()
         acks = intake.finish()
         for ack in acks:
@@ -214,17 +221,25 @@ def _start_ranks(spec: RunSpec, ranks: int) -> dict:
     """
     import multiprocessing as mp
 
-    from trainer.worker import process_main
-
     os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
     os.environ.setdefault("MKL_NUM_THREADS", str(spec.threads))
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["trainer.worker"])
     spec_json = spec.model_dump_json()
-    procs = {d: ctx.Process(target=process_main, args=(d, spec_json), name=f"rank-{d}") for d in range(ranks)}
+    procs = {d: ctx.Process(target=_rank_main, args=(d, spec_json), name=f"rank-{d}") for d in range(ranks)}
     for p in procs.values():
         p.start()
     return procs
+
+
+def _rank_main(device: int, spec_json: str) -> None:
+    """A rank dies with the fork server it came from, which exits with the launcher: a SIGKILLed
+    launcher leaves no rank behind (the node agent's guarantee, trainer/agent/child.py)."""
+    from trainer.agent.child import die_with_parent
+    from trainer.worker import process_main
+
+    die_with_parent(None)
+    process_main(device, spec_json)
 
 
 def _progress(store) -> dict:

@@ -24,6 +24,11 @@ minority of slow devices cannot move. Only asked ranks publish a ``probe.result`
   next receive and the delay travels round the ring). A world of one device has no link to time
   and answers with a zero-length duration.
 
+The work is bounded (the launcher refuses a request over trainer/integration.py's
+``probe_refusal`` bounds before any rank sees it; a compute probe also stops repeating after
+``MAX_PROBE_S``). A link probe runs every repeat it asks for, since its sends pair ranks up and a
+rank that stopped early would leave its peer waiting.
+
 Each duration is the best of the repeats: noise from the OS (preemption, other ranks sharing the
 cores) only ever adds time, and a slow device is slow in every repeat.
 
@@ -39,7 +44,7 @@ import torch.distributed as dist
 
 from collector.events import ProbeRequest, ProbeResult
 from trainer.faults import FaultInjector
-from trainer.integration import probe_answer
+from trainer.integration import MAX_PROBE_S, probe_answer
 from trainer.model import GPTConfig
 from trainer.schedule import paced_chunk_s
 
@@ -54,8 +59,11 @@ def compute_seconds(config: GPTConfig, faults: FaultInjector, repeats: int, pace
     x = torch.ones(rows, width, dtype=config.torch_dtype)
     w = torch.full((width, width), 1.0 / width, dtype=config.torch_dtype)
     paced_s = paced_chunk_s(pace_s_per_layer_token, layers=1, tp=1, tokens=t, seq_lens=[t])  # one device's layer
-    samples = []
+    samples: list[float] = []
+    began = time.perf_counter()
     for _ in range(repeats):
+        if samples and time.perf_counter() - began >= MAX_PROBE_S:
+            break  # bounded in time as well as in repeats (trainer/integration.py's probe_refusal)
         start = time.perf_counter()
         x @ w
         faults.after_compute(time.perf_counter() - start, paced_s)

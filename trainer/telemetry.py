@@ -71,9 +71,11 @@ class IterationRecorder:
 class TelemetryPublisher:
     """Queue + background thread publishing this rank's events; heartbeats on a timer."""
 
-    def __init__(self, open_bus: Callable[[], Bus], job: str, device: int, heartbeat_s: float = 1.0,
-                 max_queued: int = 10_000) -> None:
-        self.factory = EventFactory(job, f"rank-{device}")
+    def __init__(self, open_bus: Callable[[], Bus], job: str, device: int, heartbeat_s: float | None = 1.0,
+                 max_queued: int = 10_000, source: str | None = None) -> None:
+        """``heartbeat_s`` None: no heartbeats of its own (the node agent sends one per live rank);
+        ``source``: the envelope's source (default ``rank-<device>``)."""
+        self.factory = EventFactory(job, source or f"rank-{device}")
         self.device = device
         self.heartbeat_s = heartbeat_s
         self.epoch = 0
@@ -110,7 +112,7 @@ class TelemetryPublisher:
         try:
             while not stop:
                 batch: list[Payload] = []
-                timeout = max(0.0, next_beat - time.monotonic())
+                timeout = None if self.heartbeat_s is None else max(0.0, next_beat - time.monotonic())
                 try:
                     item = self._queue.get(timeout=timeout)
                     if item is None:
@@ -125,7 +127,7 @@ class TelemetryPublisher:
                         batch.append(item)
                 except queue.Empty:
                     pass
-                if time.monotonic() >= next_beat:
+                if self.heartbeat_s is not None and time.monotonic() >= next_beat:
                     batch.append(Heartbeat(rank=self.device, epoch=self.epoch, iteration=self.iteration,
                                            interval_s=self.heartbeat_s))
                     next_beat = time.monotonic() + self.heartbeat_s

@@ -4,12 +4,17 @@ Every check happens here, not in the page, so a page bug cannot publish an unaut
 the session must be live, the user an operator, and — for a decision — the plan must exist and
 still await a verdict (a second approval of the same plan changes nothing). When a check fails,
 nothing is published and the exception's message says why, for the page to show as it is.
+
+What passes is signed with the console's key (collector/auth.py), as ``ui:<user>``: the engine
+acts on decisions and policies only when they carry it, so these checks are the only way a
+decision reaches a job.
 """
 
 from __future__ import annotations
 
 import time
 
+from collector.auth import Signer
 from collector.events import Envelope, EventFactory, PlanDecision, PolicyChanged, PolicyMode, Severity
 from ui.auth import Session
 from ui.feed import Feed
@@ -19,8 +24,8 @@ class ActionRefused(Exception):
     """The action is not possible in the current state (unknown or already decided plan)."""
 
 
-def _factory(feed: Feed, job: str, actor: str) -> EventFactory:
-    return EventFactory(job, actor, first_seq=feed.model.next_seq(job, actor))
+def _factory(feed: Feed, job: str, actor: str) -> Signer:
+    return Signer(EventFactory(job, actor, first_seq=feed.model.next_seq(job, actor)), "console")
 
 
 def decide_plan(feed: Feed, session: Session, plan_id: str, *, approve: bool, comment: str = "",

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from analytics.goodput import GoodputFold
 from collector.events import (
     AckStatus, CommandAck, Envelope, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentResolved,
     IncidentUpdated, IterationPrediction, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified, PlanWithheld,
@@ -225,6 +226,7 @@ class ReadModel:
         self._max_rank_iterations = max_rank_iterations
         self._early_remediation_events: dict[str, list[Envelope]] = {}
         self.security = SecurityLog()
+        self.goodput = GoodputFold()  # the one definition /metrics serves too (analytics/goodput.py)
 
     def job(self, name: str) -> JobView:
         view = self.jobs.get(name)
@@ -248,6 +250,7 @@ class ReadModel:
         if event.seq > self.last_seq.get(key, -1):
             self.last_seq[key] = event.seq
         p = event.payload
+        self.goodput.apply(event)
         if isinstance(p, RankIteration):
             job = self.job(event.job)
             job.ranks.add(p)

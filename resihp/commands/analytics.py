@@ -1,4 +1,8 @@
-"""``resihp analytics``: keep the DuckDB projections of the log, exactly once."""
+"""``resihp analytics``: keep the DuckDB projections of the log, exactly once.
+
+It never exits on a broker outage: the bus client retries with back-off, and fail-stop judgement
+is suspended from the outage until this consumer has caught up (analytics/bus_outage.py), each
+said in a JSON line on stderr."""
 
 from __future__ import annotations
 
@@ -28,6 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "consumer group folds its DP replicas into analytics.replica_frame events; merge: "
                         "judges jobs from those frames (docs/analytics-scaling.md)")
     p.add_argument("--job", default=None, help="with --role shard: the job this shard folds")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus /metrics (goodput, incidents, lag) on 127.0.0.1:PORT (0: a free port, printed "
+                   "on stderr); see docs/metrics.md")
     p.add_argument("--log-batches", action="store_true",
                    help="print one JSON line per committed transaction to stderr")
     p.set_defaults(func=run)
@@ -38,8 +45,10 @@ def run(args: argparse.Namespace) -> int:
     import sys
     import time
 
+    from analytics.bus_outage import OutageGuard
     from analytics.control_tables import ControlProjection
     from analytics.event_log import EventLogProjection
+    from analytics.lease import AnalyticsLeases
     from analytics.projector import Projector
     from analytics.tables import TelemetryProjection
     from collector import topics
@@ -47,25 +56,42 @@ def run(args: argparse.Namespace) -> int:
     if args.role != "all":
         return _run_sharded(args)
     with bus_from_args(args) as bus:
-        projections = [EventLogProjection(), TelemetryProjection(), ControlProjection()]
+        from analytics.goodput_projection import GoodputProjection
+
+        goodput = GoodputProjection()
+        projections = [EventLogProjection(), TelemetryProjection(), ControlProjection(), goodput]
         detector = None
+        leases = AnalyticsLeases(db=str(args.db))
         if not args.no_detect:
             from analytics.detector_projection import DetectorProjection
 
             detector = DetectorProjection(args.detector_config)
-            projections.append(detector)
+            projections += [detector, leases]
         projector = Projector(
             bus, args.db, args.group, [topics.TELEMETRY, topics.ANALYTICS, topics.CONTROL],
             projections, rebuild=args.rebuild, instance_id=args.instance_id,
         )
+        outage = OutageGuard(bus, projector.stream.consumer, [topics.TELEMETRY, topics.ANALYTICS, topics.CONTROL])
+        exporter = None
         try:
+            if args.metrics_port is not None:
+                from analytics.metrics_exporter import AnalyticsExporter
+
+                exporter = AnalyticsExporter(goodput, bus, projector.stream, port=args.metrics_port)
+                exporter.announce()
             if detector is not None:
                 detector.flush_outbox(projector.conn, bus)  # what a crash left unpublished
             idle_since = time.monotonic()
             while True:
                 consumed = projector.step(max_records=args.batch)
                 if detector is not None:
-                    detector.flush_outbox(projector.conn, bus)
+                    outage.after_step(consumed, [d.fail_stop for d in detector.detectors.values()])
+                    if leases.tick(bus):
+                        detector.flush_outbox(projector.conn, bus)
+                    else:  # a second consumer on this bus: the first one publishes (analytics/lease.py)
+                        projector.conn.execute("DELETE FROM detector_outbox")
+                if exporter is not None:
+                    exporter.refresh(changed=bool(consumed))
                 if consumed:
                     idle_since = time.monotonic()
                     if args.log_batches:
@@ -76,6 +102,14 @@ def run(args: argparse.Namespace) -> int:
                 elif args.exit_when_idle is not None and time.monotonic() - idle_since >= args.exit_when_idle:
                     break
         finally:
+            if detector is not None:
+                try:
+                    leases.release(bus)
+                except Exception as exc:  # noqa: BLE001 - the bus may be gone; the lease then expires
+                    print(json.dumps({"event": "analytics_lease_not_released", "why": repr(exc)[:200]}),
+                          file=sys.stderr, flush=True)
+            if exporter is not None:
+                exporter.close()
             projector.close()
     return 0
 

@@ -1,9 +1,14 @@
-"""``resihp kafka up | down | status``: the local single-node KRaft broker from infra/."""
+"""``resihp kafka up | down | status``: the local single-node KRaft broker from infra/.
+
+``up --secure`` starts it with SASL/SCRAM principals and ACLs (infra/kafka_security.py), creates
+the platform's topics as the admin principal (the others may not create topics), grants the ACLs
+for them, and prints where each principal's env file is (docs/kafka.md)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -11,14 +16,42 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("action", choices=["up", "down", "status"])
     p.add_argument("--port", type=int, default=None, help="client port (default: $RESIHP_KAFKA_PORT or 19092)")
     p.add_argument("--data-dir", default=None, help="broker data directory (default: .kafka/broker)")
+    p.add_argument("--secure", action="store_true",
+                   help="SASL/SCRAM-SHA-256 principals (telemetry, trainer, analytics, engine, console) and ACLs; "
+                        "needs a fresh data dir")
+    p.add_argument("--namespace", default=None,
+                   help="with --secure: the topic prefix to create topics and grant ACLs for "
+                        "(default: $RESIHP_KAFKA_NAMESPACE)")
     p.set_defaults(func=run)
 
 
+def secure_topics(bootstrap: str, data_dir: str | None, namespace: str) -> str:
+    """Create the platform's topics under ``namespace`` as the admin principal and grant the ACLs
+    for them; returns the folder of the principals' env files."""
+    from pathlib import Path
+
+    from collector.kafka_bus import ensure_topics
+    from infra import broker
+    from infra import kafka_security as security
+
+    folder = Path(data_dir or broker.default_data_dir()).resolve()
+    creds = security.load_or_create_credentials(folder)
+    ensure_topics(bootstrap, namespace=namespace, security=security.client_config(security.ADMIN, creds[security.ADMIN]))
+    security.apply_acls(bootstrap, creds, namespace)
+    return str(folder / security.CREDENTIALS_DIR)
+
+
 def run(args: argparse.Namespace) -> int:
+    from collector.settings import environment
     from infra import broker
 
     if args.action == "up":
-        print(broker.up(port=args.port, data_dir=args.data_dir))
+        bootstrap = broker.up(port=args.port, data_dir=args.data_dir, secure=args.secure)
+        if args.secure:
+            namespace = environment().kafka_namespace if args.namespace is None else args.namespace
+            env_dir = secure_topics(bootstrap, args.data_dir, namespace)
+            print(f"principals' env files: {env_dir}/<principal>.env (source one to sign in as it)", file=sys.stderr)
+        print(bootstrap)
     elif args.action == "down":
         print("stopped" if broker.down(data_dir=args.data_dir) else "no broker was running")
     else:

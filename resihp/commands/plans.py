@@ -11,8 +11,12 @@ import argparse
 import getpass
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from resihp.options import add_bus_flags, bus_from_args
+
+if TYPE_CHECKING:
+    from collector.events import Envelope, Payload
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         q.add_argument("plan_id", metavar="PLAN_ID")
         q.add_argument("--job", default="resihp", help="job name (default: resihp)")
         q.add_argument("--comment", default="", help="why (kept in the log)")
-        q.add_argument("--as", dest="actor", default=None, help="your identity (default: cli:$USER)")
+        q.add_argument("--as", dest="actor", default=None, help="your identity (default: cli:$USER; a bare NAME is cli:NAME)")
         q.set_defaults(func=_decide, approve=approve)
 
     pol = acts.add_parser("policy", help="set the approval policy: propose (wait for a person) or auto")
@@ -41,12 +45,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     pol.add_argument("--severities", default="high,critical",
                      help="comma-separated severities auto-applied in auto mode (default: high,critical)")
     pol.add_argument("--job", default="resihp", help="job name (default: resihp)")
-    pol.add_argument("--as", dest="actor", default=None, help="your identity (default: cli:$USER)")
+    pol.add_argument("--as", dest="actor", default=None, help="your identity (default: cli:$USER; a bare NAME is cli:NAME)")
     pol.set_defaults(func=_policy)
 
 
 def _actor(args: argparse.Namespace) -> str:
-    return args.actor or f"cli:{getpass.getuser()}"
+    """Who decides: ``--as`` or the login name, always as ``cli:NAME`` or ``ui:NAME`` (a console
+    signature names a person; collector/auth.py)."""
+    actor = args.actor or getpass.getuser()
+    return actor if actor.startswith(("cli:", "ui:")) else f"cli:{actor}"
+
+
+def _signed(args: argparse.Namespace, payload: Payload) -> Envelope:
+    """``payload`` as the console writes it: by the actor, signed with the console's key (the key file
+    is made on first use; docs/security.md)."""
+    from collector.auth import Signer
+    from collector.events import EventFactory
+
+    return Signer(EventFactory(args.job, _actor(args)), "console").make(payload)
 
 
 def _fold(args: argparse.Namespace):
@@ -99,7 +115,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _decide(args: argparse.Namespace) -> int:
-    from collector.events import EventFactory, PlanDecision
+    from collector.events import PlanDecision
     from remediation.lifecycle import PlanStatus
     from remediation.log_view import fold_log
 
@@ -115,7 +131,7 @@ def _decide(args: argparse.Namespace) -> int:
             by = f" by {record.decided_by}" if record.decided_by else ""
             print(f"plan {args.plan_id} is already {record.status.value}{by}; a decision applies once", file=sys.stderr)
             return 1
-        event = EventFactory(args.job, _actor(args)).make(
+        event = _signed(args,
             PlanDecision(plan_id=args.plan_id, approve=args.approve, actor=_actor(args), comment=args.comment))
         bus.publish([event])
     print(f"{'approved' if args.approve else 'rejected'} {args.plan_id} as {_actor(args)}")
@@ -123,7 +139,7 @@ def _decide(args: argparse.Namespace) -> int:
 
 
 def _policy(args: argparse.Namespace) -> int:
-    from collector.events import EventFactory, PolicyChanged, PolicyMode, Severity
+    from collector.events import PolicyChanged, PolicyMode, Severity
 
     try:
         severities = [Severity(s.strip()) for s in args.severities.split(",") if s.strip()]
@@ -131,7 +147,7 @@ def _policy(args: argparse.Namespace) -> int:
         print(f"{exc}; choose from {', '.join(s.value for s in Severity)}", file=sys.stderr)
         return 2
     with bus_from_args(args) as bus:
-        bus.publish([EventFactory(args.job, _actor(args)).make(
+        bus.publish([_signed(args,
             PolicyChanged(mode=PolicyMode(args.mode), auto_severities=severities, actor=_actor(args)))])
     print(f"policy for job {args.job}: {args.mode}" + (f" ({args.severities})" if args.mode == "auto" else ""))
     return 0

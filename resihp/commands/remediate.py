@@ -54,6 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="verify with telemetry.summary (reads the telemetry topic) instead of analytics.prediction")
     p.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS",
                    help="stop after this long with nothing new (default: run until interrupted)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus /metrics (plans awaiting approval and their age) on 127.0.0.1:PORT (0: a free "
+                   "port, printed on stderr); see docs/metrics.md")
     p.set_defaults(func=run)
 
 
@@ -98,8 +101,15 @@ def run(args: argparse.Namespace) -> int:
     )
     with bus_from_args(args) as bus:
         engine = RemediationEngine(bus, config, model, plan)
+        server = None
+        if args.metrics_port is not None:
+            from remediation.approval_metrics import serve_approval_metrics
+
+            server = serve_approval_metrics(engine, args.metrics_port)
         try:
             engine.run(idle_exit_s=args.exit_when_idle)
         finally:
+            if server is not None:
+                server.close()
             engine.close()
     return 0

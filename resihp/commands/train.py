@@ -50,10 +50,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "when a failure leaves no live copy of some layer (needs --save-dir)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--no-telemetry", action="store_true")
+    p.add_argument("--native", action="store_true", help=(
+        "run the PyTorch-native executor instead (trainer/native/: a Llama-style decoder on DeviceMesh, DTensor TP, "
+        "pipelining 1F1B, FSDP2, DCP; CUDA + NCCL when a GPU is present). Uses --tp/--pp/--dp/--microbatches or "
+        "--plan, --iterations, --layers, --seed, --lr, --save-dir, --resume-dir (a DCP checkpoint) and the bus flags; "
+        "see docs/native.md for what it does not read yet"))
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.native:
+        return run_native(args)
     from dataclasses import asdict, replace
     from pathlib import Path
 
@@ -102,3 +109,36 @@ def run(args: argparse.Namespace) -> int:
     print(f"final plan epoch {result.final_plan.epoch}: {result.final_plan.shape()}; exit codes {result.exit_codes}")
     return 0 if all(c == 0 for d, c in result.exit_codes.items() if d not in result.dead) and \
         all(result.exit_codes.get(d) == 0 for d in result.final_plan.devices) else 1
+
+
+def run_native(args: argparse.Namespace) -> int:
+    from dataclasses import asdict, replace
+    from pathlib import Path
+
+    from collector.plan import Plan
+    from trainer.native.capabilities import refusal
+    from trainer.native.model import LlamaConfig
+    from trainer.native.stage import TrainSettings
+    from trainer.native.worker import NativeRunSpec, launch_native
+    from trainer.spec import BusSpec
+
+    cfg = LlamaConfig(dtype=args.dtype)
+    if args.layers:
+        cfg = replace(cfg, n_layers=args.layers)
+    if args.plan:
+        plan = Plan.model_validate_json(Path(args.plan).read_text())
+    else:
+        plan = Plan.uniform(tp=args.tp, pp=args.pp, dp=args.dp, num_layers=cfg.n_layers,
+                            microbatches_per_replica=args.microbatches)
+    if reason := refusal(plan, cfg):
+        raise SystemExit(f"the native executor cannot run this plan: {reason}")
+    spec = NativeRunSpec(
+        job=args.job, model=asdict(cfg), settings=asdict(TrainSettings(seed=args.seed, lr=args.lr)), plan=plan,
+        iterations=args.iterations, timeout_s=args.rendezvous_timeout, threads=args.threads,
+        save_dir=args.save_dir, resume_dir=args.resume_dir, echo=True,
+        bus=None if args.no_telemetry else BusSpec(backend=args.bus, path=args.bus_path, bootstrap=args.bootstrap))
+    print(f"job {args.job} (native): {plan.shape()} 1f1b on {len(plan.devices)} ranks, {cfg.n_layers} layers, "
+          f"{args.iterations} iterations")
+    codes = launch_native(spec)
+    print(f"exit codes {codes}")
+    return 0 if all(c == 0 for c in codes.values()) else 1

@@ -8,6 +8,12 @@ Stopping sends SIGINT first (the commands turn it into a clean shutdown: the ana
 commits and closes its DuckDB file), then SIGTERM, then SIGKILL, each after a grace period. Every
 process starts in its own session so that a Ctrl-C in the terminal reaches only the demo, which
 then stops its children in order.
+
+Every child dies with the demo, however the demo ends: each component runs under a guard
+(resihp/demo/guard.py) that leads the component's process group and holds Linux's parent-death
+signal, so a SIGKILLed demo (no ``finally`` runs) still takes every component and every process
+they started with it. Only the main thread may start components: the kernel sends the parent-death
+signal when the *thread* that forked the child ends.
 """
 
 from __future__ import annotations
@@ -21,13 +27,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from collector.bus import Bus
+from resihp.demo.guard import set_parent_death_signal
 
 
-def _default_sigint() -> None:
-    """In the child, before exec: SIGINT back to its default. A demo started in the background by a
+def _child_setup(supervisor_pid: int) -> None:
+    """In the child, before exec: SIGINT back to its default (a demo started in the background by a
     shell inherits SIGINT *ignored*, and Python then never raises KeyboardInterrupt, so the
-    components' clean shutdown (which SIGINT triggers) would be skipped."""
+    components' clean shutdown, which SIGINT triggers, would be skipped); and SIGTERM to the
+    child when the demo dies (the guard turns it into the end of the component's group)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    set_parent_death_signal(signal.SIGTERM, supervisor_pid)
+
+
+def guarded(argv: list[str]) -> list[str]:
+    """``argv`` run under the guard that ends its process group when the demo (this process) dies."""
+    return [sys.executable, "-m", "resihp.demo.guard", "--parent", str(os.getpid()), "--", *argv]
 
 
 def resihp_argv(*args: str) -> list[str]:
@@ -82,9 +96,10 @@ class ProcessGroup:
         log = comp.log_path.open("ab")
         log.write(("$ " + " ".join(argv) + "\n").encode())
         log.flush()
-        comp.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=self.env, cwd=os.getcwd(), start_new_session=True,
-                                     preexec_fn=_default_sigint)
+        me = os.getpid()
+        comp.proc = subprocess.Popen(guarded(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=self.env, cwd=os.getcwd(),
+                                     start_new_session=True, preexec_fn=lambda: _child_setup(me))
         log.close()
         comp.started_at = time.monotonic()
         self.components[name] = comp

@@ -19,7 +19,9 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from collector.bus import Bus
 from collector.settings import environment
+from collector.auth import Signer, create_key_file, key_path
 from collector.events import EventFactory, PolicyChanged, PolicyMode, Severity
 from resihp.demo.procs import ProcessGroup, bus_flags, resihp_argv
 from resihp.demo.progress import Progress
@@ -97,6 +100,18 @@ def _remediate_argv(opts: DemoOptions, story: DemoStory, files: dict[str, Path],
     return argv + ["--model", str(files["model"])]
 
 
+def _free_or_any(port: int) -> int:
+    """``port`` if nothing listens there, else a free one (a second demo on the machine)."""
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _duckdb_telemetry(db: Path) -> tuple[int, int]:
     """(telemetry rows, distinct telemetry ids) in the analytics file, opened read-only."""
     import duckdb
@@ -107,7 +122,15 @@ def _duckdb_telemetry(db: Path) -> tuple[int, int]:
     return int(n), int(distinct)
 
 
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM ends the demo the way Ctrl-C does: through ``run_demo``'s ``finally``, which stops
+    every component in order (Python's default for SIGTERM is to die on the spot)."""
+    raise SystemExit(128 + signum)
+
+
 def run_demo(opts: DemoOptions) -> int:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)
     workdir = opts.workdir or Path(".resihp/demo") / time.strftime("%Y%m%d-%H%M%S")
     if (workdir / "analytics.duckdb").exists() or (workdir / "bus.sqlite").exists():
         print(f"{workdir} already holds a demo run; pass a new --workdir (or delete it)", file=sys.stderr)
@@ -128,15 +151,25 @@ def run_demo(opts: DemoOptions) -> int:
     progress.message(f"story: healthy warm-up, ×{story.slow.factor:g} fail-slow on device {story.slow.device} at "
                      f"iteration {story.slow.at_iteration}, device {story.stop.device} stops at iteration "
                      f"{story.stop.at_iteration}, {story.iterations} iterations; policy: auto-apply every severity")
-    bus.publish([EventFactory(story.job, "cli:demo").make(PolicyChanged(
+    # Every part signs and checks control events with one key set (docs/security.md), made here on
+    # first use; children find it through RESIHP_KEYS, whatever their working directory.
+    keys = key_path().resolve()
+    if create_key_file(keys):
+        progress.message(f"made the control-event keys {keys} (mode 0600)")
+    env["RESIHP_KEYS"] = str(keys)
+    bus.publish([Signer(EventFactory(story.job, "cli:demo"), "console").make(PolicyChanged(
         mode=PolicyMode.AUTO, auto_severities=list(Severity), actor="cli:demo"))])
     group = ProcessGroup(workdir, env)
-    analytics_argv = resihp_argv("analytics", *flags, "--db", str(db), "--detector-config", str(files["detector"]))
+    ports = (_free_or_any(9464), _free_or_any(9465))  # the ports `resihp ops up` scrapes by default
+    analytics_argv = resihp_argv("analytics", *flags, "--db", str(db), "--detector-config", str(files["detector"]),
+                                 "--metrics-port", str(ports[0]))
     names = ["analytics", "remediate"]
     watch: LogWatch | None = None
     try:
         group.start("analytics", analytics_argv)
-        group.start("remediate", _remediate_argv(opts, story, files, flags))
+        group.start("remediate", _remediate_argv(opts, story, files, flags) + ["--metrics-port", str(ports[1])])
+        progress.message(f"metrics: http://127.0.0.1:{ports[0]}/metrics (analytics), http://127.0.0.1:{ports[1]}/metrics "
+                         f"(engine); `resihp ops up --targets 127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}` scrapes them")
         password = None
         if not opts.headless:
             password = _start_console(group, opts, workdir, flags, env)

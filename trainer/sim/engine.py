@@ -13,6 +13,10 @@ noise per chunk, jitter per (replica, stage, iteration), rare stalls (GC pauses:
 extra delay on one chunk), TP and pipeline communication from message sizes, the LM head on the
 last stage, and a DP all-reduce after the slowest replica.
 
+Trust: from the bus (``handle``) it obeys only commands signed by the engine and probes signed by
+analytics within the trainer's probe bounds, reporting the rest as ``control.rejected``; its
+acknowledgements are signed with the executor's key (collector/auth.py).
+
 What can go wrong: a plan naming a device beyond the cluster, or with a layer count other than the
 model's, is refused (``reconfigure`` acks ``failed``); a plan that keeps a dead device hangs.
 """
@@ -28,6 +32,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from analytics.schedule import OpTable, PipelineTiming, op_table, pipeline_timing
+from collector.auth import Gate, load_keyring
 from collector.epoch_fence import fence_verdict
 from collector.events import (
     AckStatus, CommandAck, Envelope, FaultInjected, Heartbeat, IterationSummary, ProbeRequest, ProbeResult,
@@ -35,6 +40,7 @@ from collector.events import (
 )
 from collector.plan import Plan
 from collector.replica_drop import drop_replicas
+from trainer.integration import probe_refusal
 from trainer.sim.cost import StageCoefficients, dp_allreduce_s, stage_coefficients
 from trainer.sim.faults import ActiveFault, FaultEffects, FaultSpec, truth_event_payload
 from trainer.sim.presets import ClusterSpec, ModelSpec
@@ -140,6 +146,7 @@ class SimEngine:
         self.now_s = 0.0  # simulated seconds since the job started
         self.finished = False
         self.events = DeterministicEvents(c.job)
+        self.keyring = load_keyring()  # signs its acknowledgements as the executor
         self._pending = [(f.id or f"fault-{i}", f) for i, f in enumerate(faults or [])]
         self.active: list[ActiveFault] = []
         self.history: list[ActiveFault] = []
@@ -494,7 +501,7 @@ class SimEngine:
             tokens_per_microbatch=c.workload.tokens_per_microbatch,
         )
         self._plan_news = None
-        out = [self.events.make("trainer", payload, self._abs(self.now_s))]
+        out = [self.keyring.sign(self.events.make("trainer", payload, self._abs(self.now_s)), "executor")]
         if self._tracing is not None:  # what the ranks record under this plan (ours declares nothing)
             out.append(self.events.make("trainer", self._tracing, self._abs(self.now_s)))
         return out
@@ -524,8 +531,22 @@ class SimEngine:
             detail = f"now {self.plan.shape()}"
         ack = CommandAck(command_id=command.command_id, plan_id=command.plan_id, epoch=plan.epoch, status=status,
                          running_epoch=self.plan.epoch, pause_s=pause, detail=detail)
-        events.append(self.events.make("trainer", ack, self._abs(self.now_s)))
+        events.append(self.keyring.sign(self.events.make("trainer", ack, self._abs(self.now_s)), "executor"))
         return events + self._plan_announcement() + self._heartbeats()
+
+    def handle(self, event: Envelope, gate: Gate) -> list[Envelope]:
+        """Obey a control event read from the bus if ``gate`` admits it and (a probe) it is within
+        bounds; the events that follow, refusals included (as ``control.rejected``)."""
+        p = event.payload
+        out: list[Envelope] = []
+        if isinstance(p, (ReconfigureCommand, ProbeRequest)) and gate.admit(event, self._abs(self.now_s)):
+            if isinstance(p, ReconfigureCommand):
+                out = self.reconfigure(p)
+            elif (refusal := probe_refusal(p, range(self.config.cluster.gpus))) is not None:
+                gate.refuse(event, refusal, self._abs(self.now_s))
+            else:
+                out = self.probe(p)
+        return gate.take() + out
 
     def probe(self, request: ProbeRequest) -> list[Envelope]:
         """Each live rank runs a fixed workload alone; dead ranks do not answer."""

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from collector import topics
+from collector.auth import Gate
 from collector.bus import Bus, TopicPartition
 from collector.events import Envelope, ProbeRequest, ReconfigureCommand
 from collector.stream import EventStream
@@ -74,6 +75,7 @@ class SimulatorRunner:
         self._control_end = bus.end_offsets([topics.CONTROL])
         self.stream = EventStream(bus, group or f"simulator:{engine.config.job}", [topics.CONTROL],
                                   on_assign=self._start_at_end, job=engine.config.job)
+        self.gate = Gate("simulator", engine.keyring)
         self._wall0 = time.monotonic()
         self._sim0 = engine.now_s
 
@@ -92,14 +94,10 @@ class SimulatorRunner:
         for d in self.stream.poll(timeout_s=timeout_s):
             if d.event.job != self.engine.config.job:
                 continue  # another job's command on a shared bus
-            payload = d.event.payload
-            if isinstance(payload, ReconfigureCommand):
-                out = self.engine.reconfigure(payload)
-                self.acks += [e for e in out if e.kind == "command.ack"]
-            elif isinstance(payload, ProbeRequest):
-                out = self.engine.probe(payload)
-            else:
+            if not isinstance(d.event.payload, (ReconfigureCommand, ProbeRequest)):
                 continue
+            out = self.engine.handle(d.event, self.gate)  # only signed control acts; refusals are reported
+            self.acks += [e for e in out if e.kind == "command.ack"]
             self.publish(out)
             handled += 1
         self.stream.commit()

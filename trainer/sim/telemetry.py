@@ -20,6 +20,7 @@ factor), so a slow link lengthens a fused timer even where no wait hides in it.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from typing import Literal
 
 import numpy as np
@@ -28,7 +29,7 @@ from analytics.schedule import KIND_NAMES, OpTable
 from collector.events import (
     ChunkKind, ChunkTable, CommOp, CommWait, Coords, Envelope, EventFactory, Payload, RankIteration, TracingDeclared,
 )
-from collector.plan import Plan
+from collector.plan import PipelinePlan, Plan
 from trainer.sim.presets import ClusterSpec, ModelSpec
 
 Dialect = Literal["ours", "megatron", "profiler", "sampled"]
@@ -65,6 +66,20 @@ def stage_ops(table: OpTable) -> list[np.ndarray]:
     return out
 
 
+def _traced_stages(pipe: PipelinePlan, table: OpTable, ops_by_stage: list[np.ndarray], start_s: np.ndarray,
+                   end_s: np.ndarray, ranks: set[int] | None) -> Iterator[tuple]:
+    """Per stage of ``pipe`` with a rank to report: (stage index, stage, TP indices that report, op
+    indices in run order, their starts, ends, kinds and micro-batches as lists). Every dialect walks
+    the same timeline this way; only what it records from it differs."""
+    for s, stage in enumerate(pipe.stages):
+        wanted = [t for t, d in enumerate(stage.devices) if ranks is None or d in ranks]
+        if not wanted:
+            continue
+        idx = ops_by_stage[s]
+        yield (s, stage, wanted, idx, start_s[idx].tolist(), end_s[idx].tolist(), table.kind[idx].tolist(),
+               table.microbatch[idx].tolist())
+
+
 def replica_rank_iterations(
     *,
     plan: Plan,
@@ -86,15 +101,7 @@ def replica_rank_iterations(
     S = table.stages
     out: list[RankIteration] = []
     tok = tokens.tolist()
-    for s, stage in enumerate(pipe.stages):
-        wanted = [d for d in stage.devices if ranks is None or d in ranks]
-        if not wanted:
-            continue
-        idx = ops_by_stage[s]
-        st = start_s[idx].tolist()
-        en = end_s[idx].tolist()
-        kinds = table.kind[idx].tolist()
-        mbs = table.microbatch[idx].tolist()
+    for s, stage, wanted, idx, st, en, kinds, mbs in _traced_stages(pipe, table, ops_by_stage, start_s, end_s, ranks):
         chunks_v = table.chunk[idx].tolist()
         links = table.link[idx].tolist()
         # Columns straight from the schedule arrays: one table shared by the stage's TP ranks.
@@ -117,7 +124,7 @@ def replica_rank_iterations(
                                                  bytes=dp_bytes[s], start_s=prev_end,
                                                  duration_s=max(0.0, iteration_s - prev_end)))
         for t, d in enumerate(stage.devices):
-            if d not in wanted:
+            if t not in wanted:
                 continue
             out.append(RankIteration(
                 epoch=plan.epoch, iteration=iteration, rank=d, node=cluster.node_of(d),
@@ -198,22 +205,14 @@ def dialect_rank_iterations(
     and the send kernel apart, the send holding the wait until the peer posts its receive (when the
     peer's chunk before the consuming one ends) and then the wire time."""
     pipe = plan.pipelines[replica]
-    S = table.stages
+    S, V = table.stages, table.virtual_stages
     n = table.n_ops
     ends = np.append(end_s, 0.0)  # index n: "no op" ends at the iteration start
     prev = table.prev_on_stage
     out: list[RankIteration] = []
     h_bytes = model.hidden * model.bytes_per_value
     tok = tokens.tolist()
-    for s, stage in enumerate(pipe.stages):
-        wanted = [t for t, d in enumerate(stage.devices) if ranks is None or d in ranks]
-        if not wanted:
-            continue
-        idx = ops_by_stage[s]
-        st = start_s[idx].tolist()
-        en = end_s[idx].tolist()
-        kinds = table.kind[idx].tolist()
-        mbs = table.microbatch[idx].tolist()
+    for s, stage, wanted, idx, st, en, kinds, mbs in _traced_stages(pipe, table, ops_by_stage, start_s, end_s, ranks):
         chunks = ChunkTable.model_construct(
             kind="".join(_KINDS[k].value for k in kinds), microbatch=mbs, virtual_stage=table.chunk[idx].tolist(),
             tokens=[None] * len(idx), seq_lens=[None] * len(idx), start_s=st, duration_s=[b - a for a, b in zip(st, en)],
@@ -266,10 +265,12 @@ def dialect_rank_iterations(
                             op=CommOp.PP_SEND, peer=peer(snd[1], t), microbatch=mbs[k], bytes=msg_bytes(snd[0], mbs[k]),
                             start_s=en[k], duration_s=max(en[k], posted) + snd[2] - en[k], includes_wait=True, group="pp"))
                     if stage.tp > 1 and kinds[k] != 2:  # the chunk's TP all-reduces, on the TP group
+                        # a stage's time is spread evenly over its V model chunks (analytics/schedule.py),
+                        # its TP all-reduces too: each model chunk holds 1/V of them
                         comm.append(CommWait.model_construct(
                             op=CommOp.TP_ALLREDUCE, peer=None, microbatch=mbs[k],
-                            bytes=2 * stage.num_layers * int(tok[mbs[k]]) * h_bytes, start_s=st[k],
-                            duration_s=float(tp_comm_s[s, mbs[k]]), includes_wait=True, group="tp"))
+                            bytes=2 * stage.num_layers * int(tok[mbs[k]]) * h_bytes // V, start_s=st[k],
+                            duration_s=float(tp_comm_s[s, mbs[k]]) / V, includes_wait=True, group="tp"))
             last = max(en) if en else 0.0
             if plan.dp > 1:
                 profiler = dialect == "profiler"

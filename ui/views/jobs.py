@@ -47,6 +47,7 @@ def _job_body(feed: Feed, job: JobView) -> None:
         m[3].metric("Iteration time (last 20)", f"{obs:.2f} s", f"{(obs / pred - 1) * 100:+.0f}% vs predicted" if pred else None,
                     delta_color="inverse")
     m[4].metric("Open incidents", len(open_incidents))
+    _goodput_headline(feed, job.job)
 
     window = st.radio("History", list(WINDOWS), horizontal=True, key="jobs_window", index=0)
     if len(series["iteration"]):
@@ -76,6 +77,18 @@ def _job_body(feed: Feed, job: JobView) -> None:
     if unhealthy:
         st.dataframe(pd.DataFrame({"rank": [e.rank for e in unhealthy], "state": [e.state.value for e in unhealthy],
                                    "slowdown": [e.factor for e in unhealthy]}), hide_index=True)
+
+
+def _goodput_headline(feed: Feed, job_name: str) -> None:
+    """Goodput (ETTR) and where the rest of the wall time went: the same fold as /metrics'
+    ``resihp_goodput_ratio`` and ``resihp_goodput_loss_seconds_total`` (docs/metrics.md)."""
+    g = feed.model.goodput.breakdown(job_name)
+    if g is None:
+        return
+    lost = ", ".join(f"{cause.replace('_', '-')} {s:,.0f} s" for cause, s in g.loss_s.items() if s >= 0.5)
+    st.metric("Goodput", f"{g.ratio:.1%}", help="share of wall time in productive training (docs/metrics.md)")
+    st.caption(f"{g.productive_s:,.0f} s productive of {g.wall_s:,.0f} s wall time; lost: {lost or 'nothing'}"
+               + (f"; {g.pending_s:,.0f} s since the last iteration not yet attributed" if g.pending_s >= 0.5 else ""))
 
 
 def _layout_shape(job: JobView) -> str:

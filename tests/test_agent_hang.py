@@ -1,0 +1,48 @@
+"""Judging a hang from flight records (unit logic; the real SIGSTOP is in test_agent_signals.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainer.agent.flight import FINISHED, FlightEntry, FlightRecorder, read_flight
+from trainer.agent.hang import HangPolicy, judge_hang
+
+
+def entry(rank: int, op: str, seq: int, started: float = 100.0, recent: tuple[float, ...] = (0.5, 0.5)) -> FlightEntry:
+    return FlightEntry(rank=rank, pid=1000 + rank, restart=0, iteration=7, step_started_s=started, op=op,
+                       op_entered_s=started, seq=seq, recent_step_s=recent)
+
+
+def test_the_rank_one_op_behind_is_named_with_the_op_it_is_stuck_in() -> None:
+    world = {0: entry(0, "all_reduce", 22), 1: entry(1, "forward", 21), 2: entry(2, "all_reduce", 22)}
+    report = judge_hang(world, HangPolicy(factor=3.0, floor_s=1.0), now_s=101.6)
+    assert report is not None
+    assert (report.culprits, report.op, report.deadline_s) == ((1,), "forward", 1.5)
+    assert "rank [1] stuck in 'forward'" in report.summary() and "ranks [0, 2] wait in all_reduce" in report.summary()
+
+
+def test_no_report_before_the_deadline_the_floor_or_the_first_finished_step() -> None:
+    world = {0: entry(0, "all_reduce", 22), 1: entry(1, "forward", 21)}
+    assert judge_hang(world, HangPolicy(factor=3.0, floor_s=1.0), now_s=101.4) is None
+    assert judge_hang(world, HangPolicy(factor=3.0, floor_s=5.0), now_s=104.0) is None
+    fresh = {r: entry(r, "forward", 1, recent=()) for r in (0, 1)}
+    assert judge_hang(fresh, HangPolicy(factor=3.0, floor_s=1.0), now_s=1e9) is None
+
+
+def test_the_cost_model_estimate_replaces_the_ranks_own_history() -> None:
+    world = {0: entry(0, "all_reduce", 22), 1: entry(1, "all_reduce", 22)}
+    report = judge_hang(world, HangPolicy(factor=3.0, floor_s=1.0, expected_step_s=2.0), now_s=106.5)
+    assert report is not None and report.deadline_s == 6.0 and report.culprits == (0, 1)
+    assert judge_hang(world, HangPolicy(factor=3.0, floor_s=1.0, expected_step_s=2.0), now_s=105.5) is None
+
+
+def test_a_finished_rank_is_never_hung(tmp_path: Path) -> None:
+    recorder = FlightRecorder(str(tmp_path / "local-0.flight"), rank=4)
+    for i in range(3):
+        recorder.step(i)
+        recorder.enter("all_reduce")
+    recorder.finish()
+    record = read_flight(str(tmp_path / "local-0.flight"))
+    assert record is not None and (record.rank, record.iteration, record.op, len(record.recent_step_s)) == \
+        (4, 2, FINISHED, 2)
+    assert judge_hang({4: record}, HangPolicy(floor_s=0.0), now_s=record.step_started_s + 1e6) is None

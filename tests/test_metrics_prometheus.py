@@ -1,0 +1,230 @@
+"""The real Prometheus and Alertmanager (Debian's binaries) against a live analytics consumer.
+
+One Prometheus and one Alertmanager are started for the module (scrape and evaluation every second,
+group wait one second) by infra/monitoring.py, the same code as ``resihp ops up``. A simulated job
+publishes to an embedded bus; ``resihp analytics --metrics-port`` (the real command, a child
+process) folds it and serves /metrics. Prometheus scrapes it on loopback; the rules file is the
+one shipped (infra/prometheus/rules.yml); the injected fail-stop fires ResihpFailStop, which
+Alertmanager delivers to a webhook receiver running in this test. Nothing here is a mock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from analytics.goodput import GoodputFold
+from collector.codec import decode
+from collector.embedded import EmbeddedBus
+from collector.plan import Plan
+from infra import monitoring
+from trainer.sim.engine import SimConfig, SimEngine
+from trainer.fault_spec import FaultSpec
+from trainer.sim.presets import MODEL_PRESETS, ClusterSpec
+from trainer.sim.runner import run_open_loop
+
+REPO = Path(__file__).resolve().parent.parent
+JOB = "prom-job"
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Webhook:
+    """Alertmanager's webhook receiver: keeps every notification it is sent."""
+
+    def __init__(self) -> None:
+        received = self.received = []  # type: list[dict[str, Any]]
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                received.append(json.loads(body))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+                return
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/alerts"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _wait(what: str, check: Callable[[], Any], timeout_s: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"waited {timeout_s:.0f} s for {what}")
+
+
+def _query(prom: monitoring.Server, expr: str) -> list[dict]:
+    url = f"{prom.url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read())["data"]["result"]
+
+
+def _scalar(prom: monitoring.Server, expr: str) -> float | None:
+    result = _query(prom, expr)
+    return float(result[0]["value"][1]) if result else None
+
+
+class _Stack:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.bus_path = tmp / "bus.sqlite"
+        self.bus = EmbeddedBus(self.bus_path)
+        plan = Plan.uniform(tp=2, pp=2, dp=2, num_layers=MODEL_PRESETS["tiny"].layers, microbatches_per_replica=4)
+        self.sim = SimEngine(SimConfig(model=MODEL_PRESETS["tiny"], cluster=ClusterSpec(gpus=8), plan=plan, job=JOB,
+                                       seed=7, heartbeat_interval_s=1.0),
+                             [FaultSpec(kind="stop_device", device=3, at_iteration=150)])
+        self.metrics_port = _free_port()
+        self.webhook = _Webhook()
+        self.alertmanager = monitoring.start_alertmanager(tmp / "ops", self.webhook.url, port=_free_port(),
+                                                          group_wait="1s", group_interval="1s")
+        self.prometheus = monitoring.start_prometheus(
+            tmp / "ops", [f"127.0.0.1:{self.metrics_port}"], self.alertmanager.url.removeprefix("http://"),
+            port=_free_port(), scrape_interval="1s", evaluation_interval="1s")
+        self.analytics = self.start_analytics()
+
+    def start_analytics(self) -> subprocess.Popen:
+        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        return subprocess.Popen(
+            [sys.executable, "-m", "resihp.cli", "analytics", "--bus", "embedded", "--bus-path", str(self.bus_path),
+             "--db", str(self.tmp / "analytics.duckdb"), "--metrics-port", str(self.metrics_port)],
+            env=env, stdout=subprocess.DEVNULL, stderr=open(self.tmp / "analytics.log", "ab"))
+
+    def run(self, iterations: int | None = None, duration_s: float | None = None, max_hang_s: float = 30.0) -> None:
+        run_open_loop(self.sim, self.bus.publish, iterations=iterations, duration_s=duration_s, max_hang_s=max_hang_s)
+
+    def published_fold(self) -> GoodputFold:
+        """The goodput fold applied to every event on the bus, in this process: what /metrics must show."""
+        from collector import topics
+
+        fold = GoodputFold()
+        consumer = self.bus.consumer("test-fold", [topics.TELEMETRY, topics.ANALYTICS, topics.CONTROL],
+                                     lambda ps: {tp: 0 for tp in ps})
+        events = []
+        while batch := consumer.poll(100_000, 0.0):
+            events += [decode(r.value) for r in batch]
+        consumer.close()
+        fold.apply_all(sorted(events, key=lambda e: e.time_s))
+        return fold
+
+    def close(self) -> None:
+        self.analytics.terminate()
+        self.analytics.wait(20)
+        self.prometheus.stop()
+        self.alertmanager.stop()
+        self.webhook.close()
+        self.bus.close()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Stack]:
+    missing = monitoring.missing_binaries()
+    if missing:
+        pytest.fail(f"{', '.join(missing)} not on PATH: install Debian's prometheus and prometheus-alertmanager "
+                    "(`make test` does)")
+    s = _Stack(tmp_path_factory.mktemp("prometheus"))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def test_promtool_accepts_the_shipped_rules() -> None:
+    out = subprocess.run(["promtool", "check", "rules", str(monitoring.RULES)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS: 6 rules found" in out.stdout
+
+
+def test_prometheus_scrapes_the_consumer_and_reads_the_folds_figures(stack: _Stack) -> None:
+    stack.run(iterations=100)
+    expected = stack.published_fold().breakdown(JOB)
+    assert expected is not None and expected.wall_s > 0
+    _wait("up == 1", lambda: _scalar(stack.prometheus, 'up{job="resihp"}') == 1.0)
+    wall = f'resihp_goodput_wall_seconds_total{{job="{JOB}"}}'
+    _wait("the consumer to have folded every iteration",
+          lambda: (_scalar(stack.prometheus, wall) or 0) >= expected.wall_s - 1e-9)
+    assert _scalar(stack.prometheus, wall) == pytest.approx(expected.wall_s, rel=1e-9)
+    assert _scalar(stack.prometheus, f'resihp_goodput_ratio{{job="{JOB}"}}') == pytest.approx(expected.ratio, rel=1e-9)
+    assert _scalar(stack.prometheus, f'resihp_iterations_total{{job="{JOB}"}}') == 100
+    causes = {r["metric"]["cause"] for r in _query(stack.prometheus, f'resihp_goodput_loss_seconds_total{{job="{JOB}"}}')}
+    assert causes == {"fail_stop", "fail_slow", "reshape", "restart", "approval", "other"}
+    assert _scalar(stack.prometheus, f'sum(resihp_open_incidents{{job="{JOB}",category="fail_stop"}})') == 0
+    lag = _query(stack.prometheus, 'resihp_consumer_lag_records{group="analytics"}')
+    assert {r["metric"]["topic"] for r in lag} == {"resihp.telemetry", "resihp.analytics", "resihp.control"}
+
+
+def test_an_unknown_job_is_a_404_and_a_known_one_only_its_series(stack: _Stack) -> None:
+    base = f"http://127.0.0.1:{stack.metrics_port}/metrics"
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(f"{base}/job/no-such-job", timeout=5)
+    assert err.value.code == 404 and JOB in err.value.read().decode()
+    with urllib.request.urlopen(f"{base}/job/{JOB}", timeout=5) as r:
+        text = r.read().decode()
+    assert f'resihp_goodput_ratio{{job="{JOB}"}}' in text and "resihp_consumer_lag_records" not in text
+
+
+def test_an_injected_fail_stop_fires_the_alert_and_alertmanager_delivers_it(stack: _Stack) -> None:
+    stack.run(duration_s=stack.sim.now_s + 60.0)  # the device stops at iteration 150; the job hangs
+    assert stack.sim.hanging_for_s > 0
+    firing = _wait("ResihpFailStop to fire in Prometheus", lambda: [
+        a for a in json.loads(urllib.request.urlopen(f"{stack.prometheus.url}/api/v1/alerts", timeout=5).read())
+        ["data"]["alerts"] if a["labels"]["alertname"] == "ResihpFailStop" and a["state"] == "firing"])
+    assert firing[0]["labels"]["job"] == JOB
+    notes = _wait("Alertmanager to deliver it to the webhook", lambda: [
+        a for n in stack.webhook.received for a in n["alerts"] if a["labels"]["alertname"] == "ResihpFailStop"])
+    assert notes[0]["status"] == "firing" and notes[0]["labels"]["severity"] == "page"
+    assert notes[0]["annotations"]["runbook_url"] == "docs/runbooks/fail-stop.md"
+    assert (REPO / notes[0]["annotations"]["runbook_url"]).exists()
+    # the hang is charged to fail-stop as it lasts, and Prometheus reads the same figure as the fold
+    expected = stack.published_fold().breakdown(JOB)
+    assert expected is not None and expected.loss_s["fail_stop"] > 10.0
+    loss = f'resihp_goodput_loss_seconds_total{{job="{JOB}",cause="fail_stop"}}'
+    _wait("the fail-stop loss to reach the fold's", lambda: (_scalar(stack.prometheus, loss) or 0) >= expected.loss_s["fail_stop"] - 1e-6)
+
+
+def test_a_restarted_consumer_goes_on_from_its_counters(stack: _Stack) -> None:
+    """Killed outright and started again on the same DuckDB file, the consumer serves the counters it
+    had: Prometheus sees no reset of any goodput counter across the gap."""
+    wall = f'resihp_goodput_wall_seconds_total{{job="{JOB}"}}'
+    before = _scalar(stack.prometheus, wall)
+    assert before is not None and before > 0
+    stack.analytics.kill()
+    stack.analytics.wait(10)
+    _wait("Prometheus to see the consumer down", lambda: _scalar(stack.prometheus, 'up{job="resihp"}') == 0.0)
+    stack.run(duration_s=stack.sim.now_s + 5.0, max_hang_s=1e9)  # the job goes on (hung) while it is away
+    stack.analytics = stack.start_analytics()
+    _wait("the consumer back up", lambda: _scalar(stack.prometheus, 'up{job="resihp"}') == 1.0)
+    _wait("the wall time past where it was", lambda: (_scalar(stack.prometheus, wall) or 0) > before)
+    for series in (wall, f'resihp_goodput_loss_seconds_total{{job="{JOB}"}}'):
+        resets = _query(stack.prometheus, f"resets({series}[10m])")
+        assert resets and all(float(r["value"][1]) == 0 for r in resets), resets

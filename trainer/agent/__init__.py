@@ -1,0 +1,17 @@
+"""The node agent behind ``resihp run``: one per node, built on torch.distributed.elastic.
+
+torch's ``LocalElasticAgent`` starts and watches this node's ranks and restarts the whole worker
+group after a failure; its c10d rendezvous handler forms the world. What the platform adds, one
+module each:
+
+* ``options``: torchrun's own argument parser plus the platform's flags, and the LaunchConfig;
+* ``store``: the rendezvous store bound to one address (loopback by default), and the job check
+  that turns an agent of another job into a clear error instead of a rendezvous timeout;
+* ``child``: the wrapper every rank runs in, so no rank outlives its agent (PR_SET_PDEATHSIG) and
+  each can dump its stacks on demand (faulthandler);
+* ``flight``: the per-rank flight record (the step and the last op each rank entered);
+* ``hang``: judging a step that ran past its deadline, and the report naming the stuck op;
+* ``node``: the agent itself (heartbeats on the bus, hang checks, recovery phase timings);
+* ``launch``: ``run_agent``, the whole command with one-line errors;
+* ``sample_job``: a small gloo job that checkpoints, resumes and keeps a flight record.
+"""

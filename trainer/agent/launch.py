@@ -1,0 +1,145 @@
+"""``run_agent``: one node's agent from parsed flags to exit code, every failure one line.
+
+The steps: the rendezvous (our bound store and job check for c10d, torch's registry for the other
+backends) → the worker spec (each rank wrapped in trainer/agent/child.py) → torch's agent loop →
+shut the rendezvous and the bus down, whatever happened. torch's agent stops this node's ranks
+(SIGTERM to each rank's process group, then SIGKILL) on every way out, signals included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from trainer.agent.hang import HangPolicy
+from trainer.agent.store import LOOPBACK_NAMES, AgentError, RendezvousStore, make_handler, open_rendezvous_store
+from trainer.spec import BusSpec
+
+
+def worker_command(args: argparse.Namespace, cmd: Any, cmd_args: list[str]) -> tuple[str, list[str]]:
+    """The program and arguments of each rank: the user's script inside the child wrapper."""
+    if args.run_path:
+        raise AgentError("--run-path is not supported by resihp run; pass the script path itself")
+    if args.no_python:
+        return str(cmd), list(cmd_args)  # not Python: no wrapper (the process-group kill still applies)
+    script = ["-m", args.training_script] if args.module else [args.training_script]
+    rest = cmd_args[cmd_args.index(args.training_script) + 1:]
+    return str(cmd), ["-u", "-m", "trainer.agent.child", *script, *rest]
+
+
+def preload_fork_server(modules: list[str]) -> str:
+    """Fork every rank from a server that imported ``modules`` once (multiprocessing's forkserver):
+    a restart then costs no imports (torch alone is seconds of CPU per rank). The server has run
+    no compute, so forking it is safe; ranks still get a fresh address space each."""
+    import multiprocessing
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(modules)
+    return "forkserver"
+
+
+def _bool(value: str | None) -> bool | None:
+    return None if value is None else value.lower() in ("1", "true", "yes", "y", "on")
+
+
+def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
+    """Run this node's agent to the end; returns the exit code (0: every rank succeeded)."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+    from torch.distributed.launcher.api import _get_addr_and_port
+    from torch.distributed.run import config_from_args
+
+    from trainer.agent.node import AgentSettings, NodeAgent
+    from trainer.agent.options import normalise
+    from trainer.telemetry import TelemetryPublisher
+
+    echo = echo or (lambda line: print(f"resihp run: {line}", file=sys.stderr, flush=True))
+    args = normalise(args)
+    config, cmd, cmd_args = config_from_args(args)
+    program, program_args = worker_command(args, cmd, cmd_args)
+    configs = dict(config.rdzv_configs)
+    timeout_s = float(configs.pop("read_timeout", 60))
+    hosts = _bool(configs.pop("is_host", None))
+    rdzv: RendezvousStore | None = None
+    telemetry = None
+    handler = None
+    try:
+        if config.rdzv_backend == "c10d":
+            rdzv = open_rendezvous_store(config.rdzv_endpoint, config.run_id, hosts=hosts, node_rank=args.node_rank,
+                                         bind=args.rdzv_bind, timeout_s=timeout_s)
+            # The ranks' bootstrap store listens where this node is reached: --local-addr, else the
+            # address the rendezvous is bound to on its host, else loopback for a loopback endpoint.
+            node_address = config.local_addr or (rdzv.listener.getsockname()[0] if rdzv.listener else None) or (
+                "127.0.0.1" if rdzv.host in LOOPBACK_NAMES or rdzv.host.startswith("127.") else None)
+            params = RendezvousParameters(backend="c10d", endpoint=f"{rdzv.host}:{rdzv.port}", run_id=config.run_id,
+                                          min_nodes=config.min_nodes, max_nodes=config.max_nodes,
+                                          local_addr=node_address, **configs)
+            handler = make_handler(rdzv, params, node_address, timeout_s)
+            if rdzv.hosting:
+                echo(f"rendezvous {config.run_id} at {rdzv.host}:{rdzv.port} (hosted by this agent)")
+            master_addr, master_port = None, None
+        else:
+            params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint,
+                                          run_id=config.run_id, min_nodes=config.min_nodes,
+                                          max_nodes=config.max_nodes, local_addr=config.local_addr,
+                                          **config.rdzv_configs)
+            handler = rdzv_registry.get_rendezvous_handler(params)
+            master_addr, master_port = _get_addr_and_port(params)
+        if not args.no_telemetry:
+            telemetry = TelemetryPublisher(bus.open, args.job, 0, heartbeat_s=None,
+                                           source=f"agent-{os.uname().nodename}-{os.getpid()}")
+        work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="resihp-agent-"))
+        settings = AgentSettings(job=args.job, node_label=os.uname().nodename, work_dir=work_dir,
+                                 hang=HangPolicy(args.hang_factor, args.hang_floor_s, args.expected_step_s),
+                                 on_hang=args.on_hang, heartbeat_s=args.heartbeat_s, telemetry=telemetry)
+        entrypoint: Any = program
+        start_method = config.start_method
+        if args.preload:
+            if args.no_python:
+                raise AgentError("--preload forks Python ranks; it cannot start a --no-python program")
+            from trainer.agent.child import run_script
+
+            entrypoint, program_args = run_script, program_args[program_args.index("trainer.agent.child") + 1:]
+            start_method = preload_fork_server([m for m in args.preload.split(",") if m])
+        spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
+                          args=tuple(program_args), rdzv_handler=handler, max_restarts=config.max_restarts,
+                          monitor_interval=config.monitor_interval, master_addr=master_addr,
+                          master_port=master_port, local_addr=config.local_addr)
+        agent = NodeAgent(spec, config.logs_specs, settings, start_method=start_method,
+                          log_line_prefix_template=config.log_line_prefix_template)
+        result = agent.run()
+        if result.is_failed():
+            rank, first = min(result.failures.items(), key=lambda item: item[1].timestamp)
+            how = (f"was killed by {signal.Signals(-first.exitcode).name}" if first.exitcode < 0
+                   else f"exited with code {first.exitcode}")
+            echo(f"error: rank {rank} (local {first.local_rank}, pid {first.pid}) {how}; "
+                 f"{len(result.failures)} rank(s) failed on this node, restarts left 0 of {config.max_restarts}")
+            return 1
+        return 0
+    except AgentError as exc:
+        echo(f"error: {exc}")
+        return 2
+    except RendezvousError as exc:
+        first_line = (str(exc) or type(exc).__name__).splitlines()[0]
+        echo(f"error: the rendezvous failed ({type(exc).__name__}: {first_line}); check that every agent has the "
+             "same --rdzv-endpoint, --rdzv-id and --nnodes, and raise join_timeout in --rdzv-conf if nodes start late")
+        return 2
+    except SignalException as exc:
+        echo(f"stopped by {exc.sigval.name}; this node's ranks were stopped")
+        return 128 + int(exc.sigval)
+    finally:
+        if handler is not None:
+            try:
+                handler.shutdown()
+            except Exception:  # noqa: BLE001 - the rendezvous may already be gone with its host
+                pass
+        if telemetry is not None:
+            telemetry.close()
+        if rdzv is not None and rdzv.listener is not None:
+            rdzv.listener.close()

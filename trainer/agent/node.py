@@ -1,0 +1,190 @@
+"""The node agent: torch's LocalElasticAgent, plus heartbeats, hang checks and recovery timings.
+
+torch's agent owns the life cycle — rendezvous, start this node's ranks, watch them, and after a
+failure stop them, re-rendezvous (every agent of the job joins the next round) and start them
+again, up to ``--max-restarts`` times. This class adds what the platform needs at three hooks:
+
+* ``_start_workers``: every rank runs inside trainer/agent/child.py (dies with the agent, dumps
+  stacks on SIGUSR1) with a flight-record slot (trainer/agent/flight.py);
+* ``_monitor_workers`` (called every ``--monitor-interval``): heartbeats on the bus for each live,
+  running rank; the flight records shared through the rendezvous store so every agent judges the
+  whole world, and a hang report (trainer/agent/hang.py) from the agent that owns the culprit;
+  with ``on_hang="restart"`` it then kills the culprit, which torch's restart path takes over;
+* the restart path: each phase's time since the failure was detected (``RecoveryTimeline``),
+  logged as one JSON line per phase and kept for ``resihp bench agent``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from collector.events import Evidence, FaultCategory, Heartbeat, IncidentOpened, Location, Severity
+from trainer.agent.child import AGENT_PID_ENV, STACK_DIR_ENV, stack_file_path
+from trainer.agent.flight import FLIGHT_DIR_ENV, FlightEntry, flight_file_path, read_flight
+from trainer.agent.store import forget_bootstrap_store
+from trainer.agent.hang import HangPolicy, HangReport, collect_stacks, judge_hang, process_state
+from trainer.telemetry import TelemetryPublisher
+
+log = logging.getLogger("resihp.agent")
+FLIGHT_KEY = "resihp/flight/{rank}"  # in the round's own (prefixed) store
+
+
+@dataclass
+class AgentSettings:
+    job: str
+    node_label: str
+    work_dir: Path
+    hang: HangPolicy = field(default_factory=HangPolicy)
+    on_hang: str = "report"  # or "restart": kill the culprit and let the restart path recover
+    heartbeat_s: float = 1.0
+    share_s: float = 0.25  # how often flight records go to the store
+    telemetry: TelemetryPublisher | None = None
+
+
+@dataclass
+class RecoveryTimeline:
+    """Seconds from the failure's detection to each phase of one restart (this host's clock)."""
+
+    detected_at: float
+    restart: int
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, phase: str) -> None:
+        self.phases[phase] = time.monotonic() - self.detected_at
+        print(json.dumps({"event": "recovery", "restart": self.restart, "phase": phase,
+                          "since_detected_s": round(self.phases[phase], 4)}), file=sys.stderr, flush=True)
+
+
+class NodeAgent(LocalElasticAgent):
+    def __init__(self, spec: Any, logs_specs: Any, settings: AgentSettings, **kwargs: Any) -> None:
+        super().__init__(spec, logs_specs, **kwargs)
+        self.settings = settings
+        self.flight_dir = settings.work_dir / "flight"
+        self.stack_dir = settings.work_dir / "stacks"
+        self.flight_dir.mkdir(parents=True, exist_ok=True)
+        self.stack_dir.mkdir(parents=True, exist_ok=True)
+        self.hang_reports: list[HangReport] = []
+        self.timelines: list[RecoveryTimeline] = []
+        self._reported: set[tuple[int, int]] = set()  # (restart, iteration) already reported
+        self._next_beat = 0.0
+        self._next_share = 0.0
+        self._pending: RecoveryTimeline | None = None
+
+    # ---- starting ranks ----------------------------------------------------------------------
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        for stale in [*self.flight_dir.glob("*.flight"), *self.stack_dir.glob("*.stacks")]:
+            stale.unlink()
+        # the ranks inherit the agent's environment (torch's elastic agent starts them with it)
+        os.environ.update({FLIGHT_DIR_ENV: str(self.flight_dir), STACK_DIR_ENV: str(self.stack_dir),
+                           AGENT_PID_ENV: str(os.getpid())})
+        pids = super()._start_workers(worker_group)
+        if self._pending is not None:
+            self._pending.mark("ranks started")
+        return pids
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        forget_bootstrap_store(worker_group.spec.rdzv_handler)
+        super()._rendezvous(worker_group)
+        if self._pending is not None:
+            self._pending.mark("new world")
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        self._pending = RecoveryTimeline(time.monotonic(), self._restart_count() + 1)
+        self._pending.mark("detected")
+        super()._restart_workers(worker_group)
+
+    def _restart_count(self) -> int:
+        return self._worker_group.spec.max_restarts - self._remaining_restarts
+
+    # ---- watching ranks ----------------------------------------------------------------------
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.state != WorkerState.HEALTHY or self._pcontext is None:
+            return result
+        pids = self._pcontext.pids()
+        local = {w.local_rank: w.global_rank for w in worker_group.workers}
+        entries = {local[lr]: e for lr in pids if (e := read_flight(flight_file_path(str(self.flight_dir), lr)))
+                   and e.restart == self._restart_count()}
+        now = time.monotonic()
+        if self._pending is not None and entries and min(e.iteration for e in entries.values()) >= 0 and all(
+                e.op != "start" for e in entries.values()):
+            self._pending.mark("first step")
+            self.timelines.append(self._pending)
+            self._pending = None
+        if now >= self._next_beat:
+            self._next_beat = now + self.settings.heartbeat_s
+            self._heartbeat(pids, local, entries)
+        if now >= self._next_share:
+            self._next_share = now + self.settings.share_s
+            world = self._share_flight(worker_group, entries)
+            report = judge_hang(world, self.settings.hang)
+            if report is not None and set(report.culprits) & set(entries) and \
+                    (self._restart_count(), report.iteration) not in self._reported:
+                self._on_hang(report, pids, local)
+        return result
+
+    def _heartbeat(self, pids: dict[int, int], local: dict[int, int], entries: dict[int, FlightEntry]) -> None:
+        telemetry = self.settings.telemetry
+        if telemetry is None:
+            return
+        for lr, pid in pids.items():
+            if process_state(pid) in ("T", "Z", "?"):
+                continue  # stopped or gone: no heartbeat, which is how a consumer notices
+            rank = local[lr]
+            entry = entries.get(rank)
+            telemetry.publish(Heartbeat(rank=rank, epoch=self._restart_count(),
+                                        iteration=max(0, entry.iteration) if entry else 0,
+                                        interval_s=self.settings.heartbeat_s))
+
+    def _share_flight(self, worker_group: WorkerGroup, entries: dict[int, FlightEntry]) -> dict[int, FlightEntry]:
+        """Publish this node's flight records to the rendezvous store and read every rank's."""
+        store = worker_group.store
+        if store is None or not worker_group.workers:
+            return entries
+        for rank, e in entries.items():
+            store.set(FLIGHT_KEY.format(rank=rank), json.dumps(e.__dict__))
+        world = worker_group.workers[0].world_size
+        keys = [FLIGHT_KEY.format(rank=r) for r in range(world)]
+        if not store.check(keys):
+            return entries  # some rank has not written yet: judge nothing across nodes
+        everyone = {}
+        for r, raw in enumerate(store.multi_get(keys)):
+            everyone[r] = FlightEntry.from_json(raw.decode())
+        everyone.update(entries)
+        return everyone
+
+    def _on_hang(self, report: HangReport, pids: dict[int, int], local: dict[int, int]) -> None:
+        self._reported.add((self._restart_count(), report.iteration))
+        by_rank = {local[lr]: pid for lr, pid in pids.items()}
+        files = {local[lr]: stack_file_path(str(self.stack_dir), lr) for lr in pids}
+        stacks = collect_stacks(by_rank, files)
+        report = HangReport(**{**report.__dict__, "stacks": stacks})
+        self.hang_reports.append(report)
+        path = self.settings.work_dir / f"hang-r{self._restart_count()}-i{report.iteration}.json"
+        path.write_text(json.dumps(report.__dict__, indent=1, default=str))
+        print(f"resihp run: {report.summary()}; stacks in {path}", file=sys.stderr, flush=True)
+        if self.settings.telemetry is not None:
+            self.settings.telemetry.publish(IncidentOpened(
+                incident_id=f"{self.settings.job}/hang/{self._restart_count()}/{report.iteration}",
+                category=FaultCategory.FAIL_STOP, severity=Severity.HIGH, iteration=max(0, report.iteration),
+                locations=[Location(target="compute", rank=r) for r in report.culprits],
+                evidence=Evidence(statistic="hang", note=json.dumps({"op": report.op, "ops": report.ops,
+                                                                     "stacks": stacks})[:16000]),
+                summary=report.summary()))
+        if self.settings.on_hang == "restart":
+            for rank in report.culprits:
+                if rank in by_rank:
+                    os.kill(by_rank[rank], signal.SIGKILL)

@@ -1,0 +1,127 @@
+"""Apply TP, PP and DP to the decoder, one step each (torchtitan's ``parallelize_llama`` shape).
+
+    mesh = build_mesh(layout)                       # DeviceMesh (dp, pp, tp) over the world
+    model = apply_pp(build_model(cfg, seed), role)  # keep this stage's layers
+    apply_tp(model, mesh["tp"])                     # DTensor colwise / rowwise plan
+    apply_dp(model, mesh["dp"])                     # FSDP2 fully_shard per block, then the root
+    stage = pipeline_stage(model, role, mesh["pp"]) # torch.distributed.pipelining.PipelineStage
+
+Gradients are *summed* across replicas (FSDP's divide factor 1) and every micro-batch's loss is
+divided by the global batch's target-token count, so a replica may run any number of the global
+batch's micro-batches and the update is the same as one process running them all. The steps
+work on any module with the torchtitan Llama layout (``layers`` as a ModuleDict of blocks with
+``attention.wq/wk/wv/wo`` and ``feed_forward.w1/w2/w3``); ``tp_plan_for_block`` is the one place
+that names those submodules.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from collector.plan import RankRole
+from trainer.native.layout import NativeLayout
+from trainer.native.model import keep_layers
+
+
+def build_mesh(layout: NativeLayout, device_type: str = "cpu") -> DeviceMesh:
+    """The (dp, pp, tp) mesh over the current default process group (its ranks follow
+    ``layout.world``). Creates one sub-group per mesh dimension slice; every world rank calls it."""
+    return DeviceMesh(device_type, layout.mesh_ranks(), mesh_dim_names=("dp", "pp", "tp"))
+
+
+def forget_old_meshes() -> None:
+    """Clear DTensor's sharding caches; call after the default process group is re-created.
+
+    DTensor caches sharding decisions (in C++ and Python) keyed by DeviceMesh *equality*, which
+    compares the mesh layout and rank map but not its process groups. After a reshape re-forms the
+    world, a new mesh equal to one of an earlier epoch would reuse a cached decision that holds the
+    old mesh, whose groups were destroyed ("Could not resolve the process group registered under
+    the name …")."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    clear_redistribute_planner_cache()
+
+
+def apply_pp(model: Any, role: RankRole) -> Any:
+    """Keep only this device's stage of the model (its layers; embedding on the first stage,
+    norm and output on the last)."""
+    return keep_layers(model, role.first_layer, role.end_layer)
+
+
+def tp_plan_for_block() -> dict[str, ParallelStyle]:
+    """Megatron's split of one decoder block: q/k/v and the SwiGLU gates column-parallel (each TP
+    rank holds whole heads / a slice of the hidden width), wo and w2 row-parallel (one all-reduce
+    each on the way out)."""
+    return {
+        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(),
+    }
+
+
+def apply_tp(model: Any, tp_mesh: DeviceMesh) -> None:
+    """DTensor tensor parallelism over ``tp_mesh`` (skipped at TP 1: plain tensors train the same)."""
+    if tp_mesh.size() == 1:
+        return
+    top: dict[str, ParallelStyle] = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate())
+    if model.output is not None:
+        top["output"] = ColwiseParallel(output_layouts=Replicate())
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, tp_plan_for_block())
+
+
+def apply_dp(model: Any, dp_mesh: DeviceMesh) -> None:
+    """FSDP2 over ``dp_mesh``: each block, then the root, with gradients summed (not averaged)
+    across replicas. Parameters stay gathered from the first micro-batch's forward to the
+    iteration's last backward (``reshard_after_forward=False``, ZeRO-2-like): that makes the
+    collectives one all-gather and one reduce-scatter per module per iteration whatever the
+    micro-batch count, so replicas running different shares of the global batch (a DP migration)
+    still issue the same collectives. Skipped at DP 1."""
+    if dp_mesh.size() == 1:
+        return
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+
+
+def pipeline_stage(model: nn.Module, role: RankRole, pp_mesh: DeviceMesh, device: torch.device) -> PipelineStage:
+    return PipelineStage(model, role.stage, role.num_stages, device, group=pp_mesh.get_group())
+
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float, warmup_iterations: int
+                    ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """torch's AdamW over the (DTensor) parameters and a linear-warmup, cosine-to-10 % schedule
+    stepped once per iteration; both are part of the state a reshape moves."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: warmup_then_cosine(it, warmup_iterations))
+    return opt, sched
+
+
+def warmup_then_cosine(iteration: int, warmup: int, horizon: int = 1000) -> float:
+    if iteration < warmup:
+        return (iteration + 1) / warmup
+    progress = min(1.0, (iteration - warmup) / max(1, horizon - warmup))
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))

@@ -1,0 +1,99 @@
+"""Telemetry from torch's own pipeline schedule, in our contract, without touching the model.
+
+``ScheduleWatcher`` wraps the ``PipelineStage`` instance's ``forward_one_chunk`` and
+``backward_one_chunk`` (what every torch schedule calls once per micro-batch, with its index), so
+it times the F and B chunks of any ``nn.Module`` a user hands to pipelining. Point-to-point waits
+are timed by wrapping the schedule module's ``_batch_p2p`` / ``_wait_batch_p2p`` (private to
+torch 2.15, the one place the schedules wait on activations and gradients; the wrapper is
+installed once per process and is inert when no watcher is active — if torch renames them, the
+chunks are still timed and the p2p waits are simply absent). Timings go into trainer/telemetry.py's
+``IterationRecorder`` on the rank's own clock; the worker publishes one ``RankIteration`` per
+iteration through the same non-blocking ``TelemetryPublisher`` the reference trainer uses.
+
+Not timed yet: the TP all-reduces inside DTensor ops and FSDP's all-gather / reduce-scatter
+(their time is inside the chunks and the step's tail).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as _schedules
+
+from collector.events import ChunkKind, CommOp, CommWait
+from trainer.data import MicroBatch
+from trainer.telemetry import IterationRecorder
+
+_active: IterationRecorder | None = None
+
+
+class _TaggedWork(list):
+    desc: str = ""
+
+
+def _install_p2p_timer() -> None:
+    if getattr(_schedules, "_resihp_timed", False) or not hasattr(_schedules, "_wait_batch_p2p"):
+        return
+    batch, wait = _schedules._batch_p2p, _schedules._wait_batch_p2p
+
+    def timed_batch(ops: Any, desc: str | None = None) -> list:
+        out = _TaggedWork(batch(ops, desc=desc))
+        out.desc = desc or ""
+        return out
+
+    def timed_wait(work: Any) -> None:
+        rec = _active
+        if rec is None:
+            wait(work)
+            return
+        desc = getattr(work, "desc", "")
+        op = (CommOp.PP_SENDRECV if "send" in desc and "recv" in desc
+              else CommOp.PP_RECV if "recv" in desc else CommOp.PP_SEND)
+        start = rec.now_s()
+        wait(work)
+        rec.comm.append(CommWait(op=op, start_s=max(0.0, start), duration_s=max(0.0, rec.now_s() - start),
+                                 includes_wait=True, group="pp"))
+
+    _schedules._batch_p2p = timed_batch  # type: ignore[assignment]
+    _schedules._wait_batch_p2p = timed_wait
+    _schedules._resihp_timed = True  # type: ignore[attr-defined]
+
+
+class ScheduleWatcher:
+    """Times every F and B chunk (and p2p wait) of one ``PipelineStage`` per iteration."""
+
+    def __init__(self, stage: PipelineStage) -> None:
+        _install_p2p_timer()
+        self.recorder = IterationRecorder()
+        self.microbatches: list[MicroBatch] = []
+        stage.forward_one_chunk = self._timed(stage.forward_one_chunk, ChunkKind.FORWARD)  # type: ignore[method-assign]
+        stage.backward_one_chunk = self._timed(stage.backward_one_chunk, ChunkKind.BACKWARD)  # type: ignore[method-assign]
+
+    def begin(self, microbatches: list[MicroBatch]) -> IterationRecorder:
+        """Start an iteration running ``microbatches`` (chunk index i is ``microbatches[i]``)."""
+        global _active
+        self.recorder = IterationRecorder()
+        self.microbatches = microbatches
+        _active = self.recorder
+        return self.recorder
+
+    def end(self) -> IterationRecorder:
+        global _active
+        _active = None
+        return self.recorder
+
+    def _timed(self, run: Callable[..., Any], kind: ChunkKind) -> Callable[..., Any]:
+        def wrapper(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            rec = self.recorder
+            start = time.perf_counter()
+            try:
+                return run(chunk_id, *args, **kwargs)
+            finally:
+                end = time.perf_counter()
+                if chunk_id < len(self.microbatches):
+                    mb = self.microbatches[chunk_id]
+                    rec.chunk(kind, mb.index, len(mb.tokens), mb.seq_lens, start - rec.t0, end - start)
+        return wrapper

@@ -1,0 +1,227 @@
+"""One native rank process, and the local launcher that starts them.
+
+The run is a ``NativeRunSpec``: the model, the first plan, and the reshapes to apply (each a
+plan and the iteration boundary to apply it at — from a test, the benchmark, or ``resihp train
+--native --reshape``). The launcher hosts the TCPStore (so any rank may die) and forks one process
+per device from a fork server that imported torch once. Each rank trains, reshapes through
+:class:`NativeExecutor`, publishes telemetry (one ``RankIteration`` per iteration, the schedule's
+own chunk timings) and writes ``rank-<device>.json`` (losses, reshape phases, refusals) to
+``out_dir``; replica 0's TP rank 0 of each stage also writes its stage's final full parameters to
+``params-<device>.pt`` so a run can be compared with the single-process reference.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
+
+from collector.events import Coords, IterationSummary, RankIteration
+from collector.plan import Plan
+from collector.settings import environment
+from trainer.native.executor import NativeExecutor, Released, ReshapeRefused
+from trainer.native.layout import NativeLayout
+from trainer.native.model import LlamaConfig, ModelFactory
+from trainer.native.stage import NativeRole, TrainSettings
+from trainer.native.state import export_full, load_dcp, save_dcp
+from trainer.spec import BusSpec
+from trainer.telemetry import TelemetryPublisher
+
+log = logging.getLogger("resihp.trainer.native")
+
+
+class ScheduledReshape(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    at_iteration: int = Field(ge=1, description="applied before this iteration runs")
+    plan: Plan
+
+
+class NativeRunSpec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    job: str = "resihp-native"
+    model: dict = Field(default_factory=dict, description="LlamaConfig fields")
+    model_factory: str = Field(default="trainer.native.model:build_model", description=(
+        "module:function building the full model from (LlamaConfig, seed) — a user's own torchtitan-style "
+        "decoder (see examples/native_user_model.py)"))
+    settings: dict = Field(default_factory=dict, description="TrainSettings fields")
+    plan: Plan
+    reshapes: list[ScheduledReshape] = Field(default_factory=list)
+    iterations: int = Field(default=10, ge=1)
+    store_host: str = "127.0.0.1"
+    store_port: int = 0
+    timeout_s: float = Field(default=120.0, gt=0, description="collective and rendezvous timeout")
+    device: str = Field(default="auto", description="auto: cuda + nccl when a GPU is present, else cpu + gloo")
+    threads: int = Field(default=1, ge=1)
+    out_dir: str | None = None
+    save_dir: str | None = Field(default=None, description="DCP checkpoint of the final state here")
+    resume_dir: str | None = Field(default=None, description="start from a DCP checkpoint written by any layout")
+    bus: BusSpec | None = None
+    heartbeat_s: float = Field(default=1.0, gt=0)
+    echo: bool = Field(default=False, description="world rank 0 prints each iteration's loss")
+
+    @property
+    def config(self) -> LlamaConfig:
+        return LlamaConfig(**self.model)
+
+    @property
+    def train_settings(self) -> TrainSettings:
+        return TrainSettings(**self.settings)
+
+    def factory(self) -> ModelFactory:
+        module, _, name = self.model_factory.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+def select_device(preference: str, device: int) -> tuple[torch.device, str]:
+    """(torch device, process-group backend): CUDA with NCCL when asked for or, with ``auto``,
+    when a GPU is present (devices spread over the visible GPUs); otherwise CPU with gloo."""
+    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("device 'cuda' asked for but torch sees no GPU; use --device cpu")
+        index = device % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def run_rank(spec: NativeRunSpec, device: int) -> int:
+    torch.set_num_threads(spec.threads)
+    cfg, settings = spec.config, spec.train_settings
+    torch_device, backend = select_device(spec.device, device)
+    store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
+    fallback = Path(spec.resume_dir) if spec.resume_dir else None  # no periodic checkpoints yet
+    ex = NativeExecutor(device, cfg, settings, store, torch_device, backend, spec.timeout_s,
+                        checkpoint_dir=lambda: fallback, model_factory=spec.factory())
+    telemetry = (TelemetryPublisher(spec.bus.open, spec.job, device, spec.heartbeat_s) if spec.bus else None)
+    results: dict = {"device": device, "losses": {}, "walls": {}, "reshapes": [], "refused": [], "backend": backend}
+    try:
+        layout = NativeLayout.of(spec.plan, cfg)
+        if device not in layout.world:
+            return 0
+        ex.join_world(layout)
+        ex.current = ex.rebuild_stages(layout)
+        iteration = 0
+        if spec.resume_dir:
+            cur = ex.current
+            iteration = load_dcp(spec.resume_dir, cur.model, cur.opt, cur.sched)
+        pending = {r.at_iteration: r.plan for r in spec.reshapes}
+        first_step_of = None
+        while iteration < spec.iterations:
+            if iteration in pending:
+                try:
+                    report, rollback_to = ex.reshape(pending.pop(iteration))
+                    first_step_of = report
+                    if rollback_to is not None:
+                        iteration = rollback_to
+                except ReshapeRefused as exc:
+                    log.warning("device %d: plan refused, training on at epoch %d: %s", device,
+                                ex.current.layout.plan.epoch, exc)
+                    results["refused"].append(str(exc))
+            cur = ex.current
+            started = time.perf_counter()
+            loss = cur.train_step(iteration, cfg, settings)
+            wall_s = time.perf_counter() - started
+            if first_step_of is not None:
+                first_step_of.phases_s["first_step"] = wall_s
+                results["reshapes"].append({"epoch": first_step_of.epoch, "source": first_step_of.source,
+                                            "phases_s": first_step_of.phases_s, "iteration": iteration})
+                first_step_of = None
+            results["losses"][iteration] = loss
+            results["walls"][iteration] = wall_s
+            if spec.echo and cur.layout.rank(device) == 0:
+                print(f"iteration {iteration} epoch {cur.layout.plan.epoch} loss {loss:.4f} ({wall_s:.3f} s)", flush=True)
+            if telemetry is not None:
+                _publish(telemetry, cur, device, iteration, wall_s, loss, settings)
+            iteration += 1
+        cur = ex.current
+        if spec.save_dir:
+            save_dcp(spec.save_dir, cur.model, cur.opt, cur.sched, iteration)
+        full = export_full(cur.model, cur.opt, cur.sched)
+        if spec.out_dir and cur.role.replica == 0 and cur.role.tp_rank == 0:
+            torch.save(full.params, Path(spec.out_dir) / f"params-{device}.pt")
+        results["final_epoch"] = cur.layout.plan.epoch
+        dist.barrier()
+        return 0
+    except Released:
+        results["released"] = True
+        return 0
+    finally:
+        if spec.out_dir:
+            (Path(spec.out_dir) / f"rank-{device}.json").write_text(json.dumps(results))
+        if telemetry is not None:
+            telemetry.close()
+
+
+def _publish(telemetry: TelemetryPublisher, cur: NativeRole, device: int, iteration: int, wall_s: float,
+             loss: float, settings: TrainSettings) -> None:
+    plan, r, rec = cur.layout.plan, cur.role, cur.last_recorder
+    telemetry.epoch, telemetry.iteration = plan.epoch, iteration
+    telemetry.publish(RankIteration(
+        epoch=plan.epoch, iteration=iteration, rank=device, coords=Coords(tp=r.tp_rank, pp=r.stage, dp=r.replica),
+        wall_s=wall_s, chunks=rec.chunks if rec else [], comm=rec.comm if rec else []))
+    if cur.layout.rank(device) == 0:
+        telemetry.publish(IterationSummary(epoch=plan.epoch, iteration=iteration, loss=loss,
+                                           tokens=plan.global_microbatches * settings.block_size, wall_s=wall_s))
+
+
+def process_main(device: int, spec_json: str) -> None:
+    """Entry point of a forked rank process; exits with the rank's code."""
+    spec = NativeRunSpec.model_validate_json(spec_json)
+    logging.basicConfig(level=environment().log,
+                        format=f'{{"rank": {device}, "level": "%(levelname)s", "msg": "%(message)s"}}')
+    code = 1
+    try:
+        code = run_rank(spec, device)
+    except BaseException:
+        log.exception("device %d failed", device)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def launch_native(spec: NativeRunSpec, ranks: int | None = None) -> dict[int, int]:
+    """Host the store, run one process per device until all exit; returns their exit codes."""
+    import multiprocessing as mp
+
+    devices = sorted(set(spec.plan.devices) | {d for r in spec.reshapes for d in r.plan.devices})
+    ranks = ranks or max(devices) + 1
+    store = dist.TCPStore(spec.store_host, 0, None, True, wait_for_workers=False,
+                          timeout=timedelta(seconds=spec.timeout_s))
+    spec = spec.model_copy(update={"store_port": store.port})
+    if spec.out_dir:
+        Path(spec.out_dir).mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["trainer.native.worker"])
+    procs = {d: ctx.Process(target=process_main, args=(d, spec.model_dump_json()), name=f"native-{d}")
+             for d in range(ranks)}
+    for p in procs.values():
+        p.start()
+    for p in procs.values():
+        p.join()
+    return {d: p.exitcode if p.exitcode is not None else -1 for d, p in procs.items()}
+
+
+def read_results(out_dir: str | Path) -> tuple[dict[int, dict], dict[str, torch.Tensor]]:
+    """The ranks' result files and the final full parameters (union over stages)."""
+    out = Path(out_dir)
+    ranks = {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out.glob("rank-*.json")}
+    params: dict[str, torch.Tensor] = {}
+    for p in sorted(out.glob("params-*.pt")):
+        params.update(torch.load(p, weights_only=True))
+    return ranks, params
+
+
+__all__ = ["NativeRunSpec", "ScheduledReshape", "launch_native", "read_results", "select_device"]
