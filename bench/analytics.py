@@ -152,9 +152,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=2_000, help="events per transaction")
     parser.add_argument("--iterations", type=int, default=12, help="detector iterations per size (the first 2 are not timed)")
     parser.add_argument("--skip-16k", action="store_true", help="only 1,024 ranks (the 16k layout takes a minute)")
+    parser.add_argument("--shards", default=None, metavar="N[,N...]",
+                        help="instead: sharded analytics, per-shard work and merge time for these shard counts "
+                             "(bench/_analytics_shards.py)")
+    parser.add_argument("--ranks", type=int, default=100_000, help="with --shards: job size (TP8·PP16 replicas)")
+    parser.add_argument("--kafka", default=None, metavar="BOOTSTRAP",
+                        help="with --shards: also measure shard processes on this broker (16 replicas, 6 iterations)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.shards:
+        from bench._analytics_shards import bench_shards, print_table
+
+        counts = [int(n) for n in str(args.shards).split(",")]
+        r = bench_shards(args.ranks, counts)
+        print_table(r)
+        if args.kafka:
+            from bench._analytics_shards import bench_kafka_shards
+
+            r["kafka"] = bench_kafka_shards(args.kafka, counts)
+            base = r["kafka"][0]["replicas_per_s"]
+            print(f"\non Kafka ({args.kafka}): `resihp analytics --role shard` processes, 2,048 ranks, 6 iterations")
+            for k in r["kafka"]:
+                print(f"  {k['shards']:2d} shard(s): {k['replicas_per_s']:7.1f} replica frames/s  "
+                      f"(×{k['replicas_per_s'] / base:.2f})")
+        if args.json:
+            print(json.dumps(r))
+        return 0
     ingest = bench_ingest(args.events, args.batch)
     sizes = [(8, 8, 16, 16)] + ([] if args.skip_16k else [(8, 16, 128, 16)])
     det = [bench_detector(*s, iterations=args.iterations) for s in sizes]

@@ -24,7 +24,7 @@ from collector.events import Envelope
 from collector.settings import DEFAULT_EMBEDDED_PATH as DEFAULT_EMBEDDED_PATH
 from collector.settings import DEFAULT_KAFKA_BOOTSTRAP as DEFAULT_KAFKA_BOOTSTRAP
 from collector.settings import environment
-from collector.topics import key_for, topic_for
+from collector.topics import PartitionKeys, topic_for
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,8 @@ class Bus(ABC):
 
         Raises InvalidEvent (before anything is sent) if an event cannot be encoded.
         """
-        batch = [RawMessage(topic_for(e.kind), key_for(e.job, e.source), encode(e)) for e in events]
+        keys: PartitionKeys = self.__dict__.setdefault("_partition_keys", PartitionKeys())  # per producer
+        batch = [RawMessage(topic_for(e.kind), keys.key(e.job, e.source, e.kind, e.payload), encode(e)) for e in events]
         if batch:
             self.publish_raw(batch)
         return len(batch)

@@ -318,6 +318,23 @@ class IterationPrediction(Payload):
     model_error: Finite | None = Field(default=None, description="the cost model's recent relative error")
 
 
+class ReplicaFrame(Payload):
+    """One DP replica's share of one iteration, as an analytics shard folded it: the replica's rank
+    reports flattened into columns (the arrays of analytics/frame.py's IterationFrame, own compute
+    already net of TP waits). Shards of one consumer group each hold whole replicas (telemetry is
+    keyed job/replica); the merge step concatenates a job's replicas and judges the iteration, so it
+    raises the incidents a single process would. ``columns`` maps an array name to its values
+    (null where the frame holds NaN); ``ranks`` says how many rank rows the replica holds."""
+
+    KIND: ClassVar[str] = "analytics.replica_frame"
+    epoch: int = Field(ge=0)
+    iteration: int = Field(ge=0)
+    replica: int = Field(ge=0)
+    ranks: int = Field(ge=1, description="rank rows in this replica's columns")
+    shard: str = Field(default="", description="the analytics process that folded it (diagnostics only)")
+    columns: dict[str, list[float | None]] = Field(description="frame array name -> values, rank/chunk/comm rows")
+
+
 class RankState(StrEnum):
     HEALTHY = "healthy"
     SLOW = "slow"
@@ -693,7 +710,7 @@ class ControlRejected(Payload):
 
 PAYLOAD_TYPES: tuple[type[Payload], ...] = (
     RankIteration, IterationSummary, Heartbeat, TracingDeclared,
-    IterationPrediction, RankHealth, AnalyticsLease,
+    IterationPrediction, RankHealth, AnalyticsLease, ReplicaFrame,
     IncidentOpened, IncidentConfirmed, IncidentUpdated, IncidentResolved, ProbeRequest, ProbeResult,
     PlanProposed, PlanDecision, PolicyChanged, ReconfigureCommand, CommandAck, PlanVerified, PlanRolledBack,
     PlanWithheld, PlanCurrent, CostModelFitted,

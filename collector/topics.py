@@ -51,3 +51,32 @@ def topic_for(kind: str) -> str:
 def key_for(job: str, source: str) -> bytes:
     """Partition key: one source's events (one rank's, say) land in one partition, in order."""
     return f"{job}/{source}".encode()
+
+
+
+class PartitionKeys:
+    """Partition keys of what one producer publishes. A rank report (telemetry.iteration) is keyed
+    by its DP replica, ``job/replica-D``: all of a replica's reports land in one partition, so one
+    member of the analytics consumer group holds whole replicas (docs/analytics-scaling.md).
+
+    A heartbeat follows its rank's reports: keyed by the replica of the last report this producer
+    published for that rank. The detector reads a heartbeat that says a rank started iteration i+2
+    as "report i is lost", which is only sound while the two share a partition, in order. A
+    heartbeat sent before the rank's first report (nothing to overtake yet) keeps the rank's own
+    key. Everything else keeps its per-source key."""
+
+    def __init__(self) -> None:
+        self._replica: dict[tuple[str, int], int] = {}
+
+    def key(self, job: str, source: str, kind: str, payload: object) -> bytes:
+        if kind == "telemetry.iteration":
+            coords, rank = getattr(payload, "coords", None), getattr(payload, "rank", None)
+            if coords is not None:
+                if rank is not None:
+                    self._replica[(job, rank)] = coords.dp
+                return f"{job}/replica-{coords.dp}".encode()
+        elif kind == "telemetry.heartbeat":
+            replica = self._replica.get((job, getattr(payload, "rank", -1)))
+            if replica is not None:
+                return f"{job}/replica-{replica}".encode()
+        return key_for(job, source)

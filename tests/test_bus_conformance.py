@@ -180,7 +180,7 @@ def test_encoded_bytes_on_the_bus_decode_to_the_published_event(bus):
         consumer.close()
     assert len(records) == 1
     assert records[0].value == encode(event)
-    assert records[0].key == b"job-a/rank-3"
+    assert records[0].key == f"job-a/replica-{event.payload.coords.dp}".encode()  # rank reports: keyed by replica
     assert decode(records[0].value) == event
 
 

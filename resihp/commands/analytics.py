@@ -27,6 +27,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="only keep the tables; do not run the detector or publish analytics events")
     p.add_argument("--detector-config", default=None, metavar="YAML",
                    help="detector settings (thresholds, heartbeat intervals); see docs/detector.md")
+    p.add_argument("--role", choices=("all", "shard", "merge"), default="all",
+                   help="all: one process judges every job (default); shard: one member of the --group "
+                        "consumer group folds its DP replicas into analytics.replica_frame events; merge: "
+                        "judges jobs from those frames (docs/analytics-scaling.md)")
+    p.add_argument("--job", default=None, help="with --role shard: the job this shard folds")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus /metrics (goodput, incidents, lag) on 127.0.0.1:PORT (0: a free port, printed "
                    "on stderr); see docs/metrics.md")
@@ -48,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
     from analytics.tables import TelemetryProjection
     from collector import topics
 
+    if args.role != "all":
+        return _run_sharded(args)
     with bus_from_args(args) as bus:
         from analytics.goodput_projection import GoodputProjection
 
@@ -104,4 +111,32 @@ def run(args: argparse.Namespace) -> int:
             if exporter is not None:
                 exporter.close()
             projector.close()
+    return 0
+
+
+def _run_sharded(args: argparse.Namespace) -> int:
+    """One shard or the merge of sharded analytics (no DuckDB tables: the all-in-one role keeps them)."""
+    import time
+
+    from analytics.detector_config import DetectorConfig
+    from analytics.merge import MergeWorker
+    from analytics.shards import ShardWorker
+
+    if args.role == "shard" and not args.job:
+        raise SystemExit("--role shard needs --job JOB: a shard folds one job's replicas")
+    with bus_from_args(args) as bus:
+        worker: ShardWorker | MergeWorker
+        if args.role == "shard":
+            worker = ShardWorker(bus, args.job, args.group, name=args.instance_id or "", instance_id=args.instance_id)
+        else:
+            worker = MergeWorker(bus, args.group, DetectorConfig.load(args.detector_config))
+        idle_since = time.monotonic()
+        try:
+            while True:
+                if worker.step(max_records=args.batch):
+                    idle_since = time.monotonic()
+                elif args.exit_when_idle is not None and time.monotonic() - idle_since >= args.exit_when_idle:
+                    break
+        finally:
+            worker.close()
     return 0
