@@ -7,8 +7,12 @@ from the bus's control topic, and acknowledges them; ranks publish telemetry to 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from resihp.options import add_bus_flags
+
+if TYPE_CHECKING:
+    from collector.plan import Plan
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -62,11 +66,9 @@ def run(args: argparse.Namespace) -> int:
     if args.native:
         return run_native(args)
     from dataclasses import asdict, replace
-    from pathlib import Path
 
     from pydantic import ValidationError
 
-    from collector.plan import Plan
     from trainer.fault_spec import FaultList
     from trainer.launcher import launch
     from trainer.model import PRESETS
@@ -77,12 +79,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = replace(PRESETS[args.model], dtype=args.dtype)
     if args.layers:
         cfg = replace(cfg, n_layer=args.layers)
-    if args.plan:
-        plan = Plan.model_validate_json(Path(args.plan).read_text())
-    else:
-        plan = Plan.uniform(tp=args.tp, pp=args.pp, dp=args.dp, num_layers=cfg.n_layer,
-                            microbatches_per_replica=args.microbatches, schedule=args.schedule,
-                            virtual_stages=args.virtual_stages)
+    plan = _plan(args, cfg.n_layer)
     ranks = args.ranks or max(plan.devices) + 1
     if args.checkpoint_every and not args.save_dir:
         raise SystemExit("--checkpoint-every needs --save-dir DIR (where the periodic checkpoints go)")
@@ -113,9 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_native(args: argparse.Namespace) -> int:
     from dataclasses import asdict, replace
-    from pathlib import Path
 
-    from collector.plan import Plan
     from trainer.native.capabilities import refusal
     from trainer.native.model import LlamaConfig
     from trainer.native.stage import TrainSettings
@@ -125,11 +120,7 @@ def run_native(args: argparse.Namespace) -> int:
     cfg = LlamaConfig(dtype=args.dtype)
     if args.layers:
         cfg = replace(cfg, n_layers=args.layers)
-    if args.plan:
-        plan = Plan.model_validate_json(Path(args.plan).read_text())
-    else:
-        plan = Plan.uniform(tp=args.tp, pp=args.pp, dp=args.dp, num_layers=cfg.n_layers,
-                            microbatches_per_replica=args.microbatches)
+    plan = _plan(args, cfg.n_layers)
     if reason := refusal(plan, cfg):
         raise SystemExit(f"the native executor cannot run this plan: {reason}")
     spec = NativeRunSpec(
@@ -142,3 +133,16 @@ def run_native(args: argparse.Namespace) -> int:
     codes = launch_native(spec)
     print(f"exit codes {codes}")
     return 0 if all(c == 0 for c in codes.values()) else 1
+
+
+def _plan(args: argparse.Namespace, num_layers: int) -> Plan:
+    """The plan file when given (--plan), else the textbook layout of --tp/--pp/--dp."""
+    from pathlib import Path
+
+    from collector.plan import Plan
+
+    if args.plan:
+        return Plan.model_validate_json(Path(args.plan).read_text())
+    return Plan.uniform(tp=args.tp, pp=args.pp, dp=args.dp, num_layers=num_layers,
+                        microbatches_per_replica=args.microbatches, schedule=args.schedule,
+                        virtual_stages=args.virtual_stages)
