@@ -213,6 +213,14 @@ class DetectorProjection:
         event_id = uuid.uuid5(_NS, f"deadletter/{d.event.id}").hex
         return encode(EventFactory(d.event.job, SOURCE).make(payload, time_s=d.event.time_s, event_id=event_id))
 
+    def enqueue(self, conn: duckdb.DuckDBPyConnection, events: Sequence[Envelope]) -> None:
+        """Add events another part of the transaction produced (the projector's ``control.rejected``)
+        to the outbox, to be published with the detector's own after the commit."""
+        seqs = list(range(self._outbox_seq, self._outbox_seq + len(events)))
+        self._outbox_seq += len(events)
+        insert_arrow(conn, "detector_outbox", pa.Table.from_pydict(
+            {"seq": seqs, "event": [encode(e) for e in events]}, schema=_OUTBOX_SCHEMA))
+
     def flush_outbox(self, conn: duckdb.DuckDBPyConnection, bus: Bus) -> int:
         """Publish what committed transactions produced, then forget it; returns how many."""
         rows = conn.execute("SELECT seq, event FROM detector_outbox ORDER BY seq").fetchall()

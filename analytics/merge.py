@@ -27,6 +27,7 @@ from analytics.detector_config import DetectorConfig
 from analytics.frame import IterationFrame, LayerLookup
 from analytics.shards import CHUNK_COLUMNS, COMM_COLUMNS, INT_COLUMNS, RANK_COLUMNS
 from collector.bus import Bus
+from collector.auth import Gate, Signer
 from collector.events import Envelope, Payload, PlanCurrent, ReconfigureCommand, ReplicaFrame
 
 
@@ -135,12 +136,15 @@ class MergeWorker:
         self.merges: dict[str, JobMerge] = {}
         self.stream = EventStream(bus, group, [topics.ANALYTICS, topics.CONTROL])
         self.stream.seek_to_beginning()
+        self.gate = Gate("analytics-merge")
 
     def step(self, max_records: int = 20_000, timeout_s: float = 0.5) -> int:
         from collector.events import EventFactory
 
         for d in self.stream.poll(max_records, timeout_s):
             e = d.event
+            if not self.gate.admit(e, time_s=e.time_s):
+                continue  # a forged plan.current or command must not reshape the judged job
             if not isinstance(e.payload, (ReplicaFrame, PlanCurrent, ReconfigureCommand)) and e.job not in self.merges:
                 continue
             merge = self.merges.get(e.job)
@@ -148,8 +152,10 @@ class MergeWorker:
                 merge = self.merges[e.job] = JobMerge(e.job, self.config)
             out = merge.on_event(e)
             if out:
-                f = EventFactory(e.job, "analytics-merge")
+                f = Signer(EventFactory(e.job, "analytics-merge"), "analytics", self.gate.keyring)
                 self.bus.publish([f.make(p, time_s=e.time_s) for p in out])
+        if rejected := self.gate.take():
+            self.bus.publish(rejected)
         return self.stream.last_polled
 
     def close(self) -> None:

@@ -14,6 +14,13 @@ transaction) and hands the projections only the first delivery of each id; the o
 in ``duplicates`` and change nothing — no row, no detector state, no incident. Every projection,
 the detector included, is idempotent through this one filter rather than each on its own.
 
+Control events (plans, commands, incidents, ``plan.current``, probe results: collector/auth.py's
+``WRITERS``) reach the projections only when their signature verifies: with a ``gate``, a forged or
+unsigned one is kept out of every table — it is an applied id all the same, so a replay does not
+judge it again — and becomes one ``control.rejected`` event, handed to ``on_rejected`` inside the
+transaction (the detector's outbox publishes it). The tables are then what the platform acted on,
+not what anyone wrote.
+
 Each process owns its DuckDB file (DuckDB allows one writer process); whatever others need is
 published back to the bus as events.
 """
@@ -28,7 +35,9 @@ from typing import Protocol
 import duckdb
 import pyarrow as pa
 
+from collector.auth import Gate
 from collector.bus import Bus, TopicPartition
+from collector.events import Envelope
 from collector.stream import Delivery, EventStream
 
 _OFFSETS_DDL = (
@@ -59,10 +68,13 @@ class Projector:
         *,
         rebuild: bool = False,
         instance_id: str | None = None,
+        gate: Gate | None = None,
+        on_rejected: Callable[[duckdb.DuckDBPyConnection, list[Envelope]], None] | None = None,
     ) -> None:
         self.bus = bus
         self.group = group
         self.projections = list(projections)
+        self.gate, self.on_rejected = gate, on_rejected
         Path(db_path).parent.mkdir(parents=True, exist_ok=True)
         self.conn = duckdb.connect(str(db_path))
         if rebuild:
@@ -101,7 +113,7 @@ class Projector:
             return 0
         self.conn.begin()
         try:
-            fresh = self._first_seen(deliveries)
+            fresh = self._verified(self._first_seen(deliveries))
             for p in self.projections:
                 p.apply(self.conn, fresh)
             self.conn.executemany(
@@ -134,6 +146,17 @@ class Projector:
         fresh = [d for d in deliveries if d.event.id in fresh_ids and first[d.event.id] is d]
         self.duplicates += len(deliveries) - len(fresh)
         return fresh
+
+    def _verified(self, fresh: list[Delivery]) -> list[Delivery]:
+        """The deliveries that may reach the tables: all, without a gate; else those whose control
+        signature verifies. Refusals go to ``on_rejected`` (inside the caller's transaction)."""
+        if self.gate is None:
+            return fresh
+        admitted = [d for d in fresh if self.gate.admit(d.event, time_s=d.event.time_s)]
+        rejected = self.gate.take()
+        if rejected and self.on_rejected is not None:
+            self.on_rejected(self.conn, rejected)
+        return admitted
 
     def run(
         self,

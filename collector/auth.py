@@ -5,7 +5,7 @@ control event — one that can make the engine plan, the trainer reshape or a ra
 therefore signed: HMAC-SHA256 over its canonical bytes (id, kind, schema, job, source, seq, time
 and payload) with the key of the role that wrote it, carried in the envelope's ``signature`` as
 ``role:hex``. :data:`WRITERS` says which roles may write which kinds; everything else (telemetry,
-predictions, probe results, ``control.rejected``) stays unsigned and is never trusted for control.
+predictions, ``control.rejected``) stays unsigned and is never trusted for control.
 
 Keys: one 32-byte secret per role (:data:`ROLES`), from ``RESIHP_KEY_<ROLE>`` (hex) or the key file
 ``RESIHP_KEYS`` (default ``.resihp/keys.json``, mode 0600), which the first process that needs it
@@ -51,6 +51,7 @@ WRITERS: dict[str, tuple[str, ...]] = {
     "incident.resolved": ("analytics",), "analytics.cost_model": ("analytics",), "probe.request": ("analytics",),
     "command.ack": ("executor",),
     "plan.current": ("executor",),  # what runs: the engine plans on it and the fold supersedes plans by it
+    "probe.result": ("executor",),  # a rank's answer: it confirms an incident and names the slow device
 }
 CONSOLE_SOURCES = ("ui:", "cli:")  # a console-signed event names its person: ui:alice, cli:bob
 AUTO_ACTOR = "policy:auto"

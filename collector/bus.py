@@ -24,7 +24,7 @@ from collector.events import Envelope
 from collector.settings import DEFAULT_EMBEDDED_PATH as DEFAULT_EMBEDDED_PATH
 from collector.settings import DEFAULT_KAFKA_BOOTSTRAP as DEFAULT_KAFKA_BOOTSTRAP
 from collector.settings import environment
-from collector.topics import PartitionKeys, topic_for
+from collector.topics import PartitionKeys, topics_for
 
 log = logging.getLogger(__name__)
 
@@ -126,15 +126,19 @@ class Bus(ABC):
     health: BusHealth = BusHealth()  # the embedded log is a local file: never down
 
     def publish(self, events: Iterable[Envelope]) -> int:
-        """Encode, route and key a batch of events; returns how many were published.
+        """Encode, route and key a batch of events; returns how many were published (an event
+        routed to two topics, a command, counts once).
 
         Raises InvalidEvent (before anything is sent) if an event cannot be encoded.
         """
         keys: PartitionKeys = self.__dict__.setdefault("_partition_keys", PartitionKeys())  # per producer
-        batch = [RawMessage(topic_for(e.kind), keys.key(e.job, e.source, e.kind, e.payload), encode(e)) for e in events]
+        batch, count = [], 0
+        for e in events:
+            raw, key, count = encode(e), keys.key(e.job, e.source, e.kind, e.payload), count + 1
+            batch += [RawMessage(topic, key, raw) for topic in topics_for(e.kind)]
         if batch:
             self.publish_raw(batch)
-        return len(batch)
+        return count
 
     @abstractmethod
     def publish_raw(self, messages: Sequence[RawMessage]) -> None:

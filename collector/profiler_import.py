@@ -41,6 +41,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from collector.auth import Signer
 from collector.events import (
     Chunk, ChunkKind, CommOp, CommWait, Coords, Envelope, EventFactory, PlanCurrent, RankIteration,
     TracingDeclared,
@@ -481,7 +482,8 @@ def import_traces(files: Sequence[str | Path], layout: Layout, *, job: str) -> I
         epoch=plan.epoch, dialect="profiler", traced_ranks=sorted(traces) if missing else None,
         step_every=every, step_offset=offset, seq_lens=False, tokens=layout.tokens_per_microbatch is not None,
         fused_p2p=True)  # blocking p2p timers hold the wait for the peer
-    control = EventFactory(job, "import")
+    # signed as the executor's, as a live trainer's plan.current is: readers plan and judge on it
+    control = Signer(EventFactory(job, "import"), "executor")
     events: list[Envelope] = [
         control.make(PlanCurrent(plan=plan, gpus_per_node=layout.gpus_per_node,
                                  tokens_per_microbatch=layout.tokens_per_microbatch or 0),

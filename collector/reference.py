@@ -15,7 +15,8 @@ from pydantic import BaseModel
 
 from collector import events, plan, topics
 from collector.events import PAYLOAD_TYPES, Envelope, Payload
-from collector.topics import topic_for
+from collector.auth import WRITERS
+from collector.topics import topic_for, topics_for
 
 INTRO = """# Event reference
 
@@ -142,6 +143,14 @@ def _enums() -> list[type[enum.Enum]]:
     )
 
 
+def _signers(kind: str) -> str:
+    """Who may write ``kind`` (collector/auth.py): what every reader that acts on it checks."""
+    roles = WRITERS.get(kind)
+    if roles is None:
+        return "Unsigned: never trusted for control."
+    return f"Signed by: {' or '.join(f'`{r}`' for r in roles)} ([threat model](security.md#threat-model))."
+
+
 def render() -> str:
     from collector.codec import MAX_EVENT_BYTES
 
@@ -150,7 +159,7 @@ def render() -> str:
     lines += _fields_table(Envelope)
     lines += ["", "## Topics", "", "| topic | Kafka partitions | kinds |", "|---|---|---|"]
     for t in topics.ALL_TOPICS:
-        kinds = ", ".join(f"`{p.KIND}`" for p in PAYLOAD_TYPES if topic_for(p.KIND) == t)
+        kinds = ", ".join(f"`{p.KIND}`" for p in PAYLOAD_TYPES if t in topics_for(p.KIND))
         lines.append(f"| `{t}` | {topics.PARTITIONS[t]} | {kinds} |")
     lines += ["", "Records are keyed `job/source`, so one source's events stay in order within a partition.", ""]
     lines += [RANGES.format(deadletter=topics.DEADLETTER, int32=events.INT32_MAX, count=events.COUNT_MAX,
@@ -161,7 +170,8 @@ def render() -> str:
     for p in PAYLOAD_TYPES:
         versions = ", ".join(str(v) for v in p.VERSIONS)
         lines += [f"### `{p.KIND}` — {p.__name__}", "", _doc(p), "",
-                  f"Topic `{topic_for(p.KIND)}`; schema versions read: {versions}.", ""]
+                  f"Topic {' and '.join(f'`{t}`' for t in topics_for(p.KIND))}; schema versions read: {versions}. "
+                  + _signers(p.KIND), ""]
         lines += _fields_table(p)
         lines.append("")
     lines += ["## Nested types", ""]

@@ -1,10 +1,22 @@
 """Topic names, which kind goes where, and the keys that keep one rank's events in order.
 
-Four topics keep the hot path apart from the control path: telemetry is large and steady; the
+Five topics keep the hot path apart from the control path: telemetry is large and steady; the
 analytics topic carries what the detector derived; control carries the low-volume lifecycle
-(plans, decisions, commands, acknowledgements, probes); truth carries ground truth from the
-simulator and failure injection, on a topic of its own so that no detector reads it by accident.
-Invalid records go to the dead-letter topic with their reason.
+(plans, decisions, commands, acknowledgements, probes); commands carries the orders a trainer
+obeys; truth carries ground truth from the simulator and failure injection, on a topic of its own
+so that no detector reads it by accident. Invalid records go to the dead-letter topic with their
+reason.
+
+Why commands have a topic of their own: Kafka authorises writes per topic, not per event kind, and
+the control topic must be writable by the trainer (acknowledgements), analytics (probe requests)
+and the console (decisions). A trainer takes ``command.reconfigure`` only from the commands topic,
+which only the engine (and the trainer itself, for its own on-death policy) may write, so the
+broker refuses a forged command before any signature is checked (infra/kafka_security.py).
+
+A command is also written to the control topic, as the lifecycle's record: every reader that folds
+plans (the engine, the console, analytics) reads proposal → decision → command → ack in the order
+of one partition there, which two topics could not give. Both copies have one event id, so a
+reader of both applies it once; a trainer never acts on the control copy (:func:`obeyed_from`).
 """
 
 from __future__ import annotations
@@ -12,12 +24,13 @@ from __future__ import annotations
 TELEMETRY = "resihp.telemetry"
 ANALYTICS = "resihp.analytics"
 CONTROL = "resihp.control"
+COMMANDS = "resihp.commands"
 TRUTH = "resihp.truth"
 DEADLETTER = "resihp.deadletter"
-ALL_TOPICS: tuple[str, ...] = (TELEMETRY, ANALYTICS, CONTROL, TRUTH, DEADLETTER)
+ALL_TOPICS: tuple[str, ...] = (TELEMETRY, ANALYTICS, CONTROL, COMMANDS, TRUTH, DEADLETTER)
 
 # Kafka partitions per topic; telemetry scales out with the analytics consumer group.
-PARTITIONS: dict[str, int] = {TELEMETRY: 8, ANALYTICS: 2, CONTROL: 1, TRUTH: 1, DEADLETTER: 1}
+PARTITIONS: dict[str, int] = {TELEMETRY: 8, ANALYTICS: 2, CONTROL: 1, COMMANDS: 1, TRUTH: 1, DEADLETTER: 1}
 
 # Kafka topic configs the platform sets when it creates a topic. The control topic is the remediation
 # lifecycle's record, folded from its first event by the engine and the console: the broker's
@@ -46,6 +59,25 @@ def topic_for(kind: str) -> str:
         return _TOPIC_BY_PREFIX[kind.split(".", 1)[0]]
     except KeyError:
         raise ValueError(f"no topic for event kind {kind!r}; known prefixes: {sorted(_TOPIC_BY_PREFIX)}") from None
+
+
+# What a trainer reads: probe requests on control, commands on their own topic.
+TRAINER_TOPICS: tuple[str, ...] = (CONTROL, COMMANDS)
+
+# kind -> the topic a trainer obeys it from, where that is not (only) its own topic
+_ORDERS: dict[str, str] = {"command.reconfigure": COMMANDS}
+
+
+def topics_for(kind: str) -> tuple[str, ...]:
+    """Every topic an event of ``kind`` is published to: its own, and the commands topic for an order."""
+    own = topic_for(kind)
+    order = _ORDERS.get(kind)
+    return (own, order) if order is not None else (own,)
+
+
+def obeyed_from(kind: str) -> str:
+    """The one topic a trainer may take an event of ``kind`` from and act on."""
+    return _ORDERS.get(kind) or topic_for(kind)
 
 
 def key_for(job: str, source: str) -> bytes:

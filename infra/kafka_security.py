@@ -18,11 +18,14 @@ principal under ``<data dir>/credentials/`` (source it, and the platform's Kafka
 as that principal: collector/settings.py reads ``RESIHP_KAFKA_USERNAME`` and friends).
 
 Kafka authorises per topic, not per event kind, so the grants follow what each part publishes
-(collector/topics.py routes kinds to topics): the control topic carries the engine's commands and
-the console's decisions, and also the trainer's acknowledgements and ``plan.current`` and the
-analytics consumer's probe requests. Telemetry writers (ranks, node agents) are the untrusted many:
-they can write the telemetry topic and nothing else. Which control event came from whom is the
-signature check's job (docs/security.md); the ACLs stop everyone else from writing at all.
+(collector/topics.py routes kinds to topics). The commands topic — the only one a trainer takes
+``command.reconfigure`` from — is written by the engine alone, and by the trainer principal for the
+launcher's own on-death policy. The control topic carries the lifecycle's record: the engine's
+plans (and a copy of each command), the console's decisions, the trainer's acknowledgements,
+``plan.current`` and probe results, and the analytics consumer's probe requests. Telemetry writers
+(ranks, node agents) are the untrusted many: they can write the telemetry topic and nothing else.
+Which control event came from whom is the signature check's job (docs/security.md); the ACLs stop
+everyone else from writing at all.
 """
 
 from __future__ import annotations
@@ -41,16 +44,17 @@ SECURE_MARKER = "secure"  # in the data dir: the storage was formatted with SCRA
 
 # The platform's topics (collector/topics.py; infra imports none of our packages, and
 # tests/test_kafka_security.py checks the two lists agree).
-TELEMETRY, ANALYTICS, CONTROL, TRUTH, DEADLETTER = (
-    "resihp.telemetry", "resihp.analytics", "resihp.control", "resihp.truth", "resihp.deadletter")
-TOPICS = (TELEMETRY, ANALYTICS, CONTROL, TRUTH, DEADLETTER)
+TELEMETRY, ANALYTICS, CONTROL, COMMANDS, TRUTH, DEADLETTER = (
+    "resihp.telemetry", "resihp.analytics", "resihp.control", "resihp.commands", "resihp.truth", "resihp.deadletter")
+TOPICS = (TELEMETRY, ANALYTICS, CONTROL, COMMANDS, TRUTH, DEADLETTER)
 
 # principal -> (topics it may write, topics it may read). Readers also read every consumer group.
 GRANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "telemetry": ((TELEMETRY,), ()),  # ranks and node agents: telemetry, nothing else
-    "trainer": ((TELEMETRY, TRUTH, CONTROL, DEADLETTER), (CONTROL,)),  # acks, plan.current, probe results
+    # acks, plan.current, probe results; commands only for the launcher's own on-death policy
+    "trainer": ((TELEMETRY, TRUTH, CONTROL, COMMANDS, DEADLETTER), (CONTROL, COMMANDS)),
     "analytics": ((ANALYTICS, CONTROL, DEADLETTER), (TELEMETRY, ANALYTICS, CONTROL)),  # incidents, probes
-    "engine": ((CONTROL, DEADLETTER), (ANALYTICS, CONTROL)),  # plans, commands
+    "engine": ((CONTROL, COMMANDS, DEADLETTER), (ANALYTICS, CONTROL)),  # plans; commands
     "console": ((CONTROL, DEADLETTER), TOPICS),  # decisions, policies; reads everything
 }
 PRINCIPALS = (ADMIN, *GRANTS)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from collector import topics
 from collector.embedded import EmbeddedBus
-from collector.auth import Signer
+from collector.auth import Gate, Signer
 from collector.events import (
     AckStatus, Envelope, EventFactory, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentUpdated,
     IterationSummary, PolicyChanged, PolicyMode, Severity,
@@ -165,7 +165,7 @@ def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,
         runner = SimulatorRunner(bus, sim_engine)
         detector = DetectorProjection(config=detector_config or DetectorConfig(probes=True))
         projector = Projector(bus, Path(tmp) / "analytics.duckdb", "analytics", [topics.TELEMETRY, topics.CONTROL],
-                              [detector])
+                              [detector], gate=Gate("analytics"), on_rejected=detector.enqueue)
         engine = RemediationEngine(bus, EngineConfig(job=job, num_devices=cfg.cluster.gpus, hardware=hardware,
                                                      options=options, strategy=strategy),
                                    model, cfg.plan)

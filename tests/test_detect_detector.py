@@ -13,6 +13,7 @@ from collector.events import (
     IterationPrediction, PlanCurrent, ProbeRequest, ProbeResult, RankHealth, RankIteration,
 )
 from collector.plan import Plan
+from tests.fixtures.signing import signed
 
 
 PREEMPT_MEAN = 2.0
@@ -33,8 +34,8 @@ def synth(tp=2, pp=3, dp=3, M=6, iterations=24, slow=None, slow_kind=None, start
     facs = {r: EventFactory("j", f"rank-{r}") for r in range(tp * pp * dp)}
     events = []
     if plan:
-        events.append(EventFactory("j", "trainer").make(PlanCurrent(plan=Plan.uniform(
-            tp=tp, pp=pp, dp=dp, num_layers=2 * pp, microbatches_per_replica=M)), time_s=99.0))
+        events.append(signed(EventFactory("j", "trainer").make(PlanCurrent(plan=Plan.uniform(
+            tp=tp, pp=pp, dp=dp, num_layers=2 * pp, microbatches_per_replica=M)), time_s=99.0)))
     for it in range(iterations):
         if dead is not None and it >= dead[1]:
             for r in range(tp * pp * dp):

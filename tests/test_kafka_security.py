@@ -11,7 +11,11 @@ import pytest
 
 from collector import topics
 from collector.bus import RawMessage
+from collector.codec import encode
 from collector.events import EventFactory, Heartbeat
+from collector.plan import Plan
+from tests.fixtures.signing import factory as signing_factory
+from trainer.integration import new_command
 from collector.kafka_bus import KafkaBus
 from infra import broker
 from infra import kafka_security as security
@@ -77,3 +81,28 @@ def test_every_principal_gets_an_env_file_the_platform_signs_in_with(secure_brok
         assert [tp.topic for tp in bus.end_offsets([topics.CONTROL])] == [topics.CONTROL]
     finally:
         bus.close()
+
+
+def test_only_the_engine_and_the_trainer_may_write_the_commands_topic_kafka_refuses_the_rest(secure_broker) -> None:
+    """A command a trainer obeys comes from the commands topic; Kafka itself refuses a telemetry,
+    analytics or console principal's write there, even of a command signed with a valid key."""
+    bootstrap, _, creds = secure_broker
+    admin = _bus(bootstrap, creds, security.ADMIN)
+    before = admin.end_offsets([topics.COMMANDS])
+    plan = Plan.uniform(tp=1, pp=1, dp=2, num_layers=2, microbatches_per_replica=2).model_copy(update={"epoch": 1})
+    command = signing_factory("j", "remediation", "engine").make(new_command(plan))
+    for user in ("telemetry", "analytics", "console"):
+        bus = _bus(bootstrap, creds, user)
+        try:
+            with pytest.raises(PermissionError, match=f"'{user}'.*TopicAuthorization"):
+                bus.publish_raw([RawMessage(topics.COMMANDS, b"j/remediation", encode(command))])
+        finally:
+            bus.close()
+    engine = _bus(bootstrap, creds, "engine")
+    try:
+        assert engine.publish([command]) == 1  # to the commands topic, and its record to control
+    finally:
+        engine.close()
+    after = admin.end_offsets([topics.COMMANDS])
+    admin.close()
+    assert sum(after.values()) - sum(before.values()) == 1  # only the engine's landed

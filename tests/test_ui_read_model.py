@@ -15,6 +15,7 @@ from ui.actions import ActionRefused, change_policy, decide_plan
 from ui.auth import AuthError, NotAllowed, Session, SessionExpired, User, UsersFile, UsersFileError, verify_password
 from ui.charts import downsample, plan_cells
 from tests.fixtures.console_demo import DemoSpec, demo_events
+from tests.fixtures.signing import signed
 from ui.feed import Feed
 from ui.read_model import ReadModel
 from tests.fixtures.signing import factory
@@ -232,16 +233,16 @@ def test_ui_fold_keeps_failed_sign_ins_out_of_the_job_list() -> None:
 
 def test_ui_fold_warns_when_two_analytics_writers_publish_incidents_for_one_job() -> None:
     model = ReadModel()
-    first = EventFactory("demo", "analytics").make(_incident("inc-1"), event_id="e1")
+    first = signed(EventFactory("demo", "analytics").make(_incident("inc-1"), event_id="e1"))
     for e in (first, first):  # a republished record is not a second writer
         model.apply(e)
     assert model.security.writer_warnings("demo") == []
     # A second consumer with the same source name and deterministic ids: same id, other content.
-    model.apply(EventFactory("demo", "analytics").make(_incident("inc-1", "rank 2 slow"), event_id="e1"))
+    model.apply(signed(EventFactory("demo", "analytics").make(_incident("inc-1", "rank 2 slow"), event_id="e1")))
     (conflict,) = model.security.writer_warnings("demo")
     assert conflict.startswith("1 incident events of job demo reuse another event's id with different content")
     # A second consumer with its own source name.
-    model.apply(EventFactory("demo", "analytics-b").make(_incident("inc-2")))
+    model.apply(signed(EventFactory("demo", "analytics-b").make(_incident("inc-2"))))
     warnings = model.security.writer_warnings("demo")
     assert any("come from 2 sources (analytics, analytics-b)" in w for w in warnings)
     assert model.security.writer_warnings("other-job") == []

@@ -258,9 +258,10 @@ class CommandListener:
         self._probes_seen: set[str] = set()
         # "From now on" is the log's end *now*, not when the group gets around to assigning the
         # partition (on Kafka that is the first poll): a command published in between still counts.
-        start = None if from_beginning else self.bus.end_offsets([topics.CONTROL])
+        start = None if from_beginning else self.bus.end_offsets(list(topics.TRAINER_TOPICS))
         start_at_end = None if start is None else (lambda tps: {tp: start.get(tp, 0) for tp in tps})
-        self.stream = EventStream(self.bus, group or f"trainer:{job}", [topics.CONTROL], on_assign=start_at_end, job=job)
+        self.stream = EventStream(self.bus, group or f"trainer:{job}", list(topics.TRAINER_TOPICS),
+                                  on_assign=start_at_end, job=job)
 
     def announce_plan(self, plan: Plan | None = None, *, reason: str = "start", gpus_per_node: int = 8,
                       model_name: str = "", layer_state_bytes: int = 0, tokens_per_microbatch: int = 0) -> None:
@@ -278,6 +279,8 @@ class CommandListener:
             ev = delivery.event
             if ev.job != self.job or not isinstance(ev.payload, (ReconfigureCommand, ProbeRequest)):
                 continue
+            if delivery.topic != topics.obeyed_from(ev.kind):
+                continue  # the control topic's copy of a command is the lifecycle's record, not an order
             if not self.gate.admit(ev):
                 continue
             if isinstance(ev.payload, ReconfigureCommand):

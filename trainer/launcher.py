@@ -96,7 +96,7 @@ def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", com
     bus = spec.bus.open()
     factory = Signer(EventFactory(spec.job, "trainer"), "executor")  # acks and its own on-death commands
     bus.publish([factory.make(_plan_current(spec, plan, "start"))])
-    stream = EventStream(bus, f"trainer:{spec.job}", [topics.CONTROL], job=spec.job,
+    stream = EventStream(bus, f"trainer:{spec.job}", list(topics.TRAINER_TOPICS), job=spec.job,
                          on_assign=None if commands_from == "beginning"
                          else (lambda tps: bus.end_offsets([tp.topic for tp in tps])))
     cfg = spec.config
@@ -136,6 +136,8 @@ def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", com
                                 command_id=uuid.uuid4().hex, plan_id=f"launcher-drop-{d}", plan=new_plan))])
             for delivery in stream.poll(timeout_s=poll_s):
                 ev = delivery.event
+                if delivery.topic != topics.obeyed_from(ev.kind):
+                    continue  # the control topic's copy of a command is the lifecycle's record, not an order
                 if ev.job == spec.job and isinstance(ev.payload, ReconfigureCommand):
                     intake.offer_event(ev)
                 elif ev.job == spec.job and isinstance(ev.payload, ProbeRequest):
@@ -175,7 +177,8 @@ def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", com
             if not alive:
                 time.sleep(poll_s)
         for delivery in stream.poll(timeout_s=0):
-            if delivery.event.job == spec.job and isinstance(delivery.event.payload, ReconfigureCommand):
+            if (delivery.topic == topics.COMMANDS and delivery.event.job == spec.job
+                    and isinstance(delivery.event.payload, ReconfigureCommand)):
                 intake.offer_event(delivery.event)
         if rejected := intake.rejections():
             bus.publish(rejected)

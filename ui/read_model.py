@@ -5,6 +5,11 @@ has: jobs (predicted against observed series, rank health, the layout, the curre
 policy), incidents and plans with their lifecycle, and the Security page's log (ui/security_log.py).
 It never opens another process's DuckDB file.
 
+Only what verifies: a control event (plans, decisions, commands, incidents, ``plan.current``, probe
+results; collector/auth.py) whose signature fails changes no job, plan, incident or goodput figure;
+it is listed once on the Security page as refused by the console, beside the engine's or the
+trainer's own ``control.rejected``.
+
 Idempotent: control and incident events are deduplicated on their id; telemetry and predictions
 are keyed by (epoch, iteration[, rank]) and overwrite, so their ids need not be remembered (a
 1,024-rank job would otherwise fill memory with ids). Events of an unknown kind are counted and
@@ -30,6 +35,7 @@ from collector.events import (
     PolicyChanged, PolicyMode, RankHealthEntry, RankIteration, ReconfigureCommand, Severity,
 )
 from collector import plan_lifecycle
+from collector.auth import Keyring, load_keyring, needs_signature
 from collector.plan import Plan
 from collector.plan_lifecycle import PlanLifecycle, PlanRecord, PlanStatus
 from ui.rank_store import RankStore
@@ -37,6 +43,7 @@ from ui.security_log import SecurityLog
 
 CONSOLE_JOB = "resihp-console"  # the job name on events about the console itself (sign-in), not a training job
 CONSOLE_SOURCE = "ui:console"
+CONSOLE_READER = "console"  # who refused a control event the read model would not show
 
 SEVERITY_ORDER = {Severity.LOW: 0, Severity.MEDIUM: 1, Severity.HIGH: 2, Severity.CRITICAL: 3}
 
@@ -213,7 +220,7 @@ class TimelineStep:
 class ReadModel:
     """The fold. ``apply`` one event at a time, in log order per source."""
 
-    def __init__(self, *, max_rank_iterations: int = 4096) -> None:
+    def __init__(self, *, max_rank_iterations: int = 4096, keyring: Keyring | None = None) -> None:
         self.jobs: dict[str, JobView] = {}
         self.incidents: dict[str, IncidentView] = {}
         self.plans: dict[str, PlanView] = {}
@@ -227,6 +234,8 @@ class ReadModel:
         self._early_remediation_events: dict[str, list[Envelope]] = {}
         self.security = SecurityLog()
         self.goodput = GoodputFold()  # the one definition /metrics serves too (analytics/goodput.py)
+        self.keyring = keyring  # None: the environment's (collector/auth.py's load_keyring)
+        self._refused: set[str] = set()  # ids of control events that did not verify
 
     def job(self, name: str) -> JobView:
         view = self.jobs.get(name)
@@ -246,6 +255,8 @@ class ReadModel:
         return self.last_seq.get((job, source), -1) + 1
 
     def apply(self, event: Envelope) -> None:
+        if needs_signature(event.kind) and not self._authentic(event):
+            return  # a forgery changes no screen: it shows only as a rejection
         key = (event.job, event.source)
         if event.seq > self.last_seq.get(key, -1):
             self.last_seq[key] = event.seq
@@ -281,6 +292,16 @@ class ReadModel:
             self.ignored += 1
             return
         handler(event, job)
+
+    def _authentic(self, event: Envelope) -> bool:
+        """Whether a control event's signature verifies; a refusal goes to the Security page once."""
+        reason = (self.keyring or load_keyring()).verify(event)
+        if reason is None:
+            return True
+        if event.id not in self._refused:
+            self._refused.add(event.id)
+            self.security.refused(event, reason, by=CONSOLE_READER)
+        return False
 
     # ---- analytics ------------------------------------------------------------------------------
 

@@ -75,6 +75,10 @@ class SecurityLog:
             return True
         return False
 
+    def refused(self, e: Envelope, reason: str, *, by: str) -> None:
+        """A control event this process itself would not fold (its signature failed)."""
+        self.rejected.append(RejectedEvent(e.time_s, e.job, by, e.id, e.kind, e.source, reason))
+
     def saw_incident_event(self, e: Envelope, *, duplicate: bool) -> None:
         """Called for every ``incident.*`` event, duplicates (already-seen ids) included."""
         check = self.writers.setdefault(e.job, WriterCheck())

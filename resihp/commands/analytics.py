@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from analytics.projector import Projector
     from analytics.tables import TelemetryProjection
     from collector import topics
+    from collector.auth import Gate
 
     if args.role != "all":
         return _run_sharded(args)
@@ -70,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         projector = Projector(
             bus, args.db, args.group, [topics.TELEMETRY, topics.ANALYTICS, topics.CONTROL],
             projections, rebuild=args.rebuild, instance_id=args.instance_id,
+            gate=Gate("analytics"), on_rejected=detector.enqueue if detector is not None else None,
         )
         outage = OutageGuard(bus, projector.stream.consumer, [topics.TELEMETRY, topics.ANALYTICS, topics.CONTROL])
         exporter = None

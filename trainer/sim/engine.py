@@ -565,6 +565,7 @@ class SimEngine:
             duration = float(samples.mean())
             longest = max(longest, float(samples.sum()))
             result = ProbeResult(probe_id=request.probe_id, rank=d, duration_s=duration, reference_s=c.probe_reference_s)
-            out.append(self.events.make(f"rank-{d}", result, self._abs(self.now_s + float(samples.sum()))))
+            out.append(self.keyring.sign(self.events.make(f"rank-{d}", result, self._abs(self.now_s + float(samples.sum()))),
+                                         "executor"))
         self.now_s += longest
         return out

@@ -72,8 +72,8 @@ class SimulatorRunner:
         self.acks: list[Envelope] = []
         # Where the control log ends now: commands published from here on are for this run. Taken
         # before joining, since on Kafka partitions are assigned only at the first poll.
-        self._control_end = bus.end_offsets([topics.CONTROL])
-        self.stream = EventStream(bus, group or f"simulator:{engine.config.job}", [topics.CONTROL],
+        self._control_end = bus.end_offsets(list(topics.TRAINER_TOPICS))
+        self.stream = EventStream(bus, group or f"simulator:{engine.config.job}", list(topics.TRAINER_TOPICS),
                                   on_assign=self._start_at_end, job=engine.config.job)
         self.gate = Gate("simulator", engine.keyring)
         self._wall0 = time.monotonic()
@@ -96,6 +96,8 @@ class SimulatorRunner:
                 continue  # another job's command on a shared bus
             if not isinstance(d.event.payload, (ReconfigureCommand, ProbeRequest)):
                 continue
+            if d.topic != topics.obeyed_from(d.event.kind):
+                continue  # the control topic's copy of a command is the lifecycle's record, not an order
             out = self.engine.handle(d.event, self.gate)  # only signed control acts; refusals are reported
             self.acks += [e for e in out if e.kind == "command.ack"]
             self.publish(out)
