@@ -11,7 +11,9 @@ So the analytics consumer, after each step, asks its bus client. From the first 
 watch is suspended; it resumes once the bus is up and this consumer has read to the end of every
 partition it owns (a poll returned nothing and its positions reached the log's end offsets). Both
 moments are logged as one JSON line (``fail_stop_suspended`` / ``fail_stop_resumed``) with the
-reason, so an operator sees why nothing was judged meanwhile.
+reason, and published per job as an ``analytics.bus_outage`` event (start; end with its duration and
+the ranks whose judgement waited), which the console shows on the job's page as a bus outage. The
+events wait in memory until the bus takes them: the start is published after the bus is back.
 """
 
 from __future__ import annotations
@@ -19,11 +21,17 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from analytics.fail_stop import FailStopWatch
+from collector.auth import Signer, load_keyring
 from collector.bus import Bus, Consumer
+from collector.events import DURATION_MAX_S, BusOutage, Envelope, EventFactory
+
+_NS = uuid.UUID("5c0e7b7a-41d2-4c1f-9b55-2f0d6a8e3c11")
+SOURCE = "analytics"
 
 log = logging.getLogger(__name__)
 
@@ -35,26 +43,62 @@ class OutageGuard:
     topics: Sequence[str]
     suspended: bool = False
     suspended_at: float = 0.0
+    reason: str = ""
     _outages_seen: int = 0
+    _announced: set[str] = field(default_factory=set)  # jobs told of the current outage's start
+    _pending: list[Envelope] = field(default_factory=list)  # outage events the bus has not taken yet
 
-    def after_step(self, consumed: int, watches: Iterable[FailStopWatch]) -> None:
-        """Suspend or resume ``watches`` (every job's) from what the bus client saw."""
+    def after_step(self, consumed: int, watches: Mapping[str, FailStopWatch], publish: bool = True) -> None:
+        """Suspend or resume ``watches`` (job -> its fail-stop watch) from what the bus client saw,
+        and publish the outage's events once the bus takes them (``publish`` False: another
+        consumer holds the analytics lease and speaks for the job)."""
         health = self.consumer.health
         if health.down or health.outages != self._outages_seen:
             self._outages_seen = health.outages
             if not self.suspended:
                 self.suspended, self.suspended_at = True, time.time()
-                self._say("fail_stop_suspended", reason=health.reason or "the bus was unreachable")
-        if not self.suspended:
+                self.reason, self._announced = health.reason or "the bus was unreachable", set()
+                self._say("fail_stop_suspended", reason=self.reason)
+        if self.suspended:
+            self._announce(watches)
+            if health.down or consumed or not self._caught_up():
+                for watch in watches.values():
+                    watch.suspend()  # jobs first seen meanwhile too
+            else:
+                ended = time.time()
+                for job, watch in watches.items():
+                    self._pending.append(self._event(job, watch, ended))
+                    watch.resume()
+                self.suspended = False
+                self._say("fail_stop_resumed", suspended_s=round(ended - self.suspended_at, 1))
+        if self._pending and not health.down:
+            self._flush(publish)
+
+    def _announce(self, watches: Mapping[str, FailStopWatch]) -> None:
+        for job, watch in watches.items():
+            if job not in self._announced:
+                self._announced.add(job)
+                self._pending.append(self._event(job, watch, None))
+
+    def _event(self, job: str, watch: FailStopWatch, ended: float | None) -> Envelope:
+        outage_id = f"{job}/{self.suspended_at:.3f}"
+        payload = BusOutage(outage_id=outage_id, started_s=self.suspended_at, ended_s=ended,
+                            duration_s=None if ended is None else min(ended - self.suspended_at, DURATION_MAX_S),
+                            reason=self.reason[:2000], ranks_suspended=len(watch.watched - watch.dead))
+        event_id = uuid.uuid5(_NS, f"{outage_id}/{'start' if ended is None else 'end'}").hex
+        factory = Signer(EventFactory(job, SOURCE), "analytics", load_keyring())
+        return factory.make(payload, time_s=ended or self.suspended_at, event_id=event_id)
+
+    def _flush(self, publish: bool) -> None:
+        if not publish:
+            self._pending = []
             return
-        if health.down or consumed or not self._caught_up():
-            for watch in watches:
-                watch.suspend()  # jobs first seen meanwhile too
+        try:
+            self.bus.publish(self._pending)
+        except Exception as exc:  # noqa: BLE001 - the bus went again: the events wait for the next step
+            log.debug("bus outage events not published yet: %s", exc)
             return
-        for watch in watches:
-            watch.resume()
-        self.suspended = False
-        self._say("fail_stop_resumed", suspended_s=round(time.time() - self.suspended_at, 1))
+        self._pending = []
 
     def _caught_up(self) -> bool:
         """This consumer's positions reached the end of every partition it owns."""

@@ -52,6 +52,7 @@ WRITERS: dict[str, tuple[str, ...]] = {
     "command.ack": ("executor",),
     "plan.current": ("executor",),  # what runs: the engine plans on it and the fold supersedes plans by it
     "probe.result": ("executor",),  # a rank's answer: it confirms an incident and names the slow device
+    "analytics.bus_outage": ("analytics",),  # why no rank was judged dead meanwhile
 }
 CONSOLE_SOURCES = ("ui:", "cli:")  # a console-signed event names its person: ui:alice, cli:bob
 AUTO_ACTOR = "policy:auto"

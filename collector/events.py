@@ -375,6 +375,22 @@ class AnalyticsLease(Payload):
     released: bool = Field(default=False, description="it stopped: the lease is free")
 
 
+class BusOutage(Payload):
+    """The analytics consumer lost the bus (its client's connection errors, not missing heartbeats)
+    and suspended fail-stop judgement of this job: published once when the outage is seen
+    (``ended_s`` None) and once when judgement resumes, after the consumer caught up. Both are
+    published once the bus is back, since during the outage nothing can be."""
+
+    KIND: ClassVar[str] = "analytics.bus_outage"
+    outage_id: str = Field(min_length=1, max_length=200, description="the same on the start and the end event")
+    started_s: float = Field(ge=0, le=TIME_MAX_S, description="when judgement was suspended (the consumer's clock)")
+    ended_s: float | None = Field(default=None, ge=0, le=TIME_MAX_S, description="when it resumed; None: still down")
+    duration_s: float | None = Field(default=None, ge=0, le=DURATION_MAX_S)
+    reason: str = Field(default="", max_length=2000, description="what the bus client saw")
+    ranks_suspended: int = Field(default=0, ge=0, le=INT32_MAX,
+                                 description="ranks whose fail-stop judgement waited (the live ranks watched)")
+
+
 # ---- incidents ----------------------------------------------------------------------------------
 
 
@@ -710,7 +726,7 @@ class ControlRejected(Payload):
 
 PAYLOAD_TYPES: tuple[type[Payload], ...] = (
     RankIteration, IterationSummary, Heartbeat, TracingDeclared,
-    IterationPrediction, RankHealth, AnalyticsLease, ReplicaFrame,
+    IterationPrediction, RankHealth, AnalyticsLease, ReplicaFrame, BusOutage,
     IncidentOpened, IncidentConfirmed, IncidentUpdated, IncidentResolved, ProbeRequest, ProbeResult,
     PlanProposed, PlanDecision, PolicyChanged, ReconfigureCommand, CommandAck, PlanVerified, PlanRolledBack,
     PlanWithheld, PlanCurrent, CostModelFitted,

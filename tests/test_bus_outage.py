@@ -31,6 +31,7 @@ from infra import broker
 from infra import kafka_security as security
 from resihp.commands.kafka import secure_topics
 from resihp.demo.story import story_for
+from ui.read_model import ReadModel
 
 pytestmark = pytest.mark.kafka
 REPO = Path(__file__).resolve().parents[1]
@@ -108,6 +109,12 @@ def test_a_broker_outage_raises_no_fail_stop_and_every_process_survives(secure_k
         fail_stops = [e.payload for e in events if isinstance(e.payload, IncidentOpened)
                       and e.payload.category.value == "fail_stop"]
         assert fail_stops == [], fail_stops
+        # the outage is an event the console shows on the job's page, not only a log line
+        model = ReadModel()
+        for e in events:
+            model.apply(e)
+        (outage,) = model.jobs[scenario["job"]].outages.values()
+        assert outage.ended_s is not None and outage.duration_s >= OUTAGE_S and outage.ranks_suspended == 8
     finally:
         for proc in procs.values():
             if proc.poll() is None:

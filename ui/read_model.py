@@ -30,7 +30,7 @@ import numpy as np
 
 from analytics.goodput import GoodputFold
 from collector.events import (
-    AckStatus, CommandAck, Envelope, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentResolved,
+    AckStatus, BusOutage, CommandAck, Envelope, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentResolved,
     IncidentUpdated, IterationPrediction, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified, PlanWithheld,
     PolicyChanged, PolicyMode, RankHealthEntry, RankIteration, ReconfigureCommand, Severity,
 )
@@ -118,9 +118,9 @@ class PolicyView:
 
 @dataclass
 class Mark:
-    """Something to draw on a job's time series: an incident opened or a reshape applied."""
+    """Something to draw on a job's time series: an incident opened, a reshape applied, a bus outage."""
 
-    kind: str  # "incident" | "reshape"
+    kind: str  # "incident" | "reshape" | "outage"
     iteration: int | None
     time_s: float
     label: str
@@ -139,6 +139,7 @@ class JobView:
     ranks: RankStore = field(default_factory=RankStore)
     last_iteration: int = -1
     last_epoch: int = 0
+    outages: dict[str, BusOutage] = field(default_factory=dict)  # outage id -> its newest word (end over start)
 
     def running_epoch(self) -> int:
         return self.current_plan.epoch if self.current_plan is not None else self.last_epoch
@@ -331,6 +332,18 @@ class ReadModel:
         inc = self.incidents.get(e.payload.incident_id)
         if inc is not None and inc.resolved is None:
             inc.resolved = (e.time_s, e.payload)
+
+    def _on_analytics_bus_outage(self, e: Envelope, job: JobView) -> None:
+        """Analytics could not read the bus and judged no rank dead meanwhile: a bus outage, not an incident."""
+        p: BusOutage = e.payload
+        known = job.outages.get(p.outage_id)
+        if known is not None and known.ended_s is not None:
+            return  # the end arrived first: the start adds nothing
+        job.outages[p.outage_id] = p
+        if p.ended_s is not None:
+            job.marks.append(Mark("outage", job.predictions.iteration_at(p.started_s), p.started_s,
+                                  f"bus outage: {p.duration_s or 0:.0f} s, fail-stop judgement of "
+                                  f"{p.ranks_suspended} ranks suspended"))
 
     def _on_truth_fault(self, e: Envelope, job: JobView) -> None:
         job.faults.append(e.payload)

@@ -87,8 +87,9 @@ def run(args: argparse.Namespace) -> int:
             while True:
                 consumed = projector.step(max_records=args.batch)
                 if detector is not None:
-                    outage.after_step(consumed, [d.fail_stop for d in detector.detectors.values()])
-                    if leases.tick(bus):
+                    speaks = leases.tick(bus)
+                    outage.after_step(consumed, {job: d.fail_stop for job, d in detector.detectors.items()}, speaks)
+                    if speaks:
                         detector.flush_outbox(projector.conn, bus)
                     else:  # a second consumer on this bus: the first one publishes (analytics/lease.py)
                         projector.conn.execute("DELETE FROM detector_outbox")

@@ -39,6 +39,11 @@ def _list(feed: Feed, page_size: int) -> None:
     st.header("Incidents")
     model = feed.model
     writer_warnings(model)
+    for job in model.jobs.values():  # not incidents: the bus was down, so no rank was judged meanwhile
+        for o in sorted(job.outages.values(), key=lambda o: o.started_s):
+            until = f"until {clock(o.ended_s)} ({o.duration_s or 0:.0f} s)" if o.ended_s is not None else "ongoing"
+            st.info(f"bus outage · job {plain(job.job)} · from {clock(o.started_s)} {until}: fail-stop judgement "
+                    f"of {o.ranks_suspended} ranks suspended")
     show = st.radio("Show", ["open", "all"], horizontal=True, key="inc_filter")
     items = [i for i in model.incidents_sorted() if show == "all" or i.resolved is None]
     if not items:

@@ -10,7 +10,7 @@ from collector.events import RankState
 from ui.charts import downsample, plan_cells, plan_grid_chart, series_chart
 from ui.feed import Feed
 from ui.read_model import JobView
-from ui.views.common import pick_job, writer_warnings
+from ui.views.common import clock, pick_job, plain, writer_warnings
 
 WINDOWS = {"last 500 iterations": 500, "last 5,000 iterations": 5000, "all": None}
 
@@ -48,6 +48,7 @@ def _job_body(feed: Feed, job: JobView) -> None:
                     delta_color="inverse")
     m[4].metric("Open incidents", len(open_incidents))
     _goodput_headline(feed, job.job)
+    _bus_outages(job)
 
     window = st.radio("History", list(WINDOWS), horizontal=True, key="jobs_window", index=0)
     if len(series["iteration"]):
@@ -57,7 +58,7 @@ def _job_body(feed: Feed, job: JobView) -> None:
             series = {k: v[keep] for k, v in series.items()}
         shown = downsample({k: series[k] for k in ("iteration", "observed_s", "predicted_s", "tokens")})
         st.caption(f"{len(series['iteration']):,} iterations, drawn as {len(shown['iteration']):,} points; "
-                   "red rules: incidents opened, blue: reshapes applied")
+                   "red rules: incidents opened, blue: reshapes applied, grey: bus outages")
         st.altair_chart(series_chart(shown, job.marks, kind="time"), width="stretch")
         st.altair_chart(series_chart(shown, job.marks, kind="throughput"), width="stretch")
     else:
@@ -98,3 +99,21 @@ def _layout_shape(job: JobView) -> str:
     pp = max(s.stage for s in job.layout.values()) + 1
     dp = max(s.replica for s in job.layout.values()) + 1
     return f"TP{tp}·PP{pp}·DP{dp}"
+
+
+def _bus_outages(job: JobView) -> None:
+    """Bus outages (analytics.bus_outage): the bus was down, not the ranks, so nobody was judged dead."""
+    if not job.outages:
+        return
+    rows = sorted(job.outages.values(), key=lambda o: o.started_s)
+    ongoing = [o for o in rows if o.ended_s is None]
+    if ongoing:
+        st.warning(f"Bus outage since {clock(ongoing[-1].started_s)}: fail-stop judgement of "
+                   f"{ongoing[-1].ranks_suspended} ranks is suspended ({plain(ongoing[-1].reason)})")
+    with st.expander(f"Bus outages ({len(rows)})", expanded=bool(ongoing)):
+        st.dataframe(pd.DataFrame({
+            "what": ["bus outage"] * len(rows), "started": [clock(o.started_s) for o in rows],
+            "ended": [clock(o.ended_s) if o.ended_s is not None else "ongoing" for o in rows],
+            "duration (s)": [round(o.duration_s, 1) if o.duration_s is not None else None for o in rows],
+            "ranks not judged": [o.ranks_suspended for o in rows], "reason": [o.reason for o in rows],
+        }), hide_index=True, width="stretch", key=f"outages_{job.job}")
