@@ -20,6 +20,7 @@ from collector import topics
 from collector.bus import Bus
 from collector.codec import InvalidEvent, decode
 from collector import plan_lifecycle
+from collector.auth import load_keyring, needs_signature
 from collector.events import (
     CommandAck, Envelope, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated,
     IterationSummary, Location, PlanCurrent, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified, ProbeRequest,
@@ -86,6 +87,7 @@ class LogState:
     telemetry_records: int = 0
     records: int = 0
     undecodable: int = 0
+    unauthenticated: int = 0  # control events whose signature failed: not folded (docs/security.md)
     by_kind: dict[str, int] = field(default_factory=dict)
     summaries: list[Summary] = field(default_factory=list)
     injected: list[Injected] = field(default_factory=list)
@@ -148,6 +150,9 @@ class LogWatch:
 
     def _fold(self, event: Envelope) -> None:
         s, p, time_s = self.state, event.payload, event.time_s
+        if needs_signature(event.kind) and load_keyring().verify(event) is not None:
+            s.unauthenticated += 1  # a forged incident or plan is no part of the run's story
+            return
         if isinstance(p, PlanProposed | PlanDecision | ReconfigureCommand | CommandAck | PlanVerified | PlanRolledBack
                       | PlanCurrent):
             self._fold_plan(event)
