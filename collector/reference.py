@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from collector import events, plan, topics
 from collector.events import PAYLOAD_TYPES, Envelope, Payload
 from collector.auth import WRITERS
-from collector.topics import topic_for, topics_for
+from collector.topics import topics_for
 
 INTRO = """# Event reference
 
