@@ -37,6 +37,7 @@ from collector.plan import Plan
 from collector.stream import EventStream
 from ui.auth import UsersFile
 from tests.fixtures.console_demo import DemoSpec, demo_events
+from tests.fixtures.signing import signed_all
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -90,7 +91,9 @@ class PixelServer:
 
 def forged_events(pixel_url: str) -> list[Envelope]:
     """An incident, its confirmation, a plan and a decision whose every text field is markdown and
-    HTML that would make a browser fetch from ``pixel_url`` if it were rendered rather than shown."""
+    HTML that would make a browser fetch from ``pixel_url`` if it were rendered rather than shown.
+    Signed with the session's keys: the console shows only control events that verify, and a
+    writer holding a key (a buggy producer) can still write any text."""
     def bait(where: str) -> str:
         return (f"![x]({pixel_url}/px/{where}.png) <img src=\"{pixel_url}/px/{where}-html.png\"> "
                 f":red[{where}] **bold-{where}**")
@@ -100,7 +103,7 @@ def forged_events(pixel_url: str) -> list[Envelope]:
     planner = EventFactory(job, "remediation")
     t = 1_700_000_500.0
     loc = Location(target="compute", rank=1, factor=2.0)
-    return [
+    return signed_all([
         analytics.make(IncidentOpened(
             incident_id=FORGED_INCIDENT_ID, category=FaultCategory.FAIL_SLOW, severity=Severity.CRITICAL,
             iteration=7, locations=[loc], summary=bait("summary"),
@@ -113,7 +116,7 @@ def forged_events(pixel_url: str) -> list[Envelope]:
             locations=[loc], evidence=Evidence(), summary="a second writer for the same job"), time_s=t + 2),
     ] + [analytics.make(IterationPrediction(epoch=0, iteration=i, observed_s=1.0 + i / 8, predicted_s=1.0, tokens=4096,
                                             model_error=0.0), time_s=t - 8 + i) for i in range(8)
-         ] + _forged_plan(planner, bait, t + 3)
+         ] + _forged_plan(planner, bait, t + 3))
 
 
 def _forged_plan(planner: EventFactory, bait: Callable[[str], str], t: float) -> list[Envelope]:
@@ -123,8 +126,8 @@ def _forged_plan(planner: EventFactory, bait: Callable[[str], str], t: float) ->
             plan_id="plan-forged-1", incident_ids=[FORGED_INCIDENT_ID], strategy=bait("strategy"), base_epoch=0,
             plan=new, current_tokens_per_s=100.0, predicted_tokens_per_s=150.0, reshape_cost_s=1.0,
             diff=[bait("diff")], severity=Severity.CRITICAL), time_s=t),
-        planner.make(PlanDecision(plan_id="plan-forged-1", approve=False, actor=bait("actor"),
-                                  comment=bait("comment")), time_s=t + 1),
+        EventFactory(planner.job, f"ui:{bait('actor')}").make(PlanDecision(
+            plan_id="plan-forged-1", approve=False, actor=f"ui:{bait('actor')}", comment=bait("comment")), time_s=t + 1),
     ]
 
 
@@ -364,7 +367,7 @@ def test_ui_browser_forged_markdown_and_html_are_shown_as_text_and_fetch_nothing
     assert literal in shown
     expect(page.locator(f'a[href^="{served.pixels.url}"]')).to_have_count(0)  # not even a link to click
     expect(page.get_by_text("note.png) <img src=").first).to_be_visible()
-    expect(page.get_by_text("Rejected by ![x](").first).to_be_visible()
+    expect(page.get_by_text("Rejected by ui:![x](").first).to_be_visible()
     leave_incident(page)
     go(page, "Jobs")
     page.locator(".st-key-jobs_job").get_by_role("combobox").click()
