@@ -30,7 +30,7 @@ from collector.plan import Plan
 from collector.settings import environment
 from trainer.fault_spec import FaultSpec
 from trainer.native.executor import NativeExecutor, Released, ReshapeRefused
-from trainer.native.faults import SlowCompute
+from trainer.native.faults import ChunkPadding
 from trainer.native.intake import CommandFollower, NativeCommandIntake
 from trainer.native.layout import NativeLayout
 from trainer.native.model import LlamaConfig, ModelFactory
@@ -77,6 +77,9 @@ class NativeRunSpec(BaseModel):
         "capabilities, fences and acknowledges commands (trainer/native/intake.py)"))
     faults: list[FaultSpec] = Field(default_factory=list, description="slow_compute faults (trainer/native/faults.py)")
     tokens_per_microbatch: int = Field(default=0, ge=0, description="announced in plan.current for the planner")
+    pace_s_per_layer_token: float = Field(default=0.0, ge=0, description=(
+        "emulated device time: each chunk padded to layers × tokens × this / TP (backward twice), so CPU ranks on "
+        "a shared machine behave like devices of a set speed (0: raw CPU)"))
 
     @property
     def config(self) -> LlamaConfig:
@@ -114,7 +117,7 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
     telemetry = (TelemetryPublisher(spec.bus.open, spec.job, device, spec.heartbeat_s) if spec.bus else None)
     results: dict = {"device": device, "losses": {}, "walls": {}, "reshapes": [], "refused": [], "backend": backend}
     follower = CommandFollower(store, device, torch_device) if spec.commands else None
-    slow = SlowCompute(spec.faults, device)
+    padding = ChunkPadding(spec.faults, device, spec.pace_s_per_layer_token)
     try:
         layout = NativeLayout.of(spec.plan, cfg)
         if device not in layout.world:
@@ -145,7 +148,7 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
                         follower.refused(post, str(exc))
                         post = None
             cur = ex.current
-            slow.begin_iteration(iteration, cur.model)
+            padding.begin_iteration(iteration, cur.stage, cur.role)
             started = time.perf_counter()
             loss = cur.train_step(iteration, cfg, settings)
             wall_s = time.perf_counter() - started
@@ -164,7 +167,7 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
                 print(f"iteration {iteration} epoch {cur.layout.plan.epoch} loss {loss:.4f} ({wall_s:.3f} s)", flush=True)
             if telemetry is not None:
                 _publish(telemetry, cur, device, iteration, wall_s, loss, settings)
-                for f in slow.started(iteration):
+                for f in padding.started(iteration):
                     telemetry.publish(FaultInjected(
                         fault_id=f.id or f"{spec.job}/{f.kind}/{device}/{iteration}", category=f.category,
                         location=Location(target="compute", rank=device, factor=f.factor),
