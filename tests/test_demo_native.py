@@ -40,6 +40,8 @@ def test_the_native_executor_closes_the_loop_on_a_fail_slow(tmp_path: Path) -> N
     assert found["localised"] == "rank" and found["ranks"] == [1], why
     assert result["plans_applied"] >= 1 and result["complete"] is True, why
     assert result["events_in_duckdb"] == result["distinct_events_in_duckdb"] == result["events_published"], why
+    tps = result["tokens_per_s"]  # paced ranks: the slow replica really costs throughput, the migration wins it back
+    assert tps["during"] < 0.8 * tps["before"] and tps["after"] > 1.3 * tps["during"], why
 
     with EmbeddedBus(workdir / "bus.sqlite") as bus:
         stream = EventStream(bus, "test", [topics.CONTROL], on_assign=lambda ps: {tp: 0 for tp in ps})

@@ -245,7 +245,7 @@ def run_demo(opts: DemoOptions) -> int:
             "events_in_duckdb": rows,
             "distinct_events_in_duckdb": distinct,
             "incidents": len(state.incidents),
-            "workload": opts.workload, "bus": opts.bus, "gpus": story.gpus, "layout": story.layout,
+            "workload": opts.workload, "trainer": opts.trainer if opts.workload == "torch" else None, "bus": opts.bus, "gpus": story.gpus, "layout": story.layout,
             "complete": complete, "workdir": str(workdir), "trace": str(trace_path),
         }
         (workdir / "summary.json").write_text(json.dumps(result, indent=2))
