@@ -77,7 +77,7 @@ class NativeCommandIntake:
     def start(self) -> None:
         """Announce what runs and what this executor can run."""
         self.listener.announce_plan(model_name="native-llama", tokens_per_microbatch=self.tokens_per_microbatch)
-        self.listener.bus.publish([self.listener.factory.make(NATIVE_CAPABILITIES)])
+        self.listener.announce_capabilities(NATIVE_CAPABILITIES)
 
     def poll(self, alive: set[int], timeout_s: float = 0.2) -> None:
         """One step: finish the posted reshape if its world reported, else post the next command."""
