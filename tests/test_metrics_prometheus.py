@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
+from prometheus_client.parser import text_string_to_metric_families
 from streamlit.testing.v1 import AppTest
 
 from analytics.goodput import GoodputFold
@@ -195,12 +195,15 @@ def test_prometheus_scrapes_the_consumer_and_reads_the_folds_figures(stack: _Sta
     lag = _query(stack.prometheus, 'resihp_consumer_lag_records{group="analytics"}')
     assert {r["metric"]["topic"] for r in lag} == {"resihp.telemetry", "resihp.analytics", "resihp.control"}
     # per stage: the newest iteration's (replica, stage) rows of the detector's prediction on the bus
-    stages = {(str(st), str(r)): (o, p) for r, st, o, p in stack.published_fold().jobs[JOB].last_stages}
-    assert len(stages) == 4  # TP2·PP2·DP2
-    for name, at in (("resihp_stage_observed_seconds", 0), ("resihp_stage_predicted_seconds", 1)):
-        got = {(r["metric"]["stage"], r["metric"]["replica"]): float(r["value"][1])
-               for r in _query(stack.prometheus, f'{name}{{job="{JOB}"}}')}
-        assert got == {k: v[at] for k, v in stages.items()}
+    # (the consumer publishes the prediction and folds it when it reads it back: wait for that)
+    def stages_agree() -> bool:
+        stages = {(str(st), str(r)): (o, p) for r, st, o, p in stack.published_fold().jobs[JOB].last_stages}
+        assert len(stages) == 4  # TP2·PP2·DP2
+        return all({(r["metric"]["stage"], r["metric"]["replica"]): float(r["value"][1])
+                    for r in _query(stack.prometheus, f'{name}{{job="{JOB}"}}')} == {k: v[at] for k, v in stages.items()}
+                   for name, at in (("resihp_stage_observed_seconds", 0), ("resihp_stage_predicted_seconds", 1)))
+
+    _wait("Prometheus to read the newest prediction's per-stage rows", stages_agree)
 
 
 def test_an_unknown_job_is_a_404_and_a_known_one_only_its_series(stack: _Stack) -> None:
@@ -278,3 +281,54 @@ def test_the_console_shows_the_firing_alert_on_its_incident(stack: _Stack, monke
     assert at.header[0].value == f"Incident {plain(incident_id)}"
     shown = " ".join(e.value for e in at.error)
     assert "ResihpFailStop" in shown and plain("docs/runbooks/fail-stop.md") in shown
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
+    """{(sample name, labels): value} of one scrape, None while the server is not up yet."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_a_replay_is_scraped_with_counters_that_only_climb_and_add_up(stack: _Stack) -> None:
+    """A second consumer replays the whole log from the beginning (``--rebuild --no-detect`` on a
+    fresh DuckDB, its own group) while it is scraped as fast as it answers: within the process no
+    counter ever goes back, every scrape's wall time is productive + losses + pending, and it ends
+    on the fold's figures."""
+    expected = stack.published_fold().breakdown(JOB)
+    assert expected is not None
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    replay = subprocess.Popen(
+        [sys.executable, "-m", "resihp.cli", "analytics", "--bus", "embedded", "--bus-path", str(stack.bus_path),
+         "--db", str(stack.tmp / "replay.duckdb"), "--group", "replay", "--rebuild", "--no-detect", "--batch", "300",
+         "--metrics-port", str(port)],
+        env=env, stdout=subprocess.DEVNULL, stderr=open(stack.tmp / "replay.log", "ab"))
+    scrapes = []
+    try:
+        url = f"http://127.0.0.1:{port}/metrics/job/{JOB}"
+        wall = ("resihp_goodput_wall_seconds_total", (("job", JOB),))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            got = _scrape(url)
+            if got is not None:
+                scrapes.append(got)
+                if got[wall] >= expected.wall_s - 1e-9:
+                    break
+            time.sleep(0.05)
+    finally:
+        replay.terminate()
+        replay.wait(20)
+    assert scrapes and scrapes[-1][wall] == pytest.approx(expected.wall_s, rel=1e-9)
+    for before, after in zip(scrapes, scrapes[1:]):
+        for key, value in after.items():
+            if key[0].endswith("_total") and key in before:
+                assert value >= before[key], (key, before[key], value)
+    for got in scrapes:
+        parts = sum(v for (name, _), v in got.items() if name in (
+            "resihp_goodput_loss_seconds_total", "resihp_goodput_productive_seconds", "resihp_goodput_pending_seconds"))
+        assert parts == pytest.approx(got[wall], abs=1e-6)
