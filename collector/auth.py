@@ -51,6 +51,7 @@ WRITERS: dict[str, tuple[str, ...]] = {
     "incident.resolved": ("analytics",), "analytics.cost_model": ("analytics",), "probe.request": ("analytics",),
     "command.ack": ("executor",),
     "plan.current": ("executor",),  # what runs: the engine plans on it and the fold supersedes plans by it
+    "plan.capabilities": ("executor",),  # what the job can run: the engine proposes only that
     "probe.result": ("executor",),  # a rank's answer: it confirms an incident and names the slow device
     "analytics.bus_outage": ("analytics",),  # why no rank was judged dead meanwhile
 }

@@ -22,7 +22,7 @@ from collector.codec import encode
 from collector.embedded import EmbeddedBus
 from collector.events import (
     PAYLOAD_TYPES, AckStatus, BusOutage, CommandAck, ControlRejected, CostFit, CostModelFitted, Envelope, EventFactory, Evidence,
-    FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated, Location, Payload, PlanCurrent,
+    ExecutorCapabilities, FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated, Location, Payload, PlanCurrent,
     PlanDecision, PlanProposed, PlanRolledBack, PlanVerified, PlanWithheld, PolicyChanged, PolicyMode, ProbeRequest,
     ProbeResult, ReconfigureCommand, Severity,
 )
@@ -73,6 +73,7 @@ def _sample(kind: str, role: str | None, n: int) -> Payload:
         "command.ack": CommandAck(command_id=f"c{n}", plan_id=f"p{n}", epoch=1, status=AckStatus.FAILED,
                                   running_epoch=0),
         "plan.current": PlanCurrent(plan=PLAN),
+        "plan.capabilities": ExecutorCapabilities(executor="reference"),
         "analytics.bus_outage": BusOutage(outage_id=f"o{n}", started_s=1.0, ended_s=2.0, duration_s=1.0),
     }
     return samples[kind]
