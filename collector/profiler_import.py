@@ -41,6 +41,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from collector.codec import one_line
 from collector.events import (
     Chunk, ChunkKind, CommOp, CommWait, Coords, Envelope, EventFactory, PlanCurrent, RankIteration,
     TracingDeclared,
@@ -126,12 +127,6 @@ class Layout(BaseModel):
                     num_layers=self.num_layers, pipelines=tuple(pipelines))
 
 
-def _one_line(exc: ValidationError) -> str:
-    errs = exc.errors(include_url=False, include_input=False)
-    parts = [f"{'.'.join(str(x) for x in e.get('loc', ())) or '<layout>'}: {e.get('msg', 'invalid')}" for e in errs[:3]]
-    return "; ".join(parts) + (f" (+{len(errs) - 3} more)" if len(errs) > 3 else "")
-
-
 def load_layout(path: str | Path) -> Layout:
     """Read a layout (YAML, or JSON, which YAML reads too)."""
     import yaml
@@ -149,7 +144,7 @@ def load_layout(path: str | Path) -> Layout:
         layout = Layout.model_validate(data)
         layout.plan()
     except ValidationError as exc:
-        raise ImportProblem(f"{p}: invalid layout: {_one_line(exc)}") from None
+        raise ImportProblem(f"{p}: invalid layout: {one_line(exc, '<layout>')}") from None
     except ValueError as exc:
         raise ImportProblem(f"{p}: invalid layout: {exc}") from None
     return layout
