@@ -127,6 +127,9 @@ class CommOp(StrEnum):
 
 
 ProcessGroupName = Literal["tp", "pp", "dp", "cp", "fsdp"]
+LocationTarget = Literal["compute", "link", "node"]  # what a Location names: a rank's compute, a link, a node
+ConfirmMethod = Literal["probe", "heartbeat", "persistence"]  # how an incident was confirmed
+PlanCurrentReason = Literal["start", "reshape", "restart"]  # why the trainer announces the running plan
 
 
 class CommWait(BaseModel):
@@ -398,7 +401,7 @@ class Location(BaseModel):
 
     model_config = _CONTRACT
 
-    target: Literal["compute", "link", "node"]
+    target: LocationTarget
     rank: int | None = Field(default=None, ge=0, le=INT32_MAX)
     link: tuple[Int32, Int32] | None = None
     node: int | None = Field(default=None, ge=0, le=INT32_MAX)
@@ -440,7 +443,7 @@ class IncidentConfirmed(Payload):
 
     KIND: ClassVar[str] = "incident.confirmed"
     incident_id: str
-    method: Literal["probe", "heartbeat", "persistence"]
+    method: ConfirmMethod
     detail: str
     locations: list[Location] = Field(default_factory=list, max_length=LIST_MAX)
 
@@ -614,7 +617,7 @@ class PlanCurrent(Payload):
 
     KIND: ClassVar[str] = "plan.current"
     plan: ContractPlan
-    reason: Literal["start", "reshape", "restart"] = "start"
+    reason: PlanCurrentReason = "start"
     gpus_per_node: int = Field(default=8, ge=1, le=INT32_MAX)
     model_name: str = ""
     layer_state_bytes: int = Field(default=0, ge=0, le=COUNT_MAX,

@@ -18,7 +18,9 @@ reaction has a deterministic event id, so publishing one twice is harmless.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from collector import plan_lifecycle
 from collector.events import (
@@ -242,7 +244,7 @@ def _withheld(state: LifecycleState, e: Envelope, p: PlanWithheld) -> None:
     state.withheld.append(p)
 
 
-_HANDLERS = {
+_HANDLERS: dict[type, Callable[[LifecycleState, Envelope, Any], None]] = {
     PlanCurrent: _plan_current, CostModelFitted: _cost_model,
     IncidentOpened: _incident_opened, IncidentConfirmed: _incident_confirmed, IncidentUpdated: _incident_updated,
     IncidentResolved: _incident_resolved, IterationSummary: _summary, IterationPrediction: _prediction,

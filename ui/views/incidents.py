@@ -170,7 +170,7 @@ def _plan(feed: Feed, plan: PlanView) -> None:
 
 def _decision(feed: Feed, session: Session, plan: PlanView) -> None:
     st.subheader("Decision")
-    if not plan.pending:
+    if plan.decision is not None:
         t, d = plan.decision
         verdict = "Approved" if d.approve else "Rejected"
         st.success(f"{verdict} by {plain(d.actor)} at {clock(t)}" + (f" — “{plain(d.comment)}”" if d.comment else ""))
@@ -184,4 +184,4 @@ def _decision(feed: Feed, session: Session, plan: PlanView) -> None:
     if approve or reject:
         run_action(lambda: decide_plan(feed, session, plan.plan_id, approve=approve, comment=comment),
                    lambda event: f"{'Approved' if approve else 'Rejected'} plan {plain(plan.plan_id)} as "
-                                 f"{plain(event.payload.actor)} (event {event.id[:8]} on the bus)")
+                                 f"{plain(session.user.actor)} (event {event.id[:8]} on the bus)")
