@@ -246,7 +246,7 @@ def test_repaired_devices_on_a_node_two_pipelines_share_rejoin_the_group_they_le
     each goes back to the pipeline it left (re-grow may make one TP 4 stage of a node's two)."""
     whole = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
 
-    def shrunk(pipe, stage: int, keep: int):  # type: ignore[no-untyped-def]
+    def shrunk(pipe, stage: int, keep: int):
         stages = [st.model_dump() for st in pipe.stages]
         stages[stage]["devices"] = [keep]
         return {**pipe.model_dump(), "stages": stages}
