@@ -25,6 +25,7 @@ from collector.settings import elastic_environment, environment
 FLIGHT_DIR_ENV = "RESIHP_FLIGHT_DIR"
 SLOT_BYTES = 1024
 FINISHED = "finished"  # the op of a rank that is past its last step
+LOST = "lost"  # the op the agent records for a rank that died while the job went on (--on-failure shrink)
 RECENT_STEPS = 8  # iteration durations kept for the expected-step estimate
 
 

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from trainer.agent.child import STACK_SIGNAL
-from trainer.agent.flight import FINISHED, FlightEntry
+from trainer.agent.flight import FINISHED, LOST, FlightEntry
 
 STACK_CHARS = 4000  # per rank, the newest part of its dump
 
@@ -66,7 +66,7 @@ class HangReport:
 
 def judge_hang(entries: Mapping[int, FlightEntry], policy: HangPolicy, now_s: float | None = None) -> HangReport | None:
     """The hang report for these ranks' flight records (one restart of one world), or None."""
-    entries = {r: e for r, e in entries.items() if e.op != FINISHED}
+    entries = {r: e for r, e in entries.items() if e.op not in (FINISHED, LOST)}
     if not entries:
         return None
     now_s = time.time() if now_s is None else now_s

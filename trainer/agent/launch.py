@@ -97,12 +97,15 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
         work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="resihp-agent-"))
         settings = AgentSettings(job=args.job, node_label=os.uname().nodename, work_dir=work_dir,
                                  hang=HangPolicy(args.hang_factor, args.hang_floor_s, args.expected_step_s),
-                                 on_hang=args.on_hang, heartbeat_s=args.heartbeat_s, telemetry=telemetry)
+                                 on_hang=args.on_hang, on_failure=args.on_failure, heartbeat_s=args.heartbeat_s,
+                                 telemetry=telemetry)
         entrypoint: Any = program
         start_method = config.start_method
         if args.preload:
             if args.no_python:
                 raise AgentError("--preload forks Python ranks; it cannot start a --no-python program")
+            if args.on_failure == "shrink":
+                raise AgentError("--on-failure shrink watches each rank's own process; it does not work with --preload")
             from trainer.agent.child import run_script
 
             entrypoint, program_args = run_script, program_args[program_args.index("trainer.agent.child") + 1:]
@@ -120,6 +123,9 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
                    else f"exited with code {first.exitcode}")
             echo(f"error: rank {rank} (local {first.local_rank}, pid {first.pid}) {how}; "
                  f"{len(result.failures)} rank(s) failed on this node, restarts left 0 of {config.max_restarts}")
+            return 1
+        if agent.lost and len(agent.lost) == config.nproc_per_node:
+            echo(f"error: every rank of this node was lost ({sorted(agent.lost)}); the job went on without them")
             return 1
         return 0
     except AgentError as exc:

@@ -36,6 +36,10 @@ def agent_parser(prog: str = "resihp run") -> argparse.ArgumentParser:
     ours.add_argument("--on-hang", choices=["report", "restart"], default="report",
                       help="after a hang report: only report, or kill the stuck rank and restart the worker "
                            "group (needs --max-restarts)")
+    ours.add_argument("--on-failure", choices=["restart", "shrink"], default="restart",
+                      help="when a rank dies: restart the worker group from the last checkpoint (torch's elastic "
+                           "restart), or shrink: keep the survivors running and let the job re-form its world "
+                           "without the lost rank (trainer/agent/shrink.py; the script must support it)")
     ours.add_argument("--preload", default=None, metavar="MODULES",
                       help="comma-separated modules (e.g. torch,train) imported once by a fork server the ranks are "
                            "forked from, so starting and restarting ranks costs no imports; default: a fresh "
