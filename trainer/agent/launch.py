@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.agent.hang import HangPolicy
+from trainer.agent.predicted import PredictedIteration
 from trainer.agent.store import LOOPBACK_NAMES, AgentError, RendezvousStore, make_handler, open_rendezvous_store
 from trainer.spec import BusSpec
 
@@ -68,6 +69,7 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
     hosts = _bool(configs.pop("is_host", None))
     rdzv: RendezvousStore | None = None
     telemetry = None
+    predicted = None
     handler = None
     try:
         if config.rdzv_backend == "c10d":
@@ -94,11 +96,14 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
         if not args.no_telemetry:
             telemetry = TelemetryPublisher(bus.open, args.job, 0, heartbeat_s=None,
                                            source=f"agent-{os.uname().nodename}-{os.getpid()}")
+            if args.expected_step_s is None:
+                group = f"agent:{args.job}:{os.uname().nodename}:{os.getpid()}"
+                predicted = PredictedIteration(bus.open(), args.job, group)
         work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="resihp-agent-"))
         settings = AgentSettings(job=args.job, node_label=os.uname().nodename, work_dir=work_dir,
                                  hang=HangPolicy(args.hang_factor, args.hang_floor_s, args.expected_step_s),
                                  on_hang=args.on_hang, on_failure=args.on_failure, heartbeat_s=args.heartbeat_s,
-                                 telemetry=telemetry)
+                                 telemetry=telemetry, predicted=predicted)
         entrypoint: Any = program
         start_method = config.start_method
         if args.preload:
@@ -147,5 +152,7 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
                 pass
         if telemetry is not None:
             telemetry.close()
+        if predicted is not None:
+            predicted.close()
         if rdzv is not None and rdzv.listener is not None:
             rdzv.listener.close()

@@ -39,6 +39,7 @@ from collector.events import (Evidence, FaultCategory, Heartbeat, IncidentOpened
                               Severity)
 from trainer.agent.child import AGENT_PID_ENV, STACK_DIR_ENV, stack_file_path
 from trainer.agent.flight import FLIGHT_DIR_ENV, LOST, FlightEntry, flight_file_path, read_flight
+from trainer.agent.predicted import PredictedIteration
 from trainer.agent.shrink import PHASES, mark_lost
 from trainer.agent.store import forget_bootstrap_store
 from trainer.agent.hang import HangPolicy, HangReport, collect_stacks, judge_hang, process_state
@@ -59,6 +60,7 @@ class AgentSettings:
     heartbeat_s: float = 1.0
     share_s: float = 0.25  # how often flight records go to the store
     telemetry: TelemetryPublisher | None = None
+    predicted: PredictedIteration | None = None  # the cost model's iteration time, from the bus
 
 
 @dataclass
@@ -147,7 +149,8 @@ class NodeAgent(LocalElasticAgent):
         if now >= self._next_share:
             self._next_share = now + self.settings.share_s
             world = self._share_flight(worker_group, entries)
-            report = judge_hang(world, self.settings.hang)
+            predicted_s = self.settings.predicted.poll() if self.settings.predicted is not None else None
+            report = judge_hang(world, self.settings.hang, predicted_s=predicted_s)
             if report is not None and set(report.culprits) & set(entries) and \
                     (self._restart_count(), report.iteration) not in self._reported:
                 self._on_hang(report, pids, local)
