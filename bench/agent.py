@@ -124,6 +124,17 @@ def _wait(what: str, check: Callable[[], T | None], patience_s: float) -> T:
     raise SystemExit(f"bench agent: gave up waiting for {what} after {patience_s:.0f} s (see the logs)")
 
 
+def _phases(work: Path, mode: str) -> dict[str, float]:
+    """Each recovery phase's seconds since the failure was detected, from the agents' logs."""
+    phases: dict[str, float] = {}
+    for log in sorted(work.glob(f"{mode}-*.log"), reverse=True):  # the failed (last) node's agent first
+        for line in log.read_text().splitlines():
+            if line.startswith('{"event": "recovery"'):
+                row = json.loads(line)
+                phases.setdefault(row["phase"], row["since_detected_s"])
+    return phases
+
+
 def measure(mode: str, args: argparse.Namespace) -> Measurement:
     work = Path(tempfile.mkdtemp(prefix=f"resihp-bench-{mode}-"))
     (work / "pids").mkdir()
@@ -153,14 +164,11 @@ def measure(mode: str, args: argparse.Namespace) -> Measurement:
         first = _wait("training again", again, args.patience_s)
         last_step = max(r["step"] for r in _progress(progress) if r["t"] <= killed_at)
         redone = last_step - (first["step"] - 1)
+        if mode == "agent-shrink":  # the new world's agent logs the phases once its rank 0 handed them over
+            _wait("the recovery phases", lambda: _phases(work, mode) or None, args.patience_s)
+        phases = _phases(work, mode)
     finally:
         _stop(procs)
-    phases: dict[str, float] = {}
-    for log in sorted(work.glob(f"{mode}-*.log"), reverse=True):  # the failed (last) node's agent first
-        for line in log.read_text().splitlines():
-            if line.startswith('{"event": "recovery"'):
-                row = json.loads(line)
-                phases.setdefault(row["phase"], row["since_detected_s"])
     return Measurement(mode, first["t"] - killed_at, redone, phases)
 
 
