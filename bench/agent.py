@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
                   + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
     ratios = {m: medians["torchrun"] / medians[m] for m in FAST if {m, "torchrun"} <= set(medians)}
     for mode, ratio in ratios.items():
-        print(f"torchrun restart / {mode} restart: {ratio:.2f}×")
+        print(f"torchrun restart / {mode}: {ratio:.2f}×")
     if args.json:
         print(json.dumps({"median_s": medians, "ratio_to_torchrun": ratios,
                           "runs": [m.__dict__ for ms in results.values() for m in ms]}))

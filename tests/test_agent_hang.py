@@ -74,3 +74,15 @@ def test_the_cost_models_prediction_on_the_bus_sets_the_deadline(tmp_path: Path)
     assert "expected from the cost model's prediction" in report.summary()
     assert judge_hang(world, HangPolicy(factor=3.0, floor_s=1.0), now_s=101.75, predicted_s=0.6) is None
     assert judge_hang(world, HangPolicy(factor=3.0, floor_s=2.5), now_s=102.4, predicted_s=0.6) is None  # floored
+
+
+def test_a_stopped_rank_inside_the_collective_is_the_culprit_not_its_waiting_peers() -> None:
+    import dataclasses
+
+    world = {r: entry(r, "all_reduce", 22) for r in range(3)}
+    world[2] = dataclasses.replace(world[2], stopped=True)
+    report = judge_hang(world, HangPolicy(factor=3.0, floor_s=1.0), now_s=101.6)
+    assert report is not None and report.culprits == (2,) and report.op == "all_reduce"
+    everyone = judge_hang({r: entry(r, "all_reduce", 22) for r in range(3)}, HangPolicy(factor=3.0, floor_s=1.0),
+                          now_s=101.6)
+    assert everyone is not None and everyone.culprits == (0, 1, 2)

@@ -11,7 +11,9 @@ The culprit is the rank that fell behind: the world's ranks enter the same ops i
 so when one rank stops, the others enter the next collective and wait there, one op ahead of it.
 The ranks with the lowest (iteration, seq) are named, with the op they last entered; when every
 rank is at the same op (a collective that never completes, a network hang) all are named and the
-op is the collective. Stacks come from faulthandler (trainer/agent/child.py): a stopped process
+op is the collective, unless some of them are stopped processes (their agent says so in the
+record): a rank stopped inside the collective has entered it like its peers, yet it is the one
+they wait for, so the stopped ones are named. Stacks come from faulthandler (trainer/agent/child.py): a stopped process
 cannot dump, and the report says so rather than waiting.
 """
 
@@ -85,6 +87,9 @@ def judge_hang(entries: Mapping[int, FlightEntry], policy: HangPolicy, now_s: fl
     deadline = policy.deadline_s(expected)
     behind_key = min((e.iteration, e.seq) for e in entries.values())
     culprits = tuple(sorted(r for r, e in entries.items() if (e.iteration, e.seq) == behind_key))
+    stopped = tuple(r for r in culprits if entries[r].stopped)
+    if stopped and len(stopped) < len(culprits):
+        culprits = stopped
     stuck_for = max(now_s - entries[r].step_started_s for r in culprits)
     if stuck_for <= deadline:
         return None

@@ -20,6 +20,7 @@ again, up to ``--max-restarts`` times. This class adds what the platform needs a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from datetime import timedelta
@@ -40,7 +41,7 @@ from collector.events import (Evidence, FaultCategory, Heartbeat, IncidentOpened
 from trainer.agent.child import AGENT_PID_ENV, STACK_DIR_ENV, stack_file_path
 from trainer.agent.flight import FLIGHT_DIR_ENV, LOST, FlightEntry, flight_file_path, read_flight
 from trainer.agent.predicted import PredictedIteration
-from trainer.agent.shrink import PHASES, mark_lost
+from trainer.agent.shrink import PHASES, admitted_key, mark_lost
 from trainer.agent.store import forget_bootstrap_store
 from trainer.agent.hang import HangPolicy, HangReport, collect_stacks, judge_hang, process_state
 from trainer.telemetry import TelemetryPublisher
@@ -92,6 +93,7 @@ class NodeAgent(LocalElasticAgent):
         self._next_share = 0.0
         self._pending: RecoveryTimeline | None = None
         self.lost: dict[int, int] = {}  # global rank → exit code, this round (shrink)
+        self.benched: set[int] = set()  # ranks a hang report named, marked lost while alive (shrink)
         self.recoveries: list[dict] = []  # the in-job recoveries this node's rank 0 reported (shrink)
         self._ranks_store: dist.Store | None = None
 
@@ -101,7 +103,7 @@ class NodeAgent(LocalElasticAgent):
         for stale in [*self.flight_dir.glob("*.flight"), *self.flight_dir.glob("recovery-*.json"),
                       *self.stack_dir.glob("*.stacks")]:
             stale.unlink()
-        self.lost, self._ranks_store = {}, None
+        self.lost, self.benched, self._ranks_store = {}, set(), None
         # the ranks inherit the agent's environment (torch's elastic agent starts them with it)
         os.environ.update({FLIGHT_DIR_ENV: str(self.flight_dir), STACK_DIR_ENV: str(self.stack_dir),
                            AGENT_PID_ENV: str(os.getpid()), "RESIHP_ON_FAILURE": self.settings.on_failure})
@@ -134,9 +136,10 @@ class NodeAgent(LocalElasticAgent):
         if result.state != WorkerState.HEALTHY or self._pcontext is None:
             return result
         local = {w.local_rank: w.global_rank for w in worker_group.workers}
-        pids = {lr: pid for lr, pid in self._pcontext.pids().items() if local[lr] not in self.lost}
-        entries = {local[lr]: e for lr in pids if (e := read_flight(flight_file_path(str(self.flight_dir), lr)))
-                   and e.restart == self._restart_count()}
+        out = set(self.lost) | self.benched
+        pids = {lr: pid for lr, pid in self._pcontext.pids().items() if local[lr] not in out}
+        entries = {local[lr]: dataclasses.replace(e, stopped=process_state(pids[lr]) == "T") for lr in pids
+                   if (e := read_flight(flight_file_path(str(self.flight_dir), lr))) and e.restart == self._restart_count()}
         now = time.monotonic()
         if self._pending is not None and entries and min(e.iteration for e in entries.values()) >= 0 and all(
                 e.op != "start" for e in entries.values()):
@@ -153,7 +156,7 @@ class NodeAgent(LocalElasticAgent):
             report = judge_hang(world, self.settings.hang, predicted_s=predicted_s)
             if report is not None and set(report.culprits) & set(entries) and \
                     (self._restart_count(), report.iteration) not in self._reported:
-                self._on_hang(report, pids, local)
+                self._on_hang(report, pids, local, worker_group)
         return result
 
     # ---- in-job recovery (on_failure="shrink") ----------------------------------------------------
@@ -165,6 +168,10 @@ class NodeAgent(LocalElasticAgent):
         torch's subprocess context keeps the ranks it still waits for in ``_running_local_ranks``;
         a rank left out of it is neither polled nor counted as a failure. If every local rank is
         lost, the context finds nothing running and the node is done (``run_agent`` says so)."""
+        for rank in sorted(self.benched):
+            if self._store_of_ranks(worker_group).check([admitted_key(rank)]):
+                self.benched.discard(rank)
+                print(f"resihp run: rank {rank} rejoined the world", file=sys.stderr, flush=True)
         running = getattr(self._pcontext, "_running_local_ranks", None)
         handlers = getattr(self._pcontext, "subprocess_handlers", None)
         if running is None or handlers is None:
@@ -184,6 +191,8 @@ class NodeAgent(LocalElasticAgent):
     def _store_of_ranks(self, worker_group: WorkerGroup) -> dist.Store:
         """The ranks' bootstrap store (MASTER_ADDR/MASTER_PORT of this round), where they meet."""
         if self._ranks_store is None:
+            if worker_group.master_addr is None or worker_group.master_port is None:
+                raise RuntimeError("the ranks' bootstrap store is not known before the first rendezvous")
             self._ranks_store = dist.TCPStore(worker_group.master_addr, worker_group.master_port, is_master=False,
                                               timeout=timedelta(seconds=30))
         return self._ranks_store
@@ -230,7 +239,7 @@ class NodeAgent(LocalElasticAgent):
             return entries
         for rank, e in entries.items():
             store.set(FLIGHT_KEY.format(rank=rank), json.dumps(e.__dict__))
-        for rank in self.lost:  # a lost rank's record is closed, so nobody judges it hung
+        for rank in set(self.lost) | self.benched:  # a lost rank's record is closed, so nobody judges it hung
             gone = FlightEntry(rank=rank, pid=0, restart=self._restart_count(), iteration=-1, step_started_s=0.0,
                                op=LOST, op_entered_s=0.0, seq=0)
             store.set(FLIGHT_KEY.format(rank=rank), json.dumps(gone.__dict__))
@@ -244,7 +253,8 @@ class NodeAgent(LocalElasticAgent):
         everyone.update(entries)
         return everyone
 
-    def _on_hang(self, report: HangReport, pids: dict[int, int], local: dict[int, int]) -> None:
+    def _on_hang(self, report: HangReport, pids: dict[int, int], local: dict[int, int],
+                 worker_group: WorkerGroup) -> None:
         self._reported.add((self._restart_count(), report.iteration))
         by_rank = {local[lr]: pid for lr, pid in pids.items()}
         files = {local[lr]: stack_file_path(str(self.stack_dir), lr) for lr in pids}
@@ -266,3 +276,11 @@ class NodeAgent(LocalElasticAgent):
             for rank in report.culprits:
                 if rank in by_rank:
                     os.kill(by_rank[rank], signal.SIGKILL)
+        elif self.settings.on_failure == "shrink" and set(report.culprits) < set(report.ops):
+            # Some ranks wait for the culprits: the world goes on without them, and takes them back
+            # when they run again (a SIGCONT, a stall that ends; trainer/agent/shrink.py).
+            for rank in set(report.culprits) & set(by_rank):
+                mark_lost(self._store_of_ranks(worker_group), rank, 0)
+                self.benched.add(rank)
+                print(f"resihp run: rank {rank} benched: its peers go on without it and take it back when it "
+                      "runs again (--on-failure shrink)", file=sys.stderr, flush=True)

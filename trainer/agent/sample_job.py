@@ -22,6 +22,7 @@ import json
 import os
 import time
 from datetime import timedelta
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ import torch.distributed as dist
 
 from collector.settings import elastic_environment
 from trainer.agent.flight import FlightRecorder
-from trainer.agent.shrink import ShrinkingWorld, shrink_enabled
+from trainer.agent.shrink import ShrinkingWorld, WorldFinished, shrink_enabled
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -102,31 +103,12 @@ def save_checkpoint(directory: Path, model: torch.nn.Module, opt: torch.optim.Op
     os.replace(tmp, directory / "latest.pt")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    elastic = elastic_environment()
-    if args.pid_dir:
-        Path(args.pid_dir, f"{os.getpid()}").write_text(str(elastic.RANK))
-    if args.exit_code is not None:
-        return args.exit_code
-    torch.set_num_threads(1)
-    flight = FlightRecorder.from_env()
-    world = ShrinkingWorld.from_env(args.timeout_s) if shrink_enabled() else None
-    if world is None:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
+def train(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int,
+          world: ShrinkingWorld | None, flight: FlightRecorder | None, restart: int,
+          state: Callable[[], dict], load: Callable[[dict], None]) -> None:
+    """Steps ``step`` … ``args.steps`` − 1; under a shrinking world, a failed collective is recovered
+    in place and the step is run again by the new world."""
     ckpt = Path(args.checkpoint_dir) if args.checkpoint_dir else None
-    model = build(args.width)
-    opt = optimizer(model, args.lr)
-    step = load_checkpoint(ckpt, model, opt)
-    restart = elastic.TORCHELASTIC_RESTART_COUNT
-
-    def state() -> dict:
-        return {"model": model.state_dict(), "opt": opt.state_dict()}
-
-    def load(saved: dict) -> None:
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-
     while step < args.steps:
         rank = world.rank if world else dist.get_rank()
         size = world.world_size if world else dist.get_world_size()
@@ -161,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         step += 1
         if world:
             world.stepped()
+            admit_started = time.monotonic()
+            try:
+                step = world.admit(step, state, load)  # a benched rank that runs again rejoins here
+            except (RuntimeError, dist.DistError):
+                step = world.recover("all_reduce(rejoin requests)", admit_started, step, state, load)
         if ckpt and step % args.checkpoint_every == 0 and rank == 0:
             if flight:
                 flight.enter("checkpoint")
@@ -169,9 +156,44 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.progress_file, "a") as f:
                 f.write(json.dumps({"t": time.time(), "pid": os.getpid(), "step": step, "restart": restart,
                                     "world": size, "loss": loss.detach().item() * size}) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    elastic = elastic_environment()
+    if args.pid_dir:
+        Path(args.pid_dir, f"{os.getpid()}").write_text(str(elastic.RANK))
+    if args.exit_code is not None:
+        return args.exit_code
+    torch.set_num_threads(1)
+    flight = FlightRecorder.from_env()
+    world = ShrinkingWorld.from_env(args.timeout_s) if shrink_enabled() else None
+    if world is None:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
+    ckpt = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    model = build(args.width)
+    opt = optimizer(model, args.lr)
+    step = load_checkpoint(ckpt, model, opt)
+    restart = elastic.TORCHELASTIC_RESTART_COUNT
+
+    def state() -> dict:
+        return {"model": model.state_dict(), "opt": opt.state_dict()}
+
+    def load(saved: dict) -> None:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+
+    try:
+        train(args, model, opt, step, world, flight, restart, state, load)
+    except WorldFinished:  # benched, and the world ended the job before taking this rank back
+        if flight:
+            flight.finish()
+        os._exit(0)
     if flight:
         flight.enter("barrier(end)")
     world.barrier() if world else dist.barrier()
+    if world:
+        world.finish()
     if flight:
         flight.finish()
     if args.final_state and (world.rank if world else dist.get_rank()) == 0:

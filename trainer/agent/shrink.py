@@ -22,6 +22,13 @@ way torchft's manager reads):
     first step    the caller's next step finished; the phases go to the agent (a JSON file in the
                   flight directory) which logs and publishes them (trainer/agent/node.py)
 
+A rank can also be *benched*: marked lost while it still runs (the agent does this to the rank a
+hang report names: a SIGSTOPped or stuck rank). Its peers shrink as above. When it runs again
+(SIGCONT), its next collective notices the loss count, it finds itself marked lost and asks to
+rejoin (``resihp/rejoin/<rank>``, ``resihp/rejoin-count``); the world agrees at the next step
+boundary (:meth:`admit`, a one-number all-reduce per step), grows by it as generation g+1 and
+hands it the state like any restore. That re-admission is a recovery too, with the same phases.
+
 Rank ids are the ranks torch gave at start and stay the identity of a process across generations
 (plans and flight records name them); ``rank`` / ``world_size`` are the current generation's.
 
@@ -43,7 +50,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -52,12 +59,21 @@ from collector.settings import elastic_environment, environment
 
 LOST_KEY = "resihp/lost/{rank}"
 LOST_COUNT_KEY = "resihp/lost-count"  # added to before the rank's key is set
+REJOIN_COUNT_KEY = "resihp/rejoin-count"
 POLL_S = 0.002
-PHASES = ("detected", "rendezvous closed", "new world", "state restored", "first step")
+Phase = Literal["detected", "rendezvous closed", "new world", "state restored", "first step"]
+PHASES: tuple[Phase, ...] = ("detected", "rendezvous closed", "new world", "state restored", "first step")
 
 
 def lost_key(rank: int) -> str:
     return LOST_KEY.format(rank=rank)
+
+
+DONE_KEY = "resihp/done"
+
+
+class WorldFinished(Exception):
+    """The world finished the job while this rank waited to rejoin it: nothing is left to do."""
 
 
 class PeerLost(RuntimeError):
@@ -66,8 +82,13 @@ class PeerLost(RuntimeError):
 
 def mark_lost(store: dist.Store, rank: int, exitcode: int) -> None:
     """The agent's side: count the loss first, so a rank that sees the key also sees the count."""
+    store.delete_key(admitted_key(rank))  # a rank benched again must be admitted again
     store.add(LOST_COUNT_KEY, 1)
     store.set(lost_key(rank), json.dumps({"exitcode": exitcode}))
+
+
+def admitted_key(rank: int) -> str:
+    return f"resihp/admitted/{rank}"
 
 
 def recovery_file(flight_dir: str, generation: int) -> str:
@@ -97,9 +118,11 @@ class ShrinkingWorld:
 
     def __init__(self, store: dist.Store, ranks: tuple[int, ...], rank_id: int, timeout_s: float) -> None:
         self.store, self.world, self.rank_id, self.timeout_s = store, ranks, rank_id, timeout_s
+        self.everyone = ranks  # every rank the job started with: who may ask to rejoin
         self.generation = 0
+        self._rejoin_seen = 0
         self.recoveries: list[Recovery] = []
-        self.abandoned: list[dist.ProcessGroup] = []  # kept: dropping one joins its blocked threads
+        self.abandoned: list[Any] = []  # kept: dropping one joins its blocked threads
         self._pending: Recovery | None = None
         self._mark = 0.0
         self._lost_seen = 0
@@ -121,7 +144,7 @@ class ShrinkingWorld:
     def world_size(self) -> int:
         return len(self.world)
 
-    def _group(self, generation: int) -> dist.ProcessGroup:
+    def _group(self, generation: int) -> Any:  # a ProcessGroupGloo: torch's stubs omit its collectives
         self._lost_seen = self.store.add(LOST_COUNT_KEY, 0)
         prefixed = dist.PrefixStore(f"resihp/world/{generation}/pg/", self.store)
         return dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, timedelta(seconds=self.timeout_s))
@@ -146,6 +169,13 @@ class ShrinkingWorld:
 
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1), "barrier")
+
+    def _agree_max(self, value: int, op: str) -> int:
+        tensor = torch.tensor([value], dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self._wait(self.group.allreduce([tensor], opts), op)
+        return int(tensor[0])
 
     # ---- the steps --------------------------------------------------------------------------------
 
@@ -223,12 +253,69 @@ class ShrinkingWorld:
             os.replace(f"{path}.tmp", path)
         return rec
 
+    def rejoin(self, rec: Recovery, step: int, state: Callable[[], Any], load: Callable[[Any], None]) -> int:
+        """This rank was benched (marked lost while alive): ask to rejoin, wait until the world
+        admits it (no bound: the world may be busy for a long time), then take the state.
+        ``WorldFinished`` if the world ends the job first."""
+        self.store.set(f"resihp/rejoin/{self.rank_id}", json.dumps({"step": step}))
+        self.store.add(REJOIN_COUNT_KEY, 1)
+        while not self.store.check([admitted_key(self.rank_id)]):
+            if self.store.check([DONE_KEY]):
+                raise WorldFinished(f"rank {self.rank_id}: the world finished the job while it waited to rejoin")
+            time.sleep(0.01)
+        generation = int(self.store.get(admitted_key(self.rank_id)))
+        rec.generation = generation
+        rec.world = tuple(json.loads(self.store.get(f"resihp/world/{generation}/members")))
+        self._phase(rec, "rendezvous closed")
+        self.rebuild(rec)
+        return self.restore(rec, step, state, load)
+
+    def admit(self, step: int, state: Callable[[], Any], load: Callable[[Any], None]) -> int:
+        """At a step boundary, every rank of the world: grow by the benched ranks that asked to
+        rejoin, if any did (all agree through one all-reduce); returns the step to go on from."""
+        started = time.monotonic()
+        asked = self._agree_max(self.store.add(REJOIN_COUNT_KEY, 0), "all_reduce(rejoin requests)")
+        if asked <= self._rejoin_seen:
+            return step
+        self._rejoin_seen = asked
+        generation = self.generation + 1
+        members_key = f"resihp/world/{generation}/members"
+        if self.rank == 0:
+            joiners = [r for r in self.everyone if r not in self.world and self.store.check([f"resihp/rejoin/{r}"])]
+            self.store.set(members_key, json.dumps(sorted([*self.world, *joiners])))
+            for r in joiners:
+                self.store.delete_key(f"resihp/rejoin/{r}")
+                self.store.delete_key(lost_key(r))
+                self.store.set(admitted_key(r), str(generation))
+        members = tuple(json.loads(self.store.get(members_key)))  # get waits for the key
+        joined = tuple(r for r in members if r not in self.world)
+        rec = Recovery(generation, members, (), f"rejoin of ranks {list(joined)}")
+        rec.durations_s["detected"] = time.monotonic() - started
+        self._mark = time.monotonic()
+        self._phase(rec, "rendezvous closed")
+        self.abandoned.append(self.group)
+        self.rebuild(rec)
+        restored = self.restore(rec, step, state, load)
+        self._pending = rec
+        return restored
+
+    def finish(self) -> None:
+        """The job is done (every rank of the world, after its last collective): a benched rank
+        still waiting to rejoin stops waiting."""
+        if self.rank == 0:
+            self.store.set(DONE_KEY, str(self.generation))
+
     # ---- the protocol -----------------------------------------------------------------------------
 
     def recover(self, failed_op: str, op_started: float, step: int, state: Callable[[], Any],
                 load: Callable[[Any], None]) -> int:
-        """detect → close → rebuild → restore; returns the committed step to go on from."""
+        """detect → close → rebuild → restore (or, for a benched rank, detect → rejoin); returns the
+        committed step to go on from."""
         rec = self.detect(failed_op, op_started)
+        if self.store.check([lost_key(self.rank_id)]):
+            restored = self.rejoin(rec, step, state, load)
+            self._pending = rec
+            return restored
         self.close(rec, step)
         self.rebuild(rec)
         restored = self.restore(rec, step, state, load)
