@@ -634,7 +634,7 @@ class Detector:
                 if self._comm_unjudged:
                     return []  # this layout's history was learned with the fault in it: no healthy reference
                 size = (self._untraced_size(frame, sched, explained, wall, r_size - centre) if key == ("untraced",)
-                        else self._link_factor(score, self.book.open[key].suspect.link) or float(np.exp(z)))
+                        else float(np.exp(z)))
                 return self.book.observe(key, z, k, frame.iteration, size, sample=size)
         if self.book.open_compute_ranks():
             return []  # a slow rank explains a slow iteration; wait until it is handled
@@ -655,26 +655,12 @@ class Detector:
         candidates = tuple(int(r_) for r_ in frame.rank[: 4096])
         return self.book.open_fail_slow(Suspect(
             key=("comm",), target="link", rank=None, link=link, node=None, replica=None, stage=None, tp_group=None,
-            factor=self._link_factor(score, link) or float(np.exp(z)), confidence=0.5, iterations=[frame.iteration],
+            factor=float(np.exp(z)), confidence=0.5, iterations=[frame.iteration],
             observed_s=[wall], predicted_s=[float(explained * np.exp(centre))], rank_factors={},
             statistic=f"CUSUM on log(wall / iteration explained by observed compute); k={k:.4f} h={h:.4f}",
             note="iteration slower than its compute explains: communication" + (
                 "; probing every rank's links" if self.config.probes else ""),
             ranks=candidates), frame.iteration)
-
-    @staticmethod
-    def _link_factor(score: FrameScore, link: tuple[int, int] | None) -> float | None:
-        """The named link's own slowdown this iteration (its score, either direction), or None.
-
-        Why not the iteration's excess: the excess is the link's extra time diluted in the whole
-        iteration (a ×3 wire made the iteration ×1.1 slower), and a communication incident that
-        names its link was first reported ×1.1, which is what a planner acting at once would read."""
-        if link is None:
-            return None
-        a, b = link
-        hit = ((score.link_src == a) & (score.link_dst == b)) | ((score.link_src == b) & (score.link_dst == a))
-        zs = score.link_z[hit & np.isfinite(score.link_z)]
-        return float(np.exp(zs.max())) if len(zs) and zs.max() > 0 else None
 
     def _hidden_ranks(self, epoch: int) -> list[int]:
         """The live ranks of TP groups none of whose members is traced (sampled tracing leaves whole
