@@ -62,12 +62,16 @@ class Environment(BaseSettings):
     ui_trace_dir: str = Field(default=DEFAULT_TRACE_DIR, description="where the Replay page looks for traces")
     ui_page_size: int = Field(default=25, description="rows per page of the incident list")
     ui_refresh_s: float = Field(default=5.0, description="auto-refresh period of the Jobs page, seconds")
+    ui_alertmanager_url: str = Field(default="http://127.0.0.1:9093",
+                                     description="the Alertmanager whose alerts the console shows on incidents ('' for none)")
     ui_telemetry: str = Field(default="1", description="0/false/no: the console skips per-rank telemetry")
 
     # the node agent (trainer/agent/), set by `resihp run` for the ranks it starts
     agent_pid: int | None = Field(default=None, description="set by the node agent: its pid, which a rank dies with")
     stack_dir: str = Field(default="", description="set by the node agent: where a rank's stack dumps go")
     flight_dir: str = Field(default="", description="set by the node agent: where a rank keeps its flight record")
+    on_failure: str = Field(default="restart", description="set by the node agent: restart (torch restarts the worker "
+                            "group) or shrink (survivors keep running and re-form the world without the lost ranks)")
 
 
 def environment() -> Environment:
@@ -85,6 +89,8 @@ class ElasticEnvironment(BaseSettings):
     WORLD_SIZE: int = 1
     LOCAL_RANK: int = 0
     TORCHELASTIC_RESTART_COUNT: int = 0
+    MASTER_ADDR: str = "127.0.0.1"  # the ranks' bootstrap store, hosted by the rank-0 node's agent
+    MASTER_PORT: int = 29500
 
 
 def elastic_environment() -> ElasticEnvironment:

@@ -193,7 +193,7 @@ def page(served: Served):
     """alice, signed in once; each test moves through the sidebar from wherever the last one left off."""
     from playwright.sync_api import expect
 
-    context = served.browser.new_context(viewport={"width": 1440, "height": 1000})  # type: ignore[attr-defined]
+    context = served.browser.new_context(viewport={"width": 1440, "height": 1000})
     p = context.new_page()
     p.set_default_timeout(60_000)
     sign_in(p, served.url, "alice", "alice-pw")
@@ -313,7 +313,9 @@ def test_ui_browser_job_view_shows_the_layout_series_and_plan_grid(page) -> None
     expect(page.get_by_text("TP4·PP2·DP4")).to_be_visible()
     expect(page.get_by_text("240 iterations, drawn as")).to_be_visible()
     expect(page.get_by_text("Open incidents")).to_be_visible()
-    expect(page.locator('[data-testid="stVegaLiteChart"]')).to_have_count(3)  # time, throughput, plan grid
+    expect(page.get_by_text("Goodput")).to_be_visible()  # the headline, with its breakdown bar
+    # goodput breakdown, time, throughput, plan grid
+    expect(page.locator('[data-testid="stVegaLiteChart"]')).to_have_count(4)
     snap(page, "jobs")
 
 
@@ -323,18 +325,19 @@ def test_ui_browser_replay_plays_a_trace_to_its_end(page) -> None:
     go(page, "Replay")
     page.locator(".st-key-replay_source").get_by_role("combobox").click()
     page.get_by_role("option", name="gpt-7b-fail-slow.jsonl").click()
-    expect(page.get_by_text("210 events over")).to_be_visible()
+    shown = sum(e.kind != "telemetry.iteration" for e in demo_events(OLD_SPEC))  # Replay skips per-rank telemetry
+    expect(page.get_by_text(f"{shown} events over")).to_be_visible()
     slider = page.get_by_role("slider")
     slider.focus()
     slider.press("End")
-    expect(page.get_by_text("210 of 210 events")).to_be_visible()
+    expect(page.get_by_text(f"{shown} of {shown} events")).to_be_visible()
     expect(page.get_by_text("Job gpt-7b — epoch 1")).to_be_visible()  # the replayed reshape
     snap(page, "replay")
 
 
 def test_ui_browser_failed_sign_in_is_refused_recorded_and_shown_to_operators(served: Served, page) -> None:
     from playwright.sync_api import expect
-    context = served.browser.new_context(viewport={"width": 1440, "height": 1000})  # type: ignore[attr-defined]
+    context = served.browser.new_context(viewport={"width": 1440, "height": 1000})
     p = context.new_page()
     p.set_default_timeout(60_000)
     sign_in(p, served.url, "alice", "wrong-password-7")

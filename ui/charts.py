@@ -16,12 +16,14 @@ import altair as alt
 import numpy as np
 import pandas as pd
 
+from analytics.goodput import Goodput
 from collector.events import RankHealthEntry, RankState
 from collector.plan import Plan
 from ui.read_model import Mark, Slot
 
 MAX_POINTS = 600
-MARK_COLOURS = {"incident": "#c8362f", "reshape": "#3b7dd8", "detector": "#e8a33d", "planner": "#8a4fbf"}
+MARK_COLOURS = {"incident": "#c8362f", "reshape": "#3b7dd8", "detector": "#e8a33d", "planner": "#8a4fbf",
+                "recovery": "#2e9a5b"}
 TABLEAU20 = ["#4e79a7", "#a0cbe8", "#f28e2b", "#ffbe7d", "#59a14f", "#8cd17d", "#b6992d", "#f1ce63", "#499894",
              "#86bcb6", "#e15759", "#ff9d9a", "#79706e", "#bab0ac", "#d37295", "#fabfd2", "#b07aa1", "#d4a6c8",
              "#9d7660", "#d7b5a6"]
@@ -128,7 +130,8 @@ def plan_cells(plan: Plan | None, layout: dict[int, Slot], health: dict[int, Ran
             state, factor = "healthy", 1.0
         else:
             state, factor = entry.state.value, entry.factor
-        cells.append(Cell(d, node, d % gpus_per_node, *(role or (None, None, None)), state, factor))
+        replica, stage, tp_rank = role if role is not None else (None, None, None)
+        cells.append(Cell(d, node, d % gpus_per_node, replica, stage, tp_rank, state, factor))
     return cells
 
 
@@ -137,7 +140,7 @@ def _natural(label: str) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", label)]
 
 
-def plan_grid_chart(cells: Sequence[Cell], colour_by: str, *, title: str = "") -> alt.Chart:
+def plan_grid_chart(cells: Sequence[Cell], colour_by: str, *, title: str = "") -> alt.LayerChart | alt.FacetChart:
     """Nodes (rows) × GPUs (columns), coloured by role or health; slow and dead cells are labelled."""
     def label(c: Cell) -> str:
         return "✕" if c.health == "dead" else (f"×{c.factor:.1f}" if c.health == "slow" else "")
@@ -201,7 +204,7 @@ def slowdown_figure(iterations: np.ndarray, matrix: np.ndarray, *, suspects: Seq
     return fig
 
 
-def seq_len_chart(q: dict[str, np.ndarray], *, height: int = 180) -> alt.Chart:
+def seq_len_chart(q: dict[str, np.ndarray], *, height: int = 180) -> alt.LayerChart | alt.FacetChart:
     """Spread of the packed sequence lengths per iteration: p5–p95 band, median and max."""
     frame = pd.DataFrame({k: v for k, v in q.items()})
     base = alt.Chart(frame).encode(x=alt.X("iteration:Q"))
@@ -209,3 +212,27 @@ def seq_len_chart(q: dict[str, np.ndarray], *, height: int = 180) -> alt.Chart:
     median = base.mark_line(color="#1f5fa8").encode(y="p50:Q")
     top = base.mark_line(color="#999", strokeDash=[3, 3]).encode(y="max:Q")
     return alt.layer(band, median, top).properties(height=height)
+
+
+GOODPUT_COLOURS = {"productive": "#4c9a52", "fail_stop": "#c8362f", "fail_slow": "#e8a33d", "reshape": "#3b7dd8",
+                   "restart": "#8a4fbf", "approval": "#d37295", "other": "#79706e", "not yet attributed": "#c9c9c9"}
+
+
+def goodput_parts(g: Goodput) -> pd.DataFrame:
+    """The job's wall time as parts that add up to it: productive, each cause of loss, pending."""
+    parts = {"productive": g.productive_s, **g.loss_s, "not yet attributed": g.pending_s}
+    wall = g.wall_s or 1.0
+    return pd.DataFrame({"part": list(parts), "seconds": list(parts.values()),
+                         "share": [s / wall for s in parts.values()], "order": range(len(parts))})
+
+
+def goodput_bar(g: Goodput, *, height: int = 60) -> alt.Chart:
+    """One stacked bar: where the job's wall time went (the breakdown behind its goodput)."""
+    data = goodput_parts(g)
+    return alt.Chart(data[data["seconds"] > 0]).mark_bar().encode(
+        x=alt.X("share:Q", stack="zero", axis=alt.Axis(format="%", title="share of wall time")),
+        color=alt.Color("part:N", scale=alt.Scale(domain=list(GOODPUT_COLOURS), range=list(GOODPUT_COLOURS.values())),
+                        legend=alt.Legend(orient="bottom", title=None)),
+        order=alt.Order("order:Q"),
+        tooltip=["part:N", alt.Tooltip("seconds:Q", format=",.0f"), alt.Tooltip("share:Q", format=".1%")],
+    ).properties(height=height)
