@@ -27,6 +27,7 @@ from analytics.arrival import FrameAssembler
 from analytics.cost_publish import CostPublisher
 from analytics.fail_stop import FailStopWatch
 from analytics.frame import IterationFrame, LayerLookup, build_frame
+from analytics.hidden_stop import HiddenStopWatch
 from analytics.incidents import IncidentBook, Suspect
 from analytics.prediction import predicted_iteration_s, stage_times
 from analytics.scoring import FrameScore, fit_ranks, score_frame, tp_group_max
@@ -60,6 +61,30 @@ def job_tokens(frame: IterationFrame) -> int:
     return int(np.nansum(frame.c_tokens[first]))
 
 
+def fast_side_sigma(pooled: np.ndarray, *, levelled: bool = False) -> float:
+    """The noise σ of scores ``pooled`` (centred log-ratios), read from their fast side only: the
+    deviations below the median, 1.4826·their median, or with ``levelled`` the larger of that and
+    their 90th percentile over 1.6449 (both are σ for normal noise: the deviations are half-normal). 0 when nothing lies below.
+
+    Why the fast side: slowdowns (unsuspected yet, any number of them) and preemption only add
+    time, so the half below the median is what healthy noise looks like.
+
+    Why the tail for levelled scores: without sequence lengths each micro-batch's prediction is
+    levelled on the median over its replica's stages (analytics/scoring.py), which pulls the middle
+    stages' scores to 0 and leaves the outer ones — those that can alarm — as spread as the raw
+    per-stage noise. The median deviation then describes the middle ones: in the Megatron dialect
+    it read σ 0.009 where a healthy stage under the simulator's 2 % per-stage jitter swung by
+    +0.06 twice in a row and opened a ×1.06 incident. Scores centred on the whole job (sequence
+    lengths known) keep the median: their tail is what it implies, and a larger σ there only
+    delays the smallest slowdowns (×1.05)."""
+    centre = float(np.median(pooled))
+    below = centre - pooled[pooled < centre]
+    if not len(below):
+        return 0.0
+    sigma = 1.4826 * float(np.median(below))
+    return max(sigma, float(np.quantile(below, 0.9)) / 1.6449) if levelled else sigma
+
+
 @dataclass
 class DetectorStats:
     frames: int = 0
@@ -84,6 +109,7 @@ class Detector:
         self.model = CostModel(self.config.window_iterations)
         self.book = IncidentBook(self.job, self.config)
         self.fail_stop = FailStopWatch(self.config)
+        self.hidden_stop = HiddenStopWatch()
         self.arrival = FrameAssembler(self.config)
         self.costs = CostPublisher(self.config)
         self.stats = DetectorStats()
@@ -138,18 +164,40 @@ class Detector:
             dead_before = len(self.fail_stop.dead)
             self.arrival.heard(p.epoch, p.rank)
             out = self.book.fail_stop(self.fail_stop.heartbeat(p, event.time_s))
+            out += self._hidden_stop(event.time_s)
             check = len(self.fail_stop.dead) != dead_before or not self.arrival.oldest_has(p.rank)
             return out + self._flush_ready(check)
         if isinstance(p, TracingDeclared):
             self.arrival.declare(p)
             return self.book.fail_stop(self.fail_stop.declare(p)) + self._flush_ready(True)
         if isinstance(p, ProbeResult):
-            return self.book.probe_result(p)
+            return [] if self.hidden_stop.answer(p.probe_id, p.rank) else self.book.probe_result(p)
         if isinstance(p, (PlanCurrent, ReconfigureCommand)):
             self.arrival.add_plan(p.plan)
             self.fail_stop.plan_announced(p.plan.epoch, set(p.plan.roles))
             return self._flush_ready(True)
         return []
+
+    def _hidden_stop(self, time_s: float) -> list[Payload]:
+        """A hung job whose watched ranks all heartbeat: a rank nobody traces stopped
+        (analytics/hidden_stop.py). Judged on heartbeats, the only events a hung job sends."""
+        watch, stops = self.hidden_stop, self.fail_stop
+        silent = watch.silent(time_s, stops.interval_s())
+        if silent:
+            stops.dead.update(silent)
+            return self.book.hidden_named(silent, f"ranks {list(silent)} did not answer a liveness probe that the "
+                                                  f"other {len(watch.suspects) - len(silent)} suspects answered")
+        ranks = watch.suspect(stops, time_s)
+        if not ranks:
+            return []
+        iteration = watch.top + 1
+        probe_id = f"liveness-{watch.epoch}-{iteration}" if self.config.probes else None
+        if probe_id is not None:
+            watch.ask(probe_id, time_s)
+        reason = (f"the job completed nothing for {stops.stalled_now():.0f} s while every traced rank "
+                  f"heartbeats: one of the {len(ranks)} ranks that are not traced (and send no heartbeats) stopped"
+                  + ("; a liveness probe will tell which" if probe_id is not None else ""))
+        return self.book.hidden_fail_stop(ranks, iteration, reason, probe_id)
 
     def flush(self) -> list[Payload]:
         """Score every iteration still waiting (end of a trace)."""
@@ -199,6 +247,8 @@ class Detector:
     def process_frame(self, frame: IterationFrame) -> list[Payload]:
         """Score one iteration's frame and return the events it causes."""
         out: list[Payload] = []
+        if self.hidden_stop.progressed(self.fail_stop):
+            out += self.book.hidden_cleared(frame.iteration, "the job completed an iteration again: no rank had stopped")
         if frame.epoch != self.epoch:
             out += self._new_epoch(frame)
         present = set(frame.rank.tolist())
@@ -271,12 +321,7 @@ class Detector:
         pooled = np.concatenate(list(self._zhist))
         if len(pooled) == 0:
             return self.config.sigma_floor
-        # The spread of the fast side only: slowdowns (unsuspected yet, any number of them) and
-        # preemption only add time, so the half below the median is what healthy noise looks like.
-        centre = float(np.median(pooled))
-        below = centre - pooled[pooled < centre]  # strictly: the median rank is 0 by construction
-        mad = float(np.median(below)) if len(below) else 0.0
-        return max(1.4826 * mad, self.config.sigma_floor)
+        return max(fast_side_sigma(pooled, levelled=score.inferred), self.config.sigma_floor)
 
     def _thresholds(self, sigma: Any) -> tuple[Any, Any, Any]:
         """(k, h, cap) for a σ, or element-wise for an array of them."""
@@ -474,11 +519,7 @@ class Detector:
                 hist.append(judged)
             if not hist:
                 continue
-            pooled = np.concatenate(list(hist))
-            centre = float(np.median(pooled))
-            below = centre - pooled[pooled < centre]
-            mad = float(np.median(below)) if len(below) else 0.0
-            out[sel] = max(1.4826 * mad, self.config.sigma_floor)
+            out[sel] = max(fast_side_sigma(np.concatenate(list(hist))), self.config.sigma_floor)
         return out
 
     def _sustained_link_z(self, key: tuple[int, int], z: float) -> float:

@@ -286,6 +286,16 @@ class FailStopWatch:
         epoch, devices = self._newest_plan
         return {r for r in devices if not self.traced(r, epoch)}
 
+    def silent_untraced(self) -> set[int]:
+        """Live ranks of the newest plan left untraced that never sent a heartbeat: nothing of
+        theirs can say they stopped (analytics/hidden_stop.py judges them from the job's stall)."""
+        return {r for r in self._untraced_planned() - self.dead
+                if r not in self.streams or self.streams[r].hb_time_s is None}
+
+    def planned(self) -> set[int]:
+        """The ranks of the newest announced plan (the watched ones when none was announced)."""
+        return set(self._newest_plan[1]) if self._newest_plan is not None else set(self.watched)
+
     def plan_announced(self, epoch: int, devices: set[int]) -> None:
         """A plan (plan.current or a command) for ``epoch``: a rank it leaves out is being
         reconfigured away, so its silence is not judged, even before the epoch's first frame."""
@@ -309,6 +319,13 @@ class FailStopWatch:
             return float("-inf")
         lower = float(np.quantile(np.asarray(times), REFERENCE_QUANTILE, method="lower"))
         return max(lower, max(times) - self.config.reference_max_lag_intervals * self._interval_s())
+
+    def stalled_now(self) -> float:
+        """How long the newest epoch has completed nothing, at the job's reference (0: not hung)."""
+        return 0.0 if self.suspended else self.stalled_s(self.reference_s(), self._interval_s())
+
+    def interval_s(self) -> float:
+        return self._interval_s()
 
     def _interval_s(self) -> float:
         """The shortest heartbeat interval announced (1 s before any heartbeat). Cached: it is asked

@@ -492,6 +492,56 @@ class IncidentBook:
                 out.append(IncidentResolved(incident_id=inc.incident_id, iteration=iteration, reason=ch.reason))
         return out
 
+    def hidden_fail_stop(self, ranks: tuple[int, ...], iteration: int, reason: str,
+                         probe_id: str | None) -> list[Payload]:
+        """Open (and confirm) one fail-stop on ranks nobody traces, as a group: the job hangs while
+        every watched rank lives on (analytics/hidden_stop.py). With ``probe_id``, ask them for a
+        liveness probe; ``hidden_named`` then narrows the group to the ranks that stayed silent."""
+        key = ("dead_hidden",)
+        if key in self.open:
+            return []
+        one = ranks[0] if len(ranks) == 1 else None
+        s = Suspect(key=key, target="compute", rank=one, link=None, node=None, replica=None, stage=None,
+                    tp_group=None if one is not None else ranks, factor=DEAD_FACTOR,
+                    confidence=round(1.0 / len(ranks), 4), iterations=[iteration], observed_s=[], predicted_s=[],
+                    rank_factors={}, statistic="job stalled while every traced rank heartbeats", note=reason,
+                    ranks=ranks)
+        inc = _Open(self._id(key, iteration), FaultCategory.FAIL_STOP, s, iteration, DEAD_FACTOR, DEAD_FACTOR,
+                    confirmed=True)
+        self.open[key] = inc
+        self.opened_total += 1
+        where = f"rank {one}" if one is not None else f"one of the {len(ranks)} untraced ranks {list(ranks)}"
+        out: list[Payload] = [
+            IncidentOpened(incident_id=inc.incident_id, category=inc.category, severity=Severity.CRITICAL,
+                           iteration=iteration, locations=[s.location()], evidence=s.evidence(),
+                           summary=f"{where} stopped: {reason}"),
+            IncidentConfirmed(incident_id=inc.incident_id, method="persistence", detail=reason,
+                              locations=[s.location()])]
+        if probe_id is not None:
+            out.append(ProbeRequest(probe_id=probe_id, incident_id=inc.incident_id, ranks=list(ranks), repeats=1))
+        return out
+
+    def hidden_named(self, silent: tuple[int, ...], detail: str) -> list[Payload]:
+        """The liveness probe's verdict: the ranks in ``silent`` never answered. A single one takes
+        over the group's incident as its own fail-stop (so a new plan without it resolves it, and
+        heartbeats, should it send any, revive it); several narrow the group."""
+        inc = self.open.pop(("dead_hidden",), None)
+        if inc is None:
+            return []
+        one = silent[0] if len(silent) == 1 else None
+        inc.suspect = replace(inc.suspect, key=("dead", one) if one is not None else ("dead_hidden",), rank=one,
+                              tp_group=None if one is not None else silent, ranks=silent,
+                              confidence=0.99 if one is not None else round(1.0 / len(silent), 4),
+                              rank_factors={r: DEAD_FACTOR for r in silent})
+        self.open[inc.suspect.key] = inc
+        return [IncidentConfirmed(incident_id=inc.incident_id, method="probe", detail=detail,
+                                  locations=[inc.suspect.location()])]
+
+    def hidden_cleared(self, iteration: int, reason: str) -> list[Payload]:
+        """The job moved on: the group suspected of a hidden stop held nobody up."""
+        inc = self.open.pop(("dead_hidden",), None)
+        return [] if inc is None else [IncidentResolved(incident_id=inc.incident_id, iteration=iteration, reason=reason)]
+
     def reconfigured(self, present: set[int], iteration: int) -> list[Payload]:
         """A new plan: a fail-stop on a rank it no longer uses is resolved (the remediation keeps the
         device as dead until a plan uses it again). A fail-slow on a rank or link it no longer
