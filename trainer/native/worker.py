@@ -20,19 +20,20 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
-from collector.events import Coords, IterationSummary, RankIteration
+from collector.events import Coords, IterationSummary, RankIteration, ReshapePhase, ReshapePhaseName
 from collector.plan import Plan
 from collector.settings import environment
 from trainer.native.executor import NativeExecutor, Released, ReshapeRefused
 from trainer.native.layout import NativeLayout
 from trainer.native.model import LlamaConfig, ModelFactory
 from trainer.native.stage import NativeRole, TrainSettings
-from trainer.native.state import export_full, load_dcp, save_dcp
+from trainer.native.state import full_params, load_dcp, save_dcp
 from trainer.spec import BusSpec
 from trainer.telemetry import TelemetryPublisher
 
@@ -44,6 +45,17 @@ class ScheduledReshape(BaseModel):
 
     at_iteration: int = Field(ge=1, description="applied before this iteration runs")
     plan: Plan
+
+
+class ReshapeFault(BaseModel):
+    """A test hook: ``device`` fails at the end of ``phase`` of the reshape to ``epoch`` (every
+    rank must then roll back to the running layout and train on)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    device: int = Field(ge=0)
+    epoch: int = Field(ge=1)
+    phase: Literal["export", "new_mesh", "stages_rebuilt", "redistribute"]
 
 
 class NativeRunSpec(BaseModel):
@@ -69,6 +81,7 @@ class NativeRunSpec(BaseModel):
     bus: BusSpec | None = None
     heartbeat_s: float = Field(default=1.0, gt=0)
     echo: bool = Field(default=False, description="world rank 0 prints each iteration's loss")
+    reshape_fault: ReshapeFault | None = None
 
     @property
     def config(self) -> LlamaConfig:
@@ -99,25 +112,40 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
     torch.set_num_threads(spec.threads)
     cfg, settings = spec.config, spec.train_settings
     torch_device, backend = select_device(spec.device, device)
+    layout = NativeLayout.of(spec.plan, cfg)
+    if device not in layout.world:
+        return 0
     store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
-    fallback = Path(spec.resume_dir) if spec.resume_dir else None  # no periodic checkpoints yet
-    ex = NativeExecutor(device, cfg, settings, store, torch_device, backend, spec.timeout_s,
-                        checkpoint_dir=lambda: fallback, model_factory=spec.factory())
+    # One default group for the whole job, over its first world: later layouts use sub-groups of it.
+    rank_of = {d: i for i, d in enumerate(layout.world)}
+    dist.init_process_group(backend, store=dist.PrefixStore("native/pg/", store), rank=rank_of[device],
+                            world_size=len(layout.world), timeout=timedelta(seconds=spec.timeout_s))
     telemetry = (TelemetryPublisher(spec.bus.open, spec.job, device, spec.heartbeat_s) if spec.bus else None)
+    at = {"iteration": 0}
+
+    def on_phase(epoch: int, phase: str, seconds: float, ok: bool, detail: str) -> None:
+        if telemetry is not None:
+            telemetry.publish(ReshapePhase(executor="native", epoch=epoch, iteration=at["iteration"], rank=device,
+                                           phase=ReshapePhaseName(phase), duration_s=seconds, ok=ok,
+                                           detail=detail[:2_000]))
+
+    fault = spec.reshape_fault
+    fallback = Path(spec.resume_dir) if spec.resume_dir else None  # no periodic checkpoints yet
+    ex = NativeExecutor(device, cfg, settings, rank_of, torch_device, spec.timeout_s,
+                        checkpoint_dir=lambda: fallback, model_factory=spec.factory(), on_phase=on_phase,
+                        fail_in=(fault.epoch, fault.phase) if fault and fault.device == device else None)
     results: dict = {"device": device, "losses": {}, "walls": {}, "reshapes": [], "refused": [], "backend": backend}
     try:
-        layout = NativeLayout.of(spec.plan, cfg)
-        if device not in layout.world:
-            return 0
-        ex.join_world(layout)
-        ex.current = ex.rebuild_stages(layout)
+        ex.start(layout)
+        assert ex.current is not None
         iteration = 0
         if spec.resume_dir:
             cur = ex.current
-            iteration = load_dcp(spec.resume_dir, cur.model, cur.opt, cur.sched)
+            iteration = load_dcp(spec.resume_dir, cur.model, cur.opt, cur.sched, cur.world)
         pending = {r.at_iteration: r.plan for r in spec.reshapes}
         first_step_of = None
         while iteration < spec.iterations:
+            at["iteration"] = iteration
             if iteration in pending:
                 try:
                     report, rollback_to = ex.reshape(pending.pop(iteration))
@@ -134,11 +162,14 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
             wall_s = time.perf_counter() - started
             if first_step_of is not None:
                 first_step_of.phases_s["first_step"] = wall_s
+                on_phase(first_step_of.epoch, "first_step", wall_s, True, "")
                 results["reshapes"].append({"epoch": first_step_of.epoch, "source": first_step_of.source,
-                                            "phases_s": first_step_of.phases_s, "iteration": iteration})
+                                            "phases_s": first_step_of.phases_s, "iteration": iteration,
+                                            "groups_created": ex.groups.created})
                 first_step_of = None
             results["losses"][iteration] = loss
             results["walls"][iteration] = wall_s
+            results["epochs"] = {**results.get("epochs", {}), iteration: cur.layout.plan.epoch}
             if spec.echo and cur.layout.rank(device) == 0:
                 print(f"iteration {iteration} epoch {cur.layout.plan.epoch} loss {loss:.4f} ({wall_s:.3f} s)", flush=True)
             if telemetry is not None:
@@ -146,12 +177,12 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
             iteration += 1
         cur = ex.current
         if spec.save_dir:
-            save_dcp(spec.save_dir, cur.model, cur.opt, cur.sched, iteration)
-        full = export_full(cur.model, cur.opt, cur.sched)
+            save_dcp(spec.save_dir, cur.model, cur.opt, cur.sched, iteration, cur.world)
+        params = full_params(cur.model)
         if spec.out_dir and cur.role.replica == 0 and cur.role.tp_rank == 0:
-            torch.save(full.params, Path(spec.out_dir) / f"params-{device}.pt")
+            torch.save(params, Path(spec.out_dir) / f"params-{device}.pt")
         results["final_epoch"] = cur.layout.plan.epoch
-        dist.barrier()
+        dist.barrier(group=cur.world)
         return 0
     except Released:
         results["released"] = True
@@ -224,4 +255,4 @@ def read_results(out_dir: str | Path) -> tuple[dict[int, dict], dict[str, torch.
     return ranks, params
 
 
-__all__ = ["NativeRunSpec", "ScheduledReshape", "launch_native", "read_results", "select_device"]
+__all__ = ["NativeRunSpec", "ReshapeFault", "ScheduledReshape", "launch_native", "read_results", "select_device"]
