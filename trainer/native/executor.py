@@ -93,13 +93,13 @@ class NativeExecutor:
                  torch_device: torch.device, timeout_s: float,
                  checkpoint_dir: Callable[[], Path | None] = lambda: None,
                  model_factory: ModelFactory = build_model, on_phase: PhaseHook | None = None,
-                 fail_in: tuple[int, str] | None = None) -> None:
+                 fail_in: tuple[tuple[int, str], ...] = ()) -> None:
         self.device, self.cfg, self.settings, self.rank_of = device, cfg, settings, rank_of
         self.torch_device, self.timeout_s = torch_device, timeout_s
         self.checkpoint_dir = checkpoint_dir
         self.model_factory = model_factory
         self.on_phase = on_phase or (lambda *_: None)
-        self.fail_in = fail_in  # (epoch, phase): the test hook that makes this rank fail there
+        self.fail_in = set(fail_in)  # (epoch, phase): the test hook that makes this rank fail there, once
         self.groups = GroupCache(timeout_s)
         self.current: NativeRole | None = None
         self.reports: list[ReshapeReport] = []
@@ -141,7 +141,8 @@ class NativeExecutor:
             raise ReshapeFailed(f"a peer failed by the end of {phase}")
 
     def _inject(self, epoch: int, phase: str) -> None:
-        if self.fail_in == (epoch, phase):
+        if (epoch, phase) in self.fail_in:
+            self.fail_in.discard((epoch, phase))
             raise InjectedFailure(f"injected failure in {phase} of epoch {epoch}")
 
     # ---- the protocol ------------------------------------------------------------------------------

@@ -48,8 +48,8 @@ class ScheduledReshape(BaseModel):
 
 
 class ReshapeFault(BaseModel):
-    """A test hook: ``device`` fails at the end of ``phase`` of the reshape to ``epoch`` (every
-    rank must then roll back to the running layout and train on)."""
+    """A test hook: ``device`` fails at the end of ``phase`` of the first reshape to ``epoch``
+    that reaches it (every rank must then roll back to the running layout and train on)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -81,7 +81,7 @@ class NativeRunSpec(BaseModel):
     bus: BusSpec | None = None
     heartbeat_s: float = Field(default=1.0, gt=0)
     echo: bool = Field(default=False, description="world rank 0 prints each iteration's loss")
-    reshape_fault: ReshapeFault | None = None
+    reshape_faults: list[ReshapeFault] = Field(default_factory=list, description="test hook: failures to inject")
 
     @property
     def config(self) -> LlamaConfig:
@@ -129,11 +129,10 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
                                            phase=ReshapePhaseName(phase), duration_s=seconds, ok=ok,
                                            detail=detail[:2_000]))
 
-    fault = spec.reshape_fault
     fallback = Path(spec.resume_dir) if spec.resume_dir else None  # no periodic checkpoints yet
     ex = NativeExecutor(device, cfg, settings, rank_of, torch_device, spec.timeout_s,
                         checkpoint_dir=lambda: fallback, model_factory=spec.factory(), on_phase=on_phase,
-                        fail_in=(fault.epoch, fault.phase) if fault and fault.device == device else None)
+                        fail_in=tuple((f.epoch, f.phase) for f in spec.reshape_faults if f.device == device))
     results: dict = {"device": device, "losses": {}, "walls": {}, "reshapes": [], "refused": [], "backend": backend}
     try:
         ex.start(layout)
