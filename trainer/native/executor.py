@@ -133,7 +133,7 @@ class NativeExecutor:
 
     def _vote(self, failure: BaseException | None, group: dist.ProcessGroup, phase: str) -> None:
         """Every rank of both worlds: go on only if no rank failed so far."""
-        ok = torch.tensor([0.0 if failure else 1.0], device=self.torch_device)
+        ok = torch.tensor([0.0 if failure else 1.0])  # CPU: the union group is gloo (groups.py)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
         if failure is not None:
             raise ReshapeFailed(f"device {self.device} failed in {phase}: {failure}") from failure

@@ -37,7 +37,9 @@ class GroupCache:
 
     def get(self, role: str, ranks: Sequence[int], epoch: int) -> dist.ProcessGroup:
         """The group of ``ranks`` for ``role``, created now by its members if it is new. Every
-        member calls this for the same (role, ranks) in the same reshape; non-members never do."""
+        member calls this for the same (role, ranks) in the same reshape; non-members never do.
+        ``moves`` groups are gloo whatever the job's backend: the state they carry and the votes
+        they take are CPU tensors (NCCL moves only GPU ones)."""
         key = (role, tuple(sorted(ranks)))
         if key[1] == tuple(range(dist.get_world_size())) and role in ("world",):
             return dist.group.WORLD  # type: ignore[return-value]
@@ -45,7 +47,8 @@ class GroupCache:
         if group is None:
             # The salt (see the module doc): the same on every member, distinct per epoch and role.
             c10d._world.group_count = 1_000_000 + epoch * len(ROLES) + ROLES.index(role)
-            made = dist.new_group(list(key[1]), timeout=self.timeout, use_local_synchronization=True)
+            made = dist.new_group(list(key[1]), timeout=self.timeout, use_local_synchronization=True,
+                                  backend="gloo" if role == "moves" else None)
             assert isinstance(made, dist.ProcessGroup)
             group = self._groups[key] = made
             self.created += 1
