@@ -45,10 +45,15 @@ class GroupCache:
             return dist.group.WORLD  # type: ignore[return-value]
         group = self._groups.get(key)
         if group is None:
-            # The salt (see the module doc): the same on every member, distinct per epoch and role.
+            # The salt (see the module doc): the same on every member, distinct per epoch and role;
+            # the count is put back after, so groups torch creates world-wide still agree on theirs.
+            count = c10d._world.group_count
             c10d._world.group_count = 1_000_000 + epoch * len(ROLES) + ROLES.index(role)
-            made = dist.new_group(list(key[1]), timeout=self.timeout, use_local_synchronization=True,
-                                  backend="gloo" if role == "moves" else None)
+            try:
+                made = dist.new_group(list(key[1]), timeout=self.timeout, use_local_synchronization=True,
+                                      backend="gloo" if role == "moves" else None)
+            finally:
+                c10d._world.group_count = count
             assert isinstance(made, dist.ProcessGroup)
             group = self._groups[key] = made
             self.created += 1
