@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from collector.plan import Plan
+from collector.plan import SCHEDULES, Plan
 
 
 # ---- contract ranges ----------------------------------------------------------------------------
@@ -79,6 +79,14 @@ class Payload(BaseModel):
     VERSIONS: ClassVar[tuple[int, ...]] = (1,)
 
 
+class IterationPayload(Payload):
+    """A payload about one iteration: its number and the plan epoch (layout) it ran under.
+    Iteration numbers go on across reshapes; the epoch says which layout the figures belong to."""
+
+    epoch: Int32
+    iteration: Count
+
+
 # ---- telemetry (trainer ranks and the simulator) -----------------------------------------------
 
 
@@ -94,7 +102,7 @@ class Chunk(BaseModel):
     model_config = _CONTRACT
 
     kind: ChunkKind
-    microbatch: int = Field(ge=0, le=INT32_MAX)
+    microbatch: Int32
     virtual_stage: int = Field(default=0, ge=0, le=INT32_MAX)
     tokens: int | None = Field(default=None, ge=0, le=TOKENS_MAX,
                                description="tokens in the chunk; None when unknown (never 0)")
@@ -119,6 +127,9 @@ class CommOp(StrEnum):
 
 
 ProcessGroupName = Literal["tp", "pp", "dp", "cp", "fsdp"]
+LocationTarget = Literal["compute", "link", "node"]  # what a Location names: a rank's compute, a link, a node
+ConfirmMethod = Literal["probe", "heartbeat", "persistence"]  # how an incident was confirmed
+PlanCurrentReason = Literal["start", "reshape", "restart"]  # why the trainer announces the running plan
 
 
 class CommWait(BaseModel):
@@ -146,9 +157,9 @@ class Coords(BaseModel):
 
     model_config = _CONTRACT
 
-    tp: int = Field(ge=0, le=INT32_MAX)
-    pp: int = Field(ge=0, le=INT32_MAX)
-    dp: int = Field(ge=0, le=INT32_MAX)
+    tp: Int32
+    pp: Int32
+    dp: Int32
     cp: int = Field(default=0, ge=0, le=INT32_MAX)
 
 
@@ -216,7 +227,7 @@ class ChunkTable(BaseModel):
         ]
 
 
-class RankIteration(Payload):
+class RankIteration(IterationPayload):
     """One rank's telemetry for one iteration: every chunk it ran and every wait it measured.
 
     Build it with ``chunks=[Chunk(...), ...]`` (converted to a ChunkTable) or ``chunk_table=...``;
@@ -228,8 +239,6 @@ class RankIteration(Payload):
 
     KIND: ClassVar[str] = "telemetry.iteration"
     VERSIONS: ClassVar[tuple[int, ...]] = (2, 3)
-    epoch: int = Field(ge=0, le=INT32_MAX)
-    iteration: int = Field(ge=0, le=COUNT_MAX)
     rank: int = Field(ge=0, le=INT32_MAX, description="device id")
     node: int | None = Field(default=None, ge=0, le=INT32_MAX)
     coords: Coords
@@ -263,7 +272,7 @@ class TracingDeclared(Payload):
     """
 
     KIND: ClassVar[str] = "telemetry.tracing"
-    epoch: int = Field(ge=0, le=INT32_MAX)
+    epoch: Int32
     dialect: str = Field(min_length=1, max_length=200,
                          description='free label: "ours", "megatron", "profiler", "sampled", ...')
     traced_ranks: list[Int32] | None = Field(
@@ -308,14 +317,12 @@ class ReshapePhase(Payload):
         'what the phase did or why it failed: "groups kept", "state from live ranks", "DCP checkpoint …"'))
 
 
-class IterationSummary(Payload):
+class IterationSummary(IterationPayload):
     """Job-level view of one iteration, reported once (by the launcher or the last stage)."""
 
     KIND: ClassVar[str] = "telemetry.summary"
-    epoch: int = Field(ge=0, le=INT32_MAX)
-    iteration: int = Field(ge=0, le=COUNT_MAX)
     loss: Finite | None = None
-    tokens: int = Field(ge=0, le=COUNT_MAX)
+    tokens: Count
     wall_s: float = Field(ge=0, le=DURATION_MAX_S)
 
 
@@ -323,10 +330,33 @@ class Heartbeat(Payload):
     """A rank is alive. Sent on a timer, independent of iteration progress."""
 
     KIND: ClassVar[str] = "telemetry.heartbeat"
-    rank: int = Field(ge=0, le=INT32_MAX)
-    epoch: int = Field(ge=0, le=INT32_MAX)
+    rank: Int32
+    epoch: Int32
     iteration: int = Field(ge=0, le=COUNT_MAX, description="the last iteration the rank started")
     interval_s: float = Field(gt=0, le=DURATION_MAX_S, description="when the next heartbeat is due")
+
+
+class RecoveryPhase(Payload):
+    """One phase of a fail-stop recovery inside the job (``resihp run --on-failure shrink``): the
+    survivors kept running, re-formed the world without the lost ranks and went on. Published by
+    the node agent of the new world's rank 0, one event per phase, in order; every duration is
+    that rank's own clock. The phases: ``detected`` (how long the rank sat in the collective that
+    failed), ``rendezvous closed`` (until every rank of the old world had joined or was marked
+    lost), ``new world`` (the new process group formed), ``state restored`` (from the survivor
+    with the most committed steps), ``first step`` (the first step of the new world finished)."""
+
+    KIND: ClassVar[str] = "telemetry.recovery"
+    generation: int = Field(ge=1, le=INT32_MAX, description="the world formed by this recovery (the job starts at 0)")
+    phase: Literal["detected", "rendezvous closed", "new world", "state restored", "first step"]
+    duration_s: float = Field(ge=0, le=DURATION_MAX_S, description="this phase alone, measured by the reporting rank")
+    since_detected_s: float = Field(ge=0, le=DURATION_MAX_S,
+                                    description="from the failed collective's error to this phase's end")
+    iteration: int = Field(ge=0, le=COUNT_MAX, description="the committed step the new world goes on from")
+    world: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(max_length=LIST_MAX,
+                                                                  description="the ranks of the new world")
+    lost: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(max_length=LIST_MAX,
+                                                                 description="the ranks it recovered from")
+    failed_op: str = Field(default="", max_length=200, description="the op the failure surfaced in")
 
 
 # ---- analytics (derived, published so no other process opens the analytics DuckDB) -----------
@@ -338,18 +368,16 @@ class StageTime(BaseModel):
 
     model_config = _CONTRACT
 
-    replica: int = Field(ge=0, le=INT32_MAX)
-    stage: int = Field(ge=0, le=INT32_MAX)
+    replica: Int32
+    stage: Int32
     observed_s: float = Field(ge=0, le=DURATION_MAX_S)
     predicted_s: float = Field(ge=0, le=DURATION_MAX_S)
 
 
-class IterationPrediction(Payload):
+class IterationPrediction(IterationPayload):
     """Observed against predicted time of one iteration, as the detector sees it, and of its stages."""
 
     KIND: ClassVar[str] = "analytics.prediction"
-    epoch: int = Field(ge=0, le=INT32_MAX)
-    iteration: int = Field(ge=0, le=COUNT_MAX)
     observed_s: float = Field(ge=0)
     predicted_s: float = Field(ge=0)
     tokens: int = Field(ge=0, le=COUNT_MAX, description="tokens the job trained in the iteration, each micro-batch once")
@@ -388,17 +416,15 @@ class RankHealthEntry(BaseModel):
 
     model_config = _CONTRACT
 
-    rank: int = Field(ge=0, le=INT32_MAX)
+    rank: Int32
     state: RankState
     factor: float = Field(default=1.0, gt=0, description="estimated slowdown; 1.0 is healthy")
 
 
-class RankHealth(Payload):
+class RankHealth(IterationPayload):
     """The detector's current view of every rank it has heard of (only changes are published)."""
 
     KIND: ClassVar[str] = "analytics.rank_health"
-    epoch: int = Field(ge=0, le=INT32_MAX)
-    iteration: int = Field(ge=0, le=COUNT_MAX)
     ranks: list[RankHealthEntry] = Field(max_length=LIST_MAX)
 
 
@@ -425,6 +451,9 @@ class FaultCategory(StrEnum):
 
 
 class Severity(StrEnum):
+    """How urgent an incident is, from the slowdown or loss it costs; an auto-apply policy names the
+    severities whose plans it applies without an operator."""
+
     LOW = "low"
     MEDIUM = "medium"
     HIGH = "high"
@@ -436,7 +465,7 @@ class Location(BaseModel):
 
     model_config = _CONTRACT
 
-    target: Literal["compute", "link", "node"]
+    target: LocationTarget
     rank: int | None = Field(default=None, ge=0, le=INT32_MAX)
     link: tuple[Int32, Int32] | None = None
     node: int | None = Field(default=None, ge=0, le=INT32_MAX)
@@ -478,7 +507,7 @@ class IncidentConfirmed(Payload):
 
     KIND: ClassVar[str] = "incident.confirmed"
     incident_id: str
-    method: Literal["probe", "heartbeat", "persistence"]
+    method: ConfirmMethod
     detail: str
     locations: list[Location] = Field(default_factory=list, max_length=LIST_MAX)
 
@@ -488,7 +517,7 @@ class IncidentUpdated(Payload):
 
     KIND: ClassVar[str] = "incident.updated"
     incident_id: str
-    iteration: int = Field(ge=0, le=COUNT_MAX)
+    iteration: Count
     severity: Severity
     locations: list[Location] = Field(max_length=LIST_MAX)
     evidence: Evidence
@@ -503,7 +532,7 @@ class IncidentResolved(Payload):
 
     KIND: ClassVar[str] = "incident.resolved"
     incident_id: str
-    iteration: int = Field(ge=0, le=COUNT_MAX)
+    iteration: Count
     reason: str
 
 
@@ -523,7 +552,7 @@ class ProbeResult(Payload):
 
     KIND: ClassVar[str] = "probe.result"
     probe_id: str
-    rank: int = Field(ge=0, le=INT32_MAX)
+    rank: Int32
     duration_s: float = Field(ge=0, le=DURATION_MAX_S)
     reference_s: float = Field(gt=0, le=DURATION_MAX_S, description="what a healthy device takes for the same probe")
 
@@ -535,11 +564,11 @@ class PlanProposed(Payload):
     """The planner's answer to open incidents: a new plan, what it should gain and cost, and a readable diff."""
 
     KIND: ClassVar[str] = "plan.proposed"
-    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # 2 adds fraction_of_before
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, 3)  # 2 adds fraction_of_before, 3 not_offered
     plan_id: str
     incident_ids: list[str] = Field(max_length=LIST_MAX)
     strategy: str
-    base_epoch: int = Field(ge=0, le=INT32_MAX)
+    base_epoch: Int32
     plan: ContractPlan
     current_tokens_per_s: float = Field(ge=0, le=RATE_MAX)
     predicted_tokens_per_s: float = Field(ge=0, le=RATE_MAX)
@@ -550,6 +579,9 @@ class PlanProposed(Payload):
         default=None, gt=0, description="a plan that resumes a job hung on a dead device: its predicted tokens/s over "
                                         "the prediction for the layout that ran before the fail-stop; verification "
                                         "compares the measured throughput with what was measured then")
+    not_offered: list[str] = Field(default_factory=list, max_length=LIST_MAX, description=(
+        "remediations the planner left out because the job's executor declared it cannot run them "
+        "(plan.capabilities), each with the executor's reason"))
 
 
 class PlanDecision(Payload):
@@ -586,6 +618,8 @@ class ReconfigureCommand(Payload):
 
 
 class AckStatus(StrEnum):
+    """What the trainer did with a command (the epoch fence refuses stale and duplicated ones)."""
+
     APPLIED = "applied"
     IGNORED_STALE = "ignored_stale"
     IGNORED_DUPLICATE = "ignored_duplicate"
@@ -650,7 +684,7 @@ class PlanCurrent(Payload):
 
     KIND: ClassVar[str] = "plan.current"
     plan: ContractPlan
-    reason: Literal["start", "reshape", "restart"] = "start"
+    reason: PlanCurrentReason = "start"
     gpus_per_node: int = Field(default=8, ge=1, le=INT32_MAX)
     model_name: str = ""
     layer_state_bytes: int = Field(default=0, ge=0, le=COUNT_MAX,
@@ -658,17 +692,42 @@ class PlanCurrent(Payload):
     tokens_per_microbatch: int = Field(default=0, ge=0, le=TOKENS_MAX)
 
 
+class ExecutorCapabilities(Payload):
+    """Which remediations the job's executor can run, declared by the executor (signed) at start,
+    so the planner proposes only plans the job can apply and says in each plan what it left out
+    and why. A job that never declares is planned for as if it could run everything (the
+    reference trainer can). The rules that judge a plan against a declaration live in
+    collector/capabilities.py."""
+
+    KIND: ClassVar[str] = "plan.capabilities"
+    executor: str = Field(min_length=1, max_length=200, description="reference, native, or a loop's own name")
+    tp_shrink: Literal["per_stage", "uniform", "no"] = Field(
+        default="per_stage", description="per_stage: any stage may run at its own TP degree; uniform: only every "
+                                         "stage of every replica together; no: TP degrees never change")
+    tp_exclusion: bool = Field(default=True, description="a stage can drop one device of its TP group (TP 4 → 3, or "
+                                                         "one stage at a smaller degree than the rest)")
+    pp_repartition: Literal["per_replica", "uniform", "no"] = Field(
+        default="per_replica", description="per_replica: each replica's layer ranges may differ; uniform: at layer "
+                                           "granularity, the same ranges in every replica; no: layers never move")
+    dp_drop: bool = True
+    dp_microbatch_migration: bool = Field(default=True, description="replicas may run different micro-batch counts")
+    spares: bool = Field(default=True, description="devices of the world may idle outside the plan (and come back)")
+    schedules: list[str] = Field(default_factory=lambda: list(SCHEDULES), max_length=64)
+    notes: dict[str, str] = Field(default_factory=dict, description="the executor's own words per remediation "
+                                                                    "(tp_shrink, pp_repartition …), quoted in plans")
+
+
 class CostFit(BaseModel):
     """One fitted line of the cost model: T = alpha·N + beta·Σl² + gamma for a (stage, kind)."""
 
     model_config = _CONTRACT
 
-    stage: int = Field(ge=0, le=INT32_MAX)
+    stage: Int32
     kind: ChunkKind
     alpha_s_per_token: Finite
     beta_s_per_token_sq: Finite
     gamma_s: Finite
-    samples: int = Field(ge=0, le=COUNT_MAX)
+    samples: Count
     rel_error: Finite | None = Field(default=None, description="recent median |observed − predicted| / predicted")
     workload_cv: float | None = Field(
         default=None, ge=0, description="relative spread of the line's prediction over the window's micro-batches: how "
@@ -678,12 +737,10 @@ class CostFit(BaseModel):
         "typical one; absent when sequence lengths were not reported")
 
 
-class CostModelFitted(Payload):
+class CostModelFitted(IterationPayload):
     """The detector's current cost model, published when it changes, for the planner to score with."""
 
     KIND: ClassVar[str] = "analytics.cost_model"
-    epoch: int = Field(ge=0, le=INT32_MAX)
-    iteration: int = Field(ge=0, le=COUNT_MAX)
     fits: list[CostFit] = Field(max_length=LIST_MAX)
 
 
@@ -697,7 +754,7 @@ class FaultInjected(Payload):
     fault_id: str
     category: FaultCategory
     location: Location
-    start_iteration: int = Field(ge=0, le=COUNT_MAX)
+    start_iteration: Count
     end_iteration: int | None = Field(default=None, ge=0, le=COUNT_MAX, description="exclusive; None while it lasts")
 
 
@@ -725,8 +782,8 @@ class DeadLetter(Payload):
 
     KIND: ClassVar[str] = "deadletter"
     topic: str = Field(max_length=1000)
-    partition: int = Field(ge=0, le=INT32_MAX)
-    offset: int = Field(ge=0, le=COUNT_MAX)
+    partition: Int32
+    offset: Count
     group: str = Field(max_length=1000)
     reason: str = Field(max_length=DEADLETTER_REASON_MAX)
     raw_b64: str = Field(description="the record's bytes (a prefix when raw_length says it was longer)")
@@ -750,11 +807,11 @@ class ControlRejected(Payload):
 
 
 PAYLOAD_TYPES: tuple[type[Payload], ...] = (
-    RankIteration, IterationSummary, Heartbeat, TracingDeclared, ReshapePhase,
+    RankIteration, IterationSummary, Heartbeat, TracingDeclared, RecoveryPhase, ReshapePhase,
     IterationPrediction, RankHealth, AnalyticsLease, ReplicaFrame,
     IncidentOpened, IncidentConfirmed, IncidentUpdated, IncidentResolved, ProbeRequest, ProbeResult,
     PlanProposed, PlanDecision, PolicyChanged, ReconfigureCommand, CommandAck, PlanVerified, PlanRolledBack,
-    PlanWithheld, PlanCurrent, CostModelFitted,
+    PlanWithheld, PlanCurrent, ExecutorCapabilities, CostModelFitted,
     FaultInjected, DeadLetter, SignInFailed, ControlRejected,
 )
 PAYLOAD_BY_KIND: dict[str, type[Payload]] = {p.KIND: p for p in PAYLOAD_TYPES}

@@ -17,6 +17,9 @@ arrives, the plan it was started with); the cost figures are built from the anal
 latest ``analytics.cost_model`` fits of the running epoch's stages (remediation.cost_figures) with
 the mean tokens per micro-batch measured from ``analytics.prediction``; until fits arrive (or
 when they cannot describe the model) it uses the model it was started with.
+It searches only what the job's executor declared it can run (``plan.capabilities``,
+remediation.capability_fit) and names in each proposal what it left out and why (``not_offered``);
+a strategy that returns a plan the executor cannot run anyway is withheld with the reason.
 
 What it trusts: control events pass its gate (collector/auth.py) before the fold sees them —
 incidents and cost models signed by analytics, decisions and policies by the console (or its own
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from collector import topics
 from collector.auth import Gate, Keyring, Signer, load_keyring
 from collector.bus import Bus, TopicPartition
+from collector.capabilities import capability_refusal
 from collector.events import (
     CommandAck, Envelope, EventFactory, FaultCategory, IncidentOpened, IterationPrediction, IterationSummary, Location,
     PlanDecision, PlanProposed, PlanRolledBack, PlanVerified, PlanWithheld, ReconfigureCommand,
@@ -42,6 +46,7 @@ from collector.plan import Plan
 from collector.stream import EventStream
 from remediation.baselines import PlannerStrategy, Strategy, make_strategy
 from remediation.candidates import PlannerOptions
+from remediation.capability_fit import fit_options
 from remediation.cluster import ClusterState, DeviceState, Hardware, cluster_from_incidents
 from remediation.cost_figures import calibrate_spread, model_from_fits
 from remediation.costs import compute_factor_from_chunks
@@ -51,7 +56,6 @@ from remediation.lifecycle import (
 )
 from remediation.model import PlannerModel
 from remediation.plan_result import PlanRefused
-from remediation.planner import Planner
 from remediation.throughput import predict_tokens_per_s
 from remediation.planning_view import PlanningView, planning_view
 
@@ -87,7 +91,7 @@ class RemediationEngine:
         self.fallback_model = model
         self.model = model
         self._fixed_strategy = strategy
-        self.strategy = strategy or (Planner(model, config.options) if model is not None else None)
+        self.strategy: Strategy | None = strategy  # built over the freshest cost figures when first needed
         self._model_key: tuple | None = None
         self._tokens_per_mb: dict[int, tuple[float, int]] = {}  # epoch -> (sum of per-mb tokens, count)
         # epoch -> (iteration, observed seconds) of its latest iterations while no incident was open,
@@ -195,11 +199,12 @@ class RemediationEngine:
         out = [self._make(key, payload)
                for key, payload in reactions(self.state, self.config.verification)]
         for e in out:
-            reason = (e.payload.reason or "") if isinstance(e.payload, PlanVerified) else ""
-            if reason.endswith(KEPT_UNVERIFIED) and e.id not in self.state.seen:
+            p = e.payload
+            reason = (p.reason or "") if isinstance(p, PlanVerified) else ""
+            if isinstance(p, PlanVerified) and reason.endswith(KEPT_UNVERIFIED) and e.id not in self.state.seen:
                 why = reason.removesuffix(KEPT_UNVERIFIED).rstrip("; ")
-                self._refuse(f"plan {e.payload.plan_id} fell short ({why}) but is kept: the layout before it "
-                             "cannot run again (it used a dead device)", key=f"kept/{e.payload.plan_id}")
+                self._refuse(f"plan {p.plan_id} fell short ({why}) but is kept: the layout before it "
+                             "cannot run again (it used a dead device)", key=f"kept/{p.plan_id}")
         for e in out:
             if isinstance(e.payload, PlanRolledBack):
                 try:
@@ -308,6 +313,8 @@ class RemediationEngine:
         if strategy is None:
             self._refuse("no cost figures yet: no analytics.cost_model fits and no --model", key="no-figures")
             return None
+        if s.running_plan is None:  # the caller plans only while a plan runs
+            return None
         try:
             result = strategy.plan(self.cluster(view), s.running_plan)
         except PlanRefused as exc:
@@ -318,6 +325,13 @@ class RemediationEngine:
         if chosen is None:
             return None
         result = chosen
+        _, not_offered = fit_options(self.config.options, s.capabilities)
+        if s.capabilities is not None:
+            cannot = capability_refusal(result.plan, s.running_plan, s.capabilities)
+            if cannot is not None:  # a strategy that ignores the options (a baseline) chose what the job cannot run
+                self._refuse(f"the best plan ({result.strategy}) is one the job cannot run: {cannot}",
+                             key=f"incapable/{s.running_epoch}/{s.incident_version}")
+                return None
         failed = s.failed()
         open_ids = {i.incident_id for i in s.open_incidents()}
         # A layout the trainer failed to apply would fail again; one rolled back for these same
@@ -339,6 +353,7 @@ class RemediationEngine:
             current_tokens_per_s=result.current_tokens_per_s, predicted_tokens_per_s=result.predicted_tokens_per_s,
             reshape_cost_s=result.reshape_cost_s, diff=result.diff, severity=s.max_severity(),
             fraction_of_before=self._fraction_of_before(result, view) if result.current_tokens_per_s <= 0 else None,
+            not_offered=not_offered,
         )
         return self._make(f"proposal/{plan_id}", payload)
 
@@ -359,7 +374,8 @@ class RemediationEngine:
         """The strategy over the freshest cost figures: fits of the latest epoch the trainer
         announced, else the fallback model."""
         s = self.state
-        model, key = self.fallback_model, ("fallback",)
+        model = self.fallback_model
+        key: tuple[object, ...] = ("fallback",)
         for epoch in sorted(set(s.cost_fits) & set(s.announced), reverse=True):
             fitted, current = s.cost_fits[epoch], s.announced[epoch]
             total, n = self._tokens_per_mb.get(epoch, (0.0, 0))
@@ -389,8 +405,10 @@ class RemediationEngine:
             self.strategy = make_strategy(self.config.strategy, model, self.config.options.horizon_s,
                                           self.config.options)
         if isinstance(self.strategy, PlannerStrategy):  # weigh reshapes against the expected time to the next change
+            # and search only what the job's executor declared it can run
+            options, _ = fit_options(self.strategy.options, s.capabilities)
             return PlannerStrategy(self.strategy.model, self.strategy.name,
-                                   replace(self.strategy.options, horizon_s=self.horizon.horizon_s(self._clock_s)))
+                                   replace(options, horizon_s=self.horizon.horizon_s(self._clock_s)))
         return self.strategy
 
     def _with_spread(self, model: PlannerModel, epoch: int, plan: Plan) -> PlannerModel:

@@ -18,12 +18,14 @@ reaction has a deterministic event id, so publishing one twice is harmless.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from collector import plan_lifecycle
 from collector.events import (
     CostModelFitted, Envelope, FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated,
-    IterationPrediction, IterationSummary, Location, Payload, PlanCurrent, PlanDecision, PlanRolledBack, PlanVerified,
+    ExecutorCapabilities, IterationPrediction, IterationSummary, Location, Payload, PlanCurrent, PlanDecision, PlanRolledBack, PlanVerified,
     PlanWithheld, PolicyMode, ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
@@ -68,6 +70,7 @@ class LifecycleState(PlanLifecycle):
     # fail-stop incident is *resolved* once the new plan leaves its device out, but the device stays dead
     known_dead: set[int] = field(default_factory=set)
     withheld: list[PlanWithheld] = field(default_factory=list)  # why the engine did not plan, in order
+    capabilities: ExecutorCapabilities | None = None  # the executor's latest plan.capabilities (None: runs all)
 
     def plan_runs(self, plan: Plan) -> None:
         """``plan`` runs now: its devices are alive again, and plans left behind close."""
@@ -125,10 +128,6 @@ def _note_dead(state: LifecycleState, category: FaultCategory, locations: list[L
             state.known_dead.update(loc.tp_group)
 
 
-def _report(state: LifecycleState, event: Envelope, message: str) -> None:
-    state.report(event, message)
-
-
 def step(state: LifecycleState, event: Envelope) -> LifecycleState:
     """Fold one event into ``state`` (updated in place and returned). Events of other jobs and
     events already seen are ignored."""
@@ -155,7 +154,7 @@ def fold(events: list[Envelope] | tuple[Envelope, ...], state: LifecycleState | 
 
 def _incident_opened(state: LifecycleState, e: Envelope, p: IncidentOpened) -> None:
     if p.incident_id in state.incidents:
-        _report(state, e, f"incident {p.incident_id} opened twice; kept the first")
+        state.report(e, f"incident {p.incident_id} opened twice; kept the first")
         return
     state.incidents[p.incident_id] = IncidentRecord(p.incident_id, p.category, p.severity, list(p.locations),
                                                     p.summary, p.iteration, changed_iteration=p.iteration,
@@ -164,21 +163,24 @@ def _incident_opened(state: LifecycleState, e: Envelope, p: IncidentOpened) -> N
     state.incident_version += 1
 
 
-def _incident_confirmed(state: LifecycleState, e: Envelope, p: IncidentConfirmed) -> None:
-    inc = state.incidents.get(p.incident_id)
+def _known_incident(state: LifecycleState, e: Envelope, incident_id: str, what: str) -> IncidentRecord | None:
+    """The incident an event refers to; an event about an incident never opened is reported and ignored."""
+    inc = state.incidents.get(incident_id)
     if inc is None:
-        _report(state, e, f"confirmation of unknown incident {p.incident_id}")
+        state.report(e, f"{what} of unknown incident {incident_id}")
+    return inc
+
+
+def _incident_confirmed(state: LifecycleState, e: Envelope, p: IncidentConfirmed) -> None:
+    if (inc := _known_incident(state, e, p.incident_id, "confirmation")) is None:
         return
-    inc.status = "confirmed"
-    inc.probing = ()
+    inc.status, inc.probing = "confirmed", ()
     if p.locations:
         _relocate(state, inc, p.locations)
 
 
 def _incident_updated(state: LifecycleState, e: Envelope, p: IncidentUpdated) -> None:
-    inc = state.incidents.get(p.incident_id)
-    if inc is None:
-        _report(state, e, f"update of unknown incident {p.incident_id}")
+    if (inc := _known_incident(state, e, p.incident_id, "update")) is None:
         return
     inc.severity = p.severity
     inc.changed_iteration = max(inc.changed_iteration, p.iteration)
@@ -194,12 +196,9 @@ def _relocate(state: LifecycleState, inc: IncidentRecord, locations: list[Locati
 
 
 def _incident_resolved(state: LifecycleState, e: Envelope, p: IncidentResolved) -> None:
-    inc = state.incidents.get(p.incident_id)
-    if inc is None:
-        _report(state, e, f"resolution of unknown incident {p.incident_id}")
+    if (inc := _known_incident(state, e, p.incident_id, "resolution")) is None:
         return
-    inc.status = "resolved"
-    inc.probing = ()
+    inc.status, inc.probing = "resolved", ()
     state.incident_version += 1
 
 
@@ -236,6 +235,12 @@ def _plan_current(state: LifecycleState, e: Envelope, p: PlanCurrent) -> None:
     plan_lifecycle.transition(state, e)
 
 
+def _capabilities(state: LifecycleState, e: Envelope, p: ExecutorCapabilities) -> None:
+    """The executor's word on what it can run: the latest declaration holds (a restarted job with
+    another executor declares again)."""
+    state.capabilities = p
+
+
 def _cost_model(state: LifecycleState, e: Envelope, p: CostModelFitted) -> None:
     old = state.cost_fits.get(p.epoch)
     if old is None or p.iteration >= old.iteration:
@@ -246,8 +251,8 @@ def _withheld(state: LifecycleState, e: Envelope, p: PlanWithheld) -> None:
     state.withheld.append(p)
 
 
-_HANDLERS = {
-    PlanCurrent: _plan_current, CostModelFitted: _cost_model,
+_HANDLERS: dict[type, Callable[[LifecycleState, Envelope, Any], None]] = {
+    PlanCurrent: _plan_current, CostModelFitted: _cost_model, ExecutorCapabilities: _capabilities,
     IncidentOpened: _incident_opened, IncidentConfirmed: _incident_confirmed, IncidentUpdated: _incident_updated,
     IncidentResolved: _incident_resolved, IterationSummary: _summary, IterationPrediction: _prediction,
     PlanWithheld: _withheld,

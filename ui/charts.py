@@ -22,7 +22,8 @@ from collector.plan import Plan
 from ui.read_model import Mark, Slot
 
 MAX_POINTS = 600
-MARK_COLOURS = {"incident": "#c8362f", "reshape": "#3b7dd8", "detector": "#e8a33d", "planner": "#8a4fbf"}
+MARK_COLOURS = {"incident": "#c8362f", "reshape": "#3b7dd8", "detector": "#e8a33d", "planner": "#8a4fbf",
+                "recovery": "#2e9a5b"}
 TABLEAU20 = ["#4e79a7", "#a0cbe8", "#f28e2b", "#ffbe7d", "#59a14f", "#8cd17d", "#b6992d", "#f1ce63", "#499894",
              "#86bcb6", "#e15759", "#ff9d9a", "#79706e", "#bab0ac", "#d37295", "#fabfd2", "#b07aa1", "#d4a6c8",
              "#9d7660", "#d7b5a6"]
@@ -129,7 +130,8 @@ def plan_cells(plan: Plan | None, layout: dict[int, Slot], health: dict[int, Ran
             state, factor = "healthy", 1.0
         else:
             state, factor = entry.state.value, entry.factor
-        cells.append(Cell(d, node, d % gpus_per_node, *(role or (None, None, None)), state, factor))
+        replica, stage, tp_rank = role if role is not None else (None, None, None)
+        cells.append(Cell(d, node, d % gpus_per_node, replica, stage, tp_rank, state, factor))
     return cells
 
 
@@ -138,7 +140,7 @@ def _natural(label: str) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", label)]
 
 
-def plan_grid_chart(cells: Sequence[Cell], colour_by: str, *, title: str = "") -> alt.Chart:
+def plan_grid_chart(cells: Sequence[Cell], colour_by: str, *, title: str = "") -> alt.LayerChart | alt.FacetChart:
     """Nodes (rows) × GPUs (columns), coloured by role or health; slow and dead cells are labelled."""
     def label(c: Cell) -> str:
         return "✕" if c.health == "dead" else (f"×{c.factor:.1f}" if c.health == "slow" else "")
@@ -202,7 +204,7 @@ def slowdown_figure(iterations: np.ndarray, matrix: np.ndarray, *, suspects: Seq
     return fig
 
 
-def seq_len_chart(q: dict[str, np.ndarray], *, height: int = 180) -> alt.Chart:
+def seq_len_chart(q: dict[str, np.ndarray], *, height: int = 180) -> alt.LayerChart | alt.FacetChart:
     """Spread of the packed sequence lengths per iteration: p5–p95 band, median and max."""
     frame = pd.DataFrame({k: v for k, v in q.items()})
     base = alt.Chart(frame).encode(x=alt.X("iteration:Q"))
