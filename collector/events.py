@@ -291,6 +291,32 @@ class TracingDeclared(Payload):
         return iteration % self.step_every == self.step_offset % self.step_every
 
 
+class ReshapePhaseName(StrEnum):
+    AGREE = "agree"  # the plan checked and the same epoch confirmed by every running rank
+    EXPORT = "export"  # this rank's state read out of the old layout
+    NEW_MESH = "new_mesh"  # the process groups / mesh of the new layout
+    STAGES_REBUILT = "stages_rebuilt"  # the stage model, its parallelisation, schedule and optimizer
+    REDISTRIBUTE = "redistribute"  # the state moved to where the new layout holds it, and loaded
+    FIRST_STEP = "first_step"  # the first iteration on the new layout
+    ROLLBACK = "rollback"  # a phase failed on some rank: every rank went back to the old layout
+
+
+class ReshapePhase(Payload):
+    """One phase of one live reshape on one rank, with its duration, so that an operator sees why a
+    pause took N seconds (and which rank and phase made it long). Any executor may publish it."""
+
+    KIND: ClassVar[str] = "telemetry.reshape_phase"
+    executor: Literal["native", "reference"] = Field(description="which executor ran the reshape")
+    epoch: int = Field(ge=0, le=INT32_MAX, description="the epoch the reshape moves to")
+    iteration: int = Field(ge=0, le=COUNT_MAX, description="the iteration boundary it happens at")
+    rank: int = Field(ge=0, le=INT32_MAX, description="device id")
+    phase: ReshapePhaseName
+    duration_s: float = Field(ge=0, le=DURATION_MAX_S, description="local clock")
+    ok: bool = Field(default=True, description="false: the phase failed here or on a peer; a rollback follows")
+    detail: str = Field(default="", max_length=2_000, description=(
+        'what the phase did or why it failed: "groups kept", "state from live ranks", "DCP checkpoint …"'))
+
+
 class IterationSummary(IterationPayload):
     """Job-level view of one iteration, reported once (by the launcher or the last stage)."""
 
@@ -797,7 +823,7 @@ class ControlRejected(Payload):
 
 
 PAYLOAD_TYPES: tuple[type[Payload], ...] = (
-    RankIteration, IterationSummary, Heartbeat, TracingDeclared, RecoveryPhase,
+    RankIteration, IterationSummary, Heartbeat, TracingDeclared, RecoveryPhase, ReshapePhase,
     IterationPrediction, RankHealth, AnalyticsLease, ReplicaFrame, BusOutage,
     IncidentOpened, IncidentConfirmed, IncidentUpdated, IncidentResolved, ProbeRequest, ProbeResult,
     PlanProposed, PlanDecision, PolicyChanged, ReconfigureCommand, CommandAck, PlanVerified, PlanRolledBack,

@@ -100,8 +100,9 @@ def test_the_native_executor_takes_bus_commands_fenced_checked_and_acknowledged(
     assert cannot.detail.startswith("the native executor cannot run this plan: schedule 'zero_bubble'")
     applied = acks[sent["migrate"]]
     assert applied.status == AckStatus.APPLIED and applied.running_epoch == 1 and applied.pause_s > 0
-    for phase in ("agree", "export", "new_mesh", "stages_rebuilt", "redistribute", "first_step"):
-        assert phase in applied.detail
+    # A migration changes only micro-batch counts: the ranks keep their groups, stages and optimizer.
+    assert "groups kept" in applied.detail and "agree" in applied.detail and "first_step" in applied.detail
+    assert "redistribute" not in applied.detail
     assert acks[sent["stale"]].status == AckStatus.IGNORED_STALE
     announced = [e.payload for e in events if isinstance(e.payload, PlanCurrent)]
     assert [(p.plan.epoch, p.reason) for p in announced] == [(0, "start"), (1, "reshape")]

@@ -15,12 +15,12 @@ import torch
 
 from collector import topics
 from collector.embedded import EmbeddedBus
-from collector.events import RankIteration
+from collector.events import RankIteration, ReshapePhase
 from collector.plan import PipelinePlan, Plan, StagePlan
 from collector.stream import EventStream
 from trainer.native.model import LlamaConfig
 from trainer.native.stage import TrainSettings, reference_losses
-from trainer.native.worker import NativeRunSpec, ScheduledReshape, launch_native, read_results
+from trainer.native.worker import NativeRunSpec, ReshapeFault, ScheduledReshape, launch_native, read_results
 from trainer.spec import BusSpec
 
 CFG = LlamaConfig(dim=32, n_layers=4, n_heads=4, ffn_hidden=64, vocab_size=64, dtype="float64")
@@ -100,3 +100,39 @@ def test_pp_repartition_and_dp_drop_then_a_dcp_checkpoint_loads_at_another_layou
     ranks, params = _run(tmp_path / "b", resumed, 5, resume_dir=str(tmp_path / "ckpt"))
     assert sorted(int(i) for i in ranks[0]["losses"]) == [3, 4]
     _assert_matches_reference(ranks, params, 5)
+
+
+def test_a_reshape_that_fails_mid_way_rolls_every_rank_back_and_training_goes_on(tmp_path):
+    # TP2·DP2. A micro-batch-only change keeps every group and stage. Then the reshape to epoch 2
+    # fails twice on one rank — device 0 in stages_rebuilt (to PP2·DP2), device 3 in
+    # redistribute (to TP2·DP1, which would release it) — and every rank rolls back and trains
+    # on at epoch 1; the third try is applied. Every loss equals one process's.
+    start = _plan(0, (2, [((0, 1), 0, 4)]), (2, [((2, 3), 0, 4)]))
+    counts = _plan(1, (3, [((0, 1), 0, 4)]), (1, [((2, 3), 0, 4)]))
+    pp = _plan(2, (2, [((0,), 0, 2), ((1,), 2, 4)]), (2, [((2,), 0, 2), ((3,), 2, 4)]))
+    one = _plan(2, (4, [((0, 1), 0, 4)]))
+    faults = [ReshapeFault(device=0, epoch=2, phase="stages_rebuilt"), ReshapeFault(device=3, epoch=2, phase="redistribute")]
+    bus = tmp_path / "bus.sqlite"
+    ranks, params = _run(tmp_path, start, 6, reshapes=[(1, counts), (2, pp), (3, one), (4, one)],
+                         reshape_faults=faults, bus=BusSpec(backend="embedded", path=str(bus)))
+    _assert_matches_reference(ranks, params, 6)
+    assert ranks[0]["epochs"] == {str(i): e for i, e in enumerate([0, 1, 1, 1, 2, 2])}
+    assert ranks[3]["epochs"] == {str(i): e for i, e in enumerate([0, 1, 1, 1])} and ranks[3].get("released")
+    assert [r["epoch"] for r in ranks[0]["reshapes"]] == [1, 2] and ranks[0]["reshapes"][0]["source"] == "groups kept"
+    first_failure, second_failure = ranks[1]["refused"]
+    assert "failed by the end of stages_rebuilt" in first_failure and "failed by the end of redistribute" in second_failure
+    assert "device 0 failed in stages_rebuilt: injected" in ranks[0]["refused"][0]
+
+    with EmbeddedBus(bus) as b, EventStream(b, "test", [topics.TELEMETRY]) as stream:
+        phases = []
+        while batch := stream.poll(timeout_s=0.1):
+            phases += [d.event.payload for d in batch if isinstance(d.event.payload, ReshapePhase)]
+    of_device_2 = [(p.epoch, p.iteration, p.phase.value, p.ok) for p in phases if p.rank == 2]
+    assert of_device_2 == [
+        (1, 1, "agree", True), (1, 1, "first_step", True),
+        (2, 2, "agree", True), (2, 2, "export", True), (2, 2, "new_mesh", True), (2, 2, "rollback", False),
+        (2, 3, "agree", True), (2, 3, "export", True), (2, 3, "new_mesh", True), (2, 3, "stages_rebuilt", True),
+        (2, 3, "rollback", False),
+        (2, 4, "agree", True), (2, 4, "export", True), (2, 4, "new_mesh", True), (2, 4, "stages_rebuilt", True),
+        (2, 4, "redistribute", True)]
+    assert all(p.executor == "native" and p.duration_s >= 0 for p in phases)

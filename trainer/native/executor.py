@@ -2,24 +2,31 @@
 
 The same protocol as trainer/executor.py, on torch's own parallelism:
 
-    reshape(P):  agree → export_state → join_world → rebuild_stages → restore_state → (first step)
+    reshape(P):  agree → export → new_mesh → stages_rebuilt → redistribute → (first step)
 
-* agree — check P against what a DeviceMesh can run (``NativeLayout.of``: a plan it cannot run
-  is refused *here*, on every rank alike, before anything stops) and confirm with one all-reduce
-  over the running world that every rank moves to the same epoch.
-* export_state — DTensor-gather this stage's parameters and AdamW state to full size on the old
-  mesh (trainer/native/state.py).
-* join_world — destroy the old process group; a device outside P's world is released; the
-  rest rendezvous a new default group (a fresh store prefix per epoch).
-* rebuild_stages — the new DeviceMesh, stage model, TP/FSDP, PipelineStage, schedule, optimizer.
-* restore_state — every key the new stage needs comes from a live holder over the new world; if
-  some key has none (its every holder died), all ranks load the newest DCP checkpoint instead.
+* agree — check P against what a DeviceMesh can run (``refusal``: a plan it cannot run is
+  refused *here*, on every rank alike, before anything stops) and confirm with one all-reduce
+  over the running world that every rank moves to the same epoch. A plan that changes only
+  micro-batch counts stops here: groups, stages and optimizer are kept, only the schedule is new.
+* export — this rank's pieces of its stage's state, read locally (trainer/native/state.py).
+* new_mesh — the groups of the new layout, each created once per rank set and reused
+  (trainer/native/groups.py); the old layout's groups stay alive.
+* stages_rebuilt — the new DeviceMesh, stage model, TP/FSDP, PipelineStage, schedule, optimizer;
+  every rank cuts its own shards, so no collective runs.
+* redistribute — every key the new stage needs comes from live pieces over the union of the old
+  and the new world; if some key has none, all ranks load the newest DCP checkpoint instead.
 
-Each phase is timed (``phases_s``: agree, export, new_mesh, stages_rebuilt, redistribute; the
-worker adds first_step), so an operator sees why a pause took N seconds.
+Each phase is timed (``phases_s``; the worker adds first_step) and handed to ``on_phase`` (the
+worker publishes it as a ``telemetry.reshape_phase`` event).
 
-Rollback: any failure before join_world (a refused plan, ranks that disagree) leaves the old
-role untouched and training goes on at the old layout (``ReshapeRefused``). Once the old group is destroyed there is no old mesh to go back to; a failure there is reported and re-raised.
+Rollback: the old layout is only read until the very end, so any failure on any rank past
+``agree`` rolls every rank back to it. A rank that failed still attends the votes — one MIN
+all-reduce over the union of both worlds after export, after stages_rebuilt and after
+redistribute (the commit) — so no rank is left waiting in a collective its peer skipped; on a
+failed vote every rank drops what it built and ``ReshapeFailed`` says why, training going on at
+the old layout. A device outside the new world sends its pieces and leaves only once the
+commit vote passed. A rank that *dies* mid-reshape is not this path: its peers' collectives time
+out.
 """
 
 from __future__ import annotations
@@ -29,7 +36,6 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -37,11 +43,12 @@ import torch.distributed as dist
 
 from collector.plan import Plan
 from trainer.native.capabilities import refusal
+from trainer.native.groups import GroupCache
 from trainer.native.layout import NativeLayout
 from trainer.native.model import LlamaConfig, ModelFactory, build_model
-from trainer.native.parallelize import forget_old_meshes
+from trainer.native.parallelize import build_mesh
 from trainer.native.stage import NativeRole, TrainSettings
-from trainer.native.state import FullState, exchange, export_full, load_dcp, load_full, needed_keys
+from trainer.native.state import LocalState, exchange, load_dcp, load_full, local_state, needed_keys
 
 log = logging.getLogger("resihp.trainer.native")
 
@@ -56,6 +63,14 @@ class ReshapeRefused(RuntimeError):
     """The plan was refused before anything stopped; training goes on at the running layout."""
 
 
+class ReshapeFailed(ReshapeRefused):
+    """A phase past ``agree`` failed on some rank; every rank rolled back to the running layout."""
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by the test hook ``fail_in`` at the end of a phase."""
+
+
 @dataclass
 class ReshapeReport:
     epoch: int
@@ -67,104 +82,164 @@ class ReshapeReport:
         return sum(self.phases_s.values())
 
 
-class NativeExecutor:
-    """Owns the reconfiguration protocol of one native rank."""
+PhaseHook = Callable[[int, str, float, bool, str], None]  # (epoch, phase, seconds, ok, detail)
 
-    def __init__(self, device: int, cfg: LlamaConfig, settings: TrainSettings, store: dist.Store,
-                 torch_device: torch.device, backend: str, timeout_s: float,
+
+class NativeExecutor:
+    """Owns the reconfiguration protocol of one native rank. ``rank_of`` maps each device of the
+    job's first world to its rank in the default group, which lives as long as the job."""
+
+    def __init__(self, device: int, cfg: LlamaConfig, settings: TrainSettings, rank_of: dict[int, int],
+                 torch_device: torch.device, timeout_s: float,
                  checkpoint_dir: Callable[[], Path | None] = lambda: None,
-                 model_factory: ModelFactory = build_model) -> None:
-        self.device, self.cfg, self.settings, self.store = device, cfg, settings, store
-        self.torch_device, self.backend, self.timeout_s = torch_device, backend, timeout_s
+                 model_factory: ModelFactory = build_model, on_phase: PhaseHook | None = None,
+                 fail_in: tuple[tuple[int, str], ...] = ()) -> None:
+        self.device, self.cfg, self.settings, self.rank_of = device, cfg, settings, rank_of
+        self.torch_device, self.timeout_s = torch_device, timeout_s
         self.checkpoint_dir = checkpoint_dir
         self.model_factory = model_factory
+        self.on_phase = on_phase or (lambda *_: None)
+        self.fail_in = set(fail_in)  # (epoch, phase): the test hook that makes this rank fail there, once
+        self.groups = GroupCache(timeout_s)
         self.current: NativeRole | None = None
         self.reports: list[ReshapeReport] = []
+
+    def start(self, layout: NativeLayout) -> None:
+        """The first layout: its groups and stage (initial weights)."""
+        self.current = NativeRole.build(layout, self.device, self.cfg, self.settings, self.torch_device, self.groups,
+                                        self.rank_of, self.model_factory)
 
     # ---- the steps -------------------------------------------------------------------------------
 
     def agree(self, plan: Plan) -> NativeLayout:
         """The new layout, or ``ReshapeRefused`` (nothing stopped): the plan breaks a mesh rule,
-        is not the running epoch + 1, or the ranks do not all hold the same plan."""
-        running = self.current.layout.plan.epoch if self.current else -1
+        is not the running epoch + 1, names a device outside the job's world, or the ranks do not
+        all hold the same plan."""
+        cur = self.current
+        assert cur is not None
+        running = cur.layout.plan.epoch
         if reason := refusal(plan, self.cfg, running):
             raise ReshapeRefused(reason)
+        if strangers := sorted(set(plan.devices) - set(self.rank_of)):
+            raise ReshapeRefused(f"plan epoch {plan.epoch} names devices {strangers} outside this job's world "
+                                 f"{sorted(self.rank_of)}; devices cannot join a running native job")
         layout = NativeLayout.of(plan, self.cfg)
-        seen = torch.tensor([plan.epoch, -plan.epoch, zlib.crc32(plan.model_dump_json().encode())], dtype=torch.float64,
-                            device=self.torch_device)
-        low = seen.clone()
-        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
-        dist.all_reduce(low, op=dist.ReduceOp.MIN)
-        if not torch.equal(seen, low):
+        crc = zlib.crc32(plan.model_dump_json().encode())
+        seen = torch.tensor([plan.epoch, -plan.epoch, crc, -crc], dtype=torch.float64, device=self.torch_device)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=cur.world)  # one collective: max and -min
+        if not (seen[0] == -seen[1] and seen[2] == -seen[3]):
             raise ReshapeRefused(f"ranks disagree on the plan of epoch {plan.epoch}; keeping epoch {running}")
         return layout
 
-    def export_state(self) -> FullState:
-        """This stage's full state, gathered on the old mesh (a collective over the old world)."""
-        cur = self.current
-        assert cur is not None
-        return export_full(cur.model, cur.opt, cur.sched)
+    def _vote(self, failure: BaseException | None, group: dist.ProcessGroup, phase: str) -> None:
+        """Every rank of both worlds: go on only if no rank failed so far."""
+        ok = torch.tensor([0.0 if failure else 1.0])  # CPU: the union group is gloo (groups.py)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+        if failure is not None:
+            raise ReshapeFailed(f"device {self.device} failed in {phase}: {failure}") from failure
+        if float(ok) < 1:
+            raise ReshapeFailed(f"a peer failed by the end of {phase}")
 
-    def join_world(self, layout: NativeLayout) -> None:
-        """(Re)create the default group over ``layout.world``; ``Released`` if this device is not in it."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
-            forget_old_meshes()
-        if self.device not in layout.world:
-            raise Released(f"device {self.device} is not in the world of epoch {layout.plan.epoch}")
-        prefixed = dist.PrefixStore(f"native/pg/{layout.plan.epoch}/", self.store)
-        dist.init_process_group(self.backend, store=prefixed, rank=layout.rank(self.device),
-                                world_size=len(layout.world), timeout=timedelta(seconds=self.timeout_s))
-
-    def rebuild_stages(self, layout: NativeLayout) -> NativeRole:
-        """The new mesh and this device's stage, schedule, optimizer (initial weights, replaced by
-        :meth:`restore_state`)."""
-        return NativeRole.build(layout, self.device, self.cfg, self.settings, self.torch_device, self.model_factory)
-
-    def restore_state(self, role: NativeRole, mine: FullState | None) -> tuple[str, int | None]:
-        """Load the state the new stage needs from live holders; with a key nobody holds, every
-        rank loads the newest DCP checkpoint instead. Returns (source, the checkpoint's iteration
-        or None)."""
-        state, missing = exchange(mine, needed_keys(role.model), dist.get_rank(), dist.get_world_size())
-        if not missing:
-            load_full(role.model, role.opt, role.sched, state)
-            return "live", None
-        directory = self.checkpoint_dir()
-        if directory is None:
-            raise RuntimeError(f"no live copy of {', '.join(missing[:4])} survives and there is no DCP checkpoint "
-                               "to fall back to; run with --save-dir and --checkpoint-every")
-        iteration = load_dcp(directory, role.model, role.opt, role.sched)
-        return f"DCP checkpoint {directory}", iteration
+    def _inject(self, epoch: int, phase: str) -> None:
+        if (epoch, phase) in self.fail_in:
+            self.fail_in.discard((epoch, phase))
+            raise InjectedFailure(f"injected failure in {phase} of epoch {epoch}")
 
     # ---- the protocol ------------------------------------------------------------------------------
 
     def reshape(self, plan: Plan) -> tuple[ReshapeReport, int | None]:
         """Move to ``plan`` at this iteration boundary. Returns the report and, after a disk
-        fallback, the iteration to resume from. ``ReshapeRefused``: still at the old layout."""
+        fallback, the iteration to resume from. ``ReshapeRefused`` (or ``ReshapeFailed``): still
+        at the old layout. ``Released``: this device is not in the new world."""
+        old = self.current
+        assert old is not None
         report = ReshapeReport(plan.epoch)
         t = time.perf_counter()
 
-        def lap(name: str) -> None:
+        def lap(name: str, ok: bool = True, detail: str = "") -> None:
             nonlocal t
             now = time.perf_counter()
             report.phases_s[name] = now - t
+            self.on_phase(plan.epoch, name, now - t, ok, detail)
             t = now
 
-        layout = self.agree(plan)
+        try:
+            layout = self.agree(plan)
+        except ReshapeRefused as exc:
+            lap("agree", False, str(exc))
+            raise
+        if old.layout.same_stages(layout):
+            self.current = old.with_counts(layout, self.device)
+            report.source = "groups kept"
+            lap("agree", detail="micro-batch counts only: groups, stages and optimizer kept")
+            self.reports.append(report)
+            return report, None
         lap("agree")
-        mine = self.export_state() if self.current is not None else None
-        lap("export")
-        self.current = None
-        self.join_world(layout)
-        lap("new_mesh")
-        role = self.rebuild_stages(layout)
-        lap("stages_rebuilt")
-        source, rollback_to = self.restore_state(role, mine)
-        report.source = source
-        dist.barrier()
+        union = self.groups.get("moves", [self.rank_of[d] for d in set(old.layout.world) | set(layout.world)],
+                                plan.epoch)
+        stays = self.device in layout.world
+        failure: BaseException | None = None
+        mine: LocalState | None = None
+        role: NativeRole | None = None
+        rollback_to: int | None = None
+        try:
+            try:
+                mine = local_state(old.model, old.opt, old.sched)
+                self._inject(plan.epoch, "export")
+            except Exception as exc:
+                failure = exc
+            self._vote(failure, union, "export")
+            lap("export")
+            if stays:
+                try:
+                    # Every group the new layout needs, made now by its members; the build below finds them.
+                    self.groups.get("world", [self.rank_of[d] for d in layout.world], plan.epoch)
+                    build_mesh(layout, self.torch_device.type, self.groups, self.rank_of, self.device)
+                    self._inject(plan.epoch, "new_mesh")
+                except Exception as exc:
+                    failure = exc
+            lap("new_mesh", failure is None)
+            if stays and failure is None:
+                try:
+                    role = NativeRole.build(layout, self.device, self.cfg, self.settings, self.torch_device,
+                                            self.groups, self.rank_of, self.model_factory)
+                    self._inject(plan.epoch, "stages_rebuilt")
+                except Exception as exc:
+                    failure = exc
+            self._vote(failure, union, "stages_rebuilt")
+            lap("stages_rebuilt")
+            try:
+                needed = needed_keys(role.model) if role is not None else {}
+                state, missing = exchange(mine, needed, union, self.cfg.torch_dtype)
+                if role is not None and not missing:
+                    load_full(role.model, role.opt, role.sched, state)
+                elif role is not None:
+                    report.source, rollback_to = self._from_checkpoint(role, missing)
+                self._inject(plan.epoch, "redistribute")
+            except Exception as exc:
+                failure = exc
+            self._vote(failure, union, "redistribute")
+            lap("redistribute", detail=f"state from {report.source}")
+        except ReshapeFailed as exc:
+            lap("rollback", False, str(exc))
+            log.warning("device %d: reshape to epoch %d rolled back, training on at epoch %d: %s", self.device,
+                        plan.epoch, old.layout.plan.epoch, exc)
+            raise
+        if role is None:
+            self.current = None
+            raise Released(f"device {self.device} is not in the world of epoch {plan.epoch}")
         self.current = role
-        lap("redistribute")
         self.reports.append(report)
-        log.info("device %d: epoch %d %s from %s in %.3f s", self.device, plan.epoch,
-                 plan.shape(), source, report.pause_s)
+        log.info("device %d: epoch %d %s from %s in %.3f s", self.device, plan.epoch, plan.shape(),
+                 report.source, report.pause_s)
         return report, rollback_to
+
+    def _from_checkpoint(self, role: NativeRole, missing: list[str]) -> tuple[str, int]:
+        """No live piece covers ``missing``: every rank of the new world loads the newest DCP
+        checkpoint (collective over the new world). Returns (source, its iteration)."""
+        directory = self.checkpoint_dir()
+        if directory is None:
+            raise RuntimeError(f"no live copy of {', '.join(missing[:4])} survives and there is no DCP checkpoint "
+                               "to fall back to; run with --save-dir and --checkpoint-every")
+        iteration = load_dcp(directory, role.model, role.opt, role.sched, role.world)
+        return f"DCP checkpoint {directory}", iteration

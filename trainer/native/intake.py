@@ -140,7 +140,7 @@ class CommandFollower:
         """An iteration ran on the running layout."""
         self.steps_since_reshape += 1
 
-    def next_plan(self) -> tuple[int, Plan] | None:
+    def next_plan(self, world: dist.ProcessGroup | None = None) -> tuple[int, Plan] | None:
         """The post to apply now (the same on every rank of the running world), or None. A
         collective over the running world: every rank calls it at the same boundary. Like the
         reference trainer's intake, a layout runs one iteration before the next reshape (so the
@@ -148,7 +148,7 @@ class CommandFollower:
         if self.steps_since_reshape == 0:
             return None
         seen = torch.tensor([int(self.store.get(POSTS))], dtype=torch.int64, device=self.torch_device)
-        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=world)  # the running world's group (groups.py)
         post = int(seen.item())
         if post <= self.applied:
             return None

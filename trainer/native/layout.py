@@ -60,9 +60,19 @@ class NativeLayout:
     def rank(self, device: int) -> int:
         return self.world.index(device)
 
-    def mesh_ranks(self) -> torch.Tensor:
-        """(dp, pp, tp) process-group ranks: [r][s][t] is replica r's stage s, TP rank t."""
-        return torch.tensor([[[self.rank(d) for d in s.devices] for s in p.stages] for p in self.plan.pipelines])
+    def mesh_ranks(self, rank_of: dict[int, int] | None = None) -> torch.Tensor:
+        """(dp, pp, tp) process-group ranks: [r][s][t] is replica r's stage s, TP rank t. Ranks
+        are ``rank_of[device]`` (the job's default group) or, without it, indices in this world."""
+        rank = rank_of.__getitem__ if rank_of is not None else self.rank
+        return torch.tensor([[[rank(d) for d in s.devices] for s in p.stages] for p in self.plan.pipelines])
 
     def role(self, device: int) -> RankRole:
         return self.plan.role_of(device)
+
+    def same_stages(self, other: NativeLayout) -> bool:
+        """True when ``other`` puts every device at the same (replica, stage, TP rank) with the same
+        layers: only micro-batch counts differ, so a reshape keeps every group, stage and optimizer."""
+        def shape(layout: NativeLayout) -> tuple:
+            return tuple((p.replica, tuple((s.devices, s.first_layer, s.end_layer) for s in p.stages))
+                         for p in layout.plan.pipelines)
+        return shape(self) == shape(other)

@@ -1,6 +1,6 @@
 """Apply TP, PP and DP to the decoder, one step each (torchtitan's ``parallelize_llama`` shape).
 
-    mesh = build_mesh(layout)                       # DeviceMesh (dp, pp, tp) over the world
+    mesh = build_mesh(layout, ...)                  # DeviceMesh (dp, pp, tp) from cached groups
     model = apply_pp(build_model(cfg, seed), role)  # keep this stage's layers
     apply_tp(model, mesh["tp"])                     # DTensor colwise / rowwise plan
     apply_dp(model, mesh["dp"])                     # FSDP2 fully_shard per block, then the root
@@ -28,32 +28,22 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from collector.plan import RankRole
+from trainer.native.groups import GroupCache
 from trainer.native.layout import NativeLayout
 from trainer.native.model import keep_layers
 
 
-def build_mesh(layout: NativeLayout, device_type: str = "cpu") -> DeviceMesh:
-    """The (dp, pp, tp) mesh over the current default process group (its ranks follow
-    ``layout.world``). Creates one sub-group per mesh dimension slice; every world rank calls it."""
-    return DeviceMesh(device_type, layout.mesh_ranks(), mesh_dim_names=("dp", "pp", "tp"))
-
-
-def forget_old_meshes() -> None:
-    """Clear DTensor's sharding caches; call after the default process group is re-created.
-
-    DTensor caches sharding decisions (in C++ and Python) keyed by DeviceMesh *equality*, which
-    compares the mesh layout and rank map but not its process groups. After a reshape re-forms the
-    world, a new mesh equal to one of an earlier epoch would reuse a cached decision that holds the
-    old mesh, whose groups were destroyed ("Could not resolve the process group registered under
-    the name …")."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-
-    torch._C._clear_DTensor_sharding_propagator_cache()
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()
-    propagator._propagate_tensor_meta_cached.cache_clear()
-    clear_redistribute_planner_cache()
+def build_mesh(layout: NativeLayout, device_type: str, groups: GroupCache, rank_of: dict[int, int],
+               device: int) -> DeviceMesh:
+    """The (dp, pp, tp) mesh of ``layout`` from this device's three dimension groups (taken from
+    ``groups``: created once per rank set, by their members only, and reused by later layouts, so
+    DTensor's caches, keyed by mesh equality, always meet the groups they were made with).
+    ``rank_of`` maps a device to its rank in the job's default group."""
+    ranks = layout.mesh_ranks(rank_of)
+    r, s, t = (int(i) for i in (ranks == rank_of[device]).nonzero()[0])
+    slices = {"dp": ranks[:, s, t], "pp": ranks[r, :, t], "tp": ranks[r, s, :]}
+    dims = [groups.get(name, slices[name].tolist(), layout.plan.epoch) for name in ("dp", "pp", "tp")]
+    return DeviceMesh.from_group(dims, device_type, mesh=ranks, mesh_dim_names=("dp", "pp", "tp"))
 
 
 def apply_pp(model: Any, role: RankRole) -> Any:
@@ -75,7 +65,9 @@ def tp_plan_for_block() -> dict[str, ParallelStyle]:
 
 
 def apply_tp(model: Any, tp_mesh: DeviceMesh) -> None:
-    """DTensor tensor parallelism over ``tp_mesh`` (skipped at TP 1: plain tensors train the same)."""
+    """DTensor tensor parallelism over ``tp_mesh`` (skipped at TP 1: plain tensors train the same).
+    Each rank cuts its shard from its own copy (``src_data_rank=None``): every rank built the same
+    seeded model, so scattering rank 0's copy (one collective per parameter) would only cost time."""
     if tp_mesh.size() == 1:
         return
     top: dict[str, ParallelStyle] = {}
@@ -84,9 +76,9 @@ def apply_tp(model: Any, tp_mesh: DeviceMesh) -> None:
     if model.output is not None:
         top["output"] = ColwiseParallel(output_layouts=Replicate())
     if top:
-        parallelize_module(model, tp_mesh, top)
+        parallelize_module(model, tp_mesh, top, src_data_rank=None)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, tp_plan_for_block())
+        parallelize_module(block, tp_mesh, tp_plan_for_block(), src_data_rank=None)
 
 
 def apply_dp(model: Any, dp_mesh: DeviceMesh) -> None:

@@ -9,6 +9,7 @@ per-replica counts, and each micro-batch's loss is divided by the global batch's
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,8 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from collector.plan import RankRole
 from trainer.data import IGNORE, MicroBatch, global_targets, microbatch, replica_microbatch_ids
+from trainer.native.dtensor_rules import install_detach_rule
+from trainer.native.groups import GroupCache
 from trainer.native.layout import NativeLayout
 from trainer.native.model import LlamaConfig, ModelFactory, build_model
 from trainer.native.parallelize import apply_dp, apply_pp, apply_tp, build_mesh, build_optimizer, pipeline_stage
@@ -62,15 +65,20 @@ class NativeRole:
     opt: torch.optim.AdamW
     sched: torch.optim.lr_scheduler.LambdaLR
     watcher: ScheduleWatcher
+    world: dist.ProcessGroup  # this layout's world: the iteration's commit all-reduce, DCP
     last_recorder: IterationRecorder | None = None
 
     @classmethod
     def build(cls, layout: NativeLayout, device: int, cfg: LlamaConfig, settings: TrainSettings,
-              torch_device: torch.device, model_factory: ModelFactory = build_model) -> NativeRole:
-        """Every world rank calls this together (the mesh creates its sub-groups collectively).
-        The weights are the seed's initial ones; a reshape then loads the moved state over them."""
+              torch_device: torch.device, groups: GroupCache, rank_of: dict[int, int],
+              model_factory: ModelFactory = build_model) -> NativeRole:
+        """Every world rank calls this together (a group new to this rank set is created by its
+        members). The weights are the seed's initial ones; a reshape then loads the moved state
+        over them. No collective runs on the parameters: each rank cuts its own shards."""
+        install_detach_rule()
         role = layout.role(device)
-        mesh = build_mesh(layout, torch_device.type)
+        world = groups.get("world", [rank_of[d] for d in layout.world], layout.plan.epoch)
+        mesh = build_mesh(layout, torch_device.type, groups, rank_of, device)
         model = apply_pp(model_factory(cfg, settings.seed), role).to(torch_device)
         apply_tp(model, mesh["tp"])
         apply_dp(model, mesh["dp"])
@@ -78,7 +86,14 @@ class NativeRole:
         loss = GlobalTokenLoss()
         schedule = Schedule1F1B(stage, n_microbatches=role.microbatches, loss_fn=loss, scale_grads=False)
         opt, sched = build_optimizer(model, settings.lr, settings.weight_decay, settings.warmup_iterations)
-        return cls(layout, role, mesh, model, stage, schedule, loss, opt, sched, ScheduleWatcher(stage))
+        return cls(layout, role, mesh, model, stage, schedule, loss, opt, sched, ScheduleWatcher(stage), world)
+
+    def with_counts(self, layout: NativeLayout, device: int) -> NativeRole:
+        """This role under ``layout``, a plan that changes only micro-batch counts: the mesh,
+        model, stage and optimizer stay; only the schedule is made for the new count."""
+        role = layout.role(device)
+        schedule = Schedule1F1B(self.stage, n_microbatches=role.microbatches, loss_fn=self.loss, scale_grads=False)
+        return dataclasses.replace(self, layout=layout, role=role, schedule=schedule, last_recorder=None)
 
     def microbatches(self, iteration: int, cfg: LlamaConfig, settings: TrainSettings) -> list[MicroBatch]:
         ids = replica_microbatch_ids(self.layout.plan, self.role.replica)
@@ -107,7 +122,7 @@ class NativeRole:
         total = torch.zeros(1, dtype=torch.float64, device=dev)
         if self.stage.is_last and self.role.tp_rank == 0:
             total += sum(float(x.detach()) for x in losses)
-        dist.all_reduce(total)  # the commit: nothing is stepped unless every rank got here
+        dist.all_reduce(total, group=self.world)  # the commit: nothing is stepped unless every rank got here
         self.opt.step()
         self.sched.step()
         return float(total)

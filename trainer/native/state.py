@@ -1,22 +1,31 @@
 """Moving a native job's training state between layouts: live between processes, DCP on disk.
 
 Units are state-dict keys (fully-qualified parameter names, global because a stage keeps the
-model's layer indices), so "who holds what" is a set of names per rank, whatever the layout.
+model's layer indices), so "who holds what" is a set of names per rank, whatever the layout. A
+rank holds a *piece* of a key: its local shard (DTensor's, FSDP's and TP's alike), described by
+the flat global indices it covers, which each rank computes alone by cutting an index tensor
+with its own placements — so no collective runs on the old mesh and nothing is gathered there.
 
-* :func:`export_full` — on the old mesh, DTensor-gather every parameter and AdamW moment of this
-  rank's stage to full size (``full_state_dict=True``: an all-gather over FSDP's dp dimension and
-  TP's tp dimension). Memory: one stage's full state per rank.
-* :func:`exchange` — on the new world, every rank announces the keys it holds; each key a rank
-  needs under the new plan comes from itself or the lowest-ranked live holder, one point-to-point
-  message per (source, destination) pair. Keys nobody holds are returned as missing.
-* :func:`load_full` — into the freshly built stage: torch's ``set_model_state_dict`` /
-  ``set_optimizer_state_dict`` cut each full tensor to this rank's DTensor shard (a scatter per key).
+* :func:`local_state` — this rank's pieces: parameter and AdamW moments side by side, their
+  indices, the step, the param group's hyper-parameters and the LR scheduler's state.
+* :func:`exchange` — over a group spanning the old and the new world: one small
+  ``all_gather_object`` of who holds which piece and who needs which key; then each key a rank
+  needs comes from the fewest holders that cover it (itself first), two raw tensors (indices,
+  values) per (source, destination) pair, all posted at once. Keys no live piece covers are
+  returned as missing (every rank computes the same list, so all take the disk fallback together).
+* :func:`load_full` — each rank cuts its own new shard of every assembled full tensor
+  (``distribute_tensor(..., src_data_rank=None)``: no communication) into the freshly built stage
+  and its AdamW state.
 * :func:`save_dcp` / :func:`load_dcp` — the sharded DCP checkpoint: written by any layout, read by
   any other (DCP's resharding planner), and the fallback when a key has no live holder.
+
+Memory: a receiving rank assembles the full tensors of the keys its new stage holds (one stage's
+full state), then keeps only its shard.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,130 +34,193 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-FULL = StateDictOptions(full_state_dict=True)
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass
-class FullState:
-    """Full-size tensors of the keys this rank holds: parameters, AdamW state per parameter,
-    the param groups and the LR scheduler's state."""
+class LocalState:
+    """This rank's pieces of its stage's keys: ``index[k]`` the flat global indices it holds,
+    ``values[k]`` the parameter's values there followed by each AdamW moment's (when stepped)."""
 
-    params: dict[str, torch.Tensor] = field(default_factory=dict)
-    optim: dict[str, dict[str, Any]] = field(default_factory=dict)
-    param_groups: list[dict[str, Any]] = field(default_factory=list)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    index: dict[str, torch.Tensor] = field(default_factory=dict)
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+    step: torch.Tensor | None = None
+    hyper: dict[str, Any] = field(default_factory=dict)
     scheduler: dict[str, Any] = field(default_factory=dict)
 
 
-def export_full(model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> FullState:
-    """Collective over the old mesh: every rank of a stage gets that stage's full state."""
-    msd: Any = get_model_state_dict(model, options=FULL)
-    params = {k: v.detach().cpu() for k, v in msd.items()}
-    osd: Any = get_optimizer_state_dict(model, opt, options=FULL)
-    optim = {k: {n: (t.detach().cpu() if isinstance(t, torch.Tensor) else t) for n, t in s.items()}
-             for k, s in osd["state"].items()}
-    return FullState(params, optim, list(osd["param_groups"]), sched.state_dict())
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
-def needed_keys(model: nn.Module) -> list[str]:
-    """The parameter names the freshly built stage ``model`` holds under the new plan."""
-    return [k for k, _ in model.named_parameters()]
+def _indices(p: torch.Tensor) -> torch.Tensor:
+    """The flat global indices of this rank's shard of ``p``, cut exactly as its values were."""
+    whole = torch.arange(p.numel(), device=_local(p).device).view(p.shape)
+    if isinstance(p, DTensor):
+        whole = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()
+    return whole.reshape(-1).cpu()
 
 
-def exchange(mine: FullState | None, needed: list[str], rank: int, world_size: int
-             ) -> tuple[FullState, list[str]]:
-    """Collective over the new world: bring every key in ``needed`` to this rank from a live
-    holder, point to point. Returns the assembled state and the keys no live rank holds (every
-    rank gets the same missing list, so all take the disk fallback together).
+def local_state(model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> LocalState:
+    """Local only: no collective, the old mesh is only read."""
+    out = LocalState(scheduler=sched.state_dict())
+    out.hyper = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    stepped = all(p in opt.state and opt.state[p] for p in model.parameters())
+    for k, p in model.named_parameters():
+        parts = [_local(p).detach().reshape(-1)]
+        if stepped:
+            state = opt.state[p]
+            parts += [_local(state[m]).detach().reshape(-1) for m in MOMENTS]
+            out.step = state["step"].detach().cpu().clone()
+        out.shapes[k] = tuple(p.shape)
+        out.index[k] = _indices(p)
+        out.values[k] = torch.cat(parts).cpu()
+    return out
 
-    Each key comes from its lowest-ranked holder (this rank itself when it holds it). The transfers
-    are one message per (source, destination) pair that has something to move, taken by every rank
-    in the same global order, so the first unfinished pair always has both ends waiting on it and
-    the exchange cannot deadlock."""
-    held = sorted(mine.params) if mine is not None else []
-    holders: list[Any] = [None] * world_size
-    wants: list[Any] = [None] * world_size
-    dist.all_gather_object(holders, held)
-    dist.all_gather_object(wants, needed)
-    # Point-to-point on a group of its own, closed by a barrier on it: otherwise a rank done early
-    # would start the next collective on the default group (a mesh dimension spanning the world
-    # reuses it) while its peers still exchange there, and gloo would mix the two up.
-    moves: Any = dist.new_group(list(range(world_size)))
-    held_by = [set(h) for h in holders]
-    missing = sorted({k for keys in wants for k in keys} - set().union(*held_by))
-    out = FullState()
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This stage's parameters at full size (a gather per DTensor over its mesh; every rank of
+    the stage calls it): what a run is compared with the single-process reference on."""
+    return {k: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+            for k, p in model.named_parameters()}
+
+
+def needed_keys(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The parameter names (and shapes) the freshly built stage ``model`` holds under the new plan."""
+    return {k: tuple(p.shape) for k, p in model.named_parameters()}
+
+
+@dataclass
+class Assembled:
+    """Full tensors of the keys this rank needs: ``full[k]`` is (1 or 3, numel): the parameter
+    and, when the job has stepped, its two AdamW moments."""
+
+    full: dict[str, torch.Tensor] = field(default_factory=dict)
+    step: torch.Tensor | None = None
+    hyper: dict[str, Any] = field(default_factory=dict)
+    scheduler: dict[str, Any] = field(default_factory=dict)
+
+
+def exchange(mine: LocalState | None, needed: dict[str, tuple[int, ...]], group: dist.ProcessGroup,
+             dtype: torch.dtype) -> tuple[Assembled, list[str]]:
+    """Collective over ``group`` (every rank of the old and the new world): bring every key in
+    ``needed`` to this rank from live pieces. Returns the assembled state and the keys no set of
+    live pieces covers (the same list on every rank)."""
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    held: dict[str, tuple[tuple[int, ...], int, tuple[int, ...]]] = {}
     if mine is not None:
-        out.param_groups, out.scheduler = mine.param_groups, mine.scheduler
+        for k, idx in mine.index.items():  # a piece's signature: replicas of one shard are equal
+            held[k] = (mine.shapes[k], idx.numel(), (idx.numel(), int(idx[0]), int(idx[-1]), int(idx.sum())))
+    info = {"held": held, "needed": sorted(needed), "stepped": mine is not None and mine.step is not None,
+            "small": (mine.step, mine.hyper, mine.scheduler) if mine is not None else None}
+    everyone: list[Any] = [None] * size
+    dist.all_gather_object(everyone, info, group=group)
+    holders = [r for r in range(size) if everyone[r]["held"]]
+    stepped = bool(holders) and all(everyone[r]["stepped"] for r in holders)
+    width = 1 + len(MOMENTS) if stepped else 1
 
-    def source_of(k: str, dst: int) -> int | None:
-        if k in held_by[dst]:
-            return dst
-        return next((r for r in range(world_size) if k in held_by[r]), None)
+    # Which pieces each rank receives from which source: identical on every rank.
+    plan: dict[tuple[int, int], list[str]] = {}
+    missing: set[str] = set()
+    for dst in range(size):
+        for k in everyone[dst]["needed"]:
+            seen, covered = set(), 0
+            for src in [dst] + [r for r in holders if r != dst]:
+                piece = everyone[src]["held"].get(k)
+                if piece is None or piece[2] in seen:
+                    continue
+                seen.add(piece[2])
+                covered += piece[1]
+                plan.setdefault((src, dst), []).append(k)
+                if covered == math.prod(piece[0]):
+                    break
+            else:
+                missing.add(k)
 
-    for dst in range(world_size):
-        by_source: dict[int, list[str]] = {}
-        for k in wants[dst]:
-            src = source_of(k, dst)
-            if src is not None:
-                by_source.setdefault(src, []).append(k)
-        for src in sorted(by_source):
-            keys = by_source[src]
-            if src == dst == rank:
-                assert mine is not None
-                out.params.update({k: mine.params[k] for k in keys})
-                out.optim.update({k: mine.optim[k] for k in keys if k in mine.optim})
-            elif src == rank:
-                assert mine is not None
-                dist.send_object_list([({k: mine.params[k] for k in keys},
-                                        {k: mine.optim[k] for k in keys if k in mine.optim},
-                                        mine.param_groups, mine.scheduler)], dst=dst, group=moves)
-            elif dst == rank:
-                box: list[Any] = [None]
-                dist.recv_object_list(box, src=src, group=moves)
-                params, optim, groups, sched = box[0]
-                out.params.update(params)
-                out.optim.update(optim)
-                out.param_groups, out.scheduler = groups, sched
-    dist.barrier(group=moves)
-    dist.destroy_process_group(moves)
-    return out, missing
+    out = Assembled()
+    if holders:
+        out.step, out.hyper, out.scheduler = everyone[holders[0]]["small"]
+    pieces: list[tuple[int, list[str], torch.Tensor, torch.Tensor]] = []
+    ops: list[dist.P2POp] = []
+    for (src, dst), keys in sorted(plan.items()):
+        if src == me and dst == me:
+            assert mine is not None
+            pieces.append((src, keys, torch.cat([mine.index[k] for k in keys]),
+                           torch.cat([mine.values[k] for k in keys])))
+        elif src == me:
+            assert mine is not None
+            ops += [dist.P2POp(dist.isend, torch.cat([mine.index[k] for k in keys]), group=group, group_peer=dst, tag=0),
+                    dist.P2POp(dist.isend, torch.cat([mine.values[k] for k in keys]), group=group, group_peer=dst, tag=1)]
+        elif dst == me:
+            n = sum(everyone[src]["held"][k][1] for k in keys)
+            index, values = torch.empty(n, dtype=torch.int64), torch.empty(n * width, dtype=dtype)
+            ops += [dist.P2POp(dist.irecv, index, group=group, group_peer=src, tag=0),
+                    dist.P2POp(dist.irecv, values, group=group, group_peer=src, tag=1)]
+            pieces.append((src, keys, index, values))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    for src, keys, index, values in pieces:
+        # A message is its keys' pieces in order: per key, n indices and width × n values
+        # (the parameter's n, then each moment's n).
+        at_i = at_v = 0
+        for k in keys:
+            n = everyone[src]["held"][k][1]
+            full = out.full.get(k)
+            if full is None:
+                full = out.full[k] = torch.empty(width, math.prod(needed[k]), dtype=dtype)
+            full[:, index[at_i:at_i + n]] = values[at_v:at_v + n * width].view(width, n)
+            at_i, at_v = at_i + n, at_v + n * width
+    return out, sorted(missing)
 
 
-def load_full(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, state: FullState) -> None:
-    """Cut ``state``'s full tensors to this rank's shards and load them (a collective per key over the new mesh)."""
-    device = next(model.parameters()).device  # the exchange carries CPU tensors; a CUDA stage wants its own
-    # The model's own key order on every rank: loading scatters key by key, a collective each.
-    order = [k for k, _ in model.named_parameters() if k in state.params]
-    params: Any = {k: state.params[k].to(device) for k in order}
-    set_model_state_dict(model, params, options=FULL)
-    # One param group (build_optimizer's): its hyper-parameters from any source, its members this stage's keys.
-    groups = [dict(state.param_groups[0], params=order)]
-    optim = {k: {n: (t.to(device) if isinstance(t, torch.Tensor) and n != "step" else t)
-                 for n, t in state.optim[k].items()} for k in order if k in state.optim}
-    osd: Any = {"state": optim, "param_groups": groups}
-    set_optimizer_state_dict(model, opt, osd, options=FULL)
+def load_full(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, state: Assembled) -> None:
+    """Cut every assembled full tensor to this rank's shard of the new stage and load it: the
+    parameter in place (FSDP's and TP's shards are views of their own storage), the AdamW moments
+    as fresh state of the same placement. Local only."""
+    for k, p in model.named_parameters():
+        full = state.full[k].to(_local(p).device)
+
+        def cut(flat: torch.Tensor, like: torch.Tensor = p) -> torch.Tensor:
+            whole = flat.view(like.shape)
+            if isinstance(like, DTensor):
+                return distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None)
+            return whole.clone()
+
+        with torch.no_grad():
+            _local(p).copy_(_local(cut(full[0])))
+        if full.shape[0] > 1:
+            assert state.step is not None
+            opt.state[p] = {"step": state.step.clone(), **{m: cut(full[1 + i]) for i, m in enumerate(MOMENTS)}}
+    for group in opt.param_groups:
+        group.update(state.hyper)
     sched.load_state_dict(state.scheduler)
 
 
-def save_dcp(directory: str | Path, model: nn.Module, opt: torch.optim.Optimizer, sched: Any, iteration: int) -> None:
-    """Every world rank: a sharded DCP checkpoint (each rank writes its own shards, replicas
-    deduplicated) plus the scheduler and iteration in ``meta.pt`` from world rank 0."""
+def save_dcp(directory: str | Path, model: nn.Module, opt: torch.optim.Optimizer, sched: Any, iteration: int,
+             group: dist.ProcessGroup) -> None:
+    """Every rank of ``group`` (the layout's world): a sharded DCP checkpoint (each rank writes
+    its own shards, replicas deduplicated) plus the scheduler and iteration in ``meta.pt`` from
+    the world's first rank."""
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
-             checkpoint_id=str(directory))
-    if dist.get_rank() == 0:
+             checkpoint_id=str(directory), process_group=group)
+    if dist.get_rank(group) == 0:
         torch.save({"iteration": iteration, "scheduler": sched.state_dict()}, Path(directory) / "meta.pt")
-    dist.barrier()
+    dist.barrier(group=group)
 
 
-def load_dcp(directory: str | Path, model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> int:
-    """Every world rank: load a DCP checkpoint written by any layout into this layout's shards
-    (DCP's default planner reshards: each rank reads the byte ranges of its own shards).
+def load_dcp(directory: str | Path, model: nn.Module, opt: torch.optim.Optimizer, sched: Any,
+             group: dist.ProcessGroup) -> int:
+    """Every rank of ``group``: load a DCP checkpoint written by any layout into this layout's
+    shards (DCP's default planner reshards: each rank reads the byte ranges of its own shards).
     Returns the checkpoint's iteration."""
     state: dict[str, Any] = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-    dcp.load(state, checkpoint_id=str(directory))
+    dcp.load(state, checkpoint_id=str(directory), process_group=group)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optim"])
     meta = torch.load(Path(directory) / "meta.pt", weights_only=False)

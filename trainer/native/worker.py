@@ -20,12 +20,14 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
-from collector.events import Coords, FaultInjected, IterationSummary, Location, RankIteration
+from collector.events import (Coords, FaultInjected, IterationSummary, Location, RankIteration, ReshapePhase,
+                              ReshapePhaseName)
 from collector.plan import Plan
 from collector.settings import environment
 from trainer.fault_spec import FaultSpec
@@ -35,7 +37,7 @@ from trainer.native.intake import CommandFollower, NativeCommandIntake
 from trainer.native.layout import NativeLayout
 from trainer.native.model import LlamaConfig, ModelFactory
 from trainer.native.stage import NativeRole, TrainSettings
-from trainer.native.state import export_full, load_dcp, save_dcp
+from trainer.native.state import full_params, load_dcp, save_dcp
 from trainer.spec import BusSpec
 from trainer.telemetry import TelemetryPublisher
 
@@ -47,6 +49,17 @@ class ScheduledReshape(BaseModel):
 
     at_iteration: int = Field(ge=1, description="applied before this iteration runs")
     plan: Plan
+
+
+class ReshapeFault(BaseModel):
+    """A test hook: ``device`` fails at the end of ``phase`` of the first reshape to ``epoch``
+    that reaches it (every rank must then roll back to the running layout and train on)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    device: int = Field(ge=0)
+    epoch: int = Field(ge=1)
+    phase: Literal["export", "new_mesh", "stages_rebuilt", "redistribute"]
 
 
 class NativeRunSpec(BaseModel):
@@ -72,6 +85,7 @@ class NativeRunSpec(BaseModel):
     bus: BusSpec | None = None
     heartbeat_s: float = Field(default=1.0, gt=0)
     echo: bool = Field(default=False, description="world rank 0 prints each iteration's loss")
+    reshape_faults: list[ReshapeFault] = Field(default_factory=list, description="test hook: failures to inject")
     commands: bool = Field(default=False, description=(
         "obey command.reconfigure from the bus (needs bus): the launcher announces the plan and this executor's "
         "capabilities, fences and acknowledges commands (trainer/native/intake.py)"))
@@ -110,29 +124,43 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
     torch.set_num_threads(spec.threads)
     cfg, settings = spec.config, spec.train_settings
     torch_device, backend = select_device(spec.device, device)
+    layout = NativeLayout.of(spec.plan, cfg)
+    if device not in layout.world:
+        return 0
     store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
-    fallback = Path(spec.resume_dir) if spec.resume_dir else None  # no periodic checkpoints yet
-    ex = NativeExecutor(device, cfg, settings, store, torch_device, backend, spec.timeout_s,
-                        checkpoint_dir=lambda: fallback, model_factory=spec.factory())
+    # One default group for the whole job, over its first world: later layouts use sub-groups of it.
+    rank_of = {d: i for i, d in enumerate(layout.world)}
+    dist.init_process_group(backend, store=dist.PrefixStore("native/pg/", store), rank=rank_of[device],
+                            world_size=len(layout.world), timeout=timedelta(seconds=spec.timeout_s))
     telemetry = (TelemetryPublisher(spec.bus.open, spec.job, device, spec.heartbeat_s) if spec.bus else None)
+    at = {"iteration": 0}
+
+    def on_phase(epoch: int, phase: str, seconds: float, ok: bool, detail: str) -> None:
+        if telemetry is not None:
+            telemetry.publish(ReshapePhase(executor="native", epoch=epoch, iteration=at["iteration"], rank=device,
+                                           phase=ReshapePhaseName(phase), duration_s=seconds, ok=ok,
+                                           detail=detail[:2_000]))
+
+    fallback = Path(spec.resume_dir) if spec.resume_dir else None  # no periodic checkpoints yet
+    ex = NativeExecutor(device, cfg, settings, rank_of, torch_device, spec.timeout_s,
+                        checkpoint_dir=lambda: fallback, model_factory=spec.factory(), on_phase=on_phase,
+                        fail_in=tuple((f.epoch, f.phase) for f in spec.reshape_faults if f.device == device))
     results: dict = {"device": device, "losses": {}, "walls": {}, "reshapes": [], "refused": [], "backend": backend}
     follower = CommandFollower(store, device, torch_device) if spec.commands else None
     padding = ChunkPadding(spec.faults, device, spec.pace_s_per_layer_token)
     try:
-        layout = NativeLayout.of(spec.plan, cfg)
-        if device not in layout.world:
-            return 0
-        ex.join_world(layout)
-        ex.current = ex.rebuild_stages(layout)
+        ex.start(layout)
+        assert ex.current is not None
         iteration = 0
         if spec.resume_dir:
             cur = ex.current
-            iteration = load_dcp(spec.resume_dir, cur.model, cur.opt, cur.sched)
+            iteration = load_dcp(spec.resume_dir, cur.model, cur.opt, cur.sched, cur.world)
         pending = {r.at_iteration: r.plan for r in spec.reshapes}
         first_step_of, post = None, None
         while iteration < spec.iterations:
+            at["iteration"] = iteration
             plan = pending.pop(iteration, None)
-            if plan is None and follower is not None and (posted := follower.next_plan()) is not None:
+            if plan is None and follower is not None and (posted := follower.next_plan(ex.current.world)) is not None:
                 post, plan = posted
             if plan is not None:
                 try:
@@ -154,12 +182,15 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
             wall_s = time.perf_counter() - started
             if first_step_of is not None:
                 first_step_of.phases_s["first_step"] = wall_s
+                on_phase(first_step_of.epoch, "first_step", wall_s, True, "")
                 results["reshapes"].append({"epoch": first_step_of.epoch, "source": first_step_of.source,
-                                            "phases_s": first_step_of.phases_s, "iteration": iteration})
+                                            "phases_s": first_step_of.phases_s, "iteration": iteration,
+                                            "groups_created": ex.groups.created})
                 if follower is not None and post is not None:
                     follower.done(post, first_step_of.epoch, first_step_of.source, first_step_of.phases_s)
                 first_step_of, post = None, None
             results["losses"][iteration] = loss
+            results["epochs"] = {**results.get("epochs", {}), iteration: cur.layout.plan.epoch}
             if follower is not None:
                 follower.stepped()
             results["walls"][iteration] = wall_s
@@ -175,12 +206,12 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
             iteration += 1
         cur = ex.current
         if spec.save_dir:
-            save_dcp(spec.save_dir, cur.model, cur.opt, cur.sched, iteration)
-        full = export_full(cur.model, cur.opt, cur.sched)
+            save_dcp(spec.save_dir, cur.model, cur.opt, cur.sched, iteration, cur.world)
+        params = full_params(cur.model)
         if spec.out_dir and cur.role.replica == 0 and cur.role.tp_rank == 0:
-            torch.save(full.params, Path(spec.out_dir) / f"params-{device}.pt")
+            torch.save(params, Path(spec.out_dir) / f"params-{device}.pt")
         results["final_epoch"] = cur.layout.plan.epoch
-        dist.barrier()
+        dist.barrier(group=cur.world)
         return 0
     except Released:
         results["released"] = True
@@ -266,4 +297,4 @@ def read_results(out_dir: str | Path) -> tuple[dict[int, dict], dict[str, torch.
     return ranks, params
 
 
-__all__ = ["NativeRunSpec", "ScheduledReshape", "launch_native", "read_results", "select_device"]
+__all__ = ["NativeRunSpec", "ReshapeFault", "ScheduledReshape", "launch_native", "read_results", "select_device"]

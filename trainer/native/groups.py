@@ -1,0 +1,60 @@
+"""The process groups of a native job: one world for the whole run, sub-groups made once and kept.
+
+A reshape used to destroy the default group and rendezvous a new one, then let DeviceMesh create
+a sub-group for every slice of every dimension — a world-wide store barrier and a gloo full-mesh
+connect each time, most of a pause. Instead the default group spans the job's first world for
+the whole run, and every group a layout needs (a mesh dimension's slice, the running world, the
+union of an old and a new world for moving state) is created once, by its members only
+(``use_local_synchronization``), and reused by every later layout that has the same ranks: a
+reshape back to a layout seen before creates nothing, and the old layout's groups stay alive
+until the new one is committed, which is what lets a failed reshape roll back.
+
+Why the salt: torch names a locally synchronised group after its ranks and the process's
+running group count, and only members count it, so two ranks with different histories would
+name the same group differently and wait for each other forever. Every group is created with
+the count set to a value all its members agree on (the epoch and the group's role), so the name
+depends on what the group is, not on who created what before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+ROLES = ("dp", "pp", "tp", "world", "moves")
+
+
+class GroupCache:
+    """This rank's groups by (role, ranks); ranks are default-group ranks."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout = timedelta(seconds=timeout_s)
+        self._groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
+        self.created = 0  # how many groups this rank has created (the benchmark reports it)
+
+    def get(self, role: str, ranks: Sequence[int], epoch: int) -> dist.ProcessGroup:
+        """The group of ``ranks`` for ``role``, created now by its members if it is new. Every
+        member calls this for the same (role, ranks) in the same reshape; non-members never do.
+        ``moves`` groups are gloo whatever the job's backend: the state they carry and the votes
+        they take are CPU tensors (NCCL moves only GPU ones)."""
+        key = (role, tuple(sorted(ranks)))
+        if key[1] == tuple(range(dist.get_world_size())) and role in ("world",):
+            return dist.group.WORLD  # type: ignore[return-value]
+        group = self._groups.get(key)
+        if group is None:
+            # The salt (see the module doc): the same on every member, distinct per epoch and role;
+            # the count is put back after, so groups torch creates world-wide still agree on theirs.
+            count = c10d._world.group_count
+            c10d._world.group_count = 1_000_000 + epoch * len(ROLES) + ROLES.index(role)
+            try:
+                made = dist.new_group(list(key[1]), timeout=self.timeout, use_local_synchronization=True,
+                                      backend="gloo" if role == "moves" else None)
+            finally:
+                c10d._world.group_count = count
+            assert isinstance(made, dist.ProcessGroup)
+            group = self._groups[key] = made
+            self.created += 1
+        return group
