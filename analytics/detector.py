@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from functools import cached_property
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -58,6 +59,44 @@ def job_tokens(frame: IterationFrame) -> int:
     count the source did not report (NaN) add nothing: 0 when none is known."""
     first = (frame.c_kind == 0) & (frame.c_vs == 0) & (frame.pp[frame.c_rank] == 0) & (frame.tp[frame.c_rank] == 0)
     return int(np.nansum(frame.c_tokens[first]))
+
+
+class IterationFacts(Protocol):
+    """What judging an iteration needs of its chunks (``Detector.judge``)."""
+
+    own_s: np.ndarray  # (R,) each rank's own compute, summed over its chunks
+    pred_s: np.ndarray  # (R,) each rank's predicted own compute, summed
+    explained_s: float  # the critical path of the observed own times, no communication (NaN: cannot lay out)
+    pipeline_s: float  # the critical path of the predicted times, with communication
+    tokens: int  # job_tokens
+
+
+class ChunkFacts:
+    """IterationFacts from the frame's own chunks, each computed when first read (a detector
+    without link judgement never lays out the observed times)."""
+
+    def __init__(self, frame: IterationFrame, score: FrameScore, schedule: tuple[str | None, int | None]) -> None:
+        self.frame, self.score, self.schedule = frame, score, schedule
+
+    @cached_property
+    def own_s(self) -> np.ndarray:
+        return np.bincount(self.frame.c_rank, weights=self.frame.c_own, minlength=self.frame.num_ranks)
+
+    @cached_property
+    def pred_s(self) -> np.ndarray:
+        return np.bincount(self.frame.c_rank, weights=np.nan_to_num(self.score.c_pred), minlength=self.frame.num_ranks)
+
+    @cached_property
+    def explained_s(self) -> float:
+        return predicted_iteration_s(self.frame, self.frame.c_own, *self.schedule, include_comm=False)
+
+    @cached_property
+    def pipeline_s(self) -> float:
+        return predicted_iteration_s(self.frame, self.score.c_pred, *self.schedule)
+
+    @cached_property
+    def tokens(self) -> int:
+        return job_tokens(self.frame)
 
 
 @dataclass
@@ -198,6 +237,13 @@ class Detector:
 
     def process_frame(self, frame: IterationFrame) -> list[Payload]:
         """Score one iteration's frame and return the events it causes."""
+        out = self.begin_frame(frame)
+        suspects = self.suspects(frame)
+        score = score_frame(frame, self.model, suspects, self.config.chunk_quantile)
+        return out + self.judge(frame, score, ChunkFacts(frame, score, self._schedule(frame)), suspects)
+
+    def begin_frame(self, frame: IterationFrame) -> list[Payload]:
+        """Before an iteration is scored: a new plan's resets, and the ranks it lacks."""
         out: list[Payload] = []
         if frame.epoch != self.epoch:
             out += self._new_epoch(frame)
@@ -206,20 +252,29 @@ class Detector:
         if expected is None:
             expected = self.arrival.learned.get(frame.epoch, present)
         missing = expected - present - self.fail_stop.dead
-        out += self.book.fail_stop(self.fail_stop.missing(missing, frame.iteration))
-        suspects = self._with_traced_peers(frame, self.book.suspect_ranks())
-        score = score_frame(frame, self.model, suspects, self.config.chunk_quantile)
+        return out + self.book.fail_stop(self.fail_stop.missing(missing, frame.iteration))
+
+    def suspects(self, frame: IterationFrame) -> set[int]:
+        """The ranks whose TP groups may not teach the cost model nor set the job's centre now."""
+        return self._with_traced_peers(frame, self.book.suspect_ranks())
+
+    def judge(self, frame: IterationFrame, score: FrameScore, facts: IterationFacts,
+              suspects: set[int]) -> list[Payload]:
+        """The job-level half of an iteration: σ, the CUSUMs, the incident book, the prediction,
+        health. It reads the frame's per-rank arrays only; what it needs of the chunks comes in
+        ``facts``, so the sharded merge (analytics/merge.py) runs it on a frame without chunks."""
+        out: list[Payload] = []
         self.stats.frames += 1
         self.stats.inferred_frames += int(score.inferred)
-        self._remember(frame, score)
+        self._history.append(_FrameRecord(frame.iteration, frame.rank, facts.own_s, facts.pred_s, score.z))
         sigma = self._sigma(frame, score, suspects)
         out += self._rank_cusum(frame, score, sigma)
         if self.config.links and len(score.link_z):
             out += self._link_cusum_step(frame, score, sigma)
         if self.config.links:
-            out += self._comm_excess(frame, score)
+            out += self._comm_excess(frame, score, facts)
         out += self.book.end_of_iteration(frame.iteration)
-        out.append(self._prediction(frame, score))
+        out.append(self._prediction(frame, facts))
         health = self._health(frame)
         if health is not None:
             out.append(health)
@@ -256,11 +311,6 @@ class Detector:
         present = set(frame.rank.tolist()) | (expected or set())
         self.fail_stop.new_epoch(present)
         return self.book.reconfigured(present, frame.iteration)
-
-    def _remember(self, frame: IterationFrame, score: FrameScore) -> None:
-        own = np.bincount(frame.c_rank, weights=frame.c_own, minlength=frame.num_ranks)
-        pred = np.bincount(frame.c_rank, weights=np.nan_to_num(score.c_pred), minlength=frame.num_ranks)
-        self._history.append(_FrameRecord(frame.iteration, frame.rank, own, pred, score.z))
 
     def _sigma(self, frame: IterationFrame, score: FrameScore, suspects: set[int]) -> float:
         # One value per clean TP group, its slowest member: suspects' groups are out (their peers wait
@@ -556,7 +606,7 @@ class Detector:
             ), frame.iteration)
         return out
 
-    def _comm_excess(self, frame: IterationFrame, score: FrameScore) -> list[Payload]:
+    def _comm_excess(self, frame: IterationFrame, score: FrameScore, facts: IterationFacts) -> list[Payload]:
         """Wall time that the observed compute cannot explain is communication — or, in a job that
         traces only some ranks, a fault outside what is traced (analytics/untraced.py). The
         schedule model replays the observed own chunk times (no transfers, no all-reduce); the
@@ -567,7 +617,7 @@ class Detector:
         last chunk's end) is followed the same way. A late iteration whose traced pipelines are on
         time lost its time while they waited in the DP all-reduce: for a replica nobody traces."""
         sched = self._schedule(frame)
-        explained = predicted_iteration_s(frame, frame.c_own, *sched, include_comm=False)
+        explained = facts.explained_s
         if not np.isfinite(explained) or explained <= 0:
             return []
         wall = float(frame.wall_s.max())
@@ -669,7 +719,7 @@ class Detector:
         plan = self.arrival.plans.get(frame.epoch)
         return (plan.schedule, plan.virtual_stages) if plan is not None else (None, None)
 
-    def _prediction(self, frame: IterationFrame, score: FrameScore) -> IterationPrediction:
+    def _prediction(self, frame: IterationFrame, facts: IterationFacts) -> IterationPrediction:
         """Observed against predicted iteration time: the pipeline's critical path with predicted
         chunks, plus the job's time outside the pipeline.
 
@@ -678,7 +728,7 @@ class Detector:
         (model size, optimizer, loader), so it is learned per job: the median, over the last
         ``window_iterations`` iterations with no incident open, of observed minus the pipeline's
         prediction, never below zero. Without it a healthy job read +28 % against its prediction."""
-        pipeline = predicted_iteration_s(frame, score.c_pred, *self._schedule(frame))
+        pipeline = facts.pipeline_s
         observed = float(frame.wall_s.max())
         if np.isfinite(pipeline) and pipeline > 0 and not self.book.open:
             self._outside_s.append(observed - pipeline)
@@ -687,7 +737,7 @@ class Detector:
         return IterationPrediction(
             epoch=frame.epoch, iteration=frame.iteration, observed_s=observed,
             predicted_s=float(pipeline + outside) if np.isfinite(pipeline) else 0.0,
-            tokens=job_tokens(frame),
+            tokens=facts.tokens,
             model_error=float(err) if np.isfinite(err) else None,
         )
 
