@@ -143,7 +143,7 @@ class Detector:
         self._comm_unjudged = False  # the open communication incident has no healthy reference in this layout
         self._history: deque[_FrameRecord] = deque(maxlen=8)
         self._outside_s: deque[float] = deque(maxlen=self.config.window_iterations)  # time outside the pipeline
-        self._published_health: dict[int, tuple[str, float]] = {}
+        self._published_view: tuple[np.ndarray, dict[int, tuple[str, float]]] | None = None  # the last RankHealth
         self.last_frame: IterationFrame | None = None
         self.last_score: FrameScore | None = None
 
@@ -742,20 +742,25 @@ class Detector:
         )
 
     def _health(self, frame: IterationFrame) -> RankHealth | None:
-        """The full rank view, only when some rank's state or factor (to 5%) changed."""
-        states = {int(r): ("healthy", 1.0) for r in frame.rank}
+        """The full rank view, only when some rank's state or factor (to 5%) changed.
+
+        Compared as the frame's ranks (healthy unless named) plus the few ranks in another state:
+        at 100k ranks a dict of every rank per iteration cost more than judging the iteration."""
+        special: dict[int, tuple[str, float]] = {}
         for r in self.arrival.untraced(frame.epoch):
-            states[r] = ("not_traced", 1.0)  # declared untraced: neither healthy nor dead from silence
+            special[r] = ("not_traced", 1.0)  # declared untraced: neither healthy nor dead from silence
         for r in self.fail_stop.dead:
-            states[r] = ("dead", 1e6)
+            special[r] = ("dead", 1e6)
         for r, f in self.book.slow_factors().items():
-            if states.get(r, ("", 0))[0] != "dead":
-                states[r] = ("slow", f)
-        changed = states.keys() != self._published_health.keys() or any(
-            st != self._published_health[r][0] or abs(f / self._published_health[r][1] - 1) > 0.05
-            for r, (st, f) in states.items())
+            if special.get(r, ("", 0))[0] != "dead":
+                special[r] = ("slow", f)
+        last = getattr(self, "_published_view", None)  # absent in a detector pickled before it existed
+        changed = last is None or not np.array_equal(last[0], frame.rank) or special.keys() != last[1].keys() or any(
+            st != last[1][r][0] or abs(f / last[1][r][1] - 1) > 0.05 for r, (st, f) in special.items())
         if not changed:
             return None
-        self._published_health = states
+        self._published_view = (frame.rank.copy(), special)
+        states = dict.fromkeys(frame.rank.tolist(), ("healthy", 1.0))
+        states.update(special)
         return RankHealth(epoch=frame.epoch, iteration=frame.iteration, ranks=[
             RankHealthEntry(rank=r, state=RankState(st), factor=max(f, 1e-6)) for r, (st, f) in sorted(states.items())])

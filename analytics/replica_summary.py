@@ -39,18 +39,29 @@ from analytics.scoring import (
 )
 from collector.events import DetectorFits, ReplicaSummary
 
-RANK_ARRAYS = ("rank", "tp", "pp", "dp", "cp", "node", "wall_s")
+RANK_ARRAYS = ("rank", "tp", "pp", "dp", "cp", "node")
 LINK_ARRAYS = ("l_src", "l_dst", "l_time", "l_stage_src", "l_stage_dst", "l_waits")
 UNIT_ARRAYS = ("u_class", "u_tokens", "u_s2", "u_own", "u_rank")
 SCORE_ARRAYS = ("x", "x_f", "x_b", "x_w", "own_s", "pred_s")
+INT32 = frozenset({*RANK_ARRAYS, "l_src", "l_dst", "l_stage_src", "l_stage_dst", "u_class", "u_rank"})
 
 
-def pack(values: np.ndarray) -> str:
-    return base64.b64encode(np.ascontiguousarray(values, dtype="<f8").tobytes()).decode("ascii")
+def pack(arrays: dict[str, np.ndarray]) -> tuple[list[tuple[str, str, int]], str]:
+    """(layout, base64 blob): device ids and codes as int32, flags as int8, the rest float64."""
+    layout, parts = [], []
+    for name, a in arrays.items():
+        dtype = "<i4" if name in INT32 else "<i1" if name == "l_waits" else "<f8"
+        parts.append(np.ascontiguousarray(a, dtype=dtype).tobytes())
+        layout.append((name, dtype, len(a)))
+    return layout, base64.b64encode(b"".join(parts)).decode("ascii")
 
 
-def unpack(text: str) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(text), dtype="<f8")
+def unpack(layout: Sequence[tuple[str, str, int]], blob: str) -> dict[str, np.ndarray]:
+    raw, out, at = base64.b64decode(blob), {}, 0
+    for name, dtype, n in layout:
+        out[name] = np.frombuffer(raw, dtype=dtype, count=n, offset=at)
+        at += n * np.dtype(dtype).itemsize
+    return out
 
 
 def fits_model(fits: DetectorFits | None, window_iterations: int) -> CostModel:
@@ -91,14 +102,14 @@ def summarize_replica(frame: IterationFrame, fits: DetectorFits | None, *, windo
     x, xk = rank_log_ratios(frame, pred, chunk_quantile)
     per_class = None if not replicas else max(1, math.ceil(MAX_FIT_ROWS / window_iterations / replicas))
     rows = _thin(t.u_class, np.isfinite(t.u_own), per_class)
-    links = link_times(frame)
-    arrays = {name: pack(getattr(frame, name)) for name in RANK_ARRAYS}
-    arrays.update(x=pack(x), x_f=pack(xk[:, 0]), x_b=pack(xk[:, 1]), x_w=pack(xk[:, 2]),
-                  own_s=pack(np.bincount(frame.c_rank, weights=frame.c_own, minlength=frame.num_ranks)),
-                  pred_s=pack(np.bincount(frame.c_rank, weights=np.nan_to_num(pred), minlength=frame.num_ranks)),
-                  u_class=pack(t.u_class[rows]), u_tokens=pack(t.u_tokens[rows]), u_s2=pack(t.u_s2[rows]),
-                  u_own=pack(t.u_own[rows]), u_rank=pack(frame.rank[t.u_rank[rows]]))
-    arrays.update({name: pack(a) for name, a in zip(LINK_ARRAYS, links)})
+    arrays = {name: getattr(frame, name) for name in RANK_ARRAYS}
+    arrays.update(x=x, x_f=xk[:, 0], x_b=xk[:, 1], x_w=xk[:, 2],
+                  own_s=np.bincount(frame.c_rank, weights=frame.c_own, minlength=frame.num_ranks),
+                  pred_s=np.bincount(frame.c_rank, weights=np.nan_to_num(pred), minlength=frame.num_ranks),
+                  u_class=t.u_class[rows], u_tokens=t.u_tokens[rows], u_s2=t.u_s2[rows], u_own=t.u_own[rows],
+                  u_rank=frame.rank[t.u_rank[rows]])
+    arrays.update(zip(LINK_ARRAYS, link_times(frame)))
+    layout, blob = pack(arrays)
     dp_sel = frame.k_op == 3  # OP_CODE["dp_allreduce"]
     dp_waits = np.bincount(frame.k_rank[dp_sel], weights=frame.k_dur[dp_sel], minlength=frame.num_ranks)
     explained = predicted_iteration_s(frame, frame.c_own, *schedule, include_comm=False)
@@ -110,7 +121,8 @@ def summarize_replica(frame: IterationFrame, fits: DetectorFits | None, *, windo
         inferred=inferred, explained_s=explained if math.isfinite(explained) else None,
         pipeline_s=pipeline if math.isfinite(pipeline) else None,
         dp_wait_s=float(dp_waits.min()) if len(dp_waits) else 0.0, tokens=int(np.nansum(frame.c_tokens[first])),
-        class_keys=[list(k) for k in keys], arrays=arrays)  # type: ignore[arg-type]
+        wall_s=float(frame.wall_s.max()), class_keys=[list(k) for k in keys], layout=layout,  # type: ignore[arg-type]
+        blob=blob)
 
 
 @dataclass
@@ -157,16 +169,20 @@ _INT = np.int64
 
 def job_view(epoch: int, iteration: int, parts: Sequence[ReplicaSummary], layers: LayerLookup | None) -> JobView:
     """The replicas' summaries as one job, rank rows sorted by rank (as ``build_frame`` sorts them)."""
-    cols: dict[str, np.ndarray] = {}
+    decoded = [unpack(p.layout, p.blob) for p in parts]
     names = (*RANK_ARRAYS, *SCORE_ARRAYS, *LINK_ARRAYS, "u_tokens", "u_s2", "u_own", "u_rank")
-    decoded = [{n: unpack(p.arrays[n]) for n in (*names, "u_class")} for p in parts]
-    for n in names:
-        cols[n] = np.concatenate([d[n] for d in decoded]) if decoded else np.zeros(0)
+    cols = {n: np.concatenate([d[n] for d in decoded]) if decoded else np.zeros(0) for n in names}
+    # a replica's wall time is its slowest rank's: judging reads only the job's slowest
+    cols["wall_s"] = np.repeat([p.wall_s for p in parts], [p.ranks for p in parts])
     keys: dict[tuple, int] = {}
+    local_of: dict[str, np.ndarray] = {}  # replicas mostly share their class list: map each list once
     u_class = []
     for p, d in zip(parts, decoded):  # each replica's class indices into one job-wide key list
-        local = np.array([keys.setdefault(tuple(k), len(keys)) for k in p.class_keys], _INT)
-        u_class.append(local[d["u_class"].astype(_INT)] if len(local) else d["u_class"].astype(_INT))
+        text = repr(p.class_keys)
+        local = local_of.get(text)
+        if local is None:
+            local = local_of[text] = np.array([keys.setdefault(tuple(k), len(keys)) for k in p.class_keys], _INT)
+        u_class.append(local[d["u_class"]] if len(local) else d["u_class"].astype(_INT))
     order = np.argsort(cols["rank"], kind="stable")
     rank = cols["rank"].astype(_INT)[order]
     n = len(rank)

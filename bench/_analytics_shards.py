@@ -43,12 +43,13 @@ def _clone(summary, replica: int, template: int, tp: int, pp: int):
     """A template replica's ReplicaSummary as replica ``replica``: ranks and dp shifted, rest shared."""
     from analytics.replica_summary import pack, unpack
 
-    arrays = dict(summary.arrays)
+    arrays = {k: v.copy() for k, v in unpack(summary.layout, summary.blob).items()}
     shift = (replica - template) * tp * pp
     for name in ("rank", "u_rank", "l_src", "l_dst"):
-        arrays[name] = pack(unpack(arrays[name]) + shift)
-    arrays["dp"] = pack(np.full(summary.ranks, float(replica)))
-    return summary.model_copy(update={"replica": replica, "arrays": arrays})
+        arrays[name] += shift
+    arrays["dp"][:] = replica
+    layout, blob = pack(arrays)
+    return summary.model_copy(update={"replica": replica, "layout": layout, "blob": blob})
 
 
 def bench_shards(ranks: int, shards: list[int], iterations: int = 4, microbatches: int = 16) -> dict:

@@ -326,9 +326,10 @@ class ReplicaSummary(Payload):
     pair; per work unit (thinned evenly to what the job's cost-model window keeps): its class,
     tokens, Σ lᵢ² and own time, for the merge's fit; per replica: its critical paths and tokens.
 
-    ``arrays`` maps an array name to its values as little-endian float64 bytes, base64 (NaN
-    allowed: "not judged"); ``class_keys`` names the work classes the unit rows index. Shards of
-    one consumer group each hold whole replicas (telemetry is keyed job/replica)."""
+    ``blob`` holds the arrays back to back as little-endian bytes, base64 (floats may be NaN: "not
+    judged"), ``layout`` says which: (name, numpy dtype, length) in order; ``class_keys`` names
+    the work classes the unit rows index. Shards of one consumer group each hold whole replicas
+    (telemetry is keyed job/replica)."""
 
     KIND: ClassVar[str] = "analytics.replica_summary"
     epoch: int = Field(ge=0)
@@ -343,8 +344,10 @@ class ReplicaSummary(Payload):
     pipeline_s: Finite | None = Field(description="critical path of predicted compute with the replica's p2p")
     dp_wait_s: Finite = Field(ge=0, description="the least DP all-reduce wait of the replica's ranks")
     tokens: int = Field(ge=0)
+    wall_s: Finite = Field(ge=0, description="the replica's slowest rank's iteration wall time")
     class_keys: list[list[str | int]] = Field(description="the work classes the unit rows' u_class indexes")
-    arrays: dict[str, str] = Field(description="array name -> base64 little-endian float64")
+    layout: list[tuple[str, Literal["<f8", "<i4", "<i1"], int]] = Field(description="(array, dtype, length) in blob order")
+    blob: str = Field(description="the arrays' little-endian bytes back to back, base64")
 
 
 class DetectorFits(Payload):
