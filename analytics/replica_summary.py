@@ -25,6 +25,7 @@ way); and the predicted iteration's p2p time is each replica's own lower quartil
 from __future__ import annotations
 
 import base64
+import json
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -44,13 +45,16 @@ LINK_ARRAYS = ("l_src", "l_dst", "l_time", "l_stage_src", "l_stage_dst", "l_wait
 UNIT_ARRAYS = ("u_class", "u_tokens", "u_s2", "u_own", "u_rank")
 SCORE_ARRAYS = ("x", "x_f", "x_b", "x_w", "own_s", "pred_s")
 INT32 = frozenset({*RANK_ARRAYS, "l_src", "l_dst", "l_stage_src", "l_stage_dst", "u_class", "u_rank"})
+FLOAT32 = frozenset({"x_f", "x_b", "x_w", "own_s", "pred_s"})  # read only for an incident's evidence and note
 
 
 def pack(arrays: dict[str, np.ndarray]) -> tuple[list[tuple[str, str, int]], str]:
-    """(layout, base64 blob): device ids and codes as int32, flags as int8, the rest float64."""
+    """(layout, base64 blob): device ids and codes as int32, flags as int8, what only an incident's
+    evidence reads as float32, the rest (what the CUSUMs and the fit read) float64."""
     layout, parts = [], []
     for name, a in arrays.items():
-        dtype = "<i4" if name in INT32 else "<i1" if name == "l_waits" else "<f8"
+        dtype = ("<i4" if name in INT32 else "<i1" if name == "l_waits" else "<f4" if name in FLOAT32
+                 else "<f8")
         parts.append(np.ascontiguousarray(a, dtype=dtype).tobytes())
         layout.append((name, dtype, len(a)))
     return layout, base64.b64encode(b"".join(parts)).decode("ascii")
@@ -121,7 +125,7 @@ def summarize_replica(frame: IterationFrame, fits: DetectorFits | None, *, windo
         inferred=inferred, explained_s=explained if math.isfinite(explained) else None,
         pipeline_s=pipeline if math.isfinite(pipeline) else None,
         dp_wait_s=float(dp_waits.min()) if len(dp_waits) else 0.0, tokens=int(np.nansum(frame.c_tokens[first])),
-        wall_s=float(frame.wall_s.max()), class_keys=[list(k) for k in keys], layout=layout,  # type: ignore[arg-type]
+        wall_s=float(frame.wall_s.max()), class_keys=json.dumps([list(k) for k in keys]), layout=layout,  # type: ignore[arg-type]
         blob=blob)
 
 
@@ -178,10 +182,10 @@ def job_view(epoch: int, iteration: int, parts: Sequence[ReplicaSummary], layers
     local_of: dict[str, np.ndarray] = {}  # replicas mostly share their class list: map each list once
     u_class = []
     for p, d in zip(parts, decoded):  # each replica's class indices into one job-wide key list
-        text = repr(p.class_keys)
-        local = local_of.get(text)
+        local = local_of.get(p.class_keys)
         if local is None:
-            local = local_of[text] = np.array([keys.setdefault(tuple(k), len(keys)) for k in p.class_keys], _INT)
+            local = local_of[p.class_keys] = np.array(
+                [keys.setdefault(tuple(k), len(keys)) for k in json.loads(p.class_keys)], _INT)
         u_class.append(local[d["u_class"]] if len(local) else d["u_class"].astype(_INT))
     order = np.argsort(cols["rank"], kind="stable")
     rank = cols["rank"].astype(_INT)[order]

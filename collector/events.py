@@ -345,8 +345,8 @@ class ReplicaSummary(Payload):
     dp_wait_s: Finite = Field(ge=0, description="the least DP all-reduce wait of the replica's ranks")
     tokens: int = Field(ge=0)
     wall_s: Finite = Field(ge=0, description="the replica's slowest rank's iteration wall time")
-    class_keys: list[list[str | int]] = Field(description="the work classes the unit rows' u_class indexes")
-    layout: list[tuple[str, Literal["<f8", "<i4", "<i1"], int]] = Field(description="(array, dtype, length) in blob order")
+    class_keys: str = Field(description="the work classes u_class indexes, a JSON list (replicas share it verbatim)")
+    layout: list[tuple[str, Literal["<f8", "<f4", "<i4", "<i1"], int]] = Field(description="(array, dtype, length) in blob order")
     blob: str = Field(description="the arrays' little-endian bytes back to back, base64")
 
 
