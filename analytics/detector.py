@@ -174,11 +174,7 @@ class Detector:
         if isinstance(p, RankIteration):
             return self._on_report(p, event.time_s)
         if isinstance(p, Heartbeat):
-            dead_before = len(self.fail_stop.dead)
-            self.arrival.heard(p.epoch, p.rank)
-            out = self.book.fail_stop(self.fail_stop.heartbeat(p, event.time_s))
-            check = len(self.fail_stop.dead) != dead_before or not self.arrival.oldest_has(p.rank)
-            return out + self._flush_ready(check)
+            return self.on_heartbeat(p, event.time_s)
         if isinstance(p, TracingDeclared):
             self.arrival.declare(p)
             return self.book.fail_stop(self.fail_stop.declare(p)) + self._flush_ready(True)
@@ -189,6 +185,17 @@ class Detector:
             self.fail_stop.plan_announced(p.plan.epoch, set(p.plan.roles))
             return self._flush_ready(True)
         return []
+
+    def on_heartbeat(self, p: Heartbeat, time_s: float) -> list[Payload]:
+        dead_before = len(self.fail_stop.dead)
+        self.arrival.heard(p.epoch, p.rank)
+        out = self.book.fail_stop(self.fail_stop.heartbeat(p, time_s))
+        check = len(self.fail_stop.dead) != dead_before or not self.arrival.oldest_has(p.rank)
+        return out + self._flush_ready(check)
+
+    def report_seen(self, rank: int, epoch: int, iteration: int, time_s: float) -> list[Payload]:
+        """A rank report's liveness alone (the sharded merge: a shard holds the report itself)."""
+        return self.book.fail_stop(self.fail_stop.telemetry(rank, epoch, iteration, time_s))
 
     def flush(self) -> list[Payload]:
         """Score every iteration still waiting (end of a trace)."""

@@ -27,10 +27,12 @@ import numpy as np
 from analytics.detector import Detector
 from analytics.detector_config import DetectorConfig
 from analytics.frame import LayerLookup
-from analytics.replica_summary import fits_event, job_view
+from analytics.replica_summary import LIVENESS_ARRAYS, fits_event, job_view, unpack
 from analytics.scoring import fit_ranks, learn_units
 from collector.bus import Bus
-from collector.events import Envelope, Payload, PlanCurrent, ReconfigureCommand, ReplicaSummary
+from collector.events import (
+    Envelope, Heartbeat, LivenessBatch, Payload, PlanCurrent, ReconfigureCommand, ReplicaSummary,
+)
 
 
 @dataclass
@@ -59,9 +61,29 @@ class JobMerge:
                 return []
             self._waiting.setdefault(key, {})[p.replica] = p
             return self._judge_ready(final=False)
+        if isinstance(p, LivenessBatch):
+            return self._liveness(p)
         if isinstance(p, (PlanCurrent, ReconfigureCommand)):
             self._replicas[p.plan.epoch] = set(range(len(p.plan.pipelines)))
         return self.detector.on_event(event) + self._judge_ready(final=False)
+
+    def _liveness(self, p: LivenessBatch) -> list[Payload]:
+        """A shard's heartbeats and report progress through the fail-stop watch, in the order it
+        read them. When the dead set changes the fits are published again with it: a replica with a
+        dead rank completes without it, as the single process judges an iteration without the dead."""
+        det = self.detector
+        dead_before = set(det.fail_stop.dead)
+        rows = unpack(p.layout, p.blob)
+        out: list[Payload] = []
+        for kind, rank, epoch, iteration, time_s, interval_s in zip(*(rows[n].tolist() for n in LIVENESS_ARRAYS)):
+            if kind:
+                hb = Heartbeat.model_construct(rank=rank, epoch=epoch, iteration=iteration, interval_s=interval_s)
+                out += det.on_heartbeat(hb, time_s)  # validated when the shard read it
+            else:
+                out += det.report_seen(rank, epoch, iteration, time_s)
+        if set(det.fail_stop.dead) != dead_before:
+            out.append(fits_event(det.model, *self._judged, det.arrival.plans, det.fail_stop.dead))
+        return out + self._judge_ready(final=False)
 
     def _layers(self, epoch: int) -> LayerLookup | None:
         plan = self.detector.arrival.plans.get(epoch)
@@ -101,7 +123,7 @@ class JobMerge:
         u_own = np.where(clean[row] & (frame.rank[row] == view.u_rank), view.u_own, np.nan)
         learn_units(det.model, iteration, view.u_keys, view.u_class, view.u_tokens, view.u_s2, u_own)
         out += det.judge(frame, view.score(clean), view.facts, suspects)
-        out.append(fits_event(det.model, epoch, iteration, det.arrival.plans))
+        out.append(fits_event(det.model, epoch, iteration, det.arrival.plans, det.fail_stop.dead))
         return out
 
 
@@ -127,7 +149,8 @@ class MergeWorker:
 
         for d in self.stream.poll(max_records, timeout_s):
             e = d.event
-            if not isinstance(e.payload, (ReplicaSummary, PlanCurrent, ReconfigureCommand)) and e.job not in self.merges:
+            if (not isinstance(e.payload, (ReplicaSummary, LivenessBatch, PlanCurrent, ReconfigureCommand))
+                    and e.job not in self.merges):
                 continue
             merge = self.merges.get(e.job)
             if merge is None:

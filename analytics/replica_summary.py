@@ -27,7 +27,7 @@ from __future__ import annotations
 import base64
 import json
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +44,9 @@ RANK_ARRAYS = ("rank", "tp", "pp", "dp", "cp", "node")
 LINK_ARRAYS = ("l_src", "l_dst", "l_time", "l_stage_src", "l_stage_dst", "l_waits")
 UNIT_ARRAYS = ("u_class", "u_tokens", "u_s2", "u_own", "u_rank")
 SCORE_ARRAYS = ("x", "x_f", "x_b", "x_w", "own_s", "pred_s")
-INT32 = frozenset({*RANK_ARRAYS, "l_src", "l_dst", "l_stage_src", "l_stage_dst", "u_class", "u_rank"})
+INT32 = frozenset({*RANK_ARRAYS, "l_src", "l_dst", "l_stage_src", "l_stage_dst", "u_class", "u_rank", "kind", "epoch",
+                   "iteration"})
+LIVENESS_ARRAYS = ("kind", "rank", "epoch", "iteration", "time_s", "interval_s")  # LivenessBatch
 FLOAT32 = frozenset({"x_f", "x_b", "x_w", "own_s", "pred_s"})  # read only for an incident's evidence and note
 
 
@@ -76,8 +78,9 @@ def fits_model(fits: DetectorFits | None, window_iterations: int) -> CostModel:
     return model
 
 
-def fits_event(model: CostModel, epoch: int, iteration: int, planned: Sequence[int]) -> DetectorFits:
-    return DetectorFits(epoch=epoch, iteration=iteration, planned_epochs=sorted(planned), classes=[
+def fits_event(model: CostModel, epoch: int, iteration: int, planned: Iterable[int], dead: Iterable[int]
+               ) -> DetectorFits:
+    return DetectorFits(epoch=epoch, iteration=iteration, planned_epochs=sorted(planned), dead=sorted(dead), classes=[
         (list(k), f.alpha, f.beta, f.gamma, f.has_seq_lens) for k, f in model.fits.items() if isinstance(k, tuple)])
 
 

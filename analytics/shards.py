@@ -31,12 +31,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from analytics.detector_config import DetectorConfig
 from analytics.frame import LayerLookup, build_frame
-from analytics.replica_summary import summarize_replica
+from analytics.replica_summary import LIVENESS_ARRAYS, pack, summarize_replica
 from collector.bus import Bus, TopicPartition
 from collector.events import (
-    DetectorFits, Envelope, PlanCurrent, RankIteration, ReconfigureCommand, ReplicaSummary,
+    DetectorFits, Envelope, Heartbeat, LivenessBatch, PlanCurrent, RankIteration, ReconfigureCommand, ReplicaSummary,
 )
 from collector.plan import Plan
 
@@ -67,6 +69,9 @@ class ReplicaShard:
     _done: set[tuple[int, int, int]] = field(default_factory=set)  # emitted (epoch, iteration, replica)
     _fits: dict[int, DetectorFits] = field(default_factory=dict)  # iteration -> the merge's fits after it
     _lowest: int | None = None  # the lowest iteration this shard saw a report of
+    _dead: set[int] = field(default_factory=set)  # ranks the merge holds dead (its latest fits say)
+    _dead_from: tuple[int, int] = (-2, -2)  # the fits that said so
+    _heard: list[tuple[int, int, int, int, float, float]] = field(default_factory=list)  # liveness rows
     emitted: int = 0
 
     def on_event(self, event: Envelope, where: tuple[str, int, int] | None = None) -> list[ReplicaSummary]:
@@ -75,6 +80,8 @@ class ReplicaShard:
         if event.job != self.job:
             return []
         if isinstance(p, DetectorFits):
+            if (p.epoch, p.iteration) >= self._dead_from:
+                self._dead, self._dead_from = set(p.dead), (p.epoch, p.iteration)
             held = self._fits.get(p.iteration)
             if held is None or (held.epoch, held.iteration) <= (p.epoch, p.iteration):
                 self._fits[p.iteration] = p
@@ -86,8 +93,12 @@ class ReplicaShard:
             for d, role in p.plan.roles.items():
                 self._members.setdefault((p.plan.epoch, role.replica), set()).add(int(d))
             return self._ready()
+        if isinstance(p, Heartbeat):
+            self._heard.append((1, p.rank, p.epoch, p.iteration, event.time_s, p.interval_s))
+            return []
         if not isinstance(p, RankIteration):
             return []
+        self._heard.append((0, p.rank, p.epoch, p.iteration, event.time_s, 0.0))
         key = (p.epoch, p.iteration, p.coords.dp)
         if key in self._done:
             return []  # re-read after a rebalance: that replica's iteration is out already
@@ -117,7 +128,7 @@ class ReplicaShard:
                     if self._top.get((epoch, replica), -1) <= iteration:
                         continue
                     self._members[(epoch, replica)] = have
-                elif not members <= have:
+                elif not members - self._dead <= have:
                     continue
                 pend.complete = True
             fits = self._fits.get(iteration - 1)
@@ -127,6 +138,16 @@ class ReplicaShard:
                 out.append(self._emit(key, self._best_fits(epoch, iteration)))
             # else: the merge has not judged the job's previous iteration yet
         return out
+
+    def take_liveness(self) -> LivenessBatch | None:
+        """The heartbeats and report progress read since the last call, for the merge's fail-stop
+        watch (shards hold whole replicas, but liveness is judged against the whole job)."""
+        if not self._heard:
+            return None
+        rows = np.array(self._heard, dtype=float)
+        self._heard = []
+        layout, blob = pack(dict(zip(LIVENESS_ARRAYS, rows.T)))
+        return LivenessBatch(rows=len(rows), shard=self.name, layout=layout, blob=blob)  # type: ignore[arg-type]
 
     def _best_fits(self, epoch: int, iteration: int) -> DetectorFits | None:
         """The latest fits from before (epoch, iteration)."""
@@ -212,9 +233,10 @@ class ShardWorker:
                 ready += self.shard.on_event(d.event)
         for d in self.stream.poll(max_records, 0.0 if waiting else timeout_s):
             ready += self.shard.on_event(d.event, (d.topic, d.partition, d.offset))
-        if ready:
+        heard = self.shard.take_liveness()
+        if ready or heard:
             f = EventFactory(self.shard.job, f"shard:{self.shard.name}")
-            self.bus.publish([f.make(fr) for fr in ready])
+            self.bus.publish([f.make(x) for x in ([heard] if heard else []) + ready])
         owned = self.stream.consumer.positions()  # only partitions still ours may be committed
         read = {(tp.topic, tp.partition): off for tp, off in self.stream.positions_after_poll().items() if tp in owned}
         safe = self.shard.safe_positions(read)

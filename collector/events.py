@@ -350,18 +350,33 @@ class ReplicaSummary(Payload):
     blob: str = Field(description="the arrays' little-endian bytes back to back, base64")
 
 
+class LivenessBatch(Payload):
+    """What a shard heard of its ranks' liveness since its last batch, for the merge's fail-stop
+    watch (analytics/fail_stop.py), which judges heartbeats and report progress job-wide: one row
+    per heartbeat (kind 1, with its interval) or rank report (kind 0) the shard read, in the order
+    read. ``blob``/``layout`` as in ReplicaSummary: arrays kind, rank, epoch, iteration, time_s,
+    interval_s."""
+
+    KIND: ClassVar[str] = "analytics.liveness"
+    rows: int = Field(ge=1)
+    shard: str = Field(default="", description="the analytics process that read them (diagnostics only)")
+    layout: list[tuple[str, Literal["<f8", "<f4", "<i4", "<i1"], int]]
+    blob: str
+
+
 class DetectorFits(Payload):
     """The merge's cost-model fits after it judged (epoch, iteration): what the shards predict the
     job's next iteration with, as the single process predicts with the fits of the iterations before
     (analytics/scoring.py ``predict_chunks``). ``classes``: [class key, α, β, γ, uses Σ lᵢ²].
     ``planned_epochs``: the epochs whose plan the merge knows (without one, a new epoch forgets the
-    fits, as the single process does)."""
+    fits, as the single process does). Republished for the same iteration when ``dead`` changes."""
 
     KIND: ClassVar[str] = "analytics.detector_fits"
-    epoch: int = Field(ge=0)
-    iteration: int = Field(ge=0)
+    epoch: int = Field(ge=-1, description="-1: before the job's first judged iteration (dead ranks only)")
+    iteration: int = Field(ge=-1)
     classes: list[tuple[list[str | int], Finite, Finite, Finite, bool]]
     planned_epochs: list[int] = Field(default_factory=list)
+    dead: list[int] = Field(default_factory=list, description="ranks the merge holds dead: a replica completes without them")
 
 
 class RankState(StrEnum):
@@ -739,7 +754,7 @@ class ControlRejected(Payload):
 
 PAYLOAD_TYPES: tuple[type[Payload], ...] = (
     RankIteration, IterationSummary, Heartbeat, TracingDeclared,
-    IterationPrediction, RankHealth, AnalyticsLease, ReplicaSummary, DetectorFits,
+    IterationPrediction, RankHealth, AnalyticsLease, ReplicaSummary, DetectorFits, LivenessBatch,
     IncidentOpened, IncidentConfirmed, IncidentUpdated, IncidentResolved, ProbeRequest, ProbeResult,
     PlanProposed, PlanDecision, PolicyChanged, ReconfigureCommand, CommandAck, PlanVerified, PlanRolledBack,
     PlanWithheld, PlanCurrent, CostModelFitted,

@@ -16,28 +16,32 @@ from test_detect_detector import opened, run, synth
 
 
 def _sharded(events, shards: int, *, replay: int = 0) -> tuple[JobMerge, list]:
-    """Replicas dealt to ``shards`` shards (replica % shards, as a keyed partition would), every
-    shard reading the plans and the merge's fits; the merge judges as summaries come. ``replay``:
-    shard 0 sends each summary that many more times (a successor rebuilding from the log)."""
+    """Replicas dealt to ``shards`` shards (replica % shards, as a keyed partition would; a rank's
+    heartbeats follow its reports), every shard reading the plans and the merge's fits; the merge
+    judges as summaries come. ``replay``: shard 0 sends each summary that many more times (a
+    successor rebuilding from the log)."""
     workers = [ReplicaShard("j", f"s{i}") for i in range(shards)]
     merge = JobMerge("j")
     sf, mf = EventFactory("j", "shard"), EventFactory("j", "analytics-merge")
     out: list = []
 
-    def to_merge(summaries: list[ReplicaSummary]) -> None:
-        fits: list = []
-        for s in summaries:
-            for _ in range(1 + (replay if s.shard == "s0" else 0)):
+    def to_merge(payloads: list) -> None:
+        for s in payloads:
+            for _ in range(1 + (replay if isinstance(s, ReplicaSummary) and s.shard == "s0" else 0)):
                 got = merge.on_event(sf.make(s))
                 out.extend(got)
-                fits += [p for p in got if isinstance(p, DetectorFits)]
-        for p in fits:  # every shard reads the merge's fits
-            to_merge([x for w in workers for x in w.on_event(mf.make(p))])
+                for p in got:
+                    if isinstance(p, DetectorFits):  # every shard reads the merge's fits
+                        to_merge([x for w in workers for x in w.on_event(mf.make(p))])
 
+    replica_of = {e.payload.rank: e.payload.coords.dp for e in events if isinstance(e.payload, RankIteration)}
     for e in events:
         p = e.payload
-        if isinstance(p, RankIteration):
-            to_merge(workers[p.coords.dp % shards].on_event(e))
+        if isinstance(p, (RankIteration, Heartbeat)):
+            w = workers[replica_of.get(p.rank, 0) % shards]
+            got = w.on_event(e)
+            heard = w.take_liveness()
+            to_merge(([heard] if heard is not None else []) + got)
         elif e.kind.startswith("plan."):
             out.extend(merge.on_event(e))
             to_merge([x for w in workers for x in w.on_event(e)])
@@ -91,6 +95,24 @@ def test_without_sequence_lengths_the_merge_scores_close_to_the_single_detector(
     assert a is not None and b is not None
     assert float(np.nanmax(np.abs(a.z - b.z))) < 0.03
     assert int(np.nanargmax(a.z)) == int(np.nanargmax(b.z)) == 4
+
+
+def _fail_stops(out) -> list[tuple]:
+    return [(p.iteration, p.locations[0].target, p.locations[0].rank, p.category) for p in out
+            if isinstance(p, IncidentOpened) and p.category == "fail_stop"]
+
+
+def test_a_dead_rank_raises_the_single_detectors_fail_stop_through_shards() -> None:
+    events = synth(dead=(7, 12), plan=True, iterations=20)
+    single_det, single = run(events)
+    expected = _fail_stops(single)
+    assert [r for _, _, r, _ in expected] == [7]
+    for n in (1, 3):
+        merge, out = _sharded(events, n)
+        got = _fail_stops(out)
+        assert [x[1:] for x in got] == [x[1:] for x in expected], n
+        assert abs(got[0][0] - expected[0][0]) <= 1, n
+        assert merge.detector.stats.frames == single_det.stats.frames, n  # the death's iteration judged too
 
 
 def test_a_shard_waits_for_the_fits_of_the_jobs_previous_iteration() -> None:
