@@ -3,15 +3,16 @@
 What it measures, per iteration of a TP8·PP16 job of about ``--ranks`` ranks (16 micro-batches, F and B
 chunks, as bench/analytics.py's detector table):
 
-* per replica, what a shard does (analytics/shards.py): decode the replica's rank reports from their
-  bus bytes, fold them, flatten them into a frame, score it with the merge's fits and encode the
+* per replica, what a shard does (analytics/shards.py): decode the replica's rank reports and a
+  heartbeat per rank from their bus bytes, fold them, flatten them into a frame, score it with the merge's fits and encode the
   ReplicaSummary. Measured on a few replicas and multiplied by the replicas a shard holds
   (ceil(DP / N)): shards share nothing, so per-shard work is that product, and it falls as 1/N
   while N divides the replicas;
 * the merge (analytics/merge.py), measured whole at the full size: decode every replica's
-  ReplicaSummary and judge the job (``JobMerge.judge``: centring, the cost-model fit on the
-  summaries' unit rows, CUSUMs, incidents, the fits for the next iteration);
-* bytes on the wire per iteration: rank reports (JSON) and ReplicaSummaries.
+  LivenessBatch (its reports' and heartbeats' progress, through the fail-stop watch) and ReplicaSummary, and judge
+  the job (``JobMerge.judge``: centring, the cost-model fit on the summaries' unit rows, CUSUMs,
+  incidents, the fits for the next iteration);
+* bytes on the wire per iteration: rank reports (JSON), and ReplicaSummaries with LivenessBatches.
 
 It does not run Kafka: the bus's own throughput is ``resihp bench bus``. Replica templates are
 reused with shifted rank numbers, so generating a 100k-rank job takes seconds, not minutes.
@@ -52,11 +53,21 @@ def _clone(summary, replica: int, template: int, tp: int, pp: int):
     return summary.model_copy(update={"replica": replica, "layout": layout, "blob": blob})
 
 
+def _clone_liveness(batch, shift: int):
+    """A template replica's LivenessBatch with its ranks shifted."""
+    from analytics.replica_summary import pack, unpack
+
+    arrays = {k: v.copy() for k, v in unpack(batch.layout, batch.blob).items()}
+    arrays["rank"] += shift
+    layout, blob = pack(arrays)
+    return batch.model_copy(update={"layout": layout, "blob": blob})
+
+
 def bench_shards(ranks: int, shards: list[int], iterations: int = 4, microbatches: int = 16) -> dict:
     from analytics.merge import JobMerge
     from analytics.shards import ReplicaShard
     from collector.codec import decode, encode
-    from collector.events import DetectorFits, EventFactory, PlanCurrent
+    from collector.events import DetectorFits, EventFactory, Heartbeat, LivenessBatch, PlanCurrent
     from collector.plan import Plan
 
     tp, pp = 8, 16
@@ -71,7 +82,7 @@ def bench_shards(ranks: int, shards: list[int], iterations: int = 4, microbatche
     per_replica_s: list[float] = []
     report_bytes = summary_bytes = 0
     merge_s: list[float] = []
-    split: list[tuple[float, float]] = []  # decode, judge
+    split: list[tuple[float, float, float]] = []  # decode, fail-stop watch, judge
     fits = None
     for it in range(iterations):
         templates = []
@@ -80,30 +91,44 @@ def bench_shards(ranks: int, shards: list[int], iterations: int = 4, microbatche
             shard.on_event(plan_event)
             if fits is not None:
                 shard.on_event(mfac.make(fits))
-            raw = [encode(fac.make(r, time_s=float(it))) for r in _replica_reports(tp, pp, t, microbatches, it)]
+            reports = _replica_reports(tp, pp, t, microbatches, it)
+            raw = [encode(fac.make(r, time_s=1.0 + it)) for r in reports]
+            # and a heartbeat per rank, as bench/analytics.py's single-process event path
+            raw += [encode(fac.make(Heartbeat(rank=r.rank, epoch=0, iteration=it + 1, interval_s=10.0), time_s=1.5 + it))
+                    for r in reports]
             t0 = time.perf_counter()
             out = []
             for b in raw:
                 out += shard.on_event(decode(b))
             out += shard.flush()
             (payload,) = out
+            heard = shard.take_liveness()
             wire = encode(sfac.make(payload))
+            live_wire = encode(sfac.make(heard))
             per_replica_s.append(time.perf_counter() - t0)
-            report_bytes, summary_bytes = sum(map(len, raw)), len(wire)
-            templates.append(wire)
-        decoded = [decode(w).payload for w in templates]
-        wires = [encode(sfac.make(_clone(decoded[d % TEMPLATES], d, d % TEMPLATES, tp, pp))) for d in range(dp)]
+            report_bytes, summary_bytes = sum(map(len, raw)), len(wire) + len(live_wire)
+            templates.append((wire, live_wire))
+        decoded = [(decode(w).payload, decode(lw).payload) for w, lw in templates]
+        wires = []
+        for d in range(dp):
+            summary, heard = decoded[d % TEMPLATES]
+            wires.append(encode(sfac.make(_clone_liveness(heard, (d - d % TEMPLATES) * tp * pp))))
+            wires.append(encode(sfac.make(_clone(summary, d, d % TEMPLATES, tp, pp))))
         t0 = time.perf_counter()
         events = [decode(w) for w in wires]
         t1 = time.perf_counter()
         got = []
+        liveness_s = 0.0
         for e in events:
+            t_e = time.perf_counter()
             got += merge.on_event(e)
+            if isinstance(e.payload, LivenessBatch):
+                liveness_s += time.perf_counter() - t_e
         t2 = time.perf_counter()
         fits = next(p for p in got if isinstance(p, DetectorFits))
         if it >= 2:  # the first iterations fit the cost model from scratch
             merge_s.append(t2 - t0)
-            split.append((t1 - t0, t2 - t1))
+            split.append((t1 - t0, liveness_s, t2 - t1 - liveness_s))
         assert merge.detector.stats.frames == it + 1, "the merge did not judge the iteration"
     replica_s = float(np.median(per_replica_s))
     rows = [{"shards": n, "replicas_per_shard": math.ceil(dp / n), "shard_s": replica_s * math.ceil(dp / n)}
@@ -122,11 +147,11 @@ def print_table(r: dict, step_s: float = 5.0) -> None:
         lag_free = max(row["shard_s"], r["merge_s"]) <= step_s
         print(f"{row['shards']:7d} {row['replicas_per_shard']:15,d} {row['shard_s']:13.2f} {r['merge_s']:10.2f} "
               f"{'yes' if lag_free else 'no':>19}")
-    dec, judge = r["merge_split_s"]
-    print(f"merge per iteration: {r['merge_s']:.3f} s = decode {r['replicas']:,} ReplicaSummaries {dec:.3f} s + "
-          f"judge the job (JobMerge.judge) {judge:.3f} s")
+    dec, live, judge = r["merge_split_s"]
+    print(f"merge per iteration: {r['merge_s']:.3f} s = decode {r['replicas']:,} ReplicaSummaries and "
+          f"LivenessBatches {dec:.3f} s + fail-stop watch {live:.3f} s + judge the job (JobMerge.judge) {judge:.3f} s")
     print(f"bytes on the wire per iteration: rank reports (JSON) {r['report_bytes_per_iteration'] / 1e6:,.1f} MB, "
-          f"ReplicaSummaries {r['summary_bytes_per_iteration'] / 1e6:,.1f} MB")
+          f"ReplicaSummaries + LivenessBatches {r['summary_bytes_per_iteration'] / 1e6:,.1f} MB")
 
 
 def bench_kafka_shards(bootstrap: str, shards: list[int], dp: int = 16, iterations: int = 6) -> list[dict]:
