@@ -29,6 +29,7 @@ import json
 import math
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal, cast
 
 import numpy as np
 
@@ -50,12 +51,16 @@ LIVENESS_ARRAYS = ("kind", "rank", "epoch", "iteration", "time_s", "interval_s")
 FLOAT32 = frozenset({"x_f", "x_b", "x_w", "own_s", "pred_s"})  # read only for an incident's evidence and note
 
 
-def pack(arrays: dict[str, np.ndarray]) -> tuple[list[tuple[str, str, int]], str]:
+Dtype = Literal["<f8", "<f4", "<i4", "<i1"]
+
+
+def pack(arrays: dict[str, np.ndarray]) -> tuple[list[tuple[str, Dtype, int]], str]:
     """(layout, base64 blob): device ids and codes as int32, flags as int8, what only an incident's
     evidence reads as float32, the rest (what the CUSUMs and the fit read) float64."""
-    layout, parts = [], []
+    layout: list[tuple[str, Dtype, int]] = []
+    parts = []
     for name, a in arrays.items():
-        dtype = ("<i4" if name in INT32 else "<i1" if name == "l_waits" else "<f4" if name in FLOAT32
+        dtype: Dtype = ("<i4" if name in INT32 else "<i1" if name == "l_waits" else "<f4" if name in FLOAT32
                  else "<f8")
         parts.append(np.ascontiguousarray(a, dtype=dtype).tobytes())
         layout.append((name, dtype, len(a)))
@@ -128,8 +133,8 @@ def summarize_replica(frame: IterationFrame, fits: DetectorFits | None, *, windo
         inferred=inferred, explained_s=explained if math.isfinite(explained) else None,
         pipeline_s=pipeline if math.isfinite(pipeline) else None,
         dp_wait_s=float(dp_waits.min()) if len(dp_waits) else 0.0, tokens=int(np.nansum(frame.c_tokens[first])),
-        wall_s=float(frame.wall_s.max()), class_keys=json.dumps([list(k) for k in keys]), layout=layout,  # type: ignore[arg-type]
-        blob=blob)
+        wall_s=float(frame.wall_s.max()), class_keys=json.dumps([list(cast(tuple, k)) for k in keys]),
+        layout=layout, blob=blob)
 
 
 @dataclass

@@ -16,7 +16,7 @@ median link.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -258,7 +258,7 @@ def predict_chunks(frame: IterationFrame, model: CostModel, c_class: np.ndarray,
 
 
 def learn_units(model: CostModel, iteration: int, keys: list[Hashable], u_class: np.ndarray, u_tokens: np.ndarray,
-                u_s2: np.ndarray, u_own: np.ndarray, skip: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+                u_s2: np.ndarray, u_own: np.ndarray, skip: Collection[int] = ()) -> None:
     """Teach ``model`` one iteration's work units of every class but ``skip`` (NaN own time: a
     unit that may not teach), in unit order, then refit."""
     live = np.isfinite(u_own)

@@ -147,7 +147,7 @@ class ReplicaShard:
         rows = np.array(self._heard, dtype=float)
         self._heard = []
         layout, blob = pack(dict(zip(LIVENESS_ARRAYS, rows.T)))
-        return LivenessBatch(rows=len(rows), shard=self.name, layout=layout, blob=blob)  # type: ignore[arg-type]
+        return LivenessBatch(rows=len(rows), shard=self.name, layout=layout, blob=blob)
 
     def _best_fits(self, epoch: int, iteration: int) -> DetectorFits | None:
         """The latest fits from before (epoch, iteration)."""

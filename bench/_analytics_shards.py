@@ -103,6 +103,7 @@ def bench_shards(ranks: int, shards: list[int], iterations: int = 4, microbatche
             out += shard.flush()
             (payload,) = out
             heard = shard.take_liveness()
+            assert heard is not None, "the shard forwarded no liveness"
             wire = encode(sfac.make(payload))
             live_wire = encode(sfac.make(heard))
             per_replica_s.append(time.perf_counter() - t0)
@@ -111,8 +112,8 @@ def bench_shards(ranks: int, shards: list[int], iterations: int = 4, microbatche
         decoded = [(decode(w).payload, decode(lw).payload) for w, lw in templates]
         wires = []
         for d in range(dp):
-            summary, heard = decoded[d % TEMPLATES]
-            wires.append(encode(sfac.make(_clone_liveness(heard, (d - d % TEMPLATES) * tp * pp))))
+            summary, liveness = decoded[d % TEMPLATES]
+            wires.append(encode(sfac.make(_clone_liveness(liveness, (d - d % TEMPLATES) * tp * pp))))
             wires.append(encode(sfac.make(_clone(summary, d, d % TEMPLATES, tp, pp))))
         t0 = time.perf_counter()
         events = [decode(w) for w in wires]
