@@ -29,12 +29,12 @@ from analytics.cost_publish import CostPublisher
 from analytics.fail_stop import FailStopWatch
 from analytics.frame import IterationFrame, LayerLookup, build_frame
 from analytics.incidents import IncidentBook, Suspect
-from analytics.prediction import predicted_iteration_s
+from analytics.prediction import predicted_iteration_s, stage_times
 from analytics.scoring import FrameScore, fit_ranks, score_frame, tp_group_max
 from analytics.untraced import stage_factor_for, traced_pipeline_s
 from collector.events import (
     Envelope, Heartbeat, IterationPrediction, Payload, PlanCurrent, ProbeResult, RankHealth, RankHealthEntry,
-    RankIteration, RankState, ReconfigureCommand, TracingDeclared,
+    RankIteration, RankState, ReconfigureCommand, StageTime, TracingDeclared,
 )
 
 _GROW = 1024
@@ -746,6 +746,8 @@ class Detector:
             predicted_s=float(pipeline + outside) if np.isfinite(pipeline) else 0.0,
             tokens=facts.tokens,
             model_error=float(err) if np.isfinite(err) else None,
+            stages=[StageTime(replica=r, stage=st, observed_s=min(max(o, 0.0), 1e6), predicted_s=min(p, 1e6))
+                    for r, st, o, p in stage_times(frame, score.c_pred)],
         )
 
     def _health(self, frame: IterationFrame) -> RankHealth | None:

@@ -106,6 +106,7 @@ class JobGoodput:
     healthy_excess: list[list[float]] = field(default_factory=list)  # [iteration, observed / predicted − 1], no fail-slow open
     last_observed_s: float | None = None
     last_predicted_s: float | None = None
+    last_stages: list[list[float]] = field(default_factory=list)  # [replica, stage, observed, predicted] (the newest)
     tokens: int = 0
     iterations: int = 0
 
@@ -261,6 +262,8 @@ class GoodputFold:
                 self._drag(s, it)
 
     def _prediction(self, s: JobGoodput, p: IterationPrediction) -> None:
+        if p.stages:
+            s.last_stages = [[st.replica, st.stage, st.observed_s, st.predicted_s] for st in p.stages]
         if p.predicted_s <= 0:
             return  # the detector could not predict this iteration: nothing to compare
         s.last_observed_s, s.last_predicted_s = p.observed_s, p.predicted_s

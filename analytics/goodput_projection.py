@@ -38,6 +38,7 @@ class JobFigures:
     awaiting_since_s: tuple[float, ...]
     observed_s: float | None
     predicted_s: float | None
+    stages: tuple[tuple[int, int, float, float], ...]  # (replica, stage, observed_s, predicted_s), the newest iteration's
     iterations: int
     tokens: int
     ranks_by_state: dict[str, int]
@@ -116,7 +117,8 @@ class GoodputProjection:
                 job=job, goodput=self.fold.breakdown(job),
                 incidents={k: OpenIncident(**v.__dict__) for k, v in s.incidents.items()},
                 awaiting_since_s=tuple(t for t, _ in s.awaiting.values()),
-                observed_s=s.last_observed_s, predicted_s=s.last_predicted_s, iterations=s.iterations,
+                observed_s=s.last_observed_s, predicted_s=s.last_predicted_s,
+                stages=tuple((int(r), int(st), o, p) for r, st, o, p in s.last_stages), iterations=s.iterations,
                 tokens=s.tokens, ranks_by_state=dict(h.ranks_by_state), factor_buckets=tuple(h.factor_buckets),
                 factor_sum=h.factor_sum, slow_ranks=dict(h.slow_ranks))
         return out

@@ -9,7 +9,9 @@ the consumer (the server runs in a daemon thread).
 
 Cardinality is bounded at any scale: series are per job (and cause, category, severity, state,
 topic); ranks appear only as a bucketed gauge histogram of slowdown factors, and one series per
-rank only for ranks the detector calls slow (at most 256 per job). Names and units follow
+rank only for ranks the detector calls slow (at most 256 per job), one per open incident (at most
+64 per job, so each alert names its incident) and one per (replica, stage) of the newest iteration
+(at most 256 per job). Names and units follow
 Prometheus' conventions (``_seconds_total`` counters, ``_ratio`` gauges); docs/metrics.md lists them.
 
 ``GET /metrics`` renders every job; ``GET /metrics/job/NAME`` (or ``/metrics?job=NAME``) only that
@@ -35,6 +37,7 @@ from collector.events import FaultCategory, Severity
 
 CATEGORIES = tuple(c.value for c in FaultCategory)
 SEVERITIES = tuple(s.value for s in Severity)
+MAX_INCIDENT_SERIES = 64  # per job: one series per open incident, so an alert can name it; bounded all the same
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,10 @@ def _goodput_families(figures: list[JobFigures]) -> Iterator[Metric]:
                                  labels=["job"])
     predicted = GaugeMetricFamily("resihp_iteration_predicted_seconds", "The detector's prediction of the newest "
                                   "iteration's time.", labels=["job"])
+    stage_observed = GaugeMetricFamily("resihp_stage_observed_seconds", "The newest iteration's compute time of one "
+                                       "pipeline stage of one replica.", labels=["job", "stage", "replica"])
+    stage_predicted = GaugeMetricFamily("resihp_stage_predicted_seconds", "The cost model's prediction of that stage's "
+                                        "compute time.", labels=["job", "stage", "replica"])
     iterations = CounterMetricFamily("resihp_iterations", "Iterations completed.", labels=["job"])
     tokens = CounterMetricFamily("resihp_tokens", "Tokens trained.", labels=["job"])
     for f in figures:
@@ -105,9 +112,13 @@ def _goodput_families(figures: list[JobFigures]) -> Iterator[Metric]:
         if f.observed_s is not None and f.predicted_s is not None:
             observed.add_metric([f.job], f.observed_s)
             predicted.add_metric([f.job], f.predicted_s)
+        for replica, stage, obs, pred in f.stages:
+            stage_observed.add_metric([f.job, str(stage), str(replica)], obs)
+            stage_predicted.add_metric([f.job, str(stage), str(replica)], pred)
         iterations.add_metric([f.job], f.iterations)
         tokens.add_metric([f.job], f.tokens)
-    yield from (ratio, wall, productive, loss, pending, observed, predicted, iterations, tokens)
+    yield from (ratio, wall, productive, loss, pending, observed, predicted, stage_observed, stage_predicted, iterations,
+                tokens)
 
 
 def _incident_families(figures: list[JobFigures]) -> Iterator[Metric]:
@@ -117,14 +128,21 @@ def _incident_families(figures: list[JobFigures]) -> Iterator[Metric]:
                                "incidents of a category (1 when none is open).", labels=["job", "category"])
     confidence = GaugeMetricFamily("resihp_detector_confidence", "The detector's highest location confidence among "
                                    "the open incidents of a category (0 when none is open).", labels=["job", "category"])
+    each = GaugeMetricFamily("resihp_open_incident_slowdown_factor", "Each open incident (at most "
+                             f"{MAX_INCIDENT_SERIES} per job, fail-stop first, then the largest): its estimated "
+                             "slowdown, and its id for the alert to link to.",
+                             labels=["job", "incident_id", "category", "severity"])
     for f in figures:
+        ranked = sorted(f.incidents.items(), key=lambda kv: (kv[1].category != "fail_stop", -kv[1].factor, kv[0]))
+        for iid, inc in ranked[:MAX_INCIDENT_SERIES]:
+            each.add_metric([f.job, iid, inc.category, inc.severity], min(inc.factor, 1e6))
         for cat in CATEGORIES:
             mine = [i for i in f.incidents.values() if i.category == cat]
             for sev in SEVERITIES:
                 open_.add_metric([f.job, cat, sev], sum(i.severity == sev for i in mine))
             factor.add_metric([f.job, cat], max((min(i.factor, 1e6) for i in mine), default=1.0))
             confidence.add_metric([f.job, cat], max((i.confidence for i in mine), default=0.0))
-    yield from (open_, factor, confidence)
+    yield from (open_, factor, confidence, each)
 
 
 def _health_families(figures: list[JobFigures]) -> Iterator[Metric]:

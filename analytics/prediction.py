@@ -70,3 +70,37 @@ def predicted_iteration_s(frame: IterationFrame, c_pred: np.ndarray, schedule: s
         return predict_iteration(schedule, reps, virtual_stages=V, dp_allreduce_s=dp_s).iteration_s
     except (ValueError, KeyError):
         return float("nan")
+
+
+MAX_STAGE_ROWS = 256  # per iteration and job: what /metrics turns into series, so bounded at any scale
+
+
+def stage_times(frame: IterationFrame, c_pred: np.ndarray) -> list[tuple[int, int, float, float]]:
+    """(replica, stage, observed_s, predicted_s) of each pipeline stage's compute in this iteration:
+    the sum of its chunks' own times (TP waits excluded) against the same sum of the cost model's
+    predictions, the median over the stage's reporting TP ranks. A stage none of whose ranks has a
+    prediction for every chunk is left out (the model had not fitted it yet).
+
+    Every (replica, stage) when the layout has at most ``MAX_STAGE_ROWS``; otherwise, per stage, the
+    replica whose stage is furthest above its prediction — the one an operator would look at — so a
+    100k-rank job still gives one row per stage."""
+    n = frame.num_ranks
+    if len(frame.c_rank) == 0:
+        return []
+    observed = np.bincount(frame.c_rank, weights=frame.c_own, minlength=n)
+    predicted = np.bincount(frame.c_rank, weights=np.nan_to_num(c_pred, nan=0.0), minlength=n)
+    unknown = np.bincount(frame.c_rank, weights=~np.isfinite(c_pred), minlength=n) > 0
+    chunks = np.bincount(frame.c_rank, minlength=n)
+    ok = (chunks > 0) & ~unknown
+    stages = int(frame.pp.max()) + 1
+    cell = frame.dp.astype(np.int64) * stages + frame.pp
+    size = (int(frame.dp.max()) + 1) * stages
+    obs = group_median(cell[ok], observed[ok], size)
+    pred = group_median(cell[ok], predicted[ok], size)
+    cells = np.flatnonzero(np.isfinite(obs) & np.isfinite(pred) & (pred > 0))
+    if len(cells) > MAX_STAGE_ROWS:
+        ratio = obs[cells] / pred[cells]
+        order = np.lexsort((-ratio, cells % stages))  # by stage, the largest ratio first
+        first = np.r_[True, np.diff((cells % stages)[order]) != 0]
+        cells = np.sort(cells[order][first])[:MAX_STAGE_ROWS]
+    return [(int(c // stages), int(c % stages), float(obs[c]), float(pred[c])) for c in cells]

@@ -1,7 +1,8 @@
 """Metrics: one /metrics scrape of a 100k-rank job (time, bytes), and goodput against ground truth.
 
 Scrape: a synthetic job of --ranks ranks (a rank-health view of every rank, a few slow and dead,
-open fail-slow and fail-stop incidents, a history of iterations) is folded by the analytics
+open fail-slow and fail-stop incidents, a history of iterations whose newest prediction has the
+most per-stage rows /metrics serves) is folded by the analytics
 consumer's goodput projection; the table gives the time to take the snapshot the consumer takes
 after each transaction, and the time and size of one HTTP scrape of /metrics (median of --scrapes)
 over loopback. Goals: ≤ 100 ms and ≤ 5 MB.
@@ -35,17 +36,21 @@ def _synthetic_projection(ranks: int, iterations: int = 2000):
     from analytics.goodput_projection import GoodputProjection
     from collector.events import (
         EventFactory, Evidence, FaultCategory, IncidentOpened, IterationPrediction, IterationSummary, Location,
-        RankHealth, RankHealthEntry, RankState, Severity,
+        RankHealth, RankHealthEntry, RankState, Severity, StageTime,
     )
+    from analytics.prediction import MAX_STAGE_ROWS
 
     job, t = "big-job", 1_700_000_000.0
     proj = GoodputProjection()
     launcher, analytics = EventFactory(job, "launcher"), EventFactory(job, "analytics")
+    # the newest prediction carries the most stage rows /metrics serves (MAX_STAGE_ROWS: 16 stages × 16 replicas)
+    stages = [StageTime(replica=r, stage=st, observed_s=0.6, predicted_s=0.59) for r in range(16) for st in range(16)]
+    assert len(stages) == MAX_STAGE_ROWS
     for k in range(iterations):
         t += 10.0
         proj.fold.apply(launcher.make(IterationSummary(epoch=0, iteration=k, tokens=4_000_000, wall_s=10.0), time_s=t))
         proj.fold.apply(analytics.make(IterationPrediction(epoch=0, iteration=k, observed_s=10.0, predicted_s=9.9,
-                                                           tokens=4_000_000), time_s=t))
+                                                           tokens=4_000_000, stages=stages), time_s=t))
     slow = {r: 1.5 + (r % 7) / 10 for r in range(0, 64)}
     dead = set(range(64, 72))
     entries = [RankHealthEntry.model_construct(rank=r, state=RankState.DEAD if r in dead else RankState.SLOW if r in slow else

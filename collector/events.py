@@ -306,8 +306,20 @@ class Heartbeat(Payload):
 # ---- analytics (derived, published so no other process opens the analytics DuckDB) -----------
 
 
+class StageTime(BaseModel):
+    """One pipeline stage of one DP replica in one iteration: the compute it did (the sum of its
+    chunks' own times, the median over the stage's TP ranks) against what the cost model predicted."""
+
+    model_config = _CONTRACT
+
+    replica: int = Field(ge=0, le=INT32_MAX)
+    stage: int = Field(ge=0, le=INT32_MAX)
+    observed_s: float = Field(ge=0, le=DURATION_MAX_S)
+    predicted_s: float = Field(ge=0, le=DURATION_MAX_S)
+
+
 class IterationPrediction(Payload):
-    """Observed against predicted time of one iteration, as the detector sees it."""
+    """Observed against predicted time of one iteration, as the detector sees it, and of its stages."""
 
     KIND: ClassVar[str] = "analytics.prediction"
     epoch: int = Field(ge=0, le=INT32_MAX)
@@ -316,6 +328,9 @@ class IterationPrediction(Payload):
     predicted_s: float = Field(ge=0)
     tokens: int = Field(ge=0, le=COUNT_MAX, description="tokens the job trained in the iteration, each micro-batch once")
     model_error: Finite | None = Field(default=None, description="the cost model's recent relative error")
+    stages: list[StageTime] = Field(default_factory=list, max_length=256,
+                                    description="per (replica, stage) compute time: every one when the layout has at "
+                                                "most 256, else per stage the replica furthest above its prediction")
 
 
 class ReplicaSummary(Payload):

@@ -62,6 +62,8 @@ class Environment(BaseSettings):
     ui_trace_dir: str = Field(default=DEFAULT_TRACE_DIR, description="where the Replay page looks for traces")
     ui_page_size: int = Field(default=25, description="rows per page of the incident list")
     ui_refresh_s: float = Field(default=5.0, description="auto-refresh period of the Jobs page, seconds")
+    ui_alertmanager_url: str = Field(default="http://127.0.0.1:9093",
+                                     description="the Alertmanager whose alerts the console shows on incidents ('' for none)")
     ui_telemetry: str = Field(default="1", description="0/false/no: the console skips per-rank telemetry")
 
     # the node agent (trainer/agent/), set by `resihp run` for the ranks it starts

@@ -28,6 +28,7 @@ HERE = Path(__file__).resolve().parent
 RULES = HERE / "prometheus" / "rules.yml"
 BINARIES = ("prometheus", "promtool", "prometheus-alertmanager")
 _PR_SET_PDEATHSIG = 1
+CONSOLE_URL = "http://127.0.0.1:8501"  # `resihp ui`'s default: where the alerts' incident links point
 
 
 def missing_binaries() -> list[str]:
@@ -35,11 +36,12 @@ def missing_binaries() -> list[str]:
 
 
 def prometheus_config(targets: list[str], alertmanager: str, *, scrape_interval: str = "5s",
-                      evaluation_interval: str = "5s", rules: Path = RULES) -> str:
+                      evaluation_interval: str = "5s", rules: Path = RULES, console_url: str = CONSOLE_URL) -> str:
     text = (HERE / "prometheus" / "prometheus.template.yml").read_text()
     return string.Template(text).substitute(
         scrape_interval=scrape_interval, evaluation_interval=evaluation_interval, rules=str(rules),
-        alertmanager=alertmanager, targets=", ".join(f"'{t}'" for t in targets))
+        alertmanager=alertmanager, targets=", ".join(f"'{t}'" for t in targets),
+        console_url=console_url.rstrip("/").replace("'", "%27"))
 
 
 def alertmanager_config(webhook_url: str, *, group_wait: str = "10s", group_interval: str = "1m") -> str:
@@ -106,11 +108,12 @@ def start_alertmanager(workdir: Path, webhook_url: str, *, port: int = 9093, gro
 
 
 def start_prometheus(workdir: Path, targets: list[str], alertmanager: str, *, port: int = 9090,
-                     scrape_interval: str = "5s", evaluation_interval: str = "5s", timeout_s: float = 30.0) -> Server:
+                     scrape_interval: str = "5s", evaluation_interval: str = "5s", console_url: str = CONSOLE_URL,
+                     timeout_s: float = 30.0) -> Server:
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "prometheus.yml"
     config.write_text(prometheus_config(targets, alertmanager, scrape_interval=scrape_interval,
-                                        evaluation_interval=evaluation_interval))
+                                        evaluation_interval=evaluation_interval, console_url=console_url))
     data = workdir / "prometheus-data"
     data.mkdir(exist_ok=True)
     argv = ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={data}",

@@ -1,5 +1,6 @@
 """The exporters' output (analytics/metrics.py): bounded series at 100k ranks, the rank histogram's
-counts, per-rank series only for slow ranks, and the engine's approval wait on the right clock."""
+counts, per-rank series only for slow ranks, per-stage and per-incident series capped per job, and
+the engine's approval wait on the right clock."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from analytics.metrics import AnalyticsCollector, AnalyticsSnapshot, ApprovalCollector
+from analytics.prediction import MAX_STAGE_ROWS
 from bench.metrics import _synthetic_projection
 from collector.plan_lifecycle import PlanStatus
 from remediation.approval_metrics import waiting_ages
@@ -28,7 +30,10 @@ def test_a_large_job_renders_a_bounded_number_of_series() -> None:
     snap = AnalyticsSnapshot(jobs=proj.snapshot(), lag={("analytics", "resihp.telemetry"): 7}, dead_letters={"analytics": 2})
     text = generate_latest(AnalyticsCollector(lambda: snap))
     samples = _samples(text)
-    assert len(samples) < 200 and len(text) < 20_000
+    stages = [k for k in samples if k[0].startswith("resihp_stage_")]
+    incidents_each = [k for k in samples if k[0] == "resihp_open_incident_slowdown_factor"]
+    assert len(stages) == 2 * MAX_STAGE_ROWS and len(incidents_each) == 9  # both capped per job, not by ranks
+    assert len(samples) - len(stages) - len(incidents_each) < 200 and len(text) < 60_000
     job = (("job", "big-job"),)
     assert samples[("resihp_rank_slowdown_factor_bucket", job + (("le", "+Inf"),))] == 25_000 - 8  # dead apart
     assert samples[("resihp_ranks", job + (("state", "dead"),))] == 8

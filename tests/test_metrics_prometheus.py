@@ -5,7 +5,9 @@ group wait one second) by infra/monitoring.py, the same code as ``resihp ops up`
 publishes to an embedded bus; ``resihp analytics --metrics-port`` (the real command, a child
 process) folds it and serves /metrics. Prometheus scrapes it on loopback; the rules file is the
 one shipped (infra/prometheus/rules.yml); the injected fail-stop fires ResihpFailStop, which
-Alertmanager delivers to a webhook receiver running in this test. Nothing here is a mock.
+Alertmanager delivers to a webhook receiver running in this test, labelled with the incident it is
+about; the console reads the same alert from Alertmanager's API and shows it on that incident's
+page. Nothing here is a mock.
 """
 
 from __future__ import annotations
@@ -26,19 +28,26 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from streamlit.testing.v1 import AppTest
 
 from analytics.goodput import GoodputFold
 from collector.codec import decode
 from collector.embedded import EmbeddedBus
+from collector.events import Envelope, FaultCategory, IncidentOpened
 from collector.plan import Plan
 from infra import monitoring
 from trainer.sim.engine import SimConfig, SimEngine
 from trainer.fault_spec import FaultSpec
 from trainer.sim.presets import MODEL_PRESETS, ClusterSpec
 from trainer.sim.runner import run_open_loop
+from ui.alerts import firing_alerts
+from ui.auth import UsersFile
+from ui.views.common import plain
 
 REPO = Path(__file__).resolve().parent.parent
 JOB = "prom-job"
+CONSOLE_URL = "http://console.example:8501"
 
 pytestmark = pytest.mark.slow
 
@@ -110,7 +119,7 @@ class _Stack:
                                                           group_wait="1s", group_interval="1s")
         self.prometheus = monitoring.start_prometheus(
             tmp / "ops", [f"127.0.0.1:{self.metrics_port}"], self.alertmanager.url.removeprefix("http://"),
-            port=_free_port(), scrape_interval="1s", evaluation_interval="1s")
+            port=_free_port(), scrape_interval="1s", evaluation_interval="1s", console_url=CONSOLE_URL)
         self.analytics = self.start_analytics()
 
     def start_analytics(self) -> subprocess.Popen:
@@ -123,18 +132,22 @@ class _Stack:
     def run(self, iterations: int | None = None, duration_s: float | None = None, max_hang_s: float = 30.0) -> None:
         run_open_loop(self.sim, self.bus.publish, iterations=iterations, duration_s=duration_s, max_hang_s=max_hang_s)
 
-    def published_fold(self) -> GoodputFold:
-        """The goodput fold applied to every event on the bus, in this process: what /metrics must show."""
+    def published(self) -> list[Envelope]:
+        """Every event on the bus, in event-time order."""
         from collector import topics
 
-        fold = GoodputFold()
         consumer = self.bus.consumer("test-fold", [topics.TELEMETRY, topics.ANALYTICS, topics.CONTROL],
                                      lambda ps: {tp: 0 for tp in ps})
         events = []
         while batch := consumer.poll(100_000, 0.0):
             events += [decode(r.value) for r in batch]
         consumer.close()
-        fold.apply_all(sorted(events, key=lambda e: e.time_s))
+        return sorted(events, key=lambda e: e.time_s)
+
+    def published_fold(self) -> GoodputFold:
+        """The goodput fold applied to every event on the bus, in this process: what /metrics must show."""
+        fold = GoodputFold()
+        fold.apply_all(self.published())
         return fold
 
     def close(self) -> None:
@@ -181,6 +194,16 @@ def test_prometheus_scrapes_the_consumer_and_reads_the_folds_figures(stack: _Sta
     assert _scalar(stack.prometheus, f'sum(resihp_open_incidents{{job="{JOB}",category="fail_stop"}})') == 0
     lag = _query(stack.prometheus, 'resihp_consumer_lag_records{group="analytics"}')
     assert {r["metric"]["topic"] for r in lag} == {"resihp.telemetry", "resihp.analytics", "resihp.control"}
+    # per stage: the newest iteration's (replica, stage) rows of the detector's prediction on the bus
+    # (the consumer publishes the prediction and folds it when it reads it back: wait for that)
+    def stages_agree() -> bool:
+        stages = {(str(st), str(r)): (o, p) for r, st, o, p in stack.published_fold().jobs[JOB].last_stages}
+        assert len(stages) == 4  # TP2·PP2·DP2
+        return all({(r["metric"]["stage"], r["metric"]["replica"]): float(r["value"][1])
+                    for r in _query(stack.prometheus, f'{name}{{job="{JOB}"}}')} == {k: v[at] for k, v in stages.items()}
+                   for name, at in (("resihp_stage_observed_seconds", 0), ("resihp_stage_predicted_seconds", 1)))
+
+    _wait("Prometheus to read the newest prediction's per-stage rows", stages_agree)
 
 
 def test_an_unknown_job_is_a_404_and_a_known_one_only_its_series(stack: _Stack) -> None:
@@ -205,6 +228,12 @@ def test_an_injected_fail_stop_fires_the_alert_and_alertmanager_delivers_it(stac
     assert notes[0]["status"] == "firing" and notes[0]["labels"]["severity"] == "page"
     assert notes[0]["annotations"]["runbook_url"] == "docs/runbooks/fail-stop.md"
     assert (REPO / notes[0]["annotations"]["runbook_url"]).exists()
+    # the alert names its incident, the one the detector opened on the bus, and links to its page
+    dead = [e.payload for e in stack.published() if isinstance(e.payload, IncidentOpened)
+            and e.payload.category == FaultCategory.FAIL_STOP]
+    assert [notes[0]["labels"]["incident_id"]] == [i.incident_id for i in dead]
+    incident_id = dead[0].incident_id
+    assert notes[0]["annotations"]["incident_url"] == f"{CONSOLE_URL}/?page=Incidents&incident={incident_id}"
     # the hang is charged to fail-stop as it lasts, and Prometheus reads the same figure as the fold
     expected = stack.published_fold().breakdown(JOB)
     assert expected is not None and expected.loss_s["fail_stop"] > 10.0
@@ -228,3 +257,78 @@ def test_a_restarted_consumer_goes_on_from_its_counters(stack: _Stack) -> None:
     for series in (wall, f'resihp_goodput_loss_seconds_total{{job="{JOB}"}}'):
         resets = _query(stack.prometheus, f"resets({series}[10m])")
         assert resets and all(float(r["value"][1]) == 0 for r in resets), resets
+
+
+def test_the_console_shows_the_firing_alert_on_its_incident(stack: _Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The console asks the live Alertmanager: the Incidents page lists the fail-stop alert with the
+    way into its incident, and that incident's page shows it with its runbook."""
+    incident_id = _wait("ResihpFailStop in Alertmanager", lambda: [
+        a.incident_id for a in firing_alerts(stack.alertmanager.url) if a.name == "ResihpFailStop"])[0]
+    users = UsersFile(stack.tmp / "users.toml")
+    users.add_user("carol", "viewer", "carol-pw")
+    for var, value in (("RESIHP_BUS", "embedded"), ("RESIHP_EMBEDDED_PATH", str(stack.bus_path)),
+                       ("RESIHP_UI_USERS", str(stack.tmp / "users.toml")),
+                       ("RESIHP_UI_TRACE_DIR", str(stack.tmp / "traces")),
+                       ("RESIHP_UI_ALERTMANAGER_URL", stack.alertmanager.url)):
+        monkeypatch.setenv(var, value)
+    at = AppTest.from_file(str(REPO / "ui" / "app.py"), default_timeout=120).run()
+    at.text_input(key="signin_name").input("carol")
+    at.text_input(key="signin_password").input("carol-pw")
+    at = at.button[0].click().run()
+    at = at.sidebar.radio(key="page").set_value("Incidents").run()
+    assert "Firing alerts" in [h.value for h in at.subheader]
+    at = at.button(key=f"alert-open-{incident_id}-ResihpFailStop").click().run()
+    assert at.header[0].value == f"Incident {plain(incident_id)}"
+    shown = " ".join(e.value for e in at.error)
+    assert "ResihpFailStop" in shown and plain("docs/runbooks/fail-stop.md") in shown
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
+    """{(sample name, labels): value} of one scrape, None while the server is not up yet."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_a_replay_is_scraped_with_counters_that_only_climb_and_add_up(stack: _Stack) -> None:
+    """A second consumer replays the whole log from the beginning (``--rebuild --no-detect`` on a
+    fresh DuckDB, its own group) while it is scraped as fast as it answers: within the process no
+    counter ever goes back, every scrape's wall time is productive + losses + pending, and it ends
+    on the fold's figures."""
+    expected = stack.published_fold().breakdown(JOB)
+    assert expected is not None
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    replay = subprocess.Popen(
+        [sys.executable, "-m", "resihp.cli", "analytics", "--bus", "embedded", "--bus-path", str(stack.bus_path),
+         "--db", str(stack.tmp / "replay.duckdb"), "--group", "replay", "--rebuild", "--no-detect", "--batch", "300",
+         "--metrics-port", str(port)],
+        env=env, stdout=subprocess.DEVNULL, stderr=open(stack.tmp / "replay.log", "ab"))
+    scrapes = []
+    try:
+        url = f"http://127.0.0.1:{port}/metrics/job/{JOB}"
+        wall = ("resihp_goodput_wall_seconds_total", (("job", JOB),))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            got = _scrape(url)
+            if got is not None:
+                scrapes.append(got)
+                if got[wall] >= expected.wall_s - 1e-9:
+                    break
+            time.sleep(0.05)
+    finally:
+        replay.terminate()
+        replay.wait(20)
+    assert scrapes and scrapes[-1][wall] == pytest.approx(expected.wall_s, rel=1e-9)
+    for before, after in zip(scrapes, scrapes[1:]):
+        for key, value in after.items():
+            if key[0].endswith("_total") and key in before:
+                assert value >= before[key], (key, before[key], value)
+    for got in scrapes:
+        parts = sum(v for (name, _), v in got.items() if name in (
+            "resihp_goodput_loss_seconds_total", "resihp_goodput_productive_seconds", "resihp_goodput_pending_seconds"))
+        assert parts == pytest.approx(got[wall], abs=1e-6)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from analytics.goodput import GoodputFold
 from collector import topics
 from collector.embedded import EmbeddedBus
 from collector.events import (
@@ -157,10 +158,18 @@ def test_ui_policy_change_by_operator_publishes_policy_changed_and_viewer_cannot
 
 
 def test_ui_replay_and_jobs_pages_render_the_log(console: Path) -> None:
+    """The Jobs page leads with goodput, the one fold's figure (analytics/goodput.py, as /metrics
+    serves it), then the layout; Replay lists what happened."""
     at = sign_in(AppTest.from_file(APP, default_timeout=60).run(), "alice", "alice-pw")
     assert not at.exception, at.exception
-    assert [m.label for m in at.metric][:2] == ["Plan epoch", "Layout"]
-    assert at.metric[1].value == "TP2·PP2·DP2"
+    assert [m.label for m in at.metric][:3] == ["Goodput", "Plan epoch", "Layout"]
+    fold = GoodputFold()
+    with EmbeddedBus(console) as bus, EventStream(bus, "test-goodput", [topics.TELEMETRY, topics.ANALYTICS, topics.CONTROL]) as stream:
+        fold.apply_all(d.event for d in stream.poll(100_000, 0.1))
+    g = fold.breakdown("demo")
+    assert g is not None and 0 < g.ratio < 1
+    assert at.metric[0].value == f"{g.ratio:.1%}"
+    assert at.metric[2].value == "TP2·PP2·DP2"
     at.sidebar.radio(key="page").set_value("Replay").run()
     assert not at.exception, at.exception
     end = at.slider(key="replay_pos").max

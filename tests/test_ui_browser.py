@@ -313,7 +313,9 @@ def test_ui_browser_job_view_shows_the_layout_series_and_plan_grid(page) -> None
     expect(page.get_by_text("TP4·PP2·DP4")).to_be_visible()
     expect(page.get_by_text("240 iterations, drawn as")).to_be_visible()
     expect(page.get_by_text("Open incidents")).to_be_visible()
-    expect(page.locator('[data-testid="stVegaLiteChart"]')).to_have_count(3)  # time, throughput, plan grid
+    expect(page.get_by_text("Goodput")).to_be_visible()  # the headline, with its breakdown bar
+    # goodput breakdown, time, throughput, plan grid
+    expect(page.locator('[data-testid="stVegaLiteChart"]')).to_have_count(4)
     snap(page, "jobs")
 
 
@@ -323,11 +325,12 @@ def test_ui_browser_replay_plays_a_trace_to_its_end(page) -> None:
     go(page, "Replay")
     page.locator(".st-key-replay_source").get_by_role("combobox").click()
     page.get_by_role("option", name="gpt-7b-fail-slow.jsonl").click()
-    expect(page.get_by_text("210 events over")).to_be_visible()
+    shown = sum(e.kind != "telemetry.iteration" for e in demo_events(OLD_SPEC))  # Replay skips per-rank telemetry
+    expect(page.get_by_text(f"{shown} events over")).to_be_visible()
     slider = page.get_by_role("slider")
     slider.focus()
     slider.press("End")
-    expect(page.get_by_text("210 of 210 events")).to_be_visible()
+    expect(page.get_by_text(f"{shown} of {shown} events")).to_be_visible()
     expect(page.get_by_text("Job gpt-7b — epoch 1")).to_be_visible()  # the replayed reshape
     snap(page, "replay")
 

@@ -55,7 +55,8 @@ def main() -> None:
         st.error(f"cannot read the bus ({settings.bus}): {exc}. Check --bus / --bus-path / --bootstrap.")
         st.stop()
     st.sidebar.title("ResiHP")
-    page = st.sidebar.radio("Page", PAGES, key="page")
+    asked = st.query_params.get("page")  # an alert's incident link opens ?page=Incidents&incident=ID
+    page = st.sidebar.radio("Page", PAGES, key="page", index=PAGES.index(asked) if asked in PAGES else 0)
     signin.sidebar_account(session)
     st.sidebar.caption(f"bus: {settings.bus_key()[1]}  \n{feed.model.applied:,} events folded; "
                        f"last refresh took {feed.last_fold_s * 1000:.0f} ms")
@@ -67,7 +68,7 @@ def main() -> None:
     if page == "Jobs":
         jobs.render(feed, settings.refresh_s)
     elif page == "Incidents":
-        incidents.render(feed, session, settings.page_size)
+        incidents.render(feed, session, settings.page_size, settings.alertmanager_url)
     elif page == "Policy":
         policy.render(feed, session)
     elif page == "Security":

@@ -16,6 +16,7 @@ import altair as alt
 import numpy as np
 import pandas as pd
 
+from analytics.goodput import Goodput
 from collector.events import RankHealthEntry, RankState
 from collector.plan import Plan
 from ui.read_model import Mark, Slot
@@ -209,3 +210,27 @@ def seq_len_chart(q: dict[str, np.ndarray], *, height: int = 180) -> alt.Chart:
     median = base.mark_line(color="#1f5fa8").encode(y="p50:Q")
     top = base.mark_line(color="#999", strokeDash=[3, 3]).encode(y="max:Q")
     return alt.layer(band, median, top).properties(height=height)
+
+
+GOODPUT_COLOURS = {"productive": "#4c9a52", "fail_stop": "#c8362f", "fail_slow": "#e8a33d", "reshape": "#3b7dd8",
+                   "restart": "#8a4fbf", "approval": "#d37295", "other": "#79706e", "not yet attributed": "#c9c9c9"}
+
+
+def goodput_parts(g: Goodput) -> pd.DataFrame:
+    """The job's wall time as parts that add up to it: productive, each cause of loss, pending."""
+    parts = {"productive": g.productive_s, **g.loss_s, "not yet attributed": g.pending_s}
+    wall = g.wall_s or 1.0
+    return pd.DataFrame({"part": list(parts), "seconds": list(parts.values()),
+                         "share": [s / wall for s in parts.values()], "order": range(len(parts))})
+
+
+def goodput_bar(g: Goodput, *, height: int = 60) -> alt.Chart:
+    """One stacked bar: where the job's wall time went (the breakdown behind its goodput)."""
+    data = goodput_parts(g)
+    return alt.Chart(data[data["seconds"] > 0]).mark_bar().encode(
+        x=alt.X("share:Q", stack="zero", axis=alt.Axis(format="%", title="share of wall time")),
+        color=alt.Color("part:N", scale=alt.Scale(domain=list(GOODPUT_COLOURS), range=list(GOODPUT_COLOURS.values())),
+                        legend=alt.Legend(orient="bottom", title=None)),
+        order=alt.Order("order:Q"),
+        tooltip=["part:N", alt.Tooltip("seconds:Q", format=",.0f"), alt.Tooltip("share:Q", format=".1%")],
+    ).properties(height=height)

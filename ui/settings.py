@@ -26,6 +26,7 @@ class Settings:
     page_size: int = 25  # RESIHP_UI_PAGE_SIZE: rows per page of the incident list
     refresh_s: float = 5.0  # RESIHP_UI_REFRESH_S: auto-refresh period of the Jobs page
     telemetry: bool = True  # RESIHP_UI_TELEMETRY=0: skip per-rank telemetry (no heatmap / sequence lengths)
+    alertmanager_url: str = "http://127.0.0.1:9093"  # RESIHP_UI_ALERTMANAGER_URL: alerts per incident ('' for none)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -42,6 +43,7 @@ class Settings:
                 page_size=env.ui_page_size,
                 refresh_s=env.ui_refresh_s,
                 telemetry=env.ui_telemetry.lower() not in ("0", "false", "no"),
+                alertmanager_url=env.ui_alertmanager_url,
             )
         except ValueError as exc:
             raise ValueError(f"bad console setting in the environment: {exc}; "

@@ -4,7 +4,7 @@
     python -m infra.grafana.dashboard --check    # exit 1 if the committed JSON is not what the code builds
 
 Panels: goodput over time with the loss stacked by cause, observed against predicted iteration time,
-open incidents by category and severity, ranks by slowdown factor, plans waiting for approval,
+and per pipeline stage (observed / predicted compute, and both in seconds), open incidents by category and severity, ranks by slowdown factor, plans waiting for approval,
 consumer lag and dead letters; incidents are annotations (when the count of open incidents of a job
 rises). A ``job`` variable picks the training job; the Prometheus data source is a variable too, so
 the JSON imports into any Grafana as exported. The series are documented in docs/metrics.md.
@@ -57,6 +57,13 @@ def build() -> dashboard.Dashboard:
     iteration = _series("Iteration time: observed vs predicted", "s",
                         _q(f"resihp_iteration_observed_seconds{{{J}}}", "observed {{job}}"),
                         _q(f"resihp_iteration_predicted_seconds{{{J}}}", "predicted {{job}}", "B"))
+    stage_ratio = _series("Per stage: observed / predicted compute (the replica furthest above)", "short",
+                          _q(f"max by (job, stage) (resihp_stage_observed_seconds{{{J}}} / "
+                             f"resihp_stage_predicted_seconds{{{J}}})", "stage {{stage}}"))
+    stage_time = _series("Per stage: compute time, observed vs predicted", "s",
+                         _q(f"max by (job, stage) (resihp_stage_observed_seconds{{{J}}})", "observed stage {{stage}}"),
+                         _q(f"max by (job, stage) (resihp_stage_predicted_seconds{{{J}}})", "predicted stage {{stage}}",
+                            "B"))
     incidents = _series("Open incidents", "short",
                         _q(f"sum by (category, severity) (resihp_open_incidents{{{J}}})", "{{category}} {{severity}}"),
                         stacked=True)
@@ -79,7 +86,8 @@ def build() -> dashboard.Dashboard:
              .refresh("10s").time("now-6h", "now").timezone("browser")
              .with_variable(ds_var).with_variable(job_var).annotation(annotation)
              .with_row(dash_b.Row("Goodput")).with_panel(goodput).with_panel(windowed).with_panel(loss)
-             .with_row(dash_b.Row("The job")).with_panel(iteration).with_panel(incidents).with_panel(factors)
+             .with_row(dash_b.Row("The job")).with_panel(iteration).with_panel(stage_ratio).with_panel(stage_time)
+             .with_panel(incidents).with_panel(factors)
              .with_panel(approval)
              .with_row(dash_b.Row("The platform")).with_panel(lag).with_panel(dead)
              .build())

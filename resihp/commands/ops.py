@@ -35,6 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--webhook-url", default=None,
                     help="where Alertmanager posts alerts (default: a receiver in this command printing them)")
     up.add_argument("--webhook-port", type=int, default=9095, help="port of the built-in receiver (default 9095)")
+    up.add_argument("--console-url", default="http://127.0.0.1:8501",
+                    help="the console's URL, which each incident alert links to (default: `resihp ui`'s, http://127.0.0.1:8501)")
     up.add_argument("--scrape-interval", default="5s", help="Prometheus scrape and rule evaluation interval (default 5s)")
     up.set_defaults(func=run_up)
     down = ops.add_parser("down", help="stop what `ops up` started in --workdir")
@@ -53,7 +55,8 @@ def _printing_receiver(port: int):
             for alert in body.get("alerts", []):
                 print(json.dumps({"event": "alert", "status": alert.get("status"), **alert.get("labels", {}),
                                   "summary": alert.get("annotations", {}).get("summary"),
-                                  "runbook_url": alert.get("annotations", {}).get("runbook_url")}), flush=True)
+                                  "runbook_url": alert.get("annotations", {}).get("runbook_url"),
+                                  "incident_url": alert.get("annotations", {}).get("incident_url")}), flush=True)
             self.send_response(200)
             self.end_headers()
 
@@ -96,7 +99,7 @@ def run_up(args: argparse.Namespace) -> int:
         targets = [t.strip() for t in args.targets.split(",") if t.strip()]
         servers.append(monitoring.start_prometheus(
             workdir, targets, f"127.0.0.1:{args.alertmanager_port}", port=args.prometheus_port,
-            scrape_interval=args.scrape_interval, evaluation_interval=args.scrape_interval))
+            scrape_interval=args.scrape_interval, evaluation_interval=args.scrape_interval, console_url=args.console_url))
         print(f"prometheus: {servers[1].url}  (scraping {', '.join(targets)}; rules {monitoring.RULES})", file=sys.stderr)
         print(f"alertmanager: {servers[0].url}  (alerts to {webhook}); Ctrl-C or `resihp ops down` stops both",
               file=sys.stderr, flush=True)

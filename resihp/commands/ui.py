@@ -26,6 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--session-hours", type=float, default=None, help="how long a sign-in lasts (default 8)")
     p.add_argument("--no-telemetry", action="store_true",
                    help="do not read per-rank telemetry (lighter for very large jobs; no per-rank heatmap)")
+    p.add_argument("--alertmanager-url", default=None,
+                   help="Alertmanager whose alerts each incident shows (default: $RESIHP_UI_ALERTMANAGER_URL or "
+                        "http://127.0.0.1:9093, `resihp ops up`'s; '' for none)")
     p.add_argument("--add-user", metavar="NAME", default=None,
                    help="add or replace a user in the users file and exit (password from $RESIHP_UI_PASSWORD or a prompt)")
     p.add_argument("--role", choices=["operator", "viewer"], default="viewer", help="role for --add-user (default viewer)")
@@ -36,7 +39,8 @@ def console_env(args: argparse.Namespace) -> dict[str, str]:
     """The environment ui/app.py reads its settings from (see ui/settings.py)."""
     env = dict(os.environ)
     for flag, var in (("bus", "RESIHP_BUS"), ("bus_path", "RESIHP_EMBEDDED_PATH"), ("bootstrap", "RESIHP_KAFKA_BOOTSTRAP"),
-                      ("users", "RESIHP_UI_USERS"), ("traces", "RESIHP_UI_TRACE_DIR")):
+                      ("users", "RESIHP_UI_USERS"), ("traces", "RESIHP_UI_TRACE_DIR"),
+                      ("alertmanager_url", "RESIHP_UI_ALERTMANAGER_URL")):
         value = getattr(args, flag)
         if value is not None:
             env[var] = os.path.abspath(value) if flag in ("bus_path", "users", "traces") else str(value)

@@ -9,6 +9,7 @@ import pandas as pd
 import streamlit as st
 
 from ui.actions import ActionRefused, decide_plan
+from ui.alerts import AlertmanagerUnreachable, FiringAlert, by_incident, firing_alerts
 from ui.auth import NotAllowed, Session, SessionExpired
 from ui.charts import downsample, plan_cells, plan_grid_chart, seq_len_chart, series_chart, slowdown_figure
 from ui.feed import Feed
@@ -18,16 +19,67 @@ from ui.views.common import SEVERITY_BADGE, clock, plain, writer_warnings
 EVIDENCE_HALF_WINDOW = 60  # iterations either side of the detection drawn in the evidence plots
 
 
-def render(feed: Feed, session: Session, page_size: int) -> None:
+ALERTS_TTL_S = 5.0  # how long one answer of Alertmanager serves every page drawn
+
+
+def render(feed: Feed, session: Session, page_size: int, alertmanager_url: str = "") -> None:
+    alerts, unreachable = _alerts(alertmanager_url)
     selected = st.session_state.get("incident") or st.query_params.get("incident")
     if selected and selected in feed.model.incidents:
         if st.button("← all incidents", key="back"):
             st.session_state["incident"] = None
             st.query_params.pop("incident", None)
             st.rerun()
-        _detail(feed, session, feed.model.incidents[selected])
+        _detail(feed, session, feed.model.incidents[selected], alerts.get(selected, []), unreachable)
     else:
+        _firing(feed, alerts, unreachable)
         _list(feed, page_size)
+
+
+@st.cache_data(ttl=ALERTS_TTL_S, show_spinner=False)
+def _alerts_cached(alertmanager_url: str) -> tuple[dict[str, list[FiringAlert]], str]:
+    try:
+        return by_incident(firing_alerts(alertmanager_url)), ""
+    except AlertmanagerUnreachable as exc:
+        return {}, str(exc)
+
+
+def _alerts(alertmanager_url: str) -> tuple[dict[str, list[FiringAlert]], str]:
+    """Alertmanager's alerts by incident id, and why there are none if it could not be asked."""
+    if not alertmanager_url:
+        return {}, ""
+    return _alerts_cached(alertmanager_url)
+
+
+def _firing(feed: Feed, alerts: dict[str, list[FiringAlert]], unreachable: str) -> None:
+    """The alerts Alertmanager holds for incidents, each with the way into its incident."""
+    if unreachable:
+        st.caption(plain(unreachable))
+    if not alerts:
+        return
+    st.subheader("Firing alerts")
+    for incident_id, mine in sorted(alerts.items()):
+        for a in mine:
+            c = st.columns([2, 1, 1, 4, 1])
+            c[0].markdown(f"**{plain(a.name)}** ({plain(a.severity)})")
+            c[1].text(a.job)
+            c[2].text(a.state)
+            c[3].text(a.summary)
+            if incident_id in feed.model.incidents:
+                c[4].button("Incident", key=f"alert-open-{incident_id}-{a.name}", on_click=_open, args=(incident_id,))
+            else:
+                c[4].caption("not on this bus")
+
+
+def _alerts_section(mine: list[FiringAlert], unreachable: str) -> None:
+    st.subheader("Alerts")
+    if unreachable:
+        st.caption(plain(unreachable))
+    elif not mine:
+        st.caption("No alert fires for this incident in Alertmanager.")
+    for a in mine:
+        st.error(f"**{plain(a.name)}** ({plain(a.severity)}, {plain(a.state)} since {plain(a.starts_at)}) — "
+                 f"{plain(a.summary)}  \nrunbook: {plain(a.runbook_url)}")
 
 
 def _open(incident_id: str) -> None:
@@ -63,11 +115,13 @@ def _list(feed: Feed, page_size: int) -> None:
         c[7].button("Open", key=f"open-{inc.incident_id}", on_click=_open, args=(inc.incident_id,))
 
 
-def _detail(feed: Feed, session: Session, inc: IncidentView) -> None:
+def _detail(feed: Feed, session: Session, inc: IncidentView, alerts: list[FiringAlert], unreachable: str) -> None:
     model = feed.model
     st.header(f"Incident {plain(inc.incident_id)}")
     st.markdown(f"{SEVERITY_BADGE[inc.severity.value]} · **{plain(model.incident_state(inc))}** · job {plain(inc.job)} · "
                 f"{inc.opened.category.value} · detected at iteration {inc.opened.iteration} — {plain(inc.opened.summary)}")
+
+    _alerts_section(alerts, unreachable)
 
     st.subheader("Timeline")
     steps = model.timeline(inc)

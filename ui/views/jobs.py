@@ -7,7 +7,7 @@ import pandas as pd
 import streamlit as st
 
 from collector.events import RankState
-from ui.charts import downsample, plan_cells, plan_grid_chart, series_chart
+from ui.charts import downsample, goodput_bar, plan_cells, plan_grid_chart, series_chart
 from ui.feed import Feed
 from ui.read_model import JobView
 from ui.views.common import pick_job, writer_warnings
@@ -36,6 +36,7 @@ def _job_body(feed: Feed, job: JobView) -> None:
     series = job.predictions.arrays()
     open_incidents = [i for i in feed.model.incidents.values() if i.job == job.job and i.resolved is None]
     shape = job.current_plan.shape() if job.current_plan is not None else _layout_shape(job)
+    _goodput_headline(feed, job.job)
     m = st.columns([1, 2, 1, 1.6, 1])
     m[0].metric("Plan epoch", job.running_epoch())
     m[1].metric("Layout", shape)
@@ -47,7 +48,6 @@ def _job_body(feed: Feed, job: JobView) -> None:
         m[3].metric("Iteration time (last 20)", f"{obs:.2f} s", f"{(obs / pred - 1) * 100:+.0f}% vs predicted" if pred else None,
                     delta_color="inverse")
     m[4].metric("Open incidents", len(open_incidents))
-    _goodput_headline(feed, job.job)
 
     window = st.radio("History", list(WINDOWS), horizontal=True, key="jobs_window", index=0)
     if len(series["iteration"]):
@@ -80,13 +80,16 @@ def _job_body(feed: Feed, job: JobView) -> None:
 
 
 def _goodput_headline(feed: Feed, job_name: str) -> None:
-    """Goodput (ETTR) and where the rest of the wall time went: the same fold as /metrics'
-    ``resihp_goodput_ratio`` and ``resihp_goodput_loss_seconds_total`` (docs/metrics.md)."""
+    """The job's headline: goodput (ETTR) and where the rest of the wall time went, from the same
+    fold as /metrics' ``resihp_goodput_ratio`` and ``resihp_goodput_loss_seconds_total``
+    (analytics/goodput.py, docs/metrics.md), so the console and a dashboard never disagree."""
     g = feed.model.goodput.breakdown(job_name)
     if g is None:
         return
+    left, right = st.columns([1, 4])
+    left.metric("Goodput", f"{g.ratio:.1%}", help="share of wall time in productive training (docs/metrics.md)")
+    right.altair_chart(goodput_bar(g), width="stretch")
     lost = ", ".join(f"{cause.replace('_', '-')} {s:,.0f} s" for cause, s in g.loss_s.items() if s >= 0.5)
-    st.metric("Goodput", f"{g.ratio:.1%}", help="share of wall time in productive training (docs/metrics.md)")
     st.caption(f"{g.productive_s:,.0f} s productive of {g.wall_s:,.0f} s wall time; lost: {lost or 'nothing'}"
                + (f"; {g.pending_s:,.0f} s since the last iteration not yet attributed" if g.pending_s >= 0.5 else ""))
 
