@@ -69,6 +69,7 @@ class IterationFacts(Protocol):
     explained_s: float  # the critical path of the observed own times, no communication (NaN: cannot lay out)
     pipeline_s: float  # the critical path of the predicted times, with communication
     tokens: int  # job_tokens
+    stages: list[tuple[int, int, float, float]]  # analytics/prediction.py stage_times
 
 
 class ChunkFacts:
@@ -97,6 +98,10 @@ class ChunkFacts:
     @cached_property
     def tokens(self) -> int:
         return job_tokens(self.frame)
+
+    @cached_property
+    def stages(self) -> list[tuple[int, int, float, float]]:
+        return stage_times(self.frame, self.score.c_pred)
 
 
 @dataclass
@@ -747,7 +752,7 @@ class Detector:
             tokens=facts.tokens,
             model_error=float(err) if np.isfinite(err) else None,
             stages=[StageTime(replica=r, stage=st, observed_s=min(max(o, 0.0), 1e6), predicted_s=min(p, 1e6))
-                    for r, st, o, p in stage_times(frame, score.c_pred)],
+                    for r, st, o, p in facts.stages],
         )
 
     def _health(self, frame: IterationFrame) -> RankHealth | None:

@@ -35,7 +35,7 @@ import numpy as np
 
 from analytics.cost_model import MAX_FIT_ROWS, ClassFit, CostModel
 from analytics.frame import IterationFrame, LayerLookup
-from analytics.prediction import predicted_iteration_s
+from analytics.prediction import bounded_stage_rows, predicted_iteration_s, stage_times
 from analytics.scoring import (
     FrameScore, centre_links, centre_ranks, chunk_classes, link_times, predict_chunks, rank_log_ratios, unit_table,
 )
@@ -46,7 +46,7 @@ LINK_ARRAYS = ("l_src", "l_dst", "l_time", "l_stage_src", "l_stage_dst", "l_wait
 UNIT_ARRAYS = ("u_class", "u_tokens", "u_s2", "u_own", "u_rank")
 SCORE_ARRAYS = ("x", "x_f", "x_b", "x_w", "own_s", "pred_s")
 INT32 = frozenset({*RANK_ARRAYS, "l_src", "l_dst", "l_stage_src", "l_stage_dst", "u_class", "u_rank", "kind", "epoch",
-                   "iteration"})
+                   "iteration", "s_stage"})
 LIVENESS_ARRAYS = ("kind", "rank", "epoch", "iteration", "time_s", "interval_s")  # LivenessBatch
 FLOAT32 = frozenset({"x_f", "x_b", "x_w", "own_s", "pred_s"})  # read only for an incident's evidence and note
 
@@ -121,6 +121,9 @@ def summarize_replica(frame: IterationFrame, fits: DetectorFits | None, *, windo
                   u_class=t.u_class[rows], u_tokens=t.u_tokens[rows], u_s2=t.u_s2[rows], u_own=t.u_own[rows],
                   u_rank=frame.rank[t.u_rank[rows]])
     arrays.update(zip(LINK_ARRAYS, link_times(frame)))
+    stage_rows = stage_times(frame, pred)  # at most the replica's stages: under the bound, every one
+    arrays.update(s_stage=np.array([r[1] for r in stage_rows]), s_observed=np.array([r[2] for r in stage_rows]),
+                  s_predicted=np.array([r[3] for r in stage_rows]))
     layout, blob = pack(arrays)
     dp_sel = frame.k_op == 3  # OP_CODE["dp_allreduce"]
     dp_waits = np.bincount(frame.k_rank[dp_sel], weights=frame.k_dur[dp_sel], minlength=frame.num_ranks)
@@ -146,6 +149,7 @@ class SummaryFacts:
     explained_s: float
     pipeline_s: float
     tokens: int
+    stages: list[tuple[int, int, float, float]]
 
 
 @dataclass
@@ -215,8 +219,14 @@ def job_view(epoch: int, iteration: int, parts: Sequence[ReplicaSummary], layers
         explained = nan
     if any(p.pipeline_s is None for p in parts):
         pipeline = nan
+    stage_replica = np.concatenate([np.full(len(d["s_stage"]), p.replica) for p, d in zip(parts, decoded)]
+                                   or [np.zeros(0)])
+    stage_cols = [np.concatenate([d[n] for d in decoded]) if decoded else np.zeros(0)
+                  for n in ("s_stage", "s_observed", "s_predicted")]
     facts = SummaryFacts(own_s=cols["own_s"][order], pred_s=cols["pred_s"][order], explained_s=explained,
-                         pipeline_s=pipeline + dp_wait, tokens=sum(p.tokens for p in parts))
+                         pipeline_s=pipeline + dp_wait, tokens=sum(p.tokens for p in parts),
+                         stages=bounded_stage_rows(stage_replica.astype(_INT), stage_cols[0].astype(_INT),
+                                                   stage_cols[1], stage_cols[2]))
     links = (cols["l_src"].astype(_INT), cols["l_dst"].astype(_INT), cols["l_time"],
              cols["l_stage_src"].astype(_INT), cols["l_stage_dst"].astype(_INT), cols["l_waits"] > 0)
     return JobView(frame=frame, x=cols["x"][order], xk=xk, links=links, u_keys=list(keys),

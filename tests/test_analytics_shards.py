@@ -9,7 +9,7 @@ import numpy as np
 from analytics.merge import JobMerge
 from analytics.shards import ReplicaShard
 from collector.events import (
-    Coords, DetectorFits, EventFactory, Heartbeat, IncidentOpened, RankIteration, ReplicaSummary,
+    Coords, DetectorFits, EventFactory, Heartbeat, IncidentOpened, IterationPrediction, RankIteration, ReplicaSummary,
 )
 from collector.topics import PartitionKeys
 from test_detect_detector import opened, run, synth
@@ -76,8 +76,10 @@ def test_a_replayed_shard_doubles_nothing() -> None:
 
 def test_the_merge_scores_every_rank_and_link_as_the_single_detector() -> None:
     events = synth(iterations=6, plan=True, slow={7: 1.3}, start=3)
-    single, _ = run(events)
-    merge, _ = _sharded(events, 3)
+    single, single_out = run(events)
+    merge, merged_out = _sharded(events, 3)
+    stages = [[p.stages for p in out if isinstance(p, IterationPrediction)][-1] for out in (single_out, merged_out)]
+    assert len(stages[0]) == 9 and stages[0] == stages[1]  # every (replica, stage) of tp2·pp3·dp3
     a, b = single.last_score, merge.detector.last_score
     assert a is not None and b is not None
     assert np.array_equal(single.last_frame.rank, merge.detector.last_frame.rank)
