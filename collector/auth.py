@@ -51,6 +51,7 @@ WRITERS: dict[str, tuple[str, ...]] = {
     "incident.resolved": ("analytics",), "analytics.cost_model": ("analytics",), "probe.request": ("analytics",),
     "command.ack": ("executor",),
     "plan.current": ("executor",),  # what runs: the engine plans on it and the fold supersedes plans by it
+    "plan.capabilities": ("executor",),  # what the job can run: the engine proposes only that
 }
 CONSOLE_SOURCES = ("ui:", "cli:")  # a console-signed event names its person: ui:alice, cli:bob
 AUTO_ACTOR = "policy:auto"

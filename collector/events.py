@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from collector.plan import Plan
+from collector.plan import SCHEDULES, Plan
 
 
 # ---- contract ranges ----------------------------------------------------------------------------
@@ -553,7 +553,7 @@ class PlanProposed(Payload):
     """The planner's answer to open incidents: a new plan, what it should gain and cost, and a readable diff."""
 
     KIND: ClassVar[str] = "plan.proposed"
-    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # 2 adds fraction_of_before
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, 3)  # 2 adds fraction_of_before, 3 not_offered
     plan_id: str
     incident_ids: list[str] = Field(max_length=LIST_MAX)
     strategy: str
@@ -568,6 +568,9 @@ class PlanProposed(Payload):
         default=None, gt=0, description="a plan that resumes a job hung on a dead device: its predicted tokens/s over "
                                         "the prediction for the layout that ran before the fail-stop; verification "
                                         "compares the measured throughput with what was measured then")
+    not_offered: list[str] = Field(default_factory=list, max_length=LIST_MAX, description=(
+        "remediations the planner left out because the job's executor declared it cannot run them "
+        "(plan.capabilities), each with the executor's reason"))
 
 
 class PlanDecision(Payload):
@@ -676,6 +679,31 @@ class PlanCurrent(Payload):
     tokens_per_microbatch: int = Field(default=0, ge=0, le=TOKENS_MAX)
 
 
+class ExecutorCapabilities(Payload):
+    """Which remediations the job's executor can run, declared by the executor (signed) at start,
+    so the planner proposes only plans the job can apply and says in each plan what it left out
+    and why. A job that never declares is planned for as if it could run everything (the
+    reference trainer can). The rules that judge a plan against a declaration live in
+    collector/capabilities.py."""
+
+    KIND: ClassVar[str] = "plan.capabilities"
+    executor: str = Field(min_length=1, max_length=200, description="reference, native, or a loop's own name")
+    tp_shrink: Literal["per_stage", "uniform", "no"] = Field(
+        default="per_stage", description="per_stage: any stage may run at its own TP degree; uniform: only every "
+                                         "stage of every replica together; no: TP degrees never change")
+    tp_exclusion: bool = Field(default=True, description="a stage can drop one device of its TP group (TP 4 → 3, or "
+                                                         "one stage at a smaller degree than the rest)")
+    pp_repartition: Literal["per_replica", "uniform", "no"] = Field(
+        default="per_replica", description="per_replica: each replica's layer ranges may differ; uniform: at layer "
+                                           "granularity, the same ranges in every replica; no: layers never move")
+    dp_drop: bool = True
+    dp_microbatch_migration: bool = Field(default=True, description="replicas may run different micro-batch counts")
+    spares: bool = Field(default=True, description="devices of the world may idle outside the plan (and come back)")
+    schedules: list[str] = Field(default_factory=lambda: list(SCHEDULES), max_length=64)
+    notes: dict[str, str] = Field(default_factory=dict, description="the executor's own words per remediation "
+                                                                    "(tp_shrink, pp_repartition …), quoted in plans")
+
+
 class CostFit(BaseModel):
     """One fitted line of the cost model: T = alpha·N + beta·Σl² + gamma for a (stage, kind)."""
 
@@ -772,7 +800,7 @@ PAYLOAD_TYPES: tuple[type[Payload], ...] = (
     IterationPrediction, RankHealth, AnalyticsLease, ReplicaSummary, DetectorFits, LivenessBatch,
     IncidentOpened, IncidentConfirmed, IncidentUpdated, IncidentResolved, ProbeRequest, ProbeResult,
     PlanProposed, PlanDecision, PolicyChanged, ReconfigureCommand, CommandAck, PlanVerified, PlanRolledBack,
-    PlanWithheld, PlanCurrent, CostModelFitted,
+    PlanWithheld, PlanCurrent, ExecutorCapabilities, CostModelFitted,
     FaultInjected, DeadLetter, SignInFailed, ControlRejected,
 )
 PAYLOAD_BY_KIND: dict[str, type[Payload]] = {p.KIND: p for p in PAYLOAD_TYPES}

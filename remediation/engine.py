@@ -17,6 +17,9 @@ arrives, the plan it was started with); the cost figures are built from the anal
 latest ``analytics.cost_model`` fits of the running epoch's stages (remediation.cost_figures) with
 the mean tokens per micro-batch measured from ``analytics.prediction``; until fits arrive (or
 when they cannot describe the model) it uses the model it was started with.
+It searches only what the job's executor declared it can run (``plan.capabilities``,
+remediation.capability_fit) and names in each proposal what it left out and why (``not_offered``);
+a strategy that returns a plan the executor cannot run anyway is withheld with the reason.
 
 What it trusts: control events pass its gate (collector/auth.py) before the fold sees them —
 incidents and cost models signed by analytics, decisions and policies by the console (or its own
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from collector import topics
 from collector.auth import Gate, Keyring, Signer, load_keyring
 from collector.bus import Bus, TopicPartition
+from collector.capabilities import capability_refusal
 from collector.events import (
     CommandAck, Envelope, EventFactory, FaultCategory, IncidentOpened, IterationPrediction, IterationSummary, Location,
     PlanDecision, PlanProposed, PlanRolledBack, PlanVerified, PlanWithheld, ReconfigureCommand,
@@ -42,6 +46,7 @@ from collector.plan import Plan
 from collector.stream import EventStream
 from remediation.baselines import PlannerStrategy, Strategy, make_strategy
 from remediation.candidates import PlannerOptions
+from remediation.capability_fit import fit_options
 from remediation.cluster import ClusterState, DeviceState, Hardware, cluster_from_incidents
 from remediation.cost_figures import calibrate_spread, model_from_fits
 from remediation.costs import compute_factor_from_chunks
@@ -318,6 +323,13 @@ class RemediationEngine:
         if chosen is None:
             return None
         result = chosen
+        _, not_offered = fit_options(self.config.options, s.capabilities)
+        if s.capabilities is not None:
+            cannot = capability_refusal(result.plan, s.running_plan, s.capabilities)
+            if cannot is not None:  # a strategy that ignores the options (a baseline) chose what the job cannot run
+                self._refuse(f"the best plan ({result.strategy}) is one the job cannot run: {cannot}",
+                             key=f"incapable/{s.running_epoch}/{s.incident_version}")
+                return None
         failed = s.failed()
         open_ids = {i.incident_id for i in s.open_incidents()}
         # A layout the trainer failed to apply would fail again; one rolled back for these same
@@ -339,6 +351,7 @@ class RemediationEngine:
             current_tokens_per_s=result.current_tokens_per_s, predicted_tokens_per_s=result.predicted_tokens_per_s,
             reshape_cost_s=result.reshape_cost_s, diff=result.diff, severity=s.max_severity(),
             fraction_of_before=self._fraction_of_before(result, view) if result.current_tokens_per_s <= 0 else None,
+            not_offered=not_offered,
         )
         return self._make(f"proposal/{plan_id}", payload)
 
@@ -389,8 +402,10 @@ class RemediationEngine:
             self.strategy = make_strategy(self.config.strategy, model, self.config.options.horizon_s,
                                           self.config.options)
         if isinstance(self.strategy, PlannerStrategy):  # weigh reshapes against the expected time to the next change
+            # and search only what the job's executor declared it can run
+            options, _ = fit_options(self.strategy.options, s.capabilities)
             return PlannerStrategy(self.strategy.model, self.strategy.name,
-                                   replace(self.strategy.options, horizon_s=self.horizon.horizon_s(self._clock_s)))
+                                   replace(options, horizon_s=self.horizon.horizon_s(self._clock_s)))
         return self.strategy
 
     def _with_spread(self, model: PlannerModel, epoch: int, plan: Plan) -> PlannerModel:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from collector import plan_lifecycle
 from collector.events import (
     CostModelFitted, Envelope, FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated,
-    IterationPrediction, IterationSummary, Location, Payload, PlanCurrent, PlanDecision, PlanRolledBack, PlanVerified,
+    ExecutorCapabilities, IterationPrediction, IterationSummary, Location, Payload, PlanCurrent, PlanDecision, PlanRolledBack, PlanVerified,
     PlanWithheld, PolicyMode, ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
@@ -68,6 +68,7 @@ class LifecycleState(PlanLifecycle):
     # fail-stop incident is *resolved* once the new plan leaves its device out, but the device stays dead
     known_dead: set[int] = field(default_factory=set)
     withheld: list[PlanWithheld] = field(default_factory=list)  # why the engine did not plan, in order
+    capabilities: ExecutorCapabilities | None = None  # the executor's latest plan.capabilities (None: runs all)
 
     def plan_runs(self, plan: Plan) -> None:
         """``plan`` runs now: its devices are alive again, and plans left behind close."""
@@ -236,6 +237,12 @@ def _plan_current(state: LifecycleState, e: Envelope, p: PlanCurrent) -> None:
     plan_lifecycle.transition(state, e)
 
 
+def _capabilities(state: LifecycleState, e: Envelope, p: ExecutorCapabilities) -> None:
+    """The executor's word on what it can run: the latest declaration holds (a restarted job with
+    another executor declares again)."""
+    state.capabilities = p
+
+
 def _cost_model(state: LifecycleState, e: Envelope, p: CostModelFitted) -> None:
     old = state.cost_fits.get(p.epoch)
     if old is None or p.iteration >= old.iteration:
@@ -247,7 +254,7 @@ def _withheld(state: LifecycleState, e: Envelope, p: PlanWithheld) -> None:
 
 
 _HANDLERS = {
-    PlanCurrent: _plan_current, CostModelFitted: _cost_model,
+    PlanCurrent: _plan_current, CostModelFitted: _cost_model, ExecutorCapabilities: _capabilities,
     IncidentOpened: _incident_opened, IncidentConfirmed: _incident_confirmed, IncidentUpdated: _incident_updated,
     IncidentResolved: _incident_resolved, IterationSummary: _summary, IterationPrediction: _prediction,
     PlanWithheld: _withheld,

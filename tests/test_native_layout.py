@@ -54,6 +54,7 @@ def test_only_the_next_epoch_is_accepted():
 
 
 def test_the_declaration_names_every_remediation_kind():
-    caps = NATIVE_CAPABILITIES.as_dict()
-    assert caps["tp_exclusion"].startswith("no") and caps["dp_microbatch_migration"].startswith("yes")
-    assert caps["schedules"] == ("1f1b",)
+    caps = NATIVE_CAPABILITIES
+    assert not caps.tp_exclusion and caps.tp_shrink == "uniform" and caps.pp_repartition == "uniform"
+    assert caps.dp_drop and caps.dp_microbatch_migration and caps.schedules == ["1f1b"]
+    assert {"tp_shrink", "tp_exclusion", "pp_repartition", "dp_drop", "dp_microbatch_migration"} <= set(caps.notes)

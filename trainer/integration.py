@@ -9,7 +9,7 @@ Two objects, one per side of the contract:
   ending an iteration a ``put_nowait``: a slow or broken bus never slows training. When the queue
   is full the oldest telemetry is dropped and counted (``reporter.dropped``).
 * ``CommandListener`` (rank 0, or the launcher — exactly one reader per job): announces the running
-  plan (``plan.current``), reads ``command.reconfigure`` for this job and fences it by epoch:
+  plan (``plan.current``) and what the loop can run (``plan.capabilities``, optional), reads ``command.reconfigure`` for this job and fences it by epoch:
   epoch e+1 is handed to the loop only on top of e; a command seen before is acknowledged
   ``ignored_duplicate`` and any other epoch ``ignored_stale``, without the loop seeing them. The
   loop reshapes (or cannot) and says so with ``ack_applied(command, pause_s)`` / ``ack_failed``.
@@ -46,7 +46,7 @@ from collector.auth import Gate, Signer
 from collector.epoch_fence import EpochFence
 from collector.bus import Bus, Consumer, OnAssign, RawMessage, TopicPartition, open_bus
 from collector.events import (AckStatus, Chunk, ChunkKind, CommandAck, CommOp, CommWait, Coords, EventFactory,
-                              IterationSummary, PlanCurrent, ProbeRequest, ProbeResult, RankIteration,
+                              ExecutorCapabilities, IterationSummary, PlanCurrent, ProbeRequest, ProbeResult, RankIteration,
                               ReconfigureCommand)
 from collector.plan import Plan
 from collector.stream import EventStream
@@ -271,6 +271,12 @@ class CommandListener:
                                       model_name=model_name, layer_state_bytes=layer_state_bytes,
                                       tokens_per_microbatch=tokens_per_microbatch)
         self.bus.publish([self.factory.make(self._announced)])
+
+    def announce_capabilities(self, capabilities: ExecutorCapabilities) -> None:
+        """Publish ``plan.capabilities``: which remediations this loop can run, so the engine proposes
+        only those (collector/capabilities.py). A loop that never declares is planned for as if it
+        could run every plan; pass ``check`` to refuse what it cannot run anyway."""
+        self.bus.publish([self.factory.make(capabilities)])
 
     def poll(self, timeout_s: float = 0.0) -> ReconfigureCommand | None:
         """Read new commands; acknowledge the ones to ignore; return the next one to apply."""

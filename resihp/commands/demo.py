@@ -28,6 +28,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workload", choices=["torch", "sim"], default=None,
                    help="torch: the 8-rank CPU torch trainer with emulated device speed (the default without "
                         "--scale); sim: the cluster simulator (the default with --scale)")
+    p.add_argument("--trainer", choices=["reference", "native"], default="reference",
+                   help="torch workload only: the reference trainer (8 ranks, a fail-slow and a fail-stop) or the "
+                        "PyTorch-native executor (trainer/native/: 4 CPU ranks, DP4, a fail-slow answered by the DP "
+                        "changes it declares it can run)")
     p.add_argument("--headless", action="store_true", help="do not start the console")
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
     p.add_argument("--workdir", type=Path, default=None,
@@ -53,11 +57,14 @@ def run(args: argparse.Namespace) -> int:
     if args.scale is not None and args.scale < 8:
         raise SystemExit(f"--scale {args.scale}: the demo needs at least 8 GPUs")
     workload = args.workload or ("sim" if args.scale is not None else "torch")
+    if args.trainer == "native" and (workload != "torch" or args.scale is not None or args.tp not in (None, 1)):
+        raise SystemExit("--trainer native runs its own 4-rank story on the torch workload; drop --workload sim, "
+                         "--scale and --tp")
     if workload == "torch" and args.scale not in (None, 8):
         raise SystemExit("the torch trainer runs 8 CPU ranks; use --workload sim for --scale "
                          f"{args.scale}")
     return run_demo(DemoOptions(
         bus=args.bus, scale=args.scale, workload=workload, headless=args.headless, json=args.json,
         workdir=args.workdir, speed=args.speed, short=args.short, port=args.port, linger_s=args.linger,
-        timeout_s=args.timeout, tp=args.tp, pace=args.pace,
+        timeout_s=args.timeout, tp=args.tp, pace=args.pace, trainer=args.trainer,
     ))

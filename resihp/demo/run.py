@@ -33,7 +33,7 @@ from collector.auth import Signer, create_key_file, key_path
 from collector.events import EventFactory, PolicyChanged, PolicyMode, Severity
 from resihp.demo.procs import ProcessGroup, bus_flags, resihp_argv
 from resihp.demo.progress import Progress
-from resihp.demo.story import DemoStory, story_for
+from resihp.demo.story import DemoStory, native_story, story_for
 from resihp.demo.summary import fault_stories, overall_tokens_per_s, summary_lines
 from resihp.demo.watch import LogWatch
 
@@ -56,6 +56,7 @@ class DemoOptions:
     timeout_s: float = 1200.0
     tp: int | None = None  # override the story's TP degree
     pace: float | None = None  # torch: emulated device s per layer-token (None: torch_workload's default)
+    trainer: str = "reference"  # torch workload: the reference trainer or the PyTorch-native executor
 
 
 def _open_bus(opts: DemoOptions, workdir: Path, env: dict[str, str]) -> tuple[Bus, Path | None, str]:
@@ -79,6 +80,11 @@ def _open_bus(opts: DemoOptions, workdir: Path, env: dict[str, str]) -> tuple[Bu
 
 
 def _workload_argv(opts: DemoOptions, story: DemoStory, files: dict[str, Path], flags: list[str]) -> list[str]:
+    if opts.trainer == "native":
+        return [sys.executable, "-m", "resihp.demo.native_workload", *flags, "--job", story.job,
+                "--dp", str(story.dp), "--microbatches", str(story.microbatches_per_replica),
+                "--iterations", str(story.iterations), "--faults", str(files["faults"]),
+                *([] if opts.pace is None else ["--pace", str(opts.pace)])]
     if opts.workload == "torch":
         pace = [] if opts.pace is None else ["--pace", str(opts.pace)]
         return [sys.executable, "-m", "resihp.demo.torch_workload", *flags, "--job", story.job,
@@ -91,6 +97,11 @@ def _workload_argv(opts: DemoOptions, story: DemoStory, files: dict[str, Path], 
 
 def _remediate_argv(opts: DemoOptions, story: DemoStory, files: dict[str, Path], flags: list[str]) -> list[str]:
     argv = resihp_argv("remediate", *flags, "--job", story.job)
+    if opts.trainer == "native":
+        from trainer.native.model import LlamaConfig
+
+        return argv + ["--tp", "1", "--pp", "1", "--dp", str(story.dp), "--layers", str(LlamaConfig().n_layers),
+                       "--microbatches", str(story.microbatches_per_replica), "--devices", str(story.gpus)]
     if opts.workload == "torch":
         from trainer.model import PRESETS
 
@@ -135,7 +146,8 @@ def run_demo(opts: DemoOptions) -> int:
     if (workdir / "analytics.duckdb").exists() or (workdir / "bus.sqlite").exists():
         print(f"{workdir} already holds a demo run; pass a new --workdir (or delete it)", file=sys.stderr)
         return 2
-    story = story_for(opts.scale or 8, short=opts.short, tp=opts.tp)
+    story = native_story(short=opts.short) if opts.trainer == "native" else story_for(opts.scale or 8, short=opts.short,
+                                                                                       tp=opts.tp)
     files = story.write(workdir)
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -145,12 +157,12 @@ def run_demo(opts: DemoOptions) -> int:
     flags = bus_flags(bus, bus_path)
     db = workdir / "analytics.duckdb"
     trace_path = workdir / "traces" / "demo-trace.parquet"
-    workload_text = (f"the torch trainer ({TORCH_MODEL} GPT, {story.layout}, 8 CPU ranks)" if opts.workload == "torch"
+    workload_text = (f"the native executor (Llama-style decoder, {story.layout}, {story.gpus} CPU ranks)"
+                     if opts.trainer == "native" else
+                     f"the torch trainer ({TORCH_MODEL} GPT, {story.layout}, 8 CPU ranks)" if opts.workload == "torch"
                      else f"the simulator ({story.gpus} GPUs, {story.model}, {story.layout})")
     progress.message(f"resihp demo: {workload_text} on the {bus_text}; workdir {workdir}")
-    progress.message(f"story: healthy warm-up, ×{story.slow.factor:g} fail-slow on device {story.slow.device} at "
-                     f"iteration {story.slow.at_iteration}, device {story.stop.device} stops at iteration "
-                     f"{story.stop.at_iteration}, {story.iterations} iterations; policy: auto-apply every severity")
+    progress.message(f"story: {story.told()}; policy: auto-apply every severity")
     # Every part signs and checks control events with one key set (docs/security.md), made here on
     # first use; children find it through RESIHP_KEYS, whatever their working directory.
     keys = key_path().resolve()
@@ -233,7 +245,7 @@ def run_demo(opts: DemoOptions) -> int:
             "events_in_duckdb": rows,
             "distinct_events_in_duckdb": distinct,
             "incidents": len(state.incidents),
-            "workload": opts.workload, "bus": opts.bus, "gpus": story.gpus, "layout": story.layout,
+            "workload": opts.workload, "trainer": opts.trainer if opts.workload == "torch" else None, "bus": opts.bus, "gpus": story.gpus, "layout": story.layout,
             "complete": complete, "workdir": str(workdir), "trace": str(trace_path),
         }
         (workdir / "summary.json").write_text(json.dumps(result, indent=2))

@@ -54,15 +54,23 @@ class DemoStory:
     model: str  # simulator preset (docs/simulator.md)
     warmup_iterations: int
     slow: FaultBeat
-    stop: FaultBeat
+    stop: FaultBeat | None  # None: the native executor's story (it cannot recover a killed rank yet)
     iterations: int
     heartbeat_interval_s: float = 2.0
     reshape_pause_s: float = 5.0
     job: str = JOB
+    probes: bool = True  # the detector asks the workload to probe suspects (the native launcher answers none)
 
     @property
     def faults(self) -> list[FaultBeat]:
-        return [self.slow, self.stop]
+        return [self.slow] + ([self.stop] if self.stop is not None else [])
+
+    def told(self) -> str:
+        """The story in one line, for the demo's opening."""
+        stop = (f", device {self.stop.device} stops at iteration {self.stop.at_iteration}" if self.stop is not None
+                else "")
+        return (f"healthy warm-up, ×{self.slow.factor:g} fail-slow on device {self.slow.device} at iteration "
+                f"{self.slow.at_iteration}{stop}, {self.iterations} iterations")
 
     @property
     def layout(self) -> str:
@@ -78,9 +86,7 @@ class DemoStory:
         """The simulator scenario (``resihp simulate`` reads the same YAML)."""
         return {
             "name": f"demo_{self.gpus}",
-            "description": f"resihp demo: {self.gpus} GPUs {self.layout}, a ×{self.slow.factor:g} fail-slow on device "
-                           f"{self.slow.device} at iteration {self.slow.at_iteration}, device {self.stop.device} "
-                           f"stops at {self.stop.at_iteration}",
+            "description": f"resihp demo: {self.gpus} GPUs {self.layout}: {self.told()}",
             "job": self.job, "seed": 7, "model": self.model,
             "cluster": {"gpus": self.gpus, "gpus_per_node": 8},
             "plan": {"tp": self.tp, "pp": self.pp, "dp": self.dp,
@@ -90,9 +96,8 @@ class DemoStory:
             "faults": [
                 {"id": self.slow.fault_id, "kind": "slow_compute", "device": self.slow.device,
                  "factor": self.slow.factor, "at_iteration": self.slow.at_iteration},
-                {"id": self.stop.fault_id, "kind": "stop_device", "device": self.stop.device,
-                 "at_iteration": self.stop.at_iteration},
-            ],
+            ] + ([{"id": self.stop.fault_id, "kind": "stop_device", "device": self.stop.device,
+                   "at_iteration": self.stop.at_iteration}] if self.stop is not None else []),
         }
 
     def torch_faults(self) -> dict:
@@ -110,7 +115,7 @@ class DemoStory:
         }
         files["scenario"].write_text(yaml.safe_dump(self.scenario(), sort_keys=False))
         files["faults"].write_text(yaml.safe_dump(self.torch_faults(), sort_keys=False))
-        files["detector"].write_text(yaml.safe_dump(DETECTOR_SETTINGS))
+        files["detector"].write_text(yaml.safe_dump(DETECTOR_SETTINGS if self.probes else {}))
         files["model"].write_text(json.dumps(planner_model(self), indent=2))
         return files
 
@@ -150,3 +155,17 @@ def story_for(gpus: int = 8, *, short: bool = False, tp: int | None = None) -> D
     stop = FaultBeat("demo-fail-stop", "fail_stop", stop_device, warmup + phase)
     return DemoStory(gpus=gpus, tp=tp, pp=pp, dp=dp, microbatches_per_replica=max(4, 2 * pp), model="7b",
                      warmup_iterations=warmup, slow=slow, stop=stop, iterations=warmup + 2 * phase)
+
+
+def native_story(*, short: bool = False) -> DemoStory:
+    """The story for the PyTorch-native executor (``resihp demo --trainer native``): four CPU ranks,
+    TP1·PP1·DP4, a ×3 fail-slow on replica 1's device. The native executor runs DP changes (it
+    declares so on the bus), so the planner answers with a micro-batch migration (or a replica
+    drop) it applies live. No fail-stop: the native executor cannot yet recover a killed rank
+    (docs/native.md). TP1, so every rank is its own TP group and the detector names it without a
+    probe; four replicas, because the detector centres each rank on the job's median, which two
+    ranks (one of them slow) would split between them."""
+    warmup, phase = (20, 30) if short else (30, 60)
+    slow = FaultBeat("demo-fail-slow", "fail_slow", 1, warmup, factor=3.0)
+    return DemoStory(gpus=4, tp=1, pp=1, dp=4, microbatches_per_replica=2, model="7b", warmup_iterations=warmup,
+                     slow=slow, stop=None, iterations=warmup + 2 * phase, probes=False)

@@ -1,57 +1,50 @@
-"""What the native executor can run, declared, so a planner proposes only plans the job can apply.
+"""What the native executor can run, declared on the bus, so a planner proposes only plans the job can apply.
 
-The declaration is data (``NATIVE_CAPABILITIES``, JSON-ready through ``as_dict``) and one check
-(``refusal``), which is the same check the executor's ``agree`` step runs — a plan the planner was
-told is fine cannot be refused later for another reason. docs/native.md says how the planner
-should read it.
+The declaration is the contract's ``plan.capabilities`` payload (``NATIVE_CAPABILITIES``), which
+the native launcher publishes, signed as the executor, at start (trainer/native/intake.py); the
+engine reads it and searches only DP changes for this job (remediation/capability_fit.py).
+``refusal`` is the executor's own check, the one its ``agree`` step and its command intake run:
+the contract's judgement of the declaration (collector/capabilities.py) plus what only the
+executor knows (its model's dimensions, the mesh rules of ``NativeLayout``).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
+from collector.capabilities import capability_refusal
+from collector.events import ExecutorCapabilities
 from collector.plan import Plan
 from trainer.native.layout import NativeLayout, PlanRefused
 from trainer.native.model import LlamaConfig
 
-
-@dataclass(frozen=True)
-class Capabilities:
-    executor: str
-    tp_shrink: str
-    tp_exclusion: str
-    pp_repartition: str
-    dp_drop: str
-    dp_microbatch_migration: str
-    spares: str
-    schedules: tuple[str, ...]
-    state_transfer: str
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-NATIVE_CAPABILITIES = Capabilities(
+NATIVE_CAPABILITIES = ExecutorCapabilities(
     executor="native",
-    tp_shrink="yes, uniform: every stage of every replica moves to the same TP degree (a DeviceMesh is a grid)",
-    tp_exclusion="no: one stage at a smaller TP degree than the rest is refused; shrink TP job-wide instead",
-    pp_repartition="yes, at layer granularity, the same layer ranges in every replica",
-    dp_drop="yes",
-    dp_microbatch_migration="yes: per-replica micro-batch counts may differ; the global batch and loss scaling stay",
-    spares="no: every device of the world holds a role; a device left out of the plan is released",
-    schedules=("1f1b",),
-    state_transfer="live (DTensor gather on the old mesh, point to point from a live holder, re-shard on load); "
-                   "DCP checkpoint when a key has no live holder",
+    tp_shrink="uniform",
+    tp_exclusion=False,
+    pp_repartition="uniform",
+    dp_drop=True,
+    dp_microbatch_migration=True,
+    spares=False,
+    schedules=["1f1b"],
+    notes={
+        "tp_shrink": "uniform only: every stage of every replica moves to the same TP degree (a DeviceMesh is a grid)",
+        "tp_exclusion": "one stage at a smaller TP degree than the rest is refused; shrink TP job-wide instead",
+        "pp_repartition": "at layer granularity, the same layer ranges in every replica",
+        "dp_drop": "yes",
+        "dp_microbatch_migration": "per-replica micro-batch counts may differ; the global batch and loss scaling stay",
+        "spares": "every device of the world holds a role; a device left out of the plan is released",
+        "state_transfer": "live (DTensor gather on the old mesh, point to point from a live holder, re-shard on "
+                          "load); DCP checkpoint when a key has no live holder",
+    },
 )
 
 
-def refusal(plan: Plan, cfg: LlamaConfig, running_epoch: int | None = None) -> str | None:
+def refusal(plan: Plan, cfg: LlamaConfig, running_epoch: int | None = None, running: Plan | None = None) -> str | None:
     """Why the native executor would refuse ``plan`` (None: it can run it). Pure: the planner, the
-    executor's agree step and every rank give the same answer."""
+    executor's agree step, its command intake and every rank give the same answer."""
     if running_epoch is not None and plan.epoch != running_epoch + 1:
         return f"plan epoch {plan.epoch} is not the running epoch {running_epoch} + 1"
     try:
         NativeLayout.of(plan, cfg)
     except PlanRefused as exc:
         return str(exc)
-    return None
+    return capability_refusal(plan, running, NATIVE_CAPABILITIES)

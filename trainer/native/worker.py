@@ -25,10 +25,13 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
-from collector.events import Coords, IterationSummary, RankIteration
+from collector.events import Coords, FaultInjected, IterationSummary, Location, RankIteration
 from collector.plan import Plan
 from collector.settings import environment
+from trainer.fault_spec import FaultSpec
 from trainer.native.executor import NativeExecutor, Released, ReshapeRefused
+from trainer.native.faults import ChunkPadding
+from trainer.native.intake import CommandFollower, NativeCommandIntake
 from trainer.native.layout import NativeLayout
 from trainer.native.model import LlamaConfig, ModelFactory
 from trainer.native.stage import NativeRole, TrainSettings
@@ -69,6 +72,14 @@ class NativeRunSpec(BaseModel):
     bus: BusSpec | None = None
     heartbeat_s: float = Field(default=1.0, gt=0)
     echo: bool = Field(default=False, description="world rank 0 prints each iteration's loss")
+    commands: bool = Field(default=False, description=(
+        "obey command.reconfigure from the bus (needs bus): the launcher announces the plan and this executor's "
+        "capabilities, fences and acknowledges commands (trainer/native/intake.py)"))
+    faults: list[FaultSpec] = Field(default_factory=list, description="slow_compute faults (trainer/native/faults.py)")
+    tokens_per_microbatch: int = Field(default=0, ge=0, description="announced in plan.current for the planner")
+    pace_s_per_layer_token: float = Field(default=0.0, ge=0, description=(
+        "emulated device time: each chunk padded to layers × tokens × this / TP (backward twice), so CPU ranks on "
+        "a shared machine behave like devices of a set speed (0: raw CPU)"))
 
     @property
     def config(self) -> LlamaConfig:
@@ -105,6 +116,8 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
                         checkpoint_dir=lambda: fallback, model_factory=spec.factory())
     telemetry = (TelemetryPublisher(spec.bus.open, spec.job, device, spec.heartbeat_s) if spec.bus else None)
     results: dict = {"device": device, "losses": {}, "walls": {}, "reshapes": [], "refused": [], "backend": backend}
+    follower = CommandFollower(store, device, torch_device) if spec.commands else None
+    padding = ChunkPadding(spec.faults, device, spec.pace_s_per_layer_token)
     try:
         layout = NativeLayout.of(spec.plan, cfg)
         if device not in layout.world:
@@ -116,11 +129,14 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
             cur = ex.current
             iteration = load_dcp(spec.resume_dir, cur.model, cur.opt, cur.sched)
         pending = {r.at_iteration: r.plan for r in spec.reshapes}
-        first_step_of = None
+        first_step_of, post = None, None
         while iteration < spec.iterations:
-            if iteration in pending:
+            plan = pending.pop(iteration, None)
+            if plan is None and follower is not None and (posted := follower.next_plan()) is not None:
+                post, plan = posted
+            if plan is not None:
                 try:
-                    report, rollback_to = ex.reshape(pending.pop(iteration))
+                    report, rollback_to = ex.reshape(plan)
                     first_step_of = report
                     if rollback_to is not None:
                         iteration = rollback_to
@@ -128,7 +144,11 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
                     log.warning("device %d: plan refused, training on at epoch %d: %s", device,
                                 ex.current.layout.plan.epoch, exc)
                     results["refused"].append(str(exc))
+                    if follower is not None and post is not None:
+                        follower.refused(post, str(exc))
+                        post = None
             cur = ex.current
+            padding.begin_iteration(iteration, cur.stage, cur.role)
             started = time.perf_counter()
             loss = cur.train_step(iteration, cfg, settings)
             wall_s = time.perf_counter() - started
@@ -136,13 +156,22 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
                 first_step_of.phases_s["first_step"] = wall_s
                 results["reshapes"].append({"epoch": first_step_of.epoch, "source": first_step_of.source,
                                             "phases_s": first_step_of.phases_s, "iteration": iteration})
-                first_step_of = None
+                if follower is not None and post is not None:
+                    follower.done(post, first_step_of.epoch, first_step_of.source, first_step_of.phases_s)
+                first_step_of, post = None, None
             results["losses"][iteration] = loss
+            if follower is not None:
+                follower.stepped()
             results["walls"][iteration] = wall_s
             if spec.echo and cur.layout.rank(device) == 0:
                 print(f"iteration {iteration} epoch {cur.layout.plan.epoch} loss {loss:.4f} ({wall_s:.3f} s)", flush=True)
             if telemetry is not None:
                 _publish(telemetry, cur, device, iteration, wall_s, loss, settings)
+                for f in padding.started(iteration):
+                    telemetry.publish(FaultInjected(
+                        fault_id=f.id or f"{spec.job}/{f.kind}/{device}/{iteration}", category=f.category,
+                        location=Location(target="compute", rank=device, factor=f.factor),
+                        start_iteration=iteration, end_iteration=f.end_iteration))
             iteration += 1
         cur = ex.current
         if spec.save_dir:
@@ -203,14 +232,27 @@ def launch_native(spec: NativeRunSpec, ranks: int | None = None) -> dict[int, in
     if spec.out_dir:
         Path(spec.out_dir).mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
+    intake = None
+    if spec.commands:
+        if spec.bus is None:
+            raise ValueError("commands from the bus need a bus: give the run spec one")
+        intake = NativeCommandIntake(spec.job, spec.plan, spec.config, store, spec.bus.open,
+                                     spec.tokens_per_microbatch)
+        intake.start()
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["trainer.native.worker"])
     procs = {d: ctx.Process(target=process_main, args=(d, spec.model_dump_json()), name=f"native-{d}")
              for d in range(ranks)}
     for p in procs.values():
         p.start()
-    for p in procs.values():
-        p.join()
+    try:
+        while intake is not None and any(p.exitcode is None for p in procs.values()):
+            intake.poll({d for d, p in procs.items() if p.exitcode is None})
+        for p in procs.values():
+            p.join()
+    finally:
+        if intake is not None:
+            intake.finish()
     return {d: p.exitcode if p.exitcode is not None else -1 for d, p in procs.items()}
 
 

@@ -1,0 +1,59 @@
+"""The planner's options cut to what the job's executor declared it can run.
+
+A job announces its executor's capabilities on the bus (``plan.capabilities``); the engine plans
+only within them, so an executor is never sent a plan it would refuse, and every proposal says
+what was left out and why ("TP exclusion not offered: executor native cannot run it (…)"), so an
+operator who expected a TP shrink sees why the plan drops a replica instead.
+
+The planner's TP candidates shrink or re-form one stage's group around its bad devices, which is
+a per-stage TP change and an exclusion; its PP candidates re-split one pipeline's layers, which
+is a per-replica repartition. An executor that runs neither (a DeviceMesh is a grid: the native
+executor) is planned for with DP changes only: micro-batch migration and replica drop. The final
+word on a plan is collector/capabilities.py's ``capability_refusal``, which the engine also runs
+on whatever a strategy returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from collector.capabilities import KIND_LABELS
+from collector.events import ExecutorCapabilities
+from remediation.candidates import PlannerOptions
+
+
+def _left_out(caps: ExecutorCapabilities, kind: str, how: str = "cannot run it") -> str:
+    note = caps.notes.get(kind)
+    return f"{KIND_LABELS[kind]} not offered: executor {caps.executor} {how}" + (f" ({note})" if note else "")
+
+
+def fit_options(options: PlannerOptions, caps: ExecutorCapabilities | None) -> tuple[PlannerOptions, list[str]]:
+    """``options`` restricted to ``caps`` (None: the job declared nothing, plan with everything),
+    and one line per remediation left out, for the proposal's ``not_offered``."""
+    if caps is None:
+        return options, []
+    notes: list[str] = []
+    allow_tp = options.allow_tp
+    if allow_tp and not caps.tp_exclusion:
+        allow_tp = False
+        notes.append(_left_out(caps, "tp_exclusion"))
+    elif allow_tp and caps.tp_shrink != "per_stage":
+        allow_tp = False
+        notes.append(_left_out(caps, "tp_shrink", "shrinks TP only job-wide" if caps.tp_shrink == "uniform"
+                                                  else "cannot run it"))
+    allow_pp = options.allow_pp
+    if allow_pp and caps.pp_repartition != "per_replica":
+        allow_pp = False
+        notes.append(_left_out(caps, "pp_repartition", "moves layers only alike in every replica, which the planner's "
+                                                        "per-pipeline re-split does not promise"
+                               if caps.pp_repartition == "uniform" else "cannot run it"))
+    allow_dp = options.allow_dp and caps.dp_microbatch_migration
+    if options.allow_dp and not allow_dp:
+        notes.append(_left_out(caps, "dp_microbatch_migration"))
+    allow_drop = options.allow_drop and caps.dp_drop
+    if options.allow_drop and not allow_drop:
+        notes.append(_left_out(caps, "dp_drop"))
+    return replace(options, allow_tp=allow_tp, allow_pp=allow_pp, allow_dp=allow_dp, allow_drop=allow_drop), notes
+
+
+__all__ = ["fit_options"]

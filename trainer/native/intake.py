@@ -1,0 +1,167 @@
+"""Native command intake: bus commands in, one reshape at a time through the ranks, acknowledgements out.
+
+Two halves over the launcher's TCPStore, like the reference trainer's (trainer/intake.py):
+
+* :class:`NativeCommandIntake` (the launcher, the job's one reader of the control topic). At start
+  it announces what runs (``plan.current``) and what this executor can run (``plan.capabilities``,
+  trainer/native/capabilities.py), both signed as the executor. It reads ``command.reconfigure``
+  through the integration API's :class:`~trainer.integration.CommandListener` — the same signature
+  gate and epoch fence (collector/epoch_fence.py) as every executor, so an unsigned command is a
+  ``control.rejected`` and a stale or duplicate one an ``ignored_*`` ack. A plan this executor
+  cannot run (``refusal``: the declaration's rules and the mesh's) is acknowledged ``failed`` with
+  the reason **before any rank sees it**. A plan that passes is posted (``native/cmd/plan/N``,
+  then the counter ``native/cmd/posts``) and acknowledged once every device of its world has
+  taken its first step on it, with the largest pause and each phase of the reshape; ``failed``
+  when a rank refused it at ``agree`` (it still trains at the old layout) or died.
+* :class:`CommandFollower` (every rank, at each iteration boundary). One all-reduce (MAX) of the
+  newest post each rank has read makes the whole world pick the same post at the same boundary,
+  whatever instant the launcher wrote it: a rank that read it late learns of it from a peer.
+  The rank then reshapes through :class:`~trainer.native.executor.NativeExecutor` and reports
+  ``done`` (the phases) or ``refused`` (why) under the post's number.
+
+What can go wrong: a rank that dies mid-reshape leaves the post without its report; the launcher
+acks ``failed`` once the process has exited (the native executor cannot recover a dead rank yet,
+docs/native.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from collector.bus import Bus
+from collector.events import ReconfigureCommand
+from collector.plan import Plan
+from trainer.integration import CommandListener
+from trainer.native.capabilities import NATIVE_CAPABILITIES, refusal
+from trainer.native.model import LlamaConfig
+
+log = logging.getLogger("resihp.trainer.native")
+
+POSTS = "native/cmd/posts"
+
+
+def plan_key(post: int) -> str:
+    return f"native/cmd/plan/{post}"
+
+
+def done_key(post: int, device: int) -> str:
+    return f"native/cmd/done/{post}/{device}"
+
+
+def refused_key(post: int, device: int) -> str:
+    return f"native/cmd/refused/{post}/{device}"
+
+
+class NativeCommandIntake:
+    """The launcher's half: fence, refuse what the executor cannot run, post, acknowledge."""
+
+    def __init__(self, job: str, plan: Plan, cfg: LlamaConfig, store: dist.Store, bus: Bus | Callable[[], Bus],
+                 tokens_per_microbatch: int = 0) -> None:
+        self.store, self.cfg = store, cfg
+        self.listener = CommandListener(job, plan, bus=bus, check=self._check)
+        self.posts = 0
+        self.posted: tuple[int, ReconfigureCommand] | None = None
+        self.tokens_per_microbatch = tokens_per_microbatch
+        store.set(POSTS, "0")
+
+    def _check(self, plan: Plan) -> str | None:
+        """The executor's own judgement, before any rank sees the plan (the fence ran first)."""
+        reason = refusal(plan, self.cfg, running=self.listener.running)
+        return None if reason is None else f"the native executor cannot run this plan: {reason}"
+
+    def start(self) -> None:
+        """Announce what runs and what this executor can run."""
+        self.listener.announce_plan(model_name="native-llama", tokens_per_microbatch=self.tokens_per_microbatch)
+        self.listener.announce_capabilities(NATIVE_CAPABILITIES)
+
+    def poll(self, alive: set[int], timeout_s: float = 0.2) -> None:
+        """One step: finish the posted reshape if its world reported, else post the next command."""
+        command = self.listener.poll(timeout_s=timeout_s)  # the posted one again while it is unacknowledged
+        if self.posted is not None:
+            self._check_posted(alive)
+            return
+        if command is not None:
+            self.posts += 1
+            self.store.set(plan_key(self.posts), command.plan.model_dump_json())
+            self.store.set(POSTS, str(self.posts))
+            self.posted = (self.posts, command)
+            log.info("posted %s as epoch %d (post %d)", command.plan_id, command.plan.epoch, self.posts)
+
+    def _check_posted(self, alive: set[int]) -> None:
+        post, command = self.posted  # type: ignore[misc]
+        world = command.plan.devices
+        running = self.listener.running.devices
+        refused = [d for d in running if self.store.check([refused_key(post, d)])]
+        if refused:
+            why = self.store.get(refused_key(post, refused[0])).decode()
+            self.posted = None
+            self.listener.ack_failed(command, f"refused at agree, still at epoch {self.listener.running.epoch}: {why}")
+            return
+        dead = sorted(d for d in set(world) | set(running) if d not in alive)
+        done = [d for d in world if self.store.check([done_key(post, d)])]
+        if dead and len(done) < len(world):
+            self.posted = None
+            self.listener.ack_failed(command, f"devices {dead} exited before the reshape to epoch "
+                                              f"{command.plan.epoch} finished")
+            return
+        if len(done) < len(world):
+            return
+        reports = [json.loads(self.store.get(done_key(post, d))) for d in world]
+        pause_s = max(sum(r["phases_s"].values()) for r in reports)
+        slowest = max(reports, key=lambda r: sum(r["phases_s"].values()))
+        phases = ", ".join(f"{k} {v:.3f} s" for k, v in slowest["phases_s"].items())
+        self.posted = None
+        self.listener.ack_applied(command, pause_s, detail=(
+            f"now {command.plan.shape()} on devices {world}; state from {slowest['source']}; phases: {phases}"))
+
+    def finish(self) -> None:
+        """The job ended: a reshape still posted was not applied; stop reading."""
+        if self.posted is not None:
+            _, command = self.posted
+            self.posted = None
+            self.listener.ack_failed(command, "the job ended before the reshape finished")
+        self.listener.close()
+
+
+class CommandFollower:
+    """A rank's half: agree with the world on the newest post at each iteration boundary, report back."""
+
+    def __init__(self, store: dist.Store, device: int, torch_device: torch.device) -> None:
+        self.store, self.device, self.torch_device = store, device, torch_device
+        self.applied = 0
+        self.steps_since_reshape = 0
+
+    def stepped(self) -> None:
+        """An iteration ran on the running layout."""
+        self.steps_since_reshape += 1
+
+    def next_plan(self) -> tuple[int, Plan] | None:
+        """The post to apply now (the same on every rank of the running world), or None. A
+        collective over the running world: every rank calls it at the same boundary. Like the
+        reference trainer's intake, a layout runs one iteration before the next reshape (so the
+        optimizer has state to move and every epoch reports telemetry)."""
+        if self.steps_since_reshape == 0:
+            return None
+        seen = torch.tensor([int(self.store.get(POSTS))], dtype=torch.int64, device=self.torch_device)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        post = int(seen.item())
+        if post <= self.applied:
+            return None
+        self.applied = post
+        self.steps_since_reshape = 0
+        return post, Plan.model_validate_json(self.store.get(plan_key(post)))
+
+    def done(self, post: int, epoch: int, source: str, phases_s: dict[str, float]) -> None:
+        self.store.set(done_key(post, self.device), json.dumps({"epoch": epoch, "source": source,
+                                                                "phases_s": phases_s}))
+
+    def refused(self, post: int, reason: str) -> None:
+        self.store.set(refused_key(post, self.device), reason)
+
+
+__all__ = ["NativeCommandIntake", "CommandFollower"]
