@@ -33,6 +33,7 @@ report it, and a partial frame would read as missing ranks.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from analytics.detector_config import DetectorConfig
@@ -149,7 +150,7 @@ class FrameAssembler:
         later_epoch = any(k[0] > epoch for k in self.pending) or watch.newest_epoch() > epoch
         if top >= iteration + self.config.max_wait_iterations:
             return True
-        expected = self.expected(epoch)
+        expected: AbstractSet[int] | None = self.expected(epoch)
         if expected is None:
             if not later_epoch and top < iteration + self.config.unplanned_wait_iterations:
                 return False

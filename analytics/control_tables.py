@@ -88,7 +88,7 @@ _DDL = (
 class ControlProjection:
     """plan_events (+ view plans), incident_events (+ view incidents), predictions, rank_health."""
 
-    tables = ("plan_events", "incident_events", "predictions", "rank_health")
+    tables: tuple[str, ...] = ("plan_events", "incident_events", "predictions", "rank_health")
 
     def create(self, conn: duckdb.DuckDBPyConnection) -> None:
         for ddl in _DDL:

@@ -26,69 +26,74 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class DetectorConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
-    window_iterations: int = Field(default=8, ge=1, description="cost-model and noise window")
+    window_iterations: int = Field(default=8, ge=1)
+    """cost-model and noise window"""
     k_sigma: float = Field(default=1.5, gt=0)
     h_sigma: float = Field(default=8.0, gt=0)
-    min_slowdown: float = Field(default=1.02, gt=1.0, description="drift allowance k never goes below log of this")
-    min_alarm_factor: float = Field(default=1.06, gt=1.0, description="threshold h never goes below log of this")
-    step_cap: float = Field(default=0.6, gt=0, le=1.0, description="largest CUSUM step, as a fraction of h")
+    min_slowdown: float = Field(default=1.02, gt=1.0)
+    """drift allowance k never goes below log of this"""
+    min_alarm_factor: float = Field(default=1.06, gt=1.0)
+    """threshold h never goes below log of this"""
+    step_cap: float = Field(default=0.6, gt=0, le=1.0)
+    """largest CUSUM step, as a fraction of h"""
     sigma_floor: float = Field(default=0.004, gt=0)
-    rank_noise_iterations: int = Field(
-        default=64, ge=0, description="span of each rank's own noise estimate (a running median of |Δz| between "
-                                      "its iterations); a rank noisier than the job is judged with its own σ; 0: "
-                                      "every rank with the job's σ")
-    confirm_iterations: int = Field(default=3, ge=1, description="persistence needed to confirm")
-    resolve_iterations: int = Field(default=3, ge=1, description="healthy iterations needed to resolve")
-    update_min_change: float = Field(default=0.10, ge=0, description="relative factor change that earns an update")
-    refine_iterations: list[int] = Field(
-        default=[8, 32, 128], description="slow iterations after which a fail-slow's size is estimated again, as "
-                                          "their median ([]: never): the size at opening comes from 3 iterations, one "
-                                          "of which may be from before the onset; 8 correct that soon; where one "
-                                          "iteration is noisy to ~1.5 % (1,024 GPUs) 32 are good to ~0.4 % (1 % at "
-                                          "worst) and 128 (~40 s there) to ~0.2 %")
-    refine_min_change: float = Field(
-        default=0.005, ge=0, description="relative change that earns the refined size an update: 0.5 % in a chunk "
-                                         "slowdown is about 1 % in the GPU's compute factor the planner reads (compute "
-                                         "is about half a chunk at TP 8), and about the 8-iteration median's own error")
-    heartbeat_miss_intervals: float = Field(
-        default=3.0, gt=0, description="missed intervals that make a rank dead, in event time relative to the "
-                                       "other ranks' progress (analytics/fail_stop.py)")
-    reference_max_lag_intervals: float = Field(
-        default=20.0, gt=0, description="the job's reference time never trails its newest event by more than this "
-                                       "many intervals, so a third or more of the job dying at once is still judged; "
-                                       "a partition lagging longer than this while the job hangs looks dead")
-    hang_miss_intervals: float = Field(
-        default=1.5, gt=0, description="the same while the job is hung: no iteration completed for "
-                                       "hang_stall_iterations typical iterations and one heartbeat interval")
-    hang_stall_iterations: float = Field(
-        default=3.0, gt=0, description="typical iterations without a completed one that make the job hung")
-    telemetry_lag_iterations: int = Field(
-        default=3, ge=1, description="iterations in a row a rank's own stream moved on without its report")
-    flush_lag_iterations: int = Field(
-        default=2, ge=1, description="only for ranks that never heartbeat: score an iteration without "
-                                     "them once reports this many iterations later arrived (analytics/arrival.py)")
-    unplanned_wait_iterations: int = Field(
-        default=16, ge=1, description="without the epoch's plan (plan.current): wait for reports this many "
-                                      "iterations later before scoring an iteration with the ranks heard from")
-    max_wait_iterations: int = Field(
-        default=64, ge=1, description="memory guard: an iteration is scored once reports this far ahead arrived")
-    chunk_quantile: float | None = Field(
-        default=0.5, gt=0, lt=1, description="rank score: this quantile of its chunks' log(own/predicted) per "
-                                              "kind (robust to OS preemption); null: log of the summed ratio")
-    cost_publish_change: float = Field(
-        default=0.05, gt=0, description="publish analytics.cost_model when a class's prediction moved this much")
-    cost_publish_min_iterations: int = Field(
-        default=5, ge=1, description="at most one analytics.cost_model per this many iterations (first of an "
-                                     "epoch excepted)")
-    probes: bool = Field(default=False, description="ask suspects to run a probe and confirm from its result")
+    rank_noise_iterations: int = Field(default=64, ge=0)
+    """span of each rank's own noise estimate (a running median of |Δz| between its iterations); a rank noisier
+    than the job is judged with its own σ; 0: every rank with the job's σ"""
+    confirm_iterations: int = Field(default=3, ge=1)
+    """persistence needed to confirm"""
+    resolve_iterations: int = Field(default=3, ge=1)
+    """healthy iterations needed to resolve"""
+    update_min_change: float = Field(default=0.10, ge=0)
+    """relative factor change that earns an update"""
+    refine_iterations: list[int] = Field(default=[8, 32, 128])
+    """slow iterations after which a fail-slow's size is estimated again, as their median ([]: never): the size
+    at opening comes from 3 iterations, one of which may be from before the onset; 8 correct that soon; where
+    one iteration is noisy to ~1.5 % (1,024 GPUs) 32 are good to ~0.4 % (1 % at worst) and 128 (~40 s there) to
+    ~0.2 %"""
+    refine_min_change: float = Field(default=0.005, ge=0)
+    """relative change that earns the refined size an update: 0.5 % in a chunk slowdown is about 1 % in the
+    GPU's compute factor the planner reads (compute is about half a chunk at TP 8), and about the 8-iteration
+    median's own error"""
+    heartbeat_miss_intervals: float = Field(default=3.0, gt=0)
+    """missed intervals that make a rank dead, in event time relative to the other ranks' progress
+    (analytics/fail_stop.py)"""
+    reference_max_lag_intervals: float = Field(default=20.0, gt=0)
+    """the job's reference time never trails its newest event by more than this many intervals, so a third or
+    more of the job dying at once is still judged; a partition lagging longer than this while the job hangs
+    looks dead"""
+    hang_miss_intervals: float = Field(default=1.5, gt=0)
+    """the same while the job is hung: no iteration completed for hang_stall_iterations typical iterations and
+    one heartbeat interval"""
+    hang_stall_iterations: float = Field(default=3.0, gt=0)
+    """typical iterations without a completed one that make the job hung"""
+    telemetry_lag_iterations: int = Field(default=3, ge=1)
+    """iterations in a row a rank's own stream moved on without its report"""
+    flush_lag_iterations: int = Field(default=2, ge=1)
+    """only for ranks that never heartbeat: score an iteration without them once reports this many iterations
+    later arrived (analytics/arrival.py)"""
+    unplanned_wait_iterations: int = Field(default=16, ge=1)
+    """without the epoch's plan (plan.current): wait for reports this many iterations later before scoring an
+    iteration with the ranks heard from"""
+    max_wait_iterations: int = Field(default=64, ge=1)
+    """memory guard: an iteration is scored once reports this far ahead arrived"""
+    chunk_quantile: float | None = Field(default=0.5, gt=0, lt=1)
+    """rank score: this quantile of its chunks' log(own/predicted) per kind (robust to OS preemption); null: log
+    of the summed ratio"""
+    cost_publish_change: float = Field(default=0.05, gt=0)
+    """publish analytics.cost_model when a class's prediction moved this much"""
+    cost_publish_min_iterations: int = Field(default=5, ge=1)
+    """at most one analytics.cost_model per this many iterations (first of an epoch excepted)"""
+    probes: bool = Field(default=False)
+    """ask suspects to run a probe and confirm from its result"""
     probe_confirm_ratio: float = Field(default=1.03, gt=1.0)
-    excluded_probe_iterations: int = Field(
-        default=100, ge=0, description="with probes: probe a slow rank the plan left out this many iterations "
-                                       "after, then twice as long after each probe, and resolve its incident once "
-                                       "it measures healthy (0: never)")
-    links: bool = Field(default=True, description="score point-to-point links as well as ranks")
+    excluded_probe_iterations: int = Field(default=100, ge=0)
+    """with probes: probe a slow rank the plan left out this many iterations after, then twice as long after
+    each probe, and resolve its incident once it measures healthy (0: never)"""
+    links: bool = Field(default=True)
+    """score point-to-point links as well as ranks"""
 
     @field_validator("refine_iterations")
     @classmethod

@@ -121,7 +121,7 @@ class DetectorStateError(RuntimeError):
 
 
 class DetectorProjection:
-    tables = ("detector_state", "detector_outbox")
+    tables: tuple[str, ...] = ("detector_state", "detector_outbox")
 
     def __init__(self, config_path: str | None = None, config: DetectorConfig | None = None) -> None:
         self.config = config or DetectorConfig.load(config_path)
@@ -142,8 +142,7 @@ class DetectorProjection:
         for job, emitted, state, version in rows:
             self.detectors[job] = self._restore(job, bytes(state), version)
             self.emitted[job] = emitted
-        (top,) = conn.execute("SELECT COALESCE(MAX(seq) + 1, 0) FROM detector_outbox").fetchone()
-        self._outbox_seq = top
+        (self._outbox_seq,) = conn.execute("SELECT COALESCE(MAX(seq) + 1, 0) FROM detector_outbox").fetchall()[0]
 
     def _restore(self, job: str, state: bytes, version: int) -> Detector:
         if version != STATE_VERSION:

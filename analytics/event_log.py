@@ -25,7 +25,7 @@ _SCHEMA = pa.schema(
 
 
 class EventLogProjection:
-    tables = ("events",)
+    tables: tuple[str, ...] = ("events",)
 
     def create(self, conn: duckdb.DuckDBPyConnection) -> None:
         conn.execute(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -164,7 +165,8 @@ def sum_sq_lens(seq_lens: list[list[int] | None]) -> np.ndarray:
     """Σ lᵢ² per chunk, vectorised over all chunks; NaN where seq_lens is None."""
     n = len(seq_lens)
     missing = None in seq_lens
-    lists = [x or () for x in seq_lens] if missing else seq_lens
+    # Copy only when some are missing (the common case has every list).
+    lists: Sequence[Sequence[int]] = [x or () for x in seq_lens] if missing else cast("list[list[int]]", seq_lens)
     counts = np.fromiter(map(len, lists), np.int64, n)
     flat = np.fromiter(itertools.chain.from_iterable(lists), np.float64, int(counts.sum()))
     out = np.zeros(n)

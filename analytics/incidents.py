@@ -20,8 +20,8 @@ from dataclasses import dataclass, field, replace
 from analytics.detector_config import DetectorConfig
 from analytics.fail_stop import LivenessChange
 from collector.events import (
-    Evidence, FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated, Location,
-    Payload, ProbeRequest, ProbeResult, Severity,
+    ConfirmMethod, Evidence, FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated,
+    Location, LocationTarget, Payload, ProbeRequest, ProbeResult, Severity,
 )
 
 _NS = uuid.UUID("0c5a7f0e-9b1d-4b8e-8f2a-5d3c1e7a9b40")
@@ -33,7 +33,7 @@ class Suspect:
     """What the detector knows about a location when it raises an incident."""
 
     key: tuple
-    target: str
+    target: LocationTarget
     rank: int | None
     link: tuple[int, int] | None
     node: int | None
@@ -323,7 +323,7 @@ class IncidentBook:
             return self._reprobe_result(inc, missing=sorted(set(asked) - set(inc.probe_ratios)))
         if not inc.probe_ratios:
             return []
-        worst = max(inc.probe_ratios, key=inc.probe_ratios.get)
+        worst = max(inc.probe_ratios, key=lambda rank: inc.probe_ratios[rank])
         ratio = inc.probe_ratios[worst]
         s = inc.suspect
         bar = self._probe_bar(inc.probe_ratios)
@@ -427,7 +427,8 @@ class IncidentBook:
             def chunk_factor(r: float) -> float:
                 return 1.0 + (r - 1.0) * (group_f - 1.0) / (r_max - 1.0)
 
-            inc.factor = inc.published_factor = chunk_factor(ratios.get(s.rank, 1.0))  # _can_reprobe: one rank
+            assert s.rank is not None  # _can_reprobe: one rank
+            inc.factor = inc.published_factor = chunk_factor(ratios.get(s.rank, 1.0))
             inc.probe_sized = True
             for r in slow:
                 key = ("ranks", (r,))
@@ -483,7 +484,7 @@ class IncidentBook:
                 out.append(IncidentOpened(incident_id=inc.incident_id, category=inc.category,
                                           severity=Severity.CRITICAL, iteration=iteration, locations=[s.location()],
                                           evidence=s.evidence(), summary=f"rank {ch.rank} stopped: {ch.reason}"))
-                method = "heartbeat" if "heartbeat" in ch.reason else "persistence"
+                method: ConfirmMethod = "heartbeat" if "heartbeat" in ch.reason else "persistence"
                 out.append(IncidentConfirmed(incident_id=inc.incident_id, method=method, detail=ch.reason,
                                              locations=[s.location()]))
             elif ch.alive and key in self.open:

@@ -88,7 +88,7 @@ def insert_arrow(conn: duckdb.DuckDBPyConnection, table: str, batch: pa.Table, *
 class TelemetryProjection:
     """chunks, rank_iterations, iterations, heartbeats and ranks, from the telemetry topic."""
 
-    tables = ("chunks", "rank_iterations", "iterations", "heartbeats", "ranks")
+    tables: tuple[str, ...] = ("chunks", "rank_iterations", "iterations", "heartbeats", "ranks")
 
     def create(self, conn: duckdb.DuckDBPyConnection) -> None:
         for ddl in _DDL:
@@ -130,6 +130,7 @@ def _add_rank_iteration(ch: dict[str, list], ri: dict[str, list], rk: dict[str, 
     c = p.coords
     t = p.chunk_table  # the wire's column form: extend columns, no object per chunk
     n = len(t.kind)
+    value: object  # a column's value: the rows hold text and numbers
     for col, value in (("job", job), ("epoch", p.epoch), ("iteration", p.iteration), ("rank", p.rank),
                        ("tp", c.tp), ("pp", c.pp), ("dp", c.dp)):
         ch[col].extend([value] * n)

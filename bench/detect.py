@@ -21,10 +21,15 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from resihp.referee import detecting, fault_devices, named_devices, score
+
+if TYPE_CHECKING:
+    from collector.events import FaultInjected
+    from trainer.sim.engine import SimConfig
 
 SCENARIO_DIR = Path(__file__).resolve().parent.parent / "scenarios"
 
@@ -87,7 +92,8 @@ class Tracked:
         return self.sized[-1][1] if self.sized else []
 
 
-def run_case(case: Case, dialect: str = "ours") -> tuple[list, dict[str, dict[str, Tracked]], int, int, object]:
+def run_case(case: Case, dialect: str = "ours") -> tuple[list[FaultInjected], dict[str, dict[str, Tracked]], int, int,
+                                                         SimConfig]:
     """Simulate one case, its ranks recording in ``dialect`` (docs/dialects.md: the same timeline and
     faults in every dialect, only what the ranks report differs); returns (truth, incidents per
     detector, iterations, healthy iterations, the simulator's config)."""
@@ -107,7 +113,7 @@ def run_case(case: Case, dialect: str = "ours") -> tuple[list, dict[str, dict[st
     job = engine.config.job
     detectors = make_detectors(job)
     incidents: dict[str, dict[str, Tracked]] = {name: {} for name in detectors}
-    truth: dict[str, object] = {}
+    truth: dict[str, FaultInjected] = {}
 
     def absorb(name: str, payloads: list) -> list:
         probes = []

@@ -26,6 +26,11 @@ import argparse
 import json
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from trainer.fault_spec import FaultKind
+    from trainer.sim.engine import SimConfig
 
 SCENARIOS = ("slow_x1.5", "slow_x2", "slow_x4", "slow_link_x4", "stop_gpu", "stop_node", "every_30min", "cascading")
 STRATEGIES = ("oracle", "ours", "do_nothing", "drop_replica", "elastic_restart", "oobleck", "tp_only", "pp_only",
@@ -117,7 +122,7 @@ def _faults(name: str, gpus: int, duration_s: float):
                 FaultSpec(kind="stop_device", device=d, at_s=at + 240),
                 FaultSpec(kind="stop_node", node=(d + 64) // 8, at_s=at + 360)]
     if name == "every_30min":
-        kinds = ["slow_compute", "stop_device", "slow_compute", "stop_node"]
+        kinds: list[FaultKind] = ["slow_compute", "stop_device", "slow_compute", "stop_node"]
         out = []
         for i, t in enumerate(range(1800, int(duration_s), 1800)):
             dev = (97 * (i + 1) + 13) % gpus
@@ -132,7 +137,7 @@ def _faults(name: str, gpus: int, duration_s: float):
     raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
 
 
-def _job(name: str, strategy_name: str, gpus: int, telemetry: str = "none"):
+def _job(name: str, strategy_name: str, gpus: int, telemetry: Literal["all", "none"] = "none") -> SimConfig:
     """The simulated job of every run: 7B, TP8·PP4·DP gpus/32, 8 micro-batches per replica."""
     from collector.plan import Plan
     from trainer.sim.engine import SimConfig
@@ -206,6 +211,7 @@ def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run
     from remediation.plan_result import PlanRefused
     from resihp.closed_loop import ThroughputSeries
     from trainer.sim.engine import SimEngine
+    from trainer.sim.faults import devices_of
 
     oracle = strategy_name == "oracle"
     config = _job(name, strategy_name, gpus)
@@ -244,17 +250,14 @@ def _run_one(name: str, strategy_name: str, gpus: int, duration_s: float) -> Run
             cluster = ClusterState(gpus, hardware)
             for f in known:
                 s = f.spec
-                if s.kind == "stop_node":
-                    for dev in range(s.node * 8, s.node * 8 + 8):
-                        cluster = cluster.with_device(dev, DeviceState(dead=True))
-                elif s.kind == "stop_device":
-                    cluster = cluster.with_device(s.device, DeviceState(dead=True))
-                elif s.kind == "slow_compute":
-                    cluster = cluster.with_device(s.device, DeviceState(compute_factor=s.factor))
-                elif s.kind == "slow_link":
+                if s.kind == "slow_link" and s.link is not None:
                     cluster = cluster.with_link(s.link[0], s.link[1], s.factor)
-                else:  # slow_nic
-                    cluster = cluster.with_device(s.device, DeviceState(link_factor=s.factor))
+                    continue
+                state = (DeviceState(dead=True) if s.kind in ("stop_node", "stop_device") else
+                         DeviceState(compute_factor=s.factor) if s.kind == "slow_compute" else
+                         DeviceState(link_factor=s.factor))  # slow_nic
+                for dev in devices_of(s, cluster_spec):
+                    cluster = cluster.with_device(dev, state)
             try:
                 result = strategy.plan(cluster, engine.plan)
             except PlanRefused:
@@ -310,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
     if args.jobs == 1:
         for job in tqdm(jobs, desc="recover", unit="run"):
             fn, fn_args = calls[job]
-            runs[job] = fn(*fn_args, progress=True) if fn is _run_bused else fn(*fn_args)
+            runs[job] = _run_bused(*fn_args, progress=True) if fn is _run_bused else fn(*fn_args)
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed

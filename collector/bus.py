@@ -17,7 +17,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Self
 
 from collector.codec import encode
 from collector.events import Envelope
@@ -83,7 +83,20 @@ class BusHealth:
             self.down_since, self.reason = None, ""
 
 
-class Consumer(ABC):
+class _Closing(ABC):
+    """A consumer or a bus holds a connection or open files: ``with`` closes it on the way out."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Consumer(_Closing):
     """A member of a consumer group reading some topics."""
 
     health: BusHealth = BusHealth()  # a backend that can lose its log gives each consumer its bus's
@@ -109,17 +122,8 @@ class Consumer(ABC):
     def positions(self) -> dict[TopicPartition, int]:
         """The next offset this consumer will read in each assigned partition."""
 
-    @abstractmethod
-    def close(self) -> None: ...
 
-    def __enter__(self) -> Consumer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class Bus(ABC):
+class Bus(_Closing):
     """Where events go. ``publish`` returns only once the log has them durably."""
 
     name: str
@@ -152,15 +156,6 @@ class Bus(ABC):
     @abstractmethod
     def end_offsets(self, topics: Sequence[str]) -> dict[TopicPartition, int]:
         """The offset the next published record of each partition will get."""
-
-    @abstractmethod
-    def close(self) -> None: ...
-
-    def __enter__(self) -> Bus:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def open_bus(backend: str | None = None, *, path: str | None = None, bootstrap: str | None = None) -> Bus:

@@ -52,7 +52,7 @@ def decode(raw: bytes) -> Envelope:
             bytes(raw).decode("utf-8")
         except UnicodeDecodeError as bad:
             raise InvalidEvent(f"record is not UTF-8: {bad.reason} at byte {bad.start}") from None
-        raise InvalidEvent(_one_line(exc)) from None
+        raise InvalidEvent("invalid event: " + one_line(exc)) from None
     except (ValueError, TypeError, RecursionError) as exc:  # defensive: parser errors outside pydantic
         raise InvalidEvent(f"undecodable record: {exc}") from None
 
@@ -81,12 +81,14 @@ def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _one_line(exc: ValidationError) -> str:
+def one_line(exc: ValidationError, root: str = "<record>") -> str:
+    """A validation error as one line (a dead letter's reason, a command's error): the first three
+    problems, each with its field path (``root`` when the whole input is wrong)."""
     errors = exc.errors(include_url=False, include_input=False)
     parts = []
     for err in errors[:3]:
-        loc = ".".join(str(x) for x in err.get("loc", ())) or "<record>"
+        loc = ".".join(str(x) for x in err.get("loc", ())) or root
         parts.append(f"{loc}: {err.get('msg', 'invalid')}")
     more = f" (+{len(errors) - 3} more)" if len(errors) > 3 else ""
     # Field names come from the input: escape control characters so the reason stays one line.
-    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], "invalid event: " + "; ".join(parts) + more)
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], "; ".join(parts) + more)

@@ -79,6 +79,14 @@ class Payload(BaseModel):
     VERSIONS: ClassVar[tuple[int, ...]] = (1,)
 
 
+class IterationPayload(Payload):
+    """A payload about one iteration: its number and the plan epoch (layout) it ran under.
+    Iteration numbers go on across reshapes; the epoch says which layout the figures belong to."""
+
+    epoch: Int32
+    iteration: Count
+
+
 # ---- telemetry (trainer ranks and the simulator) -----------------------------------------------
 
 
@@ -94,7 +102,7 @@ class Chunk(BaseModel):
     model_config = _CONTRACT
 
     kind: ChunkKind
-    microbatch: int = Field(ge=0, le=INT32_MAX)
+    microbatch: Int32
     virtual_stage: int = Field(default=0, ge=0, le=INT32_MAX)
     tokens: int | None = Field(default=None, ge=0, le=TOKENS_MAX,
                                description="tokens in the chunk; None when unknown (never 0)")
@@ -119,6 +127,9 @@ class CommOp(StrEnum):
 
 
 ProcessGroupName = Literal["tp", "pp", "dp", "cp", "fsdp"]
+LocationTarget = Literal["compute", "link", "node"]  # what a Location names: a rank's compute, a link, a node
+ConfirmMethod = Literal["probe", "heartbeat", "persistence"]  # how an incident was confirmed
+PlanCurrentReason = Literal["start", "reshape", "restart"]  # why the trainer announces the running plan
 
 
 class CommWait(BaseModel):
@@ -146,9 +157,9 @@ class Coords(BaseModel):
 
     model_config = _CONTRACT
 
-    tp: int = Field(ge=0, le=INT32_MAX)
-    pp: int = Field(ge=0, le=INT32_MAX)
-    dp: int = Field(ge=0, le=INT32_MAX)
+    tp: Int32
+    pp: Int32
+    dp: Int32
     cp: int = Field(default=0, ge=0, le=INT32_MAX)
 
 
@@ -216,7 +227,7 @@ class ChunkTable(BaseModel):
         ]
 
 
-class RankIteration(Payload):
+class RankIteration(IterationPayload):
     """One rank's telemetry for one iteration: every chunk it ran and every wait it measured.
 
     Build it with ``chunks=[Chunk(...), ...]`` (converted to a ChunkTable) or ``chunk_table=...``;
@@ -228,8 +239,6 @@ class RankIteration(Payload):
 
     KIND: ClassVar[str] = "telemetry.iteration"
     VERSIONS: ClassVar[tuple[int, ...]] = (2, 3)
-    epoch: int = Field(ge=0, le=INT32_MAX)
-    iteration: int = Field(ge=0, le=COUNT_MAX)
     rank: int = Field(ge=0, le=INT32_MAX, description="device id")
     node: int | None = Field(default=None, ge=0, le=INT32_MAX)
     coords: Coords
@@ -263,7 +272,7 @@ class TracingDeclared(Payload):
     """
 
     KIND: ClassVar[str] = "telemetry.tracing"
-    epoch: int = Field(ge=0, le=INT32_MAX)
+    epoch: Int32
     dialect: str = Field(min_length=1, max_length=200,
                          description='free label: "ours", "megatron", "profiler", "sampled", ...')
     traced_ranks: list[Int32] | None = Field(
@@ -282,14 +291,12 @@ class TracingDeclared(Payload):
         return iteration % self.step_every == self.step_offset % self.step_every
 
 
-class IterationSummary(Payload):
+class IterationSummary(IterationPayload):
     """Job-level view of one iteration, reported once (by the launcher or the last stage)."""
 
     KIND: ClassVar[str] = "telemetry.summary"
-    epoch: int = Field(ge=0, le=INT32_MAX)
-    iteration: int = Field(ge=0, le=COUNT_MAX)
     loss: Finite | None = None
-    tokens: int = Field(ge=0, le=COUNT_MAX)
+    tokens: Count
     wall_s: float = Field(ge=0, le=DURATION_MAX_S)
 
 
@@ -297,8 +304,8 @@ class Heartbeat(Payload):
     """A rank is alive. Sent on a timer, independent of iteration progress."""
 
     KIND: ClassVar[str] = "telemetry.heartbeat"
-    rank: int = Field(ge=0, le=INT32_MAX)
-    epoch: int = Field(ge=0, le=INT32_MAX)
+    rank: Int32
+    epoch: Int32
     iteration: int = Field(ge=0, le=COUNT_MAX, description="the last iteration the rank started")
     interval_s: float = Field(gt=0, le=DURATION_MAX_S, description="when the next heartbeat is due")
 
@@ -312,18 +319,16 @@ class StageTime(BaseModel):
 
     model_config = _CONTRACT
 
-    replica: int = Field(ge=0, le=INT32_MAX)
-    stage: int = Field(ge=0, le=INT32_MAX)
+    replica: Int32
+    stage: Int32
     observed_s: float = Field(ge=0, le=DURATION_MAX_S)
     predicted_s: float = Field(ge=0, le=DURATION_MAX_S)
 
 
-class IterationPrediction(Payload):
+class IterationPrediction(IterationPayload):
     """Observed against predicted time of one iteration, as the detector sees it, and of its stages."""
 
     KIND: ClassVar[str] = "analytics.prediction"
-    epoch: int = Field(ge=0, le=INT32_MAX)
-    iteration: int = Field(ge=0, le=COUNT_MAX)
     observed_s: float = Field(ge=0)
     predicted_s: float = Field(ge=0)
     tokens: int = Field(ge=0, le=COUNT_MAX, description="tokens the job trained in the iteration, each micro-batch once")
@@ -406,17 +411,15 @@ class RankHealthEntry(BaseModel):
 
     model_config = _CONTRACT
 
-    rank: int = Field(ge=0, le=INT32_MAX)
+    rank: Int32
     state: RankState
     factor: float = Field(default=1.0, gt=0, description="estimated slowdown; 1.0 is healthy")
 
 
-class RankHealth(Payload):
+class RankHealth(IterationPayload):
     """The detector's current view of every rank it has heard of (only changes are published)."""
 
     KIND: ClassVar[str] = "analytics.rank_health"
-    epoch: int = Field(ge=0, le=INT32_MAX)
-    iteration: int = Field(ge=0, le=COUNT_MAX)
     ranks: list[RankHealthEntry] = Field(max_length=LIST_MAX)
 
 
@@ -443,6 +446,9 @@ class FaultCategory(StrEnum):
 
 
 class Severity(StrEnum):
+    """How urgent an incident is, from the slowdown or loss it costs; an auto-apply policy names the
+    severities whose plans it applies without an operator."""
+
     LOW = "low"
     MEDIUM = "medium"
     HIGH = "high"
@@ -454,7 +460,7 @@ class Location(BaseModel):
 
     model_config = _CONTRACT
 
-    target: Literal["compute", "link", "node"]
+    target: LocationTarget
     rank: int | None = Field(default=None, ge=0, le=INT32_MAX)
     link: tuple[Int32, Int32] | None = None
     node: int | None = Field(default=None, ge=0, le=INT32_MAX)
@@ -496,7 +502,7 @@ class IncidentConfirmed(Payload):
 
     KIND: ClassVar[str] = "incident.confirmed"
     incident_id: str
-    method: Literal["probe", "heartbeat", "persistence"]
+    method: ConfirmMethod
     detail: str
     locations: list[Location] = Field(default_factory=list, max_length=LIST_MAX)
 
@@ -506,7 +512,7 @@ class IncidentUpdated(Payload):
 
     KIND: ClassVar[str] = "incident.updated"
     incident_id: str
-    iteration: int = Field(ge=0, le=COUNT_MAX)
+    iteration: Count
     severity: Severity
     locations: list[Location] = Field(max_length=LIST_MAX)
     evidence: Evidence
@@ -521,7 +527,7 @@ class IncidentResolved(Payload):
 
     KIND: ClassVar[str] = "incident.resolved"
     incident_id: str
-    iteration: int = Field(ge=0, le=COUNT_MAX)
+    iteration: Count
     reason: str
 
 
@@ -541,7 +547,7 @@ class ProbeResult(Payload):
 
     KIND: ClassVar[str] = "probe.result"
     probe_id: str
-    rank: int = Field(ge=0, le=INT32_MAX)
+    rank: Int32
     duration_s: float = Field(ge=0, le=DURATION_MAX_S)
     reference_s: float = Field(gt=0, le=DURATION_MAX_S, description="what a healthy device takes for the same probe")
 
@@ -557,7 +563,7 @@ class PlanProposed(Payload):
     plan_id: str
     incident_ids: list[str] = Field(max_length=LIST_MAX)
     strategy: str
-    base_epoch: int = Field(ge=0, le=INT32_MAX)
+    base_epoch: Int32
     plan: ContractPlan
     current_tokens_per_s: float = Field(ge=0, le=RATE_MAX)
     predicted_tokens_per_s: float = Field(ge=0, le=RATE_MAX)
@@ -607,6 +613,8 @@ class ReconfigureCommand(Payload):
 
 
 class AckStatus(StrEnum):
+    """What the trainer did with a command (the epoch fence refuses stale and duplicated ones)."""
+
     APPLIED = "applied"
     IGNORED_STALE = "ignored_stale"
     IGNORED_DUPLICATE = "ignored_duplicate"
@@ -671,7 +679,7 @@ class PlanCurrent(Payload):
 
     KIND: ClassVar[str] = "plan.current"
     plan: ContractPlan
-    reason: Literal["start", "reshape", "restart"] = "start"
+    reason: PlanCurrentReason = "start"
     gpus_per_node: int = Field(default=8, ge=1, le=INT32_MAX)
     model_name: str = ""
     layer_state_bytes: int = Field(default=0, ge=0, le=COUNT_MAX,
@@ -709,12 +717,12 @@ class CostFit(BaseModel):
 
     model_config = _CONTRACT
 
-    stage: int = Field(ge=0, le=INT32_MAX)
+    stage: Int32
     kind: ChunkKind
     alpha_s_per_token: Finite
     beta_s_per_token_sq: Finite
     gamma_s: Finite
-    samples: int = Field(ge=0, le=COUNT_MAX)
+    samples: Count
     rel_error: Finite | None = Field(default=None, description="recent median |observed − predicted| / predicted")
     workload_cv: float | None = Field(
         default=None, ge=0, description="relative spread of the line's prediction over the window's micro-batches: how "
@@ -724,12 +732,10 @@ class CostFit(BaseModel):
         "typical one; absent when sequence lengths were not reported")
 
 
-class CostModelFitted(Payload):
+class CostModelFitted(IterationPayload):
     """The detector's current cost model, published when it changes, for the planner to score with."""
 
     KIND: ClassVar[str] = "analytics.cost_model"
-    epoch: int = Field(ge=0, le=INT32_MAX)
-    iteration: int = Field(ge=0, le=COUNT_MAX)
     fits: list[CostFit] = Field(max_length=LIST_MAX)
 
 
@@ -743,7 +749,7 @@ class FaultInjected(Payload):
     fault_id: str
     category: FaultCategory
     location: Location
-    start_iteration: int = Field(ge=0, le=COUNT_MAX)
+    start_iteration: Count
     end_iteration: int | None = Field(default=None, ge=0, le=COUNT_MAX, description="exclusive; None while it lasts")
 
 
@@ -771,8 +777,8 @@ class DeadLetter(Payload):
 
     KIND: ClassVar[str] = "deadletter"
     topic: str = Field(max_length=1000)
-    partition: int = Field(ge=0, le=INT32_MAX)
-    offset: int = Field(ge=0, le=COUNT_MAX)
+    partition: Int32
+    offset: Count
     group: str = Field(max_length=1000)
     reason: str = Field(max_length=DEADLETTER_REASON_MAX)
     raw_b64: str = Field(description="the record's bytes (a prefix when raw_length says it was longer)")

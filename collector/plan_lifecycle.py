@@ -274,24 +274,19 @@ def _ack(state: PlanLifecycle, e: Envelope, p: CommandAck) -> PlanRecord | None:
     return None
 
 
-def _verified(state: PlanLifecycle, e: Envelope, p: PlanVerified) -> PlanRecord | None:
+def _verdict(state: PlanLifecycle, e: Envelope, p: PlanVerified | PlanRolledBack) -> PlanRecord | None:
+    """The last word on an applied plan: kept (verified) or rolled back, with the throughput
+    measured after it. A verdict on a plan that is not applied is reported and ignored."""
+    verified = isinstance(p, PlanVerified)
     record = state.plans.get(p.plan_id)
     if record is None or record.status != PlanStatus.APPLIED:
-        state.report(e, f"verification of plan {p.plan_id} that is not applied; ignored")
+        state.report(e, f"{'verification' if verified else 'roll-back'} of plan {p.plan_id} that is not applied; "
+                        "ignored")
         return None
-    record.status = PlanStatus.VERIFIED
+    record.status = PlanStatus.VERIFIED if verified else PlanStatus.ROLLED_BACK
     record.measured_tokens_per_s = p.measured_tokens_per_s
-    return record
-
-
-def _rolled_back(state: PlanLifecycle, e: Envelope, p: PlanRolledBack) -> PlanRecord | None:
-    record = state.plans.get(p.plan_id)
-    if record is None or record.status != PlanStatus.APPLIED:
-        state.report(e, f"roll-back of plan {p.plan_id} that is not applied; ignored")
-        return None
-    record.status = PlanStatus.ROLLED_BACK
-    record.measured_tokens_per_s = p.measured_tokens_per_s
-    record.verdict = p.reason
+    if isinstance(p, PlanRolledBack):
+        record.verdict = p.reason
     return record
 
 
@@ -306,5 +301,5 @@ def _plan_current(state: PlanLifecycle, e: Envelope, p: PlanCurrent) -> None:
 
 _HANDLERS: dict[type, Callable[[PlanLifecycle, Envelope, Any], PlanRecord | None]] = {
     PlanProposed: _proposed, PlanDecision: _decision, PolicyChanged: _policy, ReconfigureCommand: _command,
-    CommandAck: _ack, PlanVerified: _verified, PlanRolledBack: _rolled_back, PlanCurrent: _plan_current,
+    CommandAck: _ack, PlanVerified: _verdict, PlanRolledBack: _verdict, PlanCurrent: _plan_current,
 }

@@ -37,10 +37,11 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from collector.codec import one_line
 from collector.events import (
     Chunk, ChunkKind, CommOp, CommWait, Coords, Envelope, EventFactory, PlanCurrent, RankIteration,
     TracingDeclared,
@@ -126,12 +127,6 @@ class Layout(BaseModel):
                     num_layers=self.num_layers, pipelines=tuple(pipelines))
 
 
-def _one_line(exc: ValidationError) -> str:
-    errs = exc.errors(include_url=False, include_input=False)
-    parts = [f"{'.'.join(str(x) for x in e.get('loc', ())) or '<layout>'}: {e.get('msg', 'invalid')}" for e in errs[:3]]
-    return "; ".join(parts) + (f" (+{len(errs) - 3} more)" if len(errs) > 3 else "")
-
-
 def load_layout(path: str | Path) -> Layout:
     """Read a layout (YAML, or JSON, which YAML reads too)."""
     import yaml
@@ -149,7 +144,7 @@ def load_layout(path: str | Path) -> Layout:
         layout = Layout.model_validate(data)
         layout.plan()
     except ValidationError as exc:
-        raise ImportProblem(f"{p}: invalid layout: {_one_line(exc)}") from None
+        raise ImportProblem(f"{p}: invalid layout: {one_line(exc, '<layout>')}") from None
     except ValueError as exc:
         raise ImportProblem(f"{p}: invalid layout: {exc}") from None
     return layout
@@ -210,7 +205,9 @@ def read_kineto(path: str | Path, rank: int | None = None) -> RankTrace:
         doc = {"traceEvents": doc}
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
         raise ImportProblem(f"{p}: not a torch.profiler trace (JSON without a traceEvents list)")
-    info = doc.get("distributedInfo") if isinstance(doc.get("distributedInfo"), dict) else {}
+    info = doc.get("distributedInfo")
+    if not isinstance(info, dict):
+        info = {}
     if rank is None:
         rank = info.get("rank")
         if not isinstance(rank, int) or rank < 0:
@@ -228,7 +225,9 @@ def read_kineto(path: str | Path, rank: int | None = None) -> RankTrace:
         if not isinstance(name, str) or not _finite(ts) or not _finite(dur) or dur < 0:
             raise ImportProblem(f"{p}: event {i} ({name!r}) has no valid ts/dur; the trace is damaged")
         cat = e.get("cat", "")
-        args = e.get("args") if isinstance(e.get("args"), dict) else {}
+        args = e.get("args")
+        if not isinstance(args, dict):
+            args = {}
         span = Span(name, e.get("tid"), float(ts), float(dur), args)
         if cat == "user_annotation" and (m := _STEP.match(name)):
             trace.steps.append((int(m.group(1)), span))
@@ -245,7 +244,7 @@ def read_kineto(path: str | Path, rank: int | None = None) -> RankTrace:
     return trace
 
 
-def _finite(x: object) -> bool:
+def _finite(x: object) -> TypeGuard[float]:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
@@ -491,13 +490,12 @@ def import_traces(files: Sequence[str | Path], layout: Layout, *, job: str) -> I
     factories = {r: EventFactory(job, f"rank-{r}") for r in traces}
     by_step: dict[int, list[tuple[int, float | None, RankIteration]]] = defaultdict(list)
     for r, items in per_rank.items():
-        for t, it in items:
-            by_step[it.iteration].append((r, t, it))
+        for time_s, it in items:
+            by_step[it.iteration].append((r, time_s, it))
     for step in steps:
-        for r, t, it in sorted(by_step[step], key=lambda x: x[0]):
-            f = factories[r]
-            events.append(f.make(it, time_s=t if t is not None else float(step),
-                                 event_id=uuid.uuid5(_NS, f"{job}/rank-{r}/{step}").hex))
+        for r, time_s, it in sorted(by_step[step], key=lambda x: x[0]):
+            events.append(factories[r].make(it, time_s=time_s if time_s is not None else float(step),
+                                            event_id=uuid.uuid5(_NS, f"{job}/rank-{r}/{step}").hex))
     return ImportResult(events=events, ranks=sorted(traces), steps=steps, notes=notes)
 
 

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from collector.bus import Bus, Consumer, OnAssign, TopicPartition
 from collector.codec import InvalidEvent, dead_letter, decode
-from collector.events import Envelope, EventFactory
+from collector.events import DeadLetter, Envelope, EventFactory
 
 
 class Delivery(NamedTuple):
@@ -63,25 +63,27 @@ class EventStream:
         self.last_polled = len(records)
         out: list[Delivery] = []
         dead: list[Envelope] = []
+        reasons: list[str] = []
         for r in records:
             self._next[TopicPartition(r.topic, r.partition)] = r.offset + 1
             try:
                 event = decode(r.value)
             except InvalidEvent as exc:
-                dead.append(self._dead_letter(r.topic, r.partition, r.offset, exc.reason, r.value))
+                letter = dead_letter(r.topic, r.partition, r.offset, self.group, exc.reason, r.value)
+                dead.append(self._dead_letter_event(letter, r.topic, r.partition, r.offset))
+                reasons.append(letter.reason)
                 continue
             out.append(Delivery(r.topic, r.partition, r.offset, event))
         if dead:
             self.bus.publish(dead)
             self.counters.dead_letters += len(dead)
-            for d in dead:
-                key = d.payload.reason.split(":", 2)[-1].strip()[:80]
+            for reason in reasons:
+                key = reason.split(":", 2)[-1].strip()[:80]
                 self.counters.reasons[key] = self.counters.reasons.get(key, 0) + 1
         self.counters.delivered += len(out)
         return out
 
-    def _dead_letter(self, topic: str, partition: int, offset: int, reason: str, raw: bytes) -> Envelope:
-        payload = dead_letter(topic, partition, offset, self.group, reason, raw)
+    def _dead_letter_event(self, payload: DeadLetter, topic: str, partition: int, offset: int) -> Envelope:
         event_id = uuid.uuid5(_DLQ_NAMESPACE, f"{self.group}/{topic}/{partition}/{offset}").hex
         return self._dead.make(payload, event_id=event_id)
 

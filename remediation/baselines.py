@@ -52,34 +52,59 @@ def _result(name: str, model: PlannerModel, cluster: ClusterState, current: Plan
     )
 
 
+def _next_plan(current: Plan, pipelines: list[tuple[StagePlan, ...]], microbatches: list[int]) -> Plan:
+    """The next epoch's plan: these pipelines, with these micro-batches each, as replicas 0, 1, …"""
+    return Plan(epoch=current.epoch + 1, schedule=current.schedule, virtual_stages=current.virtual_stages,
+                num_layers=current.num_layers,
+                pipelines=tuple(PipelinePlan(replica=i, microbatches=m, stages=st)
+                                for i, (st, m) in enumerate(zip(pipelines, microbatches))))
+
+
 @dataclass
-class DoNothing:
+class _FixedStrategy:
+    """A baseline that is not our planner: each answers with the layout it keeps or the one its rule
+    builds, scored by the same throughput model as ours over the same horizon."""
+
     model: PlannerModel
-    name: str = "do_nothing"
+    name: str
     horizon_s: float = 1800.0
 
-    def plan(self, cluster: ClusterState, current: Plan) -> PlanResult:
+    def _unchanged(self, cluster: ClusterState, current: Plan) -> PlanResult:
         return _result(self.name, self.model, cluster, current, current, 0.0, self.horizon_s)
 
+    def _changed(self, cluster: ClusterState, current: Plan, new: Plan, cost_s: float,
+                 sources: list[int] | None = None) -> PlanResult:
+        return _result(self.name, self.model, cluster, current, new, cost_s, self.horizon_s, sources)
+
 
 @dataclass
-class DropReplica:
-    model: PlannerModel
+class DoNothing(_FixedStrategy):
+    """Keep training as is."""
+
+    name: str = "do_nothing"
+
+    def plan(self, cluster: ClusterState, current: Plan) -> PlanResult:
+        return self._unchanged(cluster, current)
+
+
+@dataclass
+class DropReplica(_FixedStrategy):
+    """DP-only fault tolerance as torchft and fault-tolerant HSDP do it: the replicas holding a bad
+    device leave, the others split the batch evenly."""
+
     name: str = "drop_replica"
-    horizon_s: float = 1800.0
     pause_s: float = 15.0
 
     def plan(self, cluster: ClusterState, current: Plan) -> PlanResult:
         bad = cluster.bad_devices()
         keep = surviving_replicas(current, bad)
         if len(keep) == len(current.pipelines):
-            return _result(self.name, self.model, cluster, current, current, 0.0, self.horizon_s)
+            return self._unchanged(cluster, current)
         try:
             new = drop_replicas(current, bad)
         except ValueError as e:
             raise PlanRefused(f"every replica holds a bad device or too few are left ({len(bad)} bad devices): {e}") from e
-        return _result(self.name, self.model, cluster, current, new, self.pause_s, self.horizon_s,
-                       [p.replica for p in keep])
+        return self._changed(cluster, current, new, self.pause_s, [p.replica for p in keep])
 
 
 def _pipelines_from_nodes(
@@ -112,19 +137,17 @@ def _pipelines_from_nodes(
 
 
 @dataclass
-class ElasticRestart:
+class ElasticRestart(_FixedStrategy):
     """Restart from the checkpoint on nodes without a bad device (same TP and PP, fewer replicas)."""
 
-    model: PlannerModel
     name: str = "elastic_restart"
-    horizon_s: float = 1800.0
     restart_s: float = 180.0
     checkpoint_interval_s: float = 1800.0
 
     def plan(self, cluster: ClusterState, current: Plan) -> PlanResult:
         bad = cluster.bad_devices()
         if not any(d in bad for d in current.devices):
-            return _result(self.name, self.model, cluster, current, current, 0.0, self.horizon_s)
+            return self._unchanged(cluster, current)
         first = current.pipelines[0]
         tp, pp = first.stages[0].tp, len(first.stages)
         per = cluster.hardware.devices_per_node
@@ -137,29 +160,24 @@ class ElasticRestart:
         pipes = [p for p in pipes if len(p) == pp][: current.global_microbatches]
         if not pipes:
             raise PlanRefused(f"elastic restart needs {nodes_per_pipe} healthy nodes per replica; {len(good)} are left")
-        split = even_split(current.global_microbatches, len(pipes))
-        new = Plan(epoch=current.epoch + 1, schedule=current.schedule, virtual_stages=current.virtual_stages,
-                   num_layers=current.num_layers,
-                   pipelines=tuple(PipelinePlan(replica=i, microbatches=m, stages=st) for i, (st, m) in enumerate(zip(pipes, split))))
-        cost = self.restart_s + self.checkpoint_interval_s / 2
-        res = _result(self.name, self.model, cluster, current, new, cost, self.horizon_s)
+        new = _next_plan(current, pipes, even_split(current.global_microbatches, len(pipes)))
+        res = self._changed(cluster, current, new, self.restart_s + self.checkpoint_interval_s / 2)
         return replace(res, diff=[f"restart from checkpoint on {len(pipes)} replicas of TP{tp}·PP{pp} "
                                   f"(nodes {', '.join(map(str, sorted(bad_nodes)))} left out)"])
 
 
 @dataclass
-class Oobleck:
-    """Re-instantiate pipelines from templates over whole nodes that have no dead device."""
+class Oobleck(_FixedStrategy):
+    """Oobleck (SOSP'23): re-instantiate pipelines from templates over whole nodes that have no
+    dead device, and split the batch by template speed. It does not see fail-slow."""
 
-    model: PlannerModel
     name: str = "oobleck"
-    horizon_s: float = 1800.0
     pause_s: float = 15.0
 
     def plan(self, cluster: ClusterState, current: Plan) -> PlanResult:
         dead = cluster.dead_devices()
         if not any(d in dead for d in current.devices):  # fail-slow is invisible to it
-            return _result(self.name, self.model, cluster, current, current, 0.0, self.horizon_s)
+            return self._unchanged(cluster, current)
         first = current.pipelines[0]
         tp, pp = first.stages[0].tp, len(first.stages)
         per = cluster.hardware.devices_per_node
@@ -191,11 +209,9 @@ class Oobleck:
         split[-1] += M - sum(split)
         if split[-1] < 1:
             return DropReplica(self.model, name=self.name, horizon_s=self.horizon_s).plan(cluster, current)
-        new = Plan(epoch=current.epoch + 1, schedule=current.schedule, virtual_stages=current.virtual_stages,
-                   num_layers=current.num_layers,
-                   pipelines=tuple(PipelinePlan(replica=i, microbatches=m, stages=st) for i, (st, m) in enumerate(zip(new_pipes, split))))
+        new = _next_plan(current, new_pipes, split)
         move_s = self.model.num_layers * self.model.layer_state_bytes / max(1, pp * tp) / cluster.hardware.link_bandwidth_Bps
-        res = _result(self.name, self.model, cluster, current, new, self.pause_s + move_s, self.horizon_s)
+        res = self._changed(cluster, current, new, self.pause_s + move_s)
         return replace(res, diff=[f"re-instantiate {len(new_pipes)} pipelines from templates ({len(keep)} kept)"])
 
 

@@ -52,6 +52,19 @@ class DeviceState:
         return not self.dead and self.compute_factor < HEALTHY_TOLERANCE and self.link_factor < HEALTHY_TOLERANCE
 
 
+def slowest_link_between(links: Mapping[frozenset[int], float], group_a: tuple[int, ...],
+                         group_b: tuple[int, ...]) -> float:
+    """The worst slowdown among ``links`` (device pair → factor; a one-device key is a loop) with
+    one end in each group (the same group twice: a TP all-reduce), 1.0 when none joins them. The
+    planner's cluster view and the simulator's truth both cost traffic by this one rule."""
+    worst = 1.0
+    for key, factor in links.items():
+        a, b = (tuple(key) * 2)[:2]
+        if (a in group_a and b in group_b) or (b in group_a and a in group_b):
+            worst = max(worst, factor)
+    return worst
+
+
 @dataclass(frozen=True)
 class ClusterState:
     """Devices 0..num_devices-1; ``damaged`` holds the ones that are not healthy, ``links`` the
@@ -97,11 +110,7 @@ class ClusterState:
     def comm_factor(self, group_a: tuple[int, ...], group_b: tuple[int, ...]) -> float:
         """Slowdown of traffic between two device groups (the same group for a TP all-reduce): the
         worst slow link with one end in each, or a slow NIC on a path that leaves a node."""
-        worst = 1.0
-        for key, f in self.links.items():
-            a, b = (tuple(key) * 2)[:2]
-            if (a in group_a and b in group_b) or (b in group_a and a in group_b):
-                worst = max(worst, f)
+        worst = slowest_link_between(self.links, group_a, group_b)
         if self.damaged:
             nics = [self.damaged[d].link_factor for d in (*group_a, *group_b) if d in self.damaged]
             if nics and max(nics) > 1.0 and len({self.node_of(d) for d in (*group_a, *group_b)}) > 1:

@@ -56,7 +56,6 @@ from remediation.lifecycle import (
 )
 from remediation.model import PlannerModel
 from remediation.plan_result import PlanRefused
-from remediation.planner import Planner
 from remediation.throughput import predict_tokens_per_s
 from remediation.planning_view import PlanningView, planning_view
 
@@ -92,7 +91,7 @@ class RemediationEngine:
         self.fallback_model = model
         self.model = model
         self._fixed_strategy = strategy
-        self.strategy = strategy or (Planner(model, config.options) if model is not None else None)
+        self.strategy: Strategy | None = strategy  # built over the freshest cost figures when first needed
         self._model_key: tuple | None = None
         self._tokens_per_mb: dict[int, tuple[float, int]] = {}  # epoch -> (sum of per-mb tokens, count)
         # epoch -> (iteration, observed seconds) of its latest iterations while no incident was open,
@@ -200,11 +199,12 @@ class RemediationEngine:
         out = [self._make(key, payload)
                for key, payload in reactions(self.state, self.config.verification)]
         for e in out:
-            reason = (e.payload.reason or "") if isinstance(e.payload, PlanVerified) else ""
-            if reason.endswith(KEPT_UNVERIFIED) and e.id not in self.state.seen:
+            p = e.payload
+            reason = (p.reason or "") if isinstance(p, PlanVerified) else ""
+            if isinstance(p, PlanVerified) and reason.endswith(KEPT_UNVERIFIED) and e.id not in self.state.seen:
                 why = reason.removesuffix(KEPT_UNVERIFIED).rstrip("; ")
-                self._refuse(f"plan {e.payload.plan_id} fell short ({why}) but is kept: the layout before it "
-                             "cannot run again (it used a dead device)", key=f"kept/{e.payload.plan_id}")
+                self._refuse(f"plan {p.plan_id} fell short ({why}) but is kept: the layout before it "
+                             "cannot run again (it used a dead device)", key=f"kept/{p.plan_id}")
         for e in out:
             if isinstance(e.payload, PlanRolledBack):
                 try:
@@ -313,6 +313,8 @@ class RemediationEngine:
         if strategy is None:
             self._refuse("no cost figures yet: no analytics.cost_model fits and no --model", key="no-figures")
             return None
+        if s.running_plan is None:  # the caller plans only while a plan runs
+            return None
         try:
             result = strategy.plan(self.cluster(view), s.running_plan)
         except PlanRefused as exc:
@@ -372,7 +374,8 @@ class RemediationEngine:
         """The strategy over the freshest cost figures: fits of the latest epoch the trainer
         announced, else the fallback model."""
         s = self.state
-        model, key = self.fallback_model, ("fallback",)
+        model = self.fallback_model
+        key: tuple[object, ...] = ("fallback",)
         for epoch in sorted(set(s.cost_fits) & set(s.announced), reverse=True):
             fitted, current = s.cost_fits[epoch], s.announced[epoch]
             total, n = self._tokens_per_mb.get(epoch, (0.0, 0))

@@ -18,7 +18,9 @@ reaction has a deterministic event id, so publishing one twice is harmless.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from collector import plan_lifecycle
 from collector.events import (
@@ -126,10 +128,6 @@ def _note_dead(state: LifecycleState, category: FaultCategory, locations: list[L
             state.known_dead.update(loc.tp_group)
 
 
-def _report(state: LifecycleState, event: Envelope, message: str) -> None:
-    state.report(event, message)
-
-
 def step(state: LifecycleState, event: Envelope) -> LifecycleState:
     """Fold one event into ``state`` (updated in place and returned). Events of other jobs and
     events already seen are ignored."""
@@ -156,7 +154,7 @@ def fold(events: list[Envelope] | tuple[Envelope, ...], state: LifecycleState | 
 
 def _incident_opened(state: LifecycleState, e: Envelope, p: IncidentOpened) -> None:
     if p.incident_id in state.incidents:
-        _report(state, e, f"incident {p.incident_id} opened twice; kept the first")
+        state.report(e, f"incident {p.incident_id} opened twice; kept the first")
         return
     state.incidents[p.incident_id] = IncidentRecord(p.incident_id, p.category, p.severity, list(p.locations),
                                                     p.summary, p.iteration, changed_iteration=p.iteration,
@@ -165,21 +163,24 @@ def _incident_opened(state: LifecycleState, e: Envelope, p: IncidentOpened) -> N
     state.incident_version += 1
 
 
-def _incident_confirmed(state: LifecycleState, e: Envelope, p: IncidentConfirmed) -> None:
-    inc = state.incidents.get(p.incident_id)
+def _known_incident(state: LifecycleState, e: Envelope, incident_id: str, what: str) -> IncidentRecord | None:
+    """The incident an event refers to; an event about an incident never opened is reported and ignored."""
+    inc = state.incidents.get(incident_id)
     if inc is None:
-        _report(state, e, f"confirmation of unknown incident {p.incident_id}")
+        state.report(e, f"{what} of unknown incident {incident_id}")
+    return inc
+
+
+def _incident_confirmed(state: LifecycleState, e: Envelope, p: IncidentConfirmed) -> None:
+    if (inc := _known_incident(state, e, p.incident_id, "confirmation")) is None:
         return
-    inc.status = "confirmed"
-    inc.probing = ()
+    inc.status, inc.probing = "confirmed", ()
     if p.locations:
         _relocate(state, inc, p.locations)
 
 
 def _incident_updated(state: LifecycleState, e: Envelope, p: IncidentUpdated) -> None:
-    inc = state.incidents.get(p.incident_id)
-    if inc is None:
-        _report(state, e, f"update of unknown incident {p.incident_id}")
+    if (inc := _known_incident(state, e, p.incident_id, "update")) is None:
         return
     inc.severity = p.severity
     inc.changed_iteration = max(inc.changed_iteration, p.iteration)
@@ -195,12 +196,9 @@ def _relocate(state: LifecycleState, inc: IncidentRecord, locations: list[Locati
 
 
 def _incident_resolved(state: LifecycleState, e: Envelope, p: IncidentResolved) -> None:
-    inc = state.incidents.get(p.incident_id)
-    if inc is None:
-        _report(state, e, f"resolution of unknown incident {p.incident_id}")
+    if (inc := _known_incident(state, e, p.incident_id, "resolution")) is None:
         return
-    inc.status = "resolved"
-    inc.probing = ()
+    inc.status, inc.probing = "resolved", ()
     state.incident_version += 1
 
 
@@ -253,7 +251,7 @@ def _withheld(state: LifecycleState, e: Envelope, p: PlanWithheld) -> None:
     state.withheld.append(p)
 
 
-_HANDLERS = {
+_HANDLERS: dict[type, Callable[[LifecycleState, Envelope, Any], None]] = {
     PlanCurrent: _plan_current, CostModelFitted: _cost_model, ExecutorCapabilities: _capabilities,
     IncidentOpened: _incident_opened, IncidentConfirmed: _incident_confirmed, IncidentUpdated: _incident_updated,
     IncidentResolved: _incident_resolved, IterationSummary: _summary, IterationPrediction: _prediction,

@@ -22,7 +22,7 @@ from collector import topics
 from collector.embedded import EmbeddedBus
 from collector.auth import Signer
 from collector.events import (
-    AckStatus, Envelope, EventFactory, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentUpdated,
+    AckStatus, CommandAck, Envelope, EventFactory, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentUpdated,
     IterationSummary, PolicyChanged, PolicyMode, Severity,
 )
 from collector.stream import EventStream
@@ -186,7 +186,7 @@ def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,
                         run.tokens += e.payload.tokens
                         series.add(e.payload.tokens)
                 for ack in runner.acks[acks:]:
-                    if ack.payload.status == AckStatus.APPLIED:
+                    if isinstance(ack.payload, CommandAck) and ack.payload.status == AckStatus.APPLIED:
                         run.plans_applied += 1
                         if on_applied is not None:
                             series.close(sim_engine.now_s)

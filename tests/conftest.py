@@ -87,8 +87,8 @@ def bus_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BusF
             opened.append(KafkaBus(bootstrap, namespace=namespace))
             return opened[-1]
 
-    make.backend = request.param  # type: ignore[attr-defined]
-    make.spec = {"backend": request.param, "path": str(tmp_path / "bus.sqlite"),  # type: ignore[attr-defined]
+    make.backend = request.param
+    make.spec = {"backend": request.param, "path": str(tmp_path / "bus.sqlite"),
                  "bootstrap": request.getfixturevalue("kafka_bootstrap") if request.param == "kafka" else None,
                  "namespace": namespace if request.param == "kafka" else ""}
     yield make

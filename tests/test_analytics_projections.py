@@ -94,7 +94,7 @@ def test_the_consumer_publishes_incidents_and_its_own_tables_fold_them_back(tmp_
 # ---- the detector's stored state across restarts ------------------------------------------------------
 
 
-def _detect(bus, db: Path, config=None) -> Projector:  # type: ignore[no-untyped-def]
+def _detect(bus, db: Path, config=None) -> Projector:
     """Run a consumer with the detector over everything on ``bus``, then close it."""
     from analytics.detector_config import DetectorConfig
 
@@ -140,7 +140,7 @@ def _stored_state(tmp_path: Path) -> Path:
     return tmp_path / "a.duckdb"
 
 
-def _reopen(db: Path, config=None):  # type: ignore[no-untyped-def]
+def _reopen(db: Path, config=None):
     import duckdb
 
     from analytics.detector_config import DetectorConfig

@@ -42,7 +42,7 @@ def publish(bus: EmbeddedBus, n: int, tag: str, size: int = 16) -> None:
     bus.publish_raw([RawMessage(topics.TELEMETRY, b"k", f"{tag}-{i}".encode().ljust(size, b".")) for i in range(n)])
 
 
-def read_all(consumer) -> list[bytes]:  # type: ignore[no-untyped-def]
+def read_all(consumer) -> list[bytes]:
     out = []
     while batch := consumer.poll(1_000, timeout_s=0.0):
         out.extend(r.value.rstrip(b".") for r in batch)

@@ -27,7 +27,7 @@ def _config(strategy: str) -> SimConfig:
                      reshape_pause_s=0.5, heartbeat_interval_s=1.0)
 
 
-def _run(strategy: str, faults: list[FaultSpec], duration_s: float, tmp_path: Path,  # type: ignore[no-untyped-def]
+def _run(strategy: str, faults: list[FaultSpec], duration_s: float, tmp_path: Path,
          **loop_options):
     """(the simulator as the run left it, the run)."""
     config = _config(strategy)
@@ -107,7 +107,7 @@ def test_location_devices_names_ranks_groups_links_and_nodes() -> None:
     assert location_devices(Location(target="compute", rank=3, node=0), 8) == {3}  # node: where it lives
 
 
-def _referee_over(bus):  # type: ignore[no-untyped-def]
+def _referee_over(bus):
     """A referee that has read everything on ``bus`` (then closed, with the bus)."""
     from resihp.closed_loop import _Referee
 

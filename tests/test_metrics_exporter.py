@@ -51,9 +51,9 @@ def test_the_approval_wait_is_on_the_wall_clock_live_and_on_the_jobs_clock_in_a_
     plans = {"a": SimpleNamespace(status=PlanStatus.PROPOSED, proposed_at_s=1000.0),
              "b": SimpleNamespace(status=PlanStatus.APPROVED, proposed_at_s=900.0)}
     live = SimpleNamespace(state=SimpleNamespace(plans=plans), clock_s=1010.0)
-    assert waiting_ages(live, wall_s=1100.0) == [100.0]  # type: ignore[arg-type]
+    assert waiting_ages(live, wall_s=1100.0) == [100.0]
     replay = SimpleNamespace(state=SimpleNamespace(plans=plans), clock_s=1010.0)
-    assert waiting_ages(replay, wall_s=1_800_000_000.0) == [10.0]  # type: ignore[arg-type]
+    assert waiting_ages(replay, wall_s=1_800_000_000.0) == [10.0]
     text = generate_latest(ApprovalCollector(lambda: ("j", [100.0, 30.0])))
     samples = _samples(text)
     assert samples[("resihp_plans_awaiting_approval", (("job", "j"),))] == 2

@@ -59,7 +59,7 @@ class _Log:
 
     def at(self, t: float, payload: object, factory: EventFactory | None = None) -> None:
         self.t = max(self.t, t)
-        self.events.append((factory or self.engine).make(payload, time_s=t))  # type: ignore[arg-type]
+        self.events.append((factory or self.engine).make(payload, time_s=t))
 
 
 def _fold(events: list[Envelope]) -> GoodputFold:
@@ -167,7 +167,7 @@ def _sim_goodput(faults: list[FaultSpec], duration_s: float, **config: object) -
     """(fold's ratio, truth's ratio) for an open-loop run with the real detector in process."""
     plan = Plan.uniform(tp=2, pp=2, dp=2, num_layers=MODEL_PRESETS["tiny"].layers, microbatches_per_replica=4)
     cfg = SimConfig(model=MODEL_PRESETS["tiny"], cluster=ClusterSpec(gpus=8), plan=plan, job=JOB, seed=5,
-                    heartbeat_interval_s=1.0, **config)  # type: ignore[arg-type]
+                    heartbeat_interval_s=1.0, **config)
     sim = TruthRecordingEngine(cfg, faults)
     detector = Detector(JOB, DetectorConfig(probes=False))
     out = EventFactory(JOB, "analytics")

@@ -46,13 +46,13 @@ def _sim_mean_iteration_s(plan: Plan, iterations: int = 400) -> float:
 
 
 @pytest.fixture(scope="module")
-def fitted():  # type: ignore[no-untyped-def]
+def fitted():
     config = SimConfig(model=SIM_MODEL, cluster=CLUSTER, workload=WORKLOAD_PRESETS["pretrain"], plan=PLAN,
                        telemetry="none", seed=3)
     return fitted_model(config, iterations=12)
 
 
-def test_the_fitted_mix_spread_is_the_workloads(fitted) -> None:  # type: ignore[no-untyped-def]
+def test_the_fitted_mix_spread_is_the_workloads(fitted) -> None:
     """The cost model's ``workload_cv`` is the spread of a forward chunk's time over the packed
     micro-batches — computed here from the simulator's own terms on fresh draws."""
     rngs = [np.random.default_rng([9, i]) for i in range(256)]
@@ -84,7 +84,7 @@ def test_the_fits_carry_the_mean_sum_sq_that_beta_multiplies() -> None:
                            ).sum_sq_per_microbatch == pytest.approx(tokens * 1024)
 
 
-def test_a_pipelines_mean_follows_its_shape(fitted) -> None:  # type: ignore[no-untyped-def]
+def test_a_pipelines_mean_follows_its_shape(fitted) -> None:
     """Single-replica plans (no max over replicas): the predicted mean iteration is the simulator's
     within 3 % for four, three and two stages and one; without the mix the four-stage pipeline is
     predicted more than 5 % short, the one-stage one is not (a sum's mean is the sum of means)."""

@@ -186,17 +186,44 @@ def test_diff_groups_unchanged_replicas_and_reports_drop():
 
 
 def test_model_file_round_trips_every_model_spec_field():
-    from dataclasses import fields
+    import json
 
-    from remediation.model import ModelSpecFile
+    from remediation.model import model_file, read_model_file
 
     spec = PlannerModel(num_layers=12, layer_state_bytes=3 * 2**30, tokens_per_microbatch=3295.5,
                      linear_s_per_token=1e-7, attn_s_per_sq_token=2e-11, sum_sq_per_microbatch=4e6, overhead_s=4e-5,
                      head_s_per_token=3e-8, tp_bytes_per_token=16384.0, activation_bytes_per_token=8192.0,
                      grad_bytes_per_layer=4e8, backward_factor=2.1, makespan_cv=0.05, makespan_sd_s=0.02)
-    assert {f.name for f in fields(PlannerModel)} <= set(ModelSpecFile.model_fields)
-    text = ModelSpecFile.of(spec).model_dump_json()
-    assert ModelSpecFile.model_validate_json(text).spec() == spec
+    assert read_model_file(json.dumps(model_file(spec))) == spec
+
+
+def test_model_file_in_the_simple_form_is_a_uniform_model():
+    import json
+
+    from remediation.model import read_model_file
+
+    text = json.dumps({"num_layers": 4, "layer_state_bytes": 2**30, "tokens_per_microbatch": 4096,
+                       "layer_time_s": 0.03, "activation_bytes": 2**20})
+    assert read_model_file(text) == PlannerModel.uniform(4, layer_time_s=0.03, layer_state_bytes=2**30,
+                                                         activation_bytes=2**20, tokens_per_microbatch=4096)
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"backward_factor": 0}, "backward_factor"), ({"overhead_s": -1.0}, "must be ≥ 0"),
+    ({"layer_tme_s": 0.03}, "layer_tme_s"), ({"num_layers": "many"}, "num_layers"),
+])
+def test_remediate_refuses_a_bad_model_file_in_one_line(tmp_path, capsys, change, problem):
+    import json
+
+    from remediation.model import model_file
+    from resihp.cli import main
+
+    good = model_file(PlannerModel.uniform(4))
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({**good, **change}))
+    assert main(["remediate", "--job", "j", "--model", str(path), "--tp", "2", "--layers", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert problem in err and "\n" not in err, err
 
 
 def test_remediation_imports_neither_trainer_nor_bench():
@@ -219,7 +246,7 @@ def test_repaired_devices_on_a_node_two_pipelines_share_rejoin_the_group_they_le
     each goes back to the pipeline it left (re-grow may make one TP 4 stage of a node's two)."""
     whole = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
 
-    def shrunk(pipe, stage: int, keep: int):  # type: ignore[no-untyped-def]
+    def shrunk(pipe, stage: int, keep: int):
         stages = [st.model_dump() for st in pipe.stages]
         stages[stage]["devices"] = [keep]
         return {**pipe.model_dump(), "stages": stages}

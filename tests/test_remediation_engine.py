@@ -225,7 +225,7 @@ def test_a_dead_device_stays_out_of_plans_after_its_incident_resolves_and_a_fail
                 incident_id=incident_id, category=FaultCategory.FAIL_STOP, severity=Severity.CRITICAL, iteration=5,
                 locations=[Location(target="compute", rank=rank)], evidence=Evidence(), summary=f"rank {rank} silent"))])
 
-        def apply(record, status=AckStatus.APPLIED) -> None:  # type: ignore[no-untyped-def]
+        def apply(record, status=AckStatus.APPLIED) -> None:
             from collector.events import PlanDecision
             bus.publish([Authors(JOB, "console").make(PlanDecision(plan_id=record.plan_id, approve=True,
                                                                         actor="ui:op"))])
@@ -288,7 +288,7 @@ def test_the_spread_is_fitted_on_the_iterations_before_the_incident_on_a_healthy
     healthy = typical_s * (1.06 + 0.03 * np.random.default_rng(0).standard_normal(150))
     analytics = Authors(JOB, "analytics")
 
-    def predictions(times, first):  # type: ignore[no-untyped-def]
+    def predictions(times, first):
         return [analytics.make(IterationPrediction(epoch=0, iteration=first + i, observed_s=float(t),
                                                    predicted_s=typical_s, tokens=tokens)) for i, t in enumerate(times)]
 

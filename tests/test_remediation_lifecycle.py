@@ -184,7 +184,7 @@ def test_a_stalled_iteration_neither_rolls_back_a_good_plan_nor_passes_a_bad_one
     def judged(before: list[float], after: list[float]) -> str:
         """Faulted at 100 tokens an iteration, then the plan at 150; ``before`` and ``after`` are the
         two epochs' iteration walls in seconds."""
-        def timed(epoch: int, first: int, tokens: int, walls: list[float]):  # type: ignore[no-untyped-def]
+        def timed(epoch: int, first: int, tokens: int, walls: list[float]):
             return [F.make(IterationSummary(epoch=epoch, iteration=first + i, tokens=tokens, wall_s=w))
                     for i, w in enumerate(walls)]
 
@@ -248,7 +248,7 @@ def test_a_plan_that_gained_less_than_predicted_rolls_back_whatever_the_scale():
     assert key == "rolled_back/p1" and "×1.100" in verdict.reason and "×1.500" in verdict.reason
 
 
-def _short_of_220(measured: int):  # type: ignore[no-untyped-def]
+def _short_of_220(measured: int):
     """Healthy 200, faulted 100, a model that promised ×2.2 (more than healthy), then ``measured``:
     (the verdict event, verdict())."""
     s = _applied(current=100.0, predicted=220.0, before_tokens=100)
@@ -281,7 +281,7 @@ def test_a_plan_short_of_its_prediction_that_left_the_faulty_layout_well_behind_
 def test_a_resumed_job_is_judged_against_what_ran_before_the_fail_stop():
     """The proposal carries the predicted fraction of the throughput before the fail-stop, so any
     engine, a restarted one too, judges the plan on it."""
-    def judged(fraction: float | None):  # type: ignore[no-untyped-def]
+    def judged(fraction: float | None):
         s = _applied(current=0.0, predicted=9_999.0, before_tokens=0, fraction_of_before=fraction)  # hung: nothing measured
         s = fold(_summaries(1, 20, 6, 150), s)  # 150 of the 200 before the fault
         return reactions(s)[0][0], verdict(s, s.plans["p1"])

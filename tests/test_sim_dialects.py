@@ -22,7 +22,7 @@ CLUSTER = ClusterSpec(gpus=16, gpus_per_node=4)
 PLAN = Plan.uniform(tp=2, pp=4, dp=2, num_layers=MODEL.layers, microbatches_per_replica=8)
 
 
-def _config(dialect: str | None = None, **extra) -> SimConfig:  # type: ignore[no-untyped-def]
+def _config(dialect: str | None = None, **extra) -> SimConfig:
     fields = dict(model=MODEL, cluster=CLUSTER, plan=PLAN, job="dialects", seed=3, **extra)
     if dialect is not None:
         fields["dialect"] = dialect

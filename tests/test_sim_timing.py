@@ -25,7 +25,7 @@ FAST = dict(intra_node_gbps=1e9, inter_node_gbps=1e9, link_latency_s=0.0, layer_
 def _engine(schedule: str, pp: int, mb: int, *, v: int = 1, dp: int = 1, faults: list[FaultSpec] | None = None,
             noise=NOISE_OFF, seed: int = 0) -> SimEngine:  # noqa: ANN001
     plan = Plan.uniform(tp=1, pp=pp, dp=dp, num_layers=MODEL.layers, microbatches_per_replica=mb,
-                        schedule=schedule, virtual_stages=v)  # type: ignore[arg-type]
+                        schedule=schedule, virtual_stages=v)
     cfg = SimConfig(model=MODEL, cluster=ClusterSpec(gpus=pp * dp, **FAST), workload=WORKLOAD_PRESETS["uniform"],
                     noise=noise, plan=plan, seed=seed)
     return SimEngine(cfg, faults)

@@ -165,7 +165,7 @@ def _intake_with_a_spare() -> tuple[_Store, CommandIntake, Plan]:
     return store, intake, p1
 
 
-def _report_done(store: _Store, post: int, devices) -> None:  # type: ignore[no-untyped-def]
+def _report_done(store: _Store, post: int, devices) -> None:
     for d in devices:
         store.set(done_key(post, d), json.dumps({"pause_s": 0.1, "pause_iterations": 1, "failure_wait_s": 0,
                                                  "iteration": 1, "source": "live"}))

@@ -193,7 +193,7 @@ def page(served: Served):
     """alice, signed in once; each test moves through the sidebar from wherever the last one left off."""
     from playwright.sync_api import expect
 
-    context = served.browser.new_context(viewport={"width": 1440, "height": 1000})  # type: ignore[attr-defined]
+    context = served.browser.new_context(viewport={"width": 1440, "height": 1000})
     p = context.new_page()
     p.set_default_timeout(60_000)
     sign_in(p, served.url, "alice", "alice-pw")
@@ -337,7 +337,7 @@ def test_ui_browser_replay_plays_a_trace_to_its_end(page) -> None:
 
 def test_ui_browser_failed_sign_in_is_refused_recorded_and_shown_to_operators(served: Served, page) -> None:
     from playwright.sync_api import expect
-    context = served.browser.new_context(viewport={"width": 1440, "height": 1000})  # type: ignore[attr-defined]
+    context = served.browser.new_context(viewport={"width": 1440, "height": 1000})
     p = context.new_page()
     p.set_default_timeout(60_000)
     sign_in(p, served.url, "alice", "wrong-password-7")

@@ -245,3 +245,19 @@ def test_ui_fold_warns_when_two_analytics_writers_publish_incidents_for_one_job(
     warnings = model.security.writer_warnings("demo")
     assert any("come from 2 sources (analytics, analytics-b)" in w for w in warnings)
     assert model.security.writer_warnings("other-job") == []
+
+
+def test_ui_replay_names_every_decision_of_a_run_and_what_the_trainer_runs() -> None:
+    from collector.events import PlanCurrent
+    from collector.plan import Plan
+    from ui.views.replay import describe
+
+    events = demo_events(DemoSpec(iterations=90, lifecycle="verified"))
+    events += [EventFactory("demo", "rank-0").make(PlanCurrent(plan=Plan.uniform(
+                   tp=2, pp=2, dp=2, num_layers=8, microbatches_per_replica=4), reason="reshape")),
+               EventFactory("demo", "remediation").make(PlanWithheld(reason="too few devices", base_epoch=0))]
+    named = {e.kind: describe(e) for e in events}
+    assert named["plan.current"] == ("trainer", "runs epoch 0 (TP2·PP2·DP2, reshape)")
+    assert named["plan.withheld"] == ("planner", "withheld: too few devices")
+    assert {k for k, (who, _) in named.items() if who} >= {
+        "incident.opened", "plan.proposed", "plan.decision", "command.reconfigure", "command.ack", "plan.verified"}

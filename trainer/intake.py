@@ -141,7 +141,7 @@ class CommandIntake:
         """Advance: finish the in-flight reshape if all ranks reported, else take the next command."""
         acks: list[CommandAck] = []
         if self.in_flight is not None:
-            ack = self._check_in_flight(alive, progress_iteration)
+            ack = self._check_in_flight(self.in_flight, alive, progress_iteration)
             if ack is None:
                 return acks
             acks.append(ack)
@@ -164,8 +164,7 @@ class CommandIntake:
         write_post(self.store, self.posts, command.plan, world)
         self.in_flight = InFlight(command, world, time.monotonic(), self.posts, reposted)
 
-    def _check_in_flight(self, alive: set[int], progress_iteration: int) -> CommandAck | None:
-        fl = self.in_flight
+    def _check_in_flight(self, fl: InFlight, alive: set[int], progress_iteration: int) -> CommandAck | None:
         failed = [d for d in fl.world if self.store.check([failed_key(fl.post, d)])]
         died = [d for d in fl.world if d not in alive]
         spares_only = bool(died) and not set(died) & set(fl.command.plan.devices)

@@ -46,7 +46,8 @@ from collector.auth import Gate, Signer
 from collector.epoch_fence import EpochFence
 from collector.bus import Bus, Consumer, OnAssign, RawMessage, TopicPartition, open_bus
 from collector.events import (AckStatus, Chunk, ChunkKind, CommandAck, CommOp, CommWait, Coords, EventFactory,
-                              ExecutorCapabilities, IterationSummary, PlanCurrent, ProbeRequest, ProbeResult, RankIteration,
+                              ExecutorCapabilities, IterationSummary, Payload, PlanCurrent, PlanCurrentReason, ProbeRequest,
+                              ProbeResult, RankIteration,
                               ReconfigureCommand)
 from collector.plan import Plan
 from collector.stream import EventStream
@@ -262,7 +263,7 @@ class CommandListener:
         start_at_end = None if start is None else (lambda tps: {tp: start.get(tp, 0) for tp in tps})
         self.stream = EventStream(self.bus, group or f"trainer:{job}", [topics.CONTROL], on_assign=start_at_end, job=job)
 
-    def announce_plan(self, plan: Plan | None = None, *, reason: str = "start", gpus_per_node: int = 8,
+    def announce_plan(self, plan: Plan | None = None, *, reason: PlanCurrentReason = "start", gpus_per_node: int = 8,
                       model_name: str = "", layer_state_bytes: int = 0, tokens_per_microbatch: int = 0) -> None:
         """Publish ``plan.current`` (at start; ``ack_applied`` re-announces after a reshape). The
         planner needs ``layer_state_bytes`` (parameters + optimizer state of one layer) to cost a
@@ -323,7 +324,7 @@ class CommandListener:
         self._finish(command)
         self.running = command.plan
         self.fence.running_epoch = command.plan.epoch
-        events = [self._ack(command, AckStatus.APPLIED, detail or f"now {self.running.shape()}", pause_s,
+        events: list[Payload] = [self._ack(command, AckStatus.APPLIED, detail or f"now {self.running.shape()}", pause_s,
                             pause_iterations)]
         if self._announced is not None:
             self._announced = self._announced.model_copy(update={"plan": self.running, "reason": "reshape"})

@@ -188,10 +188,10 @@ class GradReducer:
                         whole = flat[at:at + n].view(shape)
                         rule = shard_rule(name)
                         piece = whole if rule == "rep" or tp.degree == 1 else whole.chunk(tp.degree, 0 if rule == "col" else 1)[tp.rank]
-                        p.grad.copy_(piece)
+                        self._grad(p).copy_(piece)
                     else:
                         n = p.numel()
-                        p.grad.copy_(flat[at:at + n].view_as(p))
+                        self._grad(p).copy_(flat[at:at + n].view_as(p))
                     at += n
 
 

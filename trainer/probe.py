@@ -85,7 +85,9 @@ def link_seconds(config: GPTConfig, faults: FaultInjector, repeats: int, world_r
         dist.barrier(group=group)
         start = time.perf_counter()
         faults.before_send()
-        dist.isend(out, dst=to, group=group).wait()
+        send = dist.isend(out, dst=to, group=group)
+        assert send is not None and recv is not None  # None only on a rank outside the group
+        send.wait()
         samples.append(time.perf_counter() - start)
         recv.wait()
     return min(samples)

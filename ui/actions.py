@@ -37,7 +37,7 @@ def decide_plan(feed: Feed, session: Session, plan_id: str, *, approve: bool, co
     plan = feed.model.plans.get(plan_id)
     if plan is None:
         raise ActionRefused(f"no proposed plan {plan_id!r} on the bus; refresh the page")
-    if not plan.pending:
+    if plan.decision is not None:
         _, d = plan.decision
         verdict = "approved" if d.approve else "rejected"
         raise ActionRefused(f"plan {plan_id} was already {verdict} by {d.actor}; nothing was changed")

@@ -129,7 +129,8 @@ def plan_cells(plan: Plan | None, layout: dict[int, Slot], health: dict[int, Ran
             state, factor = "healthy", 1.0
         else:
             state, factor = entry.state.value, entry.factor
-        cells.append(Cell(d, node, d % gpus_per_node, *(role or (None, None, None)), state, factor))
+        replica, stage, tp_rank = role if role is not None else (None, None, None)
+        cells.append(Cell(d, node, d % gpus_per_node, replica, stage, tp_rank, state, factor))
     return cells
 
 
@@ -138,7 +139,7 @@ def _natural(label: str) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", label)]
 
 
-def plan_grid_chart(cells: Sequence[Cell], colour_by: str, *, title: str = "") -> alt.Chart:
+def plan_grid_chart(cells: Sequence[Cell], colour_by: str, *, title: str = "") -> alt.LayerChart | alt.FacetChart:
     """Nodes (rows) × GPUs (columns), coloured by role or health; slow and dead cells are labelled."""
     def label(c: Cell) -> str:
         return "✕" if c.health == "dead" else (f"×{c.factor:.1f}" if c.health == "slow" else "")
@@ -202,7 +203,7 @@ def slowdown_figure(iterations: np.ndarray, matrix: np.ndarray, *, suspects: Seq
     return fig
 
 
-def seq_len_chart(q: dict[str, np.ndarray], *, height: int = 180) -> alt.Chart:
+def seq_len_chart(q: dict[str, np.ndarray], *, height: int = 180) -> alt.LayerChart | alt.FacetChart:
     """Spread of the packed sequence lengths per iteration: p5–p95 band, median and max."""
     frame = pd.DataFrame({k: v for k, v in q.items()})
     base = alt.Chart(frame).encode(x=alt.X("iteration:Q"))

@@ -62,8 +62,9 @@ class RankStore:
         col = self._column_of(t.rank)
         row = self._row(t.iteration)
         forward = [c.tokens for c in t.chunks if c.kind == ChunkKind.FORWARD]
+        known = [n for n in forward if n is not None]
         # Unknown token counts (None): per forward chunk instead, the same for every rank of the job.
-        tokens = (len(forward) if None in forward else sum(forward)) or 1
+        tokens = (len(forward) if len(known) < len(forward) else sum(known)) or 1
         row.compute_s[col] = sum(c.duration_s for c in t.chunks) / tokens
         row.stage[col] = t.coords.pp
         if t.coords.pp == 0 and t.coords.tp == 0:

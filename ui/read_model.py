@@ -26,8 +26,8 @@ import numpy as np
 from analytics.goodput import GoodputFold
 from collector.events import (
     AckStatus, CommandAck, Envelope, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentResolved,
-    IncidentUpdated, IterationPrediction, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified, PlanWithheld,
-    PolicyChanged, PolicyMode, RankHealthEntry, RankIteration, ReconfigureCommand, Severity,
+    IncidentUpdated, IterationPrediction, PlanCurrent, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified,
+    PlanWithheld, PolicyChanged, PolicyMode, RankHealth, RankHealthEntry, RankIteration, ReconfigureCommand, Severity,
 )
 from collector import plan_lifecycle
 from collector.plan import Plan
@@ -73,8 +73,10 @@ class PredictionSeries:
             if len(self.iteration) and p.iteration < self.iteration[-1]:
                 self._sorted = False
             self._index[key] = len(self.iteration)
-            for arr, v in ((self.iteration, p.iteration), (self.epoch, p.epoch), (self.time_s, time_s),
-                           (self.observed_s, p.observed_s), (self.predicted_s, p.predicted_s), (self.tokens, p.tokens)):
+            self.iteration.append(p.iteration)
+            self.epoch.append(p.epoch)
+            for arr, v in ((self.time_s, time_s), (self.observed_s, p.observed_s), (self.predicted_s, p.predicted_s),
+                           (self.tokens, p.tokens)):
                 arr.append(v)
         else:
             self.time_s[i], self.observed_s[i], self.predicted_s[i], self.tokens[i] = (
@@ -280,54 +282,52 @@ class ReadModel:
         if handler is None:
             self.ignored += 1
             return
-        handler(event, job)
+        handler(event, event.payload, job)  # each handler names the payload its kind carries
 
     # ---- analytics ------------------------------------------------------------------------------
 
-    def _on_analytics_rank_health(self, e: Envelope, job: JobView) -> None:
-        for entry in e.payload.ranks:
+    def _on_analytics_rank_health(self, e: Envelope, p: RankHealth, job: JobView) -> None:
+        for entry in p.ranks:
             job.health[entry.rank] = entry
 
-    def _on_incident_opened(self, e: Envelope, job: JobView) -> None:
-        p: IncidentOpened = e.payload
+    def _on_incident_opened(self, e: Envelope, p: IncidentOpened, job: JobView) -> None:
         self.incidents[p.incident_id] = IncidentView(p.incident_id, e.job, p, e.time_s, p.severity)
         job.marks.append(Mark("incident", p.iteration, e.time_s, f"{p.severity.value}: {p.summary}"))
         for pending in self._early_remediation_events.pop(p.incident_id, []):
             self._attach(pending, p.incident_id)
 
-    def _on_incident_confirmed(self, e: Envelope, job: JobView) -> None:
-        inc = self.incidents.get(e.payload.incident_id)
+    def _on_incident_confirmed(self, e: Envelope, p: IncidentConfirmed, job: JobView) -> None:
+        inc = self.incidents.get(p.incident_id)
         if inc is not None and inc.confirmed is None:
-            inc.confirmed = (e.time_s, e.payload)
+            inc.confirmed = (e.time_s, p)
 
-    def _on_incident_updated(self, e: Envelope, job: JobView) -> None:
-        inc = self.incidents.get(e.payload.incident_id)
+    def _on_incident_updated(self, e: Envelope, p: IncidentUpdated, job: JobView) -> None:
+        inc = self.incidents.get(p.incident_id)
         if inc is not None:
-            inc.updates.append((e.time_s, e.payload))
-            inc.severity = e.payload.severity
+            inc.updates.append((e.time_s, p))
+            inc.severity = p.severity
 
-    def _on_incident_resolved(self, e: Envelope, job: JobView) -> None:
-        inc = self.incidents.get(e.payload.incident_id)
+    def _on_incident_resolved(self, e: Envelope, p: IncidentResolved, job: JobView) -> None:
+        inc = self.incidents.get(p.incident_id)
         if inc is not None and inc.resolved is None:
-            inc.resolved = (e.time_s, e.payload)
+            inc.resolved = (e.time_s, p)
 
-    def _on_truth_fault(self, e: Envelope, job: JobView) -> None:
-        job.faults.append(e.payload)
+    def _on_truth_fault(self, e: Envelope, p: FaultInjected, job: JobView) -> None:
+        job.faults.append(p)
 
     # ---- remediation ----------------------------------------------------------------------------
 
-    def _on_plan_current(self, e: Envelope, job: JobView) -> None:
+    def _on_plan_current(self, e: Envelope, p: PlanCurrent, job: JobView) -> None:
         """The trainer (or simulator) says what it runs: the grid needs no telemetry to be drawn."""
         job.current_plan = self.lifecycle(e.job).running_plan or job.current_plan
 
-    def _on_plan_proposed(self, e: Envelope, job: JobView) -> None:
-        p: PlanProposed = e.payload
+    def _on_plan_proposed(self, e: Envelope, p: PlanProposed, job: JobView) -> None:
         self.plans[p.plan_id] = PlanView(p.plan_id, e.job, p, e.time_s, e.source,
                                          record=self.lifecycle(e.job).plans.get(p.plan_id))
         self._attach_to_incidents(e, p.incident_ids)
 
-    def _on_plan_withheld(self, e: Envelope, job: JobView) -> None:
-        self._attach_to_incidents(e, e.payload.incident_ids)
+    def _on_plan_withheld(self, e: Envelope, p: PlanWithheld, job: JobView) -> None:
+        self._attach_to_incidents(e, p.incident_ids)
 
     def _attach_to_incidents(self, e: Envelope, incident_ids: list[str]) -> None:
         """A remediation event about incidents; one that came before its incident (control and
@@ -340,25 +340,24 @@ class ReadModel:
 
     def _attach(self, e: Envelope, incident_id: str) -> None:
         inc = self.incidents[incident_id]
-        if isinstance(e.payload, PlanWithheld):
-            inc.withheld.append((e.time_s, e.payload))
-        elif e.payload.plan_id not in inc.plan_ids:
-            inc.plan_ids.append(e.payload.plan_id)
+        p = e.payload
+        if isinstance(p, PlanWithheld):
+            inc.withheld.append((e.time_s, p))
+        elif isinstance(p, PlanProposed) and p.plan_id not in inc.plan_ids:
+            inc.plan_ids.append(p.plan_id)
 
-    def _on_plan_decision(self, e: Envelope, job: JobView) -> None:
-        plan = self.plans.get(e.payload.plan_id)
+    def _on_plan_decision(self, e: Envelope, p: PlanDecision, job: JobView) -> None:
+        plan = self.plans.get(p.plan_id)
         if plan is not None:
-            plan.decisions.append((e.time_s, e.payload))
+            plan.decisions.append((e.time_s, p))
 
-    def _on_command_reconfigure(self, e: Envelope, job: JobView) -> None:
-        p: ReconfigureCommand = e.payload
+    def _on_command_reconfigure(self, e: Envelope, p: ReconfigureCommand, job: JobView) -> None:
         self.commands[p.command_id] = p.plan_id
         plan = self.plans.get(p.plan_id)
         if plan is not None:
             plan.commands.append((e.time_s, p))
 
-    def _on_command_ack(self, e: Envelope, job: JobView) -> None:
-        p: CommandAck = e.payload
+    def _on_command_ack(self, e: Envelope, p: CommandAck, job: JobView) -> None:
         plan = self.plans.get(p.plan_id)
         if plan is not None:
             plan.acks.append((e.time_s, p))
@@ -368,19 +367,18 @@ class ReadModel:
             job.marks.append(Mark("reshape", job.predictions.iteration_at(e.time_s), e.time_s,
                                   f"epoch {p.running_epoch} applied ({p.pause_s:.1f}s pause)"))
 
-    def _on_plan_verified(self, e: Envelope, job: JobView) -> None:
-        plan = self.plans.get(e.payload.plan_id)
+    def _on_plan_verified(self, e: Envelope, p: PlanVerified, job: JobView) -> None:
+        plan = self.plans.get(p.plan_id)
         if plan is not None:
-            plan.verified = (e.time_s, e.payload)
+            plan.verified = (e.time_s, p)
 
-    def _on_plan_rolled_back(self, e: Envelope, job: JobView) -> None:
-        plan = self.plans.get(e.payload.plan_id)
+    def _on_plan_rolled_back(self, e: Envelope, p: PlanRolledBack, job: JobView) -> None:
+        plan = self.plans.get(p.plan_id)
         if plan is not None:
-            plan.rolled_back = (e.time_s, e.payload)
+            plan.rolled_back = (e.time_s, p)
             job.marks.append(Mark("reshape", job.predictions.iteration_at(e.time_s), e.time_s, "rolled back"))
 
-    def _on_policy_changed(self, e: Envelope, job: JobView) -> None:
-        p: PolicyChanged = e.payload
+    def _on_policy_changed(self, e: Envelope, p: PolicyChanged, job: JobView) -> None:
         job.policy = PolicyView(p.mode, list(p.auto_severities), p.actor, e.time_s)
 
     # ---- derived views --------------------------------------------------------------------------

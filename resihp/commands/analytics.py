@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from analytics.control_tables import ControlProjection
     from analytics.event_log import EventLogProjection
     from analytics.lease import AnalyticsLeases
-    from analytics.projector import Projector
+    from analytics.projector import Projection, Projector
     from analytics.tables import TelemetryProjection
     from collector import topics
 
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         from analytics.goodput_projection import GoodputProjection
 
         goodput = GoodputProjection()
-        projections = [EventLogProjection(), TelemetryProjection(), ControlProjection(), goodput]
+        projections: list[Projection] = [EventLogProjection(), TelemetryProjection(), ControlProjection(), goodput]
         detector = None
         leases = AnalyticsLeases(db=str(args.db))
         if not args.no_detect:

@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--microbatches", type=int, default=8, help="uniform layout: micro-batches per replica (default 8)")
     p.add_argument("--layers", type=int, default=8, help="model layers for the uniform layout (default 8)")
     p.add_argument("--model", default=None, metavar="FILE",
-                   help="model costs as JSON (remediation.model.ModelSpecFile), used until analytics.cost_model fits "
+                   help="model costs as JSON (remediation.model.read_model_file), used until analytics.cost_model fits "
                    "arrive; default with a --plan/--tp layout: a uniform model")
     p.add_argument("--mean-document-tokens", type=float, default=1024.0,
                    help="mean packed document length, for the attention term when planning from fits (default 1024)")
@@ -69,7 +69,10 @@ def run(args: argparse.Namespace) -> int:
     from remediation.candidates import PlannerOptions
     from remediation.cluster import Hardware
     from remediation.engine import EngineConfig, RemediationEngine
-    from remediation.model import PlannerModel, ModelSpecFile
+    from pydantic import ValidationError
+
+    from collector.codec import one_line
+    from remediation.model import PlannerModel, read_model_file
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     plan = None
@@ -80,7 +83,14 @@ def run(args: argparse.Namespace) -> int:
                             microbatches_per_replica=args.microbatches)
     model = None
     if args.model:
-        model = ModelSpecFile.model_validate_json(Path(args.model).read_text()).spec()
+        try:
+            model = read_model_file(Path(args.model).read_text())
+        except ValidationError as exc:
+            print(f"--model {args.model}: {one_line(exc, '<file>')}", file=sys.stderr)
+            return 2
+        except (OSError, ValueError) as exc:
+            print(f"--model {args.model}: {exc}", file=sys.stderr)
+            return 2
     elif plan is not None:
         model = PlannerModel.uniform(plan.num_layers)
     if model is not None and plan is not None and model.num_layers != plan.num_layers:

@@ -103,9 +103,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"job {args.job}: {plan.shape()} {plan.schedule} on {ranks} ranks, {cfg.n_layer} layers, "
           f"{args.iterations} iterations")
     result = launch(spec, plan, ranks, on_death=args.on_death, commands_from=args.commands_from, echo=print)
-    print(f"final plan epoch {result.final_plan.epoch}: {result.final_plan.shape()}; exit codes {result.exit_codes}")
+    final = result.final_plan
+    if final is None:
+        print(f"no plan ran; exit codes {result.exit_codes}")
+        return 1
+    print(f"final plan epoch {final.epoch}: {final.shape()}; exit codes {result.exit_codes}")
     return 0 if all(c == 0 for d, c in result.exit_codes.items() if d not in result.dead) and \
-        all(result.exit_codes.get(d) == 0 for d in result.final_plan.devices) else 1
+        all(result.exit_codes.get(d) == 0 for d in final.devices) else 1
 
 
 def run_native(args: argparse.Namespace) -> int:

@@ -129,7 +129,7 @@ def _duckdb_telemetry(db: Path) -> tuple[int, int]:
 
     with duckdb.connect(str(db), read_only=True) as conn:
         n, distinct = conn.execute(
-            "SELECT count(*), count(DISTINCT id) FROM events WHERE kind LIKE 'telemetry.%'").fetchone()
+            "SELECT count(*), count(DISTINCT id) FROM events WHERE kind LIKE 'telemetry.%'").fetchall()[0]
     return int(n), int(distinct)
 
 

@@ -18,7 +18,7 @@ replicas and each needs its own plan.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -121,19 +121,19 @@ class DemoStory:
 
 
 def planner_model(story: DemoStory) -> dict:
-    """The planner's fallback cost figures (``resihp remediate --model``), in ModelSpecFile form.
+    """The planner's fallback cost figures (``resihp remediate --model``), in a model file's form.
 
     They are the simulator's healthy per-layer costs (no fault knowledge: faults reach the planner
     only through incidents). The engine replaces them with the analytics consumer's fitted cost
     model as soon as ``analytics.cost_model`` events arrive.
     """
     from resihp.planning_models import exact_model
-    from remediation.model import ModelSpecFile
+    from remediation.model import model_file
     from trainer.sim.scenario import Scenario
 
     config = Scenario.model_validate(story.scenario()).sim_config()
     spec = exact_model(config.model, config.cluster, config.workload)
-    return {k: v for k, v in asdict(spec).items() if k in ModelSpecFile.model_fields}
+    return model_file(spec)
 
 
 def story_for(gpus: int = 8, *, short: bool = False, tp: int | None = None) -> DemoStory:

@@ -61,9 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"job {args.job}: {plan.shape()} on {ranks} CPU ranks, {cfg.n_layer} layers, {args.iterations} "
           f"iterations, pace {args.pace:g} s/layer-token", flush=True)
     result = launch(spec, plan, ranks, on_death="wait", echo=lambda line: print(line, flush=True))
-    print(f"final plan epoch {result.final_plan.epoch}: {result.final_plan.shape()}; exit codes {result.exit_codes}",
-          flush=True)
-    survivors_ok = all(result.exit_codes.get(d) == 0 for d in result.final_plan.devices)
+    final = result.final_plan
+    if final is None:
+        print(f"no plan ran; exit codes {result.exit_codes}", flush=True)
+        return 1
+    print(f"final plan epoch {final.epoch}: {final.shape()}; exit codes {result.exit_codes}", flush=True)
+    survivors_ok = all(result.exit_codes.get(d) == 0 for d in final.devices)
     return 0 if survivors_ok else 1
 
 

@@ -36,7 +36,7 @@ from collector.auth import Gate, load_keyring
 from collector.epoch_fence import fence_verdict
 from collector.events import (
     AckStatus, CommandAck, Envelope, FaultInjected, Heartbeat, IterationSummary, ProbeRequest, ProbeResult,
-    PlanCurrent, ReconfigureCommand,
+    PlanCurrent, PlanCurrentReason, ReconfigureCommand,
 )
 from collector.plan import Plan
 from collector.replica_drop import drop_replicas
@@ -156,7 +156,7 @@ class SimEngine:
         self._hang_started_s: float | None = None
         self._seen_commands: set[str] = set()
         self._ranks: set[int] | None = None if c.telemetry == "all" else set() if c.telemetry == "none" else set(c.telemetry)
-        self._plan_news: str | None = "start"  # announce the running plan with the next events
+        self._plan_news: PlanCurrentReason | None = "start"  # announce the running plan with the next events
         self._setup_plan()
 
     # ---- plan --------------------------------------------------------------------------------
@@ -378,7 +378,7 @@ class SimEngine:
     def iteration_durations(self, iterations: int) -> np.ndarray:
         """Truth only: the durations of the next ``iterations`` iterations, no events built
         (the fast path for benchmarks). Faults still start and end; a hang stops early."""
-        out = []
+        out: list[float] = []
         while len(out) < iterations and not self.finished:
             self._update_faults()
             if self.dead & set(self.plan.devices):
@@ -484,7 +484,7 @@ class SimEngine:
         self._switch(survivors, "restart")
         self._hang_started_s = None
 
-    def _switch(self, plan: Plan, reason: str = "reshape") -> None:
+    def _switch(self, plan: Plan, reason: PlanCurrentReason = "reshape") -> None:
         self.plan = Plan.model_validate(plan.model_dump())  # re-validate the copy (model_copy does not)
         self._plan_news = reason
         self._setup_plan()

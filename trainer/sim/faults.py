@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from collector.events import FaultInjected, Location
 from collector.plan import Plan
+from remediation.cluster import slowest_link_between
 from trainer.fault_spec import FaultSpec
 from trainer.sim.presets import ClusterSpec
 
@@ -94,11 +95,7 @@ class FaultEffects:
     def comm_factor(self, cluster: ClusterSpec, group_a: tuple[int, ...], group_b: tuple[int, ...]) -> float:
         """Slowdown of a transfer (or collective) between two device groups (the same group for
         TP): the worst slow link joining them, or slow NIC on a path that leaves a node."""
-        worst = 1.0
-        for key, factor in self.links.items():
-            a, b = (tuple(key) * 2)[:2]
-            if (a in group_a and b in group_b) or (b in group_a and a in group_b):
-                worst = max(worst, factor)
+        worst = slowest_link_between(self.links, group_a, group_b)
         if self.nics:
             nodes = {cluster.node_of(d) for d in group_a + group_b}
             if len(nodes) > 1:

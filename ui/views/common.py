@@ -1,14 +1,21 @@
-"""Small helpers every page uses: time formatting, the current job, severity badges."""
+"""Small helpers every page uses: time formatting, the current job, severity badges, running an
+operator's action."""
 
 from __future__ import annotations
 
 import datetime as dt
 import re
 import string
+from collections.abc import Callable
+from typing import TypeVar
 
 import streamlit as st
 
+from ui.actions import ActionRefused
+from ui.auth import NotAllowed, SessionExpired
 from ui.read_model import ReadModel
+
+T = TypeVar("T")
 
 # Streamlit's coloured-text markdown; no emoji, since a server's browser may have no emoji font.
 SEVERITY_BADGE = {"low": ":blue[**low**]", "medium": ":orange[**medium**]", "high": ":red[**high**]",
@@ -62,3 +69,19 @@ def pick_job(model: ReadModel, key: str) -> str | None:
     if len(jobs) == 1:
         return jobs[0]
     return st.selectbox("Job", jobs, key=key)
+
+
+def run_action(publish: Callable[[], T], flash: Callable[[T], str]) -> None:
+    """Publish an operator's action and show how it went: a refusal shows its reason, an expired
+    session also signs the operator out, and a success comes back as ``flash`` (a message shown
+    after the page reruns, so the page already shows the new state)."""
+    try:
+        result = publish()
+    except SessionExpired as exc:
+        st.session_state.pop("session", None)
+        st.error(str(exc))
+    except (NotAllowed, ActionRefused) as exc:
+        st.error(str(exc))
+    else:
+        st.session_state["flash"] = flash(result)
+        st.rerun()

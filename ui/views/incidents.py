@@ -8,13 +8,13 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from ui.actions import ActionRefused, decide_plan
+from ui.actions import decide_plan
 from ui.alerts import AlertmanagerUnreachable, FiringAlert, by_incident, firing_alerts
-from ui.auth import NotAllowed, Session, SessionExpired
+from ui.auth import Session
 from ui.charts import downsample, plan_cells, plan_grid_chart, seq_len_chart, series_chart, slowdown_figure
 from ui.feed import Feed
 from ui.read_model import IncidentView, Mark, PlanView
-from ui.views.common import SEVERITY_BADGE, clock, plain, writer_warnings
+from ui.views.common import SEVERITY_BADGE, clock, plain, run_action, writer_warnings
 
 EVIDENCE_HALF_WINDOW = 60  # iterations either side of the detection drawn in the evidence plots
 
@@ -224,7 +224,7 @@ def _plan(feed: Feed, plan: PlanView) -> None:
 
 def _decision(feed: Feed, session: Session, plan: PlanView) -> None:
     st.subheader("Decision")
-    if not plan.pending:
+    if plan.decision is not None:
         t, d = plan.decision
         verdict = "Approved" if d.approve else "Rejected"
         st.success(f"{verdict} by {plain(d.actor)} at {clock(t)}" + (f" — “{plain(d.comment)}”" if d.comment else ""))
@@ -236,14 +236,6 @@ def _decision(feed: Feed, session: Session, plan: PlanView) -> None:
     approve = a.button("Approve", key=f"approve-{plan.plan_id}", type="primary")
     reject = r.button("Reject", key=f"reject-{plan.plan_id}")
     if approve or reject:
-        try:
-            event = decide_plan(feed, session, plan.plan_id, approve=approve, comment=comment)
-        except SessionExpired as exc:
-            st.session_state.pop("session", None)
-            st.error(str(exc))
-        except (NotAllowed, ActionRefused) as exc:
-            st.error(str(exc))
-        else:
-            st.session_state["flash"] = (f"{'Approved' if approve else 'Rejected'} plan {plain(plan.plan_id)} as "
-                                         f"{plain(event.payload.actor)} (event {event.id[:8]} on the bus)")
-            st.rerun()
+        run_action(lambda: decide_plan(feed, session, plan.plan_id, approve=approve, comment=comment),
+                   lambda event: f"{'Approved' if approve else 'Rejected'} plan {plain(plan.plan_id)} as "
+                                 f"{plain(session.user.actor)} (event {event.id[:8]} on the bus)")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import streamlit as st
 
 from collector.events import PolicyMode, Severity
-from ui.actions import ActionRefused, change_policy
-from ui.auth import NotAllowed, Session, SessionExpired
+from ui.actions import change_policy
+from ui.auth import Session
 from ui.feed import Feed
-from ui.views.common import clock, pick_job, plain
+from ui.views.common import clock, pick_job, plain, run_action
 
 MODE_LABELS = {PolicyMode.PROPOSE: "propose and wait for an operator", PolicyMode.AUTO: "auto-apply (by severity)"}
 
@@ -36,14 +36,6 @@ def render(feed: Feed, session: Session) -> None:
     if not session.user.can_decide:
         st.caption("You are signed in as a viewer: only operators can change the policy.")
     if st.button("Save policy", key="policy_save", type="primary"):
-        try:
-            change_policy(feed, session, job_name, mode=mode,
-                          auto_severities=severities if mode == PolicyMode.AUTO else [])
-        except SessionExpired as exc:
-            st.session_state.pop("session", None)
-            st.error(str(exc))
-        except (NotAllowed, ActionRefused) as exc:
-            st.error(str(exc))
-        else:
-            st.session_state["flash"] = f"Policy of {plain(job_name)} set to {MODE_LABELS[mode]} by {plain(session.user.actor)}"
-            st.rerun()
+        run_action(lambda: change_policy(feed, session, job_name, mode=mode,
+                                         auto_severities=severities if mode == PolicyMode.AUTO else []),
+                   lambda _: f"Policy of {plain(job_name)} set to {MODE_LABELS[mode]} by {plain(session.user.actor)}")

@@ -14,7 +14,11 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from collector.events import Envelope
+from collector.events import (
+    CommandAck, Envelope, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated,
+    PlanCurrent, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified, PlanWithheld, PolicyChanged, RankHealth,
+    ReconfigureCommand,
+)
 from ui.charts import downsample, series_chart
 from ui.read_model import Mark, ReadModel
 from ui.settings import Settings
@@ -53,30 +57,35 @@ class ReplayState:
 
 
 def describe(e: Envelope) -> tuple[str, str]:
-    """(who decided: detector / planner / operator / trainer / truth, one line of what)."""
+    """(who decided: detector / planner / operator / trainer / truth, one line of what); ("", "")
+    for events that are no decision (telemetry, predictions)."""
     p = e.payload
     k = e.kind
-    if k == "incident.opened":
+    if isinstance(p, IncidentOpened):
         return "detector", f"opened {p.incident_id} ({p.severity.value}): {p.summary}"
-    if k.startswith("incident."):
+    if isinstance(p, (IncidentConfirmed, IncidentUpdated, IncidentResolved)):
         return "detector", f"{k.split('.')[1]} {p.incident_id}"
-    if k == "analytics.rank_health":
+    if isinstance(p, RankHealth):
         bad = [f"{r.rank}:{r.state.value}×{r.factor:.1f}" for r in p.ranks if r.state.value != "healthy"]
         return "detector", "rank health " + (", ".join(bad[:8]) or "all healthy")
-    if k == "plan.proposed":
+    if isinstance(p, PlanProposed):
         return "planner", f"proposed {p.plan_id} ({p.plan.shape()}, {p.predicted_tokens_per_s / max(p.current_tokens_per_s, 1e-9) - 1:+.0%})"
-    if k == "plan.decision":
+    if isinstance(p, PlanDecision):
         who = "planner" if p.actor.startswith("policy:") else "operator"
         return who, f"{'approved' if p.approve else 'rejected'} {p.plan_id} by {p.actor}"
-    if k == "command.reconfigure":
+    if isinstance(p, ReconfigureCommand):
         return "planner", f"command {p.command_id}: epoch {p.plan.epoch}"
-    if k == "command.ack":
+    if isinstance(p, CommandAck):
         return "trainer", f"ack {p.status.value} epoch {p.epoch} (pause {p.pause_s:.1f} s)"
-    if k.startswith("plan."):
+    if isinstance(p, (PlanVerified, PlanRolledBack)):
         return "planner", f"{k.split('.')[1]} {p.plan_id}"
-    if k == "policy.changed":
+    if isinstance(p, PlanWithheld):
+        return "planner", f"withheld: {p.reason}"
+    if isinstance(p, PlanCurrent):
+        return "trainer", f"runs epoch {p.plan.epoch} ({p.plan.shape()}, {p.reason})"
+    if isinstance(p, PolicyChanged):
         return "operator", f"policy {p.mode.value} by {p.actor}"
-    if k == "truth.fault":
+    if isinstance(p, FaultInjected):
         return "truth", f"fault injected: {p.category.value} at {p.location.target} {p.location.rank}"
     return "", ""
 
