@@ -10,11 +10,16 @@ first step a new rank 0 finishes.
   ranks load the newest checkpoint. The phases come from the failed node's agent log.
 * ``agent-preload``: the same with ``--preload torch``: ranks are forked from a server that has
   imported torch, so the restarted ranks import nothing.
+* ``agent-shrink``: ``resihp run --on-failure shrink``: no restart. The failed node's agent marks
+  the rank lost; the survivors re-form the world without it, take the state of the most advanced
+  survivor and train on (trainer/agent/shrink.py). The clock stops at the first step rank 0
+  finishes in the smaller world; the phases come from the new world's rank 0.
 * ``torchrun``: ``python -m torch.distributed.run`` (max-restarts 0), as most jobs are launched.
   The failed node's torchrun exits; the harness (a scheduler, here) stops the others and launches
   the whole job again, which resumes from the same checkpoint.
 
-Both lose the steps since the last checkpoint (``redone``); neither keeps the survivors running.
+The restarts lose the steps since the last checkpoint (``redone``); the shrink redoes at most the
+step the failure interrupted.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from typing import TypeVar
 from collections.abc import Callable
 
 T = TypeVar("T")
-MODES = ("agent", "agent-preload", "torchrun")
+MODES = ("agent", "agent-preload", "agent-shrink", "torchrun")
+FAST = ("agent", "agent-preload", "agent-shrink")  # the modes compared with a torchrun restart
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,7 +92,7 @@ def _launch(mode: str, args: argparse.Namespace, work: Path, port: int, attempt:
     procs = []
     for node in range(args.nodes):
         if mode.startswith("agent"):
-            preload = ["--preload", "torch"] if mode == "agent-preload" else []
+            preload = {"agent-preload": ["--preload", "torch"], "agent-shrink": ["--on-failure", "shrink"]}.get(mode, [])
             cmd = [sys.executable, "-m", "resihp.cli", "run", *rdzv, "--node-rank", str(node), "--max-restarts", "3",
                    "--no-telemetry", "--work-dir", str(work / f"agent-{node}"), *preload, *job]
         else:
@@ -118,6 +124,17 @@ def _wait(what: str, check: Callable[[], T | None], patience_s: float) -> T:
     raise SystemExit(f"bench agent: gave up waiting for {what} after {patience_s:.0f} s (see the logs)")
 
 
+def _phases(work: Path, mode: str) -> dict[str, float]:
+    """Each recovery phase's seconds since the failure was detected, from the agents' logs."""
+    phases: dict[str, float] = {}
+    for log in sorted(work.glob(f"{mode}-*.log"), reverse=True):  # the failed (last) node's agent first
+        for line in log.read_text().splitlines():
+            if line.startswith('{"event": "recovery"'):
+                row = json.loads(line)
+                phases.setdefault(row["phase"], row["since_detected_s"])
+    return phases
+
+
 def measure(mode: str, args: argparse.Namespace) -> Measurement:
     work = Path(tempfile.mkdtemp(prefix=f"resihp-bench-{mode}-"))
     (work / "pids").mkdir()
@@ -140,19 +157,18 @@ def measure(mode: str, args: argparse.Namespace) -> Measurement:
             procs = _launch(mode, args, work, _free_port(), 1)
 
         def again() -> dict | None:
+            if mode == "agent-shrink":  # the same rank 0 goes on, in a smaller world
+                return next((r for r in _progress(progress) if r["world"] < args.ranks and r["t"] > killed_at), None)
             return next((r for r in _progress(progress) if r["pid"] != old_rank0 and r["t"] > killed_at), None)
 
         first = _wait("training again", again, args.patience_s)
         last_step = max(r["step"] for r in _progress(progress) if r["t"] <= killed_at)
         redone = last_step - (first["step"] - 1)
+        if mode == "agent-shrink":  # the new world's agent logs the phases once its rank 0 handed them over
+            _wait("the recovery phases", lambda: _phases(work, mode) or None, args.patience_s)
+        phases = _phases(work, mode)
     finally:
         _stop(procs)
-    phases: dict[str, float] = {}
-    for log in sorted(work.glob(f"{mode}-*.log"), reverse=True):  # the failed (last) node's agent first
-        for line in log.read_text().splitlines():
-            if line.startswith('{"event": "recovery"'):
-                row = json.loads(line)
-                phases.setdefault(row["phase"], row["since_detected_s"])
     return Measurement(mode, first["t"] - killed_at, redone, phases)
 
 
@@ -168,22 +184,22 @@ def run(args: argparse.Namespace) -> int:
             results[mode].append(measure(mode, args))
     print(f"fail-stop → training again, {args.ranks} CPU ranks on {args.nodes} agents, "
           f"checkpoint every {args.checkpoint_every} steps, {args.repeats} failures per mode")
-    print(f"{'mode':<10} {'median s':>9} {'min s':>7} {'max s':>7} {'redone steps':>13}")
+    print(f"{'mode':<13} {'median s':>9} {'min s':>7} {'max s':>7} {'redone steps':>13}")
     medians = {}
     for mode, ms in results.items():
         times = [m.recovery_s for m in ms]
         medians[mode] = statistics.median(times)
-        print(f"{mode:<10} {medians[mode]:>9.2f} {min(times):>7.2f} {max(times):>7.2f} "
+        print(f"{mode:<13} {medians[mode]:>9.2f} {min(times):>7.2f} {max(times):>7.2f} "
               f"{statistics.median(m.redone_steps for m in ms):>13.0f}")
-    for mode in ("agent", "agent-preload"):
+    for mode in FAST:
         if mode in results and results[mode][0].phases:
             phases = {k: statistics.median(m.phases.get(k, float("nan")) for m in results[mode])
                       for k in results[mode][0].phases}
             print(f"{mode} phases (median s since the failure was detected): "
                   + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
-    ratios = {m: medians["torchrun"] / medians[m] for m in ("agent", "agent-preload") if {m, "torchrun"} <= set(medians)}
+    ratios = {m: medians["torchrun"] / medians[m] for m in FAST if {m, "torchrun"} <= set(medians)}
     for mode, ratio in ratios.items():
-        print(f"torchrun restart / {mode} restart: {ratio:.2f}×")
+        print(f"torchrun restart / {mode}: {ratio:.2f}×")
     if args.json:
         print(json.dumps({"median_s": medians, "ratio_to_torchrun": ratios,
                           "runs": [m.__dict__ for ms in results.values() for m in ms]}))

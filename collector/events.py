@@ -310,6 +310,29 @@ class Heartbeat(Payload):
     interval_s: float = Field(gt=0, le=DURATION_MAX_S, description="when the next heartbeat is due")
 
 
+class RecoveryPhase(Payload):
+    """One phase of a fail-stop recovery inside the job (``resihp run --on-failure shrink``): the
+    survivors kept running, re-formed the world without the lost ranks and went on. Published by
+    the node agent of the new world's rank 0, one event per phase, in order; every duration is
+    that rank's own clock. The phases: ``detected`` (how long the rank sat in the collective that
+    failed), ``rendezvous closed`` (until every rank of the old world had joined or was marked
+    lost), ``new world`` (the new process group formed), ``state restored`` (from the survivor
+    with the most committed steps), ``first step`` (the first step of the new world finished)."""
+
+    KIND: ClassVar[str] = "telemetry.recovery"
+    generation: int = Field(ge=1, le=INT32_MAX, description="the world formed by this recovery (the job starts at 0)")
+    phase: Literal["detected", "rendezvous closed", "new world", "state restored", "first step"]
+    duration_s: float = Field(ge=0, le=DURATION_MAX_S, description="this phase alone, measured by the reporting rank")
+    since_detected_s: float = Field(ge=0, le=DURATION_MAX_S,
+                                    description="from the failed collective's error to this phase's end")
+    iteration: int = Field(ge=0, le=COUNT_MAX, description="the committed step the new world goes on from")
+    world: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(max_length=LIST_MAX,
+                                                                  description="the ranks of the new world")
+    lost: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(max_length=LIST_MAX,
+                                                                 description="the ranks it recovered from")
+    failed_op: str = Field(default="", max_length=200, description="the op the failure surfaced in")
+
+
 # ---- analytics (derived, published so no other process opens the analytics DuckDB) -----------
 
 
@@ -802,7 +825,7 @@ class ControlRejected(Payload):
 
 
 PAYLOAD_TYPES: tuple[type[Payload], ...] = (
-    RankIteration, IterationSummary, Heartbeat, TracingDeclared,
+    RankIteration, IterationSummary, Heartbeat, TracingDeclared, RecoveryPhase,
     IterationPrediction, RankHealth, AnalyticsLease, ReplicaSummary, DetectorFits, LivenessBatch,
     IncidentOpened, IncidentConfirmed, IncidentUpdated, IncidentResolved, ProbeRequest, ProbeResult,
     PlanProposed, PlanDecision, PolicyChanged, ReconfigureCommand, CommandAck, PlanVerified, PlanRolledBack,

@@ -70,6 +70,8 @@ class Environment(BaseSettings):
     agent_pid: int | None = Field(default=None, description="set by the node agent: its pid, which a rank dies with")
     stack_dir: str = Field(default="", description="set by the node agent: where a rank's stack dumps go")
     flight_dir: str = Field(default="", description="set by the node agent: where a rank keeps its flight record")
+    on_failure: str = Field(default="restart", description="set by the node agent: restart (torch restarts the worker "
+                            "group) or shrink (survivors keep running and re-form the world without the lost ranks)")
 
 
 def environment() -> Environment:
@@ -87,6 +89,8 @@ class ElasticEnvironment(BaseSettings):
     WORLD_SIZE: int = 1
     LOCAL_RANK: int = 0
     TORCHELASTIC_RESTART_COUNT: int = 0
+    MASTER_ADDR: str = "127.0.0.1"  # the ranks' bootstrap store, hosted by the rank-0 node's agent
+    MASTER_PORT: int = 29500
 
 
 def elastic_environment() -> ElasticEnvironment:

@@ -46,3 +46,43 @@ def test_a_finished_rank_is_never_hung(tmp_path: Path) -> None:
     assert record is not None and (record.rank, record.iteration, record.op, len(record.recent_step_s)) == \
         (4, 2, FINISHED, 2)
     assert judge_hang({4: record}, HangPolicy(floor_s=0.0), now_s=record.step_started_s + 1e6) is None
+
+
+def test_the_cost_models_prediction_on_the_bus_sets_the_deadline(tmp_path: Path) -> None:
+    """The agent reads the analytics consumer's newest ``analytics.prediction`` for its job (a real
+    embedded bus): 3 × the predicted iteration, floored, and the report says where it came from."""
+    from collector.bus import open_bus
+    from collector.events import EventFactory, IterationPrediction
+    from trainer.agent.predicted import PredictedIteration
+
+    path = str(tmp_path / "bus.db")
+    predicted = PredictedIteration(open_bus("embedded", path=path), "job-a", "agent-test")
+    assert predicted.poll() is None
+    writer = open_bus("embedded", path=path)
+    make = EventFactory("job-a", "analytics").make
+    other = EventFactory("job-b", "analytics").make
+    writer.publish([make(IterationPrediction(epoch=0, iteration=i, observed_s=0.5, predicted_s=s, tokens=1))
+                    for i, s in ((1, 0.4), (2, 0.6))] +
+                   [other(IterationPrediction(epoch=0, iteration=9, observed_s=1, predicted_s=9.0, tokens=1))])
+    writer.close()
+    assert predicted.poll() == 0.6
+    predicted.close()
+
+    world = {0: entry(0, "all_reduce", 22), 1: entry(1, "forward", 21)}  # the ranks' own steps: 0.5 s
+    report = judge_hang(world, HangPolicy(factor=3.0, floor_s=1.0), now_s=101.85, predicted_s=0.6)
+    assert report is not None and abs(report.deadline_s - 1.8) < 1e-9 and report.expected_from == "the cost model's prediction"
+    assert "expected from the cost model's prediction" in report.summary()
+    assert judge_hang(world, HangPolicy(factor=3.0, floor_s=1.0), now_s=101.75, predicted_s=0.6) is None
+    assert judge_hang(world, HangPolicy(factor=3.0, floor_s=2.5), now_s=102.4, predicted_s=0.6) is None  # floored
+
+
+def test_a_stopped_rank_inside_the_collective_is_the_culprit_not_its_waiting_peers() -> None:
+    import dataclasses
+
+    world = {r: entry(r, "all_reduce", 22) for r in range(3)}
+    world[2] = dataclasses.replace(world[2], stopped=True)
+    report = judge_hang(world, HangPolicy(factor=3.0, floor_s=1.0), now_s=101.6)
+    assert report is not None and report.culprits == (2,) and report.op == "all_reduce"
+    everyone = judge_hang({r: entry(r, "all_reduce", 22) for r in range(3)}, HangPolicy(factor=3.0, floor_s=1.0),
+                          now_s=101.6)
+    assert everyone is not None and everyone.culprits == (0, 1, 2)

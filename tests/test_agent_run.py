@@ -73,6 +73,25 @@ def written_pids(tmp_path: Path) -> list[int]:
     return [int(p.name) for p in pid_dir(tmp_path).iterdir()]
 
 
+def kill_rank_and_wait(agents: list[subprocess.Popen], progress: Path, tmp_path: Path, rank: int,
+                       after_rows: int) -> tuple[list[str], float, set[int]]:
+    """Once rank 0 logged ``after_rows`` steps, SIGKILL ``rank`` and wait for every agent to exit
+    (killed if the test fails first). Returns their outputs, the kill's time and the first pids."""
+    try:
+        wait_until(lambda: len(rows_of(progress)) >= after_rows)
+        first_pids = set(written_pids(tmp_path))
+        victim = next(pid for pid in first_pids if (pid_dir(tmp_path) / str(pid)).read_text() == str(rank))
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.time()
+        outs = [a.communicate(timeout=600)[0] for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+                a.wait()
+    return outs, killed_at, first_pids
+
+
 def test_two_agents_train_a_four_rank_world_to_the_end_through_a_killed_rank(tmp_path: Path) -> None:
     """SIGKILL of a rank: its agent restarts the group, the other agent joins the new round, the
     ranks resume from the last checkpoint and the job ends; the rendezvous port is closed after."""
@@ -85,18 +104,7 @@ def test_two_agents_train_a_four_rank_world_to_the_end_through_a_killed_rank(tmp
     agents = [subprocess.Popen(agent_cmd(*common, "--node-rank", str(n), "--work-dir", str(tmp_path / f"w{n}"),
                                          job_args=job), env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True) for n in (0, 1)]
-    try:
-        wait_until(lambda: len(rows_of(progress)) >= 3)
-        first_pids = set(written_pids(tmp_path))
-        rank3 = next(pid for pid in first_pids if (pid_dir(tmp_path) / str(pid)).read_text() == "3")
-        os.kill(rank3, signal.SIGKILL)
-        killed_at = time.time()
-        outs = [a.communicate(timeout=600)[0] for a in agents]
-    finally:
-        for a in agents:
-            if a.poll() is None:
-                a.kill()
-                a.wait()
+    outs, killed_at, first_pids = kill_rank_and_wait(agents, progress, tmp_path, rank=3, after_rows=3)
     assert [a.returncode for a in agents] == [0, 0], outs
     rows = rows_of(progress)
     before = [r for r in rows if r["t"] <= killed_at]

@@ -261,3 +261,28 @@ def test_ui_replay_names_every_decision_of_a_run_and_what_the_trainer_runs() -> 
     assert named["plan.withheld"] == ("planner", "withheld: too few devices")
     assert {k for k, (who, _) in named.items() if who} >= {
         "incident.opened", "plan.proposed", "plan.decision", "command.reconfigure", "command.ack", "plan.verified"}
+
+
+def test_recovery_phases_fold_into_one_timeline_per_new_world_and_a_mark() -> None:
+    """``telemetry.recovery`` events (the node agent's, one per phase) become the job page's
+    recovery timeline: one recovery per generation, phases in order, replay changes nothing."""
+    from collector.events import RecoveryPhase
+    from ui.views.jobs import recovery_rows
+
+    make = EventFactory("elastic", "agent-host-1").make
+    since, events = 0.0, []
+    for phase, took in [("detected", 0.05), ("rendezvous closed", 0.2), ("new world", 0.1), ("state restored", 0.02),
+                        ("first step", 0.3)]:
+        since += took if phase != "detected" else 0.0
+        events.append(make(RecoveryPhase(generation=1, phase=phase, duration_s=took, since_detected_s=since,
+                                         iteration=7, world=[0, 1, 2], lost=[3], failed_op="all_reduce(gradients)")))
+    model = ReadModel()
+    for e in events[:3] + events + events[3:]:
+        model.apply(e)
+    (rec,) = model.jobs["elastic"].recoveries.values()
+    assert list(rec.phases) == ["detected", "rendezvous closed", "new world", "state restored", "first step"]
+    assert rec.total_s == pytest.approx(0.62) and rec.lost == [3] and rec.world == [0, 1, 2]
+    assert [m.kind for m in model.jobs["elastic"].marks] == ["recovery"]
+    rows = recovery_rows(model.jobs["elastic"])
+    assert [r["phase"] for r in rows][-1] == "first step" and rows[-1]["since detected s"] == pytest.approx(0.62)
+    assert {r["lost ranks"] for r in rows} == {"3"}

@@ -22,7 +22,8 @@ from collector.plan import Plan
 from ui.read_model import Mark, Slot
 
 MAX_POINTS = 600
-MARK_COLOURS = {"incident": "#c8362f", "reshape": "#3b7dd8", "detector": "#e8a33d", "planner": "#8a4fbf"}
+MARK_COLOURS = {"incident": "#c8362f", "reshape": "#3b7dd8", "detector": "#e8a33d", "planner": "#8a4fbf",
+                "recovery": "#2e9a5b"}
 TABLEAU20 = ["#4e79a7", "#a0cbe8", "#f28e2b", "#ffbe7d", "#59a14f", "#8cd17d", "#b6992d", "#f1ce63", "#499894",
              "#86bcb6", "#e15759", "#ff9d9a", "#79706e", "#bab0ac", "#d37295", "#fabfd2", "#b07aa1", "#d4a6c8",
              "#9d7660", "#d7b5a6"]

@@ -27,7 +27,8 @@ from analytics.goodput import GoodputFold
 from collector.events import (
     AckStatus, CommandAck, Envelope, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentResolved,
     IncidentUpdated, IterationPrediction, PlanCurrent, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified,
-    PlanWithheld, PolicyChanged, PolicyMode, RankHealth, RankHealthEntry, RankIteration, ReconfigureCommand, Severity,
+    PlanWithheld, PolicyChanged, PolicyMode, RankHealth, RankHealthEntry, RankIteration, ReconfigureCommand,
+    RecoveryPhase, Severity,
 )
 from collector import plan_lifecycle
 from collector.plan import Plan
@@ -122,6 +123,26 @@ class Mark:
 
 
 @dataclass
+class RecoveryView:
+    """One fail-stop recovery inside the job (``telemetry.recovery``): its phases in order, each
+    with its own duration and the time since the failure was detected (the reporting rank's clock)."""
+
+    generation: int
+    world: list[int]
+    lost: list[int]
+    iteration: int
+    failed_op: str
+    time_s: float
+    phases: dict[str, tuple[float, float]] = field(default_factory=dict)  # phase → (duration_s, since_detected_s)
+
+    @property
+    def total_s(self) -> float | None:
+        """Failure detected → first step of the new world finished (None until that phase came)."""
+        last = self.phases.get("first step")
+        return None if last is None else last[1]
+
+
+@dataclass
 class JobView:
     job: str
     predictions: PredictionSeries = field(default_factory=PredictionSeries)
@@ -131,6 +152,7 @@ class JobView:
     policy: PolicyView | None = None
     marks: list[Mark] = field(default_factory=list)
     faults: list[FaultInjected] = field(default_factory=list)
+    recoveries: dict[int, RecoveryView] = field(default_factory=dict)  # generation → its recovery
     ranks: RankStore = field(default_factory=RankStore)
     last_iteration: int = -1
     last_epoch: int = 0
@@ -285,6 +307,15 @@ class ReadModel:
         handler(event, event.payload, job)  # each handler names the payload its kind carries
 
     # ---- analytics ------------------------------------------------------------------------------
+
+    def _on_telemetry_recovery(self, e: Envelope, p: RecoveryPhase, job: JobView) -> None:
+        view = job.recoveries.get(p.generation)
+        if view is None:
+            view = job.recoveries[p.generation] = RecoveryView(p.generation, list(p.world), list(p.lost), p.iteration,
+                                                               p.failed_op, e.time_s)
+            job.marks.append(Mark("recovery", p.iteration, e.time_s,
+                                  f"ranks {list(p.lost)} lost; world of {len(p.world)} went on"))
+        view.phases[p.phase] = (p.duration_s, p.since_detected_s)
 
     def _on_analytics_rank_health(self, e: Envelope, p: RankHealth, job: JobView) -> None:
         for entry in p.ranks:

@@ -1,8 +1,8 @@
 """The node agent behind ``resihp run``: one per node, built on torch.distributed.elastic.
 
-torch's ``LocalElasticAgent`` starts and watches this node's ranks and restarts the whole worker
-group after a failure; its c10d rendezvous handler forms the world. What the platform adds, one
-module each:
+torch's ``LocalElasticAgent`` starts and watches this node's ranks and, by default, restarts the
+whole worker group after a failure; its c10d rendezvous handler forms the world. What the
+platform adds, one module each:
 
 * ``options``: torchrun's own argument parser plus the platform's flags, and the LaunchConfig;
 * ``store``: the rendezvous store bound to one address (loopback by default), and the job check
@@ -11,7 +11,14 @@ module each:
   each can dump its stacks on demand (faulthandler);
 * ``flight``: the per-rank flight record (the step and the last op each rank entered);
 * ``hang``: judging a step that ran past its deadline, and the report naming the stuck op;
-* ``node``: the agent itself (heartbeats on the bus, hang checks, recovery phase timings);
+* ``predicted``: the cost model's predicted iteration time for the job, read from the bus (the hang
+  deadline's base);
+* ``shrink``: in-job fail-stop recovery (``--on-failure shrink``): the survivors re-form the world
+  without the lost rank, restore state from the most advanced survivor and train on; a benched rank
+  rejoins at the next step;
+* ``node``: the agent itself (heartbeats on the bus, hang checks, recovery phase timings, marking
+  lost ranks for the shrink);
 * ``launch``: ``run_agent``, the whole command with one-line errors;
-* ``sample_job``: a small gloo job that checkpoints, resumes and keeps a flight record.
+* ``sample_job``: a small gloo job that checkpoints, resumes, keeps a flight record and recovers in
+  place under ``--on-failure shrink`` (its state is independent of the world size).
 """

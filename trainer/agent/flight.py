@@ -6,8 +6,9 @@ per rank in ``$RESIHP_FLIGHT_DIR/local-<LOCAL_RANK>.flight``, rewritten in place
 no fsync: the agent reads the page cache on the same host). Each write is one JSON object padded
 to ``SLOT_BYTES``; a reader that catches a write half done sees invalid JSON and skips that read.
 
-``seq`` counts the ops a rank entered since it started: when the world hangs, the ranks waiting in
-a collective have entered one more op than the rank that keeps them waiting, which is how the
+``seq`` counts the ops a rank entered since its current step began (so ranks compare alike even
+when one of them missed steps, as a rank that rejoins a shrunk world has): when the world hangs,
+the ranks waiting in a collective have entered one more op than the rank that keeps them waiting, which is how the
 agent names the culprit and the op it is stuck in (trainer/agent/hang.py). Times are this host's
 ``time.time()``, compared only with the same host's clock.
 """
@@ -25,6 +26,7 @@ from collector.settings import elastic_environment, environment
 FLIGHT_DIR_ENV = "RESIHP_FLIGHT_DIR"
 SLOT_BYTES = 1024
 FINISHED = "finished"  # the op of a rank that is past its last step
+LOST = "lost"  # the op the agent records for a rank that died while the job went on (--on-failure shrink)
 RECENT_STEPS = 8  # iteration durations kept for the expected-step estimate
 
 
@@ -45,6 +47,7 @@ class FlightEntry:
     op_entered_s: float
     seq: int
     recent_step_s: tuple[float, ...] = field(default_factory=tuple)
+    stopped: bool = False  # set by the agent, not the rank: its process is stopped (SIGSTOP, a debugger)
 
     @classmethod
     def from_json(cls, text: str) -> FlightEntry:
@@ -81,6 +84,7 @@ class FlightRecorder:
         if self.iteration >= 0:
             self._recent.append(now - self.step_started_s)
         self.iteration, self.step_started_s = iteration, now
+        self.seq = 0
         self.enter("step")
 
     def enter(self, op: str) -> None:

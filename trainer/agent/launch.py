@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.agent.hang import HangPolicy
+from trainer.agent.predicted import PredictedIteration
 from trainer.agent.store import LOOPBACK_NAMES, AgentError, RendezvousStore, make_handler, open_rendezvous_store
 from trainer.spec import BusSpec
 
@@ -68,6 +69,7 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
     hosts = _bool(configs.pop("is_host", None))
     rdzv: RendezvousStore | None = None
     telemetry = None
+    predicted = None
     handler = None
     try:
         if config.rdzv_backend == "c10d":
@@ -94,15 +96,21 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
         if not args.no_telemetry:
             telemetry = TelemetryPublisher(bus.open, args.job, 0, heartbeat_s=None,
                                            source=f"agent-{os.uname().nodename}-{os.getpid()}")
+            if args.expected_step_s is None:
+                group = f"agent:{args.job}:{os.uname().nodename}:{os.getpid()}"
+                predicted = PredictedIteration(bus.open(), args.job, group)
         work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="resihp-agent-"))
         settings = AgentSettings(job=args.job, node_label=os.uname().nodename, work_dir=work_dir,
                                  hang=HangPolicy(args.hang_factor, args.hang_floor_s, args.expected_step_s),
-                                 on_hang=args.on_hang, heartbeat_s=args.heartbeat_s, telemetry=telemetry)
+                                 on_hang=args.on_hang, on_failure=args.on_failure, heartbeat_s=args.heartbeat_s,
+                                 telemetry=telemetry, predicted=predicted)
         entrypoint: Any = program
         start_method = config.start_method
         if args.preload:
             if args.no_python:
                 raise AgentError("--preload forks Python ranks; it cannot start a --no-python program")
+            if args.on_failure == "shrink":
+                raise AgentError("--on-failure shrink watches each rank's own process; it does not work with --preload")
             from trainer.agent.child import run_script
 
             entrypoint, program_args = run_script, program_args[program_args.index("trainer.agent.child") + 1:]
@@ -120,6 +128,9 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
                    else f"exited with code {first.exitcode}")
             echo(f"error: rank {rank} (local {first.local_rank}, pid {first.pid}) {how}; "
                  f"{len(result.failures)} rank(s) failed on this node, restarts left 0 of {config.max_restarts}")
+            return 1
+        if agent.lost and len(agent.lost) == config.nproc_per_node:
+            echo(f"error: every rank of this node was lost ({sorted(agent.lost)}); the job went on without them")
             return 1
         return 0
     except AgentError as exc:
@@ -141,5 +152,7 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
                 pass
         if telemetry is not None:
             telemetry.close()
+        if predicted is not None:
+            predicted.close()
         if rdzv is not None and rdzv.listener is not None:
             rdzv.listener.close()

@@ -11,13 +11,19 @@ again, up to ``--max-restarts`` times. This class adds what the platform needs a
   whole world, and a hang report (trainer/agent/hang.py) from the agent that owns the culprit;
   with ``on_hang="restart"`` it then kills the culprit, which torch's restart path takes over;
 * the restart path: each phase's time since the failure was detected (``RecoveryTimeline``),
-  logged as one JSON line per phase and kept for ``resihp bench agent``.
+  logged as one JSON line per phase and kept for ``resihp bench agent``;
+* with ``on_failure="shrink"``, in-job recovery instead of a restart: a rank that exits with an
+  error is taken out of torch's watch (so torch does not stop its peers), marked lost in the
+  ranks' bootstrap store, and its peers re-form the world without it (trainer/agent/shrink.py);
+  the phases the new world's rank 0 reports are logged and published as ``telemetry.recovery``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+from datetime import timedelta
 import os
 import signal
 import sys
@@ -26,12 +32,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from collector.events import Evidence, FaultCategory, Heartbeat, IncidentOpened, Location, Severity
+from collector.events import (Evidence, FaultCategory, Heartbeat, IncidentOpened, Location, RecoveryPhase,
+                              Severity)
 from trainer.agent.child import AGENT_PID_ENV, STACK_DIR_ENV, stack_file_path
-from trainer.agent.flight import FLIGHT_DIR_ENV, FlightEntry, flight_file_path, read_flight
+from trainer.agent.flight import FLIGHT_DIR_ENV, LOST, FlightEntry, flight_file_path, read_flight
+from trainer.agent.predicted import PredictedIteration
+from trainer.agent.shrink import PHASES, admitted_key, mark_lost
 from trainer.agent.store import forget_bootstrap_store
 from trainer.agent.hang import HangPolicy, HangReport, collect_stacks, judge_hang, process_state
 from trainer.telemetry import TelemetryPublisher
@@ -47,9 +57,11 @@ class AgentSettings:
     work_dir: Path
     hang: HangPolicy = field(default_factory=HangPolicy)
     on_hang: str = "report"  # or "restart": kill the culprit and let the restart path recover
+    on_failure: str = "restart"  # or "shrink": survivors keep running (trainer/agent/shrink.py)
     heartbeat_s: float = 1.0
     share_s: float = 0.25  # how often flight records go to the store
     telemetry: TelemetryPublisher | None = None
+    predicted: PredictedIteration | None = None  # the cost model's iteration time, from the bus
 
 
 @dataclass
@@ -80,15 +92,21 @@ class NodeAgent(LocalElasticAgent):
         self._next_beat = 0.0
         self._next_share = 0.0
         self._pending: RecoveryTimeline | None = None
+        self.lost: dict[int, int] = {}  # global rank → exit code, this round (shrink)
+        self.benched: set[int] = set()  # ranks a hang report named, marked lost while alive (shrink)
+        self.recoveries: list[dict] = []  # the in-job recoveries this node's rank 0 reported (shrink)
+        self._ranks_store: dist.Store | None = None
 
     # ---- starting ranks ----------------------------------------------------------------------
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        for stale in [*self.flight_dir.glob("*.flight"), *self.stack_dir.glob("*.stacks")]:
+        for stale in [*self.flight_dir.glob("*.flight"), *self.flight_dir.glob("recovery-*.json"),
+                      *self.stack_dir.glob("*.stacks")]:
             stale.unlink()
+        self.lost, self.benched, self._ranks_store = {}, set(), None
         # the ranks inherit the agent's environment (torch's elastic agent starts them with it)
         os.environ.update({FLIGHT_DIR_ENV: str(self.flight_dir), STACK_DIR_ENV: str(self.stack_dir),
-                           AGENT_PID_ENV: str(os.getpid())})
+                           AGENT_PID_ENV: str(os.getpid()), "RESIHP_ON_FAILURE": self.settings.on_failure})
         pids = super()._start_workers(worker_group)
         if self._pending is not None:
             self._pending.mark("ranks started")
@@ -111,13 +129,17 @@ class NodeAgent(LocalElasticAgent):
     # ---- watching ranks ----------------------------------------------------------------------
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        if self.settings.on_failure == "shrink":
+            self._release_lost(worker_group)
+            self._publish_recoveries()
         result = super()._monitor_workers(worker_group)
         if result.state != WorkerState.HEALTHY or self._pcontext is None:
             return result
-        pids = self._pcontext.pids()
         local = {w.local_rank: w.global_rank for w in worker_group.workers}
-        entries = {local[lr]: e for lr in pids if (e := read_flight(flight_file_path(str(self.flight_dir), lr)))
-                   and e.restart == self._restart_count()}
+        out = set(self.lost) | self.benched
+        pids = {lr: pid for lr, pid in self._pcontext.pids().items() if local[lr] not in out}
+        entries = {local[lr]: dataclasses.replace(e, stopped=process_state(pids[lr]) == "T") for lr in pids
+                   if (e := read_flight(flight_file_path(str(self.flight_dir), lr))) and e.restart == self._restart_count()}
         now = time.monotonic()
         if self._pending is not None and entries and min(e.iteration for e in entries.values()) >= 0 and all(
                 e.op != "start" for e in entries.values()):
@@ -130,11 +152,72 @@ class NodeAgent(LocalElasticAgent):
         if now >= self._next_share:
             self._next_share = now + self.settings.share_s
             world = self._share_flight(worker_group, entries)
-            report = judge_hang(world, self.settings.hang)
+            predicted_s = self.settings.predicted.poll() if self.settings.predicted is not None else None
+            report = judge_hang(world, self.settings.hang, predicted_s=predicted_s)
             if report is not None and set(report.culprits) & set(entries) and \
                     (self._restart_count(), report.iteration) not in self._reported:
-                self._on_hang(report, pids, local)
+                self._on_hang(report, pids, local, worker_group)
         return result
+
+    # ---- in-job recovery (on_failure="shrink") ----------------------------------------------------
+
+    def _release_lost(self, worker_group: WorkerGroup) -> None:
+        """Take each local rank that exited with an error out of torch's watch (torch would stop
+        its peers and restart the group) and mark it lost where its peers look for it.
+
+        torch's subprocess context keeps the ranks it still waits for in ``_running_local_ranks``;
+        a rank left out of it is neither polled nor counted as a failure. If every local rank is
+        lost, the context finds nothing running and the node is done (``run_agent`` says so)."""
+        for rank in sorted(self.benched):
+            if self._store_of_ranks(worker_group).check([admitted_key(rank)]):
+                self.benched.discard(rank)
+                print(f"resihp run: rank {rank} rejoined the world", file=sys.stderr, flush=True)
+        running = getattr(self._pcontext, "_running_local_ranks", None)
+        handlers = getattr(self._pcontext, "subprocess_handlers", None)
+        if running is None or handlers is None:
+            return
+        for lr in sorted(running):
+            code = handlers[lr].proc.poll()
+            if code is None or code == 0:
+                continue
+            running.discard(lr)
+            rank = worker_group.workers[lr].global_rank
+            self.lost[rank] = code
+            mark_lost(self._store_of_ranks(worker_group), rank, code)
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            print(f"resihp run: rank {rank} (local {lr}, pid {handlers[lr].proc.pid}) {how}; its peers go on "
+                  "without it (--on-failure shrink)", file=sys.stderr, flush=True)
+
+    def _store_of_ranks(self, worker_group: WorkerGroup) -> dist.Store:
+        """The ranks' bootstrap store (MASTER_ADDR/MASTER_PORT of this round), where they meet."""
+        if self._ranks_store is None:
+            if worker_group.master_addr is None or worker_group.master_port is None:
+                raise RuntimeError("the ranks' bootstrap store is not known before the first rendezvous")
+            self._ranks_store = dist.TCPStore(worker_group.master_addr, worker_group.master_port, is_master=False,
+                                              timeout=timedelta(seconds=30))
+        return self._ranks_store
+
+    def _publish_recoveries(self) -> None:
+        """The recoveries this node's new-world rank 0 reported: one JSON line and one
+        ``telemetry.recovery`` event per phase."""
+        for path in sorted(self.flight_dir.glob("recovery-g*.json")):
+            rec = json.loads(path.read_text())
+            path.unlink()
+            self.recoveries.append(rec)
+            since = 0.0
+            for phase in PHASES:
+                duration = rec["durations_s"].get(phase)
+                if duration is None:
+                    continue
+                since += duration if phase != "detected" else 0.0
+                print(json.dumps({"event": "recovery", "mode": "shrink", "generation": rec["generation"],
+                                  "phase": phase, "duration_s": round(duration, 4),
+                                  "since_detected_s": round(since, 4), "world": rec["world"], "lost": rec["lost"]}),
+                      file=sys.stderr, flush=True)
+                if self.settings.telemetry is not None:
+                    self.settings.telemetry.publish(RecoveryPhase(
+                        generation=rec["generation"], phase=phase, duration_s=duration, since_detected_s=since,
+                        iteration=rec["step"], world=rec["world"], lost=rec["lost"], failed_op=rec["failed_op"]))
 
     def _heartbeat(self, pids: dict[int, int], local: dict[int, int], entries: dict[int, FlightEntry]) -> None:
         telemetry = self.settings.telemetry
@@ -156,6 +239,10 @@ class NodeAgent(LocalElasticAgent):
             return entries
         for rank, e in entries.items():
             store.set(FLIGHT_KEY.format(rank=rank), json.dumps(e.__dict__))
+        for rank in set(self.lost) | self.benched:  # a lost rank's record is closed, so nobody judges it hung
+            gone = FlightEntry(rank=rank, pid=0, restart=self._restart_count(), iteration=-1, step_started_s=0.0,
+                               op=LOST, op_entered_s=0.0, seq=0)
+            store.set(FLIGHT_KEY.format(rank=rank), json.dumps(gone.__dict__))
         world = worker_group.workers[0].world_size
         keys = [FLIGHT_KEY.format(rank=r) for r in range(world)]
         if not store.check(keys):
@@ -166,7 +253,8 @@ class NodeAgent(LocalElasticAgent):
         everyone.update(entries)
         return everyone
 
-    def _on_hang(self, report: HangReport, pids: dict[int, int], local: dict[int, int]) -> None:
+    def _on_hang(self, report: HangReport, pids: dict[int, int], local: dict[int, int],
+                 worker_group: WorkerGroup) -> None:
         self._reported.add((self._restart_count(), report.iteration))
         by_rank = {local[lr]: pid for lr, pid in pids.items()}
         files = {local[lr]: stack_file_path(str(self.stack_dir), lr) for lr in pids}
@@ -188,3 +276,11 @@ class NodeAgent(LocalElasticAgent):
             for rank in report.culprits:
                 if rank in by_rank:
                     os.kill(by_rank[rank], signal.SIGKILL)
+        elif self.settings.on_failure == "shrink" and set(report.culprits) < set(report.ops):
+            # Some ranks wait for the culprits: the world goes on without them, and takes them back
+            # when they run again (a SIGCONT, a stall that ends; trainer/agent/shrink.py).
+            for rank in set(report.culprits) & set(by_rank):
+                mark_lost(self._store_of_ranks(worker_group), rank, 0)
+                self.benched.add(rank)
+                print(f"resihp run: rank {rank} benched: its peers go on without it and take it back when it "
+                      "runs again (--on-failure shrink)", file=sys.stderr, flush=True)

@@ -32,10 +32,15 @@ def agent_parser(prog: str = "resihp run") -> argparse.ArgumentParser:
                       help="a step is hung past this many expected step times")
     ours.add_argument("--hang-floor-s", type=float, default=5.0, help="never judge a step hung before this")
     ours.add_argument("--expected-step-s", type=float, default=None,
-                      help="the cost model's step time; default: the median of the ranks' recent steps")
+                      help="the expected step time; default: the cost model's newest prediction for --job on the "
+                           "bus (analytics.prediction), else the median of the ranks' recent steps")
     ours.add_argument("--on-hang", choices=["report", "restart"], default="report",
                       help="after a hang report: only report, or kill the stuck rank and restart the worker "
                            "group (needs --max-restarts)")
+    ours.add_argument("--on-failure", choices=["restart", "shrink"], default="restart",
+                      help="when a rank dies: restart the worker group from the last checkpoint (torch's elastic "
+                           "restart), or shrink: keep the survivors running and let the job re-form its world "
+                           "without the lost rank (trainer/agent/shrink.py; the script must support it)")
     ours.add_argument("--preload", default=None, metavar="MODULES",
                       help="comma-separated modules (e.g. torch,train) imported once by a fork server the ranks are "
                            "forked from, so starting and restarting ranks costs no imports; default: a fresh "

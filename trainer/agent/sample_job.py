@@ -6,6 +6,13 @@ MLP on random data with its gradients all-reduced, checkpoints every ``--checkpo
 the job the agent's tests and ``resihp bench agent`` run. It keeps a flight record
 (trainer/agent/flight.py) so the agent can judge hangs, and appends one JSON line per finished
 step to ``--progress-file`` (rank 0) so a benchmark can see when training runs again.
+
+The global batch is fixed (``--batch`` samples per step, sample i of step s drawn from seed
+(s, i)) and split over whatever world there is, each rank's loss a share of the global mean: the
+gradient, and so the state after any number of steps, does not depend on the world size. Under
+``--on-failure shrink`` a rank that dies costs the job no restart: the survivors recover in place
+(trainer/agent/shrink.py) and train the same batches on fewer ranks, so the state at the end
+equals :func:`reference_state` (one process, no failure) to float tolerance.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import json
 import os
 import time
 from datetime import timedelta
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,16 +30,20 @@ import torch.distributed as dist
 
 from collector.settings import elastic_environment
 from trainer.agent.flight import FlightRecorder
+from trainer.agent.shrink import ShrinkingWorld, WorldFinished, shrink_enabled
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="trainer.agent.sample_job", description=__doc__)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--width", type=int, default=64)
+    p.add_argument("--batch", type=int, default=64, help="samples per step, split over the world")
+    p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--step-s", type=float, default=0.05, help="extra seconds per step (emulates a device)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=5)
     p.add_argument("--progress-file", default=None)
+    p.add_argument("--final-state", default=None, help="rank 0 saves the model's state here at the end (tests)")
     p.add_argument("--pid-dir", default=None, help="each rank writes its pid here (tests look for orphans)")
     p.add_argument("--exit-code", type=int, default=None, help="exit at once with this code (tests)")
     p.add_argument("--timeout-s", type=float, default=30.0, help="collective timeout")
@@ -41,6 +53,37 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def build(width: int, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
+
+
+def optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+
+def sample(step: int, index: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample ``index`` of step ``step``: the same on every world size."""
+    gen = torch.Generator().manual_seed(step * 100_003 + index)
+    x = torch.randn(width, generator=gen)
+    return x, x[: width // 2].sum(dim=0, keepdim=True) * 0.1
+
+
+def local_loss(model: torch.nn.Module, step: int, rank: int, world: int, batch: int, width: int) -> torch.Tensor:
+    """This rank's share of the step's mean squared error: its samples (i ≡ rank mod world) over the global batch."""
+    pairs = [sample(step, i, width) for i in range(rank, batch, world)]
+    if not pairs:
+        return sum(p.sum() * 0 for p in model.parameters())  # type: ignore[return-value]
+    x, y = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+    return (model(x) - y).pow(2).sum() / batch
+
+
+def reference_state(steps: int, width: int = 64, batch: int = 64, lr: float = 0.01) -> dict[str, torch.Tensor]:
+    """The model after ``steps`` steps in one process with no failure: what every world must reach."""
+    model = build(width)
+    opt = optimizer(model, lr)
+    for step in range(steps):
+        local_loss(model, step, 0, 1, batch, width).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
 
 
 def load_checkpoint(directory: Path | None, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
@@ -60,57 +103,105 @@ def save_checkpoint(directory: Path, model: torch.nn.Module, opt: torch.optim.Op
     os.replace(tmp, directory / "latest.pt")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    elastic = elastic_environment()
-    rank, world = elastic.RANK, elastic.WORLD_SIZE
-    if args.pid_dir:
-        Path(args.pid_dir, f"{os.getpid()}").write_text(str(rank))
-    if args.exit_code is not None:
-        return args.exit_code
-    torch.set_num_threads(1)
-    flight = FlightRecorder.from_env()
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
+def train(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int,
+          world: ShrinkingWorld | None, flight: FlightRecorder | None, restart: int,
+          state: Callable[[], dict], load: Callable[[dict], None]) -> None:
+    """Steps ``step`` … ``args.steps`` − 1; under a shrinking world, a failed collective is recovered
+    in place and the step is run again by the new world."""
     ckpt = Path(args.checkpoint_dir) if args.checkpoint_dir else None
-    model = build(args.width)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    start = load_checkpoint(ckpt, model, opt)
-    restart = elastic.TORCHELASTIC_RESTART_COUNT
-    for step in range(start, args.steps):
+    while step < args.steps:
+        rank = world.rank if world else dist.get_rank()
+        size = world.world_size if world else dist.get_world_size()
         if flight:
             flight.step(step)
             flight.enter("forward")
-        gen = torch.Generator().manual_seed(step * 1000 + rank)
-        x = torch.randn(16, args.width, generator=gen)
-        loss = model(x).pow(2).mean()
+        loss = local_loss(model, step, rank, size, args.batch, args.width)
         loss.backward()
         time.sleep(args.step_s)
         if flight:
             flight.enter("all_reduce(gradients)")
-        for p in model.parameters():
-            grad = p.grad
-            assert grad is not None  # every parameter is in the loss
-            dist.all_reduce(grad)
-            grad /= world
+        reduce_started = time.monotonic()
+        try:
+            for p in model.parameters():
+                assert p.grad is not None  # every parameter is in the loss
+                if world:
+                    world.all_reduce(p.grad, "all_reduce(gradients)")
+                else:
+                    dist.all_reduce(p.grad)
+        except (RuntimeError, dist.DistError):
+            if world is None:
+                raise
+            opt.zero_grad()
+            if flight:
+                flight.enter("recovery")
+            step = world.recover("all_reduce(gradients)", reduce_started, step, state, load)
+            continue
         if flight:
             flight.enter("optimizer")
         opt.step()
         opt.zero_grad()
-        done = step + 1
-        if ckpt and done % args.checkpoint_every == 0 and rank == 0:
+        step += 1
+        if world:
+            world.stepped()
+            admit_started = time.monotonic()
+            try:
+                step = world.admit(step, state, load)  # a benched rank that runs again rejoins here
+            except (RuntimeError, dist.DistError):
+                step = world.recover("all_reduce(rejoin requests)", admit_started, step, state, load)
+        if ckpt and step % args.checkpoint_every == 0 and rank == 0:
             if flight:
                 flight.enter("checkpoint")
-            save_checkpoint(ckpt, model, opt, done)
+            save_checkpoint(ckpt, model, opt, step)
         if rank == 0 and args.progress_file:
             with open(args.progress_file, "a") as f:
-                f.write(json.dumps({"t": time.time(), "pid": os.getpid(), "step": done, "restart": restart, "world": world,
-                                    "loss": loss.detach().item()}) + "\n")
+                f.write(json.dumps({"t": time.time(), "pid": os.getpid(), "step": step, "restart": restart,
+                                    "world": size, "loss": loss.detach().item() * size}) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    elastic = elastic_environment()
+    if args.pid_dir:
+        Path(args.pid_dir, f"{os.getpid()}").write_text(str(elastic.RANK))
+    if args.exit_code is not None:
+        return args.exit_code
+    torch.set_num_threads(1)
+    flight = FlightRecorder.from_env()
+    world = ShrinkingWorld.from_env(args.timeout_s) if shrink_enabled() else None
+    if world is None:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
+    ckpt = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    model = build(args.width)
+    opt = optimizer(model, args.lr)
+    step = load_checkpoint(ckpt, model, opt)
+    restart = elastic.TORCHELASTIC_RESTART_COUNT
+
+    def state() -> dict:
+        return {"model": model.state_dict(), "opt": opt.state_dict()}
+
+    def load(saved: dict) -> None:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+
+    try:
+        train(args, model, opt, step, world, flight, restart, state, load)
+    except WorldFinished:  # benched, and the world ended the job before taking this rank back
+        if flight:
+            flight.finish()
+        os._exit(0)
     if flight:
         flight.enter("barrier(end)")
-    dist.barrier()
+    world.barrier() if world else dist.barrier()
+    if world:
+        world.finish()
     if flight:
         flight.finish()
-    dist.destroy_process_group()
+    if args.final_state and (world.rank if world else dist.get_rank()) == 0:
+        torch.save(model.state_dict(), args.final_state)
+    if world is None:
+        dist.destroy_process_group()
+    elif world.abandoned:  # an abandoned group's threads may still wait on a dead peer: no teardown
+        os._exit(0)
     return 0
 
 

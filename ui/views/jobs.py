@@ -57,11 +57,13 @@ def _job_body(feed: Feed, job: JobView) -> None:
             series = {k: v[keep] for k, v in series.items()}
         shown = downsample({k: series[k] for k in ("iteration", "observed_s", "predicted_s", "tokens")})
         st.caption(f"{len(series['iteration']):,} iterations, drawn as {len(shown['iteration']):,} points; "
-                   "red rules: incidents opened, blue: reshapes applied")
+                   "red rules: incidents opened, blue: reshapes applied, green: fail-stop recoveries")
         st.altair_chart(series_chart(shown, job.marks, kind="time"), width="stretch")
         st.altair_chart(series_chart(shown, job.marks, kind="throughput"), width="stretch")
     else:
         st.info("No analytics.prediction events for this job yet (is the analytics consumer running?).")
+
+    _recovery_timeline(job)
 
     st.subheader("Current plan")
     colour_by = st.radio("Colour by", ["TP group", "PP stage", "DP replica", "health"], horizontal=True, key="jobs_colour")
@@ -77,6 +79,30 @@ def _job_body(feed: Feed, job: JobView) -> None:
     if unhealthy:
         st.dataframe(pd.DataFrame({"rank": [e.rank for e in unhealthy], "state": [e.state.value for e in unhealthy],
                                    "slowdown": [e.factor for e in unhealthy]}), hide_index=True)
+
+
+def recovery_rows(job: JobView) -> list[dict]:
+    """One row per phase of every in-job recovery (``telemetry.recovery``), newest recovery first."""
+    rows = []
+    for rec in sorted(job.recoveries.values(), key=lambda r: -r.generation):
+        for phase, (duration_s, since_s) in rec.phases.items():
+            rows.append({"world": rec.generation, "lost ranks": ", ".join(map(str, rec.lost)),
+                         "ranks now": len(rec.world), "phase": phase, "took s": round(duration_s, 3),
+                         "since detected s": round(since_s, 3)})
+    return rows
+
+
+def _recovery_timeline(job: JobView) -> None:
+    """Fail-stop recoveries inside the job (``resihp run --on-failure shrink``), phase by phase."""
+    if not job.recoveries:
+        return
+    st.subheader("Fail-stop recoveries")
+    newest = max(job.recoveries.values(), key=lambda r: r.generation)
+    total = f"{newest.total_s:.2f} s" if newest.total_s is not None else "in progress"
+    st.caption(f"newest: ranks {newest.lost} lost in {newest.failed_op or 'a collective'}; {len(newest.world)} ranks "
+               f"went on from step {newest.iteration}; failure → training again: {total} "
+               "(each phase on the reporting rank's clock)")
+    st.dataframe(pd.DataFrame(recovery_rows(job)), hide_index=True)
 
 
 def _goodput_headline(feed: Feed, job_name: str) -> None:

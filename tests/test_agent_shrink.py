@@ -1,0 +1,106 @@
+"""``resihp run --on-failure shrink``: a SIGKILLed rank costs the job no restart.
+
+Real agents on loopback (2 agents × 2 ranks, gloo on CPU) run trainer/agent/sample_job.py; one
+rank is SIGKILLed mid-run. The survivors keep their processes, re-form a 3-rank world from their
+own state and train to the end, and the model they end with equals a one-process run with no
+failure (the sample job's global batch does not depend on the world size).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import torch
+
+from collector import topics
+from collector.bus import open_bus
+from collector.events import RecoveryPhase
+from collector.stream import EventStream
+from tests.test_agent_run import (agent_cmd, alive, env, free_port, kill_rank_and_wait, pid_dir, rows_of, wait_until,
+                                  written_pids)
+from trainer.agent.sample_job import reference_state
+from trainer.agent.shrink import PHASES
+
+STEPS = 14
+
+
+def test_a_killed_rank_leaves_the_survivors_training_to_the_reference_state(tmp_path: Path) -> None:
+    port = free_port()
+    progress = tmp_path / "progress.jsonl"
+    bus_path = tmp_path / "bus.sqlite"
+    common = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--max-restarts", "0",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job-s", "--rdzv-conf", "join_timeout=300",
+              "--monitor-interval", "0.05", "--on-failure", "shrink", "--job", "shrink-job")
+    job = ("--steps", str(STEPS), "--step-s", "0.2", "--progress-file", str(progress), "--pid-dir",
+           str(pid_dir(tmp_path)), "--final-state", str(tmp_path / "final.pt"))
+    agents = []
+    for n in (0, 1):
+        argv = agent_cmd(*common, "--node-rank", str(n), "--work-dir", str(tmp_path / f"w{n}"), job_args=job)
+        at = argv.index("--no-telemetry")
+        cmd = [*argv[:at], "--bus", "embedded", "--bus-path", str(bus_path), *argv[at + 1:]]
+        agents.append(subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs, killed_at, first_pids = kill_rank_and_wait(agents, progress, tmp_path, rank=3, after_rows=4)
+    assert [a.returncode for a in agents] == [0, 0], outs
+    rows = rows_of(progress)
+    assert {r["world"] for r in rows if r["t"] <= killed_at} == {4}
+    after = {r["world"] for r in rows if r["t"] > killed_at + 0.5}
+    assert 3 in after and 4 not in after  # (a rank benched for a slow step under load rejoins: 2 is allowed)
+    assert rows[-1]["step"] == STEPS and {r["restart"] for r in rows} == {0}
+    assert set(written_pids(tmp_path)) == first_pids and alive(list(first_pids)) == []  # nobody restarted, nothing left
+    assert "rank 3 (local 1" in outs[1] and "its peers go on without it" in outs[1]
+
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    reference = reference_state(STEPS)
+    for name, tensor in reference.items():
+        torch.testing.assert_close(final[name], tensor, rtol=1e-5, atol=1e-6)
+
+    bus = open_bus("embedded", path=str(bus_path))
+    stream = EventStream(bus, "test", [topics.TELEMETRY], job="shrink-job")
+    phases = [d.event.payload for d in stream.poll(timeout_s=1.0) if isinstance(d.event.payload, RecoveryPhase)]
+    bus.close()
+    first = [p for p in phases if p.generation == 1]  # later ones: a slow rank benched under load, taken back
+    assert [p.phase for p in first] == list(PHASES)
+    assert {(tuple(p.world), tuple(p.lost)) for p in first} == {((0, 1, 2), (3,))}
+    assert all(p.duration_s >= 0 for p in first) and first[-1].since_detected_s >= first[1].since_detected_s
+    recovery_lines = [json.loads(line) for out in outs for line in out.splitlines() if '"mode": "shrink"' in line]
+    assert [r["phase"] for r in recovery_lines if r["generation"] == 1] == list(PHASES)
+
+
+def test_a_stopped_rank_is_reported_benched_and_rejoins_when_it_runs_again(tmp_path: Path) -> None:
+    """SIGSTOP of a rank: the hang report names it and the op it is stuck in, its peers go on
+    without it; SIGCONT: it asks to rejoin, the world grows back at the next step and the run ends
+    at the reference state."""
+    steps = 60
+    progress = tmp_path / "progress.jsonl"
+    argv = agent_cmd("--standalone", "--nproc-per-node", "3", "--monitor-interval", "0.05", "--on-failure", "shrink",
+                     "--hang-floor-s", "2", "--work-dir", str(tmp_path / "w"),
+                     job_args=("--steps", str(steps), "--step-s", "0.1", "--progress-file", str(progress),
+                               "--pid-dir", str(pid_dir(tmp_path)), "--final-state", str(tmp_path / "final.pt")))
+    agent = subprocess.Popen(argv, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: len(rows_of(progress)) >= 4)
+        rank_of = {pid: int((pid_dir(tmp_path) / str(pid)).read_text()) for pid in written_pids(tmp_path)}
+        victim = next(pid for pid, rank in rank_of.items() if rank == 2)
+        os.kill(victim, signal.SIGSTOP)
+        wait_until(lambda: any(r["world"] == 2 for r in rows_of(progress)[-3:]))
+        shrunk_rows = len(rows_of(progress))
+        os.kill(victim, signal.SIGCONT)
+        out = agent.communicate(timeout=600)[0]
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    assert agent.returncode == 0, out
+    reports = [json.loads(p.read_text()) for p in (tmp_path / "w").glob("hang-*.json")]
+    assert any(r["culprits"] == [2] and r["op"] and "is stopped" in r["stacks"]["2"] for r in reports), reports
+    assert "rank 2 benched" in out and "rank 2 rejoined the world" in out
+    worlds = [r["world"] for r in rows_of(progress)]
+    assert worlds[0] == 3 and worlds[shrunk_rows - 1] == 2 and 3 in worlds[shrunk_rows:]  # 3 → 2 → 3
+    assert rows_of(progress)[-1]["step"] == steps and alive(list(rank_of)) == []
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    for name, tensor in reference_state(steps).items():
+        torch.testing.assert_close(final[name], tensor, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,328 @@
+"""Fail-stop recovery inside the job: the survivors re-form the world and go on, smaller.
+
+Under ``resihp run --on-failure shrink`` the agent does not tear the worker group down when a rank
+dies: it counts the loss (``resihp/lost-count``) and marks the rank lost (``resihp/lost/<rank>``)
+in the ranks' bootstrap store, and leaves the survivors running. A data-parallel job then
+recovers in place with :class:`ShrinkingWorld`, one method per step of the protocol (read it the
+way torchft's manager reads):
+
+    detect        a collective failed: it raised (a peer's socket closed), or the loss count moved
+                  while the rank waited in it. Waiting is what makes recovery fast: a rank blocked
+                  on a live peer that has itself given up gets no error until the gloo timeout, so
+                  every collective runs asynchronously and the rank polls the count while it waits
+                  (a store round trip every 2 ms). The old group is dropped, not destroyed: its
+                  worker threads may still be blocked until their timeout
+    close         the quorum of generation g+1: every rank of the old world has either joined
+                  (``resihp/world/<g+1>/join/<rank>``, with the steps it has committed) or been
+                  marked lost by its agent; the survivors, in rank order, are the new world
+    rebuild       a new gloo default group over them (its rendezvous under ``resihp/world/<g+1>/pg/``)
+    restore       the state of the survivor with the most committed steps is broadcast to all (a
+                  peer that stepped just before the failure had the full reduced gradient, so its
+                  state is the right one; peers that had not stepped take it)
+    first step    the caller's next step finished; the phases go to the agent (a JSON file in the
+                  flight directory) which logs and publishes them (trainer/agent/node.py)
+
+A rank can also be *benched*: marked lost while it still runs (the agent does this to the rank a
+hang report names: a SIGSTOPped or stuck rank). Its peers shrink as above. When it runs again
+(SIGCONT), its next collective notices the loss count, it finds itself marked lost and asks to
+rejoin (``resihp/rejoin/<rank>``, ``resihp/rejoin-count``); the world agrees at the next step
+boundary (:meth:`admit`, a one-number all-reduce per step), grows by it as generation g+1 and
+hands it the state like any restore. That re-admission is a recovery too, with the same phases.
+
+Rank ids are the ranks torch gave at start and stay the identity of a process across generations
+(plans and flight records name them); ``rank`` / ``world_size`` are the current generation's.
+
+The groups are ``ProcessGroupGloo`` objects used directly (not torch's default group), so a new
+one can be made while an abandoned one still has a collective in flight; a process that abandoned
+one should leave with ``os._exit`` (its teardown would wait for those threads).
+
+What can fail: a rank that joined dies before the new group forms (its peers' rendezvous waits out
+``timeout_s``, then raises); the agent never marks a silent peer lost (``close`` raises after
+``timeout_s``, naming it).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from collector.settings import elastic_environment, environment
+
+LOST_KEY = "resihp/lost/{rank}"
+LOST_COUNT_KEY = "resihp/lost-count"  # added to before the rank's key is set
+REJOIN_COUNT_KEY = "resihp/rejoin-count"
+POLL_S = 0.002
+Phase = Literal["detected", "rendezvous closed", "new world", "state restored", "first step"]
+PHASES: tuple[Phase, ...] = ("detected", "rendezvous closed", "new world", "state restored", "first step")
+
+
+def lost_key(rank: int) -> str:
+    return LOST_KEY.format(rank=rank)
+
+
+DONE_KEY = "resihp/done"
+
+
+class WorldFinished(Exception):
+    """The world finished the job while this rank waited to rejoin it: nothing is left to do."""
+
+
+class PeerLost(RuntimeError):
+    """A rank of this world was lost while this rank waited in a collective."""
+
+
+def mark_lost(store: dist.Store, rank: int, exitcode: int) -> None:
+    """The agent's side: count the loss first, so a rank that sees the key also sees the count."""
+    store.delete_key(admitted_key(rank))  # a rank benched again must be admitted again
+    store.add(LOST_COUNT_KEY, 1)
+    store.set(lost_key(rank), json.dumps({"exitcode": exitcode}))
+
+
+def admitted_key(rank: int) -> str:
+    return f"resihp/admitted/{rank}"
+
+
+def recovery_file(flight_dir: str, generation: int) -> str:
+    return os.path.join(flight_dir, f"recovery-g{generation}.json")
+
+
+def shrink_enabled() -> bool:
+    """Whether the agent that started this rank keeps survivors running (``--on-failure shrink``)."""
+    return environment().on_failure == "shrink"
+
+
+@dataclass
+class Recovery:
+    """One recovery as this rank saw it: each phase's duration on this host's clock."""
+
+    generation: int
+    world: tuple[int, ...]
+    lost: tuple[int, ...]
+    failed_op: str
+    step: int = 0
+    source: int = -1
+    durations_s: dict[str, float] = field(default_factory=dict)
+
+
+class ShrinkingWorld:
+    """The process group of a data-parallel job that outlives its ranks' deaths."""
+
+    def __init__(self, store: dist.Store, ranks: tuple[int, ...], rank_id: int, timeout_s: float) -> None:
+        self.store, self.world, self.rank_id, self.timeout_s = store, ranks, rank_id, timeout_s
+        self.everyone = ranks  # every rank the job started with: who may ask to rejoin
+        self.generation = 0
+        self._rejoin_seen = 0
+        self.recoveries: list[Recovery] = []
+        self.abandoned: list[Any] = []  # kept: dropping one joins its blocked threads
+        self._pending: Recovery | None = None
+        self._mark = 0.0
+        self._lost_seen = 0
+        self.group = self._group(0)
+
+    @classmethod
+    def from_env(cls, timeout_s: float = 30.0) -> ShrinkingWorld:
+        """Join generation 0 over the ranks' bootstrap store (MASTER_ADDR/MASTER_PORT)."""
+        env = elastic_environment()
+        store = dist.TCPStore(env.MASTER_ADDR, env.MASTER_PORT, is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
+        return cls(store, tuple(range(env.WORLD_SIZE)), env.RANK, timeout_s)
+
+    @property
+    def rank(self) -> int:
+        return self.world.index(self.rank_id)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.world)
+
+    def _group(self, generation: int) -> Any:  # a ProcessGroupGloo: torch's stubs omit its collectives
+        self._lost_seen = self.store.add(LOST_COUNT_KEY, 0)
+        prefixed = dist.PrefixStore(f"resihp/world/{generation}/pg/", self.store)
+        return dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, timedelta(seconds=self.timeout_s))
+
+    # ---- collectives that notice a lost peer --------------------------------------------------------
+
+    def _wait(self, work: Any, op: str) -> None:
+        while not work.is_completed():
+            if self.store.add(LOST_COUNT_KEY, 0) != self._lost_seen:
+                raise PeerLost(f"{op}: a rank of generation {self.generation} was lost")
+            time.sleep(POLL_S)
+        work.wait()  # the collective's own error, if it failed
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "all_reduce") -> None:
+        """Sum ``tensor`` over the world, in place."""
+        self._wait(self.group.allreduce([tensor]), op)
+
+    def broadcast(self, tensor: torch.Tensor, source: int, op: str = "broadcast") -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = source
+        self._wait(self.group.broadcast([tensor], opts), op)
+
+    def barrier(self) -> None:
+        self.all_reduce(torch.zeros(1), "barrier")
+
+    def _agree_max(self, value: int, op: str) -> int:
+        tensor = torch.tensor([value], dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self._wait(self.group.allreduce([tensor], opts), op)
+        return int(tensor[0])
+
+    # ---- the steps --------------------------------------------------------------------------------
+
+    def detect(self, failed_op: str, op_started: float) -> Recovery:
+        """The collective ``failed_op`` (entered at ``op_started``, ``time.monotonic``) raised: leave
+        the old group. 'detected' lasts from entering the op to now: how long this rank sat in it."""
+        now = time.monotonic()
+        self.abandoned.append(self.group)
+        rec = Recovery(self.generation + 1, (), (), failed_op)
+        rec.durations_s["detected"] = now - op_started
+        self._mark = time.monotonic()
+        return rec
+
+    def close(self, rec: Recovery, step: int) -> None:
+        """Join generation g+1 and wait until every rank of the old world joined or was marked lost."""
+        prefix = f"resihp/world/{rec.generation}/join/"
+        self.store.set(f"{prefix}{self.rank_id}", json.dumps({"step": step}))
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            joined = [r for r in self.world if self.store.check([f"{prefix}{r}"])]
+            lost = [r for r in self.world if r not in joined and self.store.check([lost_key(r)])]
+            if len(joined) + len(lost) == len(self.world):
+                break
+            if time.monotonic() > deadline:
+                silent = sorted(set(self.world) - set(joined) - set(lost))
+                raise TimeoutError(f"generation {rec.generation}: ranks {silent} neither joined nor were marked lost "
+                                   f"within {self.timeout_s:g} s; is every agent running with --on-failure shrink?")
+            time.sleep(0.002)
+        rec.world, rec.lost = tuple(joined), tuple(lost)
+        self._phase(rec, "rendezvous closed")
+
+    def rebuild(self, rec: Recovery) -> None:
+        """The new default group over the survivors."""
+        self.world, self.generation = rec.world, rec.generation
+        self.group = self._group(rec.generation)
+        self._phase(rec, "new world")
+
+    def restore(self, rec: Recovery, step: int, state: Callable[[], Any], load: Callable[[Any], None]) -> int:
+        """Every survivor takes the state of the one with the most committed steps (the lowest rank
+        among equals); returns that step count."""
+        steps = torch.zeros(self.world_size, dtype=torch.int64)
+        steps[self.rank] = step
+        self.all_reduce(steps, "all_reduce(steps)")
+        source = int(torch.argmax(steps))  # the first maximum: the lowest rank among equals
+        size = torch.zeros(1, dtype=torch.int64)
+        payload = b""
+        if source == self.rank:
+            buffer = io.BytesIO()
+            torch.save(state(), buffer)
+            payload = buffer.getvalue()
+            size[0] = len(payload)
+        self.broadcast(size, source, "broadcast(state size)")
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(
+            int(size[0]), dtype=torch.uint8)
+        self.broadcast(data, source, "broadcast(state)")
+        if source != self.rank:
+            load(torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True))
+        rec.step, rec.source = int(steps[source]), self.world[source]
+        self._phase(rec, "state restored")
+        return rec.step
+
+    def stepped(self) -> Recovery | None:
+        """The caller finished a step. The first after a recovery closes it: its phases go to the
+        agent (rank 0 of the new world writes them where the agent looks). Returns the recovery."""
+        rec, self._pending = self._pending, None
+        if rec is None:
+            return None
+        self._phase(rec, "first step")
+        self.recoveries.append(rec)
+        flight_dir = environment().flight_dir
+        if flight_dir and self.rank == 0:
+            path = recovery_file(flight_dir, rec.generation)
+            with open(f"{path}.tmp", "w") as f:
+                json.dump(rec.__dict__, f)
+            os.replace(f"{path}.tmp", path)
+        return rec
+
+    def rejoin(self, rec: Recovery, step: int, state: Callable[[], Any], load: Callable[[Any], None]) -> int:
+        """This rank was benched (marked lost while alive): ask to rejoin, wait until the world
+        admits it (no bound: the world may be busy for a long time), then take the state.
+        ``WorldFinished`` if the world ends the job first."""
+        self.store.set(f"resihp/rejoin/{self.rank_id}", json.dumps({"step": step}))
+        self.store.add(REJOIN_COUNT_KEY, 1)
+        while not self.store.check([admitted_key(self.rank_id)]):
+            if self.store.check([DONE_KEY]):
+                raise WorldFinished(f"rank {self.rank_id}: the world finished the job while it waited to rejoin")
+            time.sleep(0.01)
+        generation = int(self.store.get(admitted_key(self.rank_id)))
+        rec.generation = generation
+        rec.world = tuple(json.loads(self.store.get(f"resihp/world/{generation}/members")))
+        self._phase(rec, "rendezvous closed")
+        self.rebuild(rec)
+        return self.restore(rec, step, state, load)
+
+    def admit(self, step: int, state: Callable[[], Any], load: Callable[[Any], None]) -> int:
+        """At a step boundary, every rank of the world: grow by the benched ranks that asked to
+        rejoin, if any did (all agree through one all-reduce); returns the step to go on from."""
+        started = time.monotonic()
+        asked = self._agree_max(self.store.add(REJOIN_COUNT_KEY, 0), "all_reduce(rejoin requests)")
+        if asked <= self._rejoin_seen:
+            return step
+        self._rejoin_seen = asked
+        generation = self.generation + 1
+        members_key = f"resihp/world/{generation}/members"
+        if self.rank == 0:
+            joiners = [r for r in self.everyone if r not in self.world and self.store.check([f"resihp/rejoin/{r}"])]
+            self.store.set(members_key, json.dumps(sorted([*self.world, *joiners])))
+            for r in joiners:
+                self.store.delete_key(f"resihp/rejoin/{r}")
+                self.store.delete_key(lost_key(r))
+                self.store.set(admitted_key(r), str(generation))
+        members = tuple(json.loads(self.store.get(members_key)))  # get waits for the key
+        joined = tuple(r for r in members if r not in self.world)
+        rec = Recovery(generation, members, (), f"rejoin of ranks {list(joined)}")
+        rec.durations_s["detected"] = time.monotonic() - started
+        self._mark = time.monotonic()
+        self._phase(rec, "rendezvous closed")
+        self.abandoned.append(self.group)
+        self.rebuild(rec)
+        restored = self.restore(rec, step, state, load)
+        self._pending = rec
+        return restored
+
+    def finish(self) -> None:
+        """The job is done (every rank of the world, after its last collective): a benched rank
+        still waiting to rejoin stops waiting."""
+        if self.rank == 0:
+            self.store.set(DONE_KEY, str(self.generation))
+
+    # ---- the protocol -----------------------------------------------------------------------------
+
+    def recover(self, failed_op: str, op_started: float, step: int, state: Callable[[], Any],
+                load: Callable[[Any], None]) -> int:
+        """detect → close → rebuild → restore (or, for a benched rank, detect → rejoin); returns the
+        committed step to go on from."""
+        rec = self.detect(failed_op, op_started)
+        if self.store.check([lost_key(self.rank_id)]):
+            restored = self.rejoin(rec, step, state, load)
+            self._pending = rec
+            return restored
+        self.close(rec, step)
+        self.rebuild(rec)
+        restored = self.restore(rec, step, state, load)
+        self._pending = rec
+        return restored
+
+    def _phase(self, rec: Recovery, phase: str) -> None:
+        now = time.monotonic()
+        rec.durations_s[phase] = now - self._mark
+        self._mark = now
