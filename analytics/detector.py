@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from functools import cached_property
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -85,6 +86,49 @@ def fast_side_sigma(pooled: np.ndarray, *, levelled: bool = False) -> float:
     return max(sigma, float(np.quantile(below, 0.9)) / 1.6449) if levelled else sigma
 
 
+class IterationFacts(Protocol):
+    """What judging an iteration needs of its chunks (``Detector.judge``)."""
+
+    own_s: np.ndarray  # (R,) each rank's own compute, summed over its chunks
+    pred_s: np.ndarray  # (R,) each rank's predicted own compute, summed
+    explained_s: float  # the critical path of the observed own times, no communication (NaN: cannot lay out)
+    pipeline_s: float  # the critical path of the predicted times, with communication
+    tokens: int  # job_tokens
+    stages: list[tuple[int, int, float, float]]  # analytics/prediction.py stage_times
+
+
+class ChunkFacts:
+    """IterationFacts from the frame's own chunks, each computed when first read (a detector
+    without link judgement never lays out the observed times)."""
+
+    def __init__(self, frame: IterationFrame, score: FrameScore, schedule: tuple[str | None, int | None]) -> None:
+        self.frame, self.score, self.schedule = frame, score, schedule
+
+    @cached_property
+    def own_s(self) -> np.ndarray:
+        return np.bincount(self.frame.c_rank, weights=self.frame.c_own, minlength=self.frame.num_ranks)
+
+    @cached_property
+    def pred_s(self) -> np.ndarray:
+        return np.bincount(self.frame.c_rank, weights=np.nan_to_num(self.score.c_pred), minlength=self.frame.num_ranks)
+
+    @cached_property
+    def explained_s(self) -> float:
+        return predicted_iteration_s(self.frame, self.frame.c_own, *self.schedule, include_comm=False)
+
+    @cached_property
+    def pipeline_s(self) -> float:
+        return predicted_iteration_s(self.frame, self.score.c_pred, *self.schedule)
+
+    @cached_property
+    def tokens(self) -> int:
+        return job_tokens(self.frame)
+
+    @cached_property
+    def stages(self) -> list[tuple[int, int, float, float]]:
+        return stage_times(self.frame, self.score.c_pred)
+
+
 @dataclass
 class DetectorStats:
     frames: int = 0
@@ -130,7 +174,7 @@ class Detector:
         self._comm_unjudged = False  # the open communication incident has no healthy reference in this layout
         self._history: deque[_FrameRecord] = deque(maxlen=8)
         self._outside_s: deque[float] = deque(maxlen=self.config.window_iterations)  # time outside the pipeline
-        self._published_health: dict[int, tuple[str, float]] = {}
+        self._published_view: tuple[np.ndarray, dict[int, tuple[str, float]]] | None = None  # the last RankHealth
         self.last_frame: IterationFrame | None = None
         self.last_score: FrameScore | None = None
 
@@ -161,12 +205,7 @@ class Detector:
         if isinstance(p, RankIteration):
             return self._on_report(p, event.time_s)
         if isinstance(p, Heartbeat):
-            dead_before = len(self.fail_stop.dead)
-            self.arrival.heard(p.epoch, p.rank)
-            out = self.book.fail_stop(self.fail_stop.heartbeat(p, event.time_s))
-            out += self._hidden_stop(event.time_s)
-            check = len(self.fail_stop.dead) != dead_before or not self.arrival.oldest_has(p.rank)
-            return out + self._flush_ready(check)
+            return self.on_heartbeat(p, event.time_s)
         if isinstance(p, TracingDeclared):
             self.arrival.declare(p)
             return self.book.fail_stop(self.fail_stop.declare(p)) + self._flush_ready(True)
@@ -198,6 +237,18 @@ class Detector:
                   f"heartbeats: one of the {len(ranks)} ranks that are not traced (and send no heartbeats) stopped"
                   + ("; a liveness probe will tell which" if probe_id is not None else ""))
         return self.book.hidden_fail_stop(ranks, iteration, reason, probe_id)
+
+    def on_heartbeat(self, p: Heartbeat, time_s: float) -> list[Payload]:
+        dead_before = len(self.fail_stop.dead)
+        self.arrival.heard(p.epoch, p.rank)
+        out = self.book.fail_stop(self.fail_stop.heartbeat(p, time_s))
+        out += self._hidden_stop(time_s)
+        check = len(self.fail_stop.dead) != dead_before or not self.arrival.oldest_has(p.rank)
+        return out + self._flush_ready(check)
+
+    def report_seen(self, rank: int, epoch: int, iteration: int, time_s: float) -> list[Payload]:
+        """A rank report's liveness alone (the sharded merge: a shard holds the report itself)."""
+        return self.book.fail_stop(self.fail_stop.telemetry(rank, epoch, iteration, time_s))
 
     def flush(self) -> list[Payload]:
         """Score every iteration still waiting (end of a trace)."""
@@ -246,6 +297,13 @@ class Detector:
 
     def process_frame(self, frame: IterationFrame) -> list[Payload]:
         """Score one iteration's frame and return the events it causes."""
+        out = self.begin_frame(frame)
+        suspects = self.suspects(frame)
+        score = score_frame(frame, self.model, suspects, self.config.chunk_quantile)
+        return out + self.judge(frame, score, ChunkFacts(frame, score, self._schedule(frame)), suspects)
+
+    def begin_frame(self, frame: IterationFrame) -> list[Payload]:
+        """Before an iteration is scored: a new plan's resets, and the ranks it lacks."""
         out: list[Payload] = []
         if self.hidden_stop.progressed(self.fail_stop):
             out += self.book.hidden_cleared(frame.iteration, "the job completed an iteration again: no rank had stopped")
@@ -256,20 +314,29 @@ class Detector:
         if expected is None:
             expected = self.arrival.learned.get(frame.epoch, present)
         missing = expected - present - self.fail_stop.dead
-        out += self.book.fail_stop(self.fail_stop.missing(missing, frame.iteration))
-        suspects = self._with_traced_peers(frame, self.book.suspect_ranks())
-        score = score_frame(frame, self.model, suspects, self.config.chunk_quantile)
+        return out + self.book.fail_stop(self.fail_stop.missing(missing, frame.iteration))
+
+    def suspects(self, frame: IterationFrame) -> set[int]:
+        """The ranks whose TP groups may not teach the cost model nor set the job's centre now."""
+        return self._with_traced_peers(frame, self.book.suspect_ranks())
+
+    def judge(self, frame: IterationFrame, score: FrameScore, facts: IterationFacts,
+              suspects: set[int]) -> list[Payload]:
+        """The job-level half of an iteration: σ, the CUSUMs, the incident book, the prediction,
+        health. It reads the frame's per-rank arrays only; what it needs of the chunks comes in
+        ``facts``, so the sharded merge (analytics/merge.py) runs it on a frame without chunks."""
+        out: list[Payload] = []
         self.stats.frames += 1
         self.stats.inferred_frames += int(score.inferred)
-        self._remember(frame, score)
+        self._history.append(_FrameRecord(frame.iteration, frame.rank, facts.own_s, facts.pred_s, score.z))
         sigma = self._sigma(frame, score, suspects)
         out += self._rank_cusum(frame, score, sigma)
         if self.config.links and len(score.link_z):
             out += self._link_cusum_step(frame, score, sigma)
         if self.config.links:
-            out += self._comm_excess(frame, score)
+            out += self._comm_excess(frame, score, facts)
         out += self.book.end_of_iteration(frame.iteration)
-        out.append(self._prediction(frame, score))
+        out.append(self._prediction(frame, facts))
         health = self._health(frame)
         if health is not None:
             out.append(health)
@@ -306,11 +373,6 @@ class Detector:
         present = set(frame.rank.tolist()) | (expected or set())
         self.fail_stop.new_epoch(present)
         return self.book.reconfigured(present, frame.iteration)
-
-    def _remember(self, frame: IterationFrame, score: FrameScore) -> None:
-        own = np.bincount(frame.c_rank, weights=frame.c_own, minlength=frame.num_ranks)
-        pred = np.bincount(frame.c_rank, weights=np.nan_to_num(score.c_pred), minlength=frame.num_ranks)
-        self._history.append(_FrameRecord(frame.iteration, frame.rank, own, pred, score.z))
 
     def _sigma(self, frame: IterationFrame, score: FrameScore, suspects: set[int]) -> float:
         # One value per clean TP group, its slowest member: suspects' groups are out (their peers wait
@@ -597,7 +659,7 @@ class Detector:
             ), frame.iteration)
         return out
 
-    def _comm_excess(self, frame: IterationFrame, score: FrameScore) -> list[Payload]:
+    def _comm_excess(self, frame: IterationFrame, score: FrameScore, facts: IterationFacts) -> list[Payload]:
         """Wall time that the observed compute cannot explain is communication — or, in a job that
         traces only some ranks, a fault outside what is traced (analytics/untraced.py). The
         schedule model replays the observed own chunk times (no transfers, no all-reduce); the
@@ -608,7 +670,7 @@ class Detector:
         last chunk's end) is followed the same way. A late iteration whose traced pipelines are on
         time lost its time while they waited in the DP all-reduce: for a replica nobody traces."""
         sched = self._schedule(frame)
-        explained = predicted_iteration_s(frame, frame.c_own, *sched, include_comm=False)
+        explained = facts.explained_s
         if not np.isfinite(explained) or explained <= 0:
             return []
         wall = float(frame.wall_s.max())
@@ -710,7 +772,7 @@ class Detector:
         plan = self.arrival.plans.get(frame.epoch)
         return (plan.schedule, plan.virtual_stages) if plan is not None else (None, None)
 
-    def _prediction(self, frame: IterationFrame, score: FrameScore) -> IterationPrediction:
+    def _prediction(self, frame: IterationFrame, facts: IterationFacts) -> IterationPrediction:
         """Observed against predicted iteration time: the pipeline's critical path with predicted
         chunks, plus the job's time outside the pipeline.
 
@@ -719,7 +781,7 @@ class Detector:
         (model size, optimizer, loader), so it is learned per job: the median, over the last
         ``window_iterations`` iterations with no incident open, of observed minus the pipeline's
         prediction, never below zero. Without it a healthy job read +28 % against its prediction."""
-        pipeline = predicted_iteration_s(frame, score.c_pred, *self._schedule(frame))
+        pipeline = facts.pipeline_s
         observed = float(frame.wall_s.max())
         if np.isfinite(pipeline) and pipeline > 0 and not self.book.open:
             self._outside_s.append(observed - pipeline)
@@ -728,27 +790,32 @@ class Detector:
         return IterationPrediction(
             epoch=frame.epoch, iteration=frame.iteration, observed_s=observed,
             predicted_s=float(pipeline + outside) if np.isfinite(pipeline) else 0.0,
-            tokens=job_tokens(frame),
+            tokens=facts.tokens,
             model_error=float(err) if np.isfinite(err) else None,
             stages=[StageTime(replica=r, stage=st, observed_s=min(max(o, 0.0), 1e6), predicted_s=min(p, 1e6))
-                    for r, st, o, p in stage_times(frame, score.c_pred)],
+                    for r, st, o, p in facts.stages],
         )
 
     def _health(self, frame: IterationFrame) -> RankHealth | None:
-        """The full rank view, only when some rank's state or factor (to 5%) changed."""
-        states = {int(r): ("healthy", 1.0) for r in frame.rank}
+        """The full rank view, only when some rank's state or factor (to 5%) changed.
+
+        Compared as the frame's ranks (healthy unless named) plus the few ranks in another state:
+        at 100k ranks a dict of every rank per iteration cost more than judging the iteration."""
+        special: dict[int, tuple[str, float]] = {}
         for r in self.arrival.untraced(frame.epoch):
-            states[r] = ("not_traced", 1.0)  # declared untraced: neither healthy nor dead from silence
+            special[r] = ("not_traced", 1.0)  # declared untraced: neither healthy nor dead from silence
         for r in self.fail_stop.dead:
-            states[r] = ("dead", 1e6)
+            special[r] = ("dead", 1e6)
         for r, f in self.book.slow_factors().items():
-            if states.get(r, ("", 0))[0] != "dead":
-                states[r] = ("slow", f)
-        changed = states.keys() != self._published_health.keys() or any(
-            st != self._published_health[r][0] or abs(f / self._published_health[r][1] - 1) > 0.05
-            for r, (st, f) in states.items())
+            if special.get(r, ("", 0))[0] != "dead":
+                special[r] = ("slow", f)
+        last = getattr(self, "_published_view", None)  # absent in a detector pickled before it existed
+        changed = last is None or not np.array_equal(last[0], frame.rank) or special.keys() != last[1].keys() or any(
+            st != last[1][r][0] or abs(f / last[1][r][1] - 1) > 0.05 for r, (st, f) in special.items())
         if not changed:
             return None
-        self._published_health = states
+        self._published_view = (frame.rank.copy(), special)
+        states = dict.fromkeys(frame.rank.tolist(), ("healthy", 1.0))
+        states.update(special)
         return RankHealth(epoch=frame.epoch, iteration=frame.iteration, ranks=[
             RankHealthEntry(rank=r, state=RankState(st), factor=max(f, 1e-6)) for r, (st, f) in sorted(states.items())])

@@ -1,71 +1,44 @@
-"""The merge step of sharded analytics: per-replica frames in, the job-level verdict out.
+"""The merge step of sharded analytics: per-replica summaries in, the job-level verdict out.
 
-Shards (analytics/shards.py) each flatten whole DP replicas; this one process per job collects an
-iteration's ``ReplicaFrame``s, concatenates them into the frame a single analytics process would
-have built (rows sorted by rank, as ``build_frame`` sorts them), and hands it to the unchanged
-``Detector.process_frame``: the cost-model fit, the centring across replicas, the CUSUMs and the
-incident book all run once, on the whole job, so the incidents are those of the single process.
+Shards (analytics/shards.py) each score whole DP replicas into ``ReplicaSummary``s
+(analytics/replica_summary.py); this one process per job collects an iteration's summaries,
+centres the ranks and links across the job, teaches its cost model the units of the TP groups it
+does not suspect, and runs the detector's unchanged judgement (``Detector.judge``: σ, the CUSUMs,
+the incident book, the prediction, health). After each iteration it publishes its fits
+(``DetectorFits``), with which the shards predict the job's next iteration, as the single process
+predicts with the fits of the iterations before. It never touches a chunk, so its cost grows with
+ranks and replicas, not with chunks.
 
 An iteration is judged once every replica of its epoch's plan (``plan.current`` or a reconfigure
-command, read from the control topic) sent its frame, strictly in order. Without the plan the merge
+command, read from the control topic) sent its summary, strictly in order. Without the plan the merge
 cannot know how many replicas make the job, and judging the replicas that happened to arrive first
 would centre the job on a part of it: it waits (``flush`` at the end of a recording judges what is
 there). Trainers and the simulator announce their plan before their first iteration. The first
-frame of each (epoch, iteration, replica) counts; a copy (a shard replaying after a rebalance) and a
-frame of an iteration already judged are dropped and counted in ``duplicates``.
+summary of each (epoch, iteration, replica) counts; a copy (a shard replaying after a rebalance) and
+a summary of an iteration already judged are dropped and counted in ``duplicates``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from analytics.detector import Detector
 from analytics.detector_config import DetectorConfig
-from analytics.frame import IterationFrame, LayerLookup
-from analytics.shards import CHUNK_COLUMNS, COMM_COLUMNS, INT_COLUMNS, RANK_COLUMNS
+from analytics.frame import LayerLookup
+from analytics.replica_summary import LIVENESS_ARRAYS, fits_event, job_view, unpack
+from analytics.scoring import fit_ranks, learn_units
 from collector.bus import Bus
 from collector.auth import Gate, Signer
-from collector.events import Envelope, Payload, PlanCurrent, ReconfigureCommand, ReplicaFrame
-
-
-def concat_frames(epoch: int, iteration: int, parts: Iterable[ReplicaFrame],
-                  layers: LayerLookup | None = None) -> IterationFrame:
-    """One frame from replicas' columns, rows sorted by rank and row indices renumbered."""
-    parts = list(parts)
-    cols: dict[str, np.ndarray] = {}
-    offsets = np.cumsum([0] + [p.ranks for p in parts[:-1]])
-    for name in (*RANK_COLUMNS, *CHUNK_COLUMNS, *COMM_COLUMNS):
-        dtype = np.int64 if name in INT_COLUMNS or name == "k_wait" else float
-        arrs = []
-        for off, p in zip(offsets.tolist(), parts):
-            a = np.array(p.columns[name], dtype=float).astype(dtype)  # null -> NaN
-            arrs.append(a + off if name in ("c_rank", "k_rank") else a)
-        cols[name] = np.concatenate(arrs) if arrs else np.zeros(0, dtype)
-    order = np.argsort(cols["rank"], kind="stable")
-    inverse = np.empty_like(order)
-    inverse[order] = np.arange(len(order))
-    for name in RANK_COLUMNS:
-        cols[name] = cols[name][order]
-    c_order = np.argsort(inverse[cols["c_rank"]], kind="stable")
-    for name in CHUNK_COLUMNS:
-        cols[name] = cols[name][c_order]
-    cols["c_rank"] = inverse[cols["c_rank"]]
-    k_order = np.argsort(inverse[cols["k_rank"]], kind="stable")
-    for name in COMM_COLUMNS:
-        cols[name] = cols[name][k_order]
-    cols["k_rank"] = inverse[cols["k_rank"]]
-    n = len(cols["rank"])
-    first, end = (np.full(n, -1, np.int64), np.full(n, -1, np.int64)) if layers is None else layers.ranges(cols["rank"])
-    return IterationFrame(epoch=epoch, iteration=iteration, first_layer=first, end_layer=end,
-                          **{k: (v > 0 if k == "k_wait" else v) for k, v in cols.items()})
+from collector.events import (
+    Envelope, Heartbeat, LivenessBatch, Payload, PlanCurrent, ReconfigureCommand, ReplicaSummary,
+)
 
 
 @dataclass
 class JobMerge:
-    """The merge for one job: feed it the control events (plans) and the shards' ReplicaFrames."""
+    """The merge for one job: feed it the control events (plans) and the shards' ReplicaSummaries."""
 
     job: str
     config: DetectorConfig = field(default_factory=DetectorConfig)
@@ -73,7 +46,7 @@ class JobMerge:
 
     def __post_init__(self) -> None:
         self.detector = Detector(self.job, self.config)
-        self._waiting: dict[tuple[int, int], dict[int, ReplicaFrame]] = {}
+        self._waiting: dict[tuple[int, int], dict[int, ReplicaSummary]] = {}
         self._judged: tuple[int, int] = (-1, -1)
         self._replicas: dict[int, set[int]] = {}  # epoch -> replicas of its plan
         self._lookup: dict[int, LayerLookup] = {}
@@ -82,16 +55,36 @@ class JobMerge:
         p = event.payload
         if event.job != self.job:
             return []
-        if isinstance(p, ReplicaFrame):
+        if isinstance(p, ReplicaSummary):
             key = (p.epoch, p.iteration)
             if key <= self._judged or p.replica in self._waiting.get(key, {}):
                 self.duplicates += 1
                 return []
             self._waiting.setdefault(key, {})[p.replica] = p
             return self._judge_ready(final=False)
+        if isinstance(p, LivenessBatch):
+            return self._liveness(p)
         if isinstance(p, (PlanCurrent, ReconfigureCommand)):
             self._replicas[p.plan.epoch] = set(range(len(p.plan.pipelines)))
         return self.detector.on_event(event) + self._judge_ready(final=False)
+
+    def _liveness(self, p: LivenessBatch) -> list[Payload]:
+        """A shard's heartbeats and report progress through the fail-stop watch, in the order it
+        read them. When the dead set changes the fits are published again with it: a replica with a
+        dead rank completes without it, as the single process judges an iteration without the dead."""
+        det = self.detector
+        dead_before = set(det.fail_stop.dead)
+        rows = unpack(p.layout, p.blob)
+        out: list[Payload] = []
+        for kind, rank, epoch, iteration, time_s, interval_s in zip(*(rows[n].tolist() for n in LIVENESS_ARRAYS)):
+            if kind:
+                hb = Heartbeat.model_construct(rank=rank, epoch=epoch, iteration=iteration, interval_s=interval_s)
+                out += det.on_heartbeat(hb, time_s)  # validated when the shard read it
+            else:
+                out += det.report_seen(rank, epoch, iteration, time_s)
+        if set(det.fail_stop.dead) != dead_before:
+            out.append(fits_event(det.model, *self._judged, det.arrival.plans, det.fail_stop.dead))
+        return out + self._judge_ready(final=False)
 
     def _layers(self, epoch: int) -> LayerLookup | None:
         plan = self.detector.arrival.plans.get(epoch)
@@ -115,16 +108,31 @@ class JobMerge:
                 return out
             del self._waiting[key]
             self._judged = key
-            frame = concat_frames(*key, (have[r] for r in sorted(have)), self._layers(key[0]))
-            out += self.detector.process_frame(frame)
+            out += self.judge(*key, [have[r] for r in sorted(have)])
+        return out
+
+    def judge(self, epoch: int, iteration: int, parts: list[ReplicaSummary]) -> list[Payload]:
+        """One iteration from its replicas' summaries, in the single process's order: the new
+        plan's resets, the cost model taught by the unsuspected TP groups' units, the ranks and
+        links centred, the judgement; then the fits for the shards' next iteration."""
+        view = job_view(epoch, iteration, parts, self._layers(epoch))
+        frame, det = view.frame, self.detector
+        out = det.begin_frame(frame)
+        suspects = det.suspects(frame)
+        clean = fit_ranks(frame, suspects)
+        row = np.clip(np.searchsorted(frame.rank, view.u_rank), 0, max(frame.num_ranks - 1, 0))
+        u_own = np.where(clean[row] & (frame.rank[row] == view.u_rank), view.u_own, np.nan)
+        learn_units(det.model, iteration, view.u_keys, view.u_class, view.u_tokens, view.u_s2, u_own)
+        out += det.judge(frame, view.score(clean), view.facts, suspects)
+        out.append(fits_event(det.model, epoch, iteration, det.arrival.plans, det.fail_stop.dead))
         return out
 
 
 class MergeWorker:
-    """The merge on the bus: reads the analytics topic (ReplicaFrames) and the control topic (plans)
-    from their beginning as its own group, keeps one JobMerge per job, and publishes what they
-    raise. It keeps no state of its own: restarted, it replays both topics and rebuilds it, and its
-    publication is at-least-once (a restart republishes what the replay raises again; the
+    """The merge on the bus: reads the analytics topic (ReplicaSummaries) and the control topic
+    (plans) from their beginning as its own group, keeps one JobMerge per job, and publishes what
+    they raise. It keeps no state of its own: restarted, it replays both topics and rebuilds it, and
+    its publication is at-least-once (a restart republishes what the replay raises again; the
     single-process path's exactly-once outbox is analytics/detector_projection.py)."""
 
     def __init__(self, bus: Bus, group: str, config: DetectorConfig | None = None) -> None:
@@ -145,7 +153,8 @@ class MergeWorker:
             e = d.event
             if not self.gate.admit(e, time_s=e.time_s):
                 continue  # a forged plan.current or command must not reshape the judged job
-            if not isinstance(e.payload, (ReplicaFrame, PlanCurrent, ReconfigureCommand)) and e.job not in self.merges:
+            if (not isinstance(e.payload, (ReplicaSummary, LivenessBatch, PlanCurrent, ReconfigureCommand))
+                    and e.job not in self.merges):
                 continue
             merge = self.merges.get(e.job)
             if merge is None:

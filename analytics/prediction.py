@@ -98,9 +98,19 @@ def stage_times(frame: IterationFrame, c_pred: np.ndarray) -> list[tuple[int, in
     obs = group_median(cell[ok], observed[ok], size)
     pred = group_median(cell[ok], predicted[ok], size)
     cells = np.flatnonzero(np.isfinite(obs) & np.isfinite(pred) & (pred > 0))
-    if len(cells) > MAX_STAGE_ROWS:
-        ratio = obs[cells] / pred[cells]
-        order = np.lexsort((-ratio, cells % stages))  # by stage, the largest ratio first
-        first = np.r_[True, np.diff((cells % stages)[order]) != 0]
-        cells = np.sort(cells[order][first])[:MAX_STAGE_ROWS]
-    return [(int(c // stages), int(c % stages), float(obs[c]), float(pred[c])) for c in cells]
+    return bounded_stage_rows(cells // stages, cells % stages, obs[cells], pred[cells])
+
+
+def bounded_stage_rows(replica: np.ndarray, stage: np.ndarray, observed: np.ndarray, predicted: np.ndarray
+                       ) -> list[tuple[int, int, float, float]]:
+    """``stage_times``'s rows, at most ``MAX_STAGE_ROWS`` of them (see there), sorted by (replica,
+    stage). The sharded merge applies it to the rows its shards computed per replica."""
+    order = np.lexsort((stage, replica))
+    replica, stage, observed, predicted = replica[order], stage[order], observed[order], predicted[order]
+    if len(replica) > MAX_STAGE_ROWS:
+        ratio = observed / predicted
+        by_stage = np.lexsort((-ratio, stage))  # by stage, the largest ratio first
+        first = by_stage[np.r_[True, np.diff(stage[by_stage]) != 0]]
+        keep = np.sort(first)[:MAX_STAGE_ROWS]
+        replica, stage, observed, predicted = replica[keep], stage[keep], observed[keep], predicted[keep]
+    return [(int(r), int(s), float(o), float(p)) for r, s, o, p in zip(replica, stage, observed, predicted)]

@@ -16,7 +16,7 @@ median link.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -194,24 +194,55 @@ def tp_group_max(frame: IterationFrame, values: np.ndarray, mask: np.ndarray) ->
     return out[np.isfinite(out)]
 
 
+@dataclass
+class UnitTable:
+    """One row per work unit of a frame (``unit_ids``): its class, token count, Σ lᵢ², own time
+    (``unit_own_time`` over all its TP ranks; NaN for an id no chunk uses) and TP group."""
+
+    units: np.ndarray  # (C,) unit id per chunk
+    u_class: np.ndarray  # (U,) index into the frame's class keys
+    u_tokens: np.ndarray
+    u_s2: np.ndarray
+    u_own: np.ndarray
+    u_rank: np.ndarray  # (U,) a rank row of the unit (its TP group decides whether it may teach)
+
+
+def unit_table(frame: IterationFrame, c_class: np.ndarray) -> UnitTable:
+    units = unit_ids(frame)
+    n_units = int(units.max()) + 1 if len(units) else 0
+    u_own = unit_own_time(units, frame.c_own, n_units)
+    first = np.zeros(n_units, dtype=np.int64)
+    first[units[::-1]] = np.arange(len(units))[::-1]  # a representative chunk per unit
+    used = np.zeros(n_units, dtype=bool)
+    used[units] = True
+    u_own[~used] = np.nan
+    return UnitTable(units, c_class[first], frame.c_tokens[first], frame.c_s2[first], u_own, frame.c_rank[first])
+
+
 def fit_and_predict(frame: IterationFrame, model: CostModel, healthy_rank: np.ndarray,
                     c_class: np.ndarray, keys: list[Hashable]) -> tuple[np.ndarray, bool]:
     """Predict every chunk's own time, then teach the model this iteration's healthy work units.
 
     Classes the model has never seen are fitted from this very iteration first (robustly, across
     replicas), which is what catches a rank slow from its first iteration. Returns the predictions
-    and whether per-micro-batch inference stood in for missing seq_lens.
+    and whether per-micro-batch inference stood in for missing seq_lens. A unit teaches only when
+    its TP group is healthy (``fit_ranks``: a group is in or out whole, so the unit's own time is
+    the same whether taken over the healthy ranks or all of them).
     """
-    units = unit_ids(frame)
-    n_units = int(units.max()) + 1 if len(units) else 0
-    ok = healthy_rank[frame.c_rank]
-    u_own = unit_own_time(units[ok], frame.c_own[ok], n_units)
-    first = np.zeros(n_units, dtype=np.int64)
-    first[units[::-1]] = np.arange(len(units))[::-1]  # a representative chunk per unit
-    used = np.zeros(n_units, dtype=bool)
-    used[units] = True
-    u_own[~used] = np.nan
-    u_class, u_tokens, u_s2 = c_class[first], frame.c_tokens[first], frame.c_s2[first]
+    t = unit_table(frame, c_class)
+    u_own = np.where(healthy_rank[t.u_rank], t.u_own, np.nan) if len(t.u_rank) else t.u_own
+    pred, inferred, unseen = predict_chunks(frame, model, c_class, keys, t.units, t.u_class, t.u_tokens, t.u_s2,
+                                            u_own)
+    learn_units(model, frame.iteration, keys, t.u_class, t.u_tokens, t.u_s2, u_own, skip=set(unseen))
+    return pred, inferred
+
+
+def predict_chunks(frame: IterationFrame, model: CostModel, c_class: np.ndarray, keys: list[Hashable],
+                   units: np.ndarray, u_class: np.ndarray, u_tokens: np.ndarray, u_s2: np.ndarray,
+                   u_own: np.ndarray) -> tuple[np.ndarray, bool, list[int]]:
+    """Every chunk's predicted own time under ``model``'s fits, classes it never saw fitted first
+    from this iteration's units (``u_own`` NaN: a unit that may not teach). Returns the
+    predictions, whether sequence lengths were inferred, and the unseen classes (already taught)."""
     unseen = [i for i, k in enumerate(keys) if k not in model.fits]
     for i in unseen:
         sel = (u_class == i) & np.isfinite(u_own)
@@ -223,18 +254,23 @@ def fit_and_predict(frame: IterationFrame, model: CostModel, healthy_rank: np.nd
     inferred = not frame.has_seq_lens
     if inferred:
         pred = _per_microbatch_correction(frame, units, u_own, _class_levels(frame, units, u_own, pred, c_class))
-    unseen_set = set(unseen)
+    return pred, inferred, unseen
+
+
+def learn_units(model: CostModel, iteration: int, keys: list[Hashable], u_class: np.ndarray, u_tokens: np.ndarray,
+                u_s2: np.ndarray, u_own: np.ndarray, skip: Collection[int] = ()) -> None:
+    """Teach ``model`` one iteration's work units of every class but ``skip`` (NaN own time: a
+    unit that may not teach), in unit order, then refit."""
     live = np.isfinite(u_own)
     order = np.argsort(u_class[live], kind="stable")
     cls_sorted = u_class[live][order]
     bounds = np.searchsorted(cls_sorted, np.arange(len(keys) + 1))
     t_s, s2_s, own_s = u_tokens[live][order], u_s2[live][order], u_own[live][order]
     for i, key in enumerate(keys):
-        if i not in unseen_set:
+        if i not in skip:
             a, b = bounds[i], bounds[i + 1]
-            model.observe(key, frame.iteration, t_s[a:b], s2_s[a:b], own_s[a:b])
+            model.observe(key, iteration, t_s[a:b], s2_s[a:b], own_s[a:b])
     model.refit()
-    return pred, inferred
 
 
 def _layer_scaled_prior(model: CostModel, keys: list[Hashable], c_class: np.ndarray, frame: IterationFrame,
@@ -380,16 +416,25 @@ def score_frame(frame: IterationFrame, model: CostModel, suspects: set[int],
     c_class, keys = chunk_classes(frame)
     pred, inferred = fit_and_predict(frame, model, clean, c_class, keys)
     x, xk = rank_log_ratios(frame, pred, chunk_quantile)
+    z, z_by_kind = centre_ranks(frame, x, xk, clean, inferred)
+    src, dst, lz, lcls, lwait = centre_links(frame, *link_times(frame))
+    return FrameScore(z=z, x=x, z_by_kind=z_by_kind, c_pred=pred, c_class=c_class, class_keys=keys,
+                      link_src=src, link_dst=dst, link_z=lz, link_class=lcls, link_waits=lwait, inferred=inferred)
+
+
+def centre_ranks(frame: IterationFrame, x: np.ndarray, xk: np.ndarray, clean: np.ndarray,
+                 inferred: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(z, z by kind): the ranks' log-ratios centred on the job — the median over clean TP groups
+    of each group's slowest member, per work class when sequence lengths were inferred. Needs only
+    the per-rank arrays, so the sharded merge (analytics/merge.py) runs it on its shards' ``x``."""
     pool = tp_group_max(frame, x, clean)
     if not len(pool):
         pool = x[np.isfinite(x)]
     centre: float | np.ndarray = float(np.median(pool)) if len(pool) else 0.0
     if inferred:
         centre = work_class_centres(frame, x, clean, float(centre))
-    src, dst, lz, lcls, lwait = score_links(frame)
     c2 = centre[:, None] if isinstance(centre, np.ndarray) else centre
-    return FrameScore(z=x - centre, x=x, z_by_kind=xk - c2, c_pred=pred, c_class=c_class, class_keys=keys,
-                      link_src=src, link_dst=dst, link_z=lz, link_class=lcls, link_waits=lwait, inferred=inferred)
+    return x - centre, xk - c2
 
 
 MIN_CLASS_PEERS = 3  # TP groups of one work class needed to centre a rank on its own class
@@ -436,30 +481,19 @@ P2P_OPS = (OP_CODE["pp_send"], OP_CODE["pp_sendrecv"])
 MIN_LINK_PEERS = 3  # links of one stage pair needed to centre them on each other
 
 
-def score_links(frame: IterationFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(src device, dst device, centred log per-message time, stage-pair code, timers hold waits)
-    for every link with p2p send records (``pp_send``, or a fused ``pp_sendrecv``); a link that
-    cannot be judged this iteration has NaN.
+def link_times(frame: IterationFrame) -> tuple[np.ndarray, ...]:
+    """Per link with p2p send records (``pp_send``, or a fused ``pp_sendrecv``): (src device, dst
+    device, log time per message, source stage, destination stage, timers hold waits), uncentred.
 
     A link's time is the lower quartile over its messages of the time per message (per byte when
     sizes are known), so that messages that waited for the peer count less; for timers that hold
-    the wait (``includes_wait``) it is the fastest message, the one closest to the wire alone. It is centred on the
-    links that do the same work in the schedule: the same stage pair (source stage, destination
-    stage) in the other replicas and TP ranks. Why not on the median link: a send timer holds some
-    of the wait for the peer, and a fused send+recv timer (Megatron's) holds all of it — the
-    pipeline bubble lands in it — so the links out of a stage that waits are slower than the
-    median link in every healthy iteration, and centred on it they all looked slow. The same stage
-    pair in another replica waits the same way, so only a slower wire (or a slower peer, which the
-    detector conditions on separately) stands out.
-
-    With fewer than ``MIN_LINK_PEERS`` links of a stage pair (DP 1 and one traced rank per TP
-    group), a link whose timers hold waits cannot be told apart from its wait in one iteration and
-    is not judged (NaN); timers of the wire alone (``includes_wait`` false) are centred on the
-    median link, whose wait they do not carry."""
+    the wait (``includes_wait``) it is the fastest message, the one closest to the wire alone. It
+    needs only the sending rank's own records and its pipeline's stages, so a shard holding the
+    replica computes it; ``centre_links`` compares links across the job."""
     sel = np.isin(frame.k_op, P2P_OPS) & (frame.k_peer >= 0)
     if not sel.any():
         empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, np.zeros(0), empty, np.zeros(0, dtype=bool)
+        return empty, empty, np.zeros(0), empty, empty, np.zeros(0, dtype=bool)
     src = frame.rank[frame.k_rank[sel]]
     dst = frame.k_peer[sel]
     per = frame.k_dur[sel]
@@ -481,6 +515,32 @@ def score_links(frame: IterationFrame) -> tuple[np.ndarray, np.ndarray, np.ndarr
     stage_of[frame.rank[known]] = frame.pp[known]
     s_src = stage_of[p_src]
     s_dst = np.where(stage_of[p_dst] >= 0, stage_of[p_dst], s_src + 1)
+    return p_src, p_dst, lq, s_src, s_dst, waits
+
+
+def centre_links(frame: IterationFrame, p_src: np.ndarray, p_dst: np.ndarray, lq: np.ndarray, s_src: np.ndarray,
+                 s_dst: np.ndarray, waits: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(src device, dst device, centred log per-message time, stage-pair code, timers hold waits)
+    for every link with p2p send records (``pp_send``, or a fused ``pp_sendrecv``); a link that
+    cannot be judged this iteration has NaN.
+
+    Each link's time (``link_times``) is centred on the links that do the same work in the
+    schedule: the same stage pair (source stage, destination stage) in the other replicas and TP
+    ranks. Why not on the median link: a send timer holds some
+    of the wait for the peer, and a fused send+recv timer (Megatron's) holds all of it — the
+    pipeline bubble lands in it — so the links out of a stage that waits are slower than the
+    median link in every healthy iteration, and centred on it they all looked slow. The same stage
+    pair in another replica waits the same way, so only a slower wire (or a slower peer, which the
+    detector conditions on separately) stands out.
+
+    With fewer than ``MIN_LINK_PEERS`` links of a stage pair (DP 1 and one traced rank per TP
+    group), a link whose timers hold waits cannot be told apart from its wait in one iteration and
+    is not judged (NaN); timers of the wire alone (``includes_wait`` false) are centred on the
+    median link, whose wait they do not carry."""
+    if len(lq) == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, np.zeros(0), empty, np.zeros(0, dtype=bool)
     S = int(frame.pp.max()) + 2
     cls = (s_src + 1) * (S + 1) + (s_dst + 1)
     uniq, c_inv = np.unique(cls, return_inverse=True)

@@ -1,21 +1,27 @@
-"""One analytics shard: the rank reports of the DP replicas it holds, folded into per-replica frames.
+"""One analytics shard: the rank reports of the DP replicas it holds, scored into per-replica summaries.
 
 Why this split: at 100k ranks one process spends most of an iteration on per-rank work — decoding
-every report, assembling the iteration, flattening chunks into arrays (analytics/frame.py) — and that
-work divides by replica. Telemetry is keyed ``job/replica-D`` (collector/topics.py), so each member
-of the analytics consumer group receives whole replicas. A shard groups a replica's reports per
-(epoch, iteration), and once the replica is complete flattens them with ``build_frame`` and emits a
-``ReplicaFrame``: the replica's frame arrays as columns. The merge (analytics/merge.py) concatenates
-a job's replicas back into the frame the single process would have built and judges it there, so the
-incidents are the same by construction.
+every report, assembling the iteration, flattening chunks into arrays (analytics/frame.py), scoring
+every chunk against the cost model — and that work divides by replica. Telemetry is keyed
+``job/replica-D`` (collector/topics.py), so each member of the analytics consumer group receives
+whole replicas. A shard groups a replica's reports per (epoch, iteration); once the replica is
+complete and the merge's cost-model fits of the job's previous iteration are in
+(``DetectorFits``), it scores the replica and emits a ``ReplicaSummary``
+(analytics/replica_summary.py). The merge (analytics/merge.py) judges the job from the summaries.
 
 A replica is complete when every rank it holds reported the iteration. Which ranks those are comes
 from the plan when the shard has seen one; otherwise it is learned: the ranks that reported the
 replica's previous completed iteration, and for the first iteration of an epoch, the ranks that
 reported it once some rank of the replica has moved on to a later one.
 
-The shard keeps no state worth saving: what it holds is reports of replicas not yet complete. It
-commits its consumer offsets only below the oldest report still pending (``safe_positions``), so a
+Which fits: those the merge published after judging iteration i−1, for a replica's iteration i —
+the single process predicts iteration i with the fits the iterations before taught it. A shard
+waits for them when the job has an iteration i−1 it knows of (it saw reports of iteration i−1 or
+earlier); at the first iteration it ever saw it predicts with the latest fits it has, or with none
+(classes are then fitted from its own replicas, see analytics/replica_summary.py).
+
+The shard keeps no state worth saving: what it holds is reports of replicas not yet emitted. It
+commits its consumer offsets only below the oldest report still held (``safe_positions``), so a
 shard that dies, or loses a partition in a rebalance, hands the partition over at a point from which
 the next owner rebuilds every unfinished replica from the log. Replicas it had already emitted may be
 emitted again; the merge keeps the first copy of each (epoch, iteration, replica).
@@ -23,73 +29,80 @@ emitted again; the merge keeps the first copy of each (epoch, iteration, replica
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from analytics.frame import IterationFrame, build_frame
+from analytics.detector_config import DetectorConfig
+from analytics.frame import LayerLookup, build_frame
+from analytics.replica_summary import LIVENESS_ARRAYS, pack, summarize_replica
 from collector.bus import Bus, TopicPartition
-from collector.events import Envelope, PlanCurrent, RankIteration, ReconfigureCommand, ReplicaFrame
+from collector.events import (
+    DetectorFits, Envelope, Heartbeat, LivenessBatch, PlanCurrent, RankIteration, ReconfigureCommand, ReplicaSummary,
+)
+from collector.plan import Plan
 
-# The frame arrays a ReplicaFrame carries, by the rows they index.
-RANK_COLUMNS = ("rank", "tp", "pp", "dp", "cp", "node", "wall_s")
-CHUNK_COLUMNS = ("c_rank", "c_kind", "c_mb", "c_vs", "c_tokens", "c_s2", "c_start", "c_dur", "c_own")
-COMM_COLUMNS = ("k_rank", "k_op", "k_peer", "k_mb", "k_bytes", "k_dur", "k_wait", "k_group")
 DONE_KEPT = 64  # iterations per replica whose emission is remembered (a rebalance re-reads far fewer)
-INT_COLUMNS = frozenset({"rank", "tp", "pp", "dp", "cp", "node", "c_rank", "c_kind", "c_mb", "c_vs",
-                         "k_rank", "k_op", "k_peer", "k_mb", "k_group"})
-
-
-def frame_columns(frame: IterationFrame) -> dict[str, list[float | None]]:
-    """The frame's arrays as JSON-able lists (NaN as null; layer ranges are left to the merge,
-    which holds the plan)."""
-    out: dict[str, list[float | None]] = {}
-    for name in (*RANK_COLUMNS, *CHUNK_COLUMNS, *COMM_COLUMNS):
-        arr = getattr(frame, name)
-        if name in INT_COLUMNS or arr.dtype == bool:
-            out[name] = arr.astype(np.int64).tolist()
-        else:
-            out[name] = [None if math.isnan(x) else x for x in arr.tolist()]
-    return out
+FITS_KEPT = 64  # the merge's latest fits kept, by iteration
 
 
 @dataclass
 class _Pending:
     reports: dict[int, RankIteration] = field(default_factory=dict)
+    complete: bool = False  # every rank reported: waits for the fits of the job's previous iteration
     first_offset: dict[tuple[str, int], int] = field(default_factory=dict)  # per (topic, partition)
 
 
 @dataclass
 class ReplicaShard:
-    """The per-replica fold of one analytics shard, for one job. Feed it events with ``on_event``;
-    it returns the ReplicaFrames to publish."""
+    """The per-replica fold of one analytics shard, for one job. Feed it events with ``on_event``
+    (rank reports, plans, the merge's fits); it returns the ReplicaSummaries to publish."""
 
     job: str
     name: str = ""
+    config: DetectorConfig = field(default_factory=DetectorConfig)
     _pending: dict[tuple[int, int, int], _Pending] = field(default_factory=dict)  # (epoch, iteration, replica)
     _members: dict[tuple[int, int], set[int]] = field(default_factory=dict)  # (epoch, replica) -> ranks
-    _planned: set[int] = field(default_factory=set)  # epochs whose members come from the plan
+    _plans: dict[int, Plan] = field(default_factory=dict)
+    _layers: dict[int, LayerLookup] = field(default_factory=dict)
     _top: dict[tuple[int, int], int] = field(default_factory=dict)  # (epoch, replica) -> latest iteration seen
     _done: set[tuple[int, int, int]] = field(default_factory=set)  # emitted (epoch, iteration, replica)
+    _fits: dict[int, DetectorFits] = field(default_factory=dict)  # iteration -> the merge's fits after it
+    _lowest: int | None = None  # the lowest iteration this shard saw a report of
+    _dead: set[int] = field(default_factory=set)  # ranks the merge holds dead (its latest fits say)
+    _dead_from: tuple[int, int] = (-2, -2)  # the fits that said so
+    _heard: list[tuple[int, int, int, int, float, float]] = field(default_factory=list)  # liveness rows
     emitted: int = 0
 
-    def on_event(self, event: Envelope, where: tuple[str, int, int] | None = None) -> list[ReplicaFrame]:
+    def on_event(self, event: Envelope, where: tuple[str, int, int] | None = None) -> list[ReplicaSummary]:
         """Fold one event; ``where`` = (topic, partition, offset) it was read from, for safe commits."""
         p = event.payload
         if event.job != self.job:
             return []
+        if isinstance(p, DetectorFits):
+            if (p.epoch, p.iteration) >= self._dead_from:
+                self._dead, self._dead_from = set(p.dead), (p.epoch, p.iteration)
+            held = self._fits.get(p.iteration)
+            if held is None or (held.epoch, held.iteration) <= (p.epoch, p.iteration):
+                self._fits[p.iteration] = p
+            if len(self._fits) > FITS_KEPT:
+                self._fits.pop(min(self._fits))
+            return self._ready()
         if isinstance(p, (PlanCurrent, ReconfigureCommand)):
-            self._planned.add(p.plan.epoch)
+            self._plans[p.plan.epoch] = p.plan
             for d, role in p.plan.roles.items():
                 self._members.setdefault((p.plan.epoch, role.replica), set()).add(int(d))
             return self._ready()
+        if isinstance(p, Heartbeat):
+            self._heard.append((1, p.rank, p.epoch, p.iteration, event.time_s, p.interval_s))
+            return []
         if not isinstance(p, RankIteration):
             return []
+        self._heard.append((0, p.rank, p.epoch, p.iteration, event.time_s, 0.0))
         key = (p.epoch, p.iteration, p.coords.dp)
         if key in self._done:
             return []  # re-read after a rebalance: that replica's iteration is out already
+        self._lowest = p.iteration if self._lowest is None else min(self._lowest, p.iteration)
         pend = self._pending.setdefault(key, _Pending())
         pend.reports.setdefault(p.rank, p)
         if where is not None:
@@ -98,38 +111,72 @@ class ReplicaShard:
         self._top[rk] = max(self._top.get(rk, -1), p.iteration)
         return self._ready()
 
-    def flush(self) -> list[ReplicaFrame]:
-        """Emit every replica still waiting (end of a recording)."""
-        return [self._emit(k) for k in sorted(self._pending)]
+    def flush(self) -> list[ReplicaSummary]:
+        """Emit every replica still waiting (end of a recording), with the fits at hand."""
+        return [self._emit(k, self._best_fits(*k[:2])) for k in sorted(self._pending)]
 
-    def _ready(self) -> list[ReplicaFrame]:
+    def _ready(self) -> list[ReplicaSummary]:
         out = []
         for key in sorted(self._pending):
             epoch, iteration, replica = key
-            members = self._members.get((epoch, replica))
-            have = set(self._pending[key].reports)
-            if members is None:
-                # learned: the first iteration of an epoch waits until the replica moved on
-                if self._top.get((epoch, replica), -1) <= iteration:
+            pend = self._pending[key]
+            if not pend.complete:
+                members = self._members.get((epoch, replica))
+                have = set(pend.reports)
+                if members is None:
+                    # learned: the first iteration of an epoch waits until the replica moved on
+                    if self._top.get((epoch, replica), -1) <= iteration:
+                        continue
+                    self._members[(epoch, replica)] = have
+                elif not members - self._dead <= have:
                     continue
-                self._members[(epoch, replica)] = have
-            elif not members <= have:
-                continue
-            out.append(self._emit(key))
+                pend.complete = True
+            fits = self._fits.get(iteration - 1)
+            if fits is not None and (fits.epoch, fits.iteration) < (epoch, iteration):
+                out.append(self._emit(key, fits))
+            elif self._lowest is not None and iteration <= self._lowest:
+                out.append(self._emit(key, self._best_fits(epoch, iteration)))
+            # else: the merge has not judged the job's previous iteration yet
         return out
 
-    def _emit(self, key: tuple[int, int, int]) -> ReplicaFrame:
+    def take_liveness(self) -> LivenessBatch | None:
+        """The heartbeats and report progress read since the last call, for the merge's fail-stop
+        watch (shards hold whole replicas, but liveness is judged against the whole job)."""
+        if not self._heard:
+            return None
+        rows = np.array(self._heard, dtype=float)
+        self._heard = []
+        layout, blob = pack(dict(zip(LIVENESS_ARRAYS, rows.T)))
+        return LivenessBatch(rows=len(rows), shard=self.name, layout=layout, blob=blob)
+
+    def _best_fits(self, epoch: int, iteration: int) -> DetectorFits | None:
+        """The latest fits from before (epoch, iteration)."""
+        before = [f for f in self._fits.values() if (f.epoch, f.iteration) < (epoch, iteration)]
+        return max(before, key=lambda f: (f.epoch, f.iteration)) if before else None
+
+    def _emit(self, key: tuple[int, int, int], fits: DetectorFits | None) -> ReplicaSummary:
         epoch, iteration, replica = key
         pend = self._pending.pop(key)
         self._done.add(key)
         if len(self._done) > 4 * DONE_KEPT * max(len(self._top), 1):  # remember the recent ones only
             self._done = {k for k in self._done if k[1] > self._top.get((k[0], k[2]), -1) - DONE_KEPT}
-        if epoch not in self._planned:
+        plan = self._plans.get(epoch)
+        if plan is None:
             self._members[(epoch, replica)] = set(pend.reports)
-        frame = build_frame(list(pend.reports.values()))
+        elif epoch not in self._layers:
+            self._layers[epoch] = LayerLookup(plan)
+        if fits is not None and fits.epoch != epoch and epoch not in fits.planned_epochs:
+            fits = None  # a new layout without a plan: the single process forgets its fits too
+        frame = build_frame(list(pend.reports.values()), self._layers.get(epoch))
         self.emitted += 1
-        return ReplicaFrame(epoch=epoch, iteration=iteration, replica=replica, ranks=frame.num_ranks,
-                            shard=self.name, columns=frame_columns(frame))
+        return summarize_replica(
+            frame, fits, window_iterations=self.config.window_iterations, chunk_quantile=self.config.chunk_quantile,
+            schedule=(plan.schedule, plan.virtual_stages) if plan is not None else (None, None),
+            replicas=len(plan.pipelines) if plan is not None else None, replica=replica, shard=self.name)
+
+    def waiting_for_fits(self) -> bool:
+        """Some replica is complete and waits only for the merge's fits."""
+        return any(p.complete for p in self._pending.values())
 
     def replicas_emitted(self) -> set[int]:
         """The replicas this shard emitted frames of (recently): which replicas it holds."""
@@ -146,45 +193,50 @@ class ReplicaShard:
         return out
 
 
-def shard_all(shard: ReplicaShard, events: Iterable[Envelope]) -> list[ReplicaFrame]:
-    """Every ReplicaFrame a shard emits over a recording, flushed at its end."""
-    out: list[ReplicaFrame] = []
-    for e in events:
-        out += shard.on_event(e)
-    return out + shard.flush()
-
-
 _REBALANCING = frozenset({"CommitFailedError", "RebalanceInProgressError"})
 
 
 class ShardWorker:
-    """A ReplicaShard on the bus: one member of the analytics consumer group on the telemetry topic.
+    """A ReplicaShard on the bus: one member of the analytics consumer group on the telemetry topic,
+    plus a reader of its own over the analytics and control topics for the merge's fits and the
+    plans (every shard needs all of those, so they are not split by the group).
 
-    Each step polls, folds, publishes the ReplicaFrames that completed, and only then commits the
-    group offsets, and only up to ``safe_positions``: a member that dies at any instant leaves its
-    partitions to the next owner at a point from which every unfinished replica is rebuilt from the
-    log (nothing lost); a replica emitted twice is dropped by the merge (nothing doubled)."""
+    Each step reads the fits and plans that arrived, polls telemetry, folds, publishes the
+    ReplicaSummaries that are ready, and only then commits the group offsets, and only up to
+    ``safe_positions``: a member that dies at any instant leaves its partitions to the next owner at
+    a point from which every unfinished replica is rebuilt from the log (nothing lost); a replica
+    emitted twice is dropped by the merge (nothing doubled)."""
 
-    def __init__(self, bus: Bus, job: str, group: str, name: str = "", instance_id: str | None = None) -> None:
+    def __init__(self, bus: Bus, job: str, group: str, name: str = "", instance_id: str | None = None,
+                 config: DetectorConfig | None = None) -> None:
+        import uuid
+
         from collector import topics
         from collector.stream import EventStream
 
         self.bus = bus
-        self.shard = ReplicaShard(job, name)
+        self.shard = ReplicaShard(job, name, config or DetectorConfig())
         self.stream = EventStream(bus, group, [topics.TELEMETRY], instance_id=instance_id)
+        self.side = EventStream(bus, f"{group}.fits.{uuid.uuid4().hex[:8]}", [topics.ANALYTICS, topics.CONTROL])
+        self.side.seek_to_beginning()
         self._committed: dict[tuple[str, int], int] = {}
 
     def step(self, max_records: int = 20_000, timeout_s: float = 0.2) -> int:
-        """One poll; returns the records consumed."""
+        """One poll of each; returns the telemetry records consumed."""
         from collector.events import EventFactory
 
-        deliveries = self.stream.poll(max_records, timeout_s)
-        frames: list[ReplicaFrame] = []
-        for d in deliveries:
-            frames += self.shard.on_event(d.event, (d.topic, d.partition, d.offset))
-        if frames:
+        # While complete replicas wait for the merge's fits, wait on those rather than on telemetry.
+        waiting = self.shard.waiting_for_fits()
+        ready: list[ReplicaSummary] = []
+        for d in self.side.poll(10_000, timeout_s if waiting else 0.0):
+            if isinstance(d.event.payload, (DetectorFits, PlanCurrent, ReconfigureCommand)):
+                ready += self.shard.on_event(d.event)
+        for d in self.stream.poll(max_records, 0.0 if waiting else timeout_s):
+            ready += self.shard.on_event(d.event, (d.topic, d.partition, d.offset))
+        heard = self.shard.take_liveness()
+        if ready or heard:
             f = EventFactory(self.shard.job, f"shard:{self.shard.name}")
-            self.bus.publish([f.make(fr) for fr in frames])
+            self.bus.publish([f.make(x) for x in ([heard] if heard else []) + ready])
         owned = self.stream.consumer.positions()  # only partitions still ours may be committed
         read = {(tp.topic, tp.partition): off for tp, off in self.stream.positions_after_poll().items() if tp in owned}
         safe = self.shard.safe_positions(read)
@@ -200,3 +252,4 @@ class ShardWorker:
 
     def close(self) -> None:
         self.stream.close()
+        self.side.close()

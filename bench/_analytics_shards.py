@@ -3,14 +3,16 @@
 What it measures, per iteration of a TP8·PP16 job of about ``--ranks`` ranks (16 micro-batches, F and B
 chunks, as bench/analytics.py's detector table):
 
-* per replica, what a shard does (analytics/shards.py): decode the replica's rank reports from their
-  bus bytes, fold them, flatten them into a frame, encode the ReplicaFrame. Measured on a few
-  replicas and multiplied by the replicas a shard holds (ceil(DP / N)): shards share nothing, so
-  per-shard work is that product, and it falls as 1/N while N divides the replicas;
+* per replica, what a shard does (analytics/shards.py): decode the replica's rank reports and a
+  heartbeat per rank from their bus bytes, fold them, flatten them into a frame, score it with the merge's fits and encode the
+  ReplicaSummary. Measured on a few replicas and multiplied by the replicas a shard holds
+  (ceil(DP / N)): shards share nothing, so per-shard work is that product, and it falls as 1/N
+  while N divides the replicas;
 * the merge (analytics/merge.py), measured whole at the full size: decode every replica's
-  ReplicaFrame, concatenate them, and judge the job (``Detector.process_frame``: cost-model fit,
-  centring, CUSUMs, incidents);
-* bytes on the wire per iteration: rank reports (JSON) and ReplicaFrames (JSON).
+  LivenessBatch (its reports' and heartbeats' progress, through the fail-stop watch) and ReplicaSummary, and judge
+  the job (``JobMerge.judge``: centring, the cost-model fit on the summaries' unit rows, CUSUMs,
+  incidents, the fits for the next iteration);
+* bytes on the wire per iteration: rank reports (JSON), and ReplicaSummaries with LivenessBatches.
 
 It does not run Kafka: the bus's own throughput is ``resihp bench bus``. Replica templates are
 reused with shifted rank numbers, so generating a 100k-rank job takes seconds, not minutes.
@@ -38,118 +40,158 @@ def _replica_reports(tp: int, pp: int, replica: int, microbatches: int, iteratio
     return out
 
 
-def _clone(frame_payload, replica: int, template: int, tp: int, pp: int):
-    """A template replica's ReplicaFrame as replica ``replica``: ranks and dp shifted, rest shared."""
-    cols = dict(frame_payload.columns)
+def _clone(summary, replica: int, template: int, tp: int, pp: int):
+    """A template replica's ReplicaSummary as replica ``replica``: ranks and dp shifted, rest shared."""
+    from analytics.replica_summary import pack, unpack
+
+    arrays = {k: v.copy() for k, v in unpack(summary.layout, summary.blob).items()}
     shift = (replica - template) * tp * pp
-    cols["rank"] = [r + shift for r in cols["rank"]]
-    cols["dp"] = [replica] * len(cols["dp"])
-    return frame_payload.model_copy(update={"replica": replica, "columns": cols})
+    for name in ("rank", "u_rank", "l_src", "l_dst"):
+        arrays[name] += shift
+    arrays["dp"][:] = replica
+    layout, blob = pack(arrays)
+    return summary.model_copy(update={"replica": replica, "layout": layout, "blob": blob})
+
+
+def _clone_liveness(batch, shift: int):
+    """A template replica's LivenessBatch with its ranks shifted."""
+    from analytics.replica_summary import pack, unpack
+
+    arrays = {k: v.copy() for k, v in unpack(batch.layout, batch.blob).items()}
+    arrays["rank"] += shift
+    layout, blob = pack(arrays)
+    return batch.model_copy(update={"layout": layout, "blob": blob})
 
 
 def bench_shards(ranks: int, shards: list[int], iterations: int = 4, microbatches: int = 16) -> dict:
-    from analytics.merge import JobMerge, concat_frames
+    from analytics.merge import JobMerge
     from analytics.shards import ReplicaShard
     from collector.codec import decode, encode
-    from collector.events import EventFactory, PlanCurrent, ReplicaFrame
+    from collector.events import DetectorFits, EventFactory, Heartbeat, LivenessBatch, PlanCurrent
     from collector.plan import Plan
 
     tp, pp = 8, 16
     dp = max(1, ranks // (tp * pp))
     plan = Plan.uniform(tp=tp, pp=pp, dp=dp, num_layers=4 * pp, microbatches_per_replica=microbatches)
     merge = JobMerge("bench")
-    merge.on_event(EventFactory("bench", "trainer").make(PlanCurrent(plan=plan)))
+    plan_event = EventFactory("bench", "trainer").make(PlanCurrent(plan=plan))
+    merge.on_event(plan_event)
     fac = EventFactory("bench", "rank")
     sfac = EventFactory("bench", "shard")
+    mfac = EventFactory("bench", "analytics-merge")
     per_replica_s: list[float] = []
-    report_bytes = frame_bytes = 0
+    report_bytes = summary_bytes = 0
     merge_s: list[float] = []
-    split: list[tuple[float, float, float]] = []  # decode, concatenate, judge
+    split: list[tuple[float, float, float]] = []  # decode, fail-stop watch, judge
+    fits = None
     for it in range(iterations):
-        shard = ReplicaShard("bench")
         templates = []
         for t in range(TEMPLATES):
-            raw = [encode(fac.make(r, time_s=float(it))) for r in _replica_reports(tp, pp, t, microbatches, it)]
+            shard = ReplicaShard("bench")
+            shard.on_event(plan_event)
+            if fits is not None:
+                shard.on_event(mfac.make(fits))
+            reports = _replica_reports(tp, pp, t, microbatches, it)
+            raw = [encode(fac.make(r, time_s=1.0 + it)) for r in reports]
+            # and a heartbeat per rank, as bench/analytics.py's single-process event path
+            raw += [encode(fac.make(Heartbeat(rank=r.rank, epoch=0, iteration=it + 1, interval_s=10.0), time_s=1.5 + it))
+                    for r in reports]
             t0 = time.perf_counter()
-            frames = []
+            out = []
             for b in raw:
-                frames += shard.on_event(decode(b))
-            frames += shard.flush()
-            (payload,) = frames
+                out += shard.on_event(decode(b))
+            out += shard.flush()
+            (payload,) = out
+            heard = shard.take_liveness()
+            assert heard is not None, "the shard forwarded no liveness"
             wire = encode(sfac.make(payload))
+            live_wire = encode(sfac.make(heard))
             per_replica_s.append(time.perf_counter() - t0)
-            report_bytes, frame_bytes = sum(map(len, raw)), len(wire)
-            templates.append(wire)
-        decoded = [decode(w).payload for w in templates]
-        wires = [encode(sfac.make(_clone(decoded[d % TEMPLATES], d, d % TEMPLATES, tp, pp))) for d in range(dp)]
+            report_bytes, summary_bytes = sum(map(len, raw)), len(wire) + len(live_wire)
+            templates.append((wire, live_wire))
+        decoded = [(decode(w).payload, decode(lw).payload) for w, lw in templates]
+        wires = []
+        for d in range(dp):
+            summary, liveness = decoded[d % TEMPLATES]
+            wires.append(encode(sfac.make(_clone_liveness(liveness, (d - d % TEMPLATES) * tp * pp))))
+            wires.append(encode(sfac.make(_clone(summary, d, d % TEMPLATES, tp, pp))))
         t0 = time.perf_counter()
         events = [decode(w) for w in wires]
         t1 = time.perf_counter()
-        concat_frames(0, it, [e.payload for e in events if isinstance(e.payload, ReplicaFrame)],
-                      merge._layers(0))  # timed apart, not used
-        t2 = time.perf_counter()
+        got = []
+        liveness_s = 0.0
         for e in events:
-            merge.on_event(e)
-        t3 = time.perf_counter()
+            t_e = time.perf_counter()
+            got += merge.on_event(e)
+            if isinstance(e.payload, LivenessBatch):
+                liveness_s += time.perf_counter() - t_e
+        t2 = time.perf_counter()
+        fits = next(p for p in got if isinstance(p, DetectorFits))
         if it >= 2:  # the first iterations fit the cost model from scratch
-            merge_s.append(t1 - t0 + t3 - t2)
-            split.append((t1 - t0, t2 - t1, t3 - t2 - (t2 - t1)))
+            merge_s.append(t2 - t0)
+            split.append((t1 - t0, liveness_s, t2 - t1 - liveness_s))
         assert merge.detector.stats.frames == it + 1, "the merge did not judge the iteration"
     replica_s = float(np.median(per_replica_s))
     rows = [{"shards": n, "replicas_per_shard": math.ceil(dp / n), "shard_s": replica_s * math.ceil(dp / n)}
             for n in shards]
     return {"ranks": tp * pp * dp, "replicas": dp, "replica_ms": 1e3 * replica_s, "merge_s": float(np.median(merge_s)),
-            "report_bytes_per_iteration": report_bytes * dp, "frame_bytes_per_iteration": frame_bytes * dp,
+            "report_bytes_per_iteration": report_bytes * dp, "summary_bytes_per_iteration": summary_bytes * dp,
             "rows": rows, "merge_split_s": [float(x) for x in np.median(np.array(split), axis=0)]}
 
 
 def print_table(r: dict, step_s: float = 5.0) -> None:
     print(f"\nsharded: {r['ranks']:,} ranks = {r['replicas']:,} replicas of TP8·PP16; "
-          f"one replica's shard work {r['replica_ms']:.1f} ms (decode, fold, frame, encode)")
+          f"one replica's shard work {r['replica_ms']:.1f} ms (decode, fold, frame, score, encode)")
     print(f"{'shards':>7} {'replicas/shard':>15} {'shard s/iter':>13} {'+ merge s':>10} {'keeps up with 5 s?':>19}")
     for row in r["rows"]:
         # shards and the merge overlap (a pipeline): the slower of the two sets the rate
         lag_free = max(row["shard_s"], r["merge_s"]) <= step_s
         print(f"{row['shards']:7d} {row['replicas_per_shard']:15,d} {row['shard_s']:13.2f} {r['merge_s']:10.2f} "
               f"{'yes' if lag_free else 'no':>19}")
-    dec, cat, judge = r["merge_split_s"]
-    print(f"merge per iteration: {r['merge_s']:.2f} s = decode {r['replicas']:,} ReplicaFrames {dec:.2f} s + "
-          f"concatenate {cat:.2f} s + judge the job (Detector.process_frame) {judge:.2f} s")
-    print(f"bytes on the wire per iteration (JSON): rank reports {r['report_bytes_per_iteration'] / 1e6:,.1f} MB, "
-          f"ReplicaFrames {r['frame_bytes_per_iteration'] / 1e6:,.1f} MB")
+    dec, live, judge = r["merge_split_s"]
+    print(f"merge per iteration: {r['merge_s']:.3f} s = decode {r['replicas']:,} ReplicaSummaries and "
+          f"LivenessBatches {dec:.3f} s + fail-stop watch {live:.3f} s + judge the job (JobMerge.judge) {judge:.3f} s")
+    print(f"bytes on the wire per iteration: rank reports (JSON) {r['report_bytes_per_iteration'] / 1e6:,.1f} MB, "
+          f"ReplicaSummaries + LivenessBatches {r['summary_bytes_per_iteration'] / 1e6:,.1f} MB")
 
 
 def bench_kafka_shards(bootstrap: str, shards: list[int], dp: int = 16, iterations: int = 6) -> list[dict]:
     """Measured on a broker: a TP8·PP16·DP``dp`` job's reports published once per run (fresh
-    namespace), then N ``resihp analytics --role shard`` processes in one group; the rate is frames
-    per second between the first and the last ReplicaFrame seen on the analytics topic (process
-    start and the group join are left out)."""
+    namespace), then N ``resihp analytics --role shard`` processes in one group and the merge (whose
+    fits the shards predict the next iteration with, so shards and merge run in lock-step); the rate
+    is summaries per second between the first and the last ReplicaSummary seen on the analytics
+    topic (process start and the group join are left out)."""
     import os
     import subprocess
     import sys
     import uuid
 
     from collector import topics
-    from collector.events import EventFactory, ReplicaFrame
+    from collector.events import EventFactory, PlanCurrent, ReplicaSummary
     from collector.kafka_bus import KafkaBus
+    from collector.plan import Plan
     from collector.stream import EventStream
 
     out = []
     for n in shards:
         ns = f"bench{uuid.uuid4().hex[:8]}."
         bus = KafkaBus(bootstrap, namespace=ns)
+        plan = Plan.uniform(tp=8, pp=16, dp=dp, num_layers=64, microbatches_per_replica=16)
+        bus.publish([EventFactory("bench", "trainer").make(PlanCurrent(plan=plan))])  # the merge waits for it
         fac = EventFactory("bench", "rank")
         for it in range(iterations):
             bus.publish([fac.make(r, time_s=float(it)) for d in range(dp) for r in _replica_reports(8, 16, d, 16, it)])
         env = dict(os.environ, RESIHP_KAFKA_NAMESPACE=ns)
         cmd = [sys.executable, "-m", "resihp.cli", "analytics", "--bus", "kafka", "--bootstrap", bootstrap,
-               "--role", "shard", "--job", "bench", "--group", "bench-shards", "--exit-when-idle", "5"]
+               "--role", "shard", "--job", "bench", "--group", "bench-shards", "--exit-when-idle", "15"]
         procs = [subprocess.Popen(cmd + ["--instance-id", f"s{i}"], env=env) for i in range(n)]
+        merge_cmd = cmd[:cmd.index("--role")] + ["--role", "merge", "--group", "bench-merge", "--exit-when-idle", "15"]
+        procs.append(subprocess.Popen(merge_cmd, env=env))  # shards predict with the merge's fits
         seen: list[float] = []
         with EventStream(bus, "bench-reader", [topics.ANALYTICS]) as reader:
             while len(seen) < dp * iterations and all(p.poll() is None for p in procs):
                 for d in reader.poll(10_000, 0.2):
-                    if isinstance(d.event.payload, ReplicaFrame):
+                    if isinstance(d.event.payload, ReplicaSummary):
                         seen.append(time.monotonic())
         for p in procs:
             p.wait()

@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
             base = r["kafka"][0]["replicas_per_s"]
             print(f"\non Kafka ({args.kafka}): `resihp analytics --role shard` processes, 2,048 ranks, 6 iterations")
             for k in r["kafka"]:
-                print(f"  {k['shards']:2d} shard(s): {k['replicas_per_s']:7.1f} replica frames/s  "
+                print(f"  {k['shards']:2d} shard(s): {k['replicas_per_s']:7.1f} replica summaries/s  "
                       f"(×{k['replicas_per_s'] / base:.2f})")
         if args.json:
             print(json.dumps(r))

@@ -387,21 +387,65 @@ class IterationPrediction(IterationPayload):
                                                 "most 256, else per stage the replica furthest above its prediction")
 
 
-class ReplicaFrame(Payload):
-    """One DP replica's share of one iteration, as an analytics shard folded it: the replica's rank
-    reports flattened into columns (the arrays of analytics/frame.py's IterationFrame, own compute
-    already net of TP waits). Shards of one consumer group each hold whole replicas (telemetry is
-    keyed job/replica); the merge step concatenates a job's replicas and judges the iteration, so it
-    raises the incidents a single process would. ``columns`` maps an array name to its values
-    (null where the frame holds NaN); ``ranks`` says how many rank rows the replica holds."""
+class ReplicaSummary(Payload):
+    """One DP replica's share of one iteration, as the analytics shard holding it scored it: what
+    the merge needs to judge the job without the replica's chunks. Per rank: coordinates, wall
+    time, the uncentred log-ratio of own compute to the cost model's prediction (overall and per
+    chunk kind), own and predicted compute; per link: its uncentred log time per message and stage
+    pair; per work unit (thinned evenly to what the job's cost-model window keeps): its class,
+    tokens, Σ lᵢ² and own time, for the merge's fit; per replica: its critical paths and tokens.
 
-    KIND: ClassVar[str] = "analytics.replica_frame"
+    ``blob`` holds the arrays back to back as little-endian bytes, base64 (floats may be NaN: "not
+    judged"), ``layout`` says which: (name, numpy dtype, length) in order; ``class_keys`` names
+    the work classes the unit rows index. Shards of one consumer group each hold whole replicas
+    (telemetry is keyed job/replica)."""
+
+    KIND: ClassVar[str] = "analytics.replica_summary"
     epoch: int = Field(ge=0)
     iteration: int = Field(ge=0)
     replica: int = Field(ge=0)
-    ranks: int = Field(ge=1, description="rank rows in this replica's columns")
-    shard: str = Field(default="", description="the analytics process that folded it (diagnostics only)")
-    columns: dict[str, list[float | None]] = Field(description="frame array name -> values, rank/chunk/comm rows")
+    ranks: int = Field(ge=1, description="rank rows in this replica's arrays")
+    shard: str = Field(default="", description="the analytics process that scored it (diagnostics only)")
+    fits_from: tuple[int, int] | None = Field(
+        default=None, description="the (epoch, iteration) whose merge fits the shard predicted with; none: its own")
+    inferred: bool = Field(description="sequence lengths were not reported: predictions inferred per micro-batch")
+    explained_s: Finite | None = Field(description="critical path of observed own compute, no communication")
+    pipeline_s: Finite | None = Field(description="critical path of predicted compute with the replica's p2p")
+    dp_wait_s: Finite = Field(ge=0, description="the least DP all-reduce wait of the replica's ranks")
+    tokens: int = Field(ge=0)
+    wall_s: Finite = Field(ge=0, description="the replica's slowest rank's iteration wall time")
+    class_keys: str = Field(description="the work classes u_class indexes, a JSON list (replicas share it verbatim)")
+    layout: list[tuple[str, Literal["<f8", "<f4", "<i4", "<i1"], int]] = Field(description="(array, dtype, length) in blob order")
+    blob: str = Field(description="the arrays' little-endian bytes back to back, base64")
+
+
+class LivenessBatch(Payload):
+    """What a shard heard of its ranks' liveness since its last batch, for the merge's fail-stop
+    watch (analytics/fail_stop.py), which judges heartbeats and report progress job-wide: one row
+    per heartbeat (kind 1, with its interval) or rank report (kind 0) the shard read, in the order
+    read. ``blob``/``layout`` as in ReplicaSummary: arrays kind, rank, epoch, iteration, time_s,
+    interval_s."""
+
+    KIND: ClassVar[str] = "analytics.liveness"
+    rows: int = Field(ge=1)
+    shard: str = Field(default="", description="the analytics process that read them (diagnostics only)")
+    layout: list[tuple[str, Literal["<f8", "<f4", "<i4", "<i1"], int]]
+    blob: str
+
+
+class DetectorFits(Payload):
+    """The merge's cost-model fits after it judged (epoch, iteration): what the shards predict the
+    job's next iteration with, as the single process predicts with the fits of the iterations before
+    (analytics/scoring.py ``predict_chunks``). ``classes``: [class key, α, β, γ, uses Σ lᵢ²].
+    ``planned_epochs``: the epochs whose plan the merge knows (without one, a new epoch forgets the
+    fits, as the single process does). Republished for the same iteration when ``dead`` changes."""
+
+    KIND: ClassVar[str] = "analytics.detector_fits"
+    epoch: int = Field(ge=-1, description="-1: before the job's first judged iteration (dead ranks only)")
+    iteration: int = Field(ge=-1)
+    classes: list[tuple[list[str | int], Finite, Finite, Finite, bool]]
+    planned_epochs: list[int] = Field(default_factory=list)
+    dead: list[int] = Field(default_factory=list, description="ranks the merge holds dead: a replica completes without them")
 
 
 class RankState(StrEnum):
@@ -824,7 +868,7 @@ class ControlRejected(Payload):
 
 PAYLOAD_TYPES: tuple[type[Payload], ...] = (
     RankIteration, IterationSummary, Heartbeat, TracingDeclared, RecoveryPhase, ReshapePhase,
-    IterationPrediction, RankHealth, AnalyticsLease, ReplicaFrame, BusOutage,
+    IterationPrediction, RankHealth, AnalyticsLease, ReplicaSummary, DetectorFits, LivenessBatch, BusOutage,
     IncidentOpened, IncidentConfirmed, IncidentUpdated, IncidentResolved, ProbeRequest, ProbeResult,
     PlanProposed, PlanDecision, PolicyChanged, ReconfigureCommand, CommandAck, PlanVerified, PlanRolledBack,
     PlanWithheld, PlanCurrent, ExecutorCapabilities, CostModelFitted,

@@ -1,36 +1,51 @@
-"""Sharded analytics in process: per-replica frames from N shards, merged, give the incidents of the
-single detector; copies of a frame are dropped; rank reports are keyed by replica on the bus."""
+"""Sharded analytics in process: per-replica summaries from N shards, merged, give the incidents of
+the single detector; the merge's scores are the single detector's; copies of a summary are dropped;
+rank reports are keyed by replica on the bus."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from analytics.frame import build_frame
-from analytics.merge import JobMerge, concat_frames
-from analytics.shards import ReplicaShard, shard_all
-from collector.events import Coords, EventFactory, Heartbeat, IncidentOpened, RankIteration, ReplicaFrame
+from analytics.merge import JobMerge
+from analytics.shards import ReplicaShard
+from collector.events import (
+    Coords, DetectorFits, EventFactory, Heartbeat, IncidentOpened, IterationPrediction, RankIteration, ReplicaSummary,
+)
 from collector.topics import PartitionKeys
 from test_detect_detector import opened, run, synth
 
 
 def _sharded(events, shards: int, *, replay: int = 0) -> tuple[JobMerge, list]:
-    """Replicas dealt to ``shards`` shards (replica % shards, as a keyed partition would); their
-    frames reach the merge interleaved by iteration, as concurrent shards publish them. ``replay``:
-    shard 0 emits its frames that many more times (a successor rebuilding from the log)."""
-    frames: list[ReplicaFrame] = []
-    for i in range(shards):
-        mine = [e for e in events if not isinstance(e.payload, RankIteration) or e.payload.coords.dp % shards == i]
-        got = shard_all(ReplicaShard("j", f"s{i}"), mine)
-        frames += got * (1 + replay if i == 0 else 1)
-    frames.sort(key=lambda f: (f.epoch, f.iteration))
+    """Replicas dealt to ``shards`` shards (replica % shards, as a keyed partition would; a rank's
+    heartbeats follow its reports), every shard reading the plans and the merge's fits; the merge
+    judges as summaries come. ``replay``: shard 0 sends each summary that many more times (a
+    successor rebuilding from the log)."""
+    workers = [ReplicaShard("j", f"s{i}") for i in range(shards)]
     merge = JobMerge("j")
+    sf, mf = EventFactory("j", "shard"), EventFactory("j", "analytics-merge")
     out: list = []
+
+    def to_merge(payloads: list) -> None:
+        for s in payloads:
+            for _ in range(1 + (replay if isinstance(s, ReplicaSummary) and s.shard == "s0" else 0)):
+                got = merge.on_event(sf.make(s))
+                out.extend(got)
+                for p in got:
+                    if isinstance(p, DetectorFits):  # every shard reads the merge's fits
+                        to_merge([x for w in workers for x in w.on_event(mf.make(p))])
+
+    replica_of = {e.payload.rank: e.payload.coords.dp for e in events if isinstance(e.payload, RankIteration)}
     for e in events:
-        if e.kind.startswith("plan."):
-            out += merge.on_event(e)
-    f = EventFactory("j", "shard")
-    for fr in frames:
-        out += merge.on_event(f.make(fr))
+        p = e.payload
+        if isinstance(p, (RankIteration, Heartbeat)):
+            w = workers[replica_of.get(p.rank, 0) % shards]
+            got = w.on_event(e)
+            heard = w.take_liveness()
+            to_merge(([heard] if heard is not None else []) + got)
+        elif e.kind.startswith("plan."):
+            out.extend(merge.on_event(e))
+            to_merge([x for w in workers for x in w.on_event(e)])
+    to_merge([x for w in workers for x in w.flush()])
     return merge, out + merge.flush()
 
 
@@ -55,20 +70,61 @@ def test_a_replayed_shard_doubles_nothing() -> None:
     events = synth(slow={7: 1.3}, start=10, plan=True)
     merge, out = _sharded(events, 3, replay=1)
     assert len(opened(out)) == 1
-    assert merge.duplicates == 24  # shard 0 holds one replica: each of its 24 frames came twice
+    assert merge.duplicates == 24  # shard 0 holds one replica: each of its 24 summaries came twice
     assert merge.detector.stats.frames == 24
 
 
-def test_the_merged_frame_is_the_single_frame() -> None:
-    events = synth(iterations=1, plan=False)
-    reports = [e.payload for e in events if isinstance(e.payload, RankIteration)]
-    whole = build_frame(reports)
+def test_the_merge_scores_every_rank_and_link_as_the_single_detector() -> None:
+    events = synth(iterations=6, plan=True, slow={7: 1.3}, start=3)
+    single, single_out = run(events)
+    merge, merged_out = _sharded(events, 3)
+    stages = [[p.stages for p in out if isinstance(p, IterationPrediction)][-1] for out in (single_out, merged_out)]
+    assert len(stages[0]) == 9 and stages[0] == stages[1]  # every (replica, stage) of tp2·pp3·dp3
+    a, b = single.last_score, merge.detector.last_score
+    assert a is not None and b is not None
+    assert np.array_equal(single.last_frame.rank, merge.detector.last_frame.rank)
+    assert np.allclose(a.z, b.z, equal_nan=True, atol=1e-9)
+    assert np.allclose(a.z_by_kind, b.z_by_kind, equal_nan=True, atol=1e-6)  # sent as float32
+    assert np.array_equal(a.link_src, b.link_src) and np.allclose(a.link_z, b.link_z, equal_nan=True, atol=1e-9)
+
+
+def test_without_sequence_lengths_the_merge_scores_close_to_the_single_detector() -> None:
+    """Inferred predictions level classes over the shard's replicas, not the job's: close, not equal."""
+    events = synth(iterations=6, plan=True, seq_lens=False, slow={4: 1.5}, start=3)
+    single, _ = run(events)
+    merge, _ = _sharded(events, 3)
+    a, b = single.last_score, merge.detector.last_score
+    assert a is not None and b is not None
+    assert float(np.nanmax(np.abs(a.z - b.z))) < 0.03
+    assert int(np.nanargmax(a.z)) == int(np.nanargmax(b.z)) == 4
+
+
+def _fail_stops(out) -> list[tuple]:
+    return [(p.iteration, p.locations[0].target, p.locations[0].rank, p.category) for p in out
+            if isinstance(p, IncidentOpened) and p.category == "fail_stop"]
+
+
+def test_a_dead_rank_raises_the_single_detectors_fail_stop_through_shards() -> None:
+    events = synth(dead=(7, 12), plan=True, iterations=20)
+    single_det, single = run(events)
+    expected = _fail_stops(single)
+    assert [r for _, _, r, _ in expected] == [7]
+    for n in (1, 3):
+        merge, out = _sharded(events, n)
+        got = _fail_stops(out)
+        assert [x[1:] for x in got] == [x[1:] for x in expected], n
+        assert abs(got[0][0] - expected[0][0]) <= 1, n
+        assert merge.detector.stats.frames == single_det.stats.frames, n  # the death's iteration judged too
+
+
+def test_a_shard_waits_for_the_fits_of_the_jobs_previous_iteration() -> None:
+    events = synth(iterations=3, plan=True)
     shard = ReplicaShard("j")
-    parts = [p for e in events for p in shard.on_event(e)] + shard.flush()
-    merged = concat_frames(0, 0, parts[::-1])  # any order of replicas
-    for name in ("rank", "dp", "wall_s", "c_rank", "c_kind", "c_own", "c_s2", "k_rank", "k_dur", "k_wait"):
-        a, b = getattr(whole, name), getattr(merged, name)
-        assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True), name
+    got = [s for e in events for s in shard.on_event(e)]
+    assert {s.iteration for s in got} == {0}  # iteration 0 predicts with no fits; 1 waits for the merge's
+    fits = DetectorFits(epoch=0, iteration=0, classes=[], planned_epochs=[0])
+    later = shard.on_event(EventFactory("j", "analytics-merge").make(fits))
+    assert {(s.iteration, s.fits_from) for s in later} == {(1, (0, 0))}
 
 
 def test_a_shard_waits_for_every_rank_of_a_replica() -> None:
@@ -78,6 +134,9 @@ def test_a_shard_waits_for_every_rank_of_a_replica() -> None:
                  and e.payload.iteration == 1]
     emitted = [p for e in events if e not in held_back for p in shard.on_event(e)]
     assert (0, 1, 0) not in {(f.epoch, f.iteration, f.replica) for f in emitted}  # rank 0 of replica 0 missing
+    fits = DetectorFits(epoch=0, iteration=0, classes=[], planned_epochs=[0])
+    released = shard.on_event(EventFactory("j", "analytics-merge").make(fits))
+    assert {(f.iteration, f.replica) for f in released} == {(1, 1), (1, 2)}  # replica 0 still lacks rank 0
     late = shard.on_event(held_back[0])
     assert [(f.iteration, f.replica, f.ranks) for f in late] == [(1, 0, 6)]
 
@@ -110,4 +169,4 @@ def test_shard_and_merge_workers_on_the_embedded_bus_publish_the_incident(tmp_pa
             got = [d.event.payload for d in reader.poll(100_000, 0.5)]
     (inc,) = [p for p in got if isinstance(p, IncidentOpened)]
     assert (inc.locations[0].target, inc.locations[0].rank) == ("compute", 7)
-    assert sum(isinstance(p, ReplicaFrame) for p in got) == 3 * 24
+    assert sum(isinstance(p, ReplicaSummary) for p in got) == 3 * 24

@@ -15,7 +15,7 @@ import pytest
 from analytics.merge import JobMerge
 from analytics.shards import ShardWorker
 from collector import topics
-from collector.events import IncidentOpened
+from collector.events import DetectorFits, EventFactory, IncidentOpened
 from collector.kafka_bus import KafkaBus
 from collector.stream import EventStream
 from test_detect_detector import opened, run, synth
@@ -32,9 +32,9 @@ def _recording() -> list:
 
 def _sharded_run(bootstrap: str, events: list, shards: int, kill_at: int | None = None) -> tuple[JobMerge, list, list]:
     """Publish the recording to a fresh namespace, run ``shards`` workers in one group (a thread
-    each, as separate processes would poll) and the merge until every iteration is judged; workers
-    read a few records per poll, as a loaded shard does. ``kill_at``: once the first worker emitted
-    that many frames, it stops and leaves the group without another commit (its partitions, and
+    each, as separate processes would poll) and the merge, which publishes its fits for them, until
+    every iteration is judged; workers read a few records per poll, as a loaded shard does.
+    ``kill_at``: once the first worker emitted that many summaries, it stops and leaves the group without another commit (its partitions, and
     its replicas half read, are rebuilt by the others from the log)."""
     bus = KafkaBus(bootstrap, namespace=f"t{uuid.uuid4().hex[:10]}.")
     bus.publish(events)
@@ -55,11 +55,14 @@ def _sharded_run(bootstrap: str, events: list, shards: int, kill_at: int | None 
         t.start()
     merge = JobMerge("j")
     merge_in = EventStream(bus, "analytics-merge", [topics.ANALYTICS, topics.CONTROL])
+    fits = EventFactory("j", "analytics-merge")
     out: list = []
     try:
         while merge.detector.stats.frames < ITERATIONS and time.monotonic() < give_up:
             for d in merge_in.poll(10_000, 0.1):
-                out += merge.on_event(d.event)
+                got = merge.on_event(d.event)
+                out += got
+                bus.publish([fits.make(p) for p in got if isinstance(p, DetectorFits)])  # what the shards predict with
         return merge, out, workers
     finally:
         for s in stops:

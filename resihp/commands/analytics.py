@@ -29,8 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="detector settings (thresholds, heartbeat intervals); see docs/detector.md")
     p.add_argument("--role", choices=("all", "shard", "merge"), default="all",
                    help="all: one process judges every job (default); shard: one member of the --group "
-                        "consumer group folds its DP replicas into analytics.replica_frame events; merge: "
-                        "judges jobs from those frames (docs/analytics-scaling.md)")
+                        "consumer group scores its DP replicas into analytics.replica_summary events; merge: "
+                        "judges jobs from those summaries and publishes the fits shards predict with "
+                        "(docs/analytics-scaling.md)")
     p.add_argument("--job", default=None, help="with --role shard: the job this shard folds")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus /metrics (goodput, incidents, lag) on 127.0.0.1:PORT (0: a free port, printed "
@@ -127,12 +128,14 @@ def _run_sharded(args: argparse.Namespace) -> int:
 
     if args.role == "shard" and not args.job:
         raise SystemExit("--role shard needs --job JOB: a shard folds one job's replicas")
+    config = DetectorConfig.load(args.detector_config)
     with bus_from_args(args) as bus:
         worker: ShardWorker | MergeWorker
         if args.role == "shard":
-            worker = ShardWorker(bus, args.job, args.group, name=args.instance_id or "", instance_id=args.instance_id)
+            worker = ShardWorker(bus, args.job, args.group, name=args.instance_id or "", instance_id=args.instance_id,
+                                 config=config)
         else:
-            worker = MergeWorker(bus, args.group, DetectorConfig.load(args.detector_config))
+            worker = MergeWorker(bus, args.group, config)
         idle_since = time.monotonic()
         try:
             while True:

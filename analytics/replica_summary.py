@@ -1,0 +1,235 @@
+"""A replica's iteration reduced to what judging the job needs: scored on its shard, reassembled at the merge.
+
+Why: at 100k ranks a frame holds ~3M chunks; decoding and scoring them in one process takes
+seconds per iteration. Almost all of that is per replica. What is job-wide is small: the cost
+model's fit (a few rows per class suffice), the centre the ranks are judged against (one number
+per TP group), the links' centres (one per stage pair), and the CUSUMs over per-rank scores.
+
+So the split follows the single process's own order (analytics/scoring.py):
+
+* the shard predicts the replica's chunks with the merge's fits of the job's previous iteration
+  (``DetectorFits``) — the single process predicts with the same fits, taught by iterations before
+  this one — and sends per rank the uncentred log-ratio of own compute to the prediction, per link
+  its uncentred time, per work unit its cost-model row, and the replica's critical paths;
+* the merge centres ranks and links across the job, runs the unchanged judgement
+  (``Detector.judge``), and teaches its cost model the units of the TP groups it does not suspect —
+  the rows the single process would teach — then publishes the fits for the next iteration.
+
+Where the two differ: a class the fits do not hold yet (the job's first iteration, a layout's new
+layer range) is fitted by the shard from its own replicas' units of this iteration, not the job's;
+without sequence lengths the per-micro-batch correction levels classes over the shard's replicas,
+not the job's; the merge's rows are thinned per replica (the window keeps ``MAX_FIT_ROWS`` either
+way); and the predicted iteration's p2p time is each replica's own lower quartile, not the job's.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal, cast
+
+import numpy as np
+
+from analytics.cost_model import MAX_FIT_ROWS, ClassFit, CostModel
+from analytics.frame import IterationFrame, LayerLookup
+from analytics.prediction import bounded_stage_rows, predicted_iteration_s, stage_times
+from analytics.scoring import (
+    FrameScore, centre_links, centre_ranks, chunk_classes, link_times, predict_chunks, rank_log_ratios, unit_table,
+)
+from collector.events import DetectorFits, ReplicaSummary
+
+RANK_ARRAYS = ("rank", "tp", "pp", "dp", "cp", "node")
+LINK_ARRAYS = ("l_src", "l_dst", "l_time", "l_stage_src", "l_stage_dst", "l_waits")
+UNIT_ARRAYS = ("u_class", "u_tokens", "u_s2", "u_own", "u_rank")
+SCORE_ARRAYS = ("x", "x_f", "x_b", "x_w", "own_s", "pred_s")
+INT32 = frozenset({*RANK_ARRAYS, "l_src", "l_dst", "l_stage_src", "l_stage_dst", "u_class", "u_rank", "kind", "epoch",
+                   "iteration", "s_stage"})
+LIVENESS_ARRAYS = ("kind", "rank", "epoch", "iteration", "time_s", "interval_s")  # LivenessBatch
+FLOAT32 = frozenset({"x_f", "x_b", "x_w", "own_s", "pred_s"})  # read only for an incident's evidence and note
+
+
+Dtype = Literal["<f8", "<f4", "<i4", "<i1"]
+
+
+def pack(arrays: dict[str, np.ndarray]) -> tuple[list[tuple[str, Dtype, int]], str]:
+    """(layout, base64 blob): device ids and codes as int32, flags as int8, what only an incident's
+    evidence reads as float32, the rest (what the CUSUMs and the fit read) float64."""
+    layout: list[tuple[str, Dtype, int]] = []
+    parts = []
+    for name, a in arrays.items():
+        dtype: Dtype = ("<i4" if name in INT32 else "<i1" if name == "l_waits" else "<f4" if name in FLOAT32
+                 else "<f8")
+        parts.append(np.ascontiguousarray(a, dtype=dtype).tobytes())
+        layout.append((name, dtype, len(a)))
+    return layout, base64.b64encode(b"".join(parts)).decode("ascii")
+
+
+def unpack(layout: Sequence[tuple[str, str, int]], blob: str) -> dict[str, np.ndarray]:
+    raw, out, at = base64.b64decode(blob), {}, 0
+    for name, dtype, n in layout:
+        out[name] = np.frombuffer(raw, dtype=dtype, count=n, offset=at)
+        at += n * np.dtype(dtype).itemsize
+    return out
+
+
+def fits_model(fits: DetectorFits | None, window_iterations: int) -> CostModel:
+    """A scratch cost model holding the merge's fits (the shard teaches it nothing it keeps)."""
+    model = CostModel(window_iterations)
+    for key, alpha, beta, gamma, uses_s2 in (fits.classes if fits is not None else []):
+        model.fits[tuple(key)] = ClassFit(alpha=alpha, beta=beta, gamma=gamma, has_seq_lens=uses_s2)
+    return model
+
+
+def fits_event(model: CostModel, epoch: int, iteration: int, planned: Iterable[int], dead: Iterable[int]
+               ) -> DetectorFits:
+    return DetectorFits(epoch=epoch, iteration=iteration, planned_epochs=sorted(planned), dead=sorted(dead), classes=[
+        (list(k), f.alpha, f.beta, f.gamma, f.has_seq_lens) for k, f in model.fits.items() if isinstance(k, tuple)])
+
+
+def _thin(u_class: np.ndarray, live: np.ndarray, per_class: int | None) -> np.ndarray:
+    """Indices of the unit rows to send: every live one, or per class at most ``per_class`` of
+    them evenly spread (as the cost model thins its window)."""
+    idx = np.flatnonzero(live)
+    if per_class is None:
+        return idx
+    keep = []
+    for c in np.unique(u_class[idx]).tolist():
+        rows = idx[u_class[idx] == c]
+        keep.append(rows if len(rows) <= per_class else rows[np.linspace(0, len(rows) - 1, per_class).astype(np.int64)])
+    return np.sort(np.concatenate(keep)) if keep else idx
+
+
+def summarize_replica(frame: IterationFrame, fits: DetectorFits | None, *, window_iterations: int,
+                      chunk_quantile: float | None, schedule: tuple[str | None, int | None] = (None, None),
+                      replicas: int | None = None, replica: int | None = None, shard: str = "") -> ReplicaSummary:
+    """Score one replica's frame (its layer ranges set from the plan when known) with the merge's
+    fits. ``replicas``: the job's replica count under the plan, which sizes the unit rows sent."""
+    model = fits_model(fits, window_iterations)
+    c_class, keys = chunk_classes(frame)
+    t = unit_table(frame, c_class)
+    pred, inferred, _ = predict_chunks(frame, model, c_class, keys, t.units, t.u_class, t.u_tokens, t.u_s2, t.u_own)
+    x, xk = rank_log_ratios(frame, pred, chunk_quantile)
+    per_class = None if not replicas else max(1, math.ceil(MAX_FIT_ROWS / window_iterations / replicas))
+    rows = _thin(t.u_class, np.isfinite(t.u_own), per_class)
+    arrays = {name: getattr(frame, name) for name in RANK_ARRAYS}
+    arrays.update(x=x, x_f=xk[:, 0], x_b=xk[:, 1], x_w=xk[:, 2],
+                  own_s=np.bincount(frame.c_rank, weights=frame.c_own, minlength=frame.num_ranks),
+                  pred_s=np.bincount(frame.c_rank, weights=np.nan_to_num(pred), minlength=frame.num_ranks),
+                  u_class=t.u_class[rows], u_tokens=t.u_tokens[rows], u_s2=t.u_s2[rows], u_own=t.u_own[rows],
+                  u_rank=frame.rank[t.u_rank[rows]])
+    arrays.update(zip(LINK_ARRAYS, link_times(frame)))
+    stage_rows = stage_times(frame, pred)  # at most the replica's stages: under the bound, every one
+    arrays.update(s_stage=np.array([r[1] for r in stage_rows]), s_observed=np.array([r[2] for r in stage_rows]),
+                  s_predicted=np.array([r[3] for r in stage_rows]))
+    layout, blob = pack(arrays)
+    dp_sel = frame.k_op == 3  # OP_CODE["dp_allreduce"]
+    dp_waits = np.bincount(frame.k_rank[dp_sel], weights=frame.k_dur[dp_sel], minlength=frame.num_ranks)
+    explained = predicted_iteration_s(frame, frame.c_own, *schedule, include_comm=False)
+    pipeline = predicted_iteration_s(frame, pred, *schedule)
+    first = (frame.c_kind == 0) & (frame.c_vs == 0) & (frame.pp[frame.c_rank] == 0) & (frame.tp[frame.c_rank] == 0)
+    return ReplicaSummary(
+        epoch=frame.epoch, iteration=frame.iteration, replica=int(frame.dp[0]) if replica is None else replica,
+        ranks=frame.num_ranks, shard=shard, fits_from=(fits.epoch, fits.iteration) if fits is not None else None,
+        inferred=inferred, explained_s=explained if math.isfinite(explained) else None,
+        pipeline_s=pipeline if math.isfinite(pipeline) else None,
+        dp_wait_s=float(dp_waits.min()) if len(dp_waits) else 0.0, tokens=int(np.nansum(frame.c_tokens[first])),
+        wall_s=float(frame.wall_s.max()), class_keys=json.dumps([list(cast(tuple, k)) for k in keys]),
+        layout=layout, blob=blob)
+
+
+@dataclass
+class SummaryFacts:
+    """IterationFacts (analytics/detector.py) from the replicas' summaries."""
+
+    own_s: np.ndarray
+    pred_s: np.ndarray
+    explained_s: float
+    pipeline_s: float
+    tokens: int
+    stages: list[tuple[int, int, float, float]]
+
+
+@dataclass
+class JobView:
+    """The job's iteration as the merge sees it: a frame of rank rows only, the ranks' uncentred
+    scores, the links' uncentred times, the unit rows, and the facts judging needs."""
+
+    frame: IterationFrame
+    x: np.ndarray
+    xk: np.ndarray
+    links: tuple[np.ndarray, ...]
+    u_keys: list[Hashable]
+    u_class: np.ndarray
+    u_tokens: np.ndarray
+    u_s2: np.ndarray
+    u_own: np.ndarray
+    u_rank: np.ndarray
+    facts: SummaryFacts
+    inferred: bool
+
+    def score(self, clean: np.ndarray) -> FrameScore:
+        """Centred across the job; ``clean``: the rank rows whose TP groups may set the centre."""
+        z, zk = centre_ranks(self.frame, self.x, self.xk, clean, self.inferred)
+        src, dst, lz, cls, waits = centre_links(self.frame, *self.links)
+        empty = np.zeros(0, np.int64)
+        return FrameScore(z=z, x=self.x, z_by_kind=zk, c_pred=np.zeros(0), c_class=empty, class_keys=[],
+                          link_src=src, link_dst=dst, link_z=lz, link_class=cls, link_waits=waits,
+                          inferred=self.inferred)
+
+
+_INT = np.int64
+
+
+def job_view(epoch: int, iteration: int, parts: Sequence[ReplicaSummary], layers: LayerLookup | None) -> JobView:
+    """The replicas' summaries as one job, rank rows sorted by rank (as ``build_frame`` sorts them)."""
+    decoded = [unpack(p.layout, p.blob) for p in parts]
+    names = (*RANK_ARRAYS, *SCORE_ARRAYS, *LINK_ARRAYS, "u_tokens", "u_s2", "u_own", "u_rank")
+    cols = {n: np.concatenate([d[n] for d in decoded]) if decoded else np.zeros(0) for n in names}
+    # a replica's wall time is its slowest rank's: judging reads only the job's slowest
+    cols["wall_s"] = np.repeat([p.wall_s for p in parts], [p.ranks for p in parts])
+    keys: dict[tuple, int] = {}
+    local_of: dict[str, np.ndarray] = {}  # replicas mostly share their class list: map each list once
+    u_class = []
+    for p, d in zip(parts, decoded):  # each replica's class indices into one job-wide key list
+        local = local_of.get(p.class_keys)
+        if local is None:
+            local = local_of[p.class_keys] = np.array(
+                [keys.setdefault(tuple(k), len(keys)) for k in json.loads(p.class_keys)], _INT)
+        u_class.append(local[d["u_class"]] if len(local) else d["u_class"].astype(_INT))
+    order = np.argsort(cols["rank"], kind="stable")
+    rank = cols["rank"].astype(_INT)[order]
+    n = len(rank)
+    first, end = (np.full(n, -1, _INT), np.full(n, -1, _INT)) if layers is None else layers.ranges(rank)
+    e_i, e_f = np.zeros(0, _INT), np.zeros(0)
+    frame = IterationFrame(
+        epoch=epoch, iteration=iteration, rank=rank, tp=cols["tp"].astype(_INT)[order],
+        pp=cols["pp"].astype(_INT)[order], dp=cols["dp"].astype(_INT)[order], cp=cols["cp"].astype(_INT)[order],
+        node=cols["node"].astype(_INT)[order], wall_s=cols["wall_s"][order], first_layer=first, end_layer=end,
+        c_rank=e_i, c_kind=e_i, c_mb=e_i, c_vs=e_i, c_tokens=e_f, c_s2=e_f, c_start=e_f, c_dur=e_f, c_own=e_f,
+        k_rank=e_i, k_op=e_i, k_peer=e_i, k_mb=e_i, k_bytes=e_f, k_dur=e_f, k_wait=np.zeros(0, bool), k_group=e_i)
+    xk = np.stack([cols["x_f"], cols["x_b"], cols["x_w"]], axis=1)[order]
+    dp_wait = min((p.dp_wait_s for p in parts), default=0.0)
+    nan = float("nan")
+    explained = max((nan if p.explained_s is None else p.explained_s for p in parts), default=nan)
+    pipeline = max((nan if p.pipeline_s is None else p.pipeline_s - p.dp_wait_s for p in parts), default=nan)
+    if any(p.explained_s is None for p in parts):
+        explained = nan
+    if any(p.pipeline_s is None for p in parts):
+        pipeline = nan
+    stage_replica = np.concatenate([np.full(len(d["s_stage"]), p.replica) for p, d in zip(parts, decoded)]
+                                   or [np.zeros(0)])
+    stage_cols = [np.concatenate([d[n] for d in decoded]) if decoded else np.zeros(0)
+                  for n in ("s_stage", "s_observed", "s_predicted")]
+    facts = SummaryFacts(own_s=cols["own_s"][order], pred_s=cols["pred_s"][order], explained_s=explained,
+                         pipeline_s=pipeline + dp_wait, tokens=sum(p.tokens for p in parts),
+                         stages=bounded_stage_rows(stage_replica.astype(_INT), stage_cols[0].astype(_INT),
+                                                   stage_cols[1], stage_cols[2]))
+    links = (cols["l_src"].astype(_INT), cols["l_dst"].astype(_INT), cols["l_time"],
+             cols["l_stage_src"].astype(_INT), cols["l_stage_dst"].astype(_INT), cols["l_waits"] > 0)
+    return JobView(frame=frame, x=cols["x"][order], xk=xk, links=links, u_keys=list(keys),
+                   u_class=np.concatenate(u_class) if u_class else np.zeros(0, _INT), u_tokens=cols["u_tokens"],
+                   u_s2=cols["u_s2"], u_own=cols["u_own"], u_rank=cols["u_rank"].astype(_INT), facts=facts,
+                   inferred=any(p.inferred for p in parts))
