@@ -27,6 +27,7 @@ import os
 import secrets
 import stat
 import uuid
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -231,6 +232,28 @@ class Signer:
         return self.keyring.sign(event, self.role) if needs_signature(event.kind) else event
 
 
+REFUSALS_KEPT = 10_000  # refused ids a reader remembers: enough to report each forgery of a burst once
+
+
+class Refusals(OrderedDict[str, str]):
+    """Refused event id -> why, the newest :data:`REFUSALS_KEPT` only.
+
+    Why bounded: every forged event adds an id, and whoever can write the bus can write forgeries
+    without end; a reader must not grow with them. An id that has fallen out and comes back is
+    reported again under the same derived ``control.rejected`` id, which every reader that applies
+    each event id once (analytics, the console) drops."""
+
+    def remember(self, event_id: str, reason: str) -> bool:
+        """Keep ``event_id``; False when it was already kept."""
+        if event_id in self:
+            self.move_to_end(event_id)
+            return False
+        self[event_id] = reason
+        if len(self) > REFUSALS_KEPT:
+            self.popitem(last=False)
+        return True
+
+
 @dataclass
 class Gate:
     """A reader's door to control events: :meth:`admit` lets through what verifies, and each
@@ -240,9 +263,9 @@ class Gate:
 
     reader: str
     keyring: Keyring = field(default_factory=load_keyring)
-    rejected: dict[str, str] = field(default_factory=dict)  # refused event id -> why
+    rejected: Refusals = field(default_factory=Refusals)  # refused event id -> why
     _pending: list[Envelope] = field(default_factory=list)
-    _published: set[str] = field(default_factory=set)  # ids of our rejections already on the log
+    _published: Refusals = field(default_factory=Refusals)  # ids of our rejections already on the log
 
     def admit(self, event: Envelope, time_s: float | None = None) -> bool:
         reason = self.keyring.verify(event)
@@ -253,9 +276,8 @@ class Gate:
 
     def refuse(self, event: Envelope, reason: str, time_s: float | None = None) -> None:
         """Report ``event`` as refused (once per event id), for a reason the gate or its reader found."""
-        if event.id in self.rejected:
+        if not self.rejected.remember(event.id, reason):
             return
-        self.rejected[event.id] = reason
         log.warning("%s refused %s %s from %r (job %s): %s", self.reader, event.kind, event.id, event.source,
                     event.job, reason)
         payload = ControlRejected(event_id=event.id, kind=event.kind, source=event.source, reason=reason[:2000],
@@ -267,7 +289,7 @@ class Gate:
         """A reader that replays its log sees its own earlier rejections: they need no second copy."""
         p = event.payload
         if isinstance(p, ControlRejected) and p.reader == self.reader:
-            self._published.add(event.id)
+            self._published.remember(event.id, "")
 
     def take(self) -> list[Envelope]:
         out = [e for e in self._pending if e.id not in self._published]

@@ -25,12 +25,13 @@ import remediation, projects it as well as the engine does.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from collector.auth import Keyring, load_keyring, needs_signature
+from collector.auth import Keyring, Refusals, load_keyring, needs_signature
 from collector.events import (
     AckStatus, CommandAck, Envelope, PlanCurrent, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified,
     PolicyChanged, PolicyMode, ReconfigureCommand, Severity,
@@ -54,6 +55,7 @@ class PlanStatus(StrEnum):
 
 WAITING = (PlanStatus.PROPOSED, PlanStatus.APPROVED)
 IN_FLIGHT = (PlanStatus.APPROVED, PlanStatus.COMMANDED, PlanStatus.APPLIED)
+REPORTS_KEPT = 1_000  # reports kept on the fold: a flood of refused events must not grow it
 
 
 def claimed_status(payload: object) -> PlanStatus | None:
@@ -122,10 +124,10 @@ class PlanLifecycle:
     commands: dict[str, str] = field(default_factory=dict)  # command_id -> plan_id
     policy_mode: PolicyMode = PolicyMode.PROPOSE
     auto_severities: list[Severity] = field(default_factory=list)
-    reports: list[Report] = field(default_factory=list)
+    reports: deque[Report] = field(default_factory=lambda: deque(maxlen=REPORTS_KEPT))  # the newest, for logs and tests
     seen: set[str] = field(default_factory=set)
     keyring: Keyring | None = None  # None: the environment's (collector/auth.py's load_keyring)
-    rejected: dict[str, str] = field(default_factory=dict)  # refused event id -> why
+    rejected: Refusals = field(default_factory=Refusals)  # refused event id -> why (the newest only)
 
     def plan_runs(self, plan: Plan) -> None:
         """``plan`` runs now; plans left behind by the epoch change close."""
@@ -160,8 +162,7 @@ def admit(state: PlanLifecycle, event: Envelope) -> bool:
     if signed:
         reason = (state.keyring or load_keyring()).verify(event)
         if reason is not None:
-            if event.id not in state.rejected:
-                state.rejected[event.id] = reason
+            if state.rejected.remember(event.id, reason):
                 state.report(event, f"not authenticated, ignored: {reason}")
             return False
     state.seen.add(key)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from collector import topics
-from collector.auth import Keyring, KeyFileError, create_key_file, load_keyring
+from collector.auth import Gate, Keyring, KeyFileError, create_key_file, load_keyring
 from collector.codec import decode, encode
 from collector.embedded import EmbeddedBus
 from collector.events import (
@@ -282,3 +282,21 @@ def test_a_forged_plan_current_neither_moves_the_running_epoch_nor_supersedes_a_
     state = fold([authors.make(PlanCurrent(plan=PLAN)), proposal, forged], PlanLifecycle(job=JOB))
     assert state.running_epoch == 0 and state.plans["p0-1"].status == PlanStatus.PROPOSED
     assert "unsigned plan.current" in state.rejected[forged.id]
+
+
+def test_a_flood_of_forgeries_leaves_each_reader_bounded_and_reports_each_forgery_of_a_burst_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whoever can write the bus can forge without end: the gate and the plan fold keep only the
+    newest refusals, yet within that window a forgery seen twice is reported once."""
+    monkeypatch.setattr("collector.auth.REFUSALS_KEPT", 50)
+    forger = EventFactory(JOB, "analytics")
+    forgeries = [_incident(forger, f"i{n}") for n in range(400)]
+    gate, state = Gate("test-reader"), PlanLifecycle(job=JOB)
+    for event in forgeries + forgeries[-10:]:  # the last ten come back while still remembered
+        assert not gate.admit(event)
+        fold([event], state)
+    assert len(gate.rejected) == len(state.rejected) == 50
+    assert set(gate.rejected) == {e.id for e in forgeries[-50:]}
+    reported = [e.payload.event_id for e in gate.take()]
+    assert len(reported) == len(set(reported)) == 400  # every forgery once, the returning ten not again
+    assert len(state.reports) <= 1_000 and state.reports[-1].message.startswith("not authenticated")

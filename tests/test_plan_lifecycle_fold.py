@@ -53,7 +53,7 @@ def test_each_transition_moves_the_plan_one_state_and_stamps_its_time() -> None:
     record = s.plans["p1"]
     assert (record.proposed_at_s, record.decided_at_s, record.applied_at_s) == (1.0, 2.0, 4.0)
     assert record.decided_by == "ui:alice" and record.ack is not None and record.ack.pause_s == 2.5
-    assert s.running_epoch == 1 and s.running_plan == PLAN1 and s.layouts[1] == PLAN1 and s.reports == []
+    assert s.running_epoch == 1 and s.running_plan == PLAN1 and s.layouts[1] == PLAN1 and not s.reports
     step(s, F.make(PlanVerified(plan_id="p1", measured_tokens_per_s=99.0, predicted_tokens_per_s=100.0)))
     assert record.status == PlanStatus.VERIFIED and record.measured_tokens_per_s == 99.0
 
@@ -82,7 +82,7 @@ def test_a_duplicate_event_id_is_folded_once() -> None:
     events = [proposed(), decision(), command(), ack()]
     for e in events + events:
         step(s, e)
-    assert s.plans["p1"].status == PlanStatus.APPLIED and s.reports == []
+    assert s.plans["p1"].status == PlanStatus.APPLIED and not s.reports
     assert step(s, events[1]) is None
 
 

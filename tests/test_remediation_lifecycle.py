@@ -136,7 +136,7 @@ def test_fold_is_deterministic_and_idempotent_on_event_id():
     a = fold(events, state0())
     b = fold(events + events, state0())
     assert a.running_epoch == b.running_epoch == 1
-    assert a.reports == b.reports == []
+    assert list(a.reports) == list(b.reports) == []
     assert {k: v.status for k, v in a.plans.items()} == {k: v.status for k, v in b.plans.items()}
 
 
