@@ -73,15 +73,20 @@ def written_pids(tmp_path: Path) -> list[int]:
     return [int(p.name) for p in pid_dir(tmp_path).iterdir()]
 
 
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def kill_rank_and_wait(agents: list[subprocess.Popen], progress: Path, tmp_path: Path, rank: int,
-                       after_rows: int) -> tuple[list[str], float, set[int]]:
-    """Once rank 0 logged ``after_rows`` steps, SIGKILL ``rank`` and wait for every agent to exit
-    (killed if the test fails first). Returns their outputs, the kill's time and the first pids."""
+                       after_rows: int, whole_agent: bool = False) -> tuple[list[str], float, set[int]]:
+    """Once rank 0 logged ``after_rows`` steps, SIGKILL ``rank`` (``whole_agent``: the agent that
+    started it) and wait for every agent to exit (killed if the test fails first). Returns their
+    outputs, the kill's time and the first pids."""
     try:
         wait_until(lambda: len(rows_of(progress)) >= after_rows)
         first_pids = set(written_pids(tmp_path))
         victim = next(pid for pid in first_pids if (pid_dir(tmp_path) / str(pid)).read_text() == str(rank))
-        os.kill(victim, signal.SIGKILL)
+        os.kill(parent_of(victim) if whole_agent else victim, signal.SIGKILL)
         killed_at = time.time()
         outs = [a.communicate(timeout=600)[0] for a in agents]
     finally:

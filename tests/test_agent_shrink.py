@@ -28,21 +28,41 @@ from trainer.agent.shrink import PHASES
 STEPS = 14
 
 
-def test_a_killed_rank_leaves_the_survivors_training_to_the_reference_state(tmp_path: Path) -> None:
+def start_two_agents(tmp_path: Path, rdzv_id: str) -> list[subprocess.Popen]:
+    """Two agents on loopback, two ranks each, under --on-failure shrink, publishing to one embedded bus."""
     port = free_port()
-    progress = tmp_path / "progress.jsonl"
-    bus_path = tmp_path / "bus.sqlite"
     common = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--max-restarts", "0",
-              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job-s", "--rdzv-conf", "join_timeout=300",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id, "--rdzv-conf", "join_timeout=300",
               "--monitor-interval", "0.05", "--on-failure", "shrink", "--job", "shrink-job")
-    job = ("--steps", str(STEPS), "--step-s", "0.2", "--progress-file", str(progress), "--pid-dir",
+    job = ("--steps", str(STEPS), "--step-s", "0.2", "--progress-file", str(tmp_path / "progress.jsonl"), "--pid-dir",
            str(pid_dir(tmp_path)), "--final-state", str(tmp_path / "final.pt"))
     agents = []
     for n in (0, 1):
         argv = agent_cmd(*common, "--node-rank", str(n), "--work-dir", str(tmp_path / f"w{n}"), job_args=job)
         at = argv.index("--no-telemetry")
-        cmd = [*argv[:at], "--bus", "embedded", "--bus-path", str(bus_path), *argv[at + 1:]]
+        cmd = [*argv[:at], "--bus", "embedded", "--bus-path", str(tmp_path / "bus.sqlite"), *argv[at + 1:]]
         agents.append(subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return agents
+
+
+def assert_reference_state(tmp_path: Path) -> None:
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    for name, tensor in reference_state(STEPS).items():
+        torch.testing.assert_close(final[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def first_recovery(tmp_path: Path) -> list[RecoveryPhase]:
+    """The phases of generation 1 on the bus (later ones: a slow rank benched under load, taken back)."""
+    bus = open_bus("embedded", path=str(tmp_path / "bus.sqlite"))
+    stream = EventStream(bus, "test", [topics.TELEMETRY], job="shrink-job")
+    phases = [d.event.payload for d in stream.poll(timeout_s=1.0) if isinstance(d.event.payload, RecoveryPhase)]
+    bus.close()
+    return [p for p in phases if p.generation == 1]
+
+
+def test_a_killed_rank_leaves_the_survivors_training_to_the_reference_state(tmp_path: Path) -> None:
+    progress = tmp_path / "progress.jsonl"
+    agents = start_two_agents(tmp_path, "job-s")
     outs, killed_at, first_pids = kill_rank_and_wait(agents, progress, tmp_path, rank=3, after_rows=4)
     assert [a.returncode for a in agents] == [0, 0], outs
     rows = rows_of(progress)
@@ -53,21 +73,35 @@ def test_a_killed_rank_leaves_the_survivors_training_to_the_reference_state(tmp_
     assert set(written_pids(tmp_path)) == first_pids and alive(list(first_pids)) == []  # nobody restarted, nothing left
     assert "rank 3 (local 1" in outs[1] and "its peers go on without it" in outs[1]
 
-    final = torch.load(tmp_path / "final.pt", weights_only=True)
-    reference = reference_state(STEPS)
-    for name, tensor in reference.items():
-        torch.testing.assert_close(final[name], tensor, rtol=1e-5, atol=1e-6)
-
-    bus = open_bus("embedded", path=str(bus_path))
-    stream = EventStream(bus, "test", [topics.TELEMETRY], job="shrink-job")
-    phases = [d.event.payload for d in stream.poll(timeout_s=1.0) if isinstance(d.event.payload, RecoveryPhase)]
-    bus.close()
-    first = [p for p in phases if p.generation == 1]  # later ones: a slow rank benched under load, taken back
+    assert_reference_state(tmp_path)
+    first = first_recovery(tmp_path)
     assert [p.phase for p in first] == list(PHASES)
     assert {(tuple(p.world), tuple(p.lost)) for p in first} == {((0, 1, 2), (3,))}
     assert all(p.duration_s >= 0 for p in first) and first[-1].since_detected_s >= first[1].since_detected_s
     recovery_lines = [json.loads(line) for out in outs for line in out.splitlines() if '"mode": "shrink"' in line]
     assert [r["phase"] for r in recovery_lines if r["generation"] == 1] == list(PHASES)
+
+
+def test_a_killed_agent_leaves_the_other_node_training_to_the_reference_state(tmp_path: Path) -> None:
+    """SIGKILL of the agent of node 1 (not the one hosting the rendezvous): its ranks die with it,
+    the agent of node 0 sees its connection close, marks ranks 2 and 3 lost, and ranks 0 and 1
+    shrink past them and train to the end; nothing is left running."""
+    progress = tmp_path / "progress.jsonl"
+    agents = start_two_agents(tmp_path, "job-k")
+    outs, killed_at, first_pids = kill_rank_and_wait(agents, progress, tmp_path, rank=2, after_rows=4,
+                                                     whole_agent=True)
+    assert [a.returncode for a in agents] == [0, -signal.SIGKILL], outs  # node 1's agent was the one killed
+    rows = rows_of(progress)
+    assert {r["world"] for r in rows if r["t"] <= killed_at} == {4}
+    assert {r["world"] for r in rows if r["t"] > killed_at + 0.5} == {2}
+    assert rows[-1]["step"] == STEPS and {r["restart"] for r in rows} == {0}
+    assert set(written_pids(tmp_path)) == first_pids and alive(list(first_pids)) == []
+    assert "the agent of node 1 is gone with its ranks [2, 3]; ranks [2, 3] marked lost" in outs[0], outs[0]
+
+    assert_reference_state(tmp_path)
+    first = first_recovery(tmp_path)
+    assert [p.phase for p in first] == list(PHASES)
+    assert {(tuple(p.world), tuple(p.lost)) for p in first} == {((0, 1), (2, 3))}
 
 
 def test_a_stopped_rank_is_reported_benched_and_rejoins_when_it_runs_again(tmp_path: Path) -> None:

@@ -71,6 +71,9 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
     telemetry = None
     predicted = None
     handler = None
+    node_address = None
+    agent = None
+    finished = False  # this agent ends on purpose: its peers must not take its ranks for lost
     try:
         if config.rdzv_backend == "c10d":
             rdzv = open_rendezvous_store(config.rdzv_endpoint, config.run_id, hosts=hosts, node_rank=args.node_rank,
@@ -103,7 +106,7 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
         settings = AgentSettings(job=args.job, node_label=os.uname().nodename, work_dir=work_dir,
                                  hang=HangPolicy(args.hang_factor, args.hang_floor_s, args.expected_step_s),
                                  on_hang=args.on_hang, on_failure=args.on_failure, heartbeat_s=args.heartbeat_s,
-                                 telemetry=telemetry, predicted=predicted)
+                                 telemetry=telemetry, predicted=predicted, node_address=node_address)
         entrypoint: Any = program
         start_method = config.start_method
         if args.preload:
@@ -122,6 +125,7 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
         agent = NodeAgent(spec, config.logs_specs, settings, start_method=start_method,
                           log_line_prefix_template=config.log_line_prefix_template)
         result = agent.run()
+        finished = not result.is_failed()
         if result.is_failed():
             rank, first = min(result.failures.items(), key=lambda item: item[1].timestamp)
             how = (f"was killed by {signal.Signals(-first.exitcode).name}" if first.exitcode < 0
@@ -145,6 +149,8 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
         echo(f"stopped by {exc.sigval.name}; this node's ranks were stopped")
         return 128 + int(exc.sigval)
     finally:
+        if agent is not None and agent.presence is not None:
+            agent.presence.close(finished)
         if handler is not None:
             try:
                 handler.shutdown()

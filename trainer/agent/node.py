@@ -33,15 +33,17 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID, RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
 from collector.events import (Evidence, FaultCategory, Heartbeat, IncidentOpened, Location, RecoveryPhase,
                               Severity)
 from trainer.agent.child import AGENT_PID_ENV, STACK_DIR_ENV, stack_file_path
 from trainer.agent.flight import FLIGHT_DIR_ENV, LOST, FlightEntry, flight_file_path, read_flight
 from trainer.agent.predicted import PredictedIteration
-from trainer.agent.shrink import PHASES, admitted_key, mark_lost
+from trainer.agent.presence import AgentPresence, PeerAgent
+from trainer.agent.shrink import PHASES, admitted_key, lost_key, mark_lost
 from trainer.agent.store import forget_bootstrap_store
 from trainer.agent.hang import HangPolicy, HangReport, collect_stacks, judge_hang, process_state
 from trainer.telemetry import TelemetryPublisher
@@ -62,6 +64,7 @@ class AgentSettings:
     share_s: float = 0.25  # how often flight records go to the store
     telemetry: TelemetryPublisher | None = None
     predicted: PredictedIteration | None = None  # the cost model's iteration time, from the bus
+    node_address: str | None = None  # where this node is reached (the other agents connect to it)
 
 
 @dataclass
@@ -95,6 +98,8 @@ class NodeAgent(LocalElasticAgent):
         self.lost: dict[int, int] = {}  # global rank → exit code, this round (shrink)
         self.benched: set[int] = set()  # ranks a hang report named, marked lost while alive (shrink)
         self.recoveries: list[dict] = []  # the in-job recoveries this node's rank 0 reported (shrink)
+        self.peer_lost: set[int] = set()  # ranks of dead agents that this agent marked lost (shrink)
+        self.presence: AgentPresence | None = None  # the other agents' liveness (shrink)
         self._ranks_store: dist.Store | None = None
 
     # ---- starting ranks ----------------------------------------------------------------------
@@ -103,7 +108,14 @@ class NodeAgent(LocalElasticAgent):
         for stale in [*self.flight_dir.glob("*.flight"), *self.flight_dir.glob("recovery-*.json"),
                       *self.stack_dir.glob("*.stacks")]:
             stale.unlink()
-        self.lost, self.benched, self._ranks_store = {}, set(), None
+        self.lost, self.benched, self.peer_lost, self._ranks_store = {}, set(), set(), None
+        if self.presence is not None:  # a new round: the old one's peers are restarting, not dying
+            self.presence.close(finished=True)
+            self.presence = None
+        if self.settings.on_failure == "shrink" and worker_group.store is not None:
+            ranks = tuple(w.global_rank for w in worker_group.workers)
+            self.presence = AgentPresence(worker_group.store, worker_group.group_rank or 0,
+                                          worker_group.group_world_size or 1, ranks, self.settings.node_address)
         # the ranks inherit the agent's environment (torch's elastic agent starts them with it)
         os.environ.update({FLIGHT_DIR_ENV: str(self.flight_dir), STACK_DIR_ENV: str(self.stack_dir),
                            AGENT_PID_ENV: str(os.getpid()), "RESIHP_ON_FAILURE": self.settings.on_failure})
@@ -131,6 +143,7 @@ class NodeAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         if self.settings.on_failure == "shrink":
             self._release_lost(worker_group)
+            self._release_dead_agents(worker_group)
             self._publish_recoveries()
         result = super()._monitor_workers(worker_group)
         if result.state != WorkerState.HEALTHY or self._pcontext is None:
@@ -188,6 +201,30 @@ class NodeAgent(LocalElasticAgent):
             print(f"resihp run: rank {rank} (local {lr}, pid {handlers[lr].proc.pid}) {how}; its peers go on "
                   "without it (--on-failure shrink)", file=sys.stderr, flush=True)
 
+    def _release_dead_agents(self, worker_group: WorkerGroup) -> None:
+        """An agent that died took its ranks with it (trainer/agent/child.py) and cannot mark them
+        lost: one surviving agent does it for it (the first to claim the dead agent), and checks
+        in at torch's exit barrier on its behalf, so the survivors' agents do not wait out that
+        barrier's timeout at the end."""
+        if self.presence is None:
+            return
+        for peer in self.presence.poll():
+            self._release_peer(worker_group, peer)
+
+    def _release_peer(self, worker_group: WorkerGroup, peer: PeerAgent) -> None:
+        ranks_store = self._store_of_ranks(worker_group)
+        if ranks_store.add(f"resihp/agent-gone/{peer.group_rank}", 1) != 1:
+            return  # another survivor took care of it
+        marked = [r for r in peer.ranks if not ranks_store.check([lost_key(r)])]
+        for rank in marked:
+            mark_lost(ranks_store, rank, None)  # no exit code: it died with its agent
+        self.peer_lost.update(marked)
+        if self._store is not None and worker_group.group_world_size:
+            _barrier_nonblocking(self._store, worker_group.group_world_size, _TERMINAL_STATE_SYNC_ID)
+        print(f"resihp run: the agent of node {peer.group_rank} is gone with its ranks {list(peer.ranks)}; "
+              f"ranks {marked} marked lost, the others go on without them (--on-failure shrink)",
+              file=sys.stderr, flush=True)
+
     def _store_of_ranks(self, worker_group: WorkerGroup) -> dist.Store:
         """The ranks' bootstrap store (MASTER_ADDR/MASTER_PORT of this round), where they meet."""
         if self._ranks_store is None:
@@ -239,7 +276,7 @@ class NodeAgent(LocalElasticAgent):
             return entries
         for rank, e in entries.items():
             store.set(FLIGHT_KEY.format(rank=rank), json.dumps(e.__dict__))
-        for rank in set(self.lost) | self.benched:  # a lost rank's record is closed, so nobody judges it hung
+        for rank in set(self.lost) | self.benched | self.peer_lost:  # a lost rank's record is closed, so nobody judges it hung
             gone = FlightEntry(rank=rank, pid=0, restart=self._restart_count(), iteration=-1, step_started_s=0.0,
                                op=LOST, op_entered_s=0.0, seq=0)
             store.set(FLIGHT_KEY.format(rank=rank), json.dumps(gone.__dict__))

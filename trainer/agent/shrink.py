@@ -80,8 +80,9 @@ class PeerLost(RuntimeError):
     """A rank of this world was lost while this rank waited in a collective."""
 
 
-def mark_lost(store: dist.Store, rank: int, exitcode: int) -> None:
-    """The agent's side: count the loss first, so a rank that sees the key also sees the count."""
+def mark_lost(store: dist.Store, rank: int, exitcode: int | None) -> None:
+    """The agent's side: count the loss first, so a rank that sees the key also sees the count.
+    ``exitcode`` None: the rank died with its agent, which another agent noticed."""
     store.delete_key(admitted_key(rank))  # a rank benched again must be admitted again
     store.add(LOST_COUNT_KEY, 1)
     store.set(lost_key(rank), json.dumps({"exitcode": exitcode}))

@@ -1,0 +1,116 @@
+"""Whether the other agents of the job are still there: one TCP connection to each.
+
+Under ``--on-failure shrink`` an agent marks its own dead ranks lost so their peers can shrink
+past them (trainer/agent/shrink.py). When the whole agent dies (SIGKILL, OOM killer, a crash) its
+ranks die with it (trainer/agent/child.py) and nobody is left to mark them; the survivors'
+quorum would wait out its timeout. So every agent listens on a socket of its own and connects to
+every other agent's; the kernel closes a dead process's sockets, so a peer that reads end-of-file
+knows at once that the agent is gone — no lease, no timeout to tune, no false alarm from an agent
+that is merely slow. An agent that ends on purpose (its ranks finished, or were all lost already)
+first writes one byte, ``DONE``, so its peers tell it apart from a death.
+
+Where to meet: each agent writes ``resihp/agent/<group rank>`` (its address, port and global
+ranks) into the rendezvous round's store; each reads the others' and connects. An agent that
+never registers is not watched (its ranks are not lost either: they were never started).
+
+What it does not see: a machine that vanishes without closing its sockets (power, a cable) keeps
+its connections open until TCP gives up on them; that case still waits out the quorum's timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+DONE = b"d"
+REGISTRATION_KEY = "resihp/agent/{group_rank}"
+
+
+@dataclass(frozen=True)
+class PeerAgent:
+    group_rank: int
+    ranks: tuple[int, ...]  # the global ranks it started
+
+
+class AgentPresence:
+    """This agent's listening socket and its connections to every other agent of the round."""
+
+    def __init__(self, store: dist.Store, group_rank: int, group_world_size: int, ranks: tuple[int, ...],
+                 address: str | None) -> None:
+        """Listen on ``address`` (every interface when None) and register there in ``store``."""
+        self.store, self.group_rank, self.group_world_size = store, group_rank, group_world_size
+        family = socket.AF_INET6 if address and ":" in address else socket.AF_INET
+        self.listener = socket.socket(family, socket.SOCK_STREAM)
+        self.listener.bind((address or "", 0))
+        self.listener.listen(max(1, group_world_size))
+        self.listener.setblocking(False)
+        reachable = address or socket.getfqdn()
+        store.set(REGISTRATION_KEY.format(group_rank=group_rank),
+                  json.dumps({"address": reachable, "port": self.listener.getsockname()[1], "ranks": list(ranks)}))
+        self.watched: dict[int, tuple[socket.socket, PeerAgent]] = {}  # connections to the others
+        self.accepted: list[socket.socket] = []  # the others' connections to this agent
+        self.gone: list[PeerAgent] = []
+
+    def poll(self) -> list[PeerAgent]:
+        """Accept and make connections; returns the agents that died since the last call."""
+        self._accept()
+        died = self._connect()
+        for group_rank, (conn, peer) in list(self.watched.items()):
+            try:
+                data = conn.recv(1)
+            except BlockingIOError:
+                continue  # open and silent: alive
+            except OSError:
+                data = b""  # reset: gone as surely as end-of-file
+            del self.watched[group_rank]
+            conn.close()
+            if data != DONE:
+                died.append(peer)
+        self.gone.extend(died)
+        return died
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except BlockingIOError:
+                return
+            self.accepted.append(conn)
+
+    def _connect(self) -> list[PeerAgent]:
+        """Connect to the agents that registered since the last call; returns those that
+        registered and no longer listen (they died before this agent looked)."""
+        died = []
+        known = {p.group_rank for p in self.gone} | set(self.watched) | {self.group_rank}
+        for group_rank in range(self.group_world_size):
+            key = REGISTRATION_KEY.format(group_rank=group_rank)
+            if group_rank in known or not self.store.check([key]):
+                continue
+            seen = json.loads(self.store.get(key))
+            peer = PeerAgent(group_rank, tuple(seen["ranks"]))
+            try:
+                conn = socket.create_connection((seen["address"], seen["port"]), timeout=5)
+            except OSError:
+                died.append(peer)
+                continue
+            conn.setblocking(False)
+            self.watched[group_rank] = (conn, peer)
+        return died
+
+    def close(self, finished: bool) -> None:
+        """Stop watching and being watched. ``finished``: this agent ends on purpose (its peers
+        must not take its ranks for lost); otherwise its peers see what a death looks like."""
+        for conn in self.accepted:
+            try:
+                if finished:
+                    conn.sendall(DONE)
+            except OSError:
+                pass  # that peer is gone already
+            conn.close()
+        for conn, _ in self.watched.values():
+            conn.close()
+        self.listener.close()
+        self.accepted, self.watched = [], {}
