@@ -28,26 +28,31 @@ from trainer.agent.shrink import PHASES
 STEPS = 14
 
 
-def start_two_agents(tmp_path: Path, rdzv_id: str) -> list[subprocess.Popen]:
-    """Two agents on loopback, two ranks each, under --on-failure shrink, publishing to one embedded bus."""
-    port = free_port()
+def shrink_agent(tmp_path: Path, port: int, node: int, steps: int, *flags: str, log: Path | None = None,
+                 ) -> subprocess.Popen:
+    """One agent of a 2-agent × 2-rank job under --on-failure shrink, publishing to one embedded bus;
+    its output is piped, or written to ``log``."""
     common = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--max-restarts", "0",
-              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id, "--rdzv-conf", "join_timeout=300",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job-s", "--rdzv-conf", "join_timeout=300",
               "--monitor-interval", "0.05", "--on-failure", "shrink", "--job", "shrink-job")
-    job = ("--steps", str(STEPS), "--step-s", "0.2", "--progress-file", str(tmp_path / "progress.jsonl"), "--pid-dir",
+    job = ("--steps", str(steps), "--step-s", "0.2", "--progress-file", str(tmp_path / "progress.jsonl"), "--pid-dir",
            str(pid_dir(tmp_path)), "--final-state", str(tmp_path / "final.pt"))
-    agents = []
-    for n in (0, 1):
-        argv = agent_cmd(*common, "--node-rank", str(n), "--work-dir", str(tmp_path / f"w{n}"), job_args=job)
-        at = argv.index("--no-telemetry")
-        cmd = [*argv[:at], "--bus", "embedded", "--bus-path", str(tmp_path / "bus.sqlite"), *argv[at + 1:]]
-        agents.append(subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    return agents
+    argv = agent_cmd(*common, "--node-rank", str(node), "--work-dir", str(tmp_path / f"w{node}-{len(flags)}"), *flags,
+                     job_args=job)
+    at = argv.index("--no-telemetry")
+    cmd = [*argv[:at], "--bus", "embedded", "--bus-path", str(tmp_path / "bus.sqlite"), *argv[at + 1:]]
+    out = open(log, "w") if log else subprocess.PIPE  # noqa: SIM115 - the child owns it
+    return subprocess.Popen(cmd, env=env(), stdout=out, stderr=subprocess.STDOUT, text=True)
 
 
-def assert_reference_state(tmp_path: Path) -> None:
+def start_two_agents(tmp_path: Path, steps: int = STEPS) -> tuple[list[subprocess.Popen], int]:
+    port = free_port()
+    return [shrink_agent(tmp_path, port, n, steps) for n in (0, 1)], port
+
+
+def assert_reference_state(tmp_path: Path, steps: int = STEPS) -> None:
     final = torch.load(tmp_path / "final.pt", weights_only=True)
-    for name, tensor in reference_state(STEPS).items():
+    for name, tensor in reference_state(steps).items():
         torch.testing.assert_close(final[name], tensor, rtol=1e-5, atol=1e-6)
 
 
@@ -62,7 +67,7 @@ def first_recovery(tmp_path: Path) -> list[RecoveryPhase]:
 
 def test_a_killed_rank_leaves_the_survivors_training_to_the_reference_state(tmp_path: Path) -> None:
     progress = tmp_path / "progress.jsonl"
-    agents = start_two_agents(tmp_path, "job-s")
+    agents, _ = start_two_agents(tmp_path)
     outs, killed_at, first_pids = kill_rank_and_wait(agents, progress, tmp_path, rank=3, after_rows=4)
     assert [a.returncode for a in agents] == [0, 0], outs
     rows = rows_of(progress)
@@ -87,7 +92,7 @@ def test_a_killed_agent_leaves_the_other_node_training_to_the_reference_state(tm
     the agent of node 0 sees its connection close, marks ranks 2 and 3 lost, and ranks 0 and 1
     shrink past them and train to the end; nothing is left running."""
     progress = tmp_path / "progress.jsonl"
-    agents = start_two_agents(tmp_path, "job-k")
+    agents, _ = start_two_agents(tmp_path)
     outs, killed_at, first_pids = kill_rank_and_wait(agents, progress, tmp_path, rank=2, after_rows=4,
                                                      whole_agent=True)
     assert [a.returncode for a in agents] == [0, -signal.SIGKILL], outs  # node 1's agent was the one killed
@@ -102,6 +107,36 @@ def test_a_killed_agent_leaves_the_other_node_training_to_the_reference_state(tm
     first = first_recovery(tmp_path)
     assert [p.phase for p in first] == list(PHASES)
     assert {(tuple(p.world), tuple(p.lost)) for p in first} == {((0, 1), (2, 3))}
+
+
+def test_an_agent_started_with_join_running_takes_a_dead_agents_place(tmp_path: Path) -> None:
+    """A spare agent (--join-running) waits; SIGKILL of node 1's agent: the world shrinks to ranks
+    0 and 1, the spare takes node 1's place, its new ranks 2 and 3 join at a step boundary with
+    the survivors' state, and the job ends at the reference state with every process gone."""
+    steps = 300  # long enough for the spare's ranks to start (import torch) while the job runs
+    progress, spare_log = tmp_path / "progress.jsonl", tmp_path / "spare.log"
+    agents, port = start_two_agents(tmp_path, steps)
+    spare = shrink_agent(tmp_path, port, 1, steps, "--join-running", log=spare_log)
+    try:
+        wait_until(lambda: spare_log.exists() and "waiting for a place" in spare_log.read_text())
+        outs, killed_at, first_pids = kill_rank_and_wait(agents, progress, tmp_path, rank=2, after_rows=4,
+                                                         whole_agent=True)
+        spare.wait(timeout=600)
+    finally:
+        if spare.poll() is None:
+            spare.kill()
+            spare.wait()
+    spare_out = spare_log.read_text()
+    assert [a.returncode for a in agents] == [0, -signal.SIGKILL] and spare.returncode == 0, [*outs, spare_out]
+    worlds = [r["world"] for r in rows_of(progress)]
+    shrunk = worlds.index(2)
+    assert set(worlds[:shrunk]) == {4} and 4 in worlds[shrunk:] and worlds[-1] == 4  # 4 → 2 → 4
+    assert rows_of(progress)[-1]["step"] == steps
+    assert "rank 2 joined the world" in spare_out and "rank 3 joined the world" in spare_out
+    assert "hang:" not in spare_out, spare_out
+    pids = written_pids(tmp_path)
+    assert len(set(pids) - first_pids) == 2 and alive(pids) == []  # two new ranks, and nothing left running
+    assert_reference_state(tmp_path, steps)
 
 
 def test_a_stopped_rank_is_reported_benched_and_rejoins_when_it_runs_again(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 from trainer.agent.hang import HangPolicy
 from trainer.agent.predicted import PredictedIteration
 from trainer.agent.store import LOOPBACK_NAMES, AgentError, RendezvousStore, make_handler, open_rendezvous_store
+from trainer.agent.vacancy import VacancyRendezvous
 from trainer.spec import BusSpec
 
 
@@ -49,6 +50,7 @@ def _bool(value: str | None) -> bool | None:
 
 def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
     """Run this node's agent to the end; returns the exit code (0: every rank succeeded)."""
+    from torch.distributed import DistError
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
@@ -75,9 +77,12 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
     agent = None
     finished = False  # this agent ends on purpose: its peers must not take its ranks for lost
     try:
+        if args.join_running and (config.rdzv_backend != "c10d" or args.on_failure != "shrink"):
+            raise AgentError("--join-running takes a dead node's place in a job run with --rdzv-backend c10d and "
+                             "--on-failure shrink; pass both, with the job's other flags")
         if config.rdzv_backend == "c10d":
-            rdzv = open_rendezvous_store(config.rdzv_endpoint, config.run_id, hosts=hosts, node_rank=args.node_rank,
-                                         bind=args.rdzv_bind, timeout_s=timeout_s)
+            rdzv = open_rendezvous_store(config.rdzv_endpoint, config.run_id, hosts=False if args.join_running else hosts,
+                                         node_rank=args.node_rank, bind=args.rdzv_bind, timeout_s=timeout_s)
             # The ranks' bootstrap store listens where this node is reached: --local-addr, else the
             # address the rendezvous is bound to on its host, else loopback for a loopback endpoint.
             node_address = config.local_addr or (rdzv.listener.getsockname()[0] if rdzv.listener else None) or (
@@ -85,9 +90,13 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
             params = RendezvousParameters(backend="c10d", endpoint=f"{rdzv.host}:{rdzv.port}", run_id=config.run_id,
                                           min_nodes=config.min_nodes, max_nodes=config.max_nodes,
                                           local_addr=node_address, **configs)
-            handler = make_handler(rdzv, params, node_address, timeout_s)
+            handler = (VacancyRendezvous(rdzv.store, config.run_id, config.nproc_per_node,
+                                         float(configs.get("join_timeout", 600)))
+                       if args.join_running else make_handler(rdzv, params, node_address, timeout_s))
             if rdzv.hosting:
                 echo(f"rendezvous {config.run_id} at {rdzv.host}:{rdzv.port} (hosted by this agent)")
+            if args.join_running:
+                echo(f"waiting for a place that a dead node left in job {config.run_id} (--join-running)")
             master_addr, master_port = None, None
         else:
             params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint,
@@ -106,7 +115,8 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
         settings = AgentSettings(job=args.job, node_label=os.uname().nodename, work_dir=work_dir,
                                  hang=HangPolicy(args.hang_factor, args.hang_floor_s, args.expected_step_s),
                                  on_hang=args.on_hang, on_failure=args.on_failure, heartbeat_s=args.heartbeat_s,
-                                 telemetry=telemetry, predicted=predicted, node_address=node_address)
+                                 telemetry=telemetry, predicted=predicted, node_address=node_address,
+                                 job_store=rdzv.store if rdzv is not None else None)
         entrypoint: Any = program
         start_method = config.start_method
         if args.preload:
@@ -144,6 +154,11 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
         first_line = (str(exc) or type(exc).__name__).splitlines()[0]
         echo(f"error: the rendezvous failed ({type(exc).__name__}: {first_line}); check that every agent has the "
              "same --rdzv-endpoint, --rdzv-id and --nnodes, and raise join_timeout in --rdzv-conf if nodes start late")
+        return 2
+    except DistError as exc:  # a store of the running job stopped answering: its host agent is gone
+        first_line = (str(exc) or type(exc).__name__).splitlines()[0]
+        echo(f"error: lost the job's rendezvous store ({type(exc).__name__}: {first_line}); the agent that hosts it "
+             "(node rank 0) is gone, and the job cannot go on without it; this node's ranks were stopped")
         return 2
     except SignalException as exc:
         echo(f"stopped by {exc.sigval.name}; this node's ranks were stopped")

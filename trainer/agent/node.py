@@ -33,9 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID, RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
 from collector.events import (Evidence, FaultCategory, Heartbeat, IncidentOpened, Location, RecoveryPhase,
                               Severity)
@@ -44,7 +43,9 @@ from trainer.agent.flight import FLIGHT_DIR_ENV, LOST, FlightEntry, flight_file_
 from trainer.agent.predicted import PredictedIteration
 from trainer.agent.presence import AgentPresence, PeerAgent
 from trainer.agent.shrink import PHASES, admitted_key, lost_key, mark_lost
-from trainer.agent.store import forget_bootstrap_store
+from trainer.agent.store import AgentError, forget_bootstrap_store
+from trainer.agent.vacancy import (Vacancy, VacancyRendezvous, check_in_for_dead_agent, publish_vacancy,
+                                  round_store_prefix)
 from trainer.agent.hang import HangPolicy, HangReport, collect_stacks, judge_hang, process_state
 from trainer.telemetry import TelemetryPublisher
 
@@ -65,6 +66,7 @@ class AgentSettings:
     telemetry: TelemetryPublisher | None = None
     predicted: PredictedIteration | None = None  # the cost model's iteration time, from the bus
     node_address: str | None = None  # where this node is reached (the other agents connect to it)
+    job_store: dist.Store | None = None  # the rendezvous store itself (not a round's): vacancies go there
 
 
 @dataclass
@@ -99,6 +101,7 @@ class NodeAgent(LocalElasticAgent):
         self.benched: set[int] = set()  # ranks a hang report named, marked lost while alive (shrink)
         self.recoveries: list[dict] = []  # the in-job recoveries this node's rank 0 reported (shrink)
         self.peer_lost: set[int] = set()  # ranks of dead agents that this agent marked lost (shrink)
+        self.joining: set[int] = set()  # this replacement's ranks not yet admitted: not judged (--join-running)
         self.presence: AgentPresence | None = None  # the other agents' liveness (shrink)
         self._ranks_store: dist.Store | None = None
 
@@ -109,6 +112,8 @@ class NodeAgent(LocalElasticAgent):
                       *self.stack_dir.glob("*.stacks")]:
             stale.unlink()
         self.lost, self.benched, self.peer_lost, self._ranks_store = {}, set(), set(), None
+        if isinstance(worker_group.spec.rdzv_handler, VacancyRendezvous):
+            self.joining = {w.global_rank for w in worker_group.workers}
         if self.presence is not None:  # a new round: the old one's peers are restarting, not dying
             self.presence.close(finished=True)
             self.presence = None
@@ -149,7 +154,7 @@ class NodeAgent(LocalElasticAgent):
         if result.state != WorkerState.HEALTHY or self._pcontext is None:
             return result
         local = {w.local_rank: w.global_rank for w in worker_group.workers}
-        out = set(self.lost) | self.benched
+        out = set(self.lost) | self.benched | self.joining
         pids = {lr: pid for lr, pid in self._pcontext.pids().items() if local[lr] not in out}
         entries = {local[lr]: dataclasses.replace(e, stopped=process_state(pids[lr]) == "T") for lr in pids
                    if (e := read_flight(flight_file_path(str(self.flight_dir), lr))) and e.restart == self._restart_count()}
@@ -181,10 +186,14 @@ class NodeAgent(LocalElasticAgent):
         torch's subprocess context keeps the ranks it still waits for in ``_running_local_ranks``;
         a rank left out of it is neither polled nor counted as a failure. If every local rank is
         lost, the context finds nothing running and the node is done (``run_agent`` says so)."""
-        for rank in sorted(self.benched):
+        for rank in sorted(self.benched | self.peer_lost | self.joining):
             if self._store_of_ranks(worker_group).check([admitted_key(rank)]):
                 self.benched.discard(rank)
-                print(f"resihp run: rank {rank} rejoined the world", file=sys.stderr, flush=True)
+                self.peer_lost.discard(rank)
+                joined = rank in self.joining
+                self.joining.discard(rank)
+                print(f"resihp run: rank {rank} {'joined' if joined else 'rejoined'} the world", file=sys.stderr,
+                      flush=True)
         running = getattr(self._pcontext, "_running_local_ranks", None)
         handlers = getattr(self._pcontext, "subprocess_handlers", None)
         if running is None or handlers is None:
@@ -203,27 +212,34 @@ class NodeAgent(LocalElasticAgent):
 
     def _release_dead_agents(self, worker_group: WorkerGroup) -> None:
         """An agent that died took its ranks with it (trainer/agent/child.py) and cannot mark them
-        lost: one surviving agent does it for it (the first to claim the dead agent), and checks
-        in at torch's exit barrier on its behalf, so the survivors' agents do not wait out that
-        barrier's timeout at the end."""
+        lost: one surviving agent does it for it (the first to claim the dead agent), checks in at
+        torch's exit barrier on its behalf and offers its place to a replacement
+        (trainer/agent/vacancy.py)."""
         if self.presence is None:
             return
         for peer in self.presence.poll():
             self._release_peer(worker_group, peer)
 
     def _release_peer(self, worker_group: WorkerGroup, peer: PeerAgent) -> None:
+        if peer.group_rank == 0:  # torch creates the ranks' store in the agent of group rank 0
+            raise AgentError(f"the agent of node 0 is gone with its ranks {list(peer.ranks)}; it hosted the store "
+                             "the ranks meet in, and the job cannot go on without it; this node's ranks were stopped")
         ranks_store = self._store_of_ranks(worker_group)
-        if ranks_store.add(f"resihp/agent-gone/{peer.group_rank}", 1) != 1:
+        if ranks_store.add(f"resihp/agent-gone/{peer.token}", 1) != 1:
             return  # another survivor took care of it
         marked = [r for r in peer.ranks if not ranks_store.check([lost_key(r)])]
         for rank in marked:
             mark_lost(ranks_store, rank, None)  # no exit code: it died with its agent
         self.peer_lost.update(marked)
-        if self._store is not None and worker_group.group_world_size:
-            _barrier_nonblocking(self._store, worker_group.group_world_size, _TERMINAL_STATE_SYNC_ID)
+        if self._store is not None:
+            check_in_for_dead_agent(self._store, worker_group.group_world_size or 1)
+        if self.settings.job_store is not None and worker_group.master_addr and worker_group.master_port:
+            publish_vacancy(self.settings.job_store, Vacancy(
+                peer.group_rank, worker_group.group_world_size or 1, peer.ranks,
+                round_store_prefix(worker_group.spec.rdzv_handler), worker_group.master_addr, worker_group.master_port))
         print(f"resihp run: the agent of node {peer.group_rank} is gone with its ranks {list(peer.ranks)}; "
-              f"ranks {marked} marked lost, the others go on without them (--on-failure shrink)",
-              file=sys.stderr, flush=True)
+              f"ranks {marked} marked lost, the others go on without them until an agent takes its place "
+              "(--join-running; --on-failure shrink)", file=sys.stderr, flush=True)
 
     def _store_of_ranks(self, worker_group: WorkerGroup) -> dist.Store:
         """The ranks' bootstrap store (MASTER_ADDR/MASTER_PORT of this round), where they meet."""

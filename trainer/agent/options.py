@@ -41,6 +41,10 @@ def agent_parser(prog: str = "resihp run") -> argparse.ArgumentParser:
                       help="when a rank dies: restart the worker group from the last checkpoint (torch's elastic "
                            "restart), or shrink: keep the survivors running and let the job re-form its world "
                            "without the lost rank (trainer/agent/shrink.py; the script must support it)")
+    ours.add_argument("--join-running", action="store_true",
+                      help="take the place of an agent that died in a running job (--on-failure shrink): this "
+                           "node's ranks replace the dead node's and the world takes them back at its next step; "
+                           "pass the job's other flags unchanged")
     ours.add_argument("--preload", default=None, metavar="MODULES",
                       help="comma-separated modules (e.g. torch,train) imported once by a fork server the ranks are "
                            "forked from, so starting and restarting ranks costs no imports; default: a fresh "

@@ -20,6 +20,7 @@ its connections open until TCP gives up on them; that case still waits out the q
 from __future__ import annotations
 
 import json
+import os
 import socket
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ REGISTRATION_KEY = "resihp/agent/{group_rank}"
 class PeerAgent:
     group_rank: int
     ranks: tuple[int, ...]  # the global ranks it started
+    token: str  # which agent: a replacement takes a dead agent's group rank (trainer/agent/vacancy.py)
 
 
 class AgentPresence:
@@ -49,10 +51,11 @@ class AgentPresence:
         self.listener.setblocking(False)
         reachable = address or socket.getfqdn()
         store.set(REGISTRATION_KEY.format(group_rank=group_rank),
-                  json.dumps({"address": reachable, "port": self.listener.getsockname()[1], "ranks": list(ranks)}))
+                  json.dumps({"address": reachable, "port": self.listener.getsockname()[1], "ranks": list(ranks),
+                              "token": f"{socket.gethostname()}-{os.getpid()}"}))
         self.watched: dict[int, tuple[socket.socket, PeerAgent]] = {}  # connections to the others
         self.accepted: list[socket.socket] = []  # the others' connections to this agent
-        self.gone: list[PeerAgent] = []
+        self.gone: set[str] = set()  # tokens of the agents seen to end
 
     def poll(self) -> list[PeerAgent]:
         """Accept and make connections; returns the agents that died since the last call."""
@@ -67,9 +70,9 @@ class AgentPresence:
                 data = b""  # reset: gone as surely as end-of-file
             del self.watched[group_rank]
             conn.close()
+            self.gone.add(peer.token)
             if data != DONE:
                 died.append(peer)
-        self.gone.extend(died)
         return died
 
     def _accept(self) -> None:
@@ -84,16 +87,18 @@ class AgentPresence:
         """Connect to the agents that registered since the last call; returns those that
         registered and no longer listen (they died before this agent looked)."""
         died = []
-        known = {p.group_rank for p in self.gone} | set(self.watched) | {self.group_rank}
         for group_rank in range(self.group_world_size):
             key = REGISTRATION_KEY.format(group_rank=group_rank)
-            if group_rank in known or not self.store.check([key]):
+            if group_rank == self.group_rank or group_rank in self.watched or not self.store.check([key]):
                 continue
             seen = json.loads(self.store.get(key))
-            peer = PeerAgent(group_rank, tuple(seen["ranks"]))
+            peer = PeerAgent(group_rank, tuple(seen["ranks"]), seen["token"])
+            if peer.token in self.gone:
+                continue  # its place is empty until a replacement registers there
             try:
                 conn = socket.create_connection((seen["address"], seen["port"]), timeout=5)
             except OSError:
+                self.gone.add(peer.token)
                 died.append(peer)
                 continue
             conn.setblocking(False)

@@ -184,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         opt.load_state_dict(saved["opt"])
 
     try:
+        if world is not None and world.joining:  # it replaces a lost rank: the world takes it at a step boundary
+            if flight:
+                flight.enter("join")
+            step = world.join(state, load)
         train(args, model, opt, step, world, flight, restart, state, load)
     except WorldFinished:  # benched, and the world ended the job before taking this rank back
         if flight:

@@ -117,8 +117,12 @@ class Recovery:
 class ShrinkingWorld:
     """The process group of a data-parallel job that outlives its ranks' deaths."""
 
-    def __init__(self, store: dist.Store, ranks: tuple[int, ...], rank_id: int, timeout_s: float) -> None:
+    def __init__(self, store: dist.Store, ranks: tuple[int, ...], rank_id: int, timeout_s: float,
+                 joining: bool = False) -> None:
+        """``joining``: this process replaces a lost rank of a running world (its agent took a dead
+        node's place, trainer/agent/vacancy.py); it forms no group until :meth:`join` admits it."""
         self.store, self.world, self.rank_id, self.timeout_s = store, ranks, rank_id, timeout_s
+        self.joining = joining
         self.everyone = ranks  # every rank the job started with: who may ask to rejoin
         self.generation = 0
         self._rejoin_seen = 0
@@ -127,15 +131,17 @@ class ShrinkingWorld:
         self._pending: Recovery | None = None
         self._mark = 0.0
         self._lost_seen = 0
-        self.group = self._group(0)
+        self.group: Any = None if joining else self._group(0)
 
     @classmethod
     def from_env(cls, timeout_s: float = 30.0) -> ShrinkingWorld:
-        """Join generation 0 over the ranks' bootstrap store (MASTER_ADDR/MASTER_PORT)."""
+        """Join generation 0 over the ranks' bootstrap store (MASTER_ADDR/MASTER_PORT); or, when
+        this rank is already marked lost there, it is a replacement that must :meth:`join`."""
         env = elastic_environment()
         store = dist.TCPStore(env.MASTER_ADDR, env.MASTER_PORT, is_master=False,
                               timeout=timedelta(seconds=timeout_s))
-        return cls(store, tuple(range(env.WORLD_SIZE)), env.RANK, timeout_s)
+        joining = store.check([lost_key(env.RANK)])
+        return cls(store, tuple(range(env.WORLD_SIZE)), env.RANK, timeout_s, joining=joining)
 
     @property
     def rank(self) -> int:
@@ -266,7 +272,7 @@ class ShrinkingWorld:
             time.sleep(0.01)
         generation = int(self.store.get(admitted_key(self.rank_id)))
         rec.generation = generation
-        rec.world = tuple(json.loads(self.store.get(f"resihp/world/{generation}/members")))
+        rec.world, self._rejoin_seen = self._members(generation)
         self._phase(rec, "rendezvous closed")
         self.rebuild(rec)
         return self.restore(rec, step, state, load)
@@ -283,12 +289,12 @@ class ShrinkingWorld:
         members_key = f"resihp/world/{generation}/members"
         if self.rank == 0:
             joiners = [r for r in self.everyone if r not in self.world and self.store.check([f"resihp/rejoin/{r}"])]
-            self.store.set(members_key, json.dumps(sorted([*self.world, *joiners])))
+            self.store.set(members_key, json.dumps({"members": sorted([*self.world, *joiners]), "rejoin_seen": asked}))
             for r in joiners:
                 self.store.delete_key(f"resihp/rejoin/{r}")
                 self.store.delete_key(lost_key(r))
                 self.store.set(admitted_key(r), str(generation))
-        members = tuple(json.loads(self.store.get(members_key)))  # get waits for the key
+        members, _ = self._members(generation)
         joined = tuple(r for r in members if r not in self.world)
         rec = Recovery(generation, members, (), f"rejoin of ranks {list(joined)}")
         rec.durations_s["detected"] = time.monotonic() - started
@@ -298,6 +304,23 @@ class ShrinkingWorld:
         self.rebuild(rec)
         restored = self.restore(rec, step, state, load)
         self._pending = rec
+        return restored
+
+    def _members(self, generation: int) -> tuple[tuple[int, ...], int]:
+        """Who generation ``generation`` (grown by :meth:`admit`) holds, and the rejoin requests
+        it answered: a rank taken back must not count those as new at its next step."""
+        record = json.loads(self.store.get(f"resihp/world/{generation}/members"))  # get waits for the key
+        return tuple(record["members"]), int(record["rejoin_seen"])
+
+    def join(self, state: Callable[[], Any], load: Callable[[Any], None]) -> int:
+        """A replacement's first step: ask to join, wait until the world admits it at a step
+        boundary, take the state; returns the step to go on from. ``WorldFinished`` if the world
+        ends the job first."""
+        rec = Recovery(0, (), (), "join of a replacement")
+        rec.durations_s["detected"] = 0.0
+        self._mark = time.monotonic()
+        restored = self.rejoin(rec, 0, state, load)
+        self.joining, self._pending = False, rec
         return restored
 
     def finish(self) -> None:

@@ -1,0 +1,121 @@
+"""A node's place in a running job, left by an agent that died, and the agent that takes it.
+
+Under ``--on-failure shrink`` the job goes on without a dead agent's ranks (trainer/agent/presence.py,
+node.py). The surviving agent that marked them lost also publishes a **vacancy** in the job's
+rendezvous store: the dead node's group rank and global ranks, the rendezvous round's store
+prefix, and where the ranks' store is. ``resihp run --join-running`` (the same flags as the
+node it replaces) does not join torch's rendezvous — that would make every other agent restart
+its worker group — but claims a vacancy with :class:`VacancyRendezvous`, a rendezvous handler
+that answers ``next_rendezvous`` with the dead node's place. torch's agent then starts this node's
+ranks with the dead ranks' ids; each finds itself marked lost, asks to join, and the world takes
+it back at its next step boundary (``ShrinkingWorld.join``, trainer/agent/shrink.py) with the state
+of the most advanced survivor.
+
+What can fail: no vacancy appears within the join timeout (nothing died, or the job runs without
+``--on-failure shrink``): the rendezvous times out with one line; a vacancy of a node with another
+number of ranks is not taken.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch.distributed as dist
+from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
+from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo, RendezvousTimeoutError
+from torch.distributed.elastic.utils.store import _NUM_MEMBERS, _barrier_nonblocking
+
+VACANCIES_KEY = "resihp/vacancies"  # how many were ever published; vacancy n is under VACANCY_KEY
+VACANCY_KEY = "resihp/vacancy/{n}"
+
+
+@dataclass(frozen=True)
+class Vacancy:
+    group_rank: int
+    group_world_size: int
+    ranks: tuple[int, ...]
+    round_prefix: str  # the rendezvous round's store: where the agents of the round meet
+    master_addr: str
+    master_port: int
+
+
+def check_in_for_dead_agent(round_store: dist.Store, group_world_size: int) -> None:
+    """Check in at torch's exit barrier (in the round's store) for an agent that died, so the
+    survivors' agents do not wait out that barrier's timeout at the end; a replacement that takes
+    its place withdraws this check-in (:meth:`VacancyRendezvous.next_rendezvous`) and makes its own."""
+    _barrier_nonblocking(round_store, group_world_size, _TERMINAL_STATE_SYNC_ID)
+
+
+def publish_vacancy(job_store: dist.Store, vacancy: Vacancy) -> None:
+    """Offer the dead node's place to a replacement (``resihp run --join-running``)."""
+    n = job_store.add(VACANCIES_KEY, 1)
+    job_store.set(VACANCY_KEY.format(n=n), json.dumps(asdict(vacancy)))
+
+
+def round_store_prefix(handler: RendezvousHandler) -> str:
+    """The prefix of the current round's store (torch's dynamic handler builds it from the run id
+    and the round number, and does not say it; ``_wrap_store`` in dynamic_rendezvous.py)."""
+    if isinstance(handler, VacancyRendezvous):
+        if handler.taken is None:
+            raise RuntimeError("no vacancy was taken yet")
+        return handler.taken.round_prefix
+    state = getattr(handler, "_state_holder").state  # noqa: B009 - torch's private state
+    return f"torch.rendezvous.{handler.get_run_id()}.{state.round}"
+
+
+class VacancyRendezvous(RendezvousHandler):
+    """A rendezvous that gives this agent a dead node's place in the running round."""
+
+    def __init__(self, job_store: dist.Store, run_id: str, local_world_size: int, timeout_s: float) -> None:
+        self.job_store, self.run_id, self.local_world_size, self.timeout_s = (job_store, run_id, local_world_size,
+                                                                              timeout_s)
+        self.taken: Vacancy | None = None
+
+    def get_backend(self) -> str:
+        return "c10d"
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Wait for a vacancy of a node with as many ranks as this one and claim it (the first
+        agent to add to its claim key wins)."""
+        if self.taken is not None:
+            raise RendezvousTimeoutError("a replacement takes one place once; it cannot be restarted in the job")
+        deadline = time.monotonic() + self.timeout_s
+        checked = 0
+        while time.monotonic() < deadline:
+            published = self.job_store.add(VACANCIES_KEY, 0)
+            for n in range(checked + 1, published + 1):
+                vacancy = self._vacancy(n)
+                if len(vacancy.ranks) == self.local_world_size and \
+                        self.job_store.add(f"{VACANCY_KEY.format(n=n)}/claimed", 1) == 1:
+                    self.taken = vacancy
+                    store = dist.PrefixStore(vacancy.round_prefix, self.job_store)
+                    store.add(_TERMINAL_STATE_SYNC_ID + _NUM_MEMBERS, -1)  # the survivor's check-in for the dead
+                    return RendezvousInfo(store, vacancy.group_rank, vacancy.group_world_size,
+                                          RendezvousStoreInfo(vacancy.master_addr, vacancy.master_port))
+            checked = published
+            time.sleep(0.05)
+        raise RendezvousTimeoutError(f"no node of job {self.run_id!r} left a place with {self.local_world_size} "
+                                     f"ranks within {self.timeout_s:g} s; --join-running replaces an agent that died "
+                                     "in a job run with --on-failure shrink")
+
+    def _vacancy(self, n: int) -> Vacancy:
+        raw = json.loads(self.job_store.get(VACANCY_KEY.format(n=n)))
+        return Vacancy(**{**raw, "ranks": tuple(raw["ranks"])})
+
+    def is_closed(self) -> bool:
+        return False
+
+    def set_closed(self) -> None:
+        pass
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+    def get_run_id(self) -> str:
+        return self.run_id
+
+    def shutdown(self) -> bool:
+        return True
