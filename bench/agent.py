@@ -14,6 +14,9 @@ first step a new rank 0 finishes.
   the rank lost; the survivors re-form the world without it, take the state of the most advanced
   survivor and train on (trainer/agent/shrink.py). The clock stops at the first step rank 0
   finishes in the smaller world; the phases come from the new world's rank 0.
+* ``agent-kill``: ``--on-failure shrink`` again, but the whole agent of the last node is SIGKILLed
+  (its ranks die with it): a surviving agent sees its connection close, marks its ranks lost, and
+  the other nodes' ranks shrink past them (needs ``--nodes`` ≥ 2).
 * ``torchrun``: ``python -m torch.distributed.run`` (max-restarts 0), as most jobs are launched.
   The failed node's torchrun exits; the harness (a scheduler, here) stops the others and launches
   the whole job again, which resumes from the same checkpoint.
@@ -40,8 +43,9 @@ from typing import TypeVar
 from collections.abc import Callable
 
 T = TypeVar("T")
-MODES = ("agent", "agent-preload", "agent-shrink", "torchrun")
-FAST = ("agent", "agent-preload", "agent-shrink")  # the modes compared with a torchrun restart
+MODES = ("agent", "agent-preload", "agent-shrink", "agent-kill", "torchrun")
+FAST = ("agent", "agent-preload", "agent-shrink", "agent-kill")  # the modes compared with a torchrun restart
+SHRINKING = ("agent-shrink", "agent-kill")  # no restart: the same rank 0 goes on in a smaller world
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,7 +96,8 @@ def _launch(mode: str, args: argparse.Namespace, work: Path, port: int, attempt:
     procs = []
     for node in range(args.nodes):
         if mode.startswith("agent"):
-            preload = {"agent-preload": ["--preload", "torch"], "agent-shrink": ["--on-failure", "shrink"]}.get(mode, [])
+            preload = {"agent-preload": ["--preload", "torch"], "agent-shrink": ["--on-failure", "shrink"],
+                       "agent-kill": ["--on-failure", "shrink"]}.get(mode, [])
             cmd = [sys.executable, "-m", "resihp.cli", "run", *rdzv, "--node-rank", str(node), "--max-restarts", "3",
                    "--no-telemetry", "--work-dir", str(work / f"agent-{node}"), *preload, *job]
         else:
@@ -147,6 +152,8 @@ def measure(mode: str, args: argparse.Namespace) -> Measurement:
         old_rank0 = rows[-1]["pid"]
         ranks = {int(p.name): int(p.read_text()) for p in (work / "pids").iterdir()}
         victim = next(pid for pid, rank in ranks.items() if rank == args.ranks - 1)
+        if mode == "agent-kill":  # the agent that started the last rank (never the one hosting the stores)
+            victim = int(Path(f"/proc/{victim}/stat").read_text().rsplit(")", 1)[1].split()[1])
         killed_at = time.time()
         os.kill(victim, signal.SIGKILL)
         last_step = rows[-1]["step"]
@@ -157,14 +164,14 @@ def measure(mode: str, args: argparse.Namespace) -> Measurement:
             procs = _launch(mode, args, work, _free_port(), 1)
 
         def again() -> dict | None:
-            if mode == "agent-shrink":  # the same rank 0 goes on, in a smaller world
+            if mode in SHRINKING:  # the same rank 0 goes on, in a smaller world
                 return next((r for r in _progress(progress) if r["world"] < args.ranks and r["t"] > killed_at), None)
             return next((r for r in _progress(progress) if r["pid"] != old_rank0 and r["t"] > killed_at), None)
 
         first = _wait("training again", again, args.patience_s)
         last_step = max(r["step"] for r in _progress(progress) if r["t"] <= killed_at)
         redone = last_step - (first["step"] - 1)
-        if mode == "agent-shrink":  # the new world's agent logs the phases once its rank 0 handed them over
+        if mode in SHRINKING:  # the new world's agent logs the phases once its rank 0 handed them over
             _wait("the recovery phases", lambda: _phases(work, mode) or None, args.patience_s)
         phases = _phases(work, mode)
     finally:
@@ -173,6 +180,8 @@ def measure(mode: str, args: argparse.Namespace) -> Measurement:
 
 
 def run(args: argparse.Namespace) -> int:
+    if "agent-kill" in args.modes and args.nodes < 2:
+        raise SystemExit("agent-kill kills a whole agent and needs --nodes 2 or more")
     if args.ranks % args.nodes:
         raise SystemExit(f"--ranks {args.ranks} must split evenly over --nodes {args.nodes}")
     modes = [m for m in args.modes.split(",") if m]

@@ -16,6 +16,10 @@ platform adds, one module each:
 * ``shrink``: in-job fail-stop recovery (``--on-failure shrink``): the survivors re-form the world
   without the lost rank, restore state from the most advanced survivor and train on; a benched rank
   rejoins at the next step;
+* ``presence``: every agent's connection to every other, so a survivor sees at once that an agent
+  died (its sockets closed) and marks its ranks lost (shrink);
+* ``vacancy``: the place a dead agent left, and the rendezvous handler with which a replacement
+  (``--join-running``) takes it;
 * ``node``: the agent itself (heartbeats on the bus, hang checks, recovery phase timings, marking
   lost ranks for the shrink);
 * ``launch``: ``run_agent``, the whole command with one-line errors;

@@ -29,6 +29,9 @@ rejoin (``resihp/rejoin/<rank>``, ``resihp/rejoin-count``); the world agrees at 
 boundary (:meth:`admit`, a one-number all-reduce per step), grows by it as generation g+1 and
 hands it the state like any restore. That re-admission is a recovery too, with the same phases.
 
+A replacement (its agent took a dead node's place, trainer/agent/vacancy.py) starts with its rank
+marked lost: it forms no group and joins the same way (:meth:`join`), at the next step boundary.
+
 Rank ids are the ranks torch gave at start and stay the identity of a process across generations
 (plans and flight records name them); ``rank`` / ``world_size`` are the current generation's.
 
