@@ -15,7 +15,9 @@ again, up to ``--max-restarts`` times. This class adds what the platform needs a
 * with ``on_failure="shrink"``, in-job recovery instead of a restart: a rank that exits with an
   error is taken out of torch's watch (so torch does not stop its peers), marked lost in the
   ranks' bootstrap store, and its peers re-form the world without it (trainer/agent/shrink.py);
-  the phases the new world's rank 0 reports are logged and published as ``telemetry.recovery``.
+  the phases the new world's rank 0 reports are logged and published as ``telemetry.recovery``;
+  every agent watches every other (trainer/agent/presence.py), and a survivor marks a dead agent's
+  ranks lost and offers its place to a replacement (trainer/agent/vacancy.py).
 """
 
 from __future__ import annotations
