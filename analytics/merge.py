@@ -32,7 +32,7 @@ from analytics.scoring import fit_ranks, learn_units
 from collector.bus import Bus
 from collector.auth import Gate, Signer
 from collector.events import (
-    Envelope, Heartbeat, LivenessBatch, Payload, PlanCurrent, ReconfigureCommand, ReplicaSummary,
+    Envelope, LivenessBatch, Payload, PlanCurrent, ReconfigureCommand, ReplicaSummary,
 )
 
 
@@ -69,20 +69,17 @@ class JobMerge:
         return self.detector.on_event(event) + self._judge_ready(final=False)
 
     def _liveness(self, p: LivenessBatch) -> list[Payload]:
-        """A shard's heartbeats and report progress through the fail-stop watch, in the order it
-        read them. When the dead set changes the fits are published again with it: a replica with a
-        dead rank completes without it, as the single process judges an iteration without the dead."""
+        """A shard's heartbeats and report progress, as arrays through the fail-stop watch
+        (``Detector.on_liveness``). When the dead set changes the fits are published again with it:
+        a replica with a dead rank completes without it, as the single process judges an iteration
+        without the dead."""
         det = self.detector
         dead_before = set(det.fail_stop.dead)
         rows = unpack(p.layout, p.blob)
-        out: list[Payload] = []
-        for kind, rank, epoch, iteration, time_s, interval_s in zip(*(rows[n].tolist() for n in LIVENESS_ARRAYS)):
-            if kind:
-                hb = Heartbeat.model_construct(rank=rank, epoch=epoch, iteration=iteration, interval_s=interval_s)
-                out += det.on_heartbeat(hb, time_s)  # validated when the shard read it
-            else:
-                out += det.report_seen(rank, epoch, iteration, time_s)
-        if set(det.fail_stop.dead) != dead_before:
+        kind, rank, epoch, iteration, time_s, interval_s = (rows[n] for n in LIVENESS_ARRAYS)
+        out = det.on_liveness(kind, rank.astype(np.int64), epoch.astype(np.int64), iteration.astype(np.int64),
+                              time_s, interval_s)
+        if det.fail_stop.dead != dead_before:
             out.append(fits_event(det.model, *self._judged, det.arrival.plans, det.fail_stop.dead))
         return out + self._judge_ready(final=False)
 
