@@ -207,8 +207,7 @@ class Detector:
         if isinstance(p, Heartbeat):
             return self.on_heartbeat(p, event.time_s)
         if isinstance(p, TracingDeclared):
-            self.arrival.declare(p)
-            return self.book.fail_stop(self.fail_stop.declare(p)) + self._flush_ready(True)
+            return self.on_declared(p)
         if isinstance(p, ProbeResult):
             return [] if self.hidden_stop.answer(p.probe_id, p.rank) else self.book.probe_result(p)
         if isinstance(p, (PlanCurrent, ReconfigureCommand)):
@@ -216,6 +215,11 @@ class Detector:
             self.fail_stop.plan_announced(p.plan.epoch, set(p.plan.roles))
             return self._flush_ready(True)
         return []
+
+    def on_declared(self, p: TracingDeclared) -> list[Payload]:
+        """A producer's tracing declaration: which ranks and steps report (and so may be missed)."""
+        self.arrival.declare(p)
+        return self.book.fail_stop(self.fail_stop.declare(p)) + self._flush_ready(True)
 
     def _hidden_stop(self, time_s: float) -> list[Payload]:
         """A hung job whose watched ranks all heartbeat: a rank nobody traces stopped

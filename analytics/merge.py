@@ -75,9 +75,10 @@ class JobMerge:
         without the dead."""
         det = self.detector
         dead_before = set(det.fail_stop.dead)
+        out = [x for d in p.declared for x in det.on_declared(d)]
         rows = unpack(p.layout, p.blob)
         kind, rank, epoch, iteration, time_s, interval_s = (rows[n] for n in LIVENESS_ARRAYS)
-        out = det.on_liveness(kind, rank.astype(np.int64), epoch.astype(np.int64), iteration.astype(np.int64),
+        out += det.on_liveness(kind, rank.astype(np.int64), epoch.astype(np.int64), iteration.astype(np.int64),
                               time_s, interval_s)
         if det.fail_stop.dead != dead_before:
             out.append(fits_event(det.model, *self._judged, det.arrival.plans, det.fail_stop.dead))
