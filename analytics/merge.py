@@ -36,6 +36,9 @@ from collector.events import (
 )
 
 
+LIVENESS_HELD_ROWS = 1 << 20  # liveness rows the merge holds before applying them (``JobMerge.settle``)
+
+
 @dataclass
 class JobMerge:
     """The merge for one job: feed it the control events (plans) and the shards' ReplicaSummaries."""
@@ -50,6 +53,8 @@ class JobMerge:
         self._judged: tuple[int, int] = (-1, -1)
         self._replicas: dict[int, set[int]] = {}  # epoch -> replicas of its plan
         self._lookup: dict[int, LayerLookup] = {}
+        self._heard: list[LivenessBatch] = []  # liveness not applied yet (``settle``)
+        self._heard_rows = 0
 
     def on_event(self, event: Envelope) -> list[Payload]:
         p = event.payload
@@ -63,26 +68,45 @@ class JobMerge:
             self._waiting.setdefault(key, {})[p.replica] = p
             return self._judge_ready(final=False)
         if isinstance(p, LivenessBatch):
-            return self._liveness(p)
+            self._heard.append(p)
+            self._heard_rows += p.rows
+            return self.settle() if self._heard_rows >= LIVENESS_HELD_ROWS else []
+        out = self.settle()
         if isinstance(p, (PlanCurrent, ReconfigureCommand)):
             self._replicas[p.plan.epoch] = set(range(len(p.plan.pipelines)))
-        return self.detector.on_event(event) + self._judge_ready(final=False)
+        return out + self.detector.on_event(event) + self._judge_ready(final=False)
 
-    def _liveness(self, p: LivenessBatch) -> list[Payload]:
-        """A shard's heartbeats and report progress, as arrays through the fail-stop watch
-        (``Detector.on_liveness``). When the dead set changes the fits are published again with it:
-        a replica with a dead rank completes without it, as the single process judges an iteration
-        without the dead."""
+    def settle(self) -> list[Payload]:
+        """Apply the liveness batches held so far, as one batch of arrays through the fail-stop
+        watch (``Detector.on_liveness``): per batch its cost is a few numpy operations, so the merge
+        holds the shards' batches until it judges an iteration, reads another kind of event, ends
+        a poll (``MergeWorker.step``) or holds ``LIVENESS_HELD_ROWS``. When the dead set changes
+        the fits are published again with it: a replica with a dead rank completes without it, as
+        the single process judges an iteration without the dead."""
+        if not self._heard:
+            return []
         det = self.detector
         dead_before = set(det.fail_stop.dead)
-        out = [x for d in p.declared for x in det.on_declared(d)]
-        rows = unpack(p.layout, p.blob)
-        kind, rank, epoch, iteration, time_s, interval_s = (rows[n] for n in LIVENESS_ARRAYS)
-        out += det.on_liveness(kind, rank.astype(np.int64), epoch.astype(np.int64), iteration.astype(np.int64),
-                              time_s, interval_s)
+        out: list[Payload] = []
+        held, self._heard, self._heard_rows = self._heard, [], 0
+        parts: list[dict[str, np.ndarray]] = []
+        for p in held:
+            if p.declared:  # declarations apply in order: the rows read before them first
+                out += self._ingest(parts)
+                parts = []
+                out += [x for d in p.declared for x in det.on_declared(d)]
+            parts.append(unpack(p.layout, p.blob))
+        out += self._ingest(parts)
         if det.fail_stop.dead != dead_before:
             out.append(fits_event(det.model, *self._judged, det.arrival.plans, det.fail_stop.dead))
         return out + self._judge_ready(final=False)
+
+    def _ingest(self, parts: list[dict[str, np.ndarray]]) -> list[Payload]:
+        if not parts:
+            return []
+        kind, rank, epoch, iteration, time_s, interval_s = (np.concatenate([p[n] for p in parts]) for n in LIVENESS_ARRAYS)
+        return self.detector.on_liveness(kind, rank.astype(np.int64), epoch.astype(np.int64),
+                                         iteration.astype(np.int64), time_s, interval_s)
 
     def _layers(self, epoch: int) -> LayerLookup | None:
         plan = self.detector.arrival.plans.get(epoch)
@@ -94,7 +118,7 @@ class JobMerge:
 
     def flush(self) -> list[Payload]:
         """Judge every iteration still waiting (end of a recording)."""
-        return self._judge_ready(final=True)
+        return self.settle() + self._judge_ready(final=True)
 
     def _judge_ready(self, final: bool) -> list[Payload]:
         out: list[Payload] = []
@@ -104,6 +128,9 @@ class JobMerge:
             want = self._replicas.get(key[0])
             if not final and (want is None or len(have) < len(want) or not want <= have.keys()):
                 return out
+            out += self.settle()  # the liveness read before this iteration's last summary counts for it
+            if key not in self._waiting:
+                continue  # settling judged it
             del self._waiting[key]
             self._judged = key
             out += self.judge(*key, [have[r] for r in sorted(have)])
@@ -145,8 +172,7 @@ class MergeWorker:
         self.gate = Gate("analytics-merge")
 
     def step(self, max_records: int = 20_000, timeout_s: float = 0.5) -> int:
-        from collector.events import EventFactory
-
+        last_s: dict[str, float] = {}  # per job, its newest event's time: what settling answers
         for d in self.stream.poll(max_records, timeout_s):
             e = d.event
             if not self.gate.admit(e, time_s=e.time_s):
@@ -157,13 +183,20 @@ class MergeWorker:
             merge = self.merges.get(e.job)
             if merge is None:
                 merge = self.merges[e.job] = JobMerge(e.job, self.config)
-            out = merge.on_event(e)
-            if out:
-                f = Signer(EventFactory(e.job, "analytics-merge"), "analytics", self.gate.keyring)
-                self.bus.publish([f.make(p, time_s=e.time_s) for p in out])
+            self._publish(e.job, merge.on_event(e), e.time_s)
+            last_s[e.job] = e.time_s
+        for job, t in last_s.items():  # the poll's liveness, judged before the next poll
+            self._publish(job, self.merges[job].settle(), t)
         if rejected := self.gate.take():
             self.bus.publish(rejected)
         return self.stream.last_polled
 
     def close(self) -> None:
         self.stream.close()
+
+    def _publish(self, job: str, out: list[Payload], time_s: float) -> None:
+        if out:
+            from collector.events import EventFactory
+
+            f = Signer(EventFactory(job, "analytics-merge"), "analytics", self.gate.keyring)
+            self.bus.publish([f.make(p, time_s=time_s) for p in out])

@@ -29,11 +29,13 @@ def _sharded(events, shards: int, *, replay: int = 0, job: str = "j") -> tuple[J
     def to_merge(payloads: list) -> None:
         for s in payloads:
             for _ in range(1 + (replay if isinstance(s, ReplicaSummary) and s.shard == "s0" else 0)):
-                got = merge.on_event(sf.make(s))
-                out.extend(got)
-                for p in got:
-                    if isinstance(p, DetectorFits):  # every shard reads the merge's fits
-                        to_merge([x for w in workers for x in w.on_event(mf.make(p))])
+                published(merge.on_event(sf.make(s)))
+
+    def published(got: list) -> None:
+        out.extend(got)
+        for p in got:
+            if isinstance(p, DetectorFits):  # every shard reads the merge's fits
+                to_merge([x for w in workers for x in w.on_event(mf.make(p))])
 
     replica_of = {e.payload.rank: e.payload.coords.dp for e in events if isinstance(e.payload, RankIteration)}
     for e in events:
@@ -43,6 +45,7 @@ def _sharded(events, shards: int, *, replay: int = 0, job: str = "j") -> tuple[J
             got = w.on_event(e)
             heard = w.take_liveness()
             to_merge(([heard] if heard is not None else []) + got)
+            published(merge.settle())  # as the merge worker does at the end of each poll
         elif e.kind.startswith("plan."):
             out.extend(merge.on_event(e))
             to_merge([x for w in workers for x in w.on_event(e)])
