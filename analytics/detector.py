@@ -26,7 +26,7 @@ from analytics.cost_model import CostModel
 from analytics.detector_config import DetectorConfig
 from analytics.arrival import FrameAssembler
 from analytics.cost_publish import CostPublisher
-from analytics.fail_stop import FailStopWatch
+from analytics.fail_stop import FailStopWatch, distinct
 from analytics.frame import IterationFrame, LayerLookup, build_frame
 from analytics.hidden_stop import HiddenStopWatch
 from analytics.incidents import IncidentBook, Suspect
@@ -272,7 +272,7 @@ class Detector:
                     out += self.report_seen(r, e, i, t)
             return out
         hb = kind > 0
-        for e in np.unique(epoch[hb]).tolist():
+        for e in distinct(epoch[hb]):
             ranks = rank[hb & (epoch == e)].tolist()
             if self.arrival.tracing:
                 for r in ranks:

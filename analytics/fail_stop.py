@@ -99,6 +99,14 @@ class LivenessChange:
     iteration: int = 0  # event-derived: the rank's last known iteration + 1 (dead), or where it came back
 
 
+def distinct(values: np.ndarray) -> list[int]:
+    """The distinct values of an array that holds few (epochs), without sorting or hashing it."""
+    if not len(values):
+        return []
+    lo, hi = int(values.min()), int(values.max())
+    return [lo] if lo == hi else np.unique(values).tolist()
+
+
 @dataclass
 class FailStopWatch:
     config: DetectorConfig
@@ -285,7 +293,7 @@ class FailStopWatch:
         t = self.table
         rows = t.rows(rank)
         hb = kind > 0
-        u, inv = np.unique(rows, return_inverse=True)
+        u, inv = t.distinct_rows(rows)
         # intervals: a stream's announced interval never changes inside a fast batch
         held = t.hb_interval_s[rows]
         had_hb = ~np.isnan(t.hb_time_s[rows])
@@ -347,7 +355,7 @@ class FailStopWatch:
             interval = np.full(len(u), np.nan)
             np.fmax.at(interval, inv[hb], interval_s[hb])
             t.hb_interval_s[u] = np.where(got, interval, t.hb_interval_s[u])
-        t.missing[np.unique(rows[~hb])] = 0
+        t.missing[rows[~hb]] = 0
         fresh = u[~t.watched[u] & ~t.retired[u]]
         t.watched[fresh] = True
         self._watched_n += len(fresh)
@@ -360,7 +368,7 @@ class FailStopWatch:
         """``_note_progress`` for the batch's reports that raise their epoch's top, in order (the
         others leave it as it is)."""
         raising = np.zeros(len(epoch), bool)
-        for e in np.unique(epoch[report]).tolist():
+        for e in distinct(epoch[report]):
             sel = report & (epoch == e)
             its = np.where(sel, iteration, -1)
             prev = np.maximum(self._epoch_top.get(e, -1), np.concatenate([[-1], np.maximum.accumulate(its)[:-1]]))
@@ -476,8 +484,9 @@ class FailStopWatch:
         t = self.table
         epoch = t.epoch[rows]
         need = np.maximum(t.reported[rows], t.started[rows] - 1) + 2
-        epochs, at = np.unique(epoch, return_inverse=True)
-        tops = np.array([self._epoch_top.get(e, -1) for e in epochs.tolist()], np.int64)[at]
+        tops = np.full(len(rows), -1, np.int64)
+        for e in distinct(epoch):
+            tops[epoch == e] = self._epoch_top.get(e, -1)
         proof = tops >= need
         plan = self._newest_plan
         if plan is not None:

@@ -76,6 +76,20 @@ class RankStreams:
         self.add(np.unique(ranks[~found]))
         return self.rows(ranks)
 
+    def distinct_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the distinct rows, ascending; each of ``rows``' index among them), as ``np.unique``
+        with ``return_inverse``; a batch that is a good part of the table marks the table instead
+        of sorting or hashing the batch (at 100k ranks that took the merge 0.1 s a batch)."""
+        if 16 * len(rows) < self.n:
+            u, inv = np.unique(rows, return_inverse=True)
+            return u, inv.ravel()
+        seen = np.zeros(self.n, bool)
+        seen[rows] = True
+        u = np.flatnonzero(seen)
+        at = np.zeros(self.n, np.int64)
+        at[u] = np.arange(len(u))
+        return u, at[rows]
+
     def add(self, ranks: np.ndarray) -> np.ndarray:
         """New rows for ``ranks`` (none of them known yet); returns their rows."""
         need = self.n + len(ranks)
