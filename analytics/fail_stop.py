@@ -59,6 +59,12 @@ a rank is judged against the others' progress:
   that died during the outage is named ``heartbeat_miss_intervals`` after it, and one whose
   producer reconnects a little later than the others' is not.
 
+- **Batches**: the sharded merge receives every rank's heartbeats and report progress from the
+  shards (analytics/merge.py) and applies them as arrays (``ingest``): per rank what its rows leave,
+  then one judgement if one is due. The same rules, checked to hold before anything is applied
+  (every time believable, no dead rank revived, no interval changed); a batch that needs the
+  one-by-one rules for any row goes event by event. A rank is named at the end of the batch.
+
 What can go wrong: while the job hangs (nobody progresses, so there is no proof of life) a live
 rank whose partition lags the others by more than the hung threshold looks dead until its
 heartbeats arrive; it is then revived (``alive``) and its incident resolved.
