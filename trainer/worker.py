@@ -131,11 +131,11 @@ class Trainer:
         opt = make_optimizer(stage, self.spec.lr, self.spec.weight_decay, self.iteration)
         if state is not None:
             import_state(stage, opt, state, self.iteration)
-        role.work = self._work(layout, rr, stage, opt, groups, train_group)
+        role.work = self._stage_work(layout, rr, stage, opt, groups, train_group)
         return role
 
-    def _work(self, layout: Layout, rr: RankRole, stage: GPTStage, opt: AdamW, groups: Groups,
-              train_group: dist.ProcessGroup) -> StageWork:
+    def _stage_work(self, layout: Layout, rr: RankRole, stage: GPTStage, opt: AdamW, groups: Groups,
+                    train_group: dist.ProcessGroup) -> StageWork:
         """The DP step and the schedule around a built ``stage``: what reads the plan's counts."""
         return StageWork(rr, stage, opt, apply_dp(stage, layout, rr, groups),
                          PipelineSchedule.for_plan(stage, layout, rr, self.faults, self.spec.pace_s_per_layer_token,
@@ -154,7 +154,7 @@ class Trainer:
             raise RuntimeError(f"device {self.device} is a spare and gets a stage under epoch {layout.plan.epoch}; "
                                "that needs a rebuild, not a reassignment")
         rr = layout.plan.role_of(self.device)
-        role.work = self._work(layout, rr, cur.work.stage, cur.work.opt, cur.groups, cur.train_group)
+        role.work = self._stage_work(layout, rr, cur.work.stage, cur.work.opt, cur.groups, cur.train_group)
         return role
 
     # ---- one iteration ---------------------------------------------------------------------------
