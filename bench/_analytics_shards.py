@@ -170,6 +170,7 @@ def bench_kafka_shards(bootstrap: str, shards: list[int], dp: int = 16, iteratio
     import uuid
 
     from collector import topics
+    from collector.auth import Signer
     from collector.events import EventFactory, PlanCurrent, ReplicaSummary
     from collector.kafka_bus import KafkaBus
     from collector.plan import Plan
@@ -180,7 +181,8 @@ def bench_kafka_shards(bootstrap: str, shards: list[int], dp: int = 16, iteratio
         ns = f"bench{uuid.uuid4().hex[:8]}."
         bus = KafkaBus(bootstrap, namespace=ns)
         plan = Plan.uniform(tp=8, pp=16, dp=dp, num_layers=64, microbatches_per_replica=16)
-        bus.publish([EventFactory("bench", "trainer").make(PlanCurrent(plan=plan))])  # the merge waits for it
+        # the merge waits for the plan, and admits one only as the executor signed it
+        bus.publish([Signer(EventFactory("bench", "trainer"), "executor").make(PlanCurrent(plan=plan))])
         fac = EventFactory("bench", "rank")
         for it in range(iterations):
             bus.publish([fac.make(r, time_s=float(it)) for d in range(dp) for r in _replica_reports(8, 16, d, 16, it)])
