@@ -20,6 +20,9 @@ a summary of an iteration already judged are dropped and counted in ``duplicates
 
 from __future__ import annotations
 
+import binascii
+import json
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +39,7 @@ from collector.events import (
 )
 
 
+log = logging.getLogger(__name__)
 LIVENESS_HELD_ROWS = 1 << 20  # liveness rows the merge holds before applying them (``JobMerge.settle``)
 
 
@@ -46,6 +50,7 @@ class JobMerge:
     job: str
     config: DetectorConfig = field(default_factory=DetectorConfig)
     duplicates: int = 0
+    malformed: int = 0  # liveness batches whose arrays do not match their layout (logged, not applied)
 
     def __post_init__(self) -> None:
         self.detector = Detector(self.job, self.config)
@@ -95,7 +100,13 @@ class JobMerge:
                 out += self._ingest(parts)
                 parts = []
                 out += [x for d in p.declared for x in det.on_declared(d)]
-            parts.append(unpack(p.layout, p.blob))
+            rows = _liveness_rows(p)
+            if rows is None:
+                self.malformed += 1
+                log.warning("%s", json.dumps({"event": "liveness_malformed", "job": self.job, "shard": p.shard,
+                                              "rows": p.rows, "malformed": self.malformed}))
+                continue
+            parts.append(rows)
         out += self._ingest(parts)
         if det.fail_stop.dead != dead_before:
             out.append(fits_event(det.model, *self._judged, det.arrival.plans, det.fail_stop.dead))
@@ -151,6 +162,17 @@ class JobMerge:
         out += det.judge(frame, view.score(clean), view.facts, suspects)
         out.append(fits_event(det.model, epoch, iteration, det.arrival.plans, det.fail_stop.dead))
         return out
+
+
+def _liveness_rows(p: LivenessBatch) -> dict[str, np.ndarray] | None:
+    """The batch's arrays, or None when they are not the six of ``p.rows`` rows its layout names (a
+    shard of another build, or a corrupt record): applying part of a batch would misalign ranks
+    and times."""
+    try:
+        rows = unpack(p.layout, p.blob)
+    except (ValueError, binascii.Error):
+        return None
+    return rows if all(len(rows.get(n, ())) == p.rows for n in LIVENESS_ARRAYS) else None
 
 
 class MergeWorker:

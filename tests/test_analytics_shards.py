@@ -198,6 +198,22 @@ def test_a_batch_the_array_path_cannot_settle_goes_event_by_event() -> None:
     assert det.fail_stop.reference_s() == ref.fail_stop.reference_s()
 
 
+def test_a_liveness_batch_whose_arrays_do_not_match_its_layout_is_counted_not_applied() -> None:
+    from analytics.replica_summary import pack
+    from collector.events import LivenessBatch
+
+    merge = JobMerge("j")
+    f = EventFactory("j", "shard")
+    short = dict(zip(("kind", "rank", "epoch", "iteration", "time_s"), np.ones((5, 3))))
+    short["interval_s"] = np.ones(2)  # one array shorter than the rest
+    layout, blob = pack(short)
+    assert merge.on_event(f.make(LivenessBatch(rows=3, layout=layout, blob=blob))) == []
+    truncated = LivenessBatch(rows=3, layout=[("kind", "<i4", 3)], blob="AAAA")  # fewer bytes than named
+    merge.on_event(f.make(truncated))
+    assert merge.settle() == [] and merge.malformed == 2
+    assert merge.detector.fail_stop.table.n == 0  # nothing of them reached the watch
+
+
 def test_an_untraced_rank_that_stops_raises_the_hidden_stop_through_shards() -> None:
     """Megatron-style tracing (one rank per TP group reports; the declaration travels on the
     telemetry topic, so shards forward it to the merge): an untraced rank stops, the job hangs, and
