@@ -108,6 +108,7 @@ class AgentPresence:
     def close(self, finished: bool) -> None:
         """Stop watching and being watched. ``finished``: this agent ends on purpose (its peers
         must not take its ranks for lost); otherwise its peers see what a death looks like."""
+        self._accept()  # a connection still in the backlog would otherwise be reset: a death to its peer
         for conn in self.accepted:
             try:
                 if finished:
