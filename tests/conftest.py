@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,6 +34,18 @@ def control_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.environ.pop("RESIHP_KEYS", None)
     else:
         os.environ["RESIHP_KEYS"] = before
+
+
+@pytest.fixture(autouse=True)
+def keep_main_module() -> Iterator[None]:
+    """Streamlit's AppTest runs the console script as ``__main__`` and leaves it in ``sys.modules``.
+    A rank started afterwards by multiprocessing (forkserver or spawn) re-imports the parent's
+    ``__main__`` from its path, so it would run the console and exit 1 before training: put back
+    the real one after every test."""
+    main = sys.modules.get("__main__")
+    yield
+    if main is not None:
+        sys.modules["__main__"] = main
 
 
 def _free_port() -> int:

@@ -208,3 +208,30 @@ def test_ui_five_wrong_passwords_lock_the_user_and_each_failure_is_an_event(cons
     (table,) = [d.value for d in at.dataframe]  # no rejected control events here: one table
     assert list(table["user"][:2]) == ["(unknown name)", "bob"] and len(table) == 6
     assert any("Locked out at" in w.value and "user bob" in w.value for w in at.warning)
+
+
+# ---- after the console has run in this process -------------------------------------------------
+
+
+def test_the_console_runs_as_this_process_main_module(console: Path) -> None:
+    """The first half of the next test: AppTest makes ui/app.py this process's ``__main__``."""
+    import sys
+
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    assert not at.exception and getattr(sys.modules["__main__"], "__file__", "") == APP
+
+
+def _exit_quietly() -> None:
+    return None
+
+
+def test_a_process_started_after_the_console_ran_in_this_process_starts_clean() -> None:
+    """Multiprocessing re-imports the parent's ``__main__`` in every forkserver or spawn child; if
+    the console were still ``__main__`` every rank started later in this process would run the
+    console and exit 1 (tests/conftest.py ``keep_main_module`` puts the real one back)."""
+    import multiprocessing as mp
+
+    child = mp.get_context("spawn").Process(target=_exit_quietly)
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == 0
