@@ -192,15 +192,16 @@ def run_native(args: argparse.Namespace) -> dict:
         print(f"{kind:<14} {pause_s[kind]:>9.3f} {v if v is None else round(v):>15}  "
               + " ".join(f"{p}={v:.3f}" for p, v in phases.items()))
     remedy = changes[0][1]
-    phase_rates = {"healthy": rate(base, range(1, slow_start)), "slow": rate(base, range(slow_start + 1, remedy_at)),
-                   "remediated": rate(remedy, range(remedy_at + 1, at[1]))}
+    windows = {"healthy": range(1, slow_start), "slow": range(slow_start + 1, remedy_at),
+               "remediated": range(remedy_at + 1, at[1])}
+    phase_rates = {phase: rate(remedy if phase == "remediated" else base, iters) for phase, iters in windows.items()}
     print(f"{'phase':<14} {'tokens/s':>9}  iterations")
-    for phase, iters in (("healthy", range(1, slow_start)), ("slow", range(slow_start + 1, remedy_at)),
-                         ("remediated", range(remedy_at + 1, at[1]))):
+    for phase, iters in windows.items():
         v = phase_rates[phase]
         print(f"{phase:<14} {v if v is None else round(v):>9}  {list(iters)}")
-    h, s, r = phase_rates["healthy"], phase_rates["slow"], phase_rates["remediated"]
-    won_back = 100 * (r - s) / (h - s) if h and s and r and h > s else None
+    healthy, slowed, remedied = phase_rates["healthy"], phase_rates["slow"], phase_rates["remediated"]
+    won_back = (100 * (remedied - slowed) / (healthy - slowed)
+                if healthy and slowed and remedied and healthy > slowed else None)
     if won_back is not None:
         print(f"remediation (micro-batches {'/'.join(map(str, NATIVE_REMEDY_COUNTS))}) won back {won_back:.0f}% "
               "of the throughput the slow rank cost")
