@@ -201,15 +201,15 @@ def load_full(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, state: A
     covers, ``_indices``) into the freshly built stage: the parameter in place (FSDP's and TP's
     shards are views of their own storage), the AdamW moments as fresh state of the parameter's
     placement. Local only."""
-    for k, p in model.named_parameters():
-        here = _local(p)
-        mine = state.full[k][:, _indices(p)].to(here.device)  # (1 or 3, local numel)
-        with torch.no_grad():
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            here = _local(p)
+            mine = state.full[k][:, _indices(p)].to(here.device)  # (1 or 3, local numel)
             here.copy_(mine[0].view(here.shape))
-        if mine.shape[0] > 1:
-            assert state.step is not None
-            opt.state[p] = {"step": state.step.clone(),
-                            **{m: _placed_like(p, mine[1 + i].view(here.shape).clone()) for i, m in enumerate(MOMENTS)}}
+            if mine.shape[0] > 1:
+                assert state.step is not None
+                opt.state[p] = {"step": state.step.clone(), **{
+                    m: _placed_like(p, mine[1 + i].view(here.shape).clone()) for i, m in enumerate(MOMENTS)}}
     for group in opt.param_groups:
         group.update(state.hyper)
     sched.load_state_dict(state.scheduler)
