@@ -2,7 +2,8 @@
 rank slowed ×2, and after remediation — on the reference executor, and the same changes on the
 PyTorch-native one (``--executor native|reference|both``, side by side by default).
 
-The native run (trainer/native/) starts at the same TP1·PP2·DP4, paced the same way, with the same
+The native run (trainer/native/) starts at the same TP1·PP2·DP4, paced (``--native-pace``: slower
+emulated devices, since its raw CPU per chunk is several times the reference's), with the same
 ×2 slow rank 3; its remediation is the one a DeviceMesh can express — replica 1 hands micro-batches
 to the others (5/2/5/4) on the same stages — and the share of the throughput won back is measured
 as the reference's. Then it is given the reference's plans in the same order as scheduled
@@ -52,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pace", type=float, default=5e-5, help=(
         "emulated device seconds per layer-token (0: raw CPU speed; on a 2-core machine 8 ranks then "
         "share the cores and a sleeping slow rank frees CPU for the others)"))
+    parser.add_argument("--native-pace", type=float, default=2e-4, help=(
+        "the native run's pace: its raw CPU per chunk (DTensor dispatch, FSDP and pipelining hooks) is several "
+        "times the reference's, so at --pace a loaded 2-core machine's CPU time, not the emulated device, sets "
+        "the chunk times and hides the slow rank"))
 
 
 def _plans(layers: int):
@@ -150,7 +155,7 @@ def run_native(args: argparse.Namespace) -> dict:
                      duration_iterations=at[1] - slow_start)
     spec = NativeRunSpec(job="bench-reshape-native", model=asdict(cfg), settings=asdict(settings), plan=base,
                          reshapes=reshapes, iterations=iterations, out_dir=str(tmp), device="cpu",
-                         faults=[slow], pace_s_per_layer_token=args.pace)
+                         faults=[slow], pace_s_per_layer_token=args.native_pace)
     started = time.perf_counter()
     codes = launch_native(spec)
     elapsed = time.perf_counter() - started
@@ -171,7 +176,7 @@ def run_native(args: argparse.Namespace) -> dict:
         return plan.global_microbatches * args.block / statistics.median(steady) if steady else None
 
     print(f"bench reshape (native executor): 8 CPU ranks, {args.layers} layers × {args.embd} wide, "
-          f"{args.block}-token micro-batches, pace {args.pace:g} s/layer-token, {elapsed:.1f} s total; "
+          f"{args.block}-token micro-batches, pace {args.native_pace:g} s/layer-token, {elapsed:.1f} s total; "
           f"exit codes {codes}")
     print(f"{'reshape kind':<14} {'pause s':>9} {'tokens/s after':>15}  phases (s, slowest rank; pause excludes "
           "first_step) / refusal")
