@@ -2,11 +2,13 @@
 rank slowed ×2, and after remediation — on the reference executor, and the same changes on the
 PyTorch-native one (``--executor native|reference|both``, side by side by default).
 
-The native run (trainer/native/) starts at the same TP1·PP2·DP4 and is given the same plans in the
-same order as scheduled reshapes, three iterations apart; it refuses the ones a DeviceMesh cannot
-express (the uneven remediation, interleaved, zero-bubble) before anything stops, and reports each
-applied reshape's phases. It has no fault injection or pacing yet, so its tokens/s are raw CPU
-speed and are not comparable with the reference's paced figures; the pauses are.
+The native run (trainer/native/) starts at the same TP1·PP2·DP4, paced (``--native-pace``: slower
+emulated devices, since its raw CPU per chunk is several times the reference's), with the same
+×2 slow rank 3; its remediation is the one a DeviceMesh can express — replica 1 hands micro-batches
+to the others (5/2/5/4) on the same stages — and the share of the throughput won back is measured
+as the reference's. Then it is given the reference's plans in the same order as scheduled
+reshapes, three iterations apart; it refuses the ones a DeviceMesh cannot express (interleaved,
+zero-bubble) before anything stops, and reports each applied reshape's phases.
 
 One launch of the real trainer (gloo, local processes), driven from here through the bus:
 iterations run healthy on TP1·PP2·DP4; then rank 3 (replica 1, stage 1) computes at half speed;
@@ -51,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pace", type=float, default=5e-5, help=(
         "emulated device seconds per layer-token (0: raw CPU speed; on a 2-core machine 8 ranks then "
         "share the cores and a sleeping slow rank frees CPU for the others)"))
+    parser.add_argument("--native-pace", type=float, default=2e-4, help=(
+        "the native run's pace: its raw CPU per chunk (DTensor dispatch, FSDP and pipelining hooks) is several "
+        "times the reference's, so at --pace a loaded 2-core machine's CPU time, not the emulated device, sets "
+        "the chunk times and hides the slow rank"))
 
 
 def _plans(layers: int):
@@ -100,17 +106,22 @@ def run(args: argparse.Namespace) -> int:
 NATIVE_ORDER = ("remediate", "microbatches", "tp", "pp", "interleaved", "zero_bubble", "dp")
 
 
+NATIVE_REMEDY_COUNTS = (5, 2, 5, 4)  # replica 1 holds the slow rank: it runs fewer of the 16 micro-batches
+
+
 def _native_plans(layers: int, cfg):
     """The reference run's plans in its order, re-numbered for the native run (a plan the native
-    executor refuses keeps the epoch, so the next one still is running + 1). The micro-batch-only
-    change moves counts to 5/3/4/4 on the starting stages (the reference's is on its remediated
-    stages, which the native executor refuses)."""
+    executor refuses keeps the epoch, so the next one still is running + 1). The remediation is a
+    DP micro-batch migration on the starting stages (the reference's gives the slow stage fewer
+    layers in one replica only, which a DeviceMesh cannot express); the micro-batch-only change
+    then moves the counts back to 4/4/4/4, as the reference's does."""
     from trainer.native.capabilities import refusal
 
     base, plans = _plans(layers)
     plans = dict(plans)
-    plans["microbatches"] = base.model_copy(update={"pipelines": tuple(
-        p.model_copy(update={"microbatches": c}) for p, c in zip(base.pipelines, [5, 3, 4, 4]))})
+    plans["remediate"] = base.model_copy(update={"pipelines": tuple(
+        p.model_copy(update={"microbatches": c}) for p, c in zip(base.pipelines, NATIVE_REMEDY_COUNTS))})
+    plans["microbatches"] = base
     epoch, out = 0, []
     for kind in NATIVE_ORDER:
         plan = plans[kind].model_copy(update={"epoch": epoch + 1})
@@ -122,8 +133,9 @@ def _native_plans(layers: int, cfg):
 
 
 def run_native(args: argparse.Namespace) -> dict:
-    """The same changes on the PyTorch-native executor (no fault injection there: it reports the
-    pause of each reshape, its phases, and tokens/s on each plan)."""
+    """The same fault and changes on the PyTorch-native executor: tokens/s healthy, with rank 3
+    slowed, after its remediation; then the pause of each reshape and its phases."""
+    from trainer.fault_spec import FaultSpec
     from trainer.native.model import LlamaConfig
     from trainer.native.stage import TrainSettings
     from trainer.native.worker import NativeRunSpec, ScheduledReshape, launch_native, read_results
@@ -131,13 +143,19 @@ def run_native(args: argparse.Namespace) -> dict:
     cfg = LlamaConfig(vocab_size=256, dim=args.embd, n_layers=args.layers, n_heads=4, ffn_hidden=2 * args.embd)
     settings = TrainSettings(block_size=args.block)
     base, changes = _native_plans(args.layers, cfg)
-    warmup = 4
-    reshapes = [ScheduledReshape(at_iteration=warmup + i * ITERATIONS_PER_KIND, plan=p) for i, (_, p, _) in
-                enumerate(changes)]
-    iterations = warmup + len(changes) * ITERATIONS_PER_KIND
+    # healthy [0, slow_start) (the first iterations, lazy set-up and cold DTensor caches, are not
+    # measured); rank 3 slow from slow_start; remediated at remedy_at; the fault ends when the next
+    # change is applied, then one change every ITERATIONS_PER_KIND iterations.
+    slow_start, remedy_at, per_phase = 8, 13, 5
+    at = [remedy_at] + [remedy_at + per_phase + i * ITERATIONS_PER_KIND for i in range(len(changes) - 1)]
+    reshapes = [ScheduledReshape(at_iteration=i, plan=p) for i, (_, p, _) in zip(at, changes)]
+    iterations = at[-1] + ITERATIONS_PER_KIND
     tmp = Path(tempfile.mkdtemp(prefix="resihp-bench-native-"))
+    slow = FaultSpec(kind="slow_compute", device=3, factor=args.slow_factor, at_iteration=slow_start,
+                     duration_iterations=at[1] - slow_start)
     spec = NativeRunSpec(job="bench-reshape-native", model=asdict(cfg), settings=asdict(settings), plan=base,
-                         reshapes=reshapes, iterations=iterations, out_dir=str(tmp), device="cpu")
+                         reshapes=reshapes, iterations=iterations, out_dir=str(tmp), device="cpu",
+                         faults=[slow], pace_s_per_layer_token=args.native_pace)
     started = time.perf_counter()
     codes = launch_native(spec)
     elapsed = time.perf_counter() - started
@@ -151,12 +169,19 @@ def run_native(args: argparse.Namespace) -> dict:
     for r in ranks.values():
         for it, w in r.get("walls", {}).items():
             walls.setdefault(int(it), []).append(w)
+
+    def rate(plan, iters) -> float | None:
+        """Median tokens/s over ``iters`` (an iteration lasts as long as its slowest rank)."""
+        steady = [max(walls[i]) for i in iters if i in walls]
+        return plan.global_microbatches * args.block / statistics.median(steady) if steady else None
+
     print(f"bench reshape (native executor): 8 CPU ranks, {args.layers} layers × {args.embd} wide, "
-          f"{args.block}-token micro-batches, no pacing, {elapsed:.1f} s total; exit codes {codes}")
+          f"{args.block}-token micro-batches, pace {args.native_pace:g} s/layer-token, {elapsed:.1f} s total; "
+          f"exit codes {codes}")
     print(f"{'reshape kind':<14} {'pause s':>9} {'tokens/s after':>15}  phases (s, slowest rank; pause excludes "
           "first_step) / refusal")
     pause_s, tokens_per_s = {}, {}
-    for i, (kind, plan, reason) in enumerate(changes):
+    for start, (kind, plan, reason) in zip(at, changes):
         if reason is not None:
             print(f"{kind:<14} {'refused':>9} {'':>15}  {reason[:90]}")
             continue
@@ -168,17 +193,26 @@ def run_native(args: argparse.Namespace) -> dict:
         # The pause, as the reference executor's acknowledgement states it: the protocol, not the first step.
         pause_s[kind] = round(max(sum(v for p, v in rep["phases_s"].items() if p != "first_step")
                                   for rep in reports), 4)
-        at = warmup + i * ITERATIONS_PER_KIND
-        steady = [max(walls[it]) for it in range(at + 1, at + ITERATIONS_PER_KIND) if it in walls]
-        rate = plan.global_microbatches * args.block / statistics.median(steady) if steady else None
-        tokens_per_s[kind] = rate
-        print(f"{kind:<14} {pause_s[kind]:>9.3f} {rate if rate is None else round(rate):>15}  "
+        tokens_per_s[kind] = rate(plan, range(start + 1, start + ITERATIONS_PER_KIND))
+        v = tokens_per_s[kind]
+        print(f"{kind:<14} {pause_s[kind]:>9.3f} {v if v is None else round(v):>15}  "
               + " ".join(f"{p}={v:.3f}" for p, v in phases.items()))
-    healthy = [max(walls[it]) for it in range(1, warmup) if it in walls]
-    if healthy:
-        print(f"{'start':<14} {'':>9} {round(base.global_microbatches * args.block / statistics.median(healthy)):>15}"
-              f"  ({base.shape()})")
-    return {"pause_s": pause_s, "tokens_per_s": tokens_per_s}
+    remedy = changes[0][1]
+    windows = {"healthy": range(3, slow_start), "slow": range(slow_start + 1, remedy_at),
+               "remediated": range(remedy_at + 1, at[1])}
+    phase_rates = {phase: rate(remedy if phase == "remediated" else base, iters) for phase, iters in windows.items()}
+    print(f"{'phase':<14} {'tokens/s':>9}  iterations")
+    for phase, iters in windows.items():
+        v = phase_rates[phase]
+        print(f"{phase:<14} {v if v is None else round(v):>9}  {list(iters)}")
+    healthy, slowed, remedied = phase_rates["healthy"], phase_rates["slow"], phase_rates["remediated"]
+    won_back = (100 * (remedied - slowed) / (healthy - slowed)
+                if healthy and slowed and remedied and healthy > slowed else None)
+    if won_back is not None:
+        print(f"remediation (micro-batches {'/'.join(map(str, NATIVE_REMEDY_COUNTS))}) won back {won_back:.0f}% "
+              "of the throughput the slow rank cost")
+    return {"pause_s": pause_s, "tokens_per_s": tokens_per_s, "phase_tokens_per_s": phase_rates,
+            "won_back_percent": won_back}
 
 
 def run_reference(args: argparse.Namespace) -> dict:

@@ -85,6 +85,16 @@ def test_tp_shrink_and_dp_migration_mid_run_equal_the_reference_and_the_schedule
     assert later.epoch == 1 and sorted({c.microbatch for c in later.chunks}) == [0, 1]
 
 
+def test_tp_grow_onto_fsdp_and_tp_together_equals_the_reference(tmp_path):
+    # DP4 (FSDP over four replicas) → TP2·DP2: every parameter lands in FSDP's strided shard of a
+    # TP shard on a 2-D mesh, each rank taking its shard of the moved state by flat indices.
+    start = _plan(0, *[(1, [((d,), 0, 4)]) for d in range(4)])
+    grown = _plan(1, (2, [((0, 1), 0, 4)]), (2, [((2, 3), 0, 4)]))
+    ranks, params = _run(tmp_path, start, 4, reshapes=[(2, grown)])
+    _assert_matches_reference(ranks, params, 4)
+    assert all(r["reshapes"][0]["source"] == "live" and r["final_epoch"] == 1 for r in ranks.values())
+
+
 def test_pp_repartition_and_dp_drop_then_a_dcp_checkpoint_loads_at_another_layout(tmp_path):
     # PP2·DP2 → one replica of stages [0,1) + [1,4) running all 4 micro-batches (layers moved
     # between stages, devices 2 and 3 released), checkpointed with DCP; a fresh 2-rank job at

@@ -32,8 +32,9 @@ NATIVE_CAPABILITIES = ExecutorCapabilities(
         "dp_drop": "yes",
         "dp_microbatch_migration": "per-replica micro-batch counts may differ; the global batch and loss scaling stay",
         "spares": "every device of the world holds a role; a device left out of the plan is released",
-        "state_transfer": "live (DTensor gather on the old mesh, point to point from a live holder, re-shard on "
-                          "load); DCP checkpoint when a key has no live holder",
+        "state_transfer": "live: each rank's local shards sent raw point to point from live holders, each rank "
+                          "taking its own new shard (no gather on the old mesh); DCP checkpoint only when a key "
+                          "has no live holder",
     },
 )
 

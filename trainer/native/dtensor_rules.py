@@ -1,26 +1,45 @@
-"""A direct sharding rule for ``detach`` on DTensors: the output is sharded exactly as the input.
+"""Shortcuts in DTensor's and FSDP2's set-up that cost most of building a stage on a new mesh.
 
-Why: building a stage on a mesh DTensor has not seen yet (every new layout is one) spends most of
-its time in DTensor's sharding search for ``detach`` — FSDP2 and the TP plan wrap every shard in
-an ``nn.Parameter``, which detaches it, and torch 2.15 answers that by expanding a generic
-per-dimension strategy over the whole mesh (measured: most of ``stages_rebuilt``, over a second on
-a loaded 2-core machine for TP2·PP2·DP2). Detach is the identity on data and layout, so its rule
-is the input's spec; registering it as a plain propagation rule takes the op off the search path.
-Nothing else changes: every other op keeps torch's strategies.
+Why: every new layout is a mesh DTensor has not seen, so its caches are cold and a stage build
+pays, per parameter, for work whose answer is known in advance (measured with cProfile on the
+TP1·PP2·DP4 → TP2·PP2·DP2 reshape of ``resihp bench reshape``, 8 ranks on 2 cores):
+
+* ``detach`` — FSDP2 and the TP plan wrap every shard in an ``nn.Parameter``, which detaches it.
+  torch 2.15 answers that by expanding a generic per-dimension strategy over the whole mesh, then
+  runs the op under a fresh ``FakeTensorMode`` to learn the output's shape and stride. Detach is
+  the identity on data, layout and metadata, so its rule is the input's spec and its metadata the
+  input's: registered here as a plain propagation rule, with the metadata taken from the input.
+* ``DeviceMesh._concatenate`` — FSDP2 over a TP-sharded parameter builds the (dp, tp) mesh of
+  its sharding spec once *per parameter*, each a new ``DeviceMesh`` (layout algebra and a rank
+  map remapped). The same two meshes give the same mesh, so it is built once per pair of meshes
+  (keyed by the meshes' identities, which the memo keeps alive, so an id is never reused).
+
+Nothing else changes: every other op keeps torch's strategies. Each shortcut checks that this
+torch has the hook it replaces and is skipped (the build is only slower) where it does not.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+_SAME_META_OPS = (torch.ops.aten.detach.default,)
 
-def install_detach_rule() -> bool:
-    """Idempotent; returns False (and changes nothing) where this torch lacks the hooks."""
+
+def install_stage_build_shortcuts() -> bool:
+    """Idempotent; returns False where this torch lacks a hook (that shortcut is then skipped)."""
+    return all([_install_detach_rule(), _install_concatenate_memo()])
+
+
+def _install_detach_rule() -> bool:
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
 
     prop = DTensor._op_dispatcher.sharding_propagator
-    needed = ("op_single_dim_strategy_funcs", "op_strategy_funcs", "register_op_strategy")
+    needed = ("op_single_dim_strategy_funcs", "op_strategy_funcs", "register_op_strategy",
+              "_propagate_tensor_meta_non_cached")
     if not all(hasattr(prop, name) for name in needed):
         return False
 
@@ -30,9 +49,43 @@ def install_detach_rule() -> bool:
         return OpStrategy([OpSpec(output_specs=s.output_spec, input_specs=(s.output_spec,),
                                   redistribute_cost=[[0.0] * len(given.strategies)]) for s in given.strategies])
 
-    for op in (torch.ops.aten.detach.default,):
+    for op in _SAME_META_OPS:
         if getattr(prop.op_strategy_funcs.get(op), "__name__", "") == same_as_input.__name__:
             continue
         prop.op_single_dim_strategy_funcs.pop(op, None)
         prop.register_op_strategy(op, same_as_input)
+
+    if not getattr(prop._propagate_tensor_meta_non_cached, "_input_meta_for_identity_ops", False):
+        fake_run = prop._propagate_tensor_meta_non_cached
+
+        def input_meta(op_schema: OpSchema) -> Any:
+            given = op_schema.args_schema[0] if op_schema.args_schema else None
+            if op_schema.op in _SAME_META_OPS and isinstance(given, DTensorSpec) and given.tensor_meta is not None:
+                return given.tensor_meta
+            return fake_run(op_schema)
+
+        input_meta._input_meta_for_identity_ops = True  # type: ignore[attr-defined]
+        prop._propagate_tensor_meta_non_cached = input_meta  # type: ignore[method-assign]
+    return True
+
+
+def _install_concatenate_memo() -> bool:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is None:
+        return False
+    if getattr(concatenate, "_memoised", False):
+        return True
+    made: dict[tuple[int, ...], tuple[list[DeviceMesh], DeviceMesh]] = {}
+
+    def memoised(device_mesh_list: list[DeviceMesh]) -> DeviceMesh:
+        key = tuple(id(m) for m in device_mesh_list)
+        hit = made.get(key)
+        if hit is None:
+            hit = made[key] = (list(device_mesh_list), concatenate(device_mesh_list))
+        return hit[1]
+
+    memoised._memoised = True  # type: ignore[attr-defined]
+    DeviceMesh._concatenate = staticmethod(memoised)  # type: ignore[method-assign]
     return True

@@ -22,7 +22,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from collector.plan import RankRole
 from trainer.data import IGNORE, MicroBatch, global_targets, microbatch, replica_microbatch_ids
-from trainer.native.dtensor_rules import install_detach_rule
+from trainer.native.dtensor_rules import install_stage_build_shortcuts
 from trainer.native.groups import GroupCache
 from trainer.native.layout import NativeLayout
 from trainer.native.model import LlamaConfig, ModelFactory, build_model
@@ -75,7 +75,7 @@ class NativeRole:
         """Every world rank calls this together (a group new to this rank set is created by its
         members). The weights are the seed's initial ones; a reshape then loads the moved state
         over them. No collective runs on the parameters: each rank cuts its own shards."""
-        install_detach_rule()
+        install_stage_build_shortcuts()
         role = layout.role(device)
         world = groups.get("world", [rank_of[d] for d in layout.world], layout.plan.epoch)
         mesh = build_mesh(layout, torch_device.type, groups, rank_of, device)

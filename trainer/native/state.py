@@ -13,9 +13,9 @@ with its own placements — so no collective runs on the old mesh and nothing is
   needs comes from the fewest holders that cover it (itself first), two raw tensors (indices,
   values) per (source, destination) pair, all posted at once. Keys no live piece covers are
   returned as missing (every rank computes the same list, so all take the disk fallback together).
-* :func:`load_full` — each rank cuts its own new shard of every assembled full tensor
-  (``distribute_tensor(..., src_data_rank=None)``: no communication) into the freshly built stage
-  and its AdamW state.
+* :func:`load_full` — each rank takes its own new shard of every assembled full tensor (the flat
+  indices its new placement covers: no communication) into the freshly built stage and its AdamW
+  state.
 * :func:`save_dcp` / :func:`load_dcp` — the sharded DCP checkpoint: written by any layout, read by
   any other (DCP's resharding planner), and the fallback when a key has no live holder.
 
@@ -58,12 +58,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+_CUTS: dict[tuple, torch.Tensor] = {}
+
+
 def _indices(p: torch.Tensor) -> torch.Tensor:
-    """The flat global indices of this rank's shard of ``p``, cut exactly as its values were."""
-    whole = torch.arange(p.numel(), device=_local(p).device).view(p.shape)
-    if isinstance(p, DTensor):
+    """The flat global indices of this rank's shard of ``p``, in the order of its local values,
+    cut exactly as its values were. Memoised per (shape, mesh, this rank's coordinate,
+    placements): the layers of a stage share a handful of those, and each cut costs a DTensor."""
+    if not isinstance(p, DTensor):
+        return torch.arange(p.numel())
+    key = (tuple(p.shape), p.device_mesh, tuple(p.device_mesh.get_coordinate() or ()), tuple(p.placements))
+    cut = _CUTS.get(key)
+    if cut is None:
+        whole = torch.arange(p.numel(), device=_local(p).device).view(p.shape)
         whole = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()
-    return whole.reshape(-1).cpu()
+        cut = _CUTS[key] = whole.reshape(-1).cpu()
+    return cut
 
 
 def local_state(model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> LocalState:
@@ -116,35 +126,42 @@ def exchange(mine: LocalState | None, needed: dict[str, tuple[int, ...]], group:
     if mine is not None:
         for k, idx in mine.index.items():  # a piece's signature: replicas of one shard are equal
             held[k] = (mine.shapes[k], idx.numel(), (idx.numel(), int(idx[0]), int(idx[-1]), int(idx.sum())))
-    info = {"held": held, "needed": sorted(needed), "stepped": mine is not None and mine.step is not None,
-            "small": (mine.step, mine.hyper, mine.scheduler) if mine is not None else None}
+    # Plain Python only: a tensor in the gathered objects costs each receiver a nested torch.load.
+    step = (mine.step.item(), str(mine.step.dtype).removeprefix("torch.")) if mine and mine.step is not None else None
+    info = {"held": held, "needed": sorted(needed), "stepped": step is not None,
+            "small": (step, mine.hyper, mine.scheduler) if mine is not None else None}
     everyone: list[Any] = [None] * size
     dist.all_gather_object(everyone, info, group=group)
     holders = [r for r in range(size) if everyone[r]["held"]]
     stepped = bool(holders) and all(everyone[r]["stepped"] for r in holders)
     width = 1 + len(MOMENTS) if stepped else 1
 
-    # Which pieces each rank receives from which source: identical on every rank.
+    # Which pieces each rank receives from which source: identical on every rank. Per key, its
+    # distinct pieces (replicas of one shard count once) by the first rank holding each.
+    distinct: dict[str, dict[tuple[int, int, int, int], int]] = {}
+    for r in holders:
+        for k, piece in everyone[r]["held"].items():
+            distinct.setdefault(k, {}).setdefault(piece[2], r)
     plan: dict[tuple[int, int], list[str]] = {}
     missing: set[str] = set()
     for dst in range(size):
+        own = everyone[dst]["held"]
         for k in everyone[dst]["needed"]:
-            seen, covered = set(), 0
-            for src in [dst] + [r for r in holders if r != dst]:
-                piece = everyone[src]["held"].get(k)
-                if piece is None or piece[2] in seen:
-                    continue
-                seen.add(piece[2])
-                covered += piece[1]
+            first = [(own[k][2], dst)] if k in own else []
+            others = [(sig, src) for sig, src in distinct.get(k, {}).items() if not first or sig != first[0][0]]
+            covered = 0
+            for sig, src in first + others:
                 plan.setdefault((src, dst), []).append(k)
-                if covered == math.prod(piece[0]):
+                covered += sig[0]
+                if covered == math.prod(everyone[src]["held"][k][0]):
                     break
             else:
                 missing.add(k)
 
     out = Assembled()
     if holders:
-        out.step, out.hyper, out.scheduler = everyone[holders[0]]["small"]
+        step, out.hyper, out.scheduler = everyone[holders[0]]["small"]
+        out.step = torch.tensor(step[0], dtype=getattr(torch, step[1])) if step is not None else None
     pieces: list[tuple[int, list[str], torch.Tensor, torch.Tensor]] = []
     ops: list[dist.P2POp] = []
     for (src, dst), keys in sorted(plan.items()):
@@ -180,26 +197,30 @@ def exchange(mine: LocalState | None, needed: dict[str, tuple[int, ...]], group:
 
 
 def load_full(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, state: Assembled) -> None:
-    """Cut every assembled full tensor to this rank's shard of the new stage and load it: the
-    parameter in place (FSDP's and TP's shards are views of their own storage), the AdamW moments
-    as fresh state of the same placement. Local only."""
-    for k, p in model.named_parameters():
-        full = state.full[k].to(_local(p).device)
-
-        def cut(flat: torch.Tensor, like: torch.Tensor = p) -> torch.Tensor:
-            whole = flat.view(like.shape)
-            if isinstance(like, DTensor):
-                return distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None)
-            return whole.clone()
-
-        with torch.no_grad():
-            _local(p).copy_(_local(cut(full[0])))
-        if full.shape[0] > 1:
-            assert state.step is not None
-            opt.state[p] = {"step": state.step.clone(), **{m: cut(full[1 + i]) for i, m in enumerate(MOMENTS)}}
+    """Take this rank's shard of every assembled full tensor (the flat indices its new placement
+    covers, ``_indices``) into the freshly built stage: the parameter in place (FSDP's and TP's
+    shards are views of their own storage), the AdamW moments as fresh state of the parameter's
+    placement. Local only."""
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            here = _local(p)
+            mine = state.full[k][:, _indices(p)].to(here.device)  # (1 or 3, local numel)
+            here.copy_(mine[0].view(here.shape))
+            if mine.shape[0] > 1:
+                assert state.step is not None
+                opt.state[p] = {"step": state.step.clone(), **{
+                    m: _placed_like(p, mine[1 + i].view(here.shape).clone()) for i, m in enumerate(MOMENTS)}}
     for group in opt.param_groups:
         group.update(state.hyper)
     sched.load_state_dict(state.scheduler)
+
+
+def _placed_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as this rank's shard of a tensor placed like ``p`` (a plain tensor for a plain ``p``)."""
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+    return local
 
 
 def save_dcp(directory: str | Path, model: nn.Module, opt: torch.optim.Optimizer, sched: Any, iteration: int,
