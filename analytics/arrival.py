@@ -163,10 +163,10 @@ class FrameAssembler:
         lag = self.config.unplanned_wait_iterations if watch.heartbeating else self.config.flush_lag_iterations
         bound = top >= iteration + lag
         for rank in waiting:
-            s = watch.streams.get(rank)
-            if s is not None and s.passed(epoch, iteration):
+            passed = watch.passed(rank, epoch, iteration)  # None: nothing of its stream arrived
+            if passed:
                 continue
-            if bound and s is not None and s.hb_time_s is None:
+            if bound and passed is not None and not watch.has_heartbeat(rank):
                 continue
             return False
         return True

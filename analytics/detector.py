@@ -26,7 +26,7 @@ from analytics.cost_model import CostModel
 from analytics.detector_config import DetectorConfig
 from analytics.arrival import FrameAssembler
 from analytics.cost_publish import CostPublisher
-from analytics.fail_stop import FailStopWatch
+from analytics.fail_stop import FailStopWatch, distinct
 from analytics.frame import IterationFrame, LayerLookup, build_frame
 from analytics.hidden_stop import HiddenStopWatch
 from analytics.incidents import IncidentBook, Suspect
@@ -139,7 +139,7 @@ class DetectorStats:
 # The layout of a pickled Detector (its state moves with the consumer's offsets, see
 # analytics/detector_projection.py). Bump it when a change to these classes makes an old pickle
 # unreadable or wrong; a consumer then refuses the old state and names the way out (--rebuild).
-STATE_VERSION = 3
+STATE_VERSION = 4
 
 
 @dataclass
@@ -208,8 +208,7 @@ class Detector:
         if isinstance(p, Heartbeat):
             return self.on_heartbeat(p, event.time_s)
         if isinstance(p, TracingDeclared):
-            self.arrival.declare(p)
-            return self.book.fail_stop(self.fail_stop.declare(p)) + self._flush_ready(True)
+            return self.on_declared(p)
         if isinstance(p, ProbeResult):
             return [] if self.hidden_stop.answer(p.probe_id, p.rank) else self.book.probe_result(p)
         if isinstance(p, (PlanCurrent, ReconfigureCommand)):
@@ -217,6 +216,11 @@ class Detector:
             self.fail_stop.plan_announced(p.plan.epoch, set(p.plan.roles))
             return self._flush_ready(True)
         return []
+
+    def on_declared(self, p: TracingDeclared) -> list[Payload]:
+        """A producer's tracing declaration: which ranks and steps report (and so may be missed)."""
+        self.arrival.declare(p)
+        return self.book.fail_stop(self.fail_stop.declare(p)) + self._flush_ready(True)
 
     def _hidden_stop(self, time_s: float) -> list[Payload]:
         """A hung job whose watched ranks all heartbeat: a rank nobody traces stopped
@@ -250,6 +254,36 @@ class Detector:
     def report_seen(self, rank: int, epoch: int, iteration: int, time_s: float) -> list[Payload]:
         """A rank report's liveness alone (the sharded merge: a shard holds the report itself)."""
         return self.book.fail_stop(self.fail_stop.telemetry(rank, epoch, iteration, time_s))
+
+    def on_liveness(self, kind: np.ndarray, rank: np.ndarray, epoch: np.ndarray, iteration: np.ndarray,
+                    time_s: np.ndarray, interval_s: np.ndarray) -> list[Payload]:
+        """A shard's heartbeats (``kind`` 1) and report progress (0), in the order it read them (the
+        sharded merge, analytics/merge.py): the fail-stop watch takes the batch as arrays
+        (``FailStopWatch.ingest``), the hidden-stop watch is judged once at its newest time. What
+        the array path leaves to the one-by-one rules (a dead rank's row, a clock jump) goes
+        through ``on_heartbeat`` and ``report_seen`` row by row."""
+        changes = self.fail_stop.ingest(kind, rank, epoch, iteration, time_s, interval_s)
+        if changes is None:
+            out: list[Payload] = []
+            for k, r, e, i, t, dt in zip(kind.tolist(), rank.tolist(), epoch.tolist(), iteration.tolist(),
+                                         time_s.tolist(), interval_s.tolist()):
+                if k:
+                    out += self.on_heartbeat(Heartbeat.model_construct(rank=r, epoch=e, iteration=i, interval_s=dt), t)
+                else:
+                    out += self.report_seen(r, e, i, t)
+            return out
+        hb = kind > 0
+        for e in distinct(epoch[hb]):
+            ranks = rank[hb & (epoch == e)].tolist()
+            if self.arrival.tracing:
+                for r in ranks:
+                    self.arrival.heard(e, r)
+            else:
+                self.arrival.learned.setdefault(e, set()).update(ranks)  # what heard() keeps, without a declaration
+        out = self.book.fail_stop(changes)
+        if hb.any():
+            out += self._hidden_stop(float(time_s[hb].max()))
+        return out + self._flush_ready(bool(changes) or bool(self.arrival.pending))
 
     def flush(self) -> list[Payload]:
         """Score every iteration still waiting (end of a trace)."""

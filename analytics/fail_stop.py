@@ -59,6 +59,12 @@ a rank is judged against the others' progress:
   that died during the outage is named ``heartbeat_miss_intervals`` after it, and one whose
   producer reconnects a little later than the others' is not.
 
+- **Batches**: the sharded merge receives every rank's heartbeats and report progress from the
+  shards (analytics/merge.py) and applies them as arrays (``ingest``): per rank what its rows leave,
+  then one judgement if one is due. The same rules, checked to hold before anything is applied
+  (every time believable, no dead rank revived, no interval changed); a batch that needs the
+  one-by-one rules for any row goes event by event. A rank is named at the end of the batch.
+
 What can go wrong: while the job hangs (nobody progresses, so there is no proof of life) a live
 rank whose partition lags the others by more than the hung threshold looks dead until its
 heartbeats arrive; it is then revived (``alive``) and its incident resolved.
@@ -74,6 +80,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from analytics.detector_config import DetectorConfig
+from analytics.rank_streams import RankStreams
 from collector.events import Heartbeat, TracingDeclared
 
 REFERENCE_QUANTILE = 1 / 3
@@ -98,45 +105,23 @@ class LivenessChange:
     iteration: int = 0  # event-derived: the rank's last known iteration + 1 (dead), or where it came back
 
 
-@dataclass
-class RankStream:
-    """What one rank's own stream told us so far."""
-
-    time_s: float = float("-inf")  # watermark: newest event time
-    hb_time_s: float | None = None
-    hb_interval_s: float = 1.0
-    epoch: int = -1
-    reported: int = -1  # newest iteration reported in ``epoch``
-    started: int = -1  # newest iteration a heartbeat said it started in ``epoch``
-    claimed_s: float = float("-inf")  # the newest time it stamped that was not believed (Clocks)
-    untrusted: int = 0  # its events whose time was not believed
-
-    def known_iteration(self, epoch: int) -> int:
-        """The newest iteration of ``epoch`` this stream proves the rank got to (−1 if none)."""
-        if self.epoch > epoch:
-            return 1 << 40
-        if self.epoch < epoch:
-            return -1
-        return max(self.reported, self.started - 1)
-
-    def passed(self, epoch: int, iteration: int) -> bool:
-        """True when the stream moved beyond (epoch, iteration): a report of it can no longer come."""
-        if self.epoch != epoch:
-            return self.epoch > epoch
-        return self.reported > iteration or self.started >= iteration + 2
+def distinct(values: np.ndarray) -> list[int]:
+    """The distinct values of an array that holds few (epochs), without sorting or hashing it."""
+    if not len(values):
+        return []
+    lo, hi = int(values.min()), int(values.max())
+    return [lo] if lo == hi else np.unique(values).tolist()
 
 
 @dataclass
 class FailStopWatch:
     config: DetectorConfig
     dead: set[int] = field(default_factory=set)
-    streams: dict[int, RankStream] = field(default_factory=dict)
-    watched: set[int] = field(default_factory=set)  # the running plan's ranks (or those heard from)
+    table: RankStreams = field(default_factory=RankStreams)  # every rank's stream (analytics/rank_streams.py)
     _epoch_top: dict[int, int] = field(default_factory=dict)  # epoch -> newest iteration any rank reported
     _top_time_s: dict[int, float] = field(default_factory=dict)  # epoch -> event time its top was first reported
     _iteration_s: float | None = None  # typical event time between iterations of the newest epoch
-    _missing: dict[int, int] = field(default_factory=dict)
-    _retired: set[int] = field(default_factory=set)
+    _watched_n: int = 0  # rows watched (the table's ``watched`` column, counted)
     _next_check_s: float = float("-inf")
     _events_since_check: int = 0
     _newest_plan: tuple[int, set[int]] | None = None  # (epoch, devices) of the newest plan announced
@@ -151,85 +136,116 @@ class FailStopWatch:
     # Immutable with a class-level default, so a detector pickled before declarations existed restores.
     tracing: tuple[TracingDeclared, ...] = ()  # every TracingDeclared seen, oldest first
 
+    @property
+    def watched(self) -> set[int]:
+        """The running plan's ranks (or those heard from)."""
+        t = self.table
+        return set(t.rank[t.watched].tolist())
+
+    def _watch(self, i: int) -> None:
+        c = self.table.cols
+        if not c["watched"][i] and not c["retired"][i]:
+            c["watched"][i] = True
+            self._watched_n += 1
+
+    def _live(self) -> np.ndarray:
+        """Rows of watched live ranks whose streams delivered something: the job's progress."""
+        t = self.table
+        live = t.watched & t.heard
+        if self.dead:
+            live &= ~t.mask(self.dead)
+        return live
+
     # ---- input ----------------------------------------------------------------------------------
 
-    def stream(self, rank: int) -> RankStream:
-        s = self.streams.get(rank)
-        if s is None:
-            s = self.streams[rank] = RankStream()
-        return s
-
     def heartbeat(self, hb: Heartbeat, time_s: float) -> list[LivenessChange]:
-        s = self.stream(hb.rank)
-        if not self._believable(hb.rank, s, time_s, "heartbeat"):
+        i = self.table.row(hb.rank)
+        c = self.table.cols
+        c["heard"][i] = True
+        if not self._believable(hb.rank, i, time_s, "heartbeat"):
             return []
-        self._advance(hb.rank, s, hb.epoch, time_s)
-        if s.hb_time_s is None or s.hb_interval_s != hb.interval_s:
-            self._interval_cache_s = None
-        if s.hb_time_s is None:
+        self._advance(hb.rank, i, hb.epoch, time_s)
+        last = float(c["hb_time_s"][i])
+        had = not math.isnan(last)
+        self._interval_changed(float(c["hb_interval_s"][i]) if had else None, hb.interval_s)
+        if not had:
             self.heartbeating += 1
-        newer = s.hb_time_s is None or time_s > s.hb_time_s
-        s.hb_time_s, s.hb_interval_s = time_s if newer else s.hb_time_s, hb.interval_s
-        if hb.epoch == s.epoch:
-            s.started = max(s.started, hb.iteration)
-        if hb.rank not in self._retired:
-            self.watched.add(hb.rank)
-        revived = self._revive(hb.rank, "heartbeats resumed") if newer else []
+        newer = not had or time_s > last
+        if newer:
+            c["hb_time_s"][i] = time_s
+        c["hb_interval_s"][i] = hb.interval_s
+        if hb.epoch == c["epoch"][i] and hb.iteration > c["started"][i]:
+            c["started"][i] = hb.iteration
+        self._watch(i)
+        revived = self._revive(hb.rank, i, "heartbeats resumed") if newer else []
         return revived + self._maybe_check(time_s)
 
-    def _believable(self, rank: int, s: RankStream, time_s: float, what: str) -> bool:
+    def _interval_changed(self, old_s: float | None, new_s: float) -> None:
+        """Keep ``_interval_s``'s cache: the minimum falls with a shorter interval; it may rise
+        only when a stream that held it announces a longer one (then it is walked again)."""
+        cached = self._interval_cache_s
+        if cached is None or old_s == new_s:
+            return
+        if self.heartbeating == 0 or new_s <= cached:
+            self._interval_cache_s = new_s
+        elif old_s is not None and old_s <= cached:
+            self._interval_cache_s = None
+
+    def _believable(self, rank: int, i: int, time_s: float, what: str) -> bool:
         """Whether ``time_s`` is within the skew bound of what arrived before (module docstring,
         Clocks); an unbelieved time is counted, logged (the first per rank, then every 100th) and
         remembered as the rank's claim, which peers' claims can corroborate."""
         if not math.isfinite(time_s):
             self.untrusted_times += 1
             return False
-        base = max(s.time_s, self._newest_s)
+        c = self.table.cols
+        base = max(float(c["time_s"][i]), self._newest_s)
         bound = self.config.reference_max_lag_intervals * self._interval_s()
         if base == float("-inf") or time_s <= base + bound:
             return True
-        s.claimed_s = max(s.claimed_s, time_s)
+        c["claimed_s"][i] = max(float(c["claimed_s"][i]), time_s)
         floor = time_s - bound
-        backers = sum(1 for r in self.watched if r in self.streams
-                      and max(self.streams[r].time_s, self.streams[r].claimed_s) >= floor)
-        if self.watched and backers > REFERENCE_QUANTILE * len(self.watched):
+        t = self.table
+        backers = int(np.count_nonzero(t.watched & t.heard & (np.maximum(t.time_s, t.claimed_s) >= floor)))
+        if self._watched_n and backers > REFERENCE_QUANTILE * self._watched_n:
             self._believe_claims(floor, time_s)  # the job's clocks moved together (a restart after downtime)
             return True
         self.untrusted_times += 1
-        s.untrusted += 1
-        if s.untrusted % 100 == 1:
+        c["untrusted"][i] += 1
+        untrusted = int(c["untrusted"][i])
+        if untrusted % 100 == 1:
             log.warning("%s", json.dumps({"event": "clock_skew", "rank": rank, "what": what,
                                           "ahead_s": round(time_s - base, 3), "bound_s": round(bound, 3),
-                                          "untrusted": s.untrusted}))
+                                          "untrusted": untrusted}))
         return False
 
     def _believe_claims(self, floor_s: float, now_s: float) -> None:
         """The jump to ``now_s`` is corroborated: the claims at or after ``floor_s`` were true too,
         and the time before it was observed for nobody, so every other live rank counts as heard
         at ``now_s`` (as after an outage: only silence after the jump is judged)."""
-        for r in self.watched - self.dead:
-            st = self.streams.get(r)
-            if st is None:
-                continue
-            heard = st.claimed_s if st.claimed_s >= floor_s else now_s
-            st.time_s = max(st.time_s, heard)
-            if st.hb_time_s is not None:
-                st.hb_time_s = max(st.hb_time_s, heard)
-            self._newest_s = max(self._newest_s, heard)
-            st.claimed_s = float("-inf")
+        t = self.table
+        live = self._live()
+        heard = np.where(t.claimed_s >= floor_s, t.claimed_s, now_s)[live]
+        t.time_s[live] = np.maximum(t.time_s[live], heard)
+        hb = t.hb_time_s[live]
+        t.hb_time_s[live] = np.where(np.isnan(hb), hb, np.maximum(hb, heard))
+        if len(heard):
+            self._newest_s = max(self._newest_s, float(heard.max()))
+        t.claimed_s[live] = -np.inf
 
     def telemetry(self, rank: int, epoch: int, iteration: int, time_s: float) -> list[LivenessChange]:
-        s = self.stream(rank)
-        if not self._believable(rank, s, time_s, "report"):
+        i = self.table.row(rank)
+        c = self.table.cols
+        c["heard"][i] = True
+        if not self._believable(rank, i, time_s, "report"):
             return []
-        self._advance(rank, s, epoch, time_s)
-        if epoch == s.epoch:
-            s.reported = max(s.reported, iteration)
+        self._advance(rank, i, epoch, time_s)
+        if epoch == c["epoch"][i] and iteration > c["reported"][i]:
+            c["reported"][i] = iteration
         self._note_progress(epoch, iteration, time_s)
-        self._missing[rank] = 0
-        if rank not in self._retired:
-            self.watched.add(rank)
-        return self._revive(rank, f"telemetry resumed at iteration {iteration}") + self._maybe_check(time_s)
+        c["missing"][i] = 0
+        self._watch(i)
+        return self._revive(rank, i, f"telemetry resumed at iteration {iteration}") + self._maybe_check(time_s)
 
     def _note_progress(self, epoch: int, iteration: int, time_s: float) -> None:
         """Keep the epoch's top iteration, when it was reached, and the typical time per iteration."""
@@ -241,21 +257,130 @@ class FailStopWatch:
             self._iteration_s = step if self._iteration_s is None else 0.8 * self._iteration_s + 0.2 * step
         self._epoch_top[epoch], self._top_time_s[epoch] = iteration, time_s
 
-    def _advance(self, rank: int, s: RankStream, epoch: int, time_s: float) -> None:
-        if s.time_s <= self._deadline_s < time_s and rank in self.watched and rank not in self.dead:
+    def _advance(self, rank: int, i: int, epoch: int, time_s: float) -> None:
+        c = self.table.cols
+        before = float(c["time_s"][i])
+        if before <= self._deadline_s < time_s and c["watched"][i] and rank not in self.dead:
             self._short_of_deadline -= 1  # one more stream the reference's quantile can rise past
-        s.time_s = max(s.time_s, time_s)
+        if time_s > before:
+            c["time_s"][i] = time_s
         self._newest_s = max(self._newest_s, time_s)
-        if epoch > s.epoch:
-            s.epoch, s.reported, s.started = epoch, -1, -1
+        if epoch > c["epoch"][i]:
+            c["epoch"][i], c["reported"][i], c["started"][i] = epoch, -1, -1
         self._heard_epoch = max(self._heard_epoch, epoch)
 
-    def _revive(self, rank: int, reason: str) -> list[LivenessChange]:
-        if rank in self.dead and rank not in self._retired:
+    def _revive(self, rank: int, i: int, reason: str) -> list[LivenessChange]:
+        c = self.table.cols
+        if rank in self.dead and not c["retired"][i]:
             self.dead.discard(rank)
-            self._missing[rank] = 0
-            return [LivenessChange(rank, True, reason, max(self.streams[rank].reported, 0))]
+            c["missing"][i] = 0
+            return [LivenessChange(rank, True, reason, max(int(c["reported"][i]), 0))]
         return []
+
+    def ingest(self, kind: np.ndarray, rank: np.ndarray, epoch: np.ndarray, iteration: np.ndarray,
+               time_s: np.ndarray, interval_s: np.ndarray) -> list[LivenessChange] | None:
+        """A shard's batch of rows (``kind`` 1: a heartbeat with its interval, 0: a rank report),
+        in the order the shard read them, applied as ``heartbeat`` and ``telemetry`` would apply
+        them one by one, in a few numpy operations over the batch (the sharded merge's path).
+
+        The judgement runs once, after the batch, when one of its events would have made it due:
+        a rank is named at the end of the batch that made it dead, not at the event inside it.
+        None, with nothing changed, when the batch holds what only the one-by-one rules settle:
+        a time too far ahead to believe at once (Clocks), a row of a dead rank (it may revive),
+        a heartbeat interval that changes, a non-finite time. The caller then applies the rows
+        one by one (``Detector.on_liveness``)."""
+        n = len(rank)
+        if n == 0:
+            return []
+        if not np.isfinite(time_s).all():
+            return None
+        if self.dead and np.isin(rank, np.fromiter(self.dead, np.int64, len(self.dead))).any():
+            return None
+        t = self.table
+        rows = t.rows(rank)
+        hb = kind > 0
+        u, inv = t.distinct_rows(rows)
+        # intervals: a stream's announced interval never changes inside a fast batch
+        held = t.hb_interval_s[rows]
+        had_hb = ~np.isnan(t.hb_time_s[rows])
+        if (hb & had_hb & (interval_s != held)).any():
+            return None
+        first_int = np.full(len(u), np.nan)
+        np.fmax.at(first_int, inv[hb], interval_s[hb])
+        low = np.full(len(u), np.nan)
+        np.fmin.at(low, inv[hb], interval_s[hb])
+        if not np.array_equal(first_int, low, equal_nan=True):
+            return None
+        # Clocks: every row believable against the newest time of the rows before it
+        base_int = self._interval_s() if self.heartbeating else np.inf
+        hb_int = np.where(hb, interval_s, np.inf)
+        int_before = np.minimum(base_int, np.concatenate([[np.inf], np.minimum.accumulate(hb_int)[:-1]]))
+        int_before = np.where(np.isinf(int_before), 1.0, int_before)
+        newest_before = np.maximum(self._newest_s, np.concatenate([[-np.inf], np.maximum.accumulate(time_s)[:-1]]))
+        bound = self.config.reference_max_lag_intervals * int_before
+        if not ((newest_before == -np.inf) | (time_s <= newest_before + bound)).all():
+            return None
+        return self._apply(rows, u, inv, hb, epoch.astype(np.int64), iteration.astype(np.int64), time_s, interval_s)
+
+    def _apply(self, rows: np.ndarray, u: np.ndarray, inv: np.ndarray, hb: np.ndarray, epoch: np.ndarray,
+               iteration: np.ndarray, time_s: np.ndarray, interval_s: np.ndarray) -> list[LivenessChange]:
+        """``ingest`` once the batch is known to be believable: per rank, what its rows leave."""
+        t = self.table
+        t.heard[u] = True
+        t_max = np.full(len(u), -np.inf)
+        np.maximum.at(t_max, inv, time_s)
+        before = t.time_s[u]
+        if self._deadline_s < np.inf:
+            crossing = (before <= self._deadline_s) & (self._deadline_s < t_max) & t.watched[u]
+            if self.dead:
+                crossing &= ~np.isin(t.rank[u], np.fromiter(self.dead, np.int64, len(self.dead)))
+            self._short_of_deadline -= int(np.count_nonzero(crossing))
+        t.time_s[u] = np.maximum(before, t_max)
+        self._newest_s = max(self._newest_s, float(time_s.max()))
+        self._heard_epoch = max(self._heard_epoch, int(epoch.max()))
+        e_max = np.full(len(u), -1, np.int64)
+        np.maximum.at(e_max, inv, epoch)
+        moved = e_max > t.epoch[u]
+        reset = u[moved]
+        t.epoch[reset], t.reported[reset], t.started[reset] = e_max[moved], -1, -1
+        current = epoch == t.epoch[rows]  # rows of the epoch each stream is now in
+        for col, sel in (("reported", ~hb), ("started", hb)):
+            top = np.full(len(u), -1, np.int64)
+            np.maximum.at(top, inv[sel & current], iteration[sel & current])
+            getattr(t, col)[u] = np.maximum(getattr(t, col)[u], top)
+        if hb.any():
+            last_hb = np.full(len(u), -np.inf)
+            np.maximum.at(last_hb, inv[hb], time_s[hb])
+            got = last_hb > -np.inf
+            old = t.hb_time_s[u]
+            new_hb = got & np.isnan(old)
+            for r in u[new_hb].tolist():  # a stream's first heartbeat: the interval's minimum may fall
+                self._interval_changed(None, float(interval_s[hb & (rows == r)][0]))
+                self.heartbeating += 1
+            t.hb_time_s[u] = np.where(got, np.fmax(old, last_hb), old)
+            interval = np.full(len(u), np.nan)
+            np.fmax.at(interval, inv[hb], interval_s[hb])
+            t.hb_interval_s[u] = np.where(got, interval, t.hb_interval_s[u])
+        t.missing[rows[~hb]] = 0
+        fresh = u[~t.watched[u] & ~t.retired[u]]
+        t.watched[fresh] = True
+        self._watched_n += len(fresh)
+        self._batch_progress(~hb, epoch, iteration, time_s)
+        self._events_since_check += len(rows) - 1
+        return self._maybe_check(float(time_s.max()))
+
+    def _batch_progress(self, report: np.ndarray, epoch: np.ndarray, iteration: np.ndarray,
+                        time_s: np.ndarray) -> None:
+        """``_note_progress`` for the batch's reports that raise their epoch's top, in order (the
+        others leave it as it is)."""
+        raising = np.zeros(len(epoch), bool)
+        for e in distinct(epoch[report]):
+            sel = report & (epoch == e)
+            its = np.where(sel, iteration, -1)
+            prev = np.maximum(self._epoch_top.get(e, -1), np.concatenate([[-1], np.maximum.accumulate(its)[:-1]]))
+            raising |= sel & (iteration > prev)
+        for j in np.flatnonzero(raising).tolist():
+            self._note_progress(int(epoch[j]), int(iteration[j]), float(time_s[j]))
 
     def declare(self, tracing: TracingDeclared) -> list[LivenessChange]:
         """A producer's tracing declaration (replaces an earlier one of the same epoch). A rank
@@ -264,13 +389,16 @@ class FailStopWatch:
         heartbeat: then heartbeats are what judge it, and they still count."""
         self.tracing = tuple(d for d in self.tracing if d.epoch != tracing.epoch) + (tracing,)
         out = []
+        c = self.table.cols
         for rank in sorted(self.dead):
-            s = self.streams.get(rank)
-            if not self.traced(rank) and (s is None or s.hb_time_s is None) and rank not in self._retired:
+            i = self.table.find(rank)
+            if not self.traced(rank) and (i is None or np.isnan(c["hb_time_s"][i])) and (
+                    i is None or not c["retired"][i]):
                 self.dead.discard(rank)
-                self._missing[rank] = 0
+                if i is not None:
+                    c["missing"][i] = 0
                 out.append(LivenessChange(rank, True, f"declared not traced ({tracing.dialect}): its silence is "
-                                                      "expected", max(s.reported, 0) if s is not None else 0))
+                                                      "expected", max(int(c["reported"][i]), 0) if i is not None else 0))
         return out
 
     def traced(self, rank: int, epoch: int | None = None) -> bool:
@@ -289,18 +417,31 @@ class FailStopWatch:
     def silent_untraced(self) -> set[int]:
         """Live ranks of the newest plan left untraced that never sent a heartbeat: nothing of
         theirs can say they stopped (analytics/hidden_stop.py judges them from the job's stall)."""
-        return {r for r in self._untraced_planned() - self.dead
-                if r not in self.streams or self.streams[r].hb_time_s is None}
+        return {r for r in self._untraced_planned() - self.dead if not self.has_heartbeat(r)}
+
+    def has_heartbeat(self, rank: int) -> bool:
+        i = self.table.find(rank)
+        return i is not None and not np.isnan(self.table.cols["hb_time_s"][i])
+
+    def passed(self, rank: int, epoch: int, iteration: int) -> bool | None:
+        """Whether ``rank``'s stream moved beyond (epoch, iteration) (None: nothing of it arrived)."""
+        i = self.table.find(rank)
+        if i is None or not self.table.cols["heard"][i]:
+            return None
+        return self.table.passed(i, epoch, iteration)
 
     def planned(self) -> set[int]:
         """The ranks of the newest announced plan (the watched ones when none was announced)."""
-        return set(self._newest_plan[1]) if self._newest_plan is not None else set(self.watched)
+        return set(self._newest_plan[1]) if self._newest_plan is not None else self.watched
 
     def plan_announced(self, epoch: int, devices: set[int]) -> None:
         """A plan (plan.current or a command) for ``epoch``: a rank it leaves out is being
         reconfigured away, so its silence is not judged, even before the epoch's first frame."""
         if self._newest_plan is None or epoch >= self._newest_plan[0]:
             self._newest_plan = (epoch, set(devices))
+            t = self.table
+            t.rows(np.fromiter(devices, np.int64, len(devices)))
+            t.in_plan[:] = t.mask(self._newest_plan[1])
 
     def top_iteration(self, epoch: int) -> int:
         """The newest iteration of ``epoch`` any rank reported (−1 if none)."""
@@ -314,11 +455,11 @@ class FailStopWatch:
     def reference_s(self) -> float:
         """The job's progress in event time: the lower third of the watched live ranks' watermarks,
         but no more than ``reference_max_lag_intervals`` heartbeat intervals behind the newest."""
-        times = [self.streams[r].time_s for r in self.watched if r not in self.dead and r in self.streams]
-        if not times:
+        times = self.table.time_s[self._live()]
+        if not len(times):
             return float("-inf")
-        lower = float(np.quantile(np.asarray(times), REFERENCE_QUANTILE, method="lower"))
-        return max(lower, max(times) - self.config.reference_max_lag_intervals * self._interval_s())
+        lower = float(np.quantile(times, REFERENCE_QUANTILE, method="lower"))
+        return max(lower, float(times.max()) - self.config.reference_max_lag_intervals * self._interval_s())
 
     def stalled_now(self) -> float:
         """How long the newest epoch has completed nothing, at the job's reference (0: not hung)."""
@@ -329,25 +470,34 @@ class FailStopWatch:
 
     def _interval_s(self) -> float:
         """The shortest heartbeat interval announced (1 s before any heartbeat). Cached: it is asked
-        at every event, and walking every rank's stream each time made this quadratic in ranks."""
+        at every event (``_interval_changed`` keeps it)."""
         if self._interval_cache_s is None:
-            self._interval_cache_s = min((s.hb_interval_s for s in self.streams.values() if s.hb_time_s is not None),
-                                         default=1.0)
+            t = self.table
+            has = ~np.isnan(t.hb_time_s)
+            self._interval_cache_s = float(t.hb_interval_s[has].min()) if has.any() else 1.0
         return self._interval_cache_s
 
     def proof_of_life(self, rank: int) -> bool:
-        """Peers completed iterations the rank must have run: its stream is just late. Peers of its
-        own epoch, or of the newest announced plan when that plan keeps the rank: right after a
-        reshape a lagging stream's last event is of the old epoch, while the job's progress is
-        in the new one, which cannot complete an iteration without the rank either."""
-        s = self.streams.get(rank)
-        if s is None:
-            return False
-        need = s.known_iteration(s.epoch) + 2
-        if self._epoch_top.get(s.epoch, -1) >= need:
-            return True
+        """Peers completed iterations the rank must have run: its stream is just late (``_proof_of_life``)."""
+        i = self.table.find(rank)
+        return i is not None and bool(self.table.cols["heard"][i]) and bool(self._proof_of_life(np.array([i]))[0])
+
+    def _proof_of_life(self, rows: np.ndarray) -> np.ndarray:
+        """Per row: peers completed iterations the rank must have run, so its stream is just late.
+        Peers of its own epoch, or of the newest announced plan when that plan keeps the rank: right
+        after a reshape a lagging stream's last event is of the old epoch, while the job's progress
+        is in the new one, which cannot complete an iteration without the rank either."""
+        t = self.table
+        epoch = t.epoch[rows]
+        need = np.maximum(t.reported[rows], t.started[rows] - 1) + 2
+        tops = np.full(len(rows), -1, np.int64)
+        for e in distinct(epoch):
+            tops[epoch == e] = self._epoch_top.get(e, -1)
+        proof = tops >= need
         plan = self._newest_plan
-        return plan is not None and plan[0] > s.epoch and rank in plan[1] and self._epoch_top.get(plan[0], -1) >= need
+        if plan is not None:
+            proof |= (plan[0] > epoch) & t.in_plan[rows] & (self._epoch_top.get(plan[0], -1) >= need)
+        return proof
 
     def _stall_from_s(self, interval_s: float) -> float:
         """The reference beyond which the job counts as hung: the newest epoch's last completed
@@ -382,7 +532,7 @@ class FailStopWatch:
         self._events_since_check += 1
         due = (self._short_of_deadline <= 0
                or time_s - self.config.reference_max_lag_intervals * self._interval_s() > self._deadline_s)
-        if not due and time_s < self._next_check_s and self._events_since_check < max(len(self.watched) // 3, 8):
+        if not due and time_s < self._next_check_s and self._events_since_check < max(self._watched_n // 3, 8):
             return []
         self._events_since_check = 0
         interval = self._interval_s()
@@ -397,11 +547,12 @@ class FailStopWatch:
         """Caught up after an outage: every live rank counts as heard now (the job's reference), and
         the telemetry-gap counts restart, so only silence after the outage is judged."""
         ref = self.reference_s()
-        for rank in self.watched - self.dead:
-            s = self.streams.get(rank)
-            if s is not None and s.hb_time_s is not None and ref > s.hb_time_s:
-                s.hb_time_s = ref
-        self._missing = {r: 0 for r in self._missing}
+        t = self.table
+        late = t.watched & (t.hb_time_s < ref)  # NaN (no heartbeat yet) compares False
+        if self.dead:
+            late &= ~t.mask(self.dead)
+        t.hb_time_s[late] = ref
+        t.missing[:] = 0
         self.suspended = False
         self._deadline_s, self._short_of_deadline, self._next_check_s = float("inf"), 0, float("-inf")
 
@@ -417,29 +568,31 @@ class FailStopWatch:
             miss = min(miss, self.config.hang_miss_intervals)
         why = f"; the job completed nothing for {stalled:.1f} s" if stalled else ""
         stall_from = self._stall_from_s(interval)
+        t = self.table
+        judged = t.watched & t.heard & ~np.isnan(t.hb_time_s) & ~t.retired
+        if self.dead:
+            judged &= ~t.mask(self.dead)
+        if self._newest_plan is not None:
+            judged &= t.in_plan | (t.epoch >= self._newest_plan[0])  # one left out is being reconfigured away
+        rows = np.flatnonzero(judged)
+        rows = rows[~self._proof_of_life(rows)]
+        late_s = ref - t.hb_time_s[rows]
+        behind = t.epoch[rows] < self._heard_epoch
+        rank_miss = np.where(behind, self._behind_miss(), miss)
+        dies = late_s > rank_miss * t.hb_interval_s[rows]
         out = []
-        deadline = float("inf")
-        for rank in sorted(self.watched):
-            s = self.streams.get(rank)
-            if s is None or s.hb_time_s is None or rank in self.dead or rank in self._retired:
-                continue
-            if self._newest_plan is not None and rank not in self._newest_plan[1] and s.epoch < self._newest_plan[0]:
-                continue
-            late_s = ref - s.hb_time_s
-            if self.proof_of_life(rank):
-                continue
-            behind = s.epoch < self._heard_epoch
-            rank_miss = self._behind_miss() if behind else miss
-            if late_s > rank_miss * s.hb_interval_s:
-                self.dead.add(rank)
-                more = (f"; its stream is still in epoch {s.epoch} while peers are in {self._heard_epoch}"
-                        if behind else why)
-                out.append(LivenessChange(
-                    rank, False, f"no heartbeat for {late_s:.1f} s of the job's progress "
-                                 f"(> {rank_miss:g} intervals of {s.hb_interval_s:g} s{more})",
-                    s.known_iteration(s.epoch) + 1 if s.epoch >= 0 else 0))
-            else:
-                deadline = min(deadline, self._rank_deadline_s(s, stall_from))
+        for j in np.flatnonzero(dies)[np.argsort(t.rank[rows[dies]], kind="stable")].tolist():
+            i = int(rows[j])
+            rank, epoch, hb_interval = int(t.rank[i]), int(t.epoch[i]), float(t.hb_interval_s[i])
+            self.dead.add(rank)
+            more = (f"; its stream is still in epoch {epoch} while peers are in {self._heard_epoch}"
+                    if behind[j] else why)
+            out.append(LivenessChange(
+                rank, False, f"no heartbeat for {late_s[j]:.1f} s of the job's progress "
+                             f"(> {rank_miss[j]:g} intervals of {hb_interval:g} s{more})",
+                t.known_iteration(i, epoch) + 1 if epoch >= 0 else 0))
+        alive = rows[~dies]
+        deadline = float(self._rank_deadline_s(alive, stall_from).min()) if len(alive) else float("inf")
         self._arm(deadline, ref)
         return out
 
@@ -447,26 +600,26 @@ class FailStopWatch:
         """The miss, in intervals, for a stream still in an older epoch than its peers' streams."""
         return max(self.config.heartbeat_miss_intervals, self.config.reference_max_lag_intervals)
 
-    def _rank_deadline_s(self, s: RankStream, stall_from_s: float) -> float:
-        """The reference beyond which this rank is dead: its last heartbeat plus the ordinary miss,
-        or the hung miss once the job counts as stalled (whichever comes first); the longer miss of
-        a stream behind its peers' epoch."""
-        assert s.hb_time_s is not None
-        if s.epoch < self._heard_epoch:
-            return s.hb_time_s + self._behind_miss() * s.hb_interval_s
-        plain = s.hb_time_s + self.config.heartbeat_miss_intervals * s.hb_interval_s
-        return min(plain, max(s.hb_time_s + self.config.hang_miss_intervals * s.hb_interval_s, stall_from_s))
+    def _rank_deadline_s(self, rows: np.ndarray, stall_from_s: float) -> np.ndarray:
+        """Per row, the reference beyond which the rank is dead: its last heartbeat plus the
+        ordinary miss, or the hung miss once the job counts as stalled (whichever comes first);
+        the longer miss of a stream behind its peers' epoch."""
+        t = self.table
+        hb, interval = t.hb_time_s[rows], t.hb_interval_s[rows]
+        plain = np.minimum(hb + self.config.heartbeat_miss_intervals * interval,
+                           np.maximum(hb + self.config.hang_miss_intervals * interval, stall_from_s))
+        return np.where(t.epoch[rows] < self._heard_epoch, hb + self._behind_miss() * interval, plain)
 
     def _arm(self, deadline_s: float, ref_s: float) -> None:
         """Count the live watched streams at or before ``deadline_s``: the reference (their lower
         ``REFERENCE_QUANTILE``) passes it once only ⌊q·(n−1)⌋ of them are left there. A deadline
         the reference is already past (a rank the judgement kept alive) disarms the trigger, so it
         cannot fire on every event; the periodic judgement still runs."""
-        times = [self.streams[r].time_s for r in self.watched if r not in self.dead and r in self.streams]
-        if not times or deadline_s == float("inf") or ref_s > deadline_s:
+        times = self.table.time_s[self._live()]
+        if not len(times) or deadline_s == float("inf") or ref_s > deadline_s:
             self._deadline_s, self._short_of_deadline = float("inf"), 0
             return
-        behind = sum(t <= deadline_s for t in times)
+        behind = int(np.count_nonzero(times <= deadline_s))
         short = behind - int(REFERENCE_QUANTILE * (len(times) - 1))
         self._deadline_s, self._short_of_deadline = (deadline_s, short) if short > 0 else (float("inf"), 0)
 
@@ -476,12 +629,14 @@ class FailStopWatch:
         out: list[LivenessChange] = []
         if self.suspended:
             return out  # a report missing through a bus outage is the bus's
+        c = self.table.cols
         for rank in sorted(ranks):
             if not self.traced(rank):
                 continue  # declared untraced: its silence is expected, not a death
-            n = self._missing.get(rank, 0) + 1
-            self._missing[rank] = n
-            if n >= self.config.telemetry_lag_iterations and rank not in self.dead and rank not in self._retired:
+            i = self.table.row(rank)
+            c["missing"][i] += 1
+            n = int(c["missing"][i])
+            if n >= self.config.telemetry_lag_iterations and rank not in self.dead and not c["retired"][i]:
                 self.dead.add(rank)
                 out.append(LivenessChange(rank, False, f"telemetry stopped: no report for {n} iterations "
                                                        f"while peers reported (up to iteration {iteration})",
@@ -492,7 +647,11 @@ class FailStopWatch:
         """Ranks outside the new plan are no longer watched (nor dead: they were reconfigured away).
         The plan's declared-untraced ranks stay: ``present`` holds only the ranks that report."""
         present = set(present) | self._untraced_planned()
-        self._retired = (set(self.streams) | self.watched) - present
-        self.watched = set(present)
+        t = self.table
+        t.rows(np.fromiter(present, np.int64, len(present)))
+        keep = t.mask(present)
+        t.retired[:] = (t.heard | t.watched) & ~keep
+        t.watched[:] = keep
+        self._watched_n = len(present)
         self.dead &= present
-        self._missing = {r: 0 for r in present}
+        t.missing[:] = 0

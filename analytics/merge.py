@@ -20,6 +20,9 @@ a summary of an iteration already judged are dropped and counted in ``duplicates
 
 from __future__ import annotations
 
+import binascii
+import json
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,8 +35,12 @@ from analytics.scoring import fit_ranks, learn_units
 from collector.bus import Bus
 from collector.auth import Gate, Signer
 from collector.events import (
-    Envelope, Heartbeat, LivenessBatch, Payload, PlanCurrent, ReconfigureCommand, ReplicaSummary,
+    Envelope, LivenessBatch, Payload, PlanCurrent, ReconfigureCommand, ReplicaSummary,
 )
+
+
+log = logging.getLogger(__name__)
+LIVENESS_HELD_ROWS = 1 << 20  # liveness rows the merge holds before applying them (``JobMerge.settle``)
 
 
 @dataclass
@@ -43,6 +50,7 @@ class JobMerge:
     job: str
     config: DetectorConfig = field(default_factory=DetectorConfig)
     duplicates: int = 0
+    malformed: int = 0  # liveness batches whose arrays do not match their layout (logged, not applied)
 
     def __post_init__(self) -> None:
         self.detector = Detector(self.job, self.config)
@@ -50,6 +58,8 @@ class JobMerge:
         self._judged: tuple[int, int] = (-1, -1)
         self._replicas: dict[int, set[int]] = {}  # epoch -> replicas of its plan
         self._lookup: dict[int, LayerLookup] = {}
+        self._heard: list[LivenessBatch] = []  # liveness not applied yet (``settle``)
+        self._heard_rows = 0
 
     def on_event(self, event: Envelope) -> list[Payload]:
         p = event.payload
@@ -63,28 +73,51 @@ class JobMerge:
             self._waiting.setdefault(key, {})[p.replica] = p
             return self._judge_ready(final=False)
         if isinstance(p, LivenessBatch):
-            return self._liveness(p)
+            self._heard.append(p)
+            self._heard_rows += p.rows
+            return self.settle() if self._heard_rows >= LIVENESS_HELD_ROWS else []
+        out = self.settle()
         if isinstance(p, (PlanCurrent, ReconfigureCommand)):
             self._replicas[p.plan.epoch] = set(range(len(p.plan.pipelines)))
-        return self.detector.on_event(event) + self._judge_ready(final=False)
+        return out + self.detector.on_event(event) + self._judge_ready(final=False)
 
-    def _liveness(self, p: LivenessBatch) -> list[Payload]:
-        """A shard's heartbeats and report progress through the fail-stop watch, in the order it
-        read them. When the dead set changes the fits are published again with it: a replica with a
-        dead rank completes without it, as the single process judges an iteration without the dead."""
+    def settle(self) -> list[Payload]:
+        """Apply the liveness batches held so far, as one batch of arrays through the fail-stop
+        watch (``Detector.on_liveness``): per batch its cost is a few numpy operations, so the merge
+        holds the shards' batches until it judges an iteration, reads another kind of event, ends
+        a poll (``MergeWorker.step``) or holds ``LIVENESS_HELD_ROWS``. When the dead set changes
+        the fits are published again with it: a replica with a dead rank completes without it, as
+        the single process judges an iteration without the dead."""
+        if not self._heard:
+            return []
         det = self.detector
         dead_before = set(det.fail_stop.dead)
-        rows = unpack(p.layout, p.blob)
         out: list[Payload] = []
-        for kind, rank, epoch, iteration, time_s, interval_s in zip(*(rows[n].tolist() for n in LIVENESS_ARRAYS)):
-            if kind:
-                hb = Heartbeat.model_construct(rank=rank, epoch=epoch, iteration=iteration, interval_s=interval_s)
-                out += det.on_heartbeat(hb, time_s)  # validated when the shard read it
-            else:
-                out += det.report_seen(rank, epoch, iteration, time_s)
-        if set(det.fail_stop.dead) != dead_before:
+        held, self._heard, self._heard_rows = self._heard, [], 0
+        parts: list[dict[str, np.ndarray]] = []
+        for p in held:
+            if p.declared:  # declarations apply in order: the rows read before them first
+                out += self._ingest(parts)
+                parts = []
+                out += [x for d in p.declared for x in det.on_declared(d)]
+            rows = _liveness_rows(p)
+            if rows is None:
+                self.malformed += 1
+                log.warning("%s", json.dumps({"event": "liveness_malformed", "job": self.job, "shard": p.shard,
+                                              "rows": p.rows, "malformed": self.malformed}))
+                continue
+            parts.append(rows)
+        out += self._ingest(parts)
+        if det.fail_stop.dead != dead_before:
             out.append(fits_event(det.model, *self._judged, det.arrival.plans, det.fail_stop.dead))
         return out + self._judge_ready(final=False)
+
+    def _ingest(self, parts: list[dict[str, np.ndarray]]) -> list[Payload]:
+        if not parts:
+            return []
+        kind, rank, epoch, iteration, time_s, interval_s = (np.concatenate([p[n] for p in parts]) for n in LIVENESS_ARRAYS)
+        return self.detector.on_liveness(kind, rank.astype(np.int64), epoch.astype(np.int64),
+                                         iteration.astype(np.int64), time_s, interval_s)
 
     def _layers(self, epoch: int) -> LayerLookup | None:
         plan = self.detector.arrival.plans.get(epoch)
@@ -96,7 +129,7 @@ class JobMerge:
 
     def flush(self) -> list[Payload]:
         """Judge every iteration still waiting (end of a recording)."""
-        return self._judge_ready(final=True)
+        return self.settle() + self._judge_ready(final=True)
 
     def _judge_ready(self, final: bool) -> list[Payload]:
         out: list[Payload] = []
@@ -106,6 +139,9 @@ class JobMerge:
             want = self._replicas.get(key[0])
             if not final and (want is None or len(have) < len(want) or not want <= have.keys()):
                 return out
+            out += self.settle()  # the liveness read before this iteration's last summary counts for it
+            if key not in self._waiting:
+                continue  # settling judged it
             del self._waiting[key]
             self._judged = key
             out += self.judge(*key, [have[r] for r in sorted(have)])
@@ -128,6 +164,17 @@ class JobMerge:
         return out
 
 
+def _liveness_rows(p: LivenessBatch) -> dict[str, np.ndarray] | None:
+    """The batch's arrays, or None when they are not the six of ``p.rows`` rows its layout names (a
+    shard of another build, or a corrupt record): applying part of a batch would misalign ranks
+    and times."""
+    try:
+        rows = unpack(p.layout, p.blob)
+    except (ValueError, binascii.Error):
+        return None
+    return rows if all(len(rows.get(n, ())) == p.rows for n in LIVENESS_ARRAYS) else None
+
+
 class MergeWorker:
     """The merge on the bus: reads the analytics topic (ReplicaSummaries) and the control topic
     (plans) from their beginning as its own group, keeps one JobMerge per job, and publishes what
@@ -147,8 +194,7 @@ class MergeWorker:
         self.gate = Gate("analytics-merge")
 
     def step(self, max_records: int = 20_000, timeout_s: float = 0.5) -> int:
-        from collector.events import EventFactory
-
+        last_s: dict[str, float] = {}  # per job, its newest event's time: what settling answers
         for d in self.stream.poll(max_records, timeout_s):
             e = d.event
             if not self.gate.admit(e, time_s=e.time_s):
@@ -159,13 +205,20 @@ class MergeWorker:
             merge = self.merges.get(e.job)
             if merge is None:
                 merge = self.merges[e.job] = JobMerge(e.job, self.config)
-            out = merge.on_event(e)
-            if out:
-                f = Signer(EventFactory(e.job, "analytics-merge"), "analytics", self.gate.keyring)
-                self.bus.publish([f.make(p, time_s=e.time_s) for p in out])
+            self._publish(e.job, merge.on_event(e), e.time_s)
+            last_s[e.job] = e.time_s
+        for job, t in last_s.items():  # the poll's liveness, judged before the next poll
+            self._publish(job, self.merges[job].settle(), t)
         if rejected := self.gate.take():
             self.bus.publish(rejected)
         return self.stream.last_polled
 
     def close(self) -> None:
         self.stream.close()
+
+    def _publish(self, job: str, out: list[Payload], time_s: float) -> None:
+        if out:
+            from collector.events import EventFactory
+
+            f = Signer(EventFactory(job, "analytics-merge"), "analytics", self.gate.keyring)
+            self.bus.publish([f.make(p, time_s=time_s) for p in out])

@@ -34,11 +34,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from analytics.detector_config import DetectorConfig
+from analytics.fail_stop import tracing_at
 from analytics.frame import LayerLookup, build_frame
 from analytics.replica_summary import LIVENESS_ARRAYS, pack, summarize_replica
 from collector.bus import Bus, TopicPartition
 from collector.events import (
     DetectorFits, Envelope, Heartbeat, LivenessBatch, PlanCurrent, RankIteration, ReconfigureCommand, ReplicaSummary,
+    TracingDeclared,
 )
 from collector.plan import Plan
 
@@ -72,6 +74,8 @@ class ReplicaShard:
     _dead: set[int] = field(default_factory=set)  # ranks the merge holds dead (its latest fits say)
     _dead_from: tuple[int, int] = (-2, -2)  # the fits that said so
     _heard: list[tuple[int, int, int, int, float, float]] = field(default_factory=list)  # liveness rows
+    _declared: list[TracingDeclared] = field(default_factory=list)  # read since the last LivenessBatch
+    _tracing: tuple[TracingDeclared, ...] = ()  # every declaration read (the newest per epoch)
     emitted: int = 0
 
     def on_event(self, event: Envelope, where: tuple[str, int, int] | None = None) -> list[ReplicaSummary]:
@@ -96,6 +100,10 @@ class ReplicaShard:
         if isinstance(p, Heartbeat):
             self._heard.append((1, p.rank, p.epoch, p.iteration, event.time_s, p.interval_s))
             return []
+        if isinstance(p, TracingDeclared):
+            self._declared.append(p)  # for the merge; and a replica's untraced ranks are not waited for
+            self._tracing = tuple(d for d in self._tracing if d.epoch != p.epoch) + (p,)
+            return self._ready()
         if not isinstance(p, RankIteration):
             return []
         self._heard.append((0, p.rank, p.epoch, p.iteration, event.time_s, 0.0))
@@ -128,7 +136,7 @@ class ReplicaShard:
                     if self._top.get((epoch, replica), -1) <= iteration:
                         continue
                     self._members[(epoch, replica)] = have
-                elif not members - self._dead <= have:
+                elif not self._traced(members, epoch) - self._dead <= have:
                     continue
                 pend.complete = True
             fits = self._fits.get(iteration - 1)
@@ -139,15 +147,21 @@ class ReplicaShard:
             # else: the merge has not judged the job's previous iteration yet
         return out
 
+    def _traced(self, members: set[int], epoch: int) -> set[int]:
+        """The members whose reports are due: a rank its producer declared untraced sends none."""
+        declared = tracing_at(self._tracing, epoch)
+        return members if declared is None else {r for r in members if declared.rank_traced(r)}
+
     def take_liveness(self) -> LivenessBatch | None:
-        """The heartbeats and report progress read since the last call, for the merge's fail-stop
-        watch (shards hold whole replicas, but liveness is judged against the whole job)."""
-        if not self._heard:
+        """The heartbeats, report progress and tracing declarations read since the last call, for
+        the merge's fail-stop watch (shards hold whole replicas, but liveness is judged against the
+        whole job)."""
+        if not self._heard and not self._declared:
             return None
-        rows = np.array(self._heard, dtype=float)
-        self._heard = []
+        rows = np.array(self._heard, dtype=float).reshape(-1, len(LIVENESS_ARRAYS))
+        declared, self._heard, self._declared = self._declared, [], []
         layout, blob = pack(dict(zip(LIVENESS_ARRAYS, rows.T)))
-        return LivenessBatch(rows=len(rows), shard=self.name, layout=layout, blob=blob)
+        return LivenessBatch(rows=len(rows), shard=self.name, layout=layout, blob=blob, declared=declared)
 
     def _best_fits(self, epoch: int, iteration: int) -> DetectorFits | None:
         """The latest fits from before (epoch, iteration)."""

@@ -9,8 +9,8 @@ chunks, as bench/analytics.py's detector table):
   (ceil(DP / N)): shards share nothing, so per-shard work is that product, and it falls as 1/N
   while N divides the replicas;
 * the merge (analytics/merge.py), measured whole at the full size: decode every replica's
-  LivenessBatch (its reports' and heartbeats' progress, through the fail-stop watch) and ReplicaSummary, and judge
-  the job (``JobMerge.judge``: centring, the cost-model fit on the summaries' unit rows, CUSUMs,
+  LivenessBatch and ReplicaSummary, apply the batches' heartbeats and report progress to the
+  fail-stop watch as arrays (``JobMerge.settle``), and judge the job (``JobMerge.judge``: centring, the cost-model fit on the summaries' unit rows, CUSUMs,
   incidents, the fits for the next iteration);
 * bytes on the wire per iteration: rank reports (JSON), and ReplicaSummaries with LivenessBatches.
 
@@ -119,12 +119,15 @@ def bench_shards(ranks: int, shards: list[int], iterations: int = 4, microbatche
         events = [decode(w) for w in wires]
         t1 = time.perf_counter()
         got = []
-        liveness_s = 0.0
-        for e in events:
-            t_e = time.perf_counter()
-            got += merge.on_event(e)
+        for e in events:  # as a poll reads them: the shards' liveness, then their summaries
             if isinstance(e.payload, LivenessBatch):
-                liveness_s += time.perf_counter() - t_e
+                got += merge.on_event(e)
+        t_live = time.perf_counter()
+        got += merge.settle()
+        liveness_s = time.perf_counter() - t_live
+        for e in events:
+            if not isinstance(e.payload, LivenessBatch):
+                got += merge.on_event(e)
         t2 = time.perf_counter()
         fits = next(p for p in got if isinstance(p, DetectorFits))
         if it >= 2:  # the first iterations fit the cost model from scratch
@@ -167,6 +170,7 @@ def bench_kafka_shards(bootstrap: str, shards: list[int], dp: int = 16, iteratio
     import uuid
 
     from collector import topics
+    from collector.auth import Signer
     from collector.events import EventFactory, PlanCurrent, ReplicaSummary
     from collector.kafka_bus import KafkaBus
     from collector.plan import Plan
@@ -177,7 +181,8 @@ def bench_kafka_shards(bootstrap: str, shards: list[int], dp: int = 16, iteratio
         ns = f"bench{uuid.uuid4().hex[:8]}."
         bus = KafkaBus(bootstrap, namespace=ns)
         plan = Plan.uniform(tp=8, pp=16, dp=dp, num_layers=64, microbatches_per_replica=16)
-        bus.publish([EventFactory("bench", "trainer").make(PlanCurrent(plan=plan))])  # the merge waits for it
+        # the merge waits for the plan, and admits one only as the executor signed it
+        bus.publish([Signer(EventFactory("bench", "trainer"), "executor").make(PlanCurrent(plan=plan))])
         fac = EventFactory("bench", "rank")
         for it in range(iterations):
             bus.publish([fac.make(r, time_s=float(it)) for d in range(dp) for r in _replica_reports(8, 16, d, 16, it)])

@@ -424,13 +424,15 @@ class LivenessBatch(Payload):
     watch (analytics/fail_stop.py), which judges heartbeats and report progress job-wide: one row
     per heartbeat (kind 1, with its interval) or rank report (kind 0) the shard read, in the order
     read. ``blob``/``layout`` as in ReplicaSummary: arrays kind, rank, epoch, iteration, time_s,
-    interval_s."""
+    interval_s. ``declared``: the producers' tracing declarations the shard read (they travel on
+    the telemetry topic, which the merge does not read), applied before the rows."""
 
     KIND: ClassVar[str] = "analytics.liveness"
-    rows: int = Field(ge=1)
+    rows: int = Field(ge=0)
     shard: str = Field(default="", description="the analytics process that read them (diagnostics only)")
     layout: list[tuple[str, Literal["<f8", "<f4", "<i4", "<i1"], int]]
     blob: str
+    declared: list[TracingDeclared] = Field(default_factory=list, max_length=1024)
 
 
 class DetectorFits(Payload):

@@ -10,38 +10,42 @@ from analytics.merge import JobMerge
 from analytics.shards import ReplicaShard
 from collector.events import (
     Coords, DetectorFits, EventFactory, Heartbeat, IncidentOpened, IterationPrediction, RankIteration, ReplicaSummary,
+    TracingDeclared,
 )
 from collector.topics import PartitionKeys
 from test_detect_detector import opened, run, synth
 
 
-def _sharded(events, shards: int, *, replay: int = 0) -> tuple[JobMerge, list]:
+def _sharded(events, shards: int, *, replay: int = 0, job: str = "j") -> tuple[JobMerge, list]:
     """Replicas dealt to ``shards`` shards (replica % shards, as a keyed partition would; a rank's
     heartbeats follow its reports), every shard reading the plans and the merge's fits; the merge
     judges as summaries come. ``replay``: shard 0 sends each summary that many more times (a
     successor rebuilding from the log)."""
-    workers = [ReplicaShard("j", f"s{i}") for i in range(shards)]
-    merge = JobMerge("j")
-    sf, mf = EventFactory("j", "shard"), EventFactory("j", "analytics-merge")
+    workers = [ReplicaShard(job, f"s{i}") for i in range(shards)]
+    merge = JobMerge(job)
+    sf, mf = EventFactory(job, "shard"), EventFactory(job, "analytics-merge")
     out: list = []
 
     def to_merge(payloads: list) -> None:
         for s in payloads:
             for _ in range(1 + (replay if isinstance(s, ReplicaSummary) and s.shard == "s0" else 0)):
-                got = merge.on_event(sf.make(s))
-                out.extend(got)
-                for p in got:
-                    if isinstance(p, DetectorFits):  # every shard reads the merge's fits
-                        to_merge([x for w in workers for x in w.on_event(mf.make(p))])
+                published(merge.on_event(sf.make(s)))
+
+    def published(got: list) -> None:
+        out.extend(got)
+        for p in got:
+            if isinstance(p, DetectorFits):  # every shard reads the merge's fits
+                to_merge([x for w in workers for x in w.on_event(mf.make(p))])
 
     replica_of = {e.payload.rank: e.payload.coords.dp for e in events if isinstance(e.payload, RankIteration)}
     for e in events:
         p = e.payload
-        if isinstance(p, (RankIteration, Heartbeat)):
-            w = workers[replica_of.get(p.rank, 0) % shards]
+        if isinstance(p, (RankIteration, Heartbeat, TracingDeclared)):
+            w = workers[replica_of.get(getattr(p, "rank", 0), 0) % shards]
             got = w.on_event(e)
             heard = w.take_liveness()
             to_merge(([heard] if heard is not None else []) + got)
+            published(merge.settle())  # as the merge worker does at the end of each poll
         elif e.kind.startswith("plan."):
             out.extend(merge.on_event(e))
             to_merge([x for w in workers for x in w.on_event(e)])
@@ -115,6 +119,126 @@ def test_a_dead_rank_raises_the_single_detectors_fail_stop_through_shards() -> N
         assert [x[1:] for x in got] == [x[1:] for x in expected], n
         assert abs(got[0][0] - expected[0][0]) <= 1, n
         assert merge.detector.stats.frames == single_det.stats.frames, n  # the death's iteration judged too
+
+
+def _liveness_rows(ranks: int, iterations: int, dies: tuple[int, int], reshape_at: int) -> np.ndarray:
+    """Rows (kind, rank, epoch, iteration, time_s, interval_s) of a job whose streams interleave
+    unevenly: each rank reports and heartbeats once per iteration at a jittered time, rank
+    ``dies[0]`` goes silent from iteration ``dies[1]`` (the others then only heartbeat, stalled), and
+    the job moves to epoch 1 at ``reshape_at``."""
+    rng = np.random.default_rng(3)
+    rows = []
+    for it in range(iterations):
+        epoch = int(it >= reshape_at)
+        for r in range(ranks):
+            if r == dies[0] and it >= dies[1]:
+                continue
+            t = 10.0 + it + rng.uniform(0, 0.4)
+            if it < dies[1]:
+                rows.append((0, r, epoch, it, t, 0.0))
+            rows.append((1, r, epoch, min(it, dies[1]) + 1, t + 0.05, 1.0))
+    out = np.array(rows)
+    return out[np.argsort(out[:, 4], kind="stable")]
+
+
+def test_a_liveness_batch_leaves_the_watch_as_its_events_one_by_one_do() -> None:
+    """The merge's array path (FailStopWatch.ingest) against the single process's event path:
+    the same streams, the same dead rank at the same iteration; only when within a batch it is named
+    differs (at the batch's end)."""
+    from analytics.detector_config import DetectorConfig
+    from analytics.fail_stop import FailStopWatch
+
+    rows = _liveness_rows(ranks=48, iterations=30, dies=(17, 20), reshape_at=8)
+    one, batched = FailStopWatch(DetectorConfig()), FailStopWatch(DetectorConfig())
+    for w in (one, batched):
+        w.plan_announced(0, set(range(48)))
+    by_one, by_batch = [], []
+    for k, r, e, i, t, dt in rows.tolist():
+        if k:
+            by_one += one.heartbeat(Heartbeat(rank=int(r), epoch=int(e), iteration=int(i), interval_s=dt), t)
+        else:
+            by_one += one.telemetry(int(r), int(e), int(i), t)
+    fast = 0
+    for b in range(0, len(rows), 40):
+        part = rows[b:b + 40]
+        got = batched.ingest(part[:, 0].astype(int), part[:, 1].astype(int), part[:, 2].astype(int),
+                             part[:, 3].astype(int), part[:, 4], part[:, 5])
+        assert got is not None  # nothing here needs the one-by-one rules
+        by_batch += got
+        fast += 1
+    assert [(c.rank, c.alive, c.iteration) for c in by_batch] == [(c.rank, c.alive, c.iteration) for c in by_one]
+    assert [c.rank for c in by_one] == [17] and one.dead == batched.dead == {17}
+    for col in ("time_s", "hb_time_s", "hb_interval_s", "epoch", "reported", "started", "watched"):
+        a, b_ = getattr(one.table, col), getattr(batched.table, col)
+        assert np.array_equal(a[np.argsort(one.table.rank)], b_[np.argsort(batched.table.rank)], equal_nan=True), col
+    assert (one.top_iteration(1), one.reference_s(), one.interval_s()) == (
+        batched.top_iteration(1), batched.reference_s(), batched.interval_s())
+
+
+def test_a_batch_the_array_path_cannot_settle_goes_event_by_event() -> None:
+    """A clock far ahead of the job (and a dead rank's heartbeat) leave the watch untouched on the
+    array path; the detector then applies the rows one by one, as the single process does."""
+    from analytics.detector import Detector
+
+    rows = _liveness_rows(ranks=8, iterations=6, dies=(99, 99), reshape_at=99)
+    det, ref = Detector("j"), Detector("j")
+    cols = lambda a: (a[:, 0].astype(int), a[:, 1].astype(int), a[:, 2].astype(int), a[:, 3].astype(int),  # noqa: E731
+                      a[:, 4], a[:, 5])
+    det.on_liveness(*cols(rows))
+    jump = rows[-3:].copy()
+    jump[0, 4] += 1e4  # one rank's clock jumps ahead: not believed, counted
+    assert det.fail_stop.ingest(*cols(jump)) is None
+    det.on_liveness(*cols(jump))
+    for k, r, e, i, t, dt in np.concatenate([rows, jump]).tolist():
+        if k:
+            ref.on_heartbeat(Heartbeat(rank=int(r), epoch=int(e), iteration=int(i), interval_s=dt), t)
+        else:
+            ref.report_seen(int(r), int(e), int(i), t)
+    assert det.fail_stop.untrusted_times == ref.fail_stop.untrusted_times == 1
+    assert det.fail_stop.reference_s() == ref.fail_stop.reference_s()
+
+
+def test_a_liveness_batch_whose_arrays_do_not_match_its_layout_is_counted_not_applied() -> None:
+    from analytics.replica_summary import pack
+    from collector.events import LivenessBatch
+
+    merge = JobMerge("j")
+    f = EventFactory("j", "shard")
+    short = dict(zip(("kind", "rank", "epoch", "iteration", "time_s"), np.ones((5, 3))))
+    short["interval_s"] = np.ones(2)  # one array shorter than the rest
+    layout, blob = pack(short)
+    assert merge.on_event(f.make(LivenessBatch(rows=3, layout=layout, blob=blob))) == []
+    truncated = LivenessBatch(rows=3, layout=[("kind", "<i4", 3)], blob="AAAA")  # fewer bytes than named
+    merge.on_event(f.make(truncated))
+    assert merge.settle() == [] and merge.malformed == 2
+    assert merge.detector.fail_stop.table.n == 0  # nothing of them reached the watch
+
+
+def test_an_untraced_rank_that_stops_raises_the_hidden_stop_through_shards() -> None:
+    """Megatron-style tracing (one rank per TP group reports; the declaration travels on the
+    telemetry topic, so shards forward it to the merge): an untraced rank stops, the job hangs, and
+    the merge's hidden-stop watch names the same group as the single process."""
+    from analytics.detector import Detector
+    from trainer.fault_spec import FaultSpec
+    from trainer.sim.engine import SimEngine
+    from trainer.sim.scenario import load_scenario
+    from pathlib import Path
+
+    sc = load_scenario(Path(__file__).resolve().parent.parent / "scenarios" / "fail_stop_gpu.yaml")
+    engine = SimEngine(sc.model_copy(update={"iterations": 20, "dialect": "megatron", "faults": []}).sim_config(),
+                       [FaultSpec(kind="stop_device", device=13, at_iteration=12)])
+    events = []
+    while engine.iteration < 20 and not engine.finished:
+        events += engine.step()
+    single_det = Detector(engine.config.job)
+    single = [p for e in events for p in single_det.on_event(e)]
+    _, sharded = _sharded(events, 3, job=engine.config.job)
+    expected = [(p.iteration, p.locations[0].tp_group) for p in single
+                if isinstance(p, IncidentOpened) and p.category == "fail_stop"]
+    assert len(expected) == 1 and 13 in (expected[0][1] or ())
+    got = [(p.iteration, p.locations[0].tp_group) for p in sharded
+           if isinstance(p, IncidentOpened) and p.category == "fail_stop"]
+    assert got == expected
 
 
 def test_a_shard_waits_for_the_fits_of_the_jobs_previous_iteration() -> None:

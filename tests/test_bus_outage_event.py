@@ -31,8 +31,9 @@ def test_an_outage_publishes_its_start_and_end_per_job_once_the_bus_is_back(tmp_
         consumer = bus.consumer("analytics", [topics.TELEMETRY])
         consumer.health = BusHealth()  # this consumer's own, as a Kafka consumer has its bus's
         guard = OutageGuard(bus, consumer, [topics.TELEMETRY])
-        watches = {"job-a": FailStopWatch(DetectorConfig(), watched={0, 1, 2, 3}, dead={3}),
-                   "job-b": FailStopWatch(DetectorConfig(), watched={0, 1})}
+        watches = {"job-a": FailStopWatch(DetectorConfig(), dead={3}), "job-b": FailStopWatch(DetectorConfig())}
+        watches["job-a"].new_epoch({0, 1, 2, 3})
+        watches["job-b"].new_epoch({0, 1})
         consumer.poll(timeout_s=0)  # assigned, at the end of an empty log
 
         consumer.health.mark_down("broker unreachable: connection refused")
@@ -71,7 +72,8 @@ def test_a_consumer_that_defers_to_another_publishes_no_outage(tmp_path: Path) -
         consumer = bus.consumer("analytics", [topics.TELEMETRY])
         consumer.health = BusHealth()
         guard = OutageGuard(bus, consumer, [topics.TELEMETRY])
-        watches = {"job-a": FailStopWatch(DetectorConfig(), watched={0})}
+        watches = {"job-a": FailStopWatch(DetectorConfig())}
+        watches["job-a"].new_epoch({0})
         consumer.poll(timeout_s=0)
         consumer.health.mark_down("gone")
         guard.after_step(0, watches, publish=False)

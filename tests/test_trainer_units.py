@@ -17,6 +17,7 @@ from trainer.launcher import drop_replicas, on_death_plan
 from trainer.rendezvous import (CONTROL_POST, PostAborted, abort_key, arrive_key, await_arrivals, done_key, failed_key,
                                 newest_post, read_post)
 from trainer.model import GPTConfig, GPTStage, init_full, init_stage, shard, shard_rule, unshard
+from trainer.native.model import LlamaConfig
 from trainer.optim import AdamW
 from trainer.parallel import Layout, keeps_groups
 from trainer.schedule import paced_chunk_s
@@ -34,6 +35,14 @@ def test_microbatches_are_deterministic_packed_and_never_cross_documents() -> No
     assert int((a.targets != IGNORE).sum()) == a.num_targets
     assert int((a.positions == 0).sum()) == len(a.seq_lens), "positions restart at every document"
     assert global_targets(7, 3, 8, 64) == sum(microbatch(7, 3, m, 64, 64).num_targets for m in range(8))
+
+
+@pytest.mark.parametrize("build", [GPTConfig, LlamaConfig])
+@pytest.mark.parametrize("dtype", ["float33", "int64"])
+def test_either_model_config_refuses_a_dtype_that_is_not_a_torch_float(build, dtype) -> None:
+    with pytest.raises(ValueError, match=f"unknown dtype '{dtype}'"):
+        build(dtype=dtype)
+    assert build(dtype="float64").torch_dtype is torch.float64
 
 
 def test_replicas_get_contiguous_microbatch_ranges_by_their_counts() -> None:

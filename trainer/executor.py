@@ -91,9 +91,9 @@ class Executor:
         """This device's shards of parameters and optimizer state under the running plan (from
         memory; cannot fail short of a bug). None for a device without a role."""
         cur = self.trainer.current
-        if cur is None or cur.stage is None:
+        if cur is None or cur.work is None:
             return None
-        return export_state(cur.stage, cur.opt)
+        return export_state(cur.work.stage, cur.work.opt)
 
     def rebuild_world(self, post: Post) -> Layout:
         """Wait for the post's whole world, then destroy the old default group and rendezvous a new one.

@@ -31,21 +31,19 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from trainer.decoder_config import DecoderConfig
+
 ShardRule = Literal["col", "row", "rep"]
 
 
 @dataclass(frozen=True)
-class GPTConfig:
-    vocab_size: int = 256
+class GPTConfig(DecoderConfig):
+    """nanoGPT's sizes and names; the vocabulary and dtype come from DecoderConfig."""
+
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 64
     block_size: int = 128  # tokens per packed micro-batch row (and the position table size)
-    dtype: str = "float32"  # float64 for the equivalence proofs
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
 
 
 PRESETS: dict[str, GPTConfig] = {

@@ -88,21 +88,35 @@ def keeps_groups(running: Layout, plan: Plan, world: tuple[int, ...]) -> bool:
 
 @dataclass
 class Groups:
-    """Process groups by their sorted device tuple."""
+    """The process groups this device belongs to, by their sorted device tuple."""
 
     by_devices: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
 
     def get(self, devices: tuple[int, ...]) -> dist.ProcessGroup:
-        return self.by_devices[tuple(sorted(devices))]
+        key = tuple(sorted(devices))
+        if key not in self.by_devices:
+            raise KeyError(f"this device is not in the group of devices {key}; only members run its collectives")
+        return self.by_devices[key]
 
 
 def build_groups(layout: Layout, timeout_s: float) -> Groups:
-    """Create every group the layout needs. Every world member must call this (same order)."""
+    """Create every group the layout needs. Every world member must call this (same order), also
+    for the groups it is not in: torch hands it a placeholder for those, which is not kept."""
     groups = Groups()
     for key in layout.group_keys():
-        ranks = [layout.rank(d) for d in key]
-        groups.by_devices[key] = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+        group = dist.new_group([layout.rank(d) for d in key], timeout=timedelta(seconds=timeout_s))
+        if isinstance(group, dist.ProcessGroup):
+            groups.by_devices[key] = group
     return groups
+
+
+def build_world_group(layout: Layout, timeout_s: float) -> dist.ProcessGroup:
+    """The group of the whole world, for the commit all-reduce and the barriers, with the
+    training timeout rather than the rendezvous one of the default group."""
+    group = dist.new_group(list(range(len(layout.world))), timeout=timedelta(seconds=timeout_s))
+    if not isinstance(group, dist.ProcessGroup):
+        raise RuntimeError(f"this process is not in the world {layout.world} it joined; join_world before building")
+    return group
 
 
 def apply_pp(cfg: GPTConfig, plan: Plan, role: RankRole, tp: TPContext) -> GPTStage:

@@ -36,7 +36,8 @@ from trainer.data import global_targets, microbatch, replica_microbatch_ids
 from trainer.faults import FaultInjector
 from trainer.model import GPTStage, init_stage
 from trainer.optim import AdamW
-from trainer.parallel import GradReducer, Groups, Layout, apply_dp, apply_pp, apply_tp, build_groups
+from trainer.parallel import (GradReducer, Groups, Layout, apply_dp, apply_pp, apply_tp, build_groups,
+                              build_world_group)
 from trainer.schedule import PipelineSchedule
 from trainer.spec import RunSpec
 from trainer.checkpoint import load_checkpoint, periodic_dir, prune_periodic, save_checkpoint
@@ -50,17 +51,26 @@ log = logging.getLogger("resihp.trainer")
 
 
 @dataclass
+class StageWork:
+    """What a device with a place in the plan trains: its coordinates, its stage of the model, the
+    stage's optimizer, the DP reducer and the pipeline schedule. A spare has none of them."""
+
+    role: RankRole
+    stage: GPTStage
+    opt: AdamW
+    reducer: GradReducer
+    schedule: PipelineSchedule
+
+
+@dataclass
 class Role:
-    """Everything this device runs under one epoch's plan (``stage`` is None for a spare)."""
+    """Everything this device runs under one epoch's plan (``work`` is None for a spare, which
+    still takes part in the world's commit all-reduce)."""
 
     layout: Layout
     groups: Groups
     train_group: dist.ProcessGroup
-    role: RankRole | None = None
-    stage: GPTStage | None = None
-    opt: AdamW | None = None
-    reducer: GradReducer | None = None
-    schedule: PipelineSchedule | None = None
+    work: StageWork | None = None
 
 
 class Trainer:
@@ -79,6 +89,13 @@ class Trainer:
                           if spec.telemetry else None)
 
     # ---- building a role -------------------------------------------------------------------------
+
+    @property
+    def running(self) -> Role:
+        """The role under the running epoch: there is one from the first plan's build on."""
+        if self.current is None:
+            raise RuntimeError(f"device {self.device} has no role yet; build one for the first plan before training")
+        return self.current
 
     def epoch(self) -> int:
         return self.current.layout.plan.epoch if self.current else -1
@@ -102,8 +119,7 @@ class Trainer:
 
     def build(self, layout: Layout, state=None) -> Role:
         """The TP, PP and DP steps for this device under ``layout``; loads ``state`` if given."""
-        timeout = timedelta(seconds=self.spec.pg_timeout_s)
-        train_group = dist.new_group(list(range(len(layout.world))), timeout=timeout)
+        train_group = build_world_group(layout, self.spec.pg_timeout_s)
         groups = build_groups(layout, self.spec.pg_timeout_s)
         role = Role(layout, groups, train_group)
         if self.device not in layout.plan.roles:
@@ -115,56 +131,59 @@ class Trainer:
         opt = make_optimizer(stage, self.spec.lr, self.spec.weight_decay, self.iteration)
         if state is not None:
             import_state(stage, opt, state, self.iteration)
-        role.role, role.stage, role.opt = rr, stage, opt
-        role.reducer = apply_dp(stage, layout, rr, groups)
-        role.schedule = PipelineSchedule.for_plan(stage, layout, rr, self.faults, self.spec.pace_s_per_layer_token,
-                                                  group=train_group)
+        role.work = self._stage_work(layout, rr, stage, opt, groups, train_group)
         return role
+
+    def _stage_work(self, layout: Layout, rr: RankRole, stage: GPTStage, opt: AdamW, groups: Groups,
+                    train_group: dist.ProcessGroup) -> StageWork:
+        """The DP step and the schedule around a built ``stage``: what reads the plan's counts."""
+        return StageWork(rr, stage, opt, apply_dp(stage, layout, rr, groups),
+                         PipelineSchedule.for_plan(stage, layout, rr, self.faults, self.spec.pace_s_per_layer_token,
+                                                   group=train_group))
 
     def reassign(self, layout: Layout) -> Role:
         """The running role under ``layout``, whose plan differs from the running one only in
         micro-batch counts (:func:`keeps_groups`): the process groups, the stage and its optimizer
         state stay as they are; only what reads the counts is rebuilt (the role, the schedule, the
         DP reducer's view of the plan)."""
-        cur = self.current
+        cur = self.running
         role = Role(layout, cur.groups, cur.train_group)
         if self.device not in layout.plan.roles:
             return role
+        if cur.work is None:
+            raise RuntimeError(f"device {self.device} is a spare and gets a stage under epoch {layout.plan.epoch}; "
+                               "that needs a rebuild, not a reassignment")
         rr = layout.plan.role_of(self.device)
-        role.role, role.stage, role.opt = rr, cur.stage, cur.opt
-        role.reducer = apply_dp(cur.stage, layout, rr, cur.groups)
-        role.schedule = PipelineSchedule.for_plan(cur.stage, layout, rr, self.faults, self.spec.pace_s_per_layer_token,
-                                                  group=cur.train_group)
+        role.work = self._stage_work(layout, rr, cur.work.stage, cur.work.opt, cur.groups, cur.train_group)
         return role
 
     # ---- one iteration ---------------------------------------------------------------------------
 
     def train_step(self) -> tuple[float, int, float]:
         """Run, reduce, commit, step. Returns (global loss, newest post seen by any rank, wall s)."""
-        cur = self.current
+        cur = self.running
         plan = cur.layout.plan
         rec = IterationRecorder()
-        if cur.stage is not None:
-            cur.stage.tp.timer = rec.tp_timer
-            cur.reducer.timer = rec.dp_timer
         denom = global_targets(self.spec.seed, self.iteration, plan.global_microbatches, self.cfg.block_size)
         commit = torch.zeros(plan.dp + 3, dtype=torch.float64)
-        if cur.role is not None:
-            ids = replica_microbatch_ids(plan, cur.role.replica)
+        if (work := cur.work) is not None:
+            work.stage.tp.timer = rec.tp_timer
+            work.reducer.timer = rec.dp_timer
+            ids = replica_microbatch_ids(plan, work.role.replica)
             mbs = [microbatch(self.spec.seed, self.iteration, m, self.cfg.vocab_size, self.cfg.block_size) for m in ids]
-            for p in cur.stage.parameters():
+            for p in work.stage.parameters():
                 p.grad = None
-            loss = cur.schedule.run(mbs, denom, rec)
-            cur.reducer.reduce()
-            if cur.stage.is_last:
-                commit[plan.pipelines.index(next(p for p in plan.pipelines if p.replica == cur.role.replica))] = loss
+            loss = work.schedule.run(mbs, denom, rec)
+            work.reducer.reduce()
+            if work.stage.is_last:
+                commit[plan.pipelines.index(next(p for p in plan.pipelines if p.replica == work.role.replica))] = loss
         newest_post_seen, newest_probe_seen = newest_post_and_probe(self.store)
         commit[-3] = float(newest_probe_seen)
         commit[-2] = -float(self.probes_done)  # MAX of the negatives: the world's fewest answered
         commit[-1] = float(newest_post_seen)
         dist.all_reduce(commit, op=dist.ReduceOp.MAX, group=cur.train_group)
-        if cur.opt is not None:
-            cur.opt.step()
+        if cur.work is not None:
+            cur.work.opt.step()
         wall_s = rec.now_s()
         loss = float(commit[:-3].sum())
         self._report(rec, wall_s, loss)
@@ -174,7 +193,7 @@ class Trainer:
     def answer_probes(self) -> None:
         """Run the probes the last commit agreed are due (every world member, in order) and publish
         this device's answers to those it was asked and had not answered yet (trainer/probe.py)."""
-        cur = self.current
+        cur = self.running
         for number in self.probes_due:
             request = read_probe(self.store, number)
             result = run_probe(request, self.device, cur.layout.rank(self.device), len(cur.layout.world),
@@ -185,12 +204,12 @@ class Trainer:
         self.probes_due = range(0)
 
     def _report(self, rec: IterationRecorder, wall_s: float, loss: float) -> None:
-        cur = self.current
+        cur = self.running
         plan = cur.layout.plan
         if self.telemetry is not None:
             self.telemetry.epoch, self.telemetry.iteration = plan.epoch, self.iteration
-            if cur.role is not None:
-                r = cur.role
+            if cur.work is not None:
+                r = cur.work.role
                 self.telemetry.publish(RankIteration(
                     epoch=plan.epoch, iteration=self.iteration, rank=self.device,
                     coords=Coords(tp=r.tp_rank, pp=r.stage, dp=r.replica), wall_s=wall_s,
@@ -211,19 +230,24 @@ class Trainer:
             self.store.set(PROGRESS, json.dumps({"iteration": self.iteration, "epoch": plan.epoch, "loss": loss}))
 
     def drop_gradients(self) -> None:
-        if self.current and self.current.stage is not None:
-            for p in self.current.stage.parameters():
+        if self.current is not None and self.current.work is not None:
+            for p in self.current.work.stage.parameters():
                 p.grad = None
 
     def save(self, directory: str | Path) -> None:
         """Every world member: write a complete checkpoint of the committed state to ``directory``."""
-        cur = self.current
-        tp_devices = None
-        if cur.role is not None:
-            pipe = next(p for p in cur.layout.plan.pipelines if p.replica == cur.role.replica)
-            tp_devices = pipe.stages[cur.role.stage].devices
-        save_checkpoint(directory, cur.layout, self.device, cur.stage, cur.opt, self.iteration, tp_devices,
-                        barrier=lambda: dist.barrier(group=cur.train_group), run_id=self.spec.run_id)
+        cur = self.running
+        work = cur.work
+        stage, opt, tp_devices = None, None, None
+        if work is not None:
+            pipe = next(p for p in cur.layout.plan.pipelines if p.replica == work.role.replica)
+            stage, opt, tp_devices = work.stage, work.opt, pipe.stages[work.role.stage].devices
+
+        def barrier() -> None:
+            dist.barrier(group=cur.train_group)
+
+        save_checkpoint(directory, cur.layout, self.device, stage, opt, self.iteration, tp_devices, barrier=barrier,
+                        run_id=self.spec.run_id)
 
     def checkpoint_due(self) -> bool:
         every = self.spec.checkpoint_every
@@ -232,9 +256,12 @@ class Trainer:
 
     def save_periodic(self) -> None:
         """The periodic checkpoint (``checkpoint_every``); world rank 0 prunes the older ones."""
-        self.save(periodic_dir(self.spec.save_dir, self.iteration))
-        if self.current.layout.rank(self.device) == 0:
-            prune_periodic(self.spec.save_dir, self.spec.run_id)
+        save_dir = self.spec.save_dir
+        if save_dir is None:
+            raise ValueError("a periodic checkpoint needs a directory; run with --save-dir DIR")
+        self.save(periodic_dir(save_dir, self.iteration))
+        if self.running.layout.rank(self.device) == 0:
+            prune_periodic(save_dir, self.spec.run_id)
 
 
 _progress = logging.getLogger("resihp.trace")

@@ -22,25 +22,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.decoder_config import DecoderConfig
+
 
 @dataclass(frozen=True)
-class LlamaConfig:
-    vocab_size: int = 256
+class LlamaConfig(DecoderConfig):
     dim: int = 64
     n_layers: int = 4
     n_heads: int = 4
     ffn_hidden: int = 128
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    dtype: str = "float32"
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
 
 
 class RMSNorm(nn.Module):
