@@ -31,8 +31,8 @@ from analytics.frame import IterationFrame, LayerLookup, build_frame
 from analytics.hidden_stop import HiddenStopWatch
 from analytics.incidents import IncidentBook, Suspect
 from analytics.prediction import predicted_iteration_s, stage_times
-from analytics.scoring import FrameScore, fit_ranks, score_frame, tp_group_max
-from analytics.untraced import stage_factor_for, traced_pipeline_s
+from analytics.scoring import FrameScore, chunk_slowdown, fit_ranks, score_frame, tp_group_max
+from analytics.untraced import stage_factors_for, traced_pipeline_s
 from collector.events import (
     Envelope, Heartbeat, IterationPrediction, Payload, PlanCurrent, ProbeResult, RankHealth, RankHealthEntry,
     RankIteration, RankState, ReconfigureCommand, StageTime, TracingDeclared,
@@ -174,6 +174,7 @@ class Detector:
         self._comm_unjudged = False  # the open communication incident has no healthy reference in this layout
         self._history: deque[_FrameRecord] = deque(maxlen=8)
         self._outside_s: deque[float] = deque(maxlen=self.config.window_iterations)  # time outside the pipeline
+        self._last_sigma: float | None = None  # the job's σ at the last judged iteration
         self._published_view: tuple[np.ndarray, dict[int, tuple[str, float]]] | None = None  # the last RankHealth
         self.last_frame: IterationFrame | None = None
         self.last_score: FrameScore | None = None
@@ -333,7 +334,9 @@ class Detector:
         """Score one iteration's frame and return the events it causes."""
         out = self.begin_frame(frame)
         suspects = self.suspects(frame)
-        score = score_frame(frame, self.model, suspects, self.config.chunk_quantile)
+        # a rank past the alarm threshold under the last iteration's σ stands out: scored without it
+        stand_out = self._thresholds(self._last_sigma)[1] if getattr(self, "_last_sigma", None) else None
+        score = score_frame(frame, self.model, suspects, self.config.chunk_quantile, stand_out)
         return out + self.judge(frame, score, ChunkFacts(frame, score, self._schedule(frame)), suspects)
 
     def begin_frame(self, frame: IterationFrame) -> list[Payload]:
@@ -415,9 +418,10 @@ class Detector:
         # alone made σ ≈ 1.6 and resolved the slow rank's incident while it was still slow.
         self._zhist.append(tp_group_max(frame, score.z, fit_ranks(frame, suspects)))
         pooled = np.concatenate(list(self._zhist))
-        if len(pooled) == 0:
-            return self.config.sigma_floor
-        return max(fast_side_sigma(pooled, levelled=score.inferred), self.config.sigma_floor)
+        sigma = max(fast_side_sigma(pooled, levelled=score.inferred), self.config.sigma_floor) if len(pooled) else \
+            self.config.sigma_floor
+        self._last_sigma = sigma
+        return sigma
 
     def _thresholds(self, sigma: Any) -> tuple[Any, Any, Any]:
         """(k, h, cap) for a σ, or element-wise for an array of them."""
@@ -490,7 +494,13 @@ class Detector:
             idx = np.flatnonzero(np.isin(frame.rank, watched) & judged)
             if len(idx):  # no judged member this iteration: no evidence either way (not a healthy one)
                 z_now = float(score.z[idx].max())
-                out += self.book.observe(key, z_now, k, frame.iteration, self._factor(watched, z_now))
+                # while the 3-iteration window still reaches back to the opening, size it as the
+                # opening did (its slow iterations only), or the probe's naming carries a pre-onset one
+                young = frame.iteration - self.book.open[key].opened_iteration < 3
+                slowest = int(idx[np.argmax(score.z[idx])])
+                out += self.book.observe(key, z_now, k, frame.iteration, chunk_slowdown(
+                    frame, score.c_pred, slowest, self._factor(watched, z_now, k if young else None)),
+                    sample=chunk_slowdown(frame, score.c_pred, slowest, math.exp(z_now)))
         return out
 
     def _merge_tp_peers(self, frame: IterationFrame, score: FrameScore, alarmed: list[int], k: float) -> list[list[int]]:
@@ -568,7 +578,7 @@ class Detector:
             tp_group = tuple(sorted(set(tp_group) | set(untraced)))
         hist = [(r.iteration, float(r.own_s[j]), float(r.pred_s[j]))
                 for r in self._history for j in np.flatnonzero(r.rank == frame.rank[i])]
-        factor = self._factor(ranks, score.z[i], k)
+        factor = chunk_slowdown(frame, score.c_pred, i, self._factor(ranks, score.z[i], k))
         kinds = {name: float(np.exp(v)) for name, v in zip("FBW", score.z_by_kind[i]) if np.isfinite(v)}
         worst = max(kinds, key=kinds.get) if kinds else "F"
         note = f"own compute per chunk kind ×{', '.join(f'{n}:{v:.2f}' for n, v in kinds.items())}"
@@ -681,6 +691,10 @@ class Detector:
             if pair in named:
                 continue  # the same two TP groups' link is already named (another TP rank, or the other way)
             named.add(pair)
+            placed = self.book.place_communication((a, b), float(np.exp(z)), frame.iteration)
+            if placed:
+                out += placed
+                continue
             out += self.book.open_fail_slow(Suspect(
                 key=("link", a, b), target="link", rank=None, link=(a, b), node=None,
                 replica=int(frame.dp[i]) if i is not None else None, stage=int(frame.pp[i]) if i is not None else None,
@@ -729,7 +743,8 @@ class Detector:
             if key in self.book.open:
                 if self._comm_unjudged:
                     return []  # this layout's history was learned with the fault in it: no healthy reference
-                size = (self._untraced_size(frame, sched, explained, wall, r_size - centre) if key == ("untraced",)
+                size = (self._untraced_size(frame, sched, explained, wall, r_size - centre,
+                                            self.book.open[key].suspect.rank)[0] if key == ("untraced",)
                         else float(np.exp(z)))
                 return self.book.observe(key, z, k, frame.iteration, size, sample=size)
         if self.book.open_compute_ranks():
@@ -743,7 +758,11 @@ class Detector:
         pipe_hist = np.array([v for v in self._pipe_hist if np.isfinite(v)])
         if untraced and np.isfinite(r_pipe) and len(pipe_hist) >= 4 and r_pipe - float(np.median(pipe_hist)) < k:
             return self._open_untraced(frame, sched, explained, wall, r_size - centre, k, h, sig, untraced)
-        judged = np.isfinite(score.link_z)
+        # Only a wire-only timer may name the link at the opening: one that holds the wait for the
+        # peer reads ×10–×10⁵ on healthy links in single iterations, so its largest score names a
+        # link at random, and the opening's size (the iteration's excess) is no link's size. The
+        # probe names and sizes it; a timer that holds waits and stays slow opens its own incident.
+        judged = np.isfinite(score.link_z) & ~score.link_waits
         best = int(np.flatnonzero(judged)[np.argmax(score.link_z[judged])]) if judged.any() else None
         link = (int(score.link_src[best]), int(score.link_dst[best])) if best is not None else None
         if link is not None and score.link_z[best] < k:
@@ -770,22 +789,33 @@ class Detector:
                       for d in st.devices if d in untraced)
 
     def _untraced_size(self, frame: IterationFrame, sched: tuple[str | None, int | None], explained: float,
-                       wall: float, z: float) -> float:
-        """The slowdown of one stage of a replica that would make it as late as the job was: the
-        replica's compute-only path is the traced one's plus the iteration's excess over healthy."""
-        f = stage_factor_for(frame, frame.c_own, sched, explained + wall * (1.0 - math.exp(-z)))
-        return f if np.isfinite(f) else float(np.exp(z))
+                       wall: float, z: float, named: int | None = None) -> tuple[float, dict[int, float]]:
+        """(size, per stage its own size): the slowdown of one stage of a replica that would make it
+        as late as the job was, the replica's compute-only path being the traced one's plus the
+        iteration's excess over healthy (``stage_factors_for``). The size is the ``named`` rank's
+        stage's (a probe named it), else the median over stages."""
+        per_stage = stage_factors_for(frame, frame.c_own, sched, explained + wall * (1.0 - math.exp(-z)))
+        if not per_stage:
+            return float(np.exp(z)), {}
+        plan = self.arrival.plans.get(frame.epoch)
+        role = plan.roles.get(named) if plan is not None and named is not None else None
+        if role is not None and role.stage in per_stage:
+            return per_stage[role.stage], per_stage
+        return float(np.median(list(per_stage.values()))), per_stage
 
     def _open_untraced(self, frame: IterationFrame, sched: tuple[str | None, int | None], explained: float,
                        wall: float, z: float, k: float, h: float, sigma: float, untraced: list[int]
                        ) -> list[Payload]:
         """A compute incident on the ranks nobody traces (see analytics/untraced.py)."""
-        size = self._untraced_size(frame, sched, explained, wall, z)
+        size, per_stage = self._untraced_size(frame, sched, explained, wall, z)
         ranks = tuple(untraced)
+        roles = self.arrival.plans[frame.epoch].roles
+        # each rank's size if it is the slow one (its stage's answer): the probe's naming takes it
+        by_rank = {r: round(per_stage[roles[r].stage], 4) for r in ranks if r in roles and roles[r].stage in per_stage}
         return self.book.open_fail_slow(Suspect(
             key=("untraced",), target="compute", rank=None, link=None, node=None, replica=None, stage=None,
             tp_group=ranks, factor=size, confidence=float(min(0.99, 1.0 - np.exp(-max(z - k, 0.0) / sigma / 2))),
-            iterations=[frame.iteration], observed_s=[wall], predicted_s=[wall * math.exp(-z)], rank_factors={},
+            iterations=[frame.iteration], observed_s=[wall], predicted_s=[wall * math.exp(-z)], rank_factors=by_rank,
             statistic=f"CUSUM on log(wall / iteration explained by the traced compute); k={k:.4f} h={h:.4f}; "
                       f"traced pipelines on time",
             note=f"the job is ×{math.exp(z):.2f} slower than its traced ranks explain while their own pipelines "

@@ -239,6 +239,23 @@ class IncidentBook:
         return (self.config.probes and s.target == "compute" and s.key[0] == "ranks" and inc.probe_used and not inc.reprobe
                 and len(s.ranks) == 1 and len(s.tp_group or ()) > 1)
 
+    def place_communication(self, link: tuple[int, int], factor: float, iteration: int) -> list[Payload]:
+        """An open communication incident that names no place yet (opened on the iteration's excess
+        while the links' timers held waits) takes the link that link scoring has since found slow,
+        at that link's size, rather than a second incident opening for the same fault. Telemetry's
+        excess no longer moves its size (as after a probe's naming): it is the iteration's, not the
+        link's. Nothing when there is no such incident."""
+        inc = self.open.get(("comm",))
+        if inc is None or inc.suspect.link is not None or inc.suspect.rank is not None or not factor > 1.0:
+            return []
+        s = inc.suspect
+        s.link = link
+        inc.factor = inc.published_factor = factor
+        inc.probe_sized, inc.last_update_iteration = True, iteration
+        return [IncidentUpdated(incident_id=inc.incident_id, iteration=iteration, severity=severity_of(factor, inc.category),
+                                locations=[s.location(factor)], evidence=s.evidence().model_copy(update={
+                                    "statistic": f"link {link[0]}->{link[1]} scored ×{factor:.2f} on its own timers"}))]
+
     def end_of_iteration(self, iteration: int) -> list[Payload]:
         out: list[Payload] = []
         for inc in self.open.values():
@@ -345,6 +362,10 @@ class IncidentBook:
         if s.target == "compute" and s.rank is None:
             s.rank, s.ranks = worst, (worst,)
             s.confidence = min(0.99, s.confidence * len(asked))
+            if s.key == ("untraced",) and worst in s.rank_factors:
+                # sized through the schedule for the named rank's own stage (analytics/untraced.py),
+                # no longer as the median stage
+                inc.factor = s.rank_factors[worst]
             # The incident is now about the member alone: its healthy peers stop being suspects
             # (left out of fits, never alarmed on), or a later fault on one of them, in a
             # layout that keeps them, would go unseen for as long as this incident is open.

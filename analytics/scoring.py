@@ -219,42 +219,39 @@ def unit_table(frame: IterationFrame, c_class: np.ndarray) -> UnitTable:
     return UnitTable(units, c_class[first], frame.c_tokens[first], frame.c_s2[first], u_own, frame.c_rank[first])
 
 
-def fit_and_predict(frame: IterationFrame, model: CostModel, healthy_rank: np.ndarray,
-                    c_class: np.ndarray, keys: list[Hashable]) -> tuple[np.ndarray, bool]:
-    """Predict every chunk's own time, then teach the model this iteration's healthy work units.
-
-    Classes the model has never seen are fitted from this very iteration first (robustly, across
-    replicas), which is what catches a rank slow from its first iteration. Returns the predictions
-    and whether per-micro-batch inference stood in for missing seq_lens. A unit teaches only when
-    its TP group is healthy (``fit_ranks``: a group is in or out whole, so the unit's own time is
-    the same whether taken over the healthy ranks or all of them).
-    """
-    t = unit_table(frame, c_class)
-    u_own = np.where(healthy_rank[t.u_rank], t.u_own, np.nan) if len(t.u_rank) else t.u_own
-    pred, inferred, unseen = predict_chunks(frame, model, c_class, keys, t.units, t.u_class, t.u_tokens, t.u_s2,
-                                            u_own)
-    learn_units(model, frame.iteration, keys, t.u_class, t.u_tokens, t.u_s2, u_own, skip=set(unseen))
-    return pred, inferred
-
-
 def predict_chunks(frame: IterationFrame, model: CostModel, c_class: np.ndarray, keys: list[Hashable],
                    units: np.ndarray, u_class: np.ndarray, u_tokens: np.ndarray, u_s2: np.ndarray,
                    u_own: np.ndarray) -> tuple[np.ndarray, bool, list[int]]:
     """Every chunk's predicted own time under ``model``'s fits, classes it never saw fitted first
     from this iteration's units (``u_own`` NaN: a unit that may not teach). Returns the
-    predictions, whether sequence lengths were inferred, and the unseen classes (already taught)."""
+    predictions, whether sequence lengths were inferred, and the unseen classes (already taught).
+
+    Classes the model has never seen are fitted from this very iteration (robustly, across
+    replicas), which is what catches a rank slow from its first iteration."""
     unseen = [i for i, k in enumerate(keys) if k not in model.fits]
     for i in unseen:
         sel = (u_class == i) & np.isfinite(u_own)
         model.observe(keys[i], frame.iteration, u_tokens[sel], u_s2[sel], u_own[sel])
     if unseen:
         model.refit()
+    return predict_fitted(frame, model, c_class, keys, units, u_own), not frame.has_seq_lens, unseen
+
+
+def predict_fitted(frame: IterationFrame, model: CostModel, c_class: np.ndarray, keys: list[Hashable],
+                   units: np.ndarray, u_own: np.ndarray) -> np.ndarray:
+    """``predict_chunks`` once every class has a fit: the lines, and without sequence lengths each
+    class levelled and each micro-batch's mix taken from the units that may teach (``u_own``)."""
     pred = model.predict_classes(keys, c_class, frame.c_tokens, frame.c_s2)
     pred = _layer_scaled_prior(model, keys, c_class, frame, pred)
-    inferred = not frame.has_seq_lens
-    if inferred:
+    if not frame.has_seq_lens:
         pred = _per_microbatch_correction(frame, units, u_own, _class_levels(frame, units, u_own, pred, c_class))
-    return pred, inferred, unseen
+    return pred
+
+
+def teaching_own(t: UnitTable, clean: np.ndarray) -> np.ndarray:
+    """Each unit's own time where its TP group may teach (``fit_ranks``), NaN elsewhere: a group is
+    in or out whole, so the unit's own time is the same over its healthy ranks or all of them."""
+    return np.where(clean[t.u_rank], t.u_own, np.nan) if len(t.u_rank) else t.u_own
 
 
 def learn_units(model: CostModel, iteration: int, keys: list[Hashable], u_class: np.ndarray, u_tokens: np.ndarray,
@@ -410,13 +407,38 @@ def rank_log_ratios(frame: IterationFrame, pred: np.ndarray, chunk_quantile: flo
 
 
 def score_frame(frame: IterationFrame, model: CostModel, suspects: set[int],
-                chunk_quantile: float | None = None) -> FrameScore:
-    """Predict, learn from the healthy part, and score every rank and link of one iteration."""
+                chunk_quantile: float | None = None, stand_out: float | None = None) -> FrameScore:
+    """Predict, learn from the healthy part, and score every rank and link of one iteration.
+
+    ``stand_out``: without sequence lengths, a rank whose centred score reaches it (the detector
+    passes its alarm threshold h) is scored again with its TP group left out of the medians that
+    predict and centre it, and does not teach the fit."""
     clean = fit_ranks(frame, suspects)
     c_class, keys = chunk_classes(frame)
-    pred, inferred = fit_and_predict(frame, model, clean, c_class, keys)
+    t = unit_table(frame, c_class)
+    u_own = teaching_own(t, clean)
+    pred, inferred, unseen = predict_chunks(frame, model, c_class, keys, t.units, t.u_class, t.u_tokens, t.u_s2,
+                                            u_own)
     x, xk = rank_log_ratios(frame, pred, chunk_quantile)
     z, z_by_kind = centre_ranks(frame, x, xk, clean, inferred)
+    standing = clean & (np.nan_to_num(z, nan=-np.inf) >= stand_out) if inferred and stand_out is not None else None
+    if standing is not None and standing.any():
+        # only where its class keeps enough other groups to level and centre on without it (a
+        # DP 2 job has two: left out, the one remaining would set them alone)
+        standing &= other_class_groups(frame, clean) >= MIN_CLASS_PEERS
+    if standing is not None and standing.any():
+        # Without sequence lengths a rank's prediction and centre are medians over its peers'
+        # units: its replica's stages (the micro-batch's mix) and its class's TP groups. A rank
+        # far slower than its work lifts both medians while it is still among them, and reads
+        # low by up to half the healthy stages' spread (a ×2 GPU at the last of 4 stages opened
+        # at ×1.80 and read ×1.90 once it was a suspect). Scored again without it, as it will be
+        # once suspected; nor does it teach the fit.
+        clean = fit_ranks(frame, suspects | set(frame.rank[standing].tolist()))
+        u_own = teaching_own(t, clean)
+        pred = predict_fitted(frame, model, c_class, keys, t.units, u_own)
+        x, xk = rank_log_ratios(frame, pred, chunk_quantile)
+        z, z_by_kind = centre_ranks(frame, x, xk, clean, inferred)
+    learn_units(model, frame.iteration, keys, t.u_class, t.u_tokens, t.u_s2, u_own, skip=set(unseen))
     src, dst, lz, lcls, lwait = centre_links(frame, *link_times(frame))
     return FrameScore(z=z, x=x, z_by_kind=z_by_kind, c_pred=pred, c_class=c_class, class_keys=keys,
                       link_src=src, link_dst=dst, link_z=lz, link_class=lcls, link_waits=lwait, inferred=inferred)
@@ -437,6 +459,47 @@ def centre_ranks(frame: IterationFrame, x: np.ndarray, xk: np.ndarray, clean: np
     return x - centre, xk - c2
 
 
+def _work_codes(frame: IterationFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank row, (its TP group id, its work: layer range, or stage without a plan, and TP degree)."""
+    S = int(frame.pp.max()) + 1
+    group = frame.dp * S + frame.pp
+    tp_degree = np.bincount(group)[group]
+    L = int(frame.end_layer.max()) + 2
+    work = np.where(frame.first_layer >= 0, frame.first_layer * L + frame.end_layer, L * L + frame.pp)
+    return group, work * (int(tp_degree.max()) + 1) + tp_degree
+
+
+def other_class_groups(frame: IterationFrame, clean: np.ndarray) -> np.ndarray:
+    """Per rank row, how many clean TP groups other than its own run its work."""
+    group, work = _work_codes(frame)
+    g_clean = np.zeros(int(group.max()) + 1, dtype=bool)
+    g_clean[group[clean]] = True
+    g_work = np.full(len(g_clean), -1, np.int64)
+    g_work[group] = work
+    per_work = {code: n for code, n in zip(*np.unique(g_work[g_clean], return_counts=True))}
+    return np.array([per_work.get(w, 0) for w in work.tolist()], np.int64) - g_clean[group]
+
+
+def chunk_slowdown(frame: IterationFrame, c_pred: np.ndarray, row: int, own_factor: float) -> float:
+    """A slowdown of rank row ``row``'s own compute as the slowdown of its chunks, TP communication
+    included: the size every dialect reports and the planner reads (it splits a chunk into compute
+    and TP communication itself, ``remediation.costs.compute_factor_from_chunks``).
+
+    Why: a source that records the TP all-reduces apart (torch.profiler's ``tp_allreduce``) has
+    them taken out of the chunks' own time (``frame.c_own``), so its score is of compute alone; a
+    ×3 GPU read ×2.93 there against ×2.77 in chunk time, and the planner, adding TP time back,
+    took it for ×3.17. The slow rank's own TP time holds no wait (its peers wait for it).
+    Unchanged where nothing was taken out (or the frame holds no chunks: the sharded merge)."""
+    if not len(frame.c_rank) or not np.isfinite(own_factor):
+        return own_factor
+    sel = frame.c_rank == row
+    tp_s = float((frame.c_dur[sel] - frame.c_own[sel]).sum())
+    own_s = float(np.nansum(c_pred[sel]))
+    if tp_s <= 0 or own_s <= 0:
+        return own_factor
+    return 1.0 + (own_factor - 1.0) * own_s / (own_s + tp_s)
+
+
 MIN_CLASS_PEERS = 3  # TP groups of one work class needed to centre a rank on its own class
 
 
@@ -451,12 +514,7 @@ def work_class_centres(frame: IterationFrame, x: np.ndarray, clean: np.ndarray, 
     few per cent off the job in every iteration — slow enough, held long enough, to open ×1.04
     incidents on every replica's last stage. The same stage in the other replicas carries the same
     bias; a rank slower than the ranks doing its own work still stands out."""
-    S = int(frame.pp.max()) + 1
-    group = frame.dp * S + frame.pp
-    tp_degree = np.bincount(group)[group]
-    L = int(frame.end_layer.max()) + 2
-    work = np.where(frame.first_layer >= 0, frame.first_layer * L + frame.end_layer, L * L + frame.pp)
-    work = work * (int(tp_degree.max()) + 1) + tp_degree
+    group, work = _work_codes(frame)
     ok = clean & np.isfinite(x)
     gmax = np.full(int(group.max()) + 1, -np.inf)
     np.maximum.at(gmax, group[ok], x[ok])

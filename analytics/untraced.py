@@ -10,7 +10,8 @@ where the time went: a traced pipeline that is on time (its ranks' last chunks e
 compute says they should) with an iteration that is late means the time was lost outside what is
 traced. It then names the untraced ranks (a probe, when enabled, tells which one is slow) and sizes
 the fault as the slowdown of one pipeline stage that would make a replica as late as the job was:
-the same schedule model that predicts a healthy iteration, run backwards.
+the same schedule model that predicts a healthy iteration, run backwards, once per stage. The
+median over stages is the size until a probe names the rank; from then on its stage's answer is.
 """
 
 from __future__ import annotations
@@ -33,22 +34,27 @@ def traced_pipeline_s(frame: IterationFrame) -> float:
     return float(np.max(frame.c_start + frame.c_dur))
 
 
-def stage_factor_for(frame: IterationFrame, own_s: np.ndarray, schedule: tuple[str | None, int | None],
-                     target_s: float) -> float:
-    """The slowdown f of one pipeline stage that makes the schedule's critical path over ``own_s``
-    (the traced chunks' own times) last ``target_s``: per stage, the f whose stretched pipeline
-    hits the target (bisection on log f), and the median over stages, since which stage of an
-    untraced replica is slow is not known (in 1F1B the bottleneck stage runs every micro-batch back
-    to back wherever it sits, so the stages' answers differ little). 1.0 when the target is not
-    above the healthy path, NaN when the frame cannot be laid out."""
+def stage_factors_for(frame: IterationFrame, own_s: np.ndarray, schedule: tuple[str | None, int | None],
+                      target_s: float) -> dict[int, float]:
+    """Per pipeline stage s, the slowdown f of stage s alone that makes the schedule's critical path
+    over ``own_s`` (the traced chunks' own times) last ``target_s`` (bisection on log f). Empty
+    when the frame cannot be laid out; 1.0 everywhere when the target is not above the healthy
+    path.
+
+    Why per stage: the stages are not equally heavy (the last runs the LM head), so the same
+    lateness is a smaller slowdown of the heaviest stage, which bounds the pipeline, than of a
+    light one (×1.9 against ×2.4 for one ×2 GPU's lateness in the suite). Which stage of an
+    untraced replica is slow is not in the telemetry: the median over stages stands in until a
+    probe names the rank, and then its own stage's answer is its size."""
     base = predicted_iteration_s(frame, own_s, *schedule, include_comm=False)
     if not (np.isfinite(base) and base > 0 and np.isfinite(target_s)):
-        return float("nan")
-    if target_s <= base:
-        return 1.0
+        return {}
     stage_of_chunk = frame.pp[frame.c_rank]
-    answers = []
-    for s in np.unique(stage_of_chunk).tolist():
+    stages = np.unique(stage_of_chunk).tolist()
+    if target_s <= base:
+        return dict.fromkeys(stages, 1.0)
+    answers = {}
+    for s in stages:
         sel = stage_of_chunk == s
         lo, hi = 0.0, math.log(32.0)
         for _ in range(_SIZE_STEPS):
@@ -57,7 +63,7 @@ def stage_factor_for(frame: IterationFrame, own_s: np.ndarray, schedule: tuple[s
             stretched[sel] *= math.exp(mid)
             t = predicted_iteration_s(frame, stretched, *schedule, include_comm=False)
             if not np.isfinite(t):
-                return float("nan")
+                return {}
             lo, hi = (mid, hi) if t < target_s else (lo, mid)
-        answers.append(math.exp(0.5 * (lo + hi)))
-    return float(np.median(answers))
+        answers[int(s)] = math.exp(0.5 * (lo + hi))
+    return answers

@@ -1,0 +1,66 @@
+"""How slow the detector first says a fault is, in the dialects of real trainers: each case is one
+of ``resihp bench detect``'s runs, and each test failed on the detector before its rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import detect
+from remediation.cluster import ClusterState
+from remediation.costs import compute_factor_from_chunks
+from resihp.planning_models import exact_model, hardware_of
+
+
+def _case(name: str) -> detect.Case:
+    (case,) = [c for c in detect.suite(120) if c.name == name]
+    return case
+
+
+def _first(name: str, dialect: str) -> tuple[float, float]:
+    """(injected factor, first size) of the case's one fail-slow, as ``bench detect`` scores it."""
+    faults, incidents, iterations, _, config = detect.run_case(_case(name), dialect)
+    ((_, true, first),) = detect.first_sizes(faults, incidents["ours"], iterations, config)
+    return true, first
+
+
+def test_without_lengths_a_slow_gpu_is_not_in_the_medians_that_size_it() -> None:
+    """Megatron: a ×2 GPU on the last of four stages. Its prediction (the micro-batch's mix, the
+    median over its replica's stages) and its centre (the median over its class's TP groups)
+    included it until it was a suspect: it opened at ×1.80 in chunk time (×1.89 to the planner)
+    and read ×1.90 from the next iteration on."""
+    true, first = _first("compute x2.0 (recovers)", "megatron")
+    assert abs(first / true - 1) < 0.04
+
+
+@pytest.mark.parametrize("dialect", ["megatron", "profiler"])
+def test_a_link_under_timers_that_hold_waits_is_first_sized_by_its_probe(dialect: str) -> None:
+    """The ×3 link's communication incident opened naming a link from timers that hold waits, at
+    the iteration's excess (×1.1): a planner would have costed the link at ×1.1. It now opens
+    without a place, and the probe names and sizes the link."""
+    true, first = _first("pipeline link x3.0", dialect)
+    assert abs(first / true - 1) < 0.05
+
+
+def test_a_gpu_whose_tp_time_is_recorded_apart_is_sized_in_chunk_time() -> None:
+    """torch.profiler records the TP all-reduces apart, so the chunks' own time is compute alone
+    and a ×3 GPU read ×2.93 of it; the planner, which adds TP time back to a chunk factor, took
+    it for ×3.17. Sized as the chunk's slowdown with its TP time in, as every other dialect."""
+    faults, incidents, iterations, _, config = detect.run_case(_case("compute x3.0 (recovers)"), "profiler")
+    ((true, _, read),) = detect.sizing(faults, incidents["ours"], iterations, config)
+    assert abs(read / true - 1) < 0.03
+
+
+def test_the_probe_that_names_an_untraced_gpu_sizes_it_for_its_own_stage() -> None:
+    """Sampled: a ×2 GPU on the last stage of a replica nobody traces. The opening sizes it as the
+    median over stages of the one-stage slowdown the job's lateness implies (×2.12 in chunk time:
+    the last stage is the heaviest, so the same lateness is a smaller slowdown of it); the probe
+    that names the GPU now gives its own stage's answer (×1.91, a ×2.0 GPU to the planner)."""
+    faults, incidents, iterations, _, config = detect.run_case(_case("compute x2.0 (recovers)"), "sampled")
+    (fault,) = faults
+    model = exact_model(config.model, config.cluster, config.workload)
+    cluster = ClusterState(config.cluster.gpus, hardware_of(config.cluster))
+    named = [locs[0] for tracked in incidents["ours"].values() for _, locs in tracked.sized
+             if locs and locs[0].rank == fault.location.rank]
+    assert named, "no report named the slow GPU"
+    read = compute_factor_from_chunks(cluster, model, config.plan, fault.location.rank, float(named[0].factor))
+    assert abs(read / fault.location.factor - 1) < 0.05
