@@ -61,6 +61,12 @@ def topic_for(kind: str) -> str:
         raise ValueError(f"no topic for event kind {kind!r}; known prefixes: {sorted(_TOPIC_BY_PREFIX)}") from None
 
 
+# What a reader that records the whole run reads (the demo's watcher, its trace): every topic but
+# the commands topic, whose orders are copies, same event ids, of the control topic's records. A
+# fold that met the copy first (poll order across topics is any order) would take the command
+# before its proposal, report it unknown and then drop the record as a duplicate.
+RECORD_TOPICS: tuple[str, ...] = tuple(t for t in ALL_TOPICS if t != COMMANDS)
+
 # What a trainer reads: probe requests on control, commands on their own topic.
 TRAINER_TOPICS: tuple[str, ...] = (CONTROL, COMMANDS)
 

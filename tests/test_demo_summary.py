@@ -92,3 +92,29 @@ def test_a_plans_verdict_is_printed_under_it() -> None:
     text = "\n".join(summary_lines(s, fault_stories(s)))
     assert "      verified: measured ×1.680 (350 → 588 tokens/s)" in text
     assert "      rolled back: below the predicted change: measured ×0.900" in text
+
+
+def test_the_watcher_records_a_command_once_whichever_topic_it_reads_first(tmp_path) -> None:  # noqa: ANN001
+    """A command is on two topics with one id: the commands topic (the order) and the control topic
+    (the record). The watcher reads the record; had it folded the order that a poll can hand it
+    before the proposal, the plan would read "none applied" though the trainer applied it."""
+    from collector import topics
+    from collector.bus import RawMessage
+    from collector.codec import encode
+    from collector.embedded import EmbeddedBus
+    from resihp.demo.watch import LogWatch
+    from tests.test_remediation_lifecycle import ack, command, decision, proposed
+
+    order = command()
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
+        watch = LogWatch(bus, "job", tmp_path / "trace.parquet")
+        bus.publish_raw([RawMessage(topics.COMMANDS, None, encode(order))])  # the order, polled first
+        watch.drain()
+        bus.publish([proposed(), decision()])
+        bus.publish_raw([RawMessage(topics.CONTROL, None, encode(order))])  # the record, after its proposal
+        bus.publish([ack()])
+        watch.drain()
+        watch.close()
+    (plan,) = watch.state.plans.values()
+    assert plan.applied_time_s is not None and plan.pause_s == 2.0
+    assert not watch.state.lifecycle.reports

@@ -116,7 +116,7 @@ class LogWatch:
         self.bus = bus
         self.job = job
         self.state = LogState()
-        self.consumer = bus.consumer(f"demo-watch-{uuid.uuid4().hex[:8]}", list(topics.ALL_TOPICS),
+        self.consumer = bus.consumer(f"demo-watch-{uuid.uuid4().hex[:8]}", list(topics.RECORD_TOPICS),
                                      on_assign=lambda parts: {tp: 0 for tp in parts})
         self.trace = TraceWriter(trace_path) if trace_path is not None else None
         self._closed = False
