@@ -149,8 +149,13 @@ def up(
     timeout_s: float = 120.0,
     lib_dir: Path | str | None = None,
     secure: bool = False,
+    die_with: int | None = None,
 ) -> str:
     """Start the broker (fetching it first if needed) and return its bootstrap address.
+
+    ``die_with``: the pid of the broker's supervisor (a test session): the broker is stopped once
+    that process is gone, however it ended. Without it the broker outlives its caller, as
+    ``resihp kafka up`` means it to.
 
     ``secure``: SASL/SCRAM-SHA-256 principals and ACLs (infra/kafka_security.py); the data dir
     must be fresh or have been formatted secure, and the principals' credentials are written
@@ -192,6 +197,8 @@ def up(
            f"-Dresihp.kafka.data.dir={data_dir}"]
     pid = _spawn_detached([*jvm, *classpath, MAIN_CLASS, str(config)], data_dir / LOG_FILE)
     (data_dir / PID_FILE).write_text(f"{pid}\n")
+    if die_with is not None:
+        _stop_when_gone(die_with, pid)
 
     bootstrap = _wait_ready(data_dir, f"{HOST}:{port}", timeout_s)
     if creds:
@@ -318,6 +325,16 @@ def _spawn_detached(cmd: list[str], log_path: Path) -> int:
     done = subprocess.run(["sh", "-c", script, "sh", str(log_path), *cmd],
                           capture_output=True, text=True, start_new_session=True, check=True)
     return int(done.stdout.strip())
+
+
+def _stop_when_gone(owner: int, pid: int) -> None:
+    """A detached watcher that sends the broker SIGTERM (a clean shutdown) once ``owner`` has
+    exited, and itself exits with the broker. A watcher rather than PR_SET_PDEATHSIG because the
+    broker is re-parented to init (``_spawn_detached``): its parent is never the owner."""
+    script = ('while kill -0 "$1" 2>/dev/null && kill -0 "$2" 2>/dev/null; do sleep 1; done; '
+              'kill -TERM "$2" 2>/dev/null; exit 0')
+    subprocess.Popen(["sh", "-c", script, "sh", str(owner), str(pid)], stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def _running_pid(data_dir: Path) -> int | None:

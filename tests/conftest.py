@@ -66,7 +66,7 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     data_dir = tmp_path_factory.mktemp("kafka")
     port = _free_port()
     try:
-        bootstrap = broker.up(port=port, controller_port=_free_port(), data_dir=data_dir)
+        bootstrap = broker.up(port=port, controller_port=_free_port(), data_dir=data_dir, die_with=os.getpid())
     except Exception as exc:  # noqa: BLE001 - any failure to start is a test failure, with the reason
         pytest.fail(f"the Kafka broker from infra/ did not start: {exc}", pytrace=False)
     try:
@@ -127,7 +127,8 @@ def secure_kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     data_dir = tmp_path_factory.mktemp("kafka-secure")
     port, controller_port = _free_port(), _free_port()
     try:
-        bootstrap = broker.up(port=port, controller_port=controller_port, data_dir=data_dir, secure=True)
+        bootstrap = broker.up(port=port, controller_port=controller_port, data_dir=data_dir, secure=True,
+                              die_with=os.getpid())
         secure_topics(bootstrap, str(data_dir), "")
     except Exception as exc:  # noqa: BLE001 - any failure to start is a test failure, with the reason
         broker.down(data_dir)

@@ -67,3 +67,27 @@ def test_broker_round_trips_a_message_and_stops(running_broker):
     stopped = broker.status(data_dir)
     assert not stopped["running"] and not stopped["reachable"] and stopped["pid"] is None
     assert broker.down(data_dir) is False
+
+
+def test_a_broker_started_for_a_supervisor_stops_when_the_supervisor_is_killed(tmp_path):
+    """A test session that dies hard (SIGKILL, no fixture teardown) leaves no broker behind."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    data_dir = tmp_path / "kafka"
+    supervisor = subprocess.Popen(["sleep", "600"])
+    try:
+        broker.up(port=_free_port(), controller_port=_free_port(), data_dir=data_dir, die_with=supervisor.pid)
+        pid = broker.status(data_dir)["pid"]
+        assert pid is not None and broker.status(data_dir)["running"]
+        os.kill(supervisor.pid, signal.SIGKILL)
+        supervisor.wait()
+        deadline = time.monotonic() + 120  # a liveness wait (a clean Kafka shutdown), not a speed bound
+        while broker.status(data_dir)["running"] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not broker.status(data_dir)["running"], "the broker outlived the process it was started for"
+    finally:
+        supervisor.kill()
+        broker.down(data_dir)

@@ -83,7 +83,8 @@ def test_a_broker_outage_raises_no_fail_stop_and_every_process_survives(secure_k
 
         assert broker.down(data_dir) is True
         time.sleep(OUTAGE_S)
-        assert broker.up(port=port, controller_port=controller, data_dir=data_dir, secure=True) == bootstrap
+        assert broker.up(port=port, controller_port=controller, data_dir=data_dir, secure=True,
+                         die_with=os.getpid()) == bootstrap
 
         try:
             procs["workload"].wait(240)
@@ -127,4 +128,4 @@ def test_a_broker_outage_raises_no_fail_stop_and_every_process_survives(secure_k
         for f in logs.values():
             f.close()
         if not broker.status(data_dir)["running"]:  # leave the session's broker as it was found
-            broker.up(port=port, controller_port=controller, data_dir=data_dir, secure=True)
+            broker.up(port=port, controller_port=controller, data_dir=data_dir, secure=True, die_with=os.getpid())

@@ -4,6 +4,7 @@ itself; an authorised one lands. The platform's own client (collector/kafka_bus.
 
 from __future__ import annotations
 
+import os
 import uuid
 from pathlib import Path
 
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.kafka
 def secure_broker(secure_kafka):
     if not broker.status(secure_kafka["data_dir"])["running"]:  # a test before stopped it
         broker.up(port=secure_kafka["port"], controller_port=secure_kafka["controller_port"],
-                data_dir=secure_kafka["data_dir"], secure=True)
+                data_dir=secure_kafka["data_dir"], secure=True, die_with=os.getpid())
     return secure_kafka["bootstrap"], secure_kafka["data_dir"], secure_kafka["creds"]
 
 
