@@ -231,8 +231,12 @@ class ShardWorker:
         self.bus = bus
         self.shard = ReplicaShard(job, name, config or DetectorConfig())
         self.stream = EventStream(bus, group, [topics.TELEMETRY], instance_id=instance_id)
-        self.side = EventStream(bus, f"{group}.fits.{uuid.uuid4().hex[:8]}", [topics.ANALYTICS, topics.CONTROL])
-        self.side.seek_to_beginning()
+        # From the start of the log at assignment, not at construction: on Kafka a consumer holds no
+        # partitions until its group's join completes, so a seek made earlier reaches nothing and
+        # the group would start at the end, past fits the merge published meanwhile, which a
+        # complete replica then waits for forever.
+        self.side = EventStream(bus, f"{group}.fits.{uuid.uuid4().hex[:8]}", [topics.ANALYTICS, topics.CONTROL],
+                                on_assign=lambda parts: {tp: 0 for tp in parts})
         self._committed: dict[tuple[str, int], int] = {}
 
     def step(self, max_records: int = 20_000, timeout_s: float = 0.2) -> int:

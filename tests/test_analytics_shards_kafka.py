@@ -63,12 +63,20 @@ def _sharded_run(bootstrap: str, events: list, shards: int, kill_at: int | None 
                 got = merge.on_event(d.event)
                 out += got
                 bus.publish([fits.make(p) for p in got if isinstance(p, DetectorFits)])  # what the shards predict with
-        return merge, out, workers
     finally:
         for s in stops:
             s.set()
         for t in threads:
             t.join()
+    try:  # what shards emitted after the last iteration was judged: read, so every summary counts once
+        idle = 0
+        while idle < 3:
+            batch = merge_in.poll(10_000, 0.2)
+            idle = 0 if batch else idle + 1
+            for d in batch:
+                out += merge.on_event(d.event)
+        return merge, out, workers
+    finally:
         merge_in.close()
         bus.close()
 
