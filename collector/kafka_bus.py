@@ -312,12 +312,18 @@ class KafkaBusConsumer(Consumer):
     def _physical(self, tp: TopicPartition) -> KafkaTP:
         return KafkaTP(self._ns + tp.topic, tp.partition)
 
+    def _rejoining(self) -> bool:
+        """The group is rebalancing and this member must join again (kafka-python's coordinator)."""
+        coordinator = getattr(self._kafka, "_coordinator", None)
+        return bool(coordinator is not None and coordinator.need_rejoin())
+
     def poll(self, max_records: int = 10_000, timeout_s: float = 1.0) -> list[Record]:
         timeout_ms = int(timeout_s * 1000)
-        if not self._kafka.assignment():
+        if not self._kafka.assignment() or self._rejoining():
             # Joining the group takes several round trips that only advance inside poll; a caller
             # that polls with timeout 0 (a simulator or trainer checking for commands between
-            # iterations) would otherwise never join.
+            # iterations, a shard waiting on the merge) would otherwise never join — nor finish a
+            # rebalance, keeping partitions a departed member left unread by anyone.
             timeout_ms = max(timeout_ms, _JOIN_POLL_MS)
         try:
             batches = self._kafka.poll(timeout_ms=timeout_ms, max_records=max_records)
