@@ -15,8 +15,9 @@ broker refuses a forged command before any signature is checked (infra/kafka_sec
 
 A command is also written to the control topic, as the lifecycle's record: every reader that folds
 plans (the engine, the console, analytics) reads proposal → decision → command → ack in the order
-of one partition there, which two topics could not give. Both copies have one event id, so a
-reader of both applies it once; a trainer never acts on the control copy (:func:`obeyed_from`).
+of one partition there, which two topics could not give. Both copies have one event id; a fold
+reads the control copy only (a reader of the whole run reads :data:`RECORD_TOPICS`), and a trainer
+acts on the commands copy only (:func:`obeyed_from`).
 """
 
 from __future__ import annotations
