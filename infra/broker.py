@@ -198,7 +198,7 @@ def up(
     pid = _spawn_detached([*jvm, *classpath, MAIN_CLASS, str(config)], data_dir / LOG_FILE)
     (data_dir / PID_FILE).write_text(f"{pid}\n")
     if die_with is not None:
-        _stop_when_gone(die_with, pid, data_dir / LOG_FILE)
+        _stop_when_gone(die_with, pid)
 
     bootstrap = _wait_ready(data_dir, f"{HOST}:{port}", timeout_s)
     if creds:
@@ -327,13 +327,14 @@ def _spawn_detached(cmd: list[str], log_path: Path) -> int:
     return int(done.stdout.strip())
 
 
-def _stop_when_gone(owner: int, pid: int, log_path: Path) -> None:
-    """A watcher, detached like the broker (never our zombie), that sends the broker SIGTERM (a
-    clean shutdown) once ``owner`` has exited, and itself exits with the broker. A watcher rather
-    than PR_SET_PDEATHSIG because the broker is re-parented to init: its parent is never the owner."""
+def _stop_when_gone(owner: int, pid: int) -> None:
+    """A detached watcher that sends the broker SIGTERM (a clean shutdown) once ``owner`` has
+    exited, and itself exits with the broker. A watcher rather than PR_SET_PDEATHSIG because the
+    broker is re-parented to init (``_spawn_detached``): its parent is never the owner."""
     script = ('while kill -0 "$1" 2>/dev/null && kill -0 "$2" 2>/dev/null; do sleep 1; done; '
               'kill -TERM "$2" 2>/dev/null; exit 0')
-    _spawn_detached(["sh", "-c", script, "sh", str(owner), str(pid)], log_path)
+    subprocess.Popen(["sh", "-c", script, "sh", str(owner), str(pid)], stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def _running_pid(data_dir: Path) -> int | None:
