@@ -55,6 +55,34 @@ def test_throughput_windows_count_pauses_and_hangs_as_time_without_tokens() -> N
     assert overall["before"] == 1000.0 and overall["during"] == 250.0  # 5,000 tokens over 20 s of faults
 
 
+def test_windows_follow_the_iteration_stream_not_the_stamps_of_late_records() -> None:
+    """A loop that closes within a few iterations: 1 s healthy iterations of 1,000 tokens, ×3 slow
+    from iteration 10 (3 s each), a 2 s reshape pause, then iterations under epoch 1. The faulty
+    rank publishes its fault record 1.5 s after its first slow iteration, and the acknowledgement
+    lands during the first reshaped iteration: windows at those stamps would count a slow
+    iteration as healthy time and a reshaped one as faulty time. Drawn on the iteration stream,
+    "during" is 3,000 tokens over 3 × 3 s + 2 s and "after" the reshaped rate."""
+    s = LogState()
+    t = 0.0
+    for i in range(30):
+        epoch, wall = (0, 1.0) if i < 10 else (0, 3.0) if i < 13 else (1, 1.25)
+        if i == 13:
+            t += 2.0  # the reshape pause
+        t += wall
+        s.summaries.append(Summary(time_s=t, epoch=epoch, iteration=i, tokens=1000, wall_s=wall))
+    s.injected = [Injected("slow", "fail_slow", Location(target="compute", rank=1, factor=3.0), 10, 13.0 + 1.5)]
+    s.incidents = {"i1": Incident("i1", "fail_slow", "high", [Location(target="compute", rank=1)], 11, 16.0, "")}
+    first_new = next(x for x in s.summaries if x.epoch == 1)
+    s.plans = {"p1": PlanRecord("p1", "ours", 0, 1, ["i1"], [], 0, 0, 17.0, status="verified",
+                                applied_time_s=first_new.time_s - 0.5)}
+    (story,) = fault_stories(s)
+    assert story.onset_s == 10.0 and story.fixed_s == first_new.time_s - first_new.wall_s == 21.0
+    assert story.before_tokens_per_s == 1000.0
+    assert story.during_tokens_per_s == 3000.0 / 11.0
+    assert story.after_tokens_per_s == 1000.0 / 1.25
+    assert overall_tokens_per_s(s, [story])["during"] == story.during_tokens_per_s
+
+
 def test_an_unfixed_fault_has_no_after_window_and_a_missed_one_no_incident() -> None:
     s = _state()
     s.plans.pop("p2")

@@ -4,6 +4,15 @@ before, during and after each fault — from the log alone (the LogState the wat
 Throughput over a window is tokens of the iterations that ended in it (``telemetry.summary``)
 divided by the window's length, so a reshape pause or a hang on a dead rank counts as time with
 no tokens. All times are the launcher's own clock (one host): no two hosts' clocks are compared.
+
+The windows' edges are drawn on the trainer's own iteration stream, not at the times other
+records were stamped: a fault begins where the last iteration before its first faulty one ended,
+and a plan takes over where the first iteration under its epoch began. The fault record and the
+plan's acknowledgement are published by other processes at other moments (the faulty rank after
+its iteration, the trainer after its first reshaped step), and when the loop closes within two or
+three iterations a window drawn at those stamps holds a healthy or reshaped iteration more or
+less, and reads tens of percent off. The reshape pause falls in "during": the job ran faulty
+until the new layout's first iteration began.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ class FaultStory:
     before_tokens_per_s: float | None
     during_tokens_per_s: float | None
     after_tokens_per_s: float | None
+    onset_s: float  # where the "during" window begins (see the module's docstring)
+    fixed_s: float | None  # where the "after" window begins; None when no plan fixed the fault
 
     @property
     def detected(self) -> bool:
@@ -40,6 +51,26 @@ def tokens_per_s(state: LogState, t0: float, t1: float) -> float | None:
         return None
     tokens = sum(s.tokens for s in state.summaries if t0 < s.time_s <= t1)
     return tokens / (t1 - t0)
+
+
+def onset_s(state: LogState, fault: Injected) -> float:
+    """Where the fault's window begins: the end of the last iteration before its first faulty one
+    that was recorded by the time the fault was (the fault's own stamp when there is none)."""
+    ends = [s.time_s for s in state.summaries if s.iteration < fault.start_iteration and s.time_s <= fault.time_s]
+    return max(ends) if ends else fault.time_s
+
+
+def fixed_s(state: LogState, plan: PlanRecord, after_s: float) -> float | None:
+    """Where the plan's layout took over: the start of the first iteration recorded under its epoch
+    after ``after_s``; the plan's acknowledgement time when the stream carries no epochs; None when
+    the plan was never applied."""
+    if plan.applied_time_s is None:
+        return None
+    under = [s for s in state.summaries if s.epoch >= plan.epoch and s.time_s > after_s]
+    if not under:
+        return plan.applied_time_s
+    first = min(under, key=lambda s: s.time_s)
+    return max(after_s, first.time_s - first.wall_s)
 
 
 def measured_start_s(state: LogState) -> float:
@@ -91,18 +122,21 @@ def fault_stories(state: LogState) -> list[FaultStory]:
     faults = sorted(state.injected, key=lambda f: f.time_s)
     out: list[FaultStory] = []
     prev_fixed = start
+    onsets = [onset_s(state, f) for f in faults]
     for k, fault in enumerate(faults):
         incident, where = match_incident(state, fault)
         plan = _fixing_plan(state, fault, incident)
-        next_onset = faults[k + 1].time_s if k + 1 < len(faults) else end
-        fixed = plan.applied_time_s if plan is not None and plan.applied_time_s is not None else None
+        onset = onsets[k]
+        next_onset = onsets[k + 1] if k + 1 < len(faults) else end
+        fixed = fixed_s(state, plan, onset) if plan is not None else None
         if fixed is not None and fixed > next_onset:
             fixed = None  # not fixed before the next fault began
         out.append(FaultStory(
             fault, incident, where, plan,
-            tokens_per_s(state, prev_fixed, fault.time_s),
-            tokens_per_s(state, fault.time_s, fixed if fixed is not None else next_onset),
+            tokens_per_s(state, prev_fixed, onset),
+            tokens_per_s(state, onset, fixed if fixed is not None else next_onset),
             tokens_per_s(state, fixed, next_onset) if fixed is not None else None,
+            onset, fixed,
         ))
         prev_fixed = fixed if fixed is not None else next_onset
     return out
@@ -114,10 +148,10 @@ def overall_tokens_per_s(state: LogState, stories: list[FaultStory]) -> dict[str
         return {"before": None, "during": None, "after": None}
     tokens = seconds = 0.0
     for st in stories:
-        t0 = st.fault.time_s
-        t1 = st.plan.applied_time_s if st.plan is not None and st.after_tokens_per_s is not None else None
+        t0 = st.onset_s
+        t1 = st.fixed_s if st.after_tokens_per_s is not None else None
         if t1 is None:
-            later = [x.fault.time_s for x in stories if x.fault.time_s > t0]
+            later = [x.onset_s for x in stories if x.onset_s > t0]
             t1 = min(later) if later else max(s.time_s for s in state.summaries)
         rate = tokens_per_s(state, t0, t1)
         if rate is not None:
