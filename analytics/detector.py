@@ -213,7 +213,8 @@ class Detector:
             return [] if self.hidden_stop.answer(p.probe_id, p.rank) else self.book.probe_result(p)
         if isinstance(p, (PlanCurrent, ReconfigureCommand)):
             self.arrival.add_plan(p.plan)
-            self.fail_stop.plan_announced(p.plan.epoch, set(p.plan.roles))
+            self.fail_stop.plan_announced(p.plan.epoch, set(p.plan.roles),
+                                          p.gpus_per_node if isinstance(p, PlanCurrent) else None)
             return self._flush_ready(True)
         return []
 

@@ -11,9 +11,10 @@ a rank is judged against the others' progress:
   watched ranks' watermarks. A low quantile, not the newest: when a group of partitions lags, the
   reference lags with it, so the lagging ranks are not called dead; when a node dies (a quarter of
   a 32-GPU job, say) the reference still comes from the living. When a third or more of the job
-  dies at once (a node of a two-node job), the lower third is the dead ranks' own time; so the
-  reference never trails the newest watermark by more than ``reference_max_lag_intervals``
-  intervals, which bounds how long any dead set can go unjudged.
+  dies at once (a node of a two-node job), the lower third is the dead ranks' own time; so, where
+  the plan places ranks on nodes, a late rank is judged against the other nodes' progress
+  (``_row_references_s``), and otherwise the reference never trails the newest watermark by more
+  than ``reference_max_lag_intervals`` intervals, which bounds how long any dead set can go unjudged.
 - **Hung job**: a dead rank stalls a synchronous job, and a stall is itself evidence. When no
   iteration of the newest epoch completed for ``hang_stall_iterations`` typical iterations (and at
   least one heartbeat interval) of the job's progress, a rank is dead after
@@ -135,6 +136,7 @@ class FailStopWatch:
     _newest_s: float = float("-inf")  # the newest believed event time of any stream
     # Immutable with a class-level default, so a detector pickled before declarations existed restores.
     tracing: tuple[TracingDeclared, ...] = ()  # every TracingDeclared seen, oldest first
+    gpus_per_node: int | None = None  # from plan.current: a node's devices are consecutive ids (None: unknown)
 
     @property
     def watched(self) -> set[int]:
@@ -434,9 +436,12 @@ class FailStopWatch:
         """The ranks of the newest announced plan (the watched ones when none was announced)."""
         return set(self._newest_plan[1]) if self._newest_plan is not None else self.watched
 
-    def plan_announced(self, epoch: int, devices: set[int]) -> None:
+    def plan_announced(self, epoch: int, devices: set[int], gpus_per_node: int | None = None) -> None:
         """A plan (plan.current or a command) for ``epoch``: a rank it leaves out is being
-        reconfigured away, so its silence is not judged, even before the epoch's first frame."""
+        reconfigured away, so its silence is not judged, even before the epoch's first frame.
+        ``gpus_per_node`` (plan.current says it; a command does not) places ranks on nodes."""
+        if gpus_per_node is not None:
+            self.gpus_per_node = gpus_per_node
         if self._newest_plan is None or epoch >= self._newest_plan[0]:
             self._newest_plan = (epoch, set(devices))
             t = self.table
@@ -562,11 +567,6 @@ class FailStopWatch:
             return []
         ref = self.reference_s()
         interval = self._interval_s()
-        stalled = self.stalled_s(ref, interval)
-        miss = self.config.heartbeat_miss_intervals
-        if stalled:
-            miss = min(miss, self.config.hang_miss_intervals)
-        why = f"; the job completed nothing for {stalled:.1f} s" if stalled else ""
         stall_from = self._stall_from_s(interval)
         t = self.table
         judged = t.watched & t.heard & ~np.isnan(t.hb_time_s) & ~t.retired
@@ -576,7 +576,12 @@ class FailStopWatch:
             judged &= t.in_plan | (t.epoch >= self._newest_plan[0])  # one left out is being reconfigured away
         rows = np.flatnonzero(judged)
         rows = rows[~self._proof_of_life(rows)]
-        late_s = ref - t.hb_time_s[rows]
+        row_ref = self._row_references_s(rows, ref)
+        late_s = row_ref - t.hb_time_s[rows]
+        # hung at the rank's own reference: the job completed nothing for long as the others see it
+        stalled = np.where(row_ref > stall_from, row_ref - self._top_time_s.get(self.newest_epoch(), 0.0), 0.0)
+        miss = np.where(stalled > 0, min(self.config.heartbeat_miss_intervals, self.config.hang_miss_intervals),
+                        self.config.heartbeat_miss_intervals)
         behind = t.epoch[rows] < self._heard_epoch
         rank_miss = np.where(behind, self._behind_miss(), miss)
         dies = late_s > rank_miss * t.hb_interval_s[rows]
@@ -585,6 +590,7 @@ class FailStopWatch:
             i = int(rows[j])
             rank, epoch, hb_interval = int(t.rank[i]), int(t.epoch[i]), float(t.hb_interval_s[i])
             self.dead.add(rank)
+            why = f"; the job completed nothing for {stalled[j]:.1f} s" if stalled[j] > 0 else ""
             more = (f"; its stream is still in epoch {epoch} while peers are in {self._heard_epoch}"
                     if behind[j] else why)
             out.append(LivenessChange(
@@ -595,6 +601,53 @@ class FailStopWatch:
         deadline = float(self._rank_deadline_s(alive, stall_from).min()) if len(alive) else float("inf")
         self._arm(deadline, ref)
         return out
+
+    def _row_references_s(self, rows: np.ndarray, ref_s: float) -> np.ndarray:
+        """Per row, the progress its rank is judged against: the job's reference ``ref_s``, or,
+        later, the other nodes' progress — the lower third over the nodes its rank is not on of
+        each node's own progress (the lower third of its live ranks' watermarks). Needs the nodes
+        (``gpus_per_node`` from plan.current: a node's devices are consecutive ids) and two or more
+        nodes whose ranks send events.
+
+        Why: a node dies as a whole, while streams lag one by one (each rank's events have their own
+        partition). When the dead node is a third or more of the ranks that heartbeat (half of them
+        when a sampled job traces two nodes' replicas), the job's lower third is the dead ranks' own
+        time, and only the reference's lag bound (``reference_max_lag_intervals``) got them judged,
+        after a restart had come. Judged against the ranks of other nodes, a rank's own silence
+        cannot hold its reference back. A scattered lag of a third or more of the ranks still holds
+        every reference back: a node with a third of its ranks behind reads behind, and so do a
+        third or more of the nodes. What can go wrong: a whole node whose events are delivered late
+        (its network) while the job hangs looks dead until they arrive, then is revived.
+
+        Computed only when some row is late against the newest watermark: in a healthy job none is."""
+        out = np.full(len(rows), ref_s)
+        per_node = self.gpus_per_node
+        t = self.table
+        live = self._live()
+        if per_node is None or not len(rows) or not live.any():
+            return out
+        times, nodes = t.time_s[live], t.rank[live] // per_node
+        late = t.hb_time_s[rows] + min(self.config.heartbeat_miss_intervals, self.config.hang_miss_intervals) \
+            * t.hb_interval_s[rows] < float(times.max())
+        if not late.any():
+            return out
+        ids, counts = np.unique(nodes, return_counts=True)
+        if len(ids) < 2:
+            return out
+        order = np.lexsort((times, nodes))  # by node, then time
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        progress = times[order][starts + np.floor(REFERENCE_QUANTILE * (counts - 1)).astype(np.int64)]
+        ranked = np.sort(progress)
+        k = int(REFERENCE_QUANTILE * (len(ids) - 2))  # the lower third of the other nodes' progress
+        rank_of = np.searchsorted(ranked, progress, side="left")
+        # without its own node: the k-th of the rest is the k-th overall unless the node is at or below it
+        others = np.where(rank_of > k, ranked[k], ranked[min(k + 1, len(ranked) - 1)])
+        row_nodes = t.rank[rows] // per_node
+        at = np.searchsorted(ids, row_nodes)
+        known = (at < len(ids)) & (ids[np.minimum(at, len(ids) - 1)] == row_nodes)
+        node_ref = np.where(known, others[np.minimum(at, len(ids) - 1)],
+                            ranked[int(REFERENCE_QUANTILE * (len(ids) - 1))])
+        return np.where(late, np.maximum(out, node_ref), out)
 
     def _behind_miss(self) -> float:
         """The miss, in intervals, for a stream still in an older epoch than its peers' streams."""

@@ -12,10 +12,15 @@ HB_S = 5.0  # heartbeat interval; one iteration takes 1 s
 
 
 def drive(config: DetectorConfig, *, die_at_s: float | None, stall=(None, None), until_s: float = 60.0,
-          dying=frozenset({3}), announce_at_s: float | None = None):
+          dying=frozenset({3}), announce_at_s: float | None = None, gpus_per_node: int | None = None,
+          lagging: frozenset[int] = frozenset()):
     """Event-time drive of the watch: an iteration completes every second (unless the job stalls or a
-    rank is dead), every live rank heartbeats every ``HB_S``. Returns (time, change) for each verdict."""
+    rank is dead), every live rank heartbeats every ``HB_S``; ``gpus_per_node`` announces a plan that
+    places ranks on nodes; a ``lagging`` rank's heartbeats during the stall are not delivered (its
+    partition lags). Returns (time, change) for each verdict."""
     watch = FailStopWatch(config)
+    if gpus_per_node is not None:
+        watch.plan_announced(0, set(range(RANKS)), gpus_per_node)
     verdicts = []
     iteration = 0
     for tick in range(int(until_s) + 1):
@@ -30,7 +35,7 @@ def drive(config: DetectorConfig, *, die_at_s: float | None, stall=(None, None),
             iteration += 1
         if tick % int(HB_S) == 0:
             for r in range(RANKS):
-                if not (dead and r in dying):
+                if not (dead and r in dying) and not (stalled and r in lagging):
                     hb = Heartbeat(rank=r, epoch=0, iteration=iteration, interval_s=HB_S)
                     verdicts += [(t, c) for c in watch.heartbeat(hb, t)]
     return verdicts
@@ -71,6 +76,25 @@ def test_half_the_job_dying_at_once_is_judged_within_the_reference_lag_bound() -
     assert {c.rank for _, c in verdicts} == half and not any(c.alive for _, c in verdicts)
     # newest watermark 20 + 20 intervals of reference lag, then 1.5 missed intervals (judged on a beat)
     assert max(t for t, _ in verdicts) == 20.0 + 20 * HB_S + 2 * HB_S
+
+
+def test_a_node_that_is_half_the_heartbeating_ranks_is_judged_against_the_other_node() -> None:
+    """The same two-node job with its nodes known (plan.current's gpus_per_node): the dead node's
+    ranks are judged against the other node's progress, so the stall rule names them as it names
+    one dead rank (last heartbeat at 20, missed at 25, judged at 30), not 20 intervals later."""
+    half = frozenset(range(RANKS // 2, RANKS))
+    verdicts = drive(DetectorConfig(), die_at_s=20.5, dying=half, until_s=160.0, gpus_per_node=RANKS // 2)
+    assert {c.rank for _, c in verdicts} == half and not any(c.alive for _, c in verdicts)
+    assert {t for t, _ in verdicts} == {30.0}
+    assert all("completed nothing" in c.reason for _, c in verdicts)
+
+
+def test_a_third_of_the_ranks_lagging_over_every_node_is_not_called_dead_while_the_job_stalls() -> None:
+    """Streams lag one by one (each rank's own partition): a third of the ranks, spread over the
+    three nodes, deliver no heartbeat through a stall. Each node with a third of its ranks behind
+    reads behind, so no node's reference runs ahead of the laggards: nobody is judged dead."""
+    lagging = frozenset({0, 1, 2, 8, 9, 10, 16, 17})
+    assert drive(DetectorConfig(), die_at_s=None, stall=(12.0, 60.0), until_s=59.0, gpus_per_node=8, lagging=lagging) == []
 
 
 def test_a_reshape_pause_is_a_stall_with_a_reason_and_keeps_the_ordinary_threshold() -> None:
