@@ -40,7 +40,10 @@ from collector.events import (
 
 _GROW = 1024
 LINK_SUSTAIN = 3  # iterations a link whose timers hold waits must read slow before it counts
-UNTRACED_SUSTAIN = 4  # traced iterations the job must run late before time lost outside the traced ranks counts
+# Traced iterations the job must run late before time lost outside the traced ranks counts. Frames,
+# not iterations: each traced frame is one sample of the untraced replicas' swing, and a skipped step
+# is none (held for 2 frames of every 2nd step, healthy sampled runs opened 5 incidents in 480 iterations).
+UNTRACED_SUSTAIN = 4
 _MEDIAN_STEP_PER_SIGMA = 0.6745 * math.sqrt(2)  # median |z_t − z_{t−1}| for independent normal z of σ 1
 
 
@@ -807,7 +810,12 @@ class Detector:
     def _open_untraced(self, frame: IterationFrame, sched: tuple[str | None, int | None], explained: float,
                        wall: float, z: float, k: float, h: float, sigma: float, untraced: list[int]
                        ) -> list[Payload]:
-        """A compute incident on the ranks nobody traces (see analytics/untraced.py)."""
+        """A compute incident on the ranks nobody traces (see analytics/untraced.py). It opens
+        without a place, as a communication incident opened on the iteration's excess does: one
+        of sixteen ranks over several replicas and stages is no TP group, and a planner handed
+        them as one would plan around every one of them as slow by a stage's guess. The ranks are
+        the probe's (``ranks``) and the evidence's (``rank_factors``, each one's size if it is the
+        slow one); the probe that names the rank places and sizes it, and a planner waits for that."""
         size, per_stage = self._untraced_size(frame, sched, explained, wall, z)
         ranks = tuple(untraced)
         roles = self.arrival.plans[frame.epoch].roles
@@ -815,7 +823,7 @@ class Detector:
         by_rank = {r: round(per_stage[roles[r].stage], 4) for r in ranks if r in roles and roles[r].stage in per_stage}
         return self.book.open_fail_slow(Suspect(
             key=("untraced",), target="compute", rank=None, link=None, node=None, replica=None, stage=None,
-            tp_group=ranks, factor=size, confidence=float(min(0.99, 1.0 - np.exp(-max(z - k, 0.0) / sigma / 2))),
+            tp_group=None, factor=size, confidence=float(min(0.99, 1.0 - np.exp(-max(z - k, 0.0) / sigma / 2))),
             iterations=[frame.iteration], observed_s=[wall], predicted_s=[wall * math.exp(-z)], rank_factors=by_rank,
             statistic=f"CUSUM on log(wall / iteration explained by the traced compute); k={k:.4f} h={h:.4f}; "
                       f"traced pipelines on time",

@@ -146,7 +146,8 @@ class IncidentBook:
         if s.target == "link":
             where = f"link {s.link[0]}->{s.link[1]}" if s.link else "communication"
         else:
-            where = f"rank {s.rank}" if s.rank is not None else f"TP group {list(s.ranks)}"
+            where = (f"rank {s.rank}" if s.rank is not None else f"TP group {list(s.ranks)}" if s.tp_group
+                     else f"one of ranks {list(s.ranks)}")
         out: list[Payload] = [IncidentOpened(
             incident_id=inc.incident_id, category=inc.category, severity=severity_of(s.factor, inc.category),
             iteration=iteration, locations=[s.location()], evidence=s.evidence(),

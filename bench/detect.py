@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from resihp.referee import detecting, fault_devices, named_devices, score
+from resihp.referee import covers, detecting, fault_devices, score
 
 if TYPE_CHECKING:
     from collector.events import FaultInjected
@@ -191,13 +191,16 @@ def first_sizes(faults: list, incs: dict[str, Tracked], iterations: int, config,
                 ) -> list[tuple[str, float, float]]:
     """(fault kind, injected factor, the size its detecting incident first reported) per detected
     fail-slow fault: what a planner acting at once would read. The first report is the incident's
-    first event (opened, confirmed, updated) whose locations name a device the fault hits — the
-    referee's rule for the closed loop: a communication incident opens on the iteration's excess
-    with no place, and the probe that names the link, answered in the same iteration, is what
-    first gives it a place and a size. A slow GPU's size is read as the engine reads it (its compute
-    factor, ``compute_factor_from_chunks``, wherever the incident points: a TP group or the
-    untraced ranks are sized by the same chunks), a link's or NIC's as it stands. Later
-    refinements do not count here; ``sizing`` scores the last size."""
+    first event (opened, confirmed, updated) that places the fault: its locations name a device the
+    fault hits (the referee's ``covers``, an unplaced incident covering nothing) — the rule of the
+    closed loop, and the planner's (remediation/planning_view.py plans nothing around a location
+    that names no device). Two kinds of incident open without a place: a communication incident
+    on the iteration's excess, and time lost on one of the ranks nobody traces (sampled tracing);
+    the probe that names the link, NIC or GPU, answered in the same iteration, first places and
+    sizes each. An incident that is never placed counts its opening. A slow GPU's size is read as
+    the engine reads it (its compute factor, ``compute_factor_from_chunks``, whether the incident
+    names the GPU or its TP group: both are sized by the same chunks), a link's or NIC's as it
+    stands. Later refinements do not count here; ``sizing`` scores the last size."""
     from remediation.cluster import ClusterState
     from remediation.costs import compute_factor_from_chunks
     from resihp.planning_models import exact_model, hardware_of
@@ -212,7 +215,7 @@ def first_sizes(faults: list, incs: dict[str, Tracked], iterations: int, config,
         hits = detecting(f, incs, gpus_per_node=per_node, iterations=iterations, grace=grace)
         reports = [locs for _, locs in incs[hits[0][1]].sized] if hits else []
         hit = fault_devices(f.location, per_node)
-        placed = [locs for locs in reports if named_devices(locs, per_node) & hit]
+        placed = [locs for locs in reports if covers(hit, locs, per_node, unplaced_covers=False)]
         locs = (placed or reports or [[]])[0]
         if not locs:
             continue
