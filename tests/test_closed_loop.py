@@ -90,12 +90,13 @@ def test_a_dead_gpu_is_found_by_heartbeats_and_the_job_trains_again(tmp_path: Pa
     assert not idle.training_at_end and ours.tokens > 2 * idle.tokens
 
 
-def test_a_node_holding_half_the_job_dies_and_is_still_found(tmp_path: Path) -> None:
+def test_a_node_holding_half_the_job_dies_and_is_found_as_soon_as_one_dead_gpu(tmp_path: Path) -> None:
     """Half the ranks fall silent at once, so the lower third of the watermarks is their own time;
-    the bound on how far the reference may trail (20 intervals) is what gets them judged."""
+    judged against the other node's progress (plan.current places ranks on nodes), they are named
+    as one dead GPU is, not after the reference's 20-interval lag bound (20–23 s)."""
     _, ours = _run("ours", [FaultSpec(kind="stop_node", node=1, at_s=3.0)], 40.0, tmp_path)
     (det,) = ours.detections
-    assert det.category == "fail_stop" and det.delay_s is not None and 20.0 <= det.delay_s <= 23.0
+    assert det.category == "fail_stop" and det.delay_s is not None and det.delay_s <= 3.5
     assert ours.false_incidents == 0 and ours.plans_applied >= 1 and ours.training_at_end
 
 
