@@ -603,18 +603,18 @@ class FailStopWatch:
         return out
 
     def _row_references_s(self, rows: np.ndarray, ref_s: float) -> np.ndarray:
-        """Per row, the progress its rank is judged against: the job's reference ``ref_s``, or,
-        later, the other nodes' progress — the lower third over the nodes its rank is not on of
-        each node's own progress (the lower third of its live ranks' watermarks). Needs the nodes
-        (``gpus_per_node`` from plan.current: a node's devices are consecutive ids) and two or more
-        nodes whose ranks send events.
+        """Per row, the progress its rank is judged against: the job's reference ``ref_s``, or the
+        other nodes' progress when that is later. A node's progress is the lower third of its live
+        ranks' watermarks; the other nodes' is the lower third of those of every node but the
+        rank's own. Needs the nodes (``gpus_per_node`` from plan.current: a node's devices are
+        consecutive ids) and two or more nodes whose ranks send events.
 
         Why: a node dies as a whole, while streams lag one by one (each rank's events have their own
         partition). When the dead node is a third or more of the ranks that heartbeat (half of them
         when a sampled job traces two nodes' replicas), the job's lower third is the dead ranks' own
-        time, and only the reference's lag bound (``reference_max_lag_intervals``) got them judged,
-        after a restart had come. Judged against the ranks of other nodes, a rank's own silence
-        cannot hold its reference back. A scattered lag of a third or more of the ranks still holds
+        time, and only the reference's lag bound (``reference_max_lag_intervals``, 20 intervals)
+        gets them judged: in the sampled suite, after the elastic restart. Judged against the other
+        nodes, a rank's own silence cannot hold its reference back. A scattered lag of a third or more of the ranks still holds
         every reference back: a node with a third of its ranks behind reads behind, and so do a
         third or more of the nodes. What can go wrong: a whole node whose events are delivered late
         (its network) while the job hangs looks dead until they arrive, then is revived.
@@ -639,9 +639,9 @@ class FailStopWatch:
         progress = times[order][starts + np.floor(REFERENCE_QUANTILE * (counts - 1)).astype(np.int64)]
         ranked = np.sort(progress)
         k = int(REFERENCE_QUANTILE * (len(ids) - 2))  # the lower third of the other nodes' progress
-        rank_of = np.searchsorted(ranked, progress, side="left")
+        position = np.searchsorted(ranked, progress, side="left")
         # without its own node: the k-th of the rest is the k-th overall unless the node is at or below it
-        others = np.where(rank_of > k, ranked[k], ranked[min(k + 1, len(ranked) - 1)])
+        others = np.where(position > k, ranked[k], ranked[min(k + 1, len(ranked) - 1)])
         row_nodes = t.rank[rows] // per_node
         at = np.searchsorted(ids, row_nodes)
         known = (at < len(ids)) & (ids[np.minimum(at, len(ids) - 1)] == row_nodes)
