@@ -20,7 +20,6 @@ a summary of an iteration already judged are dropped and counted in ``duplicates
 
 from __future__ import annotations
 
-import binascii
 import json
 import logging
 from dataclasses import dataclass, field
@@ -166,12 +165,9 @@ class JobMerge:
 
 def _liveness_rows(p: LivenessBatch) -> dict[str, np.ndarray] | None:
     """The batch's arrays, or None when they are not the six of ``p.rows`` rows its layout names (a
-    shard of another build, or a corrupt record): applying part of a batch would misalign ranks
-    and times."""
-    try:
-        rows = unpack(p.layout, p.blob)
-    except (ValueError, binascii.Error):
-        return None
+    shard of another build): applying part of a batch would misalign ranks and times. (A blob of
+    another length than its layout's never decodes: collector/events.py ``PackedArrays``.)"""
+    rows = unpack(p.layout, p.blob)
     return rows if all(len(rows.get(n, ())) == p.rows for n in LIVENESS_ARRAYS) else None
 
 

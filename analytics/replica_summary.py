@@ -24,7 +24,6 @@ way); and the predicted iteration's p2p time is each replica's own lower quartil
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 from collections.abc import Hashable, Iterable, Sequence
@@ -54,8 +53,8 @@ FLOAT32 = frozenset({"x_f", "x_b", "x_w", "own_s", "pred_s"})  # read only for a
 Dtype = Literal["<f8", "<f4", "<i4", "<i1"]
 
 
-def pack(arrays: dict[str, np.ndarray]) -> tuple[list[tuple[str, Dtype, int]], str]:
-    """(layout, base64 blob): device ids and codes as int32, flags as int8, what only an incident's
+def pack(arrays: dict[str, np.ndarray]) -> tuple[list[tuple[str, Dtype, int]], bytes]:
+    """(layout, blob) of a PackedArrays payload: device ids and codes as int32, flags as int8, what only an incident's
     evidence reads as float32, the rest (what the CUSUMs and the fit read) float64."""
     layout: list[tuple[str, Dtype, int]] = []
     parts = []
@@ -64,13 +63,14 @@ def pack(arrays: dict[str, np.ndarray]) -> tuple[list[tuple[str, Dtype, int]], s
                  else "<f8")
         parts.append(np.ascontiguousarray(a, dtype=dtype).tobytes())
         layout.append((name, dtype, len(a)))
-    return layout, base64.b64encode(b"".join(parts)).decode("ascii")
+    return layout, b"".join(parts)
 
 
-def unpack(layout: Sequence[tuple[str, str, int]], blob: str) -> dict[str, np.ndarray]:
-    raw, out, at = base64.b64decode(blob), {}, 0
+def unpack(layout: Sequence[tuple[str, str, int]], blob: bytes) -> dict[str, np.ndarray]:
+    """The arrays of a PackedArrays payload, read-only views of its blob (decode checked the lengths)."""
+    out, at = {}, 0
     for name, dtype, n in layout:
-        out[name] = np.frombuffer(raw, dtype=dtype, count=n, offset=at)
+        out[name] = np.frombuffer(blob, dtype=dtype, count=n, offset=at)
         at += n * np.dtype(dtype).itemsize
     return out
 
