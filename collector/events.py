@@ -409,14 +409,6 @@ class PackedArrays(Payload):
         max_length=256, description="(array, dtype, length) in blob order; lengths 0 … 1,048,576")
     blob: Blob = Field(description="the arrays' little-endian bytes back to back (base64 in JSON)")
 
-    @field_validator("layout")
-    @classmethod
-    def _lengths_in_range(cls, layout: list[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
-        for name, _, n in layout:
-            if not 0 <= n <= LIST_MAX:
-                raise ValueError(f"array {name[:40]!r} has length {n}, outside 0..{LIST_MAX}")
-        return layout
-
     @field_validator("blob")
     @classmethod
     def _blob_matches_layout(cls, blob: bytes, info: ValidationInfo) -> bytes:
@@ -426,11 +418,16 @@ class PackedArrays(Payload):
                 raise ValueError("a binary record's header must leave blob empty (its bytes follow the header)")
             blob = attached
         layout = info.data.get("layout")
-        if layout is not None:
-            want = sum(n * DTYPE_BYTES[dtype] for _, dtype, n in layout)
-            if len(blob) != want:
-                raise ValueError(f"blob holds {len(blob):,} bytes but its layout names {want:,}; the record is "
-                                 "truncated or corrupt")
+        if layout is None:
+            return blob  # the layout itself is invalid, and reported
+        want = 0
+        for name, dtype, n in layout:  # one plain loop: it runs for each of the merge's 1,562 records an iteration
+            if not 0 <= n <= LIST_MAX:
+                raise ValueError(f"layout's array {name[:40]!r} has length {n}, outside 0..{LIST_MAX}")
+            want += n * DTYPE_BYTES[dtype]
+        if len(blob) != want:
+            raise ValueError(f"blob holds {len(blob):,} bytes but its layout names {want:,}; the record is "
+                             "truncated or corrupt")
         return blob
 
 

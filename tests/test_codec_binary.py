@@ -100,6 +100,15 @@ def test_a_binary_header_that_carries_a_blob_of_its_own_is_refused() -> None:
         decode(raw)
 
 
+def test_a_layout_with_a_negative_length_is_refused() -> None:
+    """numpy reads count -1 as "the rest of the buffer": a negative length must never reach unpack."""
+    doc = json.loads(encode_json(liveness_event()))
+    doc["payload"]["layout"][0][2] = -1
+    doc["payload"]["layout"][1][2] = 7  # -4 + 28 bytes: the total still matches the blob's 96 bytes
+    with pytest.raises(InvalidEvent, match="'kind' has length -1, outside 0..1048576"):
+        decode(json.dumps(doc).encode())
+
+
 @settings(max_examples=300)
 @given(st.integers(min_value=0, max_value=len(LIVE)), st.binary(min_size=1, max_size=8))
 def test_truncated_or_corrupted_binary_records_never_escape_as_anything_but_invalid_event(cut, noise):
