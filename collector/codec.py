@@ -123,7 +123,7 @@ def _split_binary(raw: bytes) -> tuple[bytes, bytes]:
     return raw[_PREFIX.size:end], raw[end:]
 
 
-def _validate(json_raw: bytes | bytearray | memoryview, context: dict | None) -> Envelope:
+def _validate(json_raw: bytes, context: dict | None) -> Envelope:
     try:
         return EVENT_ADAPTER.validate_json(json_raw, context=context)
     except ValidationError as exc:
