@@ -4,6 +4,8 @@ rank reports are keyed by replica on the bus."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from pydantic import ValidationError
@@ -296,3 +298,40 @@ def test_shard_and_merge_workers_on_the_embedded_bus_publish_the_incident(tmp_pa
     (inc,) = [p for p in got if isinstance(p, IncidentOpened)]
     assert (inc.locations[0].target, inc.locations[0].rank) == ("compute", 7)
     assert sum(isinstance(p, ReplicaSummary) for p in got) == 3 * 24
+
+
+def _summary(replica: int, units: int, class_keys: list, u_class: list[int]):
+    """A ReplicaSummary of one 2-rank replica with ``units`` unit rows, arrays filled with markers."""
+    from analytics.replica_summary import LINK_ARRAYS, RANK_ARRAYS, SCORE_ARRAYS, UNIT_ARRAYS, pack
+    from collector.events import ReplicaSummary
+
+    arrays = {n: np.full(2, replica, float) for n in (*RANK_ARRAYS, *SCORE_ARRAYS)}
+    arrays["rank"] = np.array([2 * replica, 2 * replica + 1])
+    arrays.update({n: np.zeros(0) for n in LINK_ARRAYS})
+    arrays.update({n: np.arange(units, dtype=float) + 100 * replica for n in UNIT_ARRAYS})
+    arrays["u_class"] = np.array(u_class)
+    arrays.update(s_stage=np.zeros(1), s_observed=np.ones(1), s_predicted=np.ones(1))
+    layout, blob = pack(arrays)
+    return ReplicaSummary(epoch=0, iteration=1, replica=replica, ranks=2, inferred=False, explained_s=1.0,
+                          pipeline_s=1.0, dp_wait_s=0.0, tokens=1, wall_s=1.0, class_keys=json.dumps(class_keys),
+                          layout=layout, blob=blob)
+
+
+def test_joining_summaries_gives_the_per_replica_arrays_in_replica_order_whether_or_not_layouts_agree() -> None:
+    """``unpack_all`` joins same-layout summaries as one block: it must give what reading each
+    summary and concatenating gives, and the class indices must map through each replica's own list."""
+    from analytics.replica_summary import job_view, unpack, unpack_all
+
+    same = [_summary(r, 3, [["F", 0], ["B", 0]], [0, 1, 1]) for r in range(3)]
+    mixed = [_summary(0, 3, [["F", 0], ["B", 0]], [0, 1, 1]), _summary(1, 2, [["B", 0], ["F", 0]], [0, 1])]
+    for parts in (same, mixed):
+        names = [n for n, _, _ in parts[0].layout]
+        joined = unpack_all(parts, names)
+        for n in names:
+            want = np.concatenate([unpack(p.layout, p.blob)[n] for p in parts])
+            assert joined[n].dtype == want.dtype and joined[n].tolist() == want.tolist(), n
+    view = job_view(0, 1, mixed, None)
+    assert view.u_keys == [("F", 0), ("B", 0)]
+    assert view.u_class.tolist() == [0, 1, 1, 1, 0]  # replica 1 listed B first
+    assert view.u_tokens.tolist() == [0, 1, 2, 100, 101]
+    assert job_view(0, 1, same, None).u_class.tolist() == [0, 1, 1] * 3
