@@ -506,7 +506,8 @@ class Detector:
         # Not alarmed on: a suspect (its incident is open) and its TP peers in this layout — in
         # lock-step their own times are entangled with the suspect's (identical, without TP waits).
         clean = fit_ranks(frame, self._with_traced_peers(frame, self.book.open_compute_ranks()))
-        alarmed = [int(i) for i in np.flatnonzero(s > h_r) if clean[i] and int(frame.rank[i]) not in self.fail_stop.dead]
+        alarmed = [int(i) for i in np.flatnonzero(s > h_r)
+                   if clean[i] and int(frame.rank[i]) not in self.fail_stop.dead]
         self._cusum[frame.rank[s > h_r]] = 0.0
         for members in self._merge_tp_peers(frame, score, alarmed, k):
             i = max(members, key=lambda j: score.z[j])

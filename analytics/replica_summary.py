@@ -37,7 +37,8 @@ from analytics.cost_model import MAX_FIT_ROWS, ClassFit, CostModel
 from analytics.frame import IterationFrame, LayerLookup
 from analytics.prediction import bounded_stage_rows, predicted_iteration_s, stage_times
 from analytics.scoring import (
-    FrameScore, WorkClass, centre_links, centre_ranks, chunk_classes, link_times, predict_chunks, rank_log_ratios, unit_table,
+    FrameScore, WorkClass, centre_links, centre_ranks, chunk_classes, link_times, predict_chunks, rank_log_ratios,
+    unit_table,
 )
 from collector.events import DetectorFits, ReplicaSummary
 

@@ -25,9 +25,8 @@ import numpy as np
 from analytics.cost_model import CostModel
 from analytics.frame import OP_CODE, IterationFrame
 
-# A work class (``chunk_classes``): what makes two chunks comparable apart from their sequences.
-# Its last four fields are (virtual stage, chunk kind, TP degree), its first says how the stage is
-# named: by layer range (first, end) when the plan is known, else by stage index.
+# A work class (``chunk_classes`` says why): the stage named by its layer range when the plan is
+# known, else by its index; then the virtual stage, the chunk kind and the TP degree.
 LayerClass = tuple[Literal["layers"], int, int, int, int, int]  # ("layers", first, end, vs, kind, TP degree)
 StageClass = tuple[Literal["stage"], int, int, int, int]  # ("stage", stage index, vs, kind, TP degree)
 WorkClass = LayerClass | StageClass
