@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 TEMPLATES = 4  # distinct replicas measured (and cloned for the merge)
-DECODE_REPEATS = 3  # passes of the merge's decode per encoding and iteration
+DECODE_REPEATS = 5  # passes of the merge's decode per encoding and iteration
 
 
 def _replica_reports(tp: int, pp: int, replica: int, microbatches: int, iteration: int) -> list:
