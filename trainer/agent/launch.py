@@ -58,7 +58,8 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
     from torch.distributed.launcher.api import _get_addr_and_port
     from torch.distributed.run import config_from_args
 
-    from trainer.agent.node import AgentSettings, NodeAgent
+    from trainer.agent.commands import NodeCommands
+    from trainer.agent.node import AgentSettings, NodeAgent, NodeStopped
     from trainer.agent.options import normalise
     from trainer.telemetry import TelemetryPublisher
 
@@ -72,6 +73,7 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
     rdzv: RendezvousStore | None = None
     telemetry = None
     predicted = None
+    commands = None
     handler = None
     node_address = None
     agent = None
@@ -106,8 +108,10 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
             handler = rdzv_registry.get_rendezvous_handler(params)
             master_addr, master_port = _get_addr_and_port(params)
         if not args.no_telemetry:
-            telemetry = TelemetryPublisher(bus.open, args.job, 0, heartbeat_s=None,
-                                           source=f"agent-{os.uname().nodename}-{os.getpid()}")
+            source = f"agent-{os.uname().nodename}-{os.getpid()}"
+            telemetry = TelemetryPublisher(bus.open, args.job, 0, heartbeat_s=None, source=source)
+            if rdzv is not None:  # node commands name a node of a c10d rendezvous round
+                commands = NodeCommands(bus.open(), args.job, source)
             if args.expected_step_s is None:
                 group = f"agent:{args.job}:{os.uname().nodename}:{os.getpid()}"
                 predicted = PredictedIteration(bus.open(), args.job, group)
@@ -116,7 +120,9 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
                                  hang=HangPolicy(args.hang_factor, args.hang_floor_s, args.expected_step_s),
                                  on_hang=args.on_hang, on_failure=args.on_failure, heartbeat_s=args.heartbeat_s,
                                  telemetry=telemetry, predicted=predicted, node_address=node_address,
-                                 job_store=rdzv.store if rdzv is not None else None)
+                                 job_store=rdzv.store if rdzv is not None else None,
+                                 hosts_rendezvous=rdzv is not None and rdzv.hosting, commands=commands,
+                                 stop_grace_s=args.stop_grace_s)
         entrypoint: Any = program
         start_method = config.start_method
         if args.preload:
@@ -147,6 +153,9 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
             echo(f"error: every rank of this node was lost ({sorted(agent.lost)}); the job went on without them")
             return 1
         return 0
+    except NodeStopped as exc:  # its peers see it go as a death (presence, below) and go on without it
+        echo(f"stopped on node command {exc.command.command_id}: {exc.detail}")
+        return 0
     except AgentError as exc:
         echo(f"error: {exc}")
         return 2
@@ -175,5 +184,7 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
             telemetry.close()
         if predicted is not None:
             predicted.close()
+        if commands is not None:
+            commands.close()
         if rdzv is not None and rdzv.listener is not None:
             rdzv.listener.close()

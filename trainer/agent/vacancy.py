@@ -66,6 +66,12 @@ def round_store_prefix(handler: RendezvousHandler) -> str:
     return f"torch.rendezvous.{handler.get_run_id()}.{state.round}"
 
 
+def rendezvous_round(handler: RendezvousHandler) -> int:
+    """The job's rendezvous round this agent is in (a replacement: the round of the place it took):
+    node commands name it as their epoch (trainer/agent/commands.py)."""
+    return int(round_store_prefix(handler).rsplit(".", 1)[1])
+
+
 class VacancyRendezvous(RendezvousHandler):
     """A rendezvous that gives this agent a dead node's place in the running round."""
 
