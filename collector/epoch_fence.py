@@ -51,7 +51,7 @@ def node_fence_verdict(command: NodeCommand, running_round: int,
         return AckStatus.IGNORED_STALE, (f"decided in rendezvous round {command.epoch}, but the job re-formed since "
                                          f"(round {running_round}) and may number its nodes otherwise; decide again")
     if command.epoch > running_round:
-        return AckStatus.IGNORED_STALE, (f"names rendezvous round {command.epoch}, but this node is in round "
+        return AckStatus.IGNORED_STALE, (f"names rendezvous round {command.epoch}, but the job is in round "
                                          f"{running_round}; give the round the agents print")
     return None, ""
 

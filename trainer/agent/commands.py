@@ -9,16 +9,18 @@ is fenced by the job's rendezvous round (collector/epoch_fence.py's ``node_fence
 numbers hold within one round) and by its id; what is not obeyed is acknowledged with why
 (``command.node_ack``, signed as the executor) and never touches a rank.
 
-What the agent does with an order that passes is trainer/agent/node.py's (``stop``) and
-trainer/agent/vacancy.py's (``join``); this module only reads, judges and answers. A bus that
-cannot be read leaves the node running as it is (logged): an order is never guessed.
+What the agent does with a ``stop`` that passes is trainer/agent/node.py's. A ``join`` is for a
+spare (``--join-running --join-on-command``): :class:`JoinOrders` holds it until the place that
+node left is published (trainer/agent/vacancy.py) and lets the spare claim that place and no other.
+A bus that cannot be read leaves the node as it is (logged): an order is never guessed.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from collector import topics
 from collector.auth import Gate, Keyring, Signer, load_keyring
@@ -27,13 +29,19 @@ from collector.epoch_fence import node_fence_verdict
 from collector.events import AckStatus, EventFactory, NodeCommand, NodeCommandAck
 from collector.stream import EventStream
 
+if TYPE_CHECKING:
+    from trainer.agent.vacancy import Vacancy
+
 log = logging.getLogger("resihp.agent")
 
 
 class NodeCommands:
     """One agent's reader of its job's node commands, with its signature gate and its answers."""
 
-    def __init__(self, bus: Bus, job: str, source: str, keyring: Keyring | None = None) -> None:
+    def __init__(self, bus: Bus, job: str, source: str, keyring: Keyring | None = None,
+                 from_beginning: bool = False) -> None:
+        """Reads ``bus`` (and closes it in :meth:`close`) from its end now; ``from_beginning``
+        re-reads the whole log (an audit of every order ever written)."""
         self.bus, self.job = bus, job
         keyring = keyring or load_keyring()
         self.gate = Gate(source, keyring)
@@ -41,7 +49,7 @@ class NodeCommands:
         self.seen: set[str] = set()
         self.acks: list[NodeCommandAck] = []
         # From the log's end *now*, not when the consumer gets its partition (collector/stream.py).
-        start = bus.end_offsets([topics.COMMANDS])
+        start = {} if from_beginning else bus.end_offsets([topics.COMMANDS])
         self._stream = EventStream(bus, f"agent:{job}:{source}", [topics.COMMANDS], job=job,
                                    on_assign=lambda tps: {tp: start.get(tp, 0) for tp in tps})
 
@@ -86,3 +94,51 @@ class NodeCommands:
     def close(self) -> None:
         self._stream.close()
         self.bus.close()
+
+
+class JoinOrders:
+    """A spare's wait for a signed ``join`` order (``--join-running --join-on-command``): the place
+    it may take is the one the ordered node left, in the round the order names. An order is held
+    until that place is published; one of another round is stale, and one whose place another
+    agent claimed first fails. Every order is answered once (:class:`NodeCommands`' acks)."""
+
+    def __init__(self, commands: NodeCommands) -> None:
+        self.commands = commands
+        self.waiting: list[NodeCommand] = []  # verified orders whose place is not published yet
+        self._chosen: NodeCommand | None = None
+
+    def pick(self, places: Mapping[int, Vacancy]) -> int | None:
+        """The number of the place to claim now, or None (no order yet, or its place not yet)."""
+        self.waiting += self.commands.read(lambda c: c.action == "join")
+        for order in list(self.waiting):
+            fits = [n for n, v in places.items() if v.group_rank == order.node]
+            if not fits:
+                continue
+            self.waiting.remove(order)
+            n = max(fits)  # the newest place that node left
+            status, detail = self.commands.judge(order, places[n].round)
+            if status is not None:
+                self.commands.ack(order, places[n].round, status, detail)
+                continue
+            self._chosen = order
+            return n
+        return None
+
+    def claimed(self, vacancy: Vacancy, won: bool) -> None:
+        order, self._chosen = self._chosen, None
+        if order is None:
+            return
+        if won:
+            self.commands.ack(order, vacancy.round, AckStatus.APPLIED,
+                              f"took the place of node {vacancy.group_rank}: its ranks {list(vacancy.ranks)} start here "
+                              "and join the world at its next step", vacancy.ranks)
+        else:
+            self.commands.ack(order, vacancy.round, AckStatus.FAILED,
+                              f"another agent took the place of node {vacancy.group_rank} first")
+
+    def expired(self, timeout_s: float) -> None:
+        """The spare gave up waiting: the orders still held fail."""
+        for order in self.waiting:
+            self.commands.ack(order, order.epoch, AckStatus.FAILED,
+                              f"node {order.node} left no place with this agent's number of ranks within {timeout_s:g} s")
+        self.waiting = []

@@ -58,7 +58,7 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
     from torch.distributed.launcher.api import _get_addr_and_port
     from torch.distributed.run import config_from_args
 
-    from trainer.agent.commands import NodeCommands
+    from trainer.agent.commands import JoinOrders, NodeCommands
     from trainer.agent.node import AgentSettings, NodeAgent, NodeStopped
     from trainer.agent.options import normalise
     from trainer.telemetry import TelemetryPublisher
@@ -82,6 +82,10 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
         if args.join_running and (config.rdzv_backend != "c10d" or args.on_failure != "shrink"):
             raise AgentError("--join-running takes a dead node's place in a job run with --rdzv-backend c10d and "
                              "--on-failure shrink; pass both, with the job's other flags")
+        if args.join_on_command and (not args.join_running or args.no_telemetry):
+            raise AgentError("--join-on-command makes a --join-running agent wait for a join order from the bus; pass "
+                             "--join-running, and not --no-telemetry")
+        source = f"agent-{os.uname().nodename}-{os.getpid()}"
         if config.rdzv_backend == "c10d":
             rdzv = open_rendezvous_store(config.rdzv_endpoint, config.run_id, hosts=False if args.join_running else hosts,
                                          node_rank=args.node_rank, bind=args.rdzv_bind, timeout_s=timeout_s)
@@ -92,12 +96,18 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
             params = RendezvousParameters(backend="c10d", endpoint=f"{rdzv.host}:{rdzv.port}", run_id=config.run_id,
                                           min_nodes=config.min_nodes, max_nodes=config.max_nodes,
                                           local_addr=node_address, **configs)
+            if not args.no_telemetry:  # node commands name a node of a c10d rendezvous round
+                commands = NodeCommands(bus.open(), args.job, source)
             handler = (VacancyRendezvous(rdzv.store, config.run_id, config.nproc_per_node,
-                                         float(configs.get("join_timeout", 600)))
+                                         float(configs.get("join_timeout", 600)),
+                                         JoinOrders(commands) if args.join_on_command and commands else None)
                        if args.join_running else make_handler(rdzv, params, node_address, timeout_s))
             if rdzv.hosting:
                 echo(f"rendezvous {config.run_id} at {rdzv.host}:{rdzv.port} (hosted by this agent)")
-            if args.join_running:
+            if args.join_on_command:
+                echo(f"waiting for an order to take the place a node left in job {config.run_id} (resihp node join "
+                     "NODE --epoch ROUND; --join-running --join-on-command)")
+            elif args.join_running:
                 echo(f"waiting for a place that a dead node left in job {config.run_id} (--join-running)")
             master_addr, master_port = None, None
         else:
@@ -108,10 +118,7 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
             handler = rdzv_registry.get_rendezvous_handler(params)
             master_addr, master_port = _get_addr_and_port(params)
         if not args.no_telemetry:
-            source = f"agent-{os.uname().nodename}-{os.getpid()}"
             telemetry = TelemetryPublisher(bus.open, args.job, 0, heartbeat_s=None, source=source)
-            if rdzv is not None:  # node commands name a node of a c10d rendezvous round
-                commands = NodeCommands(bus.open(), args.job, source)
             if args.expected_step_s is None:
                 group = f"agent:{args.job}:{os.uname().nodename}:{os.getpid()}"
                 predicted = PredictedIteration(bus.open(), args.job, group)

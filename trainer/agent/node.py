@@ -206,13 +206,18 @@ class NodeAgent(LocalElasticAgent):
     # ---- node commands -----------------------------------------------------------------------------
 
     def _obey_node_commands(self, worker_group: WorkerGroup) -> None:
-        """Read the node commands addressed to this node (node 0 also answers for nodes the round
-        does not have), acknowledge those it will not obey, and obey the rest (``stop``)."""
+        """Read the stop orders addressed to this node (node 0 also answers for nodes the round does
+        not have), acknowledge those it will not obey, and obey the rest. A ``join`` is a spare's
+        to answer (trainer/agent/commands.py's ``JoinOrders``), not a running node's."""
         commands = self.settings.commands
         assert commands is not None
         node, nodes = worker_group.group_rank or 0, worker_group.group_world_size or 1
         round_ = rendezvous_round(worker_group.spec.rdzv_handler)
-        for command in commands.read(lambda c: c.node == node or (node == 0 and c.node >= nodes)):
+
+        def addressed(c: NodeCommand) -> bool:
+            return c.action == "stop" and (c.node == node or (node == 0 and c.node >= nodes))
+
+        for command in commands.read(addressed):
             status, detail = commands.judge(command, round_)
             refusal = self._node_command_refusal(command, node, nodes) if status is None else ""
             if refusal:
@@ -226,9 +231,6 @@ class NodeAgent(LocalElasticAgent):
         """Why this running node cannot obey a command that passed the fence ("" : it can)."""
         if command.node >= nodes:
             return f"the job has no node {command.node} in this round: its nodes are 0–{nodes - 1}"
-        if command.action == "join":
-            return (f"node {node} is running; a join command is for a spare agent (resihp run --join-running "
-                    "--join-on-command) to take a place that a stopped or dead node left")
         if nodes > 1 and (node == 0 or self.settings.hosts_rendezvous):
             return (f"node {node} hosts the job's rendezvous and its ranks' store, so stopping it would end the job; "
                     "stop another node, or stop the job (SIGTERM to every agent)")
@@ -254,7 +256,7 @@ class NodeAgent(LocalElasticAgent):
             except subprocess.TimeoutExpired:
                 pass
         killed = sorted(worker_group.workers[lr].global_rank for lr, h in running.items() if h.proc.poll() is None)
-        for lr, h in running.items():
+        for h in running.values():
             if h.proc.poll() is None:
                 _signal_group(h, signal.SIGKILL)
                 h.proc.wait()
