@@ -9,7 +9,9 @@ its worker group — but claims a vacancy with :class:`VacancyRendezvous`, a ren
 that answers ``next_rendezvous`` with the dead node's place. torch's agent then starts this node's
 ranks with the dead ranks' ids; each finds itself marked lost, asks to join, and the world takes
 it back at its next step boundary (``ShrinkingWorld.join``, trainer/agent/shrink.py) with the state
-of the most advanced survivor.
+of the most advanced survivor. With ``--join-on-command`` the replacement takes only the place a
+signed join order names (a :class:`PlaceChooser`, trainer/agent/commands.py's ``JoinOrders``); a
+node stopped by a node command leaves its place the same way as one that died.
 
 What can fail: no vacancy appears within the join timeout (nothing died, or the job runs without
 ``--on-failure shrink``): the rendezvous times out with one line; a vacancy of a node with another
