@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import uuid
 
-from resihp.commands.plans import _signed
+from resihp.commands.plans import _actor, _signed
 from resihp.options import add_bus_flags, bus_from_args
 
 
@@ -44,7 +44,7 @@ def _order(args: argparse.Namespace) -> int:
         raise SystemExit("resihp node: error: NODE and --epoch are numbers from 0, as the agent prints them")
     command_id = args.command_id or f"node-{args.action}-{uuid.uuid4().hex[:12]}"
     event = _signed(args, NodeCommand(command_id=command_id, node=args.node, action=args.action, epoch=args.epoch,
-                                      reason=args.reason, actor=None))
+                                      reason=args.reason, actor=_actor(args)))
     with bus_from_args(args) as bus:
         bus.publish([event])
     print(f"{args.action} node {args.node} (round {args.epoch}) ordered as {command_id} by {event.source}; "
