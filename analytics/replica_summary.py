@@ -27,9 +27,9 @@ from __future__ import annotations
 import base64
 import json
 import math
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal
 
 import numpy as np
 
@@ -37,7 +37,8 @@ from analytics.cost_model import MAX_FIT_ROWS, ClassFit, CostModel
 from analytics.frame import IterationFrame, LayerLookup
 from analytics.prediction import bounded_stage_rows, predicted_iteration_s, stage_times
 from analytics.scoring import (
-    FrameScore, centre_links, centre_ranks, chunk_classes, link_times, predict_chunks, rank_log_ratios, unit_table,
+    FrameScore, WorkClass, centre_links, centre_ranks, chunk_classes, link_times, predict_chunks, rank_log_ratios,
+    unit_table,
 )
 from collector.events import DetectorFits, ReplicaSummary
 
@@ -136,7 +137,7 @@ def summarize_replica(frame: IterationFrame, fits: DetectorFits | None, *, windo
         inferred=inferred, explained_s=explained if math.isfinite(explained) else None,
         pipeline_s=pipeline if math.isfinite(pipeline) else None,
         dp_wait_s=float(dp_waits.min()) if len(dp_waits) else 0.0, tokens=int(np.nansum(frame.c_tokens[first])),
-        wall_s=float(frame.wall_s.max()), class_keys=json.dumps([list(cast(tuple, k)) for k in keys]),
+        wall_s=float(frame.wall_s.max()), class_keys=json.dumps([list(k) for k in keys]),
         layout=layout, blob=blob)
 
 
@@ -161,7 +162,7 @@ class JobView:
     x: np.ndarray
     xk: np.ndarray
     links: tuple[np.ndarray, ...]
-    u_keys: list[Hashable]
+    u_keys: list[WorkClass]
     u_class: np.ndarray
     u_tokens: np.ndarray
     u_s2: np.ndarray
@@ -190,7 +191,7 @@ def job_view(epoch: int, iteration: int, parts: Sequence[ReplicaSummary], layers
     cols = {n: np.concatenate([d[n] for d in decoded]) if decoded else np.zeros(0) for n in names}
     # a replica's wall time is its slowest rank's: judging reads only the job's slowest
     cols["wall_s"] = np.repeat([p.wall_s for p in parts], [p.ranks for p in parts])
-    keys: dict[tuple, int] = {}
+    keys: dict[WorkClass, int] = {}
     local_of: dict[str, np.ndarray] = {}  # replicas mostly share their class list: map each list once
     u_class = []
     for p, d in zip(parts, decoded):  # each replica's class indices into one job-wide key list
