@@ -741,6 +741,46 @@ class CommandAck(Payload):
     detail: str = ""
 
 
+NodeAction = Literal["stop", "join"]
+
+
+class NodeCommand(Payload):
+    """An order for one node agent of a ``resihp run`` job (docs/agent.md, "Node commands").
+
+    ``stop``: the agent of ``node`` stops its ranks (SIGTERM, then SIGKILL after its grace) and
+    leaves; under ``--on-failure shrink`` the other nodes go on without them, as past a dead agent.
+    ``join``: a spare agent waiting with ``--join-running --join-on-command`` takes the place that
+    ``node`` left. ``epoch`` is the job's rendezvous round the command was decided in (each agent
+    prints it, and acks carry it): node numbers hold within one round, so a command of another
+    round is stale. Signed by the engine or an operator; the agent answers with ``command.node_ack``."""
+
+    KIND: ClassVar[str] = "command.node"
+    command_id: str = Field(min_length=1, max_length=200)
+    node: Int32 = Field(description="the agent's group rank in the rendezvous round (\"node N\" in its messages)")
+    action: NodeAction
+    epoch: Int32 = Field(description="the rendezvous round the command was decided in")
+    reason: str = Field(default="", max_length=2000, description="why, for the log and the console")
+    actor: str | None = Field(default=None, max_length=200, description="the operator (cli:NAME, ui:NAME) when a person "
+                                                                        "decided it")
+
+
+class NodeCommandAck(Payload):
+    """A node agent's answer to a ``command.node`` addressed to it: ``applied`` (with what it did),
+    ``ignored_stale`` (another rendezvous round), ``ignored_duplicate`` (a command id handled
+    before) or ``failed`` (it cannot be obeyed: the node hosts the job's stores, no such node, no
+    place to join). An unsigned or unauthorised command gets no ack but a ``control.rejected``."""
+
+    KIND: ClassVar[str] = "command.node_ack"
+    command_id: str = Field(min_length=1, max_length=200)
+    node: Int32
+    action: NodeAction
+    epoch: Int32 = Field(description="the round the command named")
+    status: AckStatus
+    running_epoch: Int32 = Field(description="the rendezvous round the agent is in")
+    ranks: list[Int32] = Field(default_factory=list, max_length=LIST_MAX, description="the global ranks it acted on")
+    detail: str = Field(default="", max_length=2000)
+
+
 class PlanVerified(Payload):
     """Measured throughput under the applied plan matches its prediction, or the plan is kept
     because rolling it back would be slower (``reason`` says which)."""
@@ -911,7 +951,8 @@ PAYLOAD_TYPES: tuple[type[Payload], ...] = (
     RankIteration, IterationSummary, Heartbeat, TracingDeclared, RecoveryPhase, ReshapePhase,
     IterationPrediction, RankHealth, AnalyticsLease, ReplicaSummary, DetectorFits, LivenessBatch, BusOutage,
     IncidentOpened, IncidentConfirmed, IncidentUpdated, IncidentResolved, ProbeRequest, ProbeResult,
-    PlanProposed, PlanDecision, PolicyChanged, ReconfigureCommand, CommandAck, PlanVerified, PlanRolledBack,
+    PlanProposed, PlanDecision, PolicyChanged, ReconfigureCommand, CommandAck, NodeCommand, NodeCommandAck,
+    PlanVerified, PlanRolledBack,
     PlanWithheld, PlanCurrent, ExecutorCapabilities, CostModelFitted,
     FaultInjected, DeadLetter, SignInFailed, ControlRejected,
 )
