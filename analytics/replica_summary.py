@@ -100,6 +100,28 @@ def unpack_all(parts: Sequence[PackedArrays], names: Iterable[str]) -> dict[str,
     return {n: out[n] for n in names}
 
 
+STAGE_ARRAYS = ("s_stage", "s_observed", "s_predicted")
+SUMMARY_ARRAY_GROUPS = ((*RANK_ARRAYS, *SCORE_ARRAYS), LINK_ARRAYS, UNIT_ARRAYS, STAGE_ARRAYS)
+
+
+def summary_shape_problem(p: ReplicaSummary) -> str | None:
+    """What makes a summary's arrays unusable, or None: every array the merge joins must be there,
+    the rank rows ``p.ranks`` long, and each group of per-link, per-unit and per-stage arrays of one
+    length. A summary of another build (an array renamed or missing) decodes, since its blob matches
+    its own layout, but the merge would raise on it or misalign ranks and links."""
+    lengths = {name: n for name, _, n in p.layout}
+    for group in SUMMARY_ARRAY_GROUPS:
+        missing = [n for n in group if n not in lengths]
+        if missing:
+            return f"arrays {missing} missing"
+        sizes = {lengths[n] for n in group}
+        if len(sizes) > 1:
+            return f"arrays {list(group)} of different lengths {sorted(sizes)}"
+    if lengths["rank"] != p.ranks:
+        return f"{lengths['rank']} rank rows but ranks={p.ranks}"
+    return None
+
+
 def array_lengths(parts: Sequence[PackedArrays], name: str) -> np.ndarray:
     """Per part, the length of its array ``name`` (0 when its layout has none)."""
     return np.array([next((n for a, _, n in p.layout if a == name), 0) for p in parts], np.int64)
@@ -215,8 +237,7 @@ _INT = np.int64
 
 def job_view(epoch: int, iteration: int, parts: Sequence[ReplicaSummary], layers: LayerLookup | None) -> JobView:
     """The replicas' summaries as one job, rank rows sorted by rank (as ``build_frame`` sorts them)."""
-    names = (*RANK_ARRAYS, *SCORE_ARRAYS, *LINK_ARRAYS, *UNIT_ARRAYS, "s_stage", "s_observed", "s_predicted")
-    cols = unpack_all(parts, names)
+    cols = unpack_all(parts, [n for group in SUMMARY_ARRAY_GROUPS for n in group])
     # a replica's wall time is its slowest rank's: judging reads only the job's slowest
     cols["wall_s"] = np.repeat([p.wall_s for p in parts], [p.ranks for p in parts])
     keys: dict[WorkClass, int] = {}
@@ -253,7 +274,7 @@ def job_view(epoch: int, iteration: int, parts: Sequence[ReplicaSummary], layers
     if any(p.pipeline_s is None for p in parts):
         pipeline = nan
     stage_replica = np.repeat([p.replica for p in parts], array_lengths(parts, "s_stage"))
-    stage_cols = [cols[n] for n in ("s_stage", "s_observed", "s_predicted")]
+    stage_cols = [cols[n] for n in STAGE_ARRAYS]
     facts = SummaryFacts(own_s=cols["own_s"][order], pred_s=cols["pred_s"][order], explained_s=explained,
                          pipeline_s=pipeline + dp_wait, tokens=sum(p.tokens for p in parts),
                          stages=bounded_stage_rows(stage_replica.astype(_INT), stage_cols[0].astype(_INT),

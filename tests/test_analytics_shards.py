@@ -335,3 +335,35 @@ def test_joining_summaries_gives_the_per_replica_arrays_in_replica_order_whether
     assert view.u_class.tolist() == [0, 1, 1, 1, 0]  # replica 1 listed B first
     assert view.u_tokens.tolist() == [0, 1, 2, 100, 101]
     assert job_view(0, 1, same, None).u_class.tolist() == [0, 1, 1] * 3
+
+
+def test_a_summary_whose_arrays_the_merge_cannot_join_is_counted_and_left_out() -> None:
+    """A summary of another build decodes (its blob matches its own layout) but lacks an array the
+    merge joins, or has rank or link rows of different lengths: the merge must log and count it as
+    it does a malformed liveness batch, never raise on it when the iteration is judged."""
+    from analytics.replica_summary import pack, summary_shape_problem, unpack
+
+    good = _summary(0, 3, [["F", 0]], [0, 0, 0])
+    assert summary_shape_problem(good) is None
+
+    def altered(change) -> ReplicaSummary:
+        arrays = dict(unpack(good.layout, good.blob))
+        change(arrays)
+        layout, blob = pack(arrays)
+        return good.model_copy(update={"layout": layout, "blob": blob})
+
+    no_x_f = altered(lambda a: a.pop("x_f"))
+    short_link = altered(lambda a: a.update(l_src=np.zeros(1)))
+    more_ranks = altered(lambda a: a.update({n: np.zeros(3) for n in ("rank", "tp", "pp", "dp", "cp", "node", "x",
+                                                                     "x_f", "x_b", "x_w", "own_s", "pred_s")}))
+    assert "['x_f'] missing" in (summary_shape_problem(no_x_f) or "")
+    assert "different lengths [0, 1]" in (summary_shape_problem(short_link) or "")
+    assert "3 rank rows but ranks=2" in (summary_shape_problem(more_ranks) or "")
+
+    merge = JobMerge("j")
+    f = EventFactory("j", "shard")
+    for bad in (no_x_f, short_link, more_ranks):
+        assert merge.on_event(f.make(bad)) == []
+    assert merge.malformed == 3 and merge.flush() == []
+    merge.on_event(f.make(good))
+    assert merge.malformed == 3  # a usable summary is taken
