@@ -65,3 +65,20 @@ def test_without_a_checkpoint_the_survivors_stop_naming_the_lost_pieces(tmp_path
     error = ranks[0]["error"]
     assert "recovery from the loss of devices [1] failed" in error and "no live copy of" in error
     assert "--save-dir" in error
+
+
+def test_a_pipeline_losing_its_last_stage_is_dropped_its_first_stage_released_and_the_rest_train_on(tmp_path):
+    # PP2·DP2, replicated: device 3 (replica 1, stage 1) dies in iteration 1. Device 2 (its
+    # stage 0) is released after sending its pieces; devices 0 and 1 run all 4 micro-batches. A
+    # survivor waiting on device 2 in a data-parallel collective learns of the loss only when
+    # that collective times out (gloo cannot be woken), hence the short timeout.
+    start = _plan(0, (2, [((0,), 0, 2), ((1,), 2, 4)]), (2, [((2,), 0, 2), ((3,), 2, 4)]))
+    spec = _spec(tmp_path, start, 3, killed=3, at=1, dp_mode="replicate").model_copy(update={"timeout_s": 15})
+    codes = launch_native(spec)
+    assert codes == {0: 0, 1: 0, 2: 0, 3: -9}, codes
+    ranks, params = read_results(tmp_path)
+    _assert_matches_reference(ranks, params, 3)
+    assert ranks[2].get("released") and ranks[2]["epochs"] == {"0": 0}
+    for device in (0, 1):
+        (recovery,) = ranks[device]["reshapes"]
+        assert recovery["lost"] == [3] and recovery["source"] == "live" and recovery["iteration"] == 1

@@ -27,6 +27,11 @@ failed vote every rank drops what it built and ``ReshapeFailed`` says why, train
 the old layout. A device outside the new world sends its pieces and leaves only once the
 commit vote passed. A rank that *dies* mid-reshape is not this path: its peers' collectives time
 out.
+
+Recovery (``recover``): a rank died while the job trained. ``agree`` becomes the survivors'
+quorum in the store (trainer/native/recovery.py: who joined, who the launcher marked lost), the
+plan drops the dead rank's replica and keeps the global batch, every cached group is abandoned,
+and the same four phases run over a fresh group of the survivors; nothing to roll back to.
 """
 
 from __future__ import annotations
@@ -192,6 +197,8 @@ class NativeExecutor:
         old = self.current
         assert old is not None
         running = old.layout.plan
+        report = ReshapeReport(running.epoch + 1)
+        lap = self._lap(report)  # agree: from the failure to the survivors' quorum
         quorum = close_quorum(store, running.epoch + 1, old.layout.world, self.device, self.rank_of, committed,
                               self.timeout_s)
         plan = survivor_plan(running, quorum.lost)
@@ -199,8 +206,7 @@ class NativeExecutor:
             raise RuntimeError(f"devices {list(quorum.lost)} lost and the survivors' plan cannot run: {reason}")
         layout = NativeLayout.of(plan, self.cfg)
         self.groups.forget()
-        report = ReshapeReport(plan.epoch, lost=quorum.lost)
-        lap = self._lap(report)
+        report.lost = quorum.lost
         cause = str(failure).splitlines()[0][:200] if str(failure) else type(failure).__name__
         lap("agree", detail=f"devices {list(quorum.lost)} lost ({cause}); survivors {list(quorum.survivors)} go on "
                             f"at {plan.shape()}")

@@ -20,8 +20,9 @@ Two halves over the launcher's TCPStore, like the reference trainer's (trainer/i
   ``done`` (the phases) or ``refused`` (why) under the post's number.
 
 What can go wrong: a rank that dies mid-reshape leaves the post without its report; the launcher
-acks ``failed`` once the process has exited (the native executor cannot recover a dead rank yet,
-docs/native.md).
+acks ``failed`` once the process has exited. A rank that dies while training is recovered from
+by the survivors (trainer/native/recovery.py) outside this channel: ``plan.current`` is not
+re-announced for the survivors' plan yet.
 """
 
 from __future__ import annotations

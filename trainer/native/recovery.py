@@ -12,7 +12,7 @@ one of them, then reshape to :func:`survivor_plan` through the executor's own ph
 What can fail: a device that neither joins nor is marked lost (a peer blocked in a collective
 with a live rank that itself left: gloo's ``abort`` in torch 2.15 does not wake a pending wait,
 so that peer joins only once the group's timeout fires; or a supervisor that never marks the
-dead) — ``close_quorum`` raises after ``timeout_s`` naming it. Survivors that committed different
+dead) — ``close_quorum`` raises after twice ``timeout_s``, naming it. Survivors that committed different
 iteration counts (a rank died inside the loss all-reduce that commits an iteration, after some
 peers got its result) are refused: nothing here can tell which update is the right one.
 """
@@ -60,10 +60,13 @@ class Quorum:
 def close_quorum(store: dist.Store, epoch: int, world: tuple[int, ...], device: int, rank_of: dict[int, int],
                  committed: int, timeout_s: float) -> Quorum:
     """Join the recovery to ``epoch`` and wait until every device of ``world`` joined or was
-    marked lost (its default-group rank's ``resihp/lost/<rank>``)."""
+    marked lost (its default-group rank's ``resihp/lost/<rank>``), for up to twice the
+    collective timeout ``timeout_s``."""
     prefix = f"native/recover/{epoch}/join/"
     store.set(f"{prefix}{device}", json.dumps({"committed": committed}))
-    deadline = time.monotonic() + timeout_s
+    # A survivor blocked on a live peer that already left only joins once its collective times
+    # out (``timeout_s``): wait for it twice that.
+    deadline = time.monotonic() + 2 * timeout_s
     while True:
         joined = [d for d in world if store.check([f"{prefix}{d}"])]
         lost = [d for d in world if d not in joined and store.check([lost_key(rank_of[d])])]
@@ -72,7 +75,7 @@ def close_quorum(store: dist.Store, epoch: int, world: tuple[int, ...], device: 
         if time.monotonic() > deadline:
             silent = sorted(set(world) - set(joined) - set(lost))
             raise TimeoutError(f"recovery to epoch {epoch}: devices {silent} neither rejoined nor were marked lost "
-                               f"within {timeout_s:g} s (a peer blocked on a live rank waits out the collective "
+                               f"within {2 * timeout_s:g} s (a peer blocked on a live rank waits out the collective "
                                "timeout; lower --timeout or check that the launcher supervises every rank)")
         time.sleep(POLL_S)
     if not lost:
