@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import pytest
+
 from trainer.fault_spec import FaultSpec
 from trainer.native.worker import NativeRunSpec, launch_native, read_results
 from tests.test_native_reshape import CFG, SETTINGS, _assert_matches_reference, _plan
@@ -67,12 +69,16 @@ def test_without_a_checkpoint_the_survivors_stop_naming_the_lost_pieces(tmp_path
     assert "--save-dir" in error
 
 
-def test_a_pipeline_losing_its_last_stage_is_dropped_its_first_stage_released_and_the_rest_train_on(tmp_path):
-    # PP2·DP2, replicated: device 3 (replica 1, stage 1) dies in iteration 1. Device 2 (its
-    # stage 0) is released after sending its pieces; devices 0 and 1 run all 4 micro-batches. A
-    # survivor waiting on device 2 in a data-parallel collective learns of the loss only when
-    # that collective times out (gloo cannot be woken), hence the short timeout.
-    start = _plan(0, (2, [((0,), 0, 2), ((1,), 2, 4)]), (2, [((2,), 0, 2), ((3,), 2, 4)]))
+@pytest.mark.parametrize("layout", ["pp2-dp2", "tp2-dp2"])
+def test_a_replica_losing_one_rank_is_dropped_its_partner_released_and_the_rest_train_on(tmp_path, layout):
+    # Replicated, device 3 dies in iteration 1: PP2·DP2 loses replica 1's last stage, TP2·DP2 one
+    # TP rank of replica 1. Device 2 (its partner) sends its pieces and is released; devices 0 and
+    # 1 run all 4 micro-batches. A survivor waiting on device 2 in a collective learns of the
+    # loss only when that collective times out (gloo cannot be woken), hence the short timeout.
+    if layout == "pp2-dp2":
+        start = _plan(0, (2, [((0,), 0, 2), ((1,), 2, 4)]), (2, [((2,), 0, 2), ((3,), 2, 4)]))
+    else:
+        start = _plan(0, (2, [((0, 1), 0, 4)]), (2, [((2, 3), 0, 4)]))
     spec = _spec(tmp_path, start, 3, killed=3, at=1, dp_mode="replicate").model_copy(update={"timeout_s": 15})
     codes = launch_native(spec)
     assert codes == {0: 0, 1: 0, 2: 0, 3: -9}, codes

@@ -45,7 +45,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from collector.plan import Plan
 from trainer.native.capabilities import refusal
@@ -211,9 +210,6 @@ class NativeExecutor:
         lap("agree", detail=f"devices {list(quorum.lost)} lost ({cause}); survivors {list(quorum.survivors)} go on "
                             f"at {plan.shape()}")
         union = self.groups.get("moves", [self.rank_of[d] for d in quorum.survivors], plan.epoch)
-        for module in old.model.modules():  # the failed iteration may have left parameters gathered
-            if isinstance(module, FSDPModule):
-                module.reshard()
         try:
             rollback_to = self._move(old, layout, union, report, lap)
         except ReshapeFailed as exc:
@@ -245,7 +241,7 @@ class NativeExecutor:
         role: NativeRole | None = None
         rollback_to: int | None = None
         try:
-            mine = local_state(old.model, old.opt, old.sched)
+            mine = local_state(old.params, old.opt, old.sched)
             self._inject(epoch, "export")
         except Exception as exc:
             failure = exc

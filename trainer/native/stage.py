@@ -67,6 +67,7 @@ class NativeRole:
     sched: torch.optim.lr_scheduler.LambdaLR
     watcher: ScheduleWatcher
     world: dist.ProcessGroup  # this layout's world: the iteration's commit all-reduce, DCP
+    params: tuple[tuple[str, nn.Parameter], ...]  # the managed (sharded) parameters by name, as built: what moves
     last_recorder: IterationRecorder | None = None
 
     @classmethod
@@ -87,7 +88,8 @@ class NativeRole:
         loss = GlobalTokenLoss()
         schedule = Schedule1F1B(stage, n_microbatches=role.microbatches, loss_fn=loss, scale_grads=False)
         opt, sched = build_optimizer(model, settings.lr, settings.weight_decay, settings.warmup_iterations)
-        return cls(layout, role, mesh, model, stage, schedule, loss, opt, sched, ScheduleWatcher(stage), world)
+        return cls(layout, role, mesh, model, stage, schedule, loss, opt, sched, ScheduleWatcher(stage), world,
+                   tuple(model.named_parameters()))
 
     def with_counts(self, layout: NativeLayout, device: int) -> NativeRole:
         """This role under ``layout``, a plan that changes only micro-batch counts: the mesh,
