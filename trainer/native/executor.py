@@ -185,7 +185,8 @@ class NativeExecutor:
             raise
         return report, rollback_to
 
-    def recover(self, store: dist.Store, committed: int, failure: BaseException) -> tuple[ReshapeReport, int | None]:
+    def recover(self, store: dist.Store, committed: int, failure: BaseException,
+                failed_after_s: float = 0.0) -> tuple[ReshapeReport, int | None]:
         """A collective of the running layout failed because a rank died: close the quorum of
         survivors (trainer/native/recovery.py), then move to ``survivor_plan`` through the same
         phases as a reshape, over groups made afresh by the survivors only. ``agree`` here is the
@@ -207,8 +208,8 @@ class NativeExecutor:
         self.groups.forget()
         report.lost = quorum.lost
         cause = str(failure).splitlines()[0][:200] if str(failure) else type(failure).__name__
-        lap("agree", detail=f"devices {list(quorum.lost)} lost ({cause}); survivors {list(quorum.survivors)} go on "
-                            f"at {plan.shape()}")
+        lap("agree", detail=f"devices {list(quorum.lost)} lost ({cause}; the step failed after {failed_after_s:.3f} s); "
+                            f"survivors {list(quorum.survivors)} go on at {plan.shape()}")
         union = self.groups.get("moves", [self.rank_of[d] for d in quorum.survivors], plan.epoch)
         try:
             rollback_to = self._move(old, layout, union, report, lap)

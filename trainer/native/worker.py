@@ -188,7 +188,7 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
                     raise
                 # A peer died under this rank's collective: recover with the survivors and redo
                 # this iteration, which nobody committed.
-                report, rollback_to = ex.recover(store, iteration, exc)
+                report, rollback_to = ex.recover(store, iteration, exc, time.perf_counter() - started)
                 first_step_of = report
                 if rollback_to is not None:
                     iteration = rollback_to
