@@ -16,8 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from collector import topics
+from collector.embedded import EmbeddedBus
+from collector.events import PlanCurrent, ReshapePhase
+from collector.stream import EventStream
 from trainer.fault_spec import FaultSpec
 from trainer.native.worker import NativeRunSpec, launch_native, read_results
+from trainer.spec import BusSpec
 from tests.test_native_reshape import CFG, SETTINGS, _assert_matches_reference, _plan
 
 PHASES = {"agree", "export", "new_mesh", "stages_rebuilt", "redistribute", "first_step"}
@@ -29,20 +34,40 @@ def _spec(tmp: Path, plan, iterations: int, killed: int, at: int, dp_mode: str, 
                          faults=[FaultSpec(kind="stop_device", device=killed, at_iteration=at)], **extra)
 
 
+def _events(path: Path, topic: str, kind: type) -> list:
+    with EmbeddedBus(path) as bus, EventStream(bus, "test", [topic]) as stream:
+        out = []
+        while batch := stream.poll(timeout_s=0.5):
+            out += [d.event.payload for d in batch if isinstance(d.event.payload, kind)]
+    return out
+
+
 def test_replicated_dp_survives_a_sigkilled_rank_from_its_peers_and_equals_the_reference(tmp_path):
     # TP1·PP1·DP3 with whole replicas (replicate): device 2 dies in iteration 2; replicas 0 and 1
-    # take its micro-batch (2/1/1 → 2/2) and every piece comes from a live peer.
+    # take its micro-batch (2/1/1 → 2/2) and every piece comes from a live peer. The launcher
+    # obeys bus commands, so it adopts the survivors' plan and announces it.
     start = _plan(0, (2, [((0,), 0, 4)]), (1, [((1,), 0, 4)]), (1, [((2,), 0, 4)]))
-    codes = launch_native(_spec(tmp_path, start, 4, killed=2, at=2, dp_mode="replicate"))
+    bus = tmp_path / "bus.sqlite"
+    codes = launch_native(_spec(tmp_path, start, 4, killed=2, at=2, dp_mode="replicate", commands=True,
+                                bus=BusSpec(backend="embedded", path=str(bus))))
     assert codes[2] == -9 and codes[0] == codes[1] == 0, codes
     ranks, params = read_results(tmp_path)
     _assert_matches_reference(ranks, params, 4)
+    assert 2 not in ranks  # SIGKILLed: it wrote nothing
     for device in (0, 1):
         (recovery,) = ranks[device]["reshapes"]
         assert recovery["lost"] == [2] and recovery["source"] == "live" and recovery["iteration"] == 2
         assert set(recovery["phases_s"]) == PHASES
         assert ranks[device]["epochs"] == {"0": 0, "1": 0, "2": 1, "3": 1}
-    assert 2 not in ranks  # SIGKILLed: it wrote nothing
+
+    phases = [(p.epoch, p.iteration, p.phase.value, p.ok) for p in _events(bus, topics.TELEMETRY, ReshapePhase)
+              if p.rank == 0]
+    assert phases == [(1, 2, phase, True) for phase in
+                      ("agree", "export", "new_mesh", "stages_rebuilt", "redistribute", "first_step")]
+    announced = _events(bus, topics.CONTROL, PlanCurrent)
+    assert [(p.plan.epoch, p.reason, p.plan.devices) for p in announced] == [(0, "start", [0, 1, 2]),
+                                                                           (1, "reshape", [0, 1])]
+    assert [p.microbatches for p in announced[1].plan.pipelines] == [2, 2]
 
 
 def test_a_piece_with_no_live_holder_comes_from_the_periodic_dcp_checkpoint(tmp_path):

@@ -202,6 +202,8 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
                                             "groups_created": ex.groups.created, "lost": list(first_step_of.lost)})
                 if follower is not None and post is not None:
                     follower.done(post, first_step_of.epoch, first_step_of.source, first_step_of.phases_s)
+                if follower is not None and first_step_of.lost and cur.layout.rank(device) == 0:
+                    follower.recovered(cur.layout.plan)
                 first_step_of, post = None, None
             results["losses"][iteration] = loss
             results["epochs"] = {**results.get("epochs", {}), iteration: cur.layout.plan.epoch}
