@@ -27,7 +27,7 @@ TP/DP comparison and the per-micro-batch correction need; a slow rank is still o
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -105,7 +105,7 @@ class CostModel:
         s2 = np.nan_to_num(np.asarray(sum_sq_len, float), nan=0.0) if fit.has_seq_lens else 0.0
         return _token_term(fit.alpha, np.asarray(tokens, float)) + fit.beta * s2 + fit.gamma
 
-    def predict_classes(self, keys: list[Hashable], c_class: np.ndarray, tokens: np.ndarray,
+    def predict_classes(self, keys: Sequence[Hashable], c_class: np.ndarray, tokens: np.ndarray,
                         sum_sq_len: np.ndarray) -> np.ndarray:
         """``predict`` for many classes at once: chunk i is of class ``keys[c_class[i]]``."""
         coef = np.full((len(keys), 4), np.nan)  # alpha, beta, gamma, uses Σl²

@@ -21,7 +21,6 @@ by ``cost_publish_change`` (relative), at most every ``cost_publish_min_iteratio
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,7 +28,7 @@ import numpy as np
 from analytics.cost_model import ClassFit, CostModel
 from analytics.detector_config import DetectorConfig
 from analytics.frame import KIND_NAME, IterationFrame
-from analytics.scoring import FrameScore, fit_ranks, group_median, unit_ids
+from analytics.scoring import FrameScore, WorkClass, fit_ranks, group_median, unit_ids
 from collector.events import ChunkKind, CostFit, CostModelFitted
 from collector.plan import Plan
 
@@ -58,7 +57,7 @@ class CostPublisher:
             self._reference_epoch = frame.epoch
         return self.maybe_publish(model, plan, frame)
 
-    def observe_durations(self, frame: IterationFrame, c_class: np.ndarray, keys: list[Hashable],
+    def observe_durations(self, frame: IterationFrame, c_class: np.ndarray, keys: list[WorkClass],
                           healthy_rank: np.ndarray) -> None:
         """Teach the duration model this frame's healthy work units (only needed when TP waits were
         subtracted from some chunk; otherwise own time is the duration)."""

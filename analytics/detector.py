@@ -18,7 +18,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Protocol
+from typing import Protocol, overload
 
 import numpy as np
 
@@ -87,14 +87,33 @@ def fast_side_sigma(pooled: np.ndarray, *, levelled: bool = False) -> float:
 
 
 class IterationFacts(Protocol):
-    """What judging an iteration needs of its chunks (``Detector.judge``)."""
+    """What judging an iteration reads of its chunks (``Detector.judge``). Read-only: the single
+    process computes each from the frame when first read (``ChunkFacts``), the sharded merge
+    carries them in from the replicas' summaries (analytics/replica_summary.py ``SummaryFacts``)."""
 
-    own_s: np.ndarray  # (R,) each rank's own compute, summed over its chunks
-    pred_s: np.ndarray  # (R,) each rank's predicted own compute, summed
-    explained_s: float  # the critical path of the observed own times, no communication (NaN: cannot lay out)
-    pipeline_s: float  # the critical path of the predicted times, with communication
-    tokens: int  # job_tokens
-    stages: list[tuple[int, int, float, float]]  # analytics/prediction.py stage_times
+    @property
+    def own_s(self) -> np.ndarray:
+        """(R,) each rank's own compute, summed over its chunks."""
+
+    @property
+    def pred_s(self) -> np.ndarray:
+        """(R,) each rank's predicted own compute, summed."""
+
+    @property
+    def explained_s(self) -> float:
+        """The critical path of the observed own times, no communication (NaN: cannot lay out)."""
+
+    @property
+    def pipeline_s(self) -> float:
+        """The critical path of the predicted times, with communication."""
+
+    @property
+    def tokens(self) -> int:
+        """The tokens the job trained in the iteration (``job_tokens``)."""
+
+    @property
+    def stages(self) -> list[tuple[int, int, float, float]]:
+        """Per stage (analytics/prediction.py ``stage_times``)."""
 
 
 class ChunkFacts:
@@ -335,7 +354,8 @@ class Detector:
         out = self.begin_frame(frame)
         suspects = self.suspects(frame)
         # a rank past the alarm threshold under the last iteration's σ stands out: scored without it
-        stand_out = self._thresholds(self._last_sigma)[1] if getattr(self, "_last_sigma", None) else None
+        last_sigma: float | None = getattr(self, "_last_sigma", None)
+        stand_out = self._thresholds(last_sigma)[1] if last_sigma else None
         score = score_frame(frame, self.model, suspects, self.config.chunk_quantile, stand_out)
         return out + self.judge(frame, score, ChunkFacts(frame, score, self._schedule(frame)), suspects)
 
@@ -347,9 +367,8 @@ class Detector:
         if frame.epoch != self.epoch:
             out += self._new_epoch(frame)
         present = set(frame.rank.tolist())
-        expected = self.arrival.expected(frame.epoch)
-        if expected is None:
-            expected = self.arrival.learned.get(frame.epoch, present)
+        planned = self.arrival.expected(frame.epoch)
+        expected = planned if planned is not None else self.arrival.learned.get(frame.epoch, present)
         missing = expected - present - self.fail_stop.dead
         return out + self.book.fail_stop(self.fail_stop.missing(missing, frame.iteration))
 
@@ -423,7 +442,12 @@ class Detector:
         self._last_sigma = sigma
         return sigma
 
-    def _thresholds(self, sigma: Any) -> tuple[Any, Any, Any]:
+    @overload
+    def _thresholds(self, sigma: float) -> tuple[float, float, float]: ...
+    @overload
+    def _thresholds(self, sigma: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+    def _thresholds(self, sigma: float | np.ndarray) -> tuple[float | np.ndarray, float | np.ndarray,
+                                                             float | np.ndarray]:
         """(k, h, cap) for a σ, or element-wise for an array of them."""
         c = self.config
         k = np.maximum(c.k_sigma * sigma, c.log_min_slowdown)
@@ -482,7 +506,8 @@ class Detector:
         # Not alarmed on: a suspect (its incident is open) and its TP peers in this layout — in
         # lock-step their own times are entangled with the suspect's (identical, without TP waits).
         clean = fit_ranks(frame, self._with_traced_peers(frame, self.book.open_compute_ranks()))
-        alarmed = [i for i in np.flatnonzero(s > h_r) if clean[i] and int(frame.rank[i]) not in self.fail_stop.dead]
+        alarmed = [int(i) for i in np.flatnonzero(s > h_r)
+                   if clean[i] and int(frame.rank[i]) not in self.fail_stop.dead]
         self._cusum[frame.rank[s > h_r]] = 0.0
         for members in self._merge_tp_peers(frame, score, alarmed, k):
             i = max(members, key=lambda j: score.z[j])
@@ -580,7 +605,7 @@ class Detector:
                 for r in self._history for j in np.flatnonzero(r.rank == frame.rank[i])]
         factor = chunk_slowdown(frame, score.c_pred, i, self._factor(ranks, score.z[i], k))
         kinds = {name: float(np.exp(v)) for name, v in zip("FBW", score.z_by_kind[i]) if np.isfinite(v)}
-        worst = max(kinds, key=kinds.get) if kinds else "F"
+        worst = max(kinds, key=kinds.__getitem__) if kinds else "F"
         note = f"own compute per chunk kind ×{', '.join(f'{n}:{v:.2f}' for n, v in kinds.items())}"
         if worst == "B" and kinds.get("F", 1.0) < 1.0 + 0.5 * (kinds["B"] - 1.0):
             note += "; backward-pass straggler (hidden in wall time by collective synchronisation)"

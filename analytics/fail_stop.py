@@ -75,6 +75,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -623,7 +624,7 @@ class FailStopWatch:
         short = behind - int(REFERENCE_QUANTILE * (len(times) - 1))
         self._deadline_s, self._short_of_deadline = (deadline_s, short) if short > 0 else (float("inf"), 0)
 
-    def missing(self, ranks: set[int], iteration: int) -> list[LivenessChange]:
+    def missing(self, ranks: Iterable[int], iteration: int) -> list[LivenessChange]:
         """Ranks expected in this iteration's frame that did not report (the frame was scored
         without them because their stream moved on, or, without heartbeats, the wait ran out)."""
         out: list[LivenessChange] = []

@@ -20,7 +20,6 @@ a summary of an iteration already judged are dropped and counted in ``duplicates
 
 from __future__ import annotations
 
-import binascii
 import json
 import logging
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ import numpy as np
 from analytics.detector import Detector
 from analytics.detector_config import DetectorConfig
 from analytics.frame import LayerLookup
-from analytics.replica_summary import LIVENESS_ARRAYS, fits_event, job_view, unpack
+from analytics.replica_summary import LIVENESS_ARRAYS, fits_event, job_view, summary_shape_problem, unpack
 from analytics.scoring import fit_ranks, learn_units
 from collector.bus import Bus
 from collector.auth import Gate, Signer
@@ -50,7 +49,7 @@ class JobMerge:
     job: str
     config: DetectorConfig = field(default_factory=DetectorConfig)
     duplicates: int = 0
-    malformed: int = 0  # liveness batches whose arrays do not match their layout (logged, not applied)
+    malformed: int = 0  # summaries and liveness batches whose arrays the merge cannot use (logged, not applied)
 
     def __post_init__(self) -> None:
         self.detector = Detector(self.job, self.config)
@@ -69,6 +68,12 @@ class JobMerge:
             key = (p.epoch, p.iteration)
             if key <= self._judged or p.replica in self._waiting.get(key, {}):
                 self.duplicates += 1
+                return []
+            if (problem := summary_shape_problem(p)) is not None:
+                self.malformed += 1  # as a lost summary: the replica is judged missing, the merge goes on
+                log.warning("%s", json.dumps({"event": "summary_malformed", "job": self.job, "shard": p.shard,
+                                              "replica": p.replica, "iteration": p.iteration, "problem": problem,
+                                              "malformed": self.malformed}))
                 return []
             self._waiting.setdefault(key, {})[p.replica] = p
             return self._judge_ready(final=False)
@@ -166,12 +171,9 @@ class JobMerge:
 
 def _liveness_rows(p: LivenessBatch) -> dict[str, np.ndarray] | None:
     """The batch's arrays, or None when they are not the six of ``p.rows`` rows its layout names (a
-    shard of another build, or a corrupt record): applying part of a batch would misalign ranks
-    and times."""
-    try:
-        rows = unpack(p.layout, p.blob)
-    except (ValueError, binascii.Error):
-        return None
+    shard of another build): applying part of a batch would misalign ranks and times. (A blob of
+    another length than its layout's never decodes: collector/events.py ``PackedArrays``.)"""
+    rows = unpack(p.layout, p.blob)
     return rows if all(len(rows.get(n, ())) == p.rows for n in LIVENESS_ARRAYS) else None
 
 

@@ -24,12 +24,11 @@ way); and the predicted iteration's p2p time is each replica's own lower quartil
 
 from __future__ import annotations
 
-import base64
 import json
 import math
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal
 
 import numpy as np
 
@@ -37,9 +36,10 @@ from analytics.cost_model import MAX_FIT_ROWS, ClassFit, CostModel
 from analytics.frame import IterationFrame, LayerLookup
 from analytics.prediction import bounded_stage_rows, predicted_iteration_s, stage_times
 from analytics.scoring import (
-    FrameScore, centre_links, centre_ranks, chunk_classes, link_times, predict_chunks, rank_log_ratios, unit_table,
+    FrameScore, WorkClass, centre_links, centre_ranks, chunk_classes, link_times, predict_chunks, rank_log_ratios,
+    unit_table,
 )
-from collector.events import DetectorFits, ReplicaSummary
+from collector.events import DetectorFits, PackedArrays, ReplicaSummary
 
 RANK_ARRAYS = ("rank", "tp", "pp", "dp", "cp", "node")
 LINK_ARRAYS = ("l_src", "l_dst", "l_time", "l_stage_src", "l_stage_dst", "l_waits")
@@ -54,8 +54,8 @@ FLOAT32 = frozenset({"x_f", "x_b", "x_w", "own_s", "pred_s"})  # read only for a
 Dtype = Literal["<f8", "<f4", "<i4", "<i1"]
 
 
-def pack(arrays: dict[str, np.ndarray]) -> tuple[list[tuple[str, Dtype, int]], str]:
-    """(layout, base64 blob): device ids and codes as int32, flags as int8, what only an incident's
+def pack(arrays: dict[str, np.ndarray]) -> tuple[list[tuple[str, Dtype, int]], bytes]:
+    """(layout, blob) of a PackedArrays payload: device ids and codes as int32, flags as int8, what only an incident's
     evidence reads as float32, the rest (what the CUSUMs and the fit read) float64."""
     layout: list[tuple[str, Dtype, int]] = []
     parts = []
@@ -64,15 +64,67 @@ def pack(arrays: dict[str, np.ndarray]) -> tuple[list[tuple[str, Dtype, int]], s
                  else "<f8")
         parts.append(np.ascontiguousarray(a, dtype=dtype).tobytes())
         layout.append((name, dtype, len(a)))
-    return layout, base64.b64encode(b"".join(parts)).decode("ascii")
+    return layout, b"".join(parts)
 
 
-def unpack(layout: Sequence[tuple[str, str, int]], blob: str) -> dict[str, np.ndarray]:
-    raw, out, at = base64.b64decode(blob), {}, 0
+def unpack(layout: Sequence[tuple[str, str, int]], blob: bytes) -> dict[str, np.ndarray]:
+    """The arrays of a PackedArrays payload, read-only views of its blob (decode checked the lengths)."""
+    out, at = {}, 0
     for name, dtype, n in layout:
-        out[name] = np.frombuffer(raw, dtype=dtype, count=n, offset=at)
+        out[name] = np.frombuffer(blob, dtype=dtype, count=n, offset=at)
         at += n * np.dtype(dtype).itemsize
     return out
+
+
+def unpack_all(parts: Sequence[PackedArrays], names: Iterable[str]) -> dict[str, np.ndarray]:
+    """Each named array of every part, concatenated in part order (KeyError when a part lacks one).
+
+    Why not ``unpack`` per part: the merge joins 781 summaries an iteration, 25 arrays each, and
+    ~20k small reads and concatenations were most of its judging. Parts that share one layout (a
+    uniform plan: every replica sends the same shapes) are joined as one block of bytes, a row per
+    part, and each array is cut out of the block at once; the values and their order are the same."""
+    names = list(names)
+    if not parts:
+        return {n: np.zeros(0) for n in names}
+    layout = parts[0].layout
+    if any(p.layout != layout for p in parts):
+        decoded = [unpack(p.layout, p.blob) for p in parts]
+        return {n: np.concatenate([d[n] for d in decoded]) for n in names}
+    block = np.frombuffer(b"".join(p.blob for p in parts), np.uint8).reshape(len(parts), -1)
+    out, at = {}, 0
+    for name, dtype, n in layout:
+        size = n * np.dtype(dtype).itemsize
+        if name in names:
+            out[name] = np.ascontiguousarray(block[:, at:at + size]).view(dtype).reshape(-1)
+        at += size
+    return {n: out[n] for n in names}
+
+
+STAGE_ARRAYS = ("s_stage", "s_observed", "s_predicted")
+SUMMARY_ARRAY_GROUPS = ((*RANK_ARRAYS, *SCORE_ARRAYS), LINK_ARRAYS, UNIT_ARRAYS, STAGE_ARRAYS)
+
+
+def summary_shape_problem(p: ReplicaSummary) -> str | None:
+    """What makes a summary's arrays unusable, or None: every array the merge joins must be there,
+    the rank rows ``p.ranks`` long, and each group of per-link, per-unit and per-stage arrays of one
+    length. A summary of another build (an array renamed or missing) decodes, since its blob matches
+    its own layout, but the merge would raise on it or misalign ranks and links."""
+    lengths = {name: n for name, _, n in p.layout}
+    for group in SUMMARY_ARRAY_GROUPS:
+        missing = [n for n in group if n not in lengths]
+        if missing:
+            return f"arrays {missing} missing"
+        sizes = {lengths[n] for n in group}
+        if len(sizes) > 1:
+            return f"arrays {list(group)} of different lengths {sorted(sizes)}"
+    if lengths["rank"] != p.ranks:
+        return f"{lengths['rank']} rank rows but ranks={p.ranks}"
+    return None
+
+
+def array_lengths(parts: Sequence[PackedArrays], name: str) -> np.ndarray:
+    """Per part, the length of its array ``name`` (0 when its layout has none)."""
+    return np.array([next((n for a, _, n in p.layout if a == name), 0) for p in parts], np.int64)
 
 
 def fits_model(fits: DetectorFits | None, window_iterations: int) -> CostModel:
@@ -136,7 +188,7 @@ def summarize_replica(frame: IterationFrame, fits: DetectorFits | None, *, windo
         inferred=inferred, explained_s=explained if math.isfinite(explained) else None,
         pipeline_s=pipeline if math.isfinite(pipeline) else None,
         dp_wait_s=float(dp_waits.min()) if len(dp_waits) else 0.0, tokens=int(np.nansum(frame.c_tokens[first])),
-        wall_s=float(frame.wall_s.max()), class_keys=json.dumps([list(cast(tuple, k)) for k in keys]),
+        wall_s=float(frame.wall_s.max()), class_keys=json.dumps([list(k) for k in keys]),
         layout=layout, blob=blob)
 
 
@@ -161,7 +213,7 @@ class JobView:
     x: np.ndarray
     xk: np.ndarray
     links: tuple[np.ndarray, ...]
-    u_keys: list[Hashable]
+    u_keys: list[WorkClass]
     u_class: np.ndarray
     u_tokens: np.ndarray
     u_s2: np.ndarray
@@ -185,20 +237,22 @@ _INT = np.int64
 
 def job_view(epoch: int, iteration: int, parts: Sequence[ReplicaSummary], layers: LayerLookup | None) -> JobView:
     """The replicas' summaries as one job, rank rows sorted by rank (as ``build_frame`` sorts them)."""
-    decoded = [unpack(p.layout, p.blob) for p in parts]
-    names = (*RANK_ARRAYS, *SCORE_ARRAYS, *LINK_ARRAYS, "u_tokens", "u_s2", "u_own", "u_rank")
-    cols = {n: np.concatenate([d[n] for d in decoded]) if decoded else np.zeros(0) for n in names}
+    cols = unpack_all(parts, [n for group in SUMMARY_ARRAY_GROUPS for n in group])
     # a replica's wall time is its slowest rank's: judging reads only the job's slowest
     cols["wall_s"] = np.repeat([p.wall_s for p in parts], [p.ranks for p in parts])
-    keys: dict[tuple, int] = {}
+    keys: dict[WorkClass, int] = {}
     local_of: dict[str, np.ndarray] = {}  # replicas mostly share their class list: map each list once
-    u_class = []
-    for p, d in zip(parts, decoded):  # each replica's class indices into one job-wide key list
-        local = local_of.get(p.class_keys)
-        if local is None:
-            local = local_of[p.class_keys] = np.array(
-                [keys.setdefault(tuple(k), len(keys)) for k in json.loads(p.class_keys)], _INT)
-        u_class.append(local[d["u_class"]] if len(local) else d["u_class"].astype(_INT))
+    for p in parts:  # each replica's class indices into one job-wide key list
+        if p.class_keys not in local_of:
+            local_of[p.class_keys] = np.array([keys.setdefault(tuple(k), len(keys)) for k in json.loads(p.class_keys)],
+                                              _INT)
+    u_class = cols["u_class"].astype(_INT)
+    if len(local_of) > 1:
+        cuts = np.cumsum(array_lengths(parts, "u_class"))[:-1]
+        u_class = np.concatenate([local_of[p.class_keys][c] if len(local_of[p.class_keys]) else c
+                                  for p, c in zip(parts, np.split(u_class, cuts))])
+    elif local_of and len(shared := next(iter(local_of.values()))):
+        u_class = shared[u_class]
     order = np.argsort(cols["rank"], kind="stable")
     rank = cols["rank"].astype(_INT)[order]
     n = len(rank)
@@ -219,10 +273,8 @@ def job_view(epoch: int, iteration: int, parts: Sequence[ReplicaSummary], layers
         explained = nan
     if any(p.pipeline_s is None for p in parts):
         pipeline = nan
-    stage_replica = np.concatenate([np.full(len(d["s_stage"]), p.replica) for p, d in zip(parts, decoded)]
-                                   or [np.zeros(0)])
-    stage_cols = [np.concatenate([d[n] for d in decoded]) if decoded else np.zeros(0)
-                  for n in ("s_stage", "s_observed", "s_predicted")]
+    stage_replica = np.repeat([p.replica for p in parts], array_lengths(parts, "s_stage"))
+    stage_cols = [cols[n] for n in STAGE_ARRAYS]
     facts = SummaryFacts(own_s=cols["own_s"][order], pred_s=cols["pred_s"][order], explained_s=explained,
                          pipeline_s=pipeline + dp_wait, tokens=sum(p.tokens for p in parts),
                          stages=bounded_stage_rows(stage_replica.astype(_INT), stage_cols[0].astype(_INT),
@@ -230,6 +282,6 @@ def job_view(epoch: int, iteration: int, parts: Sequence[ReplicaSummary], layers
     links = (cols["l_src"].astype(_INT), cols["l_dst"].astype(_INT), cols["l_time"],
              cols["l_stage_src"].astype(_INT), cols["l_stage_dst"].astype(_INT), cols["l_waits"] > 0)
     return JobView(frame=frame, x=cols["x"][order], xk=xk, links=links, u_keys=list(keys),
-                   u_class=np.concatenate(u_class) if u_class else np.zeros(0, _INT), u_tokens=cols["u_tokens"],
+                   u_class=u_class, u_tokens=cols["u_tokens"],
                    u_s2=cols["u_s2"], u_own=cols["u_own"], u_rank=cols["u_rank"].astype(_INT), facts=facts,
                    inferred=any(p.inferred for p in parts))

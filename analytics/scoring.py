@@ -16,13 +16,20 @@ median link.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable
+from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
 from analytics.cost_model import CostModel
 from analytics.frame import OP_CODE, IterationFrame
+
+# A work class (``chunk_classes`` says why): the stage named by its layer range when the plan is
+# known, else by its index; then the virtual stage, the chunk kind and the TP degree.
+LayerClass = tuple[Literal["layers"], int, int, int, int, int]  # ("layers", first, end, vs, kind, TP degree)
+StageClass = tuple[Literal["stage"], int, int, int, int]  # ("stage", stage index, vs, kind, TP degree)
+WorkClass = LayerClass | StageClass
 
 
 @dataclass
@@ -32,7 +39,7 @@ class FrameScore:
     z_by_kind: np.ndarray  # (R, 3) centred log-ratio per rank and chunk kind (NaN if none)
     c_pred: np.ndarray  # (C,) predicted own time per chunk
     c_class: np.ndarray  # (C,) index into class_keys
-    class_keys: list[Hashable]
+    class_keys: list[WorkClass]
     link_src: np.ndarray  # (L,) device ids
     link_dst: np.ndarray
     link_z: np.ndarray  # (L,) centred log time per message; NaN: not judged this iteration
@@ -41,7 +48,7 @@ class FrameScore:
     inferred: bool  # True when seq_lens were missing and per-micro-batch inference filled in
 
 
-def chunk_classes(frame: IterationFrame) -> tuple[np.ndarray, list[Hashable]]:
+def chunk_classes(frame: IterationFrame) -> tuple[np.ndarray, list[WorkClass]]:
     """Work class per chunk: what makes two chunks comparable apart from their sequences.
 
     With the plan known, a class is ("layers", first_layer, end_layer, virtual stage, kind, TP
@@ -60,15 +67,16 @@ def chunk_classes(frame: IterationFrame) -> tuple[np.ndarray, list[Hashable]]:
     T = int(tp_degree.max()) + 1
     key = ((where[frame.c_rank] * V + frame.c_vs) * 3 + frame.c_kind) * T + tp_degree[frame.c_rank]
     uniq, c_class = np.unique(key, return_inverse=True)
-    keys: list[Hashable] = []
+    keys: list[WorkClass] = []
     for k in uniq.tolist():
-        rest, tpd = divmod(k, T)
+        rest, tpd = divmod(int(k), T)
         rest, kind = divmod(rest, 3)
         code, vs = divmod(rest, V)
         if code >= L * L:
             keys.append(("stage", code - L * L, vs, kind, tpd))
         else:
-            keys.append(("layers", *divmod(code, L), vs, kind, tpd))
+            first, end = divmod(code, L)
+            keys.append(("layers", first, end, vs, kind, tpd))
     return c_class.reshape(-1), keys
 
 
@@ -219,7 +227,7 @@ def unit_table(frame: IterationFrame, c_class: np.ndarray) -> UnitTable:
     return UnitTable(units, c_class[first], frame.c_tokens[first], frame.c_s2[first], u_own, frame.c_rank[first])
 
 
-def predict_chunks(frame: IterationFrame, model: CostModel, c_class: np.ndarray, keys: list[Hashable],
+def predict_chunks(frame: IterationFrame, model: CostModel, c_class: np.ndarray, keys: list[WorkClass],
                    units: np.ndarray, u_class: np.ndarray, u_tokens: np.ndarray, u_s2: np.ndarray,
                    u_own: np.ndarray) -> tuple[np.ndarray, bool, list[int]]:
     """Every chunk's predicted own time under ``model``'s fits, classes it never saw fitted first
@@ -237,7 +245,7 @@ def predict_chunks(frame: IterationFrame, model: CostModel, c_class: np.ndarray,
     return predict_fitted(frame, model, c_class, keys, units, u_own), not frame.has_seq_lens, unseen
 
 
-def predict_fitted(frame: IterationFrame, model: CostModel, c_class: np.ndarray, keys: list[Hashable],
+def predict_fitted(frame: IterationFrame, model: CostModel, c_class: np.ndarray, keys: list[WorkClass],
                    units: np.ndarray, u_own: np.ndarray) -> np.ndarray:
     """``predict_chunks`` once every class has a fit: the lines, and without sequence lengths each
     class levelled and each micro-batch's mix taken from the units that may teach (``u_own``)."""
@@ -254,7 +262,7 @@ def teaching_own(t: UnitTable, clean: np.ndarray) -> np.ndarray:
     return np.where(clean[t.u_rank], t.u_own, np.nan) if len(t.u_rank) else t.u_own
 
 
-def learn_units(model: CostModel, iteration: int, keys: list[Hashable], u_class: np.ndarray, u_tokens: np.ndarray,
+def learn_units(model: CostModel, iteration: int, keys: list[WorkClass], u_class: np.ndarray, u_tokens: np.ndarray,
                 u_s2: np.ndarray, u_own: np.ndarray, skip: Collection[int] = ()) -> None:
     """Teach ``model`` one iteration's work units of every class but ``skip`` (NaN own time: a
     unit that may not teach), in unit order, then refit."""
@@ -270,7 +278,7 @@ def learn_units(model: CostModel, iteration: int, keys: list[Hashable], u_class:
     model.refit()
 
 
-def _layer_scaled_prior(model: CostModel, keys: list[Hashable], c_class: np.ndarray, frame: IterationFrame,
+def _layer_scaled_prior(model: CostModel, keys: list[WorkClass], c_class: np.ndarray, frame: IterationFrame,
                         pred: np.ndarray) -> np.ndarray:
     """Predictions for classes still without a fit, from a fitted class of the same virtual stage,
     kind and TP degree, scaled by layer count (nearest layer count wins).
@@ -281,12 +289,11 @@ def _layer_scaled_prior(model: CostModel, keys: list[Hashable], c_class: np.ndar
     scored as healthy, and its incident resolved after 3 iterations while it was still ×3 slow.
     Approximate (embeddings and the head are not per-layer work), but a slow rank is ×1.5 or more
     off its peers' line, and the class gets its own fit as soon as a clean group runs it."""
-    missing = [i for i, k in enumerate(keys) if k[0] == "layers" and k not in model.fits]
+    missing = [(i, k) for i, k in enumerate(keys) if k[0] == "layers" and k not in model.fits]
     if not missing:
         return pred
     fitted = [k for k in model.fits if isinstance(k, tuple) and k and k[0] == "layers"]
-    for i in missing:
-        _, first, end, vs, kind, tpd = keys[i]
+    for i, (_, first, end, vs, kind, tpd) in missing:
         siblings = [k for k in fitted if k[3:] == (vs, kind, tpd) and k[2] > k[1]]
         if not siblings or end <= first:
             continue

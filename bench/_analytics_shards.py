@@ -11,8 +11,13 @@ chunks, as bench/analytics.py's detector table):
 * the merge (analytics/merge.py), measured whole at the full size: decode every replica's
   LivenessBatch and ReplicaSummary, apply the batches' heartbeats and report progress to the
   fail-stop watch as arrays (``JobMerge.settle``), and judge the job (``JobMerge.judge``: centring, the cost-model fit on the summaries' unit rows, CUSUMs,
-  incidents, the fits for the next iteration);
-* bytes on the wire per iteration: rank reports (JSON), and ReplicaSummaries with LivenessBatches.
+  incidents, the fits for the next iteration). The merge is fed the binary records the shards
+  publish; the same events are also encoded as JSON (base64 arrays, as ``encode_json`` and the
+  logs before binary records have them) and decoded in the same run, the two decodes interleaved
+  and repeated (the fastest of ``DECODE_REPEATS`` each, the garbage collector paused during each
+  pass), so both costs and both sizes come from one job on one machine load;
+* bytes on the wire per iteration: rank reports (JSON), and ReplicaSummaries with LivenessBatches
+  (binary, and as JSON).
 
 It does not run Kafka: the bus's own throughput is ``resihp bench bus``. Replica templates are
 reused with shifted rank numbers, so generating a 100k-rank job takes seconds, not minutes.
@@ -20,12 +25,14 @@ reused with shifted rank numbers, so generating a 100k-rank job takes seconds, n
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 
 import numpy as np
 
 TEMPLATES = 4  # distinct replicas measured (and cloned for the merge)
+DECODE_REPEATS = 5  # passes of the merge's decode per encoding and iteration
 
 
 def _replica_reports(tp: int, pp: int, replica: int, microbatches: int, iteration: int) -> list:
@@ -66,7 +73,7 @@ def _clone_liveness(batch, shift: int):
 def bench_shards(ranks: int, shards: list[int], iterations: int = 4, microbatches: int = 16) -> dict:
     from analytics.merge import JobMerge
     from analytics.shards import ReplicaShard
-    from collector.codec import decode, encode
+    from collector.codec import decode, encode, encode_json
     from collector.events import DetectorFits, EventFactory, Heartbeat, LivenessBatch, PlanCurrent
     from collector.plan import Plan
 
@@ -80,7 +87,8 @@ def bench_shards(ranks: int, shards: list[int], iterations: int = 4, microbatche
     sfac = EventFactory("bench", "shard")
     mfac = EventFactory("bench", "analytics-merge")
     per_replica_s: list[float] = []
-    report_bytes = summary_bytes = 0
+    report_bytes = summary_bytes = summary_json_bytes = 0
+    decode_json_s: list[float] = []
     merge_s: list[float] = []
     split: list[tuple[float, float, float]] = []  # decode, fail-stop watch, judge
     fits = None
@@ -107,16 +115,36 @@ def bench_shards(ranks: int, shards: list[int], iterations: int = 4, microbatche
             wire = encode(sfac.make(payload))
             live_wire = encode(sfac.make(heard))
             per_replica_s.append(time.perf_counter() - t0)
-            report_bytes, summary_bytes = sum(map(len, raw)), len(wire) + len(live_wire)
+            report_bytes = sum(map(len, raw))
             templates.append((wire, live_wire))
         decoded = [(decode(w).payload, decode(lw).payload) for w, lw in templates]
-        wires = []
+        wires, json_wires = [], []
         for d in range(dp):
             summary, liveness = decoded[d % TEMPLATES]
-            wires.append(encode(sfac.make(_clone_liveness(liveness, (d - d % TEMPLATES) * tp * pp))))
-            wires.append(encode(sfac.make(_clone(summary, d, d % TEMPLATES, tp, pp))))
-        t0 = time.perf_counter()
-        events = [decode(w) for w in wires]
+            for event in (sfac.make(_clone_liveness(liveness, (d - d % TEMPLATES) * tp * pp)),
+                          sfac.make(_clone(summary, d, d % TEMPLATES, tp, pp))):
+                wires.append(encode(event))
+                json_wires.append(encode_json(event))
+        summary_bytes, summary_json_bytes = sum(map(len, wires)), sum(map(len, json_wires))
+        # both decodes, interleaved and repeated (the fastest of each counts): on a shared machine a
+        # single pass of either is at the mercy of whatever else runs at that moment
+        json_s = binary_s = math.inf
+        for _ in range(DECODE_REPEATS):
+            # each pass keeps what it decoded, as the merge does, with the garbage collector paused:
+            # otherwise a pass pays for whichever full collection the other's objects set off, which
+            # walks the merge's whole heap
+            events = []
+            gc.disable()
+            try:
+                t0 = time.perf_counter()
+                events = [decode(w) for w in json_wires]
+                json_s = min(json_s, time.perf_counter() - t0)
+                events = []
+                t0 = time.perf_counter()
+                events = [decode(w) for w in wires]
+                binary_s = min(binary_s, time.perf_counter() - t0)
+            finally:
+                gc.enable()
         t1 = time.perf_counter()
         got = []
         for e in events:  # as a poll reads them: the shards' liveness, then their summaries
@@ -131,14 +159,16 @@ def bench_shards(ranks: int, shards: list[int], iterations: int = 4, microbatche
         t2 = time.perf_counter()
         fits = next(p for p in got if isinstance(p, DetectorFits))
         if it >= 2:  # the first iterations fit the cost model from scratch
-            merge_s.append(t2 - t0)
-            split.append((t1 - t0, liveness_s, t2 - t1 - liveness_s))
+            merge_s.append(binary_s + t2 - t1)
+            decode_json_s.append(json_s)
+            split.append((binary_s, liveness_s, t2 - t1 - liveness_s))
         assert merge.detector.stats.frames == it + 1, "the merge did not judge the iteration"
     replica_s = float(np.median(per_replica_s))
     rows = [{"shards": n, "replicas_per_shard": math.ceil(dp / n), "shard_s": replica_s * math.ceil(dp / n)}
             for n in shards]
     return {"ranks": tp * pp * dp, "replicas": dp, "replica_ms": 1e3 * replica_s, "merge_s": float(np.median(merge_s)),
-            "report_bytes_per_iteration": report_bytes * dp, "summary_bytes_per_iteration": summary_bytes * dp,
+            "report_bytes_per_iteration": report_bytes * dp, "summary_bytes_per_iteration": summary_bytes,
+            "summary_json_bytes_per_iteration": summary_json_bytes, "decode_json_s": float(np.median(decode_json_s)),
             "rows": rows, "merge_split_s": [float(x) for x in np.median(np.array(split), axis=0)]}
 
 
@@ -155,7 +185,9 @@ def print_table(r: dict, step_s: float = 5.0) -> None:
     print(f"merge per iteration: {r['merge_s']:.3f} s = decode {r['replicas']:,} ReplicaSummaries and "
           f"LivenessBatches {dec:.3f} s + fail-stop watch {live:.3f} s + judge the job (JobMerge.judge) {judge:.3f} s")
     print(f"bytes on the wire per iteration: rank reports (JSON) {r['report_bytes_per_iteration'] / 1e6:,.1f} MB, "
-          f"ReplicaSummaries + LivenessBatches {r['summary_bytes_per_iteration'] / 1e6:,.1f} MB")
+          f"ReplicaSummaries + LivenessBatches {r['summary_bytes_per_iteration'] / 1e6:,.1f} MB binary "
+          f"({r['summary_json_bytes_per_iteration'] / 1e6:,.1f} MB as JSON)")
+    print(f"the merge's decode of them, same run: binary {dec:.3f} s, JSON {r['decode_json_s']:.3f} s")
 
 
 def bench_kafka_shards(bootstrap: str, shards: list[int], dp: int = 16, iterations: int = 6) -> list[dict]:

@@ -51,6 +51,8 @@ WRITERS: dict[str, tuple[str, ...]] = {
     "incident.opened": ("analytics",), "incident.confirmed": ("analytics",), "incident.updated": ("analytics",),
     "incident.resolved": ("analytics",), "analytics.cost_model": ("analytics",), "probe.request": ("analytics",),
     "command.ack": ("executor",),
+    "command.node": ("engine", "console"),  # an order for one node agent (resihp run): the engine or an operator
+    "command.node_ack": ("executor",),  # the node agent's answer
     "plan.current": ("executor",),  # what runs: the engine plans on it and the fold supersedes plans by it
     "plan.capabilities": ("executor",),  # what the job can run: the engine proposes only that
     "probe.result": ("executor",),  # a rank's answer: it confirms an incident and names the slow device

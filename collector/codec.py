@@ -1,8 +1,27 @@
 """Bytes on the bus <-> events, and the one error every bad record becomes.
 
-JSON (UTF-8) is the wire format: any tool can read a topic, and pydantic-core parses and validates
-it in one pass. ``decode`` never raises anything but ``InvalidEvent``, whose message names the
-problem; consumers send such records to the dead-letter topic instead of crashing.
+JSON (UTF-8) is the wire format of every event but the high-volume analytics records: any tool can
+read a topic, and pydantic-core parses and validates it in one pass. A payload whose bulk is
+numeric arrays (``PackedArrays``: replica summaries, liveness batches) travels as a binary record
+instead: the arrays are most of those records, and base64 made them a third larger and added a
+decoding pass over 1,562 of them an iteration at the merge of a 100k-rank job:
+
+    0xFF 'R' 'B'   magic (0xFF never occurs in UTF-8, so no record is both)
+    u8             wire format (BINARY_FORMAT)
+    u32 LE         header length H
+    H bytes        the envelope as JSON, schema version included, with the payload's blob empty
+    the rest       the blob: the layout's arrays, little-endian, back to back
+
+The header is validated as any JSON record is; the blob must be exactly as long as its layout
+says. ``encode_json`` gives any event's JSON (traces keep that form), and ``decode`` reads both, so
+logs written before the binary records still decode. ``decode`` never raises anything but
+``InvalidEvent``, whose message names the problem; consumers send such records to the dead-letter
+topic instead of crashing.
+
+Why not Arrow IPC for the binary records: a summary's arrays have four different lengths (one
+list column each in a one-row batch), and on this machine an IPC stream of that shape was 25 %
+larger than the raw arrays (schema flatbuffers per record) and took ~4x as long to read back as
+``np.frombuffer`` over the blob (126 µs against 33 µs per record): the merge reads 1,562 an iteration.
 """
 
 from __future__ import annotations
@@ -10,10 +29,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import re
+import struct
 
 from pydantic import ValidationError
 
-from collector.events import DEADLETTER_REASON_MAX, EVENT_ADAPTER, DeadLetter, Envelope
+from collector.events import ATTACHED_BLOB, DEADLETTER_REASON_MAX, EVENT_ADAPTER, DeadLetter, Envelope, PackedArrays
 
 MAX_EVENT_BYTES = 1_000_000  # Kafka's default message.max.bytes is ~1 MB; stay under it.
 DEADLETTER_RAW_PREFIX = 64 * 1024  # bytes of a bad record a dead letter carries whole (base64: ~87 KB)
@@ -28,8 +48,27 @@ class InvalidEvent(ValueError):
         self.reason = reason
 
 
+BINARY_MAGIC = b"\xffRB"
+BINARY_FORMAT = 1  # the binary record's layout; the payload's schema version is the envelope's
+_PREFIX = struct.Struct("<3sBI")  # magic, wire format, header length
+
+
 def encode(event: Envelope) -> bytes:
-    raw = event.__pydantic_serializer__.to_json(event)
+    """The bus bytes of ``event``: a binary record for a PackedArrays payload, JSON otherwise."""
+    payload = event.payload
+    if not isinstance(payload, PackedArrays):
+        return _bounded(event, event.__pydantic_serializer__.to_json(event))
+    header = event.model_copy(update={"payload": payload.model_copy(update={"blob": b""})})
+    head = header.__pydantic_serializer__.to_json(header)
+    return _bounded(event, b"".join((_PREFIX.pack(BINARY_MAGIC, BINARY_FORMAT, len(head)), head, payload.blob)))
+
+
+def encode_json(event: Envelope) -> bytes:
+    """The JSON bytes of any event (the readable form: traces, tools), binary kinds included."""
+    return _bounded(event, event.__pydantic_serializer__.to_json(event))
+
+
+def _bounded(event: Envelope, raw: bytes) -> bytes:
     if len(raw) > MAX_EVENT_BYTES:
         raise InvalidEvent(
             f"{event.kind} event of {len(raw):,} bytes exceeds the {MAX_EVENT_BYTES:,}-byte limit; "
@@ -45,13 +84,55 @@ def decode(raw: bytes) -> Envelope:
         raise InvalidEvent(f"record of {len(raw):,} bytes exceeds the {MAX_EVENT_BYTES:,}-byte limit")
     if not raw:
         raise InvalidEvent("empty record")
+    if raw[:3] != BINARY_MAGIC:
+        return _validate(raw, None)
+    head, blob = _split_binary(bytes(raw))
+    event = _validate(head, {ATTACHED_BLOB: blob})
+    if not isinstance(event.payload, PackedArrays):
+        raise InvalidEvent(f"binary record of kind {event.kind}: only payloads of packed arrays (analytics."
+                           "replica_summary, analytics.liveness) travel binary; publish it as JSON")
+    return event
+
+
+def header_json(raw: bytes) -> bytes:
+    """The JSON part of a record: the whole of a JSON record, a binary record's header (its blob
+    left empty). Never raises: what is not a binary record is returned as it is."""
+    if raw[:3] != BINARY_MAGIC:
+        return bytes(raw)
     try:
-        return EVENT_ADAPTER.validate_json(raw)
+        return _split_binary(bytes(raw))[0]
+    except InvalidEvent:
+        return b""
+
+
+def readable(raw: bytes) -> bytes:
+    """A record's JSON form: a JSON record as it is, a binary one re-encoded (raises InvalidEvent
+    when that one does not decode)."""
+    return bytes(raw) if raw[:3] != BINARY_MAGIC else encode_json(decode(raw))
+
+
+def _split_binary(raw: bytes) -> tuple[bytes, bytes]:
+    if len(raw) < _PREFIX.size:
+        raise InvalidEvent(f"binary record of {len(raw)} bytes is shorter than its {_PREFIX.size}-byte prefix")
+    _, fmt, head_len = _PREFIX.unpack_from(raw)
+    if fmt != BINARY_FORMAT:
+        raise InvalidEvent(f"binary record in wire format {fmt} (this build reads {BINARY_FORMAT}); upgrade the "
+                           "consumer")
+    end = _PREFIX.size + head_len
+    if end > len(raw):
+        raise InvalidEvent(f"binary record's {head_len:,}-byte header runs past its {len(raw):,} bytes: truncated")
+    return raw[_PREFIX.size:end], raw[end:]
+
+
+def _validate(json_raw: bytes, context: dict | None) -> Envelope:
+    try:
+        return EVENT_ADAPTER.validate_json(json_raw, context=context)
     except ValidationError as exc:
         try:
-            bytes(raw).decode("utf-8")
+            bytes(json_raw).decode("utf-8")
         except UnicodeDecodeError as bad:
-            raise InvalidEvent(f"record is not UTF-8: {bad.reason} at byte {bad.start}") from None
+            where = "binary record's header" if context is not None else "record"
+            raise InvalidEvent(f"{where} is not UTF-8: {bad.reason} at byte {bad.start}") from None
         raise InvalidEvent("invalid event: " + one_line(exc)) from None
     except (ValueError, TypeError, RecursionError) as exc:  # defensive: parser errors outside pydantic
         raise InvalidEvent(f"undecodable record: {exc}") from None

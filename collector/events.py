@@ -13,6 +13,7 @@ torch trainer) and are what plans name.
 
 from __future__ import annotations
 
+import base64
 import itertools
 import time
 import uuid
@@ -22,8 +23,8 @@ from functools import cached_property
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import (
-    AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationInfo, create_model, field_validator,
-    model_validator,
+    AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, TypeAdapter, ValidationInfo, create_model,
+    field_validator, model_validator,
 )
 
 from collector.plan import SCHEDULES, Plan
@@ -68,6 +69,11 @@ def _plan_in_range(plan: Plan) -> Plan:
 
 
 ContractPlan = Annotated[Plan, AfterValidator(_plan_in_range)]
+
+DTYPE_BYTES = {"<f8": 8, "<f4": 4, "<i4": 4, "<i1": 1}  # the array dtypes a PackedArrays payload carries
+ATTACHED_BLOB = "resihp.attached_blob"  # validation context: a binary record's blob bytes (collector/codec.py)
+Blob = Annotated[bytes, PlainSerializer(lambda b: base64.b64encode(b).decode("ascii"), return_type=str,
+                                        when_used="json")]  # standard base64 in JSON, as the first logs wrote it
 
 
 class Payload(BaseModel):
@@ -387,7 +393,45 @@ class IterationPrediction(IterationPayload):
                                                 "most 256, else per stage the replica furthest above its prediction")
 
 
-class ReplicaSummary(Payload):
+class PackedArrays(Payload):
+    """A payload whose bulk is numeric arrays, carried as their little-endian bytes back to back
+    (``blob``) with ``layout`` naming them: (name, numpy dtype, length) in blob order. The
+    high-volume analytics records (replica summaries, liveness batches) are built on it.
+
+    On the wire such a payload travels as a binary record (collector/codec.py): the envelope as
+    JSON, then ``blob`` raw: base64 made these records a third larger and cost the merge a decoding
+    pass over 1,562 blobs an iteration at 100k ranks. In JSON (a trace, ``encode_json``, older logs) ``blob``
+    is standard base64. Either way the blob must be exactly as long as its layout says, so a
+    truncated or corrupt record is refused at decode (and dead-lettered), never half-read."""
+
+    model_config = ConfigDict(val_json_bytes="base64")  # merged with the contract's config
+    layout: list[tuple[str, Literal["<f8", "<f4", "<i4", "<i1"], int]] = Field(
+        max_length=256, description="(array, dtype, length) in blob order; lengths 0 … 1,048,576")
+    blob: Blob = Field(description="the arrays' little-endian bytes back to back (base64 in JSON)")
+
+    @field_validator("blob")
+    @classmethod
+    def _blob_matches_layout(cls, blob: bytes, info: ValidationInfo) -> bytes:
+        attached = info.context.get(ATTACHED_BLOB) if isinstance(info.context, dict) else None
+        if attached is not None:  # a binary record: the header's blob is empty, the bytes follow it
+            if blob:
+                raise ValueError("a binary record's header must leave blob empty (its bytes follow the header)")
+            blob = attached
+        layout = info.data.get("layout")
+        if layout is None:
+            return blob  # the layout itself is invalid, and reported
+        want = 0
+        for name, dtype, n in layout:  # one plain loop: it runs for each of the merge's 1,562 records an iteration
+            if not 0 <= n <= LIST_MAX:
+                raise ValueError(f"layout's array {name[:40]!r} has length {n}, outside 0..{LIST_MAX}")
+            want += n * DTYPE_BYTES[dtype]
+        if len(blob) != want:
+            raise ValueError(f"blob holds {len(blob):,} bytes but its layout names {want:,}; the record is "
+                             "truncated or corrupt")
+        return blob
+
+
+class ReplicaSummary(PackedArrays):
     """One DP replica's share of one iteration, as the analytics shard holding it scored it: what
     the merge needs to judge the job without the replica's chunks. Per rank: coordinates, wall
     time, the uncentred log-ratio of own compute to the cost model's prediction (overall and per
@@ -395,9 +439,8 @@ class ReplicaSummary(Payload):
     pair; per work unit (thinned evenly to what the job's cost-model window keeps): its class,
     tokens, Σ lᵢ² and own time, for the merge's fit; per replica: its critical paths and tokens.
 
-    ``blob`` holds the arrays back to back as little-endian bytes, base64 (floats may be NaN: "not
-    judged"), ``layout`` says which: (name, numpy dtype, length) in order; ``class_keys`` names
-    the work classes the unit rows index. Shards of one consumer group each hold whole replicas
+    ``blob``/``layout`` hold the arrays (PackedArrays; floats may be NaN: "not judged");
+    ``class_keys`` names the work classes the unit rows index. Shards of one consumer group each hold whole replicas
     (telemetry is keyed job/replica)."""
 
     KIND: ClassVar[str] = "analytics.replica_summary"
@@ -415,23 +458,19 @@ class ReplicaSummary(Payload):
     tokens: int = Field(ge=0)
     wall_s: Finite = Field(ge=0, description="the replica's slowest rank's iteration wall time")
     class_keys: str = Field(description="the work classes u_class indexes, a JSON list (replicas share it verbatim)")
-    layout: list[tuple[str, Literal["<f8", "<f4", "<i4", "<i1"], int]] = Field(description="(array, dtype, length) in blob order")
-    blob: str = Field(description="the arrays' little-endian bytes back to back, base64")
 
 
-class LivenessBatch(Payload):
+class LivenessBatch(PackedArrays):
     """What a shard heard of its ranks' liveness since its last batch, for the merge's fail-stop
     watch (analytics/fail_stop.py), which judges heartbeats and report progress job-wide: one row
     per heartbeat (kind 1, with its interval) or rank report (kind 0) the shard read, in the order
-    read. ``blob``/``layout`` as in ReplicaSummary: arrays kind, rank, epoch, iteration, time_s,
+    read. ``blob``/``layout`` (PackedArrays): arrays kind, rank, epoch, iteration, time_s,
     interval_s. ``declared``: the producers' tracing declarations the shard read (they travel on
     the telemetry topic, which the merge does not read), applied before the rows."""
 
     KIND: ClassVar[str] = "analytics.liveness"
     rows: int = Field(ge=0)
     shard: str = Field(default="", description="the analytics process that read them (diagnostics only)")
-    layout: list[tuple[str, Literal["<f8", "<f4", "<i4", "<i1"], int]]
-    blob: str
     declared: list[TracingDeclared] = Field(default_factory=list, max_length=1024)
 
 
@@ -702,6 +741,46 @@ class CommandAck(Payload):
     detail: str = ""
 
 
+NodeAction = Literal["stop", "join"]
+
+
+class NodeCommand(Payload):
+    """An order for one node agent of a ``resihp run`` job (docs/agent.md, "Node commands").
+
+    ``stop``: the agent of ``node`` stops its ranks (SIGTERM, then SIGKILL after its grace) and
+    leaves; under ``--on-failure shrink`` the other nodes go on without them, as past a dead agent.
+    ``join``: a spare agent waiting with ``--join-running --join-on-command`` takes the place that
+    ``node`` left. ``epoch`` is the job's rendezvous round the command was decided in (each agent
+    prints it, and acks carry it): node numbers hold within one round, so a command of another
+    round is stale. Signed by the engine or an operator; the agent answers with ``command.node_ack``."""
+
+    KIND: ClassVar[str] = "command.node"
+    command_id: str = Field(min_length=1, max_length=200)
+    node: Int32 = Field(description="the agent's group rank in the rendezvous round (\"node N\" in its messages)")
+    action: NodeAction
+    epoch: Int32 = Field(description="the rendezvous round the command was decided in")
+    reason: str = Field(default="", max_length=2000, description="why, for the log and the console")
+    actor: str | None = Field(default=None, max_length=200, description="the operator (cli:NAME, ui:NAME) when a person "
+                                                                        "decided it")
+
+
+class NodeCommandAck(Payload):
+    """A node agent's answer to a ``command.node`` addressed to it: ``applied`` (with what it did),
+    ``ignored_stale`` (another rendezvous round), ``ignored_duplicate`` (a command id handled
+    before) or ``failed`` (it cannot be obeyed: the node hosts the job's stores, no such node, no
+    place to join). An unsigned or unauthorised command gets no ack but a ``control.rejected``."""
+
+    KIND: ClassVar[str] = "command.node_ack"
+    command_id: str = Field(min_length=1, max_length=200)
+    node: Int32
+    action: NodeAction
+    epoch: Int32 = Field(description="the round the command named")
+    status: AckStatus
+    running_epoch: Int32 = Field(description="the rendezvous round the agent is in")
+    ranks: list[Int32] = Field(default_factory=list, max_length=LIST_MAX, description="the global ranks it acted on")
+    detail: str = Field(default="", max_length=2000)
+
+
 class PlanVerified(Payload):
     """Measured throughput under the applied plan matches its prediction, or the plan is kept
     because rolling it back would be slower (``reason`` says which)."""
@@ -872,7 +951,8 @@ PAYLOAD_TYPES: tuple[type[Payload], ...] = (
     RankIteration, IterationSummary, Heartbeat, TracingDeclared, RecoveryPhase, ReshapePhase,
     IterationPrediction, RankHealth, AnalyticsLease, ReplicaSummary, DetectorFits, LivenessBatch, BusOutage,
     IncidentOpened, IncidentConfirmed, IncidentUpdated, IncidentResolved, ProbeRequest, ProbeResult,
-    PlanProposed, PlanDecision, PolicyChanged, ReconfigureCommand, CommandAck, PlanVerified, PlanRolledBack,
+    PlanProposed, PlanDecision, PolicyChanged, ReconfigureCommand, CommandAck, NodeCommand, NodeCommandAck,
+    PlanVerified, PlanRolledBack,
     PlanWithheld, PlanCurrent, ExecutorCapabilities, CostModelFitted,
     FaultInjected, DeadLetter, SignInFailed, ControlRejected,
 )

@@ -25,7 +25,11 @@ models in `collector/events.py` and `collector/plan.py` (`python -m collector.re
 docs/events.md`); a test keeps it identical to them.
 
 Every event is an **envelope** around a **payload**. The wire format is one JSON object (UTF-8)
-per record; records over {max_bytes:,} bytes are refused. Consumers are idempotent on `id`.
+per record, but for the payloads of packed arrays (`analytics.replica_summary`,
+`analytics.liveness`): those travel as a binary record, the envelope's JSON (its `blob` empty)
+after an 8-byte prefix (`0xFF 'R' 'B'`, the wire format, the header's length as u32 LE) and then
+the blob's bytes raw; in JSON their `blob` is standard base64, and both forms decode
+(`collector/codec.py`). Records over {max_bytes:,} bytes are refused. Consumers are idempotent on `id`.
 A record that does not decode (bad bytes, missing or wrongly typed fields, unknown kind, unknown
 schema version, too large) goes to `{deadletter}` with the reason and the raw bytes.
 

@@ -9,9 +9,10 @@ reason.
 
 Why commands have a topic of their own: Kafka authorises writes per topic, not per event kind, and
 the control topic must be writable by the trainer (acknowledgements), analytics (probe requests)
-and the console (decisions). A trainer takes ``command.reconfigure`` only from the commands topic,
-which only the engine (and the trainer itself, for its own on-death policy) may write, so the
-broker refuses a forged command before any signature is checked (infra/kafka_security.py).
+and the console (decisions). A trainer takes ``command.reconfigure``, and a node agent
+``command.node``, only from the commands topic, which only the engine (and the trainer itself, for
+its own on-death policy) may write, so the broker refuses a forged command before any signature is
+checked (infra/kafka_security.py).
 
 A command is also written to the control topic, as the lifecycle's record: every reader that folds
 plans (the engine, the console, analytics) reads proposal → decision → command → ack in the order
@@ -72,7 +73,7 @@ RECORD_TOPICS: tuple[str, ...] = tuple(t for t in ALL_TOPICS if t != COMMANDS)
 TRAINER_TOPICS: tuple[str, ...] = (CONTROL, COMMANDS)
 
 # kind -> the topic a trainer obeys it from, where that is not (only) its own topic
-_ORDERS: dict[str, str] = {"command.reconfigure": COMMANDS}
+_ORDERS: dict[str, str] = {"command.reconfigure": COMMANDS, "command.node": COMMANDS}
 
 
 def topics_for(kind: str) -> tuple[str, ...]:

@@ -2,8 +2,9 @@
 
 One Parquet file (or a directory of them, read in name order) with one row per event: the
 envelope's columns — ``id, kind, schema_version, job, source, seq, time_s`` — plus where the bus
-puts it (``topic``, ``key``) and ``value``, the exact JSON bytes the bus carries (a UTF-8 string
-column, so DuckDB's ``json`` functions and pandas read it directly). Rows are in publication order.
+puts it (``topic``, ``key``) and ``value``, the event's JSON (a UTF-8 string column, so DuckDB's
+``json`` functions and pandas read it directly): the exact bytes the bus carries, except for the
+binary records (replica summaries, liveness batches; collector/codec.py), kept in their JSON form. Rows are in publication order.
 The simulator records its full log plus ground truth (``truth.fault`` on ``resihp.truth``); the
 torch trainer records the same format. Schema-level metadata ``resihp.trace`` names the version.
 
@@ -27,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from collector.bus import Bus, RawMessage
-from collector.codec import InvalidEvent, decode, encode
+from collector.codec import InvalidEvent, decode, encode_json, header_json, readable
 from collector.events import ENVELOPE_HEADER, Envelope
 from collector.topics import key_for, topic_for
 
@@ -65,9 +66,10 @@ class EventHeader(NamedTuple):
 
     @classmethod
     def parse(cls, raw: bytes) -> EventHeader | None:
-        """The header of an encoded event, read without validating its payload (None if unreadable)."""
+        """The header of an encoded event (JSON or binary), read without validating its payload
+        (None if unreadable)."""
         try:
-            d = json.loads(raw)
+            d = json.loads(header_json(raw))
             return cls(str(d["id"]), str(d["kind"]), int(d["schema_version"]), str(d["job"]), str(d["source"]),
                        int(d["seq"]), float(d["time_s"]))
         except (ValueError, KeyError, TypeError):
@@ -102,16 +104,18 @@ class TraceWriter:
 
     def write(self, events: Iterable[Envelope]) -> None:
         for e in events:
-            self.write_encoded(e, encode(e))
+            self.write_encoded(e, encode_json(e))
 
     def write_encoded(self, event: Envelope | EventHeader, value: bytes) -> None:
-        """Record an event whose bus bytes are already at hand (a recorder that also publishes)."""
+        """Record an event whose bus bytes are already at hand (a recorder that also publishes); a
+        binary record is kept as its JSON (raises InvalidEvent when it does not decode)."""
+        text = readable(value).decode("utf-8")  # first: a record that raises leaves no partial row
         b = self._buf
         for name in ENVELOPE_HEADER:
             b[name].append(getattr(event, name))
         b["topic"].append(topic_for(event.kind))
         b["key"].append(key_for(event.job, event.source).decode())
-        b["value"].append(bytes(value).decode("utf-8"))
+        b["value"].append(text)
         self.count += 1
         if len(b["id"]) >= self._rows_per_group:
             self.flush()
@@ -217,7 +221,8 @@ def replay(
     or as fast as possible (speed 0 or inf). Returns the number of records published.
 
     Pacing follows each record's ``time_s`` relative to the first record's; records already due
-    are sent together in one batch. Raw bytes are sent, so replay is byte-identical to the log.
+    are sent together in one batch. The trace's bytes are sent as they are, so replay is
+    byte-identical to the log but for binary records, which go out as their JSON (decoded alike).
     """
     fast = speed <= 0 or speed == float("inf")
     pending: list[RawMessage] = []

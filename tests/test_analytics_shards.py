@@ -4,7 +4,11 @@ rank reports are keyed by replica on the bus."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import pytest
+from pydantic import ValidationError
 
 from analytics.merge import JobMerge
 from analytics.shards import ReplicaShard
@@ -208,9 +212,9 @@ def test_a_liveness_batch_whose_arrays_do_not_match_its_layout_is_counted_not_ap
     short["interval_s"] = np.ones(2)  # one array shorter than the rest
     layout, blob = pack(short)
     assert merge.on_event(f.make(LivenessBatch(rows=3, layout=layout, blob=blob))) == []
-    truncated = LivenessBatch(rows=3, layout=[("kind", "<i4", 3)], blob="AAAA")  # fewer bytes than named
-    merge.on_event(f.make(truncated))
-    assert merge.settle() == [] and merge.malformed == 2
+    with pytest.raises(ValidationError, match="layout names 12"):  # fewer bytes than named: never built
+        LivenessBatch(rows=3, layout=[("kind", "<i4", 3)], blob=b"AAAA")
+    assert merge.settle() == [] and merge.malformed == 1
     assert merge.detector.fail_stop.table.n == 0  # nothing of them reached the watch
 
 
@@ -294,3 +298,72 @@ def test_shard_and_merge_workers_on_the_embedded_bus_publish_the_incident(tmp_pa
     (inc,) = [p for p in got if isinstance(p, IncidentOpened)]
     assert (inc.locations[0].target, inc.locations[0].rank) == ("compute", 7)
     assert sum(isinstance(p, ReplicaSummary) for p in got) == 3 * 24
+
+
+def _summary(replica: int, units: int, class_keys: list, u_class: list[int]):
+    """A ReplicaSummary of one 2-rank replica with ``units`` unit rows, arrays filled with markers."""
+    from analytics.replica_summary import LINK_ARRAYS, RANK_ARRAYS, SCORE_ARRAYS, UNIT_ARRAYS, pack
+    from collector.events import ReplicaSummary
+
+    arrays = {n: np.full(2, replica, float) for n in (*RANK_ARRAYS, *SCORE_ARRAYS)}
+    arrays["rank"] = np.array([2 * replica, 2 * replica + 1])
+    arrays.update({n: np.zeros(0) for n in LINK_ARRAYS})
+    arrays.update({n: np.arange(units, dtype=float) + 100 * replica for n in UNIT_ARRAYS})
+    arrays["u_class"] = np.array(u_class)
+    arrays.update(s_stage=np.zeros(1), s_observed=np.ones(1), s_predicted=np.ones(1))
+    layout, blob = pack(arrays)
+    return ReplicaSummary(epoch=0, iteration=1, replica=replica, ranks=2, inferred=False, explained_s=1.0,
+                          pipeline_s=1.0, dp_wait_s=0.0, tokens=1, wall_s=1.0, class_keys=json.dumps(class_keys),
+                          layout=layout, blob=blob)
+
+
+def test_joining_summaries_gives_the_per_replica_arrays_in_replica_order_whether_or_not_layouts_agree() -> None:
+    """``unpack_all`` joins same-layout summaries as one block: it must give what reading each
+    summary and concatenating gives, and the class indices must map through each replica's own list."""
+    from analytics.replica_summary import job_view, unpack, unpack_all
+
+    same = [_summary(r, 3, [["F", 0], ["B", 0]], [0, 1, 1]) for r in range(3)]
+    mixed = [_summary(0, 3, [["F", 0], ["B", 0]], [0, 1, 1]), _summary(1, 2, [["B", 0], ["F", 0]], [0, 1])]
+    for parts in (same, mixed):
+        names = [n for n, _, _ in parts[0].layout]
+        joined = unpack_all(parts, names)
+        for n in names:
+            want = np.concatenate([unpack(p.layout, p.blob)[n] for p in parts])
+            assert joined[n].dtype == want.dtype and joined[n].tolist() == want.tolist(), n
+    view = job_view(0, 1, mixed, None)
+    assert view.u_keys == [("F", 0), ("B", 0)]
+    assert view.u_class.tolist() == [0, 1, 1, 1, 0]  # replica 1 listed B first
+    assert view.u_tokens.tolist() == [0, 1, 2, 100, 101]
+    assert job_view(0, 1, same, None).u_class.tolist() == [0, 1, 1] * 3
+
+
+def test_a_summary_whose_arrays_the_merge_cannot_join_is_counted_and_left_out() -> None:
+    """A summary of another build decodes (its blob matches its own layout) but lacks an array the
+    merge joins, or has rank or link rows of different lengths: the merge must log and count it as
+    it does a malformed liveness batch, never raise on it when the iteration is judged."""
+    from analytics.replica_summary import pack, summary_shape_problem, unpack
+
+    good = _summary(0, 3, [["F", 0]], [0, 0, 0])
+    assert summary_shape_problem(good) is None
+
+    def altered(change) -> ReplicaSummary:
+        arrays = dict(unpack(good.layout, good.blob))
+        change(arrays)
+        layout, blob = pack(arrays)
+        return good.model_copy(update={"layout": layout, "blob": blob})
+
+    no_x_f = altered(lambda a: a.pop("x_f"))
+    short_link = altered(lambda a: a.update(l_src=np.zeros(1)))
+    more_ranks = altered(lambda a: a.update({n: np.zeros(3) for n in ("rank", "tp", "pp", "dp", "cp", "node", "x",
+                                                                     "x_f", "x_b", "x_w", "own_s", "pred_s")}))
+    assert "['x_f'] missing" in (summary_shape_problem(no_x_f) or "")
+    assert "different lengths [0, 1]" in (summary_shape_problem(short_link) or "")
+    assert "3 rank rows but ranks=2" in (summary_shape_problem(more_ranks) or "")
+
+    merge = JobMerge("j")
+    f = EventFactory("j", "shard")
+    for bad in (no_x_f, short_link, more_ranks):
+        assert merge.on_event(f.make(bad)) == []
+    assert merge.malformed == 3 and merge.flush() == []
+    merge.on_event(f.make(good))
+    assert merge.malformed == 3  # a usable summary is taken

@@ -24,12 +24,13 @@ from collector.events import (
     PAYLOAD_TYPES, AckStatus, BusOutage, CommandAck, ControlRejected, CostFit, CostModelFitted, Envelope, EventFactory, Evidence,
     ExecutorCapabilities, FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated, Location, Payload, PlanCurrent,
     PlanDecision, PlanProposed, PlanRolledBack, PlanVerified, PlanWithheld, PolicyChanged, PolicyMode, ProbeRequest,
-    ProbeResult, ReconfigureCommand, Severity,
+    ProbeResult, ReconfigureCommand, Severity, NodeCommand, NodeCommandAck,
 )
 from collector.plan import Plan
 from collector.stream import EventStream
 from remediation.engine import EngineConfig, RemediationEngine
 from remediation.model import PlannerModel
+from trainer.agent.commands import NodeCommands
 from trainer.integration import CommandListener
 from ui.read_model import ReadModel
 
@@ -75,6 +76,9 @@ def _sample(kind: str, role: str | None, n: int) -> Payload:
         "plan.current": PlanCurrent(plan=PLAN),
         "plan.capabilities": ExecutorCapabilities(executor="reference"),
         "analytics.bus_outage": BusOutage(outage_id=f"o{n}", started_s=1.0, ended_s=2.0, duration_s=1.0),
+        "command.node": NodeCommand(command_id=f"n{n}", node=1, action="stop", epoch=0),
+        "command.node_ack": NodeCommandAck(command_id=f"n{n}", node=1, action="stop", epoch=0,
+                                           status=AckStatus.APPLIED, running_epoch=0, ranks=[2, 3]),
     }
     return samples[kind]
 
@@ -158,6 +162,13 @@ def test_every_signed_kind_is_verified_by_each_reader_that_can_act_on_it(tmp_pat
         listener.close()
         obeyed = {e.id for e in events if e.kind in ("command.reconfigure", "probe.request")}
         assert _rejected_on_bus(bus, "trainer") == bad & obeyed
+
+        # a node agent of resihp run: the node commands addressed to it, from the commands topic
+        orders = NodeCommands(bus, JOB, "agent-audit", from_beginning=True)
+        obeyed_orders = orders.read(lambda c: c.node == 1)
+        assert {o.command_id for o in obeyed_orders} == {e.payload.command_id for e in events
+                                                         if e.id in good and e.kind == "command.node"}
+        assert _rejected_on_bus(bus, "agent-audit") == {e.id for e in events if e.id in bad and e.kind == "command.node"}
 
     # the console: a forgery changes no screen and is listed on the Security page
     model = ReadModel()

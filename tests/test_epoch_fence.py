@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collector.epoch_fence import EpochFence, fence_verdict
-from collector.events import AckStatus, CommandAck, ReconfigureCommand
+from collector.epoch_fence import EpochFence, fence_verdict, node_fence_verdict
+from collector.events import AckStatus, CommandAck, NodeCommand, ReconfigureCommand
 from collector.plan import Plan
 
 
@@ -39,6 +39,18 @@ def test_fence_verdict_does_not_mark_the_command_seen():
     seen: set[str] = set()
     fence_verdict(_command("a", 3), running_epoch=2, seen=seen)
     assert seen == set()
+
+
+def test_a_node_command_is_obeyed_only_in_the_round_it_names_and_only_once():
+    def stop(command_id: str, epoch: int) -> NodeCommand:
+        return NodeCommand(command_id=command_id, node=1, action="stop", epoch=epoch)
+
+    assert node_fence_verdict(stop("a", 2), running_round=2, seen=set()) == (None, "")
+    older, newer = node_fence_verdict(stop("a", 1), 2, set()), node_fence_verdict(stop("a", 3), 2, set())
+    assert older[0] is newer[0] is AckStatus.IGNORED_STALE
+    assert "decided in rendezvous round 1, but the job re-formed since (round 2)" in older[1]
+    assert "names rendezvous round 3, but the job is in round 2" in newer[1]
+    assert node_fence_verdict(stop("a", 2), 2, {"a"}) == (AckStatus.IGNORED_DUPLICATE, "command a was already handled")
 
 
 def test_epoch_fence_marks_seen_and_runs_the_extra_check_only_past_the_fence():

@@ -133,7 +133,11 @@ class LogWatch:
                 continue
             s.by_kind[header.kind] = s.by_kind.get(header.kind, 0) + 1
             if self.trace is not None:
-                self.trace.write_encoded(header, r.value)
+                try:
+                    self.trace.write_encoded(header, r.value)
+                except InvalidEvent:  # a binary record whose arrays do not decode: not recordable as JSON
+                    s.undecodable += 1
+                    continue
             if header.kind.startswith("telemetry."):
                 s.telemetry_records += 1
             if header.kind == "telemetry.iteration" or header.job != self.job:

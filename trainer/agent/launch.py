@@ -58,7 +58,8 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
     from torch.distributed.launcher.api import _get_addr_and_port
     from torch.distributed.run import config_from_args
 
-    from trainer.agent.node import AgentSettings, NodeAgent
+    from trainer.agent.commands import JoinOrders, NodeCommands
+    from trainer.agent.node import AgentSettings, NodeAgent, NodeStopped
     from trainer.agent.options import normalise
     from trainer.telemetry import TelemetryPublisher
 
@@ -72,6 +73,7 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
     rdzv: RendezvousStore | None = None
     telemetry = None
     predicted = None
+    commands = None
     handler = None
     node_address = None
     agent = None
@@ -80,6 +82,10 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
         if args.join_running and (config.rdzv_backend != "c10d" or args.on_failure != "shrink"):
             raise AgentError("--join-running takes a dead node's place in a job run with --rdzv-backend c10d and "
                              "--on-failure shrink; pass both, with the job's other flags")
+        if args.join_on_command and (not args.join_running or args.no_telemetry):
+            raise AgentError("--join-on-command makes a --join-running agent wait for a join order from the bus; pass "
+                             "--join-running, and not --no-telemetry")
+        source = f"agent-{os.uname().nodename}-{os.getpid()}"
         if config.rdzv_backend == "c10d":
             rdzv = open_rendezvous_store(config.rdzv_endpoint, config.run_id, hosts=False if args.join_running else hosts,
                                          node_rank=args.node_rank, bind=args.rdzv_bind, timeout_s=timeout_s)
@@ -90,12 +96,18 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
             params = RendezvousParameters(backend="c10d", endpoint=f"{rdzv.host}:{rdzv.port}", run_id=config.run_id,
                                           min_nodes=config.min_nodes, max_nodes=config.max_nodes,
                                           local_addr=node_address, **configs)
+            if not args.no_telemetry:  # node commands name a node of a c10d rendezvous round
+                commands = NodeCommands(bus.open(), args.job, source)
             handler = (VacancyRendezvous(rdzv.store, config.run_id, config.nproc_per_node,
-                                         float(configs.get("join_timeout", 600)))
+                                         float(configs.get("join_timeout", 600)),
+                                         JoinOrders(commands) if args.join_on_command and commands else None)
                        if args.join_running else make_handler(rdzv, params, node_address, timeout_s))
             if rdzv.hosting:
                 echo(f"rendezvous {config.run_id} at {rdzv.host}:{rdzv.port} (hosted by this agent)")
-            if args.join_running:
+            if args.join_on_command:
+                echo(f"waiting for an order to take the place a node left in job {config.run_id} (resihp node join "
+                     "NODE --epoch ROUND; --join-running --join-on-command)")
+            elif args.join_running:
                 echo(f"waiting for a place that a dead node left in job {config.run_id} (--join-running)")
             master_addr, master_port = None, None
         else:
@@ -106,8 +118,7 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
             handler = rdzv_registry.get_rendezvous_handler(params)
             master_addr, master_port = _get_addr_and_port(params)
         if not args.no_telemetry:
-            telemetry = TelemetryPublisher(bus.open, args.job, 0, heartbeat_s=None,
-                                           source=f"agent-{os.uname().nodename}-{os.getpid()}")
+            telemetry = TelemetryPublisher(bus.open, args.job, 0, heartbeat_s=None, source=source)
             if args.expected_step_s is None:
                 group = f"agent:{args.job}:{os.uname().nodename}:{os.getpid()}"
                 predicted = PredictedIteration(bus.open(), args.job, group)
@@ -116,7 +127,9 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
                                  hang=HangPolicy(args.hang_factor, args.hang_floor_s, args.expected_step_s),
                                  on_hang=args.on_hang, on_failure=args.on_failure, heartbeat_s=args.heartbeat_s,
                                  telemetry=telemetry, predicted=predicted, node_address=node_address,
-                                 job_store=rdzv.store if rdzv is not None else None)
+                                 job_store=rdzv.store if rdzv is not None else None,
+                                 hosts_rendezvous=rdzv is not None and rdzv.hosting, commands=commands,
+                                 stop_grace_s=args.stop_grace_s)
         entrypoint: Any = program
         start_method = config.start_method
         if args.preload:
@@ -147,6 +160,9 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
             echo(f"error: every rank of this node was lost ({sorted(agent.lost)}); the job went on without them")
             return 1
         return 0
+    except NodeStopped as exc:  # its peers see it go as a death (presence, below) and go on without it
+        echo(f"stopped on node command {exc.command.command_id}: {exc.detail}")
+        return 0
     except AgentError as exc:
         echo(f"error: {exc}")
         return 2
@@ -175,5 +191,7 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
             telemetry.close()
         if predicted is not None:
             predicted.close()
+        if commands is not None:
+            commands.close()
         if rdzv is not None and rdzv.listener is not None:
             rdzv.listener.close()

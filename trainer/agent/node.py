@@ -17,7 +17,10 @@ again, up to ``--max-restarts`` times. This class adds what the platform needs a
   ranks' bootstrap store, and its peers re-form the world without it (trainer/agent/shrink.py);
   the phases the new world's rank 0 reports are logged and published as ``telemetry.recovery``;
   every agent watches every other (trainer/agent/presence.py), and a survivor marks a dead agent's
-  ranks lost and offers its place to a replacement (trainer/agent/vacancy.py).
+  ranks lost and offers its place to a replacement (trainer/agent/vacancy.py);
+* node commands from the bus (trainer/agent/commands.py), read in the monitor loop: ``stop`` stops
+  this node's ranks (SIGTERM, SIGKILL after ``stop_grace_s``) and ends the agent as a death looks
+  to its peers, so under ``--on-failure shrink`` they go on without the node and offer its place.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import logging
 from datetime import timedelta
 import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -38,8 +42,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from collector.events import (Evidence, FaultCategory, Heartbeat, IncidentOpened, Location, RecoveryPhase,
-                              Severity)
+from collector.events import (AckStatus, Evidence, FaultCategory, Heartbeat, IncidentOpened, Location, NodeCommand,
+                              RecoveryPhase, Severity)
+from trainer.agent.commands import NodeCommands
 from trainer.agent.child import AGENT_PID_ENV, STACK_DIR_ENV, stack_file_path
 from trainer.agent.flight import FLIGHT_DIR_ENV, LOST, FlightEntry, flight_file_path, read_flight
 from trainer.agent.predicted import PredictedIteration
@@ -47,7 +52,7 @@ from trainer.agent.presence import AgentPresence, PeerAgent
 from trainer.agent.shrink import PHASES, admitted_key, lost_key, mark_lost
 from trainer.agent.store import AgentError, forget_bootstrap_store
 from trainer.agent.vacancy import (Vacancy, VacancyRendezvous, check_in_for_dead_agent, publish_vacancy,
-                                  round_store_prefix)
+                                  rendezvous_round, round_store_prefix)
 from trainer.agent.hang import HangPolicy, HangReport, collect_stacks, judge_hang, process_state
 from trainer.telemetry import TelemetryPublisher
 
@@ -69,6 +74,17 @@ class AgentSettings:
     predicted: PredictedIteration | None = None  # the cost model's iteration time, from the bus
     node_address: str | None = None  # where this node is reached (the other agents connect to it)
     job_store: dist.Store | None = None  # the rendezvous store itself (not a round's): vacancies go there
+    hosts_rendezvous: bool = False  # this agent serves the job's rendezvous store: stopping it ends the job
+    commands: NodeCommands | None = None  # node commands from the bus (None: none are read)
+    stop_grace_s: float = 5.0  # a stopped node's ranks get SIGTERM, then SIGKILL after this
+
+
+class NodeStopped(Exception):
+    """This node obeyed a ``stop`` command: its ranks are stopped and the agent ends (run_agent)."""
+
+    def __init__(self, command: NodeCommand, detail: str) -> None:
+        super().__init__(detail)
+        self.command, self.detail = command, detail
 
 
 @dataclass
@@ -98,6 +114,7 @@ class NodeAgent(LocalElasticAgent):
         self._reported: set[tuple[int, int]] = set()  # (restart, iteration) already reported
         self._next_beat = 0.0
         self._next_share = 0.0
+        self._next_commands = 0.0
         self._pending: RecoveryTimeline | None = None
         self.lost: dict[int, int] = {}  # global rank → exit code, this round (shrink)
         self.benched: set[int] = set()  # ranks a hang report named, marked lost while alive (shrink)
@@ -134,6 +151,10 @@ class NodeAgent(LocalElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         forget_bootstrap_store(worker_group.spec.rdzv_handler)
         super()._rendezvous(worker_group)
+        if self.settings.commands is not None:  # what a node command names: this node, in this round
+            print(f"resihp run: node {worker_group.group_rank} of {worker_group.group_world_size} with ranks "
+                  f"{[w.global_rank for w in worker_group.workers]} in rendezvous round "
+                  f"{rendezvous_round(worker_group.spec.rdzv_handler)}", file=sys.stderr, flush=True)
         if self._pending is not None:
             self._pending.mark("new world")
 
@@ -169,6 +190,9 @@ class NodeAgent(LocalElasticAgent):
         if now >= self._next_beat:
             self._next_beat = now + self.settings.heartbeat_s
             self._heartbeat(pids, local, entries)
+        if self.settings.commands is not None and now >= self._next_commands:
+            self._next_commands = now + self.settings.share_s
+            self._obey_node_commands(worker_group)
         if now >= self._next_share:
             self._next_share = now + self.settings.share_s
             world = self._share_flight(worker_group, entries)
@@ -178,6 +202,70 @@ class NodeAgent(LocalElasticAgent):
                     (self._restart_count(), report.iteration) not in self._reported:
                 self._on_hang(report, pids, local, worker_group)
         return result
+
+    # ---- node commands -----------------------------------------------------------------------------
+
+    def _obey_node_commands(self, worker_group: WorkerGroup) -> None:
+        """Read the stop orders addressed to this node (node 0 also answers for nodes the round does
+        not have), acknowledge those it will not obey, and obey the rest. A ``join`` is a spare's
+        to answer (trainer/agent/commands.py's ``JoinOrders``), not a running node's."""
+        commands = self.settings.commands
+        assert commands is not None
+        node, nodes = worker_group.group_rank or 0, worker_group.group_world_size or 1
+        round_ = rendezvous_round(worker_group.spec.rdzv_handler)
+
+        def addressed(c: NodeCommand) -> bool:
+            return c.action == "stop" and (c.node == node or (node == 0 and c.node >= nodes))
+
+        for command in commands.read(addressed):
+            status, detail = commands.judge(command, round_)
+            refusal = self._node_command_refusal(command, node, nodes) if status is None else ""
+            if refusal:
+                status, detail = AckStatus.FAILED, refusal
+            if status is not None:
+                commands.ack(command, round_, status, detail)
+                continue
+            self._stop_node(worker_group, command, round_)
+
+    def _node_command_refusal(self, command: NodeCommand, node: int, nodes: int) -> str:
+        """Why this running node cannot obey a command that passed the fence ("" : it can)."""
+        if command.node >= nodes:
+            return f"the job has no node {command.node} in this round: its nodes are 0–{nodes - 1}"
+        if nodes > 1 and (node == 0 or self.settings.hosts_rendezvous):
+            return (f"node {node} hosts the job's rendezvous and its ranks' store, so stopping it would end the job; "
+                    "stop another node, or stop the job (SIGTERM to every agent)")
+        return ""
+
+    def _stop_node(self, worker_group: WorkerGroup, command: NodeCommand, round_: int) -> None:
+        """SIGTERM every rank of this node (its process group), SIGKILL what is left after the
+        grace, acknowledge, and end the agent (:class:`NodeStopped`): its peers see it go as a
+        death and, under ``--on-failure shrink``, go on without its ranks (presence.py)."""
+        ranks = [w.global_rank for w in worker_group.workers]
+        handlers = getattr(self._pcontext, "subprocess_handlers", {}) or {}
+        grace = self.settings.stop_grace_s
+        print(f"resihp run: node {worker_group.group_rank} stops its ranks {ranks} on command {command.command_id}"
+              f"{f' ({command.reason})' if command.reason else ''}: SIGTERM, SIGKILL after {grace:g} s",
+              file=sys.stderr, flush=True)
+        running = {lr: h for lr, h in handlers.items() if h.proc.poll() is None}
+        for h in running.values():
+            _signal_group(h, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for h in running.values():
+            try:
+                h.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        killed = sorted(worker_group.workers[lr].global_rank for lr, h in running.items() if h.proc.poll() is None)
+        for h in running.values():
+            if h.proc.poll() is None:
+                _signal_group(h, signal.SIGKILL)
+                h.proc.wait()
+        termed = sorted(set(worker_group.workers[lr].global_rank for lr in running) - set(killed))
+        detail = f"node {worker_group.group_rank} stopped its ranks {ranks}"
+        detail += f"; {termed} exited on SIGTERM" if termed else ""
+        detail += f"; {killed} were SIGKILLed after {grace:g} s" if killed else ""
+        self.settings.commands.ack(command, round_, AckStatus.APPLIED, detail, ranks)  # type: ignore[union-attr]
+        raise NodeStopped(command, detail)
 
     # ---- in-job recovery (on_failure="shrink") ----------------------------------------------------
 
@@ -339,3 +427,11 @@ class NodeAgent(LocalElasticAgent):
                 self.benched.add(rank)
                 print(f"resihp run: rank {rank} benched: its peers go on without it and take it back when it "
                       "runs again (--on-failure shrink)", file=sys.stderr, flush=True)
+
+
+def _signal_group(handler: Any, sig: signal.Signals) -> None:
+    """``sig`` to a rank's process group (torch starts each rank in its own session)."""
+    try:
+        os.killpg(handler.proc.pid, sig)
+    except ProcessLookupError:
+        pass  # it exited meanwhile

@@ -45,6 +45,12 @@ def agent_parser(prog: str = "resihp run") -> argparse.ArgumentParser:
                       help="take the place of an agent that died in a running job (--on-failure shrink): this "
                            "node's ranks replace the dead node's and the world takes them back at its next step; "
                            "pass the job's other flags unchanged")
+    ours.add_argument("--join-on-command", action="store_true",
+                      help="with --join-running: wait for a signed join order (resihp node join NODE --epoch ROUND) "
+                           "and take the place that node left, and no other")
+    ours.add_argument("--stop-grace-s", type=float, default=5.0,
+                      help="on a node command to stop, this node's ranks get SIGTERM and, after this many seconds, "
+                           "SIGKILL (docs/agent.md, node commands)")
     ours.add_argument("--preload", default=None, metavar="MODULES",
                       help="comma-separated modules (e.g. torch,train) imported once by a fork server the ranks are "
                            "forked from, so starting and restarting ranks costs no imports; default: a fresh "

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 from datetime import timedelta
 from collections.abc import Callable
@@ -47,6 +48,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pid-dir", default=None, help="each rank writes its pid here (tests look for orphans)")
     p.add_argument("--exit-code", type=int, default=None, help="exit at once with this code (tests)")
     p.add_argument("--timeout-s", type=float, default=30.0, help="collective timeout")
+    p.add_argument("--ignore-sigterm", action="store_true",
+                   help="ignore SIGTERM, as a rank stuck in a driver call does (tests: the agent's SIGKILL after grace)")
     return p.parse_args(argv)
 
 
@@ -165,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.pid_dir, f"{os.getpid()}").write_text(str(elastic.RANK))
     if args.exit_code is not None:
         return args.exit_code
+    if args.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(1)
     flight = FlightRecorder.from_env()
     world = ShrinkingWorld.from_env(args.timeout_s) if shrink_enabled() else None

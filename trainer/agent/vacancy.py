@@ -9,7 +9,9 @@ its worker group — but claims a vacancy with :class:`VacancyRendezvous`, a ren
 that answers ``next_rendezvous`` with the dead node's place. torch's agent then starts this node's
 ranks with the dead ranks' ids; each finds itself marked lost, asks to join, and the world takes
 it back at its next step boundary (``ShrinkingWorld.join``, trainer/agent/shrink.py) with the state
-of the most advanced survivor.
+of the most advanced survivor. With ``--join-on-command`` the replacement takes only the place a
+signed join order names (a :class:`PlaceChooser`, trainer/agent/commands.py's ``JoinOrders``); a
+node stopped by a node command leaves its place the same way as one that died.
 
 What can fail: no vacancy appears within the join timeout (nothing died, or the job runs without
 ``--on-failure shrink``): the rendezvous times out with one line; a vacancy of a node with another
@@ -20,7 +22,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
@@ -40,6 +44,11 @@ class Vacancy:
     round_prefix: str  # the rendezvous round's store: where the agents of the round meet
     master_addr: str
     master_port: int
+
+    @property
+    def round(self) -> int:
+        """The rendezvous round the place belongs to."""
+        return _round_of_prefix(self.round_prefix)
 
 
 def check_in_for_dead_agent(round_store: dist.Store, group_world_size: int) -> None:
@@ -66,12 +75,36 @@ def round_store_prefix(handler: RendezvousHandler) -> str:
     return f"torch.rendezvous.{handler.get_run_id()}.{state.round}"
 
 
-class VacancyRendezvous(RendezvousHandler):
-    """A rendezvous that gives this agent a dead node's place in the running round."""
+def rendezvous_round(handler: RendezvousHandler) -> int:
+    """The job's rendezvous round this agent is in (a replacement: the round of the place it took):
+    node commands name it as their epoch (trainer/agent/commands.py)."""
+    return _round_of_prefix(round_store_prefix(handler))
 
-    def __init__(self, job_store: dist.Store, run_id: str, local_world_size: int, timeout_s: float) -> None:
+
+def _round_of_prefix(prefix: str) -> int:
+    return int(prefix.rsplit(".", 1)[1])
+
+
+class PlaceChooser(Protocol):
+    """Which open place a replacement may take now (``--join-on-command``: the one a signed join
+    order names, trainer/agent/commands.py), and what came of the claim."""
+
+    def pick(self, places: Mapping[int, Vacancy]) -> int | None: ...
+
+    def claimed(self, vacancy: Vacancy, won: bool) -> None: ...
+
+    def expired(self, timeout_s: float) -> None: ...
+
+
+class VacancyRendezvous(RendezvousHandler):
+    """A rendezvous that gives this agent a dead node's place in the running round: the first
+    that fits, or the one ``chooser`` picks."""
+
+    def __init__(self, job_store: dist.Store, run_id: str, local_world_size: int, timeout_s: float,
+                 chooser: PlaceChooser | None = None) -> None:
         self.job_store, self.run_id, self.local_world_size, self.timeout_s = (job_store, run_id, local_world_size,
                                                                               timeout_s)
+        self.chooser = chooser
         self.taken: Vacancy | None = None
 
     def get_backend(self) -> str:
@@ -84,19 +117,30 @@ class VacancyRendezvous(RendezvousHandler):
             raise RendezvousTimeoutError("a replacement takes one place once; it cannot be restarted in the job")
         deadline = time.monotonic() + self.timeout_s
         checked = 0
+        places: dict[int, Vacancy] = {}  # published places of a node this size, not yet tried
         while time.monotonic() < deadline:
             published = self.job_store.add(VACANCIES_KEY, 0)
             for n in range(checked + 1, published + 1):
                 vacancy = self._vacancy(n)
-                if len(vacancy.ranks) == self.local_world_size and \
-                        self.job_store.add(f"{VACANCY_KEY.format(n=n)}/claimed", 1) == 1:
+                if len(vacancy.ranks) == self.local_world_size:
+                    places[n] = vacancy
+            checked = published
+            chosen = self.chooser.pick(places) if self.chooser is not None else next(iter(places), None)
+            if chosen is not None:
+                vacancy = places.pop(chosen)
+                won = self.job_store.add(f"{VACANCY_KEY.format(n=chosen)}/claimed", 1) == 1
+                if self.chooser is not None:
+                    self.chooser.claimed(vacancy, won)
+                if won:
                     self.taken = vacancy
                     store = dist.PrefixStore(vacancy.round_prefix, self.job_store)
                     store.add(_TERMINAL_STATE_SYNC_ID + _NUM_MEMBERS, -1)  # the survivor's check-in for the dead
                     return RendezvousInfo(store, vacancy.group_rank, vacancy.group_world_size,
                                           RendezvousStoreInfo(vacancy.master_addr, vacancy.master_port))
-            checked = published
+                continue
             time.sleep(0.05)
+        if self.chooser is not None:
+            self.chooser.expired(self.timeout_s)
         raise RendezvousTimeoutError(f"no node of job {self.run_id!r} left a place with {self.local_world_size} "
                                      f"ranks within {self.timeout_s:g} s; --join-running replaces an agent that died "
                                      "in a job run with --on-failure shrink")

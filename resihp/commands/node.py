@@ -1,0 +1,52 @@
+"""``resihp node stop|join NODE --epoch ROUND``: order one node agent of a ``resihp run`` job.
+
+Publishes a ``command.node`` with your identity (``--as``, default ``cli:$USER``), signed with the
+console's key, to the commands topic the agents obey (docs/agent.md, "Node commands"). NODE is the
+agent's node number and ROUND the rendezvous round, both as the agent prints them (``node 1 of 2
+with ranks [2, 3] in rendezvous round 0``). The agent answers on the control topic with a
+``command.node_ack`` (applied, or why not); an unsigned or forged order is refused there and
+reported as ``control.rejected``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import uuid
+
+from resihp.commands.plans import _actor, _signed
+from resihp.options import add_bus_flags, bus_from_args
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("node", help="order a node agent of a `resihp run` job: stop it, or let a spare join",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    acts = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    for action, text in (("stop", "stop the node's ranks (SIGTERM, then SIGKILL) and its agent; under "
+                                   "--on-failure shrink the other nodes go on without it"),
+                         ("join", "let a spare agent waiting with --join-running --join-on-command take the "
+                                  "place that NODE left")):
+        q = acts.add_parser(action, help=text)
+        add_bus_flags(q)
+        q.add_argument("node", type=int, metavar="NODE", help="the node number the agent prints (its group rank)")
+        q.add_argument("--epoch", type=int, required=True, metavar="ROUND",
+                       help="the rendezvous round the agent printed; an order for another round is ignored as stale")
+        q.add_argument("--job", default="resihp", help="job name (default: resihp)")
+        q.add_argument("--reason", default="", help="why (kept in the log)")
+        q.add_argument("--command-id", default=None, help="the command's id (default: a new one)")
+        q.add_argument("--as", dest="actor", default=None, help="your identity (default: cli:$USER; a bare NAME is cli:NAME)")
+        q.set_defaults(func=_order)
+
+
+def _order(args: argparse.Namespace) -> int:
+    from collector.events import NodeCommand
+
+    if args.node < 0 or args.epoch < 0:
+        raise SystemExit("resihp node: error: NODE and --epoch are numbers from 0, as the agent prints them")
+    command_id = args.command_id or f"node-{args.action}-{uuid.uuid4().hex[:12]}"
+    event = _signed(args, NodeCommand(command_id=command_id, node=args.node, action=args.action, epoch=args.epoch,
+                                      reason=args.reason, actor=_actor(args)))
+    with bus_from_args(args) as bus:
+        bus.publish([event])
+    print(f"{args.action} node {args.node} (round {args.epoch}) ordered as {command_id} by {event.source}; "
+          "the agent answers with command.node_ack")
+    return 0

@@ -1,0 +1,144 @@
+"""Node commands from the bus: the orders one node agent obeys (``command.node``), and its answers.
+
+Who may order a node: the remediation engine or a signed-in operator (collector/auth.py signs and
+verifies ``command.node``), and only from the commands topic (collector/topics.py's
+``obeyed_from``). The agent reads this job's node commands from the log's end at its start (an
+order older than the agent was not meant for it) and verifies only the ones addressed to it, so
+one forgery is reported once, by the agent it names, as a ``control.rejected``. A verified command
+is fenced by the job's rendezvous round (collector/epoch_fence.py's ``node_fence_verdict``: node
+numbers hold within one round) and by its id; what is not obeyed is acknowledged with why
+(``command.node_ack``, signed as the executor) and never touches a rank.
+
+What the agent does with a ``stop`` that passes is trainer/agent/node.py's. A ``join`` is for a
+spare (``--join-running --join-on-command``): :class:`JoinOrders` holds it until the place that
+node left is published (trainer/agent/vacancy.py) and lets the spare claim that place and no other.
+A bus that cannot be read leaves the node as it is (logged): an order is never guessed.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from collector import topics
+from collector.auth import Gate, Keyring, Signer, load_keyring
+from collector.bus import Bus
+from collector.epoch_fence import node_fence_verdict
+from collector.events import AckStatus, EventFactory, NodeCommand, NodeCommandAck
+from collector.stream import EventStream
+
+if TYPE_CHECKING:
+    from trainer.agent.vacancy import Vacancy
+
+log = logging.getLogger("resihp.agent")
+
+
+class NodeCommands:
+    """One agent's reader of its job's node commands, with its signature gate and its answers."""
+
+    def __init__(self, bus: Bus, job: str, source: str, keyring: Keyring | None = None,
+                 from_beginning: bool = False) -> None:
+        """Reads ``bus`` (and closes it in :meth:`close`) from its end now; ``from_beginning``
+        re-reads the whole log (an audit of every order ever written)."""
+        self.bus, self.job = bus, job
+        keyring = keyring or load_keyring()
+        self.gate = Gate(source, keyring)
+        self.signer = Signer(EventFactory(job, source), "executor", keyring)
+        self.seen: set[str] = set()
+        self.acks: list[NodeCommandAck] = []
+        # From the log's end *now*, not when the consumer gets its partition (collector/stream.py).
+        start = {} if from_beginning else bus.end_offsets([topics.COMMANDS])
+        self._stream = EventStream(bus, f"agent:{job}:{source}", [topics.COMMANDS], job=job,
+                                   on_assign=lambda tps: {tp: start.get(tp, 0) for tp in tps})
+
+    def read(self, addressed: Callable[[NodeCommand], bool]) -> list[NodeCommand]:
+        """The verified node commands of this job that ``addressed`` says are this agent's, since
+        the last call; the unverified ones among them are reported (``control.rejected``)."""
+        out: list[NodeCommand] = []
+        try:
+            for delivery in self._stream.poll(timeout_s=0):
+                ev, command = delivery.event, delivery.event.payload
+                if ev.job != self.job or not isinstance(command, NodeCommand) or not addressed(command):
+                    continue
+                if delivery.topic == topics.obeyed_from(ev.kind) and self.gate.admit(ev):
+                    out.append(command)
+            self._stream.commit()
+            rejected = self.gate.take()
+            if rejected:
+                self.bus.publish(rejected)
+        except Exception as exc:  # noqa: BLE001 - the node runs on as it is; the order is read again later
+            log.warning("cannot read node commands for %s: %s", self.job, exc)
+        return out
+
+    def judge(self, command: NodeCommand, running_round: int) -> tuple[AckStatus | None, str]:
+        """The fence's verdict (None: obey it), and the command counts as seen from now on."""
+        verdict = node_fence_verdict(command, running_round, self.seen)
+        self.seen.add(command.command_id)
+        return verdict
+
+    def ack(self, command: NodeCommand, running_round: int, status: AckStatus, detail: str,
+            ranks: Sequence[int] = ()) -> None:
+        ack = NodeCommandAck(command_id=command.command_id, node=command.node, action=command.action,
+                             epoch=command.epoch, status=status, running_epoch=running_round, ranks=list(ranks),
+                             detail=detail[:2000])
+        self.acks.append(ack)
+        line = f"node command {command.command_id} ({command.action} node {command.node}, round {command.epoch}): "
+        print(f"resihp run: {line}{status.value}: {detail}", file=sys.stderr, flush=True)
+        try:
+            self.bus.publish([self.signer.make(ack)])
+        except Exception as exc:  # noqa: BLE001 - the line above still says it
+            log.warning("cannot publish the ack of node command %s: %s", command.command_id, exc)
+
+    def close(self) -> None:
+        self._stream.close()
+        self.bus.close()
+
+
+class JoinOrders:
+    """A spare's wait for a signed ``join`` order (``--join-running --join-on-command``): the place
+    it may take is the one the ordered node left, in the round the order names. An order is held
+    until that place is published; one of another round is stale, and one whose place another
+    agent claimed first fails. Every order is answered once (:class:`NodeCommands`' acks)."""
+
+    def __init__(self, commands: NodeCommands) -> None:
+        self.commands = commands
+        self.waiting: list[NodeCommand] = []  # verified orders whose place is not published yet
+        self._chosen: NodeCommand | None = None
+
+    def pick(self, places: Mapping[int, Vacancy]) -> int | None:
+        """The number of the place to claim now, or None (no order yet, or its place not yet)."""
+        self.waiting += self.commands.read(lambda c: c.action == "join")
+        for order in list(self.waiting):
+            fits = [n for n, v in places.items() if v.group_rank == order.node]
+            if not fits:
+                continue
+            self.waiting.remove(order)
+            n = max(fits)  # the newest place that node left
+            status, detail = self.commands.judge(order, places[n].round)
+            if status is not None:
+                self.commands.ack(order, places[n].round, status, detail)
+                continue
+            self._chosen = order
+            return n
+        return None
+
+    def claimed(self, vacancy: Vacancy, won: bool) -> None:
+        order, self._chosen = self._chosen, None
+        if order is None:
+            return
+        if won:
+            self.commands.ack(order, vacancy.round, AckStatus.APPLIED,
+                              f"took the place of node {vacancy.group_rank}: its ranks {list(vacancy.ranks)} start here "
+                              "and join the world at its next step", vacancy.ranks)
+        else:
+            self.commands.ack(order, vacancy.round, AckStatus.FAILED,
+                              f"another agent took the place of node {vacancy.group_rank} first")
+
+    def expired(self, timeout_s: float) -> None:
+        """The spare gave up waiting: the orders still held fail."""
+        for order in self.waiting:
+            self.commands.ack(order, order.epoch, AckStatus.FAILED,
+                              f"node {order.node} left no place with this agent's number of ranks within {timeout_s:g} s")
+        self.waiting = []
