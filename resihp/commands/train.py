@@ -57,8 +57,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--native", action="store_true", help=(
         "run the PyTorch-native executor instead (trainer/native/: a Llama-style decoder on DeviceMesh, DTensor TP, "
         "pipelining 1F1B, FSDP2, DCP; CUDA + NCCL when a GPU is present). Uses --tp/--pp/--dp/--microbatches or "
-        "--plan, --iterations, --layers, --seed, --lr, --save-dir, --resume-dir (a DCP checkpoint) and the bus flags; "
-        "see docs/native.md for what it does not read yet"))
+        "--plan, --iterations, --layers, --seed, --lr, --save-dir, --resume-dir (a DCP checkpoint), --checkpoint-every "
+        "(a DCP checkpoint to --save-dir itself, replaced each time), --dp-mode and the bus flags; a rank that dies is "
+        "recovered from by the others; see docs/native.md for what it does not read yet"))
+    p.add_argument("--dp-mode", choices=("shard", "replicate"), default="shard", help=(
+        "native only: how replicas hold a stage: FSDP2 shards (least memory; a dead rank's shards come back from the "
+        "--checkpoint-every checkpoint) or whole copies (FSDP2 replicate; a dead rank's state comes from its peers)"))
     p.set_defaults(func=run)
 
 
@@ -128,9 +132,9 @@ def run_native(args: argparse.Namespace) -> int:
     if reason := refusal(plan, cfg):
         raise SystemExit(f"the native executor cannot run this plan: {reason}")
     spec = NativeRunSpec(
-        job=args.job, model=asdict(cfg), settings=asdict(TrainSettings(seed=args.seed, lr=args.lr)), plan=plan,
-        iterations=args.iterations, timeout_s=args.rendezvous_timeout, threads=args.threads,
-        save_dir=args.save_dir, resume_dir=args.resume_dir, echo=True,
+        job=args.job, model=asdict(cfg), settings=asdict(TrainSettings(seed=args.seed, lr=args.lr, dp_mode=args.dp_mode)),
+        plan=plan, iterations=args.iterations, timeout_s=args.rendezvous_timeout, threads=args.threads,
+        save_dir=args.save_dir, resume_dir=args.resume_dir, checkpoint_every=args.checkpoint_every or 0, echo=True,
         bus=None if args.no_telemetry else BusSpec(backend=args.bus, path=args.bus_path, bootstrap=args.bootstrap))
     print(f"job {args.job} (native): {plan.shape()} 1f1b on {len(plan.devices)} ranks, {cfg.n_layers} layers, "
           f"{args.iterations} iterations")

@@ -27,6 +27,11 @@ failed vote every rank drops what it built and ``ReshapeFailed`` says why, train
 the old layout. A device outside the new world sends its pieces and leaves only once the
 commit vote passed. A rank that *dies* mid-reshape is not this path: its peers' collectives time
 out.
+
+Recovery (``recover``): a rank died while the job trained. ``agree`` becomes the survivors'
+quorum in the store (trainer/native/recovery.py: who joined, who the launcher marked lost), the
+plan drops the dead rank's replica and keeps the global batch, every cached group is abandoned,
+and the same four phases run over a fresh group of the survivors; nothing to roll back to.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from trainer.native.groups import GroupCache
 from trainer.native.layout import NativeLayout
 from trainer.native.model import LlamaConfig, ModelFactory, build_model
 from trainer.native.parallelize import build_mesh
+from trainer.native.recovery import close_quorum, survivor_plan
 from trainer.native.stage import NativeRole, TrainSettings
 from trainer.native.state import LocalState, exchange, load_dcp, load_full, local_state, needed_keys
 
@@ -75,6 +81,7 @@ class InjectedFailure(RuntimeError):
 class ReshapeReport:
     epoch: int
     source: str = "live"
+    lost: tuple[int, ...] = ()  # devices whose death this reshape recovered from (``recover``)
     phases_s: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -154,15 +161,7 @@ class NativeExecutor:
         old = self.current
         assert old is not None
         report = ReshapeReport(plan.epoch)
-        t = time.perf_counter()
-
-        def lap(name: str, ok: bool = True, detail: str = "") -> None:
-            nonlocal t
-            now = time.perf_counter()
-            report.phases_s[name] = now - t
-            self.on_phase(plan.epoch, name, now - t, ok, detail)
-            t = now
-
+        lap = self._lap(report)
         try:
             layout = self.agree(plan)
         except ReshapeRefused as exc:
@@ -177,62 +176,116 @@ class NativeExecutor:
         lap("agree")
         union = self.groups.get("moves", [self.rank_of[d] for d in set(old.layout.world) | set(layout.world)],
                                 plan.epoch)
+        try:
+            rollback_to = self._move(old, layout, union, report, lap)
+        except ReshapeFailed as exc:
+            lap("rollback", False, str(exc))
+            log.warning("device %d: reshape to epoch %d rolled back, training on at epoch %d: %s", self.device,
+                        plan.epoch, old.layout.plan.epoch, exc)
+            raise
+        return report, rollback_to
+
+    def recover(self, store: dist.Store, committed: int, failure: BaseException,
+                failed_after_s: float = 0.0) -> tuple[ReshapeReport, int | None]:
+        """A collective of the running layout failed because a rank died: close the quorum of
+        survivors (trainer/native/recovery.py), then move to ``survivor_plan`` through the same
+        phases as a reshape, over groups made afresh by the survivors only. ``agree`` here is the
+        quorum, not an all-reduce (the running world holds the dead rank); the state comes from
+        the survivors' pieces, or from the newest DCP checkpoint when some piece died with its
+        only holder. There is no layout to roll back to: a failed phase raises ``RuntimeError``.
+        ``Released``: this survivor's replica was dropped (it sent its pieces first)."""
+        old = self.current
+        assert old is not None
+        running = old.layout.plan
+        report = ReshapeReport(running.epoch + 1)
+        lap = self._lap(report)  # agree: from the failure to the survivors' quorum
+        quorum = close_quorum(store, running.epoch + 1, old.layout.world, self.device, self.rank_of, committed,
+                              self.timeout_s)
+        plan = survivor_plan(running, quorum.lost)
+        if reason := refusal(plan, self.cfg, running.epoch):
+            raise RuntimeError(f"devices {list(quorum.lost)} lost and the survivors' plan cannot run: {reason}")
+        layout = NativeLayout.of(plan, self.cfg)
+        self.groups.forget()
+        report.lost = quorum.lost
+        cause = str(failure).splitlines()[0][:200] if str(failure) else type(failure).__name__
+        lap("agree", detail=f"devices {list(quorum.lost)} lost ({cause}; the step failed after {failed_after_s:.3f} s); "
+                            f"survivors {list(quorum.survivors)} go on at {plan.shape()}")
+        union = self.groups.get("moves", [self.rank_of[d] for d in quorum.survivors], plan.epoch)
+        try:
+            rollback_to = self._move(old, layout, union, report, lap)
+        except ReshapeFailed as exc:
+            lap("rollback", False, str(exc))
+            raise RuntimeError(f"recovery from the loss of devices {list(quorum.lost)} failed: {exc}") from exc
+        return report, rollback_to
+
+    def _lap(self, report: ReshapeReport) -> Callable[..., None]:
+        """A stopwatch: each call ends a phase, records it in ``report`` and hands it to ``on_phase``."""
+        t = time.perf_counter()
+
+        def lap(name: str, ok: bool = True, detail: str = "") -> None:
+            nonlocal t
+            now = time.perf_counter()
+            report.phases_s[name] = now - t
+            self.on_phase(report.epoch, name, now - t, ok, detail)
+            t = now
+        return lap
+
+    def _move(self, old: NativeRole, layout: NativeLayout, union: dist.ProcessGroup, report: ReshapeReport,
+              lap: Callable[..., None]) -> int | None:
+        """export → new_mesh → stages_rebuilt → redistribute over ``union`` (every rank that holds
+        or needs state), with the three votes; commits ``layout`` on success. Returns the
+        iteration to resume from after a disk fallback. ``ReshapeFailed``: nothing committed."""
+        epoch = layout.plan.epoch
         stays = self.device in layout.world
         failure: BaseException | None = None
         mine: LocalState | None = None
         role: NativeRole | None = None
         rollback_to: int | None = None
         try:
+            mine = local_state(old.params, old.opt, old.sched)
+            self._inject(epoch, "export")
+        except Exception as exc:
+            failure = exc
+        self._vote(failure, union, "export")
+        lap("export")
+        if stays:
             try:
-                mine = local_state(old.model, old.opt, old.sched)
-                self._inject(plan.epoch, "export")
+                # Every group the new layout needs, made now by its members; the build below finds them.
+                self.groups.get("world", [self.rank_of[d] for d in layout.world], epoch)
+                build_mesh(layout, self.torch_device.type, self.groups, self.rank_of, self.device)
+                self._inject(epoch, "new_mesh")
             except Exception as exc:
                 failure = exc
-            self._vote(failure, union, "export")
-            lap("export")
-            if stays:
-                try:
-                    # Every group the new layout needs, made now by its members; the build below finds them.
-                    self.groups.get("world", [self.rank_of[d] for d in layout.world], plan.epoch)
-                    build_mesh(layout, self.torch_device.type, self.groups, self.rank_of, self.device)
-                    self._inject(plan.epoch, "new_mesh")
-                except Exception as exc:
-                    failure = exc
-            lap("new_mesh", failure is None)
-            if stays and failure is None:
-                try:
-                    role = NativeRole.build(layout, self.device, self.cfg, self.settings, self.torch_device,
-                                            self.groups, self.rank_of, self.model_factory)
-                    self._inject(plan.epoch, "stages_rebuilt")
-                except Exception as exc:
-                    failure = exc
-            self._vote(failure, union, "stages_rebuilt")
-            lap("stages_rebuilt")
+        lap("new_mesh", failure is None)
+        if stays and failure is None:
             try:
-                needed = needed_keys(role.model) if role is not None else {}
-                state, missing = exchange(mine, needed, union, self.cfg.torch_dtype)
-                if role is not None and not missing:
-                    load_full(role.model, role.opt, role.sched, state)
-                elif role is not None:
-                    report.source, rollback_to = self._from_checkpoint(role, missing)
-                self._inject(plan.epoch, "redistribute")
+                role = NativeRole.build(layout, self.device, self.cfg, self.settings, self.torch_device,
+                                        self.groups, self.rank_of, self.model_factory)
+                self._inject(epoch, "stages_rebuilt")
             except Exception as exc:
                 failure = exc
-            self._vote(failure, union, "redistribute")
-            lap("redistribute", detail=f"state from {report.source}")
-        except ReshapeFailed as exc:
-            lap("rollback", False, str(exc))
-            log.warning("device %d: reshape to epoch %d rolled back, training on at epoch %d: %s", self.device,
-                        plan.epoch, old.layout.plan.epoch, exc)
-            raise
+        self._vote(failure, union, "stages_rebuilt")
+        lap("stages_rebuilt")
+        try:
+            needed = needed_keys(role.model) if role is not None else {}
+            state, missing = exchange(mine, needed, union, self.cfg.torch_dtype)
+            if role is not None and not missing:
+                load_full(role.model, role.opt, role.sched, state)
+            elif role is not None:
+                report.source, rollback_to = self._from_checkpoint(role, missing)
+            self._inject(epoch, "redistribute")
+        except Exception as exc:
+            failure = exc
+        self._vote(failure, union, "redistribute")
+        lap("redistribute", detail=f"state from {report.source}")
         if role is None:
             self.current = None
-            raise Released(f"device {self.device} is not in the world of epoch {plan.epoch}")
+            raise Released(f"device {self.device} is not in the world of epoch {epoch}")
         self.current = role
         self.reports.append(report)
-        log.info("device %d: epoch %d %s from %s in %.3f s", self.device, plan.epoch, plan.shape(),
+        log.info("device %d: epoch %d %s from %s in %.3f s", self.device, epoch, layout.plan.shape(),
                  report.source, report.pause_s)
-        return report, rollback_to
+        return rollback_to
 
     def _from_checkpoint(self, role: NativeRole, missing: list[str]) -> tuple[str, int]:
         """No live piece covers ``missing``: every rank of the new world loads the newest DCP

@@ -13,12 +13,16 @@ The padding wraps the ``PipelineStage`` instance's ``forward_maybe_with_nosync``
 ``forward_one_chunk`` / ``backward_one_chunk`` call — so it lands inside the chunks the
 ``ScheduleWatcher`` times, as a throttled GPU's time would.
 
-Only ``slow_compute`` is injected here: the native executor cannot yet recover a killed rank
-(docs/native.md), so a fault list with another kind is refused up front.
+``stop_device`` SIGKILLs the rank inside its first forward chunk of ``at_iteration``: no goodbye
+and mid-iteration, so its peers are in the schedule's and FSDP's collectives when its sockets
+close, and the survivors recover without it (trainer/native/recovery.py). Only these two kinds are
+injected here; a fault list with another kind is refused up front.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from typing import Any
 
@@ -28,7 +32,7 @@ from collector.plan import RankRole
 from trainer.fault_spec import FaultSpec
 from trainer.faults import FaultInjector
 
-NATIVE_KINDS = ("slow_compute",)
+NATIVE_KINDS = ("slow_compute", "stop_device")
 
 
 def native_fault_problem(faults: list[FaultSpec]) -> str | None:
@@ -64,6 +68,7 @@ class ChunkPadding:
         forward, backward = stage.forward_maybe_with_nosync, stage.backward_maybe_with_nosync
 
         def padded_forward(*args: Any, **kwargs: Any) -> Any:
+            self._kill_if_due()
             started = time.perf_counter()
             out = forward(*args, **kwargs)
             shape: tuple[int, ...] = tuple(getattr(args[0], "shape", ())) if args else ()
@@ -80,6 +85,10 @@ class ChunkPadding:
 
         stage.forward_maybe_with_nosync = padded_forward  # type: ignore[method-assign]
         stage.backward_maybe_with_nosync = padded_backward  # type: ignore[method-assign]
+
+    def _kill_if_due(self) -> None:
+        if any(f.kind == "stop_device" and f.at_iteration == self.injector.iteration for f in self.injector.faults):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def started(self, iteration: int) -> list[FaultSpec]:
         return self.injector.started(iteration)

@@ -34,6 +34,8 @@ class GroupCache:
         self.timeout = timedelta(seconds=timeout_s)
         self._groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
         self.created = 0  # how many groups this rank has created (the benchmark reports it)
+        self.generation = 0  # bumped by ``forget``: part of the salt, so a group made after a loss is new
+        self.abandoned: list[dist.ProcessGroup] = []  # kept alive: dropping one may join a blocked thread
 
     def get(self, role: str, ranks: Sequence[int], epoch: int) -> dist.ProcessGroup:
         """The group of ``ranks`` for ``role``, created now by its members if it is new. Every
@@ -48,7 +50,8 @@ class GroupCache:
             # The salt (see the module doc): the same on every member, distinct per epoch and role;
             # the count is put back after, so groups torch creates world-wide still agree on theirs.
             count = c10d._world.group_count
-            c10d._world.group_count = 1_000_000 + epoch * len(ROLES) + ROLES.index(role)
+            c10d._world.group_count = (1_000_000 + self.generation * 100_000_000 + epoch * len(ROLES)
+                                       + ROLES.index(role))
             try:
                 made = dist.new_group(list(key[1]), timeout=self.timeout, use_local_synchronization=True,
                                       backend="gloo" if role == "moves" else None)
@@ -58,3 +61,11 @@ class GroupCache:
             group = self._groups[key] = made
             self.created += 1
         return group
+
+    def forget(self) -> None:
+        """A rank was lost: no cached group is reused, since any of them may hold a half-done
+        collective (a send nobody received) that a later one would match. Every survivor calls
+        this once per loss, so the salts stay in step."""
+        self.abandoned += self._groups.values()
+        self._groups.clear()
+        self.generation += 1

@@ -20,8 +20,10 @@ Two halves over the launcher's TCPStore, like the reference trainer's (trainer/i
   ``done`` (the phases) or ``refused`` (why) under the post's number.
 
 What can go wrong: a rank that dies mid-reshape leaves the post without its report; the launcher
-acks ``failed`` once the process has exited (the native executor cannot recover a dead rank yet,
-docs/native.md).
+acks ``failed`` once the process has exited. A rank that dies while training is recovered from
+by the survivors (trainer/native/recovery.py) without a command: the new world's first rank
+writes their plan (``native/cmd/recovered``) and the launcher adopts it as the running plan
+(``CommandListener.adopt``: the fence moves to its epoch, ``plan.current`` is re-announced).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from trainer.native.model import LlamaConfig
 log = logging.getLogger("resihp.trainer.native")
 
 POSTS = "native/cmd/posts"
+RECOVERED = "native/cmd/recovered"  # the plan the survivors of a lost rank run, by the new world's first rank
 
 
 def plan_key(post: int) -> str:
@@ -82,6 +85,7 @@ class NativeCommandIntake:
     def poll(self, alive: set[int], timeout_s: float = 0.2) -> None:
         """One step: finish the posted reshape if its world reported, else post the next command."""
         command = self.listener.poll(timeout_s=timeout_s)  # the posted one again while it is unacknowledged
+        self._adopt_recovered()
         if self.posted is not None:
             self._check_posted(alive)
             return
@@ -119,8 +123,17 @@ class NativeCommandIntake:
         self.listener.ack_applied(command, pause_s, detail=(
             f"now {command.plan.shape()} on devices {world}; state from {slowest['source']}; phases: {phases}"))
 
+    def _adopt_recovered(self) -> None:
+        """The ranks recovered from a lost one without a command: their plan is the running one."""
+        if self.store.check([RECOVERED]):
+            plan = Plan.model_validate_json(self.store.get(RECOVERED))
+            if plan.epoch > self.listener.running.epoch:
+                log.info("the survivors run epoch %d %s on devices %s", plan.epoch, plan.shape(), plan.devices)
+                self.listener.adopt(plan)
+
     def finish(self) -> None:
         """The job ended: a reshape still posted was not applied; stop reading."""
+        self._adopt_recovered()
         if self.posted is not None:
             _, command = self.posted
             self.posted = None
@@ -159,6 +172,10 @@ class CommandFollower:
     def done(self, post: int, epoch: int, source: str, phases_s: dict[str, float]) -> None:
         self.store.set(done_key(post, self.device), json.dumps({"epoch": epoch, "source": source,
                                                                 "phases_s": phases_s}))
+
+    def recovered(self, plan: Plan) -> None:
+        """The new world's first rank, after its first step past a recovery: tell the launcher."""
+        self.store.set(RECOVERED, plan.model_dump_json())
 
     def refused(self, post: int, reason: str) -> None:
         self.store.set(refused_key(post, self.device), reason)

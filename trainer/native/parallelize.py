@@ -17,10 +17,11 @@ that names those submodules.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage
@@ -31,6 +32,8 @@ from collector.plan import RankRole
 from trainer.native.groups import GroupCache
 from trainer.native.layout import NativeLayout
 from trainer.native.model import keep_layers
+
+DpMode = Literal["shard", "replicate"]
 
 
 def build_mesh(layout: NativeLayout, device_type: str, groups: GroupCache, rank_of: dict[int, int],
@@ -81,22 +84,32 @@ def apply_tp(model: Any, tp_mesh: DeviceMesh) -> None:
         parallelize_module(block, tp_mesh, tp_plan_for_block(), src_data_rank=None)
 
 
-def apply_dp(model: Any, dp_mesh: DeviceMesh) -> None:
-    """FSDP2 over ``dp_mesh``: each block, then the root, with gradients summed (not averaged)
-    across replicas. Parameters stay gathered from the first micro-batch's forward to the
-    iteration's last backward (``reshard_after_forward=False``, ZeRO-2-like): that makes the
-    collectives one all-gather and one reduce-scatter per module per iteration whatever the
-    micro-batch count, so replicas running different shares of the global batch (a DP migration)
-    still issue the same collectives. Skipped at DP 1."""
+def apply_dp(model: Any, dp_mesh: DeviceMesh, mode: DpMode = "shard") -> None:
+    """Data parallelism over ``dp_mesh``, each block, then the root, with gradients summed (not
+    averaged) across replicas. ``shard``: FSDP2 ``fully_shard``; parameters stay gathered from the
+    first micro-batch's forward to the iteration's last backward (``reshard_after_forward=False``,
+    ZeRO-2-like), so the collectives are one all-gather and one reduce-scatter per module per
+    iteration whatever the micro-batch count, and replicas running different shares of the
+    global batch (a DP migration) still issue the same collectives. ``replicate``: FSDP2's
+    ``replicate`` (DDP on the same machinery: one all-reduce per module per iteration); every
+    replica holds the whole stage and its AdamW state, so a replica that dies loses nothing its
+    peers do not hold. Skipped at DP 1."""
     if dp_mesh.size() == 1:
         return
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+        _data_parallel(block, dp_mesh, mode)
+    _data_parallel(model, dp_mesh, mode)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+
+
+def _data_parallel(module: nn.Module, dp_mesh: DeviceMesh, mode: DpMode) -> None:
+    if mode == "replicate":
+        replicate(module, mesh=dp_mesh)
+    else:
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
 
 
 def pipeline_stage(model: nn.Module, role: RankRole, pp_mesh: DeviceMesh, device: torch.device) -> PipelineStage:

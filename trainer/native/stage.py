@@ -26,7 +26,7 @@ from trainer.native.dtensor_rules import install_stage_build_shortcuts
 from trainer.native.groups import GroupCache
 from trainer.native.layout import NativeLayout
 from trainer.native.model import LlamaConfig, ModelFactory, build_model
-from trainer.native.parallelize import apply_dp, apply_pp, apply_tp, build_mesh, build_optimizer, pipeline_stage
+from trainer.native.parallelize import DpMode, apply_dp, apply_pp, apply_tp, build_mesh, build_optimizer, pipeline_stage
 from trainer.native.telemetry import ScheduleWatcher
 from trainer.telemetry import IterationRecorder
 
@@ -38,6 +38,7 @@ class TrainSettings:
     lr: float = 3e-3
     weight_decay: float = 0.01
     warmup_iterations: int = 4
+    dp_mode: DpMode = "shard"  # how replicas hold a stage: FSDP shards, or whole copies (parallelize.apply_dp)
 
 
 class GlobalTokenLoss:
@@ -66,6 +67,7 @@ class NativeRole:
     sched: torch.optim.lr_scheduler.LambdaLR
     watcher: ScheduleWatcher
     world: dist.ProcessGroup  # this layout's world: the iteration's commit all-reduce, DCP
+    params: tuple[tuple[str, nn.Parameter], ...]  # the managed (sharded) parameters by name, as built: what moves
     last_recorder: IterationRecorder | None = None
 
     @classmethod
@@ -81,12 +83,13 @@ class NativeRole:
         mesh = build_mesh(layout, torch_device.type, groups, rank_of, device)
         model = apply_pp(model_factory(cfg, settings.seed), role).to(torch_device)
         apply_tp(model, mesh["tp"])
-        apply_dp(model, mesh["dp"])
+        apply_dp(model, mesh["dp"], settings.dp_mode)
         stage = pipeline_stage(model, role, mesh["pp"], torch_device)
         loss = GlobalTokenLoss()
         schedule = Schedule1F1B(stage, n_microbatches=role.microbatches, loss_fn=loss, scale_grads=False)
         opt, sched = build_optimizer(model, settings.lr, settings.weight_decay, settings.warmup_iterations)
-        return cls(layout, role, mesh, model, stage, schedule, loss, opt, sched, ScheduleWatcher(stage), world)
+        return cls(layout, role, mesh, model, stage, schedule, loss, opt, sched, ScheduleWatcher(stage), world,
+                   tuple(model.named_parameters()))
 
     def with_counts(self, layout: NativeLayout, device: int) -> NativeRole:
         """This role under ``layout``, a plan that changes only micro-batch counts: the mesh,

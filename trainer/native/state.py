@@ -26,6 +26,7 @@ full state), then keeps only its shard.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,12 +77,14 @@ def _indices(p: torch.Tensor) -> torch.Tensor:
     return cut
 
 
-def local_state(model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> LocalState:
-    """Local only: no collective, the old mesh is only read."""
+def local_state(params: Sequence[tuple[str, torch.Tensor]], opt: torch.optim.Optimizer, sched: Any) -> LocalState:
+    """Local only: no collective, the old mesh is only read. ``params`` are the stage's managed
+    parameters by name as they were when it was built (``NativeRole.params``): after a failed
+    iteration the module may still hold FSDP's gathered stand-ins, which the optimizer knows nothing of."""
     out = LocalState(scheduler=sched.state_dict())
     out.hyper = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
-    stepped = all(p in opt.state and opt.state[p] for p in model.parameters())
-    for k, p in model.named_parameters():
+    stepped = all(p in opt.state and opt.state[p] for _, p in params)
+    for k, p in params:
         parts = [_local(p).detach().reshape(-1)]
         if stepped:
             state = opt.state[p]

@@ -35,6 +35,7 @@ from trainer.native.executor import NativeExecutor, Released, ReshapeRefused
 from trainer.native.faults import ChunkPadding
 from trainer.native.intake import CommandFollower, NativeCommandIntake
 from trainer.native.layout import NativeLayout
+from trainer.native.recovery import mark_lost, peer_failure
 from trainer.native.model import LlamaConfig, ModelFactory
 from trainer.native.stage import NativeRole, TrainSettings
 from trainer.native.state import full_params, load_dcp, save_dcp
@@ -80,7 +81,10 @@ class NativeRunSpec(BaseModel):
     device: str = Field(default="auto", description="auto: cuda + nccl when a GPU is present, else cpu + gloo")
     threads: int = Field(default=1, ge=1)
     out_dir: str | None = None
-    save_dir: str | None = Field(default=None, description="DCP checkpoint of the final state here")
+    save_dir: str | None = Field(default=None, description=(
+        "DCP checkpoint of the final state here (and of every checkpoint_every-th iteration): what the "
+        "survivors of a lost rank load the pieces no survivor holds from"))
+    checkpoint_every: int = Field(default=0, ge=0, description="a DCP checkpoint to save_dir every K iterations")
     resume_dir: str | None = Field(default=None, description="start from a DCP checkpoint written by any layout")
     bus: BusSpec | None = None
     heartbeat_s: float = Field(default=1.0, gt=0)
@@ -141,9 +145,8 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
                                            phase=ReshapePhaseName(phase), duration_s=seconds, ok=ok,
                                            detail=detail[:2_000]))
 
-    fallback = Path(spec.resume_dir) if spec.resume_dir else None  # no periodic checkpoints yet
     ex = NativeExecutor(device, cfg, settings, rank_of, torch_device, spec.timeout_s,
-                        checkpoint_dir=lambda: fallback, model_factory=spec.factory(), on_phase=on_phase,
+                        checkpoint_dir=lambda: newest_checkpoint(spec), model_factory=spec.factory(), on_phase=on_phase,
                         fail_in=tuple((f.epoch, f.phase) for f in spec.reshape_faults if f.device == device))
     results: dict = {"device": device, "losses": {}, "walls": {}, "reshapes": [], "refused": [], "backend": backend}
     follower = CommandFollower(store, device, torch_device) if spec.commands else None
@@ -178,16 +181,29 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
             cur = ex.current
             padding.begin_iteration(iteration, cur.stage, cur.role)
             started = time.perf_counter()
-            loss = cur.train_step(iteration, cfg, settings)
+            try:
+                loss = cur.train_step(iteration, cfg, settings)
+            except Exception as exc:
+                if not peer_failure(exc):
+                    raise
+                # A peer died under this rank's collective: recover with the survivors and redo
+                # this iteration, which nobody committed.
+                report, rollback_to = ex.recover(store, iteration, exc, time.perf_counter() - started)
+                first_step_of = report
+                if rollback_to is not None:
+                    iteration = rollback_to
+                continue
             wall_s = time.perf_counter() - started
             if first_step_of is not None:
                 first_step_of.phases_s["first_step"] = wall_s
                 on_phase(first_step_of.epoch, "first_step", wall_s, True, "")
                 results["reshapes"].append({"epoch": first_step_of.epoch, "source": first_step_of.source,
                                             "phases_s": first_step_of.phases_s, "iteration": iteration,
-                                            "groups_created": ex.groups.created})
+                                            "groups_created": ex.groups.created, "lost": list(first_step_of.lost)})
                 if follower is not None and post is not None:
                     follower.done(post, first_step_of.epoch, first_step_of.source, first_step_of.phases_s)
+                if follower is not None and first_step_of.lost and cur.layout.rank(device) == 0:
+                    follower.recovered(cur.layout.plan)
                 first_step_of, post = None, None
             results["losses"][iteration] = loss
             results["epochs"] = {**results.get("epochs", {}), iteration: cur.layout.plan.epoch}
@@ -204,6 +220,8 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
                         location=Location(target="compute", rank=device, factor=f.factor),
                         start_iteration=iteration, end_iteration=f.end_iteration))
             iteration += 1
+            if spec.save_dir and spec.checkpoint_every and iteration % spec.checkpoint_every == 0:
+                save_dcp(spec.save_dir, cur.model, cur.opt, cur.sched, iteration, cur.world)
         cur = ex.current
         if spec.save_dir:
             save_dcp(spec.save_dir, cur.model, cur.opt, cur.sched, iteration, cur.world)
@@ -216,11 +234,22 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
     except Released:
         results["released"] = True
         return 0
+    except Exception as exc:
+        results["error"] = str(exc)
+        raise
     finally:
         if spec.out_dir:
             (Path(spec.out_dir) / f"rank-{device}.json").write_text(json.dumps(results))
         if telemetry is not None:
             telemetry.close()
+
+
+def newest_checkpoint(spec: NativeRunSpec) -> Path | None:
+    """Where a reshape loads the keys no live piece covers: the periodic checkpoint of this run
+    once one was written, else the checkpoint it resumed from."""
+    if spec.save_dir and (Path(spec.save_dir) / "meta.pt").exists():
+        return Path(spec.save_dir)
+    return Path(spec.resume_dir) if spec.resume_dir else None
 
 
 def _publish(telemetry: TelemetryPublisher, cur: NativeRole, device: int, iteration: int, wall_s: float,
@@ -252,8 +281,10 @@ def process_main(device: int, spec_json: str) -> None:
 
 
 def launch_native(spec: NativeRunSpec, ranks: int | None = None) -> dict[int, int]:
-    """Host the store, run one process per device until all exit; returns their exit codes."""
+    """Host the store, run one process per device until all exit, marking each one that exits
+    with an error lost (``resihp/lost/<rank>``); returns their exit codes."""
     import multiprocessing as mp
+    from multiprocessing import connection as mp_connection
 
     devices = sorted(set(spec.plan.devices) | {d for r in spec.reshapes for d in r.plan.devices})
     ranks = ranks or max(devices) + 1
@@ -276,11 +307,21 @@ def launch_native(spec: NativeRunSpec, ranks: int | None = None) -> dict[int, in
              for d in range(ranks)}
     for p in procs.values():
         p.start()
+    rank_of = {d: i for i, d in enumerate(spec.plan.devices)}  # the job's default-group ranks (run_rank)
+    marked: set[int] = set()
     try:
-        while intake is not None and any(p.exitcode is None for p in procs.values()):
-            intake.poll({d for d, p in procs.items() if p.exitcode is None})
-        for p in procs.values():
-            p.join()
+        while alive := {d for d, p in procs.items() if p.exitcode is None}:
+            # A rank that exits with an error is marked lost where its peers look (the node
+            # agent's key), so the survivors close their quorum without it and train on.
+            for d in sorted(set(procs) - alive - marked):
+                if procs[d].exitcode != 0 and d in rank_of:
+                    mark_lost(store, rank_of[d], procs[d].exitcode)
+                    log.warning("device %d exited with %s: marked lost", d, procs[d].exitcode)
+                marked.add(d)
+            if intake is not None:
+                intake.poll(alive)
+            else:
+                mp_connection.wait([procs[d].sentinel for d in alive], timeout=1.0)
     finally:
         if intake is not None:
             intake.finish()

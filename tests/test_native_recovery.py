@@ -1,0 +1,115 @@
+"""The native executor survives a SIGKILLed rank: real rank processes (gloo, CPU, float64).
+
+A ``stop_device`` fault SIGKILLs one rank inside its first forward chunk of an iteration, so its
+peers are mid-iteration, in the schedule's and the data-parallel collectives, when its sockets
+close. The launcher marks it lost (``resihp/lost/<rank>``); the survivors close their quorum,
+drop its replica, take its micro-batches and redo the iteration nobody committed. The losses and
+the final parameters must equal one process training the same global batches: the state came
+through exactly, from the survivors' pieces or, for pieces that died with their only holder, from
+the periodic DCP checkpoint (the steps since it are redone).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+
+from collector import topics
+from collector.embedded import EmbeddedBus
+from collector.events import PlanCurrent, ReshapePhase
+from collector.stream import EventStream
+from trainer.fault_spec import FaultSpec
+from trainer.native.worker import NativeRunSpec, launch_native, read_results
+from trainer.spec import BusSpec
+from tests.test_native_reshape import CFG, SETTINGS, _assert_matches_reference, _plan
+
+PHASES = {"agree", "export", "new_mesh", "stages_rebuilt", "redistribute", "first_step"}
+
+
+def _spec(tmp: Path, plan, iterations: int, killed: int, at: int, dp_mode: str, **extra) -> NativeRunSpec:
+    return NativeRunSpec(model=asdict(CFG), settings=asdict(replace(SETTINGS, dp_mode=dp_mode)), plan=plan,
+                         iterations=iterations, out_dir=str(tmp), timeout_s=60, device="cpu",
+                         faults=[FaultSpec(kind="stop_device", device=killed, at_iteration=at)], **extra)
+
+
+def _events(path: Path, topic: str, kind: type) -> list:
+    with EmbeddedBus(path) as bus, EventStream(bus, "test", [topic]) as stream:
+        out = []
+        while batch := stream.poll(timeout_s=0.5):
+            out += [d.event.payload for d in batch if isinstance(d.event.payload, kind)]
+    return out
+
+
+def test_replicated_dp_survives_a_sigkilled_rank_from_its_peers_and_equals_the_reference(tmp_path):
+    # TP1·PP1·DP3 with whole replicas (replicate): device 2 dies in iteration 2; replicas 0 and 1
+    # take its micro-batch (2/1/1 → 2/2) and every piece comes from a live peer. The launcher
+    # obeys bus commands, so it adopts the survivors' plan and announces it.
+    start = _plan(0, (2, [((0,), 0, 4)]), (1, [((1,), 0, 4)]), (1, [((2,), 0, 4)]))
+    bus = tmp_path / "bus.sqlite"
+    codes = launch_native(_spec(tmp_path, start, 4, killed=2, at=2, dp_mode="replicate", commands=True,
+                                bus=BusSpec(backend="embedded", path=str(bus))))
+    assert codes[2] == -9 and codes[0] == codes[1] == 0, codes
+    ranks, params = read_results(tmp_path)
+    _assert_matches_reference(ranks, params, 4)
+    assert 2 not in ranks  # SIGKILLed: it wrote nothing
+    for device in (0, 1):
+        (recovery,) = ranks[device]["reshapes"]
+        assert recovery["lost"] == [2] and recovery["source"] == "live" and recovery["iteration"] == 2
+        assert set(recovery["phases_s"]) == PHASES
+        assert ranks[device]["epochs"] == {"0": 0, "1": 0, "2": 1, "3": 1}
+
+    phases = [(p.epoch, p.iteration, p.phase.value, p.ok) for p in _events(bus, topics.TELEMETRY, ReshapePhase)
+              if p.rank == 0]
+    assert phases == [(1, 2, phase, True) for phase in
+                      ("agree", "export", "new_mesh", "stages_rebuilt", "redistribute", "first_step")]
+    announced = _events(bus, topics.CONTROL, PlanCurrent)
+    assert [(p.plan.epoch, p.reason, p.plan.devices) for p in announced] == [(0, "start", [0, 1, 2]),
+                                                                           (1, "reshape", [0, 1])]
+    assert [p.microbatches for p in announced[1].plan.pipelines] == [2, 2]
+
+
+def test_a_piece_with_no_live_holder_comes_from_the_periodic_dcp_checkpoint(tmp_path):
+    # TP1·PP1·DP2 with FSDP: device 1 holds the only copy of its shards and dies in iteration 3.
+    # Device 0 alone loads the checkpoint of iteration 2 (DCP reshards DP2 → DP1) and redoes 2, 3.
+    start = _plan(0, (2, [((0,), 0, 4)]), (2, [((1,), 0, 4)]))
+    codes = launch_native(_spec(tmp_path, start, 5, killed=1, at=3, dp_mode="shard",
+                                save_dir=str(tmp_path / "ckpt"), checkpoint_every=2))
+    assert codes == {0: 0, 1: -9}, codes
+    ranks, params = read_results(tmp_path)
+    _assert_matches_reference(ranks, params, 5)
+    (recovery,) = ranks[0]["reshapes"]
+    assert recovery["lost"] == [1] and recovery["source"].startswith("DCP checkpoint")
+    assert recovery["iteration"] == 2  # redone from the checkpoint's iteration
+
+
+def test_without_a_checkpoint_the_survivors_stop_naming_the_lost_pieces(tmp_path):
+    start = _plan(0, (2, [((0,), 0, 4)]), (2, [((1,), 0, 4)]))
+    codes = launch_native(_spec(tmp_path, start, 3, killed=1, at=1, dp_mode="shard"))
+    assert codes == {0: 1, 1: -9}, codes
+    ranks, _ = read_results(tmp_path)
+    error = ranks[0]["error"]
+    assert "recovery from the loss of devices [1] failed" in error and "no live copy of" in error
+    assert "--save-dir" in error
+
+
+@pytest.mark.parametrize("layout", ["pp2-dp2", "tp2-dp2"])
+def test_a_replica_losing_one_rank_is_dropped_its_partner_released_and_the_rest_train_on(tmp_path, layout):
+    # Replicated, device 3 dies in iteration 1: PP2·DP2 loses replica 1's last stage, TP2·DP2 one
+    # TP rank of replica 1. Device 2 (its partner) sends its pieces and is released; devices 0 and
+    # 1 run all 4 micro-batches. A survivor waiting on device 2 in a collective learns of the
+    # loss only when that collective times out (gloo cannot be woken), hence the short timeout.
+    if layout == "pp2-dp2":
+        start = _plan(0, (2, [((0,), 0, 2), ((1,), 2, 4)]), (2, [((2,), 0, 2), ((3,), 2, 4)]))
+    else:
+        start = _plan(0, (2, [((0, 1), 0, 4)]), (2, [((2, 3), 0, 4)]))
+    spec = _spec(tmp_path, start, 3, killed=3, at=1, dp_mode="replicate").model_copy(update={"timeout_s": 15})
+    codes = launch_native(spec)
+    assert codes == {0: 0, 1: 0, 2: 0, 3: -9}, codes
+    ranks, params = read_results(tmp_path)
+    _assert_matches_reference(ranks, params, 3)
+    assert ranks[2].get("released") and ranks[2]["epochs"] == {"0": 0}
+    for device in (0, 1):
+        (recovery,) = ranks[device]["reshapes"]
+        assert recovery["lost"] == [3] and recovery["source"] == "live" and recovery["iteration"] == 1

@@ -1,0 +1,106 @@
+"""After a native rank dies: who survived, and the plan they train on without it.
+
+A SIGKILLed rank closes its sockets, so the gloo collectives its peers are in raise ("Connection
+closed by peer"). Those peers do not tear the job down: each one closes a quorum in the job's
+store the way trainer/agent/shrink.py's ``ShrinkingWorld.close`` does — it writes
+``native/recover/<epoch>/join/<device>`` with the iterations it has committed, then waits until
+every device of the running world has either joined or been marked lost by whoever supervises
+the ranks (the native launcher, or the node agent under ``--on-failure shrink``), both through
+the agent's one key, ``resihp/lost/<rank>`` (``mark_lost``). The survivors, the same set on every
+one of them, then reshape to :func:`survivor_plan` through the executor's own phases.
+
+What can fail: a device that neither joins nor is marked lost (a peer blocked in a collective
+with a live rank that itself left: gloo's ``abort`` in torch 2.15 does not wake a pending wait,
+so that peer joins only once the group's timeout fires; or a supervisor that never marks the
+dead) — ``close_quorum`` raises after twice ``timeout_s``, naming it. Survivors that committed different
+iteration counts (a rank died inside the loss all-reduce that commits an iteration, after some
+peers got its result) are refused: nothing here can tell which update is the right one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from collector.plan import PipelinePlan, Plan
+from trainer.agent.shrink import lost_key, mark_lost
+
+POLL_S = 0.01
+
+__all__ = ["Quorum", "close_quorum", "mark_lost", "peer_failure", "survivor_plan"]
+
+# What gloo says when a peer's process is gone, or a peer never answered within the group timeout.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting")
+
+
+def peer_failure(exc: BaseException) -> bool:
+    """Whether a failed step looks like a lost peer (worth a recovery) rather than this rank's own
+    error (re-raised at once, so a bug is not mistaken for a death and retried). The whole chain
+    is read: pipelining re-raises a chunk's failure as its own ``RuntimeError``."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, dist.DistError) or any(s in str(seen) for s in _PEER_GONE):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """The devices that go on, those lost, and the iterations every survivor has committed."""
+
+    survivors: tuple[int, ...]
+    lost: tuple[int, ...]
+    committed: int
+
+
+def close_quorum(store: dist.Store, epoch: int, world: tuple[int, ...], device: int, rank_of: dict[int, int],
+                 committed: int, timeout_s: float) -> Quorum:
+    """Join the recovery to ``epoch`` and wait until every device of ``world`` joined or was
+    marked lost (its default-group rank's ``resihp/lost/<rank>``), for up to twice the
+    collective timeout ``timeout_s``."""
+    prefix = f"native/recover/{epoch}/join/"
+    store.set(f"{prefix}{device}", json.dumps({"committed": committed}))
+    # A survivor blocked on a live peer that already left only joins once its collective times
+    # out (``timeout_s``): wait for it twice that.
+    deadline = time.monotonic() + 2 * timeout_s
+    while True:
+        joined = [d for d in world if store.check([f"{prefix}{d}"])]
+        lost = [d for d in world if d not in joined and store.check([lost_key(rank_of[d])])]
+        if len(joined) + len(lost) == len(world):
+            break
+        if time.monotonic() > deadline:
+            silent = sorted(set(world) - set(joined) - set(lost))
+            raise TimeoutError(f"recovery to epoch {epoch}: devices {silent} neither rejoined nor were marked lost "
+                               f"within {2 * timeout_s:g} s (a peer blocked on a live rank waits out the collective "
+                               "timeout; lower --timeout or check that the launcher supervises every rank)")
+        time.sleep(POLL_S)
+    if not lost:
+        raise RuntimeError(f"recovery to epoch {epoch}: every device of {list(world)} is alive; the failure was "
+                           "not a lost rank")
+    counts = {d: json.loads(store.get(f"{prefix}{d}"))["committed"] for d in joined}
+    if len(set(counts.values())) != 1:
+        raise RuntimeError(f"recovery to epoch {epoch}: survivors committed different iteration counts {counts} "
+                           "(a rank died inside the commit all-reduce); restart from a DCP checkpoint (--resume-dir)")
+    return Quorum(tuple(joined), tuple(lost), committed)
+
+
+def survivor_plan(plan: Plan, lost: tuple[int, ...]) -> Plan:
+    """``plan`` at the next epoch without every replica that held a lost device; the dropped
+    replicas' micro-batches go, one at a time, to the surviving replica running fewest (the lowest
+    replica among equals), so the global batch is kept. ``ValueError`` when no replica survives."""
+    gone = set(lost)
+    kept = [p for p in plan.pipelines if not gone & {d for s in p.stages for d in s.devices}]
+    if not kept:
+        raise ValueError(f"every replica of plan epoch {plan.epoch} lost a device ({sorted(gone)}): no pipeline "
+                         "survives to train on; restart from a DCP checkpoint (--resume-dir)")
+    counts = [p.microbatches for p in kept]
+    for _ in range(plan.global_microbatches - sum(counts)):
+        counts[counts.index(min(counts))] += 1
+    return Plan(epoch=plan.epoch + 1, schedule=plan.schedule, virtual_stages=plan.virtual_stages,
+                num_layers=plan.num_layers, pipelines=tuple(
+                    PipelinePlan(replica=r, microbatches=n, stages=p.stages)
+                    for r, (p, n) in enumerate(zip(kept, counts, strict=True))))
