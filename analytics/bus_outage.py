@@ -55,8 +55,8 @@ class OutageGuard:
         health = self.consumer.health
         if health.down or health.outages != self._outages_seen:
             self._outages_seen = health.outages
-            if not self.suspended:
-                self.suspended, self.suspended_at = True, time.time()
+            if not self.suspended:  # the outage began at the client's first failure, not when this step saw it
+                self.suspended, self.suspended_at = True, health.last_down_since or time.time()
                 self.reason, self._announced = health.reason or "the bus was unreachable", set()
                 self._say("fail_stop_suspended", reason=self.reason)
         if self.suspended:

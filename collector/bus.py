@@ -66,6 +66,7 @@ class BusHealth:
     down_since: float | None = None  # time.time() of the first failure of the current outage
     reason: str = ""
     outages: int = 0
+    last_down_since: float | None = None  # the first failure of the newest outage, kept after it ended
 
     @property
     def down(self) -> bool:
@@ -74,6 +75,7 @@ class BusHealth:
     def mark_down(self, reason: str) -> None:
         if self.down_since is None:
             self.down_since, self.outages = time.time(), self.outages + 1
+            self.last_down_since = self.down_since
             log.warning("%s", json.dumps({"event": "bus_outage", "reason": reason[:300]}))
         self.reason = reason
 

@@ -80,3 +80,25 @@ def test_a_consumer_that_defers_to_another_publishes_no_outage(tmp_path: Path) -
         consumer.health.mark_up()
         guard.after_step(0, watches, publish=False)
         assert not watches["job-a"].suspended and _outage_events(bus) == []
+
+
+def test_an_outage_starts_at_the_clients_first_failure_even_when_seen_after_it_ended(tmp_path: Path) -> None:
+    """The consumer may look at its client only after a long poll: the outage's start is when the
+    client first failed, not when the step saw it, so the console's duration is the outage's."""
+    import time
+
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
+        consumer = bus.consumer("analytics", [topics.TELEMETRY])
+        consumer.health = BusHealth()
+        guard = OutageGuard(bus, consumer, [topics.TELEMETRY])
+        watches = {"job-a": FailStopWatch(DetectorConfig())}
+        watches["job-a"].new_epoch({0})
+        consumer.poll(timeout_s=0)
+        consumer.health.mark_down("broker unreachable")
+        failed_at = consumer.health.down_since
+        consumer.health.mark_up()  # down and up again between two looks
+        time.sleep(0.05)
+        guard.after_step(0, watches)
+        (start, end) = sorted(_outage_events(bus), key=lambda e: e.payload.ended_s is not None)
+        assert start.payload.started_s == end.payload.started_s == failed_at
+        assert end.payload.duration_s is not None and end.payload.duration_s >= 0.05
