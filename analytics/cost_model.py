@@ -85,17 +85,21 @@ class CostModel:
         w.dirty = True
 
     def refit(self) -> None:
-        """Refit every class that received rows since its last fit."""
-        for key, w in self._windows.items():
-            if w.dirty and w.iterations:
-                n = np.concatenate([x[1] for x in w.iterations])
-                s2 = np.concatenate([x[2] for x in w.iterations])
-                d = np.concatenate([x[3] for x in w.iterations])
-                if len(d) > MAX_FIT_ROWS:
-                    keep = np.linspace(0, len(d) - 1, MAX_FIT_ROWS).astype(np.int64)
-                    n, s2, d = n[keep], s2[keep], d[keep]
-                self.fits[key] = fit_class(n, s2, d)
-                w.dirty = False
+        """Refit every class that received rows since its last fit (all of them as one stacked fit,
+        ``fit_classes``: at 100k ranks every class gets rows every iteration)."""
+        dirty = [(key, w) for key, w in self._windows.items() if w.dirty and w.iterations]
+        rows = []
+        for _, w in dirty:
+            n = np.concatenate([x[1] for x in w.iterations])
+            s2 = np.concatenate([x[2] for x in w.iterations])
+            d = np.concatenate([x[3] for x in w.iterations])
+            if len(d) > MAX_FIT_ROWS:
+                keep = np.linspace(0, len(d) - 1, MAX_FIT_ROWS).astype(np.int64)
+                n, s2, d = n[keep], s2[keep], d[keep]
+            rows.append((n, s2, d))
+        for (key, w), fit in zip(dirty, fit_classes(rows)):
+            self.fits[key] = fit
+            w.dirty = False
 
     def predict(self, key: Hashable, tokens: np.ndarray, sum_sq_len: np.ndarray) -> np.ndarray:
         """Predicted seconds for chunks of class ``key``; NaN when the class was never fitted."""
@@ -158,49 +162,106 @@ def fit_class(tokens: np.ndarray, sum_sq_len: np.ndarray, duration_s: np.ndarray
     does not report tokens, so its chunks count as equal work and γ is their robust centre. Fitting
     α on the rows that have counts would instead predict nothing for those that do not.
     """
+    return fit_classes([(tokens, sum_sq_len, duration_s)])[0]
+
+
+_TERMS = ("alpha", "beta", "gamma")
+
+
+@dataclass
+class _ClassRows:
+    """One class's rows as ``fit_class`` fits them: its features, the terms still fitted, the coefficients."""
+
+    features: dict[str, np.ndarray]
+    d: np.ndarray
+    has_s2: bool
+    has_n: bool
+    active: list[str]
+    coef: dict[str, float] = field(default_factory=dict)
+
+
+def fit_classes(rows: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> list[ClassFit]:
+    """``fit_class`` of each (tokens, Σlᵢ², duration) in ``rows``, the same numbers class by class.
+
+    Why at once: the cost model refits every class it holds after each iteration (32 at TP8·PP16),
+    and one class's IRLS is a few dozen numpy calls on 768 rows, so per-call overhead, not
+    arithmetic, was the sharded merge's largest cost. Classes with the same number of rows and the
+    same terms are stacked and fitted as one batch of small matrices; each class's products,
+    solves and medians are the ones it would get alone (stacked ``matmul`` and ``solve`` run the
+    same BLAS and LAPACK call per matrix, and a median along an axis is each row's median)."""
+    classes = [_class_rows(*r) for r in rows]
+    going = [c for c in classes if len(c.d)]
+    for _ in range(len(_TERMS)):  # a round drops the terms that came out negative and refits the rest
+        groups: dict[tuple[int, tuple[str, ...]], list[_ClassRows]] = {}
+        for c in going:
+            groups.setdefault((len(c.d), tuple(c.active)), []).append(c)
+        going = []
+        for (_, active), group in groups.items():
+            for c, coef in zip(group, _irls_stacked(group, list(active))):
+                c.coef = coef
+                negative = [k for k in c.active if coef[k] < 0]
+                if negative:
+                    c.active = [k for k in c.active if k not in negative]
+                    going.append(c)
+    fits = {id(c): ClassFit(has_seq_lens=c.has_s2, has_tokens=c.has_n) for c in classes if not len(c.d)}
+    by_rows: dict[int, list[_ClassRows]] = {}
+    for c in classes:
+        if len(c.d):
+            by_rows.setdefault(len(c.d), []).append(c)
+    for group in by_rows.values():
+        fits.update(zip(map(id, group), _class_fits(group)))
+    return [fits[id(c)] for c in classes]
+
+
+def _class_rows(tokens: np.ndarray, sum_sq_len: np.ndarray, duration_s: np.ndarray) -> _ClassRows:
     ok = np.isfinite(duration_s) & (duration_s > 0)
     has_n = bool(np.all(np.isfinite(tokens[ok])))
     has_s2 = bool(np.all(np.isfinite(sum_sq_len[ok]))) and ok.any()
     n, d = (tokens[ok] if has_n else np.zeros(int(ok.sum()))), duration_s[ok]
     s2 = sum_sq_len[ok] if has_s2 else np.zeros_like(n)
-    if len(d) == 0:
-        return ClassFit(has_seq_lens=has_s2, has_tokens=has_n)
     features = {"alpha": n, "beta": s2, "gamma": np.ones_like(n)}
-    active = [k for k in ("alpha", "beta", "gamma") if np.ptp(features[k]) > 0 or k == "gamma"]
+    active = [k for k in _TERMS if k == "gamma" or (len(d) and np.ptp(features[k]) > 0)]
     if not has_s2 and "beta" in active:
         active.remove("beta")
-    coef: dict[str, float] = {}
-    weights = np.ones_like(d)
-    for _ in range(len(features)):
-        coef = _irls(features, active, d, weights)
-        negative = [k for k in active if coef[k] < 0]
-        if not negative:
-            break
-        active = [k for k in active if k not in negative]
-    pred = np.sum([coef.get(k, 0.0) * features[k] for k in features], axis=0)
-    rel = np.abs(d / np.maximum(pred, 1e-12) - 1.0)
-    mean_pred = float(pred.mean())
-    spread = float(pred.std() / mean_pred) if mean_pred > 0 else float("nan")
-    return ClassFit(alpha=coef.get("alpha", 0.0), beta=coef.get("beta", 0.0), gamma=coef.get("gamma", 0.0),
-                    has_seq_lens=has_s2, has_tokens=has_n, rel_error=float(np.median(rel)), rows=len(d), workload_cv=spread,
-                    mean_sum_sq_len=float(s2.mean()) if has_s2 else float("nan"))
+    return _ClassRows(features, d, bool(has_s2), has_n, active)
 
 
-def _irls(features: dict[str, np.ndarray], active: list[str], d: np.ndarray, weights: np.ndarray) -> dict[str, float]:
+def _class_fits(group: list[_ClassRows]) -> list[ClassFit]:
+    """The fits of classes with the same (non-zero) row count, their line's statistics stacked."""
+    feats = {k: np.stack([c.features[k] for c in group]) for k in _TERMS}  # (K, n) each
+    d = np.stack([c.d for c in group])
+    coef = {k: np.array([c.coef.get(k, 0.0) for c in group])[:, None] for k in _TERMS}
+    pred = coef["alpha"] * feats["alpha"] + coef["beta"] * feats["beta"] + coef["gamma"] * feats["gamma"]
+    rel_error = np.median(np.abs(d / np.maximum(pred, 1e-12) - 1.0), axis=1)
+    mean_pred = pred.mean(axis=1)
+    spread = pred.std(axis=1) / np.where(mean_pred > 0, mean_pred, np.nan)
+    mean_s2 = feats["beta"].mean(axis=1)
+    return [ClassFit(alpha=c.coef.get("alpha", 0.0), beta=c.coef.get("beta", 0.0), gamma=c.coef.get("gamma", 0.0),
+                     has_seq_lens=c.has_s2, has_tokens=c.has_n, rel_error=float(rel_error[i]), rows=len(c.d),
+                     workload_cv=float(spread[i]) if mean_pred[i] > 0 else float("nan"),
+                     mean_sum_sq_len=float(mean_s2[i]) if c.has_s2 else float("nan"))
+            for i, c in enumerate(group)]
+
+
+def _irls_stacked(group: list[_ClassRows], active: list[str]) -> list[dict[str, float]]:
+    """The IRLS of classes with the same row count and terms, stacked: (K classes, n rows, a terms)."""
     if not active:
-        return {}
-    cols = np.stack([features[k] for k in active], axis=1)
-    scale = np.maximum(np.abs(cols).max(axis=0), 1e-30)
-    x = cols / scale / d[:, None]  # relative error: divide each row by its observation
+        return [{} for _ in group]
+    cols = np.stack([np.stack([c.features[k] for k in active], axis=1) for c in group])  # (K, n, a)
+    d = np.stack([c.d for c in group])  # (K, n)
+    scale = np.maximum(np.abs(cols).max(axis=1), 1e-30)  # (K, a)
+    x = cols / scale[:, None, :] / d[:, :, None]  # relative error: divide each row by its observation
     y = np.ones_like(d)
-    w = weights.copy()
-    theta = np.zeros(len(active))
+    w = np.ones_like(d)
+    theta = np.zeros((len(group), len(active)))
+    ridge = 1e-9 * np.eye(len(active))
     for _ in range(IRLS_ROUNDS):
-        xw = x * w[:, None]
-        gram = xw.T @ x + 1e-9 * np.eye(len(active))  # normal equations: columns are scaled, 3x3 at most
-        theta = np.linalg.solve(gram, xw.T @ y)
-        r = y - x @ theta
-        sigma = 1.4826 * np.median(np.abs(r - np.median(r)))
-        c = HUBER_C * max(sigma, 1e-3)
-        w = np.minimum(1.0, c / np.maximum(np.abs(r), 1e-12))
-    return {k: float(t / s) for k, t, s in zip(active, theta, scale)}
+        xw = x * w[:, :, None]
+        xw_t = xw.transpose(0, 2, 1)
+        gram = np.matmul(xw_t, x) + ridge  # normal equations: columns are scaled, 3x3 at most
+        theta = np.linalg.solve(gram, np.matmul(xw_t, y[:, :, None]))[:, :, 0]
+        r = y - np.matmul(x, theta[:, :, None])[:, :, 0]
+        sigma = 1.4826 * np.median(np.abs(r - np.median(r, axis=1, keepdims=True)), axis=1)
+        c = HUBER_C * np.maximum(sigma, 1e-3)
+        w = np.minimum(1.0, c[:, None] / np.maximum(np.abs(r), 1e-12))
+    return [{k: float(t / s) for k, t, s in zip(active, th, sc)} for th, sc in zip(theta, scale)]
