@@ -123,7 +123,13 @@ def summary_shape_problem(p: ReplicaSummary) -> str | None:
 
 
 def array_lengths(parts: Sequence[PackedArrays], name: str) -> np.ndarray:
-    """Per part, the length of its array ``name`` (0 when its layout has none)."""
+    """Per part, the length of its array ``name`` (0 when its layout has none); read once when
+    every part has the same layout (a uniform plan's replicas), as the merge's 781 summaries do."""
+    if not parts:
+        return np.zeros(0, np.int64)
+    layout = parts[0].layout
+    if all(p.layout == layout for p in parts):
+        return np.full(len(parts), next((n for a, _, n in layout if a == name), 0), np.int64)
     return np.array([next((n for a, _, n in p.layout if a == name), 0) for p in parts], np.int64)
 
 
@@ -238,8 +244,11 @@ _INT = np.int64
 def job_view(epoch: int, iteration: int, parts: Sequence[ReplicaSummary], layers: LayerLookup | None) -> JobView:
     """The replicas' summaries as one job, rank rows sorted by rank (as ``build_frame`` sorts them)."""
     cols = unpack_all(parts, [n for group in SUMMARY_ARRAY_GROUPS for n in group])
+    replica, ranks, wall, dp_waits, explained_s, pipeline_s, tokens, inferred = zip(*(
+        (p.replica, p.ranks, p.wall_s, p.dp_wait_s, p.explained_s, p.pipeline_s, p.tokens, p.inferred)
+        for p in parts)) if parts else ((),) * 8
     # a replica's wall time is its slowest rank's: judging reads only the job's slowest
-    cols["wall_s"] = np.repeat([p.wall_s for p in parts], [p.ranks for p in parts])
+    cols["wall_s"] = np.repeat(np.array(wall, float), ranks)
     keys: dict[WorkClass, int] = {}
     local_of: dict[str, np.ndarray] = {}  # replicas mostly share their class list: map each list once
     for p in parts:  # each replica's class indices into one job-wide key list
@@ -253,35 +262,39 @@ def job_view(epoch: int, iteration: int, parts: Sequence[ReplicaSummary], layers
                                   for p, c in zip(parts, np.split(u_class, cuts))])
     elif local_of and len(shared := next(iter(local_of.values()))):
         u_class = shared[u_class]
-    order = np.argsort(cols["rank"], kind="stable")
-    rank = cols["rank"].astype(_INT)[order]
+    rank = cols["rank"].astype(_INT)
+    # Rank rows sorted by rank. Replicas arrive in replica order and a uniform plan numbers ranks
+    # replica by replica, so they usually are already: then no row is moved (a stable sort would
+    # leave every one where it is).
+    order = None if bool(np.all(rank[1:] >= rank[:-1])) else np.argsort(rank, kind="stable")
+
+    def rows(a: np.ndarray) -> np.ndarray:
+        return a if order is None else a[order]
+
+    rank = rows(rank)
     n = len(rank)
     first, end = (np.full(n, -1, _INT), np.full(n, -1, _INT)) if layers is None else layers.ranges(rank)
     e_i, e_f = np.zeros(0, _INT), np.zeros(0)
     frame = IterationFrame(
-        epoch=epoch, iteration=iteration, rank=rank, tp=cols["tp"].astype(_INT)[order],
-        pp=cols["pp"].astype(_INT)[order], dp=cols["dp"].astype(_INT)[order], cp=cols["cp"].astype(_INT)[order],
-        node=cols["node"].astype(_INT)[order], wall_s=cols["wall_s"][order], first_layer=first, end_layer=end,
+        epoch=epoch, iteration=iteration, rank=rank, tp=rows(cols["tp"].astype(_INT)),
+        pp=rows(cols["pp"].astype(_INT)), dp=rows(cols["dp"].astype(_INT)), cp=rows(cols["cp"].astype(_INT)),
+        node=rows(cols["node"].astype(_INT)), wall_s=rows(cols["wall_s"]), first_layer=first, end_layer=end,
         c_rank=e_i, c_kind=e_i, c_mb=e_i, c_vs=e_i, c_tokens=e_f, c_s2=e_f, c_start=e_f, c_dur=e_f, c_own=e_f,
         k_rank=e_i, k_op=e_i, k_peer=e_i, k_mb=e_i, k_bytes=e_f, k_dur=e_f, k_wait=np.zeros(0, bool), k_group=e_i)
-    xk = np.stack([cols["x_f"], cols["x_b"], cols["x_w"]], axis=1)[order]
-    dp_wait = min((p.dp_wait_s for p in parts), default=0.0)
+    xk = rows(np.stack([cols["x_f"], cols["x_b"], cols["x_w"]], axis=1))
+    dp_wait = min(dp_waits, default=0.0)
     nan = float("nan")
-    explained = max((nan if p.explained_s is None else p.explained_s for p in parts), default=nan)
-    pipeline = max((nan if p.pipeline_s is None else p.pipeline_s - p.dp_wait_s for p in parts), default=nan)
-    if any(p.explained_s is None for p in parts):
-        explained = nan
-    if any(p.pipeline_s is None for p in parts):
-        pipeline = nan
-    stage_replica = np.repeat([p.replica for p in parts], array_lengths(parts, "s_stage"))
+    explained = nan if None in explained_s else max(explained_s, default=nan)
+    pipeline = nan if None in pipeline_s else max((s - w for s, w in zip(pipeline_s, dp_waits)), default=nan)
+    stage_replica = np.repeat(np.array(replica, _INT), array_lengths(parts, "s_stage"))
     stage_cols = [cols[n] for n in STAGE_ARRAYS]
-    facts = SummaryFacts(own_s=cols["own_s"][order], pred_s=cols["pred_s"][order], explained_s=explained,
-                         pipeline_s=pipeline + dp_wait, tokens=sum(p.tokens for p in parts),
-                         stages=bounded_stage_rows(stage_replica.astype(_INT), stage_cols[0].astype(_INT),
+    facts = SummaryFacts(own_s=rows(cols["own_s"]), pred_s=rows(cols["pred_s"]), explained_s=explained,
+                         pipeline_s=pipeline + dp_wait, tokens=sum(tokens),
+                         stages=bounded_stage_rows(stage_replica, stage_cols[0].astype(_INT),
                                                    stage_cols[1], stage_cols[2]))
     links = (cols["l_src"].astype(_INT), cols["l_dst"].astype(_INT), cols["l_time"],
              cols["l_stage_src"].astype(_INT), cols["l_stage_dst"].astype(_INT), cols["l_waits"] > 0)
-    return JobView(frame=frame, x=cols["x"][order], xk=xk, links=links, u_keys=list(keys),
+    return JobView(frame=frame, x=rows(cols["x"]), xk=xk, links=links, u_keys=list(keys),
                    u_class=u_class, u_tokens=cols["u_tokens"],
                    u_s2=cols["u_s2"], u_own=cols["u_own"], u_rank=cols["u_rank"].astype(_INT), facts=facts,
-                   inferred=any(p.inferred for p in parts))
+                   inferred=any(inferred))
