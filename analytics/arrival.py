@@ -36,6 +36,8 @@ from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from analytics.detector_config import DetectorConfig
 from analytics.fail_stop import FailStopWatch, tracing_at
 from collector.events import RankIteration, TracingDeclared
@@ -55,6 +57,7 @@ class FrameAssembler:
     # Immutable with class-level defaults, so a detector pickled before declarations existed restores.
     tracing: tuple[TracingDeclared, ...] = ()  # every TracingDeclared seen
     untraced_reports: int = 0  # reports of steps the declaration leaves out (dropped)
+    _learned_last: tuple[int, np.ndarray] | None = None  # ``learn``'s last (epoch, ranks)
 
     def add_plan(self, plan: Plan) -> None:
         self.plans[plan.epoch] = plan
@@ -96,6 +99,17 @@ class FrameAssembler:
         if declared is not None and not declared.rank_traced(rank):
             return  # an untraced rank's heartbeats say it lives, not that its reports are due
         self.learned.setdefault(epoch, set()).add(rank)
+
+    def learn(self, epoch: int, ranks: np.ndarray) -> None:
+        """``heard`` for many ranks of a job without a tracing declaration (the sharded merge's
+        heartbeats). The merge hears the same 100k ranks every iteration, and adding them to the
+        set again (a hash per rank) was a tenth of its liveness work: the same ranks as last time
+        are in the set already (nothing takes a rank out without a declaration)."""
+        last = self._learned_last
+        if last is not None and last[0] == epoch and np.array_equal(last[1], ranks):
+            return
+        self.learned.setdefault(epoch, set()).update(ranks.tolist())
+        self._learned_last = (epoch, ranks.copy())
 
     def add(self, report: RankIteration) -> bool:
         """Hold a report until its iteration is complete; False if that iteration was already scored.

@@ -297,12 +297,12 @@ class Detector:
             return out
         hb = kind > 0
         for e in distinct(epoch[hb]):
-            ranks = rank[hb & (epoch == e)].tolist()
+            ranks = rank[hb & (epoch == e)]
             if self.arrival.tracing:
-                for r in ranks:
+                for r in ranks.tolist():
                     self.arrival.heard(e, r)
             else:
-                self.arrival.learned.setdefault(e, set()).update(ranks)  # what heard() keeps, without a declaration
+                self.arrival.learn(e, ranks)
         out = self.book.fail_stop(changes)
         if hb.any():
             out += self._hidden_stop(float(time_s[hb].max()))
@@ -370,11 +370,21 @@ class Detector:
             out += self.book.hidden_cleared(frame.iteration, "the job completed an iteration again: no rank had stopped")
         if frame.epoch != self.epoch:
             out += self._new_epoch(frame)
-        present = set(frame.rank.tolist())
         planned = self.arrival.expected(frame.epoch)
+        if planned is not None and np.array_equal(frame.rank, self._sorted_ranks(planned)):
+            return out  # every planned rank reported (frames hold their ranks sorted): none missing
+        present = set(frame.rank.tolist())
         expected = planned if planned is not None else self.arrival.learned.get(frame.epoch, present)
         missing = expected - present - self.fail_stop.dead
         return out + self.book.fail_stop(self.fail_stop.missing(missing, frame.iteration))
+
+    def _sorted_ranks(self, ranks: frozenset[int]) -> np.ndarray:
+        """``ranks`` as a sorted array, kept while the plan's expected set is the same object: at
+        100k ranks comparing the frame with it is 0.1 ms where the set difference took 6 ms."""
+        kept = getattr(self, "_sorted_expected", None)  # absent in a detector pickled before it existed
+        if kept is None or kept[0] is not ranks:
+            kept = self._sorted_expected = (ranks, np.sort(np.fromiter(ranks, np.int64, len(ranks))))
+        return kept[1]
 
     def suspects(self, frame: IterationFrame) -> set[int]:
         """The ranks whose TP groups may not teach the cost model nor set the job's centre now."""

@@ -300,9 +300,8 @@ class FailStopWatch:
         if self.dead and np.isin(rank, np.fromiter(self.dead, np.int64, len(self.dead))).any():
             return None
         t = self.table
-        rows = t.rows(rank)
+        rows, u, inv = t.batch_rows(rank)
         hb = kind > 0
-        u, inv = t.distinct_rows(rows)
         # intervals: a stream's announced interval never changes inside a fast batch
         held = t.hb_interval_s[rows]
         had_hb = ~np.isnan(t.hb_time_s[rows])
@@ -316,13 +315,18 @@ class FailStopWatch:
             return None
         # Clocks: every row believable against the newest time of the rows before it
         base_int = self._interval_s() if self.heartbeating else np.inf
-        hb_int = np.where(hb, interval_s, np.inf)
-        int_before = np.minimum(base_int, np.concatenate([[np.inf], np.minimum.accumulate(hb_int)[:-1]]))
-        int_before = np.where(np.isinf(int_before), 1.0, int_before)
-        newest_before = np.maximum(self._newest_s, np.concatenate([[-np.inf], np.maximum.accumulate(time_s)[:-1]]))
-        bound = self.config.reference_max_lag_intervals * int_before
-        if not ((newest_before == -np.inf) | (time_s <= newest_before + bound)).all():
-            return None
+        lag = self.config.reference_max_lag_intervals
+        if not (math.isfinite(base_int) and self._newest_s > -np.inf and not (hb & (interval_s < base_int)).any()
+                and bool((time_s <= self._newest_s + lag * base_int).all())):
+            # each row against the rows before it; not needed when every row is within the bound
+            # of the newest time held before the batch, at an interval no heartbeat of it shortens
+            hb_int = np.where(hb, interval_s, np.inf)
+            int_before = np.minimum(base_int, np.concatenate([[np.inf], np.minimum.accumulate(hb_int)[:-1]]))
+            int_before = np.where(np.isinf(int_before), 1.0, int_before)
+            newest_before = np.maximum(self._newest_s, np.concatenate([[-np.inf], np.maximum.accumulate(time_s)[:-1]]))
+            bound = lag * int_before
+            if not ((newest_before == -np.inf) | (time_s <= newest_before + bound)).all():
+                return None
         return self._apply(rows, u, inv, hb, epoch.astype(np.int64), iteration.astype(np.int64), time_s, interval_s)
 
     def _apply(self, rows: np.ndarray, u: np.ndarray, inv: np.ndarray, hb: np.ndarray, epoch: np.ndarray,

@@ -29,7 +29,7 @@ import numpy as np
 from analytics.detector import Detector
 from analytics.detector_config import DetectorConfig
 from analytics.frame import LayerLookup
-from analytics.replica_summary import LIVENESS_ARRAYS, fits_event, job_view, summary_shape_problem, unpack
+from analytics.replica_summary import LIVENESS_ARRAYS, fits_event, job_view, summary_shape_problem, unpack_all
 from analytics.scoring import fit_ranks, learn_units
 from collector.bus import Bus
 from collector.auth import Gate, Signer
@@ -59,6 +59,7 @@ class JobMerge:
         self._lookup: dict[int, LayerLookup] = {}
         self._heard: list[LivenessBatch] = []  # liveness not applied yet (``settle``)
         self._heard_rows = 0
+        self._usable_shape: tuple[int, object] | None = None  # (ranks, layout) of the last usable summary
 
     def on_event(self, event: Envelope) -> list[Payload]:
         p = event.payload
@@ -69,12 +70,14 @@ class JobMerge:
             if key <= self._judged or p.replica in self._waiting.get(key, {}):
                 self.duplicates += 1
                 return []
-            if (problem := summary_shape_problem(p)) is not None:
-                self.malformed += 1  # as a lost summary: the replica is judged missing, the merge goes on
-                log.warning("%s", json.dumps({"event": "summary_malformed", "job": self.job, "shard": p.shard,
-                                              "replica": p.replica, "iteration": p.iteration, "problem": problem,
-                                              "malformed": self.malformed}))
-                return []
+            if (p.ranks, p.layout) != self._usable_shape:  # a uniform plan's replicas send one shape: checked once
+                if (problem := summary_shape_problem(p)) is not None:
+                    self.malformed += 1  # as a lost summary: the replica is judged missing, the merge goes on
+                    log.warning("%s", json.dumps({"event": "summary_malformed", "job": self.job, "shard": p.shard,
+                                                  "replica": p.replica, "iteration": p.iteration, "problem": problem,
+                                                  "malformed": self.malformed}))
+                    return []
+                self._usable_shape = (p.ranks, p.layout)
             self._waiting.setdefault(key, {})[p.replica] = p
             return self._judge_ready(final=False)
         if isinstance(p, LivenessBatch):
@@ -99,28 +102,27 @@ class JobMerge:
         dead_before = set(det.fail_stop.dead)
         out: list[Payload] = []
         held, self._heard, self._heard_rows = self._heard, [], 0
-        parts: list[dict[str, np.ndarray]] = []
+        parts: list[LivenessBatch] = []
         for p in held:
             if p.declared:  # declarations apply in order: the rows read before them first
                 out += self._ingest(parts)
                 parts = []
                 out += [x for d in p.declared for x in det.on_declared(d)]
-            rows = _liveness_rows(p)
-            if rows is None:
+            if not _liveness_usable(p):
                 self.malformed += 1
                 log.warning("%s", json.dumps({"event": "liveness_malformed", "job": self.job, "shard": p.shard,
                                               "rows": p.rows, "malformed": self.malformed}))
                 continue
-            parts.append(rows)
+            parts.append(p)
         out += self._ingest(parts)
         if det.fail_stop.dead != dead_before:
             out.append(fits_event(det.model, *self._judged, det.arrival.plans, det.fail_stop.dead))
         return out + self._judge_ready(final=False)
 
-    def _ingest(self, parts: list[dict[str, np.ndarray]]) -> list[Payload]:
+    def _ingest(self, parts: list[LivenessBatch]) -> list[Payload]:
         if not parts:
             return []
-        kind, rank, epoch, iteration, time_s, interval_s = (np.concatenate([p[n] for p in parts]) for n in LIVENESS_ARRAYS)
+        kind, rank, epoch, iteration, time_s, interval_s = unpack_all(parts, LIVENESS_ARRAYS).values()
         return self.detector.on_liveness(kind, rank.astype(np.int64), epoch.astype(np.int64),
                                          iteration.astype(np.int64), time_s, interval_s)
 
@@ -169,12 +171,12 @@ class JobMerge:
         return out
 
 
-def _liveness_rows(p: LivenessBatch) -> dict[str, np.ndarray] | None:
-    """The batch's arrays, or None when they are not the six of ``p.rows`` rows its layout names (a
-    shard of another build): applying part of a batch would misalign ranks and times. (A blob of
-    another length than its layout's never decodes: collector/events.py ``PackedArrays``.)"""
-    rows = unpack(p.layout, p.blob)
-    return rows if all(len(rows.get(n, ())) == p.rows for n in LIVENESS_ARRAYS) else None
+def _liveness_usable(p: LivenessBatch) -> bool:
+    """Whether the batch's layout holds the six arrays of ``p.rows`` rows each (a shard of another
+    build may not): applying part of a batch would misalign ranks and times. (A blob of another
+    length than its layout's never decodes: collector/events.py ``PackedArrays``.)"""
+    lengths = {name: n for name, _, n in p.layout}
+    return all(lengths.get(n) == p.rows for n in LIVENESS_ARRAYS)
 
 
 class MergeWorker:
