@@ -60,6 +60,7 @@ class JobMerge:
         self._heard: list[LivenessBatch] = []  # liveness not applied yet (``settle``)
         self._heard_rows = 0
         self._usable_shape: tuple[int, object] | None = None  # (ranks, layout) of the last usable summary
+        self._usable_liveness: tuple[int, object] | None = None  # (rows, layout) of the last usable liveness batch
 
     def on_event(self, event: Envelope) -> list[Payload]:
         p = event.payload
@@ -108,11 +109,13 @@ class JobMerge:
                 out += self._ingest(parts)
                 parts = []
                 out += [x for d in p.declared for x in det.on_declared(d)]
-            if not _liveness_usable(p):
-                self.malformed += 1
-                log.warning("%s", json.dumps({"event": "liveness_malformed", "job": self.job, "shard": p.shard,
-                                              "rows": p.rows, "malformed": self.malformed}))
-                continue
+            if (p.rows, p.layout) != self._usable_liveness:  # shards send one shape: checked once
+                if not _liveness_usable(p):
+                    self.malformed += 1
+                    log.warning("%s", json.dumps({"event": "liveness_malformed", "job": self.job, "shard": p.shard,
+                                                  "rows": p.rows, "malformed": self.malformed}))
+                    continue
+                self._usable_liveness = (p.rows, p.layout)
             parts.append(p)
         out += self._ingest(parts)
         if det.fail_stop.dead != dead_before:
