@@ -87,7 +87,9 @@ def test_a_signed_stop_shrinks_the_job_and_a_signed_join_grows_it_back_and_nothi
         places = [place_of(log) for log in logs[:2]]
         host = next(i for i, p in enumerate(places) if p and p[0] == 0)
         other = 1 - host
-        node, ranks, round_ = places[other]  # type: ignore[misc]
+        place = places[other]
+        assert place is not None, f"node {other} logged no place"
+        node, ranks, round_ = place
         engine = factory(JOB, "remediation")
 
         def order(command_id: str, **kw: object) -> NodeCommand:
