@@ -57,7 +57,7 @@ def bus_flags(bus: Bus, embedded_path: Path | None) -> list[str]:
     from collector.kafka_bus import KafkaBus  # already loaded: a bus that is not embedded came from open_bus
 
     if not isinstance(bus, KafkaBus):
-        raise TypeError(f"the demo's children reach the embedded log or Kafka, not a {type(bus).__name__}")
+        raise TypeError(f"the demo's children reach the embedded log or Kafka, not {type(bus).__name__}")
     return ["--bus", "kafka", "--bootstrap", bus.bootstrap]
 
 
