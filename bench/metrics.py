@@ -62,13 +62,13 @@ def _synthetic_projection(ranks: int, iterations: int = 2000):
         severity=Severity.HIGH, iteration=2000,
         locations=[Location(target="compute", rank=i * 8, tp_group=tuple(range(i * 8, i * 8 + 8)), factor=1.8,
                             confidence=0.9)], evidence=Evidence(), summary="synthetic"), time_s=t) for i in range(9)]
+    import duckdb
+
     from collector.stream import Delivery
 
-    class _NoConn:
-        def execute(self, *args: object) -> None:
-            return None
-
-    proj.apply(_NoConn(), [Delivery("t", 0, i, e) for i, e in enumerate([health, *incidents])])  # type: ignore[arg-type]
+    with duckdb.connect() as conn:  # the projection's own table, in memory: only its fold is measured
+        proj.create(conn)
+        proj.apply(conn, [Delivery("t", 0, i, e) for i, e in enumerate([health, *incidents])])
     return proj
 
 

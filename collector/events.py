@@ -261,7 +261,8 @@ class RankIteration(IterationPayload):
 
     # Python construction only: decoding (validate_json) must not run through this __init__, or
     # pydantic would turn every record into Python objects first and lose its direct JSON path.
-    # The flag is how pydantic itself marks an __init__ that only forwards (see RootModel).
+    # The flag is how pydantic itself marks an __init__ that only forwards (see RootModel); no type
+    # can declare an attribute on a function, so pydantic's own RootModel silences its checker too.
     __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
 
     @cached_property
@@ -1010,6 +1011,8 @@ def _event_type(payload_type: type[Payload]) -> type[Envelope]:
 
 
 EVENT_TYPES: dict[str, type[Envelope]] = {k: _event_type(p) for k, p in PAYLOAD_BY_KIND.items()}
+# One event type per payload kind, known only when the payload classes have been defined: mypy cannot
+# read a Union (nor a Literal, above) built from run-time values, which pydantic needs to discriminate.
 Event = Annotated[Union[tuple(EVENT_TYPES.values())], Field(discriminator="kind")]  # type: ignore[valid-type]
 EVENT_ADAPTER: TypeAdapter[Envelope] = TypeAdapter(Event)  # type: ignore[arg-type]  # a Union built at run time
 

@@ -102,15 +102,17 @@ class ScheduleModelScorer:
             m_eval = m + (S - m % S)  # the interleaved order needs m % S == 0: cost the next multiple
         table = op_table(self.schedule, S, m_eval, self.virtual_stages)
         col = lambda xs: np.broadcast_to(np.asarray(xs, dtype=float)[:, None], (S, m_eval))  # noqa: E731
-        if self.schedule == "zero_bubble" and times.w_s is None:
-            raise ValueError("zero_bubble scoring needs StageTimes.w_s")
         mix = self._mix_factors(m_eval)[:, None, :] if self.microbatch_cv > 0 else None  # (R, 1, m)
 
         def chunk(xs: tuple[float, ...]) -> np.ndarray:
             """Chunk durations; with the mix, one factor per micro-batch scales it at every stage."""
             return col(xs) if mix is None else col(xs)[None] * mix
 
-        w = chunk(times.w_s) if self.schedule == "zero_bubble" else None  # type: ignore[arg-type]
+        w = None
+        if self.schedule == "zero_bubble":
+            if times.w_s is None:
+                raise ValueError("zero_bubble scoring needs StageTimes.w_s")
+            w = chunk(times.w_s)
         timing = pipeline_timing(table, chunk(times.f_s), chunk(times.b_s), w, col(times.p2p_s))
         value = float(timing.makespan_s.mean())
         if len(self._cache) > 200_000:

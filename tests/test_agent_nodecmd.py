@@ -28,7 +28,7 @@ from tests.test_agent_run import ROOT, agent_cmd, alive, env, free_port, pid_dir
 from tests.test_agent_shrink import assert_reference_state, shrink_agent
 
 JOB = "shrink-job"  # the job tests/test_agent_shrink.py's agents publish as
-STEPS = 300  # long enough for the spare's ranks to start (import torch) while the job runs
+STEPS = 200  # long enough for the spare's ranks to start (import torch) while the job runs
 PLACE = re.compile(r"node (\d) of 2 with ranks \[(\d), (\d)\] in rendezvous round (\d+)")
 
 
@@ -87,7 +87,9 @@ def test_a_signed_stop_shrinks_the_job_and_a_signed_join_grows_it_back_and_nothi
         places = [place_of(log) for log in logs[:2]]
         host = next(i for i, p in enumerate(places) if p and p[0] == 0)
         other = 1 - host
-        node, ranks, round_ = places[other]  # type: ignore[misc]
+        place = places[other]
+        assert place is not None, f"node {other} logged no place"
+        node, ranks, round_ = place
         engine = factory(JOB, "remediation")
 
         def order(command_id: str, **kw: object) -> NodeCommand:

@@ -87,33 +87,13 @@ def test_a_killed_rank_leaves_the_survivors_training_to_the_reference_state(tmp_
     assert [r["phase"] for r in recovery_lines if r["generation"] == 1] == list(PHASES)
 
 
-def test_a_killed_agent_leaves_the_other_node_training_to_the_reference_state(tmp_path: Path) -> None:
-    """SIGKILL of the agent of node 1 (not the one hosting the rendezvous): its ranks die with it,
-    the agent of node 0 sees its connection close, marks ranks 2 and 3 lost, and ranks 0 and 1
-    shrink past them and train to the end; nothing is left running."""
-    progress = tmp_path / "progress.jsonl"
-    agents, _ = start_two_agents(tmp_path)
-    outs, killed_at, first_pids = kill_rank_and_wait(agents, progress, tmp_path, rank=2, after_rows=4,
-                                                     whole_agent=True)
-    assert [a.returncode for a in agents] == [0, -signal.SIGKILL], outs  # node 1's agent was the one killed
-    rows = rows_of(progress)
-    assert {r["world"] for r in rows if r["t"] <= killed_at} == {4}
-    assert {r["world"] for r in rows if r["t"] > killed_at + 0.5} == {2}
-    assert rows[-1]["step"] == STEPS and {r["restart"] for r in rows} == {0}
-    assert set(written_pids(tmp_path)) == first_pids and alive(list(first_pids)) == []
-    assert "the agent of node 1 is gone with its ranks [2, 3]; ranks [2, 3] marked lost" in outs[0], outs[0]
-
-    assert_reference_state(tmp_path)
-    first = first_recovery(tmp_path)
-    assert [p.phase for p in first] == list(PHASES)
-    assert {(tuple(p.world), tuple(p.lost)) for p in first} == {((0, 1), (2, 3))}
-
-
-def test_an_agent_started_with_join_running_takes_a_dead_agents_place(tmp_path: Path) -> None:
-    """A spare agent (--join-running) waits; SIGKILL of node 1's agent: the world shrinks to ranks
-    0 and 1, the spare takes node 1's place, its new ranks 2 and 3 join at a step boundary with
-    the survivors' state, and the job ends at the reference state with every process gone."""
-    steps = 300  # long enough for the spare's ranks to start (import torch) while the job runs
+def test_a_killed_agent_leaves_the_other_node_training_and_a_spare_agent_takes_its_place(tmp_path: Path) -> None:
+    """A spare agent (--join-running) waits; SIGKILL of node 1's agent (not the one hosting the
+    rendezvous): its ranks die with it, the agent of node 0 sees its connection close, marks ranks
+    2 and 3 lost, and ranks 0 and 1 shrink past them without a restart; the spare takes node 1's
+    place, its new ranks 2 and 3 join at a step boundary with the survivors' state, and the job
+    ends at the reference state with every process gone."""
+    steps = 150  # long enough for the spare's ranks to start (import torch) while the job runs
     progress, spare_log = tmp_path / "progress.jsonl", tmp_path / "spare.log"
     agents, port = start_two_agents(tmp_path, steps)
     spare = shrink_agent(tmp_path, port, 1, steps, "--join-running", log=spare_log)
@@ -132,6 +112,11 @@ def test_an_agent_started_with_join_running_takes_a_dead_agents_place(tmp_path: 
     shrunk = worlds.index(2)
     assert set(worlds[:shrunk]) == {4} and 4 in worlds[shrunk:] and worlds[-1] == 4  # 4 → 2 → 4
     assert rows_of(progress)[-1]["step"] == steps
+    assert "the agent of node 1 is gone with its ranks [2, 3]; ranks [2, 3] marked lost" in outs[0], outs[0]
+    assert {r["restart"] for r in rows_of(progress)} == {0}
+    first = first_recovery(tmp_path)
+    assert [p.phase for p in first] == list(PHASES)
+    assert {(tuple(p.world), tuple(p.lost)) for p in first} == {((0, 1), (2, 3))}
     assert "rank 2 joined the world" in spare_out and "rank 3 joined the world" in spare_out
     assert "hang:" not in spare_out, spare_out
     pids = written_pids(tmp_path)

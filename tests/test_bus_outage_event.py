@@ -14,7 +14,7 @@ from analytics.detector_config import DetectorConfig
 from analytics.fail_stop import FailStopWatch
 from collector import topics
 from collector.auth import load_keyring
-from collector.bus import BusHealth
+from collector.bus import BusHealth, Consumer
 from collector.embedded import EmbeddedBus
 from collector.events import BusOutage, Envelope, EventFactory
 from collector.stream import EventStream
@@ -67,14 +67,19 @@ def test_an_outage_publishes_its_start_and_end_per_job_once_the_bus_is_back(tmp_
     assert "job-c" not in model.jobs and forged.id in {r.event_id for r in model.security.rejected}
 
 
+def _one_job_guard(bus: EmbeddedBus) -> tuple[Consumer, OutageGuard, dict[str, FailStopWatch]]:
+    """A consumer with its own bus health, assigned at the end of an empty log, guarding one job of one rank."""
+    consumer = bus.consumer("analytics", [topics.TELEMETRY])
+    consumer.health = BusHealth()
+    watches = {"job-a": FailStopWatch(DetectorConfig())}
+    watches["job-a"].new_epoch({0})
+    consumer.poll(timeout_s=0)
+    return consumer, OutageGuard(bus, consumer, [topics.TELEMETRY]), watches
+
+
 def test_a_consumer_that_defers_to_another_publishes_no_outage(tmp_path: Path) -> None:
     with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
-        consumer = bus.consumer("analytics", [topics.TELEMETRY])
-        consumer.health = BusHealth()
-        guard = OutageGuard(bus, consumer, [topics.TELEMETRY])
-        watches = {"job-a": FailStopWatch(DetectorConfig())}
-        watches["job-a"].new_epoch({0})
-        consumer.poll(timeout_s=0)
+        consumer, guard, watches = _one_job_guard(bus)
         consumer.health.mark_down("gone")
         guard.after_step(0, watches, publish=False)
         consumer.health.mark_up()
@@ -88,12 +93,7 @@ def test_an_outage_starts_at_the_clients_first_failure_even_when_seen_after_it_e
     import time
 
     with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
-        consumer = bus.consumer("analytics", [topics.TELEMETRY])
-        consumer.health = BusHealth()
-        guard = OutageGuard(bus, consumer, [topics.TELEMETRY])
-        watches = {"job-a": FailStopWatch(DetectorConfig())}
-        watches["job-a"].new_epoch({0})
-        consumer.poll(timeout_s=0)
+        consumer, guard, watches = _one_job_guard(bus)
         consumer.health.mark_down("broker unreachable")
         failed_at = consumer.health.down_since
         consumer.health.mark_up()  # down and up again between two looks

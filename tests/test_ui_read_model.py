@@ -112,6 +112,9 @@ def test_ui_users_file_hashes_and_refuses(tmp_path: Path) -> None:
     assert not verify_password("x", "md5$abc")
     with pytest.raises(ValueError, match="role"):
         users.add_user("eve", "admin", "pw")
+    (tmp_path / "edited.toml").write_text('[users.mallory]\nrole = "admin"\npassword = "scrypt$x"\n')
+    with pytest.raises(UsersFileError, match="user 'mallory' needs role = one of"):
+        UsersFile(tmp_path / "edited.toml").authenticate("mallory", "pw")
 
 
 def _feed_with_pending_plan(tmp_path: Path) -> Feed:

@@ -40,6 +40,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Protocol, runtime_checkable
 
 from collector import topics
 from collector.auth import Gate, Signer
@@ -54,6 +55,14 @@ from collector.stream import EventStream
 from trainer.telemetry import IterationRecorder, TelemetryPublisher
 
 BusSource = Bus | Callable[[], Bus] | None
+
+
+@runtime_checkable
+class IntegerArray(Protocol):
+    """A tensor or array of whole numbers (``torch.Tensor``, ``numpy.ndarray``): one ``tolist()`` turns it
+    into plain ints without importing either library here."""
+
+    def tolist(self) -> list[int]: ...
 
 
 class _Borrowed(Bus):
@@ -84,10 +93,10 @@ def _bus_opener(bus: BusSource) -> Callable[[], Bus]:
     return bus if bus is not None else open_bus
 
 
-def seq_lens_from_cu_seqlens(cu_seqlens: Iterable[int] | object) -> list[int]:
+def seq_lens_from_cu_seqlens(cu_seqlens: Iterable[int] | IntegerArray) -> list[int]:
     """Packed sequence lengths from cumulative offsets ``[0, l0, l0+l1, ...]`` (flash-attention's
     ``cu_seqlens``; a tensor, array or list). Raises ValueError if the offsets decrease."""
-    values = cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else list(cu_seqlens)  # type: ignore[call-overload]
+    values = cu_seqlens.tolist() if isinstance(cu_seqlens, IntegerArray) else list(cu_seqlens)
     lens = [int(b) - int(a) for a, b in zip(values, values[1:])]
     if any(n < 0 for n in lens):
         raise ValueError(f"cu_seqlens must not decrease, got {values[:8]}...; pass the cumulative offsets")

@@ -25,12 +25,24 @@ import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypedDict, TypeGuard
 
 Role = Literal["operator", "viewer"]
-ROLES: tuple[str, ...] = ("operator", "viewer")
+ROLES: tuple[Role, ...] = ("operator", "viewer")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _SCRYPT_N, _SCRYPT_R, _SCRYPT_P = 2**14, 8, 1
+
+
+def is_role(value: object) -> TypeGuard[Role]:
+    """Whether ``value`` names a console role; the one check the users file and ``add_user`` share."""
+    return value in ROLES
+
+
+class UserEntry(TypedDict):
+    """One user as the users file stores it."""
+
+    role: Role
+    password: str
 
 
 class AuthError(Exception):
@@ -100,7 +112,7 @@ class UsersFile:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
 
-    def load(self) -> dict[str, dict[str, str]]:
+    def load(self) -> dict[str, UserEntry]:
         if not self.path.exists():
             raise UsersFileError(
                 f"no users file at {self.path}; create one with "
@@ -112,12 +124,16 @@ class UsersFile:
         users = data.get("users", {})
         if not isinstance(users, dict):
             raise UsersFileError(f"users file {self.path}: [users] must be a table of users")
+        entries: dict[str, UserEntry] = {}
         for name, entry in users.items():
-            if not isinstance(entry, dict) or entry.get("role") not in ROLES or not isinstance(entry.get("password"), str):
+            role = entry.get("role") if isinstance(entry, dict) else None
+            password = entry.get("password") if isinstance(entry, dict) else None
+            if not is_role(role) or not isinstance(password, str):
                 raise UsersFileError(
                     f"users file {self.path}: user {name!r} needs role = one of {list(ROLES)} and a password hash; "
                     "rewrite it with `resihp ui --add-user`")
-        return users
+            entries[name] = {"role": role, "password": password}
+        return entries
 
     def knows(self, name: str) -> bool:
         try:
@@ -131,13 +147,13 @@ class UsersFile:
         stored = entry["password"] if entry else "scrypt$16384$8$1$AAAAAAAAAAAAAAAAAAAAAA==$AAAA"
         if not verify_password(password, stored) or entry is None:
             raise AuthError("wrong user name or password")
-        return User(name, entry["role"])  # type: ignore[arg-type]
+        return User(name, entry["role"])
 
     def add_user(self, name: str, role: str, password: str) -> None:
         """Add or replace one user; other users are kept. Writes atomically (temp file + rename)."""
         if not _NAME.match(name):
             raise ValueError(f"user name {name!r}: use 1–64 letters, digits, '_', '.' or '-'")
-        if role not in ROLES:
+        if not is_role(role):
             raise ValueError(f"role {role!r}: choose one of {list(ROLES)}")
         users = self.load() if self.path.exists() else {}
         users[name] = {"role": role, "password": hash_password(password)}

@@ -54,7 +54,11 @@ def bus_flags(bus: Bus, embedded_path: Path | None) -> list[str]:
     if bus.name == "embedded":
         assert embedded_path is not None
         return ["--bus", "embedded", "--bus-path", str(embedded_path)]
-    return ["--bus", "kafka", "--bootstrap", bus.bootstrap]  # type: ignore[attr-defined]
+    from collector.kafka_bus import KafkaBus  # already loaded: a bus that is not embedded came from open_bus
+
+    if not isinstance(bus, KafkaBus):
+        raise TypeError(f"the demo's children reach the embedded log or Kafka, not {type(bus).__name__}")
+    return ["--bus", "kafka", "--bootstrap", bus.bootstrap]
 
 
 @dataclass

@@ -165,7 +165,7 @@ def native_story(*, short: bool = False) -> DemoStory:
     (docs/native.md). TP1, so every rank is its own TP group and the detector names it without a
     probe; four replicas, because the detector centres each rank on the job's median, which two
     ranks (one of them slow) would split between them."""
-    warmup, phase = (20, 30) if short else (30, 60)
+    warmup, phase = (20, 20) if short else (30, 60)
     slow = FaultBeat("demo-fail-slow", "fail_slow", 1, warmup, factor=3.0)
     return DemoStory(gpus=4, tp=1, pp=1, dp=4, microbatches_per_replica=2, model="7b", warmup_iterations=warmup,
                      slow=slow, stop=None, iterations=warmup + 2 * phase, probes=False)

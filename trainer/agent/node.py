@@ -225,7 +225,7 @@ class NodeAgent(LocalElasticAgent):
             if status is not None:
                 commands.ack(command, round_, status, detail)
                 continue
-            self._stop_node(worker_group, command, round_)
+            self._stop_node(worker_group, commands, command, round_)
 
     def _node_command_refusal(self, command: NodeCommand, node: int, nodes: int) -> str:
         """Why this running node cannot obey a command that passed the fence ("" : it can)."""
@@ -236,7 +236,7 @@ class NodeAgent(LocalElasticAgent):
                     "stop another node, or stop the job (SIGTERM to every agent)")
         return ""
 
-    def _stop_node(self, worker_group: WorkerGroup, command: NodeCommand, round_: int) -> None:
+    def _stop_node(self, worker_group: WorkerGroup, commands: NodeCommands, command: NodeCommand, round_: int) -> None:
         """SIGTERM every rank of this node (its process group), SIGKILL what is left after the
         grace, acknowledge, and end the agent (:class:`NodeStopped`): its peers see it go as a
         death and, under ``--on-failure shrink``, go on without its ranks (presence.py)."""
@@ -264,7 +264,7 @@ class NodeAgent(LocalElasticAgent):
         detail = f"node {worker_group.group_rank} stopped its ranks {ranks}"
         detail += f"; {termed} exited on SIGTERM" if termed else ""
         detail += f"; {killed} were SIGKILLed after {grace:g} s" if killed else ""
-        self.settings.commands.ack(command, round_, AckStatus.APPLIED, detail, ranks)  # type: ignore[union-attr]
+        commands.ack(command, round_, AckStatus.APPLIED, detail, ranks)
         raise NodeStopped(command, detail)
 
     # ---- in-job recovery (on_failure="shrink") ----------------------------------------------------

@@ -73,7 +73,7 @@ def local_loss(model: torch.nn.Module, step: int, rank: int, world: int, batch: 
     """This rank's share of the step's mean squared error: its samples (i ≡ rank mod world) over the global batch."""
     pairs = [sample(step, i, width) for i in range(rank, batch, world)]
     if not pairs:
-        return sum(p.sum() * 0 for p in model.parameters())  # type: ignore[return-value]
+        return sum((p.sum() * 0 for p in model.parameters()), torch.zeros(()))
     x, y = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
     return (model(x) - y).pow(2).sum() / batch
 

@@ -20,9 +20,14 @@ torch has the hook it replaces and is skipped (the build is only slower) where i
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor._op_schema import OpSchema
 
 _SAME_META_OPS = (torch.ops.aten.detach.default,)
 
@@ -34,8 +39,7 @@ def install_stage_build_shortcuts() -> bool:
 
 def _install_detach_rule() -> bool:
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-    from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
+    from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
 
     prop = DTensor._op_dispatcher.sharding_propagator
     needed = ("op_single_dim_strategy_funcs", "op_strategy_funcs", "register_op_strategy",
@@ -55,18 +59,28 @@ def _install_detach_rule() -> bool:
         prop.op_single_dim_strategy_funcs.pop(op, None)
         prop.register_op_strategy(op, same_as_input)
 
-    if not getattr(prop._propagate_tensor_meta_non_cached, "_input_meta_for_identity_ops", False):
-        fake_run = prop._propagate_tensor_meta_non_cached
-
-        def input_meta(op_schema: OpSchema) -> Any:
-            given = op_schema.args_schema[0] if op_schema.args_schema else None
-            if op_schema.op in _SAME_META_OPS and isinstance(given, DTensorSpec) and given.tensor_meta is not None:
-                return given.tensor_meta
-            return fake_run(op_schema)
-
-        input_meta._input_meta_for_identity_ops = True  # type: ignore[attr-defined]
-        prop._propagate_tensor_meta_non_cached = input_meta  # type: ignore[method-assign]
+    if not isinstance(prop._propagate_tensor_meta_non_cached, _InputMetaForIdentityOps):
+        # mypy forbids replacing a method; replacing this propagator's is the shortcut
+        prop._propagate_tensor_meta_non_cached = _InputMetaForIdentityOps(  # type: ignore[method-assign]
+            prop._propagate_tensor_meta_non_cached)
     return True
+
+
+class _InputMetaForIdentityOps:
+    """The propagator's metadata step with the input's metadata for ``_SAME_META_OPS``; every other op
+    runs torch's own step (``fake_run``). Being this class is how a second install sees the first."""
+
+    def __init__(self, fake_run: Callable[[OpSchema], Any]) -> None:
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+        self.fake_run = fake_run
+        self.spec_type = DTensorSpec
+
+    def __call__(self, op_schema: OpSchema) -> Any:
+        given = op_schema.args_schema[0] if op_schema.args_schema else None
+        if op_schema.op in _SAME_META_OPS and isinstance(given, self.spec_type) and given.tensor_meta is not None:
+            return given.tensor_meta
+        return self.fake_run(op_schema)
 
 
 def _install_concatenate_memo() -> bool:
@@ -75,17 +89,25 @@ def _install_concatenate_memo() -> bool:
     concatenate = getattr(DeviceMesh, "_concatenate", None)
     if concatenate is None:
         return False
-    if getattr(concatenate, "_memoised", False):
+    if isinstance(concatenate, _MemoisedConcatenate):
         return True
-    made: dict[tuple[int, ...], tuple[list[DeviceMesh], DeviceMesh]] = {}
-
-    def memoised(device_mesh_list: list[DeviceMesh]) -> DeviceMesh:
-        key = tuple(id(m) for m in device_mesh_list)
-        hit = made.get(key)
-        if hit is None:
-            hit = made[key] = (list(device_mesh_list), concatenate(device_mesh_list))
-        return hit[1]
-
-    memoised._memoised = True  # type: ignore[attr-defined]
-    DeviceMesh._concatenate = staticmethod(memoised)  # type: ignore[method-assign]
+    # mypy forbids replacing a method; replacing DeviceMesh's is the shortcut
+    DeviceMesh._concatenate = staticmethod(_MemoisedConcatenate(concatenate))  # type: ignore[method-assign]
     return True
+
+
+class _MemoisedConcatenate:
+    """``DeviceMesh._concatenate`` built once per list of meshes. The key is the meshes' identities;
+    the memo keeps the meshes alive, so an id is never reused. Being this class is how a second
+    install sees the first."""
+
+    def __init__(self, concatenate: Callable[[list[DeviceMesh]], DeviceMesh]) -> None:
+        self.concatenate = concatenate
+        self.made: dict[tuple[int, ...], tuple[list[DeviceMesh], DeviceMesh]] = {}
+
+    def __call__(self, device_mesh_list: list[DeviceMesh]) -> DeviceMesh:
+        key = tuple(id(m) for m in device_mesh_list)
+        hit = self.made.get(key)
+        if hit is None:
+            hit = self.made[key] = (list(device_mesh_list), self.concatenate(device_mesh_list))
+        return hit[1]

@@ -44,7 +44,10 @@ class GroupCache:
         they take are CPU tensors (NCCL moves only GPU ones)."""
         key = (role, tuple(sorted(ranks)))
         if key[1] == tuple(range(dist.get_world_size())) and role in ("world",):
-            return dist.group.WORLD  # type: ignore[return-value]
+            world = dist.group.WORLD
+            if world is None:
+                raise RuntimeError("no default process group: call torch.distributed.init_process_group first")
+            return world
         group = self._groups.get(key)
         if group is None:
             # The salt (see the module doc): the same on every member, distinct per epoch and role;

@@ -87,7 +87,7 @@ class NativeCommandIntake:
         command = self.listener.poll(timeout_s=timeout_s)  # the posted one again while it is unacknowledged
         self._adopt_recovered()
         if self.posted is not None:
-            self._check_posted(alive)
+            self._check_posted(self.posted, alive)
             return
         if command is not None:
             self.posts += 1
@@ -96,8 +96,8 @@ class NativeCommandIntake:
             self.posted = (self.posts, command)
             log.info("posted %s as epoch %d (post %d)", command.plan_id, command.plan.epoch, self.posts)
 
-    def _check_posted(self, alive: set[int]) -> None:
-        post, command = self.posted  # type: ignore[misc]
+    def _check_posted(self, posted: tuple[int, ReconfigureCommand], alive: set[int]) -> None:
+        post, command = posted
         world = command.plan.devices
         running = self.listener.running.devices
         refused = [d for d in running if self.store.check([refused_key(post, d)])]

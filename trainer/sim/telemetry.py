@@ -240,7 +240,11 @@ def dialect_rank_iterations(
                 for k in range(len(idx) + 1):  # the gap before chunk k (k = len: after the last chunk)
                     r = recv[k] if k < len(idx) else None
                     snd = send[k - 1] if k > 0 else None
-                    if r is None and snd is None:
+                    if r is not None:
+                        peer_stage = r[1]
+                    elif snd is not None:
+                        peer_stage = snd[1]
+                    else:
                         continue
                     b = en[k - 1] if k > 0 else 0.0
                     end = st[k] if r is not None else b
@@ -248,7 +252,7 @@ def dialect_rank_iterations(
                         end = max(end, b + snd[2])
                     m = mbs[k] if r is not None else mbs[k - 1]
                     comm.append(CommWait.model_construct(
-                        op=CommOp.PP_SENDRECV, peer=peer(r[1] if r is not None else snd[1], t), microbatch=m,  # type: ignore[index]
+                        op=CommOp.PP_SENDRECV, peer=peer(peer_stage, t), microbatch=m,
                         bytes=None, start_s=b, duration_s=end - b, includes_wait=True, group=None))
             else:
                 for k in range(len(idx)):

@@ -111,4 +111,4 @@ def draw_microbatches(rngs: list[np.random.Generator], spec: WorkloadSpec, strea
         if packed is not None:
             return packed
         count *= 2  # rare: a row drew unusually short documents; redraw everything, deterministically
-        rngs = [np.random.default_rng(g.bit_generator.seed_seq.spawn(1)[0]) for g in rngs]  # type: ignore[attr-defined]
+        rngs = [g.spawn(1)[0] for g in rngs]
