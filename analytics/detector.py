@@ -47,6 +47,16 @@ UNTRACED_SUSTAIN = 4
 _MEDIAN_STEP_PER_SIGMA = 0.6745 * math.sqrt(2)  # median |z_t − z_{t−1}| for independent normal z of σ 1
 
 
+def _state_index(rank: np.ndarray) -> np.ndarray | slice:
+    """Where a frame's ranks sit in the detector's per-rank arrays (indexed by rank): a slice when
+    they are one run of consecutive ranks, as a job's usually are (a frame holds its ranks sorted,
+    each once), so that reading and writing 100k ranks' state is a view, not a gather and a scatter."""
+    n = len(rank)
+    if n and int(rank[-1]) - int(rank[0]) == n - 1 and bool((np.diff(rank) == 1).all()):
+        return slice(int(rank[0]), int(rank[0]) + n)
+    return rank
+
+
 @dataclass
 class _FrameRecord:
     iteration: int
@@ -487,7 +497,7 @@ class Detector:
         span = self.config.rank_noise_iterations
         if span <= 0:
             return np.full(len(frame.rank), sigma)
-        r, z = frame.rank, score.z
+        r, z = _state_index(frame.rank), score.z
         med = self._z_noise[r]
         med = np.where(np.isfinite(med), med, _MEDIAN_STEP_PER_SIGMA * sigma)  # a new rank starts at the job's
         step = np.abs(z - self._z_last[r])
@@ -513,9 +523,10 @@ class Detector:
         sig_r = self._rank_sigma(frame, score, sigma)
         k_r, h_r, cap_r = self._thresholds(sig_r)
         judged = np.isfinite(score.z)  # a rank without predictions keeps its CUSUM as it was
-        prev = self._cusum[frame.rank]
+        at = _state_index(frame.rank)
+        prev = self._cusum[at]
         s = np.where(judged, np.maximum(0.0, prev + np.minimum(np.nan_to_num(score.z) - k_r, cap_r)), prev)
-        self._cusum[frame.rank] = s
+        self._cusum[at] = s
         out: list[Payload] = []
         # Not alarmed on: a suspect (its incident is open) and its TP peers in this layout — in
         # lock-step their own times are entangled with the suspect's (identical, without TP waits).
