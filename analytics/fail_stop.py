@@ -307,12 +307,14 @@ class FailStopWatch:
         had_hb = ~np.isnan(t.hb_time_s[rows])
         if (hb & had_hb & (interval_s != held)).any():
             return None
-        first_int = np.full(len(u), np.nan)
-        np.fmax.at(first_int, inv[hb], interval_s[hb])
-        low = np.full(len(u), np.nan)
-        np.fmin.at(low, inv[hb], interval_s[hb])
-        if not np.array_equal(first_int, low, equal_nan=True):
-            return None
+        hb_intervals = interval_s[hb]
+        if len(hb_intervals) and hb_intervals.min() != hb_intervals.max():  # one interval for all: none changes
+            first_int = np.full(len(u), np.nan)
+            np.fmax.at(first_int, inv[hb], hb_intervals)
+            low = np.full(len(u), np.nan)
+            np.fmin.at(low, inv[hb], hb_intervals)
+            if not np.array_equal(first_int, low, equal_nan=True):
+                return None
         # Clocks: every row believable against the newest time of the rows before it
         base_int = self._interval_s() if self.heartbeating else np.inf
         lag = self.config.reference_max_lag_intervals
@@ -333,43 +335,46 @@ class FailStopWatch:
                iteration: np.ndarray, time_s: np.ndarray, interval_s: np.ndarray) -> list[LivenessChange]:
         """``ingest`` once the batch is known to be believable: per rank, what its rows leave."""
         t = self.table
-        t.heard[u] = True
+        # the batch's rows as an index: a slice (views, no gathers) when it covers every row, as
+        # the merge's batches do; ``u`` stays the rows' numbers
+        uu: np.ndarray | slice = slice(0, t.n) if len(u) == t.n else u
+        t.heard[uu] = True
         t_max = np.full(len(u), -np.inf)
         np.maximum.at(t_max, inv, time_s)
-        before = t.time_s[u]
+        before = t.time_s[uu]
         if self._deadline_s < np.inf:
-            crossing = (before <= self._deadline_s) & (self._deadline_s < t_max) & t.watched[u]
+            crossing = (before <= self._deadline_s) & (self._deadline_s < t_max) & t.watched[uu]
             if self.dead:
                 crossing &= ~np.isin(t.rank[u], np.fromiter(self.dead, np.int64, len(self.dead)))
             self._short_of_deadline -= int(np.count_nonzero(crossing))
-        t.time_s[u] = np.maximum(before, t_max)
+        t.time_s[uu] = np.maximum(before, t_max)
         self._newest_s = max(self._newest_s, float(time_s.max()))
         self._heard_epoch = max(self._heard_epoch, int(epoch.max()))
         e_max = np.full(len(u), -1, np.int64)
         np.maximum.at(e_max, inv, epoch)
-        moved = e_max > t.epoch[u]
+        moved = e_max > t.epoch[uu]
         reset = u[moved]
         t.epoch[reset], t.reported[reset], t.started[reset] = e_max[moved], -1, -1
         current = epoch == t.epoch[rows]  # rows of the epoch each stream is now in
         for col, sel in (("reported", ~hb), ("started", hb)):
             top = np.full(len(u), -1, np.int64)
             np.maximum.at(top, inv[sel & current], iteration[sel & current])
-            getattr(t, col)[u] = np.maximum(getattr(t, col)[u], top)
+            getattr(t, col)[uu] = np.maximum(getattr(t, col)[uu], top)
         if hb.any():
             last_hb = np.full(len(u), -np.inf)
             np.maximum.at(last_hb, inv[hb], time_s[hb])
             got = last_hb > -np.inf
-            old = t.hb_time_s[u]
+            old = t.hb_time_s[uu]
             new_hb = got & np.isnan(old)
             for r in u[new_hb].tolist():  # a stream's first heartbeat: the interval's minimum may fall
                 self._interval_changed(None, float(interval_s[hb & (rows == r)][0]))
                 self.heartbeating += 1
-            t.hb_time_s[u] = np.where(got, np.fmax(old, last_hb), old)
+            t.hb_time_s[uu] = np.where(got, np.fmax(old, last_hb), old)
             interval = np.full(len(u), np.nan)
             np.fmax.at(interval, inv[hb], interval_s[hb])
-            t.hb_interval_s[u] = np.where(got, interval, t.hb_interval_s[u])
+            t.hb_interval_s[uu] = np.where(got, interval, t.hb_interval_s[uu])
         t.missing[rows[~hb]] = 0
-        fresh = u[~t.watched[u] & ~t.retired[u]]
+        fresh = u[~t.watched[uu] & ~t.retired[uu]]
         t.watched[fresh] = True
         self._watched_n += len(fresh)
         self._batch_progress(~hb, epoch, iteration, time_s)
