@@ -103,7 +103,7 @@ class FrameAssembler:
     def learn(self, epoch: int, ranks: np.ndarray) -> None:
         """``heard`` for many ranks of a job without a tracing declaration (the sharded merge's
         heartbeats). The merge hears the same 100k ranks every iteration, and adding them to the
-        set again (a hash per rank) was a tenth of its liveness work: the same ranks as last time
+        set again (a hash per rank) costs a tenth of its liveness work: the same ranks as last time
         are in the set already (nothing takes a rank out without a declaration)."""
         last = self._learned_last
         if last is not None and last[0] == epoch and np.array_equal(last[1], ranks):

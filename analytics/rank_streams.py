@@ -81,7 +81,7 @@ class RankStreams:
         """(``rows(ranks)``, then ``distinct_rows`` of them), read-only. A rank keeps its row for
         good (rows are only ever added), so the answer for the same ranks never changes: the sharded
         merge's batches list the same 200k ranks in the same order every iteration, and looking
-        them up again (a search per rank) was a tenth of its liveness work."""
+        them up again (a search per rank) costs a tenth of its liveness work."""
         ranks = np.asarray(ranks, np.int64)
         last = self._last_batch
         if last is not None and np.array_equal(last[0], ranks):
