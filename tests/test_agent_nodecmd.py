@@ -28,7 +28,7 @@ from tests.test_agent_run import ROOT, agent_cmd, alive, env, free_port, pid_dir
 from tests.test_agent_shrink import assert_reference_state, shrink_agent
 
 JOB = "shrink-job"  # the job tests/test_agent_shrink.py's agents publish as
-STEPS = 200  # long enough for the spare's ranks to start (import torch) while the job runs
+STEPS = 300  # long enough for the spare's ranks to start (import torch) while the job runs
 PLACE = re.compile(r"node (\d) of 2 with ranks \[(\d), (\d)\] in rendezvous round (\d+)")
 
 

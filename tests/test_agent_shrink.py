@@ -93,7 +93,7 @@ def test_a_killed_agent_leaves_the_other_node_training_and_a_spare_agent_takes_i
     2 and 3 lost, and ranks 0 and 1 shrink past them without a restart; the spare takes node 1's
     place, its new ranks 2 and 3 join at a step boundary with the survivors' state, and the job
     ends at the reference state with every process gone."""
-    steps = 150  # long enough for the spare's ranks to start (import torch) while the job runs
+    steps = 300  # long enough for the spare's ranks to start (import torch) while the job runs
     progress, spare_log = tmp_path / "progress.jsonl", tmp_path / "spare.log"
     agents, port = start_two_agents(tmp_path, steps)
     spare = shrink_agent(tmp_path, port, 1, steps, "--join-running", log=spare_log)
