@@ -20,8 +20,8 @@ from collector import topics
 from collector.bus import open_bus
 from collector.events import RecoveryPhase
 from collector.stream import EventStream
-from tests.test_agent_run import (agent_cmd, alive, env, free_port, kill_rank_and_wait, pid_dir, rows_of, wait_until,
-                                  written_pids)
+from tests.test_agent_run import (agent_cmd, alive, env, free_port, kill_rank_and_wait, parent_of, pid_dir, rows_of,
+                                  wait_until, written_pids)
 from trainer.agent.sample_job import reference_state
 from trainer.agent.shrink import PHASES
 
@@ -158,3 +158,32 @@ def test_a_stopped_rank_is_reported_benched_and_rejoins_when_it_runs_again(tmp_p
     final = torch.load(tmp_path / "final.pt", weights_only=True)
     for name, tensor in reference_state(steps).items():
         torch.testing.assert_close(final[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_a_killed_rank_forked_from_the_preloaded_server_leaves_its_peers_training(tmp_path: Path) -> None:
+    """``--preload torch --on-failure shrink``: the ranks come from the fork server (their parent
+    is not the agent), a SIGKILLed one leaves the watch alone, its two peers shrink past it with
+    their own processes and end at the reference state, and nothing is left running."""
+    progress = tmp_path / "progress.jsonl"
+    argv = agent_cmd("--standalone", "--nproc-per-node", "3", "--monitor-interval", "0.05", "--on-failure", "shrink",
+                     "--preload", "torch", "--work-dir", str(tmp_path / "w"),
+                     job_args=("--steps", str(STEPS), "--step-s", "0.2", "--progress-file", str(progress),
+                               "--pid-dir", str(pid_dir(tmp_path)), "--final-state", str(tmp_path / "final.pt")))
+    agent = subprocess.Popen(argv, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: len(rows_of(progress)) >= 4)
+        parents = {parent_of(pid) for pid in written_pids(tmp_path)}
+    except BaseException:
+        agent.kill()
+        agent.wait()
+        raise
+    outs, killed_at, first_pids = kill_rank_and_wait([agent], progress, tmp_path, rank=2, after_rows=4)
+    assert agent.returncode == 0, outs
+    assert len(parents) == 1 and agent.pid not in parents  # one fork server, not the agent
+    rows = rows_of(progress)
+    assert {r["world"] for r in rows if r["t"] <= killed_at} == {3}
+    assert 2 in {r["world"] for r in rows if r["t"] > killed_at + 0.5}
+    assert rows[-1]["step"] == STEPS and {r["restart"] for r in rows} == {0}
+    assert set(written_pids(tmp_path)) == first_pids and alive(list(first_pids)) == []
+    assert "rank 2 (local 2" in outs[0] and "its peers go on without it" in outs[0], outs[0]
+    assert_reference_state(tmp_path)
