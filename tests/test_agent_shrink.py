@@ -45,6 +45,17 @@ def shrink_agent(tmp_path: Path, port: int, node: int, steps: int, *flags: str, 
     return subprocess.Popen(cmd, env=env(), stdout=out, stderr=subprocess.STDOUT, text=True)
 
 
+def standalone_shrink_agent(tmp_path: Path, steps: int, step_s: float, *flags: str) -> subprocess.Popen:
+    """One standalone agent of 3 ranks under --on-failure shrink (its output piped), writing its
+    progress to ``progress.jsonl``."""
+    argv = agent_cmd("--standalone", "--nproc-per-node", "3", "--monitor-interval", "0.05", "--on-failure", "shrink",
+                     "--work-dir", str(tmp_path / "w"), *flags,
+                     job_args=("--steps", str(steps), "--step-s", str(step_s), "--progress-file",
+                               str(tmp_path / "progress.jsonl"), "--pid-dir", str(pid_dir(tmp_path)),
+                               "--final-state", str(tmp_path / "final.pt")))
+    return subprocess.Popen(argv, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 def start_two_agents(tmp_path: Path, steps: int = STEPS) -> tuple[list[subprocess.Popen], int]:
     port = free_port()
     return [shrink_agent(tmp_path, port, n, steps) for n in (0, 1)], port
@@ -130,11 +141,7 @@ def test_a_stopped_rank_is_reported_benched_and_rejoins_when_it_runs_again(tmp_p
     at the reference state."""
     steps = 60
     progress = tmp_path / "progress.jsonl"
-    argv = agent_cmd("--standalone", "--nproc-per-node", "3", "--monitor-interval", "0.05", "--on-failure", "shrink",
-                     "--hang-floor-s", "2", "--work-dir", str(tmp_path / "w"),
-                     job_args=("--steps", str(steps), "--step-s", "0.1", "--progress-file", str(progress),
-                               "--pid-dir", str(pid_dir(tmp_path)), "--final-state", str(tmp_path / "final.pt")))
-    agent = subprocess.Popen(argv, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    agent = standalone_shrink_agent(tmp_path, steps, 0.1, "--hang-floor-s", "2")
     try:
         wait_until(lambda: len(rows_of(progress)) >= 4)
         rank_of = {pid: int((pid_dir(tmp_path) / str(pid)).read_text()) for pid in written_pids(tmp_path)}
@@ -155,9 +162,7 @@ def test_a_stopped_rank_is_reported_benched_and_rejoins_when_it_runs_again(tmp_p
     worlds = [r["world"] for r in rows_of(progress)]
     assert worlds[0] == 3 and worlds[shrunk_rows - 1] == 2 and 3 in worlds[shrunk_rows:]  # 3 → 2 → 3
     assert rows_of(progress)[-1]["step"] == steps and alive(list(rank_of)) == []
-    final = torch.load(tmp_path / "final.pt", weights_only=True)
-    for name, tensor in reference_state(steps).items():
-        torch.testing.assert_close(final[name], tensor, rtol=1e-5, atol=1e-6)
+    assert_reference_state(tmp_path, steps)
 
 
 def test_a_killed_rank_forked_from_the_preloaded_server_leaves_its_peers_training(tmp_path: Path) -> None:
@@ -165,11 +170,7 @@ def test_a_killed_rank_forked_from_the_preloaded_server_leaves_its_peers_trainin
     is not the agent), a SIGKILLed one leaves the watch alone, its two peers shrink past it with
     their own processes and end at the reference state, and nothing is left running."""
     progress = tmp_path / "progress.jsonl"
-    argv = agent_cmd("--standalone", "--nproc-per-node", "3", "--monitor-interval", "0.05", "--on-failure", "shrink",
-                     "--preload", "torch", "--work-dir", str(tmp_path / "w"),
-                     job_args=("--steps", str(STEPS), "--step-s", "0.2", "--progress-file", str(progress),
-                               "--pid-dir", str(pid_dir(tmp_path)), "--final-state", str(tmp_path / "final.pt")))
-    agent = subprocess.Popen(argv, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    agent = standalone_shrink_agent(tmp_path, STEPS, 0.2, "--preload", "torch")
     try:
         wait_until(lambda: len(rows_of(progress)) >= 4)
         parents = {parent_of(pid) for pid in written_pids(tmp_path)}

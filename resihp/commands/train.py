@@ -1,7 +1,9 @@
 """``resihp train``: launch the torch trainer's ranks as local processes (gloo on CPU).
 
-The launcher hosts the rendezvous store (so any rank may die), reads reconfiguration commands
-from the bus's control topic, and acknowledges them; ranks publish telemetry to the same bus.
+The ranks run under the node agent (torch.distributed.elastic, as ``resihp run``), which hosts the
+rendezvous store (so any rank may die); the trainer's controller in its monitor loop reads
+reconfiguration commands from the bus's control topic and acknowledges them; ranks publish
+telemetry to the same bus.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ monitor pass. Both of torch's contexts treat the ranks as one: the first failure
 rank (``SubprocessContext`` closes them; ``MultiprocessContext``'s ``ProcessContext`` terminates
 them). The platform needs the survivors to keep running after a death (``--on-failure shrink``, the
 reference trainer's death policy in trainer/launcher.py), and it needs ranks that start without
-importing torch again (``import trainer.worker`` costs ~9 CPU-seconds; eight fresh interpreters on
+importing torch again (``import trainer.worker`` costs ~8 CPU-seconds; eight fresh interpreters on
 two cores would spend most of a short run importing). So:
 
 * :class:`RankWatch`: the watch itself. Each rank is polled on its own; with ``release_failed`` a
