@@ -79,11 +79,16 @@ class RankWatch:
         return released
 
     def signal_rank(self, local_rank: int, sig: signal.Signals) -> None:
-        """``sig`` to the rank's process group (each rank leads its own); nothing if it is gone."""
+        """``sig`` to the rank's process group (each rank leads its own); to the rank alone if it
+        has not made its group yet (just forked); nothing if it is gone."""
+        pid = self.rank_pid(local_rank)
         try:
-            os.killpg(self.rank_pid(local_rank), sig)
+            os.killpg(pid, sig)
         except ProcessLookupError:
-            pass
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
 
     def _poll(self) -> RunProcsResult | None:
         """torch's poll, rank by rank: None while a watched rank runs and none failed; else close
