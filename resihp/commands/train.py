@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict, replace
 
     from pydantic import ValidationError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from trainer.fault_spec import FaultList
     from trainer.launcher import launch
@@ -108,7 +109,11 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
     print(f"job {args.job}: {plan.shape()} {plan.schedule} on {ranks} ranks, {cfg.n_layer} layers, "
           f"{args.iterations} iterations")
-    result = launch(spec, plan, ranks, on_death=args.on_death, commands_from=args.commands_from, echo=print)
+    try:
+        result = launch(spec, plan, ranks, on_death=args.on_death, commands_from=args.commands_from, echo=print)
+    except SignalException as exc:  # the node agent stopped every rank first
+        print(f"resihp train: stopped by {exc.sigval.name}; every rank was stopped")
+        return 128 + int(exc.sigval)
     final = result.final_plan
     if final is None:
         print(f"no plan ran; exit codes {result.exit_codes}")
