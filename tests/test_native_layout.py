@@ -56,7 +56,8 @@ def test_a_uniform_tp_shrink_to_any_degree_that_divides_the_model_is_run():
     assert refusal(tp3, twelve, running_epoch=0, running=running) is None
     assert NativeLayout.of(tp3, twelve).mesh_ranks().tolist() == [[[0, 1, 2]]]
     assert refusal(tp3, CFG, running_epoch=0, running=running) == (
-        "TP 3 does not divide the model's attention heads (4); choose a TP degree that does")
+        "TP 3 does not divide the model's attention heads (4); choose a TP degree that divides the heads, "
+        "FFN width and vocabulary ([1, 2, 4])")
 
 
 def test_only_the_next_epoch_is_accepted():
