@@ -117,9 +117,9 @@ def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", com
                                       min_nodes=1, max_nodes=1, local_addr=spec.store_host)
         handler = make_handler(rdzv, params, spec.store_host, spec.rendezvous_timeout_s)
         controller = TrainerController(spec, plan, ranks, rdzv.store, on_death=on_death, commands_from=commands_from,
-                                       poll_s=poll_s, echo=echo or (lambda line: None))
+                                       echo=echo or (lambda line: None))
         worker = WorkerSpec(role="trainer", local_world_size=ranks, entrypoint=_rank_main, args=(spec.model_dump_json(),),
-                            rdzv_handler=handler, max_restarts=0, monitor_interval=poll_s / 5)
+                            rdzv_handler=handler, max_restarts=0, monitor_interval=poll_s)
         settings = AgentSettings(job=spec.job, node_label=os.uname().nodename, work_dir=work_dir,
                                  preload=("trainer.worker", __name__), controller=controller, job_store=rdzv.store,
                                  hosts_rendezvous=True)
@@ -174,12 +174,12 @@ class TrainerController:
     handling; :meth:`finish` settles what the bus still holds once the ranks are gone."""
 
     def __init__(self, spec: RunSpec, plan: Plan, ranks: int, store: dist.Store, *, on_death: str, commands_from: str,
-                 poll_s: float, echo: Callable[[str], None]) -> None:
+                 echo: Callable[[str], None]) -> None:
         """Announce the plan, subscribe to the trainer's topics (from their end, or from the
         beginning with ``commands_from="beginning"``) and post the starting plan (post 0) in
         ``store``, where the ranks look. Fails when the bus cannot be opened."""
         self.spec, self.ranks, self.store = spec, ranks, store
-        self.on_death, self.poll_s, self.echo = on_death, poll_s, echo
+        self.on_death, self.echo = on_death, echo
         self.bus = spec.bus.open()
         self.factory = Signer(EventFactory(spec.job, "trainer"), "executor")  # acks and its own on-death commands
         self.bus.publish([self.factory.make(_plan_current(spec, plan, "start"))])
@@ -199,12 +199,17 @@ class TrainerController:
     # ---- one pass ------------------------------------------------------------------------------
 
     def watch(self, exits: dict[int, int]) -> None:
-        """One pass of the agent's monitor loop: note the ranks that exited, relay the bus's
-        commands and probes to the ranks (waiting up to ``poll_s`` for them while any rank is
-        alive), publish what the ranks finished, and re-post the running plan if a spare died."""
+        """One pass of the agent's monitor loop (every ``poll_s``): note the ranks that exited,
+        relay the bus's commands and probes to the ranks, publish what the ranks finished, and
+        re-post the running plan if a spare died.
+
+        It never waits (the agent's monitor interval paces the passes): the intake judges an
+        in-flight reshape by who is alive, and ``exits`` must still be true then — a rank that died
+        unseen while ranks report the failed transfer it caused would fail a command that only
+        needed posting again without a dead spare."""
         self.note_exits(exits)
         alive = set(range(self.ranks)) - set(exits)
-        self.relay_commands(self.poll_s if alive else 0.0)
+        self.relay_commands()
         progress = _progress(self.store)
         if progress["iteration"] > self.last_echoed:
             self.last_echoed = progress["iteration"]
@@ -214,10 +219,10 @@ class TrainerController:
             if self.intake.in_flight is None and self.intake.running.epoch not in self.spare_reposts:
                 self.repost_without_dead_spares()
 
-    def relay_commands(self, timeout_s: float) -> None:
+    def relay_commands(self) -> None:
         """Offer this job's reconfigure commands to the intake (it fences them by epoch and posts
         them for the ranks) and post its admitted probe requests; publish what the intake refused."""
-        for delivery in self.stream.poll(timeout_s=timeout_s):
+        for delivery in self.stream.poll(timeout_s=0):
             ev = delivery.event
             if delivery.topic != topics.obeyed_from(ev.kind):
                 continue  # the control topic's copy of a command is the lifecycle's record, not an order
