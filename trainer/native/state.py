@@ -11,7 +11,8 @@ with its own placements — so no collective runs on the old mesh and nothing is
 * :func:`exchange` — over a group spanning the old and the new world: one small
   ``all_gather_object`` of who holds which piece and who needs which key; then each key a rank
   needs comes from the fewest holders that cover it (itself first), two raw tensors (indices,
-  values) per (source, destination) pair, all posted at once. Keys no live piece covers are
+  values) per (source, destination) pair, all posted at once, and lands in one indexed copy per
+  pair. Keys no live piece covers are
   returned as missing (every rank computes the same list, so all take the disk fallback together).
 * :func:`load_full` — each rank takes its own new shard of every assembled full tensor (the flat
   indices its new placement covers: no communication) into the freshly built stage and its AdamW
@@ -45,7 +46,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 @dataclass
 class LocalState:
     """This rank's pieces of its stage's keys: ``index[k]`` the flat global indices it holds,
-    ``values[k]`` the parameter's values there followed by each AdamW moment's (when stepped)."""
+    ``values[k]`` (1 or 3, n): the parameter's values there, then each AdamW moment's (when stepped)."""
 
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     index: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -92,7 +93,7 @@ def local_state(params: Sequence[tuple[str, torch.Tensor]], opt: torch.optim.Opt
             out.step = state["step"].detach().cpu().clone()
         out.shapes[k] = tuple(p.shape)
         out.index[k] = _indices(p)
-        out.values[k] = torch.cat(parts).cpu()
+        out.values[k] = torch.stack(parts).cpu()
     return out
 
 
@@ -165,20 +166,29 @@ def exchange(mine: LocalState | None, needed: dict[str, tuple[int, ...]], group:
     if holders:
         step, out.hyper, out.scheduler = everyone[holders[0]]["small"]
         out.step = torch.tensor(step[0], dtype=getattr(torch, step[1])) if step is not None else None
+    # Every needed key's full tensor is a column range of one (width, total) buffer, so a message
+    # (its keys' pieces side by side: n indices, and (width, n) values, per key) lands in one
+    # indexed copy at its indices shifted by each key's offset.
+    offset, total = {}, 0
+    for k in sorted(needed):
+        offset[k], total = total, total + math.prod(needed[k])
+    landed = torch.empty(width, total, dtype=dtype)
+    out.full = {k: landed[:, offset[k]:offset[k] + math.prod(needed[k])] for k in offset}
     pieces: list[tuple[int, list[str], torch.Tensor, torch.Tensor]] = []
     ops: list[dist.P2POp] = []
     for (src, dst), keys in sorted(plan.items()):
         if src == me and dst == me:
             assert mine is not None
             pieces.append((src, keys, torch.cat([mine.index[k] for k in keys]),
-                           torch.cat([mine.values[k] for k in keys])))
+                           torch.cat([mine.values[k] for k in keys], dim=1)))
         elif src == me:
             assert mine is not None
             ops += [dist.P2POp(dist.isend, torch.cat([mine.index[k] for k in keys]), group=group, group_peer=dst, tag=0),
-                    dist.P2POp(dist.isend, torch.cat([mine.values[k] for k in keys]), group=group, group_peer=dst, tag=1)]
+                    dist.P2POp(dist.isend, torch.cat([mine.values[k] for k in keys], dim=1), group=group,
+                               group_peer=dst, tag=1)]
         elif dst == me:
             n = sum(everyone[src]["held"][k][1] for k in keys)
-            index, values = torch.empty(n, dtype=torch.int64), torch.empty(n * width, dtype=dtype)
+            index, values = torch.empty(n, dtype=torch.int64), torch.empty(width, n, dtype=dtype)
             ops += [dist.P2POp(dist.irecv, index, group=group, group_peer=src, tag=0),
                     dist.P2POp(dist.irecv, values, group=group, group_peer=src, tag=1)]
             pieces.append((src, keys, index, values))
@@ -186,16 +196,9 @@ def exchange(mine: LocalState | None, needed: dict[str, tuple[int, ...]], group:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     for src, keys, index, values in pieces:
-        # A message is its keys' pieces in order: per key, n indices and width × n values
-        # (the parameter's n, then each moment's n).
-        at_i = at_v = 0
-        for k in keys:
-            n = everyone[src]["held"][k][1]
-            full = out.full.get(k)
-            if full is None:
-                full = out.full[k] = torch.empty(width, math.prod(needed[k]), dtype=dtype)
-            full[:, index[at_i:at_i + n]] = values[at_v:at_v + n * width].view(width, n)
-            at_i, at_v = at_i + n, at_v + n * width
+        counts = torch.tensor([everyone[src]["held"][k][1] for k in keys])
+        shift = torch.repeat_interleave(torch.tensor([offset[k] for k in keys]), counts)
+        landed[:, index + shift] = values
     return out, sorted(missing)
 
 
@@ -219,10 +222,12 @@ def load_full(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, state: A
 
 
 def _placed_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as this rank's shard of a tensor placed like ``p`` (a plain tensor for a plain ``p``)."""
+    """``local`` as this rank's shard of a tensor placed like ``p`` (a plain tensor for a plain ``p``).
+    An AdamW moment has the parameter's mesh, placements, shape, stride and dtype, so it takes
+    ``p``'s own spec (as FSDP2 makes its shards): ``DTensor.from_local`` would build and check a
+    new spec per moment through an autograd function, a fifth of loading the moved state."""
     if isinstance(p, DTensor):
-        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                  stride=p.stride())
+        return DTensor(local, p._spec, requires_grad=False)  # type: ignore[call-arg]
     return local
 
 
