@@ -22,6 +22,10 @@ TP1·PP2·DP4 → TP2·PP2·DP2 reshape of ``resihp bench reshape``, 8 ranks on 
   it is built once per (function, bound-method or not, number of positional arguments bound,
   keywords bound).
 
+* ``make_contiguous_strides_for`` in FSDP2's per-parameter set-up — pure Python with a
+  symbolic ``max`` per dimension, called twice per parameter for a handful of distinct shapes:
+  memoised per shape of plain ints (a symbolic shape goes to torch's own).
+
 Nothing else changes: every other op keeps torch's strategies. Each shortcut checks that this
 torch has the hook it replaces and is skipped (the build is only slower) where it does not.
 """
@@ -45,7 +49,8 @@ _SAME_META_OPS = (torch.ops.aten.detach.default,)
 
 def install_stage_build_shortcuts() -> bool:
     """Idempotent; returns False where this torch lacks a hook (that shortcut is then skipped)."""
-    return all([_install_detach_rule(), _install_concatenate_memo(), _install_signature_memo()])
+    return all([_install_detach_rule(), _install_concatenate_memo(), _install_signature_memo(),
+                _install_strides_memo()])
 
 
 def _install_detach_rule() -> bool:
@@ -160,4 +165,34 @@ class _MemoisedSignatures:
             return inspect.signature(fn)
         if hit is None:
             hit = self.made[key] = inspect.signature(fn)
+        return hit
+
+
+def _install_strides_memo() -> bool:
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    strides = getattr(_fsdp_param, "make_contiguous_strides_for", None)
+    if strides is None:
+        return False
+    if isinstance(strides, _MemoisedStrides):
+        return True
+    _fsdp_param.make_contiguous_strides_for = _MemoisedStrides(strides)  # FSDP2's module-level name
+    return True
+
+
+class _MemoisedStrides:
+    """``make_contiguous_strides_for`` once per (shape, row_major) of plain ints. Being this class is
+    how a second install sees the first."""
+
+    def __init__(self, strides: Callable[..., tuple]) -> None:
+        self.strides = strides
+        self.made: dict[tuple, tuple] = {}
+
+    def __call__(self, shape: Any, row_major: bool = True) -> tuple:
+        key = (tuple(shape), row_major)
+        if not all(type(d) is int for d in key[0]):
+            return self.strides(shape, row_major)
+        hit = self.made.get(key)
+        if hit is None:
+            hit = self.made[key] = self.strides(shape, row_major)
         return hit
