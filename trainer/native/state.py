@@ -46,10 +46,12 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 @dataclass
 class LocalState:
     """This rank's pieces of its stage's keys: ``index[k]`` the flat global indices it holds,
-    ``values[k]`` (1 or 3, n): the parameter's values there, then each AdamW moment's (when stepped)."""
+    ``values[k]`` (1 or 3, n): the parameter's values there, then each AdamW moment's (when stepped);
+    ``start[k]``: where the indices begin when they are one ascending run (see ``_cut``), else None."""
 
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     index: dict[str, torch.Tensor] = field(default_factory=dict)
+    start: dict[str, int | None] = field(default_factory=dict)
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     step: torch.Tensor | None = None
     hyper: dict[str, Any] = field(default_factory=dict)
@@ -60,21 +62,31 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-_CUTS: dict[tuple, torch.Tensor] = {}
+_CUTS: dict[tuple, tuple[torch.Tensor, int | None]] = {}
 
 
-def _indices(p: torch.Tensor) -> torch.Tensor:
+def _cut(p: torch.Tensor) -> tuple[torch.Tensor, int | None]:
     """The flat global indices of this rank's shard of ``p``, in the order of its local values,
-    cut exactly as its values were. Memoised per (shape, mesh, this rank's coordinate,
-    placements): the layers of a stage share a handful of those, and each cut costs a DTensor."""
+    cut exactly as its values were, and where they start when they are one ascending run
+    ``start, start + 1, …`` (a whole tensor, or a shard along dim 0: most of FSDP's), else None:
+    such a piece lands and is taken by a slice copy rather than an indexed one, several times
+    cheaper. Memoised per (shape, mesh, this rank's coordinate, placements): the layers of a
+    stage share a handful of those, and each cut costs a DTensor."""
     if not isinstance(p, DTensor):
-        return torch.arange(p.numel())
-    key = (tuple(p.shape), p.device_mesh, tuple(p.device_mesh.get_coordinate() or ()), tuple(p.placements))
+        key: tuple = (p.numel(),)
+    else:
+        key = (tuple(p.shape), p.device_mesh, tuple(p.device_mesh.get_coordinate() or ()), tuple(p.placements))
     cut = _CUTS.get(key)
     if cut is None:
-        whole = torch.arange(p.numel(), device=_local(p).device).view(p.shape)
-        whole = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()
-        cut = _CUTS[key] = whole.reshape(-1).cpu()
+        if isinstance(p, DTensor):
+            whole = torch.arange(p.numel(), device=_local(p).device).view(p.shape)
+            index = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()
+            index = index.reshape(-1).cpu()
+        else:
+            index = torch.arange(p.numel())
+        start = int(index[0]) if index.numel() else 0
+        run = torch.equal(index, torch.arange(start, start + index.numel()))
+        cut = _CUTS[key] = (index, start if run else None)
     return cut
 
 
@@ -92,7 +104,7 @@ def local_state(params: Sequence[tuple[str, torch.Tensor]], opt: torch.optim.Opt
             parts += [_local(state[m]).detach().reshape(-1) for m in MOMENTS]
             out.step = state["step"].detach().cpu().clone()
         out.shapes[k] = tuple(p.shape)
-        out.index[k] = _indices(p)
+        out.index[k], out.start[k] = _cut(p)
         out.values[k] = torch.stack(parts).cpu()
     return out
 
@@ -126,10 +138,11 @@ def exchange(mine: LocalState | None, needed: dict[str, tuple[int, ...]], group:
     ``needed`` to this rank from live pieces. Returns the assembled state and the keys no set of
     live pieces covers (the same list on every rank)."""
     me, size = dist.get_rank(group), dist.get_world_size(group)
-    held: dict[str, tuple[tuple[int, ...], int, tuple[int, ...]]] = {}
+    held: dict[str, tuple[tuple[int, ...], int, tuple[int, ...], int | None]] = {}
     if mine is not None:
         for k, idx in mine.index.items():  # a piece's signature: replicas of one shard are equal
-            held[k] = (mine.shapes[k], idx.numel(), (idx.numel(), int(idx[0]), int(idx[-1]), int(idx.sum())))
+            held[k] = (mine.shapes[k], idx.numel(), (idx.numel(), int(idx[0]), int(idx[-1]), int(idx.sum())),
+                       mine.start[k])
     # Plain Python only: a tensor in the gathered objects costs each receiver a nested torch.load.
     step = (mine.step.item(), str(mine.step.dtype).removeprefix("torch.")) if mine and mine.step is not None else None
     info = {"held": held, "needed": sorted(needed), "stepped": step is not None,
@@ -196,21 +209,31 @@ def exchange(mine: LocalState | None, needed: dict[str, tuple[int, ...]], group:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     for src, keys, index, values in pieces:
-        counts = torch.tensor([everyone[src]["held"][k][1] for k in keys])
-        shift = torch.repeat_interleave(torch.tensor([offset[k] for k in keys]), counts)
-        landed[:, index + shift] = values
+        pieces_of = [everyone[src]["held"][k] for k in keys]
+        if all(piece[3] is not None for piece in pieces_of):  # every piece one run: slice copies
+            at = 0
+            for k, piece in zip(keys, pieces_of):
+                n, begin = piece[1], offset[k] + piece[3]
+                landed[:, begin:begin + n] = values[:, at:at + n]
+                at += n
+        else:
+            shift = torch.repeat_interleave(torch.tensor([offset[k] for k in keys]),
+                                            torch.tensor([piece[1] for piece in pieces_of]))
+            landed[:, index + shift] = values
     return out, sorted(missing)
 
 
 def load_full(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, state: Assembled) -> None:
     """Take this rank's shard of every assembled full tensor (the flat indices its new placement
-    covers, ``_indices``) into the freshly built stage: the parameter in place (FSDP's and TP's
+    covers, ``_cut``) into the freshly built stage: the parameter in place (FSDP's and TP's
     shards are views of their own storage), the AdamW moments as fresh state of the parameter's
     placement. Local only."""
     with torch.no_grad():
         for k, p in model.named_parameters():
             here = _local(p)
-            mine = state.full[k][:, _indices(p)].to(here.device)  # (1 or 3, local numel)
+            index, start = _cut(p)
+            full = state.full[k]
+            mine = (full[:, start:start + index.numel()] if start is not None else full[:, index]).to(here.device)
             here.copy_(mine[0].view(here.shape))
             if mine.shape[0] > 1:
                 assert state.step is not None
