@@ -250,7 +250,7 @@ def _placed_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     ``p``'s own spec (as FSDP2 makes its shards): ``DTensor.from_local`` would build and check a
     new spec per moment through an autograd function, a fifth of loading the moved state."""
     if isinstance(p, DTensor):
-        return DTensor(local, p._spec, requires_grad=False)  # type: ignore[call-arg]
+        return DTensor(local, p._spec, requires_grad=False)
     return local
 
 
