@@ -99,17 +99,22 @@ class _InputMetaForIdentityOps:
         return self.fake_run(op_schema)
 
 
+def _replace(owner: Any, name: str, kind: type, make: Callable[[Any], Any]) -> bool:
+    """``owner.name`` becomes ``make(its torch original)`` unless it is a ``kind`` already (a second
+    install); False where this torch has no such name (the shortcut is then skipped)."""
+    current = getattr(owner, name, None)
+    if current is None:
+        return False
+    if not isinstance(current, kind):
+        setattr(owner, name, make(current))
+    return True
+
+
 def _install_concatenate_memo() -> bool:
     from torch.distributed.device_mesh import DeviceMesh
 
-    concatenate = getattr(DeviceMesh, "_concatenate", None)
-    if concatenate is None:
-        return False
-    if isinstance(concatenate, _MemoisedConcatenate):
-        return True
-    # mypy forbids replacing a method; replacing DeviceMesh's is the shortcut
-    DeviceMesh._concatenate = staticmethod(_MemoisedConcatenate(concatenate))  # type: ignore[method-assign]
-    return True
+    return _replace(DeviceMesh, "_concatenate", _MemoisedConcatenate,
+                    lambda concatenate: staticmethod(_MemoisedConcatenate(concatenate)))
 
 
 class _MemoisedConcatenate:
@@ -132,13 +137,7 @@ class _MemoisedConcatenate:
 def _install_signature_memo() -> bool:
     from torch.distributed.tensor import _api
 
-    current = getattr(_api, "inspect", None)
-    if current is None:
-        return False
-    if isinstance(current, _MemoisedSignatures):
-        return True
-    _api.inspect = _MemoisedSignatures()  # type: ignore[assignment]  # distribute_module's module-level name
-    return True
+    return _replace(_api, "inspect", _MemoisedSignatures, lambda _: _MemoisedSignatures())  # its module-level name
 
 
 class _MemoisedSignatures:
@@ -171,13 +170,7 @@ class _MemoisedSignatures:
 def _install_strides_memo() -> bool:
     from torch.distributed.fsdp._fully_shard import _fsdp_param
 
-    strides = getattr(_fsdp_param, "make_contiguous_strides_for", None)
-    if strides is None:
-        return False
-    if isinstance(strides, _MemoisedStrides):
-        return True
-    _fsdp_param.make_contiguous_strides_for = _MemoisedStrides(strides)  # FSDP2's module-level name
-    return True
+    return _replace(_fsdp_param, "make_contiguous_strides_for", _MemoisedStrides, _MemoisedStrides)
 
 
 class _MemoisedStrides:
