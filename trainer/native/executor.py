@@ -84,6 +84,7 @@ class ReshapeReport:
     source: str = "live"
     lost: tuple[int, ...] = ()  # devices whose death this reshape recovered from (``recover``)
     phases_s: dict[str, float] = field(default_factory=dict)
+    cpu_s: dict[str, float] = field(default_factory=dict)  # this process's CPU per phase, its gloo threads' too
 
     @property
     def pause_s(self) -> float:
@@ -220,15 +221,17 @@ class NativeExecutor:
         return report, rollback_to
 
     def _lap(self, report: ReshapeReport) -> Callable[..., None]:
-        """A stopwatch: each call ends a phase, records it in ``report`` and hands it to ``on_phase``."""
-        t = time.perf_counter()
+        """A stopwatch: each call ends a phase, records its wall time and its CPU (process time:
+        what a phase costs a shared machine, waits excluded) in ``report`` and hands it to ``on_phase``."""
+        t, cpu = time.perf_counter(), time.process_time()
 
         def lap(name: str, ok: bool = True, detail: str = "") -> None:
-            nonlocal t
-            now = time.perf_counter()
+            nonlocal t, cpu
+            now, cpu_now = time.perf_counter(), time.process_time()
             report.phases_s[name] = now - t
+            report.cpu_s[name] = cpu_now - cpu
             self.on_phase(report.epoch, name, now - t, ok, detail)
-            t = now
+            t, cpu = now, cpu_now
         return lap
 
     def _move(self, old: NativeRole, layout: NativeLayout, union: dist.ProcessGroup, report: ReshapeReport,
