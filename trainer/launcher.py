@@ -1,7 +1,8 @@
 """The reference trainer's launcher: its job runs under the node agent, with a controller for the rest.
 
 One launcher. :func:`launch` runs the job through the node agent (trainer/agent/node.py, torch's
-``LocalElasticAgent``) in standalone mode on loopback: the agent hosts the rendezvous store, forks one
+``LocalElasticAgent``) in standalone mode on loopback (trainer/agent/standalone.py, which the native
+executor's ranks run under too): the agent hosts the rendezvous store, forks one
 rank per device from a fork server that imported trainer.worker once (trainer/agent/pcontext.py),
 and stops them on every way out; each rank dies with it (trainer/agent/child.py). The store the
 agent hosts is also where the ranks find the trainer's keys (trainer/rendezvous.py): any rank may
@@ -28,20 +29,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
-import tempfile
-import threading
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch.distributed as dist
-from torch.distributed.elastic.agent.server.api import WorkerSpec
-from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
-from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from collector import topics
 from collector.auth import Signer
@@ -51,8 +43,7 @@ from collector.plan import Plan
 from collector.replica_drop import drop_replicas
 from collector.settings import elastic_environment
 from collector.stream import EventStream
-from trainer.agent.node import AgentSettings, NodeAgent
-from trainer.agent.store import make_handler, open_rendezvous_store
+from trainer.agent.standalone import standalone_node
 from trainer.chunks import schedule_problem
 from trainer.faults import KILL_EXIT_CODE
 from trainer.intake import CommandIntake
@@ -107,36 +98,19 @@ def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", com
     os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
     os.environ.setdefault("MKL_NUM_THREADS", str(spec.threads))
     run_id = spec.run_id or uuid.uuid4().hex
-    rdzv = open_rendezvous_store(f"{spec.store_host}:0", run_id, hosts=True, node_rank=0, bind=None,
-                                 timeout_s=spec.rendezvous_timeout_s)
-    spec = spec.model_copy(update={"store_port": rdzv.port, "run_id": run_id})
-    work_dir = Path(tempfile.mkdtemp(prefix="resihp-train-"))
-    handler = controller = None
-    try:
-        params = RendezvousParameters(backend="c10d", endpoint=f"{rdzv.host}:{rdzv.port}", run_id=run_id,
-                                      min_nodes=1, max_nodes=1, local_addr=spec.store_host)
-        handler = make_handler(rdzv, params, spec.store_host, spec.rendezvous_timeout_s)
-        controller = TrainerController(spec, plan, ranks, rdzv.store, on_death=on_death, commands_from=commands_from,
+    with standalone_node(spec.store_host, run_id, spec.rendezvous_timeout_s) as node:
+        spec = spec.model_copy(update={"store_port": node.port, "run_id": run_id})
+        controller = TrainerController(spec, plan, ranks, node.store, on_death=on_death, commands_from=commands_from,
                                        echo=echo or (lambda line: None))
-        worker = WorkerSpec(role="trainer", local_world_size=ranks, entrypoint=_rank_main, args=(spec.model_dump_json(),),
-                            rdzv_handler=handler, max_restarts=0, monitor_interval=poll_s)
-        settings = AgentSettings(job=spec.job, node_label=os.uname().nodename, work_dir=work_dir,
-                                 preload=("trainer.worker", __name__), controller=controller, job_store=rdzv.store,
-                                 hosts_rendezvous=True)
-        agent = NodeAgent(worker, DefaultLogsSpecs(log_dir=str(work_dir / "logs")), settings)
-        with _signal_handlers_kept():
-            agent.run()
-        controller.finish(agent.exits())
-        controller.result.final_plan = controller.intake.running
-        return controller.result
-    finally:
-        if controller is not None:
+        try:
+            exits = node.run(job=spec.job, role="trainer", ranks=ranks, entrypoint=_rank_main,
+                             args=(spec.model_dump_json(),), preload=("trainer.worker", __name__),
+                             controller=controller, poll_s=poll_s)
+            controller.finish(exits)
+            controller.result.final_plan = controller.intake.running
+            return controller.result
+        finally:
             controller.close()
-        if handler is not None:
-            handler.shutdown()
-        if rdzv.listener is not None:
-            rdzv.listener.close()
-        shutil.rmtree(work_dir, ignore_errors=True)
 
 
 def check_launchable(spec: RunSpec, plan: Plan, ranks: int) -> None:
@@ -149,22 +123,6 @@ def check_launchable(spec: RunSpec, plan: Plan, ranks: int) -> None:
                          "build the plan with the model's layer count")
     if problem := plan.tp_split_problem(spec.config.n_head) or schedule_problem(plan):
         raise ValueError(problem)
-
-
-@contextmanager
-def _signal_handlers_kept() -> Iterator[None]:
-    """torch's process context turns SIGTERM, SIGINT, SIGHUP and SIGQUIT into an exception that
-    stops the ranks; put the caller's handlers back afterwards (``launch`` runs inside programs and
-    test runners that keep going)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
-    try:
-        yield
-    finally:
-        for sig, previous in kept.items():
-            signal.signal(sig, previous)
 
 
 class TrainerController:

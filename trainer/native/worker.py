@@ -2,8 +2,10 @@
 
 The run is a ``NativeRunSpec``: the model, the first plan, and the reshapes to apply (each a
 plan and the iteration boundary to apply it at — from a test, the benchmark, or ``resihp train
---native --reshape``). The launcher hosts the TCPStore (so any rank may die) and forks one process
-per device from a fork server that imported torch once. Each rank trains, reshapes through
+--native --reshape``). The ranks run under the node agent as the reference trainer's do
+(trainer/agent/standalone.py): it hosts the store (so any rank may die) and forks one process per
+device from a fork server that imported this module once; :class:`NativeController` marks the dead
+lost and relays the bus's commands. Each rank trains, reshapes through
 :class:`NativeExecutor`, publishes telemetry (one ``RankIteration`` per iteration, the schedule's
 own chunk timings) and writes ``rank-<device>.json`` (losses, reshape phases, refusals) to
 ``out_dir``; replica 0's TP rank 0 of each stage also writes its stage's final full parameters to
@@ -18,6 +20,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
@@ -29,7 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from collector.events import (Coords, FaultInjected, IterationSummary, Location, RankIteration, ReshapePhase,
                               ReshapePhaseName)
 from collector.plan import Plan
-from collector.settings import environment
+from collector.settings import elastic_environment, environment
+from trainer.agent.standalone import standalone_node
 from trainer.fault_spec import FaultSpec
 from trainer.native.executor import NativeExecutor, Released, ReshapeRefused
 from trainer.native.faults import ChunkPadding
@@ -282,51 +286,59 @@ def process_main(device: int, spec_json: str) -> None:
 
 
 def launch_native(spec: NativeRunSpec, ranks: int | None = None) -> dict[int, int]:
-    """Host the store, run one process per device until all exit, marking each one that exits
-    with an error lost (``resihp/lost/<rank>``); returns their exit codes."""
-    import multiprocessing as mp
-    from multiprocessing import connection as mp_connection
-
+    """Run one process per device under the node agent (trainer/agent/standalone.py, the
+    reference trainer's launcher too) until all exit; returns their exit codes (-1: never exited).
+    Fails before any rank starts when commands are asked for without a bus or the store cannot bind."""
+    if spec.commands and spec.bus is None:
+        raise ValueError("commands from the bus need a bus: give the run spec one")
     devices = sorted(set(spec.plan.devices) | {d for r in spec.reshapes for d in r.plan.devices})
     ranks = ranks or max(devices) + 1
-    store = dist.TCPStore(spec.store_host, 0, None, True, wait_for_workers=False,
-                          timeout=timedelta(seconds=spec.timeout_s))
-    spec = spec.model_copy(update={"store_port": store.port})
     if spec.out_dir:
         Path(spec.out_dir).mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
-    intake = None
-    if spec.commands:
-        if spec.bus is None:
-            raise ValueError("commands from the bus need a bus: give the run spec one")
-        intake = NativeCommandIntake(spec.job, spec.plan, spec.config, store, spec.bus.open,
-                                     spec.tokens_per_microbatch)
-        intake.start()
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["trainer.native.worker"])
-    procs = {d: ctx.Process(target=process_main, args=(d, spec.model_dump_json()), name=f"native-{d}")
-             for d in range(ranks)}
-    for p in procs.values():
-        p.start()
-    rank_of = {d: i for i, d in enumerate(spec.plan.devices)}  # the job's default-group ranks (run_rank)
-    marked: set[int] = set()
-    try:
-        while alive := {d for d, p in procs.items() if p.exitcode is None}:
-            # A rank that exits with an error is marked lost where its peers look (the node
-            # agent's key), so the survivors close their quorum without it and train on.
-            for d in sorted(set(procs) - alive - marked):
-                if procs[d].exitcode != 0 and d in rank_of:
-                    mark_lost(store, rank_of[d], procs[d].exitcode)
-                    log.warning("device %d exited with %s: marked lost", d, procs[d].exitcode)
-                marked.add(d)
+    with standalone_node(spec.store_host, uuid.uuid4().hex, spec.timeout_s) as node:
+        spec = spec.model_copy(update={"store_port": node.port})
+        intake = None
+        if spec.commands:
+            assert spec.bus is not None
+            intake = NativeCommandIntake(spec.job, spec.plan, spec.config, node.store, spec.bus.open,
+                                         spec.tokens_per_microbatch)
+            intake.start()
+        try:
+            exits = node.run(job=spec.job, role="native", ranks=ranks, entrypoint=_rank_main,
+                             args=(spec.model_dump_json(),), preload=(__name__,),
+                             controller=NativeController(spec.plan, ranks, node.store, intake), poll_s=0.05)
+        finally:
             if intake is not None:
-                intake.poll(alive)
-            else:
-                mp_connection.wait([procs[d].sentinel for d in alive], timeout=1.0)
-    finally:
-        if intake is not None:
-            intake.finish()
-    return {d: p.exitcode if p.exitcode is not None else -1 for d, p in procs.items()}
+                intake.finish()
+    return {d: exits.get(d, -1) for d in range(ranks)}
+
+
+class NativeController:
+    """The native executor's part of the agent's monitor loop: a rank that exits with an error is
+    marked lost where its peers look (``resihp/lost/<rank>`` in the agent-hosted store), so the
+    survivors close their quorum without it and train on (trainer/native/recovery.py); then the
+    bus's commands go to the ranks (trainer/native/intake.py) when the run obeys them."""
+
+    def __init__(self, plan: Plan, ranks: int, store: dist.Store, intake: NativeCommandIntake | None) -> None:
+        self.ranks, self.store, self.intake = ranks, store, intake
+        self.rank_of = {d: i for i, d in enumerate(plan.devices)}  # the job's default-group ranks (run_rank)
+        self.seen: set[int] = set()
+
+    def watch(self, exits: dict[int, int]) -> None:
+        for d in sorted(set(exits) - self.seen):
+            self.seen.add(d)
+            if exits[d] != 0 and d in self.rank_of:
+                mark_lost(self.store, self.rank_of[d], exits[d])
+                log.warning("device %d exited with %s: marked lost", d, exits[d])
+        if self.intake is not None and (alive := set(range(self.ranks)) - set(exits)):
+            self.intake.poll(alive)
+
+
+def _rank_main(spec_json: str) -> None:
+    """A rank the agent forked (its server imported this module): its device is its global rank,
+    torch elastic's ``RANK``."""
+    process_main(elastic_environment().RANK, spec_json)
 
 
 def read_results(out_dir: str | Path) -> tuple[dict[int, dict], dict[str, torch.Tensor]]:
