@@ -305,7 +305,7 @@ def bench_kafka_shards(bootstrap: str, shards: list[int], dp: int = 32, iteratio
         finally:
             for p in procs:
                 p.terminate()
-            cpu_s = [_reap(p) for p in procs]
+            cpu_s, peak_mb = zip(*[_reap(p) for p in procs])
             bus.close()
         load_after = os.getloadavg()
         opens = max(min(t for (_, i, _), t in seen.items() if i >= warmup), *first.values())
@@ -320,6 +320,7 @@ def bench_kafka_shards(bootstrap: str, shards: list[int], dp: int = 32, iteratio
         out.append({"shards": n, "summaries": len(seen), "of": want, "copies": copies, "window_s": inside[-1] - opens,
                     "in_window": len(inside), "replicas_per_s": rate, "load_before": load_before,
                     "load_after": load_after, "shard_cpu_s": cpu_s[:-1], "merge_cpu_s": cpu_s[-1],
+                    "shard_peak_mb": peak_mb[:-1],
                     "round_trips_s": float(sum(gaps)), "round_trip_median_s": float(np.median(gaps)),
                     "replicas_per_s_own": len(inside) / (inside[-1] - opens - sum(gaps)) if inside else float("nan")})
     return out
@@ -337,16 +338,17 @@ def _start(argv: list[str], env: dict[str, str]):
     return subprocess.Popen(argv, env=env, preexec_fn=lambda: set_parent_death_signal(signal.SIGTERM, me))
 
 
-def _reap(p) -> float:
-    """Wait for a child and return the CPU seconds (user + system) it used over its life."""
+def _reap(p) -> tuple[float, float]:
+    """Wait for a child; the CPU seconds (user + system) it used over its life, and its peak
+    resident memory in MB."""
     import os
 
     try:
         _, status, usage = os.wait4(p.pid, 0)
     except ChildProcessError:  # reaped already (it exited early)
-        return float("nan")
+        return float("nan"), float("nan")
     p.returncode = os.waitstatus_to_exitcode(status)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
 
 
 def _wait_for_group(bootstrap: str, security: dict, group: str, members: int, procs: list) -> None:

@@ -188,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
                       f"fits after it (median {1e3 * k['round_trip_median_s']:.0f} ms); without those "
                       f"{k['replicas_per_s_own']:.1f} summaries/s (×{k['replicas_per_s_own'] / base_own:.2f})")
                 print(f"      CPU seconds over each process's life (start-up and warm-up included): shards "
-                      f"{' + '.join(f'{c:.1f}' for c in k['shard_cpu_s'])}, merge {k['merge_cpu_s']:.1f}")
+                      f"{' + '.join(f'{c:.1f}' for c in k['shard_cpu_s'])}, merge {k['merge_cpu_s']:.1f}; shards' peak "
+                      f"memory {' + '.join(f'{m:,.0f}' for m in k['shard_peak_mb'])} MB")
         if args.json:
             print(json.dumps(r))
         return 0
