@@ -279,12 +279,22 @@ def test_rank_reports_are_keyed_by_replica_and_heartbeats_follow_them() -> None:
     assert keys.key("other", "rank-13", h.KIND, h) == b"other/rank-13"
 
 
+def _assert_the_slow_rank_raised_and_every_summary_out(bus) -> None:
+    """What the analytics topic holds after shards and merge ran ``synth(slow={7: 1.3}, ...)``."""
+    from collector import topics
+    from collector.stream import EventStream
+
+    with EventStream(bus, "reader", [topics.ANALYTICS]) as reader:
+        got = [d.event.payload for d in reader.poll(100_000, 0.5)]
+    (inc,) = [p for p in got if isinstance(p, IncidentOpened)]
+    assert (inc.locations[0].target, inc.locations[0].rank) == ("compute", 7)
+    assert sum(isinstance(p, ReplicaSummary) for p in got) == 3 * 24
+
+
 def test_shard_and_merge_workers_on_the_embedded_bus_publish_the_incident(tmp_path) -> None:
     from analytics.merge import MergeWorker
     from analytics.shards import ShardWorker
-    from collector import topics
     from collector.bus import open_bus
-    from collector.stream import EventStream
 
     with open_bus("embedded", path=str(tmp_path / "bus.sqlite")) as bus:
         bus.publish(synth(slow={7: 1.3}, start=10, plan=True))
@@ -293,11 +303,7 @@ def test_shard_and_merge_workers_on_the_embedded_bus_publish_the_incident(tmp_pa
             pass
         shard.close()
         merge.close()
-        with EventStream(bus, "reader", [topics.ANALYTICS]) as reader:
-            got = [d.event.payload for d in reader.poll(100_000, 0.5)]
-    (inc,) = [p for p in got if isinstance(p, IncidentOpened)]
-    assert (inc.locations[0].target, inc.locations[0].rank) == ("compute", 7)
-    assert sum(isinstance(p, ReplicaSummary) for p in got) == 3 * 24
+        _assert_the_slow_rank_raised_and_every_summary_out(bus)
 
 
 def _summary(replica: int, units: int, class_keys: list, u_class: list[int]):
@@ -372,9 +378,7 @@ def test_a_summary_whose_arrays_the_merge_cannot_join_is_counted_and_left_out() 
 def test_a_shard_catching_up_on_a_backlog_reads_only_a_few_iterations_past_the_merges_fits(tmp_path) -> None:
     from analytics.merge import MergeWorker
     from analytics.shards import READ_AHEAD, ShardWorker
-    from collector import topics
     from collector.bus import open_bus
-    from collector.stream import EventStream
 
     with open_bus("embedded", path=str(tmp_path / "bus.sqlite")) as bus:
         bus.publish(synth(slow={7: 1.3}, start=10, plan=True))  # 24 iterations, 36 records each
@@ -388,8 +392,4 @@ def test_a_shard_catching_up_on_a_backlog_reads_only_a_few_iterations_past_the_m
             pass
         shard.close()
         merge.close()
-        with EventStream(bus, "reader", [topics.ANALYTICS]) as reader:
-            got = [d.event.payload for d in reader.poll(100_000, 0.5)]
-    (inc,) = [p for p in got if isinstance(p, IncidentOpened)]
-    assert (inc.locations[0].target, inc.locations[0].rank) == ("compute", 7)
-    assert sum(isinstance(p, ReplicaSummary) for p in got) == 3 * 24
+        _assert_the_slow_rank_raised_and_every_summary_out(bus)
