@@ -6,8 +6,9 @@ batch's micro-batches. Replicas may therefore differ: a stage that lost a GPU ca
 fewer layers while its siblings keep TP 8, and a slow replica can take fewer micro-batches.
 
 The plan validates itself when it is built (torchtitan's ParallelDims habit): a plan that leaves a
-layer unowned, uses a device twice or has a TP degree that is not a power of two cannot exist, so
-neither the trainer nor the simulator has to re-check it.
+layer unowned or uses a device twice cannot exist, so neither the trainer nor the simulator has to
+re-check it. Any TP degree ≥ 1 is a valid plan: whether a degree splits a model (its heads, FFN
+width, vocabulary) is the executor's judgement, which it gives before anything starts.
 """
 
 from __future__ import annotations
@@ -43,8 +44,6 @@ class StagePlan(BaseModel):
     def _check(self) -> StagePlan:
         if self.end_layer <= self.first_layer:
             raise ValueError(f"stage layer range [{self.first_layer}, {self.end_layer}) is empty")
-        if self.tp & (self.tp - 1):
-            raise ValueError(f"TP degree {self.tp} of devices {list(self.devices)} is not a power of two")
         if len(set(self.devices)) != len(self.devices):
             raise ValueError(f"stage lists a device twice: {list(self.devices)}")
         return self
@@ -124,6 +123,20 @@ class Plan(BaseModel):
         return (self.schedule == other.schedule and self.virtual_stages == other.virtual_stages
                 and self.num_layers == other.num_layers
                 and [(p.replica, p.stages) for p in self.pipelines] == [(p.replica, p.stages) for p in other.pipelines])
+
+    def tp_split_problem(self, heads: int) -> str | None:
+        """Why a model of ``heads`` attention heads cannot be cut at this plan's TP degrees (None:
+        it can). Tensor parallelism gives each TP rank whole heads, so a stage's degree must divide
+        them — TP 3 of 12 heads runs, TP 3 of 4 does not. Executors and the simulator refuse such a
+        plan with this line before anything starts; an executor may add limits of its own (the
+        native one also cuts the FFN width and the vocabulary)."""
+        for pipe in self.pipelines:
+            for s, stage in enumerate(pipe.stages):
+                if heads % stage.tp:
+                    fits = [d for d in range(1, heads + 1) if heads % d == 0]
+                    return (f"replica {pipe.replica} stage {s}: TP degree {stage.tp} (devices {list(stage.devices)}) "
+                            f"does not divide the model's {heads} attention heads; use a degree that does ({fits})")
+        return None
 
     @property
     def global_microbatches(self) -> int:

@@ -47,6 +47,19 @@ def test_a_plan_the_mesh_cannot_express_is_refused_with_the_rule_it_breaks(plan,
         NativeLayout.of(plan, CFG)
 
 
+def test_a_uniform_tp_shrink_to_any_degree_that_divides_the_model_is_run():
+    # TP4 → TP3 on devices 0, 2, 3 (device 1 excluded): a regular mesh again, so a 12-head model
+    # runs it; the 4-head one cannot be cut in three and is refused with the dimension that fails.
+    twelve = LlamaConfig(dim=48, n_layers=4, n_heads=12, ffn_hidden=96, vocab_size=96)
+    running = Plan.uniform(tp=4, pp=1, dp=1, num_layers=4, microbatches_per_replica=2)
+    tp3 = Plan(epoch=1, num_layers=4, pipelines=(_pipe(0, 2, ((0, 2, 3), 0, 4)),))
+    assert refusal(tp3, twelve, running_epoch=0, running=running) is None
+    assert NativeLayout.of(tp3, twelve).mesh_ranks().tolist() == [[[0, 1, 2]]]
+    assert refusal(tp3, CFG, running_epoch=0, running=running) == (
+        "TP 3 does not divide the model's attention heads (4); choose a TP degree that divides the heads, "
+        "FFN width and vocabulary ([1, 2, 4])")
+
+
 def test_only_the_next_epoch_is_accepted():
     plan = Plan.uniform(tp=1, pp=1, dp=2, num_layers=4, microbatches_per_replica=2, epoch=3)
     assert "not the running epoch 1 + 1" in (refusal(plan, CFG, running_epoch=1) or "")

@@ -1,8 +1,9 @@
 """The native executor (trainer/native/) on real processes with gloo: every layout, and every
 live reshape, trains exactly what one process training the same global batches would.
 
-Each test launches 4 CPU ranks (float64, a 4-layer decoder 32 wide) and compares the per-iteration
-losses and the final parameters with ``reference_losses`` to float tolerance.
+Each test launches 4 CPU ranks (float64, a 4-layer decoder 32 wide; the TP 4 → 3 proof a 2-layer
+one with 12 heads) and compares the per-iteration losses and the final parameters with
+``reference_losses`` to float tolerance.
 """
 
 from __future__ import annotations
@@ -28,16 +29,16 @@ SETTINGS = TrainSettings(block_size=16)
 GLOBAL_MICROBATCHES = 4
 
 
-def _plan(epoch: int, *pipelines: tuple[int, list[tuple[tuple[int, ...], int, int]]]) -> Plan:
+def _plan(epoch: int, *pipelines: tuple[int, list[tuple[tuple[int, ...], int, int]]], cfg: LlamaConfig = CFG) -> Plan:
     """``_plan(e, (microbatches, [(devices, first_layer, end_layer), ...]), ...)``, one per replica."""
-    return Plan(epoch=epoch, num_layers=CFG.n_layers, pipelines=tuple(
+    return Plan(epoch=epoch, num_layers=cfg.n_layers, pipelines=tuple(
         PipelinePlan(replica=r, microbatches=mbs, stages=tuple(
             StagePlan(devices=d, first_layer=a, end_layer=b) for d, a, b in stages))
         for r, (mbs, stages) in enumerate(pipelines)))
 
 
-def _run(tmp: Path, plan: Plan, iterations: int, reshapes=(), **extra) -> tuple[dict, dict]:
-    spec = NativeRunSpec(model=asdict(CFG), settings=asdict(SETTINGS), plan=plan, iterations=iterations,
+def _run(tmp: Path, plan: Plan, iterations: int, reshapes=(), cfg: LlamaConfig = CFG, **extra) -> tuple[dict, dict]:
+    spec = NativeRunSpec(model=asdict(cfg), settings=asdict(SETTINGS), plan=plan, iterations=iterations,
                          reshapes=[ScheduledReshape(at_iteration=i, plan=p) for i, p in reshapes],
                          out_dir=str(tmp), timeout_s=60, device="cpu", **extra)
     codes = launch_native(spec)
@@ -45,8 +46,8 @@ def _run(tmp: Path, plan: Plan, iterations: int, reshapes=(), **extra) -> tuple[
     return read_results(tmp)
 
 
-def _assert_matches_reference(ranks: dict, params: dict, iterations: int) -> None:
-    ref_losses, ref_params = reference_losses(CFG, SETTINGS, [GLOBAL_MICROBATCHES] * iterations)
+def _assert_matches_reference(ranks: dict, params: dict, iterations: int, cfg: LlamaConfig = CFG) -> None:
+    ref_losses, ref_params = reference_losses(cfg, SETTINGS, [GLOBAL_MICROBATCHES] * iterations)
     for device, r in ranks.items():
         for it, loss in r["losses"].items():
             assert loss == pytest.approx(ref_losses[int(it)], rel=1e-9), (device, it)
@@ -83,6 +84,20 @@ def test_tp_shrink_and_dp_migration_mid_run_equal_the_reference_and_the_schedule
     assert all(c.tokens == SETTINGS.block_size and sum(c.seq_lens) == SETTINGS.block_size for c in first.chunks)
     later = by_key[(0, 3)]
     assert later.epoch == 1 and sorted({c.microbatch for c in later.chunks}) == [0, 1]
+
+
+def test_tp_4_to_3_excluding_one_device_equals_the_reference(tmp_path):
+    # A model whose heads, FFN width and vocabulary divide by 4 and by 3. TP4 on devices 0-3, then
+    # device 1 is excluded: the whole job shrinks to TP3 on devices 0, 2, 3 (a regular mesh
+    # again), the weights and AdamW state re-cut from the four live TP4 shards, device 1 released.
+    cfg = LlamaConfig(dim=48, n_layers=2, n_heads=12, ffn_hidden=96, vocab_size=96, dtype="float64")
+    start = _plan(0, (4, [((0, 1, 2, 3), 0, 2)]), cfg=cfg)
+    excluded = _plan(1, (4, [((0, 2, 3), 0, 2)]), cfg=cfg)
+    ranks, params = _run(tmp_path, start, 3, reshapes=[(1, excluded)], cfg=cfg)
+    _assert_matches_reference(ranks, params, 3, cfg)
+    assert ranks[1].get("released") and ranks[1]["epochs"] == {"0": 0}
+    assert all(ranks[d]["reshapes"][0]["source"] == "live" and ranks[d]["epochs"] == {"0": 0, "1": 1, "2": 1}
+               for d in (0, 2, 3))
 
 
 def test_tp_grow_onto_fsdp_and_tp_together_equals_the_reference(tmp_path):

@@ -4,6 +4,7 @@ the DP bucket layout, the command intake's epoch fencing, the drop-replica polic
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from collector.plan import PipelinePlan, Plan, StagePlan
 from trainer.data import IGNORE, global_targets, microbatch, replica_microbatch_ids
 from trainer.fault_spec import FaultList
 from trainer.intake import CommandIntake
-from trainer.launcher import drop_replicas, on_death_plan
+from trainer.launcher import check_launchable, drop_replicas, on_death_plan
 from trainer.rendezvous import (CONTROL_POST, PostAborted, abort_key, arrive_key, await_arrivals, done_key, failed_key,
                                 newest_post, read_post)
 from trainer.model import GPTConfig, GPTStage, init_full, init_stage, shard, shard_rule, unshard
@@ -242,6 +243,26 @@ def test_intake_fails_a_plan_the_job_cannot_run_without_touching_the_ranks() -> 
     assert [a.status for a in acks] == [AckStatus.FAILED, AckStatus.FAILED]
     assert "global batch" in acks[0].detail and "[2]" in acks[1].detail
     assert CONTROL_POST not in store.data
+
+
+def test_any_tp_degree_is_a_plan_and_the_trainer_refuses_one_that_does_not_divide_the_heads() -> None:
+    from trainer.spec import RunSpec
+
+    three = Plan.uniform(tp=3, pp=1, dp=1, num_layers=4, microbatches_per_replica=4)
+    assert three.shape() == "TP3·PP1·DP1" and three.tp_split_problem(12) is None
+    why = ("replica 0 stage 0: TP degree 3 (devices [0, 1, 2]) does not divide the model's 4 attention heads; "
+           "use a degree that does ([1, 2, 4])")
+    assert three.tp_split_problem(4) == why
+    with pytest.raises(ValueError, match=r"^replica 0 stage 0: TP degree 3 .* \(\[1, 2, 4\]\)$"):
+        check_launchable(RunSpec(model=asdict(CFG)), three, 3)
+    check_launchable(RunSpec(model={**asdict(CFG), "n_head": 12, "n_embd": 48}), three, 3)
+
+    store = _Store()
+    intake = CommandIntake(store, Plan.uniform(tp=4, pp=1, dp=1, num_layers=4, microbatches_per_replica=4),
+                           n_layer=4, n_head=4, global_microbatches=4)
+    intake.offer(_cmd(three.model_copy(update={"epoch": 1}), "tp3"))
+    (ack,) = intake.poll({0, 1, 2, 3}, progress_iteration=5)
+    assert (ack.status, ack.detail) == (AckStatus.FAILED, why) and CONTROL_POST not in store.data
 
 
 def test_only_a_change_of_micro_batch_counts_on_the_same_world_keeps_the_groups() -> None:

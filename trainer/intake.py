@@ -127,10 +127,7 @@ class CommandIntake:
         missing = sorted(set(plan.devices) - alive)
         if missing:
             return AckStatus.FAILED, f"plan uses devices {missing} that are not alive (alive: {sorted(alive)})"
-        bad_tp = sorted({s.tp for p in plan.pipelines for s in p.stages if self.n_head % s.tp})
-        if bad_tp:
-            return AckStatus.FAILED, f"TP degrees {bad_tp} do not divide the {self.n_head} attention heads"
-        problem = schedule_problem(plan)
+        problem = plan.tp_split_problem(self.n_head) or schedule_problem(plan)
         if problem:
             return AckStatus.FAILED, problem
         return None, ""

@@ -102,7 +102,7 @@ def check_launchable(spec: RunSpec, plan: Plan, ranks: int) -> None:
     if plan.num_layers != spec.config.n_layer:
         raise ValueError(f"plan has {plan.num_layers} layers but the model has {spec.config.n_layer}; "
                          "build the plan with the model's layer count")
-    if problem := schedule_problem(plan):
+    if problem := plan.tp_split_problem(spec.config.n_head) or schedule_problem(plan):
         raise ValueError(problem)
 
 

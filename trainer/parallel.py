@@ -10,9 +10,9 @@
 DP across replicas that may differ in TP degree and layer ranges: each model *unit* (embeddings,
 one layer, the head) is owned by one TP group per replica. If every replica's owner group has the
 same TP degree, the devices holding the same shard all-reduce that shard ("shard" mode). If not,
-each owner group all-gathers its unit's gradient to full size, every owner contributes full/tp
-(exact: tp is a power of two), the owners of all replicas all-reduce full gradients, and each
-takes its shard back ("full" mode). Units with the same reducing devices share one flat bucket, so
+each owner group all-gathers its unit's gradient to full size, TP rank 0 of every owner group
+contributes it and the other members zeros (exact for any degree, 3 included), the owners of all
+replicas all-reduce full gradients, and each takes its shard back ("full" mode). Units with the same reducing devices share one flat bucket, so
 a uniform layout costs one all-reduce per TP rank per stage.
 """
 
@@ -179,7 +179,9 @@ class GradReducer:
                 for i, (name, p) in enumerate(named):
                     at = sum(q.numel() for _, q in named[:i])
                     parts = [pc[at:at + p.numel()].view_as(p) for pc in pieces]
-                    grads.append(unshard(parts, shard_rule(name)) / tp.degree)
+                    whole = unshard(parts, shard_rule(name))
+                    # every member holds the same full gradient; one copy per owner group enters the sum
+                    grads.append(whole if tp.rank == 0 else torch.zeros_like(whole))
                 full[unit] = grads
         # Phase 2 (across replicas): one flat all-reduce per bucket, in the layout's global order.
         for b in mine:

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from trainer.fault_spec import FaultList
-    from trainer.launcher import launch
+    from trainer.launcher import check_launchable, launch
     from trainer.model import PRESETS
     from trainer.spec import BusSpec, RunSpec
 
@@ -104,6 +104,10 @@ def run(args: argparse.Namespace) -> int:
             checkpoint_every=args.checkpoint_every)
     except ValidationError as exc:  # flags that contradict each other
         raise SystemExit("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
+    try:
+        check_launchable(spec, plan, ranks)  # launch checks too; here the refusal is one line, not a traceback
+    except ValueError as exc:
+        raise SystemExit(f"resihp train: {exc}") from None
     print(f"job {args.job}: {plan.shape()} {plan.schedule} on {ranks} ranks, {cfg.n_layer} layers, "
           f"{args.iterations} iterations")
     result = launch(spec, plan, ranks, on_death=args.on_death, commands_from=args.commands_from, echo=print)

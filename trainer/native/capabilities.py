@@ -26,8 +26,10 @@ NATIVE_CAPABILITIES = ExecutorCapabilities(
     spares=False,
     schedules=["1f1b"],
     notes={
-        "tp_shrink": "uniform only: every stage of every replica moves to the same TP degree (a DeviceMesh is a grid)",
-        "tp_exclusion": "one stage at a smaller TP degree than the rest is refused; shrink TP job-wide instead",
+        "tp_shrink": "uniform only: every stage of every replica moves to the same TP degree (a DeviceMesh is a grid), "
+                     "any degree that divides the model's heads, FFN width and vocabulary (TP 4 → 3 with 12 heads)",
+        "tp_exclusion": "one stage at a smaller TP degree than the rest is refused; shrink TP job-wide instead, "
+                        "re-forming the mesh without the bad device",
         "pp_repartition": "at layer granularity, the same layer ranges in every replica",
         "dp_drop": "yes",
         "dp_microbatch_migration": "per-replica micro-batch counts may differ; the global batch and loss scaling stay",

@@ -42,9 +42,12 @@ class NativeLayout:
                               "FSDP reduces gradients across replicas stage by stage, so every replica must hold the "
                               "same layers per stage; repartition all replicas alike")
         tp = tps.pop()
-        for what, n in (("attention heads", cfg.n_heads), ("FFN width", cfg.ffn_hidden), ("vocabulary", cfg.vocab_size)):
+        dims = (("attention heads", cfg.n_heads), ("FFN width", cfg.ffn_hidden), ("vocabulary", cfg.vocab_size))
+        for what, n in dims:
             if n % tp:
-                raise PlanRefused(f"TP {tp} does not divide the model's {what} ({n}); choose a TP degree that does")
+                fits = [d for d in range(1, cfg.n_heads + 1) if all(m % d == 0 for _, m in dims)]
+                raise PlanRefused(f"TP {tp} does not divide the model's {what} ({n}); choose a TP degree that "
+                                  f"divides the heads, FFN width and vocabulary ({fits})")
         if plan.schedule == "1f1b" and plan.virtual_stages == 1:
             pass
         else:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from analytics.schedule import OpTable, PipelineTiming, op_table, pipeline_timing
 from collector.auth import Gate, load_keyring
@@ -92,6 +92,13 @@ class SimConfig(BaseModel):
         "hold waits, no sequence lengths or token counts), profiler (torch.profiler: blocking p2p ops, "
         "collectives by group, no lengths, tokens or nodes), sampled (ours on a declared subset of ranks and "
         "every 2nd step); the timeline is the same in every dialect"))
+
+    @model_validator(mode="after")
+    def _check(self) -> SimConfig:
+        """A starting plan no trainer could cut the model to is refused, as a real launcher would."""
+        if problem := self.plan.tp_split_problem(self.model.heads):
+            raise ValueError(problem)
+        return self
 
 
 def _poisson_quantile(u: float, lam: float) -> int:
@@ -522,6 +529,8 @@ class SimEngine:
             status, detail = AckStatus.FAILED, "plan names devices beyond the cluster"
         elif self.dead & set(plan.devices):
             status, detail = AckStatus.FAILED, f"plan uses dead devices {sorted(self.dead & set(plan.devices))}"
+        elif tp_problem := plan.tp_split_problem(self.config.model.heads):
+            status, detail = AckStatus.FAILED, tp_problem
         self._seen_commands.add(command.command_id)
         if status is AckStatus.APPLIED:
             pause = self.config.rebalance_pause_s if self.plan.same_stages(plan) else self.config.reshape_pause_s
