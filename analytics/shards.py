@@ -278,10 +278,12 @@ class ShardWorker:
         # decoding the next iteration overlaps the merge's round trip, and a shard catching up on a
         # backlog holds a few iterations of reports, not the whole backlog. (Not polling at all, not
         # kafka-python's pause: with records of a partition left over from a poll, its resume lost
-        # them. A held shard resumes with the next fits, so its poll interval stays short.)
+        # them. A rebalance waits on a member's poll, so a held shard polls while its group joins:
+        # held through one, the survivors of a killed shard would wait for fits that need the
+        # replicas the rebalance hands them.)
         waiting = self.shard.waiting_for_fits()
         owned = {(tp.topic, tp.partition) for tp in self.stream.consumer.positions()}
-        held = bool(owned) and owned <= self.shard.read_enough()
+        held = bool(owned) and owned <= self.shard.read_enough() and not self.stream.consumer.joining()
         ready: list[ReplicaSummary] = []
         for d in self.side.poll(10_000, timeout_s if waiting else 0.0):
             if isinstance(d.event.payload, (DetectorFits, PlanCurrent, ReconfigureCommand)):
