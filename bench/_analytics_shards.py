@@ -223,7 +223,7 @@ def kafka_backlog(dp: int, iterations: int) -> list:
 
 
 def bench_kafka_shards(bootstrap: str, shards: list[int], dp: int = 32, iterations: int = 30,
-                       warmup: int = KAFKA_WARMUP) -> list[dict]:
+                       warmup: int = KAFKA_WARMUP, repeats: int = 2) -> list[dict]:
     """Sustained shard throughput on a broker, per shard count N: a TP8·PP16·DP``dp`` job's
     ``iterations`` (``kafka_backlog``) are in the telemetry topic of a fresh namespace before any
     analytics process starts; then N ``resihp analytics --role shard`` processes in one group and
@@ -239,7 +239,10 @@ def bench_kafka_shards(bootstrap: str, shards: list[int], dp: int = 32, iteratio
     (``analytics.shards.READ_AHEAD``): at the window's start each holds the same few iterations
     whatever N, so the window holds the decoding and scoring of every later iteration, with the
     merge's round trips. It closes at the last new summary; the rate is the new (epoch,
-    iteration, replica) summaries in it per second, from the times the shards stamped them. The
+    iteration, replica) summaries in it per second, from the times the shards stamped them.
+    The shard counts run in turn ``repeats`` times and each count keeps its fastest run: on a
+    shared machine other work comes and goes within minutes, and one pass of each would compare
+    the machine's load as much as the shard counts. The
     window's round trips (an iteration's last summary to the next one's first) are summed apart:
     the window less them is what the shards' own work took."""
     import os
@@ -256,8 +259,8 @@ def bench_kafka_shards(bootstrap: str, shards: list[int], dp: int = 32, iteratio
     backlog = kafka_backlog(dp, warmup + iterations)
     plan = Plan.uniform(tp=8, pp=16, dp=dp, num_layers=64, microbatches_per_replica=16)
     want = dp * (warmup + iterations)
-    out = []
-    for n in shards:
+    out: list[dict] = []
+    for n in [n for _ in range(repeats) for n in shards]:
         run = uuid.uuid4().hex[:8]  # fresh topics and groups: no member of an earlier run is waited for
         ns = f"bench{run}."
         bus = KafkaBus(bootstrap, namespace=ns)
@@ -279,6 +282,7 @@ def bench_kafka_shards(bootstrap: str, shards: list[int], dp: int = 32, iteratio
         copies = 0
         judged = -1
         fits_at: dict[int, float] = {}  # iteration -> when the merge's fits after it were read here
+        cpu: list[tuple[float, float]] = []  # (time, the shards' CPU seconds so far)
         moved = time.monotonic()
         try:
             with EventStream(bus, f"bench-reader-{run}", [topics.ANALYTICS]) as reader:
@@ -289,6 +293,7 @@ def bench_kafka_shards(bootstrap: str, shards: list[int], dp: int = 32, iteratio
                         raise RuntimeError(f"{n} shard(s): nothing new on the analytics topic for {KAFKA_STALL_S:.0f} s "
                                            f"({len(seen)} of {want} summaries, iteration {judged} judged, missing "
                                            f"{sorted(set((0, i, d) for i in range(warmup + iterations) for d in range(dp)) - set(seen))[:8]})")
+                    cpu.append((time.time(), sum(_cpu_s(p.pid) for p in procs[:-1])))
                     for d in reader.poll(10_000, 0.2):
                         moved = time.monotonic()
                         e, p = d.event, d.event.payload
@@ -320,10 +325,15 @@ def bench_kafka_shards(bootstrap: str, shards: list[int], dp: int = 32, iteratio
         out.append({"shards": n, "summaries": len(seen), "of": want, "copies": copies, "window_s": inside[-1] - opens,
                     "in_window": len(inside), "replicas_per_s": rate, "load_before": load_before,
                     "load_after": load_after, "shard_cpu_s": cpu_s[:-1], "merge_cpu_s": cpu_s[-1],
-                    "shard_peak_mb": peak_mb[:-1],
+                    "shard_peak_mb": peak_mb[:-1], "window_cores": float(np.diff(np.interp(
+                        [opens, inside[-1]], *zip(*cpu)))[0]) / (inside[-1] - opens) if inside else float("nan"),
                     "round_trips_s": float(sum(gaps)), "round_trip_median_s": float(np.median(gaps)),
                     "replicas_per_s_own": len(inside) / (inside[-1] - opens - sum(gaps)) if inside else float("nan")})
-    return out
+    best = []
+    for n in shards:
+        runs = [r for r in out if r["shards"] == n]
+        best.append(max(runs, key=lambda r: r["replicas_per_s"]) | {"all_replicas_per_s": [r["replicas_per_s"] for r in runs]})
+    return best
 
 
 def _start(argv: list[str], env: dict[str, str]):
@@ -336,6 +346,18 @@ def _start(argv: list[str], env: dict[str, str]):
 
     me = os.getpid()
     return subprocess.Popen(argv, env=env, preexec_fn=lambda: set_parent_death_signal(signal.SIGTERM, me))
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a live process has used so far (Linux /proc; 0 elsewhere)."""
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _reap(p) -> tuple[float, float]:
