@@ -71,6 +71,9 @@ def test_tp_shrink_and_dp_migration_mid_run_equal_the_reference_and_the_schedule
     (reshape,) = ranks[0]["reshapes"]
     assert reshape["source"] == "live" and reshape["iteration"] == 2
     assert set(reshape["phases_s"]) == {"agree", "export", "new_mesh", "stages_rebuilt", "redistribute", "first_step"}
+    # each protocol phase's CPU too (bench reshape_cpu sums it over ranks); a stage build costs some
+    assert set(reshape["cpu_s"]) == set(reshape["phases_s"]) - {"first_step"}
+    assert all(v >= 0 for v in reshape["cpu_s"].values()) and reshape["cpu_s"]["stages_rebuilt"] > 0
 
     with EmbeddedBus(bus) as b, EventStream(b, "test", [topics.TELEMETRY]) as stream:
         events = []

@@ -14,12 +14,27 @@ TP1·PP2·DP4 → TP2·PP2·DP2 reshape of ``resihp bench reshape``, 8 ranks on 
   map remapped). The same two meshes give the same mesh, so it is built once per pair of meshes
   (keyed by the meshes' identities, which the memo keeps alive, so an id is never reused).
 
+* ``inspect.signature`` in ``distribute_module`` — every TP style hands it two
+  ``functools.partial`` hooks per linear, and it reads each one's signature only to count its
+  arguments: on a partial of a bound method that is a fresh ``Signature`` built through
+  ``_signature_get_partial`` each time, a tenth of the DP change's CPU (TP2·PP1·DP4, 8 ranks). The
+  signature of a partial depends only on the function under it and which arguments it binds, so
+  it is built once per (function, bound-method or not, number of positional arguments bound,
+  keywords bound).
+
+* ``make_contiguous_strides_for`` in FSDP2's per-parameter set-up — pure Python with a
+  symbolic ``max`` per dimension, called twice per parameter for a handful of distinct shapes:
+  memoised per shape of plain ints (a symbolic shape goes to torch's own).
+
 Nothing else changes: every other op keeps torch's strategies. Each shortcut checks that this
 torch has the hook it replaces and is skipped (the build is only slower) where it does not.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +49,8 @@ _SAME_META_OPS = (torch.ops.aten.detach.default,)
 
 def install_stage_build_shortcuts() -> bool:
     """Idempotent; returns False where this torch lacks a hook (that shortcut is then skipped)."""
-    return all([_install_detach_rule(), _install_concatenate_memo()])
+    return all([_install_detach_rule(), _install_concatenate_memo(), _install_signature_memo(),
+                _install_strides_memo()])
 
 
 def _install_detach_rule() -> bool:
@@ -83,17 +99,22 @@ class _InputMetaForIdentityOps:
         return self.fake_run(op_schema)
 
 
+def _replace(owner: Any, name: str, kind: type, make: Callable[[Any], Any]) -> bool:
+    """``owner.name`` becomes ``make(its torch original)`` unless it is a ``kind`` already (a second
+    install); False where this torch has no such name (the shortcut is then skipped)."""
+    current = getattr(owner, name, None)
+    if current is None:
+        return False
+    if not isinstance(current, kind):
+        setattr(owner, name, make(current))
+    return True
+
+
 def _install_concatenate_memo() -> bool:
     from torch.distributed.device_mesh import DeviceMesh
 
-    concatenate = getattr(DeviceMesh, "_concatenate", None)
-    if concatenate is None:
-        return False
-    if isinstance(concatenate, _MemoisedConcatenate):
-        return True
-    # mypy forbids replacing a method; replacing DeviceMesh's is the shortcut
-    DeviceMesh._concatenate = staticmethod(_MemoisedConcatenate(concatenate))  # type: ignore[method-assign]
-    return True
+    return _replace(DeviceMesh, "_concatenate", _MemoisedConcatenate,
+                    lambda concatenate: staticmethod(_MemoisedConcatenate(concatenate)))
 
 
 class _MemoisedConcatenate:
@@ -111,3 +132,60 @@ class _MemoisedConcatenate:
         if hit is None:
             hit = self.made[key] = (list(device_mesh_list), self.concatenate(device_mesh_list))
         return hit[1]
+
+
+def _install_signature_memo() -> bool:
+    from torch.distributed.tensor import _api
+
+    return _replace(_api, "inspect", _MemoisedSignatures, lambda _: _MemoisedSignatures())  # its module-level name
+
+
+class _MemoisedSignatures:
+    """The ``inspect`` module as ``distribute_module`` sees it, with ``signature`` of a
+    ``functools.partial`` built once per (function under it, bound-method or not, positional
+    arguments bound, keywords bound), the only things that signature depends on. Anything else
+    is ``inspect``'s own. Being this class is how a second install sees the first."""
+
+    def __init__(self) -> None:
+        self.made: dict[tuple, inspect.Signature] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(inspect, name)
+
+    def signature(self, fn: Callable[..., Any]) -> inspect.Signature:
+        if not isinstance(fn, functools.partial):
+            return inspect.signature(fn)
+        under = fn.func
+        key = ((under.__func__, True) if isinstance(under, types.MethodType) else (under, False),
+               len(fn.args), tuple(sorted(fn.keywords)))
+        try:
+            hit = self.made.get(key)
+        except TypeError:  # an unhashable callable under the partial
+            return inspect.signature(fn)
+        if hit is None:
+            hit = self.made[key] = inspect.signature(fn)
+        return hit
+
+
+def _install_strides_memo() -> bool:
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    return _replace(_fsdp_param, "make_contiguous_strides_for", _MemoisedStrides, _MemoisedStrides)
+
+
+class _MemoisedStrides:
+    """``make_contiguous_strides_for`` once per (shape, row_major) of plain ints. Being this class is
+    how a second install sees the first."""
+
+    def __init__(self, strides: Callable[..., tuple]) -> None:
+        self.strides = strides
+        self.made: dict[tuple, tuple] = {}
+
+    def __call__(self, shape: Any, row_major: bool = True) -> tuple:
+        key = (tuple(shape), row_major)
+        if not all(type(d) is int for d in key[0]):
+            return self.strides(shape, row_major)
+        hit = self.made.get(key)
+        if hit is None:
+            hit = self.made[key] = self.strides(shape, row_major)
+        return hit

@@ -10,8 +10,8 @@ The same protocol as trainer/executor.py, on torch's own parallelism:
   micro-batch counts stops here: groups, stages and optimizer are kept, only the schedule is new.
 * export — this rank's pieces of its stage's state, read locally (trainer/native/state.py).
 * new_mesh — the groups of the new layout, each created once per rank set and reused
-  (trainer/native/groups.py); the old layout's groups stay alive.
-* stages_rebuilt — the new DeviceMesh, stage model, TP/FSDP, PipelineStage, schedule, optimizer;
+  (trainer/native/groups.py), and the new DeviceMesh over them; the old layout's groups stay alive.
+* stages_rebuilt — on that mesh: stage model, TP/FSDP, PipelineStage, schedule, optimizer;
   every rank cuts its own shards, so no collective runs.
 * redistribute — every key the new stage needs comes from live pieces over the union of the old
   and the new world; if some key has none, all ranks load the newest DCP checkpoint instead.
@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from collector.plan import Plan
 from trainer.native.capabilities import refusal
@@ -83,6 +84,7 @@ class ReshapeReport:
     source: str = "live"
     lost: tuple[int, ...] = ()  # devices whose death this reshape recovered from (``recover``)
     phases_s: dict[str, float] = field(default_factory=dict)
+    cpu_s: dict[str, float] = field(default_factory=dict)  # this process's CPU per phase, its gloo threads' too
 
     @property
     def pause_s(self) -> float:
@@ -219,15 +221,17 @@ class NativeExecutor:
         return report, rollback_to
 
     def _lap(self, report: ReshapeReport) -> Callable[..., None]:
-        """A stopwatch: each call ends a phase, records it in ``report`` and hands it to ``on_phase``."""
-        t = time.perf_counter()
+        """A stopwatch: each call ends a phase, records its wall time and its CPU (process time:
+        what a phase costs a shared machine, waits excluded) in ``report`` and hands it to ``on_phase``."""
+        t, cpu = time.perf_counter(), time.process_time()
 
         def lap(name: str, ok: bool = True, detail: str = "") -> None:
-            nonlocal t
-            now = time.perf_counter()
+            nonlocal t, cpu
+            now, cpu_now = time.perf_counter(), time.process_time()
             report.phases_s[name] = now - t
+            report.cpu_s[name] = cpu_now - cpu
             self.on_phase(report.epoch, name, now - t, ok, detail)
-            t = now
+            t, cpu = now, cpu_now
         return lap
 
     def _move(self, old: NativeRole, layout: NativeLayout, union: dist.ProcessGroup, report: ReshapeReport,
@@ -240,6 +244,7 @@ class NativeExecutor:
         failure: BaseException | None = None
         mine: LocalState | None = None
         role: NativeRole | None = None
+        mesh: DeviceMesh | None = None
         rollback_to: int | None = None
         try:
             mine = local_state(old.params, old.opt, old.sched)
@@ -252,7 +257,7 @@ class NativeExecutor:
             try:
                 # Every group the new layout needs, made now by its members; the build below finds them.
                 self.groups.get("world", [self.rank_of[d] for d in layout.world], epoch)
-                build_mesh(layout, self.torch_device.type, self.groups, self.rank_of, self.device)
+                mesh = build_mesh(layout, self.torch_device.type, self.groups, self.rank_of, self.device)
                 self._inject(epoch, "new_mesh")
             except Exception as exc:
                 failure = exc
@@ -260,7 +265,7 @@ class NativeExecutor:
         if stays and failure is None:
             try:
                 role = NativeRole.build(layout, self.device, self.cfg, self.settings, self.torch_device,
-                                        self.groups, self.rank_of, self.model_factory)
+                                        self.groups, self.rank_of, self.model_factory, mesh)
                 self._inject(epoch, "stages_rebuilt")
             except Exception as exc:
                 failure = exc

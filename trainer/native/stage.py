@@ -73,14 +73,15 @@ class NativeRole:
     @classmethod
     def build(cls, layout: NativeLayout, device: int, cfg: LlamaConfig, settings: TrainSettings,
               torch_device: torch.device, groups: GroupCache, rank_of: dict[int, int],
-              model_factory: ModelFactory = build_model) -> NativeRole:
+              model_factory: ModelFactory = build_model, mesh: DeviceMesh | None = None) -> NativeRole:
         """Every world rank calls this together (a group new to this rank set is created by its
         members). The weights are the seed's initial ones; a reshape then loads the moved state
-        over them. No collective runs on the parameters: each rank cuts its own shards."""
+        over them. No collective runs on the parameters: each rank cuts its own shards. ``mesh``:
+        the layout's mesh when the caller built it already (a reshape's new_mesh phase)."""
         install_stage_build_shortcuts()
         role = layout.role(device)
         world = groups.get("world", [rank_of[d] for d in layout.world], layout.plan.epoch)
-        mesh = build_mesh(layout, torch_device.type, groups, rank_of, device)
+        mesh = mesh or build_mesh(layout, torch_device.type, groups, rank_of, device)
         model = apply_pp(model_factory(cfg, settings.seed), role).to(torch_device)
         apply_tp(model, mesh["tp"])
         apply_dp(model, mesh["dp"], settings.dp_mode)

@@ -11,7 +11,8 @@ with its own placements — so no collective runs on the old mesh and nothing is
 * :func:`exchange` — over a group spanning the old and the new world: one small
   ``all_gather_object`` of who holds which piece and who needs which key; then each key a rank
   needs comes from the fewest holders that cover it (itself first), two raw tensors (indices,
-  values) per (source, destination) pair, all posted at once. Keys no live piece covers are
+  values) per (source, destination) pair, all posted at once, and lands in one indexed copy per
+  pair. Keys no live piece covers are
   returned as missing (every rank computes the same list, so all take the disk fallback together).
 * :func:`load_full` — each rank takes its own new shard of every assembled full tensor (the flat
   indices its new placement covers: no communication) into the freshly built stage and its AdamW
@@ -45,10 +46,12 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 @dataclass
 class LocalState:
     """This rank's pieces of its stage's keys: ``index[k]`` the flat global indices it holds,
-    ``values[k]`` the parameter's values there followed by each AdamW moment's (when stepped)."""
+    ``values[k]`` (1 or 3, n): the parameter's values there, then each AdamW moment's (when stepped);
+    ``start[k]``: where the indices begin when they are one ascending run (see ``_cut``), else None."""
 
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     index: dict[str, torch.Tensor] = field(default_factory=dict)
+    start: dict[str, int | None] = field(default_factory=dict)
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     step: torch.Tensor | None = None
     hyper: dict[str, Any] = field(default_factory=dict)
@@ -59,21 +62,31 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-_CUTS: dict[tuple, torch.Tensor] = {}
+_CUTS: dict[tuple, tuple[torch.Tensor, int | None]] = {}
 
 
-def _indices(p: torch.Tensor) -> torch.Tensor:
+def _cut(p: torch.Tensor) -> tuple[torch.Tensor, int | None]:
     """The flat global indices of this rank's shard of ``p``, in the order of its local values,
-    cut exactly as its values were. Memoised per (shape, mesh, this rank's coordinate,
-    placements): the layers of a stage share a handful of those, and each cut costs a DTensor."""
+    cut exactly as its values were, and where they start when they are one ascending run
+    ``start, start + 1, …`` (a whole tensor, or a shard along dim 0: most of FSDP's), else None:
+    such a piece lands and is taken by a slice copy rather than an indexed one, several times
+    cheaper. Memoised per (shape, mesh, this rank's coordinate, placements): the layers of a
+    stage share a handful of those, and each cut costs a DTensor."""
     if not isinstance(p, DTensor):
-        return torch.arange(p.numel())
-    key = (tuple(p.shape), p.device_mesh, tuple(p.device_mesh.get_coordinate() or ()), tuple(p.placements))
+        key: tuple = (p.numel(),)
+    else:
+        key = (tuple(p.shape), p.device_mesh, tuple(p.device_mesh.get_coordinate() or ()), tuple(p.placements))
     cut = _CUTS.get(key)
     if cut is None:
-        whole = torch.arange(p.numel(), device=_local(p).device).view(p.shape)
-        whole = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()
-        cut = _CUTS[key] = whole.reshape(-1).cpu()
+        if isinstance(p, DTensor):
+            whole = torch.arange(p.numel(), device=_local(p).device).view(p.shape)
+            index = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()
+            index = index.reshape(-1).cpu()
+        else:
+            index = torch.arange(p.numel())
+        start = int(index[0]) if index.numel() else 0
+        run = torch.equal(index, torch.arange(start, start + index.numel()))
+        cut = _CUTS[key] = (index, start if run else None)
     return cut
 
 
@@ -91,8 +104,8 @@ def local_state(params: Sequence[tuple[str, torch.Tensor]], opt: torch.optim.Opt
             parts += [_local(state[m]).detach().reshape(-1) for m in MOMENTS]
             out.step = state["step"].detach().cpu().clone()
         out.shapes[k] = tuple(p.shape)
-        out.index[k] = _indices(p)
-        out.values[k] = torch.cat(parts).cpu()
+        out.index[k], out.start[k] = _cut(p)
+        out.values[k] = torch.stack(parts).cpu()
     return out
 
 
@@ -125,10 +138,11 @@ def exchange(mine: LocalState | None, needed: dict[str, tuple[int, ...]], group:
     ``needed`` to this rank from live pieces. Returns the assembled state and the keys no set of
     live pieces covers (the same list on every rank)."""
     me, size = dist.get_rank(group), dist.get_world_size(group)
-    held: dict[str, tuple[tuple[int, ...], int, tuple[int, ...]]] = {}
+    held: dict[str, tuple[tuple[int, ...], int, tuple[int, ...], int | None]] = {}
     if mine is not None:
         for k, idx in mine.index.items():  # a piece's signature: replicas of one shard are equal
-            held[k] = (mine.shapes[k], idx.numel(), (idx.numel(), int(idx[0]), int(idx[-1]), int(idx.sum())))
+            held[k] = (mine.shapes[k], idx.numel(), (idx.numel(), int(idx[0]), int(idx[-1]), int(idx.sum())),
+                       mine.start[k])
     # Plain Python only: a tensor in the gathered objects costs each receiver a nested torch.load.
     step = (mine.step.item(), str(mine.step.dtype).removeprefix("torch.")) if mine and mine.step is not None else None
     info = {"held": held, "needed": sorted(needed), "stepped": step is not None,
@@ -165,20 +179,29 @@ def exchange(mine: LocalState | None, needed: dict[str, tuple[int, ...]], group:
     if holders:
         step, out.hyper, out.scheduler = everyone[holders[0]]["small"]
         out.step = torch.tensor(step[0], dtype=getattr(torch, step[1])) if step is not None else None
+    # Every needed key's full tensor is a column range of one (width, total) buffer, so a message
+    # (its keys' pieces side by side: n indices, and (width, n) values, per key) lands in one
+    # indexed copy at its indices shifted by each key's offset.
+    offset, total = {}, 0
+    for k in sorted(needed):
+        offset[k], total = total, total + math.prod(needed[k])
+    landed = torch.empty(width, total, dtype=dtype)
+    out.full = {k: landed[:, offset[k]:offset[k] + math.prod(needed[k])] for k in offset}
     pieces: list[tuple[int, list[str], torch.Tensor, torch.Tensor]] = []
     ops: list[dist.P2POp] = []
     for (src, dst), keys in sorted(plan.items()):
         if src == me and dst == me:
             assert mine is not None
             pieces.append((src, keys, torch.cat([mine.index[k] for k in keys]),
-                           torch.cat([mine.values[k] for k in keys])))
+                           torch.cat([mine.values[k] for k in keys], dim=1)))
         elif src == me:
             assert mine is not None
             ops += [dist.P2POp(dist.isend, torch.cat([mine.index[k] for k in keys]), group=group, group_peer=dst, tag=0),
-                    dist.P2POp(dist.isend, torch.cat([mine.values[k] for k in keys]), group=group, group_peer=dst, tag=1)]
+                    dist.P2POp(dist.isend, torch.cat([mine.values[k] for k in keys], dim=1), group=group,
+                               group_peer=dst, tag=1)]
         elif dst == me:
             n = sum(everyone[src]["held"][k][1] for k in keys)
-            index, values = torch.empty(n, dtype=torch.int64), torch.empty(n * width, dtype=dtype)
+            index, values = torch.empty(n, dtype=torch.int64), torch.empty(width, n, dtype=dtype)
             ops += [dist.P2POp(dist.irecv, index, group=group, group_peer=src, tag=0),
                     dist.P2POp(dist.irecv, values, group=group, group_peer=src, tag=1)]
             pieces.append((src, keys, index, values))
@@ -186,28 +209,31 @@ def exchange(mine: LocalState | None, needed: dict[str, tuple[int, ...]], group:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     for src, keys, index, values in pieces:
-        # A message is its keys' pieces in order: per key, n indices and width × n values
-        # (the parameter's n, then each moment's n).
-        at_i = at_v = 0
-        for k in keys:
-            n = everyone[src]["held"][k][1]
-            full = out.full.get(k)
-            if full is None:
-                full = out.full[k] = torch.empty(width, math.prod(needed[k]), dtype=dtype)
-            full[:, index[at_i:at_i + n]] = values[at_v:at_v + n * width].view(width, n)
-            at_i, at_v = at_i + n, at_v + n * width
+        pieces_of = [everyone[src]["held"][k] for k in keys]
+        if all(piece[3] is not None for piece in pieces_of):  # every piece one run: slice copies
+            at = 0
+            for k, piece in zip(keys, pieces_of):
+                n, begin = piece[1], offset[k] + piece[3]
+                landed[:, begin:begin + n] = values[:, at:at + n]
+                at += n
+        else:
+            shift = torch.repeat_interleave(torch.tensor([offset[k] for k in keys]),
+                                            torch.tensor([piece[1] for piece in pieces_of]))
+            landed[:, index + shift] = values
     return out, sorted(missing)
 
 
 def load_full(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, state: Assembled) -> None:
     """Take this rank's shard of every assembled full tensor (the flat indices its new placement
-    covers, ``_indices``) into the freshly built stage: the parameter in place (FSDP's and TP's
+    covers, ``_cut``) into the freshly built stage: the parameter in place (FSDP's and TP's
     shards are views of their own storage), the AdamW moments as fresh state of the parameter's
     placement. Local only."""
     with torch.no_grad():
         for k, p in model.named_parameters():
             here = _local(p)
-            mine = state.full[k][:, _indices(p)].to(here.device)  # (1 or 3, local numel)
+            index, start = _cut(p)
+            full = state.full[k]
+            mine = (full[:, start:start + index.numel()] if start is not None else full[:, index]).to(here.device)
             here.copy_(mine[0].view(here.shape))
             if mine.shape[0] > 1:
                 assert state.step is not None
@@ -219,10 +245,12 @@ def load_full(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, state: A
 
 
 def _placed_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as this rank's shard of a tensor placed like ``p`` (a plain tensor for a plain ``p``)."""
+    """``local`` as this rank's shard of a tensor placed like ``p`` (a plain tensor for a plain ``p``).
+    An AdamW moment has the parameter's mesh, placements, shape, stride and dtype, so it takes
+    ``p``'s own spec (as FSDP2 makes its shards): ``DTensor.from_local`` would build and check a
+    new spec per moment through an autograd function, a fifth of loading the moved state."""
     if isinstance(p, DTensor):
-        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                  stride=p.stride())
+        return DTensor(local, p._spec, requires_grad=False)
     return local
 
 

@@ -198,7 +198,8 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
                 first_step_of.phases_s["first_step"] = wall_s
                 on_phase(first_step_of.epoch, "first_step", wall_s, True, "")
                 results["reshapes"].append({"epoch": first_step_of.epoch, "source": first_step_of.source,
-                                            "phases_s": first_step_of.phases_s, "iteration": iteration,
+                                            "phases_s": first_step_of.phases_s, "cpu_s": first_step_of.cpu_s,
+                                            "iteration": iteration,
                                             "groups_created": ex.groups.created, "lost": list(first_step_of.lost)})
                 if follower is not None and post is not None:
                     follower.done(post, first_step_of.epoch, first_step_of.source, first_step_of.phases_s)
