@@ -325,8 +325,7 @@ def bench_kafka_shards(bootstrap: str, shards: list[int], dp: int = 32, iteratio
         out.append({"shards": n, "summaries": len(seen), "of": want, "copies": copies, "window_s": inside[-1] - opens,
                     "in_window": len(inside), "replicas_per_s": rate, "load_before": load_before,
                     "load_after": load_after, "shard_cpu_s": cpu_s[:-1], "merge_cpu_s": cpu_s[-1],
-                    "shard_peak_mb": peak_mb[:-1], "window_cores": float(np.diff(np.interp(
-                        [opens, inside[-1]], *zip(*cpu)))[0]) / (inside[-1] - opens) if inside else float("nan"),
+                    "shard_peak_mb": peak_mb[:-1], "window_cores": _cores(cpu, opens, inside[-1]) if inside else float("nan"),
                     "round_trips_s": float(sum(gaps)), "round_trip_median_s": float(np.median(gaps)),
                     "replicas_per_s_own": len(inside) / (inside[-1] - opens - sum(gaps)) if inside else float("nan")})
     best = []
@@ -346,6 +345,14 @@ def _start(argv: list[str], env: dict[str, str]):
 
     me = os.getpid()
     return subprocess.Popen(argv, env=env, preexec_fn=lambda: set_parent_death_signal(signal.SIGTERM, me))
+
+
+def _cores(samples: list[tuple[float, float]], t0: float, t1: float) -> float:
+    """Cores' worth of CPU used between t0 and t1, from (time, CPU seconds so far) samples."""
+    times = np.array([t for t, _ in samples])
+    used = np.array([c for _, c in samples])
+    c0, c1 = np.interp(np.array([t0, t1]), times, used)
+    return float(c1 - c0) / (t1 - t0)
 
 
 def _cpu_s(pid: int) -> float:
