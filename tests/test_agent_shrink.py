@@ -20,8 +20,8 @@ from collector import topics
 from collector.bus import open_bus
 from collector.events import RecoveryPhase
 from collector.stream import EventStream
-from tests.test_agent_run import (agent_cmd, alive, env, free_port, kill_rank_and_wait, pid_dir, rows_of, wait_until,
-                                  written_pids)
+from tests.test_agent_run import (agent_cmd, alive, env, free_port, kill_rank_and_wait, parent_of, pid_dir, rows_of,
+                                  wait_until, written_pids)
 from trainer.agent.sample_job import reference_state
 from trainer.agent.shrink import PHASES
 
@@ -43,6 +43,17 @@ def shrink_agent(tmp_path: Path, port: int, node: int, steps: int, *flags: str, 
     cmd = [*argv[:at], "--bus", "embedded", "--bus-path", str(tmp_path / "bus.sqlite"), *argv[at + 1:]]
     out = open(log, "w") if log else subprocess.PIPE  # noqa: SIM115 - the child owns it
     return subprocess.Popen(cmd, env=env(), stdout=out, stderr=subprocess.STDOUT, text=True)
+
+
+def standalone_shrink_agent(tmp_path: Path, steps: int, step_s: float, *flags: str) -> subprocess.Popen:
+    """One standalone agent of 3 ranks under --on-failure shrink (its output piped), writing its
+    progress to ``progress.jsonl``."""
+    argv = agent_cmd("--standalone", "--nproc-per-node", "3", "--monitor-interval", "0.05", "--on-failure", "shrink",
+                     "--work-dir", str(tmp_path / "w"), *flags,
+                     job_args=("--steps", str(steps), "--step-s", str(step_s), "--progress-file",
+                               str(tmp_path / "progress.jsonl"), "--pid-dir", str(pid_dir(tmp_path)),
+                               "--final-state", str(tmp_path / "final.pt")))
+    return subprocess.Popen(argv, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def start_two_agents(tmp_path: Path, steps: int = STEPS) -> tuple[list[subprocess.Popen], int]:
@@ -130,11 +141,7 @@ def test_a_stopped_rank_is_reported_benched_and_rejoins_when_it_runs_again(tmp_p
     at the reference state."""
     steps = 60
     progress = tmp_path / "progress.jsonl"
-    argv = agent_cmd("--standalone", "--nproc-per-node", "3", "--monitor-interval", "0.05", "--on-failure", "shrink",
-                     "--hang-floor-s", "2", "--work-dir", str(tmp_path / "w"),
-                     job_args=("--steps", str(steps), "--step-s", "0.1", "--progress-file", str(progress),
-                               "--pid-dir", str(pid_dir(tmp_path)), "--final-state", str(tmp_path / "final.pt")))
-    agent = subprocess.Popen(argv, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    agent = standalone_shrink_agent(tmp_path, steps, 0.1, "--hang-floor-s", "2")
     try:
         wait_until(lambda: len(rows_of(progress)) >= 4)
         rank_of = {pid: int((pid_dir(tmp_path) / str(pid)).read_text()) for pid in written_pids(tmp_path)}
@@ -155,6 +162,29 @@ def test_a_stopped_rank_is_reported_benched_and_rejoins_when_it_runs_again(tmp_p
     worlds = [r["world"] for r in rows_of(progress)]
     assert worlds[0] == 3 and worlds[shrunk_rows - 1] == 2 and 3 in worlds[shrunk_rows:]  # 3 → 2 → 3
     assert rows_of(progress)[-1]["step"] == steps and alive(list(rank_of)) == []
-    final = torch.load(tmp_path / "final.pt", weights_only=True)
-    for name, tensor in reference_state(steps).items():
-        torch.testing.assert_close(final[name], tensor, rtol=1e-5, atol=1e-6)
+    assert_reference_state(tmp_path, steps)
+
+
+def test_a_killed_rank_forked_from_the_preloaded_server_leaves_its_peers_training(tmp_path: Path) -> None:
+    """``--preload torch --on-failure shrink``: the ranks come from the fork server (their parent
+    is not the agent), a SIGKILLed one leaves the watch alone, its two peers shrink past it with
+    their own processes and end at the reference state, and nothing is left running."""
+    progress = tmp_path / "progress.jsonl"
+    agent = standalone_shrink_agent(tmp_path, STEPS, 0.2, "--preload", "torch")
+    try:
+        wait_until(lambda: len(rows_of(progress)) >= 4)
+        parents = {parent_of(pid) for pid in written_pids(tmp_path)}
+    except BaseException:
+        agent.kill()
+        agent.wait()
+        raise
+    outs, killed_at, first_pids = kill_rank_and_wait([agent], progress, tmp_path, rank=2, after_rows=4)
+    assert agent.returncode == 0, outs
+    assert len(parents) == 1 and agent.pid not in parents  # one fork server, not the agent
+    rows = rows_of(progress)
+    assert {r["world"] for r in rows if r["t"] <= killed_at} == {3}
+    assert 2 in {r["world"] for r in rows if r["t"] > killed_at + 0.5}
+    assert rows[-1]["step"] == STEPS and {r["restart"] for r in rows} == {0}
+    assert set(written_pids(tmp_path)) == first_pids and alive(list(first_pids)) == []
+    assert "rank 2 (local 2" in outs[0] and "its peers go on without it" in outs[0], outs[0]
+    assert_reference_state(tmp_path)

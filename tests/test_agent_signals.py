@@ -1,6 +1,7 @@
 """The agent's ranks never outlive it, and a stopped rank is reported as a hang naming its op.
 
-Real agents and ranks (gloo, CPU); one agent with two ranks per test.
+Real agents and ranks (gloo, CPU); one agent with two ranks per test, `resihp run`'s or
+`resihp train`'s.
 """
 
 from __future__ import annotations
@@ -9,10 +10,13 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
+
+import pytest
 
 from collector import topics
 from collector.bus import open_bus
@@ -99,3 +103,43 @@ def test_a_stopped_rank_is_reported_hung_in_its_op_and_dies_with_a_killed_agent(
     incidents = [e for e in events if isinstance(e, IncidentOpened)]
     assert len(incidents) == 1 and [loc.rank for loc in incidents[0].locations] == report["culprits"]
     assert f"stuck in '{stuck.op}'" in incidents[0].summary
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, their children …), from /proc."""
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            continue
+    below, frontier = [], [pid]
+    while frontier:
+        frontier = [p for p, pp in parent.items() if pp in frontier]
+        below += frontier
+    return below
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_resihp_train_leaves_no_rank_behind_when_it_is_stopped(sig: signal.Signals, tmp_path: Path) -> None:
+    """``resihp train`` runs its ranks under the node agent: SIGTERM stops them and says so in one
+    line; after SIGKILL they die with the fork server they came from."""
+    train = subprocess.Popen(
+        [sys.executable, "-m", "resihp.cli", "train", "--pp", "2", "--iterations", "100000", "--bus", "embedded",
+         "--bus-path", str(tmp_path / "bus.sqlite")], env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    try:
+        assert train.stdout is not None
+        wait_for("a trained iteration", lambda: train.stdout.readline().startswith("iteration "))
+        below = descendants(train.pid)
+        assert len(below) >= 3  # the fork server and the two ranks forked from it, at least
+        train.send_signal(sig)
+        out = train.communicate(timeout=PATIENCE_S)[0]
+    finally:
+        if train.poll() is None:
+            train.kill()
+            train.wait()
+    assert train.returncode == (128 + sig if sig == signal.SIGTERM else -sig), out[-3000:]
+    if sig == signal.SIGTERM:
+        assert "resihp train: stopped by SIGTERM; every rank was stopped" in out
+    wait_for("every rank and the fork server gone", lambda: alive(below) == [])

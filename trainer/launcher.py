@@ -1,32 +1,47 @@
-"""The launcher: hosts the rendezvous store, starts one process per rank, relays commands.
+"""The reference trainer's launcher: its job runs under the node agent, with a controller for the rest.
 
-The launcher — not rank 0 — owns the TCPStore, so any rank may die and the survivors can still
-meet. It is also the single reader of the control topic (trainer/intake.py fences and posts the
-commands; probe requests are posted for the ranks to run, trainer/probe.py) and it watches its
-children: a rank that exits with an error is dead. With ``on_death="drop-replica"`` the launcher itself publishes a command that drops the dead device's
-replica and gives its micro-batches to the others, or — when no replica would survive — puts
-spare devices in the dead ones' places (state then comes from the newest disk checkpoint); a
+One launcher. :func:`launch` runs the job through the node agent (trainer/agent/node.py, torch's
+``LocalElasticAgent``) in standalone mode on loopback: the agent hosts the rendezvous store, forks one
+rank per device from a fork server that imported trainer.worker once (trainer/agent/pcontext.py),
+and stops them on every way out; each rank dies with it (trainer/agent/child.py). The store the
+agent hosts is also where the ranks find the trainer's keys (trainer/rendezvous.py): any rank may
+die and the survivors can still meet.
+
+What is the reference trainer's own is :class:`TrainerController`, which the agent runs in its
+monitor loop (``AgentSettings.controller``); a rank that dies leaves torch's watch and is the
+controller's, so torch neither stops its peers nor restarts it. The controller is the single reader
+of the control topic (trainer/intake.py fences and posts the commands; probe requests are posted
+for the ranks to run, trainer/probe.py), publishes the acknowledgements and ``plan.current``, and
+handles deaths. With ``on_death="drop-replica"`` it publishes a command that drops the dead
+device's replica and gives its micro-batches to the others, or — when no replica would survive —
+puts spare devices in the dead ones' places (state then comes from the newest disk checkpoint); a
 minimal policy so the job survives on its own; the remediation engine's commands take the same
 path through the bus. With ``"wait"`` the survivors wait for a command from the bus.
 
 A dead spare (a rank the plan leaves out, still in the world's commit all-reduce) needs no planner:
 during a reshape whose world still waits at the arrival barrier, the intake posts the in-flight
 command again without it; otherwise, once nothing is in flight and the running world still holds
-it, the launcher posts the running plan again as the next epoch.
+it, the controller posts the running plan again as the next epoch.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
+import shutil
+import signal
+import tempfile
+import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
-from multiprocessing.process import BaseProcess
+from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from collector import topics
 from collector.auth import Signer
@@ -34,12 +49,16 @@ from collector.events import (AckStatus, CommandAck, EventFactory, FaultCategory
                               PlanCurrentReason, ProbeRequest, ReconfigureCommand)
 from collector.plan import Plan
 from collector.replica_drop import drop_replicas
+from collector.settings import elastic_environment
 from collector.stream import EventStream
+from trainer.agent.node import AgentSettings, NodeAgent
+from trainer.agent.store import make_handler, open_rendezvous_store
 from trainer.chunks import schedule_problem
 from trainer.faults import KILL_EXIT_CODE
 from trainer.intake import CommandIntake
 from trainer.rendezvous import CONTROL_PROBE, PROGRESS, write_probe
 from trainer.spec import RunSpec
+
 
 @dataclass
 class LaunchResult:
@@ -81,17 +100,43 @@ def on_death_plan(plan: Plan, dead: set[int], alive: set[int]) -> tuple[Plan | N
 
 def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", commands_from: str = "end",
            poll_s: float = 0.05, echo: Callable[[str], None] | None = None) -> LaunchResult:
-    """Run the job to its end; returns exit codes, the acknowledgements published, the final plan."""
+    """Run the job to its end under the node agent; returns exit codes, the acknowledgements
+    published, the final plan. Fails before any rank starts when the plan cannot run here, the
+    store cannot bind or the bus cannot be opened."""
     check_launchable(spec, plan, ranks)
-    job = Launch(spec, plan, ranks, on_death=on_death, commands_from=commands_from, poll_s=poll_s,
-                 echo=echo or (lambda line: None))
+    os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
+    os.environ.setdefault("MKL_NUM_THREADS", str(spec.threads))
+    run_id = spec.run_id or uuid.uuid4().hex
+    rdzv = open_rendezvous_store(f"{spec.store_host}:0", run_id, hosts=True, node_rank=0, bind=None,
+                                 timeout_s=spec.rendezvous_timeout_s)
+    spec = spec.model_copy(update={"store_port": rdzv.port, "run_id": run_id})
+    work_dir = Path(tempfile.mkdtemp(prefix="resihp-train-"))
+    handler = controller = None
     try:
-        job.supervise()
-        job.drain()
+        params = RendezvousParameters(backend="c10d", endpoint=f"{rdzv.host}:{rdzv.port}", run_id=run_id,
+                                      min_nodes=1, max_nodes=1, local_addr=spec.store_host)
+        handler = make_handler(rdzv, params, spec.store_host, spec.rendezvous_timeout_s)
+        controller = TrainerController(spec, plan, ranks, rdzv.store, on_death=on_death, commands_from=commands_from,
+                                       echo=echo or (lambda line: None))
+        worker = WorkerSpec(role="trainer", local_world_size=ranks, entrypoint=_rank_main, args=(spec.model_dump_json(),),
+                            rdzv_handler=handler, max_restarts=0, monitor_interval=poll_s)
+        settings = AgentSettings(job=spec.job, node_label=os.uname().nodename, work_dir=work_dir,
+                                 preload=("trainer.worker", __name__), controller=controller, job_store=rdzv.store,
+                                 hosts_rendezvous=True)
+        agent = NodeAgent(worker, DefaultLogsSpecs(log_dir=str(work_dir / "logs")), settings)
+        with _signal_handlers_kept():
+            agent.run()
+        controller.finish(agent.exits())
+        controller.result.final_plan = controller.intake.running
+        return controller.result
     finally:
-        job.shutdown()
-    job.result.final_plan = job.intake.running
-    return job.result
+        if controller is not None:
+            controller.close()
+        if handler is not None:
+            handler.shutdown()
+        if rdzv.listener is not None:
+            rdzv.listener.close()
+        shutil.rmtree(work_dir, ignore_errors=True)
 
 
 def check_launchable(spec: RunSpec, plan: Plan, ranks: int) -> None:
@@ -106,24 +151,35 @@ def check_launchable(spec: RunSpec, plan: Plan, ranks: int) -> None:
         raise ValueError(problem)
 
 
-class Launch:
-    """One launched job, in parts that each read on their own: the constructor starts it,
-    :meth:`supervise` is the command loop (one :meth:`watch` pass per ``poll_s`` until every rank
-    has exited), :meth:`on_rank_death` is the death handling, :meth:`drain` settles what the
-    bus still holds once the ranks are gone, and :meth:`shutdown` stops whatever is left.
-    ``launch`` runs them in that order."""
+@contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """torch's process context turns SIGTERM, SIGINT, SIGHUP and SIGQUIT into an exception that
+    stops the ranks; put the caller's handlers back afterwards (``launch`` runs inside programs and
+    test runners that keep going)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    try:
+        yield
+    finally:
+        for sig, previous in kept.items():
+            signal.signal(sig, previous)
 
-    def __init__(self, spec: RunSpec, plan: Plan, ranks: int, *, on_death: str, commands_from: str, poll_s: float,
+
+class TrainerController:
+    """The reference trainer's part of the agent's monitor loop, in parts that each read on their
+    own: the constructor announces the plan, subscribes to the bus and posts the starting plan;
+    :meth:`watch` is one pass (deaths, commands, probes, acks); :meth:`on_rank_death` is the death
+    handling; :meth:`finish` settles what the bus still holds once the ranks are gone."""
+
+    def __init__(self, spec: RunSpec, plan: Plan, ranks: int, store: dist.Store, *, on_death: str, commands_from: str,
                  echo: Callable[[str], None]) -> None:
-        """Start: host the store, announce the plan, subscribe to the trainer's topics (from their
-        end, or from the beginning with ``commands_from="beginning"``), post the starting plan (post 0)
-        and fork them. Fails when the store cannot bind or the bus cannot be opened; nothing has
-        been forked then."""
-        self.ranks, self.on_death, self.poll_s, self.echo = ranks, on_death, poll_s, echo
-        self.store = dist.TCPStore(spec.store_host, 0, None, True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=spec.rendezvous_timeout_s))
-        self.spec = spec = spec.model_copy(update={"store_port": self.store.port,
-                                                   "run_id": spec.run_id or uuid.uuid4().hex})
+        """Announce the plan, subscribe to the trainer's topics (from their end, or from the
+        beginning with ``commands_from="beginning"``) and post the starting plan (post 0) in
+        ``store``, where the ranks look. Fails when the bus cannot be opened."""
+        self.spec, self.ranks, self.store = spec, ranks, store
+        self.on_death, self.echo = on_death, echo
         self.bus = spec.bus.open()
         self.factory = Signer(EventFactory(spec.job, "trainer"), "executor")  # acks and its own on-death commands
         self.bus.publish([self.factory.make(_plan_current(spec, plan, "start"))])
@@ -131,32 +187,29 @@ class Launch:
                                   on_assign=None if commands_from == "beginning"
                                   else (lambda tps: self.bus.end_offsets([tp.topic for tp in tps])))
         cfg = spec.config
-        self.intake = CommandIntake(self.store, plan, n_layer=cfg.n_layer, n_head=cfg.n_head,
+        self.intake = CommandIntake(store, plan, n_layer=cfg.n_layer, n_head=cfg.n_head,
                                     global_microbatches=plan.global_microbatches)
         self.intake.start(tuple(range(ranks)))
         self.probes = 0
-        self.store.set(CONTROL_PROBE, "0")
-        self.procs = _start_ranks(spec, ranks)
+        store.set(CONTROL_PROBE, "0")
         self.result = LaunchResult(exit_codes={})
         self.last_echoed = -1
         self.spare_reposts: set[int] = set()  # running epochs already re-posted without their dead spares
 
-    # ---- the command loop ----------------------------------------------------------------------
+    # ---- one pass ------------------------------------------------------------------------------
 
-    def supervise(self) -> None:
-        """Watch until every rank has exited, sleeping ``poll_s`` between passes once none is alive
-        (while any is, the bus poll waits instead)."""
-        while len(self.result.exit_codes) < self.ranks:
-            if not self.watch():
-                time.sleep(self.poll_s)
+    def watch(self, exits: dict[int, int]) -> None:
+        """One pass of the agent's monitor loop (every ``poll_s``): note the ranks that exited,
+        relay the bus's commands and probes to the ranks, publish what the ranks finished, and
+        re-post the running plan if a spare died.
 
-    def watch(self) -> bool:
-        """One pass: note the ranks that exited, relay the bus's commands and probes to the ranks,
-        publish what the ranks finished, and re-post the running plan if a spare died. Returns
-        whether any rank is still alive."""
-        self.note_exits()
+        It never waits (the agent's monitor interval paces the passes): the intake judges an
+        in-flight reshape by who is alive, and ``exits`` must still be true then — a rank that died
+        unseen while ranks report the failed transfer it caused would fail a command that only
+        needed posting again without a dead spare."""
+        self.note_exits(exits)
+        alive = set(range(self.ranks)) - set(exits)
         self.relay_commands()
-        alive = {d for d, p in self.procs.items() if p.exitcode is None}
         progress = _progress(self.store)
         if progress["iteration"] > self.last_echoed:
             self.last_echoed = progress["iteration"]
@@ -165,12 +218,11 @@ class Launch:
             self.publish_acks(self.intake.poll(alive, progress["iteration"]))
             if self.intake.in_flight is None and self.intake.running.epoch not in self.spare_reposts:
                 self.repost_without_dead_spares()
-        return bool(alive)
 
     def relay_commands(self) -> None:
         """Offer this job's reconfigure commands to the intake (it fences them by epoch and posts
         them for the ranks) and post its admitted probe requests; publish what the intake refused."""
-        for delivery in self.stream.poll(timeout_s=self.poll_s):
+        for delivery in self.stream.poll(timeout_s=0):
             ev = delivery.event
             if delivery.topic != topics.obeyed_from(ev.kind):
                 continue  # the control topic's copy of a command is the lifecycle's record, not an order
@@ -213,17 +265,17 @@ class Launch:
 
     # ---- the death handling --------------------------------------------------------------------
 
-    def note_exits(self) -> None:
+    def note_exits(self, exits: dict[int, int]) -> None:
         """Record the exit code of every rank that exited since the last pass; one that exited
         with an error is dead."""
-        for d, p in self.procs.items():
-            if d in self.result.exit_codes or p.exitcode is None:
+        for d, code in sorted(exits.items()):
+            if d in self.result.exit_codes:
                 continue
-            self.result.exit_codes[d] = p.exitcode
-            if p.exitcode != 0:
-                self.on_rank_death(d, p.exitcode)
+            self.result.exit_codes[d] = code
+            if code != 0:
+                self.on_rank_death(d, code, alive=set(range(self.ranks)) - set(exits))
 
-    def on_rank_death(self, d: int, exitcode: int) -> None:
+    def on_rank_death(self, d: int, exitcode: int, alive: set[int]) -> None:
         """Tell the intake (an in-flight reshape that needs ``d`` fails), publish the death as a
         fail-stop fault and, with ``on_death="drop-replica"``, publish the launcher's own plan
         around it (:func:`on_death_plan`); with ``"wait"`` the survivors wait for the bus."""
@@ -238,9 +290,8 @@ class Launch:
         # If it only held d as a spare, it goes on without d (trainer/intake.py).
         in_flight = self.intake.in_flight
         target = in_flight.command.plan if in_flight and not self.intake.doomed(d) else self.intake.running
-        alive_now = {e for e, q in self.procs.items() if q.exitcode is None}
-        if self.on_death == "drop-replica" and d in target.devices and alive_now:
-            new_plan, how = on_death_plan(target, set(self.result.dead), alive_now)
+        if self.on_death == "drop-replica" and d in target.devices and alive:
+            new_plan, how = on_death_plan(target, set(self.result.dead), alive)
             self.echo(f"on-death policy: {how}")
             if new_plan is not None:
                 self.bus.publish([self.factory.make(ReconfigureCommand(
@@ -248,9 +299,10 @@ class Launch:
 
     # ---- the end -------------------------------------------------------------------------------
 
-    def drain(self) -> None:
-        """Every rank has exited: offer the commands still on the bus, so each gets its
-        acknowledgement (the intake refuses what can no longer run), and publish them."""
+    def finish(self, exits: dict[int, int]) -> None:
+        """Every rank has exited: record the last exits, offer the commands still on the bus, so
+        each gets its acknowledgement (the intake refuses what can no longer run), and publish them."""
+        self.note_exits(exits)
         for delivery in self.stream.poll(timeout_s=0):
             if (delivery.topic == topics.COMMANDS and delivery.event.job == self.spec.job
                     and isinstance(delivery.event.payload, ReconfigureCommand)):
@@ -265,17 +317,7 @@ class Launch:
             self.bus.publish([self.factory.make(a) for a in acks])
             self.result.acks += acks
 
-    def shutdown(self) -> None:
-        """Stop every rank still running (terminate, then kill after 10 s) and close the bus; runs
-        after an error too, so no rank outlives the launcher's job."""
-        for p in self.procs.values():
-            if p.exitcode is None:
-                p.terminate()
-        for p in self.procs.values():
-            p.join(10)
-            if p.exitcode is None:
-                p.kill()
-                p.join()
+    def close(self) -> None:
         self.stream.close()
         self.bus.close()
 
@@ -290,35 +332,12 @@ def _plan_current(spec: RunSpec, plan: Plan, reason: PlanCurrentReason) -> PlanC
                        tokens_per_microbatch=spec.config.block_size)
 
 
-def _start_ranks(spec: RunSpec, ranks: int) -> dict[int, BaseProcess]:
-    """One process per rank, forked from a fork server that has imported torch once.
-
-    Importing torch costs ~3 CPU-seconds; eight ranks on two cores would spend most of a short
-    run importing. The fork server (multiprocessing's ``forkserver``) imports trainer.worker once
-    and forks every rank from that clean, compute-free process, which is fork-safe (no OpenMP
-    threads exist in it yet). It is reused by later launches from the same interpreter.
-    """
-    import multiprocessing as mp
-
-    os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
-    os.environ.setdefault("MKL_NUM_THREADS", str(spec.threads))
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["trainer.worker"])
-    spec_json = spec.model_dump_json()
-    procs: dict[int, BaseProcess] = {d: ctx.Process(target=_rank_main, args=(d, spec_json), name=f"rank-{d}") for d in range(ranks)}
-    for p in procs.values():
-        p.start()
-    return procs
-
-
-def _rank_main(device: int, spec_json: str) -> None:
-    """A rank dies with the fork server it came from, which exits with the launcher: a SIGKILLed
-    launcher leaves no rank behind (the node agent's guarantee, trainer/agent/child.py)."""
-    from trainer.agent.child import die_with_parent
+def _rank_main(spec_json: str) -> None:
+    """A rank the agent forked (its server imported trainer.worker and this module): its device is
+    its global rank, torch elastic's ``RANK``."""
     from trainer.worker import process_main
 
-    die_with_parent(None)
-    process_main(device, spec_json)
+    process_main(elastic_environment().RANK, spec_json)
 
 
 def _progress(store: dist.Store) -> dict:

@@ -10,8 +10,8 @@ from the last committed state. After a commit that saw a newer post, every rank 
 same boundary. With ``checkpoint_every`` K, every K committed iterations all ranks also write a
 periodic disk checkpoint (trainer/checkpoint.py), the fallback when no live copy survives.
 
-The store keys the launcher and the ranks share are in trainer/rendezvous.py (the launcher hosts
-the TCPStore, so any rank may die).
+The store keys the launcher and the ranks share are in trainer/rendezvous.py (the launcher's node
+agent hosts the TCPStore, so any rank may die).
 """
 
 from __future__ import annotations
@@ -335,8 +335,8 @@ def run_rank(spec: RunSpec, device: int) -> int:
 
 
 def process_main(device: int, spec_json: str) -> None:
-    """Entry point of a rank process (the launcher forks it). Exits with the rank's code,
-    skipping interpreter teardown: gloo pairs to a dead peer need no goodbye."""
+    """Entry point of a rank process. Exits with the rank's code, skipping interpreter teardown:
+    gloo pairs to a dead peer need no goodbye."""
     spec = RunSpec.model_validate_json(spec_json)
     env = environment()
     logs.configure(env.log, fmt=env.log_format, job=spec.job, rank=device)

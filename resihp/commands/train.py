@@ -1,7 +1,9 @@
 """``resihp train``: launch the torch trainer's ranks as local processes (gloo on CPU).
 
-The launcher hosts the rendezvous store (so any rank may die), reads reconfiguration commands
-from the bus's control topic, and acknowledges them; ranks publish telemetry to the same bus.
+The ranks run under the node agent (torch.distributed.elastic, as ``resihp run``), which hosts the
+rendezvous store (so any rank may die); the trainer's controller in its monitor loop reads
+reconfiguration commands from the bus's control topic and acknowledges them; ranks publish
+telemetry to the same bus.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict, replace
 
     from pydantic import ValidationError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from trainer.fault_spec import FaultList
     from trainer.launcher import check_launchable, launch
@@ -110,7 +113,11 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"resihp train: {exc}") from None
     print(f"job {args.job}: {plan.shape()} {plan.schedule} on {ranks} ranks, {cfg.n_layer} layers, "
           f"{args.iterations} iterations")
-    result = launch(spec, plan, ranks, on_death=args.on_death, commands_from=args.commands_from, echo=print)
+    try:
+        result = launch(spec, plan, ranks, on_death=args.on_death, commands_from=args.commands_from, echo=print)
+    except SignalException as exc:  # the node agent stopped every rank first
+        print(f"resihp train: stopped by {exc.sigval.name}; every rank was stopped")
+        return 128 + int(exc.sigval)
     final = result.final_plan
     if final is None:
         print(f"no plan ran; exit codes {result.exit_codes}")

@@ -7,6 +7,8 @@ platform adds, one module each:
 * ``options``: torchrun's own argument parser plus the platform's flags, and the LaunchConfig;
 * ``store``: the rendezvous store bound to one address (loopback by default), and the job check
   that turns an agent of another job into a clear error instead of a rendezvous timeout;
+* ``pcontext``: the process contexts the agent starts ranks in: each rank watched on its own (a
+  death need not stop its peers), and optionally forked from a server that preloaded modules;
 * ``child``: the wrapper every rank runs in, so no rank outlives its agent (PR_SET_PDEATHSIG) and
   each can dump its stacks on demand (faulthandler);
 * ``flight``: the per-rank flight record (the step and the last op each rank entered);

@@ -34,16 +34,6 @@ def worker_command(args: argparse.Namespace, cmd: Any, cmd_args: list[str]) -> t
     return str(cmd), ["-u", "-m", "trainer.agent.child", *script, *rest]
 
 
-def preload_fork_server(modules: list[str]) -> str:
-    """Fork every rank from a server that imported ``modules`` once (multiprocessing's forkserver):
-    a restart then costs no imports (torch alone is seconds of CPU per rank). The server has run
-    no compute, so forking it is safe; ranks still get a fresh address space each."""
-    import multiprocessing
-
-    multiprocessing.get_context("forkserver").set_forkserver_preload(modules)
-    return "forkserver"
-
-
 def _bool(value: str | None) -> bool | None:
     return None if value is None else value.lower() in ("1", "true", "yes", "y", "on")
 
@@ -131,21 +121,20 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
                                  hosts_rendezvous=rdzv is not None and rdzv.hosting, commands=commands,
                                  stop_grace_s=args.stop_grace_s)
         entrypoint: Any = program
-        start_method = config.start_method
         if args.preload:
+            # Forked from a server that imported the modules once: starting or restarting a rank
+            # costs no imports (trainer/agent/pcontext.py).
             if args.no_python:
                 raise AgentError("--preload forks Python ranks; it cannot start a --no-python program")
-            if args.on_failure == "shrink":
-                raise AgentError("--on-failure shrink watches each rank's own process; it does not work with --preload")
             from trainer.agent.child import run_script
 
             entrypoint, program_args = run_script, program_args[program_args.index("trainer.agent.child") + 1:]
-            start_method = preload_fork_server([m for m in args.preload.split(",") if m])
+            settings.preload = tuple(m for m in args.preload.split(",") if m)
         spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
                           args=tuple(program_args), rdzv_handler=handler, max_restarts=config.max_restarts,
                           monitor_interval=config.monitor_interval, master_addr=master_addr,
                           master_port=master_port, local_addr=config.local_addr)
-        agent = NodeAgent(spec, config.logs_specs, settings, start_method=start_method,
+        agent = NodeAgent(spec, config.logs_specs, settings,
                           log_line_prefix_template=config.log_line_prefix_template)
         result = agent.run()
         finished = not result.is_failed()

@@ -5,7 +5,9 @@ failure stop them, re-rendezvous (every agent of the job joins the next round) a
 again, up to ``--max-restarts`` times. This class adds what the platform needs at three hooks:
 
 * ``_start_workers``: every rank runs inside trainer/agent/child.py (dies with the agent, dumps
-  stacks on SIGUSR1) with a flight-record slot (trainer/agent/flight.py);
+  stacks on SIGUSR1) with a flight-record slot (trainer/agent/flight.py), in a process context
+  that watches each rank on its own and, with ``preload``, forks the ranks from a server that
+  imported those modules once (trainer/agent/pcontext.py);
 * ``_monitor_workers`` (called every ``--monitor-interval``): heartbeats on the bus for each live,
   running rank; the flight records shared through the rendezvous store so every agent judges the
   whole world, and a hang report (trainer/agent/hang.py) from the agent that owns the culprit;
@@ -13,14 +15,17 @@ again, up to ``--max-restarts`` times. This class adds what the platform needs a
 * the restart path: each phase's time since the failure was detected (``RecoveryTimeline``),
   logged as one JSON line per phase and kept for ``resihp bench agent``;
 * with ``on_failure="shrink"``, in-job recovery instead of a restart: a rank that exits with an
-  error is taken out of torch's watch (so torch does not stop its peers), marked lost in the
+  error leaves torch's watch (so torch does not stop its peers), is marked lost in the
   ranks' bootstrap store, and its peers re-form the world without it (trainer/agent/shrink.py);
   the phases the new world's rank 0 reports are logged and published as ``telemetry.recovery``;
   every agent watches every other (trainer/agent/presence.py), and a survivor marks a dead agent's
   ranks lost and offers its place to a replacement (trainer/agent/vacancy.py);
 * node commands from the bus (trainer/agent/commands.py), read in the monitor loop: ``stop`` stops
   this node's ranks (SIGTERM, SIGKILL after ``stop_grace_s``) and ends the agent as a death looks
-  to its peers, so under ``--on-failure shrink`` they go on without the node and offer its place.
+  to its peers, so under ``--on-failure shrink`` they go on without the node and offer its place;
+* a job's own controller (``AgentSettings.controller``, the reference trainer's in
+  trainer/launcher.py), called every monitor pass with the ranks that exited: a rank that dies
+  leaves torch's watch and is the controller's to handle, not restarted by torch.
 """
 
 from __future__ import annotations
@@ -31,21 +36,22 @@ import logging
 from datetime import timedelta
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from collector.events import (AckStatus, Evidence, FaultCategory, Heartbeat, IncidentOpened, Location, NodeCommand,
                               RecoveryPhase, Severity)
 from trainer.agent.commands import NodeCommands
 from trainer.agent.child import AGENT_PID_ENV, STACK_DIR_ENV, stack_file_path
+from trainer.agent.pcontext import RankWatch, agent_contexts
 from trainer.agent.flight import FLIGHT_DIR_ENV, LOST, FlightEntry, flight_file_path, read_flight
 from trainer.agent.predicted import PredictedIteration
 from trainer.agent.presence import AgentPresence, PeerAgent
@@ -77,6 +83,18 @@ class AgentSettings:
     hosts_rendezvous: bool = False  # this agent serves the job's rendezvous store: stopping it ends the job
     commands: NodeCommands | None = None  # node commands from the bus (None: none are read)
     stop_grace_s: float = 5.0  # a stopped node's ranks get SIGTERM, then SIGKILL after this
+    preload: tuple[str, ...] = ()  # fork the ranks from a server that imported these (trainer/agent/pcontext.py)
+    controller: JobController | None = None  # the job's own death policy; torch restarts nothing
+
+
+class JobController(Protocol):
+    """What a job adds to its agent's monitor loop (the reference trainer's: trainer/launcher.py).
+
+    With a controller, a rank that exits with an error leaves torch's watch and is the
+    controller's to handle; torch neither stops its peers nor restarts the group."""
+
+    def watch(self, exits: dict[int, int]) -> None:
+        """One monitor pass; ``exits`` maps every rank that has exited so far to its exit code."""
 
 
 class NodeStopped(Exception):
@@ -140,10 +158,11 @@ class NodeAgent(LocalElasticAgent):
             ranks = tuple(w.global_rank for w in worker_group.workers)
             self.presence = AgentPresence(worker_group.store, worker_group.group_rank or 0,
                                           worker_group.group_world_size or 1, ranks, self.settings.node_address)
-        # the ranks inherit the agent's environment (torch's elastic agent starts them with it)
-        os.environ.update({FLIGHT_DIR_ENV: str(self.flight_dir), STACK_DIR_ENV: str(self.stack_dir),
-                           AGENT_PID_ENV: str(os.getpid()), "RESIHP_ON_FAILURE": self.settings.on_failure})
-        pids = super()._start_workers(worker_group)
+        env = {FLIGHT_DIR_ENV: str(self.flight_dir), STACK_DIR_ENV: str(self.stack_dir),
+               AGENT_PID_ENV: str(os.getpid()), "RESIHP_ON_FAILURE": self.settings.on_failure}
+        release_failed = self.settings.on_failure == "shrink" or self.settings.controller is not None
+        with agent_contexts(preload=self.settings.preload, release_failed=release_failed, extra_env=env):
+            pids = super()._start_workers(worker_group)
         if self._pending is not None:
             self._pending.mark("ranks started")
         return pids
@@ -168,12 +187,29 @@ class NodeAgent(LocalElasticAgent):
 
     # ---- watching ranks ----------------------------------------------------------------------
 
+    def watched_ranks(self) -> RankWatch:
+        """This round's ranks (trainer/agent/pcontext.py); an error before the first start."""
+        if not isinstance(self._pcontext, RankWatch):
+            raise RuntimeError("the agent has started no ranks yet")
+        return self._pcontext
+
+    def exits(self) -> dict[int, int]:
+        """Every rank of this round that has exited so far (global rank) and its exit code."""
+        workers = self._worker_group.workers
+        return {workers[lr].global_rank: code for lr, code in self.watched_ranks().exit_codes().items()}
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         if self.settings.on_failure == "shrink":
-            self._release_lost(worker_group)
+            self._admit_returned(worker_group)
             self._release_dead_agents(worker_group)
             self._publish_recoveries()
         result = super()._monitor_workers(worker_group)
+        if self._pcontext is not None:
+            released = self.watched_ranks().take_released()
+            if self.settings.on_failure == "shrink":
+                self._mark_lost(worker_group, released)
+            if self.settings.controller is not None:
+                self.settings.controller.watch(self.exits())
         if result.state != WorkerState.HEALTHY or self._pcontext is None:
             return result
         local = {w.local_rank: w.global_rank for w in worker_group.workers}
@@ -241,25 +277,23 @@ class NodeAgent(LocalElasticAgent):
         grace, acknowledge, and end the agent (:class:`NodeStopped`): its peers see it go as a
         death and, under ``--on-failure shrink``, go on without its ranks (presence.py)."""
         ranks = [w.global_rank for w in worker_group.workers]
-        handlers = getattr(self._pcontext, "subprocess_handlers", {}) or {}
+        watch = self.watched_ranks()
         grace = self.settings.stop_grace_s
         print(f"resihp run: node {worker_group.group_rank} stops its ranks {ranks} on command {command.command_id}"
               f"{f' ({command.reason})' if command.reason else ''}: SIGTERM, SIGKILL after {grace:g} s",
               file=sys.stderr, flush=True)
-        running = {lr: h for lr, h in handlers.items() if h.proc.poll() is None}
-        for h in running.values():
-            _signal_group(h, signal.SIGTERM)
+        running = [lr for lr in range(len(worker_group.workers)) if watch.exit_code(lr) is None]
+        for lr in running:
+            watch.signal_rank(lr, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        for h in running.values():
-            try:
-                h.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        killed = sorted(worker_group.workers[lr].global_rank for lr, h in running.items() if h.proc.poll() is None)
-        for h in running.values():
-            if h.proc.poll() is None:
-                _signal_group(h, signal.SIGKILL)
-                h.proc.wait()
+        while time.monotonic() < deadline and any(watch.exit_code(lr) is None for lr in running):
+            time.sleep(0.05)
+        killed = sorted(worker_group.workers[lr].global_rank for lr in running if watch.exit_code(lr) is None)
+        for lr in running:
+            if watch.exit_code(lr) is None:
+                watch.signal_rank(lr, signal.SIGKILL)
+        while any(watch.exit_code(lr) is None for lr in running):
+            time.sleep(0.05)
         termed = sorted(set(worker_group.workers[lr].global_rank for lr in running) - set(killed))
         detail = f"node {worker_group.group_rank} stopped its ranks {ranks}"
         detail += f"; {termed} exited on SIGTERM" if termed else ""
@@ -269,13 +303,8 @@ class NodeAgent(LocalElasticAgent):
 
     # ---- in-job recovery (on_failure="shrink") ----------------------------------------------------
 
-    def _release_lost(self, worker_group: WorkerGroup) -> None:
-        """Take each local rank that exited with an error out of torch's watch (torch would stop
-        its peers and restart the group) and mark it lost where its peers look for it.
-
-        torch's subprocess context keeps the ranks it still waits for in ``_running_local_ranks``;
-        a rank left out of it is neither polled nor counted as a failure. If every local rank is
-        lost, the context finds nothing running and the node is done (``run_agent`` says so)."""
+    def _admit_returned(self, worker_group: WorkerGroup) -> None:
+        """Forget the benched, peer-lost and joining ranks the world has admitted again."""
         for rank in sorted(self.benched | self.peer_lost | self.joining):
             if self._store_of_ranks(worker_group).check([admitted_key(rank)]):
                 self.benched.discard(rank)
@@ -284,20 +313,19 @@ class NodeAgent(LocalElasticAgent):
                 self.joining.discard(rank)
                 print(f"resihp run: rank {rank} {'joined' if joined else 'rejoined'} the world", file=sys.stderr,
                       flush=True)
-        running = getattr(self._pcontext, "_running_local_ranks", None)
-        handlers = getattr(self._pcontext, "subprocess_handlers", None)
-        if running is None or handlers is None:
-            return
-        for lr in sorted(running):
-            code = handlers[lr].proc.poll()
-            if code is None or code == 0:
-                continue
-            running.discard(lr)
-            rank = worker_group.workers[lr].global_rank
+
+    def _mark_lost(self, worker_group: WorkerGroup, released: dict[int, ProcessFailure]) -> None:
+        """Mark each rank that failed and left the watch lost where its peers look for it.
+
+        The watch (trainer/agent/pcontext.py) released it, so torch neither stops its peers nor
+        restarts the group. If every local rank is lost, nothing is watched any more and the node
+        is done (``run_agent`` says so)."""
+        for lr, failure in sorted(released.items()):
+            rank, code = worker_group.workers[lr].global_rank, failure.exitcode
             self.lost[rank] = code
             mark_lost(self._store_of_ranks(worker_group), rank, code)
             how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-            print(f"resihp run: rank {rank} (local {lr}, pid {handlers[lr].proc.pid}) {how}; its peers go on "
+            print(f"resihp run: rank {rank} (local {lr}, pid {failure.pid}) {how}; its peers go on "
                   "without it (--on-failure shrink)", file=sys.stderr, flush=True)
 
     def _release_dead_agents(self, worker_group: WorkerGroup) -> None:
@@ -427,11 +455,3 @@ class NodeAgent(LocalElasticAgent):
                 self.benched.add(rank)
                 print(f"resihp run: rank {rank} benched: its peers go on without it and take it back when it "
                       "runs again (--on-failure shrink)", file=sys.stderr, flush=True)
-
-
-def _signal_group(handler: Any, sig: signal.Signals) -> None:
-    """``sig`` to a rank's process group (torch starts each rank in its own session)."""
-    try:
-        os.killpg(handler.proc.pid, sig)
-    except ProcessLookupError:
-        pass  # it exited meanwhile
