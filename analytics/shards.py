@@ -44,6 +44,7 @@ from collector.events import (
 )
 from collector.plan import Plan
 
+READ_AHEAD = 2  # iterations a shard reads past the oldest one waiting only for the merge's fits
 DONE_KEPT = 64  # iterations per replica whose emission is remembered (a rebalance re-reads far fewer)
 FITS_KEPT = 64  # the merge's latest fits kept, by iteration
 
@@ -64,6 +65,7 @@ class ReplicaShard:
     name: str = ""
     config: DetectorConfig = field(default_factory=DetectorConfig)
     _pending: dict[tuple[int, int, int], _Pending] = field(default_factory=dict)  # (epoch, iteration, replica)
+    _open: dict[tuple[int, int], set[int]] = field(default_factory=dict)  # (epoch, replica) -> its pending iterations
     _members: dict[tuple[int, int], set[int]] = field(default_factory=dict)  # (epoch, replica) -> ranks
     _plans: dict[int, Plan] = field(default_factory=dict)
     _layers: dict[int, LayerLookup] = field(default_factory=dict)
@@ -71,6 +73,8 @@ class ReplicaShard:
     _done: set[tuple[int, int, int]] = field(default_factory=set)  # emitted (epoch, iteration, replica)
     _fits: dict[int, DetectorFits] = field(default_factory=dict)  # iteration -> the merge's fits after it
     _lowest: int | None = None  # the lowest iteration this shard saw a report of
+    _read_to: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)  # (topic, partition) -> newest
+    # (epoch, iteration) of a report read from it
     _dead: set[int] = field(default_factory=set)  # ranks the merge holds dead (its latest fits say)
     _dead_from: tuple[int, int] = (-2, -2)  # the fits that said so
     _heard: list[tuple[int, int, int, int, float, float]] = field(default_factory=list)  # liveness rows
@@ -111,31 +115,41 @@ class ReplicaShard:
         if key in self._done:
             return []  # re-read after a rebalance: that replica's iteration is out already
         self._lowest = p.iteration if self._lowest is None else min(self._lowest, p.iteration)
-        pend = self._pending.setdefault(key, _Pending())
+        pend = self._pending.get(key)
+        if pend is None:
+            pend = self._pending[key] = _Pending()
+            self._open.setdefault((p.epoch, p.coords.dp), set()).add(p.iteration)
         pend.reports.setdefault(p.rank, p)
         if where is not None:
             pend.first_offset.setdefault((where[0], where[1]), where[2])
+            read = self._read_to.get((where[0], where[1]))
+            if read is None or read < key[:2]:
+                self._read_to[(where[0], where[1])] = key[:2]
         rk = (p.epoch, p.coords.dp)
         self._top[rk] = max(self._top.get(rk, -1), p.iteration)
-        return self._ready()
+        return self._ready(rk)
 
     def flush(self) -> list[ReplicaSummary]:
         """Emit every replica still waiting (end of a recording), with the fits at hand."""
         return [self._emit(k, self._best_fits(*k[:2])) for k in sorted(self._pending)]
 
-    def _ready(self) -> list[ReplicaSummary]:
+    def _ready(self, replica: tuple[int, int] | None = None) -> list[ReplicaSummary]:
+        """Emit what is ready. After a rank report only its replica's iterations can have become
+        ready (``replica`` = (epoch, replica)); fits, plans and declarations can change any."""
+        keys = sorted(self._pending) if replica is None else sorted(
+            (replica[0], i, replica[1]) for i in self._open.get(replica, ()))
         out = []
-        for key in sorted(self._pending):
-            epoch, iteration, replica = key
+        for key in keys:
+            epoch, iteration, replica_id = key
             pend = self._pending[key]
             if not pend.complete:
-                members = self._members.get((epoch, replica))
-                have = set(pend.reports)
+                members = self._members.get((epoch, replica_id))
+                have = pend.reports.keys()
                 if members is None:
                     # learned: the first iteration of an epoch waits until the replica moved on
-                    if self._top.get((epoch, replica), -1) <= iteration:
+                    if self._top.get((epoch, replica_id), -1) <= iteration:
                         continue
-                    self._members[(epoch, replica)] = have
+                    self._members[(epoch, replica_id)] = set(have)
                 elif not self._traced(members, epoch) - self._dead <= have:
                     continue
                 pend.complete = True
@@ -171,6 +185,10 @@ class ReplicaShard:
     def _emit(self, key: tuple[int, int, int], fits: DetectorFits | None) -> ReplicaSummary:
         epoch, iteration, replica = key
         pend = self._pending.pop(key)
+        still = self._open[(epoch, replica)]
+        still.discard(iteration)
+        if not still:
+            del self._open[(epoch, replica)]
         self._done.add(key)
         if len(self._done) > 4 * DONE_KEPT * max(len(self._top), 1):  # remember the recent ones only
             self._done = {k for k in self._done if k[1] > self._top.get((k[0], k[2]), -1) - DONE_KEPT}
@@ -191,6 +209,18 @@ class ReplicaShard:
     def waiting_for_fits(self) -> bool:
         """Some replica is complete and waits only for the merge's fits."""
         return any(p.complete for p in self._pending.values())
+
+    def read_enough(self) -> set[tuple[str, int]]:
+        """The partitions read READ_AHEAD iterations past the oldest replica that waits only for
+        the merge's fits. Once every partition a shard holds is, reading on would only pile
+        reports up, and the merge waits on none of them: it waits for an iteration older than that
+        replica's, whose reports precede, in their partition, those of READ_AHEAD iterations later
+        (a partition never read is not in the set, so it is read)."""
+        waiting = [k[:2] for k, p in self._pending.items() if p.complete]
+        if not waiting:
+            return set()
+        epoch, iteration = min(waiting)
+        return {tp for tp, read in self._read_to.items() if read >= (epoch, iteration + READ_AHEAD)}
 
     def replicas_emitted(self) -> set[int]:
         """The replicas this shard emitted frames of (recently): which replicas it holds."""
@@ -243,20 +273,29 @@ class ShardWorker:
         """One poll of each; returns the telemetry records consumed."""
         from collector.events import EventFactory
 
-        # While complete replicas wait for the merge's fits, wait on those rather than on telemetry.
+        # While complete replicas wait for the merge's fits, wait on those rather than on telemetry,
+        # and stop reading telemetry once every partition is READ_AHEAD iterations past them:
+        # decoding the next iteration overlaps the merge's round trip, and a shard catching up on a
+        # backlog holds a few iterations of reports, not the whole backlog. (Not polling at all, not
+        # kafka-python's pause: with records of a partition left over from a poll, its resume lost
+        # them. A rebalance waits on a member's poll, so a held shard polls while its group joins:
+        # held through one, the survivors of a killed shard would wait for fits that need the
+        # replicas the rebalance hands them.)
         waiting = self.shard.waiting_for_fits()
+        owned = {(tp.topic, tp.partition) for tp in self.stream.consumer.positions()}
+        held = bool(owned) and owned <= self.shard.read_enough() and not self.stream.consumer.joining()
         ready: list[ReplicaSummary] = []
         for d in self.side.poll(10_000, timeout_s if waiting else 0.0):
             if isinstance(d.event.payload, (DetectorFits, PlanCurrent, ReconfigureCommand)):
                 ready += self.shard.on_event(d.event)
-        for d in self.stream.poll(max_records, 0.0 if waiting else timeout_s):
+        for d in [] if held else self.stream.poll(max_records, 0.0 if waiting else timeout_s):
             ready += self.shard.on_event(d.event, (d.topic, d.partition, d.offset))
         heard = self.shard.take_liveness()
         if ready or heard:
             f = EventFactory(self.shard.job, f"shard:{self.shard.name}")
             self.bus.publish([f.make(x) for x in ([heard] if heard else []) + ready])
-        owned = self.stream.consumer.positions()  # only partitions still ours may be committed
-        read = {(tp.topic, tp.partition): off for tp, off in self.stream.positions_after_poll().items() if tp in owned}
+        mine = self.stream.consumer.positions()  # only partitions still ours may be committed
+        read = {(tp.topic, tp.partition): off for tp, off in self.stream.positions_after_poll().items() if tp in mine}
         safe = self.shard.safe_positions(read)
         if safe and safe != self._committed:
             try:
@@ -266,7 +305,7 @@ class ShardWorker:
                 if type(exc).__name__ not in _REBALANCING:
                     raise
                 # Not committed: the next owner resumes from the previous commit, older hence still safe.
-        return self.stream.last_polled
+        return 0 if held else self.stream.last_polled
 
     def close(self) -> None:
         self.stream.close()

@@ -157,7 +157,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(bench/_analytics_shards.py)")
     parser.add_argument("--ranks", type=int, default=100_000, help="with --shards: job size (TP8·PP16 replicas)")
     parser.add_argument("--kafka", default=None, metavar="BOOTSTRAP",
-                        help="with --shards: also measure shard processes on this broker (16 replicas, 6 iterations)")
+                        help="with --shards: also measure the sustained rate of shard processes on this broker "
+                             "(a backlog of --kafka-replicas TP8·PP16 replicas × --kafka-iterations)")
+    parser.add_argument("--kafka-replicas", type=int, default=32, help="with --kafka: DP replicas of the backlog")
+    parser.add_argument("--kafka-iterations", type=int, default=30, help="with --kafka: iterations of the backlog")
+    parser.add_argument("--kafka-repeats", type=int, default=2,
+                        help="with --kafka: runs of each shard count, in turn; the fastest counts")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -170,12 +175,26 @@ def run(args: argparse.Namespace) -> int:
         if args.kafka:
             from bench._analytics_shards import bench_kafka_shards
 
-            r["kafka"] = bench_kafka_shards(args.kafka, counts)
-            base = r["kafka"][0]["replicas_per_s"]
-            print(f"\non Kafka ({args.kafka}): `resihp analytics --role shard` processes, 2,048 ranks, 6 iterations")
+            dp, its = args.kafka_replicas, args.kafka_iterations
+            r["kafka"] = bench_kafka_shards(args.kafka, counts, dp=dp, iterations=its, repeats=args.kafka_repeats)
+            base, base_own = r["kafka"][0]["replicas_per_s"], r["kafka"][0]["replicas_per_s_own"]
+            print(f"\non Kafka ({args.kafka}): `resihp analytics --role shard` processes and the merge, one numeric "
+                  f"thread each, on a backlog of {8 * 16 * dp:,} ranks (TP8·PP16·DP{dp}) × {its} iterations; the fastest of "
+                  f"{args.kafka_repeats} runs each")
             for k in r["kafka"]:
-                print(f"  {k['shards']:2d} shard(s): {k['replicas_per_s']:7.1f} replica summaries/s  "
-                      f"(×{k['replicas_per_s'] / base:.2f})")
+                print(f"  {k['shards']:2d} shard(s): {k['replicas_per_s']:7.1f} replica summaries/s "
+                      f"(×{k['replicas_per_s'] / base:.2f}; {k['in_window']} of {k['summaries']} in "
+                      f"{k['window_s']:.1f} s, {k['copies']} copies after the join), "
+                      f"{k['replicas_per_s'] / k['shards']:.1f} per shard; load (1 min) "
+                      f"{k['load_before'][0]:.2f} before, {k['load_after'][0]:.2f} after; every run "
+                      f"{', '.join(f'{x:.1f}' for x in k['all_replicas_per_s'])}")
+                print(f"      of the window, {k['round_trips_s']:.1f} s from an iteration's last summary to the merge's "
+                      f"fits after it (median {1e3 * k['round_trip_median_s']:.0f} ms); without those "
+                      f"{k['replicas_per_s_own']:.1f} summaries/s (×{k['replicas_per_s_own'] / base_own:.2f})")
+                print(f"      the shards' CPU in the window: {k['window_cores']:.2f} cores")
+                print(f"      CPU seconds over each process's life (start-up and warm-up included): shards "
+                      f"{' + '.join(f'{c:.1f}' for c in k['shard_cpu_s'])}, merge {k['merge_cpu_s']:.1f}; shards' peak "
+                      f"memory {' + '.join(f'{m:,.0f}' for m in k['shard_peak_mb'])} MB")
         if args.json:
             print(json.dumps(r))
         return 0

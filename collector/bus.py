@@ -124,6 +124,12 @@ class Consumer(_Closing):
     def positions(self) -> dict[TopicPartition, int]:
         """The next offset this consumer will read in each assigned partition."""
 
+    def joining(self) -> bool:
+        """Whether the group's membership waits on this consumer's next poll (a Kafka member joining
+        or rejoining in a rebalance): a reader holding off its reads must poll then, or every member
+        waits for it. A backend without groups never waits."""
+        return False
+
 
 class Bus(_Closing):
     """Where events go. ``publish`` returns only once the log has them durably."""

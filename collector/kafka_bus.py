@@ -317,9 +317,12 @@ class KafkaBusConsumer(Consumer):
         coordinator = getattr(self._kafka, "_coordinator", None)
         return bool(coordinator is not None and coordinator.need_rejoin())
 
+    def joining(self) -> bool:
+        return not self._kafka.assignment() or self._rejoining()
+
     def poll(self, max_records: int = 10_000, timeout_s: float = 1.0) -> list[Record]:
         timeout_ms = int(timeout_s * 1000)
-        if not self._kafka.assignment() or self._rejoining():
+        if self.joining():
             # Joining the group takes several round trips that only advance inside poll; a caller
             # that polls with timeout 0 (a simulator or trainer checking for commands between
             # iterations, a shard waiting on the merge) would otherwise never join — nor finish a

@@ -279,12 +279,22 @@ def test_rank_reports_are_keyed_by_replica_and_heartbeats_follow_them() -> None:
     assert keys.key("other", "rank-13", h.KIND, h) == b"other/rank-13"
 
 
+def _assert_the_slow_rank_raised_and_every_summary_out(bus) -> None:
+    """What the analytics topic holds after shards and merge ran ``synth(slow={7: 1.3}, ...)``."""
+    from collector import topics
+    from collector.stream import EventStream
+
+    with EventStream(bus, "reader", [topics.ANALYTICS]) as reader:
+        got = [d.event.payload for d in reader.poll(100_000, 0.5)]
+    (inc,) = [p for p in got if isinstance(p, IncidentOpened)]
+    assert (inc.locations[0].target, inc.locations[0].rank) == ("compute", 7)
+    assert sum(isinstance(p, ReplicaSummary) for p in got) == 3 * 24
+
+
 def test_shard_and_merge_workers_on_the_embedded_bus_publish_the_incident(tmp_path) -> None:
     from analytics.merge import MergeWorker
     from analytics.shards import ShardWorker
-    from collector import topics
     from collector.bus import open_bus
-    from collector.stream import EventStream
 
     with open_bus("embedded", path=str(tmp_path / "bus.sqlite")) as bus:
         bus.publish(synth(slow={7: 1.3}, start=10, plan=True))
@@ -293,11 +303,7 @@ def test_shard_and_merge_workers_on_the_embedded_bus_publish_the_incident(tmp_pa
             pass
         shard.close()
         merge.close()
-        with EventStream(bus, "reader", [topics.ANALYTICS]) as reader:
-            got = [d.event.payload for d in reader.poll(100_000, 0.5)]
-    (inc,) = [p for p in got if isinstance(p, IncidentOpened)]
-    assert (inc.locations[0].target, inc.locations[0].rank) == ("compute", 7)
-    assert sum(isinstance(p, ReplicaSummary) for p in got) == 3 * 24
+        _assert_the_slow_rank_raised_and_every_summary_out(bus)
 
 
 def _summary(replica: int, units: int, class_keys: list, u_class: list[int]):
@@ -367,3 +373,23 @@ def test_a_summary_whose_arrays_the_merge_cannot_join_is_counted_and_left_out() 
     assert merge.malformed == 3 and merge.flush() == []
     merge.on_event(f.make(good))
     assert merge.malformed == 3  # a usable summary is taken
+
+
+def test_a_shard_catching_up_on_a_backlog_reads_only_a_few_iterations_past_the_merges_fits(tmp_path) -> None:
+    from analytics.merge import MergeWorker
+    from analytics.shards import READ_AHEAD, ShardWorker
+    from collector.bus import open_bus
+
+    with open_bus("embedded", path=str(tmp_path / "bus.sqlite")) as bus:
+        bus.publish(synth(slow={7: 1.3}, start=10, plan=True))  # 24 iterations, 36 records each
+        shard = ShardWorker(bus, "j", "shards", name="s0")
+        while shard.step(max_records=40, timeout_s=0.05):  # no merge yet: no fits after iteration 0
+            pass
+        held = {k[1] for k in shard.shard._pending}
+        assert max(held) <= 1 + READ_AHEAD + 1, held  # iteration 1 waits; not the whole backlog
+        merge = MergeWorker(bus, "merge")
+        while shard.step(max_records=40, timeout_s=0.05) or merge.step(timeout_s=0.05):
+            pass
+        shard.close()
+        merge.close()
+        _assert_the_slow_rank_raised_and_every_summary_out(bus)
