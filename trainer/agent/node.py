@@ -139,6 +139,7 @@ class NodeAgent(LocalElasticAgent):
         self.recoveries: list[dict] = []  # the in-job recoveries this node's rank 0 reported (shrink)
         self.peer_lost: set[int] = set()  # ranks of dead agents that this agent marked lost (shrink)
         self.joining: set[int] = set()  # this replacement's ranks not yet admitted: not judged (--join-running)
+        self.admitted_at: dict[int, float] = {}  # wall time each rank was admitted (joined or rejoined) this round
         self.presence: AgentPresence | None = None  # the other agents' liveness (shrink)
         self._ranks_store: dist.Store | None = None
 
@@ -149,6 +150,7 @@ class NodeAgent(LocalElasticAgent):
                       *self.stack_dir.glob("*.stacks")]:
             stale.unlink()
         self.lost, self.benched, self.peer_lost, self._ranks_store = {}, set(), set(), None
+        self.admitted_at = {}
         if isinstance(worker_group.spec.rdzv_handler, VacancyRendezvous):
             self.joining = {w.global_rank for w in worker_group.workers}
         if self.presence is not None:  # a new round: the old one's peers are restarting, not dying
@@ -215,7 +217,8 @@ class NodeAgent(LocalElasticAgent):
         local = {w.local_rank: w.global_rank for w in worker_group.workers}
         out = set(self.lost) | self.benched | self.joining
         pids = {lr: pid for lr, pid in self._pcontext.pids().items() if local[lr] not in out}
-        entries = {local[lr]: dataclasses.replace(e, stopped=process_state(pids[lr]) == "T") for lr in pids
+        entries = {local[lr]: self._since_admission(dataclasses.replace(e, stopped=process_state(pids[lr]) == "T"))
+                   for lr in pids
                    if (e := read_flight(flight_file_path(str(self.flight_dir), lr))) and e.restart == self._restart_count()}
         now = time.monotonic()
         if self._pending is not None and entries and min(e.iteration for e in entries.values()) >= 0 and all(
@@ -311,8 +314,18 @@ class NodeAgent(LocalElasticAgent):
                 self.peer_lost.discard(rank)
                 joined = rank in self.joining
                 self.joining.discard(rank)
+                self.admitted_at[rank] = time.time()
                 print(f"resihp run: rank {rank} {'joined' if joined else 'rejoined'} the world", file=sys.stderr,
                       flush=True)
+
+    def _since_admission(self, entry: FlightEntry) -> FlightEntry:
+        """A rank the world admitted (a replacement's, or a benched one back) is judged from its
+        admission, not from when it began to wait for it: waiting for a step boundary of the world
+        is not a hang, and the deadline of the step it is in starts when the world takes it."""
+        at = self.admitted_at.get(entry.rank)
+        if at is None or entry.step_started_s >= at:
+            return entry
+        return dataclasses.replace(entry, step_started_s=at)
 
     def _mark_lost(self, worker_group: WorkerGroup, released: dict[int, ProcessFailure]) -> None:
         """Mark each rank that failed and left the watch lost where its peers look for it.
