@@ -186,6 +186,7 @@ def _preloaded_rank(entrypoint: Callable, args: tuple, env: dict[str, str], stdo
 
     os.setsid()
     die_with_parent(None)
+    _let_go_of_the_fork_server()
     os.environ.update(env)
     for path, fd in ((stdout, 1), (stderr, 2)):
         if path:
@@ -193,6 +194,23 @@ def _preloaded_rank(entrypoint: Callable, args: tuple, env: dict[str, str], stdo
             os.dup2(out, fd)
             os.close(out)
     record(entrypoint)(*args)
+
+
+def _let_go_of_the_fork_server() -> None:
+    """Close this rank's copy of the fork server's liveness pipe.
+
+    The fork server exits when the last writer of that pipe closes it; multiprocessing hands
+    every process the server forks a copy (so it could use the server too). Kept, the ranks
+    would hold the server alive after the agent dies, and the server would hold them (they die
+    with it): a SIGKILLed agent would leave both running. A rank that asks for a forkserver
+    process later starts a server of its own."""
+    from multiprocessing import forkserver
+
+    state = vars(forkserver._forkserver)  # the only handle on the inherited descriptor (private)
+    alive = state.get("_forkserver_alive_fd")
+    if alive is not None:
+        os.close(alive)
+        state["_forkserver_alive_fd"] = None
 
 
 @contextmanager
