@@ -21,11 +21,17 @@ def _rank(out_dir: str, seconds: str) -> None:
     time.sleep(float(seconds))
 
 
+# A process has one fork server, and the first context to start it decides what it imports: this
+# one starts it in the test run, so it preloads what the trainer's and the native executor's
+# launches in the same run fork their ranks from (else each of their ranks imports them again).
+SERVER_PRELOAD = ["trainer.worker", "trainer.native.worker", "tests.test_agent_pcontext"]
+
+
 def _context(tmp_path: Path, seconds: float, release_failed: bool) -> PreloadedContext:
     envs = {lr: {"RANK": str(lr), "TORCHELASTIC_RUN_ID": "pcontext-test"} for lr in range(3)}
     args = {lr: (str(tmp_path), str(seconds)) for lr in range(3)}
     context = PreloadedContext("test", _rank, args, envs, DefaultLogsSpecs(log_dir=str(tmp_path / "logs")),
-                               preload=["tests.test_agent_pcontext"], release_failed=release_failed)
+                               preload=SERVER_PRELOAD, release_failed=release_failed)
     context.start()
     wait_until(lambda: all((tmp_path / str(lr)).exists() for lr in range(3)))
     return context
