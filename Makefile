@@ -15,8 +15,9 @@ STAMP  := $(VENV)/.installed-stamp
 demo: install
 	$(BIN)/resihp demo
 
+# stdin from /dev/null: no process a test starts may wait on the terminal or pipe that ran make.
 test: install kafka browser monitoring
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest </dev/null
 
 install: $(STAMP)
 

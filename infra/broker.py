@@ -327,13 +327,15 @@ def _spawn_detached(cmd: list[str], log_path: Path) -> int:
     return int(done.stdout.strip())
 
 
+WATCHER_SCRIPT = ('while kill -0 "$1" 2>/dev/null && kill -0 "$2" 2>/dev/null; do sleep 1; done; '
+                  'kill -TERM "$2" 2>/dev/null; exit 0')
+
+
 def _stop_when_gone(owner: int, pid: int) -> None:
     """A detached watcher that sends the broker SIGTERM (a clean shutdown) once ``owner`` has
     exited, and itself exits with the broker. A watcher rather than PR_SET_PDEATHSIG because the
     broker is re-parented to init (``_spawn_detached``): its parent is never the owner."""
-    script = ('while kill -0 "$1" 2>/dev/null && kill -0 "$2" 2>/dev/null; do sleep 1; done; '
-              'kill -TERM "$2" 2>/dev/null; exit 0')
-    subprocess.Popen(["sh", "-c", script, "sh", str(owner), str(pid)], stdin=subprocess.DEVNULL,
+    subprocess.Popen(["sh", "-c", WATCHER_SCRIPT, "sh", str(owner), str(pid)], stdin=subprocess.DEVNULL,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 

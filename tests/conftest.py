@@ -8,8 +8,10 @@ Kafka tests are never skipped.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from collector.bus import Bus
+from infra import broker
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -48,6 +51,69 @@ def keep_main_module() -> Iterator[None]:
         sys.modules["__main__"] = main
 
 
+# Processes that live as long as this one, whichever test started them: the fork server and
+# resource tracker of multiprocessing (tests/test_agent_pcontext.py: the run shares one server) and
+# the watcher that stops the session's Kafka broker when the run ends (a test may restart it).
+_RUN_LONG = (b"from multiprocessing.forkserver import main", b"from multiprocessing.resource_tracker import main",
+             broker.WATCHER_SCRIPT.encode())
+LEFT_RUNNING_GRACE_S = 15.0
+
+
+def _descendants() -> dict[int, bytes]:
+    """Every process below this one (children, theirs, ...), pid -> command line, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] != "Z":  # a zombie has ended; its parent reaps it
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found: dict[int, bytes] = {}
+    todo = list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        try:
+            found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").strip()
+        except OSError:
+            continue
+        if broker.WATCHER_SCRIPT.encode() not in found[pid]:  # the watcher's own ``sleep`` is its business
+            todo += children.get(pid, [])
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Children never outlive their supervisor: whatever a test started below this process must
+    be gone once the test and its fixtures are torn down (processes of module- and session-wide
+    fixtures started before it, the shared fork server and resource tracker excepted). What is
+    left gets ``LEFT_RUNNING_GRACE_S`` to exit, then is killed and fails the test by name, so
+    one leak neither passes unseen nor slows every later test of the run."""
+    before = set(_descendants())
+    yield
+    if not sys.platform.startswith("linux"):
+        return
+    deadline = time.monotonic() + LEFT_RUNNING_GRACE_S
+    while True:
+        left = {pid: cmd for pid, cmd in _descendants().items()
+                if pid not in before and not any(k in cmd for k in _RUN_LONG)}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if left:
+        pytest.fail(f"{request.node.nodeid} left {len(left)} process(es) running (killed now): "
+                    + "; ".join(f"{pid}: {cmd.decode(errors='replace')[:200]}" for pid, cmd in sorted(left.items())),
+                    pytrace=False)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -61,7 +127,6 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if existing:
         yield existing
         return
-    from infra import broker
 
     data_dir = tmp_path_factory.mktemp("kafka")
     port = _free_port()
@@ -120,7 +185,6 @@ def secure_kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     topics created by the admin principal: ``bootstrap``, ``data_dir``, ``port``,
     ``controller_port`` and ``creds`` (principal -> password). A test may stop and restart it
     (tests/test_bus_outage.py); whatever it leaves stopped is started again for the next."""
-    from infra import broker
     from infra import kafka_security as security
     from resihp.commands.kafka import secure_topics
 
