@@ -148,7 +148,7 @@ def reference_losses(cfg: LlamaConfig, settings: TrainSettings, global_microbatc
             mb = microbatch(settings.seed, it, m, cfg.vocab_size, settings.block_size)
             loss = loss_fn(model(mb.tokens[None], positions=mb.positions[None]), mb.targets[None])
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         opt.step()
         sched.step()
         out.append(total)
