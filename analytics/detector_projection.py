@@ -82,7 +82,7 @@ def undetectable(event: Envelope, stages: dict[tuple[str, int], EpochShape]) -> 
                             ("coords.dp", c.dp), ("coords.cp", c.cp)):
             if value >= MAX_DEVICES:
                 return f"{name} {value} ≥ {MAX_DEVICES:,}"
-        if any(w.peer is not None and w.peer >= MAX_DEVICES for w in p.comm):
+        if any(peer is not None and peer >= MAX_DEVICES for peer in p.waits().peer):
             return f"a comm peer ≥ {MAX_DEVICES:,}"
         t = p.chunk_table
         if t.virtual_stage and max(t.virtual_stage) >= MAX_VIRTUAL_STAGES:

@@ -144,8 +144,9 @@ def _add_rank_iteration(ch: dict[str, list], ri: dict[str, list], rk: dict[str, 
     ch["duration_s"].extend(durations)
     compute_s = sum(durations)
     waits = dict.fromkeys(CommOp, 0.0)  # the other collectives (all-gather, ...) have no column of their own
-    for w in p.comm:
-        waits[w.op] += w.duration_s
+    comm = p.waits()
+    for op, duration in zip(comm.op, comm.duration_s):
+        waits[op] += duration
     pp_wait_s = waits[CommOp.PP_SEND] + waits[CommOp.PP_RECV] + waits[CommOp.PP_SENDRECV]
     for col, value in (("job", job), ("epoch", p.epoch), ("iteration", p.iteration), ("rank", p.rank),
                        ("wall_s", p.wall_s), ("compute_s", compute_s), ("tp_wait_s", waits[CommOp.TP_ALLREDUCE]),

@@ -1,12 +1,15 @@
 """Analytics cost: chunk records/s into DuckDB, and detector work per iteration at 1k and 16k ranks.
 
-Ingestion: RankIteration events (32 chunks each, with packed sequence lengths) go through the
+Ingestion: RankIteration events (32 chunks each, with packed sequence lengths, and the waits a
+pipeline rank records) go through the
 chunks/rank_iterations/ranks projection in one Arrow batch per transaction, exactly as
 ``resihp analytics`` applies them (decoding from bytes is timed apart, it is the bus's cost).
 Detector: synthetic TP8 layouts (1,024 ranks = PP8·DP16, 16,384 ranks = PP16·DP128, 16
 micro-batches, F and B chunks); per iteration, building the frame from the events and scoring it
 (cost-model predict + fit, CUSUMs, localisation, schedule prediction, cost-model publication) are
-timed separately. Reports are in the wire's column form (``RankIteration.chunk_table``).
+timed separately. Reports are in the wire's column form (``RankIteration.chunk_table`` and
+``comm_table``). Wire: a report's bytes and decode time, communications as columns (schema 4)
+against the same reports with them as objects (schema 3).
 """
 
 from __future__ import annotations
@@ -21,7 +24,11 @@ import numpy as np
 
 
 def _reports(tp: int, pp: int, dp: int, microbatches: int, iteration: int, seed: int) -> list:
-    from collector.events import Chunk, ChunkKind, ChunkTable, Coords, RankIteration
+    """One iteration's reports of a TP·PP·DP job, as a pipeline rank records them: a forward and a
+    backward chunk per micro-batch, the wait for each one's input from the neighbouring stage
+    (``pp_recv``; none into stage 0's forwards nor the last stage's backwards) and the DP
+    all-reduce of its gradients."""
+    from collector.events import Chunk, ChunkKind, ChunkTable, CommOp, CommTable, CommWait, Coords, RankIteration
 
     rng = np.random.default_rng([seed, iteration])
     out = []
@@ -31,17 +38,55 @@ def _reports(tp: int, pp: int, dp: int, microbatches: int, iteration: int, seed:
             for t in range(tp):
                 rank = (d * pp + s) * tp + t
                 noise = np.exp(rng.normal(0, 0.03, size=2 * microbatches))
-                chunks = []
+                chunks, waits = [], []
                 for m, ls in enumerate(lens):
                     n, s2 = sum(ls), sum(x * x for x in ls)
                     base = 2e-6 * n + 4e-11 * s2 + 1e-3
                     for j, (kind, mult) in enumerate(((ChunkKind.FORWARD, 1.0), (ChunkKind.BACKWARD, 2.0))):
+                        start = 0.004 * (2 * m + j)
                         chunks.append(Chunk.model_construct(
                             kind=kind, microbatch=m, virtual_stage=0, tokens=n, seq_lens=[int(x) for x in ls],
-                            start_s=0.0, duration_s=float(base * mult * noise[2 * m + j])))
+                            start_s=start, duration_s=float(base * mult * noise[2 * m + j])))
+                        peer_stage = s - 1 if j == 0 else s + 1
+                        if 0 <= peer_stage < pp:
+                            waits.append(CommWait.model_construct(
+                                op=CommOp.PP_RECV, peer=(d * pp + peer_stage) * tp + t, microbatch=m, bytes=None,
+                                start_s=max(0.0, start - 5e-4), duration_s=float(2e-4 * noise[2 * m + j]),
+                                includes_wait=False, group=None))
+                waits.append(CommWait.model_construct(op=CommOp.DP_ALLREDUCE, peer=None, microbatch=None,
+                                                      bytes=50_000_000, start_s=0.9, duration_s=0.05,
+                                                      includes_wait=False, group=None))
                 out.append(RankIteration.model_construct(
                     epoch=0, iteration=iteration, rank=rank, node=rank // 8, coords=Coords(tp=t, pp=s, dp=d),
-                    wall_s=1.0, chunk_table=ChunkTable.of(chunks), comm=[]))
+                    wall_s=1.0, chunk_table=ChunkTable.of(chunks), comm_table=CommTable.of(waits), comm=[]))
+    return out
+
+
+def bench_wire(reports: list) -> dict:
+    """A rank report's bytes and decode time with its communications as columns (schema 4, what
+    producers write) and as a list of objects (schema 3, what older logs hold), the same reports
+    in the same run."""
+    from collector.codec import decode, encode
+    from collector.events import EventFactory
+
+    f = EventFactory("bench", "rank-0")
+    events = [f.make(r) for r in reports]
+    columns = [encode(e) for e in events]
+    objects = []
+    for report, record in zip(reports, columns):
+        body = json.loads(record)
+        body["schema_version"] = 3
+        del body["payload"]["comm_table"]
+        body["payload"]["comm"] = [w.model_dump(mode="json") for w in report.waits().rows()]
+        objects.append(json.dumps(body, separators=(",", ":")).encode())
+    out: dict = {"reports": len(reports), "waits_per_report": round(sum(len(r.waits()) for r in reports) / len(reports), 1)}
+    for name, records in (("objects", objects), ("columns", columns)):
+        decode(records[0])  # warm-up
+        t0 = time.perf_counter()
+        for b in records:
+            decode(b)
+        elapsed = time.perf_counter() - t0
+        out[name] = {"bytes": sum(len(b) for b in records) / len(records), "decode_us": 1e6 * elapsed / len(records)}
     return out
 
 
@@ -199,12 +244,18 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(r))
         return 0
     ingest = bench_ingest(args.events, args.batch)
+    wire = bench_wire(_reports(8, 4, 4, 16, 0, 2))
     sizes = [(8, 8, 16, 16)] + ([] if args.skip_16k else [(8, 16, 128, 16)])
     det = [bench_detector(*s, iterations=args.iterations) for s in sizes]
     print(f"ingest: {ingest['chunks']:,} chunk rows from {ingest['events']:,} events, "
           f"{ingest['batch_events']:,} events per transaction")
     print(f"  {'into DuckDB (Arrow)':28} {ingest['ingest_chunks_per_s']:>12,.0f} chunks/s")
     print(f"  {'decode from bytes (apart)':28} {ingest['decode_chunks_per_s']:>12,.0f} chunks/s")
+    o, c = wire["objects"], wire["columns"]
+    print(f"\na rank report on the wire ({wire['reports']} reports, 32 chunks and {wire['waits_per_report']} waits each):")
+    print(f"  {'comm as objects (schema 3)':28} {o['bytes']:>8,.0f} bytes {o['decode_us']:8.1f} µs to decode")
+    print(f"  {'comm as columns (schema 4)':28} {c['bytes']:>8,.0f} bytes {c['decode_us']:8.1f} µs to decode "
+          f"(×{o['bytes'] / c['bytes']:.2f} smaller, ×{o['decode_us'] / c['decode_us']:.2f} faster)")
     print(f"\n{'ranks':>7} {'chunks/iter':>12} {'frame ms':>9} {'detector ms':>12} {'total ms':>9} {'incidents':>9} "
           f"{'on_event ms':>12}")
     for d in det:
@@ -215,6 +266,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"ingest_chunks_per_s": round(ingest["ingest_chunks_per_s"]),
                           "decode_chunks_per_s": round(ingest["decode_chunks_per_s"]),
+                          "wire": wire,
                           "detector": {str(d["ranks"]): {k: round(v, 2) if isinstance(v, float) else v
                                                          for k, v in d.items()} for d in det}}))
     return 0

@@ -92,8 +92,11 @@ report that step, and a partial iteration would read as missing ranks).
 
 **Migration.** `telemetry.iteration` schema 3 adds `Coords.cp`, null token counts, the collectives
 `pp_sendrecv`, `all_gather`, `reduce_scatter`, `embedding_allreduce`, `loss_allreduce`, and the
-comm fields `includes_wait` and `group`. Every addition has a default, so a schema-2 record (an
-old log) decodes unchanged; schema 3 is written.
+comm fields `includes_wait` and `group`. Schema 4 carries a rank's communications as columns
+(`comm_table`, as `chunk_table` carries its chunks): a 32-chunk pipeline rank's record is 2.3 kB
+instead of 5.3 kB and decodes about three times as fast. Every addition has a default and the
+schema-3 `comm` list is still read, so a schema-2 or -3 record (an old log) decodes unchanged;
+schema 4 is written, and a record carrying both forms is refused.
 """
 
 
@@ -110,7 +113,8 @@ def _fields_table(model: type[BaseModel], skip: tuple[str, ...] = ()) -> list[st
         if name in skip:
             continue
         default = "required" if info.is_required() else (
-            "[]" if info.default_factory is list else "{}" if info.default_factory is dict else repr(info.default)
+            "[]" if info.default_factory is list else "{}" if info.default_factory is dict
+            else "empty" if info.default_factory is not None else repr(info.default)
         )
         if isinstance(info.default, enum.Enum):
             default = repr(info.default.value)

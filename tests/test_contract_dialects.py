@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from analytics.cost_model import fit_class
 from analytics.detector import Detector
 from analytics.frame import GROUP_CODE, OP_CODE, build_frame
-from collector.codec import decode, encode
+from collector.codec import InvalidEvent, decode, encode
 from collector.events import (
     Chunk, CommOp, CommWait, Coords, EventFactory, Heartbeat, IncidentOpened, IterationPrediction, PlanCurrent,
     RankHealth, RankIteration, RankState, TracingDeclared,
@@ -108,15 +108,47 @@ def test_a_schema_2_record_decodes_unchanged_with_the_schema_3_defaults() -> Non
     assert again == event
 
 
-def test_schema_3_is_written_and_an_unknown_version_names_what_this_build_reads() -> None:
+def test_schema_4_is_written_with_comm_as_columns_and_an_unknown_version_names_what_this_build_reads() -> None:
     ev = job(1)[1]
-    assert ev.kind == "telemetry.iteration" and ev.schema_version == 3
+    assert ev.kind == "telemetry.iteration" and ev.schema_version == 4
     body = json.loads(encode(ev))
-    assert body["payload"]["comm"][0] == {**body["payload"]["comm"][0], "op": "pp_sendrecv", "includes_wait": True,
-                                          "group": "pp"}
-    body["schema_version"] = 4
-    with pytest.raises(Exception, match="reads 2–3"):
+    assert "comm" not in body["payload"]  # the schema-3 form is read, never written
+    table = body["payload"]["comm_table"]
+    fused = table["op"].index("pp_sendrecv")
+    assert table["includes_wait"][fused] is True and table["group"][fused] == "pp"
+    assert len({len(v) for v in table.values()}) == 1
+    body["schema_version"] = 5
+    with pytest.raises(Exception, match="reads 2–4"):
         decode(json.dumps(body).encode())
+
+
+def test_the_schema_3_and_schema_4_forms_of_a_record_read_and_frame_the_same() -> None:
+    ev = job(1)[1]
+    p = ev.payload
+    body = json.loads(encode(ev))
+    old = dict(body, schema_version=3)
+    old["payload"] = {k: v for k, v in body["payload"].items() if k != "comm_table"}
+    old["payload"]["comm"] = [w.model_dump(mode="json") for w in p.waits().rows()]
+    legacy = decode(json.dumps(old).encode()).payload
+    assert legacy.comm and not len(legacy.comm_table)
+    assert legacy.waits().rows() == p.waits().rows() and len(p.waits()) >= 2
+    a, b = build_frame([p]), build_frame([legacy])
+    for name in ("k_rank", "k_op", "k_peer", "k_mb", "k_dur", "k_wait", "k_group"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert np.array_equal(a.k_bytes, b.k_bytes, equal_nan=True)
+
+
+def test_a_record_with_both_comm_forms_or_ragged_comm_columns_is_refused_in_one_line() -> None:
+    body = json.loads(encode(job(1)[1]))
+    both = json.loads(json.dumps(body))
+    both["payload"]["comm"] = [{"op": "dp_allreduce", "start_s": 0.0, "duration_s": 0.1}]
+    with pytest.raises(InvalidEvent, match="comm .schema 2–3. or comm_table .schema 4., not both"):
+        decode(json.dumps(both).encode())
+    ragged = json.loads(json.dumps(body))
+    ragged["payload"]["comm_table"]["peer"].pop()
+    with pytest.raises(InvalidEvent, match="comm columns must all hold") as err:
+        decode(json.dumps(ragged).encode())
+    assert "\n" not in str(err.value) and "'peer'" in str(err.value)
 
 
 def test_unknown_token_counts_are_null_on_the_wire_and_never_zero() -> None:

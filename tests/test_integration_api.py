@@ -68,10 +68,10 @@ def test_published_telemetry_matches_what_the_loop_recorded(tmp_path: Path) -> N
         p = e.payload
         assert (e.job, e.source, p.rank, p.node, p.epoch) == ("job-a", "rank-5", 5, 0, 0)
         assert p.coords == Coords(tp=1, pp=0, dp=1)
-        assert p.chunks == chunks and p.comm == comm
+        assert p.chunks == chunks and p.waits().rows() == comm
         assert [(c.kind.value, c.microbatch, c.tokens, c.seq_lens) for c in p.chunks] == [
             ("F", 0, 128, [100, 28]), ("B", 0, 128, [100, 28]), ("F", 1, 64, [64])]
-        assert [(c.op.value, c.peer, c.bytes) for c in p.comm] == [("pp_recv", 3, None), ("dp_allreduce", None, 4096)]
+        assert [(c.op.value, c.peer, c.bytes) for c in p.waits().rows()] == [("pp_recv", 3, None), ("dp_allreduce", None, 4096)]
         assert p.wall_s >= max(c.start_s + c.duration_s for c in p.chunks[2:])
     summaries = [e.payload for e in events if isinstance(e.payload, IterationSummary)]
     assert [(s.iteration, s.tokens, s.loss) for s in summaries] == [(2, 1024, 2.5)]
@@ -378,7 +378,7 @@ def test_megatron_style_example_runs_and_its_events_land(tmp_path: Path) -> None
         kinds = sorted({c.kind.value for c in r.chunks})
         assert kinds == ["B", "F"]
         assert all(c.seq_lens and sum(c.seq_lens) == c.tokens for c in r.chunks)
-        assert [w.op.value for w in r.comm] == ["dp_allreduce"]
+        assert [w.op.value for w in r.waits().rows()] == ["dp_allreduce"]
     # four micro-batches, until the command published after iteration 0 moves the job to three
     assert [len(r.chunks) // 2 for r in reports] == [4, 3]
     assert [r.epoch for r in reports] == [0, 1]

@@ -127,16 +127,16 @@ def test_a_real_profiled_pipeline_job_imports_as_one_report_per_rank_per_step(pr
             assert c.tokens is None and c.seq_lens is None
             assert 0 < c.duration_s < r.wall_s
             assert c.start_s + c.duration_s <= r.wall_s + 1e-6
-        p2p = [w for w in r.comm if w.op in (CommOp.PP_SEND, CommOp.PP_RECV)]
+        p2p = [w for w in r.waits().rows() if w.op in (CommOp.PP_SEND, CommOp.PP_RECV)]
         # stage 0 sends each forward and receives each gradient; stage 1 the mirror image
         assert sorted((w.op, w.microbatch) for w in p2p) == sorted(
             (op, mb) for op in (CommOp.PP_SEND, CommOp.PP_RECV) for mb in range(MICROBATCHES))
         assert {w.peer for w in p2p} == {1 - r.rank}
         assert all(w.includes_wait and w.group == "pp" and w.duration_s > 0 for w in p2p)
-        assert [w.op for w in r.comm if w.op not in (CommOp.PP_SEND, CommOp.PP_RECV)] == [CommOp.DP_ALLREDUCE] * 2
+        assert [w.op for w in r.waits().rows() if w.op not in (CommOp.PP_SEND, CommOp.PP_RECV)] == [CommOp.DP_ALLREDUCE] * 2
         # the chunk is its span less the blocking recv inside it: compute and waits add up to no more
         # than the step, all on this rank's clock
-        assert sum(c.duration_s for c in r.chunks) + sum(w.duration_s for w in r.comm) <= r.wall_s + 1e-6
+        assert sum(c.duration_s for c in r.chunks) + sum(w.duration_s for w in r.waits().rows()) <= r.wall_s + 1e-6
 
 
 @pytest.mark.slow
@@ -178,7 +178,7 @@ def test_a_step_without_micro_batch_spans_becomes_one_forward_and_one_backward(t
     assert report.iteration == 7 and report.wall_s == pytest.approx(100e-6)
     assert [(c.kind, round(c.start_s * 1e6), round(c.duration_s * 1e6)) for c in report.chunks] == [
         (ChunkKind.FORWARD, 0, 50), (ChunkKind.BACKWARD, 50, 35)]
-    assert [(w.op, round(w.duration_s * 1e6)) for w in report.comm] == [(CommOp.DP_ALLREDUCE, 8)]
+    assert [(w.op, round(w.duration_s * 1e6)) for w in report.waits().rows()] == [(CommOp.DP_ALLREDUCE, 8)]
 
 
 def test_gpipe_spans_give_chunks_and_a_recv_inside_a_forward_is_waiting_not_compute(tmp_path: Path) -> None:
@@ -193,7 +193,7 @@ def test_gpipe_spans_give_chunks_and_a_recv_inside_a_forward_is_waiting_not_comp
     (report,) = [e.payload for e in result.events if e.kind == "telemetry.iteration"]
     assert [(c.kind, round(c.duration_s * 1e6)) for c in report.chunks] == [
         (ChunkKind.FORWARD, 400 - 305), (ChunkKind.BACKWARD, 200 - 40)]
-    assert [(w.op, w.peer, w.microbatch, round(w.duration_s * 1e6)) for w in report.comm] == [
+    assert [(w.op, w.peer, w.microbatch, round(w.duration_s * 1e6)) for w in report.waits().rows()] == [
         (CommOp.PP_RECV, 0, 0, 305), (CommOp.PP_SEND, 0, 0, 40)]
 
 
@@ -332,4 +332,4 @@ def test_an_all_reduce_is_tensor_parallel_only_when_the_layout_or_the_trace_says
     layout = Layout(microbatches=1, num_layers=1, ranks=ranks)
     (report,) = [e.payload for e in import_traces([tmp_path / "rank0.json"], layout, job="j").events
                  if e.kind == "telemetry.iteration"]
-    assert [w.op for w in report.comm] == [inside, CommOp.DP_ALLREDUCE]
+    assert [w.op for w in report.waits().rows()] == [inside, CommOp.DP_ALLREDUCE]

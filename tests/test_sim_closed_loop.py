@@ -132,7 +132,7 @@ def test_telemetry_of_replicas_with_different_stage_counts() -> None:
     engine = SimEngine(SimConfig(model=MODEL, cluster=ClusterSpec(gpus=8), plan=plan, job="shapes"))
     reports = [e.payload for e in engine.step() if e.kind == "telemetry.iteration"]
     assert sorted(r.rank for r in reports) == list(range(8))
-    dp = {r.rank: next(c.bytes for c in r.comm if c.op == "dp_allreduce") for r in reports}
+    dp = {r.rank: next(c.bytes for c in r.waits().rows() if c.op == "dp_allreduce") for r in reports}
     assert dp[4] == dp[5] == 2 * MODEL.params_per_layer * MODEL.bytes_per_value  # 2 layers, TP 1
     assert dp[6] == 4 * MODEL.params_per_layer // 2 * MODEL.bytes_per_value
 

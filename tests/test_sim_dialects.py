@@ -66,9 +66,9 @@ def test_megatron_traces_tp_rank_0_with_fused_p2p_and_no_lengths_or_tokens() -> 
     assert len(its) == 6 * len(_tp0(PLAN))
     for p in its:
         assert all(t is None for t in p.chunk_table.tokens) and all(s is None for s in p.chunk_table.seq_lens)
-        ops = {c.op for c in p.comm}
+        ops = {c.op for c in p.waits().rows()}
         assert CommOp.PP_RECV not in ops and CommOp.PP_SEND not in ops
-        fused = [c for c in p.comm if c.op == CommOp.PP_SENDRECV]
+        fused = [c for c in p.waits().rows() if c.op == CommOp.PP_SENDRECV]
         assert fused and all(c.includes_wait for c in fused)
         assert {c.peer for c in fused} <= set(decl.traced_ranks)
         if p.coords.pp > 0:  # the first chunk waits for its input: the bubble is in the fused timer
@@ -76,7 +76,7 @@ def test_megatron_traces_tp_rank_0_with_fused_p2p_and_no_lengths_or_tokens() -> 
             assert first.start_s == 0.0
             assert first.duration_s == pytest.approx(p.chunk_table.start_s[0])
             assert p.chunk_table.start_s[0] > 0
-        assert [c.op for c in p.comm if c.op == CommOp.DP_ALLREDUCE] == [CommOp.DP_ALLREDUCE]
+        assert [c.op for c in p.waits().rows() if c.op == CommOp.DP_ALLREDUCE] == [CommOp.DP_ALLREDUCE]
 
 
 def test_profiler_traces_every_rank_with_blocking_p2p_and_labelled_collectives() -> None:
@@ -88,11 +88,11 @@ def test_profiler_traces_every_rank_with_blocking_p2p_and_labelled_collectives()
     for p in its:
         assert p.node is None
         assert all(t is None for t in p.chunk_table.tokens) and all(s is None for s in p.chunk_table.seq_lens)
-        p2p = [c for c in p.comm if c.op in (CommOp.PP_SEND, CommOp.PP_RECV)]
+        p2p = [c for c in p.waits().rows() if c.op in (CommOp.PP_SEND, CommOp.PP_RECV)]
         assert p2p and all(c.includes_wait and c.group == "pp" and c.bytes for c in p2p)
-        assert CommOp.PP_SENDRECV not in {c.op for c in p.comm}
-        assert {c.group for c in p.comm if c.op == CommOp.TP_ALLREDUCE} == {"tp"}
-        assert {c.group for c in p.comm if c.op == CommOp.DP_ALLREDUCE} == {"dp"}
+        assert CommOp.PP_SENDRECV not in {c.op for c in p.waits().rows()}
+        assert {c.group for c in p.waits().rows() if c.op == CommOp.TP_ALLREDUCE} == {"tp"}
+        assert {c.group for c in p.waits().rows() if c.op == CommOp.DP_ALLREDUCE} == {"dp"}
         stage = PLAN.pipelines[p.coords.dp].stages[p.coords.pp]
         sends = [c for c in p2p if c.op == CommOp.PP_SEND]
         # a TP rank talks to the same TP rank of the neighbouring stage
@@ -134,7 +134,7 @@ def test_a_reshape_declares_the_new_plans_traced_ranks() -> None:
 
 def _fused_to(events: list, rank: int, peer: int) -> list[list[float]]:
     """Per iteration of ``rank``: its fused ops' durations with ``peer``, in order."""
-    return [[c.duration_s for c in p.comm if c.op == CommOp.PP_SENDRECV and c.peer == peer]
+    return [[c.duration_s for c in p.waits().rows() if c.op == CommOp.PP_SENDRECV and c.peer == peer]
             for p in _payloads(events, RankIteration) if p.rank == rank]
 
 
@@ -169,7 +169,7 @@ def test_profiler_tp_allreduce_of_an_interleaved_model_chunk_is_its_share_of_the
     checked = 0
     for p in _payloads(events, RankIteration):
         t = p.chunk_table
-        tp = {(w.microbatch, w.start_s): w.duration_s for w in p.comm if w.op is CommOp.TP_ALLREDUCE}
+        tp = {(w.microbatch, w.start_s): w.duration_s for w in p.waits().rows() if w.op is CommOp.TP_ALLREDUCE}
         for kind, mb, start, dur in zip(t.kind, t.microbatch, t.start_s, t.duration_s):
             if kind != "W" and (mb, start) in tp:
                 assert tp[(mb, start)] < 0.5 * dur, (kind, mb, tp[(mb, start)], dur)
