@@ -20,6 +20,7 @@ import pytest
 
 from collector.bus import Bus
 from infra import broker
+from tests.fixtures.processes import FIXTURE_OWNED
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -80,8 +81,8 @@ def _descendants() -> dict[int, bytes]:
             found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").strip()
         except OSError:
             continue
-        if broker.WATCHER_SCRIPT.encode() not in found[pid]:  # the watcher's own ``sleep`` is its business
-            todo += children.get(pid, [])
+        if broker.WATCHER_SCRIPT.encode() not in found[pid] and pid not in FIXTURE_OWNED:
+            todo += children.get(pid, [])  # the watcher's ``sleep``, a fixture's process's children: theirs
     return found
 
 
@@ -89,7 +90,8 @@ def _descendants() -> dict[int, bytes]:
 def no_process_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
     """Children never outlive their supervisor: whatever a test started below this process must
     be gone once the test and its fixtures are torn down (processes of module- and session-wide
-    fixtures started before it, the shared fork server and resource tracker excepted). What is
+    fixtures started before it or handed to them (tests/fixtures/processes.py), the shared fork
+    server and resource tracker excepted). What is
     left gets ``LEFT_RUNNING_GRACE_S`` to exit, then is killed and fails the test by name, so
     one leak neither passes unseen nor slows every later test of the run."""
     before = set(_descendants())
@@ -99,7 +101,7 @@ def no_process_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[Non
     deadline = time.monotonic() + LEFT_RUNNING_GRACE_S
     while True:
         left = {pid: cmd for pid, cmd in _descendants().items()
-                if pid not in before and not any(k in cmd for k in _RUN_LONG)}
+                if pid not in before and pid not in FIXTURE_OWNED and not any(k in cmd for k in _RUN_LONG)}
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.2)

@@ -42,6 +42,7 @@ from trainer.fault_spec import FaultSpec
 from trainer.sim.presets import MODEL_PRESETS, ClusterSpec
 from trainer.sim.runner import run_open_loop
 from ui.alerts import firing_alerts
+from tests.fixtures.processes import owned_by_fixture
 from ui.auth import UsersFile
 from ui.views.common import plain
 
@@ -123,11 +124,12 @@ class _Stack:
         self.analytics = self.start_analytics()
 
     def start_analytics(self) -> subprocess.Popen:
+        """The consumer, the stack's (a test that restarts it hands the new one to the stack)."""
         env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        return subprocess.Popen(
+        return owned_by_fixture(subprocess.Popen(
             [sys.executable, "-m", "resihp.cli", "analytics", "--bus", "embedded", "--bus-path", str(self.bus_path),
              "--db", str(self.tmp / "analytics.duckdb"), "--metrics-port", str(self.metrics_port)],
-            env=env, stdout=subprocess.DEVNULL, stderr=open(self.tmp / "analytics.log", "ab"))
+            env=env, stdout=subprocess.DEVNULL, stderr=open(self.tmp / "analytics.log", "ab")))
 
     def run(self, iterations: int | None = None, duration_s: float | None = None, max_hang_s: float = 30.0) -> None:
         run_open_loop(self.sim, self.bus.publish, iterations=iterations, duration_s=duration_s, max_hang_s=max_hang_s)
