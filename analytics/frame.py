@@ -27,6 +27,11 @@ KIND_NAME = ("F", "B", "W")
 OP_CODE = {"tp_allreduce": 0, "pp_send": 1, "pp_recv": 2, "dp_allreduce": 3, "pp_sendrecv": 4, "all_gather": 5,
            "reduce_scatter": 6, "embedding_allreduce": 7, "loss_allreduce": 8}
 GROUP_CODE = {"tp": 0, "pp": 1, "dp": 2, "cp": 3, "fsdp": 4}  # k_group; -1 when the source did not say
+# The communications a frame keeps: those judging reads (TP waits inside chunks, p2p send timers,
+# the DP all-reduce). A pipeline rank's ``pp_recv`` waits, one per chunk that receives its input,
+# are most of its records and judged nowhere: converting them cost 20 ms of a 1,024-rank frame's
+# 50. The DuckDB tables keep every wait (analytics/tables.py).
+FRAME_OPS = frozenset({"tp_allreduce", "pp_send", "pp_sendrecv", "dp_allreduce"})
 
 
 @dataclass
@@ -53,7 +58,7 @@ class IterationFrame:
     c_start: np.ndarray
     c_dur: np.ndarray
     c_own: np.ndarray  # c_dur minus TP all-reduce waits inside the chunk
-    # per comm wait (K,)
+    # per comm wait of the kinds judging reads (K,; FRAME_OPS)
     k_rank: np.ndarray
     k_op: np.ndarray
     k_peer: np.ndarray  # -1 when not point-to-point
@@ -134,31 +139,18 @@ def _tokens(tables: Sequence, n: int) -> np.ndarray:
 
 def _comm_rows(reports: Sequence[RankIteration]) -> np.ndarray:
     """(K, 9) rank index, op, peer, micro-batch, bytes (NaN unknown), start, duration, includes_wait,
-    group code (-1 unknown), column by column from each report's comm columns (a float array
-    takes a column's nulls as NaN in one pass)."""
-    tables = [r.waits() for r in reports]
-    counts = np.fromiter((len(t) for t in tables), np.int64, len(tables))
-    K = int(counts.sum())
-    out = np.zeros((K, 9))
-    if not K:
-        return out
-    chain = itertools.chain.from_iterable
-    out[:, 0] = np.repeat(np.arange(len(tables)), counts)
-    out[:, 1] = np.fromiter(map(OP_CODE.__getitem__, chain(t.op for t in tables)), float, K)
-    out[:, 2] = np.array(list(chain(t.peer for t in tables)), dtype=float)
-    out[:, 3] = np.array(list(chain(t.microbatch for t in tables)), dtype=float)
-    out[:, 4] = np.array(list(chain(t.bytes for t in tables)), dtype=float)
-    out[:, 5] = np.fromiter(chain(t.start_s for t in tables), float, K)
-    out[:, 6] = np.fromiter(chain(t.duration_s for t in tables), float, K)
-    np.nan_to_num(out[:, 2:4], copy=False, nan=-1.0)
-    out[:, 8] = -1.0
-    ends = np.cumsum(counts)
-    for t, end in zip(tables, ends.tolist()):  # most sources say neither: their columns are empty
-        if t.includes_wait:
-            out[end - len(t):end, 7] = t.includes_wait
-        if t.group:
-            out[end - len(t):end, 8] = [-1 if g is None else GROUP_CODE[g] for g in t.group]
-    return out
+    group code (-1 unknown), for each report's communications of the kinds in ``FRAME_OPS``."""
+    rows = []
+    keep, oc, gc = FRAME_OPS, OP_CODE, GROUP_CODE
+    for i, r in enumerate(reports):
+        t = r.waits()
+        ops = t.op
+        for j in [j for j, op in enumerate(ops) if op in keep]:
+            peer, mb, group = t.peer[j], t.microbatch[j], t.group[j] if t.group else None
+            rows.append((i, oc[ops[j]], -1 if peer is None else peer, -1 if mb is None else mb, t.bytes[j],
+                         t.start_s[j], t.duration_s[j], bool(t.includes_wait and t.includes_wait[j]),
+                         -1 if group is None else gc[group]))
+    return np.array(rows, dtype=float).reshape(-1, 9)  # an unknown byte count (None) becomes NaN
 
 
 class LayerLookup:

@@ -383,6 +383,7 @@ def _reap(p) -> tuple[float, float]:
 def _wait_for_group(bootstrap: str, security: dict, group: str, members: int, procs: list) -> None:
     """Until the consumer group is stable with ``members`` members, each holding partitions."""
     from kafka import KafkaAdminClient
+    from kafka.errors import KafkaError
 
     admin = KafkaAdminClient(bootstrap_servers=bootstrap, **security)
     deadline = time.monotonic() + KAFKA_STALL_S
@@ -390,7 +391,13 @@ def _wait_for_group(bootstrap: str, security: dict, group: str, members: int, pr
         while time.monotonic() < deadline:
             if any(p.poll() is not None for p in procs):
                 raise RuntimeError(f"a shard process exited before its group formed ({[p.returncode for p in procs]})")
-            g = admin.describe_groups([group])[group]
+            try:
+                g = admin.describe_groups([group])[group]
+            except KafkaError as exc:  # a fresh broker has no group coordinator until its offsets topic exists
+                if not exc.retriable:
+                    raise
+                time.sleep(0.2)
+                continue
             held = [m for m in g.get("members", []) if (m.get("member_assignment") or {}).get("assigned_partitions")]
             if g.get("group_state") == "Stable" and len(held) == len(g.get("members", [])) == members:
                 return
