@@ -99,6 +99,12 @@ class PlanRecord:
     def epoch(self) -> int:
         return self.proposal.plan.epoch
 
+    @property
+    def trainer_could_not_apply(self) -> bool:
+        """Failed on its merits: the trainer tried it and answered ``failed`` (a plan that went
+        stale on the way failed too, but its layout may still be the right one)."""
+        return self.status == PlanStatus.FAILED and self.ack is not None and self.ack.status == AckStatus.FAILED
+
 
 @dataclass(frozen=True)
 class Report:
@@ -268,7 +274,11 @@ def _ack(state: PlanLifecycle, e: Envelope, p: CommandAck) -> PlanRecord | None:
         return record
     state.report(e, f"trainer {p.status.value.replace('_', ' ')} command {p.command_id} "
                     f"(asked epoch {p.epoch}, runs {p.running_epoch}): {p.detail}")
-    if p.running_epoch != state.running_epoch and p.status == AckStatus.IGNORED_STALE:
+    if p.status == AckStatus.IGNORED_STALE and record.status == PlanStatus.COMMANDED:
+        # Never to apply: the trainer moved past the epoch it asked for. That includes a plan
+        # commanded for the same epoch as another the trainer applied first (a roll-back and a
+        # new plan both decided at epoch 2, both asking for 3): left commanded, it held the
+        # engine's next plan back for good, a fail-stop's included.
         record.status = PlanStatus.FAILED
         record.verdict = f"trainer runs epoch {p.running_epoch}; command was stale"
         return record

@@ -335,9 +335,10 @@ class RemediationEngine:
         failed = s.failed()
         open_ids = {i.incident_id for i in s.open_incidents()}
         # A layout the trainer failed to apply would fail again; one rolled back for these same
-        # incidents would roll back again (a re-plan because the horizon grew finds it anew).
+        # incidents would roll back again (a re-plan because the horizon grew finds it anew). One
+        # whose command went stale on the way is proposed again for the epoch that runs now.
         undone = next((r for r in s.plans.values() if r.proposal.plan.pipelines == result.plan.pipelines and (
-            r.status == PlanStatus.FAILED
+            r.trainer_could_not_apply
             or (r.status == PlanStatus.ROLLED_BACK and set(r.proposal.incident_ids) == open_ids))), None)
         if undone is not None:  # say so and wait for something to change
             how = ("which the trainer failed to apply" if undone.status == PlanStatus.FAILED

@@ -111,6 +111,16 @@ def test_a_stale_ack_for_another_running_epoch_fails_the_plan() -> None:
     assert s.plans["p1"].status == PlanStatus.FAILED and "trainer runs epoch 3" in s.plans["p1"].verdict
 
 
+def test_a_plan_commanded_for_the_epoch_another_plan_took_fails_as_stale() -> None:
+    """A roll-back and a new plan both decided at epoch 0, both commanded as epoch 1: the trainer
+    applies the first and ignores the second as stale. The second can never apply; it must fail,
+    not stay commanded (the engine plans again only once nothing is in flight)."""
+    s = fold([proposed("p1"), decision("p1"), proposed("p2"), command("p1"), decision("p2"), command("p2"),
+              ack("p1"), ack("p2", status=AckStatus.IGNORED_STALE, epoch=1, running=1)], started())
+    assert s.plans["p1"].status == PlanStatus.APPLIED and s.running_epoch == 1
+    assert s.plans["p2"].status == PlanStatus.FAILED and "command was stale" in s.plans["p2"].verdict
+
+
 def test_a_verification_of_a_plan_not_applied_is_reported() -> None:
     s = fold([proposed(), F.make(PlanVerified(plan_id="p1", measured_tokens_per_s=1.0, predicted_tokens_per_s=1.0))],
              started())
