@@ -238,8 +238,9 @@ class CommTable(BaseModel):
     ``RankIteration.comm`` from schema 4 on (row ``i`` of every column is one ``CommWait``).
 
     Why columns, as for chunks: a rank of a pipeline records a p2p wait per micro-batch, and as a
-    list of objects those were three quarters of a telemetry record's bytes and two thirds of its
-    decode time (a 32-chunk rank: 5.3 kB and 97 µs against 1.4 kB and 29 µs without them).
+    list of objects (schema 3) they repeat every key in every row: a report of 32 chunks and 25
+    waits was 5,969 bytes and 106 µs to decode, as columns 3,748 bytes and 67 µs (``resihp bench
+    analytics``, docs/benchmarks.md).
     ``includes_wait`` and ``group`` may be left empty when no row says them (every timer wire-only,
     no group known); otherwise every column holds one value per row."""
 

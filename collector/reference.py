@@ -93,8 +93,9 @@ report that step, and a partial iteration would read as missing ranks).
 **Migration.** `telemetry.iteration` schema 3 adds `Coords.cp`, null token counts, the collectives
 `pp_sendrecv`, `all_gather`, `reduce_scatter`, `embedding_allreduce`, `loss_allreduce`, and the
 comm fields `includes_wait` and `group`. Schema 4 carries a rank's communications as columns
-(`comm_table`, as `chunk_table` carries its chunks): a 32-chunk pipeline rank's record is 2.3 kB
-instead of 5.3 kB and decodes about three times as fast. Every addition has a default and the
+(`comm_table`, as `chunk_table` carries its chunks): a report of 32 chunks and 25 waits is ×1.59
+smaller and decodes ×1.58 faster than with its waits as objects (`resihp bench analytics`,
+[benchmarks](benchmarks.md)). Every addition has a default and the
 schema-3 `comm` list is still read, so a schema-2 or -3 record (an old log) decodes unchanged;
 schema 4 is written, and a record carrying both forms is refused.
 """

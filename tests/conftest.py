@@ -52,16 +52,18 @@ def keep_main_module() -> Iterator[None]:
         sys.modules["__main__"] = main
 
 
-# Processes that live as long as this one, whichever test started them: the fork server and
-# resource tracker of multiprocessing (tests/test_agent_pcontext.py: the run shares one server) and
-# the watcher that stops the session's Kafka broker when the run ends (a test may restart it).
-_RUN_LONG = (b"from multiprocessing.forkserver import main", b"from multiprocessing.resource_tracker import main",
-             broker.WATCHER_SCRIPT.encode())
+# The servers multiprocessing starts for this process live as long as it does, whichever test
+# started them (tests/test_agent_pcontext.py: the run shares one fork server); the ranks they fork
+# are the test's. Other processes belong elsewhere with everything below them: the watcher that
+# stops the session's Kafka broker when the run ends (a test may restart the broker) and what a
+# test hands to a wider fixture (tests/fixtures/processes.py).
+_RUN_LONG = (b"from multiprocessing.forkserver import main", b"from multiprocessing.resource_tracker import main")
 LEFT_RUNNING_GRACE_S = 15.0
 
 
 def _descendants() -> dict[int, bytes]:
-    """Every process below this one (children, theirs, ...), pid -> command line, from /proc."""
+    """Every process below this one (children, theirs, ...), pid -> command line, from /proc;
+    the broker's watcher and fixture-owned processes left out with their subtrees."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -73,16 +75,19 @@ def _descendants() -> dict[int, bytes]:
         fields = stat[stat.rindex(")") + 2:].split()
         if fields[0] != "Z":  # a zombie has ended; its parent reaps it
             children.setdefault(int(fields[1]), []).append(int(entry))
+    watcher = broker.WATCHER_SCRIPT.encode()
     found: dict[int, bytes] = {}
     todo = list(children.get(os.getpid(), []))
     while todo:
         pid = todo.pop()
         try:
-            found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").strip()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").strip()
         except OSError:
             continue
-        if broker.WATCHER_SCRIPT.encode() not in found[pid] and pid not in FIXTURE_OWNED:
-            todo += children.get(pid, [])  # the watcher's ``sleep``, a fixture's process's children: theirs
+        if pid in FIXTURE_OWNED or watcher in cmd:
+            continue
+        found[pid] = cmd
+        todo += children.get(pid, [])
     return found
 
 
@@ -90,18 +95,18 @@ def _descendants() -> dict[int, bytes]:
 def no_process_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
     """Children never outlive their supervisor: whatever a test started below this process must
     be gone once the test and its fixtures are torn down (processes of module- and session-wide
-    fixtures started before it or handed to them (tests/fixtures/processes.py), the shared fork
-    server and resource tracker excepted). What is
-    left gets ``LEFT_RUNNING_GRACE_S`` to exit, then is killed and fails the test by name, so
-    one leak neither passes unseen nor slows every later test of the run."""
+    fixtures started before it or handed to them, and multiprocessing's servers, excepted). What
+    is left gets ``LEFT_RUNNING_GRACE_S`` to exit, then is killed and fails the test by name, so
+    one leak neither passes unseen nor slows every later test of the run. Linux only (/proc)."""
+    if not sys.platform.startswith("linux"):
+        yield
+        return
     before = set(_descendants())
     yield
-    if not sys.platform.startswith("linux"):
-        return
     deadline = time.monotonic() + LEFT_RUNNING_GRACE_S
     while True:
         left = {pid: cmd for pid, cmd in _descendants().items()
-                if pid not in before and pid not in FIXTURE_OWNED and not any(k in cmd for k in _RUN_LONG)}
+                if pid not in before and not any(k in cmd for k in _RUN_LONG)}
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.2)
