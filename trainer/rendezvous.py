@@ -30,6 +30,7 @@ report ``source`` ``GROUPS_KEPT``.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -54,24 +55,18 @@ class Post:
     world: tuple[int, ...]
 
 
-def post_key(number: int) -> str:
-    return f"post/{number}"
+def store_key(what: str, *numbers: int) -> str:
+    """A protocol's key in the launcher's store: what it holds, then the post's number (and the
+    device's, for one device's answer), slash-separated: ``done/3/5``. Every key of this module and
+    of the native executor's command posts (trainer/native/intake.py) is made here."""
+    return "/".join((what, *map(str, numbers)))
 
 
-def done_key(number: int, device: int) -> str:
-    return f"done/{number}/{device}"
-
-
-def failed_key(number: int, device: int) -> str:
-    return f"failed/{number}/{device}"
-
-
-def arrive_key(number: int, device: int) -> str:
-    return f"arrive/{number}/{device}"
-
-
-def abort_key(number: int) -> str:
-    return f"abort/{number}"
+post_key = functools.partial(store_key, "post")  # (P): the plan and world of post P
+done_key = functools.partial(store_key, "done")  # (P, D): D's report of the reshape to post P
+failed_key = functools.partial(store_key, "failed")  # (P, D): why D's reshape to post P failed
+arrive_key = functools.partial(store_key, "arrive")  # (P, D): D reached post P's rendezvous
+abort_key = functools.partial(store_key, "abort")  # (P): the launcher gave up on post P
 
 
 def pg_prefix(number: int) -> str:

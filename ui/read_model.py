@@ -227,6 +227,16 @@ class IncidentView:
     plan_ids: list[str] = field(default_factory=list)
     withheld: list[tuple[float, PlanWithheld]] = field(default_factory=list)  # why the engine did not plan
 
+    def record(self, time_s: float, p: IncidentConfirmed | IncidentUpdated | IncidentResolved) -> None:
+        """One later event of this incident; a redelivered confirmation or resolution keeps the first."""
+        if isinstance(p, IncidentUpdated):
+            self.updates.append((time_s, p))
+            self.severity = p.severity
+        elif isinstance(p, IncidentConfirmed):
+            self.confirmed = self.confirmed or (time_s, p)
+        else:
+            self.resolved = self.resolved or (time_s, p)
+
     @property
     def latest_evidence(self):  # -> Evidence
         return self.updates[-1][1].evidence if self.updates else self.opened.evidence
@@ -350,21 +360,15 @@ class ReadModel:
         for pending in self._early_remediation_events.pop(p.incident_id, []):
             self._attach(pending, p.incident_id)
 
-    def _on_incident_confirmed(self, e: Envelope, p: IncidentConfirmed, job: JobView) -> None:
-        inc = self.incidents.get(p.incident_id)
-        if inc is not None and inc.confirmed is None:
-            inc.confirmed = (e.time_s, p)
-
-    def _on_incident_updated(self, e: Envelope, p: IncidentUpdated, job: JobView) -> None:
+    def _on_incident_later(self, e: Envelope, p: IncidentConfirmed | IncidentUpdated | IncidentResolved,
+                           job: JobView) -> None:
+        """A confirmation, update or resolution of an incident this view holds (one it never saw
+        opened is not shown)."""
         inc = self.incidents.get(p.incident_id)
         if inc is not None:
-            inc.updates.append((e.time_s, p))
-            inc.severity = p.severity
+            inc.record(e.time_s, p)
 
-    def _on_incident_resolved(self, e: Envelope, p: IncidentResolved, job: JobView) -> None:
-        inc = self.incidents.get(p.incident_id)
-        if inc is not None and inc.resolved is None:
-            inc.resolved = (e.time_s, p)
+    _on_incident_confirmed = _on_incident_updated = _on_incident_resolved = _on_incident_later
 
     def _on_analytics_bus_outage(self, e: Envelope, p: BusOutage, job: JobView) -> None:
         """Analytics could not read the bus and judged no rank dead meanwhile: a bus outage, not an incident."""

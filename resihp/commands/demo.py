@@ -21,33 +21,37 @@ from pathlib import Path
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="run the platform end to end: inject faults, watch them detected and fixed",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bus", choices=["embedded", "kafka"], default="embedded",
-                   help="embedded log in the workdir (default) or Apache Kafka")
-    p.add_argument("--scale", type=int, default=None, metavar="N",
-                   help="tell the story on the simulator at N GPUs (N ≥ 8), e.g. --scale 256")
-    p.add_argument("--workload", choices=["torch", "sim"], default=None,
-                   help="torch: the 8-rank CPU torch trainer with emulated device speed (the default without "
-                        "--scale); sim: the cluster simulator (the default with --scale)")
-    p.add_argument("--trainer", choices=["reference", "native"], default="reference",
-                   help="torch workload only: the reference trainer (8 ranks, a fail-slow and a fail-stop) or the "
-                        "PyTorch-native executor (trainer/native/: 4 CPU ranks, DP4, a fail-slow answered by the DP "
-                        "changes it declares it can run)")
-    p.add_argument("--headless", action="store_true", help="do not start the console")
-    p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
-    p.add_argument("--workdir", type=Path, default=None,
-                   help="where the bus, DuckDB file, logs and trace go (default .resihp/demo/<time>; must be new)")
-    p.add_argument("--speed", type=float, default=1.0,
-                   help="simulator only: simulated seconds per wall second (default 1: real time)")
-    p.add_argument("--short", action="store_true", help="a shorter story (fewer iterations per phase; for tests)")
-    p.add_argument("--tp", type=int, default=None, help="TP degree of the layout (default 2)")
-    p.add_argument("--pace", type=float, default=None, metavar="S",
-                   help="torch only: emulated device seconds per layer-token, so 8 ranks on few cores behave like "
-                        "devices of a set speed; a stage's TP ranks split a layer's time (default 4e-4; 0: raw CPU)")
-    p.add_argument("--port", type=int, default=8501, help="console port (default 8501)")
-    p.add_argument("--linger", type=float, default=None, metavar="SECONDS",
-                   help="with the console: keep it up this long after the story ends (default: until Ctrl-C)")
-    p.add_argument("--timeout", type=float, default=1200.0, metavar="SECONDS",
-                   help="give up if the workload has not finished by then (default 1200)")
+    story = p.add_argument_group("the story")
+    story.add_argument("--bus", choices=["embedded", "kafka"], default="embedded",
+                       help="embedded log in the workdir (default) or Apache Kafka")
+    story.add_argument("--workload", choices=["torch", "sim"], default=None,
+                       help="torch: the 8-rank CPU torch trainer with emulated device speed (the default without "
+                            "--scale); sim: the cluster simulator (the default with --scale)")
+    story.add_argument("--short", action="store_true", help="a shorter story (fewer iterations per phase; for tests)")
+    story.add_argument("--workdir", type=Path, default=None,
+                       help="where the bus, DuckDB file, logs and trace go (default .resihp/demo/<time>; must be new)")
+    story.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
+    story.add_argument("--timeout", type=float, default=1200.0, metavar="SECONDS",
+                       help="give up if the workload has not finished by then (default 1200)")
+    story.add_argument("--tp", type=int, default=None, help="TP degree of the layout (default 2)")
+    torch = p.add_argument_group("the torch workload")
+    torch.add_argument("--trainer", choices=["reference", "native"], default="reference",
+                       help="the reference trainer (8 ranks, a fail-slow and a fail-stop) or the PyTorch-native "
+                            "executor (trainer/native/: 4 CPU ranks, DP4, a fail-slow answered by the DP changes it "
+                            "declares it can run)")
+    torch.add_argument("--pace", type=float, default=None, metavar="S",
+                       help="emulated device seconds per layer-token, so 8 ranks on few cores behave like devices "
+                            "of a set speed; a stage's TP ranks split a layer's time (default 4e-4; 0: raw CPU)")
+    sim = p.add_argument_group("the simulator")
+    sim.add_argument("--scale", type=int, default=None, metavar="N",
+                     help="tell the story on the simulator at N GPUs (N ≥ 8), e.g. --scale 256")
+    sim.add_argument("--speed", type=float, default=1.0,
+                     help="simulated seconds per wall second (default 1: real time)")
+    console = p.add_argument_group("the console")
+    console.add_argument("--headless", action="store_true", help="do not start the console")
+    console.add_argument("--port", type=int, default=8501, help="console port (default 8501)")
+    console.add_argument("--linger", type=float, default=None, metavar="SECONDS",
+                         help="keep it up this long after the story ends (default: until Ctrl-C)")
     p.set_defaults(func=run)
 
 

@@ -28,6 +28,7 @@ writes their plan (``native/cmd/recovered``) and the launcher adopts it as the r
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from collector.plan import Plan
 from trainer.integration import CommandListener
 from trainer.native.capabilities import NATIVE_CAPABILITIES, refusal
 from trainer.native.model import LlamaConfig
+from trainer.rendezvous import store_key
 
 log = logging.getLogger("resihp.trainer.native")
 
@@ -48,16 +50,9 @@ POSTS = "native/cmd/posts"
 RECOVERED = "native/cmd/recovered"  # the plan the survivors of a lost rank run, by the new world's first rank
 
 
-def plan_key(post: int) -> str:
-    return f"native/cmd/plan/{post}"
-
-
-def done_key(post: int, device: int) -> str:
-    return f"native/cmd/done/{post}/{device}"
-
-
-def refused_key(post: int, device: int) -> str:
-    return f"native/cmd/refused/{post}/{device}"
+plan_key = functools.partial(store_key, "native/cmd/plan")  # (post): the plan of that post
+done_key = functools.partial(store_key, "native/cmd/done")  # (post, device): the device runs it
+refused_key = functools.partial(store_key, "native/cmd/refused")  # (post, device): why it cannot
 
 
 class NativeCommandIntake:
