@@ -52,6 +52,18 @@ def keep_main_module() -> Iterator[None]:
         sys.modules["__main__"] = main
 
 
+@pytest.fixture(autouse=True)
+def keep_signal_handlers() -> Iterator[None]:
+    """A process context a test starts itself (tests/test_agent_pcontext.py) installs torch's
+    handlers, which turn SIGTERM, SIGINT, SIGHUP and SIGQUIT into an exception meant for the agent:
+    left installed, the run would take a SIGTERM as that exception in whatever test runs next
+    instead of stopping. Every test gets the run's handlers back."""
+    from trainer.agent.standalone import signal_handlers_kept
+
+    with signal_handlers_kept():
+        yield
+
+
 # The servers multiprocessing starts for this process live as long as it does, whichever test
 # started them (tests/test_agent_pcontext.py: the run shares one fork server); the ranks they fork
 # are the test's. Other processes belong elsewhere with everything below them: the watcher that

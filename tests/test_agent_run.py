@@ -123,14 +123,10 @@ def test_two_agents_train_a_four_rank_world_to_the_end_through_a_killed_rank(tmp
 
 def test_an_agent_of_another_job_gets_one_clear_line(tmp_path: Path) -> None:
     host = open_rendezvous_store("127.0.0.1:0", "job-a", hosts=True, node_rank=0, bind=None, timeout_s=5)
-    try:
-        out = subprocess.run(agent_cmd("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                                       "--rdzv-endpoint", f"127.0.0.1:{host.port}", "--rdzv-id", "job-b",
-                                       "--node-rank", "1", "--rdzv-conf", "read_timeout=5"),
-                             env=env(), capture_output=True, text=True, timeout=300)
-    finally:
-        if host.listener:
-            host.listener.close()
+    out = subprocess.run(agent_cmd("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                                   "--rdzv-endpoint", f"127.0.0.1:{host.port}", "--rdzv-id", "job-b",
+                                   "--node-rank", "1", "--rdzv-conf", "read_timeout=5"),
+                         env=env(), capture_output=True, text=True, timeout=300)
     errors = [line for line in out.stderr.splitlines() if line.startswith("resihp run: error")]
     assert out.returncode == 2
     assert errors == [f"resihp run: error: the rendezvous at 127.0.0.1:{host.port} belongs to job 'job-a', not "
@@ -176,5 +172,4 @@ def test_the_store_listens_on_loopback_only() -> None:
         mine = [line.split()[3] for line in listening if line.split()[3].endswith(f":{host.port}")]
         assert host.hosting and mine == [f"127.0.0.1:{host.port}"]
     finally:
-        if host.listener:
-            host.listener.close()
+        del host  # the store owns its listening socket and closes it as it goes

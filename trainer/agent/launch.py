@@ -81,7 +81,7 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
                                          node_rank=args.node_rank, bind=args.rdzv_bind, timeout_s=timeout_s)
             # The ranks' bootstrap store listens where this node is reached: --local-addr, else the
             # address the rendezvous is bound to on its host, else loopback for a loopback endpoint.
-            node_address = config.local_addr or (rdzv.listener.getsockname()[0] if rdzv.listener else None) or (
+            node_address = config.local_addr or rdzv.bound or (
                 "127.0.0.1" if rdzv.host in LOOPBACK_NAMES or rdzv.host.startswith("127.") else None)
             params = RendezvousParameters(backend="c10d", endpoint=f"{rdzv.host}:{rdzv.port}", run_id=config.run_id,
                                           min_nodes=config.min_nodes, max_nodes=config.max_nodes,
@@ -182,5 +182,3 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
             predicted.close()
         if commands is not None:
             commands.close()
-        if rdzv is not None and rdzv.listener is not None:
-            rdzv.listener.close()

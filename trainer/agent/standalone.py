@@ -59,7 +59,7 @@ class StandaloneNode:
         settings = AgentSettings(job=job, node_label=os.uname().nodename, work_dir=self.work_dir, preload=preload,
                                  controller=controller, job_store=self.rdzv.store, hosts_rendezvous=True)
         agent = NodeAgent(worker, DefaultLogsSpecs(log_dir=str(self.work_dir / "logs")), settings)
-        with _signal_handlers_kept():
+        with signal_handlers_kept():
             agent.run()
         return agent.exits()
 
@@ -67,8 +67,9 @@ class StandaloneNode:
 @contextmanager
 def standalone_node(host: str, run_id: str, timeout_s: float) -> Iterator[StandaloneNode]:
     """Host the job's rendezvous store on ``host`` (a free port) with torch's handler over it;
-    close both and remove the agent's work directory on the way out. Fails when the store
-    cannot bind."""
+    shut the handler down and remove the agent's work directory on the way out (the store stops
+    listening when it is destroyed: it owns its socket, trainer/agent/store.py). Fails when the
+    store cannot bind."""
     rdzv = open_rendezvous_store(f"{host}:0", run_id, hosts=True, node_rank=0, bind=None, timeout_s=timeout_s)
     work_dir = Path(tempfile.mkdtemp(prefix="resihp-agent-"))
     handler = None
@@ -80,13 +81,11 @@ def standalone_node(host: str, run_id: str, timeout_s: float) -> Iterator[Standa
     finally:
         if handler is not None:
             handler.shutdown()
-        if rdzv.listener is not None:
-            rdzv.listener.close()
         shutil.rmtree(work_dir, ignore_errors=True)
 
 
 @contextmanager
-def _signal_handlers_kept() -> Iterator[None]:
+def signal_handlers_kept() -> Iterator[None]:
     """torch's process context turns SIGTERM, SIGINT, SIGHUP and SIGQUIT into an exception that
     stops the ranks; put the caller's handlers back afterwards (the launchers run inside programs
     and test runners that keep going)."""
@@ -101,4 +100,4 @@ def _signal_handlers_kept() -> Iterator[None]:
             signal.signal(sig, previous)
 
 
-__all__ = ["StandaloneNode", "standalone_node"]
+__all__ = ["StandaloneNode", "signal_handlers_kept", "standalone_node"]

@@ -44,7 +44,7 @@ class RendezvousStore:
     host: str
     port: int
     hosting: bool
-    listener: socket.socket | None  # kept open while the store serves on it
+    bound: str | None  # the address the hosted store listens on; None when this agent is a client
 
 
 def bind_address(host: str, bind: str | None) -> str:
@@ -78,13 +78,21 @@ def listen_on(address: str, port: int) -> socket.socket | None:
     return sock
 
 
-def bound_store_server(address: str, port: int, timeout_s: float) -> tuple[dist.TCPStore, socket.socket]:
+def serve_store(address: str, sock: socket.socket, timeout_s: float) -> dist.TCPStore:
+    """A TCPStore server on ``sock`` (bound and listening): the store takes the descriptor and its
+    server closes it when the store is destroyed, so this process lets go of it (``detach``).
+    Closed here as well, the second close would hit whatever file or socket took that number in
+    the meantime: a checkpoint being read, a bus connection."""
+    port = sock.getsockname()[1]
+    return dist.TCPStore(address, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False,
+                         multi_tenant=True, master_listen_fd=sock.detach())
+
+
+def bound_store_server(address: str, port: int, timeout_s: float) -> dist.TCPStore:
     sock = listen_on(address, port)
     if sock is None:
         raise AgentError(f"port {port} on {address} is taken; pass a free port in --rdzv-endpoint")
-    store = dist.TCPStore(address, sock.getsockname()[1], None, True, timedelta(seconds=timeout_s),
-                          wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.fileno())
-    return store, sock
+    return serve_store(address, sock, timeout_s)
 
 
 def open_rendezvous_store(endpoint: str, run_id: str, *, hosts: bool | None, node_rank: int, bind: str | None,
@@ -98,10 +106,9 @@ def open_rendezvous_store(endpoint: str, run_id: str, *, hosts: bool | None, nod
         sock = listen_on(address, port)
         if sock is not None:
             port = sock.getsockname()[1]
-            store = dist.TCPStore(address, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False,
-                                  multi_tenant=True, master_listen_fd=sock.fileno())
+            store = serve_store(address, sock, timeout_s)
             store.set(JOB_KEY, run_id)
-            return RendezvousStore(store, host, port, True, sock)
+            return RendezvousStore(store, host, port, True, address)
     if port == 0:
         raise AgentError(f"rendezvous endpoint {endpoint} has port 0, which only the hosting agent may use; "
                          "give the port the node-rank 0 agent printed")
@@ -128,12 +135,9 @@ def make_handler(rdzv: RendezvousStore, params: RendezvousParameters, node_addre
     the rank-0 node listens on ``node_address`` only (all interfaces when None)."""
     handler = create_handler(rdzv.store, C10dRendezvousBackend(rdzv.store, params.run_id), params)
     if node_address is not None:
-        listeners: list[socket.socket] = []
 
         def create_server(_addr: str, port: int) -> dist.TCPStore:
-            store, sock = bound_store_server(node_address, port, timeout_s)
-            listeners.append(sock)
-            return store
+            return bound_store_server(node_address, port, timeout_s)
 
         # torch names this a private method; it is the one place the bootstrap store is created.
         setattr(handler, "_create_tcp_store_server", create_server)  # noqa: B010
