@@ -155,12 +155,15 @@ class LayerLookup:
     """Device id -> (first_layer, end_layer) under one plan, as arrays for vectorised lookup."""
 
     def __init__(self, plan: Plan) -> None:
-        roles = plan.roles
-        top = max(roles) + 1 if roles else 0
+        # stage by stage (a shard builds one per plan; device by device took 16 ms at 100k devices)
+        stages = [stage for pipe in plan.pipelines for stage in pipe.stages]
+        counts = np.fromiter((len(st.devices) for st in stages), np.int64, len(stages))
+        devices = np.fromiter(itertools.chain.from_iterable(st.devices for st in stages), np.int64, int(counts.sum()))
+        top = int(devices.max()) + 1 if len(devices) else 0
         self.first = np.full(top + 1, -1, np.int64)
         self.end = np.full(top + 1, -1, np.int64)
-        for d, role in roles.items():
-            self.first[d], self.end[d] = role.first_layer, role.end_layer
+        self.first[devices] = np.repeat(np.fromiter((st.first_layer for st in stages), np.int64, len(stages)), counts)
+        self.end[devices] = np.repeat(np.fromiter((st.end_layer for st in stages), np.int64, len(stages)), counts)
 
     def ranges(self, devices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         idx = np.where((devices >= 0) & (devices < len(self.first) - 1), devices, len(self.first) - 1)

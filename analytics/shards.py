@@ -98,8 +98,10 @@ class ReplicaShard:
             return self._ready()
         if isinstance(p, (PlanCurrent, ReconfigureCommand)):
             self._plans[p.plan.epoch] = p.plan
-            for d, role in p.plan.roles.items():
-                self._members.setdefault((p.plan.epoch, role.replica), set()).add(int(d))
+            for pipe in p.plan.pipelines:  # a replica's members, stage by stage (once per plan)
+                members = self._members.setdefault((p.plan.epoch, pipe.replica), set())
+                for stage in pipe.stages:
+                    members.update(stage.devices)
             return self._ready()
         if isinstance(p, Heartbeat):
             self._heard.append((1, p.rank, p.epoch, p.iteration, event.time_s, p.interval_s))
