@@ -296,6 +296,8 @@ def bench_kafka_shards(bootstrap: str, shards: list[int], dp: int = 32, iteratio
         judged = -1
         fits_at: dict[int, float] = {}  # iteration -> when the merge's fits after it were read here
         cpu: list[tuple[float, float]] = []  # (time, the shards' CPU seconds so far)
+        others: dict[str, list[tuple[float, float]]] = {"merge": [], "broker": [], "reader": []}  # the rest
+        broker = _listener_pid(bootstrap)
         moved = time.monotonic()
         try:
             with EventStream(bus, f"bench-reader-{run}", [topics.ANALYTICS]) as reader:
@@ -306,7 +308,12 @@ def bench_kafka_shards(bootstrap: str, shards: list[int], dp: int = 32, iteratio
                         raise RuntimeError(f"{n} shard(s): nothing new on the analytics topic for {KAFKA_STALL_S:.0f} s "
                                            f"({len(seen)} of {want} summaries, iteration {judged} judged, missing "
                                            f"{sorted(set((0, i, d) for i in range(warmup + iterations) for d in range(dp)) - set(seen))[:8]})")
-                    cpu.append((time.time(), sum(_cpu_s(p.pid) for p in procs[:-1])))
+                    now = time.time()
+                    cpu.append((now, sum(_cpu_s(p.pid) for p in procs[:-1])))
+                    others["merge"].append((now, _cpu_s(procs[-1].pid)))
+                    others["reader"].append((now, _cpu_s(os.getpid())))
+                    if broker is not None:
+                        others["broker"].append((now, _cpu_s(broker)))
                     for d in reader.poll(10_000, 0.2):
                         moved = time.monotonic()
                         e, p = d.event, d.event.payload
@@ -339,6 +346,8 @@ def bench_kafka_shards(bootstrap: str, shards: list[int], dp: int = 32, iteratio
                     "in_window": len(inside), "replicas_per_s": rate, "load_before": load_before,
                     "load_after": load_after, "shard_cpu_s": cpu_s[:-1], "merge_cpu_s": cpu_s[-1],
                     "shard_peak_mb": peak_mb[:-1], "window_cores": _cores(cpu, opens, inside[-1]) if inside else float("nan"),
+                    "window_cores_others": {k: _cores(v, opens, inside[-1]) if inside and v else None
+                                            for k, v in others.items()},
                     "round_trips_s": float(sum(gaps)), "round_trip_median_s": float(np.median(gaps)),
                     "replicas_per_s_own": len(inside) / (inside[-1] - opens - sum(gaps)) if inside else float("nan")})
     best = []
@@ -366,6 +375,21 @@ def _cores(samples: list[tuple[float, float]], t0: float, t1: float) -> float:
     used = np.array([c for _, c in samples])
     c0, c1 = np.interp(np.array([t0, t1]), times, used)
     return float(c1 - c0) / (t1 - t0)
+
+
+def _listener_pid(bootstrap: str) -> int | None:
+    """The process listening on ``bootstrap``'s port on this machine (a local broker), from
+    ``ss -ltnp``; None when the broker is elsewhere or ss cannot say."""
+    import re
+    import subprocess
+
+    port = bootstrap.rsplit(":", 1)[-1]
+    try:
+        out = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"pid=(\d+)", out)
+    return int(found.group(1)) if found else None
 
 
 def _cpu_s(pid: int) -> float:

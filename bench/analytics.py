@@ -236,7 +236,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"      of the window, {k['round_trips_s']:.1f} s from an iteration's last summary to the merge's "
                       f"fits after it (median {1e3 * k['round_trip_median_s']:.0f} ms); without those "
                       f"{k['replicas_per_s_own']:.1f} summaries/s (×{k['replicas_per_s_own'] / base_own:.2f})")
-                print(f"      the shards' CPU in the window: {k['window_cores']:.2f} cores")
+                rest = ", ".join(f"{name} {c:.2f}" for name, c in k["window_cores_others"].items() if c is not None)
+                print(f"      CPU in the window, in cores: the shards {k['window_cores']:.2f}; {rest}")
                 print(f"      CPU seconds over each process's life (start-up and warm-up included): shards "
                       f"{' + '.join(f'{c:.1f}' for c in k['shard_cpu_s'])}, merge {k['merge_cpu_s']:.1f}; shards' peak "
                       f"memory {' + '.join(f'{m:,.0f}' for m in k['shard_peak_mb'])} MB")
