@@ -383,7 +383,9 @@ def _listener_pid(bootstrap: str) -> int | None:
     import re
     import subprocess
 
-    port = bootstrap.rsplit(":", 1)[-1]
+    host, _, port = bootstrap.split(",")[0].rpartition(":")
+    if host.strip("[]") not in ("127.0.0.1", "localhost", "::1"):
+        return None  # another machine's broker: its CPU is not this machine's
     try:
         out = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
