@@ -2,7 +2,9 @@
 
 Producer: idempotent (``enable_idempotence=True``, ``acks="all"``) so a retried batch is never
 written twice; ``publish`` flushes and checks every send, so it returns only when the brokers have
-the batch. Keys are ``job/source``: one rank's events land in one partition, in order.
+the batch. Keys are ``job/source``: one rank's events land in one partition, in order; a rank
+report's key ``job/replica-D`` goes to the partition ``collector.topics.replica_partition`` says
+(``ReplicaPartitioner``), so each partition holds an even share of a job's replicas.
 Consumers: a consumer group with manual commits; ``on_assign`` seeks to positions a consumer stored
 itself (in its DuckDB transaction) whenever the group hands it partitions.
 Security: with ``RESIHP_KAFKA_USERNAME`` (collector/settings.py) every client signs in with SASL
@@ -31,6 +33,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka import TopicPartition as KafkaTP
 from kafka.admin import ConfigResource, ConfigResourceType
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.partitioner import DefaultPartitioner
 from kafka.errors import (
     AuthorizationError, CommitFailedError, IllegalGenerationError, KafkaConnectionError, KafkaError, KafkaTimeoutError,
     RebalanceInProgressError, TopicAlreadyExistsError, UnknownMemberIdError,
@@ -38,6 +41,7 @@ from kafka.errors import (
 from kafka.structs import OffsetAndMetadata
 
 from collector.bus import Bus, BusHealth, Consumer, OnAssign, RawMessage, Record, TopicPartition
+from collector.topics import replica_partition
 from collector.codec import MAX_EVENT_BYTES
 from collector.settings import Environment, environment
 from collector.topics import ALL_TOPICS, PARTITIONS, TOPIC_CONFIGS
@@ -113,6 +117,18 @@ def _report_drift(admin: KafkaAdminClient, topic: str, wanted: Mapping[str, str]
                         "--add-config %s=%s", topic, key, held.get(key), value, topic, key, value)
 
 
+class ReplicaPartitioner(DefaultPartitioner):
+    """Kafka's default partitioner, except for replica-keyed records (``job/replica-D``), which go
+    where ``collector.topics.replica_partition`` says: an even share of a job's replicas per partition."""
+
+    def partition(self, topic, key, serialized_key, value, serialized_value, cluster):
+        partitions = sorted(cluster.partitions_for_topic(topic) or ())
+        index = replica_partition(serialized_key, len(partitions))
+        if index is None:
+            return super().partition(topic, key, serialized_key, value, serialized_value, cluster)
+        return partitions[index]
+
+
 class KafkaBus(Bus):
     name = "kafka"
 
@@ -140,6 +156,7 @@ class KafkaBus(Bus):
             self._producer = KafkaProducer(
                 bootstrap_servers=self.bootstrap,
                 client_id="resihp-producer",
+                partitioner=ReplicaPartitioner(),
                 acks="all",
                 enable_idempotence=True,
                 linger_ms=5,

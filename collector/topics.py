@@ -23,6 +23,8 @@ acts on the commands copy only (:func:`obeyed_from`).
 
 from __future__ import annotations
 
+import zlib
+
 TELEMETRY = "resihp.telemetry"
 ANALYTICS = "resihp.analytics"
 CONTROL = "resihp.control"
@@ -88,6 +90,28 @@ def obeyed_from(kind: str) -> str:
     return _ORDERS.get(kind) or topic_for(kind)
 
 
+REPLICA_KEY = "/replica-"  # a rank report's key: job/replica-D
+
+
+def replica_partition(key: bytes | None, partitions: int) -> int | None:
+    """The partition of a replica-keyed record (``job/replica-D``): the job's CRC-32, plus D, modulo
+    the topic's partitions. None for any other key (it is hashed as Kafka's default does).
+
+    Why not the key's hash: a job's replicas are a handful of keys, and hashing a handful into
+    partitions is uneven. 32 replicas of job ``bench`` hash to 8 partitions as 5, 2, 5, 2 | 8, 4, 4, 2:
+    of two shards one held 18 replicas and the other 14, and the lighter one waited for the other
+    every iteration. Consecutive replicas in consecutive partitions give every partition
+    ⌊dp/P⌋ or ⌈dp/P⌉ of them; the job's offset spreads several jobs' replica 0 apart. Every producer
+    of a job's telemetry must use this rule (``collector.kafka_bus`` does): a replica split over
+    two partitions would be held by two shards, and neither would see it complete."""
+    if key is None or partitions <= 0:
+        return None
+    job, sep, replica = bytes(key).rpartition(REPLICA_KEY.encode())
+    if not sep or not replica.isdigit():
+        return None
+    return (zlib.crc32(job) + int(replica)) % partitions
+
+
 def key_for(job: str, source: str) -> bytes:
     """Partition key: one source's events (one rank's, say) land in one partition, in order."""
     return f"{job}/{source}".encode()
@@ -97,7 +121,8 @@ def key_for(job: str, source: str) -> bytes:
 class PartitionKeys:
     """Partition keys of what one producer publishes. A rank report (telemetry.iteration) is keyed
     by its DP replica, ``job/replica-D``: all of a replica's reports land in one partition, so one
-    member of the analytics consumer group holds whole replicas (docs/analytics-scaling.md).
+    member of the analytics consumer group holds whole replicas (docs/analytics-scaling.md); which
+    partition is ``replica_partition``'s rule, not the key's hash.
 
     A heartbeat follows its rank's reports: keyed by the replica of the last report this producer
     published for that rank. The detector reads a heartbeat that says a rank started iteration i+2
@@ -114,9 +139,9 @@ class PartitionKeys:
             if coords is not None:
                 if rank is not None:
                     self._replica[(job, rank)] = coords.dp
-                return f"{job}/replica-{coords.dp}".encode()
+                return f"{job}{REPLICA_KEY}{coords.dp}".encode()
         elif kind == "telemetry.heartbeat":
             replica = self._replica.get((job, getattr(payload, "rank", -1)))
             if replica is not None:
-                return f"{job}/replica-{replica}".encode()
+                return f"{job}{REPLICA_KEY}{replica}".encode()
         return key_for(job, source)

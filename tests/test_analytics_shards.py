@@ -16,7 +16,7 @@ from collector.events import (
     Coords, DetectorFits, EventFactory, Heartbeat, IncidentOpened, IterationPrediction, RankIteration, ReplicaSummary,
     TracingDeclared,
 )
-from collector.topics import PartitionKeys
+from collector.topics import PartitionKeys, replica_partition
 from test_detect_detector import opened, run, synth
 
 
@@ -277,6 +277,18 @@ def test_rank_reports_are_keyed_by_replica_and_heartbeats_follow_them() -> None:
     assert keys.key("j", "rank-13", r.KIND, r) == b"j/replica-2"
     assert keys.key("j", "rank-13", h.KIND, h) == b"j/replica-2"  # then in its reports' partition, in order
     assert keys.key("other", "rank-13", h.KIND, h) == b"other/rank-13"
+
+
+def test_a_jobs_replicas_spread_evenly_over_the_partitions_and_each_stays_in_one() -> None:
+    for job in ("j", "bench", "a/b", "train-0042"):
+        for dp, partitions in ((32, 8), (6, 8), (781, 8), (10, 3)):
+            where = [replica_partition(f"{job}/replica-{d}".encode(), partitions) for d in range(dp)]
+            per = np.bincount(np.array(where), minlength=partitions)
+            assert per.max() - per.min() <= 1, (job, dp, per)  # the key's hash gave 8 and 2 of 32
+            assert where == [replica_partition(f"{job}/replica-{d}".encode(), partitions) for d in range(dp)]
+    assert replica_partition(b"j/rank-3", 8) is None  # other keys: Kafka's default hash
+    assert replica_partition(b"j/replica-x", 8) is None
+    assert replica_partition(None, 8) is None
 
 
 def _assert_the_slow_rank_raised_and_every_summary_out(bus) -> None:

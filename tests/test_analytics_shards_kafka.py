@@ -15,9 +15,10 @@ import pytest
 from analytics.merge import JobMerge
 from analytics.shards import ShardWorker
 from collector import topics
-from collector.events import DetectorFits, EventFactory, IncidentOpened
+from collector.events import DetectorFits, EventFactory, Heartbeat, IncidentOpened, RankIteration
 from collector.kafka_bus import KafkaBus
 from collector.stream import EventStream
+from collector.topics import replica_partition
 from test_detect_detector import opened, run, synth
 
 pytestmark = pytest.mark.kafka
@@ -83,6 +84,26 @@ def _sharded_run(bootstrap: str, events: list, shards: int, kill_at: int | None 
 
 def _incidents(out) -> list[tuple]:
     return [(p.iteration, p.locations[0].target, p.locations[0].rank) for p in out if isinstance(p, IncidentOpened)]
+
+
+def test_on_kafka_each_replica_lands_in_the_partition_its_rule_names(kafka_bootstrap: str) -> None:
+    """The producer's partitioner puts replica D of a job where ``replica_partition`` says (not
+    where the key's hash would), reports and the heartbeats that follow them alike."""
+    bus = KafkaBus(kafka_bootstrap, namespace=f"t{uuid.uuid4().hex[:10]}.")
+    try:
+        bus.publish(synth(dp=6, iterations=2, plan=True))
+        with EventStream(bus, "reader", [topics.TELEMETRY]) as reader:
+            got = [d for d in reader.poll(100_000, 1.0)]
+        reports = [d for d in got if isinstance(d.event.payload, RankIteration)]
+        assert len(reports) == 6 * 6 * 2
+        rule = {d: replica_partition(f"j/replica-{d}".encode(), topics.PARTITIONS[topics.TELEMETRY]) for d in range(6)}
+        assert len(set(rule.values())) == 6  # six replicas, six partitions of the eight
+        assert {(d.event.payload.coords.dp, d.partition) for d in reports} == set(rule.items())
+        replica_of = {d.event.payload.rank: d.event.payload.coords.dp for d in reports}
+        beats = [d for d in got if isinstance(d.event.payload, Heartbeat) and d.event.payload.rank in replica_of]
+        assert beats and all(d.partition == rule[replica_of[d.event.payload.rank]] for d in beats)
+    finally:
+        bus.close()
 
 
 def test_one_and_three_shards_on_kafka_and_a_shard_killed_mid_run(kafka_bootstrap: str) -> None:
