@@ -34,6 +34,7 @@ from pathlib import Path
 
 from collector.codec import decode, encode
 from collector.events import ControlRejected, Envelope, EventFactory, Payload
+from collector.plan import DEVICE_LISTS
 from collector.settings import environment
 
 log = logging.getLogger("resihp.auth")
@@ -69,10 +70,12 @@ def needs_signature(kind: str) -> bool:
 
 def canonical_bytes(event: Envelope) -> bytes:
     """What a signature covers: the envelope's header and payload as sorted, compact JSON (the
-    signature itself left out), so signer and verifier agree whatever order the wire had."""
+    signature itself left out), so signer and verifier agree whatever order the wire had. A plan's
+    devices are lists here whatever form the wire gives them (``DEVICE_LISTS``): signatures made
+    before plans wrote them as ranges still verify."""
     body = {"id": event.id, "kind": event.kind, "schema": event.schema_version, "job": event.job,
             "source": event.source, "seq": event.seq, "time_s": event.time_s,
-            "payload": event.payload.model_dump(mode="json")}
+            "payload": event.payload.model_dump(mode="json", context={DEVICE_LISTS: True})}
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 

@@ -752,7 +752,8 @@ class PlanProposed(Payload):
     """The planner's answer to open incidents: a new plan, what it should gain and cost, and a readable diff."""
 
     KIND: ClassVar[str] = "plan.proposed"
-    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, 3)  # 2 adds fraction_of_before, 3 not_offered
+    # 2 adds fraction_of_before, 3 not_offered, 4 writes a stage's devices as ranges ("8-15")
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, 3, 4)
     plan_id: str
     incident_ids: list[str] = Field(max_length=LIST_MAX)
     strategy: str
@@ -800,6 +801,7 @@ class ReconfigureCommand(Payload):
     """Move the job to ``plan`` (whose epoch is the current epoch + 1)."""
 
     KIND: ClassVar[str] = "command.reconfigure"
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # 2 writes a stage's devices as ranges ("8-15")
     command_id: str
     plan_id: str
     plan: ContractPlan
@@ -911,6 +913,7 @@ class PlanCurrent(Payload):
     the plan on its command line."""
 
     KIND: ClassVar[str] = "plan.current"
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # 2 writes a stage's devices as ranges ("8-15")
     plan: ContractPlan
     reason: PlanCurrentReason = "start"
     gpus_per_node: int = Field(default=8, ge=1, le=INT32_MAX)

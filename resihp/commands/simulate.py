@@ -21,7 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--closed-loop", action="store_true",
                    help="publish to the bus and obey reconfigure commands / probe requests from it")
     p.add_argument("--speed", type=float, default=None,
-                   help="closed loop: simulated seconds per wall second (default: as fast as possible)")
+                   help="simulated seconds per wall second: with --publish or --closed-loop each iteration goes "
+                        "out when the simulated clock reaches it, a live job's steady rate (default: as fast as "
+                        "possible)")
     p.add_argument("--list", action="store_true", help="list the scenario library and exit")
     add_bus_flags(p)
     p.set_defaults(func=run)
@@ -35,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from collector.trace import TraceWriter
     from resihp.options import bus_from_args
     from trainer.sim.engine import SimEngine
-    from trainer.sim.runner import SimulatorRunner, run_open_loop
+    from trainer.sim.runner import Pacer, SimulatorRunner, run_open_loop
     from trainer.sim.scenario import load_scenario
 
     if args.list:
@@ -61,10 +63,12 @@ def run(args: argparse.Namespace) -> int:
     writer = TraceWriter(args.out) if args.out else None
     bus = bus_from_args(args) if (args.publish or args.closed_loop) else None
     bar = tqdm(total=iterations, unit="it", desc=sc.name, disable=None)
+    pacer: Pacer | None = None
     try:
         if args.closed_loop:
             assert bus is not None
             runner = SimulatorRunner(bus, engine, speed=args.speed, record=writer.write if writer else None)
+            pacer = runner.pacer
             try:
                 last = engine.iteration
 
@@ -85,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
                 if bus:
                     bus.publish(events)
 
-            count = run_open_loop(engine, sink, iterations=iterations, duration_s=sc.duration_s, progress=bar.update)
+            pacer = Pacer(engine, args.speed) if args.speed and bus else None
+            count = run_open_loop(engine, sink, iterations=iterations, duration_s=sc.duration_s, progress=bar.update,
+                                  pacer=pacer)
     finally:
         bar.close()
         if writer:
@@ -95,5 +101,6 @@ def run(args: argparse.Namespace) -> int:
     faults = len(engine.history)
     print(f"{sc.name}: {engine.iteration} iterations, {engine.now_s:,.1f} simulated s, epoch {engine.plan.epoch}, "
           f"{faults} fault(s) injected" + (f", {count:,} events" if count is not None else "")
-          + (f" -> {writer.path}" if writer else ""))
+          + (f" -> {writer.path}" if writer else "")
+          + (f"; paced at ×{pacer.speed:g}, at worst {pacer.behind_s:.2f} s behind" if pacer is not None else ""))
     return 0

@@ -1,6 +1,8 @@
 """Driving the engine: open loop into a sink (a trace, a list), or closed loop over a bus.
 
-``run_open_loop`` steps a scenario to its end and hands every batch of events to a sink.
+``run_open_loop`` steps a scenario to its end and hands every batch of events to a sink; with a
+``speed`` it hands over each iteration when the simulated clock reaches it (``Pacer``), so a
+consumer sees a live job's steady rate rather than a backlog.
 ``SimulatorRunner`` is the simulator as the platform sees a trainer: it publishes telemetry and
 truth to the bus, and between iterations consumes ``command.reconfigure`` (applied after the
 reshape pause, fenced by epoch, acknowledged with ``command.ack``) and ``probe.request`` (answered
@@ -34,12 +36,41 @@ def _done(engine: SimEngine, start_iteration: int, iterations: int | None, durat
     return duration_s is not None and engine.now_s >= duration_s
 
 
+class Pacer:
+    """Holds a run to ``speed`` simulated seconds per wall second: ``wait`` after each step sleeps
+    until the wall clock reaches the simulated clock's time. ``behind_s`` is how late the run
+    has been at worst: a producer that cannot build and publish an iteration within its simulated
+    duration falls behind, and a steady rate is then not what a consumer saw."""
+
+    def __init__(self, engine: SimEngine, speed: float, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        if speed <= 0:
+            raise ValueError(f"speed must be positive (simulated seconds per wall second), not {speed}")
+        self.engine, self.speed, self.clock, self.sleep = engine, speed, clock, sleep
+        self.wall0, self.sim0 = clock(), engine.now_s
+        self.behind_s = 0.0
+
+    def due(self) -> float:
+        """The wall time at which the simulated clock's present is due."""
+        return self.wall0 + (self.engine.now_s - self.sim0) / self.speed
+
+    def wait(self, most_s: float | None = None) -> None:
+        """Sleep until due (at most ``most_s``: a closed loop handles control meanwhile), or note
+        how late this step is."""
+        wait = self.due() - self.clock()
+        if wait > 0:
+            self.sleep(wait if most_s is None else min(wait, most_s))
+        else:
+            self.behind_s = max(self.behind_s, -wait)
+
+
 def run_open_loop(engine: SimEngine, sink: Sink, *, iterations: int | None = None, duration_s: float | None = None,
                   flush_events: int = 20_000, progress: Callable[[int], None] | None = None,
-                  max_hang_s: float = 3600.0) -> int:
+                  max_hang_s: float = 3600.0, pacer: Pacer | None = None) -> int:
     """Step until ``iterations`` iterations completed or ``duration_s`` simulated seconds passed
     (whichever comes first), or the job has hung on a dead rank for ``max_hang_s`` (open loop,
-    nobody will reshape it); returns the number of events emitted."""
+    nobody will reshape it); returns the number of events emitted. With a ``pacer`` each step's
+    events go to the sink at once, and the next step waits for its time."""
     if iterations is None and duration_s is None:
         raise ValueError("give iterations or duration_s, or the simulation never ends")
     start = engine.iteration
@@ -50,10 +81,12 @@ def run_open_loop(engine: SimEngine, sink: Sink, *, iterations: int | None = Non
         buf += engine.step()
         if progress is not None and engine.iteration != before:
             progress(engine.iteration - before)
-        if len(buf) >= flush_events:
+        if len(buf) >= flush_events or (pacer is not None and buf):
             sink(buf)
             total += len(buf)
             buf = []
+        if pacer is not None:
+            pacer.wait()
     if buf:
         sink(buf)
         total += len(buf)
@@ -67,7 +100,7 @@ class SimulatorRunner:
                  record: Sink | None = None) -> None:
         self.bus = bus
         self.engine = engine
-        self.speed = speed  # simulated seconds per wall second; None: as fast as possible
+        self.pacer = Pacer(engine, speed) if speed else None  # None: as fast as possible
         self.record = record
         self.acks: list[Envelope] = []
         # Where the control log ends now: commands published from here on are for this run. Taken
@@ -76,8 +109,6 @@ class SimulatorRunner:
         self.stream = EventStream(bus, group or f"simulator:{engine.config.job}", list(topics.TRAINER_TOPICS),
                                   on_assign=self._start_at_end, job=engine.config.job)
         self.gate = Gate("simulator", engine.keyring)
-        self._wall0 = time.monotonic()
-        self._sim0 = engine.now_s
 
     def _start_at_end(self, partitions: Sequence[TopicPartition]) -> dict[TopicPartition, int]:
         return {tp: self._control_end.get(tp, 0) for tp in partitions}
@@ -110,11 +141,8 @@ class SimulatorRunner:
         self.handle_control()
         events = self.engine.step()
         self.publish(events)
-        if self.speed:
-            due = self._wall0 + (self.engine.now_s - self._sim0) / self.speed
-            wait = due - time.monotonic()
-            if wait > 0:
-                time.sleep(min(wait, 5.0))
+        if self.pacer is not None:
+            self.pacer.wait(most_s=5.0)  # control is handled at least every 5 s
         return events
 
     def run(self, *, iterations: int | None = None, duration_s: float | None = None,
