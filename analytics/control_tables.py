@@ -106,7 +106,7 @@ class ControlProjection:
                 _append(pr, PREDICTION_SCHEMA, (e.job, p.epoch, p.iteration, p.observed_s, p.predicted_s, p.tokens,
                                                 p.model_error, e.time_s))
             elif isinstance(p, RankHealth):
-                for r in p.ranks:
+                for r in p.entries():
                     _append(rh, RANK_HEALTH_SCHEMA, (e.job, p.epoch, p.iteration, r.rank, r.state.value, r.factor,
                                                      e.time_s))
             elif (row := _plan_row(e.job, p)) is not None:

@@ -37,6 +37,7 @@ from collector.events import (
     Envelope, Heartbeat, IterationPrediction, Payload, PlanCurrent, ProbeResult, RankHealth, RankHealthEntry,
     RankIteration, RankState, ReconfigureCommand, StageTime, TracingDeclared,
 )
+from collector.plan import id_ranges
 
 _GROW = 1024
 LINK_SUSTAIN = 3  # iterations a link whose timers hold waits must read slow before it counts
@@ -934,7 +935,11 @@ class Detector:
         if not changed:
             return None
         self._published_view = (frame.rank.copy(), special)
-        states = dict.fromkeys(frame.rank.tolist(), ("healthy", 1.0))
-        states.update(special)
-        return RankHealth(epoch=frame.epoch, iteration=frame.iteration, ranks=[
-            RankHealthEntry(rank=r, state=RankState(st), factor=max(f, 1e-6)) for r, (st, f) in sorted(states.items())])
+        heard = np.union1d(frame.rank, np.fromiter(special, np.int64, len(special)))
+        untraced = sorted(r for r, (st, _) in special.items() if st == "not_traced")
+        return RankHealth(
+            epoch=frame.epoch, iteration=frame.iteration,
+            ranks=[RankHealthEntry(rank=r, state=RankState(st), factor=max(f, 1e-6))
+                   for r, (st, f) in sorted(special.items()) if st != "not_traced"],
+            healthy=id_ranges(np.setdiff1d(heard, np.fromiter(special, np.int64, len(special))).tolist()),
+            not_traced=id_ranges(untraced))

@@ -60,7 +60,7 @@ _MAX_SLOW_RANKS = 256  # per job: per-rank series only for the ranks an incident
 
 def _health_of(p: RankHealth) -> _Health:
     h = _Health()
-    for entry in p.ranks:
+    for entry in p.entries():
         state = entry.state.value
         h.ranks_by_state[state] = h.ranks_by_state.get(state, 0) + 1
         if state == "dead" or state == "not_traced":

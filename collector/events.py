@@ -27,7 +27,7 @@ from pydantic import (
     field_validator, model_validator,
 )
 
-from collector.plan import SCHEDULES, Plan
+from collector.plan import SCHEDULES, Plan, parse_id_ranges
 
 
 # ---- contract ranges ----------------------------------------------------------------------------
@@ -44,6 +44,7 @@ DURATION_MAX_S = 1e6  # any measured duration or offset (about 11.6 days)
 TIME_MAX_S = 1e10  # Unix time (year 2286)
 RATE_MAX = 1e15  # tokens per second
 LIST_MAX = 1 << 20  # any list (a 1 MB record holds fewer items anyway)
+MAX_RANGES_CHARS = 1_000_000  # a range list of ids (the record's own limit bounds it first)
 CHUNKS_MAX = 1 << 16  # chunks of one rank-iteration, and packed sequences of one chunk
 
 Int32 = Annotated[int, Field(ge=0, le=INT32_MAX)]
@@ -594,10 +595,36 @@ class RankHealthEntry(BaseModel):
 
 
 class RankHealth(IterationPayload):
-    """The detector's current view of every rank it has heard of (only changes are published)."""
+    """The detector's current view of every rank it has heard of (only changes are published).
+
+    From schema 2 the healthy and the untraced ranks are range lists (``"0-7,9-99967"``) and
+    ``ranks`` lists the others, slow and dead, with their factors: at 100k ranks one entry per
+    rank made a 4.6 MB record, over the bus's 1 MB limit. Read the whole view with ``entries``."""
 
     KIND: ClassVar[str] = "analytics.rank_health"
-    ranks: list[RankHealthEntry] = Field(max_length=LIST_MAX)
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # 2 adds healthy and not_traced as range lists
+    ranks: list[RankHealthEntry] = Field(max_length=LIST_MAX, description="ranks in any state (schema 1: every "
+                                         "rank); from schema 2 the slow and dead ones")
+    healthy: str = Field(default="", max_length=MAX_RANGES_CHARS,
+                         description="healthy ranks as a range list, e.g. \"0-7,9-15\"")
+    not_traced: str = Field(default="", max_length=MAX_RANGES_CHARS,
+                            description="ranks declared untraced, as a range list")
+
+    @field_validator("healthy", "not_traced")
+    @classmethod
+    def _ranges(cls, text: str) -> str:
+        ranks = parse_id_ranges(text)  # raises, naming the bad range
+        if ranks and max(ranks) > INT32_MAX:
+            raise ValueError(f"rank {max(ranks)} is outside 0..{INT32_MAX}")
+        return text
+
+    def entries(self) -> list[RankHealthEntry]:
+        """Every rank's entry, by rank: the listed ones, then the ranges' (a listed rank wins)."""
+        entry = RankHealthEntry.model_construct  # the ranges were checked at validation
+        out = {r: entry(rank=r, state=RankState.HEALTHY, factor=1.0) for r in parse_id_ranges(self.healthy)}
+        out.update((r, entry(rank=r, state=RankState.NOT_TRACED, factor=1.0)) for r in parse_id_ranges(self.not_traced))
+        out.update((e.rank, e) for e in self.ranks)
+        return [out[r] for r in sorted(out)]
 
 
 class AnalyticsLease(Payload):

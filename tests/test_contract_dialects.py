@@ -224,7 +224,7 @@ def test_one_traced_rank_per_tp_group_raises_no_fail_stop_and_the_others_read_no
     assert fail_stops(out) == [] and det.fail_stop.dead == set()
     assert det.stats.frames == 40
     health = [p for p in out if isinstance(p, RankHealth)][-1]
-    states = {e.rank: e.state for e in health.ranks}
+    states = {e.rank: e.state for e in health.entries()}
     assert {r for r, s in states.items() if s is RankState.NOT_TRACED} == set(range(TP * PP * DP)) - set(TP0_ONLY)
     assert all(states[r] is RankState.HEALTHY for r in TP0_ONLY)
 

@@ -351,7 +351,7 @@ class ReadModel:
         view.phases[p.phase] = (p.duration_s, p.since_detected_s)
 
     def _on_analytics_rank_health(self, e: Envelope, p: RankHealth, job: JobView) -> None:
-        for entry in p.ranks:
+        for entry in p.entries():
             job.health[entry.rank] = entry
 
     def _on_incident_opened(self, e: Envelope, p: IncidentOpened, job: JobView) -> None:

@@ -66,7 +66,7 @@ def describe(e: Envelope) -> tuple[str, str]:
     if isinstance(p, (IncidentConfirmed, IncidentUpdated, IncidentResolved)):
         return "detector", f"{k.split('.')[1]} {p.incident_id}"
     if isinstance(p, RankHealth):
-        bad = [f"{r.rank}:{r.state.value}×{r.factor:.1f}" for r in p.ranks if r.state.value != "healthy"]
+        bad = [f"{r.rank}:{r.state.value}×{r.factor:.1f}" for r in p.entries() if r.state.value != "healthy"]
         return "detector", "rank health " + (", ".join(bad[:8]) or "all healthy")
     if isinstance(p, PlanProposed):
         return "planner", f"proposed {p.plan_id} ({p.plan.shape()}, {p.predicted_tokens_per_s / max(p.current_tokens_per_s, 1e-9) - 1:+.0%})"
