@@ -129,6 +129,10 @@ class IterationFacts(Protocol):
     def stages(self) -> list[tuple[int, int, float, float]]:
         """Per stage (analytics/prediction.py ``stage_times``)."""
 
+    @property
+    def span_s(self) -> float:
+        """When the last traced chunk ended (analytics/untraced.py ``traced_pipeline_s``; NaN: none)."""
+
 
 class ChunkFacts:
     """IterationFacts from the frame's own chunks, each computed when first read (a detector
@@ -160,6 +164,10 @@ class ChunkFacts:
     @cached_property
     def stages(self) -> list[tuple[int, int, float, float]]:
         return stage_times(self.frame, self.score.c_pred)
+
+    @cached_property
+    def span_s(self) -> float:
+        return traced_pipeline_s(self.frame)
 
 
 @dataclass
@@ -779,7 +787,7 @@ class Detector:
         if untraced:  # the untraced replicas' own mix moves the job's time: only a lasting excess counts,
             self._excess_recent.append(r)  # and it is sized on the last few iterations, not their least
             r, r_size = min(self._excess_recent), float(np.median(list(self._excess_recent)[-LINK_SUSTAIN:]))
-        span = traced_pipeline_s(frame) if untraced else float("nan")
+        span = facts.span_s if untraced else float("nan")
         r_pipe = float(np.log(span / explained)) if np.isfinite(span) and span > 0 else float("nan")
         hist = np.array(self._comm_hist)
         if len(hist) < 4:

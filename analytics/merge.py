@@ -61,6 +61,7 @@ class JobMerge:
         self._heard_rows = 0
         self._usable_shape: tuple[int, object] | None = None  # (ranks, layout) of the last usable summary
         self._usable_liveness: tuple[int, object] | None = None  # (rows, layout) of the last usable liveness batch
+        self._due_cache: dict[int, tuple[tuple, set[int]]] = {}  # epoch -> (the declarations, replicas due)
 
     def on_event(self, event: Envelope) -> list[Payload]:
         p = event.payload
@@ -108,7 +109,8 @@ class JobMerge:
             if p.declared:  # declarations apply in order: the rows read before them first
                 out += self._ingest(parts)
                 parts = []
-                out += [x for d in p.declared for x in det.on_declared(d)]
+                # every shard forwards its copy of a declaration (each partition holds one): once is enough
+                out += [x for d in p.declared if d not in det.arrival.tracing for x in det.on_declared(d)]
             if (p.rows, p.layout) != self._usable_liveness:  # shards send one shape: checked once
                 if not _liveness_usable(p):
                     self.malformed += 1
@@ -129,6 +131,23 @@ class JobMerge:
         return self.detector.on_liveness(kind, rank.astype(np.int64), epoch.astype(np.int64),
                                          iteration.astype(np.int64), time_s, interval_s)
 
+    def _due(self, epoch: int) -> set[int] | None:
+        """The replicas whose summaries an iteration of ``epoch`` waits for: every replica of the
+        plan that holds a traced rank. A replica its producer traces none of (``TracingDeclared``)
+        sends no summary, and waiting for it held every iteration until the end of the log."""
+        want = self._replicas.get(epoch)
+        arrival = self.detector.arrival
+        plan = arrival.plans.get(epoch)
+        if want is None or plan is None or not arrival.tracing:
+            return want
+        cached = self._due_cache.get(epoch)
+        if cached is not None and cached[0] == arrival.tracing:
+            return cached[1]
+        untraced = arrival.untraced(epoch)
+        due = {p.replica for p in plan.pipelines if any(d not in untraced for st in p.stages for d in st.devices)}
+        self._due_cache[epoch] = (arrival.tracing, due)
+        return due
+
     def _layers(self, epoch: int) -> LayerLookup | None:
         plan = self.detector.arrival.plans.get(epoch)
         if plan is None:
@@ -146,7 +165,7 @@ class JobMerge:
         while self._waiting:
             key = min(self._waiting)
             have = self._waiting[key]
-            want = self._replicas.get(key[0])
+            want = self._due(key[0])
             if not final and (want is None or len(have) < len(want) or not want <= have.keys()):
                 return out
             out += self.settle()  # the liveness read before this iteration's last summary counts for it

@@ -19,7 +19,9 @@ Where the two differ: a class the fits do not hold yet (the job's first iteratio
 layer range) is fitted by the shard from its own replicas' units of this iteration, not the job's;
 without sequence lengths the per-micro-batch correction levels classes over the shard's replicas,
 not the job's; the merge's rows are thinned per replica (the window keeps ``MAX_FIT_ROWS`` either
-way); and the predicted iteration's p2p time is each replica's own lower quartile, not the job's.
+way); the predicted iteration's p2p time is each replica's own lower quartile, not the job's; and
+time lost on ranks nobody traces is sized by the iteration's excess until a probe names the rank
+(the merge holds no chunks to lay out per stage). ``resihp bench shards`` measures the difference.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from analytics.scoring import (
     FrameScore, WorkClass, centre_links, centre_ranks, chunk_classes, link_times, predict_chunks, rank_log_ratios,
     unit_table,
 )
+from analytics.untraced import traced_pipeline_s
 from collector.events import DetectorFits, PackedArrays, ReplicaSummary
 
 RANK_ARRAYS = ("rank", "tp", "pp", "dp", "cp", "node")
@@ -188,13 +191,15 @@ def summarize_replica(frame: IterationFrame, fits: DetectorFits | None, *, windo
     explained = predicted_iteration_s(frame, frame.c_own, *schedule, include_comm=False)
     pipeline = predicted_iteration_s(frame, pred, *schedule)
     first = (frame.c_kind == 0) & (frame.c_vs == 0) & (frame.pp[frame.c_rank] == 0) & (frame.tp[frame.c_rank] == 0)
+    span = traced_pipeline_s(frame)
     return ReplicaSummary(
         epoch=frame.epoch, iteration=frame.iteration, replica=int(frame.dp[0]) if replica is None else replica,
         ranks=frame.num_ranks, shard=shard, fits_from=(fits.epoch, fits.iteration) if fits is not None else None,
         inferred=inferred, explained_s=explained if math.isfinite(explained) else None,
         pipeline_s=pipeline if math.isfinite(pipeline) else None,
         dp_wait_s=float(dp_waits.min()) if len(dp_waits) else 0.0, tokens=int(np.nansum(frame.c_tokens[first])),
-        wall_s=float(frame.wall_s.max()), class_keys=json.dumps([list(k) for k in keys]),
+        wall_s=float(frame.wall_s.max()), span_s=span if math.isfinite(span) else None,
+        class_keys=json.dumps([list(k) for k in keys]),
         layout=layout, blob=blob)
 
 
@@ -208,6 +213,7 @@ class SummaryFacts:
     pipeline_s: float
     tokens: int
     stages: list[tuple[int, int, float, float]]
+    span_s: float
 
 
 @dataclass
@@ -290,6 +296,7 @@ def job_view(epoch: int, iteration: int, parts: Sequence[ReplicaSummary], layers
     stage_cols = [cols[n] for n in STAGE_ARRAYS]
     facts = SummaryFacts(own_s=rows(cols["own_s"]), pred_s=rows(cols["pred_s"]), explained_s=explained,
                          pipeline_s=pipeline + dp_wait, tokens=sum(tokens),
+                         span_s=max((p.span_s for p in parts if p.span_s is not None), default=nan),
                          stages=bounded_stage_rows(stage_replica, stage_cols[0].astype(_INT),
                                                    stage_cols[1], stage_cols[2]))
     links = (cols["l_src"].astype(_INT), cols["l_dst"].astype(_INT), cols["l_time"],

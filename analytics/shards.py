@@ -14,8 +14,9 @@ from the plan when the shard has seen one; otherwise it is learned: the ranks th
 replica's previous completed iteration, and for the first iteration of an epoch, the ranks that
 reported it once some rank of the replica has moved on to a later one.
 
-Which fits: those the merge published after judging iteration i−1, for a replica's iteration i —
-the single process predicts iteration i with the fits the iterations before taught it. A shard
+Which fits: those the merge published after judging iteration i−1 (i−k when the producer traces
+every k-th step), for a replica's iteration i — the single process predicts iteration i with the
+fits the iterations before taught it. A shard
 waits for them when the job has an iteration i−1 it knows of (it saw reports of iteration i−1 or
 earlier); at the first iteration it ever saw it predicts with the latest fits it has, or with none
 (classes are then fitted from its own replicas, see analytics/replica_summary.py).
@@ -29,6 +30,7 @@ emitted again; the merge keeps the first copy of each (epoch, iteration, replica
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -78,6 +80,7 @@ class ReplicaShard:
     _dead: set[int] = field(default_factory=set)  # ranks the merge holds dead (its latest fits say)
     _dead_from: tuple[int, int] = (-2, -2)  # the fits that said so
     _heard: list[tuple[int, int, int, int, float, float]] = field(default_factory=list)  # liveness rows
+    _iterations: dict[int, list[int]] = field(default_factory=dict)  # epoch -> iterations reported, sorted (recent)
     _declared: list[TracingDeclared] = field(default_factory=list)  # read since the last LivenessBatch
     _tracing: tuple[TracingDeclared, ...] = ()  # every declaration read (the newest per epoch)
     emitted: int = 0
@@ -129,6 +132,12 @@ class ReplicaShard:
                 self._read_to[(where[0], where[1])] = key[:2]
         rk = (p.epoch, p.coords.dp)
         self._top[rk] = max(self._top.get(rk, -1), p.iteration)
+        seen = self._iterations.setdefault(p.epoch, [])
+        if not seen or seen[-1] < p.iteration:
+            seen.append(p.iteration)
+            del seen[:-DONE_KEPT]
+        elif p.iteration not in seen[bisect.bisect_left(seen, p.iteration):][:1]:
+            bisect.insort(seen, p.iteration)
         return self._ready(rk)
 
     def flush(self) -> list[ReplicaSummary]:
@@ -155,13 +164,24 @@ class ReplicaShard:
                 elif not self._traced(members, epoch) - self._dead <= have:
                     continue
                 pend.complete = True
-            fits = self._fits.get(iteration - 1)
+            before = self._previous_traced(epoch, iteration)
+            fits = self._fits.get(iteration - 1 if before is None else before)
             if fits is not None and (fits.epoch, fits.iteration) < (epoch, iteration):
                 out.append(self._emit(key, fits))
             elif self._lowest is not None and iteration <= self._lowest:
                 out.append(self._emit(key, self._best_fits(epoch, iteration)))
             # else: the merge has not judged the job's previous iteration yet
         return out
+
+    def _previous_traced(self, epoch: int, iteration: int) -> int | None:
+        """The job's iteration before ``iteration`` that this shard saw reports of: the one whose
+        fits the single process predicts ``iteration`` with. A producer that traces every k-th
+        step (``TracingDeclared.step_every``) sends nothing for the steps between, and the merge
+        judges and fits none of them: waiting for iteration − 1's fits there waited for ever. Read
+        from the reports, not the declaration: a declaration lands in one partition, so one shard."""
+        seen = self._iterations.get(epoch, [])
+        at = bisect.bisect_left(seen, iteration)
+        return seen[at - 1] if at else None
 
     def _traced(self, members: set[int], epoch: int) -> set[int]:
         """The members whose reports are due: a rank its producer declared untraced sends none."""

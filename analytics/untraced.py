@@ -46,6 +46,8 @@ def stage_factors_for(frame: IterationFrame, own_s: np.ndarray, schedule: tuple[
     light one (×1.9 against ×2.4 for one ×2 GPU's lateness in the suite). Which stage of an
     untraced replica is slow is not in the telemetry: the median over stages stands in until a
     probe names the rank, and then its own stage's answer is its size."""
+    if not len(frame.c_rank):
+        return {}  # no chunks to lay out: the sharded merge's frame holds rank rows only
     base = predicted_iteration_s(frame, own_s, *schedule, include_comm=False)
     if not (np.isfinite(base) and base > 0 and np.isfinite(target_s)):
         return {}

@@ -532,6 +532,7 @@ class ReplicaSummary(PackedArrays):
     (telemetry is keyed job/replica)."""
 
     KIND: ClassVar[str] = "analytics.replica_summary"
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # 2 adds span_s
     epoch: int = Field(ge=0)
     iteration: int = Field(ge=0)
     replica: int = Field(ge=0)
@@ -545,6 +546,9 @@ class ReplicaSummary(PackedArrays):
     dp_wait_s: Finite = Field(ge=0, description="the least DP all-reduce wait of the replica's ranks")
     tokens: int = Field(ge=0)
     wall_s: Finite = Field(ge=0, description="the replica's slowest rank's iteration wall time")
+    span_s: Finite | None = Field(default=None, ge=0, le=DURATION_MAX_S,
+                                  description="when the replica's last chunk ended (its own span, before the DP "
+                                              "all-reduce); none: no chunk, or a shard before this field")
     class_keys: str = Field(description="the work classes u_class indexes, a JSON list (replicas share it verbatim)")
 
 

@@ -41,7 +41,7 @@ from kafka.errors import (
 from kafka.structs import OffsetAndMetadata
 
 from collector.bus import Bus, BusHealth, Consumer, OnAssign, RawMessage, Record, TopicPartition
-from collector.topics import replica_partition
+from collector.topics import replica_partition, to_every_partition
 from collector.codec import MAX_EVENT_BYTES
 from collector.settings import Environment, environment
 from collector.topics import ALL_TOPICS, PARTITIONS, TOPIC_CONFIGS
@@ -195,11 +195,17 @@ class KafkaBus(Bus):
     def _send(self, messages: list[RawMessage]) -> list[RawMessage]:
         """Send and flush; returns the messages to try again (their send failed and may succeed)."""
         ns = self.namespace
-        futures = [(m, self.producer.send(ns + m.topic, key=m.key, value=m.value)) for m in messages]
+        futures = []
+        for m in messages:
+            if to_every_partition(m.key):  # one copy per partition of its topic, one event id
+                futures += [(m, self.producer.send(ns + m.topic, key=m.key, value=m.value, partition=p))
+                            for p in sorted(self.producer.partitions_for(ns + m.topic))]
+            else:
+                futures.append((m, self.producer.send(ns + m.topic, key=m.key, value=m.value)))
         # Bounded: after a broker restart kafka-python can leave a batch that neither completes nor
         # expires; the timeout (KafkaTimeoutError) drops that producer and the batch goes again.
         self.producer.flush(timeout=_FLUSH_TIMEOUT_S)
-        again = []
+        again: list[RawMessage] = []
         for m, f in futures:
             if not f.failed():
                 continue
@@ -211,7 +217,8 @@ class KafkaBus(Bus):
             if not _retriable(f.exception):
                 raise ConnectionError(f"Kafka did not accept a record: {f.exception}") from f.exception
             self.health.mark_down(f"publish: {f.exception.__class__.__name__}: {f.exception}")
-            again.append(m)
+            if not again or again[-1] is not m:  # a record sent to every partition goes again once
+                again.append(m)
         if again:
             self._drop_producer()
         return again

@@ -91,6 +91,18 @@ def obeyed_from(kind: str) -> str:
 
 
 REPLICA_KEY = "/replica-"  # a rank report's key: job/replica-D
+EVERY_PARTITION = "/*"  # the key of a record every partition gets a copy of: job/*
+_TO_EVERY_PARTITION = frozenset({"telemetry.tracing"})
+
+
+def to_every_partition(key: bytes | None) -> bool:
+    """Whether a record's key asks for a copy in every partition of its topic (``job/*``).
+
+    Why: a tracing declaration says which ranks and steps report. Every analytics shard needs it
+    (a shard that does not know a rank is untraced waits for its reports for ever), but a keyed
+    record lands in one partition, so one member of the group would read it. The copies share
+    one event id: a reader of the whole topic applies it once."""
+    return key is not None and bytes(key).endswith(EVERY_PARTITION.encode())
 
 
 def replica_partition(key: bytes | None, partitions: int) -> int | None:
@@ -128,12 +140,15 @@ class PartitionKeys:
     published for that rank. The detector reads a heartbeat that says a rank started iteration i+2
     as "report i is lost", which is only sound while the two share a partition, in order. A
     heartbeat sent before the rank's first report (nothing to overtake yet) keeps the rank's own
-    key. Everything else keeps its per-source key."""
+    key. A tracing declaration goes to every partition (``to_every_partition``). Everything else
+    keeps its per-source key."""
 
     def __init__(self) -> None:
         self._replica: dict[tuple[str, int], int] = {}
 
     def key(self, job: str, source: str, kind: str, payload: object) -> bytes:
+        if kind in _TO_EVERY_PARTITION:
+            return f"{job}{EVERY_PARTITION}".encode()
         if kind == "telemetry.iteration":
             coords, rank = getattr(payload, "coords", None), getattr(payload, "rank", None)
             if coords is not None:

@@ -10,51 +10,19 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from analytics.detector import Detector
+from analytics.detector_config import DetectorConfig
+from analytics.in_process import run_sharded
 from analytics.merge import JobMerge
 from analytics.shards import ReplicaShard
 from collector.events import (
     Coords, DetectorFits, EventFactory, Heartbeat, IncidentOpened, IterationPrediction, RankIteration, ReplicaSummary,
     TracingDeclared,
 )
-from collector.topics import PartitionKeys, replica_partition
+from collector.topics import PartitionKeys, replica_partition, to_every_partition
 from test_detect_detector import opened, run, synth
 
-
-def _sharded(events, shards: int, *, replay: int = 0, job: str = "j") -> tuple[JobMerge, list]:
-    """Replicas dealt to ``shards`` shards (replica % shards, as a keyed partition would; a rank's
-    heartbeats follow its reports), every shard reading the plans and the merge's fits; the merge
-    judges as summaries come. ``replay``: shard 0 sends each summary that many more times (a
-    successor rebuilding from the log)."""
-    workers = [ReplicaShard(job, f"s{i}") for i in range(shards)]
-    merge = JobMerge(job)
-    sf, mf = EventFactory(job, "shard"), EventFactory(job, "analytics-merge")
-    out: list = []
-
-    def to_merge(payloads: list) -> None:
-        for s in payloads:
-            for _ in range(1 + (replay if isinstance(s, ReplicaSummary) and s.shard == "s0" else 0)):
-                published(merge.on_event(sf.make(s)))
-
-    def published(got: list) -> None:
-        out.extend(got)
-        for p in got:
-            if isinstance(p, DetectorFits):  # every shard reads the merge's fits
-                to_merge([x for w in workers for x in w.on_event(mf.make(p))])
-
-    replica_of = {e.payload.rank: e.payload.coords.dp for e in events if isinstance(e.payload, RankIteration)}
-    for e in events:
-        p = e.payload
-        if isinstance(p, (RankIteration, Heartbeat, TracingDeclared)):
-            w = workers[replica_of.get(getattr(p, "rank", 0), 0) % shards]
-            got = w.on_event(e)
-            heard = w.take_liveness()
-            to_merge(([heard] if heard is not None else []) + got)
-            published(merge.settle())  # as the merge worker does at the end of each poll
-        elif e.kind.startswith("plan."):
-            out.extend(merge.on_event(e))
-            to_merge([x for w in workers for x in w.on_event(e)])
-    to_merge([x for w in workers for x in w.flush()])
-    return merge, out + merge.flush()
+_sharded = run_sharded
 
 
 def _incidents(out) -> list[tuple]:
@@ -405,3 +373,54 @@ def test_a_shard_catching_up_on_a_backlog_reads_only_a_few_iterations_past_the_m
         shard.close()
         merge.close()
         _assert_the_slow_rank_raised_and_every_summary_out(bus)
+
+
+def test_in_the_megatron_dialect_three_shards_judge_every_iteration_as_it_comes() -> None:
+    """One traced rank per TP group: a shard that did not read the tracing declaration waited for
+    its replicas' untraced ranks for ever (the declaration was keyed to one partition)."""
+    from pathlib import Path
+
+    from trainer.sim.engine import SimEngine
+    from trainer.sim.scenario import load_scenario
+
+    sc = load_scenario(Path(__file__).resolve().parent.parent / "scenarios" / "fail_slow_compute_x2.yaml")
+    engine = SimEngine(sc.model_copy(update={"iterations": 24, "dialect": "megatron", "faults": []}).sim_config(), [])
+    events = []
+    while engine.iteration < 24 and not engine.finished:
+        events += [e for e in engine.step() if not e.kind.startswith("truth")]
+    keys = PartitionKeys()
+    declared = [e for e in events if isinstance(e.payload, TracingDeclared)]
+    assert declared and all(to_every_partition(keys.key(e.job, e.source, e.kind, e.payload)) for e in declared)
+    live, _ = _sharded(events, 3, job=engine.config.job, flush=False)
+    assert live.detector.stats.frames >= 23
+
+
+def test_in_the_sampled_dialect_shards_raise_the_single_detectors_incident_as_the_iterations_come() -> None:
+    """Every second replica and every second step traced (TracingDeclared), a ×2 GPU on an untraced
+    replica. The merge must not wait for the untraced replicas' summaries (it held every iteration
+    to the end of the log), the shards must predict with the fits of the previous traced step (they
+    waited for fits of steps nobody traces), and the merge, which has no chunks, must still tell
+    time lost outside the traced ranks from a slow link (it opened a link incident)."""
+    from pathlib import Path
+
+    from trainer.fault_spec import FaultSpec
+    from trainer.sim.engine import SimEngine
+    from trainer.sim.scenario import load_scenario
+
+    sc = load_scenario(Path(__file__).resolve().parent.parent / "scenarios" / "fail_slow_compute_x2.yaml")
+    fault = FaultSpec(kind="slow_compute", device=30, factor=2.0, at_iteration=26, duration_iterations=26)
+    engine = SimEngine(sc.model_copy(update={"iterations": 64, "dialect": "sampled", "faults": []}).sim_config(), [fault])
+    events = []
+    while engine.iteration < 64 and not engine.finished:
+        events += [e for e in engine.step() if not e.kind.startswith("truth")]
+    job = engine.config.job
+    det = Detector(job, DetectorConfig())
+    single_out = [p for e in events for p in det.on_event(e)] + det.flush()
+    expected = _incidents(single_out)
+    assert [(t, r) for _, t, r, _ in expected] == [("compute", None)]  # opened on the untraced ranks, unplaced
+    for n in (1, 3):
+        merge, out = _sharded(events, n, job=job)
+        assert _incidents(out) == expected, n
+        assert merge.detector.stats.frames == 32  # the 32 traced steps
+        live, _ = _sharded(events, n, job=job, flush=False)
+        assert live.detector.stats.frames >= 31  # judged as they came, not held to the end of the log

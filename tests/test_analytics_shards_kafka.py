@@ -15,7 +15,7 @@ import pytest
 from analytics.merge import JobMerge
 from analytics.shards import ShardWorker
 from collector import topics
-from collector.events import DetectorFits, EventFactory, Heartbeat, IncidentOpened, RankIteration
+from collector.events import DetectorFits, EventFactory, Heartbeat, IncidentOpened, RankIteration, TracingDeclared
 from collector.kafka_bus import KafkaBus
 from collector.stream import EventStream
 from collector.topics import replica_partition
@@ -102,6 +102,22 @@ def test_on_kafka_each_replica_lands_in_the_partition_its_rule_names(kafka_boots
         replica_of = {d.event.payload.rank: d.event.payload.coords.dp for d in reports}
         beats = [d for d in got if isinstance(d.event.payload, Heartbeat) and d.event.payload.rank in replica_of]
         assert beats and all(d.partition == rule[replica_of[d.event.payload.rank]] for d in beats)
+    finally:
+        bus.close()
+
+
+def test_on_kafka_a_tracing_declaration_reaches_every_partition_once_each(kafka_bootstrap: str) -> None:
+    """Every shard must read which ranks and steps are traced: the declaration goes to each
+    telemetry partition, the copies sharing one event id."""
+    bus = KafkaBus(kafka_bootstrap, namespace=f"t{uuid.uuid4().hex[:10]}.")
+    try:
+        declared = TracingDeclared(epoch=0, dialect="megatron", traced_ranks=[0, 2], seq_lens=False, tokens=False,
+                                   fused_p2p=True)
+        bus.publish([EventFactory("j", "trainer").make(declared)])
+        with EventStream(bus, "reader", [topics.TELEMETRY]) as reader:
+            got = [d for d in reader.poll(100, 1.0)]
+        assert sorted(d.partition for d in got) == list(range(topics.PARTITIONS[topics.TELEMETRY]))
+        assert len({d.event.id for d in got}) == 1 and all(d.event.payload == declared for d in got)
     finally:
         bus.close()
 
