@@ -943,11 +943,10 @@ class Detector:
         if not changed:
             return None
         self._published_view = (frame.rank.copy(), special)
-        heard = np.union1d(frame.rank, np.fromiter(special, np.int64, len(special)))
-        untraced = sorted(r for r, (st, _) in special.items() if st == "not_traced")
+        named = np.fromiter(special, np.int64, len(special))
         return RankHealth(
             epoch=frame.epoch, iteration=frame.iteration,
             ranks=[RankHealthEntry(rank=r, state=RankState(st), factor=max(f, 1e-6))
                    for r, (st, f) in sorted(special.items()) if st != "not_traced"],
-            healthy=id_ranges(np.setdiff1d(heard, np.fromiter(special, np.int64, len(special))).tolist()),
-            not_traced=id_ranges(untraced))
+            healthy=id_ranges(np.setdiff1d(frame.rank, named).tolist()),
+            not_traced=id_ranges(sorted(r for r, (st, _) in special.items() if st == "not_traced")))

@@ -141,7 +141,7 @@ class JobMerge:
         if want is None or plan is None or not arrival.tracing:
             return want
         cached = self._due_cache.get(epoch)
-        if cached is not None and cached[0] == arrival.tracing:
+        if cached is not None and cached[0] is arrival.tracing:  # declare() makes a new tuple
             return cached[1]
         untraced = arrival.untraced(epoch)
         due = {p.replica for p in plan.pipelines if any(d not in untraced for st in p.stages for d in st.devices)}

@@ -133,11 +133,11 @@ class ReplicaShard:
         rk = (p.epoch, p.coords.dp)
         self._top[rk] = max(self._top.get(rk, -1), p.iteration)
         seen = self._iterations.setdefault(p.epoch, [])
-        if not seen or seen[-1] < p.iteration:
-            seen.append(p.iteration)
-            del seen[:-DONE_KEPT]
-        elif p.iteration not in seen[bisect.bisect_left(seen, p.iteration):][:1]:
-            bisect.insort(seen, p.iteration)
+        if not seen or seen[-1] != p.iteration:  # most reports are of the newest iteration: no search
+            at = bisect.bisect_left(seen, p.iteration)
+            if at == len(seen) or seen[at] != p.iteration:
+                seen.insert(at, p.iteration)
+                del seen[:-DONE_KEPT]
         return self._ready(rk)
 
     def flush(self) -> list[ReplicaSummary]:
@@ -164,7 +164,7 @@ class ReplicaShard:
                 elif not self._traced(members, epoch) - self._dead <= have:
                     continue
                 pend.complete = True
-            before = self._previous_traced(epoch, iteration)
+            before = self._previous_reported(epoch, iteration)
             fits = self._fits.get(iteration - 1 if before is None else before)
             if fits is not None and (fits.epoch, fits.iteration) < (epoch, iteration):
                 out.append(self._emit(key, fits))
@@ -173,7 +173,7 @@ class ReplicaShard:
             # else: the merge has not judged the job's previous iteration yet
         return out
 
-    def _previous_traced(self, epoch: int, iteration: int) -> int | None:
+    def _previous_reported(self, epoch: int, iteration: int) -> int | None:
         """The job's iteration before ``iteration`` that this shard saw reports of: the one whose
         fits the single process predicts ``iteration`` with. A producer that traces every k-th
         step (``TracingDeclared.step_every``) sends nothing for the steps between, and the merge

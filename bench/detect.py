@@ -29,7 +29,7 @@ from resihp.referee import covers, detecting, fault_devices, score
 
 if TYPE_CHECKING:
     from collector.events import FaultInjected
-    from trainer.sim.engine import SimConfig
+    from trainer.sim.engine import SimConfig, SimEngine
 
 SCENARIO_DIR = Path(__file__).resolve().parent.parent / "scenarios"
 
@@ -92,6 +92,20 @@ class Tracked:
         return self.sized[-1][1] if self.sized else []
 
 
+def case_engine(case: Case, dialect: str) -> tuple[SimEngine, int]:
+    """The simulator set up for ``case`` recording in ``dialect``, and the iterations to run."""
+    from trainer.fault_spec import FaultSpec
+    from trainer.sim.engine import SimEngine
+    from trainer.sim.scenario import load_scenario
+
+    sc = load_scenario(SCENARIO_DIR / f"{case.base}.yaml")
+    update: dict = {"iterations": case.iterations or sc.iterations, "dialect": dialect}
+    if case.faults is not None:
+        update["faults"] = [FaultSpec(**f) for f in case.faults]
+    sc = sc.model_copy(update=update)
+    return SimEngine(sc.sim_config(), sc.all_faults()), update["iterations"]
+
+
 def run_case(case: Case, dialect: str = "ours") -> tuple[list[FaultInjected], dict[str, dict[str, Tracked]], int, int,
                                                          SimConfig]:
     """Simulate one case, its ranks recording in ``dialect`` (docs/dialects.md: the same timeline and
@@ -100,16 +114,8 @@ def run_case(case: Case, dialect: str = "ours") -> tuple[list[FaultInjected], di
     from collector.events import (
         FaultInjected, IncidentConfirmed, IncidentOpened, IncidentUpdated, ProbeRequest,
     )
-    from trainer.sim.engine import SimEngine
-    from trainer.fault_spec import FaultSpec
-    from trainer.sim.scenario import load_scenario
 
-    sc = load_scenario(SCENARIO_DIR / f"{case.base}.yaml")
-    update: dict = {"iterations": case.iterations or sc.iterations, "dialect": dialect}
-    if case.faults is not None:
-        update["faults"] = [FaultSpec(**f) for f in case.faults]
-    sc = sc.model_copy(update=update)
-    engine = SimEngine(sc.sim_config(), sc.all_faults())
+    engine, target = case_engine(case, dialect)
     job = engine.config.job
     detectors = make_detectors(job)
     incidents: dict[str, dict[str, Tracked]] = {name: {} for name in detectors}
@@ -128,7 +134,6 @@ def run_case(case: Case, dialect: str = "ours") -> tuple[list[FaultInjected], di
                 probes.append(p)
         return probes
 
-    target = update["iterations"]
     guard = 0
     while engine.iteration < target and not engine.finished and guard < 10 * target:
         guard += 1

@@ -33,10 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from analytics.detector import Detector
     from analytics.detector_config import DetectorConfig
     from analytics.in_process import run_sharded
-    from bench.detect import SCENARIO_DIR, dialects_of, suite
-    from trainer.fault_spec import FaultSpec
-    from trainer.sim.engine import SimEngine
-    from trainer.sim.scenario import load_scenario
+    from bench.detect import case_engine, dialects_of, suite
 
     dialects = dialects_of(args.dialect or ["all"])
     counts = (1, args.shards)
@@ -47,14 +44,9 @@ def run(args: argparse.Namespace) -> int:
         differ: list[tuple[str, int, list, list]] = []
         cases = suite(args.iterations)
         for case in cases:
-            sc = load_scenario(SCENARIO_DIR / f"{case.base}.yaml")
-            update: dict = {"iterations": case.iterations or args.iterations, "dialect": dialect}
-            if case.faults is not None:
-                update["faults"] = [FaultSpec(**f) for f in case.faults]
-            sc = sc.model_copy(update=update)
-            engine = SimEngine(sc.sim_config(), sc.all_faults())
+            engine, target = case_engine(case, dialect)
             events = []
-            while engine.iteration < update["iterations"] and not engine.finished:
+            while engine.iteration < target and not engine.finished:
                 events += [e for e in engine.step() if not e.kind.startswith("truth")]
             job = engine.config.job
             det = Detector(job, DetectorConfig())

@@ -41,10 +41,9 @@ from kafka.errors import (
 from kafka.structs import OffsetAndMetadata
 
 from collector.bus import Bus, BusHealth, Consumer, OnAssign, RawMessage, Record, TopicPartition
-from collector.topics import replica_partition, to_every_partition
 from collector.codec import MAX_EVENT_BYTES
 from collector.settings import Environment, environment
-from collector.topics import ALL_TOPICS, PARTITIONS, TOPIC_CONFIGS
+from collector.topics import ALL_TOPICS, PARTITIONS, TOPIC_CONFIGS, replica_partition, to_every_partition
 
 _JOIN_POLL_MS = 250
 _RETRY_MAX_S = 5.0  # the longest back-off between two tries of a publish during an outage
@@ -122,11 +121,11 @@ class ReplicaPartitioner(DefaultPartitioner):
     where ``collector.topics.replica_partition`` says: an even share of a job's replicas per partition."""
 
     def partition(self, topic, key, serialized_key, value, serialized_value, cluster):
-        partitions = sorted(cluster.partitions_for_topic(topic) or ())
+        partitions = cluster.partitions_for_topic(topic) or ()
         index = replica_partition(serialized_key, len(partitions))
         if index is None:
             return super().partition(topic, key, serialized_key, value, serialized_value, cluster)
-        return partitions[index]
+        return sorted(partitions)[index]
 
 
 class KafkaBus(Bus):

@@ -24,6 +24,7 @@ Schedule = Literal["1f1b", "interleaved", "zero_bubble"]
 SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "zero_bubble")
 
 
+MAX_RANGE_IDS = 1 << 20  # ids one range list may name: a forged "0-1048575,0-1048575,…" stops here
 DEVICE_LISTS = "resihp.device_lists"  # serialization context: a stage's devices as a JSON list (collector/auth.py)
 
 
@@ -52,14 +53,16 @@ def parse_id_ranges(text: str) -> list[int]:
         return []
     out: list[int] = []
     for part in text.split(","):
+        if len(out) > MAX_RANGE_IDS:
+            raise ValueError(f"range list names more than {MAX_RANGE_IDS:,} ids")
         lo, dash, hi = part.strip().partition("-")
         if not lo.isdigit() or (dash and not hi.isdigit()):
             raise ValueError(f"id range {part!r} is not N or N-M (non-negative ids)")
         first, last = int(lo), int(hi) if dash else int(lo)
         if last < first:
             raise ValueError(f"id range {part!r} runs backwards")
-        if last - first >= 1 << 20:
-            raise ValueError(f"id range {part!r} spans more than {1 << 20:,} ids")
+        if last - first >= MAX_RANGE_IDS:
+            raise ValueError(f"id range {part!r} spans more than {MAX_RANGE_IDS:,} ids")
         out.extend(range(first, last + 1))
     return out
 

@@ -22,7 +22,6 @@ from collector.events import (
 from collector.topics import PartitionKeys, replica_partition, to_every_partition
 from test_detect_detector import opened, run, synth
 
-_sharded = run_sharded
 
 
 def _incidents(out) -> list[tuple]:
@@ -36,7 +35,7 @@ def test_one_and_three_shards_raise_the_single_detectors_incidents() -> None:
     expected = _incidents(single)
     assert [(t, r) for _, t, r, _ in expected] == [("compute", 7)]
     for n in (1, 3):
-        merge, out = _sharded(events, n)
+        merge, out = run_sharded(events, n)
         assert _incidents(out) == expected, n
         assert merge.duplicates == 0
         assert merge.detector.stats.frames == 24
@@ -44,7 +43,7 @@ def test_one_and_three_shards_raise_the_single_detectors_incidents() -> None:
 
 def test_a_replayed_shard_doubles_nothing() -> None:
     events = synth(slow={7: 1.3}, start=10, plan=True)
-    merge, out = _sharded(events, 3, replay=1)
+    merge, out = run_sharded(events, 3, replay=1)
     assert len(opened(out)) == 1
     assert merge.duplicates == 24  # shard 0 holds one replica: each of its 24 summaries came twice
     assert merge.detector.stats.frames == 24
@@ -53,7 +52,7 @@ def test_a_replayed_shard_doubles_nothing() -> None:
 def test_the_merge_scores_every_rank_and_link_as_the_single_detector() -> None:
     events = synth(iterations=6, plan=True, slow={7: 1.3}, start=3)
     single, single_out = run(events)
-    merge, merged_out = _sharded(events, 3)
+    merge, merged_out = run_sharded(events, 3)
     stages = [[p.stages for p in out if isinstance(p, IterationPrediction)][-1] for out in (single_out, merged_out)]
     assert len(stages[0]) == 9 and stages[0] == stages[1]  # every (replica, stage) of tp2·pp3·dp3
     a, b = single.last_score, merge.detector.last_score
@@ -68,7 +67,7 @@ def test_without_sequence_lengths_the_merge_scores_close_to_the_single_detector(
     """Inferred predictions level classes over the shard's replicas, not the job's: close, not equal."""
     events = synth(iterations=6, plan=True, seq_lens=False, slow={4: 1.5}, start=3)
     single, _ = run(events)
-    merge, _ = _sharded(events, 3)
+    merge, _ = run_sharded(events, 3)
     a, b = single.last_score, merge.detector.last_score
     assert a is not None and b is not None
     assert float(np.nanmax(np.abs(a.z - b.z))) < 0.03
@@ -86,7 +85,7 @@ def test_a_dead_rank_raises_the_single_detectors_fail_stop_through_shards() -> N
     expected = _fail_stops(single)
     assert [r for _, _, r, _ in expected] == [7]
     for n in (1, 3):
-        merge, out = _sharded(events, n)
+        merge, out = run_sharded(events, n)
         got = _fail_stops(out)
         assert [x[1:] for x in got] == [x[1:] for x in expected], n
         assert abs(got[0][0] - expected[0][0]) <= 1, n
@@ -204,7 +203,7 @@ def test_an_untraced_rank_that_stops_raises_the_hidden_stop_through_shards() -> 
         events += engine.step()
     single_det = Detector(engine.config.job)
     single = [p for e in events for p in single_det.on_event(e)]
-    _, sharded = _sharded(events, 3, job=engine.config.job)
+    _, sharded = run_sharded(events, 3, job=engine.config.job)
     expected = [(p.iteration, p.locations[0].tp_group) for p in single
                 if isinstance(p, IncidentOpened) and p.category == "fail_stop"]
     assert len(expected) == 1 and 13 in (expected[0][1] or ())
@@ -391,7 +390,7 @@ def test_in_the_megatron_dialect_three_shards_judge_every_iteration_as_it_comes(
     keys = PartitionKeys()
     declared = [e for e in events if isinstance(e.payload, TracingDeclared)]
     assert declared and all(to_every_partition(keys.key(e.job, e.source, e.kind, e.payload)) for e in declared)
-    live, _ = _sharded(events, 3, job=engine.config.job, flush=False)
+    live, _ = run_sharded(events, 3, job=engine.config.job, flush=False)
     assert live.detector.stats.frames >= 23
 
 
@@ -419,8 +418,8 @@ def test_in_the_sampled_dialect_shards_raise_the_single_detectors_incident_as_th
     expected = _incidents(single_out)
     assert [(t, r) for _, t, r, _ in expected] == [("compute", None)]  # opened on the untraced ranks, unplaced
     for n in (1, 3):
-        merge, out = _sharded(events, n, job=job)
+        merge, out = run_sharded(events, n, job=job)
         assert _incidents(out) == expected, n
         assert merge.detector.stats.frames == 32  # the 32 traced steps
-        live, _ = _sharded(events, n, job=job, flush=False)
+        live, _ = run_sharded(events, n, job=job, flush=False)
         assert live.detector.stats.frames >= 31  # judged as they came, not held to the end of the log
