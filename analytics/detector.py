@@ -32,7 +32,7 @@ from analytics.hidden_stop import HiddenStopWatch
 from analytics.incidents import IncidentBook, Suspect
 from analytics.prediction import predicted_iteration_s, stage_times
 from analytics.scoring import FrameScore, chunk_slowdown, fit_ranks, score_frame, tp_group_max
-from analytics.untraced import stage_factors_for, traced_pipeline_s
+from analytics.untraced import HiddenExcess, stage_factors_for, traced_pipeline_s
 from collector.events import (
     Envelope, Heartbeat, IterationPrediction, Payload, PlanCurrent, ProbeResult, RankHealth, RankHealthEntry,
     RankIteration, RankState, ReconfigureCommand, StageTime, TracingDeclared,
@@ -41,10 +41,6 @@ from collector.plan import id_ranges
 
 _GROW = 1024
 LINK_SUSTAIN = 3  # iterations a link whose timers hold waits must read slow before it counts
-# Traced iterations the job must run late before time lost outside the traced ranks counts. Frames,
-# not iterations: each traced frame is one sample of the untraced replicas' swing, and a skipped step
-# is none (held for 2 frames of every 2nd step, healthy sampled runs opened 5 incidents in 480 iterations).
-UNTRACED_SUSTAIN = 4
 _MEDIAN_STEP_PER_SIGMA = 0.6745 * math.sqrt(2)  # median |z_t − z_{t−1}| for independent normal z of σ 1
 
 
@@ -210,7 +206,7 @@ class Detector:
         self._link_recent: dict[tuple[int, int], deque[float]] = {}  # per link whose timers hold waits
         self._comm_hist: deque[float] = deque(maxlen=4 * self.config.window_iterations)
         self._pipe_hist: deque[float] = deque(maxlen=4 * self.config.window_iterations)  # traced pipelines' span
-        self._excess_recent: deque[float] = deque(maxlen=UNTRACED_SUSTAIN)  # with hidden ranks: the last excesses
+        self._hidden = HiddenExcess(self.config.window_iterations)  # with hidden ranks: their excess's runs
         self._comm_cusum = 0.0
         self._comm_unjudged = False  # the open communication incident has no healthy reference in this layout
         self._history: deque[_FrameRecord] = deque(maxlen=8)
@@ -452,7 +448,7 @@ class Detector:
         self._link_recent.clear()
         self._comm_hist.clear()
         self._pipe_hist.clear()
-        self._excess_recent.clear()
+        self._hidden_excess().clear()
         self._comm_cusum = 0.0
         # A communication incident open across a new plan can no longer be judged from the excess
         # over this layout's history (it would be learned with the fault in it, and resolve it).
@@ -783,16 +779,15 @@ class Detector:
         wall = float(frame.wall_s.max())
         r = float(np.log(wall / explained))
         untraced = self._hidden_ranks(frame.epoch)
-        r_size = r
-        if untraced:  # the untraced replicas' own mix moves the job's time: only a lasting excess counts,
-            self._excess_recent.append(r)  # and it is sized on the last few iterations, not their least
-            r, r_size = min(self._excess_recent), float(np.median(list(self._excess_recent)[-LINK_SUSTAIN:]))
+        hidden = self._hidden_excess() if untraced else None
+        raw, r_size = r, r
+        if hidden is not None:  # the untraced replicas' own mix moves the job's time: only a lasting
+            r, r_size = hidden.add(r)  # excess counts, and it is sized on the last few iterations
         span = facts.span_s if untraced else float("nan")
         r_pipe = float(np.log(span / explained)) if np.isfinite(span) and span > 0 else float("nan")
         hist = np.array(self._comm_hist)
         if len(hist) < 4:
-            self._comm_hist.append(r)
-            self._pipe_hist.append(r_pipe)
+            self._learn_excess(r, r_pipe, raw, hidden)
             return []
         centre = float(np.median(hist))
         sig = max(1.4826 * float(np.median(np.abs(hist - centre))), self.config.sigma_floor)
@@ -809,14 +804,18 @@ class Detector:
         if self.book.open_compute_ranks():
             return []  # a slow rank explains a slow iteration; wait until it is handled
         self._comm_cusum = max(0.0, self._comm_cusum + min(z - k, cap))
-        if self._comm_cusum <= h:
-            self._comm_hist.append(r)
-            self._pipe_hist.append(r_pipe)
+        run = None
+        if self._comm_cusum <= h and hidden is not None:
+            run = hidden.unlikely_run(h, self.config.untraced_run_rate, self.config.sigma_floor)
+            if run is not None:
+                r_size = hidden.size_of(run)
+        if self._comm_cusum <= h and run is None:
+            self._learn_excess(r, r_pipe, raw, hidden)
             return []
         self._comm_cusum = 0.0
         pipe_hist = np.array([v for v in self._pipe_hist if np.isfinite(v)])
         if untraced and np.isfinite(r_pipe) and len(pipe_hist) >= 4 and r_pipe - float(np.median(pipe_hist)) < k:
-            return self._open_untraced(frame, sched, explained, wall, r_size - centre, k, h, sig, untraced)
+            return self._open_untraced(frame, sched, explained, wall, r_size - centre, k, h, sig, untraced, run)
         # Only a wire-only timer may name the link at the opening: one that holds the wait for the
         # peer reads ×10–×10⁵ on healthy links in single iterations, so its largest score names a
         # link at random, and the opening's size (the iteration's excess) is no link's size. The
@@ -835,6 +834,20 @@ class Detector:
             note="iteration slower than its compute explains: communication" + (
                 "; probing every rank's links" if self.config.probes else ""),
             ranks=candidates), frame.iteration)
+
+    def _learn_excess(self, r: float, r_pipe: float, raw: float, hidden: HiddenExcess | None) -> None:
+        """An iteration whose excess raised no alarm: the healthy reference of every excess rule."""
+        self._comm_hist.append(r)
+        self._pipe_hist.append(r_pipe)
+        if hidden is not None:
+            hidden.learn(raw)
+
+    def _hidden_excess(self) -> HiddenExcess:
+        """The hidden replicas' excess; a detector pickled before it existed starts it afresh."""
+        hidden = getattr(self, "_hidden", None)
+        if hidden is None:
+            hidden = self._hidden = HiddenExcess(self.config.window_iterations)
+        return hidden
 
     def _hidden_ranks(self, epoch: int) -> list[int]:
         """The live ranks of TP groups none of whose members is traced (sampled tracing leaves whole
@@ -863,8 +876,8 @@ class Detector:
         return float(np.median(list(per_stage.values()))), per_stage
 
     def _open_untraced(self, frame: IterationFrame, sched: tuple[str | None, int | None], explained: float,
-                       wall: float, z: float, k: float, h: float, sigma: float, untraced: list[int]
-                       ) -> list[Payload]:
+                       wall: float, z: float, k: float, h: float, sigma: float, untraced: list[int],
+                       run: int | None = None) -> list[Payload]:
         """A compute incident on the ranks nobody traces (see analytics/untraced.py). It opens
         without a place, as a communication incident opened on the iteration's excess does: one
         of sixteen ranks over several replicas and stages is no TP group, and a planner handed
@@ -880,8 +893,10 @@ class Detector:
             key=("untraced",), target="compute", rank=None, link=None, node=None, replica=None, stage=None,
             tp_group=None, factor=size, confidence=float(min(0.99, 1.0 - np.exp(-max(z - k, 0.0) / sigma / 2))),
             iterations=[frame.iteration], observed_s=[wall], predicted_s=[wall * math.exp(-z)], rank_factors=by_rank,
-            statistic=f"CUSUM on log(wall / iteration explained by the traced compute); k={k:.4f} h={h:.4f}; "
-                      f"traced pipelines on time",
+            statistic=(f"{run} traced iterations in a row later than the job's healthy swing allows "
+                       f"(tail fitted to its own excesses); " if run else
+                       f"CUSUM on log(wall / iteration explained by the traced compute); k={k:.4f} h={h:.4f}; ")
+                      + "traced pipelines on time",
             note=f"the job is ×{math.exp(z):.2f} slower than its traced ranks explain while their own pipelines "
                  f"are on time: the time is lost outside what is traced, on one of the {len(ranks)} untraced ranks "
                  f"(sized as one pipeline stage ×{size:.2f})"

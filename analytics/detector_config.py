@@ -94,6 +94,10 @@ class DetectorConfig(BaseModel):
     each probe, and resolve its incident once it measures healthy (0: never)"""
     links: bool = Field(default=True)
     """score point-to-point links as well as ranks"""
+    untraced_run_rate: float = Field(default=1e-5, gt=0, lt=1)
+    """with replicas nobody traces: a run of 2-3 late traced iterations opens an incident on its own when a healthy
+    run that late would come this rarely per traced iteration (a tail fitted to the job's own healthy excess,
+    analytics/untraced.py HiddenExcess); a smaller excess waits for 4 traced iterations"""
 
     @field_validator("refine_iterations")
     @classmethod

@@ -1,0 +1,97 @@
+"""When time lost outside the traced ranks counts (analytics/untraced.py ``HiddenExcess``): a run of
+late traced iterations opens an incident on its own only when the job's own healthy swing makes
+such a run too unlikely; otherwise the excess must hold for ``UNTRACED_SUSTAIN`` traced iterations."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from analytics.untraced import UNTRACED_SUSTAIN, HiddenExcess
+from bench import detect
+from resihp.referee import detecting
+
+RATE, H, FLOOR = 1e-5, math.log(1.06), 0.004
+
+
+def swinging(seed: int = 0, n: int = 32) -> HiddenExcess:
+    """A healthy job's excess as sampled tracing sees it: near zero most iterations, and now and
+    then up to +0.25 when an untraced replica drew the heavier mix."""
+    rng = np.random.default_rng(seed)
+    hidden = HiddenExcess(window=8)
+    for _ in range(n):
+        e = float(rng.exponential(0.05)) if rng.random() < 0.4 else float(abs(rng.normal(0, 0.002)))
+        hidden.add(e)
+        hidden.learn(e)
+    return hidden
+
+
+def test_two_traced_iterations_far_beyond_the_swing_are_a_run() -> None:
+    hidden = swinging()
+    for e in (0.45, 0.50):
+        hidden.add(e)
+    assert hidden.unlikely_run(H, RATE, FLOOR) == 2
+    assert abs(hidden.size_of(2) - 0.475) < 1e-9  # sized on the run, not on the iteration before it
+
+
+def test_a_single_late_iteration_is_never_a_run() -> None:
+    hidden = swinging()
+    hidden.add(0.01)
+    hidden.add(5.0)  # ×150 once: an untraced replica's stall, or the heaviest mix ever drawn
+    assert hidden.unlikely_run(H, RATE, FLOOR) is None
+
+
+def test_a_run_within_the_jobs_own_swing_waits_for_persistence() -> None:
+    hidden = swinging()
+    late = float(np.quantile(list(hidden.healthy), 0.9))  # as late as one healthy iteration in ten
+    for _ in range(3):  # three in a row is not rare enough
+        hidden.add(late)
+    assert hidden.unlikely_run(H, RATE, FLOOR) is None
+    assert len(hidden.recent) == UNTRACED_SUSTAIN
+
+
+def test_a_wider_swing_needs_a_later_run() -> None:
+    """The same run counts in a quiet job and not in one whose untraced replicas swing widely:
+    the tail is the job's own."""
+    quiet, wide = HiddenExcess(window=8), HiddenExcess(window=8)
+    rng = np.random.default_rng(1)
+    for _ in range(32):
+        e = float(rng.exponential(1.0))
+        quiet.learn(0.02 * e)
+        wide.learn(0.15 * e)
+    for hidden in (quiet, wide):
+        hidden.add(0.3)
+        hidden.add(0.3)
+    assert quiet.unlikely_run(H, RATE, FLOOR) == 2
+    assert wide.unlikely_run(H, RATE, FLOOR) is None
+
+
+def test_without_enough_healthy_history_no_tail_is_fitted() -> None:
+    hidden = HiddenExcess(window=8)
+    for e in (0.0, 0.01, 0.0):
+        hidden.learn(e)
+    hidden.add(0.9)
+    hidden.add(0.9)
+    assert hidden.unlikely_run(H, RATE, FLOOR) is None
+
+
+def test_an_excess_below_the_smallest_alarm_is_no_run_however_quiet_the_job() -> None:
+    hidden = HiddenExcess(window=8)
+    for _ in range(32):
+        hidden.learn(0.0)  # no spread at all: the tail's λ is the σ floor
+    hidden.add(0.04)
+    hidden.add(0.04)  # ×1.04: under the ×1.06 no incident opens below
+    assert hidden.unlikely_run(H, RATE, FLOOR) is None
+
+
+def test_a_x3_gpu_nobody_traces_is_named_within_two_traced_iterations() -> None:
+    """Sampled: a ×3 GPU on replica 1, which nobody traces, from iteration 40. Held for four
+    traced iterations (every 2nd step) it opened at 48; its excess (+0.24 to +0.6 in log) is
+    far beyond the job's healthy swing, so two traced iterations name it."""
+    (case,) = [c for c in detect.suite(120) if c.name == "compute x3.0 (recovers)"]
+    faults, incidents, iterations, _, config = detect.run_case(case, "sampled")
+    (fault,) = faults
+    hits = detecting(fault, incidents["ours"], gpus_per_node=config.cluster.gpus_per_node, iterations=iterations,
+                     grace=5)
+    assert hits and hits[0][0] - fault.start_iteration <= 3, hits
