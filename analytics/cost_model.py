@@ -67,22 +67,53 @@ class CostModel:
         self.window_iterations = window_iterations
         self._windows: dict[Hashable, _ClassWindow] = {}
         self.fits: dict[Hashable, ClassFit] = {}
+        self.forgotten: set[int] = set()  # TP groups whose rows were taken out (analytics/scoring.py forget_suspects)
 
     def observe(self, key: Hashable, iteration: int, tokens: np.ndarray, sum_sq_len: np.ndarray,
-                duration_s: np.ndarray) -> None:
-        """Add one iteration's healthy work units of class ``key`` (arrays of equal length)."""
+                duration_s: np.ndarray, groups: np.ndarray | None = None) -> None:
+        """Add one iteration's healthy work units of class ``key`` (arrays of equal length);
+        ``groups``: the TP group each unit ran on (its lowest rank), so that a group found slow
+        later can be taken back out (``forget_groups``)."""
         if len(tokens) == 0:
             return
+        g = np.full(len(tokens), -1, np.int64) if groups is None else np.asarray(groups, np.int64)
         w = self._windows.setdefault(key, _ClassWindow())
         if w.iterations and w.iterations[-1][0] == iteration:
-            it, t0, s0, d0 = w.iterations.pop()
-            tokens, sum_sq_len, duration_s = (np.concatenate([t0, tokens]), np.concatenate([s0, sum_sq_len]),
-                                              np.concatenate([d0, duration_s]))
+            it, t0, s0, d0, g0 = _entry(w.iterations.pop())
+            tokens, sum_sq_len, duration_s, g = (np.concatenate([t0, tokens]), np.concatenate([s0, sum_sq_len]),
+                                                 np.concatenate([d0, duration_s]), np.concatenate([g0, g]))
         w.iterations.append((iteration, np.asarray(tokens, float), np.asarray(sum_sq_len, float),
-                             np.asarray(duration_s, float)))
+                             np.asarray(duration_s, float), g))
         while len(w.iterations) > self.window_iterations:
             w.iterations.popleft()
         w.dirty = True
+
+    def forget_groups(self, groups: set[int]) -> None:
+        """Take back what the TP groups ``groups`` taught, and refit: a group found slow taught the
+        window while it was not yet suspected (from its first iteration, if it was slow from the
+        start). Where only two groups run a class, half its rows were slow and the robust fit sat
+        between them: the slow one read ×1.42 for ×1.72 and the healthy one read fast. A class
+        that would be left with no rows keeps them (nobody else runs its work to learn it from)."""
+        if not groups:
+            return
+        gone = np.fromiter(groups, np.int64, len(groups))
+        for w in self._windows.values():
+            entries = [_entry(x) for x in w.iterations]
+            keep = [~np.isin(x[4], gone) for x in entries]
+            if all(k.all() for k in keep) or not any(k.any() for k in keep):
+                continue
+            w.iterations = deque((it, t[k], s2[k], d[k], g[k]) for (it, t, s2, d, g), k in zip(entries, keep) if k.any())
+            w.dirty = True
+        self.refit()
+
+    def without_groups(self, groups: set[int]) -> CostModel:
+        """A copy that never learned from ``groups`` (``forget_groups`` on the copy): this model
+        stays as it is. Classes the groups never taught share their windows and fits with it."""
+        other = CostModel(self.window_iterations)
+        other._windows = {key: _ClassWindow(deque(w.iterations), w.dirty) for key, w in self._windows.items()}
+        other.fits = dict(self.fits)
+        other.forget_groups(groups)
+        return other
 
     def refit(self) -> None:
         """Refit every class that received rows since its last fit (all of them as one stacked fit,
@@ -90,7 +121,7 @@ class CostModel:
         dirty = [(key, w) for key, w in self._windows.items() if w.dirty and w.iterations]
         rows = []
         for _, w in dirty:
-            n = np.concatenate([x[1] for x in w.iterations])
+            n = np.concatenate([x[1] for x in w.iterations])  # (iteration, tokens, Σl², seconds[, groups])
             s2 = np.concatenate([x[2] for x in w.iterations])
             d = np.concatenate([x[3] for x in w.iterations])
             if len(d) > MAX_FIT_ROWS:
@@ -130,16 +161,25 @@ class CostModel:
         """Drop every window and fit (a new plan changed what the classes mean)."""
         self._windows.clear()
         self.fits.clear()
+        self.forgotten = set()
 
     # state for the detector's snapshot ---------------------------------------------------------
 
     def __getstate__(self) -> dict:
-        return {"window_iterations": self.window_iterations, "windows": self._windows, "fits": self.fits}
+        return {"window_iterations": self.window_iterations, "windows": self._windows, "fits": self.fits,
+                "forgotten": self.forgotten}
 
     def __setstate__(self, state: dict) -> None:
         self.window_iterations = state["window_iterations"]
         self._windows = state["windows"]
         self.fits = state["fits"]
+        self.forgotten = state.get("forgotten", set())  # absent in a snapshot taken before it existed
+
+
+def _entry(x: tuple) -> tuple:
+    """A window entry as (iteration, tokens, Σl², seconds, groups): entries of a model pickled
+    before units carried their TP group have no groups (-1, never forgotten)."""
+    return x if len(x) == 5 else (*x, np.full(len(x[1]), -1, np.int64))
 
 
 def _token_term(alpha: np.ndarray | float, tokens: np.ndarray) -> np.ndarray:

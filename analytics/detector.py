@@ -372,9 +372,11 @@ class Detector:
         """Score one iteration's frame and return the events it causes."""
         out = self.begin_frame(frame)
         suspects = self.suspects(frame)
-        # a rank past the alarm threshold under the last iteration's σ stands out: scored without it
+        # a rank past the alarm threshold under the last iteration's σ stands out: scored without it;
+        # before any σ (the job's first frame, when a rank slow from the start teaches its class's
+        # first line) at the smallest alarm, h at the σ floor
         last_sigma: float | None = getattr(self, "_last_sigma", None)
-        stand_out = self._thresholds(last_sigma)[1] if last_sigma else None
+        stand_out = self._thresholds(last_sigma or self.config.sigma_floor)[1]
         score = score_frame(frame, self.model, suspects, self.config.chunk_quantile, stand_out)
         return out + self.judge(frame, score, ChunkFacts(frame, score, self._schedule(frame)), suspects)
 

@@ -30,7 +30,7 @@ from analytics.detector import Detector
 from analytics.detector_config import DetectorConfig
 from analytics.frame import LayerLookup
 from analytics.replica_summary import LIVENESS_ARRAYS, fits_event, job_view, summary_shape_problem, unpack_all
-from analytics.scoring import fit_ranks, learn_units
+from analytics.scoring import fit_ranks, forget_suspects, group_tags, learn_units
 from collector.bus import Bus
 from collector.auth import Gate, Signer
 from collector.events import (
@@ -185,10 +185,16 @@ class JobMerge:
         out = det.begin_frame(frame)
         suspects = det.suspects(frame)
         clean = fit_ranks(frame, suspects)
+        tags = group_tags(frame)
         row = np.clip(np.searchsorted(frame.rank, view.u_rank), 0, max(frame.num_ranks - 1, 0))
         u_own = np.where(clean[row] & (frame.rank[row] == view.u_rank), view.u_own, np.nan)
-        learn_units(det.model, iteration, view.u_keys, view.u_class, view.u_tokens, view.u_s2, u_own)
+        learn_units(det.model, iteration, view.u_keys, view.u_class, view.u_tokens, view.u_s2, u_own,
+                    u_group=tags[row] if len(row) else None)
         out += det.judge(frame, view.score(clean), view.facts, suspects)
+        # the suspects the next iteration starts with lose what they taught before the fits go out:
+        # the single process forgets them before it predicts that iteration, the shards predict it
+        # with these fits
+        forget_suspects(det.model, tags, frame.rank, det.suspects(frame))
         out.append(fits_event(det.model, epoch, iteration, det.arrival.plans, det.fail_stop.dead))
         return out
 

@@ -21,7 +21,11 @@ without sequence lengths the per-micro-batch correction levels classes over the 
 not the job's; the merge's rows are thinned per replica (the window keeps ``MAX_FIT_ROWS`` either
 way); the predicted iteration's p2p time is each replica's own lower quartile, not the job's; and
 time lost on ranks nobody traces is sized by the iteration's excess until a probe names the rank
-(the merge holds no chunks to lay out per stage). ``resihp bench shards`` measures the difference.
+(the merge holds no chunks to lay out per stage); and with sequence lengths a rank that stands
+out is scored again by the single process with a fit that never learned from its group, not by
+the merge (it would need the shard's chunks): a rank slow from a class's first iteration opens
+there at the fit's size until its rows leave the window, which both do once it is a suspect.
+``resihp bench shards`` measures the difference.
 """
 
 from __future__ import annotations

@@ -181,6 +181,27 @@ def fit_ranks(frame: IterationFrame, suspects: set[int]) -> np.ndarray:
     return ~tainted[group]
 
 
+def group_tags(frame: IterationFrame) -> np.ndarray:
+    """Per rank row, its TP group's lowest rank: the group a work unit is filed under in the cost
+    model's window (``CostModel.forget_groups``), the same group across iterations of a layout."""
+    if not frame.num_ranks:
+        return np.zeros(0, np.int64)
+    S = int(frame.pp.max()) + 1
+    group = frame.dp * S + frame.pp
+    lowest = np.full(int(group.max()) + 1, np.iinfo(np.int64).max)
+    np.minimum.at(lowest, group, frame.rank)
+    return lowest[group]
+
+
+def forget_suspects(model: CostModel, tags: np.ndarray, rank: np.ndarray, suspects: set[int]) -> None:
+    """Take the suspects' TP groups' rows out of the model's window once, when they become
+    suspects: they taught it while nobody suspected them (``fit_ranks`` keeps them out from then
+    on). ``tags``: the group of each rank in ``rank``."""
+    now = set(tags[np.isin(rank, np.fromiter(suspects, np.int64, len(suspects)))].tolist()) if suspects else set()
+    model.forget_groups(now - model.forgotten)
+    model.forgotten = now
+
+
 def tp_group_max(frame: IterationFrame, values: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """Per TP group (replica, stage), the largest finite value among its ranks in ``mask``; one
     entry per group that has any.
@@ -229,7 +250,7 @@ def unit_table(frame: IterationFrame, c_class: np.ndarray) -> UnitTable:
 
 def predict_chunks(frame: IterationFrame, model: CostModel, c_class: np.ndarray, keys: list[WorkClass],
                    units: np.ndarray, u_class: np.ndarray, u_tokens: np.ndarray, u_s2: np.ndarray,
-                   u_own: np.ndarray) -> tuple[np.ndarray, bool, list[int]]:
+                   u_own: np.ndarray, u_group: np.ndarray | None = None) -> tuple[np.ndarray, bool, list[int]]:
     """Every chunk's predicted own time under ``model``'s fits, classes it never saw fitted first
     from this iteration's units (``u_own`` NaN: a unit that may not teach). Returns the
     predictions, whether sequence lengths were inferred, and the unseen classes (already taught).
@@ -239,7 +260,8 @@ def predict_chunks(frame: IterationFrame, model: CostModel, c_class: np.ndarray,
     unseen = [i for i, k in enumerate(keys) if k not in model.fits]
     for i in unseen:
         sel = (u_class == i) & np.isfinite(u_own)
-        model.observe(keys[i], frame.iteration, u_tokens[sel], u_s2[sel], u_own[sel])
+        model.observe(keys[i], frame.iteration, u_tokens[sel], u_s2[sel], u_own[sel],
+                      None if u_group is None else u_group[sel])
     if unseen:
         model.refit()
     return predict_fitted(frame, model, c_class, keys, units, u_own), not frame.has_seq_lens, unseen
@@ -263,18 +285,21 @@ def teaching_own(t: UnitTable, clean: np.ndarray) -> np.ndarray:
 
 
 def learn_units(model: CostModel, iteration: int, keys: list[WorkClass], u_class: np.ndarray, u_tokens: np.ndarray,
-                u_s2: np.ndarray, u_own: np.ndarray, skip: Collection[int] = ()) -> None:
+                u_s2: np.ndarray, u_own: np.ndarray, skip: Collection[int] = (), u_group: np.ndarray | None = None
+                ) -> None:
     """Teach ``model`` one iteration's work units of every class but ``skip`` (NaN own time: a
-    unit that may not teach), in unit order, then refit."""
+    unit that may not teach), in unit order, each filed under its TP group (``u_group``), then
+    refit."""
     live = np.isfinite(u_own)
     order = np.argsort(u_class[live], kind="stable")
     cls_sorted = u_class[live][order]
     bounds = np.searchsorted(cls_sorted, np.arange(len(keys) + 1))
     t_s, s2_s, own_s = u_tokens[live][order], u_s2[live][order], u_own[live][order]
+    g_s = u_group[live][order] if u_group is not None else None
     for i, key in enumerate(keys):
         if i not in skip:
             a, b = bounds[i], bounds[i + 1]
-            model.observe(key, iteration, t_s[a:b], s2_s[a:b], own_s[a:b])
+            model.observe(key, iteration, t_s[a:b], s2_s[a:b], own_s[a:b], None if g_s is None else g_s[a:b])
     model.refit()
 
 
@@ -417,35 +442,47 @@ def score_frame(frame: IterationFrame, model: CostModel, suspects: set[int],
                 chunk_quantile: float | None = None, stand_out: float | None = None) -> FrameScore:
     """Predict, learn from the healthy part, and score every rank and link of one iteration.
 
-    ``stand_out``: without sequence lengths, a rank whose centred score reaches it (the detector
-    passes its alarm threshold h) is scored again with its TP group left out of the medians that
-    predict and centre it, and does not teach the fit."""
+    ``stand_out``: a rank whose centred score reaches it (the detector passes its alarm threshold
+    h) is scored again as it will be once suspected, and does not teach the fit: without sequence
+    lengths with its TP group left out of the medians that predict and centre it; with them, by
+    a fit that never learned from its group."""
+    tags = group_tags(frame)
+    forget_suspects(model, tags, frame.rank, suspects)
     clean = fit_ranks(frame, suspects)
     c_class, keys = chunk_classes(frame)
     t = unit_table(frame, c_class)
+    u_group = tags[t.u_rank] if len(t.u_rank) else np.zeros(0, np.int64)
     u_own = teaching_own(t, clean)
     pred, inferred, unseen = predict_chunks(frame, model, c_class, keys, t.units, t.u_class, t.u_tokens, t.u_s2,
-                                            u_own)
+                                            u_own, u_group)
     x, xk = rank_log_ratios(frame, pred, chunk_quantile)
     z, z_by_kind = centre_ranks(frame, x, xk, clean, inferred)
-    standing = clean & (np.nan_to_num(z, nan=-np.inf) >= stand_out) if inferred and stand_out is not None else None
+    standing = clean & (np.nan_to_num(z, nan=-np.inf) >= stand_out) if stand_out is not None else None
     if standing is not None and standing.any():
-        # only where its class keeps enough other groups to level and centre on without it (a
-        # DP 2 job has two: left out, the one remaining would set them alone)
-        standing &= other_class_groups(frame, clean) >= MIN_CLASS_PEERS
+        # only where its class keeps other groups to learn from without it: without lengths
+        # enough to level and centre on (a DP 2 job has two: left out, the one remaining would set
+        # them alone); with lengths one, whose own rows fit the class's line
+        standing &= other_class_groups(frame, clean) >= (MIN_CLASS_PEERS if inferred else 1)
     if standing is not None and standing.any():
         # Without sequence lengths a rank's prediction and centre are medians over its peers'
         # units: its replica's stages (the micro-batch's mix) and its class's TP groups. A rank
         # far slower than its work lifts both medians while it is still among them, and reads
         # low by up to half the healthy stages' spread (a ×2 GPU at the last of 4 stages opened
-        # at ×1.80 and read ×1.90 once it was a suspect). Scored again without it, as it will be
-        # once suspected; nor does it teach the fit.
+        # at ×1.80 and read ×1.90 once it was a suspect). With lengths its class's line learned
+        # from it until now (from its first iteration, if it was slow from the start): with two
+        # groups running the class the line sat between them (a ×1.72 GPU opened at ×1.42).
+        # Scored again without it, as it will be once suspected. Without lengths nor does it teach
+        # the fit; with them it does, as any rank not yet suspected: if it becomes one, its rows
+        # are taken back out (``forget_suspects``), and if not, the line keeps what it taught
+        # (a fit learned from one group of two moved σ, and a ×1.8 GPU opened a step later).
         clean = fit_ranks(frame, suspects | set(frame.rank[standing].tolist()))
-        u_own = teaching_own(t, clean)
-        pred = predict_fitted(frame, model, c_class, keys, t.units, u_own)
+        if inferred:
+            u_own = teaching_own(t, clean)
+        fitted = model if inferred else model.without_groups(set(tags[standing].tolist()))
+        pred = predict_fitted(frame, fitted, c_class, keys, t.units, teaching_own(t, clean))
         x, xk = rank_log_ratios(frame, pred, chunk_quantile)
         z, z_by_kind = centre_ranks(frame, x, xk, clean, inferred)
-    learn_units(model, frame.iteration, keys, t.u_class, t.u_tokens, t.u_s2, u_own, skip=set(unseen))
+    learn_units(model, frame.iteration, keys, t.u_class, t.u_tokens, t.u_s2, u_own, skip=set(unseen), u_group=u_group)
     src, dst, lz, lcls, lwait = centre_links(frame, *link_times(frame))
     return FrameScore(z=z, x=x, z_by_kind=z_by_kind, c_pred=pred, c_class=c_class, class_keys=keys,
                       link_src=src, link_dst=dst, link_z=lz, link_class=lcls, link_waits=lwait, inferred=inferred)

@@ -55,3 +55,13 @@ def test_an_untraced_gpu_is_first_sized_by_the_probe_that_places_it() -> None:
     gives the GPU its own stage's answer (a ×2.0 GPU to the planner)."""
     true, first = _first("compute x2.0 (recovers)", "sampled")
     assert abs(first / true - 1) < 0.05
+
+
+def test_a_gpu_slow_from_the_start_is_sized_by_a_fit_that_never_learned_from_it() -> None:
+    """Sampled: a ×1.8 GPU from the first iteration, in a class only two traced TP groups run. The
+    class's first line was fitted from both groups' units, half of them slow, so it sat between
+    them: the GPU opened at ×1.47 to the planner (×1.42 in chunk time) and its healthy peer read
+    fast. Scored by a fit without its group, as it will be once suspected (whose rows are then
+    taken out of the window), it opens at its size."""
+    true, first = _first("slow from start x1.8", "sampled")
+    assert abs(first / true - 1) < 0.05
