@@ -102,7 +102,8 @@ class CostModel:
             keep = [~np.isin(x[4], gone) for x in entries]
             if all(k.all() for k in keep) or not any(k.any() for k in keep):
                 continue
-            w.iterations = deque((it, t[k], s2[k], d[k], g[k]) for (it, t, s2, d, g), k in zip(entries, keep) if k.any())
+            w.iterations = deque((it, t[k], s2[k], d[k], g[k])
+                                 for (it, t, s2, d, g), k in zip(entries, keep) if k.any())
             w.dirty = True
         self.refit()
 
