@@ -32,7 +32,7 @@ from analytics.hidden_stop import HiddenStopWatch
 from analytics.incidents import IncidentBook, Suspect
 from analytics.prediction import predicted_iteration_s, stage_times
 from analytics.scoring import FrameScore, chunk_slowdown, fit_ranks, score_frame, tp_group_max
-from analytics.untraced import HiddenExcess, stage_factors_for, traced_pipeline_s
+from analytics.untraced import HiddenExcess, UntracedSweep, stage_factors_for, traced_pipeline_s
 from collector.events import (
     Envelope, Heartbeat, IterationPrediction, Payload, PlanCurrent, ProbeResult, RankHealth, RankHealthEntry,
     RankIteration, RankState, ReconfigureCommand, StageTime, TracingDeclared,
@@ -207,6 +207,7 @@ class Detector:
         self._comm_hist: deque[float] = deque(maxlen=4 * self.config.window_iterations)
         self._pipe_hist: deque[float] = deque(maxlen=4 * self.config.window_iterations)  # traced pipelines' span
         self._hidden = HiddenExcess(self.config.window_iterations)  # with hidden ranks: their excess's runs
+        self._sweep = UntracedSweep()  # with hidden ranks and probes: their compute, probed now and then
         self._comm_cusum = 0.0
         self._comm_unjudged = False  # the open communication incident has no healthy reference in this layout
         self._history: deque[_FrameRecord] = deque(maxlen=8)
@@ -247,7 +248,11 @@ class Detector:
         if isinstance(p, TracingDeclared):
             return self.on_declared(p)
         if isinstance(p, ProbeResult):
-            return [] if self.hidden_stop.answer(p.probe_id, p.rank) else self.book.probe_result(p)
+            if self.hidden_stop.answer(p.probe_id, p.rank):
+                return []
+            if self._untraced_sweep().claims(p):
+                return self._sweep_result()
+            return self.book.probe_result(p)
         if isinstance(p, (PlanCurrent, ReconfigureCommand)):
             self.arrival.add_plan(p.plan)
             self.fail_stop.plan_announced(p.plan.epoch, set(p.plan.roles),
@@ -422,6 +427,7 @@ class Detector:
             out += self._link_cusum_step(frame, score, sigma)
         if self.config.links:
             out += self._comm_excess(frame, score, facts)
+        out += self._sweep_step(frame)
         out += self.book.end_of_iteration(frame.iteration)
         out.append(self._prediction(frame, facts))
         health = self._health(frame)
@@ -451,6 +457,7 @@ class Detector:
         self._comm_hist.clear()
         self._pipe_hist.clear()
         self._hidden_excess().clear()
+        self._untraced_sweep().drop()
         self._comm_cusum = 0.0
         # A communication incident open across a new plan can no longer be judged from the excess
         # over this layout's history (it would be learned with the fault in it, and resolve it).
@@ -850,6 +857,57 @@ class Detector:
         if hidden is None:
             hidden = self._hidden = HiddenExcess(self.config.window_iterations)
         return hidden
+
+    def _untraced_sweep(self) -> UntracedSweep:
+        """The untraced ranks' sweep; a detector pickled before it existed starts it afresh."""
+        sweep = getattr(self, "_sweep", None)
+        if sweep is None:
+            sweep = self._sweep = UntracedSweep()
+        return sweep
+
+    def _sweep_step(self, frame: IterationFrame) -> list[Payload]:
+        """A traced iteration of a job with ranks nobody traces: probe their compute if a sweep is
+        due (analytics/untraced.py ``UntracedSweep``), or judge one whose last answers can no
+        longer come (their ranks died)."""
+        if not self.config.probes:
+            return []
+        sweep = self._untraced_sweep()
+        if sweep.probe_id is not None:
+            return self._sweep_result()
+        hidden = self._hidden_ranks(frame.epoch)
+        request = sweep.step(self.job, frame.epoch, frame.iteration, hidden[:4096], self.config.untraced_sweep_steps)
+        return [request] if request is not None else []
+
+    def _sweep_result(self) -> list[Payload]:
+        """A sweep's answers, once complete: the slowest rank, if it stands out as a probe's naming
+        must (``IncidentBook.probe_bar``), opens a compute incident on itself, sized by the probe.
+
+        Why the probe's size: the job's lateness, the only other measure of an untraced rank, is
+        within the untraced replicas' swing for the slowdowns only a sweep finds. The probe times
+        compute alone, so as a chunk slowdown (compute and TP communication) it reads a little
+        high: the planner takes a ×1.1 GPU for about ×1.11. Telemetry never sees the rank, so the
+        incident is health-probed until the rank measures healthy (``IncidentBook.open_unseen``)."""
+        sweep = self._untraced_sweep()
+        ratios = sweep.done(self.fail_stop.dead)
+        if not ratios:
+            return []
+        worst = max(ratios, key=lambda r: ratios[r])
+        ratio, bar = ratios[worst], self.book.probe_bar(ratios)
+        epoch = max(self.arrival.plans, default=-1)
+        plan = self.arrival.plans.get(epoch)
+        role = plan.roles.get(worst) if plan is not None else None
+        if ratio < bar or self.book.names(worst) or role is None:
+            return []
+        table = ", ".join(f"{r}: ×{v:.2f}" for r, v in sorted(ratios.items()))
+        return self.book.open_unseen(Suspect(
+            key=("ranks", (worst,)), target="compute", rank=worst, link=None, node=None, replica=role.replica,
+            stage=role.stage, tp_group=self._tp_group_of(epoch, worst) or None, factor=ratio, confidence=0.9,
+            iterations=[sweep.iteration], observed_s=[], predicted_s=[], rank_factors={worst: round(ratio, 4)},
+            statistic=f"sweep probe of the {len(ratios)} ranks nobody traces: rank {worst} took ×{ratio:.2f} of "
+                      f"the healthy reference, above the bar ×{bar:.3f} ({table})",
+            note=f"rank {worst} is not traced; its slowdown is within what the job's lateness can show, and the "
+                 f"periodic probe of the untraced ranks measured it",
+            ranks=(worst,)), sweep.iteration)
 
     def _hidden_ranks(self, epoch: int) -> list[int]:
         """The live ranks of TP groups none of whose members is traced (sampled tracing leaves whole

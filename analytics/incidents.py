@@ -81,7 +81,9 @@ class _Open:
     reprobe: bool = False  # the pending probe re-asks the named rank's TP group (it got slower)
     probe_asked_iteration: int | None = None  # when the pending probe was asked (None: none pending)
     # A fail-slow rank the running plan leaves out sends no telemetry: only a probe can see it heal.
-    excluded_since: int | None = None  # the iteration the plan left it out (None: in the plan)
+    # the iteration from which no telemetry sees it (the plan left it out, or nobody traces it and a
+    # sweep probe found it): it is health-probed now and then instead (None: telemetry judges it)
+    excluded_since: int | None = None
     health_asked_iteration: int | None = None  # when the last health probe was asked
     health_probes: int = 0  # asked since it was left out: each one doubles the wait for the next
     health: bool = False  # the pending probe is a health check of an excluded rank
@@ -116,6 +118,11 @@ class IncidentBook:
 
     def open_compute_ranks(self) -> set[int]:
         return {r for k in self.open if k[0] == "ranks" for r in k[1]}
+
+    def names(self, rank: int) -> bool:
+        """Whether an open incident is about ``rank``: its own, its TP group's, or one that a
+        probe named it in (time lost on untraced ranks stays a job-level incident)."""
+        return rank in self.suspect_ranks() or any(inc.suspect.rank == rank for inc in self.open.values())
 
     def open_rank_keys(self) -> list[tuple]:
         return [k for k in self.open if k[0] == "ranks"]
@@ -158,6 +165,16 @@ class IncidentBook:
             ranks = list(s.ranks) or list(s.link or ())
             out.append(ProbeRequest(probe_id=inc.probe_id, incident_id=inc.incident_id, ranks=ranks,
                                     target="compute" if s.target == "compute" else "link"))
+        return out
+
+    def open_unseen(self, s: Suspect, iteration: int) -> list[Payload]:
+        """A slow rank no telemetry sees (nobody traces it), found by a probe: opened as any
+        fail-slow, then health-probed as a rank the plan left out is, since nothing else will
+        ever see it healthy and resolve it."""
+        out = self.open_fail_slow(s, iteration)
+        inc = self.open.get(s.key)
+        if out and inc is not None:
+            inc.excluded_since, inc.health_asked_iteration, inc.health_probes = iteration, None, 0
         return out
 
     def observe(self, key: tuple, z: float, k: float, iteration: int, factor: float,
@@ -344,7 +361,7 @@ class IncidentBook:
         worst = max(inc.probe_ratios, key=lambda rank: inc.probe_ratios[rank])
         ratio = inc.probe_ratios[worst]
         s = inc.suspect
-        bar = self._probe_bar(inc.probe_ratios)
+        bar = self.probe_bar(inc.probe_ratios)
         if ratio < bar and s.link_probe_ranks and not inc.link_probe:
             # nobody it named computes slow: the time went to a link or a NIC; ask every rank's links
             inc.link_probe, inc.probe_ratios = True, {}
@@ -400,7 +417,7 @@ class IncidentBook:
             detail=f"probe: rank {worst} took ×{ratio:.2f} of the healthy reference ({ratios})",
             locations=[s.location(inc.factor)])]
 
-    def _probe_bar(self, ratios: dict[int, float]) -> float:
+    def probe_bar(self, ratios: dict[int, float]) -> float:
         """The probe ratio that names a rank slow: ``probe_confirm_ratio``, and with three or more
         answers also four robust σ above their median. Why: a probe is noisy too (a few per cent per
         answer in the simulator), and the worst of sixteen healthy answers (an untraced replica's

@@ -27,6 +27,7 @@ import numpy as np
 
 from analytics.frame import IterationFrame
 from analytics.prediction import predicted_iteration_s
+from collector.events import ProbeRequest, ProbeResult
 
 _SIZE_STEPS = 12  # bisection steps on log(factor) over [0, log 32]: 0.08 % resolution
 # Traced iterations the job must run late before time lost outside the traced ranks counts at any
@@ -148,3 +149,51 @@ def stage_factors_for(frame: IterationFrame, own_s: np.ndarray, schedule: tuple[
             lo, hi = (mid, hi) if t < target_s else (lo, mid)
         answers[int(s)] = math.exp(0.5 * (lo + hi))
     return answers
+
+
+class UntracedSweep:
+    """A compute probe of the ranks nobody traces, every ``untraced_sweep_steps`` traced iterations.
+
+    Why: the job's lateness is all that shows a fault on an untraced rank, and a slowdown smaller
+    than the untraced replicas' own swing never shows there (a ×1.1 GPU passes unseen, however
+    long). A probe runs each rank alone against a healthy reference and measures it to a few per
+    cent. It pauses training while it runs, so it is periodic, not every step; the default (every
+    16 traced steps, every 32 iterations at every-2nd-step tracing) costs one probe per 32
+    iterations. One sweep is pending at a time; it ends when every asked rank still alive has
+    answered (answers travel on the control topic, telemetry on its own: no count of iterations
+    gives up on them), and a new plan drops it."""
+
+    def __init__(self) -> None:
+        self.frames = 0  # traced iterations since the last sweep was asked
+        self.probe_id: str | None = None  # the pending sweep
+        self.asked: tuple[int, ...] = ()
+        self.ratios: dict[int, float] = {}
+        self.iteration = -1
+
+    def step(self, job: str, epoch: int, iteration: int, ranks: list[int], every: int) -> ProbeRequest | None:
+        """One traced iteration with ``ranks`` untraced: the sweep to ask now, if one is due."""
+        self.frames += 1
+        if every <= 0 or self.probe_id is not None or self.frames < every or not ranks:
+            return None
+        self.frames = 0
+        self.probe_id, self.asked, self.ratios = f"sweep-{job}-{epoch}-{iteration}", tuple(ranks), {}
+        self.iteration = iteration
+        return ProbeRequest(probe_id=self.probe_id, incident_id=None, ranks=list(ranks), target="compute")
+
+    def claims(self, p: ProbeResult) -> bool:
+        """Whether ``p`` answers the pending sweep (then it is recorded)."""
+        if self.probe_id is None or p.probe_id != self.probe_id:
+            return False
+        self.ratios[int(p.rank)] = p.duration_s / p.reference_s
+        return True
+
+    def done(self, dead: set[int]) -> dict[int, float] | None:
+        """The answers, once every asked rank not dead has given one (the sweep is then over)."""
+        if self.probe_id is None or set(self.asked) - set(self.ratios) - dead:
+            return None
+        self.probe_id = None
+        return self.ratios
+
+    def drop(self) -> None:
+        """A new plan: the asked ranks may no longer be the untraced ones."""
+        self.probe_id, self.frames = None, 0

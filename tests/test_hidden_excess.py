@@ -95,3 +95,83 @@ def test_a_x3_gpu_nobody_traces_is_named_within_two_traced_iterations() -> None:
     hits = detecting(fault, incidents["ours"], gpus_per_node=config.cluster.gpus_per_node, iterations=iterations,
                      grace=5)
     assert hits and hits[0][0] - fault.start_iteration <= 3, hits
+
+
+# ---- the sweep: a probe of the untraced ranks' compute now and then -----------------------------
+
+def _answer(probe_id: str, rank: int, ratio: float):
+    from collector.events import ProbeResult
+
+    return ProbeResult(probe_id=probe_id, rank=rank, duration_s=ratio * 0.1, reference_s=0.1)
+
+
+def test_a_sweep_is_asked_every_n_traced_iterations_and_one_at_a_time() -> None:
+    from analytics.untraced import UntracedSweep
+
+    sweep = UntracedSweep()
+    asked = [it for it in range(0, 40, 2) if sweep.step("job", 0, it, [8, 9], every=4) is not None]
+    assert asked == [6]  # the 4th traced iteration; the next waits for this one's answers
+    assert sweep.claims(_answer(sweep.probe_id, 8, 1.0)) and sweep.done(set()) is None
+    assert not sweep.claims(_answer("probe-other", 9, 1.0))
+    assert sweep.claims(_answer(sweep.probe_id, 9, 1.2)) and sweep.done(set()) == {8: 1.0, 9: 1.2}
+    # answered long after it was asked: the next is due at once
+    assert [it for it in range(40, 60, 2) if sweep.step("job", 0, it, [8, 9], every=4) is not None][:1] == [40]
+
+
+def test_a_sweep_whose_missing_answers_are_from_dead_ranks_ends() -> None:
+    from analytics.untraced import UntracedSweep
+
+    sweep = UntracedSweep()
+    for it in range(4):
+        sweep.step("job", 0, it, [8, 9, 10], every=4)
+    sweep.claims(_answer(sweep.probe_id, 8, 1.0))
+    assert sweep.done({9}) is None
+    assert sweep.done({9, 10}) == {8: 1.0}
+    assert sweep.step("job", 0, 5, [8], every=0) is None  # 0: never
+
+
+def _sampled_run(case_name: str, **config):
+    """A suite case in the sampled dialect through a detector with probes, answered by the simulator."""
+    from analytics.detector import Detector
+    from analytics.detector_config import DetectorConfig
+    from collector.events import IncidentConfirmed, IncidentOpened, IncidentResolved, ProbeRequest
+
+    (case,) = [c for c in detect.suite(120) if c.name == case_name]
+    engine, target = detect.case_engine(case, "sampled")
+    det = Detector(engine.config.job, DetectorConfig(probes=True, **config))
+    out, sweeps = [], 0
+    while engine.iteration < target:
+        for e in engine.step():
+            new = det.on_event(e)
+            while new:
+                out += [p for p in new if isinstance(p, (IncidentOpened, IncidentConfirmed, IncidentResolved))]
+                asked = [p for p in new if isinstance(p, ProbeRequest)]
+                sweeps += sum(p.probe_id.startswith("sweep-") for p in asked)
+                new = [q for p in asked for a in engine.probe(p) for q in det.on_event(a)]
+    return out, sweeps
+
+
+def test_a_x1_1_gpu_nobody_traces_is_found_by_a_sweep_and_resolved_by_a_later_probe() -> None:
+    """Device 10 (replica 1, untraced) ×1.1 from iteration 40 to 80: the job's lateness is within
+    the untraced replicas' swing, so only a probe of the untraced ranks finds it. Telemetry never
+    sees the rank, so a probe, not persistence, also sees it healthy again."""
+    from collector.events import IncidentOpened, IncidentResolved
+
+    out, sweeps = _sampled_run("compute x1.1 (recovers)", excluded_probe_iterations=20)
+    opened = [p for p in out if isinstance(p, IncidentOpened)]
+    assert len(opened) == 1 and sweeps >= 3, (opened, sweeps)
+    (inc,) = opened
+    loc = inc.locations[0]
+    assert loc.rank == 10 and 40 <= inc.iteration < 80 and abs(loc.factor / 1.1 - 1) < 0.03, inc
+    resolved = [p for p in out if isinstance(p, IncidentResolved) and p.incident_id == inc.incident_id]
+    assert resolved and resolved[0].iteration >= 80 and "probed healthy" in resolved[0].reason, resolved
+
+
+def test_sweeps_of_a_healthy_sampled_job_open_nothing() -> None:
+    out, sweeps = _sampled_run("healthy long context")
+    assert sweeps >= 3 and out == [], out
+
+
+def test_without_sweeps_the_x1_1_gpu_nobody_traces_passes_unseen() -> None:
+    out, sweeps = _sampled_run("compute x1.1 (recovers)", untraced_sweep_steps=0)
+    assert sweeps == 0 and out == [], out
