@@ -81,9 +81,10 @@ class _Open:
     reprobe: bool = False  # the pending probe re-asks the named rank's TP group (it got slower)
     probe_asked_iteration: int | None = None  # when the pending probe was asked (None: none pending)
     # A fail-slow rank the running plan leaves out sends no telemetry: only a probe can see it heal.
-    # the iteration from which no telemetry sees it (the plan left it out, or nobody traces it and a
-    # sweep probe found it): it is health-probed now and then instead (None: telemetry judges it)
+    # The iteration from which no telemetry sees it (the plan left it out, or nobody traces it and a
+    # sweep probe found it): it is health-probed now and then instead (None: telemetry judges it).
     excluded_since: int | None = None
+    unseen: bool = False  # found by a sweep of ranks nobody traces: health-probed in any plan
     health_asked_iteration: int | None = None  # when the last health probe was asked
     health_probes: int = 0  # asked since it was left out: each one doubles the wait for the next
     health: bool = False  # the pending probe is a health check of an excluded rank
@@ -175,6 +176,7 @@ class IncidentBook:
         inc = self.open.get(s.key)
         if out and inc is not None:
             inc.excluded_since, inc.health_asked_iteration, inc.health_probes = iteration, None, 0
+            inc.unseen = True
         return out
 
     def observe(self, key: tuple, z: float, k: float, iteration: int, factor: float,
@@ -598,6 +600,6 @@ class IncidentBook:
                 out_of_plan = not set(inc.suspect.ranks) & present
                 if out_of_plan and inc.excluded_since is None:
                     inc.excluded_since, inc.health_asked_iteration, inc.health_probes = iteration, None, 0
-                elif not out_of_plan:
+                elif not out_of_plan and not inc.unseen:  # a rank nobody traces stays probed, kept or not
                     inc.excluded_since = None
         return out

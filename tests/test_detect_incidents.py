@@ -207,6 +207,19 @@ def test_a_slow_rank_back_in_the_plan_is_not_health_probed_and_probes_off_ask_no
     assert [p for i in range(21, 100) for p in quiet.end_of_iteration(i)] == []
 
 
+def test_a_slow_rank_nobody_traces_stays_health_probed_in_a_plan_that_keeps_it() -> None:
+    """Found by a sweep of the untraced ranks, the rank sends no telemetry in any plan that keeps
+    it untraced: a new plan must not stop its health probes, or nothing would ever resolve it."""
+    book = IncidentBook("j", DetectorConfig(probes=True, excluded_probe_iterations=10))
+    (opening,) = [p for p in book.open_unseen(_named_slow(), iteration=10) if isinstance(p, ProbeRequest)]
+    _answer(book, opening, {5: 3.0})
+    book.reconfigured(present=set(range(16)), iteration=15)  # a reshape elsewhere keeps rank 5
+    (check,) = [p for i in range(16, 30) for p in book.end_of_iteration(i)]
+    assert isinstance(check, ProbeRequest) and check.ranks == [5]
+    (resolved,) = _answer(book, check, {5: 1.0})
+    assert isinstance(resolved, IncidentResolved) and "probed healthy" in resolved.reason
+
+
 def test_a_fail_slow_is_sized_again_once_on_its_first_slow_iterations() -> None:
     """The size an incident opens with may include an iteration from before the onset (×1.85 for a
     ×1.90 chunk slowdown), and updates need a 10 % move: without a second look that figure stays,
