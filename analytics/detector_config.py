@@ -97,9 +97,9 @@ class DetectorConfig(BaseModel):
     untraced_sweep_steps: int = Field(default=16, ge=0)
     """with probes and ranks nobody traces: probe those ranks' compute every this many traced iterations (0: never);
     each sweep pauses training for one probe, and finds a slowdown the job's lateness cannot show"""
-    untraced_run_rate: float = Field(default=1e-5, gt=0, lt=1)
+    untraced_run_rate: float = Field(default=1e-6, gt=0, lt=1)
     """with replicas nobody traces: a run of 2-3 late traced iterations opens an incident on its own when a healthy
-    run that late would come this rarely per traced iteration (a tail fitted to the job's own healthy excess,
+    run that late would come this rarely per traced iteration (the predictive tail of the job's own healthy excess,
     analytics/untraced.py HiddenExcess); a smaller excess waits for 4 traced iterations"""
 
     @field_validator("refine_iterations")
