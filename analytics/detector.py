@@ -425,9 +425,10 @@ class Detector:
         out += self._rank_cusum(frame, score, sigma)
         if self.config.links and len(score.link_z):
             out += self._link_cusum_step(frame, score, sigma)
+        hidden = self._hidden_ranks(frame.epoch)
         if self.config.links:
-            out += self._comm_excess(frame, score, facts)
-        out += self._sweep_step(frame)
+            out += self._comm_excess(frame, score, facts, hidden)
+        out += self._sweep_step(frame, hidden)
         out += self.book.end_of_iteration(frame.iteration)
         out.append(self._prediction(frame, facts))
         health = self._health(frame)
@@ -771,7 +772,8 @@ class Detector:
             ), frame.iteration)
         return out
 
-    def _comm_excess(self, frame: IterationFrame, score: FrameScore, facts: IterationFacts) -> list[Payload]:
+    def _comm_excess(self, frame: IterationFrame, score: FrameScore, facts: IterationFacts,
+                     untraced: list[int]) -> list[Payload]:
         """Wall time that the observed compute cannot explain is communication — or, in a job that
         traces only some ranks, a fault outside what is traced (analytics/untraced.py). The
         schedule model replays the observed own chunk times (no transfers, no all-reduce); the
@@ -787,7 +789,6 @@ class Detector:
             return []
         wall = float(frame.wall_s.max())
         r = float(np.log(wall / explained))
-        untraced = self._hidden_ranks(frame.epoch)
         hidden = self._hidden_excess() if untraced else None
         raw, r_size = r, r
         if hidden is not None:  # the untraced replicas' own mix moves the job's time: only a lasting
@@ -865,16 +866,15 @@ class Detector:
             sweep = self._sweep = UntracedSweep()
         return sweep
 
-    def _sweep_step(self, frame: IterationFrame) -> list[Payload]:
-        """A traced iteration of a job with ranks nobody traces: probe their compute if a sweep is
-        due (analytics/untraced.py ``UntracedSweep``), or judge one whose last answers can no
-        longer come (their ranks died)."""
+    def _sweep_step(self, frame: IterationFrame, hidden: list[int]) -> list[Payload]:
+        """A traced iteration of a job with ranks nobody traces (``hidden``): probe their compute if
+        a sweep is due (analytics/untraced.py ``UntracedSweep``), or judge one whose last answers
+        can no longer come (their ranks died)."""
         if not self.config.probes:
             return []
         sweep = self._untraced_sweep()
         if sweep.probe_id is not None:
             return self._sweep_result()
-        hidden = self._hidden_ranks(frame.epoch)
         request = sweep.step(self.job, frame.epoch, frame.iteration, hidden[:4096], self.config.untraced_sweep_steps)
         return [request] if request is not None else []
 
@@ -893,7 +893,7 @@ class Detector:
             return []
         worst = max(ratios, key=lambda r: ratios[r])
         ratio, bar = ratios[worst], self.book.probe_bar(ratios)
-        epoch = max(self.arrival.plans, default=-1)
+        epoch = sweep.epoch
         plan = self.arrival.plans.get(epoch)
         role = plan.roles.get(worst) if plan is not None else None
         if ratio < bar or self.book.names(worst) or role is None:

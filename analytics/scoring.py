@@ -443,8 +443,8 @@ def score_frame(frame: IterationFrame, model: CostModel, suspects: set[int],
     """Predict, learn from the healthy part, and score every rank and link of one iteration.
 
     ``stand_out``: a rank whose centred score reaches it (the detector passes its alarm threshold
-    h) is scored again as it will be once suspected, and does not teach the fit: without sequence
-    lengths with its TP group left out of the medians that predict and centre it; with them, by
+    h) is scored again as it will be once suspected: without sequence lengths with its TP group
+    left out of the medians that predict and centre it (nor does it teach the fit); with them, by
     a fit that never learned from its group."""
     tags = group_tags(frame)
     forget_suspects(model, tags, frame.rank, suspects)
@@ -473,13 +473,14 @@ def score_frame(frame: IterationFrame, model: CostModel, suspects: set[int],
         # groups running the class the line sat between them (a ×1.72 GPU opened at ×1.42).
         # Scored again without it, as it will be once suspected. Without lengths nor does it teach
         # the fit; with them it does, as any rank not yet suspected: if it becomes one, its rows
-        # are taken back out (``forget_suspects``), and if not, the line keeps what it taught
-        # (a fit learned from one group of two moved σ, and a ×1.8 GPU opened a step later).
+        # are taken back out (``forget_suspects``), and a rank that stood out by chance keeps
+        # teaching its class.
         clean = fit_ranks(frame, suspects | set(frame.rank[standing].tolist()))
+        own = teaching_own(t, clean)
         if inferred:
-            u_own = teaching_own(t, clean)
+            u_own = own
         fitted = model if inferred else model.without_groups(set(tags[standing].tolist()))
-        pred = predict_fitted(frame, fitted, c_class, keys, t.units, teaching_own(t, clean))
+        pred = predict_fitted(frame, fitted, c_class, keys, t.units, own)
         x, xk = rank_log_ratios(frame, pred, chunk_quantile)
         z, z_by_kind = centre_ranks(frame, x, xk, clean, inferred)
     learn_units(model, frame.iteration, keys, t.u_class, t.u_tokens, t.u_s2, u_own, skip=set(unseen), u_group=u_group)

@@ -174,7 +174,8 @@ class UntracedSweep:
         self.probe_id: str | None = None  # the pending sweep
         self.asked: tuple[int, ...] = ()
         self.ratios: dict[int, float] = {}
-        self.iteration = -1
+        self.iteration = -1  # when the pending (or last) sweep was asked
+        self.epoch = -1  # the plan it asked under: the plan its answers are placed in
 
     def step(self, job: str, epoch: int, iteration: int, ranks: list[int], every: int) -> ProbeRequest | None:
         """One traced iteration with ``ranks`` untraced: the sweep to ask now, if one is due."""
@@ -183,7 +184,7 @@ class UntracedSweep:
             return None
         self.frames = 0
         self.probe_id, self.asked, self.ratios = f"sweep-{job}-{epoch}-{iteration}", tuple(ranks), {}
-        self.iteration = iteration
+        self.iteration, self.epoch = iteration, epoch
         return ProbeRequest(probe_id=self.probe_id, incident_id=None, ranks=list(ranks), target="compute")
 
     def claims(self, p: ProbeResult) -> bool:
