@@ -792,7 +792,7 @@ class Detector:
         hidden = self._hidden_excess() if untraced else None
         raw, r_size = r, r
         if hidden is not None:  # the untraced replicas' own mix moves the job's time: only a lasting
-            r, r_size = hidden.add(r)  # excess counts, and it is sized on the last few iterations
+            r, r_size = hidden.add(r, frame.iteration, self.config.sigma_floor)  # excess counts, sized on the last few
         span = facts.span_s if untraced else float("nan")
         r_pipe = float(np.log(span / explained)) if np.isfinite(span) and span > 0 else float("nan")
         hist = np.array(self._comm_hist)
@@ -875,7 +875,15 @@ class Detector:
         sweep = self._untraced_sweep()
         if sweep.probe_id is not None:
             return self._sweep_result()
-        request = sweep.step(self.job, frame.epoch, frame.iteration, hidden[:4096], self.config.untraced_sweep_steps)
+        # A late iteration brings the sweep forward: a GPU nobody traces that makes the job later than
+        # it runs healthy is named (and sized by its probe) at once, not after the runs that would
+        # prove it from the lateness alone. Not while an open incident explains the lateness (a slow
+        # rank) or probes for it anyway (the lateness's own).
+        rate = self.config.untraced_suspicion_rate
+        explained = self.book.open_compute_ranks() or ("untraced",) in self.book.open or ("comm",) in self.book.open
+        suspicious = rate > 0 and not explained and self._hidden_excess().chance(frame.iteration) <= rate
+        request = sweep.step(self.job, frame.epoch, frame.iteration, hidden[:4096], self.config.untraced_sweep_steps,
+                             suspicious)
         return [request] if request is not None else []
 
     def _sweep_result(self) -> list[Payload]:
@@ -883,9 +891,10 @@ class Detector:
         must (``IncidentBook.probe_bar``), opens a compute incident on itself, sized by the probe.
 
         Why the probe's size: the job's lateness, the only other measure of an untraced rank, is
-        within the untraced replicas' swing for the slowdowns only a sweep finds. The probe times
-        compute alone, so as a chunk slowdown (compute and TP communication) it reads a little
-        high: the planner takes a ×1.1 GPU for about ×1.11. Telemetry never sees the rank, so the
+        within the untraced replicas' swing for the slowdowns only a sweep finds, and sized through
+        the schedule it is a few per cent off even far beyond that swing. The probe times compute
+        alone, which is what the incident says it measured (``Location.measure``): the planner
+        takes it as the GPU's compute slowdown as it stands. Telemetry never sees the rank, so the
         incident is health-probed until the rank measures healthy (``IncidentBook.open_unseen``)."""
         sweep = self._untraced_sweep()
         ratios = sweep.done(self.fail_stop.dead)
@@ -907,7 +916,7 @@ class Detector:
                       f"the healthy reference, above the bar ×{bar:.3f} ({table})",
             note=f"rank {worst} is not traced; its slowdown is within what the job's lateness can show, and the "
                  f"periodic probe of the untraced ranks measured it",
-            ranks=(worst,)), sweep.iteration)
+            ranks=(worst,), measure="compute"), sweep.iteration)
 
     def _hidden_ranks(self, epoch: int) -> list[int]:
         """The live ranks of TP groups none of whose members is traced (sampled tracing leaves whole

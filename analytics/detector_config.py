@@ -97,6 +97,10 @@ class DetectorConfig(BaseModel):
     untraced_sweep_steps: int = Field(default=16, ge=0)
     """with probes and ranks nobody traces: probe those ranks' compute every this many traced iterations (0: never);
     each sweep pauses training for one probe, and finds a slowdown the job's lateness cannot show"""
+    untraced_suspicion_rate: float = Field(default=0.02, ge=0, lt=1)
+    """with probes and replicas nobody traces: a traced iteration later than a healthy one would be this often (the
+    same predictive tail) brings the sweep forward, so a slow untraced GPU is named and sized by its probe at once; each
+    costs a probe's pause, on about this share of a healthy job's traced iterations (0: only the periodic sweep)"""
     untraced_run_rate: float = Field(default=1e-6, gt=0, lt=1)
     """with replicas nobody traces: a run of 2-3 late traced iterations opens an incident on its own when a healthy
     run that late would come this rarely per traced iteration (the predictive tail of the job's own healthy excess,

@@ -16,6 +16,7 @@ import math
 import uuid
 from statistics import median
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from analytics.detector_config import DetectorConfig
 from analytics.fail_stop import LivenessChange
@@ -52,11 +53,14 @@ class Suspect:
     # Ranks whose links to probe when the compute probe of ``ranks`` finds nobody slow: time lost
     # outside the traced ranks is an untraced rank's compute or some link or NIC (analytics/untraced.py).
     link_probe_ranks: tuple[int, ...] = ()
+    # What the factor slows: the rank's chunks (telemetry's measure) or its compute alone (a probe's,
+    # for a rank no telemetry sees: Location.measure).
+    measure: Literal["chunks", "compute"] = "chunks"
 
     def location(self, factor: float | None = None) -> Location:
         return Location(target=self.target, rank=self.rank, link=self.link, node=self.node, replica=self.replica,
                         stage=self.stage, tp_group=self.tp_group, factor=max(factor or self.factor, 1e-6),
-                        confidence=self.confidence)
+                        confidence=self.confidence, measure=self.measure)
 
     def evidence(self) -> Evidence:
         return Evidence(iterations=self.iterations, observed_s=self.observed_s, predicted_s=self.predicted_s,

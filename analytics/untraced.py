@@ -13,7 +13,8 @@ the fault as the slowdown of one pipeline stage that would make a replica as lat
 the same schedule model that predicts a healthy iteration, run backwards, once per stage. The
 median over stages is the size until a probe names the rank; from then on its stage's answer is.
 
-``HiddenExcess`` decides when that excess counts. The untraced replicas' own mix (their sequence
+``HiddenExcess`` decides when that excess counts, and how unlikely one traced iteration's is
+(an unlikely one brings ``UntracedSweep``, the probe of the untraced ranks, forward). The untraced replicas' own mix (their sequence
 lengths nobody records) makes single iterations late by chance, so one late step is never enough;
 how many are is a matter of how late (see its docstring).
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -67,12 +69,22 @@ class HiddenExcess:
     def __init__(self, window: int) -> None:
         self.recent: deque[float] = deque(maxlen=UNTRACED_SUSTAIN)  # the last traced excesses
         self.healthy: deque[float] = deque(maxlen=4 * window)  # excesses of iterations that did not alarm
+        self.latest = (-1, 1.0)  # (iteration, chance of a healthy one as late) of the newest excess
 
-    def add(self, excess: float) -> tuple[float, float]:
+    def add(self, excess: float, iteration: int, scale_floor: float) -> tuple[float, float]:
         """Take a traced iteration's excess; (the least of the recent ones, the median of the last
-        three: what the incident is sized on, a single lucky or unlucky one left out)."""
+        three: what the incident is sized on, a single lucky or unlucky one left out). Its chance
+        under the healthy tail (``chance``) is kept, read before it joins the healthy ones."""
         self.recent.append(excess)
+        fit = self._tail(scale_floor)
+        self.latest = (iteration, fit[1](excess) if fit is not None else 1.0)
         return min(self.recent), self.size_of(3)
+
+    def chance(self, iteration: int) -> float:
+        """How often a healthy traced iteration is as late as ``iteration`` was (1.0: that
+        iteration brought no excess, or too little healthy history to say)."""
+        at, p = self.latest
+        return p if at == iteration else 1.0
 
     def size_of(self, n: int) -> float:
         """The median of the last ``n`` excesses: a run of n that opened an incident is sized on
@@ -87,27 +99,41 @@ class HiddenExcess:
         self.recent.clear()
         self.healthy.clear()
 
-    def unlikely_run(self, least_alarm: float, rate: float, scale_floor: float) -> int | None:
-        """The length n of the shortest run of recent excesses (n ≥ 2), each at least ``least_alarm``
-        above the healthy median (the smallest excess that ever opens an incident), whose chance
-        under the fitted tail, P(e ≥ least of the run)^n, is at most ``rate``; None when there is
-        none or too little healthy history to fit a tail to. The tail's λ is at least
-        ``scale_floor`` (the detector's σ floor): a handful of tiny overshoots is no evidence that
-        the job never swings."""
+    def _tail(self, scale_floor: float) -> tuple[float, Callable[[float], float]] | None:
+        """(the healthy median, P(a healthy excess ≥ e) as a function of e, 1.0 at or below it): the
+        exponential's predictive tail over the overshoots above the median, a Lomax (see the class
+        docstring); λ is at least ``scale_floor`` (the detector's σ floor): a handful of tiny
+        overshoots is no evidence that the job never swings. None with too little history."""
         if len(self.healthy) < _MIN_TAIL_HISTORY:
             return None
         h = np.asarray(self.healthy)
         centre = float(np.median(h))
         over = h[h > centre] - centre
-        m = len(over)
-        scale = max(float(over.mean()) if m else 0.0, scale_floor)
+        m = max(len(over), 1)
+        scale = max(float(over.mean()) if len(over) else 0.0, scale_floor)
         share = (len(over) + 1) / (len(h) + 1)
+
+        def tail(e: float) -> float:
+            x = e - centre
+            return 1.0 if x <= 0 else share * (1.0 + x / (m * scale)) ** -m
+
+        return centre, tail
+
+    def unlikely_run(self, least_alarm: float, rate: float, scale_floor: float) -> int | None:
+        """The length n of the shortest run of recent excesses (n ≥ 2), each at least ``least_alarm``
+        above the healthy median (the smallest excess that ever opens an incident), whose chance
+        under the fitted tail, P(e ≥ least of the run)^n, is at most ``rate``; None when there is
+        none or too little healthy history to fit a tail to."""
+        fit = self._tail(scale_floor)
+        if fit is None:
+            return None
+        centre, tail = fit
         recent = list(self.recent)
         for n in range(2, len(recent) + 1):
-            least = min(recent[-n:]) - centre
-            if least < least_alarm:
+            least = min(recent[-n:])
+            if least - centre < least_alarm:
                 return None  # a shorter run's least is no smaller: no longer one passes either
-            if (share * (1.0 + least / (max(m, 1) * scale)) ** -max(m, 1)) ** n <= rate:
+            if tail(least) ** n <= rate:
                 return n
         return None
 
@@ -158,14 +184,18 @@ def stage_factors_for(frame: IterationFrame, own_s: np.ndarray, schedule: tuple[
 
 
 class UntracedSweep:
-    """A compute probe of the ranks nobody traces, every ``untraced_sweep_steps`` traced iterations.
+    """A compute probe of the ranks nobody traces, every ``untraced_sweep_steps`` traced iterations
+    and at once on a traced iteration the job's healthy swing makes unlikely.
 
     Why: the job's lateness is all that shows a fault on an untraced rank, and a slowdown smaller
     than the untraced replicas' own swing never shows there (a ×1.1 GPU passes unseen, however
     long). A probe runs each rank alone against a healthy reference and measures it to a few per
     cent. It pauses training while it runs, so it is periodic, not every step; the default (every
     16 traced steps, every 32 iterations at every-2nd-step tracing) costs one probe per 32
-    iterations. One sweep is pending at a time; it ends when every asked rank still alive has
+    iterations. A late iteration (``HiddenExcess.chance`` at most ``untraced_suspicion_rate``)
+    brings it forward: the probe names a GPU that makes the job late at its first late step, and
+    sizes it, where the lateness alone would have to hold for several (and sizes it only through
+    the schedule, a few per cent off). One sweep is pending at a time; it ends when every asked rank still alive has
     answered (answers travel on the control topic, telemetry on its own: no count of iterations
     gives up on them), and a new plan drops it."""
 
@@ -177,10 +207,14 @@ class UntracedSweep:
         self.iteration = -1  # when the pending (or last) sweep was asked
         self.epoch = -1  # the plan it asked under: the plan its answers are placed in
 
-    def step(self, job: str, epoch: int, iteration: int, ranks: list[int], every: int) -> ProbeRequest | None:
-        """One traced iteration with ``ranks`` untraced: the sweep to ask now, if one is due."""
+    def step(self, job: str, epoch: int, iteration: int, ranks: list[int], every: int,
+             suspicious: bool = False) -> ProbeRequest | None:
+        """One traced iteration with ``ranks`` untraced: the sweep to ask now, if one is due or the
+        iteration is ``suspicious`` (later than the job's healthy swing makes likely: the sweep is
+        brought forward, and the next periodic one counts from it)."""
         self.frames += 1
-        if every <= 0 or self.probe_id is not None or self.frames < every or not ranks:
+        due = every > 0 and self.frames >= every
+        if self.probe_id is not None or not (due or suspicious) or not ranks:
             return None
         self.frames = 0
         self.probe_id, self.asked, self.ratios = f"sweep-{job}-{epoch}-{iteration}", tuple(ranks), {}

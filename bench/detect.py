@@ -165,11 +165,12 @@ def sizing(faults: list, incs: dict[str, Tracked], iterations: int, config, grac
 
     The detector sizes a slow GPU by how much longer its chunks take than predicted: compute, TP
     communication and per-layer overhead together. The engine turns that into the GPU's compute
-    factor (``compute_factor_from_chunks``, here with the simulator's exact cost figures), and the
-    planner's gains follow from it: a ×2 GPU read as ×1.9 can put a plan's gain under the engine's
-    minimum. So sizing is scored on the compute factor, against the injected one."""
+    factor (``compute_factor_of``, here with the simulator's exact cost figures; a probe's size of a
+    rank nobody traces is a compute factor already), and the planner's gains follow from it: a ×2
+    GPU read as ×1.9 can put a plan's gain under the engine's minimum. So sizing is scored on the
+    compute factor, against the injected one."""
     from remediation.cluster import ClusterState
-    from remediation.costs import compute_factor_from_chunks
+    from remediation.costs import compute_factor_of
     from resihp.planning_models import exact_model, hardware_of
 
     model = exact_model(config.model, config.cluster, config.workload)
@@ -188,7 +189,7 @@ def sizing(faults: list, incs: dict[str, Tracked], iterations: int, config, grac
             continue
         chunk = float(locs[0].factor)
         out.append((float(f.location.factor), chunk,
-                    compute_factor_from_chunks(cluster, model, config.plan, f.location.rank, chunk)))
+                    compute_factor_of(cluster, model, config.plan, f.location.rank, chunk, locs[0].measure)))
     return out
 
 
@@ -203,11 +204,11 @@ def first_sizes(faults: list, incs: dict[str, Tracked], iterations: int, config,
     on the iteration's excess, and time lost on one of the ranks nobody traces (sampled tracing);
     the probe that names the link, NIC or GPU, answered in the same iteration, first places and
     sizes each. An incident that is never placed counts its opening. A slow GPU's size is read as
-    the engine reads it (its compute factor, ``compute_factor_from_chunks``, whether the incident
-    names the GPU or its TP group: both are sized by the same chunks), a link's or NIC's as it
-    stands. Later refinements do not count here; ``sizing`` scores the last size."""
+    the engine reads it (its compute factor, ``compute_factor_of``, whether the incident names the
+    GPU or its TP group: both are sized by the same chunks; a probe's size as it stands), a link's
+    or NIC's as it stands. Later refinements do not count here; ``sizing`` scores the last size."""
     from remediation.cluster import ClusterState
-    from remediation.costs import compute_factor_from_chunks
+    from remediation.costs import compute_factor_of
     from resihp.planning_models import exact_model, hardware_of
 
     model = exact_model(config.model, config.cluster, config.workload)
@@ -227,7 +228,7 @@ def first_sizes(faults: list, incs: dict[str, Tracked], iterations: int, config,
         read = float(locs[0].factor)
         kind = "compute" if f.location.target == "compute" and f.location.rank is not None else "link"
         if kind == "compute":
-            read = compute_factor_from_chunks(cluster, model, config.plan, f.location.rank, read)
+            read = compute_factor_of(cluster, model, config.plan, f.location.rank, read, locs[0].measure)
         out.append((kind, float(f.location.factor), read))
     return out
 
@@ -288,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{n:22} " + " ".join(f"{scores[n][c]:16.3f}" for c in cols))
         errors = [abs(read / true - 1) for _, true, _, read in sized]
         if sized:
-            print(f"\n{'slow GPU sized by ours':34} {'true':>6} {'chunks':>8} {'compute':>8} {'error':>7}")
+            print(f"\n{'slow GPU sized by ours':34} {'true':>6} {'reported':>8} {'compute':>8} {'error':>7}")
             for (name, true, chunk, read), err in zip(sized, errors):
                 print(f"{name:34} {true:6.2f} {chunk:8.3f} {read:8.3f} {err:7.1%}")
             print(f"{'median / worst error':34} {'':6} {'':8} {'':8} {np.median(errors):7.1%} / {max(errors):.1%}")

@@ -693,6 +693,11 @@ class Location(BaseModel):
     tp_group: tuple[Int32, ...] | None = Field(default=None, max_length=LIST_MAX)
     factor: float = Field(default=1.0, gt=0, description="estimated slowdown; large (finite) for dead")
     confidence: float = Field(default=1.0, ge=0, le=1)
+    measure: Literal["chunks", "compute"] = Field(
+        default="chunks", exclude_if=lambda v: v == "chunks",
+        description="what a compute location's factor slows: the rank's chunks, as telemetry times them (compute "
+                    "and the TP communication inside; a planner takes the compute slowdown behind it), or its "
+                    "compute alone, as a probe times it")
 
 
 class Evidence(BaseModel):
@@ -712,6 +717,7 @@ class IncidentOpened(Payload):
     """The detector found something its prediction cannot explain, and says where and why."""
 
     KIND: ClassVar[str] = "incident.opened"
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # 2 adds Location.measure
     incident_id: str
     category: FaultCategory
     severity: Severity
@@ -725,6 +731,7 @@ class IncidentConfirmed(Payload):
     """A suspicion is confirmed: by a probe, by missing heartbeats, or by persisting evidence."""
 
     KIND: ClassVar[str] = "incident.confirmed"
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # 2 adds Location.measure
     incident_id: str
     method: ConfirmMethod
     detail: str
@@ -735,6 +742,7 @@ class IncidentUpdated(Payload):
     """New evidence for an open incident: severity, locations or factors changed."""
 
     KIND: ClassVar[str] = "incident.updated"
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # 2 adds Location.measure
     incident_id: str
     iteration: Count
     severity: Severity

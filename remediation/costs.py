@@ -316,3 +316,11 @@ def compute_factor_from_chunks(cluster: ClusterState, model: PlannerModel, plan:
                 total = stage_round_trip_s(cost, model, st.num_layers)
                 return 1 + (chunk_factor - 1) * total / compute if compute > 0 else chunk_factor
     return chunk_factor
+
+
+def compute_factor_of(cluster: ClusterState, model: PlannerModel, plan: Plan, device: int, factor: float,
+                      measure: str) -> float:
+    """The compute slowdown a compute location of ``device`` states, as the planner reads it: a
+    factor measured on chunks (telemetry, ``Location.measure == "chunks"``) through
+    ``compute_factor_from_chunks``; one measured on compute alone (a probe) as it stands."""
+    return factor if measure == "compute" else compute_factor_from_chunks(cluster, model, plan, device, factor)

@@ -49,7 +49,7 @@ from remediation.candidates import PlannerOptions
 from remediation.capability_fit import fit_options
 from remediation.cluster import ClusterState, DeviceState, Hardware, cluster_from_incidents
 from remediation.cost_figures import calibrate_spread, model_from_fits
-from remediation.costs import compute_factor_from_chunks
+from remediation.costs import compute_factor_of
 from remediation.horizon import HorizonEstimator
 from remediation.lifecycle import (
     KEPT_UNVERIFIED, LifecycleState, PlanStatus, Verification, initial_state, reaction_id, reactions, step,
@@ -247,12 +247,15 @@ class RemediationEngine:
         for d in sorted(self.state.known_dead):
             if d < cluster.num_devices and not cluster.is_dead(d):
                 cluster = cluster.with_device(d, DeviceState(dead=True))
-        # The detector measures chunk slowdowns; the planner's compute factor slows compute alone.
+        # Telemetry measures chunk slowdowns; the planner's compute factor slows compute alone. A
+        # probe's size (a rank nobody traces) is a compute slowdown already (Location.measure).
         plan, model = self.state.running_plan, self.model or self.fallback_model
+        probed = {loc.rank for _, locs in view.incidents for loc in locs if loc.measure == "compute"}
         if plan is not None and model is not None:
             for d, st in sorted(cluster.damaged.items()):
                 if not st.dead and st.compute_factor > 1.0:
-                    cf = compute_factor_from_chunks(cluster, model, plan, d, st.compute_factor)
+                    cf = compute_factor_of(cluster, model, plan, d, st.compute_factor,
+                                           "compute" if d in probed else "chunks")
                     cluster = cluster.with_device(d, DeviceState(compute_factor=cf))
         return cluster
 

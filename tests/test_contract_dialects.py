@@ -122,6 +122,29 @@ def test_schema_4_is_written_with_comm_as_columns_and_an_unknown_version_names_w
         decode(json.dumps(body).encode())
 
 
+def test_a_probe_measured_location_says_so_and_a_chunk_measured_one_is_written_as_before() -> None:
+    """``Location.measure`` (incident schema 2): only a compute-alone size carries it, so a
+    schema-1 incident reads as measured on chunks, and a chunk-measured one is written unchanged."""
+    from collector.events import Evidence, Location, Severity
+
+    def incident(loc: Location):
+        return EventFactory("j", "analytics").make(IncidentOpened(
+            incident_id="i", category="fail_slow", severity=Severity.HIGH, iteration=3, locations=[loc],
+            evidence=Evidence(), summary="s"))
+
+    probed = incident(Location(target="compute", rank=9, factor=2.0, measure="compute"))
+    body = json.loads(encode(probed))
+    assert body["schema_version"] == 2 and body["payload"]["locations"][0]["measure"] == "compute"
+    assert decode(encode(probed)).payload.locations[0].measure == "compute"
+    chunks = json.loads(encode(incident(Location(target="compute", rank=9, factor=2.0))))
+    assert "measure" not in chunks["payload"]["locations"][0]
+    chunks["schema_version"] = 1
+    assert decode(json.dumps(chunks).encode()).payload.locations[0].measure == "chunks"
+    body["payload"]["locations"][0]["measure"] = "flops"
+    with pytest.raises(InvalidEvent, match="measure"):
+        decode(json.dumps(body).encode())
+
+
 def test_the_schema_3_and_schema_4_forms_of_a_record_read_and_frame_the_same() -> None:
     ev = job(1)[1]
     p = ev.payload

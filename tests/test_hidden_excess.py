@@ -22,7 +22,7 @@ def swinging(seed: int = 0, n: int = 32) -> HiddenExcess:
     hidden = HiddenExcess(window=8)
     for _ in range(n):
         e = float(rng.exponential(0.05)) if rng.random() < 0.4 else float(abs(rng.normal(0, 0.002)))
-        hidden.add(e)
+        hidden.add(e, 0, FLOOR)
         hidden.learn(e)
     return hidden
 
@@ -30,15 +30,15 @@ def swinging(seed: int = 0, n: int = 32) -> HiddenExcess:
 def test_two_traced_iterations_far_beyond_the_swing_are_a_run() -> None:
     hidden = swinging()
     for e in (0.45, 0.50):
-        hidden.add(e)
+        hidden.add(e, 0, FLOOR)
     assert hidden.unlikely_run(H, RATE, FLOOR) == 2
     assert abs(hidden.size_of(2) - 0.475) < 1e-9  # sized on the run, not on the iteration before it
 
 
 def test_a_single_late_iteration_is_never_a_run() -> None:
     hidden = swinging()
-    hidden.add(0.01)
-    hidden.add(5.0)  # ×150 once: an untraced replica's stall, or the heaviest mix ever drawn
+    hidden.add(0.01, 0, FLOOR)
+    hidden.add(5.0, 0, FLOOR)  # ×150 once: an untraced replica's stall, or the heaviest mix ever drawn
     assert hidden.unlikely_run(H, RATE, FLOOR) is None
 
 
@@ -46,7 +46,7 @@ def test_a_run_within_the_jobs_own_swing_waits_for_persistence() -> None:
     hidden = swinging()
     late = float(np.quantile(list(hidden.healthy), 0.9))  # as late as one healthy iteration in ten
     for _ in range(3):  # three in a row is not rare enough
-        hidden.add(late)
+        hidden.add(late, 0, FLOOR)
     assert hidden.unlikely_run(H, RATE, FLOOR) is None
     assert len(hidden.recent) == UNTRACED_SUSTAIN
 
@@ -61,8 +61,8 @@ def test_a_wider_swing_needs_a_later_run() -> None:
         quiet.learn(0.02 * e)
         wide.learn(0.15 * e)
     for hidden in (quiet, wide):
-        hidden.add(0.3)
-        hidden.add(0.3)
+        hidden.add(0.3, 0, FLOOR)
+        hidden.add(0.3, 0, FLOOR)
     assert quiet.unlikely_run(H, RATE, FLOOR) == 2
     assert wide.unlikely_run(H, RATE, FLOOR) is None
 
@@ -71,8 +71,8 @@ def test_without_enough_healthy_history_no_tail_is_fitted() -> None:
     hidden = HiddenExcess(window=8)
     for e in (0.0, 0.01, 0.0):
         hidden.learn(e)
-    hidden.add(0.9)
-    hidden.add(0.9)
+    hidden.add(0.9, 0, FLOOR)
+    hidden.add(0.9, 0, FLOOR)
     assert hidden.unlikely_run(H, RATE, FLOOR) is None
 
 
@@ -80,8 +80,8 @@ def test_an_excess_below_the_smallest_alarm_is_no_run_however_quiet_the_job() ->
     hidden = HiddenExcess(window=8)
     for _ in range(32):
         hidden.learn(0.0)  # no spread at all: the tail's λ is the σ floor
-    hidden.add(0.04)
-    hidden.add(0.04)  # ×1.04: under the ×1.06 no incident opens below
+    hidden.add(0.04, 0, FLOOR)
+    hidden.add(0.04, 0, FLOOR)  # ×1.04: under the ×1.06 no incident opens below
     assert hidden.unlikely_run(H, RATE, FLOOR) is None
 
 
@@ -108,7 +108,7 @@ def _false_runs(draw, steps: int = 20_000, seed: int = 0) -> int:
     hidden, runs = HiddenExcess(window=8), 0
     for _ in range(steps):
         e = draw(rng)
-        hidden.add(e)
+        hidden.add(e, 0, FLOOR)
         if hidden.unlikely_run(H, rate, FLOOR):
             runs += 1
             hidden.recent.clear()
@@ -209,5 +209,52 @@ def test_sweeps_of_a_healthy_sampled_job_open_nothing() -> None:
 
 
 def test_without_sweeps_the_x1_1_gpu_nobody_traces_passes_unseen() -> None:
-    out, sweeps = _sampled_run("compute x1.1 (recovers)", untraced_sweep_steps=0)
+    out, sweeps = _sampled_run("compute x1.1 (recovers)", untraced_sweep_steps=0, untraced_suspicion_rate=0)
     assert sweeps == 0 and out == [], out
+
+
+# ---- a late iteration brings the sweep forward ---------------------------------------------------
+
+def test_the_chance_of_an_iteration_is_read_before_it_joins_the_healthy_ones() -> None:
+    hidden = swinging()
+    hidden.add(0.5, 41, FLOOR)  # far beyond a swing of exponential(0.05) spikes
+    assert hidden.chance(41) < 1e-3
+    assert hidden.chance(43) == 1.0  # no excess was taken at 43: nothing to say of it
+    hidden.add(float(np.median(list(hidden.healthy))), 43, FLOOR)
+    assert hidden.chance(43) == 1.0  # at the healthy median: as likely as can be
+    assert HiddenExcess(window=8).chance(0) == 1.0  # no history: no tail, nothing is unlikely
+
+
+def test_a_suspicious_iteration_asks_the_sweep_at_once_and_the_next_counts_from_it() -> None:
+    from analytics.untraced import UntracedSweep
+
+    sweep = UntracedSweep()
+    assert sweep.step("job", 0, 0, [8, 9], every=8) is None
+    asked = sweep.step("job", 0, 2, [8, 9], every=8, suspicious=True)
+    assert asked is not None and asked.ranks == [8, 9] and asked.target == "compute"
+    assert sweep.step("job", 0, 4, [8, 9], every=8, suspicious=True) is None  # one at a time
+    sweep.claims(_answer(sweep.probe_id, 8, 1.0))
+    sweep.claims(_answer(sweep.probe_id, 9, 1.0))
+    assert sweep.done(set()) == {8: 1.0, 9: 1.0}
+    periodic = [it for it in range(6, 40, 2) if sweep.step("job", 0, it, [8, 9], every=8) is not None]
+    assert periodic[0] == 2 + 2 * 8, periodic  # 8 traced iterations after the suspicious one
+    assert UntracedSweep().step("job", 0, 0, [8], every=0, suspicious=True) is not None  # even without periodic ones
+
+
+def test_a_x2_gpu_nobody_traces_is_named_at_its_first_late_iteration_sized_by_its_probe() -> None:
+    """Device 30 (replica 1, untraced) ×2 from iteration 40. Its first traced iteration is later
+    than the job's swing makes likely (about 1 in 100): the sweep is asked then, its probe names
+    the GPU and measures its compute (``Location.measure``), within 5 % of the truth. Left to
+    the lateness it was named at 48, sized through the schedule."""
+    from collector.events import IncidentOpened
+
+    out, _ = _sampled_run("compute x2.0 (recovers)")
+    opened = [p for p in out if isinstance(p, IncidentOpened)]
+    assert opened, out
+    loc = opened[0].locations[0]
+    assert opened[0].iteration == 40 and loc.rank == 30 and loc.measure == "compute", opened[0]
+    assert abs(loc.factor / 2.0 - 1) < 0.05, loc
+
+    late, _ = _sampled_run("compute x2.0 (recovers)", untraced_suspicion_rate=0)
+    first = [p for p in late if isinstance(p, IncidentOpened)][0]
+    assert first.iteration > 42 and first.locations[0].measure == "chunks", first

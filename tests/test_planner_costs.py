@@ -184,3 +184,16 @@ def test_a_measured_chunk_slowdown_is_turned_back_into_the_compute_slowdown_behi
     assert compute_factor_from_chunks(healthy, model, PLAN, 3, chunk_factor) == pytest.approx(4.0)
     unused = config.cluster.gpus + 0  # a device outside the plan keeps the measured factor
     assert compute_factor_from_chunks(ClusterState(unused + 8, hardware), model, PLAN, unused, 2.0) == 2.0
+
+
+def test_a_probes_compute_slowdown_is_read_as_it_stands_and_a_chunk_slowdown_through_the_stage() -> None:
+    """``Location.measure``: a probe times compute alone (a rank nobody traces is sized so), and
+    turning it back as if it were a chunk factor would overstate the slowdown."""
+    from remediation.costs import compute_factor_from_chunks, compute_factor_of
+
+    config = _config()
+    model, hardware = exact_model(config.model, config.cluster, config.workload), hardware_of(config.cluster)
+    healthy = ClusterState(config.cluster.gpus, hardware)
+    assert compute_factor_of(healthy, model, PLAN, 3, 2.0, "compute") == 2.0
+    as_chunks = compute_factor_of(healthy, model, PLAN, 3, 2.0, "chunks")
+    assert as_chunks == compute_factor_from_chunks(healthy, model, PLAN, 3, 2.0) and as_chunks > 2.0
