@@ -881,7 +881,8 @@ class Detector:
         # rank) or probes for it anyway (the lateness's own).
         rate = self.config.untraced_suspicion_rate
         explained = self.book.open_compute_ranks() or ("untraced",) in self.book.open or ("comm",) in self.book.open
-        suspicious = rate > 0 and not explained and self._hidden_excess().chance(frame.iteration) <= rate
+        least = math.log(self.config.min_alarm_factor)
+        suspicious = rate > 0 and not explained and self._hidden_excess().chance(frame.iteration, least) <= rate
         request = sweep.step(self.job, frame.epoch, frame.iteration, hidden[:4096], self.config.untraced_sweep_steps,
                              suspicious)
         return [request] if request is not None else []

@@ -69,7 +69,7 @@ class HiddenExcess:
     def __init__(self, window: int) -> None:
         self.recent: deque[float] = deque(maxlen=UNTRACED_SUSTAIN)  # the last traced excesses
         self.healthy: deque[float] = deque(maxlen=4 * window)  # excesses of iterations that did not alarm
-        self.latest = (-1, 1.0)  # (iteration, chance of a healthy one as late) of the newest excess
+        self.latest = (-1, 0.0, 1.0)  # the newest excess: (iteration, over the healthy median, its chance)
 
     def add(self, excess: float, iteration: int, scale_floor: float) -> tuple[float, float]:
         """Take a traced iteration's excess; (the least of the recent ones, the median of the last
@@ -77,14 +77,16 @@ class HiddenExcess:
         under the healthy tail (``chance``) is kept, read before it joins the healthy ones."""
         self.recent.append(excess)
         fit = self._tail(scale_floor)
-        self.latest = (iteration, fit[1](excess) if fit is not None else 1.0)
+        self.latest = (iteration, excess - fit[0], fit[1](excess)) if fit is not None else (iteration, 0.0, 1.0)
         return min(self.recent), self.size_of(3)
 
-    def chance(self, iteration: int) -> float:
-        """How often a healthy traced iteration is as late as ``iteration`` was (1.0: that
-        iteration brought no excess, or too little healthy history to say)."""
-        at, p = self.latest
-        return p if at == iteration else 1.0
+    def chance(self, iteration: int, least_alarm: float) -> float:
+        """How often a healthy traced iteration is as late as ``iteration`` was; 1.0 when that
+        iteration brought no excess, too little healthy history to say, or an excess under
+        ``least_alarm`` above the healthy median (the smallest that ever opens an incident: in a
+        job that barely swings, a lasting ×1.03 would otherwise be unlikely on every step)."""
+        at, over, p = self.latest
+        return p if at == iteration and over >= least_alarm else 1.0
 
     def size_of(self, n: int) -> float:
         """The median of the last ``n`` excesses: a run of n that opened an incident is sized on

@@ -218,11 +218,19 @@ def test_without_sweeps_the_x1_1_gpu_nobody_traces_passes_unseen() -> None:
 def test_the_chance_of_an_iteration_is_read_before_it_joins_the_healthy_ones() -> None:
     hidden = swinging()
     hidden.add(0.5, 41, FLOOR)  # far beyond a swing of exponential(0.05) spikes
-    assert hidden.chance(41) < 1e-3
-    assert hidden.chance(43) == 1.0  # no excess was taken at 43: nothing to say of it
+    assert hidden.chance(41, H) < 1e-3
+    assert hidden.chance(43, H) == 1.0  # no excess was taken at 43: nothing to say of it
     hidden.add(float(np.median(list(hidden.healthy))), 43, FLOOR)
-    assert hidden.chance(43) == 1.0  # at the healthy median: as likely as can be
-    assert HiddenExcess(window=8).chance(0) == 1.0  # no history: no tail, nothing is unlikely
+    assert hidden.chance(43, H) == 1.0  # at the healthy median: as likely as can be
+    assert HiddenExcess(window=8).chance(0, H) == 1.0  # no history: no tail, nothing is unlikely
+
+
+def test_in_a_job_that_barely_swings_an_excess_no_incident_would_open_on_is_not_suspicious() -> None:
+    hidden = HiddenExcess(window=8)
+    for _ in range(32):
+        hidden.learn(0.0)  # the tail's λ is the σ floor: +0.03 is far out in it
+    hidden.add(0.03, 7, FLOOR)
+    assert hidden.chance(7, 0.0) < 0.02 and hidden.chance(7, H) == 1.0  # but ×1.03 never opens one
 
 
 def test_a_suspicious_iteration_asks_the_sweep_at_once_and_the_next_counts_from_it() -> None:
