@@ -21,7 +21,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -106,11 +106,22 @@ def case_engine(case: Case, dialect: str) -> tuple[SimEngine, int]:
     return SimEngine(sc.sim_config(), sc.all_faults()), update["iterations"]
 
 
-def run_case(case: Case, dialect: str = "ours") -> tuple[list[FaultInjected], dict[str, dict[str, Tracked]], int, int,
-                                                         SimConfig]:
+class CaseRun(NamedTuple):
+    """One simulated case: the truth, what each detector opened, and what ours's probes cost."""
+
+    faults: list[FaultInjected]
+    incidents: dict[str, dict[str, Tracked]]  # per detector, by incident id
+    iterations: int
+    healthy: int  # iterations no fault touched
+    config: SimConfig
+    probe_pause_s: float  # training time ours's probes paused (each probe holds the job for its longest answer)
+    run_s: float  # the simulated job's time, probe pauses included
+
+
+def run_case(case: Case, dialect: str = "ours") -> CaseRun:
     """Simulate one case, its ranks recording in ``dialect`` (docs/dialects.md: the same timeline and
-    faults in every dialect, only what the ranks report differs); returns (truth, incidents per
-    detector, iterations, healthy iterations, the simulator's config)."""
+    faults in every dialect, only what the ranks report differs). Only ours asks probes; the
+    simulator answers each in place, the job paused for as long as the longest answer took."""
     from collector.events import (
         FaultInjected, IncidentConfirmed, IncidentOpened, IncidentUpdated, ProbeRequest,
     )
@@ -134,6 +145,7 @@ def run_case(case: Case, dialect: str = "ours") -> tuple[list[FaultInjected], di
                 probes.append(p)
         return probes
 
+    pause_s = 0.0
     guard = 0
     while engine.iteration < target and not engine.finished and guard < 10 * target:
         guard += 1
@@ -145,7 +157,10 @@ def run_case(case: Case, dialect: str = "ours") -> tuple[list[FaultInjected], di
                 probes = absorb(name, det.on_event(e))
                 while probes:  # an answer may ask for another probe (an untraced suspect's links)
                     probe = probes.pop(0)
-                    for answer in engine.probe(probe):
+                    before_s = engine.now_s
+                    answers = engine.probe(probe)
+                    pause_s += engine.now_s - before_s
+                    for answer in answers:
                         probes += absorb(name, det.on_event(answer))
     for name, det in detectors.items():
         absorb(name, det.flush())
@@ -155,7 +170,7 @@ def run_case(case: Case, dialect: str = "ours") -> tuple[list[FaultInjected], di
     for f in faults:
         faulty |= set(range(f.start_iteration, f.end_iteration if f.end_iteration is not None else iterations))
     healthy = sum(1 for i in range(iterations) if i not in faulty)
-    return faults, incidents, iterations, healthy, engine.config
+    return CaseRun(faults, incidents, iterations, healthy, engine.config, pause_s, engine.now_s)
 
 
 def sizing(faults: list, incs: dict[str, Tracked], iterations: int, config, grace: int = 5
@@ -267,8 +282,11 @@ def run(args: argparse.Namespace) -> int:
         rows = []
         sized: list[tuple[str, float, float, float]] = []
         first: list[tuple[str, str, float, float]] = []
+        pause_s = run_s = 0.0  # over the healthy cases: what ours's probes cost a job with nothing wrong
         for case in tqdm(cases, desc=f"scenarios ({dialect})", disable=args.json):
-            faults, incidents, iterations, healthy, config = run_case(case, dialect)
+            faults, incidents, iterations, healthy, config, case_pause_s, case_run_s = run_case(case, dialect)
+            if not faults:
+                pause_s, run_s = pause_s + case_pause_s, run_s + case_run_s
             plan = load_scenario(SCENARIO_DIR / f"{case.base}.yaml").build_plan()
             tp_of = {d: plan.pipelines[r.replica].stages[r.stage].devices for d, r in plan.roles.items()}
             results.append((faults, incidents, iterations, healthy, config.cluster, tp_of))
@@ -287,6 +305,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{'detector':22} " + " ".join(f"{c[:16]:>16}" for c in cols))
         for n in names:
             print(f"{n:22} " + " ".join(f"{scores[n][c]:16.3f}" for c in cols))
+        pause_share = pause_s / run_s if run_s > 0 else 0.0
+        print(f"\nprobe pauses of ours on the healthy runs: {pause_s:.2f} s of {run_s:.1f} s ({pause_share:.2%})")
         errors = [abs(read / true - 1) for _, true, _, read in sized]
         if sized:
             print(f"\n{'slow GPU sized by ours':34} {'true':>6} {'reported':>8} {'compute':>8} {'error':>7}")
@@ -303,6 +323,7 @@ def run(args: argparse.Namespace) -> int:
         entry: dict = {"detectors": {n: {k: scores[n][k] for k in (
             "precision", "recall", "f1", "localisation", "delay_p95_iters", "false_alarms_per_10k",
             "delay_p50_iters", "delay_p95_iters_x1_2_plus")} for n in names}}
+        entry["probe_pause_share_healthy"] = round(pause_share, 5)
         if sized:
             entry["sizing"] = {"median_error": round(float(np.median(errors)), 4), "worst_error": round(max(errors), 4),
                                "gpus": len(sized)}

@@ -15,7 +15,7 @@ def _case(name: str) -> detect.Case:
 
 def _first(name: str, dialect: str) -> tuple[float, float]:
     """(injected factor, first size) of the case's one fail-slow, as ``bench detect`` scores it."""
-    faults, incidents, iterations, _, config = detect.run_case(_case(name), dialect)
+    faults, incidents, iterations, _, config, *_ = detect.run_case(_case(name), dialect)
     ((_, true, first),) = detect.first_sizes(faults, incidents["ours"], iterations, config)
     return true, first
 
@@ -42,7 +42,7 @@ def test_a_gpu_whose_tp_time_is_recorded_apart_is_sized_in_chunk_time() -> None:
     """torch.profiler records the TP all-reduces apart, so the chunks' own time is compute alone
     and a ×3 GPU read ×2.93 of it; the planner, which adds TP time back to a chunk factor, took
     it for ×3.17. Sized as the chunk's slowdown with its TP time in, as every other dialect."""
-    faults, incidents, iterations, _, config = detect.run_case(_case("compute x3.0 (recovers)"), "profiler")
+    faults, incidents, iterations, _, config, *_ = detect.run_case(_case("compute x3.0 (recovers)"), "profiler")
     ((true, _, read),) = detect.sizing(faults, incidents["ours"], iterations, config)
     assert abs(read / true - 1) < 0.03
 
