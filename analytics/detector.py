@@ -915,8 +915,11 @@ class Detector:
             iterations=[sweep.iteration], observed_s=[], predicted_s=[], rank_factors={worst: round(ratio, 4)},
             statistic=f"sweep probe of the {len(ratios)} ranks nobody traces: rank {worst} took ×{ratio:.2f} of "
                       f"the healthy reference, above the bar ×{bar:.3f} ({table})",
-            note=f"rank {worst} is not traced; its slowdown is within what the job's lateness can show, and the "
-                 f"periodic probe of the untraced ranks measured it",
+            note=f"rank {worst} is not traced; " + (
+                f"iteration {sweep.iteration} was later than the job runs healthy, and a probe of the untraced ranks "
+                f"asked then measured it" if sweep.late else
+                f"its slowdown is within what the job's lateness can show, and the periodic probe of the untraced "
+                f"ranks measured it"),
             ranks=(worst,), measure="compute"), sweep.iteration)
 
     def _hidden_ranks(self, epoch: int) -> list[int]:

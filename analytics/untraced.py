@@ -208,6 +208,7 @@ class UntracedSweep:
         self.ratios: dict[int, float] = {}
         self.iteration = -1  # when the pending (or last) sweep was asked
         self.epoch = -1  # the plan it asked under: the plan its answers are placed in
+        self.late = False  # it was asked because its iteration was late, not because one was due
 
     def step(self, job: str, epoch: int, iteration: int, ranks: list[int], every: int,
              suspicious: bool = False) -> ProbeRequest | None:
@@ -220,7 +221,7 @@ class UntracedSweep:
             return None
         self.frames = 0
         self.probe_id, self.asked, self.ratios = f"sweep-{job}-{epoch}-{iteration}", tuple(ranks), {}
-        self.iteration, self.epoch = iteration, epoch
+        self.iteration, self.epoch, self.late = iteration, epoch, suspicious and not due
         return ProbeRequest(probe_id=self.probe_id, incident_id=None, ranks=list(ranks), target="compute")
 
     def claims(self, p: ProbeResult) -> bool:

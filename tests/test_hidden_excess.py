@@ -199,6 +199,7 @@ def test_a_x1_1_gpu_nobody_traces_is_found_by_a_sweep_and_resolved_by_a_later_pr
     (inc,) = opened
     loc = inc.locations[0]
     assert loc.rank == 10 and 40 <= inc.iteration < 80 and abs(loc.factor / 1.1 - 1) < 0.03, inc
+    assert "periodic probe" in inc.evidence.note, inc.evidence
     resolved = [p for p in out if isinstance(p, IncidentResolved) and p.incident_id == inc.incident_id]
     assert resolved and resolved[0].iteration >= 80 and "probed healthy" in resolved[0].reason, resolved
 
@@ -264,6 +265,7 @@ def test_a_x2_gpu_nobody_traces_is_named_at_its_first_late_iteration_sized_by_it
     loc = opened[0].locations[0]
     assert opened[0].iteration == 40 and loc.rank == 30 and loc.measure == "compute", opened[0]
     assert abs(loc.factor / 2.0 - 1) < 0.05, loc
+    assert "iteration 40 was later than the job runs healthy" in opened[0].evidence.note, opened[0].evidence
 
     late, _ = _sampled_run("compute x2.0 (recovers)", untraced_suspicion_rate=0)
     first = [p for p in late if isinstance(p, IncidentOpened)][0]
