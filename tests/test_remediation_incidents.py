@@ -165,3 +165,25 @@ def test_a_planner_error_is_reported_and_the_engine_keeps_running(tmp_path: Path
         assert engine.poll_once() == 4  # still polling: the two ticks, and its own two plan.withheld read back
         assert len(engine.state.withheld) == 2 and not any(w.waiting for w in engine.state.withheld)
         engine.close()
+
+
+def test_a_probes_compute_size_is_planned_as_it_stands_and_a_chunk_size_as_the_compute_behind_it(
+        tmp_path: Path) -> None:
+    """``Location.measure``: telemetry measures a rank's chunks (compute and TP communication), so
+    the engine turns its ×2 into the larger compute slowdown behind it; a probe of a rank nobody
+    traces measured compute alone, and its ×2 is the GPU's compute factor as it stands."""
+    from resihp.planning_models import exact_model
+    from trainer.sim.presets import MODEL_PRESETS, ClusterSpec
+    from trainer.sim.workload import WORKLOAD_PRESETS
+
+    plan = Plan.uniform(tp=8, pp=4, dp=2, num_layers=32, microbatches_per_replica=8)
+    model = exact_model(MODEL_PRESETS["7b"], ClusterSpec(gpus=64), WORKLOAD_PRESETS["uniform"])
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
+        engine = RemediationEngine(bus, EngineConfig(job=JOB, num_devices=64), model, plan)
+        bus.publish([_opened("telemetry", Location(target="compute", rank=3, factor=2.0)),
+                     _opened("probe", Location(target="compute", rank=40, factor=2.0, measure="compute"))])
+        engine.poll_once()
+        cluster = engine.cluster()
+        assert cluster.compute_factor(3) > 2.05 and cluster.compute_factor(40) == 2.0, (
+            cluster.compute_factor(3), cluster.compute_factor(40))
+        engine.close()
