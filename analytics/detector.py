@@ -918,8 +918,8 @@ class Detector:
             note=f"rank {worst} is not traced; " + (
                 f"iteration {sweep.iteration} was later than the job runs healthy, and a probe of the untraced ranks "
                 f"asked then measured it" if sweep.late else
-                f"its slowdown is within what the job's lateness can show, and the periodic probe of the untraced "
-                f"ranks measured it"),
+                "its slowdown is within what the job's lateness can show, and the periodic probe of the untraced "
+                "ranks measured it"),
             ranks=(worst,), measure="compute"), sweep.iteration)
 
     def _hidden_ranks(self, epoch: int) -> list[int]:
