@@ -880,9 +880,9 @@ class Detector:
         # prove it from the lateness alone. Not while an open incident explains the lateness (a slow
         # rank) or probes for it anyway (the lateness's own).
         rate = self.config.untraced_suspicion_rate
-        explained = self.book.open_compute_ranks() or ("untraced",) in self.book.open or ("comm",) in self.book.open
+        accounted = self.book.open_compute_ranks() or ("untraced",) in self.book.open or ("comm",) in self.book.open
         least = math.log(self.config.min_alarm_factor)
-        suspicious = rate > 0 and not explained and self._hidden_excess().chance(frame.iteration, least) <= rate
+        suspicious = rate > 0 and not accounted and self._hidden_excess().chance(frame.iteration, least) <= rate
         request = sweep.step(self.job, frame.epoch, frame.iteration, hidden[:4096], self.config.untraced_sweep_steps,
                              suspicious)
         return [request] if request is not None else []

@@ -14,9 +14,10 @@ the same schedule model that predicts a healthy iteration, run backwards, once p
 median over stages is the size until a probe names the rank; from then on its stage's answer is.
 
 ``HiddenExcess`` decides when that excess counts, and how unlikely one traced iteration's is
-(an unlikely one brings ``UntracedSweep``, the probe of the untraced ranks, forward). The untraced replicas' own mix (their sequence
-lengths nobody records) makes single iterations late by chance, so one late step is never enough;
-how many are is a matter of how late (see its docstring).
+(an unlikely one brings ``UntracedSweep``, the probe of the untraced ranks, forward). The
+untraced replicas' own mix (their sequence lengths nobody records) makes single iterations late
+by chance, so one late step is never enough; how many are is a matter of how late (see its
+docstring).
 """
 
 from __future__ import annotations
@@ -197,9 +198,9 @@ class UntracedSweep:
     iterations. A late iteration (``HiddenExcess.chance`` at most ``untraced_suspicion_rate``)
     brings it forward: the probe names a GPU that makes the job late at its first late step, and
     sizes it, where the lateness alone would have to hold for several (and sizes it only through
-    the schedule, a few per cent off). One sweep is pending at a time; it ends when every asked rank still alive has
-    answered (answers travel on the control topic, telemetry on its own: no count of iterations
-    gives up on them), and a new plan drops it."""
+    the schedule, a few per cent off). One sweep is pending at a time; it ends when every asked
+    rank still alive has answered (answers travel on the control topic, telemetry on its own: no
+    count of iterations gives up on them), and a new plan drops it."""
 
     def __init__(self) -> None:
         self.frames = 0  # traced iterations since the last sweep was asked
