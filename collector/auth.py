@@ -24,6 +24,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import secrets
 import stat
 import uuid
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from collector.codec import decode, encode
-from collector.events import ControlRejected, Envelope, EventFactory, Payload
+from collector.events import SIGNATURE_PATTERN, ControlRejected, Envelope, EventFactory, Payload
 from collector.plan import DEVICE_LISTS
 from collector.settings import environment
 
@@ -62,6 +63,7 @@ WRITERS: dict[str, tuple[str, ...]] = {
 CONSOLE_SOURCES = ("ui:", "cli:")  # a console-signed event names its person: ui:alice, cli:bob
 AUTO_ACTOR = "policy:auto"
 _NAMESPACE = uuid.UUID("9a4f1e0c-2b7d-4c55-8e3a-6d1f0b7c2e95")
+_SIGNATURE = re.compile(SIGNATURE_PATTERN)
 
 
 def needs_signature(kind: str) -> bool:
@@ -97,32 +99,51 @@ class Keyring:
     def sign(self, event: Envelope, role: str) -> Envelope:
         """``event`` with ``role``'s signature. The event is first taken through the wire format,
         so the bytes signed are the bytes every reader will rebuild after decoding."""
+        wire = decode(encode(event.model_copy(update={"signature": None})))
+        return wire.model_copy(update={"signature": self.sign_bytes(canonical_bytes(wire), role)})
+
+    def sign_bytes(self, data: bytes, role: str) -> str:
+        """``role``'s signature over ``data`` as ``role:hex``: the one primitive every signed channel
+        (bus events, rendezvous store records) uses."""
         key = self.keys.get(role)
         if key is None:
             raise KeyFileError(f"no {role} key in {self.path}; add one (or delete the file to generate a fresh set)")
-        wire = decode(encode(event.model_copy(update={"signature": None})))
-        mac = hmac.new(key, canonical_bytes(wire), hashlib.sha256).hexdigest()
-        return wire.model_copy(update={"signature": f"{role}:{mac}"})
+        return f"{role}:{hmac.new(key, data, hashlib.sha256).hexdigest()}"
+
+    def verify_bytes(self, data: bytes, signature: object, allowed: tuple[str, ...], what: str) -> tuple[str, str | None]:
+        """(role, None) when ``signature`` is a valid signature of ``data`` by one of ``allowed``;
+        else (role or "", why not). Total: any object, any text, any bytes give a reason, never an
+        exception, so no record can stop the reader that checks it. ``what`` names the record in
+        the reason."""
+        if not signature:
+            return "", f"unsigned {what}: only {'/'.join(allowed)} may write it (signed)"
+        if not isinstance(signature, str) or not _SIGNATURE.fullmatch(signature):
+            return "", f"{what} carries a malformed signature (expected ROLE:HEX)"
+        role, _, mac = signature.partition(":")
+        if role not in allowed:
+            return role, f"{what} signed as {role!r}, but only {'/'.join(allowed)} may write it"
+        key = self.keys.get(role)
+        if key is None:
+            return role, f"no {role} key in {self.path} to check {what}"
+        expected = hmac.new(key, data, hashlib.sha256).hexdigest().encode("ascii")
+        if not hmac.compare_digest(expected, mac.encode("ascii")):
+            return role, (f"{what} carries a {role} signature that does not verify with the keys in {self.path}: "
+                          "altered, or signed with another key set")
+        return role, None
 
     def verify(self, event: Envelope) -> str | None:
-        """None when ``event`` may act; else why not, in one line an operator can act on."""
+        """None when ``event`` may act; else why not, in one line an operator can act on. Total, as
+        :meth:`verify_bytes`: an event built in-process around the wire's checks still gets a reason."""
         allowed = WRITERS.get(event.kind)
         if allowed is None:
             return None
-        sig = event.signature
-        if not sig:
-            return f"unsigned {event.kind} from {event.source!r}: only {'/'.join(allowed)} may write it (signed)"
-        role, _, mac = sig.partition(":")
-        if role not in allowed:
-            return f"{event.kind} signed as {role!r}, but only {'/'.join(allowed)} may write it"
-        key = self.keys.get(role)
-        if key is None:
-            return f"no {role} key in {self.path} to check {event.kind} from {event.source!r}"
-        expected = hmac.new(key, canonical_bytes(event), hashlib.sha256).hexdigest()
-        if not hmac.compare_digest(expected, mac):
-            return (f"{event.kind} from {event.source!r} carries a {role} signature that does not verify with the "
-                    f"keys in {self.path}: altered, or signed with another key set")
-        return _authorship(event, role)
+        what = f"{event.kind} from {event.source!r}"
+        try:
+            data = canonical_bytes(event)
+        except (TypeError, ValueError) as exc:  # a payload that cannot be serialised cannot have been signed
+            return f"{what} cannot be put in canonical form ({type(exc).__name__}); refused unverified"
+        role, reason = self.verify_bytes(data, event.signature, allowed, what)
+        return reason if reason is not None else _authorship(event, role)
 
 
 def _authorship(event: Envelope, role: str) -> str | None:

@@ -1092,6 +1092,10 @@ PAYLOAD_BY_KIND: dict[str, type[Payload]] = {p.KIND: p for p in PAYLOAD_TYPES}
 
 
 ENVELOPE_HEADER: tuple[str, ...] = ("id", "kind", "schema_version", "job", "source", "seq", "time_s")
+# ``KEY_ID:HEX``: who signed (a role, or a role and a person) and the signature's bytes in lower-case hex.
+# Checked at decode, so a reader's verifier only ever meets ASCII of a known shape: anything else on the
+# wire is a dead letter, never a comparison that raises (collector/auth.py).
+SIGNATURE_PATTERN = r"^[a-z][a-z0-9_.@+-]{0,63}:(?:[0-9a-f]{64}|[0-9a-f]{128})$"
 
 
 class Envelope(BaseModel):
@@ -1108,7 +1112,7 @@ class Envelope(BaseModel):
     time_s: float = Field(ge=0, le=TIME_MAX_S, description="Unix time at the source")
     payload: Payload = Field(description="one of the kinds below")
     signature: str | None = Field(
-        default=None, max_length=200, exclude_if=lambda v: v is None,
+        default=None, max_length=200, pattern=SIGNATURE_PATTERN, exclude_if=lambda v: v is None,
         description="role:HMAC-SHA256 of the canonical event, on control events only (collector/auth.py); absent "
                     "on telemetry")
 
