@@ -22,11 +22,14 @@ transaction (the detector's outbox publishes it). The tables are then what the p
 not what anyone wrote.
 
 Each process owns its DuckDB file (DuckDB allows one writer process); whatever others need is
-published back to the bus as events.
+published back to the bus as events. Only that process's user reads it: the file is 0600 and its
+directory one others cannot enter (made 0700, or refused when open), because DuckDB creates its
+``.wal`` with the umask's mode (collector/private_files.py).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,6 +41,7 @@ import pyarrow as pa
 from collector.auth import Gate
 from collector.bus import Bus, TopicPartition
 from collector.events import Envelope
+from collector.private_files import FILE_MODE, require_private_dir
 from collector.stream import Delivery, EventStream
 
 _OFFSETS_DDL = (
@@ -75,8 +79,9 @@ class Projector:
         self.group = group
         self.projections = list(projections)
         self.gate, self.on_rejected = gate, on_rejected
-        Path(db_path).parent.mkdir(parents=True, exist_ok=True)
+        require_private_dir(Path(db_path).parent, f"DuckDB file {db_path}")
         self.conn = duckdb.connect(str(db_path))
+        os.chmod(db_path, FILE_MODE)  # its .wal takes the umask's mode: the directory keeps others out
         if rebuild:
             self._drop_all()
         self.conn.execute(_OFFSETS_DDL)

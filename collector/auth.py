@@ -36,6 +36,7 @@ from pathlib import Path
 from collector.codec import decode, encode
 from collector.events import SIGNATURE_PATTERN, ControlRejected, Envelope, EventFactory, Payload
 from collector.plan import DEVICE_LISTS
+from collector.private_files import private_dir
 from collector.settings import environment
 
 log = logging.getLogger("resihp.auth")
@@ -196,7 +197,7 @@ def create_key_file(path: Path) -> bool:
     Written aside and linked into place, so two processes starting at once agree on one set."""
     if path.exists():
         return False
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)  # 0700 when made here: the DuckDB files beside it need a closed directory
     fresh = Keyring.generate()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

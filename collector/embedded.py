@@ -19,6 +19,11 @@ the remediation lifecycle's record, folded from its first event, so it cannot be
 Deletion takes a prefix of the log and always keeps the newest record, so offsets never restart. A
 consumer whose position was deleted under it continues from the oldest record left, logs a warning
 naming the range it lost, and counts it in ``lost_to_retention``.
+
+Who can read it: only its owner. The log holds every event, signed ones included, so it is created
+0600 (directories made for it 0700) before SQLite opens it, whatever the umask; SQLite gives the
+``-wal`` and ``-shm`` files the mode of the log. A log made group- or world-readable before is made
+0600 on open (collector/private_files.py).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from collector.bus import Bus, Consumer, OnAssign, RawMessage, Record, TopicPartition
+from collector.private_files import create_private_file, private_dir, tighten
 from collector.settings import environment
 from collector.topics import CONTROL, TELEMETRY
 
@@ -103,7 +109,10 @@ class EmbeddedBus(Bus):
         self.path = Path(path)
         self.retention_s = _checked_retention(_retention_from_env() if retention_s is None else retention_s)
         self._next_trim: dict[str, float] = {}  # monotonic time of each retained topic's next trim
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path.parent)
+        if not create_private_file(self.path):  # SQLite gives its -wal and -shm files the log's own mode
+            for f in (self.path, Path(f"{self.path}-wal"), Path(f"{self.path}-shm")):
+                tighten(f)
         self._conn = _connect(self.path)
         self._lock = threading.Lock()  # one writer connection, shared by this process's threads
         self._known_topics: set[str] = set()

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from collector.bus import Bus
+from collector.private_files import private_dir
 from collector.settings import environment
 from collector.auth import Signer, create_key_file, key_path
 from collector.events import EventFactory, PolicyChanged, PolicyMode, Severity
@@ -148,6 +149,7 @@ def run_demo(opts: DemoOptions) -> int:
         return 2
     story = native_story(short=opts.short) if opts.trainer == "native" else story_for(opts.scale or 8, short=opts.short,
                                                                                        tp=opts.tp)
+    private_dir(workdir)  # the bus and DuckDB files go here: only this user may enter it
     files = story.write(workdir)
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
