@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, TypedDict, TypeGuard
 
+from collector.private_files import write_private_file
+
 Role = Literal["operator", "viewer"]
 ROLES: tuple[Role, ...] = ("operator", "viewer")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -150,7 +152,8 @@ class UsersFile:
         return User(name, entry["role"])
 
     def add_user(self, name: str, role: str, password: str) -> None:
-        """Add or replace one user; other users are kept. Writes atomically (temp file + rename)."""
+        """Add or replace one user; other users are kept. Written atomically and 0600 from its first
+        byte (a fresh file beside it, renamed into place): the hashes are for no one else to guess at."""
         if not _NAME.match(name):
             raise ValueError(f"user name {name!r}: use 1–64 letters, digits, '_', '.' or '-'")
         if not is_role(role):
@@ -160,11 +163,7 @@ class UsersFile:
         lines = ["# ResiHP console users; write with `resihp ui --add-user`. Passwords are scrypt hashes.", ""]
         for n in sorted(users):
             lines += [f"[users.{n}]", f'role = "{users[n]["role"]}"', f'password = "{users[n]["password"]}"', ""]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-        tmp.write_text("\n".join(lines))
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, self.path)
+        write_private_file(self.path, "\n".join(lines).encode())
 
 
 @dataclass(frozen=True)
