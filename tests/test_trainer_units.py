@@ -3,7 +3,6 @@ the DP bucket layout, the command intake's epoch fencing, the drop-replica polic
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 
 from collector.events import AckStatus, ReconfigureCommand
 from collector.plan import PipelinePlan, Plan, StagePlan
+from trainer.agent.signed_store import SignedStore
 from trainer.data import IGNORE, global_targets, microbatch, replica_microbatch_ids
 from trainer.fault_spec import FaultList
 from trainer.intake import CommandIntake
@@ -114,12 +114,17 @@ class _Store:
         return all(k in self.data for k in keys)
 
 
+def _records() -> SignedStore:
+    """The launcher's signed records over a :class:`_Store` (trainer/agent/signed_store.py)."""
+    return SignedStore(_Store(), "units", reader="trainer")
+
+
 def _cmd(plan: Plan, cid: str) -> ReconfigureCommand:
     return ReconfigureCommand(command_id=cid, plan_id="p", plan=plan)
 
 
 def test_intake_applies_only_the_next_epoch_and_reports_the_rest() -> None:
-    store = _Store()
+    store = _records()
     p0 = Plan.uniform(tp=1, pp=2, dp=2, num_layers=4, microbatches_per_replica=2)
     p1 = p0.model_copy(update={"epoch": 1})
     intake = CommandIntake(store, p0, n_layer=4, n_head=4, global_microbatches=4)
@@ -131,8 +136,8 @@ def test_intake_applies_only_the_next_epoch_and_reports_the_rest() -> None:
     post = read_post(store, newest_post(store))
     assert (post.number, post.plan, post.world) == (1, p1, (0, 1, 2, 3))
     for d in alive:
-        store.set(done_key(1, d), json.dumps({"pause_s": 0.1 * d, "pause_iterations": 1, "failure_wait_s": 0,
-                                              "iteration": 2, "source": "live"}))
+        store.set(done_key(1, d), {"pause_s": 0.1 * d, "pause_iterations": 1, "failure_wait_s": 0,
+                                   "iteration": 2, "source": "live"})
     acks = intake.poll(alive, progress_iteration=1)
     assert [(a.command_id, a.status) for a in acks] == [
         ("a", AckStatus.APPLIED), ("a", AckStatus.IGNORED_DUPLICATE), ("b", AckStatus.IGNORED_STALE),
@@ -143,7 +148,7 @@ def test_intake_applies_only_the_next_epoch_and_reports_the_rest() -> None:
 
 
 def test_a_post_whose_device_dies_is_failed_at_once_and_waiting_ranks_are_released() -> None:
-    store = _Store()
+    store = _records()
     p0 = Plan.uniform(tp=1, pp=2, dp=2, num_layers=4, microbatches_per_replica=2)
     intake = CommandIntake(store, p0, n_layer=4, n_head=4, global_microbatches=4)
     intake.start((0, 1, 2, 3))
@@ -163,10 +168,10 @@ def test_a_post_whose_device_dies_is_failed_at_once_and_waiting_ranks_are_releas
     assert read_post(store, 2).plan == survivors and read_post(store, 2).world == (0, 1, 2)
 
 
-def _intake_with_a_spare() -> tuple[_Store, CommandIntake, Plan]:
+def _intake_with_a_spare() -> tuple[SignedStore, CommandIntake, Plan]:
     """An intake whose world is devices 0-4 under a plan that uses 0-3 (4 is a spare), with the
     command "a" for epoch 1 offered; returns the store, the intake and epoch 1's plan."""
-    store = _Store()
+    store = _records()
     p0 = Plan.uniform(tp=1, pp=2, dp=2, num_layers=4, microbatches_per_replica=2)
     intake = CommandIntake(store, p0, n_layer=4, n_head=4, global_microbatches=4)
     intake.start((0, 1, 2, 3, 4))
@@ -175,10 +180,10 @@ def _intake_with_a_spare() -> tuple[_Store, CommandIntake, Plan]:
     return store, intake, p1
 
 
-def _report_done(store: _Store, post: int, devices) -> None:
+def _report_done(store: SignedStore, post: int, devices) -> None:
     for d in devices:
-        store.set(done_key(post, d), json.dumps({"pause_s": 0.1, "pause_iterations": 1, "failure_wait_s": 0,
-                                                 "iteration": 1, "source": "live"}))
+        store.set(done_key(post, d), {"pause_s": 0.1, "pause_iterations": 1, "failure_wait_s": 0,
+                                      "iteration": 1, "source": "live"})
 
 
 def test_a_spare_that_dies_mid_reshape_gets_the_same_command_posted_again_without_it() -> None:
@@ -206,7 +211,7 @@ def test_a_spare_that_dies_past_the_arrival_barrier_lets_the_reshape_run_its_cou
     for d in range(5):
         store.set(arrive_key(1, d), "1")
     assert intake.poll({0, 1, 2, 3}, progress_iteration=0) == []  # 4 died: still in flight, not posted again
-    assert newest_post(store) == 1 and not store.check([abort_key(1)])
+    assert newest_post(store) == 1 and not store.has(abort_key(1))
     _report_done(store, 1, range(4))
     (ack,) = intake.poll({0, 1, 2, 3}, progress_iteration=0)
     assert (ack.command_id, ack.status) == ("a", AckStatus.APPLIED)
@@ -232,7 +237,7 @@ def test_a_spare_whose_death_fails_the_ranks_past_the_barrier_gets_the_command_p
 
 
 def test_intake_fails_a_plan_the_job_cannot_run_without_touching_the_ranks() -> None:
-    store = _Store()
+    store = _records()
     p0 = Plan.uniform(tp=1, pp=1, dp=2, num_layers=4, microbatches_per_replica=2)
     intake = CommandIntake(store, p0, n_layer=4, n_head=4, global_microbatches=4)
     too_many = Plan.uniform(tp=1, pp=1, dp=2, num_layers=4, microbatches_per_replica=3, epoch=1)
@@ -242,7 +247,7 @@ def test_intake_fails_a_plan_the_job_cannot_run_without_touching_the_ranks() -> 
     acks = intake.poll({0, 1}, progress_iteration=5)
     assert [a.status for a in acks] == [AckStatus.FAILED, AckStatus.FAILED]
     assert "global batch" in acks[0].detail and "[2]" in acks[1].detail
-    assert CONTROL_POST not in store.data
+    assert CONTROL_POST not in store.store.data
 
 
 def test_any_tp_degree_is_a_plan_and_the_trainer_refuses_one_that_does_not_divide_the_heads() -> None:
@@ -257,12 +262,12 @@ def test_any_tp_degree_is_a_plan_and_the_trainer_refuses_one_that_does_not_divid
         check_launchable(RunSpec(model=asdict(CFG)), three, 3)
     check_launchable(RunSpec(model={**asdict(CFG), "n_head": 12, "n_embd": 48}), three, 3)
 
-    store = _Store()
+    store = _records()
     intake = CommandIntake(store, Plan.uniform(tp=4, pp=1, dp=1, num_layers=4, microbatches_per_replica=4),
                            n_layer=4, n_head=4, global_microbatches=4)
     intake.offer(_cmd(three.model_copy(update={"epoch": 1}), "tp3"))
     (ack,) = intake.poll({0, 1, 2, 3}, progress_iteration=5)
-    assert (ack.status, ack.detail) == (AckStatus.FAILED, why) and CONTROL_POST not in store.data
+    assert (ack.status, ack.detail) == (AckStatus.FAILED, why) and CONTROL_POST not in store.store.data
 
 
 def test_only_a_change_of_micro_batch_counts_on_the_same_world_keeps_the_groups() -> None:

@@ -30,7 +30,6 @@ failure at its collective timeout still finds the others waiting for it.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -40,8 +39,8 @@ import torch.distributed as dist
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.chunks import role_chunks
 from trainer.parallel import Layout, keeps_groups
-from trainer.rendezvous import (GROUPS_KEPT, Post, PostAborted, await_arrivals, done_key, failed_key, newest_post,
-                                read_post)
+from trainer.rendezvous import (GROUPS_KEPT, Post, PostAborted, PostRefused, await_arrivals, done_key, failed_key,
+                                newest_post, read_post)
 from trainer.state import NoLiveSource, ShardState, export_state, transfer_live, units_without_live_copy
 
 log = logging.getLogger("resihp.trainer")
@@ -70,7 +69,7 @@ class Executor:
         """Read post ``number``, which every rank agreed on (the commit all-reduce, or the store's
         newest post after a failure). Fails if its epoch is not the running epoch + 1: the intake
         never posts such a plan, so seeing one means two launchers share a store."""
-        post = read_post(self.trainer.store, number)
+        post = read_post(self.trainer.records, number)
         running = self.trainer.epoch()
         if post.plan.epoch != running + 1:
             raise ReshapeFailed(f"post {number} moves from epoch {running} to {post.plan.epoch}; "
@@ -84,7 +83,7 @@ class Executor:
         transfer: the groups, the stages and their optimizer state stay as they are."""
         t = self.trainer
         t.faults.begin_reshape(t.iteration)
-        await_arrivals(t.store, post.number, post.world, t.device, t.spec.rendezvous_timeout_s)
+        await_arrivals(t.records, post.number, post.world, t.device, t.spec.rendezvous_timeout_s)
         t.current = t.reassign(Layout(post.plan, post.world))
 
     def export_state(self) -> ShardState | None:
@@ -156,9 +155,9 @@ class Executor:
         self.trainer.post = number
         wall = sum(self.recent_walls_s[-5:]) / max(1, len(self.recent_walls_s[-5:])) if self.recent_walls_s else 0.0
         iterations = (math.ceil(pause_s / wall) if wall > 0 else 0) + self.lost_iterations
-        self.trainer.store.set(done_key(number, self.trainer.device), json.dumps({
+        self.trainer.records.set(done_key(number, self.trainer.device), {
             "pause_s": pause_s, "pause_iterations": iterations, "failure_wait_s": self.failure_wait_s,
-            "iteration": self.trainer.iteration, "source": source}))
+            "iteration": self.trainer.iteration, "source": source})
         self.failure_wait_s, self.lost_iterations = 0.0, 0
 
     # ---- the protocols -----------------------------------------------------------------------------
@@ -193,11 +192,13 @@ class Executor:
         except Released:
             raise
         except PostAborted as exc:
+            if isinstance(exc, PostRefused):  # a stranger's post: the launcher learns why nobody takes it
+                self.trainer.records.set(failed_key(number, self.trainer.device), str(exc)[:1000])
             log.warning("device %d: %s; waiting for the next plan", self.trainer.device, exc)
             self._wait_and_reshape(number)
             return
         except Exception as exc:
-            self.trainer.store.set(failed_key(number, self.trainer.device), f"{type(exc).__name__}: {exc}"[:1000])
+            self.trainer.records.set(failed_key(number, self.trainer.device), f"{type(exc).__name__}: {exc}"[:1000])
             failed_collective = isinstance(exc, RuntimeError | dist.DistError)  # a peer died or timed out
             hopeless = isinstance(exc, NoLiveSource | ReshapeFailed)  # would fail on any world
             if not switching or not failed_collective or hopeless:
@@ -223,7 +224,7 @@ class Executor:
         bus, or its own on-death policy); returns its number. Fails after ``recovery_timeout_s``."""
         deadline = time.monotonic() + self.trainer.spec.recovery_timeout_s
         while time.monotonic() < deadline:
-            newest = newest_post(self.trainer.store)
+            newest = newest_post(self.trainer.records, after)
             if newest > after:
                 return newest
             time.sleep(0.05)

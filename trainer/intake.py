@@ -34,10 +34,10 @@ go back to the running epoch's state and wait, and the same command is posted ag
 
 from __future__ import annotations
 
-import json
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from collector.auth import Gate
 from collector.epoch_fence import fence_verdict
@@ -59,6 +59,7 @@ class InFlight:
 
 class CommandIntake:
     def __init__(self, store, plan: Plan, *, n_layer: int, n_head: int, global_microbatches: int) -> None:
+        """``store``: the launcher's signed records (trainer/agent/signed_store.py's ``SignedStore``)."""
         self.store = store
         self.running = plan
         self.n_layer, self.n_head, self.global_microbatches = n_layer, n_head, global_microbatches
@@ -162,10 +163,10 @@ class CommandIntake:
         self.in_flight = InFlight(command, world, time.monotonic(), self.posts, reposted)
 
     def _check_in_flight(self, fl: InFlight, alive: set[int], progress_iteration: int) -> CommandAck | None:
-        failed = [d for d in fl.world if self.store.check([failed_key(fl.post, d)])]
+        failed = {d: why for d in fl.world if isinstance(why := self.store.read(failed_key(fl.post, d)), str)}
         died = [d for d in fl.world if d not in alive]
         spares_only = bool(died) and not set(died) & set(fl.command.plan.devices)
-        if spares_only and (failed or not self.store.check([arrive_key(fl.post, d) for d in fl.world])):
+        if spares_only and (failed or not all(self.store.valid(arrive_key(fl.post, d)) for d in fl.world)):
             # Only spares died, and the world still waits at the arrival barrier or the ranks past
             # it report a failed transfer or group (they went back to the running epoch and wait):
             # release them and post the same command to the devices still alive.
@@ -183,13 +184,14 @@ class CommandIntake:
                 reasons[-1] += (f"; the plan names {named}: re-plan without them" if named else
                                 "; post the command again")
                 self.store.set(abort_key(fl.post), reasons[-1])
-            reasons += [f"device {d}: {self.store.get(failed_key(fl.post, d)).decode()}" for d in failed]
+            reasons += [f"device {d}: {why}" for d, why in failed.items()]
             self.in_flight = None
             return self._ack(fl.command, AckStatus.FAILED, "; ".join(reasons)[:2000])
         live_world = [d for d in fl.world if d in alive]  # all of it, unless a spare died past the barrier
-        if not self.store.check([done_key(fl.post, d) for d in live_world]):
+        done = [self.store.read(done_key(fl.post, d), _done_report) for d in live_world]
+        reports = [r for r in done if r is not None]
+        if len(reports) < len(done):  # not yet (or refused, reported: only the rank's own report counts)
             return None
-        reports = [json.loads(self.store.get(done_key(fl.post, d))) for d in live_world]
         pause_s = max(r["pause_s"] for r in reports)
         pause_iterations = max(r["pause_iterations"] for r in reports)
         waited = max(r["failure_wait_s"] for r in reports)
@@ -234,3 +236,10 @@ class CommandIntake:
         return CommandAck(command_id=command.command_id, plan_id=command.plan_id, epoch=command.plan.epoch,
                           status=status, running_epoch=self.running.epoch, pause_s=pause_s,
                           pause_iterations=pause_iterations, detail=detail)
+
+
+def _done_report(body: Any) -> dict:
+    """A rank's ``done/P/D`` report: the pause, the iterations it cost, the failure wait, the source."""
+    if not isinstance(body, dict) or not {"pause_s", "pause_iterations", "failure_wait_s", "iteration"} <= set(body):
+        raise ValueError("a done report holds pause_s, pause_iterations, failure_wait_s and iteration")
+    return body

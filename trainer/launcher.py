@@ -27,11 +27,11 @@ it, the controller posts the running plan again as the next epoch.
 
 from __future__ import annotations
 
-import json
 import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.distributed as dist
 
@@ -43,6 +43,7 @@ from collector.plan import Plan
 from collector.replica_drop import drop_replicas
 from collector.settings import elastic_environment
 from collector.stream import EventStream
+from trainer.agent.signed_store import SignedStore
 from trainer.agent.standalone import standalone_node
 from trainer.chunks import schedule_problem
 from trainer.faults import KILL_EXIT_CODE
@@ -136,20 +137,24 @@ class TrainerController:
         """Announce the plan, subscribe to the trainer's topics (from their end, or from the
         beginning with ``commands_from="beginning"``) and post the starting plan (post 0) in
         ``store``, where the ranks look. Fails when the bus cannot be opened."""
-        self.spec, self.ranks, self.store = spec, ranks, store
+        self.spec, self.ranks = spec, ranks
         self.on_death, self.echo = on_death, echo
         self.bus = spec.bus.open()
         self.factory = Signer(EventFactory(spec.job, "trainer"), "executor")  # acks and its own on-death commands
+        # The posts it writes and the ranks' answers it reads, signed for this run: what a stranger
+        # writes in the store is refused and reported on the bus (trainer/agent/signed_store.py).
+        self.store = SignedStore(store, spec.run_id or "", reader="trainer", keyring=self.factory.keyring,
+                                 report=lambda refused: self.bus.publish([self.factory.make(refused)]))
         self.bus.publish([self.factory.make(_plan_current(spec, plan, "start"))])
         self.stream = EventStream(self.bus, f"trainer:{spec.job}", list(topics.TRAINER_TOPICS), job=spec.job,
                                   on_assign=None if commands_from == "beginning"
                                   else (lambda tps: self.bus.end_offsets([tp.topic for tp in tps])))
         cfg = spec.config
-        self.intake = CommandIntake(store, plan, n_layer=cfg.n_layer, n_head=cfg.n_head,
+        self.intake = CommandIntake(self.store, plan, n_layer=cfg.n_layer, n_head=cfg.n_head,
                                     global_microbatches=plan.global_microbatches)
         self.intake.start(tuple(range(ranks)))
         self.probes = 0
-        store.set(CONTROL_PROBE, "0")
+        self.store.set(CONTROL_PROBE, {"newest": 0})
         self.result = LaunchResult(exit_codes={})
         self.last_echoed = -1
         self.spare_reposts: set[int] = set()  # running epochs already re-posted without their dead spares
@@ -298,10 +303,16 @@ def _rank_main(spec_json: str) -> None:
     process_main(elastic_environment().RANK, spec_json)
 
 
-def _progress(store: dist.Store) -> dict:
-    if not store.check([PROGRESS]):
-        return {"iteration": -1, "epoch": -1}
-    return json.loads(store.get(PROGRESS))
+def _progress(records: SignedStore) -> dict:
+    """The ranks' last committed iteration; none yet (or a forged one, refused) reads as -1."""
+    return records.read(PROGRESS, _progress_record) or {"iteration": -1, "epoch": -1}
+
+
+def _progress_record(body: Any) -> dict:
+    if not isinstance(body, dict) or type(body.get("iteration")) is not int or type(body.get("epoch")) is not int \
+            or not isinstance(body.get("loss"), int | float):
+        raise ValueError("progress holds an iteration, an epoch and a loss")
+    return body
 
 
 __all__ = ["launch", "LaunchResult", "drop_replicas", "replace_with_spares", "on_death_plan", "KILL_EXIT_CODE"]

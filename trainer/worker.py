@@ -42,8 +42,9 @@ from trainer.schedule import PipelineSchedule
 from trainer.spec import RunSpec
 from trainer.checkpoint import load_checkpoint, periodic_dir, prune_periodic, save_checkpoint
 from trainer.probe import run_probe
-from trainer.rendezvous import (PROGRESS, Post, await_arrivals, newest_post, newest_post_and_probe, pg_prefix,
-                                  read_post, read_probe)
+from trainer.agent.signed_store import SignedStore
+from trainer.rendezvous import (PROGRESS, Post, await_arrivals, await_first_post, newest_post_and_probe, pg_prefix,
+                                read_probe)
 from trainer.state import import_state, make_optimizer
 from trainer.telemetry import IterationRecorder, TelemetryPublisher
 
@@ -87,6 +88,10 @@ class Trainer:
         self.probes_due: range = range(0)
         self.telemetry = (TelemetryPublisher(spec.bus.open, spec.job, device, spec.heartbeat_s)
                           if spec.telemetry else None)
+        # What the launcher and the other ranks write in the store, signed for this run: a record a
+        # stranger wrote is refused and reported (trainer/agent/signed_store.py).
+        self.records = SignedStore(store, spec.run_id or "", reader=f"rank-{device}",
+                                   report=self.telemetry.publish if self.telemetry is not None else None)
 
     # ---- building a role -------------------------------------------------------------------------
 
@@ -110,7 +115,7 @@ class Trainer:
             return None
         if dist.is_initialized():
             dist.destroy_process_group()
-        await_arrivals(self.store, post.number, post.world, self.device, self.spec.rendezvous_timeout_s)
+        await_arrivals(self.records, post.number, post.world, self.device, self.spec.rendezvous_timeout_s)
         self.faults.begin_rendezvous(self.iteration)
         prefixed = dist.PrefixStore(pg_prefix(post.number), self.store)
         dist.init_process_group("gloo", store=prefixed, rank=post.world.index(self.device), world_size=len(post.world),
@@ -177,7 +182,7 @@ class Trainer:
             work.reducer.reduce()
             if work.stage.is_last:
                 commit[plan.pipelines.index(next(p for p in plan.pipelines if p.replica == work.role.replica))] = loss
-        newest_post_seen, newest_probe_seen = newest_post_and_probe(self.store)
+        newest_post_seen, newest_probe_seen = newest_post_and_probe(self.records, self.post, self.probes_done)
         commit[-3] = float(newest_probe_seen)
         commit[-2] = -float(self.probes_done)  # MAX of the negatives: the world's fewest answered
         commit[-1] = float(newest_post_seen)
@@ -195,7 +200,10 @@ class Trainer:
         this device's answers to those it was asked and had not answered yet (trainer/probe.py)."""
         cur = self.running
         for number in self.probes_due:
-            request = read_probe(self.store, number)
+            request = read_probe(self.records, number)
+            if request is None:  # refused (reported); every rank read the same bytes and skips it
+                self.probes_done = max(self.probes_done, number)
+                continue
             result = run_probe(request, self.device, cur.layout.rank(self.device), len(cur.layout.world),
                                cur.train_group, self.cfg, self.faults, self.spec.pace_s_per_layer_token)
             if result is not None and number > self.probes_done and self.telemetry is not None:
@@ -227,7 +235,7 @@ class Trainer:
                                           factor=f.factor),
                         start_iteration=self.iteration, end_iteration=f.end_iteration))
         if cur.layout.rank(self.device) == 0:
-            self.store.set(PROGRESS, json.dumps({"iteration": self.iteration, "epoch": plan.epoch, "loss": loss}))
+            self.records.set(PROGRESS, {"iteration": self.iteration, "epoch": plan.epoch, "loss": loss})
 
     def drop_gradients(self) -> None:
         if self.current is not None and self.current.work is not None:
@@ -282,7 +290,7 @@ def run_rank(spec: RunSpec, device: int) -> int:
     trainer = Trainer(spec, device, store)
     executor = Executor(trainer)
     try:
-        post = read_post(store, newest_post(store))
+        post = await_first_post(trainer.records, spec.rendezvous_timeout_s)
         layout = trainer.join_world(post)
         if layout is None:
             return 0
