@@ -101,7 +101,7 @@ def _recovery_timeline(job: JobView) -> None:
     st.subheader("Fail-stop recoveries")
     newest = max(job.recoveries.values(), key=lambda r: r.generation)
     total = f"{newest.total_s:.2f} s" if newest.total_s is not None else "in progress"
-    st.caption(f"newest: ranks {newest.lost} lost in {newest.failed_op or 'a collective'}; {len(newest.world)} ranks "
+    st.caption(f"newest: ranks {newest.lost} lost in {plain(newest.failed_op) if newest.failed_op else 'a collective'}; {len(newest.world)} ranks "
                f"went on from step {newest.iteration}; failure → training again: {total} "
                "(each phase on the reporting rank's clock)")
     st.dataframe(pd.DataFrame(recovery_rows(job)), hide_index=True)
