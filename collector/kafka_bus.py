@@ -9,7 +9,10 @@ Consumers: a consumer group with manual commits; ``on_assign`` seeks to position
 itself (in its DuckDB transaction) whenever the group hands it partitions.
 Security: with ``RESIHP_KAFKA_USERNAME`` (collector/settings.py) every client signs in with SASL
 (SCRAM-SHA-256 by default) as that principal; the broker's ACLs decide what it may read and write
-(docs/kafka.md). A principal without the right to create topics uses the ones that exist.
+(docs/kafka.md). A principal without the right to create topics uses the ones that exist. Over
+``SASL_SSL`` (or ``SSL``) clients trust the CA of ``RESIHP_KAFKA_SSL_CAFILE`` (else the system's)
+and check the broker's name; before its first client a bus shakes hands with a broker itself, so a
+certificate that does not verify is named as such at once, not as a broker that never answered.
 Outages: a broker that goes away never stops a process. ``publish`` retries what the brokers did
 not take, with back-off, until they take it (``RESIHP_KAFKA_OUTAGE_LIMIT_S`` bounds the wait; 0, the
 default, waits for ever), and a consumer's ``poll`` and ``commit`` ride it out; both mark the bus's
@@ -26,7 +29,9 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import time
+from pathlib import Path
 from collections.abc import Mapping, Sequence
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
@@ -51,21 +56,81 @@ _FLUSH_TIMEOUT_S = 30.0  # twice the producer's delivery timeout
 log = logging.getLogger(__name__)
 
 
-def client_security(env: Environment | None = None) -> dict[str, str]:
-    """kafka-python's SASL settings from the environment (empty: plaintext, no sign-in)."""
+PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+
+
+def client_security(env: Environment | None = None) -> dict[str, str | bool]:
+    """kafka-python's SASL and TLS settings from the environment (empty: plaintext, no sign-in)."""
     env = env or environment()
     protocol = env.kafka_security_protocol or ("SASL_PLAINTEXT" if env.kafka_username else "")
+    if protocol and protocol not in PROTOCOLS:
+        raise ValueError(f"RESIHP_KAFKA_SECURITY_PROTOCOL={protocol} is not one of {', '.join(PROTOCOLS)}")
     if not protocol or protocol == "PLAINTEXT":
         return {}
-    if not env.kafka_username:
-        raise ValueError(f"RESIHP_KAFKA_SECURITY_PROTOCOL={protocol} needs RESIHP_KAFKA_USERNAME and "
-                         "RESIHP_KAFKA_PASSWORD (source a principal's env file: docs/kafka.md)")
-    return {"security_protocol": protocol, "sasl_mechanism": env.kafka_sasl_mechanism,
-            "sasl_plain_username": env.kafka_username, "sasl_plain_password": env.kafka_password}
+    settings: dict[str, str | bool] = {"security_protocol": protocol}
+    if protocol.startswith("SASL_"):
+        if not env.kafka_username:
+            raise ValueError(f"RESIHP_KAFKA_SECURITY_PROTOCOL={protocol} needs RESIHP_KAFKA_USERNAME and "
+                             "RESIHP_KAFKA_PASSWORD (source a principal's env file: docs/kafka.md)")
+        settings.update(sasl_mechanism=env.kafka_sasl_mechanism, sasl_plain_username=env.kafka_username,
+                        sasl_plain_password=env.kafka_password)
+    if protocol.endswith("SSL"):
+        if env.kafka_ssl_cafile and not Path(env.kafka_ssl_cafile).is_file():
+            raise ValueError(f"RESIHP_KAFKA_SSL_CAFILE={env.kafka_ssl_cafile} is not a file; point it at the CA "
+                             "certificate that signed the brokers' (`resihp kafka up --secure` writes "
+                             "<data dir>/tls/ca.pem)")
+        if env.kafka_ssl_cafile:
+            settings["ssl_cafile"] = env.kafka_ssl_cafile
+        settings["ssl_check_hostname"] = True
+    return settings
+
+
+def tls_refusal(bootstrap: str, security: Mapping[str, object], timeout_s: float = 5.0) -> str | None:
+    """Why a TLS client with ``security`` cannot trust the first bootstrap broker that answers (its
+    certificate does not verify against the CA, or names another host), or None when it can or no
+    broker answers (then kafka-python's own bootstrap reports it)."""
+    cafile = security.get("ssl_cafile")
+    context = ssl.create_default_context(cafile=str(cafile) if cafile else None)
+    for address in bootstrap.split(","):
+        host, _, port = address.strip().rpartition(":")
+        host = host or "127.0.0.1"
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout_s) as raw:
+                with context.wrap_socket(raw, server_hostname=host):
+                    return None
+        except ssl.SSLCertVerificationError as exc:
+            trusted = f"the CA in {cafile}" if cafile else "the system's CAs (RESIHP_KAFKA_SSL_CAFILE is not set)"
+            return (f"the broker at {address.strip()} presented a certificate that does not verify against {trusted}: "
+                    f"{exc.verify_message}; set RESIHP_KAFKA_SSL_CAFILE to the CA that signed it (`resihp kafka up "
+                    "--secure` writes <data dir>/tls/ca.pem; source the principal's env file)")
+        except ssl.SSLError as exc:
+            return (f"the broker at {address.strip()} does not complete a TLS handshake ({exc.reason}); it may speak "
+                    "PLAINTEXT or SASL_PLAINTEXT: set RESIHP_KAFKA_SECURITY_PROTOCOL to what its listener speaks")
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def speaks_tls(bootstrap: str, timeout_s: float = 5.0) -> bool:
+    """True if the first bootstrap broker that answers completes a TLS handshake (whoever signed
+    its certificate): why a plaintext client's bootstrap never got an answer."""
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # only asks whether it is TLS
+    for address in bootstrap.split(","):
+        host, _, port = address.strip().rpartition(":")
+        try:
+            with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s) as raw:
+                with context.wrap_socket(raw):
+                    return True
+        except ssl.SSLError:
+            return False
+        except (OSError, ValueError):
+            continue
+    return False
 
 
 def ensure_topics(bootstrap: str, topics: Sequence[str] = ALL_TOPICS, namespace: str = "",
-                  security: Mapping[str, str] | None = None) -> None:
+                  security: Mapping[str, object] | None = None) -> None:
     """Create the platform's topics (under ``namespace``) if they do not exist (idempotent). A
     principal the ACLs do not let create topics logs it and goes on with those that exist."""
     replication = environment().kafka_replication
@@ -132,20 +197,26 @@ class KafkaBus(Bus):
     name = "kafka"
 
     def __init__(self, bootstrap: str, *, namespace: str | None = None, create_topics: bool = True,
-                 security: Mapping[str, str] | None = None) -> None:
+                 security: Mapping[str, object] | None = None) -> None:
         self.bootstrap = bootstrap
-        # SASL settings for every client (default: from the environment, client_security()).
-        self.security = dict(client_security() if security is None else security)
+        # SASL and TLS settings for every client (default: from the environment, client_security()).
+        self.security: dict = dict(client_security() if security is None else security)
         # Several environments (or tests) can share a cluster: every topic name gets this prefix.
         self.namespace = environment().kafka_namespace if namespace is None else namespace
+        if str(self.security.get("security_protocol", "")).endswith("SSL"):
+            refusal = tls_refusal(bootstrap, self.security)
+            if refusal:
+                raise ConnectionError(f"cannot trust Kafka at {bootstrap}: {refusal}")
         if create_topics:
             try:
                 ensure_topics(bootstrap, namespace=self.namespace, security=self.security)
             except KafkaError as exc:
+                hint = "start the local broker with `resihp kafka up` or set RESIHP_KAFKA_BOOTSTRAP"
+                if not str(self.security.get("security_protocol", "")).endswith("SSL") and speaks_tls(bootstrap):
+                    hint = ("the broker speaks TLS and this client does not: set RESIHP_KAFKA_SECURITY_PROTOCOL="
+                            "SASL_SSL and RESIHP_KAFKA_SSL_CAFILE (source the principal's env file: docs/kafka.md)")
                 raise ConnectionError(
-                    f"cannot reach Kafka at {bootstrap} ({exc.__class__.__name__}: {exc}); start the local "
-                    "broker with `resihp kafka up` or set RESIHP_KAFKA_BOOTSTRAP"
-                ) from exc
+                    f"cannot reach Kafka at {bootstrap} ({exc.__class__.__name__}: {exc}); {hint}") from exc
         self._producer: KafkaProducer | None = None
         self.health = BusHealth()
 
@@ -304,11 +375,12 @@ class KafkaBusConsumer(Consumer):
         on_assign: OnAssign | None,
         namespace: str = "",
         instance_id: str | None = None,
-        security: Mapping[str, str] | None = None,
+        security: Mapping[str, object] | None = None,
     ) -> None:
         if not topics:
             raise ValueError("a consumer needs at least one topic")
         self.group = group
+        self._principal = str((security or {}).get("sasl_plain_username", "ANONYMOUS"))
         self._ns = namespace
         self._bootstrap = bootstrap
         self.health = BusHealth()  # KafkaBus.consumer shares its bus's
@@ -353,6 +425,10 @@ class KafkaBusConsumer(Consumer):
             timeout_ms = max(timeout_ms, _JOIN_POLL_MS)
         try:
             batches = self._kafka.poll(timeout_ms=timeout_ms, max_records=max_records)
+        except AuthorizationError as exc:
+            raise PermissionError(
+                f"Kafka refused principal {self._principal!r} consumer group {self.group!r} or its topics ({exc}); "
+                "each principal may use only its own group names and read only its topics (docs/kafka.md)") from exc
         except KafkaError as exc:
             if not _retriable(exc):
                 raise

@@ -40,10 +40,13 @@ class Environment(BaseSettings):
     kafka_outage_limit_s: float = Field(
         default=0.0, ge=0, description="how long a publish waits out a broker outage before it fails (0: for ever)")
     kafka_security_protocol: str = Field(
-        default="", description="PLAINTEXT, SASL_PLAINTEXT or SASL_SSL (empty: SASL_PLAINTEXT when a username is set)")
+        default="", description="PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL (empty: SASL_PLAINTEXT when a username is set)")
     kafka_sasl_mechanism: str = Field(default="SCRAM-SHA-256", description="SCRAM-SHA-256, SCRAM-SHA-512 or PLAIN")
     kafka_username: str = Field(default="", description="the SASL principal this process signs in as (docs/kafka.md)")
     kafka_password: str = Field(default="", description="that principal's password")
+    kafka_ssl_cafile: str = Field(
+        default="", description="PEM file of the CA that signed the brokers' certificates, for SSL / SASL_SSL "
+        "(empty: the system's CAs); the broker's name is always checked against its certificate")
     # control-event keys (collector/auth.py, docs/security.md)
     keys: str = Field(default=DEFAULT_KEYS_PATH, description="the role key file (0600), made on first use")
     key_engine: str = Field(default="", description="the engine's key, hex (overrides the key file)")

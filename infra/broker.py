@@ -14,7 +14,7 @@ Public API (``resihp kafka up|down|status`` calls these)::
     bootstrap = up()           # '127.0.0.1:19092'; returns the running one if already up
     status()                   # {'running': True, 'pid': ..., 'bootstrap': ..., 'reachable': True, ...}
     down()                     # True if a broker was stopped
-    up(secure=True)            # SASL/SCRAM principals and ACLs (infra/kafka_security.py)
+    up(secure=True)            # SASL_SSL, SCRAM principals and ACLs (infra/kafka_security.py)
 
 CLI: ``python -m infra.broker up|down|status [--port N] [--data-dir D] [--secure]``.
 
@@ -44,6 +44,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from infra import kafka_security as security
+from infra import tls
 
 INFRA_DIR = Path(__file__).resolve().parent
 REPO_ROOT = INFRA_DIR.parent
@@ -157,9 +158,14 @@ def up(
     that process is gone, however it ended. Without it the broker outlives its caller, as
     ``resihp kafka up`` means it to.
 
-    ``secure``: SASL/SCRAM-SHA-256 principals and ACLs (infra/kafka_security.py); the data dir
-    must be fresh or have been formatted secure, and the principals' credentials are written
-    under ``<data dir>/credentials/``.
+    ``secure``: every listener on SASL_SSL with a certificate of the platform's CA
+    (``<data dir>/tls/``), SCRAM-SHA-256 principals created through the admin API once the broker
+    answers, and ACLs (infra/kafka_security.py); the data dir must be fresh or have been started
+    secure before, and the principals' credentials are written under ``<data dir>/credentials/``.
+
+    Secrets never leave files only their owner reads: the data dir is 0700, its config (``admin``'s
+    password, the TLS key) and credential files 0600, and no process this starts gets a password in
+    its arguments.
 
     If a broker already runs on ``data_dir`` no other is started: ``up`` waits for that one and
     returns its address (even if it listens on another port than asked). Otherwise the data dir is
@@ -173,9 +179,11 @@ def up(
     formatted = (data_dir / KRAFT_DIR / "meta.properties").exists()
     was_secure = (data_dir / security.SECURE_MARKER).exists()
     if formatted and secure != was_secure:
-        raise BrokerError(f"{data_dir} was formatted {'with' if was_secure else 'without'} SASL users; start it "
+        raise BrokerError(f"{data_dir} was started {'with' if was_secure else 'without'} SASL users; start it "
                           f"{'with' if was_secure else 'without'} --secure, or use a fresh --data-dir")
+    tls.private_dir(data_dir)
     creds = security.load_or_create_credentials(data_dir) if secure else None
+    ca_file = security.tls_files(data_dir).ca_cert if secure else None
 
     port, controller_port = _resolve_ports(port, controller_port)
     lib_dir = fetch(lib_dir)
@@ -183,27 +191,30 @@ def up(
     for p in (port, controller_port):
         _require_free(p)
 
-    data_dir.mkdir(parents=True, exist_ok=True)
     config = _write_config(data_dir, port, controller_port, creds)
     classpath = ["-cp", str(lib_dir / "*")]
     if not formatted:
-        _format_storage(java, classpath, config, security.format_args(creds) if creds else [])
+        _format_storage(java, classpath, config)
         if creds:
-            (data_dir / security.SECURE_MARKER).write_text("formatted with SCRAM-SHA-256 users\n")
+            (data_dir / security.SECURE_MARKER).write_text("SASL_SSL, SCRAM-SHA-256 users, ACLs\n")
 
     jvm = [java, *os.environ.get("KAFKA_HEAP_OPTS", DEFAULT_HEAP_OPTS).split(),
            "-Djava.awt.headless=true", f"-Dlog4j.configuration={LOG4J_CONFIG.as_uri()}",
            # Tags the process so a recycled pid is never mistaken for our broker.
            f"-Dresihp.kafka.data.dir={data_dir}"]
-    pid = _spawn_detached([*jvm, *classpath, MAIN_CLASS, str(config)], data_dir / LOG_FILE)
+    log_file = data_dir / LOG_FILE
+    if not log_file.exists():
+        tls.write_private(log_file, b"")
+    pid = _spawn_detached([*jvm, *classpath, MAIN_CLASS, str(config)], log_file)
     (data_dir / PID_FILE).write_text(f"{pid}\n")
     if die_with is not None:
         _stop_when_gone(die_with, pid)
 
     bootstrap = _wait_ready(data_dir, f"{HOST}:{port}", timeout_s)
-    if creds:
-        security.apply_acls(bootstrap, creds)
-        security.write_env_files(data_dir, bootstrap, creds)
+    if creds and ca_file:
+        security.create_users(bootstrap, creds, ca_file)
+        security.apply_acls(bootstrap, creds, ca_file)
+        security.write_env_files(data_dir, bootstrap, creds, ca_file)
     return bootstrap
 
 
@@ -211,8 +222,7 @@ def _admin_config(data_dir: Path) -> dict:
     """kafka-python settings of the broker's admin principal (empty for a plaintext broker)."""
     if not (data_dir / security.SECURE_MARKER).exists():
         return {}
-    creds = security.load_or_create_credentials(data_dir)
-    return security.client_config(security.ADMIN, creds[security.ADMIN])
+    return security.principal_config(data_dir, security.ADMIN)
 
 
 def _wait_ready(data_dir: Path, bootstrap: str, timeout_s: float) -> str:
@@ -280,22 +290,24 @@ def status(data_dir: Path | str | None = None) -> dict:
 
 
 def _write_config(data_dir: Path, port: int, controller_port: int, creds: dict[str, str] | None = None) -> Path:
-    """Render infra/server.properties for this data dir and these ports (rewritten on every start),
-    with SASL and ACLs when ``creds`` are given."""
+    """Render infra/server.properties for this data dir and these ports (rewritten on every start,
+    mode 0600: it holds ``admin``'s password and the TLS key), with TLS, SASL and ACLs when ``creds``
+    are given."""
     plain = {"client_listener": "PLAINTEXT", "controller_protocol": "PLAINTEXT", "security": ""}
-    values = security.server_properties(creds[security.ADMIN]) if creds else plain
+    values = security.server_properties(creds[security.ADMIN], security.tls_files(data_dir)) if creds else plain
     text = string.Template(SERVER_TEMPLATE.read_text()).substitute(
         host=HOST, port=port, controller_port=controller_port, log_dir=data_dir / KRAFT_DIR, **values)
     config = data_dir / CONFIG_FILE
-    config.write_text(text)
+    tls.write_private(config, text.encode())
     return config
 
 
-def _format_storage(java: str, classpath: list[str], config: Path, extra: list[str]) -> None:
-    """Format the KRaft log dir with a fresh cluster id (a KRaft broker refuses to start without),
-    and ``extra`` arguments (the SCRAM users of a secure broker)."""
+def _format_storage(java: str, classpath: list[str], config: Path) -> None:
+    """Format the KRaft log dir with a fresh cluster id (a KRaft broker refuses to start without).
+    No SCRAM users here: ``--add-scram`` would put their passwords in this process's arguments, so
+    a secure broker gets them through the admin API once it answers."""
     cmd = [java, "-Xmx256m", f"-Dlog4j.configuration={LOG4J_CONFIG.as_uri()}", *classpath,
-           STORAGE_TOOL, "format", "--config", str(config), "--cluster-id", _random_cluster_id(), *extra]
+           STORAGE_TOOL, "format", "--config", str(config), "--cluster-id", _random_cluster_id()]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise BrokerError(f"formatting the Kafka log dir failed (exit {done.returncode}):\n"
@@ -452,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", type=Path, help="broker data dir (default $RESIHP_KAFKA_DATA_DIR or .kafka/broker)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for start-up / shutdown")
     parser.add_argument("--secure", action="store_true",
-                        help="SASL/SCRAM principals and ACLs (a fresh data dir; credentials in <data dir>/credentials)")
+                        help="SASL_SSL with the platform's CA, SCRAM principals and ACLs (a fresh data dir; "
+                             "credentials in <data dir>/credentials, CA in <data dir>/tls/ca.pem)")
     args = parser.parse_args(argv)
     try:
         if args.action == "fetch":

@@ -7,9 +7,11 @@ Kafka tests are never skipped.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 import uuid
@@ -198,26 +200,49 @@ def bus(bus_factory: BusFactory) -> Bus:
     return bus_factory()
 
 
+@contextlib.contextmanager
+def _recording_argv(into: list[list[str]]) -> Iterator[None]:
+    """Record the argument list of every process started meanwhile (subprocess.Popen's ``args``,
+    which ``run`` and the broker's detached ``sh`` go through) and what the JVM it spawns was
+    given (its /proc cmdline, read once the broker runs)."""
+    real_init = subprocess.Popen.__init__
+
+    def recording_init(self, args, *rest, **kwargs):  # type: ignore[no-untyped-def]
+        into.append([str(a) for a in ([args] if isinstance(args, (str, bytes, os.PathLike)) else args)])
+        real_init(self, args, *rest, **kwargs)
+
+    subprocess.Popen.__init__ = recording_init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__ = real_init  # type: ignore[method-assign]
+
+
 @pytest.fixture(scope="session")
 def secure_kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    """A single-node broker started with ``up --secure`` (SASL/SCRAM principals and ACLs), its
-    topics created by the admin principal: ``bootstrap``, ``data_dir``, ``port``,
-    ``controller_port`` and ``creds`` (principal -> password). A test may stop and restart it
-    (tests/test_bus_outage.py); whatever it leaves stopped is started again for the next."""
+    """The one single-node broker started with ``up --secure`` (SASL_SSL with the platform's CA,
+    SCRAM principals and ACLs) that every secure test shares, its topics created by the admin
+    principal: ``bootstrap``, ``data_dir``, ``port``, ``controller_port``, ``creds`` (principal ->
+    password), ``cafile`` (the CA clients trust) and ``argv`` (the command line of every process
+    the start ran). A test may stop and restart it (tests/test_bus_outage.py); whatever it leaves
+    stopped is started again for the next."""
     from infra import kafka_security as security
     from resihp.commands.kafka import secure_topics
 
     data_dir = tmp_path_factory.mktemp("kafka-secure")
     port, controller_port = _free_port(), _free_port()
-    try:
-        bootstrap = broker.up(port=port, controller_port=controller_port, data_dir=data_dir, secure=True,
-                              die_with=os.getpid())
-        secure_topics(bootstrap, str(data_dir), "")
-    except Exception as exc:  # noqa: BLE001 - any failure to start is a test failure, with the reason
-        broker.down(data_dir)
-        pytest.fail(f"the secure Kafka broker from infra/ did not start: {exc}", pytrace=False)
+    argv: list[list[str]] = []
+    with _recording_argv(argv):
+        try:
+            bootstrap = broker.up(port=port, controller_port=controller_port, data_dir=data_dir, secure=True,
+                                  die_with=os.getpid())
+            secure_topics(bootstrap, str(data_dir), "")
+        except Exception as exc:  # noqa: BLE001 - any failure to start is a test failure, with the reason
+            broker.down(data_dir)
+            pytest.fail(f"the secure Kafka broker from infra/ did not start: {exc}", pytrace=False)
     info = {"bootstrap": bootstrap, "data_dir": data_dir, "port": port, "controller_port": controller_port,
-            "creds": security.load_or_create_credentials(data_dir)}
+            "creds": security.load_or_create_credentials(data_dir),
+            "cafile": data_dir / security.TLS_DIR / "ca.pem", "argv": argv}
     try:
         yield info
     finally:

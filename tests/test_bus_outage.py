@@ -52,9 +52,9 @@ def _wait_for(what: str, ok, procs, limit_s: float = 180.0) -> None:
         time.sleep(0.2)
 
 
-def _as(principal: str, creds: dict[str, str]) -> dict[str, str]:
+def _as(principal: str, creds: dict[str, str], cafile: Path) -> dict[str, str]:
     """The environment that signs the platform's Kafka clients in as ``principal``."""
-    lines = security.env_lines("", principal, creds[principal]).splitlines()
+    lines = security.env_lines("", principal, creds[principal], cafile).splitlines()
     return {k: v for k, v in (ln.split("=", 1) for ln in lines) if k.startswith("RESIHP_KAFKA_") and v}
 
 
@@ -74,10 +74,10 @@ def test_a_broker_outage_raises_no_fail_stop_and_every_process_survives(secure_k
     try:
         procs["analytics"] = subprocess.Popen(
             [sys.executable, "-m", "resihp.cli", "analytics", *flags, "--db", str(tmp_path / "a.duckdb")],
-            cwd=REPO, env=dict(env, **_as("analytics", creds)), stdout=logs["analytics"], stderr=subprocess.STDOUT)
+            cwd=REPO, env=dict(env, **_as("analytics", creds, secure_kafka["cafile"])), stdout=logs["analytics"], stderr=subprocess.STDOUT)
         procs["workload"] = subprocess.Popen(
             [sys.executable, "-m", "resihp.demo.sim_workload", str(tmp_path / "scenario.yaml"), "--speed", "2",
-             *flags], cwd=REPO, env=dict(env, **_as("trainer", creds)), stdout=logs["workload"],
+             *flags], cwd=REPO, env=dict(env, **_as("trainer", creds, secure_kafka["cafile"])), stdout=logs["workload"],
             stderr=subprocess.STDOUT)
         _wait_for("the job's 4th iteration", lambda: _last_iteration(tmp_path / "workload.log") >= 4, procs)
 
@@ -101,9 +101,9 @@ def test_a_broker_outage_raises_no_fail_stop_and_every_process_survives(secure_k
         said = (tmp_path / "analytics.log").read_text()
         assert "fail_stop_suspended" in said, said[-3000:]
 
-        bus = KafkaBus(bootstrap, namespace=namespace, security=security.client_config("console", creds["console"]))
+        bus = KafkaBus(bootstrap, namespace=namespace, security=security.client_config("console", creds["console"], secure_kafka["cafile"]))
         events = []
-        with EventStream(bus, f"check-{uuid.uuid4().hex[:6]}", [topics.ANALYTICS]) as stream:
+        with EventStream(bus, f"ui-check-{uuid.uuid4().hex[:6]}", [topics.ANALYTICS]) as stream:
             _wait_for("the last iteration's prediction", lambda: (
                 events.extend(d.event for d in stream.poll(timeout_s=1.0)) or
                 max((e.payload.iteration for e in events if isinstance(e.payload, IterationPrediction)),

@@ -1,5 +1,5 @@
 """Kafka security on the real broker the project starts (``up --secure``): SASL/SCRAM-SHA-256
-principals and StandardAuthorizer ACLs. An unauthorised principal's write is refused by Kafka
+principals over TLS and StandardAuthorizer ACLs (TLS itself, groups and secrets: test_kafka_tls.py). An unauthorised principal's write is refused by Kafka
 itself; an authorised one lands. The platform's own client (collector/kafka_bus.py) signs in."""
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def secure_broker(secure_kafka):
     return secure_kafka["bootstrap"], secure_kafka["data_dir"], secure_kafka["creds"]
 
 
-def _bus(bootstrap: str, creds: dict[str, str], user: str) -> KafkaBus:
-    return KafkaBus(bootstrap, namespace="", security=security.client_config(user, creds[user]))
+def _bus(bootstrap: str, data_dir: Path, user: str) -> KafkaBus:
+    return KafkaBus(bootstrap, namespace="", security=security.principal_config(data_dir, user))
 
 
 def test_the_broker_tool_knows_the_platforms_topics() -> None:
@@ -43,9 +43,9 @@ def test_the_broker_tool_knows_the_platforms_topics() -> None:
 def test_a_telemetry_writer_writes_telemetry_and_kafka_refuses_it_the_control_topic(secure_broker) -> None:
     bootstrap, data_dir, creds = secure_broker
     assert broker.status(data_dir)["secure"] and broker.status(data_dir)["reachable"]
-    admin = _bus(bootstrap, creds, security.ADMIN)
+    admin = _bus(bootstrap, data_dir, security.ADMIN)
     before = admin.end_offsets([topics.TELEMETRY, topics.CONTROL])
-    rank = _bus(bootstrap, creds, "telemetry")
+    rank = _bus(bootstrap, data_dir, "telemetry")
     try:
         hb = EventFactory("j", "rank-3").make(Heartbeat(rank=3, epoch=0, iteration=1, interval_s=1.0))
         assert rank.publish([hb]) == 1  # topic creation is not its right: it uses the topics that exist
@@ -56,7 +56,7 @@ def test_a_telemetry_writer_writes_telemetry_and_kafka_refuses_it_the_control_to
             rank.publish_raw([RawMessage(topics.ANALYTICS, b"j/mallory", b"{}")])
     finally:
         rank.close()
-    engine = _bus(bootstrap, creds, "engine")
+    engine = _bus(bootstrap, data_dir, "engine")
     try:
         engine.publish_raw([RawMessage(topics.CONTROL, b"j/engine", uuid.uuid4().bytes)])  # the engine may
         with pytest.raises(PermissionError):
@@ -87,19 +87,19 @@ def test_every_principal_gets_an_env_file_the_platform_signs_in_with(secure_brok
 def test_only_the_engine_and_the_trainer_may_write_the_commands_topic_kafka_refuses_the_rest(secure_broker) -> None:
     """A command a trainer obeys comes from the commands topic; Kafka itself refuses a telemetry,
     analytics or console principal's write there, even of a command signed with a valid key."""
-    bootstrap, _, creds = secure_broker
-    admin = _bus(bootstrap, creds, security.ADMIN)
+    bootstrap, data_dir, _ = secure_broker
+    admin = _bus(bootstrap, data_dir, security.ADMIN)
     before = admin.end_offsets([topics.COMMANDS])
     plan = Plan.uniform(tp=1, pp=1, dp=2, num_layers=2, microbatches_per_replica=2).model_copy(update={"epoch": 1})
     command = signing_factory("j", "remediation", "engine").make(new_command(plan))
     for user in ("telemetry", "analytics", "console"):
-        bus = _bus(bootstrap, creds, user)
+        bus = _bus(bootstrap, data_dir, user)
         try:
             with pytest.raises(PermissionError, match=f"'{user}'.*TopicAuthorization"):
                 bus.publish_raw([RawMessage(topics.COMMANDS, b"j/remediation", encode(command))])
         finally:
             bus.close()
-    engine = _bus(bootstrap, creds, "engine")
+    engine = _bus(bootstrap, data_dir, "engine")
     try:
         assert engine.publish([command]) == 1  # to the commands topic, and its record to control
     finally:
