@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from tests.test_agent_run import free_port
 from trainer.agent.presence import AgentPresence, PeerAgent
+from trainer.agent.signed_store import SignedStore
 
 
 def poll_until_settled(presence: AgentPresence, rounds: int = 200) -> list[PeerAgent]:
@@ -27,7 +28,8 @@ def poll_until_settled(presence: AgentPresence, rounds: int = 200) -> list[PeerA
 
 def three_agents() -> list[AgentPresence]:
     store = dist.TCPStore("127.0.0.1", free_port(), None, True, timedelta(seconds=10), wait_for_workers=False)
-    return [AgentPresence(store, g, 3, (2 * g, 2 * g + 1), "127.0.0.1") for g in range(3)]
+    return [AgentPresence(SignedStore(store, "round", reader=f"agent-{g}"), g, 3, (2 * g, 2 * g + 1), "127.0.0.1")
+            for g in range(3)]
 
 
 def test_an_agent_that_closes_without_a_goodbye_is_reported_once_by_each_peer_with_its_ranks() -> None:

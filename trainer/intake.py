@@ -10,7 +10,10 @@ Commands are handled in arrival order, one in flight at a time; a command queued
 in-flight reshape is judged against the epoch that reshape leaves running.
 
 Only signed commands get this far (:meth:`CommandIntake.offer_event`): signed by the engine, or by
-this executor's own on-death policy (collector/auth.py). Probe requests must be signed by analytics
+this executor's own on-death policy (collector/auth.py), naming this launcher's run (``run``, new
+random bits per launch, announced in its ``plan.current``) and not past their expiry on the host's
+clock (collector/epoch_fence.py's ``order_refusal``); a command of another run, or an old one
+republished, is refused and reported, never acknowledged. Probe requests must be signed by analytics
 and within trainer/integration.py's ``probe_refusal`` bounds (:meth:`CommandIntake.admit_probe`).
 Whatever is refused is kept as a ``control.rejected`` event (:meth:`CommandIntake.rejections`) for
 the launcher to publish, once per event id, and never touches the ranks.
@@ -36,14 +39,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from collector.auth import Gate
-from collector.epoch_fence import fence_verdict
+from collector.epoch_fence import fence_verdict, new_run, order_refusal
 from collector.events import AckStatus, CommandAck, Envelope, ProbeRequest, ReconfigureCommand
 from collector.plan import Plan
 from trainer.chunks import schedule_problem
+from trainer.agent.signed_store import RANK_WRITERS
 from trainer.integration import probe_refusal
 from trainer.rendezvous import GROUPS_KEPT, abort_key, arrive_key, done_key, failed_key, write_post
 
@@ -58,9 +63,14 @@ class InFlight:
 
 
 class CommandIntake:
-    def __init__(self, store, plan: Plan, *, n_layer: int, n_head: int, global_microbatches: int) -> None:
-        """``store``: the launcher's signed records (trainer/agent/signed_store.py's ``SignedStore``)."""
+    def __init__(self, store, plan: Plan, *, n_layer: int, n_head: int, global_microbatches: int,
+                 run: str | None = None, clock: Callable[[], float] = time.time) -> None:
+        """``store``: the launcher's signed records (trainer/agent/signed_store.py's ``SignedStore``).
+        ``run``: the launch's run incarnation (None: fresh random bits); ``clock``: Unix time, for
+        commands' expiries."""
         self.store = store
+        self.run = run or new_run()
+        self.clock = clock
         self.running = plan
         self.n_layer, self.n_head, self.global_microbatches = n_layer, n_head, global_microbatches
         self.seen: set[str] = set()
@@ -89,6 +99,10 @@ class CommandIntake:
     def offer_event(self, event: Envelope) -> bool:
         """Queue a command read from the bus if its signature lets it act; False when refused."""
         if not isinstance(event.payload, ReconfigureCommand) or not self.gate.admit(event):
+            return False
+        refusal = order_refusal(event.payload, self.run, event.time_s, self.clock())
+        if refusal is not None:
+            self.gate.refuse(event, refusal)
             return False
         self.offer(event.payload)
         return True
@@ -163,10 +177,10 @@ class CommandIntake:
         self.in_flight = InFlight(command, world, time.monotonic(), self.posts, reposted)
 
     def _check_in_flight(self, fl: InFlight, alive: set[int], progress_iteration: int) -> CommandAck | None:
-        failed = {d: why for d in fl.world if isinstance(why := self.store.read(failed_key(fl.post, d)), str)}
+        failed = {d: why for d in fl.world if isinstance(why := self.store.read(failed_key(fl.post, d), allowed=RANK_WRITERS), str)}
         died = [d for d in fl.world if d not in alive]
         spares_only = bool(died) and not set(died) & set(fl.command.plan.devices)
-        if spares_only and (failed or not all(self.store.valid(arrive_key(fl.post, d)) for d in fl.world)):
+        if spares_only and (failed or not all(self.store.valid(arrive_key(fl.post, d), RANK_WRITERS) for d in fl.world)):
             # Only spares died, and the world still waits at the arrival barrier or the ranks past
             # it report a failed transfer or group (they went back to the running epoch and wait):
             # release them and post the same command to the devices still alive.
@@ -188,7 +202,7 @@ class CommandIntake:
             self.in_flight = None
             return self._ack(fl.command, AckStatus.FAILED, "; ".join(reasons)[:2000])
         live_world = [d for d in fl.world if d in alive]  # all of it, unless a spare died past the barrier
-        done = [self.store.read(done_key(fl.post, d), _done_report) for d in live_world]
+        done = [self.store.read(done_key(fl.post, d), _done_report, RANK_WRITERS) for d in live_world]
         reports = [r for r in done if r is not None]
         if len(reports) < len(done):  # not yet (or refused, reported: only the rank's own report counts)
             return None
@@ -235,7 +249,7 @@ class CommandIntake:
              pause_iterations: int = 0) -> CommandAck:
         return CommandAck(command_id=command.command_id, plan_id=command.plan_id, epoch=command.plan.epoch,
                           status=status, running_epoch=self.running.epoch, pause_s=pause_s,
-                          pause_iterations=pause_iterations, detail=detail)
+                          pause_iterations=pause_iterations, detail=detail, run=self.run)
 
 
 def _done_report(body: Any) -> dict:

@@ -22,6 +22,14 @@ rank at an iteration boundary, as it shares plans; every rank times the workload
 the loop's own (one GEMM of a layer for ``compute``, one activation sent to the next rank for
 ``link``); the protocol is trainer/probe.py's, which our torch trainer runs.
 
+Runs: each listener serves one run incarnation of the job (``run``: new random bits by default,
+announced in every ``plan.current`` it publishes). It refuses, and reports, a command for another
+run, one without a run or an expiry, and one past its expiry (collector/epoch_fence.py's
+``order_refusal``): a signed command replayed from another run of the same job name, or kept for
+a month, is history. A loop that restarts and resumes the same run passes its ``run`` again: the
+listener rebuilds its fence from its own acknowledgements on the log, so it never obeys an epoch it
+already applied, an older one, or a command it already answered.
+
 Trust: the listener hands over only commands signed by the engine (or the job's own executor) and
 probes signed by analytics and within :func:`probe_refusal`'s bounds (collector/auth.py); anything
 else is published as ``control.rejected`` with why and never reaches the loop. Its acknowledgements
@@ -44,7 +52,7 @@ from typing import Protocol, runtime_checkable
 
 from collector import topics
 from collector.auth import Gate, Signer
-from collector.epoch_fence import EpochFence
+from collector.epoch_fence import COMMAND_TTL_S, EpochFence, new_run, order_refusal
 from collector.bus import Bus, Consumer, OnAssign, RawMessage, TopicPartition, open_bus
 from collector.events import (AckStatus, Chunk, ChunkKind, CommandAck, CommOp, CommWait, Coords, EventFactory,
                               ExecutorCapabilities, IterationSummary, Payload, PlanCurrent, PlanCurrentReason, ProbeRequest,
@@ -250,16 +258,27 @@ class CommandListener:
     the previous one left running. By default it reads commands published from now on
     (``from_beginning=True`` re-reads the log: old commands are then acked as stale).
     ``check(plan) -> reason | None`` fails plans the loop cannot run before it sees them.
+
+    ``run``: None starts a new run (``self.run``, fresh random bits); a loop that resumes a run
+    after a restart passes the ``run`` it had (keep it with the checkpoint), and the fence is
+    rebuilt from that run's acknowledgements and ``plan.current`` on the control topic: the epoch
+    never goes below one the run applied, and answered command ids stay answered. ``clock``
+    gives the time commands' expiries are judged by (the host's Unix time).
     """
 
     def __init__(self, job: str, plan: Plan, *, bus: BusSource = None, check: Callable[[Plan], str | None] | None = None,
-                 group: str | None = None, from_beginning: bool = False, source: str = "trainer") -> None:
+                 group: str | None = None, from_beginning: bool = False, source: str = "trainer",
+                 run: str | None = None, clock: Callable[[], float] = time.time) -> None:
         self.job, self.running = job, plan
         self._owned = not isinstance(bus, Bus)
         self.bus: Bus = bus if isinstance(bus, Bus) else (bus or open_bus)()
         self.fence = EpochFence(plan.epoch, check)
         self.factory = Signer(EventFactory(job, source), "executor")
         self.gate = Gate(source, self.factory.keyring)
+        self.clock = clock
+        self.run = run or new_run()
+        if run is not None:
+            self._recall_fence()
         self.acks: list[CommandAck] = []
         self._queue: deque[ReconfigureCommand] = deque()
         self.pending: ReconfigureCommand | None = None
@@ -273,6 +292,28 @@ class CommandListener:
         self.stream = EventStream(self.bus, group or f"trainer:{job}", list(topics.TRAINER_TOPICS),
                                   on_assign=start_at_end, job=job)
 
+    def _recall_fence(self) -> None:
+        """Rebuild the fence of a resumed run from the control topic, read from its start to its end
+        now: this run's own acknowledgements (answered ids, applied epochs) and ``plan.current``
+        (the epochs it ran), each only when the executor signed it."""
+        end = self.bus.end_offsets([topics.CONTROL])
+        stream = EventStream(self.bus, f"trainer:{self.job}:recall:{uuid.uuid4().hex}", [topics.CONTROL],
+                             on_assign=lambda tps: {tp: 0 for tp in tps}, job=self.job)
+        try:
+            quiet = 0
+            while any(stream.positions_after_poll().get(tp, 0) < n for tp, n in end.items() if n > 0):
+                deliveries = stream.poll(timeout_s=0.5)
+                quiet = 0 if deliveries else quiet + 1
+                if quiet >= 20:  # the log cannot be read to its end: start fenced as far as it went
+                    break
+                for d in deliveries:
+                    ev = d.event
+                    if (ev.job == self.job and isinstance(ev.payload, (CommandAck, PlanCurrent))
+                            and self.factory.keyring.verify(ev) is None):
+                        self.fence.recall(ev.payload, self.run)
+        finally:
+            stream.close()
+
     def announce_plan(self, plan: Plan | None = None, *, reason: PlanCurrentReason = "start", gpus_per_node: int = 8,
                       model_name: str = "", layer_state_bytes: int = 0, tokens_per_microbatch: int = 0) -> None:
         """Publish ``plan.current`` (at start; ``ack_applied`` re-announces after a reshape). The
@@ -280,7 +321,7 @@ class CommandListener:
         reshape and ``tokens_per_microbatch`` to turn iteration time into tokens/s."""
         self._announced = PlanCurrent(plan=plan or self.running, reason=reason, gpus_per_node=gpus_per_node,
                                       model_name=model_name, layer_state_bytes=layer_state_bytes,
-                                      tokens_per_microbatch=tokens_per_microbatch)
+                                      tokens_per_microbatch=tokens_per_microbatch, run=self.run)
         self.bus.publish([self.factory.make(self._announced)])
 
     def announce_capabilities(self, capabilities: ExecutorCapabilities) -> None:
@@ -300,7 +341,11 @@ class CommandListener:
             if not self.gate.admit(ev):
                 continue
             if isinstance(ev.payload, ReconfigureCommand):
-                self._queue.append(ev.payload)
+                refusal = order_refusal(ev.payload, self.run, ev.time_s, self.clock())
+                if refusal is not None:
+                    self.gate.refuse(ev, refusal)
+                else:
+                    self._queue.append(ev.payload)
             elif ev.payload.probe_id not in self._probes_seen:
                 self._probes_seen.add(ev.payload.probe_id)
                 refusal = probe_refusal(ev.payload, self.running.devices)
@@ -369,7 +414,7 @@ class CommandListener:
              pause_iterations: int = 0) -> CommandAck:
         ack = CommandAck(command_id=command.command_id, plan_id=command.plan_id, epoch=command.plan.epoch,
                          status=status, running_epoch=self.running.epoch, pause_s=pause_s,
-                         pause_iterations=pause_iterations, detail=detail[:2000])
+                         pause_iterations=pause_iterations, detail=detail[:2000], run=self.run)
         self.acks.append(ack)
         return ack
 
@@ -455,9 +500,14 @@ def probe_answer(request: ProbeRequest, rank: int, seconds: float, everyone: Seq
                        reference_s=reference if reference > 0 else 1.0)
 
 
-def new_command(plan: Plan, plan_id: str = "manual") -> ReconfigureCommand:
-    """A reconfiguration command for ``plan`` (tests, examples, a hand-made reshape)."""
-    return ReconfigureCommand(command_id=uuid.uuid4().hex, plan_id=plan_id, plan=plan)
+def new_command(plan: Plan, plan_id: str = "manual", *, run: str | None = None, issued_s: float | None = None,
+                ttl_s: float = COMMAND_TTL_S) -> ReconfigureCommand:
+    """A reconfiguration command for ``plan`` (tests, examples, a hand-made reshape) for the run
+    ``run`` (a listener's ``run``), valid ``ttl_s`` from ``issued_s`` (default now). A listener
+    obeys only a command that names its run and has not expired."""
+    issued_s = time.time() if issued_s is None else issued_s
+    return ReconfigureCommand(command_id=uuid.uuid4().hex, plan_id=plan_id, plan=plan, run=run,
+                              expires_at_s=issued_s + ttl_s)
 
 
 __all__ = ["ResiHPReporter", "IterationReport", "CommandListener", "EpochFence", "coords_in", "new_command",

@@ -28,6 +28,7 @@ it, the controller posts the running plan again as the next epoch.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,13 +38,14 @@ import torch.distributed as dist
 
 from collector import topics
 from collector.auth import Signer
+from collector.epoch_fence import COMMAND_TTL_S, new_run, run_of
 from collector.events import (AckStatus, CommandAck, EventFactory, FaultCategory, FaultInjected, Location, PlanCurrent,
                               PlanCurrentReason, ProbeRequest, ReconfigureCommand)
 from collector.plan import Plan
 from collector.replica_drop import drop_replicas
 from collector.settings import elastic_environment
 from collector.stream import EventStream
-from trainer.agent.signed_store import SignedStore
+from trainer.agent.signed_store import RANK_WRITERS, SignedStore
 from trainer.agent.standalone import standalone_node
 from trainer.chunks import schedule_problem
 from trainer.faults import KILL_EXIT_CODE
@@ -145,13 +147,14 @@ class TrainerController:
         # writes in the store is refused and reported on the bus (trainer/agent/signed_store.py).
         self.store = SignedStore(store, spec.run_id or "", reader="trainer", keyring=self.factory.keyring,
                                  report=lambda refused: self.bus.publish([self.factory.make(refused)]))
-        self.bus.publish([self.factory.make(_plan_current(spec, plan, "start"))])
+        self.run = run_of(spec.run_id) if spec.run_id else new_run()  # commands must name it (collector/epoch_fence.py)
+        self.bus.publish([self.factory.make(_plan_current(spec, plan, "start", self.run))])
         self.stream = EventStream(self.bus, f"trainer:{spec.job}", list(topics.TRAINER_TOPICS), job=spec.job,
                                   on_assign=None if commands_from == "beginning"
                                   else (lambda tps: self.bus.end_offsets([tp.topic for tp in tps])))
         cfg = spec.config
         self.intake = CommandIntake(self.store, plan, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                                    global_microbatches=plan.global_microbatches)
+                                    global_microbatches=plan.global_microbatches, run=self.run)
         self.intake.start(tuple(range(ranks)))
         self.probes = 0
         self.store.set(CONTROL_PROBE, {"newest": 0})
@@ -207,7 +210,7 @@ class TrainerController:
             self.echo(f"command {ack.command_id[:8]} epoch {ack.epoch}: {ack.status.value} "
                       f"(pause {ack.pause_s:.3f} s) {ack.detail}")
         if acks:
-            applied = [_plan_current(self.spec, self.intake.running, "reshape")] if any(
+            applied = [_plan_current(self.spec, self.intake.running, "reshape", self.run)] if any(
                 a.status is AckStatus.APPLIED for a in acks) else []
             self.bus.publish([self.factory.make(a) for a in [*acks, *applied]])
             self.result.acks += acks
@@ -224,7 +227,8 @@ class TrainerController:
             self.echo(f"spare devices {dead_spares} died: the running plan goes on without them")
             self.bus.publish([self.factory.make(ReconfigureCommand(
                 command_id=uuid.uuid4().hex, plan_id=f"launcher-spare-{dead_spares[0]}",
-                plan=running.model_copy(update={"epoch": running.epoch + 1})))])
+                plan=running.model_copy(update={"epoch": running.epoch + 1}), run=self.run,
+                expires_at_s=time.time() + COMMAND_TTL_S))])
 
     # ---- the death handling --------------------------------------------------------------------
 
@@ -258,7 +262,8 @@ class TrainerController:
             self.echo(f"on-death policy: {how}")
             if new_plan is not None:
                 self.bus.publish([self.factory.make(ReconfigureCommand(
-                    command_id=uuid.uuid4().hex, plan_id=f"launcher-drop-{d}", plan=new_plan))])
+                    command_id=uuid.uuid4().hex, plan_id=f"launcher-drop-{d}", plan=new_plan, run=self.run,
+                    expires_at_s=time.time() + COMMAND_TTL_S))])
 
     # ---- the end -------------------------------------------------------------------------------
 
@@ -285,14 +290,14 @@ class TrainerController:
         self.bus.close()
 
 
-def _plan_current(spec: RunSpec, plan: Plan, reason: PlanCurrentReason) -> PlanCurrent:
+def _plan_current(spec: RunSpec, plan: Plan, reason: PlanCurrentReason, run: str) -> PlanCurrent:
     """What the platform should know of the running job: its plan and the model's size."""
     d = spec.config.n_embd
     params_per_layer = 12 * d * d + 13 * d  # attention 4d², MLP 8d², biases and norms
     bytes_per_param = 4 * spec.config.torch_dtype.itemsize  # parameter, gradient, two AdamW moments
     return PlanCurrent(plan=plan, reason=reason, gpus_per_node=8, model_name=spec.job,
                        layer_state_bytes=params_per_layer * bytes_per_param,
-                       tokens_per_microbatch=spec.config.block_size)
+                       tokens_per_microbatch=spec.config.block_size, run=run)
 
 
 def _rank_main(spec_json: str) -> None:
@@ -305,7 +310,7 @@ def _rank_main(spec_json: str) -> None:
 
 def _progress(records: SignedStore) -> dict:
     """The ranks' last committed iteration; none yet (or a forged one, refused) reads as -1."""
-    return records.read(PROGRESS, _progress_record) or {"iteration": -1, "epoch": -1}
+    return records.read(PROGRESS, _progress_record, RANK_WRITERS) or {"iteration": -1, "epoch": -1}
 
 
 def _progress_record(body: Any) -> dict:

@@ -42,7 +42,7 @@ from typing import Any
 
 from collector.events import ProbeRequest
 from collector.plan import Plan
-from trainer.agent.signed_store import RecordRefused, SignedStore
+from trainer.agent.signed_store import RANK_WRITERS, RecordRefused, SignedStore
 
 CONTROL_POST = "control/post"
 CONTROL_PROBE = "control/probe"
@@ -166,7 +166,7 @@ def await_arrivals(records: SignedStore, number: int, world: tuple[int, ...], de
     arrived: set[int] = set()
     deadline = time.monotonic() + timeout_s
     while True:
-        arrived |= {d for d in world if d not in arrived and records.valid(arrive_key(number, d))}
+        arrived |= {d for d in world if d not in arrived and records.valid(arrive_key(number, d), RANK_WRITERS)}
         if len(arrived) == len(world):
             return
         reason = records.read(abort_key(number))

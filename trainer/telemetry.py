@@ -108,8 +108,8 @@ class TelemetryPublisher:
             while self._queue.get() is not None:
                 pass
             return
-        try:  # probe results are signed as the executor's (collector/auth.py); telemetry passes as made
-            make = Signer(self.factory, "executor").make
+        try:  # probe results are signed with the ranks' key (collector/auth.py); telemetry passes as made
+            make = Signer(self.factory, "rank").make
         except KeyFileError as exc:
             log.error("rank %d: %s; its probe results go out unsigned and will be refused", self.device, exc)
             make = self.factory.make

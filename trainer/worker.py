@@ -42,7 +42,8 @@ from trainer.schedule import PipelineSchedule
 from trainer.spec import RunSpec
 from trainer.checkpoint import load_checkpoint, periodic_dir, prune_periodic, save_checkpoint
 from trainer.probe import run_probe
-from trainer.agent.signed_store import SignedStore
+from collector.auth import load_keyring
+from trainer.agent.signed_store import SignedStore, rank_role
 from trainer.rendezvous import (PROGRESS, Post, await_arrivals, await_first_post, newest_post_and_probe, pg_prefix,
                                 read_probe)
 from trainer.state import import_state, make_optimizer
@@ -90,7 +91,9 @@ class Trainer:
                           if spec.telemetry else None)
         # What the launcher and the other ranks write in the store, signed for this run: a record a
         # stranger wrote is refused and reported (trainer/agent/signed_store.py).
-        self.records = SignedStore(store, spec.run_id or "", reader=f"rank-{device}",
+        keyring = load_keyring()
+        self.records = SignedStore(store, spec.run_id or "", reader=f"rank-{device}", keyring=keyring,
+                                   role=rank_role(keyring),
                                    report=self.telemetry.publish if self.telemetry is not None else None)
 
     # ---- building a role -------------------------------------------------------------------------

@@ -5,7 +5,10 @@ verifies ``command.node``), and only from the commands topic (collector/topics.p
 ``obeyed_from``). The agent reads this job's node commands from the log's end at its start (an
 order older than the agent was not meant for it) and verifies only the ones addressed to it, so
 one forgery is reported once, by the agent it names, as a ``control.rejected``. A verified command
-is fenced by the job's rendezvous round (collector/epoch_fence.py's ``node_fence_verdict``: node
+must name this job's run (the rendezvous id, ``--rdzv-id``, as collector/epoch_fence.py's ``run_of``
+gives it) and not be past its expiry on the host's clock, else it is refused and reported like a
+forgery (a signed order of another run, or one kept and republished, is history); it
+is then fenced by the job's rendezvous round (collector/epoch_fence.py's ``node_fence_verdict``: node
 numbers hold within one round) and by its id; what is not obeyed is acknowledged with why
 (``command.node_ack``, signed as the executor) and never touches a rank.
 
@@ -19,13 +22,14 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from collector import topics
 from collector.auth import Gate, Keyring, Signer, load_keyring
 from collector.bus import Bus
-from collector.epoch_fence import node_fence_verdict
+from collector.epoch_fence import new_run, node_fence_verdict, order_refusal
 from collector.events import AckStatus, EventFactory, NodeCommand, NodeCommandAck
 from collector.stream import EventStream
 
@@ -39,10 +43,13 @@ class NodeCommands:
     """One agent's reader of its job's node commands, with its signature gate and its answers."""
 
     def __init__(self, bus: Bus, job: str, source: str, keyring: Keyring | None = None,
-                 from_beginning: bool = False) -> None:
+                 from_beginning: bool = False, run: str | None = None, clock: Callable[[], float] = time.time) -> None:
         """Reads ``bus`` (and closes it in :meth:`close`) from its end now; ``from_beginning``
-        re-reads the whole log (an audit of every order ever written)."""
+        re-reads the whole log (an audit of every order ever written). ``run``: the job's run id,
+        which an order must name (None: a fresh one no order names); ``clock``: Unix time, for
+        orders' expiries."""
         self.bus, self.job = bus, job
+        self.run, self.clock = run or new_run(), clock
         keyring = keyring or load_keyring()
         self.gate = Gate(source, keyring)
         self.signer = Signer(EventFactory(job, source), "executor", keyring)
@@ -62,7 +69,12 @@ class NodeCommands:
                 ev, command = delivery.event, delivery.event.payload
                 if ev.job != self.job or not isinstance(command, NodeCommand) or not addressed(command):
                     continue
-                if delivery.topic == topics.obeyed_from(ev.kind) and self.gate.admit(ev):
+                if delivery.topic != topics.obeyed_from(ev.kind) or not self.gate.admit(ev):
+                    continue
+                refusal = order_refusal(command, self.run, ev.time_s, self.clock())
+                if refusal is not None:
+                    self.gate.refuse(ev, refusal)
+                else:
                     out.append(command)
             self._stream.commit()
             rejected = self.gate.take()

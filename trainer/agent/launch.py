@@ -48,6 +48,7 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
     from torch.distributed.launcher.api import _get_addr_and_port
     from torch.distributed.run import config_from_args
 
+    from collector.epoch_fence import run_of
     from trainer.agent.commands import JoinOrders, NodeCommands
     from trainer.agent.node import AgentSettings, NodeAgent, NodeStopped
     from trainer.agent.options import normalise
@@ -87,7 +88,7 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
                                           min_nodes=config.min_nodes, max_nodes=config.max_nodes,
                                           local_addr=node_address, **configs)
             if not args.no_telemetry:  # node commands name a node of a c10d rendezvous round
-                commands = NodeCommands(bus.open(), args.job, source)
+                commands = NodeCommands(bus.open(), args.job, source, run=run_of(config.run_id))
             handler = (VacancyRendezvous(rdzv.store, config.run_id, config.nproc_per_node,
                                          float(configs.get("join_timeout", 600)),
                                          JoinOrders(commands) if args.join_on_command and commands else None)

@@ -36,6 +36,7 @@ import logging
 from datetime import timedelta
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from collector.auth import Refusals
 from collector.events import (AckStatus, Evidence, FaultCategory, Heartbeat, IncidentOpened, Location, NodeCommand,
                               RecoveryPhase, Severity)
 from trainer.agent.commands import NodeCommands
@@ -55,7 +57,8 @@ from trainer.agent.pcontext import RankWatch, agent_contexts
 from trainer.agent.flight import FLIGHT_DIR_ENV, LOST, FlightEntry, flight_file_path, read_flight
 from trainer.agent.predicted import PredictedIteration
 from trainer.agent.presence import AgentPresence, PeerAgent
-from trainer.agent.shrink import PHASES, admitted_key, lost_key, mark_lost
+from trainer.agent.shrink import PHASES, STORE_SCOPE_ENV, admitted_key, is_lost, mark_lost
+from trainer.agent.signed_store import RANK_WRITERS, SignedStore
 from trainer.agent.store import AgentError, forget_bootstrap_store
 from trainer.agent.vacancy import (Vacancy, VacancyRendezvous, check_in_for_dead_agent, publish_vacancy,
                                   rendezvous_round, round_store_prefix)
@@ -141,7 +144,8 @@ class NodeAgent(LocalElasticAgent):
         self.joining: set[int] = set()  # this replacement's ranks not yet admitted: not judged (--join-running)
         self.admitted_at: dict[int, float] = {}  # wall time each rank was admitted (joined or rejoined) this round
         self.presence: AgentPresence | None = None  # the other agents' liveness (shrink)
-        self._ranks_store: dist.Store | None = None
+        self._ranks_store: SignedStore | None = None
+        self._refused = Refusals()  # store records this agent refused: each reported once
 
     # ---- starting ranks ----------------------------------------------------------------------
 
@@ -158,10 +162,11 @@ class NodeAgent(LocalElasticAgent):
             self.presence = None
         if self.settings.on_failure == "shrink" and worker_group.store is not None:
             ranks = tuple(w.global_rank for w in worker_group.workers)
-            self.presence = AgentPresence(worker_group.store, worker_group.group_rank or 0,
+            self.presence = AgentPresence(self._round_records(worker_group), worker_group.group_rank or 0,
                                           worker_group.group_world_size or 1, ranks, self.settings.node_address)
         env = {FLIGHT_DIR_ENV: str(self.flight_dir), STACK_DIR_ENV: str(self.stack_dir),
-               AGENT_PID_ENV: str(os.getpid()), "RESIHP_ON_FAILURE": self.settings.on_failure}
+               AGENT_PID_ENV: str(os.getpid()), "RESIHP_ON_FAILURE": self.settings.on_failure,
+               STORE_SCOPE_ENV: self._round_scope(worker_group)}
         release_failed = self.settings.on_failure == "shrink" or self.settings.controller is not None
         with agent_contexts(preload=self.settings.preload, release_failed=release_failed, extra_env=env):
             pids = super()._start_workers(worker_group)
@@ -309,7 +314,7 @@ class NodeAgent(LocalElasticAgent):
     def _admit_returned(self, worker_group: WorkerGroup) -> None:
         """Forget the benched, peer-lost and joining ranks the world has admitted again."""
         for rank in sorted(self.benched | self.peer_lost | self.joining):
-            if self._store_of_ranks(worker_group).check([admitted_key(rank)]):
+            if self._store_of_ranks(worker_group).valid(admitted_key(rank), RANK_WRITERS):
                 self.benched.discard(rank)
                 self.peer_lost.discard(rank)
                 joined = rank in self.joining
@@ -358,28 +363,49 @@ class NodeAgent(LocalElasticAgent):
         ranks_store = self._store_of_ranks(worker_group)
         if ranks_store.add(f"resihp/agent-gone/{peer.token}", 1) != 1:
             return  # another survivor took care of it
-        marked = [r for r in peer.ranks if not ranks_store.check([lost_key(r)])]
+        marked = [r for r in peer.ranks if not is_lost(ranks_store, r)]
         for rank in marked:
             mark_lost(ranks_store, rank, None)  # no exit code: it died with its agent
         self.peer_lost.update(marked)
         if self._store is not None:
             check_in_for_dead_agent(self._store, worker_group.group_world_size or 1)
         if self.settings.job_store is not None and worker_group.master_addr and worker_group.master_port:
-            publish_vacancy(self.settings.job_store, Vacancy(
+            job_records = self._signed(self.settings.job_store, worker_group.spec.rdzv_handler.get_run_id())
+            publish_vacancy(job_records, Vacancy(
                 peer.group_rank, worker_group.group_world_size or 1, peer.ranks,
                 round_store_prefix(worker_group.spec.rdzv_handler), worker_group.master_addr, worker_group.master_port))
         print(f"resihp run: the agent of node {peer.group_rank} is gone with its ranks {list(peer.ranks)}; "
               f"ranks {marked} marked lost, the others go on without them until an agent takes its place "
               "(--join-running; --on-failure shrink)", file=sys.stderr, flush=True)
 
-    def _store_of_ranks(self, worker_group: WorkerGroup) -> dist.Store:
-        """The ranks' bootstrap store (MASTER_ADDR/MASTER_PORT of this round), where they meet."""
+    def _store_of_ranks(self, worker_group: WorkerGroup) -> SignedStore:
+        """The ranks' bootstrap store (MASTER_ADDR/MASTER_PORT of this round), where they meet; its
+        records signed for the round, as the ranks sign theirs (trainer/agent/shrink.py)."""
         if self._ranks_store is None:
             if worker_group.master_addr is None or worker_group.master_port is None:
                 raise RuntimeError("the ranks' bootstrap store is not known before the first rendezvous")
-            self._ranks_store = dist.TCPStore(worker_group.master_addr, worker_group.master_port, is_master=False,
-                                              timeout=timedelta(seconds=30))
+            self._ranks_store = self._signed(dist.TCPStore(
+                worker_group.master_addr, worker_group.master_port, is_master=False, timeout=timedelta(seconds=30)),
+                self._round_scope(worker_group))
         return self._ranks_store
+
+    def _round_scope(self, worker_group: WorkerGroup) -> str:
+        """What this round's records are signed for: the round's store prefix (run id and round)."""
+        return round_store_prefix(worker_group.spec.rdzv_handler)
+
+    def _round_records(self, worker_group: WorkerGroup) -> SignedStore:
+        """The round's store (registrations, flight records), signed for the round."""
+        assert worker_group.store is not None
+        return self._signed(worker_group.store, self._round_scope(worker_group))
+
+    def _signed(self, store: dist.Store, scope: str) -> SignedStore:
+        """``store``'s signed records for ``scope``; refusals are logged and published
+        (``control.rejected``) on the agent's telemetry."""
+        telemetry = self.settings.telemetry
+        records = SignedStore(store, scope, reader=f"agent-{socket.gethostname()}-{os.getpid()}",
+                              report=telemetry.publish if telemetry is not None else None)
+        records.refused = self._refused
+        return records
 
     def _publish_recoveries(self) -> None:
         """The recoveries this node's new-world rank 0 reported: one JSON line and one
@@ -418,22 +444,23 @@ class NodeAgent(LocalElasticAgent):
 
     def _share_flight(self, worker_group: WorkerGroup, entries: dict[int, FlightEntry]) -> dict[int, FlightEntry]:
         """Publish this node's flight records to the rendezvous store and read every rank's."""
-        store = worker_group.store
-        if store is None or not worker_group.workers:
+        if worker_group.store is None or not worker_group.workers:
             return entries
+        store = self._round_records(worker_group)
         for rank, e in entries.items():
-            store.set(FLIGHT_KEY.format(rank=rank), json.dumps(e.__dict__))
+            store.set(FLIGHT_KEY.format(rank=rank), e.__dict__)
         for rank in set(self.lost) | self.benched | self.peer_lost:  # a lost rank's record is closed, so nobody judges it hung
             gone = FlightEntry(rank=rank, pid=0, restart=self._restart_count(), iteration=-1, step_started_s=0.0,
                                op=LOST, op_entered_s=0.0, seq=0)
-            store.set(FLIGHT_KEY.format(rank=rank), json.dumps(gone.__dict__))
+            store.set(FLIGHT_KEY.format(rank=rank), gone.__dict__)
         world = worker_group.workers[0].world_size
         keys = [FLIGHT_KEY.format(rank=r) for r in range(world)]
-        if not store.check(keys):
+        if not store.store.check(keys):
             return entries  # some rank has not written yet: judge nothing across nodes
-        everyone = {}
-        for r, raw in enumerate(store.multi_get(keys)):
-            everyone[r] = FlightEntry.from_json(raw.decode())
+        read = store.read_many(keys, _flight_entry)
+        if any(e is None for e in read):
+            return entries  # a record was refused (reported): a forged record must not name a culprit
+        everyone = {r: e for r, e in enumerate(read) if e is not None}
         everyone.update(entries)
         return everyone
 
@@ -468,3 +495,8 @@ class NodeAgent(LocalElasticAgent):
                 self.benched.add(rank)
                 print(f"resihp run: rank {rank} benched: its peers go on without it and take it back when it "
                       "runs again (--on-failure shrink)", file=sys.stderr, flush=True)
+
+
+def _flight_entry(body: Any) -> FlightEntry:
+    """A rank's flight record as its agent shared it (signed, trainer/agent/signed_store.py)."""
+    return FlightEntry(**{**body, "recent_step_s": tuple(body.get("recent_step_s", ()))})

@@ -10,7 +10,9 @@ that is merely slow. An agent that ends on purpose (its ranks finished, or were 
 first writes one byte, ``DONE``, so its peers tell it apart from a death.
 
 Where to meet: each agent writes ``resihp/agent/<group rank>`` (its address, port and global
-ranks) into the rendezvous round's store; each reads the others' and connects. An agent that
+ranks) into the rendezvous round's store, signed for the round (trainer/agent/signed_store.py);
+each reads the others' and connects. A registration that does not verify is refused and reported:
+a stranger cannot name ranks for the survivors to mark lost by registering and hanging up. An agent that
 never registers is not watched (its ranks are not lost either: they were never started).
 
 What it does not see: a machine that vanishes without closing its sockets (power, a cable) keeps
@@ -19,12 +21,12 @@ its connections open until TCP gives up on them; that case still waits out the q
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
-import torch.distributed as dist
+from trainer.agent.signed_store import SignedStore
 
 DONE = b"d"
 REGISTRATION_KEY = "resihp/agent/{group_rank}"
@@ -37,22 +39,32 @@ class PeerAgent:
     token: str  # which agent: a replacement takes a dead agent's group rank (trainer/agent/vacancy.py)
 
 
+def _registration(body: Any) -> tuple[str, int, tuple[int, ...], str]:
+    """A signed registration: where the agent listens, the ranks it started, its token."""
+    ranks = tuple(body["ranks"])
+    if not isinstance(body["address"], str) or type(body["port"]) is not int or not isinstance(body["token"], str) \
+            or not all(type(r) is int for r in ranks):
+        raise ValueError("a registration holds an address, a port, the ranks and a token")
+    return body["address"], body["port"], ranks, body["token"]
+
+
 class AgentPresence:
     """This agent's listening socket and its connections to every other agent of the round."""
 
-    def __init__(self, store: dist.Store, group_rank: int, group_world_size: int, ranks: tuple[int, ...],
+    def __init__(self, records: SignedStore, group_rank: int, group_world_size: int, ranks: tuple[int, ...],
                  address: str | None) -> None:
-        """Listen on ``address`` (every interface when None) and register there in ``store``."""
-        self.store, self.group_rank, self.group_world_size = store, group_rank, group_world_size
+        """Listen on ``address`` (every interface when None) and register there, signed, in the
+        round's store (``records``)."""
+        self.records, self.group_rank, self.group_world_size = records, group_rank, group_world_size
         family = socket.AF_INET6 if address and ":" in address else socket.AF_INET
         self.listener = socket.socket(family, socket.SOCK_STREAM)
         self.listener.bind((address or "", 0))
         self.listener.listen(max(1, group_world_size))
         self.listener.setblocking(False)
         reachable = address or socket.getfqdn()
-        store.set(REGISTRATION_KEY.format(group_rank=group_rank),
-                  json.dumps({"address": reachable, "port": self.listener.getsockname()[1], "ranks": list(ranks),
-                              "token": f"{socket.gethostname()}-{os.getpid()}"}))
+        records.set(REGISTRATION_KEY.format(group_rank=group_rank),
+                    {"address": reachable, "port": self.listener.getsockname()[1], "ranks": list(ranks),
+                     "token": f"{socket.gethostname()}-{os.getpid()}"})
         self.watched: dict[int, tuple[socket.socket, PeerAgent]] = {}  # connections to the others
         self.accepted: list[socket.socket] = []  # the others' connections to this agent
         self.gone: set[str] = set()  # tokens of the agents seen to end
@@ -85,18 +97,23 @@ class AgentPresence:
 
     def _connect(self) -> list[PeerAgent]:
         """Connect to the agents that registered since the last call; returns those that
-        registered and no longer listen (they died before this agent looked)."""
+        registered and no longer listen (they died before this agent looked). Only signed
+        registrations count: a stranger's (which would name ranks for this agent to mark lost
+        once its socket closes) is refused and reported, and that place stays unwatched."""
         died = []
         for group_rank in range(self.group_world_size):
             key = REGISTRATION_KEY.format(group_rank=group_rank)
-            if group_rank == self.group_rank or group_rank in self.watched or not self.store.check([key]):
+            if group_rank == self.group_rank or group_rank in self.watched:
                 continue
-            seen = json.loads(self.store.get(key))
-            peer = PeerAgent(group_rank, tuple(seen["ranks"]), seen["token"])
+            seen = self.records.read(key, _registration)
+            if seen is None:
+                continue  # not registered yet, or refused
+            address, port, ranks, token = seen
+            peer = PeerAgent(group_rank, ranks, token)
             if peer.token in self.gone:
                 continue  # its place is empty until a replacement registers there
             try:
-                conn = socket.create_connection((seen["address"], seen["port"]), timeout=5)
+                conn = socket.create_connection((address, port), timeout=5)
             except OSError:
                 self.gone.add(peer.token)
                 died.append(peer)

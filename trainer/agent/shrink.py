@@ -32,6 +32,11 @@ hands it the state like any restore. That re-admission is a recovery too, with t
 A replacement (its agent took a dead node's place, trainer/agent/vacancy.py) starts with its rank
 marked lost: it forms no group and joins the same way (:meth:`join`), at the next step boundary.
 
+Every record here that decides something — a lost mark, a join, a request to rejoin, an admission,
+a grown world's members, the end — is signed (trainer/agent/signed_store.py) for the rendezvous
+round its agent names (``RESIHP_STORE_SCOPE``); the counters only wake ranks up. A stranger who
+reaches the ranks' store cannot mark a rank lost, join the world or take a lost rank's place.
+
 Rank ids are the ranks torch gave at start and stay the identity of a process across generations
 (plans and flight records name them); ``rank`` / ``world_size`` are the current generation's.
 
@@ -59,6 +64,8 @@ import torch
 import torch.distributed as dist
 
 from collector.settings import elastic_environment, environment
+from collector.auth import load_keyring
+from trainer.agent.signed_store import RANK_WRITERS, SignedStore, rank_role
 
 LOST_KEY = "resihp/lost/{rank}"
 LOST_COUNT_KEY = "resihp/lost-count"  # added to before the rank's key is set
@@ -73,6 +80,7 @@ def lost_key(rank: int) -> str:
 
 
 DONE_KEY = "resihp/done"
+STORE_SCOPE_ENV = "RESIHP_STORE_SCOPE"  # the agent tells its ranks the round their records belong to
 
 
 class WorldFinished(Exception):
@@ -83,12 +91,30 @@ class PeerLost(RuntimeError):
     """A rank of this world was lost while this rank waited in a collective."""
 
 
-def mark_lost(store: dist.Store, rank: int, exitcode: int | None) -> None:
-    """The agent's side: count the loss first, so a rank that sees the key also sees the count.
-    ``exitcode`` None: the rank died with its agent, which another agent noticed."""
-    store.delete_key(admitted_key(rank))  # a rank benched again must be admitted again
-    store.add(LOST_COUNT_KEY, 1)
-    store.set(lost_key(rank), json.dumps({"exitcode": exitcode}))
+def mark_lost(records: SignedStore, rank: int, exitcode: int | None) -> None:
+    """The agent's side: count the loss first, so a rank that sees the mark also sees the count.
+    ``exitcode`` None: the rank died with its agent, which another agent noticed. The mark is
+    signed; the count is only a wake-up (a stranger's add costs the ranks a look, :meth:`ShrinkingWorld._wait`)."""
+    records.store.delete_key(admitted_key(rank))  # a rank benched again must be admitted again
+    records.store.add(LOST_COUNT_KEY, 1)
+    records.set(lost_key(rank), {"exitcode": exitcode})
+
+
+def is_lost(records: SignedStore, rank: int) -> bool:
+    """Whether an agent marked ``rank`` lost: a signed mark only (a forged one is refused, reported)."""
+    return records.valid(lost_key(rank))
+
+
+def rank_records(store: dist.Store, rank: int) -> SignedStore:
+    """A rank's signed records in the ranks' store, signed as a rank (:func:`rank_role`)."""
+    keyring = load_keyring()
+    return SignedStore(store, store_scope(), reader=f"rank-{rank}", keyring=keyring, role=rank_role(keyring))
+
+
+def store_scope() -> str:
+    """The scope of this rank's signed records in the ranks' store: the rendezvous round its agent
+    names (``RESIHP_STORE_SCOPE``), else torch elastic's run id."""
+    return os.environ.get(STORE_SCOPE_ENV) or os.environ.get("TORCHELASTIC_RUN_ID", "")
 
 
 def admitted_key(rank: int) -> str:
@@ -121,10 +147,12 @@ class ShrinkingWorld:
     """The process group of a data-parallel job that outlives its ranks' deaths."""
 
     def __init__(self, store: dist.Store, ranks: tuple[int, ...], rank_id: int, timeout_s: float,
-                 joining: bool = False) -> None:
+                 joining: bool = False, records: SignedStore | None = None) -> None:
         """``joining``: this process replaces a lost rank of a running world (its agent took a dead
-        node's place, trainer/agent/vacancy.py); it forms no group until :meth:`join` admits it."""
+        node's place, trainer/agent/vacancy.py); it forms no group until :meth:`join` admits it.
+        ``records``: the signed records in ``store`` (default: scoped by :func:`store_scope`)."""
         self.store, self.world, self.rank_id, self.timeout_s = store, ranks, rank_id, timeout_s
+        self.records = records or rank_records(store, rank_id)
         self.joining = joining
         self.everyone = ranks  # every rank the job started with: who may ask to rejoin
         self.generation = 0
@@ -143,8 +171,9 @@ class ShrinkingWorld:
         env = elastic_environment()
         store = dist.TCPStore(env.MASTER_ADDR, env.MASTER_PORT, is_master=False,
                               timeout=timedelta(seconds=timeout_s))
-        joining = store.check([lost_key(env.RANK)])
-        return cls(store, tuple(range(env.WORLD_SIZE)), env.RANK, timeout_s, joining=joining)
+        records = rank_records(store, env.RANK)
+        joining = is_lost(records, env.RANK)
+        return cls(store, tuple(range(env.WORLD_SIZE)), env.RANK, timeout_s, joining=joining, records=records)
 
     @property
     def rank(self) -> int:
@@ -162,6 +191,9 @@ class ShrinkingWorld:
     # ---- collectives that notice a lost peer --------------------------------------------------------
 
     def _wait(self, work: Any, op: str) -> None:
+        """Wait for ``work``; ``PeerLost`` when the loss count moved. The count is a wake-up a
+        stranger can add to as well: that costs one re-formation of the same world (:meth:`close`
+        counts only signed marks), never a rank."""
         while not work.is_completed():
             if self.store.add(LOST_COUNT_KEY, 0) != self._lost_seen:
                 raise PeerLost(f"{op}: a rank of generation {self.generation} was lost")
@@ -200,13 +232,14 @@ class ShrinkingWorld:
         return rec
 
     def close(self, rec: Recovery, step: int) -> None:
-        """Join generation g+1 and wait until every rank of the old world joined or was marked lost."""
+        """Join generation g+1 and wait until every rank of the old world joined or was marked lost
+        (signed records only: a forged join or mark is refused, reported, and waited past)."""
         prefix = f"resihp/world/{rec.generation}/join/"
-        self.store.set(f"{prefix}{self.rank_id}", json.dumps({"step": step}))
+        self.records.set(f"{prefix}{self.rank_id}", {"step": step})
         deadline = time.monotonic() + self.timeout_s
         while True:
-            joined = [r for r in self.world if self.store.check([f"{prefix}{r}"])]
-            lost = [r for r in self.world if r not in joined and self.store.check([lost_key(r)])]
+            joined = [r for r in self.world if self.records.valid(f"{prefix}{r}", RANK_WRITERS)]
+            lost = [r for r in self.world if r not in joined and is_lost(self.records, r)]
             if len(joined) + len(lost) == len(self.world):
                 break
             if time.monotonic() > deadline:
@@ -267,13 +300,12 @@ class ShrinkingWorld:
         """This rank was benched (marked lost while alive): ask to rejoin, wait until the world
         admits it (no bound: the world may be busy for a long time), then take the state.
         ``WorldFinished`` if the world ends the job first."""
-        self.store.set(f"resihp/rejoin/{self.rank_id}", json.dumps({"step": step}))
-        self.store.add(REJOIN_COUNT_KEY, 1)
-        while not self.store.check([admitted_key(self.rank_id)]):
-            if self.store.check([DONE_KEY]):
+        self.records.set(f"resihp/rejoin/{self.rank_id}", {"step": step})
+        self.store.add(REJOIN_COUNT_KEY, 1)  # a wake-up: the world admits only signed requests
+        while (generation := self.records.read(admitted_key(self.rank_id), _generation, RANK_WRITERS)) is None:
+            if self.records.valid(DONE_KEY, RANK_WRITERS):
                 raise WorldFinished(f"rank {self.rank_id}: the world finished the job while it waited to rejoin")
             time.sleep(0.01)
-        generation = int(self.store.get(admitted_key(self.rank_id)))
         rec.generation = generation
         rec.world, self._rejoin_seen = self._members(generation)
         self._phase(rec, "rendezvous closed")
@@ -282,7 +314,10 @@ class ShrinkingWorld:
 
     def admit(self, step: int, state: Callable[[], Any], load: Callable[[Any], None]) -> int:
         """At a step boundary, every rank of the world: grow by the benched ranks that asked to
-        rejoin, if any did (all agree through one all-reduce); returns the step to go on from."""
+        rejoin, if any did (all agree through one all-reduce); returns the step to go on from.
+        The rejoin count only says that someone asked: rank 0 admits a rank only on its signed
+        request, so a stranger's request (a process that claims a lost rank's id to receive the
+        model's state) is refused and reported, and the world re-forms as it was."""
         started = time.monotonic()
         asked = self._agree_max(self.store.add(REJOIN_COUNT_KEY, 0), "all_reduce(rejoin requests)")
         if asked <= self._rejoin_seen:
@@ -291,12 +326,12 @@ class ShrinkingWorld:
         generation = self.generation + 1
         members_key = f"resihp/world/{generation}/members"
         if self.rank == 0:
-            joiners = [r for r in self.everyone if r not in self.world and self.store.check([f"resihp/rejoin/{r}"])]
-            self.store.set(members_key, json.dumps({"members": sorted([*self.world, *joiners]), "rejoin_seen": asked}))
+            joiners = [r for r in self.everyone if r not in self.world and self.records.valid(f"resihp/rejoin/{r}", RANK_WRITERS)]
+            self.records.set(members_key, {"members": sorted([*self.world, *joiners]), "rejoin_seen": asked})
             for r in joiners:
                 self.store.delete_key(f"resihp/rejoin/{r}")
                 self.store.delete_key(lost_key(r))
-                self.store.set(admitted_key(r), str(generation))
+                self.records.set(admitted_key(r), {"generation": generation})
         members, _ = self._members(generation)
         joined = tuple(r for r in members if r not in self.world)
         rec = Recovery(generation, members, (), f"rejoin of ranks {list(joined)}")
@@ -311,9 +346,16 @@ class ShrinkingWorld:
 
     def _members(self, generation: int) -> tuple[tuple[int, ...], int]:
         """Who generation ``generation`` (grown by :meth:`admit`) holds, and the rejoin requests
-        it answered: a rank taken back must not count those as new at its next step."""
-        record = json.loads(self.store.get(f"resihp/world/{generation}/members"))  # get waits for the key
-        return tuple(record["members"]), int(record["rejoin_seen"])
+        it answered: a rank taken back must not count those as new at its next step. Waits for
+        rank 0's signed record (a forged one is refused, reported, and waited past) up to the timeout."""
+        key = f"resihp/world/{generation}/members"
+        deadline = time.monotonic() + self.timeout_s
+        while (record := self.records.read(key, _members, RANK_WRITERS)) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"generation {generation}: no signed member list from the world's rank 0 within "
+                                   f"{self.timeout_s:g} s under {key}")
+            time.sleep(0.002)
+        return record
 
     def join(self, state: Callable[[], Any], load: Callable[[Any], None]) -> int:
         """A replacement's first step: ask to join, wait until the world admits it at a step
@@ -330,7 +372,7 @@ class ShrinkingWorld:
         """The job is done (every rank of the world, after its last collective): a benched rank
         still waiting to rejoin stops waiting."""
         if self.rank == 0:
-            self.store.set(DONE_KEY, str(self.generation))
+            self.records.set(DONE_KEY, {"generation": self.generation})
 
     # ---- the protocol -----------------------------------------------------------------------------
 
@@ -339,7 +381,7 @@ class ShrinkingWorld:
         """detect → close → rebuild → restore (or, for a benched rank, detect → rejoin); returns the
         committed step to go on from."""
         rec = self.detect(failed_op, op_started)
-        if self.store.check([lost_key(self.rank_id)]):
+        if is_lost(self.records, self.rank_id):
             restored = self.rejoin(rec, step, state, load)
             self._pending = rec
             return restored
@@ -353,3 +395,19 @@ class ShrinkingWorld:
         now = time.monotonic()
         rec.durations_s[phase] = now - self._mark
         self._mark = now
+
+
+def _generation(body: Any) -> int:
+    """An admission's body: ``{"generation": G}``."""
+    generation = body["generation"]
+    if type(generation) is not int or generation < 0:
+        raise ValueError(f"generation {generation!r} is not a generation")
+    return generation
+
+
+def _members(body: Any) -> tuple[tuple[int, ...], int]:
+    """A grown world's body: ``{"members": [...], "rejoin_seen": N}``."""
+    members = tuple(body["members"])
+    if not all(type(r) is int for r in members) or type(body["rejoin_seen"]) is not int:
+        raise ValueError("members are rank ids and rejoin_seen a count")
+    return members, body["rejoin_seen"]

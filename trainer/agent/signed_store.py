@@ -19,6 +19,11 @@ and the reason, never another exception. :meth:`SignedStore.read` treats a refus
 logs it and reports it once (``control.rejected`` where the reader has a bus), so a forged record
 neither steers nor stops the loop that polls it.
 
+Who may write what: the launcher and the node agents sign as ``executor`` (posts, probes, aborts,
+lost marks, registrations, flight records, vacancies); ranks sign what ranks write (arrivals,
+outcomes, progress, joins, requests to rejoin, the grown world's members) as ``rank`` where they
+hold that key, else as ``executor``; a reader accepts each key from those roles only.
+
 Counters (``store.add``) cannot carry a signature. None decides anything on its own here: each is a
 wake-up or a hint, and what a reader then does comes from signed records (each use says how).
 """
@@ -34,19 +39,30 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from collector.auth import Keyring, Refusals, load_keyring
+from collector.auth import KeyFileError, Keyring, Refusals, load_keyring
 from collector.events import ControlRejected
 
 log = logging.getLogger("resihp.store")
 
-STORE_WRITERS: tuple[str, ...] = ("executor",)  # the roles whose records a reader accepts
-SIGNING_ROLE = "executor"  # what the launcher, the node agents and their ranks sign as
+AGENT_WRITERS: tuple[str, ...] = ("executor",)  # the launcher's and the agents' records: posts, marks, places
+RANK_WRITERS: tuple[str, ...] = ("executor", "rank")  # what ranks write: arrivals, outcomes, joins, admissions
+SIGNING_ROLE = "executor"  # what the launcher and the node agents sign as
 FORMAT = "resihp.store/1"
 MAX_RECORD_BYTES = 16 * 2**20  # a 100k-device plan is under 1 MB
 REJECTED_KIND = "store.record"
 _NAMESPACE = uuid.UUID("5d0c7a52-7e0b-4f1e-9a57-3c2b1f9e6a41")
 
 T = TypeVar("T")
+
+
+def rank_role(keyring: Keyring) -> str:
+    """What a rank signs its records as: ``rank`` where this process holds that key, else the
+    executor's key its launcher gave it."""
+    try:
+        keyring.sign_bytes(b"", "rank")
+    except (KeyFileError, KeyError):
+        return SIGNING_ROLE
+    return "rank"
 
 
 class RecordRefused(ValueError):
@@ -70,7 +86,7 @@ def encode_record(keyring: Keyring, key: str, scope: str, body: Any, role: str =
 
 
 def decode_record(keyring: Keyring, key: str, scope: str, raw: object,
-                  allowed: tuple[str, ...] = STORE_WRITERS) -> Any:
+                  allowed: tuple[str, ...] = AGENT_WRITERS) -> Any:
     """The body of a record read from ``key``; :class:`RecordRefused` for anything else (total:
     no other exception, whatever ``raw`` holds)."""
     if not isinstance(raw, (bytes, bytearray)):
@@ -128,10 +144,12 @@ class SignedStore:
         """Whether something is stored under ``key`` (signed or not: :meth:`read` says which)."""
         return self.store.check([key])
 
-    def decode(self, key: str, raw: object, parse: Callable[[Any], T] | None = None) -> T:
-        """``raw`` (read from ``key``) verified and parsed; :class:`RecordRefused` (reported) if not."""
+    def decode(self, key: str, raw: object, parse: Callable[[Any], T] | None = None,
+               allowed: tuple[str, ...] = AGENT_WRITERS) -> T:
+        """``raw`` (read from ``key``) verified as written by one of ``allowed`` and parsed;
+        :class:`RecordRefused` (reported) if not."""
         try:
-            body = decode_record(self.keyring, key, self.scope, raw)
+            body = decode_record(self.keyring, key, self.scope, raw, allowed)
             return parse(body) if parse is not None else body
         except RecordRefused as exc:
             self.refuse(key, raw, exc.reason)
@@ -141,33 +159,38 @@ class SignedStore:
             self.refuse(key, raw, reason)
             raise RecordRefused(key, reason) from None
 
-    def get(self, key: str, parse: Callable[[Any], T] | None = None) -> T:
+    def get(self, key: str, parse: Callable[[Any], T] | None = None, allowed: tuple[str, ...] = AGENT_WRITERS) -> T:
         """The record under ``key``, waiting for it as ``store.get`` does; :class:`RecordRefused`
         (reported) when it is not a valid signed record."""
-        return self.decode(key, self.store.get(key), parse)
+        return self.decode(key, self.store.get(key), parse, allowed)
 
-    def read(self, key: str, parse: Callable[[Any], T] | None = None) -> T | None:
+    def read(self, key: str, parse: Callable[[Any], T] | None = None,
+             allowed: tuple[str, ...] = AGENT_WRITERS) -> T | None:
         """The record under ``key``, or None when there is none or it is refused (reported)."""
         if not self.store.check([key]):
             return None
         try:
-            return self.decode(key, self.store.get(key), parse)
+            return self.decode(key, self.store.get(key), parse, allowed)
         except RecordRefused:
             return None
 
-    def read_many(self, keys: Sequence[str], parse: Callable[[Any], T] | None = None) -> list[T | None]:
-        """:meth:`read` of several keys, all present, in one round trip (None for each refused)."""
+    def read_many(self, keys: Sequence[str], parse: Callable[[Any], T] | None = None,
+                  allowed: tuple[str, ...] = AGENT_WRITERS) -> list[T | None]:
+        """:meth:`read` of several keys (None for each missing or refused); one round trip when
+        all are there."""
+        if not self.store.check(list(keys)):
+            return [self.read(key, parse, allowed) for key in keys]
         out: list[T | None] = []
         for key, raw in zip(keys, self.store.multi_get(list(keys))):
             try:
-                out.append(self.decode(key, raw, parse))
+                out.append(self.decode(key, raw, parse, allowed))
             except RecordRefused:
                 out.append(None)
         return out
 
-    def valid(self, key: str) -> bool:
-        """Whether a valid signed record is stored under ``key``."""
-        return self.read(key) is not None
+    def valid(self, key: str, allowed: tuple[str, ...] = AGENT_WRITERS) -> bool:
+        """Whether a valid signed record by one of ``allowed`` is stored under ``key``."""
+        return self.read(key, allowed=allowed) is not None
 
     def refuse(self, key: str, raw: object, reason: str) -> None:
         """Log and report a refused record, once per (key, bytes)."""

@@ -13,6 +13,12 @@ of the most advanced survivor. With ``--join-on-command`` the replacement takes 
 signed join order names (a :class:`PlaceChooser`, trainer/agent/commands.py's ``JoinOrders``); a
 node stopped by a node command leaves its place the same way as one that died.
 
+A vacancy is a signed record (trainer/agent/signed_store.py, scoped to the job's rendezvous id):
+a stranger who reaches the store cannot offer a place of its own making (its round, its ranks'
+store). It can add to the claim count first (the replacement then finds the place taken: a stall),
+but a process it starts in a place is never admitted: the world takes back a rank only on its
+signed request (trainer/agent/shrink.py).
+
 What can fail: no vacancy appears within the join timeout (nothing died, or the job runs without
 ``--on-failure shrink``): the rendezvous times out with one line; a vacancy of a node with another
 number of ranks is not taken.
@@ -20,17 +26,18 @@ number of ranks is not taken.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo, RendezvousTimeoutError
 from torch.distributed.elastic.utils.store import _NUM_MEMBERS, _barrier_nonblocking
+
+from trainer.agent.signed_store import SignedStore
 
 VACANCIES_KEY = "resihp/vacancies"  # how many were ever published; vacancy n is under VACANCY_KEY
 VACANCY_KEY = "resihp/vacancy/{n}"
@@ -58,10 +65,21 @@ def check_in_for_dead_agent(round_store: dist.Store, group_world_size: int) -> N
     _barrier_nonblocking(round_store, group_world_size, _TERMINAL_STATE_SYNC_ID)
 
 
-def publish_vacancy(job_store: dist.Store, vacancy: Vacancy) -> None:
-    """Offer the dead node's place to a replacement (``resihp run --join-running``)."""
-    n = job_store.add(VACANCIES_KEY, 1)
-    job_store.set(VACANCY_KEY.format(n=n), json.dumps(asdict(vacancy)))
+def publish_vacancy(job_records: SignedStore, vacancy: Vacancy) -> None:
+    """Offer the dead node's place to a replacement (``resihp run --join-running``): the count
+    numbers the place, the place itself is a signed record."""
+    n = job_records.store.add(VACANCIES_KEY, 1)
+    job_records.set(VACANCY_KEY.format(n=n), asdict(vacancy))
+
+
+def _vacancy(body: Any) -> Vacancy:
+    vacancy = Vacancy(**{**body, "ranks": tuple(body["ranks"])})
+    if not all(type(r) is int for r in vacancy.ranks) or type(vacancy.master_port) is not int \
+            or not isinstance(vacancy.round_prefix, str) or not isinstance(vacancy.master_addr, str):
+        raise ValueError("a vacancy names ranks, a round prefix and the ranks' store")
+    if vacancy.round < 0:  # the prefix ends in the round's number (ValueError if it does not)
+        raise ValueError(f"round prefix {vacancy.round_prefix!r} names no round")
+    return vacancy
 
 
 def round_store_prefix(handler: RendezvousHandler) -> str:
@@ -101,9 +119,12 @@ class VacancyRendezvous(RendezvousHandler):
     that fits, or the one ``chooser`` picks."""
 
     def __init__(self, job_store: dist.Store, run_id: str, local_world_size: int, timeout_s: float,
-                 chooser: PlaceChooser | None = None) -> None:
+                 chooser: PlaceChooser | None = None, records: SignedStore | None = None) -> None:
+        """``records``: the job store's signed records (default: scoped by ``run_id``, refusals
+        logged); only a signed vacancy is a place to take."""
         self.job_store, self.run_id, self.local_world_size, self.timeout_s = (job_store, run_id, local_world_size,
                                                                               timeout_s)
+        self.records = records or SignedStore(job_store, run_id, reader="replacement")
         self.chooser = chooser
         self.taken: Vacancy | None = None
 
@@ -116,15 +137,22 @@ class VacancyRendezvous(RendezvousHandler):
         if self.taken is not None:
             raise RendezvousTimeoutError("a replacement takes one place once; it cannot be restarted in the job")
         deadline = time.monotonic() + self.timeout_s
-        checked = 0
+        unread: set[int] = set()  # numbers counted whose signed place has not been read yet
+        counted = 0
         places: dict[int, Vacancy] = {}  # published places of a node this size, not yet tried
         while time.monotonic() < deadline:
             published = self.job_store.add(VACANCIES_KEY, 0)
-            for n in range(checked + 1, published + 1):
-                vacancy = self._vacancy(n)
+            unread |= set(range(counted + 1, published + 1))
+            counted = max(counted, published)
+            for n in sorted(unread):
+                # Absent (its publisher writes it right after counting it) or refused (reported; the
+                # number's real publisher may still write it): looked at again next time.
+                vacancy = self.records.read(VACANCY_KEY.format(n=n), _vacancy)
+                if vacancy is None:
+                    continue
+                unread.discard(n)
                 if len(vacancy.ranks) == self.local_world_size:
                     places[n] = vacancy
-            checked = published
             chosen = self.chooser.pick(places) if self.chooser is not None else next(iter(places), None)
             if chosen is not None:
                 vacancy = places.pop(chosen)
@@ -144,10 +172,6 @@ class VacancyRendezvous(RendezvousHandler):
         raise RendezvousTimeoutError(f"no node of job {self.run_id!r} left a place with {self.local_world_size} "
                                      f"ranks within {self.timeout_s:g} s; --join-running replaces an agent that died "
                                      "in a job run with --on-failure shrink")
-
-    def _vacancy(self, n: int) -> Vacancy:
-        raw = json.loads(self.job_store.get(VACANCY_KEY.format(n=n)))
-        return Vacancy(**{**raw, "ranks": tuple(raw["ranks"])})
 
     def is_closed(self) -> bool:
         return False

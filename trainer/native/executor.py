@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from collector.plan import Plan
+from trainer.agent.signed_store import SignedStore
 from trainer.native.capabilities import refusal
 from trainer.native.groups import GroupCache
 from trainer.native.layout import NativeLayout
@@ -187,7 +188,7 @@ class NativeExecutor:
             raise
         return report, rollback_to
 
-    def recover(self, store: dist.Store, committed: int, failure: BaseException,
+    def recover(self, store: SignedStore, committed: int, failure: BaseException,
                 failed_after_s: float = 0.0) -> tuple[ReshapeReport, int | None]:
         """A collective of the running layout failed because a rank died: close the quorum of
         survivors (trainer/native/recovery.py), then move to ``survivor_plan`` through the same

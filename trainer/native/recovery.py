@@ -19,14 +19,15 @@ peers got its result) are refused: nothing here can tell which update is the rig
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
 from collector.plan import PipelinePlan, Plan
-from trainer.agent.shrink import lost_key, mark_lost
+from trainer.agent.shrink import is_lost, mark_lost
+from trainer.agent.signed_store import RANK_WRITERS, SignedStore
 
 POLL_S = 0.01
 
@@ -57,19 +58,21 @@ class Quorum:
     committed: int
 
 
-def close_quorum(store: dist.Store, epoch: int, world: tuple[int, ...], device: int, rank_of: dict[int, int],
+def close_quorum(store: SignedStore, epoch: int, world: tuple[int, ...], device: int, rank_of: dict[int, int],
                  committed: int, timeout_s: float) -> Quorum:
     """Join the recovery to ``epoch`` and wait until every device of ``world`` joined or was
     marked lost (its default-group rank's ``resihp/lost/<rank>``), for up to twice the
-    collective timeout ``timeout_s``."""
+    collective timeout ``timeout_s``. Signed joins and marks only (trainer/agent/signed_store.py):
+    a forged one is refused, reported, and waited past."""
     prefix = f"native/recover/{epoch}/join/"
-    store.set(f"{prefix}{device}", json.dumps({"committed": committed}))
+    store.set(f"{prefix}{device}", {"committed": committed})
     # A survivor blocked on a live peer that already left only joins once its collective times
     # out (``timeout_s``): wait for it twice that.
     deadline = time.monotonic() + 2 * timeout_s
     while True:
-        joined = [d for d in world if store.check([f"{prefix}{d}"])]
-        lost = [d for d in world if d not in joined and store.check([lost_key(rank_of[d])])]
+        counts = {d: c for d in world if (c := store.read(f"{prefix}{d}", _committed, RANK_WRITERS)) is not None}
+        joined = [d for d in world if d in counts]
+        lost = [d for d in world if d not in joined and is_lost(store, rank_of[d])]
         if len(joined) + len(lost) == len(world):
             break
         if time.monotonic() > deadline:
@@ -81,7 +84,6 @@ def close_quorum(store: dist.Store, epoch: int, world: tuple[int, ...], device: 
     if not lost:
         raise RuntimeError(f"recovery to epoch {epoch}: every device of {list(world)} is alive; the failure was "
                            "not a lost rank")
-    counts = {d: json.loads(store.get(f"{prefix}{d}"))["committed"] for d in joined}
     if len(set(counts.values())) != 1:
         raise RuntimeError(f"recovery to epoch {epoch}: survivors committed different iteration counts {counts} "
                            "(a rank died inside the commit all-reduce); restart from a DCP checkpoint (--resume-dir)")
@@ -104,3 +106,11 @@ def survivor_plan(plan: Plan, lost: tuple[int, ...]) -> Plan:
                 num_layers=plan.num_layers, pipelines=tuple(
                     PipelinePlan(replica=r, microbatches=n, stages=p.stages)
                     for r, (p, n) in enumerate(zip(kept, counts, strict=True))))
+
+
+def _committed(body: Any) -> int:
+    """A survivor's join: ``{"committed": N}``, the iterations it has committed."""
+    committed = body["committed"]
+    if type(committed) is not int:
+        raise ValueError(f"committed {committed!r} is not a count")
+    return committed

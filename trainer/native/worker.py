@@ -33,6 +33,8 @@ from collector.events import (Coords, FaultInjected, IterationSummary, Location,
                               ReshapePhaseName)
 from collector.plan import Plan
 from collector.settings import elastic_environment, environment
+from collector.auth import load_keyring
+from trainer.agent.signed_store import SignedStore, rank_role
 from trainer.agent.standalone import standalone_node
 from trainer.fault_spec import FaultSpec
 from trainer.native.executor import NativeExecutor, Released, ReshapeRefused
@@ -81,6 +83,7 @@ class NativeRunSpec(BaseModel):
     iterations: int = Field(default=10, ge=1)
     store_host: str = "127.0.0.1"
     store_port: int = 0
+    run_id: str = ""  # what the store's signed records are bound to (trainer/agent/signed_store.py)
     timeout_s: float = Field(default=120.0, gt=0, description="collective and rendezvous timeout")
     device: str = Field(default="auto", description="auto: cuda + nccl when a GPU is present, else cpu + gloo")
     threads: int = Field(default=1, ge=1)
@@ -141,6 +144,9 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
     dist.init_process_group(backend, store=dist.PrefixStore("native/pg/", store), rank=rank_of[device],
                             world_size=len(layout.world), timeout=timedelta(seconds=spec.timeout_s))
     telemetry = (TelemetryPublisher(spec.bus.open, spec.job, device, spec.heartbeat_s) if spec.bus else None)
+    keyring = load_keyring()
+    records = SignedStore(store, spec.run_id, reader=f"rank-{device}", keyring=keyring, role=rank_role(keyring),
+                          report=telemetry.publish if telemetry is not None else None)
     at = {"iteration": 0}
 
     def on_phase(epoch: int, phase: str, seconds: float, ok: bool, detail: str) -> None:
@@ -192,7 +198,7 @@ def run_rank(spec: NativeRunSpec, device: int) -> int:
                     raise
                 # A peer died under this rank's collective: recover with the survivors and redo
                 # this iteration, which nobody committed.
-                report, rollback_to = ex.recover(store, iteration, exc, time.perf_counter() - started)
+                report, rollback_to = ex.recover(records, iteration, exc, time.perf_counter() - started)
                 first_step_of = report
                 if rollback_to is not None:
                     iteration = rollback_to
@@ -296,8 +302,9 @@ def launch_native(spec: NativeRunSpec, ranks: int | None = None) -> dict[int, in
     if spec.out_dir:
         Path(spec.out_dir).mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
-    with standalone_node(spec.store_host, uuid.uuid4().hex, spec.timeout_s) as node:
-        spec = spec.model_copy(update={"store_port": node.port})
+    run_id = uuid.uuid4().hex
+    with standalone_node(spec.store_host, run_id, spec.timeout_s) as node:
+        spec = spec.model_copy(update={"store_port": node.port, "run_id": run_id})
         intake = None
         if spec.commands:
             assert spec.bus is not None
@@ -307,7 +314,8 @@ def launch_native(spec: NativeRunSpec, ranks: int | None = None) -> dict[int, in
         try:
             exits = node.run(job=spec.job, role="native", ranks=ranks, entrypoint=_rank_main,
                              args=(spec.model_dump_json(),), preload=(__name__,),
-                             controller=NativeController(spec.plan, ranks, node.store, intake), poll_s=0.05)
+                             controller=NativeController(spec.plan, ranks, SignedStore(node.store, run_id, reader="native"),
+                                                         intake), poll_s=0.05)
         finally:
             if intake is not None:
                 intake.finish()
@@ -320,7 +328,7 @@ class NativeController:
     survivors close their quorum without it and train on (trainer/native/recovery.py); then the
     bus's commands go to the ranks (trainer/native/intake.py) when the run obeys them."""
 
-    def __init__(self, plan: Plan, ranks: int, store: dist.Store, intake: NativeCommandIntake | None) -> None:
+    def __init__(self, plan: Plan, ranks: int, store: SignedStore, intake: NativeCommandIntake | None) -> None:
         self.ranks, self.store, self.intake = ranks, store, intake
         self.rank_of = {d: i for i, d in enumerate(plan.devices)}  # the job's default-group ranks (run_rank)
         self.seen: set[int] = set()

@@ -15,7 +15,11 @@ last stage, and a DP all-reduce after the slowest replica.
 
 Trust: from the bus (``handle``) it obeys only commands signed by the engine and probes signed by
 analytics within the trainer's probe bounds, reporting the rest as ``control.rejected``; its
-acknowledgements are signed with the executor's key (collector/auth.py).
+acknowledgements are signed with the executor's key (collector/auth.py). A command must also name
+the simulated run (``run``, announced in its ``plan.current``) and not be past its expiry on the
+simulated clock (collector/epoch_fence.py's ``order_refusal``). The run is derived from the job and
+the seed unless the config names one, so one scenario and seed give one trace byte for byte; a
+command of another simulated run is refused like a torch executor's.
 
 What can go wrong: a plan naming a device beyond the cluster, or with a layer count other than the
 model's, is refused (``reconfigure`` acks ``failed``); a plan that keeps a dead device hangs.
@@ -23,6 +27,7 @@ model's, is refused (``reconfigure`` acks ``failed``); a plan that keeps a dead 
 
 from __future__ import annotations
 
+import hashlib
 import math
 import zlib
 from dataclasses import dataclass, field
@@ -33,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from analytics.schedule import OpTable, PipelineTiming, op_table, pipeline_timing
 from collector.auth import Gate, load_keyring
-from collector.epoch_fence import fence_verdict
+from collector.epoch_fence import fence_verdict, order_refusal
 from collector.events import (
     AckStatus, CommandAck, Envelope, FaultInjected, Heartbeat, IterationSummary, ProbeRequest, ProbeResult,
     PlanCurrent, PlanCurrentReason, ReconfigureCommand,
@@ -74,6 +79,8 @@ class SimConfig(BaseModel):
     plan: Plan
     job: str = "sim"
     seed: int = 0
+    run: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:-]+$", description=(
+        "the run incarnation commands must name; None: derived from the job and the seed (one scenario, one trace)"))
     heartbeat_interval_s: float = Field(default=10.0, gt=0)
     start_time_s: float = SIM_EPOCH_TIME_S
     reshape_pause_s: float = Field(default=20.0, ge=0, description="simulated pause to apply a new plan")
@@ -153,7 +160,8 @@ class SimEngine:
         self.now_s = 0.0  # simulated seconds since the job started
         self.finished = False
         self.events = DeterministicEvents(c.job)
-        self.keyring = load_keyring()  # signs its acknowledgements as the executor
+        self.keyring = load_keyring()  # signs its acknowledgements as the executor, its ranks' probe results as rank
+        self.run = c.run or "sim-" + hashlib.sha256(f"{c.job}/{c.seed}".encode()).hexdigest()[:16]
         self._pending = [(f.id or f"fault-{i}", f) for i, f in enumerate(faults or [])]
         self.active: list[ActiveFault] = []
         self.history: list[ActiveFault] = []
@@ -505,7 +513,7 @@ class SimEngine:
             plan=self.plan, reason=self._plan_news, gpus_per_node=c.cluster.gpus_per_node, model_name=c.model.name,
             # bf16 weights and gradients, fp32 master weights and two Adam moments: 16 bytes a parameter
             layer_state_bytes=c.model.params_per_layer * 16,
-            tokens_per_microbatch=c.workload.tokens_per_microbatch,
+            tokens_per_microbatch=c.workload.tokens_per_microbatch, run=self.run,
         )
         self._plan_news = None
         out = [self.keyring.sign(self.events.make("trainer", payload, self._abs(self.now_s)), "executor")]
@@ -539,7 +547,7 @@ class SimEngine:
             self._hang_started_s = None
             detail = f"now {self.plan.shape()}"
         ack = CommandAck(command_id=command.command_id, plan_id=command.plan_id, epoch=plan.epoch, status=status,
-                         running_epoch=self.plan.epoch, pause_s=pause, detail=detail)
+                         running_epoch=self.plan.epoch, pause_s=pause, detail=detail, run=self.run)
         events.append(self.keyring.sign(self.events.make("trainer", ack, self._abs(self.now_s)), "executor"))
         return events + self._plan_announcement() + self._heartbeats()
 
@@ -550,7 +558,10 @@ class SimEngine:
         out: list[Envelope] = []
         if isinstance(p, (ReconfigureCommand, ProbeRequest)) and gate.admit(event, self._abs(self.now_s)):
             if isinstance(p, ReconfigureCommand):
-                out = self.reconfigure(p)
+                if (refusal := order_refusal(p, self.run, event.time_s, self._abs(self.now_s))) is not None:
+                    gate.refuse(event, refusal, self._abs(self.now_s))
+                else:
+                    out = self.reconfigure(p)
             elif (refusal := probe_refusal(p, range(self.config.cluster.gpus))) is not None:
                 gate.refuse(event, refusal, self._abs(self.now_s))
             else:
@@ -575,6 +586,6 @@ class SimEngine:
             longest = max(longest, float(samples.sum()))
             result = ProbeResult(probe_id=request.probe_id, rank=d, duration_s=duration, reference_s=c.probe_reference_s)
             out.append(self.keyring.sign(self.events.make(f"rank-{d}", result, self._abs(self.now_s + float(samples.sum()))),
-                                         "executor"))
+                                         "rank"))
         self.now_s += longest
         return out
