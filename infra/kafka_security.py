@@ -52,6 +52,7 @@ PROTOCOL = "SASL_SSL"
 CREDENTIALS_FILE = "credentials.json"
 CREDENTIALS_DIR = "credentials"
 TLS_DIR = "tls"
+ADMIN_PASSWORD_FILE = "admin.password"  # a cluster's secrets folder: what its brokers read (infra/compose.yaml)
 SECURE_MARKER = "secure"  # in the data dir: the broker runs secure (SASL_SSL, users, ACLs)
 
 # The platform's topics (collector/topics.py; infra imports none of our packages, and
@@ -84,9 +85,20 @@ GROUPS: dict[str, tuple[str, ...]] = {
 PRINCIPALS = (ADMIN, *GRANTS)
 
 
-def tls_files(data_dir: Path) -> tls.TlsFiles:
+def tls_files(data_dir: Path, hosts: tuple[str, ...] = tls.LOCAL_HOSTS) -> tls.TlsFiles:
     """The broker's CA and certificate under ``<data dir>/tls`` (made on first use)."""
-    return tls.ensure_tls(data_dir / TLS_DIR)
+    return tls.ensure_tls(data_dir / TLS_DIR, hosts)
+
+
+def cluster_secrets(folder: Path, hosts: tuple[str, ...]) -> tls.TlsFiles:
+    """A cluster's secrets folder (0700), the same layout as a local broker's data dir: the CA and a
+    broker certificate for ``hosts`` under ``tls/``, every principal's password in
+    ``credentials.json``, and ``admin.password`` (0600 each), which the brokers read for their own
+    sign-in (infra/compose.yaml)."""
+    files = tls_files(tls.private_dir(folder), hosts)
+    creds = load_or_create_credentials(folder)
+    tls.write_private(folder / ADMIN_PASSWORD_FILE, creds[ADMIN].encode())
+    return files
 
 
 def load_or_create_credentials(data_dir: Path) -> dict[str, str]:

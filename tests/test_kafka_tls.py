@@ -6,6 +6,7 @@ of a process the start ran."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import uuid
@@ -149,3 +150,31 @@ def test_no_password_is_an_argument_of_any_process_the_secure_start_ran(secure) 
     assert leaked == []
     jvm = Path(f"/proc/{broker.status(secure['data_dir'])['pid']}/cmdline").read_bytes().decode()
     assert broker.MAIN_CLASS in jvm and not [p for p in passwords if p in jvm]
+
+
+def test_certs_makes_a_clusters_secrets_owner_only_and_reissues_from_the_same_ca(tmp_path) -> None:
+    """``resihp kafka certs`` (what infra/compose.yaml's brokers mount): a CA, a broker certificate
+    for the names asked, the passwords; asked again with another name, the broker certificate is
+    issued again by the same CA, so clients keep their ca.pem."""
+    from cryptography import x509
+
+    from resihp.cli import main
+
+    folder = tmp_path / "secrets"
+    assert main(["kafka", "certs", "--secrets", str(folder), "--host", "kafka-1", "--host", "localhost"]) == 0
+    files = tls.TlsFiles(folder / security.TLS_DIR)
+    keys = [files.broker_key, files.folder / tls.CA_KEY, folder / security.CREDENTIALS_FILE,
+            folder / security.ADMIN_PASSWORD_FILE]
+    assert {f: _mode(f) for f in [*keys, folder, files.folder]} == {**{f: 0o600 for f in keys},
+                                                                      folder: 0o700, files.folder: 0o700}
+    ca_before = files.ca_cert.read_bytes()
+
+    def names() -> set[str]:
+        cert = x509.load_pem_x509_certificate(files.broker_cert.read_bytes())
+        return {str(n.value) for n in cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value}
+
+    assert names() == {"kafka-1", "localhost"}
+    assert main(["kafka", "certs", "--secrets", str(folder), "--host", "kafka-1", "--host", "kafka-2"]) == 0
+    assert names() == {"kafka-1", "kafka-2"} and files.ca_cert.read_bytes() == ca_before
+    assert (folder / security.ADMIN_PASSWORD_FILE).read_text() == json.loads(
+        (folder / security.CREDENTIALS_FILE).read_text())[security.ADMIN]
