@@ -31,14 +31,17 @@ emitted again; the merge keeps the first copy of each (epoch, iteration, replica
 from __future__ import annotations
 
 import bisect
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from analytics.admission import EpochShape, undetectable
 from analytics.detector_config import DetectorConfig
 from analytics.fail_stop import tracing_at
 from analytics.frame import LayerLookup, build_frame
 from analytics.replica_summary import LIVENESS_ARRAYS, pack, summarize_replica
+from collector.auth import Gate
 from collector.bus import Bus, TopicPartition
 from collector.events import (
     DetectorFits, Envelope, Heartbeat, LivenessBatch, PlanCurrent, RankIteration, ReconfigureCommand, ReplicaSummary,
@@ -49,6 +52,7 @@ from collector.plan import Plan
 READ_AHEAD = 2  # iterations a shard reads past the oldest one waiting only for the merge's fits
 DONE_KEPT = 64  # iterations per replica whose emission is remembered (a rebalance re-reads far fewer)
 FITS_KEPT = 64  # the merge's latest fits kept, by iteration
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -83,12 +87,21 @@ class ReplicaShard:
     _iterations: dict[int, list[int]] = field(default_factory=dict)  # epoch -> iterations reported, sorted (recent)
     _declared: list[TracingDeclared] = field(default_factory=list)  # read since the last LivenessBatch
     _tracing: tuple[TracingDeclared, ...] = ()  # every declaration read (the newest per epoch)
+    _shapes: dict[tuple[str, int], EpochShape] = field(default_factory=dict)  # what undetectable admitted
     emitted: int = 0
+    skipped: int = 0  # events kept out by analytics/admission.py's rule
+    failed: int = 0  # replica iterations whose summary could not be made (logged, left out)
 
     def on_event(self, event: Envelope, where: tuple[str, int, int] | None = None) -> list[ReplicaSummary]:
         """Fold one event; ``where`` = (topic, partition, offset) it was read from, for safe commits."""
         p = event.payload
         if event.job != self.job:
+            return []
+        why = undetectable(event, self._shapes)
+        if why is not None:
+            self.skipped += 1
+            log.warning("shard %s, job %s: event %s (%s) is kept from the summaries: %s", self.name, event.job,
+                        event.id, event.kind, why)
             return []
         if isinstance(p, DetectorFits):
             if (p.epoch, p.iteration) >= self._dead_from:
@@ -142,7 +155,8 @@ class ReplicaShard:
 
     def flush(self) -> list[ReplicaSummary]:
         """Emit every replica still waiting (end of a recording), with the fits at hand."""
-        return [self._emit(k, self._best_fits(*k[:2])) for k in sorted(self._pending)]
+        out = [self._emit(k, self._best_fits(*k[:2])) for k in sorted(self._pending)]
+        return [s for s in out if s is not None]
 
     def _ready(self, replica: tuple[int, int] | None = None) -> list[ReplicaSummary]:
         """Emit what is ready. After a rank report only its replica's iterations can have become
@@ -167,10 +181,13 @@ class ReplicaShard:
             before = self._previous_reported(epoch, iteration)
             fits = self._fits.get(iteration - 1 if before is None else before)
             if fits is not None and (fits.epoch, fits.iteration) < (epoch, iteration):
-                out.append(self._emit(key, fits))
+                summary = self._emit(key, fits)
             elif self._lowest is not None and iteration <= self._lowest:
-                out.append(self._emit(key, self._best_fits(epoch, iteration)))
-            # else: the merge has not judged the job's previous iteration yet
+                summary = self._emit(key, self._best_fits(epoch, iteration))
+            else:
+                continue  # the merge has not judged the job's previous iteration yet
+            if summary is not None:
+                out.append(summary)
         return out
 
     def _previous_reported(self, epoch: int, iteration: int) -> int | None:
@@ -204,7 +221,10 @@ class ReplicaShard:
         before = [f for f in self._fits.values() if (f.epoch, f.iteration) < (epoch, iteration)]
         return max(before, key=lambda f: (f.epoch, f.iteration)) if before else None
 
-    def _emit(self, key: tuple[int, int, int], fits: DetectorFits | None) -> ReplicaSummary:
+    def _emit(self, key: tuple[int, int, int], fits: DetectorFits | None) -> ReplicaSummary | None:
+        """The replica iteration's summary; None when its reports cannot make one (logged and
+        counted in ``failed``: a writer on the telemetry topic can send reports the schema admits
+        and no job makes, and one replica iteration must not stop the shard)."""
         epoch, iteration, replica = key
         pend = self._pending.pop(key)
         still = self._open[(epoch, replica)]
@@ -221,12 +241,20 @@ class ReplicaShard:
             self._layers[epoch] = LayerLookup(plan)
         if fits is not None and fits.epoch != epoch and epoch not in fits.planned_epochs:
             fits = None  # a new layout without a plan: the single process forgets its fits too
-        frame = build_frame(list(pend.reports.values()), self._layers.get(epoch))
+        try:
+            frame = build_frame(list(pend.reports.values()), self._layers.get(epoch))
+            summary = summarize_replica(
+                frame, fits, window_iterations=self.config.window_iterations,
+                chunk_quantile=self.config.chunk_quantile,
+                schedule=(plan.schedule, plan.virtual_stages) if plan is not None else (None, None),
+                replicas=len(plan.pipelines) if plan is not None else None, replica=replica, shard=self.name)
+        except Exception:  # noqa: BLE001 - see the docstring: logged, counted, the shard goes on
+            self.failed += 1
+            log.exception("shard %s, job %s: replica %d of iteration %d (epoch %d) cannot be summarised; left out",
+                          self.name, self.job, replica, iteration, epoch)
+            return None
         self.emitted += 1
-        return summarize_replica(
-            frame, fits, window_iterations=self.config.window_iterations, chunk_quantile=self.config.chunk_quantile,
-            schedule=(plan.schedule, plan.virtual_stages) if plan is not None else (None, None),
-            replicas=len(plan.pipelines) if plan is not None else None, replica=replica, shard=self.name)
+        return summary
 
     def waiting_for_fits(self) -> bool:
         """Some replica is complete and waits only for the merge's fits."""
@@ -290,6 +318,8 @@ class ShardWorker:
         self.side = EventStream(bus, f"{group}.fits.{uuid.uuid4().hex[:8]}", [topics.ANALYTICS, topics.CONTROL],
                                 on_assign=lambda parts: {tp: 0 for tp in parts})
         self._committed: dict[tuple[str, int], int] = {}
+        # Plans and commands steer which ranks a replica waits for: only signed ones may (the merge's gate, too).
+        self.gate = Gate(f"analytics-shard:{name}" if name else "analytics-shard")
 
     def step(self, max_records: int = 20_000, timeout_s: float = 0.2) -> int:
         """One poll of each; returns the telemetry records consumed."""
@@ -308,7 +338,8 @@ class ShardWorker:
         held = bool(owned) and owned <= self.shard.read_enough() and not self.stream.consumer.joining()
         ready: list[ReplicaSummary] = []
         for d in self.side.poll(10_000, timeout_s if waiting else 0.0):
-            if isinstance(d.event.payload, (DetectorFits, PlanCurrent, ReconfigureCommand)):
+            if (isinstance(d.event.payload, (DetectorFits, PlanCurrent, ReconfigureCommand))
+                    and self.gate.admit(d.event, time_s=d.event.time_s)):
                 ready += self.shard.on_event(d.event)
         for d in [] if held else self.stream.poll(max_records, 0.0 if waiting else timeout_s):
             ready += self.shard.on_event(d.event, (d.topic, d.partition, d.offset))
@@ -316,6 +347,8 @@ class ShardWorker:
         if ready or heard:
             f = EventFactory(self.shard.job, f"shard:{self.shard.name}")
             self.bus.publish([f.make(x) for x in ([heard] if heard else []) + ready])
+        if rejected := self.gate.take():
+            self.bus.publish(rejected)
         mine = self.stream.consumer.positions()  # only partitions still ours may be committed
         read = {(tp.topic, tp.partition): off for tp, off in self.stream.positions_after_poll().items() if tp in mine}
         safe = self.shard.safe_positions(read)
