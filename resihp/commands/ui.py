@@ -29,6 +29,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--alertmanager-url", default=None,
                    help="Alertmanager whose alerts each incident shows (default: $RESIHP_UI_ALERTMANAGER_URL or "
                         "http://127.0.0.1:9093, `resihp ops up`'s; '' for none)")
+    p.add_argument("--tls-cert", default=None,
+                   help="serve HTTPS with this PEM certificate (chain); needs --tls-key. Off loopback, prefer a "
+                        "TLS-terminating reverse proxy (docs/security.md)")
+    p.add_argument("--tls-key", default=None, help="the certificate's PEM private key (mode 0600)")
     p.add_argument("--add-user", metavar="NAME", default=None,
                    help="add or replace a user in the users file and exit (password from $RESIHP_UI_PASSWORD or a prompt)")
     p.add_argument("--role", choices=["operator", "viewer"], default="viewer", help="role for --add-user (default viewer)")
@@ -56,13 +60,34 @@ def console_env(args: argparse.Namespace) -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     if args.add_user is not None:
         return _add_user(args)
-    cmd = [sys.executable, "-m", "streamlit", "run", str(APP), "--server.headless", "true",
-           "--server.port", str(args.port), "--server.address", args.address,
-           "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
-           "--global.developmentMode", "false", "--client.toolbarMode", "viewer"]
+    try:
+        cmd = [sys.executable, "-m", "streamlit", "run", str(APP), "--server.headless", "true",
+               "--server.port", str(args.port), "--server.address", args.address,
+               "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
+               "--global.developmentMode", "false", "--client.toolbarMode", "viewer", *tls_flags(args)]
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     # Become the Streamlit server (exec, not a child): a signal to `resihp ui` then reaches the
     # server itself, so stopping the console never leaves an orphaned server on the port.
     os.execve(sys.executable, cmd, console_env(args))
+
+
+def tls_flags(args: argparse.Namespace) -> list[str]:
+    """Streamlit's HTTPS options for ``--tls-cert`` / ``--tls-key`` (none without them). Both or
+    neither; the key must exist and be readable by its owner only, or anyone on the host could
+    impersonate the console."""
+    if args.tls_cert is None and args.tls_key is None:
+        return []
+    if args.tls_cert is None or args.tls_key is None:
+        raise ValueError("--tls-cert and --tls-key go together: give both, or neither for plain HTTP")
+    cert, key = Path(args.tls_cert).resolve(), Path(args.tls_key).resolve()
+    for path in (cert, key):
+        if not path.is_file():
+            raise ValueError(f"{path} is not a file")
+    if key.stat().st_mode & 0o077:
+        raise ValueError(f"{key} is readable by others; chmod 600 {key}")
+    return ["--server.sslCertFile", str(cert), "--server.sslKeyFile", str(key)]
 
 
 def _add_user(args: argparse.Namespace) -> int:
