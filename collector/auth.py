@@ -2,16 +2,19 @@
 
 Anyone who can write to the bus can write any event, so an event's ``source`` proves nothing. A
 control event — one that can make the engine plan, the trainer reshape or a rank run work — is
-therefore signed: HMAC-SHA256 over its canonical bytes (id, kind, schema, job, source, seq, time
-and payload) with the key of the role that wrote it, carried in the envelope's ``signature`` as
-``role:hex``. :data:`WRITERS` says which roles may write which kinds; everything else (telemetry,
-predictions, ``control.rejected``) stays unsigned and is never trusted for control.
+therefore signed: an Ed25519 signature over its canonical bytes (id, kind, schema, job, source,
+seq, time and payload) with the private key of whoever wrote it, carried in the envelope's
+``signature`` as ``KEY_ID:hex``. :data:`WRITERS` says which roles may write which kinds; everything
+else (telemetry, predictions, ``control.rejected``) stays unsigned and is never trusted for control.
 
-Keys: one 32-byte secret per role (:data:`ROLES`), from ``RESIHP_KEY_<ROLE>`` (hex) or the key file
-``RESIHP_KEYS`` (default ``.resihp/keys.json``, mode 0600), which the first process that needs it
-creates. HMAC keys are symmetric: a process that verifies a role's events holds that role's key, so
-on one machine every process shares one key file; split the file per host for a wider boundary
-(docs/security.md, "Keys").
+Keys (collector/keys.py): one Ed25519 key pair per role (:data:`ROLES`) and one per person who
+decides from the command line (``person.NAME``, signing as ``cli:NAME``). Every process reads the
+public keys of all of them; it loads a private key only when it first signs with it, and a host
+holds only the private keys of what its processes write (``resihp keys export``). So whoever can
+verify cannot forge: a rank, which holds the ``rank`` key, can sign a probe result and nothing
+else, and a person's key signs only that person's decisions. Signatures of the earlier HMAC scheme
+(``role:`` and 64 hex digits) verify only against the old key file named by
+``RESIHP_LEGACY_KEYS`` and are never made (docs/security.md, "Keys").
 
 Every reader that acts verifies (:class:`Gate`): what fails becomes a ``control.rejected`` event,
 once per event id, published by the reader that refused it.
@@ -23,28 +26,31 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import re
-import secrets
-import stat
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
 from collector.codec import decode, encode
 from collector.events import SIGNATURE_PATTERN, ControlRejected, Envelope, EventFactory, Payload
+from collector.keys import (
+    PERSON, ROLES, KeyDir, KeyFileError, person_key_id, person_of, private_from_hex, read_legacy, role_of,
+)
 from collector.plan import DEVICE_LISTS
-from collector.private_files import private_dir
 from collector.settings import environment
+
+__all__ = ["AUTO_ACTOR", "CONSOLE_SOURCES", "PERSON", "ROLES", "WRITERS", "Gate", "KeyFileError", "Keyring",
+           "Refusals", "Signer", "canonical_bytes", "create_keys", "key_path", "load_keyring", "needs_signature",
+           "operator_key"]
 
 log = logging.getLogger("resihp.auth")
 
-ROLES: tuple[str, ...] = ("engine", "analytics", "console", "executor")
-KEY_BYTES = 32
-
-# kind -> the roles whose signature it must carry
+# kind -> the roles whose signature it must carry (a person's key counts as the console's)
 WRITERS: dict[str, tuple[str, ...]] = {
     "command.reconfigure": ("engine", "executor"),  # the executor: the launcher's own on-death policy
     "plan.proposed": ("engine",), "plan.verified": ("engine",), "plan.rolled_back": ("engine",),
@@ -58,13 +64,15 @@ WRITERS: dict[str, tuple[str, ...]] = {
     "command.node_ack": ("executor",),  # the node agent's answer
     "plan.current": ("executor",),  # what runs: the engine plans on it and the fold supersedes plans by it
     "plan.capabilities": ("executor",),  # what the job can run: the engine proposes only that
-    "probe.result": ("executor",),  # a rank's answer: it confirms an incident and names the slow device
+    "probe.result": ("rank",),  # a rank's answer: it confirms an incident and names the slow device
     "analytics.bus_outage": ("analytics",),  # why no rank was judged dead meanwhile
 }
-CONSOLE_SOURCES = ("ui:", "cli:")  # a console-signed event names its person: ui:alice, cli:bob
+UI_SOURCE, CLI_SOURCE = "ui:", "cli:"
+CONSOLE_SOURCES = (UI_SOURCE, CLI_SOURCE)  # a console-signed event names its person: ui:alice, cli:bob
 AUTO_ACTOR = "policy:auto"
 _NAMESPACE = uuid.UUID("9a4f1e0c-2b7d-4c55-8e3a-6d1f0b7c2e95")
 _SIGNATURE = re.compile(SIGNATURE_PATTERN)
+_HMAC_HEX = 64  # an HMAC-SHA256 signature of the earlier scheme; an Ed25519 one is 128 hex digits
 
 
 def needs_signature(kind: str) -> bool:
@@ -82,55 +90,157 @@ def canonical_bytes(event: Envelope) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-class KeyFileError(RuntimeError):
-    """The key file cannot be used (unreadable, malformed, or readable by others)."""
+def _stat(path: Path) -> tuple[int, ...] | None:
+    """What changes when a key file is replaced or edited (None: no such file)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_size, st.st_mode)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Keyring:
-    """The role keys this process holds. ``path`` says where they came from, for error messages."""
+    """The keys this process holds: every signer's public key, and private keys for what it signs.
 
-    keys: Mapping[str, bytes]
+    ``store`` is the key directory: a private key not ``given`` is read from it the first time the
+    process signs with it (so a process holds only the private keys it uses), and public.json is
+    read again when it has changed and a signature names an unknown key or fails (a person added,
+    a key replaced, while readers run). ``legacy`` holds old HMAC secrets, for verifying only.
+    ``path`` says where the keys came from, for error messages."""
+
+    public: dict[str, Ed25519PublicKey]
+    private: dict[str, Ed25519PrivateKey] = field(default_factory=dict)
     path: str = "<given>"
+    store: KeyDir | None = None
+    legacy: Mapping[str, bytes] = field(default_factory=dict)
+    legacy_path: str = ""
+    _public_stat: tuple[int, ...] | None = None
 
     @classmethod
     def generate(cls, path: str = "<generated>") -> Keyring:
-        return cls({role: secrets.token_bytes(KEY_BYTES) for role in ROLES}, path)
+        """A fresh in-memory set holding every role's private key (tests, benchmarks)."""
+        private = {role: Ed25519PrivateKey.generate() for role in ROLES}
+        return cls({role: key.public_key() for role, key in private.items()}, private, path)
+
+    # ---- signing -------------------------------------------------------------------------------
+
+    def can_sign(self, key_id: str) -> bool:
+        try:
+            self.signing_key(key_id)
+        except KeyFileError:
+            return False
+        return True
+
+    def signing_key(self, key_id: str) -> Ed25519PrivateKey:
+        """``key_id``'s private key, loaded on first use; raises :class:`KeyFileError` naming the fix
+        when this process does not hold it or it does not match the public key readers check with."""
+        key = self.private.get(key_id)
+        if key is not None:
+            return key
+        if self.store is not None:
+            key = self.store.read_private(key_id)
+        if key is None:
+            where = f"{self.store.private_path(key_id)} does not exist" if self.store else f"{self.path} holds no private keys"
+            raise KeyFileError(
+                f"this process cannot sign as {key_id}: {where}. A host holds only the private keys of what its "
+                f"processes write; on the host that holds the key set run `resihp keys export --key {key_id} --out DIR` "
+                "and point RESIHP_KEYS at DIR (or `resihp keys add-person NAME` for a person)")
+        public = self.public.get(key_id)
+        if public is None and self._refresh():
+            public = self.public.get(key_id)
+        if public is None:
+            raise KeyFileError(f"{key_id}'s private key has no public key in {self.path}: no reader could check what it "
+                               "signs; copy public.json from the host that made the key")
+        if public.public_bytes_raw() != key.public_key().public_bytes_raw():
+            raise KeyFileError(f"{key_id}'s private key does not match its public key in {self.path}: readers would "
+                               "refuse what it signs; export both again from the same key set (`resihp keys export`)")
+        self.private[key_id] = key
+        return key
 
     def sign(self, event: Envelope, role: str) -> Envelope:
-        """``event`` with ``role``'s signature. The event is first taken through the wire format,
-        so the bytes signed are the bytes every reader will rebuild after decoding."""
+        """``event`` with ``role``'s signature (a role or ``person.NAME``). The event is first taken
+        through the wire format, so the bytes signed are the bytes every reader will rebuild."""
         wire = decode(encode(event.model_copy(update={"signature": None})))
         return wire.model_copy(update={"signature": self.sign_bytes(canonical_bytes(wire), role)})
 
     def sign_bytes(self, data: bytes, role: str) -> str:
-        """``role``'s signature over ``data`` as ``role:hex``: the one primitive every signed channel
-        (bus events, rendezvous store records) uses."""
-        key = self.keys.get(role)
-        if key is None:
-            raise KeyFileError(f"no {role} key in {self.path}; add one (or delete the file to generate a fresh set)")
-        return f"{role}:{hmac.new(key, data, hashlib.sha256).hexdigest()}"
+        """``role``'s signature over ``data`` as ``KEY_ID:hex`` (``role`` is a role or a person's key
+        id): the one primitive every signed channel (bus events, rendezvous store records) uses.
+        Raises :class:`KeyFileError` when this process does not hold that private key."""
+        return f"{role}:{self.signing_key(role).sign(bytes(data)).hex()}"
+
+    # ---- verifying -----------------------------------------------------------------------------
+
+    def _refresh(self) -> bool:
+        """Read public.json again if it changed since it was read; True when it did. Never raises:
+        a reader that cannot read the new file keeps the keys it has."""
+        if self.store is None:
+            return False
+        now = _stat(self.store.public_path)
+        if now is None or now == self._public_stat:
+            return False
+        try:
+            public = self.store.read_public()
+        except (KeyFileError, OSError) as exc:
+            log.warning("kept the public keys read before: %s", exc)
+            return False
+        for role, key in self.private.items():
+            public.setdefault(role, key.public_key())
+        self.public, self._public_stat = public, now
+        return True
 
     def verify_bytes(self, data: bytes, signature: object, allowed: tuple[str, ...], what: str) -> tuple[str, str | None]:
-        """(role, None) when ``signature`` is a valid signature of ``data`` by one of ``allowed``;
-        else (role or "", why not). Total: any object, any text, any bytes give a reason, never an
-        exception, so no record can stop the reader that checks it. ``what`` names the record in
-        the reason."""
+        """(key id, None) when ``signature`` is a valid signature of ``data`` by one of ``allowed``
+        (a role; a person's key counts as ``console``); else (key id or "", why not). Total: any
+        object, any text, any bytes give a reason, never an exception, so no record can stop the
+        reader that checks it. ``what`` names the record in the reason."""
+        key_id, reason, _ = self._check(data, signature, allowed, what)
+        return key_id, reason
+
+    def _check(self, data: object, signature: object, allowed: tuple[str, ...], what: str) -> tuple[str, str | None, bool]:
+        """:meth:`verify_bytes`, and whether the signature was of the legacy HMAC scheme."""
         if not signature:
-            return "", f"unsigned {what}: only {'/'.join(allowed)} may write it (signed)"
+            return "", f"unsigned {what}: only {'/'.join(allowed)} may write it (signed)", False
         if not isinstance(signature, str) or not _SIGNATURE.fullmatch(signature):
-            return "", f"{what} carries a malformed signature (expected ROLE:HEX)"
-        role, _, mac = signature.partition(":")
-        if role not in allowed:
-            return role, f"{what} signed as {role!r}, but only {'/'.join(allowed)} may write it"
-        key = self.keys.get(role)
-        if key is None:
-            return role, f"no {role} key in {self.path} to check {what}"
-        expected = hmac.new(key, data, hashlib.sha256).hexdigest().encode("ascii")
-        if not hmac.compare_digest(expected, mac.encode("ascii")):
-            return role, (f"{what} carries a {role} signature that does not verify with the keys in {self.path}: "
-                          "altered, or signed with another key set")
-        return role, None
+            return "", f"{what} carries a malformed signature (expected KEY_ID:HEX)", False
+        if not isinstance(data, bytes | bytearray):
+            return "", f"{what} has no bytes to check ({type(data).__name__}); refused unverified", False
+        key_id, _, hexsig = signature.partition(":")
+        if role_of(key_id) not in allowed:
+            return key_id, f"{what} signed as {key_id!r}, but only {'/'.join(allowed)} may write it", False
+        if len(hexsig) == _HMAC_HEX:
+            return (key_id, *self._check_legacy(bytes(data), key_id, hexsig, what))
+        public = self.public.get(key_id)
+        if public is None and self._refresh():
+            public = self.public.get(key_id)
+        if public is None:
+            return key_id, (f"no public key for {key_id} in {self.path} to check {what} (a person added since? "
+                            "copy public.json from the host that holds the key set)"), False
+        raw = bytes.fromhex(hexsig)
+        try:
+            public.verify(raw, bytes(data))
+        except InvalidSignature:
+            newer = self.public.get(key_id) if self._refresh() else None
+            try:
+                if newer is None:
+                    raise InvalidSignature
+                newer.verify(raw, bytes(data))
+            except InvalidSignature:
+                return key_id, (f"{what} carries a signature by {key_id} that does not verify with the keys in "
+                                f"{self.path}: altered, or signed with another key set"), False
+        return key_id, None, False
+
+    def _check_legacy(self, data: bytes, key_id: str, hexsig: str, what: str) -> tuple[str | None, bool]:
+        secret = self.legacy.get(key_id)
+        if secret is None:
+            return (f"{what} carries an HMAC signature ({key_id}:…), the platform's earlier key scheme; to verify a log "
+                    "signed before the move to Ed25519 set RESIHP_LEGACY_KEYS to its old key file"), True
+        expected = hmac.new(secret, data, hashlib.sha256).hexdigest().encode("ascii")
+        if not hmac.compare_digest(expected, hexsig.encode("ascii")):
+            return (f"{what} carries a {key_id} HMAC signature that does not verify with the legacy keys in "
+                    f"{self.legacy_path}: altered, or signed with another key set"), True
+        return None, True
 
     def verify(self, event: Envelope) -> str | None:
         """None when ``event`` may act; else why not, in one line an operator can act on. Total, as
@@ -143,96 +253,99 @@ class Keyring:
             data = canonical_bytes(event)
         except (TypeError, ValueError) as exc:  # a payload that cannot be serialised cannot have been signed
             return f"{what} cannot be put in canonical form ({type(exc).__name__}); refused unverified"
-        role, reason = self.verify_bytes(data, event.signature, allowed, what)
-        return reason if reason is not None else _authorship(event, role)
+        key_id, reason, legacy = self._check(data, event.signature, allowed, what)
+        return reason if reason is not None else _authorship(event, key_id, legacy)
 
 
-def _authorship(event: Envelope, role: str) -> str | None:
-    """A verified signature proves the role; these rules tie the named person to it."""
+def _authorship(event: Envelope, key_id: str, legacy: bool = False) -> str | None:
+    """A verified signature proves the key; these rules tie the named person to it. The console's
+    key signs for the web console's signed-in users (ui:NAME); a person's key only as that person
+    on the command line (cli:NAME). Under the legacy HMAC scheme the console's key signed both."""
     actor = getattr(event.payload, "actor", None)
-    if role == "console":
-        if not event.source.startswith(CONSOLE_SOURCES):
-            return f"console-signed {event.kind} from {event.source!r}: a console source names a person (ui:NAME)"
-        if actor is not None and actor != event.source:
-            return f"{event.kind} names actor {actor!r} but was written by {event.source!r}"
-    elif role == "engine" and actor is not None and actor != AUTO_ACTOR:
+    person = person_of(key_id)
+    if person is not None:
+        if event.source != f"{CLI_SOURCE}{person}":
+            return (f"{event.kind} from {event.source!r} is signed with {key_id}'s key, which signs only as "
+                    f"{CLI_SOURCE}{person}")
+    elif key_id == "console":
+        if not event.source.startswith(CONSOLE_SOURCES if legacy else (UI_SOURCE,)):
+            why = (f"console-signed {event.kind} from {event.source!r}: a console source names a person (ui:NAME)")
+            if event.source.startswith(CLI_SOURCE):
+                why += "; a command-line operator signs with their own key (resihp keys add-person NAME)"
+            return why
+    elif key_id == "engine" and actor is not None and actor != AUTO_ACTOR:
         return f"engine-signed {event.kind} names actor {actor!r}: the engine decides only as {AUTO_ACTOR}"
+    if role_of(key_id) == "console" and actor is not None and actor != event.source:
+        return f"{event.kind} names actor {actor!r} but was written by {event.source!r}"
     return None
 
 
-# ---- the key file ----------------------------------------------------------------------------------
+def operator_key(actor: str, *, create: bool = False) -> str:
+    """The key that signs an operator's event: the console's for ``ui:NAME`` (the web console signs
+    for the users it signed in), ``person.NAME`` for ``cli:NAME``. ``create`` makes that person's key
+    in this process's key directory when it is missing: for the platform's own automation on a local
+    key set (the demo, the closed loop), never for a person, whose key an administrator makes."""
+    if actor.startswith(UI_SOURCE):
+        return "console"
+    if not actor.startswith(CLI_SOURCE):
+        raise KeyFileError(f"{actor!r} names no operator: use cli:NAME (your own key) or ui:NAME (the web console)")
+    key_id = person_key_id(actor[len(CLI_SOURCE):])
+    if create:
+        store = KeyDir(key_path())
+        if store.read_private(key_id) is None:
+            try:
+                store.add_person(actor[len(CLI_SOURCE):])
+            except KeyFileError:
+                if store.read_private(key_id) is None:  # not a race with another process making it: a real refusal
+                    raise
+    return key_id
+
+
+# ---- the key directory -----------------------------------------------------------------------------
 
 
 def key_path() -> Path:
     return Path(environment().keys).expanduser()
 
 
-def _from_env() -> dict[str, bytes]:
-    env = environment()
-    out = {}
-    for role in ROLES:
-        value = getattr(env, f"key_{role}")
-        if value:
-            try:
-                out[role] = bytes.fromhex(value)
-            except ValueError:
-                raise KeyFileError(f"RESIHP_KEY_{role.upper()} is not hex; give {KEY_BYTES * 2} hex digits") from None
-    return out
-
-
-def _read(path: Path) -> dict[str, bytes]:
-    mode = path.stat().st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise KeyFileError(f"key file {path} is open to other users (mode {stat.filemode(mode)}); chmod 600 {path}")
-    try:
-        data = json.loads(path.read_text())
-        return {role: bytes.fromhex(hexkey) for role, hexkey in data["keys"].items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise KeyFileError(f"key file {path} is malformed ({exc!r}); delete it to generate a fresh set "
-                           "(every process of the platform must then restart)") from None
-
-
-def create_key_file(path: Path) -> bool:
-    """Write a fresh key set to ``path`` (0600) unless one exists; True when this call made it.
-    Written aside and linked into place, so two processes starting at once agree on one set."""
-    if path.exists():
-        return False
-    private_dir(path.parent)  # 0700 when made here: the DuckDB files beside it need a closed directory
-    fresh = Keyring.generate()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"version": 1, "keys": {r: k.hex() for r, k in fresh.keys.items()}}, f)
-    try:
-        os.link(tmp, path)
-        return True
-    except FileExistsError:
-        return False
-    finally:
-        tmp.unlink()
+def create_keys(path: Path) -> bool:
+    """Make a fresh key set in directory ``path`` unless it has one; True when this call made it."""
+    return KeyDir(path).create()
 
 
 _cache: dict[tuple, Keyring] = {}
 
 
 def load_keyring(create: bool = True) -> Keyring:
-    """This process's keys: ``RESIHP_KEY_<ROLE>`` where set, else the key file (made on first use
-    when ``create``). Cached per file version, so a reader may call it per event."""
-    path = key_path()
-    env = _from_env()
-    if len(env) < len(ROLES) and create:
-        create_key_file(path)
-    try:
-        st = path.stat()
-        cache_key: tuple = (str(path), (st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_mode), tuple(sorted(env.items())))
-    except FileNotFoundError:
-        cache_key = (str(path), None, None, tuple(sorted(env.items())))
+    """This process's keys: the public keys of the key directory ``RESIHP_KEYS`` (made on first use
+    when ``create``), private keys from ``RESIHP_KEY_<ROLE>`` where set and otherwise read from the
+    directory when first used, and the legacy HMAC secrets of ``RESIHP_LEGACY_KEYS``. Cached per file
+    version, so a reader may call it per event."""
+    env = environment()
+    path = Path(env.keys).expanduser()
+    store = KeyDir(path)
+    if path.is_file():
+        raise KeyFileError(store._not_a_directory())
+    given = tuple((role, value) for role in ROLES if (value := getattr(env, f"key_{role}")))
+    if len(given) < len(ROLES) and create:
+        store.create()
+    legacy_path = Path(env.legacy_keys).expanduser() if env.legacy_keys else None
+    public_stat = _stat(store.public_path)
+    cache_key = (str(path), public_stat, given, str(legacy_path), legacy_path and _stat(legacy_path))
     cached = _cache.get(cache_key)
     if cached is not None:
         return cached
-    keys = _read(path) if cache_key[1] is not None else {}
-    keys.update(env)
-    ring = Keyring(keys, str(path) if len(env) < len(ROLES) else "RESIHP_KEY_*")
+    public = store.read_public() if public_stat is not None else {}
+    private = {role: private_from_hex(value, f"RESIHP_KEY_{role.upper()}") for role, value in given}
+    for role, key in private.items():
+        known = public.setdefault(role, key.public_key())
+        if known.public_bytes_raw() != key.public_key().public_bytes_raw():
+            raise KeyFileError(f"RESIHP_KEY_{role.upper()} is not the private half of the {role} key in "
+                               f"{store.public_path} (an HMAC key of an earlier version, or another key set's); "
+                               "unset it, or give the key of this set (`resihp keys export`)")
+    ring = Keyring(public, private, str(path) if public_stat is not None else "RESIHP_KEY_*",
+                   store if public_stat is not None else None,
+                   read_legacy(legacy_path) if legacy_path else {}, str(legacy_path or ""), public_stat)
     _cache.clear()
     _cache[cache_key] = ring
     return ring
@@ -242,11 +355,15 @@ def load_keyring(create: bool = True) -> Keyring:
 
 
 class Signer:
-    """An :class:`EventFactory` whose control events carry ``role``'s signature (others pass as made)."""
+    """An :class:`EventFactory` whose control events carry ``role``'s signature (others pass as made).
+
+    ``role`` is a role or a person's key id. The private key is loaded here, so a process that does
+    not hold it learns at start (:class:`KeyFileError`), not at its first control event."""
 
     def __init__(self, factory: EventFactory, role: str, keyring: Keyring | None = None) -> None:
         self.factory, self.role = factory, role
         self.keyring = keyring or load_keyring()
+        self.keyring.signing_key(role)
 
     @property
     def source(self) -> str:

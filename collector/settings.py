@@ -20,7 +20,7 @@ DEFAULT_EMBEDDED_PATH = ".resihp/bus.sqlite"
 DEFAULT_KAFKA_BOOTSTRAP = "127.0.0.1:19092"
 DEFAULT_USERS_PATH = ".resihp/ui-users.toml"
 DEFAULT_TRACE_DIR = ".resihp/traces"
-DEFAULT_KEYS_PATH = ".resihp/keys.json"
+DEFAULT_KEYS_PATH = ".resihp/keys"
 
 
 class Environment(BaseSettings):
@@ -48,11 +48,15 @@ class Environment(BaseSettings):
         default="", description="PEM file of the CA that signed the brokers' certificates, for SSL / SASL_SSL "
         "(empty: the system's CAs); the broker's name is always checked against its certificate")
     # control-event keys (collector/auth.py, docs/security.md)
-    keys: str = Field(default=DEFAULT_KEYS_PATH, description="the role key file (0600), made on first use")
-    key_engine: str = Field(default="", description="the engine's key, hex (overrides the key file)")
-    key_analytics: str = Field(default="", description="the analytics consumer's key, hex (overrides the key file)")
-    key_console: str = Field(default="", description="the console's key, hex (overrides the key file)")
-    key_executor: str = Field(default="", description="the trainer's (executor's) key, hex (overrides the key file)")
+    keys: str = Field(default=DEFAULT_KEYS_PATH, description="the key directory (0700): public.json and the private "
+                      "keys this host signs with, made on first use")
+    key_engine: str = Field(default="", description="the engine's Ed25519 private key, 64 hex digits (instead of engine.key)")
+    key_analytics: str = Field(default="", description="the analytics consumer's private key, hex (instead of analytics.key)")
+    key_console: str = Field(default="", description="the web console's private key, hex (instead of console.key)")
+    key_executor: str = Field(default="", description="the trainer's (executor's) private key, hex (instead of executor.key)")
+    key_rank: str = Field(default="", description="the ranks' private key (probe results only), hex (instead of rank.key)")
+    legacy_keys: str = Field(default="", description="an HMAC key file of the earlier scheme: its signatures verify, "
+                             "nothing is signed with it")
     # processes
     gc: str = Field(default="streaming", description="streaming (raised collector thresholds) or python (CPython's)")
     log: str = Field(default="WARNING", description="log level of the trainer's worker processes")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from collector import topics
 from collector.embedded import EmbeddedBus
-from collector.auth import Gate, Signer
+from collector.auth import Gate, Signer, operator_key
 from collector.events import (
     AckStatus, CommandAck, Envelope, EventFactory, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentUpdated,
     IterationSummary, PolicyChanged, PolicyMode, Severity,
@@ -172,7 +172,7 @@ def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,
         referee = _Referee(bus, job, cfg.cluster.gpus_per_node, cfg.start_time_s)
         watch = Projector(bus, Path(tmp) / "observers.duckdb", "observers",
                           [topics.TELEMETRY, topics.ANALYTICS, topics.CONTROL], observers) if observers else None
-        bus.publish([Signer(EventFactory(job, "cli:closed-loop"), "console").make(PolicyChanged(
+        bus.publish([Signer(EventFactory(job, "cli:closed-loop"), operator_key("cli:closed-loop", create=True)).make(PolicyChanged(
             mode=PolicyMode.AUTO, auto_severities=list(Severity), actor="cli:closed-loop"),
             time_s=cfg.start_time_s)])  # on the job's clock: the engine's clock is the newest event time
         run = LoopRun()

@@ -27,12 +27,17 @@ from tests.fixtures.processes import FIXTURE_OWNED
 
 @pytest.fixture(scope="session", autouse=True)
 def control_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """One throw-away key set for the session (collector/auth.py), inherited by child processes;
+    """One throw-away key directory for the session (collector/keys.py), inherited by child
+    processes, with every role's key and a key for each person the tests name (cli:alice …);
     tests sign control events with it through tests/fixtures/signing.py."""
-    from collector.auth import create_key_file
+    from collector.keys import KeyDir
+    from tests.fixtures.signing import PEOPLE
 
-    path = tmp_path_factory.mktemp("keys") / "keys.json"
-    create_key_file(path)
+    path = tmp_path_factory.mktemp("keys") / "keys"
+    keys = KeyDir(path)
+    keys.create()
+    for name in PEOPLE:
+        keys.add_person(name)
     before = os.environ.get("RESIHP_KEYS")
     os.environ["RESIHP_KEYS"] = str(path)
     yield path

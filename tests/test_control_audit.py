@@ -20,6 +20,7 @@ from collector.auth import AUTO_ACTOR, ROLES, WRITERS, Gate, load_keyring
 from collector.bus import RawMessage
 from collector.codec import encode
 from collector.embedded import EmbeddedBus
+from collector.keys import role_of
 from collector.events import (
     PAYLOAD_TYPES, AckStatus, BusOutage, CommandAck, ControlRejected, CostFit, CostModelFitted, Envelope, EventFactory, Evidence,
     ExecutorCapabilities, FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated, Location, Payload, PlanCurrent,
@@ -43,7 +44,8 @@ UNSIGNED = {
     "ui.signin_failed": "a console's report of a refused sign-in; listed, never acted on",
 }
 SOURCE = {None: "mallory", "engine": "remediation", "analytics": "analytics", "console": "ui:alice",
-          "executor": "trainer"}
+          "executor": "trainer", "rank": "rank-1", "person.alice": "cli:alice"}
+SIGNERS = (None, *ROLES, "person.alice")  # unsigned, each role, and a person's own key (it writes as the console)
 
 
 def _sample(kind: str, role: str | None, n: int) -> Payload:
@@ -87,12 +89,12 @@ def _events() -> tuple[list[Envelope], set[str], set[str]]:
     """Every control kind written by every signer: (events, ids that must be accepted, ids refused)."""
     keys = load_keyring()
     out, good, bad = [], set(), set()
-    for n, (kind, role) in enumerate((k, r) for k in sorted(WRITERS) for r in (None, *ROLES)):
+    for n, (kind, role) in enumerate((k, r) for k in sorted(WRITERS) for r in SIGNERS):
         event = EventFactory(JOB, SOURCE[role]).make(_sample(kind, role, n), time_s=1000.0 + n)
         if role is not None:
             event = keys.sign(event, role)
         out.append(event)
-        (good if role in WRITERS[kind] else bad).add(event.id)
+        (good if role is not None and role_of(role) in WRITERS[kind] else bad).add(event.id)
     return out, good, bad
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from collector import topics
-from collector.auth import Gate, Keyring, KeyFileError, create_key_file, load_keyring
+from collector.auth import Gate, Keyring, KeyFileError, create_keys, load_keyring
 from collector.codec import decode, encode
 from collector.embedded import EmbeddedBus
 from collector.events import (
@@ -75,21 +75,38 @@ def test_each_kind_needs_the_role_that_writes_it() -> None:
     assert "a console source names a person" in (keys.verify(keys.sign(telemetry_like, "console")) or "")
 
 
-def test_the_key_file_is_made_once_private_and_refused_when_others_can_read_it(tmp_path: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / "state" / "keys.json"
+def test_the_key_directory_is_made_once_private_and_refused_when_others_can_write_or_read_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "state" / "keys"
     monkeypatch.setenv("RESIHP_KEYS", str(path))
     first = load_keyring()
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and set(first.keys) == {"engine", "analytics", "console",
-                                                                             "executor"}
-    assert not create_key_file(path) and load_keyring().keys == first.keys  # a second start keeps the set
-    os.chmod(path, 0o644)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700 and set(first.public) == {"engine", "analytics", "console",
+                                                                               "executor", "rank"}
+    assert all(stat.S_IMODE((path / f"{role}.key").stat().st_mode) == 0o600 for role in first.public)
+    assert stat.S_IMODE((path / "public.json").stat().st_mode) == 0o644
+    assert not create_keys(path) and load_keyring().public.keys() == first.public.keys()  # a second start keeps the set
+    assert [k.public_bytes_raw() for k in load_keyring().public.values()] == [
+        k.public_bytes_raw() for k in first.public.values()]
+    os.chmod(path / "engine.key", 0o640)
     with pytest.raises(KeyFileError, match="chmod 600"):
+        load_keyring().signing_key("engine")
+    os.chmod(path / "engine.key", 0o600)
+    os.chmod(path / "public.json", 0o664)  # whoever can write it can add a signer
+    with pytest.raises(KeyFileError, match="chmod 644"):
         load_keyring()
-    os.chmod(path, 0o600)
-    monkeypatch.setenv("RESIHP_KEY_ENGINE", "ab" * 32)
-    assert load_keyring().keys["engine"] == bytes.fromhex("ab" * 32)
-    assert load_keyring().keys["console"] == first.keys["console"]
+    os.chmod(path / "public.json", 0o644)
+    os.chmod(path, 0o770)
+    with pytest.raises(KeyFileError, match="chmod 700"):
+        load_keyring()
+    os.chmod(path, 0o700)
+    engine, seed = (path / "engine.key").read_bytes(), first.signing_key("engine").private_bytes_raw().hex()
+    (path / "engine.key").unlink()  # a private key given by the environment instead
+    monkeypatch.setenv("RESIHP_KEY_ENGINE", seed)
+    assert load_keyring().can_sign("engine") and not load_keyring().can_sign("person.nobody")
+    monkeypatch.setenv("RESIHP_KEY_ENGINE", "ab" * 32)  # an HMAC key of the old scheme, or another set's
+    with pytest.raises(KeyFileError, match="not the private half of the engine key"):
+        load_keyring()
+    (path / "engine.key").write_bytes(engine)
 
 
 # ---- the fold and the engine -------------------------------------------------------------------------

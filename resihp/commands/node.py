@@ -1,7 +1,7 @@
 """``resihp node stop|join NODE --epoch ROUND``: order one node agent of a ``resihp run`` job.
 
-Publishes a ``command.node`` with your identity (``--as``, default ``cli:$USER``), signed with the
-console's key, to the commands topic the agents obey (docs/agent.md, "Node commands"). NODE is the
+Publishes a ``command.node`` with your identity (``--as``, default ``cli:$USER``), signed with your
+own key (``person.NAME``), to the commands topic the agents obey (docs/agent.md, "Node commands"). NODE is the
 agent's node number and ROUND the rendezvous round, both as the agent prints them (``node 1 of 2
 with ranks [2, 3] in rendezvous round 0``). The agent answers on the control topic with a
 ``command.node_ack`` (applied, or why not); an unsigned or forged order is refused there and

@@ -57,12 +57,16 @@ def _actor(args: argparse.Namespace) -> str:
 
 
 def _signed(args: argparse.Namespace, payload: Payload) -> Envelope:
-    """``payload`` as the console writes it: by the actor, signed with the console's key (the key file
-    is made on first use; docs/security.md)."""
-    from collector.auth import Signer
+    """``payload`` as an operator writes it: by the actor, signed with that person's own key
+    (``person.NAME`` for cli:NAME, made by ``resihp keys add-person NAME``; docs/security.md)."""
+    from collector.auth import KeyFileError, Signer, operator_key
     from collector.events import EventFactory
 
-    return Signer(EventFactory(args.job, _actor(args)), "console").make(payload)
+    actor = _actor(args)
+    try:
+        return Signer(EventFactory(args.job, actor), operator_key(actor)).make(payload)
+    except KeyFileError as exc:
+        raise SystemExit(f"resihp {args.command}: cannot sign as {actor}: {exc}") from None
 
 
 def _fold(args: argparse.Namespace):

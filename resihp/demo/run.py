@@ -30,7 +30,7 @@ from pathlib import Path
 from collector.bus import Bus
 from collector.private_files import private_dir
 from collector.settings import environment
-from collector.auth import Signer, create_key_file, key_path
+from collector.auth import Signer, create_keys, key_path, operator_key
 from collector.events import EventFactory, PolicyChanged, PolicyMode, Severity
 from resihp.demo.procs import ProcessGroup, bus_flags, resihp_argv
 from resihp.demo.progress import Progress
@@ -168,10 +168,10 @@ def run_demo(opts: DemoOptions) -> int:
     # Every part signs and checks control events with one key set (docs/security.md), made here on
     # first use; children find it through RESIHP_KEYS, whatever their working directory.
     keys = key_path().resolve()
-    if create_key_file(keys):
-        progress.message(f"made the control-event keys {keys} (mode 0600)")
+    if create_keys(keys):
+        progress.message(f"made the control-event keys in {keys} (a 0700 directory)")
     env["RESIHP_KEYS"] = str(keys)
-    bus.publish([Signer(EventFactory(story.job, "cli:demo"), "console").make(PolicyChanged(
+    bus.publish([Signer(EventFactory(story.job, "cli:demo"), operator_key("cli:demo", create=True)).make(PolicyChanged(
         mode=PolicyMode.AUTO, auto_severities=list(Severity), actor="cli:demo"))])
     group = ProcessGroup(workdir, env)
     ports = (_free_or_any(9464), _free_or_any(9465))  # the ports `resihp ops up` scrapes by default
