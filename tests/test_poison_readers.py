@@ -218,3 +218,44 @@ def test_no_record_on_any_topic_raises_out_of_any_reader(log: list[tuple[bytes, 
     events = [ev for raw, _ in log if (ev := _decoded(raw)) is not None]
     admitted = {ev.id for ev in events if keys.verify(ev) is None}  # an id applied once is not refused as a copy
     assert {ev.id for ev in events if keys.verify(ev) is not None} - admitted <= refused
+
+
+def test_a_decision_signed_with_a_non_ascii_mac_is_a_dead_letter_for_every_reader_and_the_next_event_is_read(
+        tmp_path: Path):
+    """The record that crash-looped every reader: a plan.decision whose signature holds a non-ASCII
+    character (a comparison of two texts raised TypeError), written by a telemetry writer onto the
+    telemetry topic. Now it fails the envelope's pattern at decode, and each reader goes past it."""
+    from collector.events import PlanDecision
+
+    event = EventFactory(JOB, "ui:alice").make(PlanDecision(plan_id="p1-0", approve=True, actor="ui:alice"))
+    doc = json.loads(encode(event))
+    doc["signature"] = "console:é"
+    poison = json.dumps(doc).encode()
+    after = EventFactory(JOB, "rank-0").make(_sample_heartbeat())
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
+        for topic in (topics.TELEMETRY, topics.CONTROL, topics.COMMANDS):
+            bus.publish_raw([RawMessage(topic, b"k", poison)])
+        bus.publish([after])
+        _run_every_reader(bus, tmp_path)
+        with EventStream(bus, "audit", [topics.DEADLETTER], on_assign=lambda ps: {tp: 0 for tp in ps}) as s:
+            letters = [e.payload for e in _poll_all(s) if isinstance(e.payload, DeadLetter)]
+    mine = [d for d in letters if d.group == GROUP]
+    assert len(mine) == 3 and all("signature" in d.reason for d in mine)
+    assert {d.group for d in letters} >= {GROUP, "console", "launcher"}  # every reader dead-letters it, and goes on
+
+
+def _sample_heartbeat():
+    from collector.events import Heartbeat
+
+    return Heartbeat(rank=0, epoch=0, iteration=0, interval_s=1.0)
+
+
+def test_verify_is_total_over_any_signature_value():
+    """A signature built in-process around the wire's checks (or any object) gets a reason, never an exception."""
+    from collector.events import PlanDecision
+
+    keys = load_keyring()
+    event = EventFactory(JOB, "ui:alice").make(PlanDecision(plan_id="p", approve=True, actor="ui:alice"))
+    for bad in ["console:é", "console:" + "é" * 64, 7, b"console:00", ["x"], "", "engine:" + "0" * 64]:
+        reason = keys.verify(event.model_copy(update={"signature": bad}))
+        assert isinstance(reason, str) and reason
