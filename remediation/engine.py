@@ -30,12 +30,13 @@ published as ``control.rejected``, once per event id; its own reactions are sign
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from collector import topics
-from collector.auth import Gate, Keyring, Signer, load_keyring
+from collector.auth import Gate, Keyring, Signer, load_keyring, needs_signature
 from collector.bus import Bus, TopicPartition
 from collector.capabilities import capability_refusal
 from collector.events import (
@@ -78,6 +79,9 @@ class EngineConfig:
     strategy: str = "ours"  # rebuilt with fresh cost figures when fits arrive (unless a Strategy is given)
     mean_document_tokens: float = 1024.0  # for Σlᵢ² when only fits are known (see cost_figures)
     localisation_wait_s: float = 30.0  # how long a TP-group-level fail-slow waits to be narrowed to a rank
+    # The engine's clock is the newest *signed* event time it read (so a replay decides as the run did),
+    # never more than this past the host's wall clock: a signer whose clock runs ahead cannot skip waits.
+    clock_skew_s: float = 300.0
 
 
 class RemediationEngine:
@@ -106,7 +110,8 @@ class RemediationEngine:
         self.factory = Signer(EventFactory(config.job, "remediation"), "engine", self.keyring)
         self.gate = Gate("remediation", self.keyring)
         self._planned_key: tuple = (0, (), 0)
-        self._clock_s = float("-inf")  # the newest event time read: the engine's clock (replays the same)
+        self._clock_s = float("-inf")  # the newest signed event time read: the engine's clock (_advance_clock)
+        self._read_clock_s = float("-inf")  # the newest event time read, signed or not (_advance_clock)
         self.refusals: list[str] = []  # why something could not be planned, in order (also logged)
         self._reported: set[str] = set()
         self._withheld: list[Envelope] = []  # plan.withheld events due with the next reactions
@@ -127,7 +132,7 @@ class RemediationEngine:
             self.gate.note(d.event)
             if not self.gate.admit(d.event, time_s=self._clock_s if self._clock_s != float("-inf") else None):
                 continue  # refused before its time can move the engine's clock
-            self._clock_s = max(self._clock_s, d.event.time_s)
+            self._advance_clock(d.event)
             version = self.state.incident_version
             if self.config.verify_from_telemetry or not isinstance(d.event.payload, IterationSummary):
                 step(self.state, d.event)
@@ -170,12 +175,25 @@ class RemediationEngine:
 
     @property
     def clock_s(self) -> float:
-        """The newest event time the engine has read (-inf before the first)."""
+        """The newest signed event time the engine has read (-inf before the first)."""
         return self._clock_s
 
-    def run(self, idle_exit_s: float | None = None) -> None:
-        import time
+    def _advance_clock(self, event: Envelope) -> None:
+        """Move the clock to a verified control event's time, at most ``clock_skew_s`` past this
+        host's wall clock. Unsigned events (telemetry, predictions) are anyone's: one stamped a year
+        ahead would otherwise end every wait (for a location, for a probe's answer) from then on.
 
+        Every event, signed or not, moves the read clock, clamped the same way and never behind the
+        clock: it measures how long the job has gone without a change (the horizon: whether a
+        reshape pays) and stamps reactions, so a command issued after a long calm is not born
+        expired on the executors' clocks. An unsigned writer moves it at most ``clock_skew_s`` past
+        the wall clock."""
+        time_s = min(event.time_s, time.time() + self.config.clock_skew_s)
+        if needs_signature(event.kind):  # admitted, so its signature verified
+            self._clock_s = max(self._clock_s, time_s)
+        self._read_clock_s = max(self._read_clock_s, self._clock_s, time_s)
+
+    def run(self, idle_exit_s: float | None = None) -> None:
         idle_since = time.monotonic()
         while True:
             if self.poll_once(timeout_s=0.5):
@@ -189,10 +207,10 @@ class RemediationEngine:
     # ---- reactions ------------------------------------------------------------------------------
 
     def _make(self, key: str, payload) -> Envelope:
-        """A reaction, stamped with the engine's clock (the newest event time it read): a reaction
+        """A reaction, stamped with the engine's read clock (the newest event time it read): a reaction
         happens at the time of what caused it, so a replay re-derives the same event, and a job on
         a simulated clock gets reactions on that clock, not the wall's."""
-        time_s = self._clock_s if self._clock_s != float("-inf") else None
+        time_s = self._read_clock_s if self._read_clock_s != float("-inf") else None
         return self.factory.make(payload, event_id=reaction_id(self.config.job, key), time_s=time_s)
 
     def _react(self) -> list[Envelope]:
@@ -288,7 +306,7 @@ class RemediationEngine:
             return None
         # A failed apply is a reason to plan again, and so is a horizon that doubled in a calm: a
         # reshape declined over a burst's pace may pay over the longer one.
-        key = (s.incident_version, view.key, len(s.failed()), self.horizon.band(self._clock_s))
+        key = (s.incident_version, view.key, len(s.failed()), self.horizon.band(self._read_clock_s))
         if key == self._planned_key:
             return None
         self._planned_key = key
@@ -412,7 +430,7 @@ class RemediationEngine:
             # and search only what the job's executor declared it can run
             options, _ = fit_options(self.strategy.options, s.capabilities)
             return PlannerStrategy(self.strategy.model, self.strategy.name,
-                                   replace(options, horizon_s=self.horizon.horizon_s(self._clock_s)))
+                                   replace(options, horizon_s=self.horizon.horizon_s(self._read_clock_s)))
         return self.strategy
 
     def _with_spread(self, model: PlannerModel, epoch: int, plan: Plan) -> PlannerModel:
