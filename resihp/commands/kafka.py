@@ -93,8 +93,8 @@ def run(args: argparse.Namespace) -> int:
                   f"passwords (0600): {folder / security.CREDENTIALS_FILE}, {folder / security.ADMIN_PASSWORD_FILE}")
         else:
             namespace = environment().kafka_namespace if args.namespace is None else args.namespace
-            env_dir = provision(args.bootstrap, folder, namespace)
-            print(f"principals' env files: {env_dir}/<principal>.env (source one to sign in as it)")
+            env_files = provision(args.bootstrap, folder, namespace)
+            print(f"principals' env files: {env_files}/<principal>.env (source one to sign in as it)")
     elif args.action == "down":
         print("stopped" if broker.down(data_dir=args.data_dir) else "no broker was running")
     else:
