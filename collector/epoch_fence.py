@@ -13,15 +13,68 @@ acknowledgement statuses and their details read the same whichever executor ran 
 A node agent's ``command.node`` (``node_fence_verdict``) is fenced by the job's rendezvous round
 instead: node numbers hold within one round, so a command decided in another round is
 ``ignored_stale`` whichever way it is off, and a command id seen before is ``ignored_duplicate``.
+
+Before the fence, an order must be for this run and still fresh (:func:`order_refusal`): a signed
+command copied from another run of the same job name, or one kept and republished long after it
+was issued, verifies like the day it was signed, so the signature alone cannot stop it. Each
+command names the run incarnation it is for (the executor announces it in ``plan.current``:
+:func:`new_run`) and an expiry (its issue time + :data:`COMMAND_TTL_S`, at most
+:data:`COMMAND_TTL_MAX_S`). An executor refuses one without either, for another run, or past its
+expiry by more than :data:`CLOCK_SKEW_S`, and reports it (``control.rejected``): such a command is
+history, not an order, so it gets no acknowledgement. The simulator judges expiry on its
+simulated clock, every other executor on its host's clock.
+
+The fence's memory outlives the process: a listener restarted for the same run rebuilds it from
+its own acknowledgements on the log (:meth:`EpochFence.recall`), so it never obeys an epoch it
+already applied, or an older one, or a command id it already answered.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
+import uuid
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from collector.events import AckStatus, NodeCommand, ReconfigureCommand
+from collector.events import AckStatus, CommandAck, NodeCommand, PlanCurrent, ReconfigureCommand
 from collector.plan import Plan
+
+COMMAND_TTL_S = 600.0  # a command is obeyed within 10 minutes of its issue, or never
+COMMAND_TTL_MAX_S = 3600.0  # no writer may ask for longer: a longer expiry is refused as if absent
+CLOCK_SKEW_S = 60.0  # how far an executor's clock may trail the issuer's before a fresh command reads as expired
+_RUN_CHARS = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+
+
+def new_run() -> str:
+    """A fresh run incarnation: 128 random bits, so no earlier run's orders can name it."""
+    return uuid.uuid4().hex
+
+
+def run_of(name: str) -> str:
+    """The run id of a run known by a name (a node agent's ``--rdzv-id``): the name itself when it fits
+    a run id, else a digest of it, so the agent and ``resihp node`` derive the same one."""
+    return name if _RUN_CHARS.fullmatch(name) else "h" + hashlib.sha256(name.encode()).hexdigest()[:32]
+
+
+def order_refusal(order: ReconfigureCommand | NodeCommand, run: str, issued_s: float, now_s: float) -> str | None:
+    """Why an executor of ``run`` whose clock reads ``now_s`` must not obey ``order`` issued (its
+    envelope's time) at ``issued_s``; None when it may. The fence comes after this."""
+    what = f"{order.KIND} {order.command_id}"
+    if order.run is None:
+        return (f"{what} names no run (written before commands named one, or by an old writer); it cannot be told "
+                f"from a replay of another run: issue it again for run {run}")
+    if order.run != run:
+        return f"{what} is for run {order.run}, but this executor runs {run}: a command of another run is history"
+    if order.expires_at_s is None:
+        return f"{what} carries no expiry; issue it again (commands are obeyed within {COMMAND_TTL_S:g} s)"
+    if order.expires_at_s - issued_s > COMMAND_TTL_MAX_S:
+        return (f"{what} asks to stay valid {order.expires_at_s - issued_s:,.0f} s after its issue; at most "
+                f"{COMMAND_TTL_MAX_S:g} s is obeyed")
+    if now_s > order.expires_at_s + CLOCK_SKEW_S:
+        return (f"{what} expired {now_s - order.expires_at_s:,.0f} s ago (at {order.expires_at_s:.0f}, allowing "
+                f"{CLOCK_SKEW_S:g} s of clock skew); issue it again if it still applies")
+    return None
 
 
 def fence_verdict(command: ReconfigureCommand, running_epoch: int,
@@ -69,6 +122,19 @@ class EpochFence:
     check: Callable[[Plan], str | None] | None = None
     seen: set[str] = field(default_factory=set)
 
+    def recall(self, payload: CommandAck | PlanCurrent, run: str) -> None:
+        """Fold one of this executor's own earlier events of ``run`` (read back from the log after
+        a restart, signature already checked): an answered command id is seen, and the fence never
+        goes below an epoch the run applied or announced. Events of other runs change nothing."""
+        if payload.run != run:
+            return
+        if isinstance(payload, CommandAck):
+            self.seen.add(payload.command_id)
+            if payload.status == AckStatus.APPLIED:
+                self.running_epoch = max(self.running_epoch, payload.running_epoch)
+        else:
+            self.running_epoch = max(self.running_epoch, payload.plan.epoch)
+
     def judge(self, command: ReconfigureCommand) -> tuple[AckStatus | None, str]:
         """(None, "") when the command should be applied; else its status and why. Marks it seen."""
         status, detail = fence_verdict(command, self.running_epoch, self.seen)
@@ -81,4 +147,5 @@ class EpochFence:
         return None, ""
 
 
-__all__ = ["fence_verdict", "node_fence_verdict", "EpochFence"]
+__all__ = ["fence_verdict", "node_fence_verdict", "order_refusal", "new_run", "run_of", "EpochFence",
+           "COMMAND_TTL_S", "COMMAND_TTL_MAX_S", "CLOCK_SKEW_S"]

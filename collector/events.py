@@ -786,6 +786,14 @@ class ProbeResult(Payload):
 
 # ---- remediation lifecycle ----------------------------------------------------------------------
 
+# A job run's incarnation (collector/epoch_fence.py's ``new_run``): fresh random bits each time an
+# executor starts the job, announced in its ``plan.current``; commands name the run they are for.
+# Left out of the JSON when absent, so a record written before the field existed keeps the bytes its
+# signature covers (collector/auth.py signs the payload as dumped).
+RunId = Annotated[str | None, Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:-]+$",
+                                    exclude_if=lambda v: v is None)]
+ExpiresAt = Annotated[float | None, Field(default=None, ge=0, le=TIME_MAX_S, exclude_if=lambda v: v is None)]
+
 
 class PlanProposed(Payload):
     """The planner's answer to open incidents: a new plan, what it should gain and cost, and a readable diff."""
@@ -816,10 +824,19 @@ class PlanDecision(Payload):
     """An operator's (or the auto-apply policy's) verdict on a proposal."""
 
     KIND: ClassVar[str] = "plan.decision"
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # 2 binds the decision to its proposal (proposal_id, plan_digest)
     plan_id: str
     approve: bool
     actor: str = Field(min_length=1, description="ui:alice, cli:bob, policy:auto")
     comment: str = ""
+    proposal_id: str | None = Field(
+        default=None, min_length=1, max_length=64, exclude_if=lambda v: v is None,
+        description="the event id of the plan.proposed it answers; the fold applies it only to that proposal "
+                    "(absent in schema 1, whose decisions are refused)")
+    plan_digest: str | None = Field(
+        default=None, pattern=r"^[0-9a-f]{64}$", exclude_if=lambda v: v is None,
+        description="SHA-256 of the proposal's plan in canonical form (collector/plan_lifecycle.py plan_digest); "
+                    "it must match the live proposal's plan")
 
 
 class PolicyMode(StrEnum):
@@ -840,10 +857,15 @@ class ReconfigureCommand(Payload):
     """Move the job to ``plan`` (whose epoch is the current epoch + 1)."""
 
     KIND: ClassVar[str] = "command.reconfigure"
-    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # 2 writes a stage's devices as ranges ("8-15")
+    # 2 writes a stage's devices as ranges ("8-15"), 3 adds run and expires_at_s
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, 3)
     command_id: str
     plan_id: str
     plan: ContractPlan
+    run: RunId = Field(description="the run incarnation it is for (the executor's plan.current names it); an "
+                                   "executor of another run refuses it")
+    expires_at_s: ExpiresAt = Field(description="Unix time after which no executor obeys it (issued time + a "
+                                                "bounded TTL, collector/epoch_fence.py)")
 
 
 class AckStatus(StrEnum):
@@ -859,6 +881,7 @@ class CommandAck(Payload):
     """The trainer's answer to a command: applied (with the pause it cost) or why not."""
 
     KIND: ClassVar[str] = "command.ack"
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # 2 adds run
     command_id: str
     plan_id: str
     epoch: int = Field(ge=0, le=INT32_MAX, description="the epoch the command asked for")
@@ -867,6 +890,8 @@ class CommandAck(Payload):
     pause_s: float = Field(default=0.0, ge=0, le=DURATION_MAX_S)
     pause_iterations: int = Field(default=0, ge=0, le=COUNT_MAX)
     detail: str = ""
+    run: RunId = Field(description="the run incarnation of the executor that answered: a restarted listener of "
+                                   "that run rebuilds its fence from these")
 
 
 NodeAction = Literal["stop", "join"]
@@ -883,6 +908,7 @@ class NodeCommand(Payload):
     round is stale. Signed by the engine or an operator; the agent answers with ``command.node_ack``."""
 
     KIND: ClassVar[str] = "command.node"
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # 2 adds run and expires_at_s
     command_id: str = Field(min_length=1, max_length=200)
     node: Int32 = Field(description="the agent's group rank in the rendezvous round (\"node N\" in its messages)")
     action: NodeAction
@@ -890,6 +916,9 @@ class NodeCommand(Payload):
     reason: str = Field(default="", max_length=2000, description="why, for the log and the console")
     actor: str | None = Field(default=None, max_length=200, description="the operator (cli:NAME, ui:NAME) when a person "
                                                                         "decided it")
+    run: RunId = Field(description="the job's rendezvous id (--rdzv-id) it is for; an agent of another run "
+                                   "refuses it")
+    expires_at_s: ExpiresAt = Field(description="Unix time after which no agent obeys it")
 
 
 class NodeCommandAck(Payload):
@@ -952,7 +981,8 @@ class PlanCurrent(Payload):
     the plan on its command line."""
 
     KIND: ClassVar[str] = "plan.current"
-    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # 2 writes a stage's devices as ranges ("8-15")
+    # 2 writes a stage's devices as ranges ("8-15"), 3 adds run
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, 3)
     plan: ContractPlan
     reason: PlanCurrentReason = "start"
     gpus_per_node: int = Field(default=8, ge=1, le=INT32_MAX)
@@ -960,6 +990,8 @@ class PlanCurrent(Payload):
     layer_state_bytes: int = Field(default=0, ge=0, le=COUNT_MAX,
                                    description="parameters + optimizer state of one layer")
     tokens_per_microbatch: int = Field(default=0, ge=0, le=TOKENS_MAX)
+    run: RunId = Field(description="the run incarnation: new random bits each time the executor starts the job, the "
+                                   "same for every plan.current of that run; commands must name it")
 
 
 class ExecutorCapabilities(Payload):

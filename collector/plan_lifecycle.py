@@ -14,6 +14,13 @@ epoch is not the running epoch + 1 (stale or out of order), a duplicate command,
 command the fold has not accepted, a trainer's ``ignored_*`` acknowledgement. Events are
 deduplicated on their id (:func:`admit`).
 
+A decision is bound to the proposal it answers (:func:`decision_refusal`): it names the
+proposal's event id and the digest of its plan (:func:`plan_digest`), and applies only when both
+match the live proposal of that plan id. A decision copied from another run, or written for an
+earlier proposal that reused the id, is refused and reported. The run itself is the executor's
+``plan.current`` ``run``: a new run of the job starts its epochs afresh, and what was planned for
+the old one is superseded.
+
 A control event that does not verify (collector/auth.py: unsigned, or signed by a role that may
 not write its kind) is refused before it can move anything: kept in ``rejected`` with why, and
 reported. Its id is not remembered as seen, so a forgery that copies the id of a real event the
@@ -25,6 +32,8 @@ import remediation, projects it as well as the engine does.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,7 +45,7 @@ from collector.events import (
     AckStatus, CommandAck, Envelope, PlanCurrent, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified,
     PolicyChanged, PolicyMode, ReconfigureCommand, Severity,
 )
-from collector.plan import Plan
+from collector.plan import DEVICE_LISTS, Plan
 
 
 class PlanStatus(StrEnum):
@@ -56,6 +65,13 @@ class PlanStatus(StrEnum):
 WAITING = (PlanStatus.PROPOSED, PlanStatus.APPROVED)
 IN_FLIGHT = (PlanStatus.APPROVED, PlanStatus.COMMANDED, PlanStatus.APPLIED)
 REPORTS_KEPT = 1_000  # reports kept on the fold: a flood of refused events must not grow it
+
+
+def plan_digest(plan: Plan) -> str:
+    """SHA-256 (hex) of ``plan`` in canonical form: sorted compact JSON with devices as lists, so
+    the digest is the same whichever wire form (lists or ranges) carried the plan."""
+    body = plan.model_dump(mode="json", context={DEVICE_LISTS: True})
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def claimed_status(payload: object) -> PlanStatus | None:
@@ -83,6 +99,7 @@ class PlanRecord:
     plan_id: str
     proposal: PlanProposed
     status: PlanStatus = PlanStatus.PROPOSED
+    proposal_id: str = ""  # the plan.proposed event's id: a decision names it
     proposed_at_s: float = 0.0
     decided_by: str | None = None
     decided_at_s: float | None = None
@@ -98,6 +115,11 @@ class PlanRecord:
     @property
     def epoch(self) -> int:
         return self.proposal.plan.epoch
+
+    def decision(self, *, approve: bool, actor: str, comment: str = "") -> PlanDecision:
+        """A decision on this proposal, bound to it (its event id and plan digest)."""
+        return PlanDecision(plan_id=self.plan_id, approve=approve, actor=actor, comment=comment,
+                            proposal_id=self.proposal_id, plan_digest=plan_digest(self.proposal.plan))
 
     @property
     def trainer_could_not_apply(self) -> bool:
@@ -123,6 +145,7 @@ class PlanLifecycle:
     :meth:`plan_runs` and :meth:`plan_applied`, the two points where a reader learns more."""
 
     job: str | None = None
+    run: str | None = None  # the run incarnation the executor announced last (plan.current's run)
     running_epoch: int = 0
     running_plan: Plan | None = None
     layouts: dict[int, Plan] = field(default_factory=dict)  # epoch -> the plan that ran (for roll-backs)
@@ -201,7 +224,7 @@ def _proposed(state: PlanLifecycle, e: Envelope, p: PlanProposed) -> PlanRecord 
     if p.plan_id in state.plans:
         state.report(e, f"plan {p.plan_id} proposed twice; kept the first")
         return None
-    record = PlanRecord(p.plan_id, p, proposed_at_s=e.time_s)
+    record = PlanRecord(p.plan_id, p, proposed_at_s=e.time_s, proposal_id=e.id)
     state.plans[p.plan_id] = record
     if p.base_epoch != state.running_epoch:
         record.status = PlanStatus.SUPERSEDED
@@ -215,10 +238,34 @@ def _proposed(state: PlanLifecycle, e: Envelope, p: PlanProposed) -> PlanRecord 
     return record
 
 
+def decision_refusal(state: PlanLifecycle, p: PlanDecision) -> str | None:
+    """Why ``p`` does not answer the live proposal of its plan id (None: it does, or no such plan is
+    known, which the fold reports as unknown). A reader that publishes refusals reports this one as
+    ``control.rejected``: a signed decision that names another proposal is a replay or a mistake."""
+    record = state.plans.get(p.plan_id)
+    if record is None:
+        return None
+    if p.proposal_id is None or p.plan_digest is None:
+        return (f"decision by {p.actor} on plan {p.plan_id} names no proposal (schema 1: no proposal_id and "
+                "plan_digest); it cannot be told from a replay of another run's decision: decide again")
+    if p.proposal_id != record.proposal_id:
+        return (f"decision by {p.actor} on plan {p.plan_id} answers proposal {p.proposal_id}, not the live one "
+                f"{record.proposal_id}: a decision from another run or an earlier proposal; decide again")
+    if p.plan_digest != plan_digest(record.proposal.plan):
+        return (f"decision by {p.actor} on plan {p.plan_id} approves a plan whose digest {p.plan_digest[:12]}… is not "
+                f"the proposed plan's: the plan changed since it was decided; decide again")
+    return None
+
+
 def _decision(state: PlanLifecycle, e: Envelope, p: PlanDecision) -> PlanRecord | None:
     record = state.plans.get(p.plan_id)
     if record is None:
         state.report(e, f"decision by {p.actor} on unknown plan {p.plan_id}; ignored")
+        return None
+    refusal = decision_refusal(state, p)
+    if refusal is not None:
+        state.rejected.remember(e.id, refusal)
+        state.report(e, f"refused: {refusal}")
         return None
     if record.status != PlanStatus.PROPOSED:
         state.report(e, f"decision by {p.actor} on plan {p.plan_id}, which is already {record.status.value}"
@@ -303,7 +350,22 @@ def _verdict(state: PlanLifecycle, e: Envelope, p: PlanVerified | PlanRolledBack
 
 def _plan_current(state: PlanLifecycle, e: Envelope, p: PlanCurrent) -> None:
     """The trainer's own word on what runs: authoritative for the running plan (it covers a start
-    with no command, and an elastic restart the launcher did by itself)."""
+    with no command, and an elastic restart the launcher did by itself). A plan.current of another
+    run than the one announced before starts the job afresh: its epochs count from its own start,
+    and every plan of the old run still waiting or in flight is superseded (its commands name the
+    old run, which no executor obeys now)."""
+    if p.run is not None and state.run is not None and p.run != state.run:
+        for other in state.plans.values():
+            if other.status in WAITING or other.status in IN_FLIGHT:
+                other.status = PlanStatus.SUPERSEDED
+                other.verdict = f"run {state.run} ended: run {p.run} started"
+        state.run = p.run
+        state.running_epoch = p.plan.epoch
+        state.layouts = {}
+        state.plan_runs(p.plan)
+        return
+    if p.run is not None:
+        state.run = p.run
     if p.plan.epoch >= state.running_epoch:
         state.plan_runs(p.plan)
     else:

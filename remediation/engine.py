@@ -9,8 +9,12 @@ event ids make any re-publication a no-op for every reader.
 Planning happens when the set of open incidents changed since the last plan, no plan is in
 flight and no probe's answer is due (remediation.planning_view); the proposal's id is derived
 from (base epoch, incident version) so two engines — or one restarted — propose the same plan
-id. A plan whose verification fails is rolled back by proposing the previous layout (when none of
-its devices is known dead), through the same approval path.
+id. The id also carries the run incarnation the executor announced (``-r`` and its first 8 hex
+digits), so a decision written in another run of the same job name never names a plan of this one;
+and a decision applies only when it names the live proposal's event id and plan digest
+(collector/plan_lifecycle.py), else it is refused and published as ``control.rejected``. A plan
+whose verification fails is rolled back by proposing the previous layout (when none of its
+devices is known dead), through the same approval path.
 
 What it plans with: the running plan is the trainer's latest ``plan.current`` (or, before one
 arrives, the plan it was started with); the cost figures are built from the analytics consumer's
@@ -44,6 +48,7 @@ from collector.events import (
     PlanDecision, PlanProposed, PlanRolledBack, PlanVerified, PlanWithheld, ReconfigureCommand,
 )
 from collector.plan import Plan
+from collector.plan_lifecycle import decision_refusal
 from collector.stream import EventStream
 from remediation.baselines import PlannerStrategy, Strategy, make_strategy
 from remediation.candidates import PlannerOptions
@@ -133,6 +138,10 @@ class RemediationEngine:
             if not self.gate.admit(d.event, time_s=self._clock_s if self._clock_s != float("-inf") else None):
                 continue  # refused before its time can move the engine's clock
             self._advance_clock(d.event)
+            if isinstance(d.event.payload, PlanDecision):
+                refusal = decision_refusal(self.state, d.event.payload)
+                if refusal is not None:  # the fold ignores it too; the bus hears why
+                    self.gate.refuse(d.event, refusal, time_s=self._clock_s if self._clock_s != float("-inf") else None)
             version = self.state.incident_version
             if self.config.verify_from_telemetry or not isinstance(d.event.payload, IterationSummary):
                 step(self.state, d.event)
@@ -214,8 +223,9 @@ class RemediationEngine:
         return self.factory.make(payload, event_id=reaction_id(self.config.job, key), time_s=time_s)
 
     def _react(self) -> list[Envelope]:
+        issued_s = self._read_clock_s if self._read_clock_s != float("-inf") else time.time()  # as _make stamps it
         out = [self._make(key, payload)
-               for key, payload in reactions(self.state, self.config.verification)]
+               for key, payload in reactions(self.state, self.config.verification, issued_s)]
         for e in out:
             p = e.payload
             reason = (p.reason or "") if isinstance(p, PlanVerified) else ""
@@ -367,8 +377,10 @@ class RemediationEngine:
             self._refuse(f"the best plan is {undone.plan_id}'s layout, {how} ({undone.verdict}); waiting for a change",
                          key=f"{undone.status.value}-again/{undone.plan_id}")
             return None
+        # after a failed apply the id must be new; the run's bits make it one no other run's decision names,
+        # and a replay of this log re-derives it
         plan_id = (f"p{s.running_epoch}-{s.incident_version}" + (f"-g{len(view.grouped)}" if view.grouped else "")
-                   + (f"-f{len(failed)}" if failed else ""))  # after a failed apply the id must be new
+                   + (f"-f{len(failed)}" if failed else "") + (f"-r{s.run[:8]}" if s.run else ""))
         payload = PlanProposed(
             plan_id=plan_id, incident_ids=[i.incident_id for i in s.open_incidents()],
             strategy=result.strategy, base_epoch=s.running_epoch, plan=result.plan,

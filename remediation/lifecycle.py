@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from collector import plan_lifecycle
+from collector.epoch_fence import COMMAND_TTL_S
 from collector.events import (
     CostModelFitted, Envelope, FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated,
-    ExecutorCapabilities, IterationPrediction, IterationSummary, Location, Payload, PlanCurrent, PlanDecision, PlanRolledBack, PlanVerified,
+    ExecutorCapabilities, IterationPrediction, IterationSummary, Location, Payload, PlanCurrent, PlanRolledBack, PlanVerified,
     PlanWithheld, PolicyMode, ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
@@ -276,19 +277,24 @@ def reaction_id(job: str, what: str) -> str:
     return uuid.uuid5(_NAMESPACE, f"{job}/{what}").hex
 
 
-def reactions(state: LifecycleState, verification: Verification = Verification()) -> list[tuple[str, Payload]]:
-    """(event id key, payload) the engine should publish now."""
+def reactions(state: LifecycleState, verification: Verification = Verification(),
+              now_s: float | None = None) -> list[tuple[str, Payload]]:
+    """(event id key, payload) the engine should publish now. A decision is bound to its proposal;
+    a command names the run the executor announced and expires :data:`COMMAND_TTL_S` after
+    ``now_s`` (the engine's clock: the time the command is issued; None: no expiry, which every
+    executor refuses)."""
     out: list[tuple[str, Payload]] = []
     for record in state.plans.values():
         prop = record.proposal
         if (record.status == PlanStatus.PROPOSED and state.policy_mode == PolicyMode.AUTO
                 and prop.severity in state.auto_severities):
-            out.append((f"decision/{record.plan_id}", PlanDecision(
-                plan_id=record.plan_id, approve=True, actor="policy:auto",
+            out.append((f"decision/{record.plan_id}", record.decision(
+                approve=True, actor="policy:auto",
                 comment=f"auto-applied: severity {prop.severity.value} is in the policy's auto set")))
         elif record.status == PlanStatus.APPROVED and prop.base_epoch == state.running_epoch:
             out.append((f"command/{record.plan_id}", ReconfigureCommand(
-                command_id=f"cmd-{record.plan_id}", plan_id=record.plan_id, plan=prop.plan)))
+                command_id=f"cmd-{record.plan_id}", plan_id=record.plan_id, plan=prop.plan, run=state.run,
+                expires_at_s=None if now_s is None else now_s + COMMAND_TTL_S)))
         elif record.status == PlanStatus.APPLIED:
             judged = verdict(state, record, verification)
             if judged is None:

@@ -9,6 +9,7 @@ from collector.events import (
     PolicyChanged, PolicyMode, ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
+from collector.plan_lifecycle import plan_digest
 from collector.plan_lifecycle import PlanLifecycle, PlanStatus, claimed_status, fold, step
 from tests.fixtures.signing import Authors
 
@@ -22,11 +23,14 @@ PLAN2 = Plan.uniform(tp=1, pp=2, dp=1, num_layers=8, microbatches_per_replica=8,
 def proposed(plan_id="p1", base=0, plan=PLAN1):
     return F.make(PlanProposed(plan_id=plan_id, incident_ids=["i1"], strategy="ours", base_epoch=base, plan=plan,
                                current_tokens_per_s=50.0, predicted_tokens_per_s=100.0, reshape_cost_s=3.0,
-                               diff=["replica 1: dropped"], severity=Severity.HIGH), time_s=1.0)
+                               diff=["replica 1: dropped"], severity=Severity.HIGH), time_s=1.0,
+                  event_id=f"proposal-{plan_id}")
 
 
-def decision(plan_id="p1", approve=True, actor="ui:alice"):
-    return F.make(PlanDecision(plan_id=plan_id, approve=approve, actor=actor), time_s=2.0)
+def decision(plan_id="p1", approve=True, actor="ui:alice", plan=PLAN1):
+    """A decision bound to ``proposed(plan_id, plan=plan)``."""
+    return F.make(PlanDecision(plan_id=plan_id, approve=approve, actor=actor, proposal_id=f"proposal-{plan_id}",
+                               plan_digest=plan_digest(plan)), time_s=2.0)
 
 
 def command(plan_id="p1", plan=PLAN1):
@@ -169,7 +173,7 @@ def test_engine_console_demo_and_duckdb_agree_on_where_each_plan_stands() -> Non
     from ui.read_model import ReadModel
 
     events = [F.make(PlanCurrent(plan=PLAN0)), proposed(), decision(), decision(approve=False, actor="ui:bob"),
-              command(), ack(), proposed("p2", base=1, plan=PLAN2), decision("p2", approve=False)]
+              command(), ack(), proposed("p2", base=1, plan=PLAN2), decision("p2", approve=False, plan=PLAN2)]
     engine = engine_fold(events, initial_state(JOB))
     console = ReadModel()
     for e in events:

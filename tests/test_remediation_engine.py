@@ -226,9 +226,7 @@ def test_a_dead_device_stays_out_of_plans_after_its_incident_resolves_and_a_fail
                 locations=[Location(target="compute", rank=rank)], evidence=Evidence(), summary=f"rank {rank} silent"))])
 
         def apply(record, status=AckStatus.APPLIED) -> None:
-            from collector.events import PlanDecision
-            bus.publish([Authors(JOB, "console").make(PlanDecision(plan_id=record.plan_id, approve=True,
-                                                                        actor="ui:op"))])
+            bus.publish([Authors(JOB, "console").make(record.decision(approve=True, actor="ui:op"))])
             engine.poll_once()
             engine.poll_once()
             cmd = next(c for c in _commands(bus) if c.payload.plan_id == record.plan_id)
@@ -360,7 +358,7 @@ def test_a_layout_rolled_back_for_the_same_incidents_is_not_proposed_again_when_
     """A plan for a ×3 GPU is applied and rolled back. Twenty calm minutes later the horizon has
     grown, the engine plans again and finds the same layout: it says so and proposes nothing (a
     re-plan on the horizon alone would apply and roll back the same plan again and again)."""
-    from collector.events import IncidentResolved, PlanDecision
+    from collector.events import IncidentResolved
 
     plan = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
     t0 = 1_000.0
@@ -375,7 +373,7 @@ def test_a_layout_rolled_back_for_the_same_incidents_is_not_proposed_again_when_
                 summary=f"rank {rank} ×{factor}"), time_s=t)])
 
         def applied(plan_id: str, epoch: int, t: float) -> None:
-            bus.publish([ui.make(PlanDecision(plan_id=plan_id, approve=True, actor="ui:alice"), time_s=t)])
+            bus.publish([ui.make(engine.state.plans[plan_id].decision(approve=True, actor="ui:alice"), time_s=t)])
             engine.poll_once()
             bus.publish([trainer.make(CommandAck(command_id=f"cmd-{plan_id}", plan_id=plan_id, epoch=epoch,
                                                  status=AckStatus.APPLIED, running_epoch=epoch), time_s=t)])

@@ -8,6 +8,7 @@ from collector.events import (
     PolicyMode, ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
+from collector.plan_lifecycle import plan_digest
 from remediation.lifecycle import PlanStatus, can_roll_back, fold, initial_state, reactions
 from tests.fixtures.signing import Authors
 
@@ -34,7 +35,8 @@ def _resumed(current: float = 0.0, fraction_of_before: float | None = None):
     return fold(_summaries(0, 0, 10, 200) + [
         _incident("stop", FaultCategory.FAIL_STOP, 6, 10),
         F.make(PolicyChanged(mode=PolicyMode.AUTO, auto_severities=[Severity.CRITICAL], actor="cli:ops")), prop,
-        F.make(PlanDecision(plan_id="p1", approve=True, actor="policy:auto")),
+        F.make(PlanDecision(plan_id="p1", approve=True, actor="policy:auto", proposal_id=prop.id,
+                            plan_digest=plan_digest(PLAN1))),
         F.make(ReconfigureCommand(command_id="cmd-p1", plan_id="p1", plan=PLAN1)),
         F.make(CommandAck(command_id="cmd-p1", plan_id="p1", epoch=1, status=AckStatus.APPLIED, running_epoch=1,
                           pause_s=2.0)),

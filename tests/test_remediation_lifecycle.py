@@ -8,6 +8,7 @@ from collector.events import (
     PolicyMode, ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
+from collector.plan_lifecycle import plan_digest
 from remediation.lifecycle import PlanStatus, Verification, fold, initial_state, reactions, step
 from remediation.verification import verdict
 from tests.fixtures.signing import Authors
@@ -21,11 +22,13 @@ PLAN1 = Plan.uniform(tp=2, pp=2, dp=1, num_layers=8, microbatches_per_replica=8,
 def proposed(plan_id="p1", base=0, plan=PLAN1, severity=Severity.HIGH, predicted=100.0):
     return F.make(PlanProposed(plan_id=plan_id, incident_ids=["i1"], strategy="ours", base_epoch=base, plan=plan,
                                current_tokens_per_s=50.0, predicted_tokens_per_s=predicted, reshape_cost_s=3.0,
-                               diff=["replica 1: dropped"], severity=severity))
+                               diff=["replica 1: dropped"], severity=severity), event_id=f"proposal-{plan_id}")
 
 
-def decision(plan_id="p1", approve=True, actor="cli:alice"):
-    return F.make(PlanDecision(plan_id=plan_id, approve=approve, actor=actor))
+def decision(plan_id="p1", approve=True, actor="cli:alice", plan=PLAN1):
+    """A decision bound to ``proposed(plan_id, plan=plan)``."""
+    return F.make(PlanDecision(plan_id=plan_id, approve=approve, actor=actor, proposal_id=f"proposal-{plan_id}",
+                               plan_digest=plan_digest(plan)))
 
 
 def command(plan_id="p1", plan=PLAN1, cid=None):
@@ -97,7 +100,7 @@ def test_duplicate_command_and_second_ack_are_ignored():
 
 def test_stale_command_is_fenced_by_epoch():
     wrong_epoch = PLAN1.model_copy(update={"epoch": 5})
-    s = fold([proposed(plan=wrong_epoch), decision(), command(plan=wrong_epoch)], state0())
+    s = fold([proposed(plan=wrong_epoch), decision(plan=wrong_epoch), command(plan=wrong_epoch)], state0())
     assert s.plans["p1"].status == PlanStatus.APPROVED
     assert "stale command" in s.reports[-1].message and s.running_epoch == 0
 
@@ -164,7 +167,7 @@ def _applied(current: float, predicted: float, before_tokens: int, fraction_of_b
     """Healthy at 200 tokens/s until iteration 10, then the fault: ``before_tokens`` a second."""
     prop = F.make(PlanProposed(plan_id="p1", incident_ids=["i1"], strategy="ours", base_epoch=0, plan=PLAN1,
                                current_tokens_per_s=current, predicted_tokens_per_s=predicted, reshape_cost_s=3.0,
-                               diff=[], severity=Severity.HIGH, fraction_of_before=fraction_of_before))
+                               diff=[], severity=Severity.HIGH, fraction_of_before=fraction_of_before), event_id="proposal-p1")
     return fold(_summaries(0, 0, 10, 200) + [_opened_at(10)] + _summaries(0, 10, 8, before_tokens)
                 + [prop, decision(), command(), ack()], state0())
 
@@ -190,7 +193,7 @@ def test_a_stalled_iteration_neither_rolls_back_a_good_plan_nor_passes_a_bad_one
 
         prop = F.make(PlanProposed(plan_id="p1", incident_ids=["i1"], strategy="ours", base_epoch=0, plan=PLAN1,
                                    current_tokens_per_s=100.0, predicted_tokens_per_s=150.0, reshape_cost_s=3.0,
-                                   diff=[], severity=Severity.HIGH))
+                                   diff=[], severity=Severity.HIGH), event_id="proposal-p1")
         s = fold(_summaries(0, 0, 10, 200) + [_opened_at(10)] + timed(0, 10, 100, before)
                  + [prop, decision(), command(), ack()] + timed(1, 20, 150, after), state0())
         (key, _), = reactions(s)
@@ -214,7 +217,7 @@ def test_a_plan_answering_an_incident_that_got_worse_is_judged_against_the_layou
                                    locations=[Location(target="compute", rank=1, factor=2.2)], evidence=Evidence()))
     prop = F.make(PlanProposed(plan_id="p1", incident_ids=["i1"], strategy="ours", base_epoch=0, plan=PLAN1,
                                current_tokens_per_s=900.0, predicted_tokens_per_s=945.0, reshape_cost_s=1.0,
-                               diff=[], severity=Severity.HIGH))
+                               diff=[], severity=Severity.HIGH), event_id="proposal-p1")
     faulted = _summaries(0, 0, 10, 2_000) + [_opened_at(10)] + _summaries(0, 10, 8, 1_000)
     applied = [prop, decision(), command(), ack()] + _summaries(1, 20, 6, 945)
     s = fold(faulted + [worse] + _summaries(0, 18, 2, 900) + applied, state0())
@@ -232,7 +235,7 @@ def test_iterations_of_the_new_epoch_read_before_the_ack_count_for_the_plan():
     for samples forever."""
     prop = F.make(PlanProposed(plan_id="p1", incident_ids=["i1"], strategy="ours", base_epoch=0, plan=PLAN1,
                                current_tokens_per_s=100.0, predicted_tokens_per_s=150.0, reshape_cost_s=3.0,
-                               diff=[], severity=Severity.HIGH))
+                               diff=[], severity=Severity.HIGH), event_id="proposal-p1")
     events = (_summaries(0, 0, 10, 200) + [_opened_at(10)] + _summaries(0, 10, 8, 100)
               + [prop, decision(), command()])
     late_ack = fold(events + _summaries(1, 20, 6, 150) + [ack()], state0())
@@ -304,7 +307,7 @@ def _judged_after(measured_tokens_per_s: float, predicted_gain: float):
     before = [F.make(IterationSummary(epoch=0, iteration=i, tokens=100, wall_s=1.0)) for i in range(3, 9)]
     plan = F.make(PlanProposed(plan_id="p1", incident_ids=["i1"], strategy="ours", base_epoch=0, plan=PLAN1,
                                current_tokens_per_s=100.0, predicted_tokens_per_s=100.0 * predicted_gain,
-                               reshape_cost_s=3.0, diff=["replica 1: re-formed"]))
+                               reshape_cost_s=3.0, diff=["replica 1: re-formed"]), event_id="proposal-p1")
     s = fold([opened, *before, plan, decision(), command(), ack()], state0())
     tokens = int(measured_tokens_per_s)
     s = fold([F.make(IterationSummary(epoch=1, iteration=i, tokens=tokens, wall_s=1.0)) for i in range(10, 16)], s)

@@ -2,7 +2,9 @@
 
 Every check happens here, not in the page, so a page bug cannot publish an unauthorised decision:
 the session must be live, the user an operator, and — for a decision — the plan must exist and
-still await a verdict (a second approval of the same plan changes nothing). When a check fails,
+still await a verdict (a second approval of the same plan changes nothing). A decision names the
+proposal it answers (its event id and plan digest), so it cannot approve another plan that later
+takes the same id. When a check fails,
 nothing is published and the exception's message says why, for the page to show as it is.
 
 What passes is signed with the console's key (collector/auth.py), as ``ui:<user>``: the engine
@@ -15,7 +17,7 @@ from __future__ import annotations
 import time
 
 from collector.auth import Signer
-from collector.events import Envelope, EventFactory, PlanDecision, PolicyChanged, PolicyMode, Severity
+from collector.events import Envelope, EventFactory, PolicyChanged, PolicyMode, Severity
 from ui.auth import Session
 from ui.feed import Feed
 
@@ -41,8 +43,11 @@ def decide_plan(feed: Feed, session: Session, plan_id: str, *, approve: bool, co
         _, d = plan.decision
         verdict = "approved" if d.approve else "rejected"
         raise ActionRefused(f"plan {plan_id} was already {verdict} by {d.actor}; nothing was changed")
+    if plan.record is None:
+        raise ActionRefused(f"plan {plan_id!r} is not the proposal the job's fold keeps under that id; refresh the page")
+    # bound to the proposal on screen (its event id and plan digest): it approves that plan and no other
     event = _factory(feed, plan.job, user.actor).make(
-        PlanDecision(plan_id=plan_id, approve=approve, actor=user.actor, comment=comment.strip()))
+        plan.record.decision(approve=approve, actor=user.actor, comment=comment.strip()))
     feed.publish(event)
     return event
 

@@ -1,9 +1,12 @@
-"""``resihp node stop|join NODE --epoch ROUND``: order one node agent of a ``resihp run`` job.
+"""``resihp node stop|join NODE --epoch ROUND --run RUN``: order one node agent of a ``resihp run`` job.
 
 Publishes a ``command.node`` with your identity (``--as``, default ``cli:$USER``), signed with your
 own key (``person.NAME``), to the commands topic the agents obey (docs/agent.md, "Node commands"). NODE is the
 agent's node number and ROUND the rendezvous round, both as the agent prints them (``node 1 of 2
-with ranks [2, 3] in rendezvous round 0``). The agent answers on the control topic with a
+with ranks [2, 3] in rendezvous round 0``); RUN is the job's rendezvous id (``--rdzv-id``, which the
+hosting agent prints as ``rendezvous RUN at …``): an agent of another run refuses the order. The
+order expires ``--ttl`` seconds from now (default 600): an agent refuses it after that, so a copy
+republished later does nothing. The agent answers on the control topic with a
 ``command.node_ack`` (applied, or why not); an unsigned or forged order is refused there and
 reported as ``control.rejected``.
 """
@@ -11,6 +14,7 @@ reported as ``control.rejected``.
 from __future__ import annotations
 
 import argparse
+import time
 import uuid
 
 from resihp.commands.plans import _actor, _signed
@@ -30,6 +34,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         q.add_argument("node", type=int, metavar="NODE", help="the node number the agent prints (its group rank)")
         q.add_argument("--epoch", type=int, required=True, metavar="ROUND",
                        help="the rendezvous round the agent printed; an order for another round is ignored as stale")
+        q.add_argument("--run", required=True, metavar="RUN",
+                       help="the job's rendezvous id (--rdzv-id of its agents); an agent of another run refuses it")
+        q.add_argument("--ttl", type=float, default=None, metavar="SECONDS",
+                       help="the order expires this long from now (default 600, at most 3600: "
+                            "collector/epoch_fence.py's COMMAND_TTL_S and COMMAND_TTL_MAX_S)")
         q.add_argument("--job", default="resihp", help="job name (default: resihp)")
         q.add_argument("--reason", default="", help="why (kept in the log)")
         q.add_argument("--command-id", default=None, help="the command's id (default: a new one)")
@@ -38,13 +47,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _order(args: argparse.Namespace) -> int:
+    from collector.epoch_fence import COMMAND_TTL_MAX_S, COMMAND_TTL_S, run_of
     from collector.events import NodeCommand
 
+    ttl_s = COMMAND_TTL_S if args.ttl is None else args.ttl
     if args.node < 0 or args.epoch < 0:
         raise SystemExit("resihp node: error: NODE and --epoch are numbers from 0, as the agent prints them")
+    if not 0 < ttl_s <= COMMAND_TTL_MAX_S:
+        raise SystemExit(f"resihp node: error: --ttl is seconds in (0, {COMMAND_TTL_MAX_S:g}]; agents refuse longer")
     command_id = args.command_id or f"node-{args.action}-{uuid.uuid4().hex[:12]}"
     event = _signed(args, NodeCommand(command_id=command_id, node=args.node, action=args.action, epoch=args.epoch,
-                                      reason=args.reason, actor=_actor(args)))
+                                      reason=args.reason, actor=_actor(args), run=run_of(args.run),
+                                      expires_at_s=time.time() + ttl_s))
     with bus_from_args(args) as bus:
         bus.publish([event])
     print(f"{args.action} node {args.node} (round {args.epoch}) ordered as {command_id} by {event.source}; "

@@ -58,14 +58,16 @@ def _actor(args: argparse.Namespace) -> str:
 
 def _signed(args: argparse.Namespace, payload: Payload) -> Envelope:
     """``payload`` as an operator writes it: by the actor, signed with that person's own key
-    (``person.NAME`` for cli:NAME, made by ``resihp keys add-person NAME``; docs/security.md)."""
+    (``person.NAME`` for cli:NAME, made by ``resihp keys add-person NAME``; docs/security.md).
+    Without ``--as`` the login user's key is made on first use where they can write the key
+    directory (they could add any person there anyway); ``--as`` someone else needs their key."""
     from collector.auth import KeyFileError, Signer, operator_key
     from collector.events import EventFactory
 
     actor = _actor(args)
     try:
-        return Signer(EventFactory(args.job, actor), operator_key(actor)).make(payload)
-    except KeyFileError as exc:
+        return Signer(EventFactory(args.job, actor), operator_key(actor, create=args.actor is None)).make(payload)
+    except (KeyFileError, OSError) as exc:
         raise SystemExit(f"resihp {args.command}: cannot sign as {actor}: {exc}") from None
 
 
@@ -119,7 +121,6 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _decide(args: argparse.Namespace) -> int:
-    from collector.events import PlanDecision
     from remediation.lifecycle import PlanStatus
     from remediation.log_view import fold_log
 
@@ -135,8 +136,8 @@ def _decide(args: argparse.Namespace) -> int:
             by = f" by {record.decided_by}" if record.decided_by else ""
             print(f"plan {args.plan_id} is already {record.status.value}{by}; a decision applies once", file=sys.stderr)
             return 1
-        event = _signed(args,
-            PlanDecision(plan_id=args.plan_id, approve=args.approve, actor=_actor(args), comment=args.comment))
+        # bound to the proposal it answers (its event id and plan digest): it cannot approve another
+        event = _signed(args, record.decision(approve=args.approve, actor=_actor(args), comment=args.comment))
         bus.publish([event])
     print(f"{'approved' if args.approve else 'rejected'} {args.plan_id} as {_actor(args)}")
     return 0
