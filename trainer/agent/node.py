@@ -361,7 +361,7 @@ class NodeAgent(LocalElasticAgent):
             raise AgentError(f"the agent of node 0 is gone with its ranks {list(peer.ranks)}; it hosted the store "
                              "the ranks meet in, and the job cannot go on without it; this node's ranks were stopped")
         ranks_store = self._store_of_ranks(worker_group)
-        if ranks_store.add(f"resihp/agent-gone/{peer.token}", 1) != 1:
+        if ranks_store.store.add(f"resihp/agent-gone/{peer.token}", 1) != 1:
             return  # another survivor took care of it
         marked = [r for r in peer.ranks if not is_lost(ranks_store, r)]
         for rank in marked:

@@ -82,7 +82,7 @@ def signed_bytes(key: str, scope: str, body: Any) -> bytes:
 def encode_record(keyring: Keyring, key: str, scope: str, body: Any, role: str = SIGNING_ROLE) -> bytes:
     """The bytes to store under ``key``: ``body`` (JSON-able) with ``role``'s signature."""
     signature = keyring.sign_bytes(signed_bytes(key, scope, body), role)
-    return json.dumps({"body": body, "signature": signature}, separators=(",", ":")).encode()
+    return json.dumps({"body": body, "signature": signature}, separators=(",", ":")).encode()  # ASCII
 
 
 def decode_record(keyring: Keyring, key: str, scope: str, raw: object,
@@ -138,7 +138,7 @@ class SignedStore:
 
     def set(self, key: str, body: Any) -> None:
         """Write ``body`` under ``key``, signed."""
-        self.store.set(key, self.encode(key, body))
+        self.store.set(key, self.encode(key, body).decode())  # ASCII JSON
 
     def has(self, key: str) -> bool:
         """Whether something is stored under ``key`` (signed or not: :meth:`read` says which)."""
