@@ -290,3 +290,28 @@ def test_recovery_phases_fold_into_one_timeline_per_new_world_and_a_mark() -> No
     rows = recovery_rows(model.jobs["elastic"])
     assert [r["phase"] for r in rows][-1] == "first step" and rows[-1]["since detected s"] == pytest.approx(0.62)
     assert {r["lost ranks"] for r in rows} == {"3"}
+
+
+def test_ui_fold_remembers_a_bounded_number_of_refused_ids_under_a_flood_of_forgeries(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forgeries cost a writer nothing: the read model keeps the newest refused ids only (as every
+    reader does, collector/auth.py Refusals; 50 here instead of 10,000 to keep the test short), lists
+    each once while it is kept, and one that comes back after its id fell out is listed again."""
+    import collector.auth
+    from collector.auth import load_keyring
+
+    monkeypatch.setattr(collector.auth, "REFUSALS_KEPT", 50)
+    forger = EventFactory("demo", "ui:mallory")
+    first = forger.make(PlanDecision(plan_id="p0-1", approve=True, actor="ui:mallory"))
+    model = ReadModel(keyring=load_keyring())
+    model.apply(first)
+    model.apply(first)  # kept: listed once
+    assert len(model.security.rejected) == 1
+    for i in range(60):
+        model.apply(forger.make(PlanDecision(plan_id=f"p0-{i + 2}", approve=True, actor="ui:mallory")))
+    assert len(model._refused) == 50 and first.id not in model._refused
+    before = len(model.security.rejected)
+    model.apply(first)
+    assert first.id in model._refused and len(model.security.rejected) == before + 1
+    assert model.security.rejected[-1].event_id == first.id
+    assert "demo" not in model.jobs and not model.plans

@@ -36,7 +36,7 @@ from collector.events import (
     RecoveryPhase, Severity,
 )
 from collector import plan_lifecycle
-from collector.auth import Keyring, load_keyring, needs_signature
+from collector.auth import Keyring, Refusals, load_keyring, needs_signature
 from collector.plan import Plan
 from collector.plan_lifecycle import PlanLifecycle, PlanRecord, PlanStatus
 from ui.rank_store import RankStore
@@ -271,7 +271,7 @@ class ReadModel:
         self.security = SecurityLog()
         self.goodput = GoodputFold()  # the one definition /metrics serves too (analytics/goodput.py)
         self.keyring = keyring  # None: the environment's (collector/auth.py's load_keyring)
-        self._refused: set[str] = set()  # ids of control events that did not verify
+        self._refused = Refusals()  # the newest ids of control events that did not verify: a flood stays bounded
 
     def job(self, name: str) -> JobView:
         view = self.jobs.get(name)
@@ -334,8 +334,7 @@ class ReadModel:
         reason = (self.keyring or load_keyring()).verify(event)
         if reason is None:
             return True
-        if event.id not in self._refused:
-            self._refused.add(event.id)
+        if self._refused.remember(event.id, reason):
             self.security.refused(event, reason, by=CONSOLE_READER)
         return False
 
