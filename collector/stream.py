@@ -18,6 +18,7 @@ from typing import NamedTuple
 from collector.bus import Bus, Consumer, OnAssign, TopicPartition
 from collector.codec import InvalidEvent, dead_letter, decode
 from collector.events import DeadLetter, Envelope, EventFactory
+from collector.topics import misplaced
 
 
 class Delivery(NamedTuple):
@@ -68,6 +69,8 @@ class EventStream:
             self._next[TopicPartition(r.topic, r.partition)] = r.offset + 1
             try:
                 event = decode(r.value)
+                if (why := misplaced(event.kind, r.topic)) is not None:
+                    raise InvalidEvent(why)
             except InvalidEvent as exc:
                 letter = dead_letter(r.topic, r.partition, r.offset, self.group, exc.reason, r.value)
                 dead.append(self._dead_letter_event(letter, r.topic, r.partition, r.offset))

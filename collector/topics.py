@@ -85,6 +85,25 @@ def topics_for(kind: str) -> tuple[str, ...]:
     return (own, order) if order is not None else (own,)
 
 
+def misplaced(kind: str, topic: str) -> str | None:
+    """Why an event of ``kind`` read from ``topic`` is not to be used (None: it belongs there).
+
+    Why: the broker authorises writes per topic (infra/kafka_security.py), so the topic a record was
+    read from says which principal could have written it. A decision or a command read from the
+    telemetry topic was written by whoever may write telemetry; a reader that took it there would
+    give every rank writer a path to every control reader's parser and signature check. Topics this
+    module does not name (a test's, a user's) are not judged."""
+    if topic not in ALL_TOPICS:
+        return None
+    try:
+        home = topics_for(kind)
+    except ValueError:
+        home = ()
+    if topic in home:
+        return None
+    return f"{kind} is never published to {topic} (it belongs on {', '.join(home) or 'no topic'}); read as misplaced"
+
+
 def obeyed_from(kind: str) -> str:
     """The one topic a trainer may take an event of ``kind`` from and act on."""
     return _ORDERS.get(kind) or topic_for(kind)

@@ -9,9 +9,10 @@ schema-valid oddities reach the readers' logic and not only their doors. Every r
 random topic. The log then goes through every reader: the analytics projector (every projection and
 the detector), the remediation engine, a shard and the merge of the sharded analytics, the
 console's read model, the integration API's command listener, the torch launcher's intake and a
-node agent's command reader. Nothing may raise; every record that is not an event has a dead letter
-from the projector's group with a reason, and every control event that does not verify is reported
-by analytics as ``control.rejected``.
+node agent's command reader. Nothing may raise; every record that is not an event, or is an event
+of a kind never published to the topic it was read from, has a dead letter from the projector's
+group with a reason, and every control event that does not verify is reported by analytics as
+``control.rejected``.
 """
 
 from __future__ import annotations
@@ -126,11 +127,13 @@ def records(draw: st.DrawFn) -> bytes:
     return out
 
 
-def _decoded(raw: bytes) -> Envelope | None:
+def _decoded(raw: bytes, topic: str) -> Envelope | None:
+    """The event a reader of ``topic`` may use, or None (it is dead-lettered)."""
     try:
-        return decode(raw)
+        event = decode(raw)
     except InvalidEvent:
         return None
+    return event if topics.misplaced(event.kind, topic) is None else None
 
 
 def _poll_all(stream: EventStream) -> list[Envelope]:
@@ -210,12 +213,12 @@ def test_no_record_on_any_topic_raises_out_of_any_reader(log: list[tuple[bytes, 
         finally:
             bus.close()
     letters = [e.payload for e in seen if isinstance(e.payload, DeadLetter) and e.payload.group == GROUP]
-    undecodable = [raw for raw, _ in log if _decoded(raw) is None]
-    assert len(letters) == len(undecodable) and all(d.reason for d in letters)
+    unusable = [raw for raw, topic in log if _decoded(raw, topic) is None]
+    assert len(letters) == len(unusable) and all(d.reason for d in letters)
     refused = {e.payload.event_id for e in seen
                if isinstance(e.payload, ControlRejected) and e.payload.reader == "analytics"}
     keys = load_keyring()
-    events = [ev for raw, _ in log if (ev := _decoded(raw)) is not None]
+    events = [ev for raw, topic in log if (ev := _decoded(raw, topic)) is not None]
     admitted = {ev.id for ev in events if keys.verify(ev) is None}  # an id applied once is not refused as a copy
     assert {ev.id for ev in events if keys.verify(ev) is not None} - admitted <= refused
 
@@ -259,3 +262,19 @@ def test_verify_is_total_over_any_signature_value():
     for bad in ["console:é", "console:" + "é" * 64, 7, b"console:00", ["x"], "", "engine:" + "0" * 64]:
         reason = keys.verify(event.model_copy(update={"signature": bad}))
         assert isinstance(reason, str) and reason
+
+
+def test_a_signed_command_on_the_telemetry_topic_is_dead_lettered_as_misplaced_not_verified(tmp_path: Path):
+    """Kafka's ACLs let rank writers write telemetry only: a command found there was written by one of
+    them, however well signed (a copy of a real one). Every reader dead-letters it by its topic."""
+    from collector.events import ReconfigureCommand
+
+    command = load_keyring().sign(EventFactory(JOB, "remediation").make(ReconfigureCommand(
+        command_id="c-misplaced", plan_id="p", plan=PLAN.model_copy(update={"epoch": 1}))), "engine")
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
+        bus.publish_raw([RawMessage(topics.TELEMETRY, b"k", encode(command))])
+        with EventStream(bus, GROUP, [topics.TELEMETRY], on_assign=lambda ps: {tp: 0 for tp in ps}) as s:
+            assert _poll_all(s) == []
+        with EventStream(bus, "audit", [topics.DEADLETTER], on_assign=lambda ps: {tp: 0 for tp in ps}) as s:
+            (letter,) = [e.payload for e in _poll_all(s)]
+    assert "command.reconfigure is never published to resihp.telemetry" in letter.reason
