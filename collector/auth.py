@@ -283,8 +283,10 @@ def _authorship(event: Envelope, key_id: str, legacy: bool = False) -> str | Non
 def operator_key(actor: str, *, create: bool = False) -> str:
     """The key that signs an operator's event: the console's for ``ui:NAME`` (the web console signs
     for the users it signed in), ``person.NAME`` for ``cli:NAME``. ``create`` makes that person's key
-    in this process's key directory when it is missing: for the platform's own automation on a local
-    key set (the demo, the closed loop), never for a person, whose key an administrator makes."""
+    in this process's key directory (and the directory, on first use) when it is missing: for the
+    platform's own automation on a local key set (the demo, the closed loop) and for the login user
+    of a host whose key directory they can write anyway; never for another person, whose key an
+    administrator makes (``resihp keys add-person``)."""
     if actor.startswith(UI_SOURCE):
         return "console"
     if not actor.startswith(CLI_SOURCE):
@@ -292,6 +294,7 @@ def operator_key(actor: str, *, create: bool = False) -> str:
     key_id = person_key_id(actor[len(CLI_SOURCE):])
     if create:
         store = KeyDir(key_path())
+        store.create()
         if store.read_private(key_id) is None:
             try:
                 store.add_person(actor[len(CLI_SOURCE):])
