@@ -27,6 +27,7 @@ full state), then keeps only its shard.
 from __future__ import annotations
 
 import math
+import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -275,6 +276,23 @@ def load_dcp(directory: str | Path, model: nn.Module, opt: torch.optim.Optimizer
     dcp.load(state, checkpoint_id=str(directory), process_group=group)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optim"])
-    meta = torch.load(Path(directory) / "meta.pt", weights_only=False)
+    meta = read_meta(directory)
     sched.load_state_dict(meta["scheduler"])
     return int(meta["iteration"])
+
+
+def read_meta(directory: str | Path) -> dict[str, Any]:
+    """A DCP checkpoint's ``meta.pt`` (iteration and scheduler state), unpickled with
+    ``weights_only=True``: tensors and plain values only. A checkpoint directory is a file on disk
+    anyone with write access to it can replace, and a full unpickle runs whatever code the file
+    names. Raises ``ValueError`` naming the file when it holds anything else."""
+    path = Path(directory) / "meta.pt"
+    try:
+        meta = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ValueError(f"checkpoint metadata {path} holds more than tensors and plain values, so it was not "
+                         f"written by this trainer; refusing to unpickle it (it could run code): {exc}") from None
+    if not isinstance(meta, dict) or "iteration" not in meta or "scheduler" not in meta:
+        raise ValueError(f"checkpoint metadata {path} is not an iteration and a scheduler state; resume from "
+                         "another checkpoint")
+    return meta
