@@ -6,6 +6,7 @@ the console's Security page), and never reaches a DuckDB table or a screen."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from collector.auth import AUTO_ACTOR, ROLES, WRITERS, Gate, load_keyring
 from collector.bus import RawMessage
 from collector.codec import encode
 from collector.embedded import EmbeddedBus
+from collector.epoch_fence import COMMAND_TTL_S
 from collector.keys import role_of
 from collector.events import (
     PAYLOAD_TYPES, AckStatus, BusOutage, CommandAck, ControlRejected, CostFit, CostModelFitted, Envelope, EventFactory, Evidence,
@@ -38,6 +40,7 @@ from ui.read_model import ReadModel
 JOB = "audit"
 PLAN = Plan.uniform(tp=1, pp=2, dp=2, num_layers=4, microbatches_per_replica=2)
 NEXT = PLAN.model_copy(update={"epoch": 1})
+RUN = "audit-run"  # the run every sample command names, valid until 1000 s + COMMAND_TTL_S on the readers' clock
 # Kinds on the control path that stay unsigned, and why nothing acts on them.
 UNSIGNED = {
     "control.rejected": "a reader's report of a refusal; the Security page lists it, nothing acts on it",
@@ -53,7 +56,8 @@ def _sample(kind: str, role: str | None, n: int) -> Payload:
     loc = [Location(target="compute", rank=1)]
     actor = AUTO_ACTOR if role == "engine" else SOURCE[role]
     samples: dict[str, Payload] = {
-        "command.reconfigure": ReconfigureCommand(command_id=f"c{n}", plan_id=f"p{n}", plan=NEXT),
+        "command.reconfigure": ReconfigureCommand(command_id=f"c{n}", plan_id=f"p{n}", plan=NEXT, run=RUN,
+                                                  expires_at_s=1000.0 + COMMAND_TTL_S),
         "plan.proposed": PlanProposed(plan_id=f"p{n}", incident_ids=[], strategy="ours", base_epoch=0, plan=NEXT,
                                       current_tokens_per_s=1.0, predicted_tokens_per_s=2.0, reshape_cost_s=1.0, diff=[]),
         "plan.verified": PlanVerified(plan_id=f"p{n}", measured_tokens_per_s=2.0, predicted_tokens_per_s=2.0),
@@ -75,10 +79,11 @@ def _sample(kind: str, role: str | None, n: int) -> Payload:
         "probe.result": ProbeResult(probe_id=f"q{n}", rank=1, duration_s=0.1, reference_s=0.1),
         "command.ack": CommandAck(command_id=f"c{n}", plan_id=f"p{n}", epoch=1, status=AckStatus.FAILED,
                                   running_epoch=0),
-        "plan.current": PlanCurrent(plan=PLAN),
+        "plan.current": PlanCurrent(plan=PLAN, run=RUN),
         "plan.capabilities": ExecutorCapabilities(executor="reference"),
         "analytics.bus_outage": BusOutage(outage_id=f"o{n}", started_s=1.0, ended_s=2.0, duration_s=1.0),
-        "command.node": NodeCommand(command_id=f"n{n}", node=1, action="stop", epoch=0),
+        "command.node": NodeCommand(command_id=f"n{n}", node=1, action="stop", epoch=0, run=RUN,
+                                    expires_at_s=1000.0 + COMMAND_TTL_S),
         "command.node_ack": NodeCommandAck(command_id=f"n{n}", node=1, action="stop", epoch=0,
                                            status=AckStatus.APPLIED, running_epoch=0, ranks=[2, 3]),
     }
@@ -159,14 +164,14 @@ def test_every_signed_kind_is_verified_by_each_reader_that_can_act_on_it(tmp_pat
         assert _rejected_on_bus(bus, "analytics-merge") == bad
 
         # the trainer: the kinds it obeys (commands from the commands topic, probe requests)
-        listener = CommandListener(JOB, PLAN, bus=bus, from_beginning=True)
+        listener = CommandListener(JOB, PLAN, bus=bus, from_beginning=True, run=RUN, clock=lambda: 1000.0)
         listener.poll()
         listener.close()
         obeyed = {e.id for e in events if e.kind in ("command.reconfigure", "probe.request")}
         assert _rejected_on_bus(bus, "trainer") == bad & obeyed
 
         # a node agent of resihp run: the node commands addressed to it, from the commands topic
-        orders = NodeCommands(bus, JOB, "agent-audit", from_beginning=True)
+        orders = NodeCommands(bus, JOB, "agent-audit", from_beginning=True, run=RUN, clock=lambda: 1000.0)
         obeyed_orders = orders.read(lambda c: c.node == 1)
         assert {o.command_id for o in obeyed_orders} == {e.payload.command_id for e in events
                                                          if e.id in good and e.kind == "command.node"}
@@ -186,13 +191,15 @@ def test_a_trainer_obeys_a_command_only_from_the_commands_topic(tmp_path: Path) 
     principal the commands topic's ACL would refuse), even a validly signed command is not run."""
     keys = load_keyring()
     command = keys.sign(EventFactory(JOB, "remediation").make(ReconfigureCommand(
-        command_id="c-control-only", plan_id="p", plan=NEXT)), "engine")
+        command_id="c-control-only", plan_id="p", plan=NEXT, run=RUN, expires_at_s=time.time() + COMMAND_TTL_S)),
+        "engine")
     with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
-        listener = CommandListener(JOB, PLAN, bus=bus)
+        listener = CommandListener(JOB, PLAN, bus=bus, run=RUN)
         bus.publish_raw([RawMessage(topics.CONTROL, b"audit/remediation", encode(command))])
         assert listener.poll(timeout_s=0.2) is None
         routed = keys.sign(EventFactory(JOB, "remediation").make(ReconfigureCommand(
-            command_id="c-routed", plan_id="p", plan=NEXT)), "engine")
+            command_id="c-routed", plan_id="p", plan=NEXT, run=RUN, expires_at_s=time.time() + COMMAND_TTL_S)),
+            "engine")
         assert bus.publish([routed]) == 1
         assert sum(bus.end_offsets([topics.COMMANDS]).values()) == 1  # and its record on control
         got = listener.poll(timeout_s=0.5)

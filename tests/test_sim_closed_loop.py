@@ -9,7 +9,8 @@ import pytest
 
 from collector import topics
 from collector.embedded import EmbeddedBus
-from collector.events import AckStatus, ProbeRequest, ReconfigureCommand
+from collector.epoch_fence import COMMAND_TTL_S
+from collector.events import AckStatus, Envelope, ProbeRequest, ReconfigureCommand
 from collector.plan import Plan
 from collector.stream import EventStream
 from trainer.sim.engine import SimConfig, SimEngine
@@ -32,6 +33,14 @@ def _command(plan: Plan, command_id: str) -> ReconfigureCommand:
     return ReconfigureCommand(command_id=command_id, plan_id=f"plan-{command_id}", plan=plan)
 
 
+def _order(author: Authors, engine: SimEngine, plan: Plan, command_id: str) -> Envelope:
+    """A command as the engine issues it to this simulated run: its run, issued now on the simulated
+    clock, expiring COMMAND_TTL_S later."""
+    now_s = engine.config.start_time_s + engine.now_s
+    return author.make(_command(plan, command_id).model_copy(
+        update={"run": engine.run_id, "expires_at_s": now_s + COMMAND_TTL_S}), time_s=now_s)
+
+
 def _control(bus: EmbeddedBus, group: str) -> list:
     with EventStream(bus, group, [topics.CONTROL]) as s:
         return [d.event for d in s.poll(timeout_s=0.5)]
@@ -47,12 +56,12 @@ def test_reconfigure_is_applied_acked_and_stale_or_duplicate_ones_ignored(tmp_pa
         new_plan = Plan.uniform(tp=2, pp=2, dp=2, num_layers=MODEL.layers, microbatches_per_replica=4,
                                 epoch=1, first_device=8)  # move the job to the other node
         t_before = engine.now_s
-        bus.publish([ui.make(_command(new_plan, "c1"))])
+        bus.publish([_order(ui, engine, new_plan, "c1")])
         runner.run(iterations=2)
         assert engine.plan.epoch == 1 and engine.plan.devices == list(range(8, 16))
         assert engine.now_s >= t_before + 7.0  # the reshape pause passed in simulated time
-        bus.publish([ui.make(_command(new_plan, "c1")),  # the same command again
-                     ui.make(_command(new_plan.model_copy(update={"epoch": 0}), "c0"))])  # an old epoch
+        bus.publish([_order(ui, engine, new_plan, "c1"),  # the same command again
+                     _order(ui, engine, new_plan.model_copy(update={"epoch": 0}), "c0")])  # an old epoch
         runner.run(iterations=1)
         acks = [e.payload for e in _control(bus, "check") if e.kind == "command.ack"]
         assert [(a.command_id, a.status, a.running_epoch) for a in acks] == [

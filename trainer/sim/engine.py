@@ -161,7 +161,7 @@ class SimEngine:
         self.finished = False
         self.events = DeterministicEvents(c.job)
         self.keyring = load_keyring()  # signs its acknowledgements as the executor, its ranks' probe results as rank
-        self.run = c.run or "sim-" + hashlib.sha256(f"{c.job}/{c.seed}".encode()).hexdigest()[:16]
+        self.run_id = c.run or "sim-" + hashlib.sha256(f"{c.job}/{c.seed}".encode()).hexdigest()[:16]
         self._pending = [(f.id or f"fault-{i}", f) for i, f in enumerate(faults or [])]
         self.active: list[ActiveFault] = []
         self.history: list[ActiveFault] = []
@@ -513,7 +513,7 @@ class SimEngine:
             plan=self.plan, reason=self._plan_news, gpus_per_node=c.cluster.gpus_per_node, model_name=c.model.name,
             # bf16 weights and gradients, fp32 master weights and two Adam moments: 16 bytes a parameter
             layer_state_bytes=c.model.params_per_layer * 16,
-            tokens_per_microbatch=c.workload.tokens_per_microbatch, run=self.run,
+            tokens_per_microbatch=c.workload.tokens_per_microbatch, run=self.run_id,
         )
         self._plan_news = None
         out = [self.keyring.sign(self.events.make("trainer", payload, self._abs(self.now_s)), "executor")]
@@ -547,7 +547,7 @@ class SimEngine:
             self._hang_started_s = None
             detail = f"now {self.plan.shape()}"
         ack = CommandAck(command_id=command.command_id, plan_id=command.plan_id, epoch=plan.epoch, status=status,
-                         running_epoch=self.plan.epoch, pause_s=pause, detail=detail, run=self.run)
+                         running_epoch=self.plan.epoch, pause_s=pause, detail=detail, run=self.run_id)
         events.append(self.keyring.sign(self.events.make("trainer", ack, self._abs(self.now_s)), "executor"))
         return events + self._plan_announcement() + self._heartbeats()
 
@@ -558,7 +558,7 @@ class SimEngine:
         out: list[Envelope] = []
         if isinstance(p, (ReconfigureCommand, ProbeRequest)) and gate.admit(event, self._abs(self.now_s)):
             if isinstance(p, ReconfigureCommand):
-                if (refusal := order_refusal(p, self.run, event.time_s, self._abs(self.now_s))) is not None:
+                if (refusal := order_refusal(p, self.run_id, event.time_s, self._abs(self.now_s))) is not None:
                     gate.refuse(event, refusal, self._abs(self.now_s))
                 else:
                     out = self.reconfigure(p)
