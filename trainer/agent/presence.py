@@ -48,20 +48,42 @@ def _registration(body: Any) -> tuple[str, int, tuple[int, ...], str]:
     return body["address"], body["port"], ranks, body["token"]
 
 
+def listen_address(address: str | None, store: object) -> str:
+    """Where the presence listener binds and what it registers: the address the agent was given
+    (``--local-addr``, or the one the rendezvous is bound to); else the address this host reaches
+    the rendezvous store from (so the interface its peers share; loopback for a store on
+    loopback). One interface, never every one: anyone who reaches a listener can hold a place in
+    the round's watch. No packet is sent to find it (a UDP socket's connect only picks a route)."""
+    if address:
+        return address
+    while store is not None and not hasattr(store, "host"):  # a PrefixStore: the TCPStore under it
+        store = getattr(store, "underlying_store", None)
+    host = getattr(store, "host", None)
+    if not isinstance(host, str) or not host:
+        return "127.0.0.1"
+    try:
+        family, _, _, _, where = socket.getaddrinfo(host, getattr(store, "port", 1) or 1, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as route:
+            route.connect(where)
+            return str(route.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
 class AgentPresence:
     """This agent's listening socket and its connections to every other agent of the round."""
 
     def __init__(self, records: SignedStore, group_rank: int, group_world_size: int, ranks: tuple[int, ...],
                  address: str | None) -> None:
-        """Listen on ``address`` (every interface when None) and register there, signed, in the
-        round's store (``records``)."""
+        """Listen on ``address`` (when None: :func:`listen_address`) and register there, signed, in
+        the round's store (``records``)."""
         self.records, self.group_rank, self.group_world_size = records, group_rank, group_world_size
-        family = socket.AF_INET6 if address and ":" in address else socket.AF_INET
+        reachable = listen_address(address, records.store)
+        family = socket.AF_INET6 if ":" in reachable else socket.AF_INET
         self.listener = socket.socket(family, socket.SOCK_STREAM)
-        self.listener.bind((address or "", 0))
+        self.listener.bind((reachable, 0))
         self.listener.listen(max(1, group_world_size))
         self.listener.setblocking(False)
-        reachable = address or socket.getfqdn()
         records.set(REGISTRATION_KEY.format(group_rank=group_rank),
                     {"address": reachable, "port": self.listener.getsockname()[1], "ranks": list(ranks),
                      "token": f"{socket.gethostname()}-{os.getpid()}"})
