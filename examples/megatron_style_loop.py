@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                     replica=0, microbatches=max(1, microbatches - 1), stages=plan.pipelines[0].stages),)})
                 # signed with the engine's key from the key file (docs/security.md): the listener obeys nothing else
                 bus.publish([Signer(EventFactory(args.job, "example-remediation"), "engine").make(
-                    new_command(fewer, "example-fewer"))])
+                    new_command(fewer, "example-fewer", run=listener.run))])  # for this run, expiring in 10 min
             if args.probe_at == i and listener:  # the detector's part, for the demonstration
                 bus.publish([Signer(EventFactory(args.job, "example-analytics"), "analytics").make(
                     ProbeRequest(probe_id=f"example-probe-{i}", ranks=[rank], target="compute", repeats=3))])

@@ -173,6 +173,9 @@ def test_a_blocked_bus_never_blocks_the_loop_and_overflow_drops_the_oldest() -> 
 # ---- commands ---------------------------------------------------------------------------------------
 
 
+RUN = "run-a"  # the run the command tests' listeners resume, and their commands name
+
+
 def _publish_commands(path: Path, job: str, commands: list[ReconfigureCommand]) -> None:
     with EmbeddedBus(path) as bus:
         bus.publish([factory(job, "remediation").make(c) for c in commands])
@@ -189,13 +192,13 @@ def _acks(path: Path) -> dict[str, CommandAck]:
 
 def test_listener_hands_over_epoch_plus_one_and_acks_duplicates_and_stale_as_ignored(tmp_path: Path) -> None:
     path = tmp_path / "bus.sqlite"
-    first = new_command(_plan(epoch=1, microbatches=3), "p1")
+    first = new_command(_plan(epoch=1, microbatches=3), "p1", run=RUN)
     duplicate = first.model_copy()
-    late = new_command(_plan(epoch=1, microbatches=5), "p1-late")  # epoch 1 again, after 1 is running
-    skipping = new_command(_plan(epoch=3), "p3")
-    other_job = new_command(_plan(epoch=1), "other")
+    late = new_command(_plan(epoch=1, microbatches=5), "p1-late", run=RUN)  # epoch 1 again, after 1 is running
+    skipping = new_command(_plan(epoch=3), "p3", run=RUN)
+    other_job = new_command(_plan(epoch=1), "other", run=RUN)
     with EmbeddedBus(path) as bus:
-        listener = CommandListener("job-a", _plan(), bus=bus)
+        listener = CommandListener("job-a", _plan(), bus=bus, run=RUN)
         listener.announce_plan(layer_state_bytes=1024, tokens_per_microbatch=128, model_name="toy")
         _publish_commands(path, "job-b", [other_job])
         _publish_commands(path, "job-a", [first, duplicate, late, skipping])
@@ -226,13 +229,13 @@ def test_listener_hands_over_epoch_plus_one_and_acks_duplicates_and_stale_as_ign
 
 def test_listener_fails_a_plan_its_check_refuses_and_keeps_the_running_epoch(tmp_path: Path) -> None:
     path = tmp_path / "bus.sqlite"
-    wrong = new_command(Plan.uniform(tp=1, pp=1, dp=1, num_layers=8, microbatches_per_replica=4, epoch=1))
-    right = new_command(_plan(epoch=1))
+    wrong = new_command(Plan.uniform(tp=1, pp=1, dp=1, num_layers=8, microbatches_per_replica=4, epoch=1), run=RUN)
+    right = new_command(_plan(epoch=1), run=RUN)
 
     def check(plan: Plan) -> str | None:
         return None if plan.num_layers == 4 else f"plan has {plan.num_layers} layers, the model 4"
 
-    with EmbeddedBus(path) as bus, CommandListener("job-a", _plan(), bus=bus, check=check) as listener:
+    with EmbeddedBus(path) as bus, CommandListener("job-a", _plan(), bus=bus, check=check, run=RUN) as listener:
         _publish_commands(path, "job-a", [wrong, right])
         got = listener.poll(timeout_s=1.0)
         assert got.command_id == right.command_id
