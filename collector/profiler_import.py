@@ -32,6 +32,7 @@ import json
 import math
 import re
 import uuid
+import zlib
 from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -180,19 +181,36 @@ class RankTrace:
     backward_ops: list[Span] = field(default_factory=list)
 
 
+MIB = 1 << 20
+MAX_TRACE_BYTES = 2048 * MIB  # one rank's decompressed trace; resihp import --max-trace-mib raises it
 _RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
 _STEP = re.compile(r"^ProfilerStep#(\d+)$")
 _COMM_PREFIXES = ("c10d::", "gloo:", "nccl:")
 
 
-def read_kineto(path: str | Path, rank: int | None = None) -> RankTrace:
-    """Read one rank's trace. ``rank`` overrides the trace's own ``distributedInfo.rank``."""
+def _gunzip(p: Path, max_bytes: int) -> bytes:
+    """``p`` decompressed, refused past ``max_bytes``: a few kilobytes of gzip can inflate to
+    gigabytes, and the whole text is held in memory to parse it."""
+    out = bytearray()
+    with gzip.open(p, "rb") as f:
+        while chunk := f.read(min(1 << 20, max_bytes + 1 - len(out))):
+            out += chunk
+            if len(out) > max_bytes:
+                raise ImportProblem(f"{p}: decompresses to more than {max_bytes:,} bytes (--max-trace-mib "
+                                    f"{max_bytes // MIB}); pass a larger --max-trace-mib if the trace is that big")
+    return bytes(out)
+
+
+def read_kineto(path: str | Path, rank: int | None = None, *, max_bytes: int = MAX_TRACE_BYTES) -> RankTrace:
+    """Read one rank's trace. ``rank`` overrides the trace's own ``distributedInfo.rank``; a gzip
+    file (``*.gz``) may decompress to at most ``max_bytes``."""
     p = Path(path)
     try:
-        raw = p.read_bytes()
         if p.name.endswith(".gz"):  # tensorboard_trace_handler(use_gzip=True)
-            raw = gzip.decompress(raw)
-    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+            raw = _gunzip(p, max_bytes)
+        else:
+            raw = p.read_bytes()
+    except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
         raise ImportProblem(f"{p}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
     try:
         doc = json.loads(raw)
@@ -449,16 +467,18 @@ def trace_files(inputs: Sequence[str | Path]) -> list[Path]:
     return files
 
 
-def import_traces(files: Sequence[str | Path], layout: Layout, *, job: str) -> ImportResult:
+def import_traces(files: Sequence[str | Path], layout: Layout, *, job: str,
+                  max_bytes: int = MAX_TRACE_BYTES) -> ImportResult:
     """Every event the job would have published, in the order a consumer should see them: the plan
-    and the tracing declaration, then iteration by iteration, rank by rank."""
+    and the tracing declaration, then iteration by iteration, rank by rank. A gzip trace may
+    decompress to at most ``max_bytes``."""
     # A rank may have several files (tensorboard_trace_handler writes one per profiling cycle); each
     # is read on its own, and a step is taken once.
     traces: dict[int, list[RankTrace]] = defaultdict(list)
     per_rank: dict[int, list[tuple[float | None, RankIteration]]] = defaultdict(list)
     seen: dict[tuple[int, int], Path] = {}
     for f in files:
-        t = read_kineto(f)
+        t = read_kineto(f, max_bytes=max_bytes)
         traces[t.rank].append(t)
         for end, it in rank_iterations(t, layout):
             if (t.rank, it.iteration) in seen:

@@ -237,6 +237,25 @@ def test_import_of_a_truncated_trace_fails_in_one_line_and_keeps_the_old_output(
     assert out.read_bytes() == b"an earlier import"
 
 
+def test_import_of_a_gzip_trace_that_inflates_past_the_limit_fails_in_one_line_and_the_flag_raises_it(
+        tmp_path: Path, layout_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A gzip bomb: 3 MiB of JSON (a trace padded with whitespace) in a few kilobytes. With the limit
+    at 1 MiB it is refused, naming the file, the limit and the flag, before it is all in memory;
+    --max-trace-mib 4 reads it."""
+    import gzip
+
+    doc = json.dumps(_kineto(0, [_x("ProfilerStep#1", 0, 10), _x("PP:0F0", 1, 5)]))
+    bomb = tmp_path / "rank0.pt.trace.json.gz"
+    bomb.write_bytes(gzip.compress((doc + " " * (3 << 20)).encode()))
+    assert bomb.stat().st_size < 64 << 10
+    out = tmp_path / "job.parquet"
+    assert main(["import", str(bomb), "--layout", str(layout_file), "--out", str(out), "--max-trace-mib", "1"]) == 2
+    _one_line_error(capsys, "import", bomb, "decompresses to more than 1,048,576 bytes (--max-trace-mib 1)")
+    assert not out.exists()
+    assert main(["import", str(bomb), "--layout", str(layout_file), "--out", str(out), "--max-trace-mib", "4"]) == 0
+    assert out.exists()
+
+
 def test_import_with_an_unknown_layout_field_fails_in_one_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "rank0.json").write_text(json.dumps(_kineto(0, [_x("ProfilerStep#1", 0, 10)])))

@@ -22,6 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "num_layers, optional job, tokens_per_microbatch, virtual_stages, gpus_per_node")
     p.add_argument("--out", required=True, metavar="TRACE.parquet", help="the ResiHP trace to write")
     p.add_argument("--job", default=None, help="job name (default: the layout's job, else the output's stem)")
+    p.add_argument("--max-trace-mib", type=int, default=2048, metavar="MIB",
+                   help="refuse a gzip trace that decompresses to more than this many MiB (default 2048): a small "
+                        "file can inflate without bound")
     p.set_defaults(func=run)
 
 
@@ -32,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from collector.codec import InvalidEvent
-    from collector.profiler_import import ImportProblem, import_traces, load_layout, trace_files
+    from collector.profiler_import import MIB, ImportProblem, import_traces, load_layout, trace_files
     from collector.trace import TraceWriter
 
     out = Path(args.out)
@@ -41,7 +44,9 @@ def run(args: argparse.Namespace) -> int:
             raise ImportProblem(f"{out}: the output must be a .parquet file path")
         layout = load_layout(args.layout)
         job = args.job or layout.job or out.stem
-        result = import_traces(trace_files(args.traces), layout, job=job)
+        if args.max_trace_mib < 1:
+            raise ImportProblem(f"--max-trace-mib {args.max_trace_mib}: give a positive number of MiB")
+        result = import_traces(trace_files(args.traces), layout, job=job, max_bytes=args.max_trace_mib * MIB)
     except ImportProblem as exc:
         print(f"resihp import: error: {exc}", file=sys.stderr)
         return 2
