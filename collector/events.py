@@ -928,6 +928,7 @@ class NodeCommandAck(Payload):
     place to join). An unsigned or unauthorised command gets no ack but a ``control.rejected``."""
 
     KIND: ClassVar[str] = "command.node_ack"
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # 2 adds run
     command_id: str = Field(min_length=1, max_length=200)
     node: Int32
     action: NodeAction
@@ -936,6 +937,8 @@ class NodeCommandAck(Payload):
     running_epoch: Int32 = Field(description="the rendezvous round the agent is in")
     ranks: list[Int32] = Field(default_factory=list, max_length=LIST_MAX, description="the global ranks it acted on")
     detail: str = Field(default="", max_length=2000)
+    run: RunId = Field(description="the run of the agent that answered: a restarted agent of that run treats the "
+                                   "command ids it answered as answered")
 
 
 class PlanVerified(Payload):

@@ -51,10 +51,10 @@ from contextlib import contextmanager
 from typing import Protocol, runtime_checkable
 
 from collector import topics
-from collector.auth import Gate, Signer
+from collector.auth import Gate, Keyring, Signer
 from collector.epoch_fence import COMMAND_TTL_S, EpochFence, new_run, order_refusal
 from collector.bus import Bus, Consumer, OnAssign, RawMessage, TopicPartition, open_bus
-from collector.events import (AckStatus, Chunk, ChunkKind, CommandAck, CommOp, CommWait, Coords, EventFactory,
+from collector.events import (AckStatus, Chunk, ChunkKind, CommandAck, CommOp, CommWait, Coords, Envelope, EventFactory,
                               ExecutorCapabilities, IterationSummary, Payload, PlanCurrent, PlanCurrentReason, ProbeRequest,
                               ProbeResult, RankIteration,
                               ReconfigureCommand)
@@ -293,26 +293,11 @@ class CommandListener:
                                   on_assign=start_at_end, job=job)
 
     def _recall_fence(self) -> None:
-        """Rebuild the fence of a resumed run from the control topic, read from its start to its end
-        now: this run's own acknowledgements (answered ids, applied epochs) and ``plan.current``
-        (the epochs it ran), each only when the executor signed it."""
-        end = self.bus.end_offsets([topics.CONTROL])
-        stream = EventStream(self.bus, f"trainer:{self.job}:recall:{uuid.uuid4().hex}", [topics.CONTROL],
-                             on_assign=lambda tps: {tp: 0 for tp in tps}, job=self.job)
-        try:
-            quiet = 0
-            while any(stream.positions_after_poll().get(tp, 0) < n for tp, n in end.items() if n > 0):
-                deliveries = stream.poll(timeout_s=0.5)
-                quiet = 0 if deliveries else quiet + 1
-                if quiet >= 20:  # the log cannot be read to its end: start fenced as far as it went
-                    break
-                for d in deliveries:
-                    ev = d.event
-                    if (ev.job == self.job and isinstance(ev.payload, (CommandAck, PlanCurrent))
-                            and self.factory.keyring.verify(ev) is None):
-                        self.fence.recall(ev.payload, self.run)
-        finally:
-            stream.close()
+        """Rebuild the fence of a resumed run from this run's own acknowledgements (answered ids,
+        applied epochs) and ``plan.current`` (the epochs it ran) on the control topic."""
+        for ev in signed_history(self.bus, self.job, (CommandAck, PlanCurrent), self.factory.keyring):
+            if isinstance(p := ev.payload, (CommandAck, PlanCurrent)):
+                self.fence.recall(p, self.run)
 
     def announce_plan(self, plan: Plan | None = None, *, reason: PlanCurrentReason = "start", gpus_per_node: int = 8,
                       model_name: str = "", layer_state_bytes: int = 0, tokens_per_microbatch: int = 0) -> None:
@@ -433,6 +418,26 @@ class CommandListener:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def signed_history(bus: Bus, job: str, kinds: tuple[type[Payload], ...], keyring: Keyring,
+                   quiet_polls: int = 20) -> Iterator[Envelope]:
+    """``job``'s events of ``kinds`` on the control topic, from its start to where it ends now, that
+    verify (an unsigned or forged one could otherwise move a restarted reader's fence). A log that
+    stops answering for ``quiet_polls`` polls ends the read where it got to."""
+    end = bus.end_offsets([topics.CONTROL])
+    stream = EventStream(bus, f"history:{job}:{uuid.uuid4().hex}", [topics.CONTROL],
+                         on_assign=lambda tps: {tp: 0 for tp in tps}, job=job)
+    try:
+        quiet = 0
+        while quiet < quiet_polls and any(stream.positions_after_poll().get(tp, 0) < n for tp, n in end.items()):
+            deliveries = stream.poll(timeout_s=0.5)
+            quiet = 0 if deliveries else quiet + 1
+            for d in deliveries:
+                if d.event.job == job and isinstance(d.event.payload, kinds) and keyring.verify(d.event) is None:
+                    yield d.event
+    finally:
+        stream.close()
 
 
 # ---- probes -----------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from collector.bus import Bus
 from collector.epoch_fence import new_run, node_fence_verdict, order_refusal
 from collector.events import AckStatus, EventFactory, NodeCommand, NodeCommandAck
 from collector.stream import EventStream
+from trainer.integration import signed_history
 
 if TYPE_CHECKING:
     from trainer.agent.vacancy import Vacancy
@@ -49,11 +50,14 @@ class NodeCommands:
         which an order must name (None: a fresh one no order names); ``clock``: Unix time, for
         orders' expiries."""
         self.bus, self.job = bus, job
-        self.run, self.clock = run or new_run(), clock
         keyring = keyring or load_keyring()
         self.gate = Gate(source, keyring)
         self.signer = Signer(EventFactory(job, source), "executor", keyring)
         self.seen: set[str] = set()
+        self.run, self.clock = run or new_run(), clock
+        if run is not None:  # a restarted agent of the run: the orders it answered stay answered
+            self.seen.update(ack.payload.command_id for ack in signed_history(bus, job, (NodeCommandAck,), keyring)
+                             if isinstance(ack.payload, NodeCommandAck) and ack.payload.run == run)
         self.acks: list[NodeCommandAck] = []
         # From the log's end *now*, not when the consumer gets its partition (collector/stream.py).
         start = {} if from_beginning else bus.end_offsets([topics.COMMANDS])
@@ -94,7 +98,7 @@ class NodeCommands:
             ranks: Sequence[int] = ()) -> None:
         ack = NodeCommandAck(command_id=command.command_id, node=command.node, action=command.action,
                              epoch=command.epoch, status=status, running_epoch=running_round, ranks=list(ranks),
-                             detail=detail[:2000])
+                             detail=detail[:2000], run=self.run)
         self.acks.append(ack)
         line = f"node command {command.command_id} ({command.action} node {command.node}, round {command.epoch}): "
         print(f"resihp run: {line}{status.value}: {detail}", file=sys.stderr, flush=True)
