@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from collections.abc import Callable
 
 import streamlit as st
@@ -44,16 +45,20 @@ def record_failure(feed: Feed, payload: SignInFailed) -> None:
 
 
 def current_session() -> Session | None:
-    """The live session, or None. An expired one is dropped with a message for the sign-in form."""
+    """The live session, or None. An expired one, or one whose user was removed or locked since, is
+    dropped with a message for the sign-in form; a changed role is taken at once (every run of the
+    page asks the users file, and so does every action: ui/actions.py)."""
     session: Session | None = st.session_state.get("session")
     if session is None:
         return None
     try:
-        session.check(time.time())
+        user = session.check(time.time())
     except SessionExpired as exc:
         del st.session_state["session"]
         st.session_state["signin_notice"] = str(exc)
         return None
+    if user != session.user:
+        session = st.session_state["session"] = replace(session, user=user)
     return session
 
 
@@ -90,7 +95,7 @@ def gate(settings: Settings, authenticator: Authenticator, guard: SignInGuard, f
             st.error(str(exc))
         else:
             guard.succeeded(name, client)
-            st.session_state["session"] = Session(user, now, now + settings.session_s)
+            st.session_state["session"] = Session(user, now, now + settings.session_s, authenticator)
             st.rerun()
     st.stop()
     raise AssertionError("unreachable: st.stop() ends the script")
