@@ -191,3 +191,14 @@ def test_engine_console_demo_and_duckdb_agree_on_where_each_plan_stands() -> Non
     assert {k: r.status for k, r in watch.state.plans.items()} == {k: r.status for k, r in engine.plans.items()}
     assert {k: v.status for k, v in console.plans.items()} == {"p1": "applied", "p2": "rejected"}
     assert duck == {"p1": "applied", "p2": "rejected"}
+
+
+def test_a_plan_current_of_a_new_run_starts_the_fold_afresh_and_supersedes_the_old_runs_plans() -> None:
+    s = fold([F.make(PlanCurrent(plan=PLAN0, run="run-one"), time_s=0.0), proposed(), decision(), command(), ack(),
+              proposed("p2", base=1, plan=PLAN2)], PlanLifecycle(job=JOB))
+    assert (s.run, s.running_epoch, s.plans["p2"].status) == ("run-one", 1, PlanStatus.PROPOSED)
+    step(s, F.make(PlanCurrent(plan=PLAN0, run="run-two"), time_s=5.0))  # the job started again: epoch 0
+    assert (s.run, s.running_epoch, s.running_plan) == ("run-two", 0, PLAN0)
+    assert s.plans["p2"].status == PlanStatus.SUPERSEDED and "run run-one ended" in s.plans["p2"].verdict
+    step(s, decision("p2", plan=PLAN2))  # a decision on the old run's plan decides nothing
+    assert s.plans["p2"].status == PlanStatus.SUPERSEDED
