@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 
 from collector.bus import Bus, RawMessage
 from collector.codec import InvalidEvent, decode, encode_json, header_json, readable
-from collector.events import ENVELOPE_HEADER, Envelope
+from collector.events import COUNT_MAX, ENVELOPE_HEADER, INT32_MAX, TIME_MAX_S, Envelope
 from collector.topics import key_for, topic_for
 
 TRACE_FORMAT = "resihp-trace/1"
@@ -70,10 +70,30 @@ class EventHeader(NamedTuple):
         (None if unreadable)."""
         try:
             d = json.loads(header_json(raw))
-            return cls(str(d["id"]), str(d["kind"]), int(d["schema_version"]), str(d["job"]), str(d["source"]),
-                       int(d["seq"]), float(d["time_s"]))
+            header = cls(d["id"], d["kind"], d["schema_version"], d["job"], d["source"], d["seq"], d["time_s"])
         except (ValueError, KeyError, TypeError):
             return None
+        return header if header.well_formed() else None
+
+    def well_formed(self) -> bool:
+        """The envelope's own rules on each column (collector/events.py ``Envelope``): a header that
+        breaks one is not an event's, and a trace column (int64, a topic per kind) cannot hold it."""
+        try:
+            topic_for(self.kind)
+        except (ValueError, AttributeError):
+            return False
+        return (_text(self.id, 64) and _text(self.job, 200) and _text(self.source, 200)
+                and _integer(self.schema_version, INT32_MAX) and _integer(self.seq, COUNT_MAX)
+                and isinstance(self.time_s, int | float) and not isinstance(self.time_s, bool)
+                and 0 <= self.time_s <= TIME_MAX_S)
+
+
+def _text(value: object, longest: int) -> bool:
+    return isinstance(value, str) and 1 <= len(value) <= longest
+
+
+def _integer(value: object, largest: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= largest
 
 
 class TraceRecord(NamedTuple):

@@ -8,8 +8,9 @@ record, random bytes; some mutated events that still decode are re-signed by the
 schema-valid oddities reach the readers' logic and not only their doors. Every record goes to a
 random topic. The log then goes through every reader: the analytics projector (every projection and
 the detector), the remediation engine, a shard and the merge of the sharded analytics, the
-console's read model, the integration API's command listener, the torch launcher's intake and a
-node agent's command reader. Nothing may raise; every record that is not an event, or is an event
+console's read model, the integration API's command listener, the torch launcher's intake, a node
+agent's command reader, the plan fold of ``resihp plans list`` and the demo's watcher with the trace
+it records. Nothing may raise; every record that is not an event, or is an event
 of a kind never published to the topic it was read from, has a dead letter from the projector's
 group with a reason, and every control event that does not verify is reported by analytics as
 ``control.rejected``.
@@ -41,6 +42,8 @@ from collector.events import PAYLOAD_BY_KIND, ControlRejected, DeadLetter, Envel
 from collector.plan import Plan
 from collector.stream import EventStream
 from remediation.engine import EngineConfig, RemediationEngine
+from remediation.log_view import fold_log
+from resihp.demo.watch import LogWatch
 from remediation.model import PlannerModel
 from tests.test_control_audit import JOB, SOURCE, _sample
 from tests.test_poison_properties import payloads
@@ -197,6 +200,14 @@ def _run_every_reader(bus: EmbeddedBus, tmp: Path) -> None:
 
     orders = NodeCommands(bus, JOB, "agent-fuzz", from_beginning=True)
     orders.read(lambda c: True)
+
+    fold_log(bus, JOB, max_polls=50)  # `resihp plans list`: the plan lifecycle's fold over the log
+    watch = LogWatch(bus, JOB, tmp / "watched.trace")  # the demo's story of the run, and the trace it records
+    try:
+        while watch.poll(timeout_s=0.01):
+            pass
+    finally:
+        watch.close()
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
