@@ -64,8 +64,9 @@ TOPICS = (TELEMETRY, ANALYTICS, CONTROL, COMMANDS, TRUTH, DEADLETTER)
 # principal -> (topics it may write, topics it may read).
 GRANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "telemetry": ((TELEMETRY,), ()),  # ranks and node agents: telemetry, nothing else
-    # acks, plan.current, probe results; commands only for the launcher's own on-death policy
-    "trainer": ((TELEMETRY, TRUTH, CONTROL, COMMANDS, DEADLETTER), (CONTROL, COMMANDS)),
+    # acks, plan.current, probe results; commands only for the launcher's own on-death policy. Reads
+    # analytics for the predicted iteration time a node agent's hang deadline follows (trainer/agent/predicted.py)
+    "trainer": ((TELEMETRY, TRUTH, CONTROL, COMMANDS, DEADLETTER), (ANALYTICS, CONTROL, COMMANDS)),
     "analytics": ((ANALYTICS, CONTROL, DEADLETTER), (TELEMETRY, ANALYTICS, CONTROL)),  # incidents, probes
     "engine": ((CONTROL, COMMANDS, DEADLETTER), (ANALYTICS, CONTROL)),  # plans; commands
     "console": ((CONTROL, DEADLETTER), TOPICS),  # decisions, policies; reads everything
