@@ -17,10 +17,12 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from collector import topics
 from collector.bus import open_bus
+from collector.epoch_fence import COMMAND_TTL_S
 from collector.events import AckStatus, ControlRejected, EventFactory, NodeCommand, NodeCommandAck
 from collector.stream import EventStream
 from tests.fixtures.signing import factory
@@ -28,6 +30,7 @@ from tests.test_agent_run import ROOT, agent_cmd, alive, env, free_port, pid_dir
 from tests.test_agent_shrink import assert_reference_state, shrink_agent
 
 JOB = "shrink-job"  # the job tests/test_agent_shrink.py's agents publish as
+RUN = "job-s"  # their rendezvous id (--rdzv-id): the run an order names
 STEPS = 300  # long enough for the spare's ranks to start (import torch) while the job runs
 PLACE = re.compile(r"node (\d) of 2 with ranks \[(\d), (\d)\] in rendezvous round (\d+)")
 
@@ -64,10 +67,10 @@ def place_of(log: Path) -> tuple[int, tuple[int, int], int] | None:
     return (int(m[1]), (int(m[2]), int(m[3])), int(m[4])) if m else None
 
 
-def order_by_cli(tmp_path: Path, action: str, node: int, round_: int, command_id: str) -> None:
-    """``resihp node ACTION NODE --epoch ROUND``, as an operator types it (signed as the console)."""
+def order_by_cli(tmp_path: Path, action: str, node: int, round_: int, command_id: str, run: str = RUN) -> None:
+    """``resihp node ACTION NODE --epoch ROUND --run RUN``, as an operator types it (signed with their key)."""
     out = subprocess.run([sys.executable, "-m", "resihp.cli", "node", action, str(node), "--epoch", str(round_),
-                          "--job", JOB, "--bus", "embedded", "--bus-path", str(tmp_path / "bus.sqlite"),
+                          "--run", run, "--job", JOB, "--bus", "embedded", "--bus-path", str(tmp_path / "bus.sqlite"),
                           "--command-id", command_id, "--as", "alice", "--reason", "replace the machine"],
                          env=env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -93,7 +96,8 @@ def test_a_signed_stop_shrinks_the_job_and_a_signed_join_grows_it_back_and_nothi
         engine = factory(JOB, "remediation")
 
         def order(command_id: str, **kw: object) -> NodeCommand:
-            return NodeCommand(command_id=command_id, **{"node": node, "action": "stop", "epoch": round_, **kw})
+            return NodeCommand(command_id=command_id, **{"node": node, "action": "stop", "epoch": round_, "run": RUN,
+                                                         "expires_at_s": time.time() + COMMAND_TTL_S, **kw})
 
         forged = EventFactory(JOB, "remediation").make(order("forged"))  # no signature
         bus.publish([forged, engine.make(order("stale", epoch=round_ + 1)), engine.make(order("host", node=0)),
@@ -158,7 +162,9 @@ def test_a_rank_that_ignores_sigterm_is_sigkilled_after_the_grace(tmp_path: Path
     watch = BusWatch(tmp_path / "bus.sqlite")
     try:
         wait_until(lambda: len(rows_of(tmp_path / "progress.jsonl")) >= 2 and place_of_one(log) is not None)
-        order_by_cli(tmp_path, "stop", 0, place_of_one(log) or 0, "stop-all")
+        run = re.search(r"rendezvous (\S+) at ", log.read_text())  # --standalone: a random --rdzv-id, printed
+        assert run is not None, log.read_text()
+        order_by_cli(tmp_path, "stop", 0, place_of_one(log) or 0, "stop-all", run=run[1])
         assert agent.wait(timeout=600) == 0, log.read_text()
     finally:
         if agent.poll() is None:
