@@ -19,6 +19,7 @@ import pytest
 
 from collector import topics
 from collector.embedded import EmbeddedBus
+from collector.epoch_fence import COMMAND_TTL_S
 from collector.events import (
     AckStatus, CommandAck, ControlRejected, EventFactory, ExecutorCapabilities, PlanCurrent, ReconfigureCommand,
 )
@@ -59,13 +60,16 @@ def _commander(path: Path, sent: dict[str, str], failures: list[BaseException]) 
     """Once the launcher has announced its plan (it reads commands from then on), send the commands."""
     try:
         with EmbeddedBus(path) as bus:
-            while not any(isinstance(e.payload, PlanCurrent) for e in _control(bus)):
+            while not (announced := [e.payload for e in _control(bus) if isinstance(e.payload, PlanCurrent)]):
                 time.sleep(0.05)
             engine = Authors(JOB, "remediation")
-            commands = {"unsigned": ReconfigureCommand(command_id="c-unsigned", plan_id="forged", plan=_moved(1, (3, 1))),
-                        "cannot": ReconfigureCommand(command_id="c-zb", plan_id="zb", plan=_moved(1, (2, 2), "zero_bubble")),
-                        "migrate": ReconfigureCommand(command_id="c-mig", plan_id="mig", plan=_moved(1, (3, 1))),
-                        "stale": ReconfigureCommand(command_id="c-stale", plan_id="again", plan=_moved(1, (1, 3)))}
+            run = {"run": announced[0].run, "expires_at_s": time.time() + COMMAND_TTL_S}  # this run's, fresh
+            commands = {"unsigned": ReconfigureCommand(command_id="c-unsigned", plan_id="forged", plan=_moved(1, (3, 1)),
+                                                       **run),
+                        "cannot": ReconfigureCommand(command_id="c-zb", plan_id="zb", plan=_moved(1, (2, 2), "zero_bubble"),
+                                                     **run),
+                        "migrate": ReconfigureCommand(command_id="c-mig", plan_id="mig", plan=_moved(1, (3, 1)), **run),
+                        "stale": ReconfigureCommand(command_id="c-stale", plan_id="again", plan=_moved(1, (1, 3)), **run)}
             bus.publish([EventFactory(JOB, "rank-1").make(commands["unsigned"])])
             bus.publish([engine.make(commands[k]) for k in ("cannot", "migrate", "stale")])
             sent.update({k: c.command_id for k, c in commands.items()})
