@@ -505,7 +505,8 @@ def import_traces(files: Sequence[str | Path], layout: Layout, *, job: str,
     control = Signer(EventFactory(job, "import"), "executor")
     events: list[Envelope] = [
         control.make(PlanCurrent(plan=plan, gpus_per_node=layout.gpus_per_node,
-                                 tokens_per_microbatch=layout.tokens_per_microbatch or 0),
+                                 tokens_per_microbatch=layout.tokens_per_microbatch or 0,
+                                 run=f"import-{uuid.uuid5(_NS, f'{job}/import/run').hex[:16]}"),  # same on re-import
                      time_s=t_first, event_id=uuid.uuid5(_NS, f"{job}/import/0").hex),
         control.make(declared, time_s=t_first, event_id=uuid.uuid5(_NS, f"{job}/import/1").hex),
     ]
