@@ -157,7 +157,7 @@ def test_the_engine_acts_on_no_forged_incident_policy_or_decision_and_reports_ea
         reasons = {e.payload.event_id: e.payload.reason for e in _rejections(bus)}
         assert forged_decision.id in reasons and "only console/engine" in reasons[wrong_key.id]
 
-        bus.publish([Authors(JOB).make(PlanDecision(plan_id=record.plan_id, approve=True, actor="ui:alice"))])
+        bus.publish([Authors(JOB).make(record.decision(approve=True, actor="ui:alice"))])
         engine.poll_once()
         assert record.status == PlanStatus.COMMANDED and record.decided_by == "ui:alice"  # the real one acts
         # a restarted engine replays the log: the same verdicts, and no second copy of its rejections
@@ -177,8 +177,8 @@ def test_the_listener_runs_no_forged_command_and_no_probe_over_its_bounds(tmp_pa
     path = tmp_path / "bus.sqlite"
     with EmbeddedBus(path) as bus, CommandListener(JOB, PLAN, bus=bus) as listener:
         nxt = PLAN.model_copy(update={"epoch": 1})
-        forged = EventFactory(JOB, "mallory").make(new_command(nxt, "mallory"))
-        tampered = signed(EventFactory(JOB, "remediation").make(new_command(nxt, "p1")))
+        forged = EventFactory(JOB, "mallory").make(new_command(nxt, "mallory", run=listener.run))
+        tampered = signed(EventFactory(JOB, "remediation").make(new_command(nxt, "p1", run=listener.run)))
         tampered = tampered.model_copy(update={"payload": tampered.payload.model_copy(update={"plan_id": "evil"})})
         analytics = Authors(JOB, "analytics")
         huge = analytics.make(ProbeRequest(probe_id="huge", ranks=[1], repeats=10**7))
@@ -191,7 +191,7 @@ def test_the_listener_runs_no_forged_command_and_no_probe_over_its_bounds(tmp_pa
         assert "10,000,000 repeats" in reasons[huge.id] and "[99]" in reasons[stranger.id]
         assert "does not verify" in reasons[tampered.id]
 
-        good = signed(EventFactory(JOB, "remediation").make(new_command(nxt, "p1")))
+        good = signed(EventFactory(JOB, "remediation").make(new_command(nxt, "p1", run=listener.run)))
         bus.publish([good, analytics.make(ProbeRequest(probe_id="ok", ranks=[1, 2], repeats=3))])
         assert listener.poll() == good.payload and [p.probe_id for p in listener.take_probes()] == ["ok"]
 
@@ -238,9 +238,11 @@ def test_a_simulator_process_executes_no_forged_command_and_reports_each(tmp_pat
             events = _wait_for(bus, "the simulator's plan.current", lambda evs: any(e.kind == "plan.current" for e in evs))
             (start,) = [e for e in events if e.kind == "plan.current"]
             nxt = start.payload.plan.model_copy(update={"epoch": start.payload.plan.epoch + 1})
-            forged = EventFactory("guarded", "mallory").make(new_command(nxt, "mallory"))
-            wrong_role = load_keyring().sign(EventFactory("guarded", "analytics").make(new_command(nxt, "a")), "analytics")
-            tampered = signed(EventFactory("guarded", "remediation").make(new_command(nxt, "p1")))
+            run = start.payload.run
+            forged = EventFactory("guarded", "mallory").make(new_command(nxt, "mallory", run=run))
+            wrong_role = load_keyring().sign(EventFactory("guarded", "analytics").make(new_command(nxt, "a", run=run)),
+                                             "analytics")
+            tampered = signed(EventFactory("guarded", "remediation").make(new_command(nxt, "p1", run=run)))
             tampered = tampered.model_copy(update={"payload": tampered.payload.model_copy(update={"plan_id": "x"})})
             bus.publish([forged, wrong_role, tampered])
             refused = {forged.id, wrong_role.id, tampered.id}
@@ -250,7 +252,7 @@ def test_a_simulator_process_executes_no_forged_command_and_reports_each(tmp_pat
                         and e.payload.reader == "simulator"}
 
             _wait_for(bus, "three rejections", lambda evs: refused <= rejected(evs))
-            good = signed(EventFactory("guarded", "remediation").make(new_command(nxt, "p1")))
+            good = signed(EventFactory("guarded", "remediation").make(new_command(nxt, "p1", run=run)))
             probe = Authors("guarded", "analytics").make(ProbeRequest(probe_id="hang", ranks=[0], repeats=10**7))
             bus.publish([good, probe])
             events = _wait_for(bus, "the signed command's ack and the probe's rejection",
@@ -273,7 +275,7 @@ def test_the_launchers_intake_queues_only_signed_commands_and_bounded_probes() -
 
     intake = CommandIntake(store=None, plan=PLAN, n_layer=8, n_head=4, global_microbatches=PLAN.global_microbatches)
     nxt = PLAN.model_copy(update={"epoch": 1})
-    forged = EventFactory(JOB, "remediation").make(new_command(nxt, "mallory"))
+    forged = EventFactory(JOB, "remediation").make(new_command(nxt, "mallory", run=intake.run))
     analytics = Authors(JOB, "analytics")
     hang = analytics.make(ProbeRequest(probe_id="hang", ranks=[0], repeats=10**7))
     assert not intake.offer_event(forged) and not intake.offer_event(forged) and not intake.queue
@@ -281,8 +283,9 @@ def test_the_launchers_intake_queues_only_signed_commands_and_bounded_probes() -
     assert [(r.payload.event_id, r.payload.reader) for r in intake.rejections()] == [(forged.id, "trainer"),
                                                                                    (hang.id, "trainer")]
     assert intake.rejections() == []  # once per event id
-    good = signed(EventFactory(JOB, "remediation").make(new_command(nxt, "p1")))
-    own = load_keyring().sign(EventFactory(JOB, "trainer").make(new_command(nxt, "launcher-drop-3")), "executor")
+    good = signed(EventFactory(JOB, "remediation").make(new_command(nxt, "p1", run=intake.run)))
+    own = load_keyring().sign(EventFactory(JOB, "trainer").make(new_command(nxt, "launcher-drop-3", run=intake.run)),
+                              "executor")
     assert intake.offer_event(good) and intake.offer_event(own) and len(intake.queue) == 2
     probe = analytics.make(ProbeRequest(probe_id="ok", ranks=[0, 1]))
     assert intake.admit_probe(probe) == probe.payload and intake.rejections() == []
