@@ -158,8 +158,10 @@ def test_ui_fold_ignores_decisions_for_unknown_plans_and_keeps_the_first_verdict
     plan_id = next(iter(model.plans))
     f = factory("demo", "ui:alice")
     model.apply(f.make(PlanDecision(plan_id="plan-unknown", approve=True, actor="ui:alice")))
-    model.apply(f.make(PlanDecision(plan_id=plan_id, approve=True, actor="ui:alice")))
-    model.apply(factory("demo", "ui:bob").make(PlanDecision(plan_id=plan_id, approve=False, actor="ui:bob")))
+    record = model.plans[plan_id].record
+    assert record is not None
+    model.apply(f.make(record.decision(approve=True, actor="ui:alice")))  # bound to the proposal it answers
+    model.apply(factory("demo", "ui:bob").make(record.decision(approve=False, actor="ui:bob")))
     assert model.plans[plan_id].status == "approved"
     assert model.next_seq("demo", "ui:alice") == 2 and model.next_seq("demo", "ui:bob") == 1
 
