@@ -13,6 +13,8 @@ infra/ (the Kafka broker tool) imports none of our packages and reads its own fe
 
 from __future__ import annotations
 
+import os
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -81,9 +83,18 @@ class Environment(BaseSettings):
                             "group) or shrink (survivors keep running and re-form the world without the lost ranks)")
 
 
+_read: tuple[tuple[tuple[str, str], ...], Environment] | None = None
+
+
 def environment() -> Environment:
-    """The environment as it is now (read on every call)."""
-    return Environment()
+    """The environment as it is now: read again whenever a ``RESIHP_`` variable changed. Building
+    the settings costs milliseconds, and readers that check a signature per control event ask for
+    the key settings each time; comparing the variables costs microseconds."""
+    global _read
+    now = tuple(sorted((k, v) for k, v in os.environ.items() if k[:7].upper() == "RESIHP_"))
+    if _read is None or _read[0] != now:
+        _read = (now, Environment())
+    return _read[1]
 
 
 class ElasticEnvironment(BaseSettings):
