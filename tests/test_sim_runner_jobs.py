@@ -9,6 +9,7 @@ import pytest
 
 from collector import topics
 from collector.embedded import EmbeddedBus
+from collector.epoch_fence import COMMAND_TTL_S
 from collector.events import CommandAck, ReconfigureCommand
 from collector.plan import Plan
 from collector.stream import EventStream
@@ -28,7 +29,10 @@ def test_commands_of_other_jobs_and_from_before_the_start_are_left_alone(tmp_pat
     bus.publish([old])  # before the runner exists: not for this run
     runner = SimulatorRunner(bus, SimEngine(SimConfig(model=MODEL, cluster=ClusterSpec(gpus=16), plan=plan, job="mine")))
     other = Authors("theirs", "remediation").make(ReconfigureCommand(command_id="x", plan_id="p1", plan=moved))
-    ours = Authors("mine", "remediation").make(ReconfigureCommand(command_id="c1", plan_id="p2", plan=moved))
+    sim_now = runner.engine.config.start_time_s  # issued for the simulated run, on its clock
+    ours = Authors("mine", "remediation").make(ReconfigureCommand(
+        command_id="c1", plan_id="p2", plan=moved, run=runner.engine.run_id, expires_at_s=sim_now + COMMAND_TTL_S),
+        time_s=sim_now)
     bus.publish([other, ours])
     runner.run(iterations=2)
     with EventStream(bus, "check", [topics.CONTROL]) as s:
