@@ -57,6 +57,8 @@ class Environment(BaseSettings):
     key_console: str = Field(default="", description="the web console's private key, hex (instead of console.key)")
     key_executor: str = Field(default="", description="the trainer's (executor's) private key, hex (instead of executor.key)")
     key_rank: str = Field(default="", description="the ranks' private key (probe results only), hex (instead of rank.key)")
+    store_scope: str = Field(default="", description="set by the node agent for its ranks: the rendezvous round their "
+                             "signed store records belong to (trainer/agent/shrink.py)")
     legacy_keys: str = Field(default="", description="an HMAC key file of the earlier scheme: its signatures verify, "
                              "nothing is signed with it")
     # processes
@@ -107,6 +109,7 @@ class ElasticEnvironment(BaseSettings):
     WORLD_SIZE: int = 1
     LOCAL_RANK: int = 0
     TORCHELASTIC_RESTART_COUNT: int = 0
+    TORCHELASTIC_RUN_ID: str = ""  # the rendezvous id (--rdzv-id) the agent runs under
     MASTER_ADDR: str = "127.0.0.1"  # the ranks' bootstrap store, hosted by the rank-0 node's agent
     MASTER_PORT: int = 29500
 

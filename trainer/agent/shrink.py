@@ -114,7 +114,7 @@ def rank_records(store: dist.Store, rank: int) -> SignedStore:
 def store_scope() -> str:
     """The scope of this rank's signed records in the ranks' store: the rendezvous round its agent
     names (``RESIHP_STORE_SCOPE``), else torch elastic's run id."""
-    return os.environ.get(STORE_SCOPE_ENV) or os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return environment().store_scope or elastic_environment().TORCHELASTIC_RUN_ID
 
 
 def admitted_key(rank: int) -> str:
