@@ -25,6 +25,7 @@ Each scenario is one launch (the fork server imports torch once for all of them)
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
@@ -34,6 +35,7 @@ import torch
 
 from collector import topics
 from collector.embedded import EmbeddedBus
+from collector.epoch_fence import COMMAND_TTL_MAX_S
 from collector.events import (AckStatus, ChunkKind, CommandAck, IterationSummary, PlanCurrent,
                               ProbeRequest, ProbeResult, RankIteration, ReconfigureCommand)
 from collector.plan import PipelinePlan, Plan, StagePlan
@@ -49,10 +51,13 @@ ITERATIONS = 12
 BASE = Plan.uniform(tp=2, pp=2, dp=2, num_layers=4, microbatches_per_replica=4)
 
 
+RUN = "reshape-run"  # every launch's run id: the commands published before it name it
+
+
 def _spec(tmp: Path, **extra) -> RunSpec:
     settings = dict(model=MODEL, iterations=ITERATIONS, pg_timeout_s=5, rendezvous_timeout_s=60, recovery_timeout_s=60,
                     heartbeat_s=0.5, bus=BusSpec(backend="embedded", path=str(tmp / "bus.sqlite")),
-                    save_dir=str(tmp / "final"))
+                    save_dir=str(tmp / "final"), run_id=RUN)
     return RunSpec(**{**settings, **extra})
 
 
@@ -82,7 +87,10 @@ def _final_state(tmp: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def _command(plan: Plan, command_id: str | None = None) -> ReconfigureCommand:
-    return ReconfigureCommand(command_id=command_id or uuid.uuid4().hex, plan_id=f"plan-{plan.epoch}", plan=plan)
+    """A command for the launch's run (RUN, its --run-id), valid for the longest expiry a reader takes:
+    published before the launch, it waits for it."""
+    return ReconfigureCommand(command_id=command_id or uuid.uuid4().hex, plan_id=f"plan-{plan.epoch}", plan=plan,
+                              run=RUN, expires_at_s=time.time() + COMMAND_TTL_MAX_S)
 
 
 def _publish_shift_to_5_3(tmp: Path, plan: Plan, resplit: bool = False) -> ReconfigureCommand:
