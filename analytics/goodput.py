@@ -32,9 +32,15 @@ neither inflates the loss nor makes a counter go back. Each iteration's excess (
 truth it is graded on includes the job's usual noise), and capped at the incident's median + 4 MAD
 (a stall in a slow window is noise, not the fault).
 
-The state is plain data (:meth:`GoodputFold.to_state` / :meth:`GoodputFold.from_state`) so the
-analytics consumer stores it in the same DuckDB transaction as its offsets
-(``analytics/goodput_projection.py``): a restart resumes the counters where they were.
+Which incidents are open, and what they say, is collector/incident_lifecycle.py's fold (one per
+job), the one the engine and the console read; which plans still wait for a decision follows the
+plan fold's rule of what supersedes a waiting plan (collector/plan_lifecycle.py's ``supersedes``).
+Goodput keeps only its own figures on top: each open incident's drag, each waiting plan's time.
+
+The state is plain data (:meth:`GoodputFold.to_state` / :meth:`GoodputFold.load_state`, the
+incident fold's records included) so the analytics consumer stores it in the same DuckDB
+transaction as its offsets (``analytics/goodput_projection.py``): a restart resumes the counters
+where they were.
 """
 
 from __future__ import annotations
@@ -43,10 +49,13 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from collector import incident_lifecycle
 from collector.events import (
-    AckStatus, CommandAck, Envelope, FaultCategory, Heartbeat, IncidentOpened, IncidentResolved, IncidentUpdated,
-    IterationPrediction, IterationSummary, PlanCurrent, PlanDecision, PlanProposed,
+    AckStatus, CommandAck, Envelope, FaultCategory, Heartbeat, IncidentConfirmed, IncidentOpened, IncidentResolved,
+    IncidentUpdated, IterationPrediction, IterationSummary, PlanCurrent, PlanDecision, PlanProposed, Severity,
 )
+from collector.incident_lifecycle import IncidentLifecycle, IncidentRecord
+from collector.plan_lifecycle import supersedes
 
 CAUSES: tuple[str, ...] = ("fail_stop", "fail_slow", "reshape", "restart", "approval", "other")
 _WINDOW_ITERATIONS = 4096  # predictions kept for back-dating drag to an incident's first evidence
@@ -75,6 +84,9 @@ class Goodput:
 
 @dataclass
 class OpenIncident:
+    """An open incident as goodput charges it: the incident fold's category, severity and factors,
+    and the drag it has cost so far."""
+
     category: str
     severity: str
     factor: float
@@ -129,6 +141,7 @@ class GoodputFold:
 
     def __init__(self) -> None:
         self.jobs: dict[str, JobGoodput] = {}
+        self.incident_folds: dict[str, IncidentLifecycle] = {}  # job -> its open incidents, as the fold says
 
     # ---- reading -------------------------------------------------------------------------------
 
@@ -171,22 +184,15 @@ class GoodputFold:
             return
         if not isinstance(p, PlanDecision):  # an operator's decision carries the operator's clock
             self._advance(s, event.time_s)
-        if isinstance(p, IncidentOpened):
-            self._incident_opened(s, p)
-        elif isinstance(p, IncidentUpdated):
-            inc = s.incidents.get(p.incident_id)
-            if inc is not None:
-                inc.severity = p.severity.value
-                inc.factor, inc.confidence = _factor(p.locations), _confidence(p.locations)
-        elif isinstance(p, IncidentResolved):
-            s.incidents.pop(p.incident_id, None)
+        if isinstance(p, IncidentOpened | IncidentConfirmed | IncidentUpdated | IncidentResolved):
+            self._incident(s, event)
         elif isinstance(p, IterationPrediction):
             self._prediction(s, p)
         elif isinstance(p, PlanProposed):
             self._charge_gap(s, closing=False)
             for pid, (_, base) in list(s.awaiting.items()):
-                if base == p.base_epoch:
-                    del s.awaiting[pid]  # superseded (collector/plan_lifecycle.py's rule)
+                if supersedes(p, int(base)):
+                    del s.awaiting[pid]
             s.awaiting[p.plan_id] = [event.time_s, float(p.base_epoch)]
         elif isinstance(p, PlanDecision):
             self._charge_gap(s, closing=False)
@@ -246,19 +252,39 @@ class GoodputFold:
         self._charge(s, "reshape", t)
         s.restart_in_gap = True  # what the gap still holds after the pause is the restart into the new plan
 
-    def _incident_opened(self, s: JobGoodput, p: IncidentOpened) -> None:
-        if p.incident_id in s.incidents:
+    def _incident_fold(self, job: str) -> IncidentLifecycle:
+        book = self.incident_folds.get(job)
+        if book is None:
+            book = self.incident_folds[job] = IncidentLifecycle(job=job)
+        return book
+
+    def _incident(self, s: JobGoodput, event: Envelope) -> None:
+        """Fold an incident event (its signature was checked by whoever reads the bus for this fold)
+        and follow what the fold now says of the incident it changed."""
+        book = self._incident_fold(event.job)
+        record = incident_lifecycle.transition(book, event)
+        if record is None:
             return
-        first = min(p.evidence.iterations, default=p.iteration)
-        s.incidents[p.incident_id] = OpenIncident(
-            category=p.category.value, severity=p.severity.value, factor=_factor(p.locations),
-            confidence=_confidence(p.locations), first_iteration=min(first, p.iteration))
-        first = s.incidents[p.incident_id].first_iteration
+        if not record.is_open:
+            s.incidents.pop(record.incident_id, None)
+            del book.incidents[record.incident_id]  # goodput keeps open incidents only, as its state does
+            return
+        inc = s.incidents.get(record.incident_id)
+        if inc is None:
+            self._incident_opened(s, record)
+        else:
+            inc.severity, inc.factor, inc.confidence = record.severity.value, record.factor, record.confidence
+
+    def _incident_opened(self, s: JobGoodput, record: IncidentRecord) -> None:
+        first = record.evidence_from_iteration
+        s.incidents[record.incident_id] = OpenIncident(
+            category=record.category.value, severity=record.severity.value, factor=record.factor,
+            confidence=record.confidence, first_iteration=first)
         s.healthy_excess = [h for h in s.healthy_excess if h[0] < first]  # they were slow, not healthy
-        if p.category == FaultCategory.FAIL_STOP:
+        if record.category == FaultCategory.FAIL_STOP:
             self._charge_gap(s, closing=False)  # the hang began at the last iteration's end: charge it now
         else:
-            for it in sorted(k for k in s.predictions if k >= s.incidents[p.incident_id].first_iteration):
+            for it in sorted(k for k in s.predictions if k >= first):
                 self._drag(s, it)
 
     def _prediction(self, s: JobGoodput, p: IterationPrediction) -> None:
@@ -296,10 +322,19 @@ class GoodputFold:
     # ---- state ---------------------------------------------------------------------------------
 
     def to_state(self, job: str) -> dict[str, Any]:
-        return asdict(self.jobs[job])
+        book = self.incident_folds.get(job)
+        records = [r.to_state() for r in book.incidents.values()] if book is not None else []
+        return {**asdict(self.jobs[job]), "incident_records": records}
 
     def load_state(self, job: str, state: dict[str, Any]) -> None:
         st = dict(state)
+        records = [IncidentRecord.from_state(r) for r in st.pop("incident_records", [])]
+        if not records:  # a state stored before it kept the fold's records: what goodput knew of each
+            records = [IncidentRecord(iid, FaultCategory(v["category"]), Severity(v["severity"]), [], "",
+                                      v["first_iteration"], evidence_from_iteration=v["first_iteration"])
+                       for iid, v in st.get("incidents", {}).items()]
+        book = self.incident_folds[job] = IncidentLifecycle(job=job)
+        book.incidents = {r.incident_id: r for r in records}
         st["incidents"] = {k: OpenIncident(**v) for k, v in st.get("incidents", {}).items()}
         st["predictions"] = {int(k): v for k, v in st.get("predictions", {}).items()}
         st["charged_iterations"] = {int(k): v for k, v in st.get("charged_iterations", {}).items()}
@@ -323,11 +358,3 @@ def _capped_excess(inc: OpenIncident, excess: float) -> float:
     median = ordered[len(ordered) // 2]
     mad = sorted(abs(x - median) for x in recent)[len(recent) // 2]
     return min(excess, median + 4.0 * max(mad, 0.01))
-
-
-def _factor(locations: list) -> float:
-    return max((loc.factor for loc in locations), default=1.0)
-
-
-def _confidence(locations: list) -> float:
-    return max((loc.confidence for loc in locations), default=0.0)

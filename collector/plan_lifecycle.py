@@ -41,6 +41,7 @@ from enum import StrEnum
 from typing import Any
 
 from collector.auth import Keyring, Refusals, load_keyring, needs_signature
+from collector.epoch_fence import fence_verdict
 from collector.events import (
     AckStatus, CommandAck, Envelope, PlanCurrent, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified,
     PolicyChanged, PolicyMode, ReconfigureCommand, Severity,
@@ -138,13 +139,29 @@ class Report:
 
 
 @dataclass
-class PlanLifecycle:
+class Admission:
+    """What a fold of the log remembers to admit each event once, and only a verified one: the job
+    it folds (``None``: every job's events together), the ids seen, the refusals, the reports.
+    Every fold of a control stream (this one, collector/incident_lifecycle.py's) extends it, so one
+    state can fold both streams and an event is admitted once for both."""
+
+    job: str | None = None
+    reports: deque[Report] = field(default_factory=lambda: deque(maxlen=REPORTS_KEPT))  # the newest, for logs and tests
+    seen: set[str] = field(default_factory=set)
+    keyring: Keyring | None = None  # None: the environment's (collector/auth.py's load_keyring)
+    rejected: Refusals = field(default_factory=Refusals)  # refused event id -> why (the newest only)
+
+    def report(self, event: Envelope, message: str) -> None:
+        self.reports.append(Report(event.id, event.kind, message))
+
+
+@dataclass
+class PlanLifecycle(Admission):
     """The fold's state for one job (``job=None``: every job's events are folded together).
 
     Subclasses extend it (the engine adds incidents and samples) and may override
     :meth:`plan_runs` and :meth:`plan_applied`, the two points where a reader learns more."""
 
-    job: str | None = None
     run: str | None = None  # the run incarnation the executor announced last (plan.current's run)
     running_epoch: int = 0
     running_plan: Plan | None = None
@@ -153,10 +170,6 @@ class PlanLifecycle:
     commands: dict[str, str] = field(default_factory=dict)  # command_id -> plan_id
     policy_mode: PolicyMode = PolicyMode.PROPOSE
     auto_severities: list[Severity] = field(default_factory=list)
-    reports: deque[Report] = field(default_factory=lambda: deque(maxlen=REPORTS_KEPT))  # the newest, for logs and tests
-    seen: set[str] = field(default_factory=set)
-    keyring: Keyring | None = None  # None: the environment's (collector/auth.py's load_keyring)
-    rejected: Refusals = field(default_factory=Refusals)  # refused event id -> why (the newest only)
 
     def plan_runs(self, plan: Plan) -> None:
         """``plan`` runs now; plans left behind by the epoch change close."""
@@ -174,11 +187,8 @@ class PlanLifecycle:
     def plan_applied(self, record: PlanRecord) -> None:
         """The trainer acknowledged ``record`` as applied (after :meth:`plan_runs`)."""
 
-    def report(self, event: Envelope, message: str) -> None:
-        self.reports.append(Report(event.id, event.kind, message))
 
-
-def admit(state: PlanLifecycle, event: Envelope) -> bool:
+def admit(state: Admission, event: Envelope) -> bool:
     """Whether ``event`` is new to ``state``, of its job and, for a control event, signed by a role
     that may write it; remembers its id. A refused event is reported once and never remembered."""
     if state.job is not None and event.job != state.job:
@@ -232,10 +242,18 @@ def _proposed(state: PlanLifecycle, e: Envelope, p: PlanProposed) -> PlanRecord 
                         "superseded on arrival")
         return record
     for other in state.plans.values():
-        if other is not record and other.status == PlanStatus.PROPOSED and other.proposal.base_epoch == p.base_epoch:
+        if other is not record and other.status == PlanStatus.PROPOSED and supersedes(p, other.proposal.base_epoch):
             other.status = PlanStatus.SUPERSEDED
             other.verdict = f"superseded by {p.plan_id}"
     return record
+
+
+def supersedes(proposal: PlanProposed, waiting_base_epoch: int) -> bool:
+    """Whether ``proposal`` supersedes a plan still waiting for its decision that was based on
+    ``waiting_base_epoch``: a newer proposal from the same running layout replaces it, since only one
+    plan can move the job off a layout. (A plan whose base stops running is superseded by
+    :meth:`PlanLifecycle.plan_runs`.) Goodput's wait for approval reads this rule too."""
+    return proposal.base_epoch == waiting_base_epoch
 
 
 def decision_refusal(state: PlanLifecycle, p: PlanDecision) -> str | None:
@@ -282,17 +300,19 @@ def _policy(state: PlanLifecycle, e: Envelope, p: PolicyChanged) -> None:
 
 
 def _command(state: PlanLifecycle, e: Envelope, p: ReconfigureCommand) -> PlanRecord | None:
+    """A command moves its plan only where an executor would obey it (collector/epoch_fence.py's
+    ``fence_verdict``: each id once, epoch e+1 on top of e), and only for an approved plan."""
     record = state.plans.get(p.plan_id)
-    if p.command_id in state.commands:
+    fenced, why = fence_verdict(p, state.running_epoch, state.commands)
+    if fenced == AckStatus.IGNORED_DUPLICATE:
         state.report(e, f"duplicate command {p.command_id} for plan {p.plan_id}; ignored")
         return None
     if record is None or record.status != PlanStatus.APPROVED:
         status = "unknown" if record is None else record.status.value
         state.report(e, f"command {p.command_id} for plan {p.plan_id} ({status}, not approved); ignored")
         return None
-    if p.plan.epoch != state.running_epoch + 1:
-        state.report(e, f"stale command {p.command_id}: asks for epoch {p.plan.epoch} but epoch "
-                        f"{state.running_epoch} runs (needs {state.running_epoch + 1}); ignored")
+    if fenced is not None:
+        state.report(e, f"stale command {p.command_id}: {why}; ignored")
         return None
     state.commands[p.command_id] = p.plan_id
     record.status = PlanStatus.COMMANDED
