@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from collector.events import FaultCategory, Location
+from collector.topology import slowest_link_between
 
 DEAD_FACTOR = 1e3  # a slowdown at or above this is treated as a dead device
 HEALTHY_TOLERANCE = 1.02  # factors below this are noise, not a fault
@@ -50,19 +51,6 @@ class DeviceState:
     @property
     def healthy(self) -> bool:
         return not self.dead and self.compute_factor < HEALTHY_TOLERANCE and self.link_factor < HEALTHY_TOLERANCE
-
-
-def slowest_link_between(links: Mapping[frozenset[int], float], group_a: tuple[int, ...],
-                         group_b: tuple[int, ...]) -> float:
-    """The worst slowdown among ``links`` (device pair → factor; a one-device key is a loop) with
-    one end in each group (the same group twice: a TP all-reduce), 1.0 when none joins them. The
-    planner's cluster view and the simulator's truth both cost traffic by this one rule."""
-    worst = 1.0
-    for key, factor in links.items():
-        a, b = (tuple(key) * 2)[:2]
-        if (a in group_a and b in group_b) or (b in group_a and a in group_b):
-            worst = max(worst, factor)
-    return worst
 
 
 @dataclass(frozen=True)

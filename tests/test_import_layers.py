@@ -29,6 +29,11 @@ LAYERS: list[set[str]] = [
 # imports none of our packages, so only the composition root and bench/ import it.
 LEAVES = {"collector", "infra"}
 
+# trainer sits on analytics, beside remediation rather than above it (trainer → analytics →
+# collector): an executor obeys commands from the bus, never the planner's code, and what both need
+# (the slowest-link rule, collector/topology.py) is contract.
+APART = {frozenset({"trainer", "remediation"})}
+
 RANK = {pkg: rank for rank, layer in enumerate(LAYERS) for pkg in layer}
 PACKAGES = sorted(RANK)
 
@@ -60,6 +65,8 @@ def wrong_way_imports(package: str, files: list[Path]) -> list[str]:
             where = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{line} imports {name}"
             if package in LEAVES:
                 problems.append(f"{where}: {package} is a leaf and imports none of our packages")
+            elif frozenset({package, target}) in APART:
+                problems.append(f"{where}: {package} and {target} never import each other")
             elif RANK[target] == RANK[package]:
                 problems.append(f"{where}: {target} is a sibling of {package} in the same layer")
             elif RANK[target] > RANK[package]:
@@ -86,6 +93,7 @@ def test_imports_point_down_the_layers(package):
     ("def f():\n    import bench.recover\n", "resihp", "bench sits above resihp"),
     ("import importlib\nimportlib.import_module('ui.feed')\n", "trainer", "ui is a sibling of trainer"),
     ("from trainer.sim import engine\n", "analytics", "trainer sits above analytics"),
+    ("from remediation.cluster import ClusterState\n", "trainer", "trainer and remediation never import each other"),
     ("from remediation import planner\n", "infra", "infra is a leaf"),
 ])
 def test_the_check_catches_a_wrong_way_import(tmp_path, source, package, expected):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from collector.events import FaultInjected, Location
 from collector.plan import Plan
-from remediation.cluster import slowest_link_between
+from collector.topology import slowest_link_between
 from trainer.fault_spec import FaultSpec
 from trainer.sim.presets import ClusterSpec
 
