@@ -1,5 +1,5 @@
 """The operators' figures inside the analytics consumer's transaction: the goodput fold
-(``analytics/goodput.py``) and each job's rank-health summary, stored with the offsets.
+(``collector/goodput.py``) and each job's rank-health summary, stored with the offsets.
 
 The state of every job the batch touched is written as JSON in the same DuckDB transaction as the
 projector's positions, so a consumer that restarts (or crashes anywhere) goes on from exactly the
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import duckdb
 
-from analytics.goodput import Goodput, GoodputFold, OpenIncident
+from collector.goodput import Goodput, GoodputFold, OpenIncident
 from collector.events import RankHealth
 from collector.stream import Delivery
 

@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeHistogramMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from analytics.goodput import CAUSES
+from collector.goodput import CAUSES
 from analytics.goodput_projection import FACTOR_BUCKETS, JobFigures
 from collector.bus import Bus, TopicPartition
 from collector.events import FaultCategory, Severity

@@ -1,4 +1,4 @@
-"""The simulator's ground truth of goodput, to grade the event-log fold (analytics/goodput.py) against.
+"""The simulator's ground truth of goodput, to grade the event-log fold (collector/goodput.py) against.
 
 The simulator knows what the platform can only estimate: how long each iteration would have taken
 had no fault been active. Its workload, noise and stalls are drawn from generators seeded by
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from analytics.goodput import Goodput
+from collector.goodput import Goodput
 from analytics.goodput_projection import GoodputProjection
 from collector.events import Envelope, IterationSummary
 from collector.plan import Plan

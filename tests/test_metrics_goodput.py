@@ -1,4 +1,4 @@
-"""The goodput fold (analytics/goodput.py): each cause is charged where the docs say, the counters
+"""The goodput fold (collector/goodput.py): each cause is charged where the docs say, the counters
 never go back across a restart of the consumer, and on the simulator the fold agrees with the
 ground truth of a twin engine that ran the same iterations without the fault."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from analytics.detector import Detector
 from analytics.detector_config import DetectorConfig
-from analytics.goodput import GoodputFold
+from collector.goodput import GoodputFold
 from analytics.goodput_projection import GoodputProjection
 from bench._goodput_truth import TruthRecordingEngine, healthy_seconds
 from collector.events import (

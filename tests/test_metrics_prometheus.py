@@ -31,7 +31,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from streamlit.testing.v1 import AppTest
 
-from analytics.goodput import GoodputFold
+from collector.goodput import GoodputFold
 from collector.codec import decode
 from collector.embedded import EmbeddedBus
 from collector.events import Envelope, FaultCategory, IncidentOpened

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from analytics.goodput import GoodputFold
+from collector.goodput import GoodputFold
 from collector import topics
 from collector.embedded import EmbeddedBus
 from collector.events import (
@@ -158,7 +158,7 @@ def test_ui_policy_change_by_operator_publishes_policy_changed_and_viewer_cannot
 
 
 def test_ui_replay_and_jobs_pages_render_the_log(console: Path) -> None:
-    """The Jobs page leads with goodput, the one fold's figure (analytics/goodput.py, as /metrics
+    """The Jobs page leads with goodput, the one fold's figure (collector/goodput.py, as /metrics
     serves it), then the layout; Replay lists what happened."""
     at = sign_in(AppTest.from_file(APP, default_timeout=60).run(), "alice", "alice-pw")
     assert not at.exception, at.exception

@@ -16,7 +16,7 @@ import altair as alt
 import numpy as np
 import pandas as pd
 
-from analytics.goodput import Goodput
+from collector.goodput import Goodput
 from collector.events import RankHealthEntry, RankState
 from collector.plan import Plan
 from ui.read_model import Mark, Slot

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from analytics.goodput import GoodputFold
+from collector.goodput import GoodputFold
 from collector.events import (
     AckStatus, BusOutage, CommandAck, Envelope, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentResolved,
     IncidentUpdated, IterationPrediction, PlanCurrent, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified,
@@ -269,7 +269,7 @@ class ReadModel:
         self._max_rank_iterations = max_rank_iterations
         self._early_remediation_events: dict[str, list[Envelope]] = {}
         self.security = SecurityLog()
-        self.goodput = GoodputFold()  # the one definition /metrics serves too (analytics/goodput.py)
+        self.goodput = GoodputFold()  # the one definition /metrics serves too (collector/goodput.py)
         self.keyring = keyring  # None: the environment's (collector/auth.py's load_keyring)
         self._refused = Refusals()  # the newest ids of control events that did not verify: a flood stays bounded
 

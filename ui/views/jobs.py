@@ -110,7 +110,7 @@ def _recovery_timeline(job: JobView) -> None:
 def _goodput_headline(feed: Feed, job_name: str) -> None:
     """The job's headline: goodput (ETTR) and where the rest of the wall time went, from the same
     fold as /metrics' ``resihp_goodput_ratio`` and ``resihp_goodput_loss_seconds_total``
-    (analytics/goodput.py, docs/metrics.md), so the console and a dashboard never disagree."""
+    (collector/goodput.py, docs/metrics.md), so the console and a dashboard never disagree."""
     g = feed.model.goodput.breakdown(job_name)
     if g is None:
         return

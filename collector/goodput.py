@@ -2,7 +2,9 @@
 training, and where the rest went.
 
 Every reader imports this fold — the metrics exporter (``analytics/metrics.py``) and the console's
-job view — so the figure an operator sees on a dashboard and on the console is one definition.
+job view — so the figure an operator sees on a dashboard and on the console is one definition. It
+lives in collector/ beside the plan and incident folds because it reads nothing but the contract:
+the console folds it from the log itself rather than importing analytics.
 
 Time is the job's event time (the trainer's and simulator's ``time_s``; the detector and the engine
 stamp their events with the event time that caused them). The wall time of a job runs from its first
