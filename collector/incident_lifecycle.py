@@ -188,3 +188,4 @@ def _resolved(state: IncidentLifecycle, e: Envelope, p: IncidentResolved) -> Inc
 _HANDLERS: dict[type, Callable[[IncidentLifecycle, Envelope, Any], IncidentRecord | None]] = {
     IncidentOpened: _opened, IncidentConfirmed: _confirmed, IncidentUpdated: _updated, IncidentResolved: _resolved,
 }
+PAYLOADS: tuple[type, ...] = tuple(_HANDLERS)  # the payloads this fold reads: a reader of several streams routes by them

@@ -4,10 +4,11 @@
     policy:auto) → command.reconfigure (epoch e+1) → command.ack → plan.verified | plan.rolled_back
 
 :func:`step` applies one event to a :class:`LifecycleState` and does no I/O, so the same log
-always folds to the same state. The plan half is collector/plan_lifecycle.py's fold, the one every
-reader of the stream imports (its states, records and reports are re-exported here);
-:class:`LifecycleState` extends it with what the engine alone needs: incidents, the devices known
-dead, the samples a verification judges. Anything that must not take effect is *reported*, never
+always folds to the same state. The plan half is collector/plan_lifecycle.py's fold and the
+incident half collector/incident_lifecycle.py's, the ones every reader of those streams imports
+(their states, records and reports are re-exported here); :class:`LifecycleState` extends both with
+what the engine alone needs: the devices known dead, a version of the set of faults, the samples a
+verification judges. Anything that must not take effect is *reported*, never
 applied; events are deduplicated on their id.
 
 :func:`reactions` is the other half: what the engine should publish given the state (auto
@@ -22,47 +23,29 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from collector import plan_lifecycle
+from collector import incident_lifecycle, plan_lifecycle
 from collector.epoch_fence import COMMAND_TTL_S
 from collector.events import (
-    CostModelFitted, Envelope, FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated,
-    ExecutorCapabilities, IterationPrediction, IterationSummary, Location, Payload, PlanCurrent, PlanRolledBack, PlanVerified,
-    PlanWithheld, PolicyMode, ReconfigureCommand, Severity,
+    CostModelFitted, Envelope, ExecutorCapabilities, FaultCategory, IterationPrediction, IterationSummary, Location,
+    Payload, PlanCurrent, PlanRolledBack, PlanVerified, PlanWithheld, PolicyMode, ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
-# the plan fold's names, re-exported: the engine's readers (resihp plans, the closed loop) import them from here
+# the folds' names, re-exported: the engine's readers (resihp plans, the closed loop, the planner) import them from here
+from collector.incident_lifecycle import IncidentLifecycle, IncidentRecord, IncidentStatus  # noqa: F401
 from collector.plan_lifecycle import IN_FLIGHT, WAITING, PlanLifecycle, PlanRecord, PlanStatus, Report  # noqa: F401
 from remediation.verification import Verification, verdict
 
 _NAMESPACE = uuid.UUID("3b0d7c52-8f7e-4d3a-9c61-5a2e7f1b9d04")
 
 
-@dataclass
-class IncidentRecord:
-    incident_id: str
-    category: FaultCategory
-    severity: Severity
-    locations: list[Location]
-    summary: str
-    opened_iteration: int
-    status: str = "open"  # open | confirmed | resolved
-    # the iteration of its latest update (or opening): the faults it describes have been as they are
-    # since then, so a plan answering it is judged against the old layout's samples from there on
-    changed_iteration: int = -1
-    opened_at_s: float = 0.0  # the opening event's time (the analytics consumer stamps the telemetry's)
-    probing: tuple[int, ...] = ()  # ranks a probe re-asks since the latest update: a better location follows
-    probing_since_s: float = 0.0  # that update's time
-
-
 _SEVERITY_ORDER = {s: i for i, s in enumerate([Severity.LOW, Severity.MEDIUM, Severity.HIGH, Severity.CRITICAL])}
 
 
 @dataclass
-class LifecycleState(PlanLifecycle):
-    """The plan lifecycle's fold (running plan, plans, commands, policy, reports) and the engine's own
-    state around it."""
+class LifecycleState(PlanLifecycle, IncidentLifecycle):
+    """The plan lifecycle's fold (running plan, plans, commands, policy, reports), the incidents'
+    fold, and the engine's own state around them."""
 
-    incidents: dict[str, IncidentRecord] = field(default_factory=dict)
     incident_version: int = 0  # bumps whenever the set of faults changes (a cue to re-plan)
     announced: dict[int, PlanCurrent] = field(default_factory=dict)  # epoch -> the trainer's plan.current
     cost_fits: dict[int, CostModelFitted] = field(default_factory=dict)  # epoch -> latest analytics.cost_model
@@ -84,8 +67,11 @@ class LifecycleState(PlanLifecycle):
         for iteration, sample in self.epoch_samples.get(record.epoch, {}).items():
             record.samples.setdefault(iteration, sample)
 
-    def open_incidents(self) -> list[IncidentRecord]:
-        return [i for i in self.incidents.values() if i.status != "resolved"]
+    def faults_changed(self, record: IncidentRecord) -> None:
+        """The set of faults changed: a cue to re-plan; the devices an open fail-stop names are dead."""
+        if record.is_open:
+            _note_dead(self, record.category, record.locations)
+        self.incident_version += 1
 
     def plan_in_flight(self) -> PlanRecord | None:
         return next((p for p in self.plans.values() if p.status in IN_FLIGHT), None)
@@ -138,6 +124,8 @@ def step(state: LifecycleState, event: Envelope) -> LifecycleState:
     handler = _HANDLERS.get(type(p))
     if handler is not None:
         handler(state, event, p)
+    elif isinstance(p, incident_lifecycle.PAYLOADS):
+        incident_lifecycle.transition(state, event)
     else:
         plan_lifecycle.transition(state, event)
     return state
@@ -151,56 +139,6 @@ def fold(events: list[Envelope] | tuple[Envelope, ...], state: LifecycleState | 
 
 
 # ---- handlers ------------------------------------------------------------------------------------
-
-
-def _incident_opened(state: LifecycleState, e: Envelope, p: IncidentOpened) -> None:
-    if p.incident_id in state.incidents:
-        state.report(e, f"incident {p.incident_id} opened twice; kept the first")
-        return
-    state.incidents[p.incident_id] = IncidentRecord(p.incident_id, p.category, p.severity, list(p.locations),
-                                                    p.summary, p.iteration, changed_iteration=p.iteration,
-                                                    opened_at_s=e.time_s)
-    _note_dead(state, p.category, list(p.locations))
-    state.incident_version += 1
-
-
-def _known_incident(state: LifecycleState, e: Envelope, incident_id: str, what: str) -> IncidentRecord | None:
-    """The incident an event refers to; an event about an incident never opened is reported and ignored."""
-    inc = state.incidents.get(incident_id)
-    if inc is None:
-        state.report(e, f"{what} of unknown incident {incident_id}")
-    return inc
-
-
-def _incident_confirmed(state: LifecycleState, e: Envelope, p: IncidentConfirmed) -> None:
-    if (inc := _known_incident(state, e, p.incident_id, "confirmation")) is None:
-        return
-    inc.status, inc.probing = "confirmed", ()
-    if p.locations:
-        _relocate(state, inc, p.locations)
-
-
-def _incident_updated(state: LifecycleState, e: Envelope, p: IncidentUpdated) -> None:
-    if (inc := _known_incident(state, e, p.incident_id, "update")) is None:
-        return
-    inc.severity = p.severity
-    inc.changed_iteration = max(inc.changed_iteration, p.iteration)
-    inc.probing, inc.probing_since_s = tuple(p.probing), e.time_s
-    _relocate(state, inc, p.locations)
-
-
-def _relocate(state: LifecycleState, inc: IncidentRecord, locations: list[Location]) -> None:
-    """New locations for an open incident: what the planner plans around changed."""
-    inc.locations = list(locations)
-    _note_dead(state, inc.category, inc.locations)
-    state.incident_version += 1
-
-
-def _incident_resolved(state: LifecycleState, e: Envelope, p: IncidentResolved) -> None:
-    if (inc := _known_incident(state, e, p.incident_id, "resolution")) is None:
-        return
-    inc.status, inc.probing = "resolved", ()
-    state.incident_version += 1
 
 
 KEPT_UNVERIFIED = "kept: the layout before it cannot run again"  # a short plan's verdict when no roll-back exists
@@ -254,10 +192,9 @@ def _withheld(state: LifecycleState, e: Envelope, p: PlanWithheld) -> None:
 
 _HANDLERS: dict[type, Callable[[LifecycleState, Envelope, Any], None]] = {
     PlanCurrent: _plan_current, CostModelFitted: _cost_model, ExecutorCapabilities: _capabilities,
-    IncidentOpened: _incident_opened, IncidentConfirmed: _incident_confirmed, IncidentUpdated: _incident_updated,
-    IncidentResolved: _incident_resolved, IterationSummary: _summary, IterationPrediction: _prediction,
+    IterationSummary: _summary, IterationPrediction: _prediction,
     PlanWithheld: _withheld,
-}  # the plan lifecycle's events go to collector/plan_lifecycle.py's transition
+}  # the plan lifecycle's and the incidents' events go to their folds' transitions
 
 
 # ---- reactions -----------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from collector.events import FaultCategory, Location
 from remediation.cluster import precision
-from remediation.lifecycle import IncidentRecord
+from collector.incident_lifecycle import IncidentRecord
 
 
 @dataclass(frozen=True)
