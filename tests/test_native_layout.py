@@ -6,7 +6,7 @@ import pytest
 
 from collector.plan import PipelinePlan, Plan, StagePlan
 from trainer.native.capabilities import NATIVE_CAPABILITIES, refusal
-from trainer.native.layout import NativeLayout, PlanRefused
+from trainer.native.layout import NativeLayout, MeshRuleBroken
 from trainer.native.model import LlamaConfig
 
 CFG = LlamaConfig(n_layers=4, n_heads=4, ffn_hidden=128, vocab_size=256)
@@ -43,7 +43,7 @@ def test_replicas_may_run_different_microbatch_counts():
 ])
 def test_a_plan_the_mesh_cannot_express_is_refused_with_the_rule_it_breaks(plan, reason):
     assert reason in (refusal(plan, CFG) or "")
-    with pytest.raises(PlanRefused, match=reason):
+    with pytest.raises(MeshRuleBroken, match=reason):
         NativeLayout.of(plan, CFG)
 
 

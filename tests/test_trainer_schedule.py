@@ -16,7 +16,7 @@ from trainer.data import global_targets, microbatch
 from trainer.faults import FaultInjector
 from trainer.intake import CommandIntake
 from trainer.model import GPTConfig, TPContext, init_stage
-from trainer.parallel import Layout, apply_pp, owner_stage
+from trainer.parallel import PlanWorld, apply_pp, owner_stage
 from trainer.schedule import PipelineSchedule
 from trainer.telemetry import IterationRecorder
 
@@ -69,7 +69,7 @@ def _run(schedule: str, virtual_stages: int) -> tuple[float, dict[str, torch.Ten
     stage = apply_pp(CFG, plan, role, TPContext())
     init_stage(stage, 0)
     rec = IterationRecorder()
-    runner = PipelineSchedule.for_plan(stage, Layout(plan, (0,)), role, FaultInjector([], 0))
+    runner = PipelineSchedule.for_plan(stage, PlanWorld(plan, (0,)), role, FaultInjector([], 0))
     mbs = [microbatch(0, 0, m, CFG.vocab_size, CFG.block_size) for m in range(4)]
     loss = runner.run(mbs, global_targets(0, 0, 4, CFG.block_size), rec)
     return loss, {n: p.grad.clone() for n, p in stage.named_parameters()}, rec.chunks

@@ -20,7 +20,7 @@ from trainer.rendezvous import (CONTROL_POST, PostAborted, abort_key, arrive_key
 from trainer.model import GPTConfig, GPTStage, init_full, init_stage, shard, shard_rule, unshard
 from trainer.native.model import LlamaConfig
 from trainer.optim import AdamW
-from trainer.parallel import Layout, keeps_groups
+from trainer.parallel import PlanWorld, keeps_groups
 from trainer.schedule import paced_chunk_s
 
 CFG = GPTConfig(vocab_size=64, n_layer=4, n_head=4, n_embd=32, block_size=64, dtype="float64")
@@ -74,14 +74,14 @@ def test_tp_shards_reassemble_to_the_full_parameter() -> None:
 
 
 def test_dp_buckets_reduce_shards_when_tp_matches_and_full_tensors_when_it_does_not() -> None:
-    uniform = Layout(Plan.uniform(tp=2, pp=2, dp=2, num_layers=4, microbatches_per_replica=1), tuple(range(8)))
+    uniform = PlanWorld(Plan.uniform(tp=2, pp=2, dp=2, num_layers=4, microbatches_per_replica=1), tuple(range(8)))
     assert [(b.devices, b.full) for b in uniform.buckets] == [
         ((0, 4), (False,) * 3), ((1, 5), (False,) * 3), ((2, 6), (False,) * 3), ((3, 7), (False,) * 3)]
     mixed = Plan(epoch=0, num_layers=2, pipelines=(
         PipelinePlan(replica=0, microbatches=1, stages=(StagePlan(devices=(0, 1), first_layer=0, end_layer=2),)),
         PipelinePlan(replica=1, microbatches=1, stages=(StagePlan(devices=(2,), first_layer=0, end_layer=1),
                                                         StagePlan(devices=(3,), first_layer=1, end_layer=2)))))
-    buckets = Layout(mixed, (0, 1, 2, 3)).buckets
+    buckets = PlanWorld(mixed, (0, 1, 2, 3)).buckets
     assert [(b.devices, b.units, set(b.full)) for b in buckets] == [
         ((0, 1, 2), ("embed", "layer.0"), {True}), ((0, 1, 3), ("layer.1", "head"), {True})]
 
@@ -271,7 +271,7 @@ def test_any_tp_degree_is_a_plan_and_the_trainer_refuses_one_that_does_not_divid
 
 
 def test_only_a_change_of_micro_batch_counts_on_the_same_world_keeps_the_groups() -> None:
-    running = Layout(Plan.uniform(tp=1, pp=2, dp=2, num_layers=4, microbatches_per_replica=4), (0, 1, 2, 3))
+    running = PlanWorld(Plan.uniform(tp=1, pp=2, dp=2, num_layers=4, microbatches_per_replica=4), (0, 1, 2, 3))
     p0 = running.plan
 
     def counts(*ms: int) -> Plan:

@@ -28,7 +28,7 @@ import torch
 
 from trainer.chunks import LayerRange, role_chunks, units_of_chunks
 from trainer.model import GPTConfig, GPTStage, shard, shard_rule
-from trainer.parallel import Layout, gather_tp
+from trainer.parallel import PlanWorld, gather_tp
 from trainer.state import ShardState, export_state, flatten, reassemble, unflatten, unit_names
 
 KEEP_PERIODIC = 2
@@ -38,7 +38,7 @@ def periodic_dir(save_dir: str | Path, iteration: int) -> Path:
     return Path(save_dir) / f"step-{iteration:08d}"
 
 
-def save_checkpoint(directory: str | Path, layout: Layout, me: int, stage: GPTStage | None, opt, iteration: int,
+def save_checkpoint(directory: str | Path, layout: PlanWorld, me: int, stage: GPTStage | None, opt, iteration: int,
                     tp_devices: tuple[int, ...] | None, barrier: Callable[[], None], run_id: str = "") -> None:
     """Every world member calls this. Replica 0 writes each unit at full size; after ``barrier``
     world rank 0 writes ``meta.json`` (the mark of a complete checkpoint)."""

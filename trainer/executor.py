@@ -5,7 +5,7 @@ The launcher's ``CommandIntake`` (trainer/intake.py) has already fenced the comm
 e+1 on top of e reaches the ranks — and posted the plan and the live world into the TCPStore as a
 numbered post (trainer/rendezvous.py).
 
-    reshape(P):    agree → export_state → rebuild_world → restore_state → rebuild_groups → resume
+    reshape(P):    agree → export → rebuild (the world) → restore (state, then the stage's groups) → resume
                    agree → rebalance → resume     (only micro-batch counts change: arrival barrier, groups kept)
                    (a failure past agree: back to the running epoch, await_plan → reshape)
     recover(exc):  await_plan → reshape(P)              (after a collective failed: a peer died)
@@ -38,24 +38,17 @@ import torch.distributed as dist
 
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.chunks import role_chunks
-from trainer.parallel import Layout, keeps_groups
+from trainer.parallel import PlanWorld, keeps_groups
 from trainer.rendezvous import (GROUPS_KEPT, Post, PostAborted, PostRefused, await_arrivals, done_key, failed_key,
                                 newest_post, read_post)
+from trainer.protocol import Released, ReshapeExecutor, ReshapeFailed
 from trainer.state import NoLiveSource, ShardState, export_state, transfer_live, units_without_live_copy
 
 log = logging.getLogger("resihp.trainer")
 
 
-class Released(Exception):
-    """This device is not in the next epoch's world (the launcher counted it out): exit cleanly."""
-
-
-class ReshapeFailed(RuntimeError):
-    pass
-
-
-class Executor:
-    """Owns the reconfiguration protocol of one rank (``trainer`` is its worker.Trainer)."""
+class Executor(ReshapeExecutor):
+    """Owns the reconfiguration protocol (trainer/protocol.py) of one rank (``trainer`` is its worker.Trainer)."""
 
     def __init__(self, trainer) -> None:
         self.trainer = trainer
@@ -79,14 +72,14 @@ class Executor:
     def rebalance(self, post: Post) -> None:
         """The post only moves micro-batches between replicas (``keeps_groups``): wait at the
         arrival barrier (``PostAborted`` if a device of the world died first, as in
-        :meth:`rebuild_world`), then switch the running role to its plan. No rendezvous and no
+        :meth:`rebuild`), then switch the running role to its plan. No rendezvous and no
         transfer: the groups, the stages and their optimizer state stay as they are."""
         t = self.trainer
         t.faults.begin_reshape(t.iteration)
         await_arrivals(t.records, post.number, post.world, t.device, t.spec.rendezvous_timeout_s)
-        t.current = t.reassign(Layout(post.plan, post.world))
+        t.current = t.reassign(PlanWorld(post.plan, post.world))
 
-    def export_state(self) -> ShardState | None:
+    def export(self) -> ShardState | None:
         """This device's shards of parameters and optimizer state under the running plan (from
         memory; cannot fail short of a bug). None for a device without a role."""
         cur = self.trainer.current
@@ -94,7 +87,7 @@ class Executor:
             return None
         return export_state(cur.work.stage, cur.work.opt)
 
-    def rebuild_world(self, post: Post) -> Layout:
+    def rebuild(self, post: Post) -> PlanWorld:
         """Wait for the post's whole world, then destroy the old default group and rendezvous a new one.
 
         ``PostAborted`` if the launcher gives up on the post first (a device of the world died);
@@ -107,8 +100,9 @@ class Executor:
             raise Released(f"device {self.trainer.device} is not in the world of post {post.number}")
         return layout
 
-    def restore_state(self, old, layout: Layout, mine: ShardState | None) -> tuple[ShardState | None, str]:
-        """This device's state under the new plan, and where it came from ("live", or the checkpoint).
+    def restore(self, old, layout: PlanWorld, mine: ShardState | None) -> str:
+        """This device's state under the new plan, loaded into its new stage (:meth:`rebuild_groups`:
+        the stage is built with its state); returns where the state came from ("live", or the checkpoint).
 
         From live holders when every unit still has one (see trainer/state.py; a sender that dies
         mid-way fails the receive, see :meth:`reshape`), else from disk (:meth:`restore_from_disk`).
@@ -116,10 +110,13 @@ class Executor:
         self.trainer.faults.begin_transfer(self.trainer.iteration)
         missing = units_without_live_copy(old, layout)
         if missing:
-            return self.restore_from_disk(layout, missing)
-        return transfer_live(self.trainer.cfg, old, layout, self.trainer.device, mine), "live"
+            state, source = self.restore_from_disk(layout, missing)
+        else:
+            state, source = transfer_live(self.trainer.cfg, old, layout, self.trainer.device, mine), "live"
+        self.rebuild_groups(layout, state)
+        return source
 
-    def restore_from_disk(self, layout: Layout, missing: list[str]) -> tuple[ShardState | None, str]:
+    def restore_from_disk(self, layout: PlanWorld, missing: list[str]) -> tuple[ShardState | None, str]:
         """No replica kept a live copy of ``missing``: load the newest checkpoint of this run (or
         its --resume-dir) on every rank and roll the iteration back to it. World rank 0 picks the
         checkpoint and tells the others, so all load the same one. ``NoLiveSource`` when there is
@@ -143,7 +140,7 @@ class Executor:
             state, _ = load_checkpoint(directory, t.cfg, role_chunks(layout.plan, role), role.tp_degree, role.tp_rank)
         return state, f"disk checkpoint {directory} (iteration {iteration})"
 
-    def rebuild_groups(self, layout: Layout, state: ShardState | None) -> None:
+    def rebuild_groups(self, layout: PlanWorld, state: ShardState | None) -> None:
         """Create the epoch's training groups, build this device's stage (TP, PP, DP steps) and
         load the restored state into it and its optimizer."""
         self.trainer.current = self.trainer.build(layout, state if self.trainer.device in layout.plan.roles else None)
@@ -183,11 +180,10 @@ class Executor:
                 self.rebalance(post)
                 source = GROUPS_KEPT
             else:
-                mine = self.export_state()
+                mine = self.export()
                 switching = True
-                layout = self.rebuild_world(post)
-                state, source = self.restore_state(old, layout, mine)
-                self.rebuild_groups(layout, state)
+                layout = self.rebuild(post)
+                source = self.restore(old, layout, mine)
             self.resume(number, time.perf_counter() - start, source)
         except Released:
             raise

@@ -50,6 +50,7 @@ from collector.plan import Plan
 from trainer.chunks import schedule_problem
 from trainer.agent.signed_store import RANK_WRITERS
 from trainer.integration import probe_refusal
+from trainer.protocol import acknowledgement
 from trainer.rendezvous import GROUPS_KEPT, abort_key, arrive_key, done_key, failed_key, write_post
 
 
@@ -247,9 +248,8 @@ class CommandIntake:
 
     def _ack(self, command: ReconfigureCommand, status: AckStatus, detail: str, pause_s: float = 0.0,
              pause_iterations: int = 0) -> CommandAck:
-        return CommandAck(command_id=command.command_id, plan_id=command.plan_id, epoch=command.plan.epoch,
-                          status=status, running_epoch=self.running.epoch, pause_s=pause_s,
-                          pause_iterations=pause_iterations, detail=detail, run=self.run)
+        return acknowledgement(command, status, detail, running_epoch=self.running.epoch, run=self.run,
+                               pause_s=pause_s, pause_iterations=pause_iterations)
 
 
 def _done_report(body: Any) -> dict:

@@ -61,6 +61,7 @@ from collector.events import (AckStatus, Chunk, ChunkKind, CommandAck, CommOp, C
 from collector.plan import Plan
 from collector.stream import EventStream
 from trainer.telemetry import IterationRecorder, TelemetryPublisher
+from trainer.protocol import acknowledgement
 
 BusSource = Bus | Callable[[], Bus] | None
 
@@ -397,9 +398,8 @@ class CommandListener:
 
     def _ack(self, command: ReconfigureCommand, status: AckStatus, detail: str, pause_s: float = 0.0,
              pause_iterations: int = 0) -> CommandAck:
-        ack = CommandAck(command_id=command.command_id, plan_id=command.plan_id, epoch=command.plan.epoch,
-                         status=status, running_epoch=self.running.epoch, pause_s=pause_s,
-                         pause_iterations=pause_iterations, detail=detail[:2000], run=self.run)
+        ack = acknowledgement(command, status, detail[:2000], running_epoch=self.running.epoch, run=self.run,
+                              pause_s=pause_s, pause_iterations=pause_iterations)
         self.acks.append(ack)
         return ack
 

@@ -1,6 +1,6 @@
 """TP, PP and DP applied as separate steps from a ``collector.plan.Plan`` (torchtitan's habit).
 
-* ``Layout``: one epoch's world — the plan plus the live devices in world-rank order.
+* ``PlanWorld``: one epoch's world — the plan plus the live devices in world-rank order.
 * ``build_groups``: every process group the plan needs (TP groups, DP reduction groups), created by
   every world member in one deterministic order, as c10d requires.
 * ``apply_pp`` + ``apply_tp``: build the stage this device runs (its layer range) with its TP
@@ -49,7 +49,7 @@ class Bucket:
 
 
 @dataclass
-class Layout:
+class PlanWorld:
     """One epoch: the plan and the world (live devices, world rank = position)."""
 
     plan: Plan
@@ -78,7 +78,7 @@ class Layout:
         return sorted(keys)
 
 
-def keeps_groups(running: Layout, plan: Plan, world: tuple[int, ...]) -> bool:
+def keeps_groups(running: PlanWorld, plan: Plan, world: tuple[int, ...]) -> bool:
     """``plan`` on ``world`` changes only how many micro-batches each replica runs: the same world,
     schedule and stages, replica by replica. Every process group and every shard stays valid, so
     the ranks can switch at an iteration boundary without re-forming the world or moving state.
@@ -99,7 +99,7 @@ class Groups:
         return self.by_devices[key]
 
 
-def build_groups(layout: Layout, timeout_s: float) -> Groups:
+def build_groups(layout: PlanWorld, timeout_s: float) -> Groups:
     """Create every group the layout needs. Every world member must call this (same order), also
     for the groups it is not in: torch hands it a placeholder for those, which is not kept."""
     groups = Groups()
@@ -110,7 +110,7 @@ def build_groups(layout: Layout, timeout_s: float) -> Groups:
     return groups
 
 
-def build_world_group(layout: Layout, timeout_s: float) -> dist.ProcessGroup:
+def build_world_group(layout: PlanWorld, timeout_s: float) -> dist.ProcessGroup:
     """The group of the whole world, for the commit all-reduce and the barriers, with the
     training timeout rather than the rendezvous one of the default group."""
     group = dist.new_group(list(range(len(layout.world))), timeout=timedelta(seconds=timeout_s))
@@ -137,7 +137,7 @@ def _replica_index(plan: Plan, replica: int) -> int:
     return next(i for i, p in enumerate(plan.pipelines) if p.replica == replica)
 
 
-def gather_tp(pieces_local: torch.Tensor, tp: TPContext, tp_devices: tuple[int, ...], layout: Layout) -> list[torch.Tensor]:
+def gather_tp(pieces_local: torch.Tensor, tp: TPContext, tp_devices: tuple[int, ...], layout: PlanWorld) -> list[torch.Tensor]:
     """All-gather a flat tensor inside the TP group; returns the pieces in TP-rank order."""
     out = [torch.empty_like(pieces_local) for _ in tp_devices]
     dist.all_gather(out, pieces_local.contiguous(), group=tp.group)
@@ -148,7 +148,7 @@ def gather_tp(pieces_local: torch.Tensor, tp: TPContext, tp_devices: tuple[int, 
 class GradReducer:
     """The DP step: turn this replica's gradient into the global-batch gradient, in place."""
 
-    def __init__(self, stage: GPTStage, layout: Layout, role: RankRole, groups: Groups, timer=None) -> None:
+    def __init__(self, stage: GPTStage, layout: PlanWorld, role: RankRole, groups: Groups, timer=None) -> None:
         self.stage, self.layout, self.role, self.groups = stage, layout, role, groups
         self.params = dict(stage.named_parameters())
         self.tp_devices = layout.plan.pipelines[_replica_index(layout.plan, role.replica)].stages[role.stage].devices
@@ -211,5 +211,5 @@ class GradReducer:
                     at += n
 
 
-def apply_dp(stage: GPTStage, layout: Layout, role: RankRole, groups: Groups, timer=None) -> GradReducer:
+def apply_dp(stage: GPTStage, layout: PlanWorld, role: RankRole, groups: Groups, timer=None) -> GradReducer:
     return GradReducer(stage, layout, role, groups, timer)

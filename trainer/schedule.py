@@ -45,7 +45,7 @@ from trainer.chunks import virtual_stages
 from trainer.data import IGNORE, MicroBatch
 from trainer.faults import FaultInjector
 from trainer.model import GPTStage
-from trainer.parallel import Layout
+from trainer.parallel import PlanWorld
 from trainer.telemetry import IterationRecorder
 
 # ``backward(grad)`` with an explicit gradient lazily imports torch's symbolic-shapes module (and
@@ -69,7 +69,7 @@ class Peers:
     grad_from_device: int | None
 
 
-def pipeline_peers(pipe: PipelinePlan, role: RankRole, layout: Layout, wrap: bool = False) -> Peers:
+def pipeline_peers(pipe: PipelinePlan, role: RankRole, layout: PlanWorld, wrap: bool = False) -> Peers:
     s, t, S = role.stage, role.tp_rank, len(pipe.stages)
     me = pipe.stages[s]
     prev = pipe.stages[(s - 1) % S] if (s > 0 or wrap) else None
@@ -121,7 +121,7 @@ def paced_chunk_s(pace_s_per_layer_token: float, layers: int, tp: int, tokens: i
 class PipelineSchedule:
     """Runs one iteration's micro-batches through this rank's stage in the plan's schedule."""
 
-    def __init__(self, stage: GPTStage, pipe: PipelinePlan, role: RankRole, layout: Layout, schedule: str,
+    def __init__(self, stage: GPTStage, pipe: PipelinePlan, role: RankRole, layout: PlanWorld, schedule: str,
                  virtual_stages_: int, faults: FaultInjector, pace_s_per_layer_token: float = 0.0,
                  group: dist.ProcessGroup | None = None) -> None:
         self.stage, self.role, self.faults = stage, role, faults
@@ -142,7 +142,7 @@ class PipelineSchedule:
         self.params = [p for p in stage.parameters()]
 
     @classmethod
-    def for_plan(cls, stage: GPTStage, layout: Layout, role: RankRole, faults: FaultInjector,
+    def for_plan(cls, stage: GPTStage, layout: PlanWorld, role: RankRole, faults: FaultInjector,
                  pace_s_per_layer_token: float = 0.0, group: dist.ProcessGroup | None = None) -> PipelineSchedule:
         """The schedule ``layout.plan`` names for ``role``. Pass the world-wide training group so
         that a receive from a dead peer fails at its short timeout, not the default group's."""

@@ -25,7 +25,7 @@ from collector.plan import Plan
 from trainer.chunks import all_units, role_chunks, units_of_chunks
 from trainer.model import GPTConfig, GPTStage, full_shape, shard, shard_rule, unshard
 from trainer.optim import AdamW
-from trainer.parallel import Layout, owner_stage
+from trainer.parallel import PlanWorld, owner_stage
 
 STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")
 ShardState = dict[str, dict[str, torch.Tensor]]  # name -> kind -> shard
@@ -113,7 +113,7 @@ def reassemble(cfg: GPTConfig, pieces: list[ShardState], names: list[str], tp_ne
     return out
 
 
-def transfer_live(cfg: GPTConfig, old: Plan, new: Layout, me: int, mine: ShardState | None) -> ShardState:
+def transfer_live(cfg: GPTConfig, old: Plan, new: PlanWorld, me: int, mine: ShardState | None) -> ShardState:
     """Move every unit's shards to their owners under ``new.plan``; returns this device's new state.
 
     ``mine`` is this device's state under ``old`` (None if it had no role). Must be called by every
@@ -163,14 +163,14 @@ def _live_source(old: Plan, unit: str, alive: set[int]):
     return None
 
 
-def _keeps(old: Plan, new: Layout, unit: str, dst: int) -> bool:
+def _keeps(old: Plan, new: PlanWorld, unit: str, dst: int) -> bool:
     """``dst`` already holds exactly the shard of ``unit`` it needs under ``new`` (nothing moves)."""
     orole, nr = old.roles.get(dst), new.plan.roles[dst]
     return (orole is not None and dst in new.world and unit in _units(old, orole)
             and (orole.tp_degree, orole.tp_rank) == (nr.tp_degree, nr.tp_rank))
 
 
-def units_without_live_copy(old: Plan, new: Layout) -> list[str]:
+def units_without_live_copy(old: Plan, new: PlanWorld) -> list[str]:
     """Units some new owner needs that no replica of ``old`` still holds on live devices: when this
     is not empty, :func:`transfer_live` would raise ``NoLiveSource`` and the state must come from a
     disk checkpoint instead. A pure function of the two plans and the world, so every rank agrees."""

@@ -36,7 +36,7 @@ from trainer.data import global_targets, microbatch, replica_microbatch_ids
 from trainer.faults import FaultInjector
 from trainer.model import GPTStage, init_stage
 from trainer.optim import AdamW
-from trainer.parallel import (GradReducer, Groups, Layout, apply_dp, apply_pp, apply_tp, build_groups,
+from trainer.parallel import (GradReducer, Groups, PlanWorld, apply_dp, apply_pp, apply_tp, build_groups,
                               build_world_group)
 from trainer.schedule import PipelineSchedule
 from trainer.spec import RunSpec
@@ -69,7 +69,7 @@ class Role:
     """Everything this device runs under one epoch's plan (``work`` is None for a spare, which
     still takes part in the world's commit all-reduce)."""
 
-    layout: Layout
+    layout: PlanWorld
     groups: Groups
     train_group: dist.ProcessGroup
     work: StageWork | None = None
@@ -108,7 +108,7 @@ class Trainer:
     def epoch(self) -> int:
         return self.current.layout.plan.epoch if self.current else -1
 
-    def join_world(self, post: Post) -> Layout | None:
+    def join_world(self, post: Post) -> PlanWorld | None:
         """Re-create the default process group for ``post`` (None: this device is not in its world).
 
         Leaves the old group first — that also wakes any peer still blocked on a receive from this
@@ -123,9 +123,9 @@ class Trainer:
         prefixed = dist.PrefixStore(pg_prefix(post.number), self.store)
         dist.init_process_group("gloo", store=prefixed, rank=post.world.index(self.device), world_size=len(post.world),
                                 timeout=timedelta(seconds=self.spec.rendezvous_timeout_s))
-        return Layout(post.plan, post.world)
+        return PlanWorld(post.plan, post.world)
 
-    def build(self, layout: Layout, state=None) -> Role:
+    def build(self, layout: PlanWorld, state=None) -> Role:
         """The TP, PP and DP steps for this device under ``layout``; loads ``state`` if given."""
         train_group = build_world_group(layout, self.spec.pg_timeout_s)
         groups = build_groups(layout, self.spec.pg_timeout_s)
@@ -142,14 +142,14 @@ class Trainer:
         role.work = self._stage_work(layout, rr, stage, opt, groups, train_group)
         return role
 
-    def _stage_work(self, layout: Layout, rr: RankRole, stage: GPTStage, opt: AdamW, groups: Groups,
+    def _stage_work(self, layout: PlanWorld, rr: RankRole, stage: GPTStage, opt: AdamW, groups: Groups,
                     train_group: dist.ProcessGroup) -> StageWork:
         """The DP step and the schedule around a built ``stage``: what reads the plan's counts."""
         return StageWork(rr, stage, opt, apply_dp(stage, layout, rr, groups),
                          PipelineSchedule.for_plan(stage, layout, rr, self.faults, self.spec.pace_s_per_layer_token,
                                                    group=train_group))
 
-    def reassign(self, layout: Layout) -> Role:
+    def reassign(self, layout: PlanWorld) -> Role:
         """The running role under ``layout``, whose plan differs from the running one only in
         micro-batch counts (:func:`keeps_groups`): the process groups, the stage and its optimizer
         state stay as they are; only what reads the counts is rebuilt (the role, the schedule, the
@@ -285,7 +285,8 @@ def _t(what: str) -> None:
 
 def run_rank(spec: RunSpec, device: int) -> int:
     """The process body: join epoch 0, train, reshape on command, save, exit."""
-    from trainer.executor import Executor, Released
+    from trainer.executor import Executor
+    from trainer.protocol import Released
 
     torch.set_num_threads(spec.threads)
     store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collector.capabilities import capability_refusal
 from collector.events import ExecutorCapabilities
 from collector.plan import Plan
-from trainer.native.layout import NativeLayout, PlanRefused
+from trainer.native.layout import NativeLayout, MeshRuleBroken
 from trainer.native.model import LlamaConfig
 
 NATIVE_CAPABILITIES = ExecutorCapabilities(
@@ -48,6 +48,6 @@ def refusal(plan: Plan, cfg: LlamaConfig, running_epoch: int | None = None, runn
         return f"plan epoch {plan.epoch} is not the running epoch {running_epoch} + 1"
     try:
         NativeLayout.of(plan, cfg)
-    except PlanRefused as exc:
+    except MeshRuleBroken as exc:
         return str(exc)
     return capability_refusal(plan, running, NATIVE_CAPABILITIES)

@@ -1,8 +1,9 @@
 """The native executor: reshapes a running native rank to the next plan, step by step.
 
-The same protocol as trainer/executor.py, on torch's own parallelism:
+The executor protocol (trainer/protocol.py) on torch's own parallelism; its steps publish finer
+phases (``telemetry.reshape_phase``), rebuild as two:
 
-    reshape(P):  agree → export → new_mesh → stages_rebuilt → redistribute → (first step)
+    reshape(P):  agree → export → rebuild (new_mesh → stages_rebuilt) → restore (redistribute) → resume (first step)
 
 * agree — check P against what a DeviceMesh can run (``refusal``: a plan it cannot run is
   refused *here*, on every rank alike, before anything stops) and confirm with one all-reduce
@@ -42,6 +43,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -57,22 +59,13 @@ from trainer.native.parallelize import build_mesh
 from trainer.native.recovery import close_quorum, survivor_plan
 from trainer.native.stage import NativeRole, TrainSettings
 from trainer.native.state import LocalState, exchange, load_dcp, load_full, local_state, needed_keys
+from trainer.protocol import Released, ReshapeExecutor, ReshapeFailed, ReshapeRefused
 
 log = logging.getLogger("resihp.trainer.native")
 
+T = TypeVar("T")
+
 PHASES = ("agree", "export", "new_mesh", "stages_rebuilt", "redistribute", "first_step")
-
-
-class Released(Exception):
-    """This device is not in the next plan's world: exit cleanly."""
-
-
-class ReshapeRefused(RuntimeError):
-    """The plan was refused before anything stopped; training goes on at the running layout."""
-
-
-class ReshapeFailed(ReshapeRefused):
-    """A phase past ``agree`` failed on some rank; every rank rolled back to the running layout."""
 
 
 class InjectedFailure(RuntimeError):
@@ -95,8 +88,8 @@ class ReshapeReport:
 PhaseHook = Callable[[int, str, float, bool, str], None]  # (epoch, phase, seconds, ok, detail)
 
 
-class NativeExecutor:
-    """Owns the reconfiguration protocol of one native rank. ``rank_of`` maps each device of the
+class NativeExecutor(ReshapeExecutor):
+    """Owns the reconfiguration protocol (trainer/protocol.py) of one native rank. ``rank_of`` maps each device of the
     job's first world to its rank in the default group, which lives as long as the job."""
 
     def __init__(self, device: int, cfg: LlamaConfig, settings: TrainSettings, rank_of: dict[int, int],
@@ -235,63 +228,87 @@ class NativeExecutor:
             t, cpu = now, cpu_now
         return lap
 
-    def _move(self, old: NativeRole, layout: NativeLayout, union: dist.ProcessGroup, report: ReshapeReport,
-              lap: Callable[..., None]) -> int | None:
-        """export → new_mesh → stages_rebuilt → redistribute over ``union`` (every rank that holds
-        or needs state), with the three votes; commits ``layout`` on success. Returns the
-        iteration to resume from after a disk fallback. ``ReshapeFailed``: nothing committed."""
-        epoch = layout.plan.epoch
-        stays = self.device in layout.world
-        failure: BaseException | None = None
-        mine: LocalState | None = None
-        role: NativeRole | None = None
-        mesh: DeviceMesh | None = None
-        rollback_to: int | None = None
-        try:
-            mine = local_state(old.params, old.opt, old.sched)
-            self._inject(epoch, "export")
-        except Exception as exc:
-            failure = exc
-        self._vote(failure, union, "export")
-        lap("export")
-        if stays:
-            try:
-                # Every group the new layout needs, made now by its members; the build below finds them.
-                self.groups.get("world", [self.rank_of[d] for d in layout.world], epoch)
-                mesh = build_mesh(layout, self.torch_device.type, self.groups, self.rank_of, self.device)
-                self._inject(epoch, "new_mesh")
-            except Exception as exc:
-                failure = exc
-        lap("new_mesh", failure is None)
-        if stays and failure is None:
-            try:
-                role = NativeRole.build(layout, self.device, self.cfg, self.settings, self.torch_device,
-                                        self.groups, self.rank_of, self.model_factory, mesh)
-                self._inject(epoch, "stages_rebuilt")
-            except Exception as exc:
-                failure = exc
-        self._vote(failure, union, "stages_rebuilt")
-        lap("stages_rebuilt")
-        try:
-            needed = needed_keys(role.model) if role is not None else {}
-            state, missing = exchange(mine, needed, union, self.cfg.torch_dtype)
-            if role is not None and not missing:
-                load_full(role.model, role.opt, role.sched, state)
-            elif role is not None:
-                report.source, rollback_to = self._from_checkpoint(role, missing)
-            self._inject(epoch, "redistribute")
-        except Exception as exc:
-            failure = exc
-        self._vote(failure, union, "redistribute")
-        lap("redistribute", detail=f"state from {report.source}")
+    def export(self) -> LocalState:
+        """This rank's pieces of the running stage's state, read locally (cannot fail short of a bug)."""
+        old = self.current
+        assert old is not None
+        return local_state(old.params, old.opt, old.sched)
+
+    def new_mesh(self, layout: NativeLayout) -> DeviceMesh:
+        """The first half of :meth:`rebuild`: every group the new layout needs, made now by its
+        members (the stage build finds them), and the DeviceMesh over them. A group that never
+        forms fails here (a member died)."""
+        self.groups.get("world", [self.rank_of[d] for d in layout.world], layout.plan.epoch)
+        return build_mesh(layout, self.torch_device.type, self.groups, self.rank_of, self.device)
+
+    def rebuild(self, layout: NativeLayout, mesh: DeviceMesh) -> NativeRole:
+        """This device's stage on ``mesh``: model, TP/FSDP, PipelineStage, schedule, optimizer
+        (every rank cuts its own shards: no collective)."""
+        return NativeRole.build(layout, self.device, self.cfg, self.settings, self.torch_device, self.groups,
+                                self.rank_of, self.model_factory, mesh)
+
+    def restore(self, role: NativeRole | None, mine: LocalState | None, union: dist.ProcessGroup
+                ) -> tuple[str, int | None]:
+        """Every key ``role`` needs from the live pieces over ``union`` (a device leaving the world
+        only sends), else the newest DCP checkpoint. Returns the source and, after the disk
+        fallback, the iteration to resume from."""
+        needed = needed_keys(role.model) if role is not None else {}
+        state, missing = exchange(mine, needed, union, self.cfg.torch_dtype)
+        if role is not None and not missing:
+            load_full(role.model, role.opt, role.sched, state)
+        elif role is not None:
+            return self._from_checkpoint(role, missing)
+        return "live", None
+
+    def resume(self, layout: NativeLayout, role: NativeRole | None, report: ReshapeReport) -> None:
+        """Commit ``layout`` (every vote passed): this rank trains on ``role`` from the next step,
+        or leaves (``Released``) when it has no place in the new world."""
         if role is None:
             self.current = None
-            raise Released(f"device {self.device} is not in the world of epoch {epoch}")
+            raise Released(f"device {self.device} is not in the world of epoch {layout.plan.epoch}")
         self.current = role
         self.reports.append(report)
-        log.info("device %d: epoch %d %s from %s in %.3f s", self.device, epoch, layout.plan.shape(),
+        log.info("device %d: epoch %d %s from %s in %.3f s", self.device, layout.plan.epoch, layout.plan.shape(),
                  report.source, report.pause_s)
-        return rollback_to
+
+    def _step(self, epoch: int, phase: str, run: Callable[[], T]) -> tuple[T | None, BaseException | None]:
+        """Run one step on this rank, keeping its failure for the next vote rather than raising:
+        every rank must attend every vote."""
+        try:
+            value = run()
+            self._inject(epoch, phase)
+            return value, None
+        except Exception as exc:
+            return None, exc
+
+    def _move(self, old: NativeRole, layout: NativeLayout, union: dist.ProcessGroup, report: ReshapeReport,
+              lap: Callable[..., None]) -> int | None:
+        """export → rebuild → restore → resume over ``union`` (every rank that holds or needs
+        state), with the three votes; commits ``layout`` on success. Returns the iteration to
+        resume from after a disk fallback. ``ReshapeFailed``: nothing committed."""
+        epoch = layout.plan.epoch
+        stays = self.device in layout.world
+        mine, failure = self._step(epoch, "export", self.export)
+        self._vote(failure, union, "export")
+        lap("export")
+        mesh: DeviceMesh | None = None
+        role: NativeRole | None = None
+        if stays:
+            mesh, failure = self._step(epoch, "new_mesh", lambda: self.new_mesh(layout))
+        lap("new_mesh", failure is None)
+        if stays and failure is None:
+            assert mesh is not None
+            built = mesh
+            role, failure = self._step(epoch, "stages_rebuilt", lambda: self.rebuild(layout, built))
+        self._vote(failure, union, "stages_rebuilt")
+        lap("stages_rebuilt")
+        restored, failure = self._step(epoch, "redistribute", lambda: self.restore(role, mine, union))
+        if restored is not None:
+            report.source = restored[0]
+        self._vote(failure, union, "redistribute")
+        lap("redistribute", detail=f"state from {report.source}")
+        self.resume(layout, role, report)
+        return restored[1] if restored is not None else None
 
     def _from_checkpoint(self, role: NativeRole, missing: list[str]) -> tuple[str, int]:
         """No live piece covers ``missing``: every rank of the new world loads the newest DCP

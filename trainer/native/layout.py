@@ -4,7 +4,7 @@ torchtitan's ``ParallelDims`` habit: one small object, validated when it is buil
 later step trusts. A DeviceMesh is a regular (dp, pp, tp) grid, so the native executor runs the
 subset of plans that are grids: every stage at the same TP degree, every replica with the same
 stages (the same layer ranges, so FSDP reduces matching parameters across replicas); replicas may
-still differ in micro-batch counts. ``NativeLayout.of(plan)`` raises :class:`PlanRefused` naming
+still differ in micro-batch counts. ``NativeLayout.of(plan)`` raises :class:`MeshRuleBroken` naming
 the first rule a plan breaks and what to propose instead — before any rank stops training.
 """
 
@@ -17,7 +17,7 @@ import torch
 from collector.plan import Plan, RankRole
 from trainer.native.model import LlamaConfig
 
-class PlanRefused(ValueError):
+class MeshRuleBroken(ValueError):
     """The native executor cannot run this plan; the message says why and what it can run."""
 
 
@@ -33,12 +33,12 @@ class NativeLayout:
     def of(cls, plan: Plan, cfg: LlamaConfig) -> NativeLayout:
         tps = {s.tp for p in plan.pipelines for s in p.stages}
         if len(tps) != 1:
-            raise PlanRefused(f"plan epoch {plan.epoch} mixes TP degrees {sorted(tps)}: a DeviceMesh is a regular "
+            raise MeshRuleBroken(f"plan epoch {plan.epoch} mixes TP degrees {sorted(tps)}: a DeviceMesh is a regular "
                               "grid, so the native executor runs one TP degree for the whole job; propose a uniform "
                               "TP shrink instead of excluding one device from one stage")
         ranges = {tuple((s.first_layer, s.end_layer) for s in p.stages) for p in plan.pipelines}
         if len(ranges) != 1:
-            raise PlanRefused(f"plan epoch {plan.epoch} gives replicas different stage layer ranges {sorted(ranges)}: "
+            raise MeshRuleBroken(f"plan epoch {plan.epoch} gives replicas different stage layer ranges {sorted(ranges)}: "
                               "FSDP reduces gradients across replicas stage by stage, so every replica must hold the "
                               "same layers per stage; repartition all replicas alike")
         tp = tps.pop()
@@ -46,17 +46,17 @@ class NativeLayout:
         for what, n in dims:
             if n % tp:
                 fits = [d for d in range(1, cfg.n_heads + 1) if all(m % d == 0 for _, m in dims)]
-                raise PlanRefused(f"TP {tp} does not divide the model's {what} ({n}); choose a TP degree that "
+                raise MeshRuleBroken(f"TP {tp} does not divide the model's {what} ({n}); choose a TP degree that "
                                   f"divides the heads, FFN width and vocabulary ({fits})")
         if plan.schedule == "1f1b" and plan.virtual_stages == 1:
             pass
         else:
-            raise PlanRefused(f"schedule {plan.schedule!r} with {plan.virtual_stages} virtual stages is not run by the "
+            raise MeshRuleBroken(f"schedule {plan.schedule!r} with {plan.virtual_stages} virtual stages is not run by the "
                               "native executor yet; it runs 1f1b with one model chunk per stage")
         pp = len(plan.pipelines[0].stages)
         short = [p.replica for p in plan.pipelines if p.microbatches < pp]
         if short:
-            raise PlanRefused(f"replicas {short} run fewer micro-batches than the {pp} pipeline stages; 1F1B needs at "
+            raise MeshRuleBroken(f"replicas {short} run fewer micro-batches than the {pp} pipeline stages; 1F1B needs at "
                               f"least {pp} per replica")
         return cls(plan=plan, dp=plan.dp, pp=pp, tp=tp, world=tuple(plan.devices))
 

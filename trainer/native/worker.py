@@ -37,7 +37,8 @@ from collector.auth import load_keyring
 from trainer.agent.signed_store import SignedStore, rank_role
 from trainer.agent.standalone import standalone_node
 from trainer.fault_spec import FaultSpec
-from trainer.native.executor import NativeExecutor, Released, ReshapeRefused
+from trainer.native.executor import NativeExecutor
+from trainer.protocol import Released, ReshapeRefused
 from trainer.native.faults import ChunkPadding
 from trainer.native.intake import CommandFollower, NativeCommandIntake
 from trainer.native.layout import NativeLayout
