@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _synthetic_projection(ranks: int, iterations: int = 2000):
     from analytics.goodput_projection import GoodputProjection
+    from collector.auth import Signer
     from collector.events import (
         EventFactory, Evidence, FaultCategory, IncidentOpened, IterationPrediction, IterationSummary, Location,
         RankHealth, RankHealthEntry, RankState, Severity, StageTime,
@@ -42,7 +43,7 @@ def _synthetic_projection(ranks: int, iterations: int = 2000):
 
     job, t = "big-job", 1_700_000_000.0
     proj = GoodputProjection()
-    launcher, analytics = EventFactory(job, "launcher"), EventFactory(job, "analytics")
+    launcher, analytics = EventFactory(job, "launcher"), Signer(EventFactory(job, "analytics"), "analytics")
     # the newest prediction carries the most stage rows /metrics serves (MAX_STAGE_ROWS: 16 stages × 16 replicas)
     stages = [StageTime(replica=r, stage=st, observed_s=0.6, predicted_s=0.59) for r in range(16) for st in range(16)]
     assert len(stages) == MAX_STAGE_ROWS

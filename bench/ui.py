@@ -81,8 +81,9 @@ def run(args: argparse.Namespace) -> int:
         job = feed.model.jobs["big"]
         with EmbeddedBus(bus_path) as bus:
             extra = [e for e in events if e.kind == "telemetry.iteration" and e.payload.iteration == spec.iterations - 1]
+            from collector.auth import Signer
             from collector.events import EventFactory
-            f = EventFactory("big", "analytics", first_seq=10**6)
+            f = Signer(EventFactory("big", "analytics", first_seq=10**6), "analytics")
             bus.publish([e.model_copy(update={"id": e.id[:-4] + "next"}) for e in extra]
                         + [f.make(IterationPrediction(epoch=0, iteration=spec.iterations, observed_s=1.5, predicted_s=1.5, tokens=1))])
         t = time.perf_counter()

@@ -5,7 +5,7 @@ control event — one that can make the engine plan, the trainer reshape or a ra
 therefore signed: an Ed25519 signature over its canonical bytes (id, kind, schema, job, source,
 seq, time and payload) with the private key of whoever wrote it, carried in the envelope's
 ``signature`` as ``KEY_ID:hex``. :data:`WRITERS` says which roles may write which kinds; everything
-else (telemetry, predictions, ``control.rejected``) stays unsigned and is never trusted for control.
+else (telemetry, rank health, ``control.rejected``) stays unsigned and is never trusted for control.
 
 Keys (collector/keys.py): one Ed25519 key pair per role (:data:`ROLES`) and one per person who
 decides from the command line (``person.NAME``, signing as ``cli:NAME``). Every process reads the
@@ -66,6 +66,9 @@ WRITERS: dict[str, tuple[str, ...]] = {
     "plan.capabilities": ("executor",),  # what the job can run: the engine proposes only that
     "probe.result": ("rank",),  # a rank's answer: it confirms an incident and names the slow device
     "analytics.bus_outage": ("analytics",),  # why no rank was judged dead meanwhile
+    # the job's clock for the engine's waits, and a node agent's hang deadline: an unsigned one stamped
+    # ahead would end every wait, a tiny one would call every step a hang
+    "analytics.prediction": ("analytics",),
 }
 UI_SOURCE, CLI_SOURCE = "ui:", "cli:"
 CONSOLE_SOURCES = (UI_SOURCE, CLI_SOURCE)  # a console-signed event names its person: ui:alice, cli:bob

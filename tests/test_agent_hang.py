@@ -50,23 +50,32 @@ def test_a_finished_rank_is_never_hung(tmp_path: Path) -> None:
 
 def test_the_cost_models_prediction_on_the_bus_sets_the_deadline(tmp_path: Path) -> None:
     """The agent reads the analytics consumer's newest ``analytics.prediction`` for its job (a real
-    embedded bus): 3 × the predicted iteration, floored, and the report says where it came from."""
+    embedded bus): 3 × the predicted iteration, floored, and the report says where it came from.
+    Only a prediction analytics signed counts: a rank writer's unsigned 1 ms would call every step a
+    hang, and is refused and reported."""
     from collector.bus import open_bus
-    from collector.events import EventFactory, IterationPrediction
+    from collector.events import ControlRejected, EventFactory, IterationPrediction
+    from collector.stream import EventStream
+    from tests.fixtures.signing import factory
     from trainer.agent.predicted import PredictedIteration
 
     path = str(tmp_path / "bus.db")
     predicted = PredictedIteration(open_bus("embedded", path=path), "job-a", "agent-test")
     assert predicted.poll() is None
     writer = open_bus("embedded", path=path)
-    make = EventFactory("job-a", "analytics").make
-    other = EventFactory("job-b", "analytics").make
+    make = factory("job-a", "analytics").make
+    other = factory("job-b", "analytics").make
+    forged = EventFactory("job-a", "analytics").make(IterationPrediction(epoch=0, iteration=3, observed_s=0.5,
+                                                                         predicted_s=0.001, tokens=1))
     writer.publish([make(IterationPrediction(epoch=0, iteration=i, observed_s=0.5, predicted_s=s, tokens=1))
                     for i, s in ((1, 0.4), (2, 0.6))] +
-                   [other(IterationPrediction(epoch=0, iteration=9, observed_s=1, predicted_s=9.0, tokens=1))])
-    writer.close()
+                   [other(IterationPrediction(epoch=0, iteration=9, observed_s=1, predicted_s=9.0, tokens=1)), forged])
     assert predicted.poll() == 0.6
     predicted.close()
+    with EventStream(writer, "audit", ["resihp.control"], on_assign=lambda ps: {tp: 0 for tp in ps}) as s:
+        refused = [d.event.payload for d in s.poll(timeout_s=0.1) if isinstance(d.event.payload, ControlRejected)]
+    writer.close()
+    assert [r.event_id for r in refused] == [forged.id] and "unsigned" in refused[0].reason
 
     world = {0: entry(0, "all_reduce", 22), 1: entry(1, "forward", 21)}  # the ranks' own steps: 0.5 s
     report = judge_hang(world, HangPolicy(factor=3.0, floor_s=1.0), now_s=101.85, predicted_s=0.6)

@@ -25,7 +25,7 @@ from collector.epoch_fence import COMMAND_TTL_S
 from collector.keys import role_of
 from collector.events import (
     PAYLOAD_TYPES, AckStatus, BusOutage, CommandAck, ControlRejected, CostFit, CostModelFitted, Envelope, EventFactory, Evidence,
-    ExecutorCapabilities, FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated, Location, Payload, PlanCurrent,
+    ExecutorCapabilities, FaultCategory, IterationPrediction, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated, Location, Payload, PlanCurrent,
     PlanDecision, PlanProposed, PlanRolledBack, PlanVerified, PlanWithheld, PolicyChanged, PolicyMode, ProbeRequest,
     ProbeResult, ReconfigureCommand, Severity, NodeCommand, NodeCommandAck,
 )
@@ -81,6 +81,7 @@ def _sample(kind: str, role: str | None, n: int) -> Payload:
                                   running_epoch=0),
         "plan.current": PlanCurrent(plan=PLAN, run=RUN),
         "plan.capabilities": ExecutorCapabilities(executor="reference"),
+        "analytics.prediction": IterationPrediction(epoch=0, iteration=n, observed_s=1.0, predicted_s=1.0, tokens=1),
         "analytics.bus_outage": BusOutage(outage_id=f"o{n}", started_s=1.0, ended_s=2.0, duration_s=1.0),
         "command.node": NodeCommand(command_id=f"n{n}", node=1, action="stop", epoch=0, run=RUN,
                                     expires_at_s=1000.0 + COMMAND_TTL_S),

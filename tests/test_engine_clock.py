@@ -8,7 +8,7 @@ from pathlib import Path
 
 from collector.embedded import EmbeddedBus
 from collector.events import (
-    Evidence, FaultCategory, IncidentOpened, IncidentUpdated, IterationPrediction, Location, Severity,
+    EventFactory, Evidence, FaultCategory, IncidentOpened, IncidentUpdated, IterationPrediction, Location, Severity,
 )
 from collector.plan import Plan
 from remediation.engine import EngineConfig, RemediationEngine
@@ -33,9 +33,9 @@ def _group_incident(analytics: Authors, t: float) -> IncidentOpened:
 
 def test_an_unsigned_event_stamped_a_year_ahead_does_not_end_the_engines_wait(tmp_path: Path) -> None:
     """A group-level fail-slow waits 30 s of the engine's clock to be narrowed to a rank. A
-    prediction (unsigned: any telemetry writer can publish one) stamped a year ahead leaves the
-    clock where the signed incident put it, so the engine still waits instead of planning around
-    the whole group."""
+    prediction without analytics' signature (any telemetry writer can publish one) stamped a year
+    ahead is refused and leaves the clock where the signed incident put it, so the engine still
+    waits instead of planning around the whole group."""
     t0 = time.time()
     with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
         engine = _engine(bus)
@@ -43,7 +43,7 @@ def test_an_unsigned_event_stamped_a_year_ahead_does_not_end_the_engines_wait(tm
         bus.publish([_group_incident(analytics, t0)])
         engine.poll_once()
         assert engine.clock_s == t0 and "i1" in engine.waiting
-        forger = Authors(JOB, "analytics")  # the same source name; the kind is unsigned
+        forger = EventFactory(JOB, "analytics")  # the same source name, without analytics' key
         bus.publish([forger.make(IterationPrediction(epoch=0, iteration=6, observed_s=1.0, predicted_s=1.0, tokens=1),
                                  time_s=t0 + YEAR_S)])
         engine.poll_once()

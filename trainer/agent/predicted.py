@@ -8,7 +8,8 @@ recent history, which a slow-but-alive rank has already stretched.
 
 Read from the end of the analytics topic (older predictions describe another layout), without
 blocking: the agent polls it from its monitor loop. A bus that cannot be read leaves the last
-value (or none) in place; the deadline then falls back to the ranks' own step times.
+value (or none) in place; the deadline then falls back to the ranks' own step times. Only a
+prediction analytics signed moves the deadline: a forged tiny one would call every step a hang.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 
 from collector import topics
+from collector.auth import Gate
 from collector.bus import Bus
 from collector.events import IterationPrediction
 from collector.stream import EventStream
@@ -33,6 +35,7 @@ class PredictedIteration:
         self._bus = bus
         self._stream = EventStream(bus, group, [topics.ANALYTICS], job=job,
                                    on_assign=lambda tps: bus.end_offsets([tp.topic for tp in tps]))
+        self._gate = Gate(group)
 
     def poll(self) -> float | None:
         """Read what arrived since the last poll; returns the newest prediction (None: none yet)."""
@@ -40,8 +43,10 @@ class PredictedIteration:
             for delivery in self._stream.poll(timeout_s=0):
                 p = delivery.event.payload
                 if delivery.event.job == self.job and isinstance(p, IterationPrediction) and \
-                        p.iteration >= self.iteration and p.predicted_s > 0:
+                        p.iteration >= self.iteration and p.predicted_s > 0 and self._gate.admit(delivery.event):
                     self.latest_s, self.iteration = p.predicted_s, p.iteration
+            if rejected := self._gate.take():
+                self._bus.publish(rejected)
         except Exception as exc:  # noqa: BLE001 - the deadline falls back to the ranks' own steps
             log.warning("cannot read the cost model's predictions for %s: %s", self.job, exc)
         return self.latest_s
