@@ -3,10 +3,11 @@ precisely it is localised, and the throughput windows around each fault."""
 
 from __future__ import annotations
 
-from collector.events import Location
+from collector.events import FaultCategory, Location, Severity
+from collector.incident_lifecycle import IncidentRecord
 from resihp.demo.story import story_for
 from resihp.demo.summary import fault_stories, match_incident, overall_tokens_per_s, summary_lines
-from resihp.demo.watch import Incident, Injected, LogState, PlanRecord, Summary
+from resihp.demo.watch import Injected, LogState, PlanRow, Summary
 
 
 def _state() -> LogState:
@@ -24,13 +25,13 @@ def _state() -> LogState:
         Injected("stop", "fail_stop", Location(target="compute", rank=2, factor=1e9), 40, 40.0),
     ]
     s.incidents = {
-        "noise": Incident("noise", "fail_slow", "low", [Location(target="compute", rank=7)], 5, 5.0, ""),
-        "i1": Incident("i1", "fail_slow", "high", [Location(target="compute", tp_group=(4, 5))], 11, 11.0, ""),
-        "i2": Incident("i2", "fail_stop", "critical", [Location(target="compute", rank=2)], 39, 43.0, ""),
+        "noise": IncidentRecord("noise", FaultCategory("fail_slow"), Severity("low"), [Location(target="compute", rank=7)], "", 5, opened_at_s=5.0),
+        "i1": IncidentRecord("i1", FaultCategory("fail_slow"), Severity("high"), [Location(target="compute", tp_group=(4, 5))], "", 11, opened_at_s=11.0),
+        "i2": IncidentRecord("i2", FaultCategory("fail_stop"), Severity("critical"), [Location(target="compute", rank=2)], "", 39, opened_at_s=43.0),
     }
     s.plans = {
-        "p1": PlanRecord("p1", "ours", 0, 1, ["i1"], [], 0, 0, 12.0, status="verified", applied_time_s=20.0),
-        "p2": PlanRecord("p2", "ours", 1, 2, ["i2"], [], 0, 0, 44.0, status="verified", applied_time_s=50.0),
+        "p1": PlanRow("p1", "ours", 0, 1, ["i1"], [], 0, 0, 12.0, status="verified", applied_time_s=20.0),
+        "p2": PlanRow("p2", "ours", 1, 2, ["i2"], [], 0, 0, 44.0, status="verified", applied_time_s=50.0),
     }
     return s
 
@@ -71,9 +72,9 @@ def test_windows_follow_the_iteration_stream_not_the_stamps_of_late_records() ->
         t += wall
         s.summaries.append(Summary(time_s=t, epoch=epoch, iteration=i, tokens=1000, wall_s=wall))
     s.injected = [Injected("slow", "fail_slow", Location(target="compute", rank=1, factor=3.0), 10, 13.0 + 1.5)]
-    s.incidents = {"i1": Incident("i1", "fail_slow", "high", [Location(target="compute", rank=1)], 11, 16.0, "")}
+    s.incidents = {"i1": IncidentRecord("i1", FaultCategory("fail_slow"), Severity("high"), [Location(target="compute", rank=1)], "", 11, opened_at_s=16.0)}
     first_new = next(x for x in s.summaries if x.epoch == 1)
-    s.plans = {"p1": PlanRecord("p1", "ours", 0, 1, ["i1"], [], 0, 0, 17.0, status="verified",
+    s.plans = {"p1": PlanRow("p1", "ours", 0, 1, ["i1"], [], 0, 0, 17.0, status="verified",
                                 applied_time_s=first_new.time_s - 0.5)}
     (story,) = fault_stories(s)
     assert story.onset_s == 10.0 and story.fixed_s == first_new.time_s - first_new.wall_s == 21.0

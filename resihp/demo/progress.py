@@ -20,7 +20,7 @@ def phase(state: LogState, components: str) -> str:
         where = f"device {f.location.rank}" if f.location.rank is not None else f"node {f.location.node}"
         milestones.append((f.time_s, f"fault injected: {f.category} on {where}"))
     for i in state.incidents.values():
-        milestones.append((i.time_s, f"detected: {i.summary}"))
+        milestones.append((i.opened_at_s, f"detected: {i.summary}"))
     for p in state.plans.values():
         milestones.append((p.proposed_time_s, f"planned {p.plan_id} ({p.strategy}, epoch {p.base_epoch}→{p.epoch})"))
         if p.applied_time_s is not None:

@@ -104,7 +104,7 @@ def _remediate_argv(opts: DemoOptions, story: DemoStory, files: dict[str, Path],
         return argv + ["--tp", "1", "--pp", "1", "--dp", str(story.dp), "--layers", str(LlamaConfig().n_layers),
                        "--microbatches", str(story.microbatches_per_replica), "--devices", str(story.gpus)]
     if opts.workload == "torch":
-        from trainer.model import PRESETS
+        from trainer.reference.model import PRESETS
 
         layers = PRESETS[TORCH_MODEL].n_layer
         return argv + ["--tp", str(story.tp), "--pp", str(story.pp), "--dp", str(story.dp), "--layers", str(layers),
@@ -269,8 +269,8 @@ def _detected_json(st) -> dict:
     ranks = sorted({loc.rank for loc in inc.locations if loc.rank is not None})
     groups = [list(loc.tp_group) for loc in inc.locations if loc.rank is None and loc.tp_group]
     return {"incident_id": inc.incident_id, "category": inc.category, "ranks": ranks, "tp_groups": groups,
-            "matches": st.fault.fault_id, "localised": st.localisation, "iteration": inc.iteration,
-            "iterations_after_onset": inc.iteration - st.fault.start_iteration, "confirmed_by": inc.confirmed_by}
+            "matches": st.fault.fault_id, "localised": st.localisation, "iteration": inc.opened_iteration,
+            "iterations_after_onset": inc.opened_iteration - st.fault.start_iteration, "confirmed_by": inc.confirmed_by}
 
 
 def _settle(watch: LogWatch, progress: Progress, components: str, names: list[str], group: ProcessGroup,

@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from collector.events import Location
-from resihp.demo.watch import Incident, Injected, LogState, PlanRecord
+from collector.incident_lifecycle import IncidentRecord
+from resihp.demo.watch import Injected, LogState, PlanRow
 from resihp.referee import grade, in_window
 
 WARMUP_SKIP_ITERATIONS = 3  # the first iterations carry start-up effects, not the healthy rate
@@ -30,9 +31,9 @@ MATCH_SLACK_ITERATIONS = 3
 @dataclass
 class FaultStory:
     fault: Injected
-    incident: Incident | None
+    incident: IncidentRecord | None
     localisation: str  # "rank", "tp_group", "node", "wrong", "missed"
-    plan: PlanRecord | None
+    plan: PlanRow | None
     before_tokens_per_s: float | None
     during_tokens_per_s: float | None
     after_tokens_per_s: float | None
@@ -60,7 +61,7 @@ def onset_s(state: LogState, fault: Injected) -> float:
     return max(ends) if ends else fault.time_s
 
 
-def fixed_s(state: LogState, plan: PlanRecord, after_s: float) -> float | None:
+def fixed_s(state: LogState, plan: PlanRow, after_s: float) -> float | None:
     """Where the plan's layout took over: the start of the first iteration recorded under its epoch
     after ``after_s``; the plan's acknowledgement time when the stream carries no epochs; None when
     the plan was never applied."""
@@ -80,16 +81,16 @@ def measured_start_s(state: LogState) -> float:
     return max(skipped) if skipped else min(s.time_s for s in state.summaries)
 
 
-def match_incident(state: LogState, fault: Injected) -> tuple[Incident | None, str]:
+def match_incident(state: LogState, fault: Injected) -> tuple[IncidentRecord | None, str]:
     """The first incident of the fault's category opened from its onset on (less a few iterations'
     slack) that names its device, graded by the referee (resihp/referee.py: ``grade``): one naming
     the rank wins over an earlier one naming only its TP group or node; "wrong" when the first
     incident of the category names another place, "missed" when there is none."""
-    best: tuple[Incident | None, str] = (None, "missed")
-    for inc in sorted(state.incidents.values(), key=lambda i: i.time_s):
+    best: tuple[IncidentRecord | None, str] = (None, "missed")
+    for inc in sorted(state.incidents.values(), key=lambda i: i.opened_at_s):
         # A dead rank's incident names the last iteration the detector saw, which may precede the
         # iteration the launcher counts the death at: allow a few iterations of slack.
-        if inc.category != fault.category or not in_window(inc.iteration, fault.start_iteration, None,
+        if inc.category != fault.category or not in_window(inc.opened_iteration, fault.start_iteration, None,
                                                            before=MATCH_SLACK_ITERATIONS, after=0):
             continue
         for loc in inc.locations:
@@ -103,7 +104,7 @@ def match_incident(state: LogState, fault: Injected) -> tuple[Incident | None, s
     return best
 
 
-def _fixing_plan(state: LogState, fault: Injected, incident: Incident | None) -> PlanRecord | None:
+def _fixing_plan(state: LogState, fault: Injected, incident: IncidentRecord | None) -> PlanRow | None:
     applied = [p for p in state.plans.values() if p.applied_time_s is not None and p.applied_time_s >= fault.time_s]
     applied.sort(key=lambda p: p.applied_time_s or 0.0)
     if incident is not None:
@@ -190,7 +191,7 @@ def summary_lines(state: LogState, stories: list[FaultStory]) -> list[str]:
     n_inc = len(state.incidents)
     plans = list(state.plans.values())
     applied = [p for p in plans if p.applied_time_s is not None]
-    lines.append(f"incidents: {n_inc} ({sum(1 for i in state.incidents.values() if i.resolved)} resolved) · "
+    lines.append(f"incidents: {n_inc} ({sum(1 for i in state.incidents.values() if not i.is_open)} resolved) · "
                  f"probes: {state.probes} · plans: {len(plans)} proposed, {len(applied)} applied, "
                  f"{sum(1 for p in plans if p.status == 'verified')} verified, "
                  f"{sum(1 for p in plans if p.status == 'rolled_back')} rolled back · "
@@ -204,7 +205,7 @@ def summary_lines(state: LogState, stories: list[FaultStory]) -> list[str]:
             lines.append("    detected: NO")
         else:
             i = st.incident
-            lines.append(f"    detected at iteration {i.iteration} (+{max(0, i.iteration - f.start_iteration)}): "
+            lines.append(f"    detected at iteration {i.opened_iteration} (+{max(0, i.opened_iteration - f.start_iteration)}): "
                          f"{_loc_text(i.locations)} [{st.localisation}], severity {i.severity}"
                          + (f", confirmed by {i.confirmed_by}" if i.confirmed_by else ""))
         if st.plan is None:

@@ -19,13 +19,13 @@ from pathlib import Path
 from collector import topics
 from collector.bus import Bus
 from collector.codec import InvalidEvent, decode
-from collector import plan_lifecycle
+from collector import incident_lifecycle, plan_lifecycle
 from collector.auth import load_keyring, needs_signature
 from collector.events import (
-    CommandAck, Envelope, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated,
-    IterationSummary, Location, PlanCurrent, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified, ProbeRequest,
-    ReconfigureCommand,
+    CommandAck, Envelope, FaultInjected, IterationSummary, Location, PlanCurrent, PlanDecision, PlanProposed,
+    PlanRolledBack, PlanVerified, ProbeRequest, ReconfigureCommand,
 )
+from collector.incident_lifecycle import IncidentLifecycle, IncidentRecord
 from collector.plan_lifecycle import PlanLifecycle, PlanStatus
 from collector.trace import EventHeader, TraceWriter
 
@@ -40,20 +40,10 @@ class Injected:
 
 
 @dataclass
-class Incident:
-    incident_id: str
-    category: str
-    severity: str
-    locations: list[Location]
-    iteration: int
-    time_s: float
-    summary: str
-    confirmed_by: str | None = None
-    resolved: bool = False
+class PlanRow:
+    """One plan as the progress line and the summary show it: the proposal's figures and where the
+    plan lifecycle's fold says it stands (collector/plan_lifecycle.py's ``PlanRecord``)."""
 
-
-@dataclass
-class PlanRecord:
     plan_id: str
     strategy: str
     base_epoch: int
@@ -91,9 +81,9 @@ class LogState:
     by_kind: dict[str, int] = field(default_factory=dict)
     summaries: list[Summary] = field(default_factory=list)
     injected: list[Injected] = field(default_factory=list)
-    incidents: dict[str, Incident] = field(default_factory=dict)
-    plans: dict[str, PlanRecord] = field(default_factory=dict)
+    plans: dict[str, PlanRow] = field(default_factory=dict)
     lifecycle: PlanLifecycle = field(default_factory=PlanLifecycle)  # the plan lifecycle's fold
+    incident_fold: IncidentLifecycle = field(default_factory=IncidentLifecycle)  # the incidents' fold
     probes: int = 0
     epoch: int = 0
     plan_shape: str = ""
@@ -102,10 +92,18 @@ class LogState:
     last_time_s: float | None = None
 
     @property
-    def open_incidents(self) -> list[Incident]:
-        return [i for i in self.incidents.values() if not i.resolved]
+    def incidents(self) -> dict[str, IncidentRecord]:
+        return self.incident_fold.incidents
 
-    def plans_with(self, *statuses: str) -> list[PlanRecord]:
+    @incidents.setter
+    def incidents(self, incidents: dict[str, IncidentRecord]) -> None:
+        self.incident_fold.incidents = incidents
+
+    @property
+    def open_incidents(self) -> list[IncidentRecord]:
+        return self.incident_fold.open_incidents()
+
+    def plans_with(self, *statuses: str) -> list[PlanRow]:
         return [p for p in self.plans.values() if p.status in statuses]
 
 
@@ -166,22 +164,8 @@ class LogWatch:
         elif isinstance(p, FaultInjected):
             if not any(f.fault_id == p.fault_id for f in s.injected):  # a fault's end repeats its id
                 s.injected.append(Injected(p.fault_id, p.category.value, p.location, p.start_iteration, time_s))
-        elif isinstance(p, IncidentOpened):
-            s.incidents.setdefault(p.incident_id, Incident(
-                p.incident_id, p.category.value, p.severity.value, list(p.locations), p.iteration, time_s, p.summary))
-        elif isinstance(p, IncidentConfirmed):
-            inc = s.incidents.get(p.incident_id)
-            if inc is not None:
-                inc.confirmed_by = inc.confirmed_by or p.method
-                if p.locations:
-                    inc.locations = list(p.locations)
-        elif isinstance(p, IncidentUpdated):
-            inc = s.incidents.get(p.incident_id)
-            if inc is not None:
-                inc.locations, inc.severity = list(p.locations), p.severity.value
-        elif isinstance(p, IncidentResolved):
-            if p.incident_id in s.incidents:
-                s.incidents[p.incident_id].resolved = True
+        elif isinstance(p, incident_lifecycle.PAYLOADS):
+            incident_lifecycle.transition(s.incident_fold, event)  # its signature verified above
         elif isinstance(p, ProbeRequest):
             s.probes += 1
         if isinstance(p, CommandAck):
@@ -195,7 +179,7 @@ class LogWatch:
         can close plans other than the event's)."""
         s, p = self.state, event.payload
         if isinstance(p, PlanProposed):
-            s.plans.setdefault(p.plan_id, PlanRecord(
+            s.plans.setdefault(p.plan_id, PlanRow(
                 p.plan_id, p.strategy, p.base_epoch, p.plan.epoch, list(p.incident_ids), list(p.diff),
                 p.predicted_tokens_per_s, p.current_tokens_per_s, event.time_s))
         changed = plan_lifecycle.step(s.lifecycle, event)
