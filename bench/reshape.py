@@ -222,9 +222,10 @@ def run_reference(args: argparse.Namespace) -> dict:
     from collector.events import CommandAck, EventFactory, IterationSummary, ReconfigureCommand
     from collector.stream import EventStream
     from trainer.fault_spec import FaultSpec
-    from trainer.launcher import launch
-    from trainer.model import GPTConfig
-    from trainer.spec import BusSpec, RunSpec
+    from trainer.reference.launcher import launch
+    from trainer.reference.model import GPTConfig
+    from trainer.reference.spec import RunSpec
+    from trainer.spec import BusSpec
 
     healthy_end, slow_start, slow_end = 8, 8, 24
     kill_at = slow_end + 2 + ITERATIONS_PER_KIND * len(SEQUENCE) + 4

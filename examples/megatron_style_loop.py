@@ -107,7 +107,7 @@ def answer_probes(requests: list[ProbeRequest], model: TinyGPT, rank: int, repor
 
     compute: one GEMM of a block's MLP on a full row (on a GPU, pass ``sync=torch.cuda.synchronize``
     to ``best_seconds``). link: a world of one device has no link and answers 0 s; with more ranks,
-    post the receive, meet at a barrier and time the send alone (trainer/probe.py, ``link_seconds``)."""
+    post the receive, meet at a barrier and time the send alone (trainer/reference/probe.py, ``link_seconds``)."""
     shared = [requests]
     dist.broadcast_object_list(shared, src=0)  # rank 0's listener read them; every rank runs them
     for request in shared[0]:

@@ -72,7 +72,7 @@ GRANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "console": ((CONTROL, DEADLETTER), TOPICS),  # decisions, policies; reads everything
 }
 # principal -> the consumer-group name prefixes it may use (the group ids the platform's readers
-# take: trainer/launcher.py ``trainer:JOB``, trainer/sim ``simulator:JOB``, the node agent
+# take: trainer/reference/launcher.py ``trainer:JOB``, trainer/sim ``simulator:JOB``, the node agent
 # ``agent:…``; ``resihp analytics --group`` (``analytics``, shards' ``analytics.fits.…``); the
 # engine's ``remediation``; the console's ``ui-…``, ``resihp plans list``'s ``plans-view-USER``
 # and the demo's ``demo-watch-…``). A ``--group`` of another name is refused by the broker.

@@ -24,7 +24,7 @@ def _rank(out_dir: str, seconds: str) -> None:
 # A process has one fork server, and the first context to start it decides what it imports: this
 # one starts it in the test run, so it preloads what the trainer's and the native executor's
 # launches in the same run fork their ranks from (else each of their ranks imports them again).
-SERVER_PRELOAD = ["trainer.worker", "trainer.native.worker", "tests.test_agent_pcontext"]
+SERVER_PRELOAD = ["trainer.reference.worker", "trainer.native.worker", "tests.test_agent_pcontext"]
 
 
 def _context(tmp_path: Path, seconds: float, release_failed: bool) -> PreloadedContext:

@@ -271,7 +271,7 @@ def test_a_simulator_process_executes_no_forged_command_and_reports_each(tmp_pat
 
 
 def test_the_launchers_intake_queues_only_signed_commands_and_bounded_probes() -> None:
-    from trainer.intake import CommandIntake
+    from trainer.reference.intake import CommandIntake
 
     intake = CommandIntake(store=None, plan=PLAN, n_layer=8, n_head=4, global_microbatches=PLAN.global_microbatches)
     nxt = PLAN.model_copy(update={"epoch": 1})

@@ -60,8 +60,8 @@ def test_an_unknown_format_names_the_variable():
 def test_a_worker_process_entry_logs_json_lines_with_its_rank(tmp_path):
     """The trainer's rank entry point configures JSON logs before it does anything else: a spec
     that cannot start still leaves a parseable line naming the rank."""
-    code = ("from trainer.spec import RunSpec\n"
-            "from trainer.worker import process_main\n"
+    code = ("from trainer.reference.spec import RunSpec\n"
+            "from trainer.reference.worker import process_main\n"
             "spec = RunSpec(job='jlog', store_port=1, iterations=1, rendezvous_timeout_s=2, pg_timeout_s=1)\n"
             "process_main(3, spec.model_dump_json())\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

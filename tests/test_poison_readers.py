@@ -49,7 +49,7 @@ from tests.test_control_audit import JOB, SOURCE, _sample
 from tests.test_poison_properties import payloads
 from trainer.agent.commands import NodeCommands
 from trainer.integration import CommandListener
-from trainer.intake import CommandIntake
+from trainer.reference.intake import CommandIntake
 from ui.read_model import ReadModel
 
 PLAN = Plan.uniform(tp=1, pp=2, dp=2, num_layers=4, microbatches_per_replica=2)

@@ -26,7 +26,7 @@ from collector.plan import Plan
 from collector.stream import EventStream
 from tests.fixtures.signing import factory
 from trainer.agent.commands import NodeCommands
-from trainer.intake import CommandIntake
+from trainer.reference.intake import CommandIntake
 from trainer.integration import CommandListener, new_command
 from trainer.sim.engine import SimConfig, SimEngine
 from trainer.sim.presets import MODEL_PRESETS, ClusterSpec

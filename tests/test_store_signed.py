@@ -22,7 +22,7 @@ from trainer.agent.presence import REGISTRATION_KEY, AgentPresence
 from trainer.agent.shrink import ShrinkingWorld, admitted_key, is_lost, lost_key, mark_lost
 from trainer.agent.signed_store import RANK_WRITERS, RecordRefused, SignedStore, decode_record, encode_record
 from trainer.agent.vacancy import VACANCIES_KEY, VACANCY_KEY, Vacancy, VacancyRendezvous, publish_vacancy
-from trainer.rendezvous import (CONTROL_POST, CONTROL_PROBE, PostAborted, PostRefused, abort_key, arrive_key,
+from trainer.reference.rendezvous import (CONTROL_POST, CONTROL_PROBE, PostAborted, PostRefused, abort_key, arrive_key,
                                 await_arrivals, newest_post, newest_post_and_probe, post_key, read_post, read_probe,
                                 write_post)
 

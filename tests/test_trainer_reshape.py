@@ -42,8 +42,9 @@ from collector.plan import PipelinePlan, Plan, StagePlan
 from collector.stream import EventStream
 from trainer.fault_spec import FaultSpec
 from trainer.faults import KILL_EXIT_CODE
-from trainer.launcher import launch
-from trainer.spec import BusSpec, RunSpec
+from trainer.reference.launcher import launch
+from trainer.reference.spec import RunSpec
+from trainer.spec import BusSpec
 from tests.fixtures.signing import Authors
 
 MODEL = dict(vocab_size=64, n_layer=4, n_head=4, n_embd=32, block_size=64, dtype="float64")
@@ -378,7 +379,7 @@ def test_pacing_pads_a_ranks_compute_not_the_tp_all_reduces_inside_its_chunks(tm
     its peer, ×28 between them). Padding the compute alone, each rank's own time is its emulated
     device's (here ×3.00 and 1.00)."""
     from analytics.frame import build_frame
-    from trainer.schedule import paced_chunk_s
+    from trainer.reference.schedule import paced_chunk_s
 
     plan = Plan.uniform(tp=2, pp=1, dp=1, num_layers=4, microbatches_per_replica=4)
     pace = 2e-4

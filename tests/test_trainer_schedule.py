@@ -11,13 +11,13 @@ import torch.distributed as dist
 from analytics.schedule import op_table
 from collector.events import AckStatus, ReconfigureCommand
 from collector.plan import Plan
-from trainer.chunks import schedule_problem, stage_chunks, units_of_chunks
+from trainer.reference.chunks import schedule_problem, stage_chunks, units_of_chunks
 from trainer.data import global_targets, microbatch
 from trainer.faults import FaultInjector
-from trainer.intake import CommandIntake
-from trainer.model import GPTConfig, TPContext, init_stage
-from trainer.parallel import PlanWorld, apply_pp, owner_stage
-from trainer.schedule import PipelineSchedule
+from trainer.reference.intake import CommandIntake
+from trainer.reference.model import GPTConfig, TPContext, init_stage
+from trainer.reference.parallel import PlanWorld, apply_pp, owner_stage
+from trainer.reference.schedule import PipelineSchedule
 from trainer.telemetry import IterationRecorder
 
 CFG = GPTConfig(vocab_size=64, n_layer=4, n_head=4, n_embd=32, block_size=64, dtype="float64")

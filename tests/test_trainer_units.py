@@ -13,15 +13,15 @@ from collector.plan import PipelinePlan, Plan, StagePlan
 from trainer.agent.signed_store import SignedStore
 from trainer.data import IGNORE, global_targets, microbatch, replica_microbatch_ids
 from trainer.fault_spec import FaultList
-from trainer.intake import CommandIntake
-from trainer.launcher import check_launchable, drop_replicas, on_death_plan
-from trainer.rendezvous import (CONTROL_POST, PostAborted, abort_key, arrive_key, await_arrivals, done_key, failed_key,
+from trainer.reference.intake import CommandIntake
+from trainer.reference.launcher import check_launchable, drop_replicas, on_death_plan
+from trainer.reference.rendezvous import (CONTROL_POST, PostAborted, abort_key, arrive_key, await_arrivals, done_key, failed_key,
                                 newest_post, read_post)
-from trainer.model import GPTConfig, GPTStage, init_full, init_stage, shard, shard_rule, unshard
+from trainer.reference.model import GPTConfig, GPTStage, init_full, init_stage, shard, shard_rule, unshard
 from trainer.native.model import LlamaConfig
-from trainer.optim import AdamW
-from trainer.parallel import PlanWorld, keeps_groups
-from trainer.schedule import paced_chunk_s
+from trainer.reference.optim import AdamW
+from trainer.reference.parallel import PlanWorld, keeps_groups
+from trainer.reference.schedule import paced_chunk_s
 
 CFG = GPTConfig(vocab_size=64, n_layer=4, n_head=4, n_embd=32, block_size=64, dtype="float64")
 
@@ -251,7 +251,7 @@ def test_intake_fails_a_plan_the_job_cannot_run_without_touching_the_ranks() -> 
 
 
 def test_any_tp_degree_is_a_plan_and_the_trainer_refuses_one_that_does_not_divide_the_heads() -> None:
-    from trainer.spec import RunSpec
+    from trainer.reference.spec import RunSpec
 
     three = Plan.uniform(tp=3, pp=1, dp=1, num_layers=4, microbatches_per_replica=4)
     assert three.shape() == "TP3·PP1·DP1" and three.tp_split_problem(12) is None
@@ -314,7 +314,7 @@ def test_fault_list_reads_the_documented_yaml(tmp_path) -> None:
 
 
 def test_a_rendezvous_timeout_not_above_the_collective_timeout_is_refused() -> None:
-    from trainer.spec import RunSpec
+    from trainer.reference.spec import RunSpec
 
     assert RunSpec(pg_timeout_s=5, rendezvous_timeout_s=15).rendezvous_timeout_s == 15
     with pytest.raises(ValueError, match=r"rendezvous timeout 30 s must exceed the collective timeout 30 s.*"

@@ -1,6 +1,6 @@
 """What every decoder the trainer builds is sized by, whichever executor runs it.
 
-The reference GPT (trainer/model.py) and the native executor's Llama-style model
+The reference GPT (trainer/reference/model.py) and the native executor's Llama-style model
 (trainer/native/model.py) differ in their blocks, so each config adds its own sizes, but both read
 tokens from the same vocabulary (trainer/data.py draws them) and hold their parameters in one
 floating-point type. Those two fields, and the check that the type exists, live here once.

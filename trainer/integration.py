@@ -20,7 +20,7 @@ rank at an iteration boundary, as it shares plans; every rank times the workload
 (``best_seconds``), the ranks gather their times, and ``probe_answer`` turns them into this rank's
 ``probe.result`` against the median, which ``reporter.answer_probe`` publishes. The workload is
 the loop's own (one GEMM of a layer for ``compute``, one activation sent to the next rank for
-``link``); the protocol is trainer/probe.py's, which our torch trainer runs.
+``link``); the protocol is trainer/reference/probe.py's, which our torch trainer runs.
 
 Runs: each listener serves one run incarnation of the job (``run``: new random bits by default,
 announced in every ``plan.current`` it publishes). It refuses, and reports, a command for another

@@ -95,4 +95,11 @@ def acknowledgement(command: ReconfigureCommand, status: AckStatus, detail: str,
                       pause_iterations=pause_iterations, detail=detail, run=run)
 
 
-__all__ = ["STEPS", "Released", "ReshapeExecutor", "ReshapeFailed", "ReshapeRefused", "acknowledgement"]
+def store_key(what: str, *numbers: int) -> str:
+    """A protocol's key in the launcher's store: what it holds, then the post's number (and the
+    device's, for one device's answer), slash-separated: ``done/3/5``. Every key of the reference executor's
+    posts (trainer/reference/rendezvous.py) and of the native executor's (trainer/native/intake.py) is made here."""
+    return "/".join((what, *map(str, numbers)))
+
+
+__all__ = ["STEPS", "Released", "ReshapeExecutor", "ReshapeFailed", "ReshapeRefused", "acknowledgement", "store_key"]

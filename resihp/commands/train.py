@@ -77,9 +77,10 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from trainer.fault_spec import FaultList
-    from trainer.launcher import check_launchable, launch
-    from trainer.model import PRESETS
-    from trainer.spec import BusSpec, RunSpec
+    from trainer.reference.launcher import check_launchable, launch
+    from trainer.reference.model import PRESETS
+    from trainer.reference.spec import RunSpec
+    from trainer.spec import BusSpec
 
     if args.model not in PRESETS:
         raise SystemExit(f"unknown model preset {args.model!r}; choose one of {sorted(PRESETS)}")

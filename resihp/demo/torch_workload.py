@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dp", type=int, required=True)
     p.add_argument("--microbatches", type=int, required=True, help="micro-batches per replica")
     p.add_argument("--iterations", type=int, required=True)
-    p.add_argument("--model", default="tiny", help="trainer preset (trainer/model.py)")
+    p.add_argument("--model", default="tiny", help="trainer preset (trainer/reference/model.py)")
     p.add_argument("--faults", default=None, help="fault list YAML (trainer/faults.py)")
     p.add_argument("--pace", type=float, default=DEFAULT_PACE_S_PER_LAYER_TOKEN,
                    help="emulated device seconds per layer-token (0: raw CPU)")
@@ -43,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from collector.plan import Plan
     from trainer.fault_spec import FaultList
-    from trainer.launcher import launch
-    from trainer.model import PRESETS
-    from trainer.spec import BusSpec, RunSpec
+    from trainer.reference.launcher import launch
+    from trainer.reference.model import PRESETS
+    from trainer.reference.spec import RunSpec
+    from trainer.spec import BusSpec
 
     if args.model not in PRESETS:
         raise SystemExit(f"unknown model preset {args.model!r}; choose one of {sorted(PRESETS)}")

@@ -24,7 +24,7 @@ again, up to ``--max-restarts`` times. This class adds what the platform needs a
   this node's ranks (SIGTERM, SIGKILL after ``stop_grace_s``) and ends the agent as a death looks
   to its peers, so under ``--on-failure shrink`` they go on without the node and offer its place;
 * a job's own controller (``AgentSettings.controller``, the reference trainer's in
-  trainer/launcher.py), called every monitor pass with the ranks that exited: a rank that dies
+  trainer/reference/launcher.py), called every monitor pass with the ranks that exited: a rank that dies
   leaves torch's watch and is the controller's to handle, not restarted by torch.
 """
 
@@ -91,7 +91,7 @@ class AgentSettings:
 
 
 class JobController(Protocol):
-    """What a job adds to its agent's monitor loop (the reference trainer's: trainer/launcher.py).
+    """What a job adds to its agent's monitor loop (the reference trainer's: trainer/reference/launcher.py).
 
     With a controller, a rank that exits with an error leaves torch's watch and is the
     controller's to handle; torch neither stops its peers nor restarts the group."""

@@ -4,8 +4,8 @@ torch's agent starts a node's ranks through a process context (``PContext``) and
 monitor pass. Both of torch's contexts treat the ranks as one: the first failure stops every other
 rank (``SubprocessContext`` closes them; ``MultiprocessContext``'s ``ProcessContext`` terminates
 them). The platform needs the survivors to keep running after a death (``--on-failure shrink``, the
-reference trainer's death policy in trainer/launcher.py), and it needs ranks that start without
-importing torch again (``import trainer.worker`` costs ~8 CPU-seconds; eight fresh interpreters on
+reference trainer's death policy in trainer/reference/launcher.py), and it needs ranks that start without
+importing torch again (``import trainer.reference.worker`` costs ~8 CPU-seconds; eight fresh interpreters on
 two cores would spend most of a short run importing). So:
 
 * :class:`RankWatch`: the watch itself. Each rank is polled on its own; with ``release_failed`` a

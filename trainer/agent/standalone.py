@@ -1,6 +1,6 @@
 """One node's job under the node agent on loopback: the launcher both executors' ranks run under.
 
-``resihp train`` (trainer/launcher.py) and the native executor (trainer/native/worker.py) start
+``resihp train`` (trainer/reference/launcher.py) and the native executor (trainer/native/worker.py) start
 their ranks the same way: a standalone :class:`NodeAgent` hosts the rendezvous store on loopback
 (the ranks find the job's own keys there too, so any rank may die and the survivors still meet),
 forks one rank per device from a server that imported the executor once, and hands every exit to

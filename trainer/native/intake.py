@@ -1,6 +1,6 @@
 """Native command intake: bus commands in, one reshape at a time through the ranks, acknowledgements out.
 
-Two halves over the launcher's TCPStore, like the reference trainer's (trainer/intake.py):
+Two halves over the launcher's TCPStore, like the reference trainer's (trainer/reference/intake.py):
 
 * :class:`NativeCommandIntake` (the launcher, the job's one reader of the control topic). At start
   it announces what runs (``plan.current``) and what this executor can run (``plan.capabilities``,
@@ -42,7 +42,7 @@ from collector.plan import Plan
 from trainer.integration import CommandListener
 from trainer.native.capabilities import NATIVE_CAPABILITIES, refusal
 from trainer.native.model import LlamaConfig
-from trainer.rendezvous import store_key
+from trainer.protocol import store_key
 
 log = logging.getLogger("resihp.trainer.native")
 

@@ -1,4 +1,4 @@
-"""Training state in layout-free terms, moved live between layouts (disk: trainer/checkpoint.py).
+"""Training state in layout-free terms, moved live between layouts (disk: trainer/reference/checkpoint.py).
 
 A rank's state is, per canonical parameter name, its shard of the parameter and of the optimizer
 moments (AdamW's ``exp_avg`` and ``exp_avg_sq``; the step count is the iteration, the same on
@@ -13,7 +13,7 @@ participants walk one global list of (unit, receiver, sender) transfers with blo
 which cannot deadlock. What can fail: a sender dying mid-transfer (the receiver's recv raises after
 the process-group timeout and the reshape fails); no replica fully alive for some unit
 (``units_without_live_copy`` says so beforehand; the executor then loads a disk checkpoint instead,
-see trainer/checkpoint.py, and ``transfer_live`` itself raises ``NoLiveSource``).
+see trainer/reference/checkpoint.py, and ``transfer_live`` itself raises ``NoLiveSource``).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from collector.plan import Plan
-from trainer.chunks import all_units, role_chunks, units_of_chunks
-from trainer.model import GPTConfig, GPTStage, full_shape, shard, shard_rule, unshard
-from trainer.optim import AdamW
-from trainer.parallel import PlanWorld, owner_stage
+from trainer.reference.chunks import all_units, role_chunks, units_of_chunks
+from trainer.reference.model import GPTConfig, GPTStage, full_shape, shard, shard_rule, unshard
+from trainer.reference.optim import AdamW
+from trainer.reference.parallel import PlanWorld, owner_stage
 
 STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")
 ShardState = dict[str, dict[str, torch.Tensor]]  # name -> kind -> shard

@@ -1,9 +1,9 @@
 """The executor: reshapes a running rank to the next plan epoch, as a sequence of protocol steps.
 
 Read it the way torchft's manager reads: one class, one method per step, each saying what can fail.
-The launcher's ``CommandIntake`` (trainer/intake.py) has already fenced the command — only epoch
+The launcher's ``CommandIntake`` (trainer/reference/intake.py) has already fenced the command — only epoch
 e+1 on top of e reaches the ranks — and posted the plan and the live world into the TCPStore as a
-numbered post (trainer/rendezvous.py).
+numbered post (trainer/reference/rendezvous.py).
 
     reshape(P):    agree → export → rebuild (the world) → restore (state, then the stage's groups) → resume
                    agree → rebalance → resume     (only micro-batch counts change: arrival barrier, groups kept)
@@ -36,13 +36,13 @@ import time
 
 import torch.distributed as dist
 
-from trainer.checkpoint import latest_checkpoint, load_checkpoint
-from trainer.chunks import role_chunks
-from trainer.parallel import PlanWorld, keeps_groups
-from trainer.rendezvous import (GROUPS_KEPT, Post, PostAborted, PostRefused, await_arrivals, done_key, failed_key,
+from trainer.reference.checkpoint import latest_checkpoint, load_checkpoint
+from trainer.reference.chunks import role_chunks
+from trainer.reference.parallel import PlanWorld, keeps_groups
+from trainer.reference.rendezvous import (GROUPS_KEPT, Post, PostAborted, PostRefused, await_arrivals, done_key, failed_key,
                                 newest_post, read_post)
 from trainer.protocol import Released, ReshapeExecutor, ReshapeFailed
-from trainer.state import NoLiveSource, ShardState, export_state, transfer_live, units_without_live_copy
+from trainer.reference.state import NoLiveSource, ShardState, export_state, transfer_live, units_without_live_copy
 
 log = logging.getLogger("resihp.trainer")
 
@@ -104,7 +104,7 @@ class Executor(ReshapeExecutor):
         """This device's state under the new plan, loaded into its new stage (:meth:`rebuild_groups`:
         the stage is built with its state); returns where the state came from ("live", or the checkpoint).
 
-        From live holders when every unit still has one (see trainer/state.py; a sender that dies
+        From live holders when every unit still has one (see trainer/reference/state.py; a sender that dies
         mid-way fails the receive, see :meth:`reshape`), else from disk (:meth:`restore_from_disk`).
         Every rank takes the same branch: the choice is a pure function of the two plans and the world."""
         self.trainer.faults.begin_transfer(self.trainer.iteration)

@@ -41,16 +41,16 @@ import torch.nn.functional as F
 from analytics.schedule import op_table
 from collector.events import ChunkKind, CommOp
 from collector.plan import PipelinePlan, RankRole
-from trainer.chunks import virtual_stages
+from trainer.reference.chunks import virtual_stages
 from trainer.data import IGNORE, MicroBatch
 from trainer.faults import FaultInjector
-from trainer.model import GPTStage
-from trainer.parallel import PlanWorld
+from trainer.reference.model import GPTStage
+from trainer.reference.parallel import PlanWorld
 from trainer.telemetry import IterationRecorder
 
 # ``backward(grad)`` with an explicit gradient lazily imports torch's symbolic-shapes module (and
 # sympy): several CPU-seconds in *every* rank process on its first backward. Importing it here
-# pays that once in the launcher's fork server, which preloads trainer.worker (and so this module).
+# pays that once in the launcher's fork server, which preloads trainer.reference.worker (and so this module).
 
 
 @dataclass

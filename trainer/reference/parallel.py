@@ -4,7 +4,7 @@
 * ``build_groups``: every process group the plan needs (TP groups, DP reduction groups), created by
   every world member in one deterministic order, as c10d requires.
 * ``apply_pp`` + ``apply_tp``: build the stage this device runs (its layer range) with its TP
-  context; ``init_stage`` (trainer/model.py) fills it with its slice of the canonical model.
+  context; ``init_stage`` (trainer/reference/model.py) fills it with its slice of the canonical model.
 * ``apply_dp``: a ``GradReducer`` that makes every replica's gradient the global-batch gradient.
 
 DP across replicas that may differ in TP degree and layer ranges: each model *unit* (embeddings,
@@ -26,13 +26,13 @@ import torch
 import torch.distributed as dist
 
 from collector.plan import Plan, RankRole, StagePlan
-from trainer.chunks import all_units, role_chunks, stage_chunks, units_of_chunks
-from trainer.model import GPTConfig, GPTStage, TPContext, shard_rule, unit_of, unshard
+from trainer.reference.chunks import all_units, role_chunks, stage_chunks, units_of_chunks
+from trainer.reference.model import GPTConfig, GPTStage, TPContext, shard_rule, unit_of, unshard
 
 
 def owner_stage(plan: Plan, replica_index: int, unit: str) -> StagePlan:
     """The stage of one replica (by position in ``plan.pipelines``) that owns ``unit`` (under the
-    interleaved schedule a stage owns the union of its chunks, see trainer/chunks.py)."""
+    interleaved schedule a stage owns the union of its chunks, see trainer/reference/chunks.py)."""
     for s, st in enumerate(plan.pipelines[replica_index].stages):
         if unit in units_of_chunks(plan.num_layers, stage_chunks(plan, replica_index, s)):
             return st

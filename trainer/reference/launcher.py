@@ -3,16 +3,16 @@
 One launcher. :func:`launch` runs the job through the node agent (trainer/agent/node.py, torch's
 ``LocalElasticAgent``) in standalone mode on loopback (trainer/agent/standalone.py, which the native
 executor's ranks run under too): the agent hosts the rendezvous store, forks one
-rank per device from a fork server that imported trainer.worker once (trainer/agent/pcontext.py),
+rank per device from a fork server that imported trainer.reference.worker once (trainer/agent/pcontext.py),
 and stops them on every way out; each rank dies with it (trainer/agent/child.py). The store the
-agent hosts is also where the ranks find the trainer's keys (trainer/rendezvous.py): any rank may
+agent hosts is also where the ranks find the trainer's keys (trainer/reference/rendezvous.py): any rank may
 die and the survivors can still meet.
 
 What is the reference trainer's own is :class:`TrainerController`, which the agent runs in its
 monitor loop (``AgentSettings.controller``); a rank that dies leaves torch's watch and is the
 controller's, so torch neither stops its peers nor restarts it. The controller is the single reader
-of the control topic (trainer/intake.py fences and posts the commands; probe requests are posted
-for the ranks to run, trainer/probe.py), publishes the acknowledgements and ``plan.current``, and
+of the control topic (trainer/reference/intake.py fences and posts the commands; probe requests are posted
+for the ranks to run, trainer/reference/probe.py), publishes the acknowledgements and ``plan.current``, and
 handles deaths. With ``on_death="drop-replica"`` it publishes a command that drops the dead
 device's replica and gives its micro-batches to the others, or — when no replica would survive —
 puts spare devices in the dead ones' places (state then comes from the newest disk checkpoint); a
@@ -47,11 +47,11 @@ from collector.settings import elastic_environment
 from collector.stream import EventStream
 from trainer.agent.signed_store import RANK_WRITERS, SignedStore
 from trainer.agent.standalone import standalone_node
-from trainer.chunks import schedule_problem
+from trainer.reference.chunks import schedule_problem
 from trainer.faults import KILL_EXIT_CODE
-from trainer.intake import CommandIntake
-from trainer.rendezvous import CONTROL_PROBE, PROGRESS, write_probe
-from trainer.spec import RunSpec
+from trainer.reference.intake import CommandIntake
+from trainer.reference.rendezvous import CONTROL_PROBE, PROGRESS, write_probe
+from trainer.reference.spec import RunSpec
 
 
 @dataclass
@@ -107,7 +107,7 @@ def launch(spec: RunSpec, plan: Plan, ranks: int, *, on_death: str = "wait", com
                                        echo=echo or (lambda line: None))
         try:
             exits = node.run(job=spec.job, role="trainer", ranks=ranks, entrypoint=_rank_main,
-                             args=(spec.model_dump_json(),), preload=("trainer.worker", __name__),
+                             args=(spec.model_dump_json(),), preload=("trainer.reference.worker", __name__),
                              controller=controller, poll_s=poll_s)
             controller.finish(exits)
             controller.result.final_plan = controller.intake.running
@@ -254,7 +254,7 @@ class TrainerController:
             location=Location(target="compute", rank=d, factor=1e9),
             start_iteration=_progress(self.store)["iteration"] + 1))])
         # The in-flight reshape fails if its plan names d: plan on top of what runs.
-        # If it only held d as a spare, it goes on without d (trainer/intake.py).
+        # If it only held d as a spare, it goes on without d (trainer/reference/intake.py).
         in_flight = self.intake.in_flight
         target = in_flight.command.plan if in_flight and not self.intake.doomed(d) else self.intake.running
         if self.on_death == "drop-replica" and d in target.devices and alive:
@@ -301,9 +301,9 @@ def _plan_current(spec: RunSpec, plan: Plan, reason: PlanCurrentReason, run: str
 
 
 def _rank_main(spec_json: str) -> None:
-    """A rank the agent forked (its server imported trainer.worker and this module): its device is
+    """A rank the agent forked (its server imported trainer.reference.worker and this module): its device is
     its global rank, torch elastic's ``RANK``."""
-    from trainer.worker import process_main
+    from trainer.reference.worker import process_main
 
     process_main(elastic_environment().RANK, spec_json)
 

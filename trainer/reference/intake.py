@@ -18,7 +18,7 @@ and within trainer/integration.py's ``probe_refusal`` bounds (:meth:`CommandInta
 Whatever is refused is kept as a ``control.rejected`` event (:meth:`CommandIntake.rejections`) for
 the launcher to publish, once per event id, and never touches the ranks.
 
-Posting a plan writes a numbered post (trainer/rendezvous.py: the plan and the live devices, then
+Posting a plan writes a numbered post (trainer/reference/rendezvous.py: the plan and the live devices, then
 ``control/post``), which ranks read at every commit. The acknowledgement waits until every live
 device of the world has written ``done/P/D`` (or one wrote ``failed/P/D``, or died) and states the largest
 pause and where the state came from (live peers, or a disk checkpoint when no live copy was left).
@@ -47,11 +47,11 @@ from collector.auth import Gate
 from collector.epoch_fence import fence_verdict, new_run, order_refusal
 from collector.events import AckStatus, CommandAck, Envelope, ProbeRequest, ReconfigureCommand
 from collector.plan import Plan
-from trainer.chunks import schedule_problem
+from trainer.reference.chunks import schedule_problem
 from trainer.agent.signed_store import RANK_WRITERS
 from trainer.integration import probe_refusal
 from trainer.protocol import acknowledgement
-from trainer.rendezvous import GROUPS_KEPT, abort_key, arrive_key, done_key, failed_key, write_post
+from trainer.reference.rendezvous import GROUPS_KEPT, abort_key, arrive_key, done_key, failed_key, write_post
 
 
 @dataclass

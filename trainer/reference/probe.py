@@ -3,7 +3,7 @@
 When telemetry can only point at a TP group (its members run in lock-step, so all of them look
 slow), the detector asks the group to run a probe (``probe.request``) and names the member whose
 probe is slow (analytics/incidents.py). The launcher, the only reader of the control topic, posts
-each request in the store (trainer/rendezvous.py: ``probe/Q``); ranks learn of it at their commit,
+each request in the store (trainer/reference/rendezvous.py: ``probe/Q``); ranks learn of it at their commit,
 which carries the newest probe number, so every rank of the world runs it at the same iteration
 boundary, after the optimizer step and outside any iteration's timings.
 
@@ -45,8 +45,8 @@ import torch.distributed as dist
 from collector.events import ProbeRequest, ProbeResult
 from trainer.faults import FaultInjector
 from trainer.integration import MAX_PROBE_S, probe_answer
-from trainer.model import GPTConfig
-from trainer.schedule import paced_chunk_s
+from trainer.reference.model import GPTConfig
+from trainer.reference.schedule import paced_chunk_s
 
 MIN_PROBE_DIM = 256
 

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from trainer.chunks import LayerRange, role_chunks, units_of_chunks
-from trainer.model import GPTConfig, GPTStage, shard, shard_rule
-from trainer.parallel import PlanWorld, gather_tp
-from trainer.state import ShardState, export_state, flatten, reassemble, unflatten, unit_names
+from trainer.reference.chunks import LayerRange, role_chunks, units_of_chunks
+from trainer.reference.model import GPTConfig, GPTStage, shard, shard_rule
+from trainer.reference.parallel import PlanWorld, gather_tp
+from trainer.reference.state import ShardState, export_state, flatten, reassemble, unflatten, unit_names
 
 KEEP_PERIODIC = 2
 

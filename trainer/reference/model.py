@@ -3,7 +3,7 @@
 Read top to bottom: the config, the Megatron TP helpers (two autograd functions), attention, MLP,
 block, and ``GPTStage`` — the layers ``[first_layer, end_layer)`` of the model plus, on the first
 stage, the embeddings and, on the last, the final norm and the head. A single-stage, TP-1 model is
-the plain GPT. Parallelism is applied from outside (trainer/parallel.py): the pipeline split by
+the plain GPT. Parallelism is applied from outside (trainer/reference/parallel.py): the pipeline split by
 choosing which layers a stage builds, TP by ``shard_stage`` which cuts weights and installs the
 collectives, DP by a gradient reducer. The model code itself only knows "my heads" and "my hidden
 slice".
@@ -172,7 +172,7 @@ class GPTStage(nn.Module):
     """The layers one pipeline stage holds, as one or more model chunks (virtual stages).
 
     ``chunks`` are layer ranges ``[first, end)`` indexed by chunk (one for 1F1B and zero-bubble;
-    V for the interleaved schedule, see trainer/chunks.py). The chunk starting at layer 0 also
+    V for the interleaved schedule, see trainer/reference/chunks.py). The chunk starting at layer 0 also
     holds the embeddings, the one ending at the last layer the final norm and head.
     ``forward(..., chunk=c)`` runs chunk ``c``: it takes token ids (the chunk with the embeddings)
     or the previous chunk's activations (T, C), and returns activations (T, C), or — the chunk

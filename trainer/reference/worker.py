@@ -8,9 +8,9 @@ optimizer. If anything in the iteration raises (a peer died: its neighbours at o
 the collective timeout), no rank has stepped, gradients are dropped, and the executor recovers
 from the last committed state. After a commit that saw a newer post, every rank reshapes at this
 same boundary. With ``checkpoint_every`` K, every K committed iterations all ranks also write a
-periodic disk checkpoint (trainer/checkpoint.py), the fallback when no live copy survives.
+periodic disk checkpoint (trainer/reference/checkpoint.py), the fallback when no live copy survives.
 
-The store keys the launcher and the ranks share are in trainer/rendezvous.py (the launcher's node
+The store keys the launcher and the ranks share are in trainer/reference/rendezvous.py (the launcher's node
 agent hosts the TCPStore, so any rank may die).
 """
 
@@ -31,22 +31,22 @@ from collector import logs
 from collector.events import Coords, FaultInjected, IterationSummary, Location, RankIteration
 from collector.plan import RankRole
 from collector.settings import environment
-from trainer.chunks import role_chunks
+from trainer.reference.chunks import role_chunks
 from trainer.data import global_targets, microbatch, replica_microbatch_ids
 from trainer.faults import FaultInjector
-from trainer.model import GPTStage, init_stage
-from trainer.optim import AdamW
-from trainer.parallel import (GradReducer, Groups, PlanWorld, apply_dp, apply_pp, apply_tp, build_groups,
+from trainer.reference.model import GPTStage, init_stage
+from trainer.reference.optim import AdamW
+from trainer.reference.parallel import (GradReducer, Groups, PlanWorld, apply_dp, apply_pp, apply_tp, build_groups,
                               build_world_group)
-from trainer.schedule import PipelineSchedule
-from trainer.spec import RunSpec
-from trainer.checkpoint import load_checkpoint, periodic_dir, prune_periodic, save_checkpoint
-from trainer.probe import run_probe
+from trainer.reference.schedule import PipelineSchedule
+from trainer.reference.spec import RunSpec
+from trainer.reference.checkpoint import load_checkpoint, periodic_dir, prune_periodic, save_checkpoint
+from trainer.reference.probe import run_probe
 from collector.auth import load_keyring
 from trainer.agent.signed_store import SignedStore, rank_role
-from trainer.rendezvous import (PROGRESS, Post, await_arrivals, await_first_post, newest_post_and_probe, pg_prefix,
+from trainer.reference.rendezvous import (PROGRESS, Post, await_arrivals, await_first_post, newest_post_and_probe, pg_prefix,
                                 read_probe)
-from trainer.state import import_state, make_optimizer
+from trainer.reference.state import import_state, make_optimizer
 from trainer.telemetry import IterationRecorder, TelemetryPublisher
 
 log = logging.getLogger("resihp.trainer")
@@ -84,8 +84,8 @@ class Trainer:
         self.iteration = 0
         self.faults = FaultInjector(spec.faults, device)
         self.current: Role | None = None
-        self.post = -1  # the number of the post (trainer/rendezvous.py) whose plan this rank runs
-        self.probes_done = 0  # the newest probe request (trainer/rendezvous.py) this rank answered
+        self.post = -1  # the number of the post (trainer/reference/rendezvous.py) whose plan this rank runs
+        self.probes_done = 0  # the newest probe request (trainer/reference/rendezvous.py) this rank answered
         self.probes_due: range = range(0)
         self.telemetry = (TelemetryPublisher(spec.bus.open, spec.job, device, spec.heartbeat_s)
                           if spec.telemetry else None)
@@ -200,7 +200,7 @@ class Trainer:
 
     def answer_probes(self) -> None:
         """Run the probes the last commit agreed are due (every world member, in order) and publish
-        this device's answers to those it was asked and had not answered yet (trainer/probe.py)."""
+        this device's answers to those it was asked and had not answered yet (trainer/reference/probe.py)."""
         cur = self.running
         for number in self.probes_due:
             request = read_probe(self.records, number)
@@ -285,7 +285,7 @@ def _t(what: str) -> None:
 
 def run_rank(spec: RunSpec, device: int) -> int:
     """The process body: join epoch 0, train, reshape on command, save, exit."""
-    from trainer.executor import Executor
+    from trainer.reference.executor import Executor
     from trainer.protocol import Released
 
     torch.set_num_threads(spec.threads)

@@ -1,6 +1,6 @@
 """The launcher ↔ ranks protocol over the launcher's TCPStore: posts, arrivals, outcomes.
 
-The launcher (trainer/intake.py) *posts* each plan it wants run; posts are numbered P = 0, 1, 2 …
+The launcher (trainer/reference/intake.py) *posts* each plan it wants run; posts are numbered P = 0, 1, 2 …
 (P = 0 is the plan the job starts with) and a post is never rewritten, so a rank can never read
 half of one plan and half of another. An epoch that failed can be posted again under a new P.
 
@@ -15,7 +15,7 @@ a record that does not verify is refused, reported, and read as absent):
 * ``done/P/D`` / ``failed/P/D``: D's outcome of the reshape to post P (JSON report / reason);
 * ``progress``: the last committed iteration (world rank 0 writes it);
 * ``probe/Q`` / ``control/probe``: the detector's Q-th probe request (Q = 1, 2 …) and the newest Q
-  (0: none yet); ranks read it at every commit and run it at that boundary (trainer/probe.py);
+  (0: none yet); ranks read it at every commit and run it at that boundary (trainer/reference/probe.py);
 * ``pg/P/…``: the torch.distributed rendezvous of post P's default process group (torch's own
   keys, unsigned: a stranger who writes there can make the group fail to form, which the ranks
   recover from like any failed rendezvous; docs/security.md, "The rendezvous store").
@@ -27,7 +27,7 @@ ranks return at once (``PostAborted``) and wait for the next post instead of for
 A device dying *after* every device arrived — inside the few milliseconds of the c10d
 rendezvous, or during the state transfer — is not reached by an abort: the ranks find out from a
 failed collective, write ``failed/P/D``, go back to the running epoch and wait for the next post
-(trainer/executor.py). A post that only moves micro-batches between replicas (same world and
+(trainer/reference/executor.py). A post that only moves micro-batches between replicas (same world and
 stages) needs no rendezvous at all: past the arrival barrier the ranks switch to its plan and
 report ``source`` ``GROUPS_KEPT``.
 """
@@ -43,6 +43,7 @@ from typing import Any
 from collector.events import ProbeRequest
 from collector.plan import Plan
 from trainer.agent.signed_store import RANK_WRITERS, RecordRefused, SignedStore
+from trainer.protocol import store_key
 
 CONTROL_POST = "control/post"
 CONTROL_PROBE = "control/probe"
@@ -64,13 +65,6 @@ class Post:
     number: int
     plan: Plan
     world: tuple[int, ...]
-
-
-def store_key(what: str, *numbers: int) -> str:
-    """A protocol's key in the launcher's store: what it holds, then the post's number (and the
-    device's, for one device's answer), slash-separated: ``done/3/5``. Every key of this module and
-    of the native executor's command posts (trainer/native/intake.py) is made here."""
-    return "/".join((what, *map(str, numbers)))
 
 
 post_key = functools.partial(store_key, "post")  # (P): the plan and world of post P
