@@ -15,9 +15,11 @@ are keyed by (epoch, iteration[, rank]) and overwrite, so their ids need not be 
 1,024-rank job would otherwise fill memory with ids). Events of an unknown kind are counted and
 ignored — the stream has already sent undecodable records to the dead-letter topic.
 
-Where a plan stands is collector/plan_lifecycle.py's fold (one per job), the same one the engine,
-the demo and the DuckDB rows use; a :class:`PlanView` keeps only what the screens draw on top of it
-(every decision, command and ack with its time) and names the fold's state in the console's words.
+Where a plan stands is collector/plan_lifecycle.py's fold, and where an incident stands
+collector/incident_lifecycle.py's (both kept per job in one :class:`JobFolds`), the same ones the
+engine, the demo and the DuckDB rows use; a :class:`PlanView` or :class:`IncidentView` keeps only
+what the screens draw on top (every decision, command, ack, confirmation and update with its time)
+and names the fold's state in the console's words.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from collector.events import (
     PlanWithheld, PolicyChanged, PolicyMode, RankHealth, RankHealthEntry, RankIteration, ReconfigureCommand,
     RecoveryPhase, Severity,
 )
-from collector import plan_lifecycle
+from collector import incident_lifecycle, plan_lifecycle
 from collector.auth import Keyring, Refusals, load_keyring, needs_signature
+from collector.incident_lifecycle import IncidentLifecycle, IncidentRecord
 from collector.plan import Plan
 from collector.plan_lifecycle import PlanLifecycle, PlanRecord, PlanStatus
 from ui.rank_store import RankStore
@@ -151,7 +154,11 @@ class RecoveryView:
 
 
 @dataclass
-class JobView:
+class ConsoleJob:
+    """One training job as the console draws it: predicted against observed times, the detector's
+    rank health, the layout and plan that run, the policy, the marks on its time line, its faults,
+    recoveries and bus outages, and its ranks' telemetry."""
+
     job: str
     predictions: PredictionSeries = field(default_factory=PredictionSeries)
     health: dict[int, RankHealthEntry] = field(default_factory=dict)
@@ -216,26 +223,31 @@ _STATUS_WORDS = {PlanStatus.ROLLED_BACK: "rolled back"}
 
 @dataclass
 class IncidentView:
+    """One incident: the fold's record of where it stands, and the history the screens draw."""
+
     incident_id: str
     job: str
     opened: IncidentOpened
     opened_time_s: float
-    severity: Severity
+    record: IncidentRecord  # the incident fold's (collector/incident_lifecycle.py)
     confirmed: tuple[float, IncidentConfirmed] | None = None
     updates: list[tuple[float, IncidentUpdated]] = field(default_factory=list)
     resolved: tuple[float, IncidentResolved] | None = None
     plan_ids: list[str] = field(default_factory=list)
     withheld: list[tuple[float, PlanWithheld]] = field(default_factory=list)  # why the engine did not plan
 
-    def record(self, time_s: float, p: IncidentConfirmed | IncidentUpdated | IncidentResolved) -> None:
+    def note(self, time_s: float, p: IncidentConfirmed | IncidentUpdated | IncidentResolved) -> None:
         """One later event of this incident; a redelivered confirmation or resolution keeps the first."""
         if isinstance(p, IncidentUpdated):
             self.updates.append((time_s, p))
-            self.severity = p.severity
         elif isinstance(p, IncidentConfirmed):
             self.confirmed = self.confirmed or (time_s, p)
         else:
             self.resolved = self.resolved or (time_s, p)
+
+    @property
+    def severity(self) -> Severity:
+        return self.record.severity
 
     @property
     def latest_evidence(self):  # -> Evidence
@@ -243,7 +255,8 @@ class IncidentView:
 
     @property
     def latest_locations(self):
-        return self.updates[-1][1].locations if self.updates else self.opened.locations
+        """Where the fold says it is: an update's or a probe's confirmation's locations, else the opening's."""
+        return self.record.locations
 
 
 @dataclass
@@ -253,15 +266,21 @@ class TimelineStep:
     detail: str = ""
 
 
+@dataclass
+class JobFolds(PlanLifecycle, IncidentLifecycle):
+    """Both folds of one job's control streams, the plan lifecycle's and the incidents', admitting
+    each event once for both."""
+
+
 class ReadModel:
     """The fold. ``apply`` one event at a time, in log order per source."""
 
     def __init__(self, *, max_rank_iterations: int = 4096, keyring: Keyring | None = None) -> None:
-        self.jobs: dict[str, JobView] = {}
+        self.jobs: dict[str, ConsoleJob] = {}
         self.incidents: dict[str, IncidentView] = {}
         self.plans: dict[str, PlanView] = {}
         self.commands: dict[str, str] = {}  # command id -> plan id
-        self.lifecycles: dict[str, PlanLifecycle] = {}  # job -> the plan lifecycle's fold
+        self.lifecycles: dict[str, JobFolds] = {}  # job -> its plan lifecycle's and incidents' folds
         self.last_seq: dict[tuple[str, str], int] = {}  # (job, source) -> highest seq seen
         self.applied = 0
         self.ignored = 0
@@ -273,17 +292,17 @@ class ReadModel:
         self.keyring = keyring  # None: the environment's (collector/auth.py's load_keyring)
         self._refused = Refusals()  # the newest ids of control events that did not verify: a flood stays bounded
 
-    def job(self, name: str) -> JobView:
+    def job(self, name: str) -> ConsoleJob:
         view = self.jobs.get(name)
         if view is None:
-            view = self.jobs[name] = JobView(name, ranks=RankStore(self._max_rank_iterations))
+            view = self.jobs[name] = ConsoleJob(name, ranks=RankStore(self._max_rank_iterations))
         return view
 
-    def lifecycle(self, job: str) -> PlanLifecycle:
-        """The plan lifecycle's fold for ``job``."""
+    def lifecycle(self, job: str) -> JobFolds:
+        """The plan lifecycle's and the incidents' folds for ``job``."""
         state = self.lifecycles.get(job)
         if state is None:
-            state = self.lifecycles[job] = PlanLifecycle(job=job)
+            state = self.lifecycles[job] = JobFolds(job=job)
         return state
 
     def next_seq(self, job: str, source: str) -> int:
@@ -322,12 +341,21 @@ class ReadModel:
         if self.security.apply(event):  # console-wide: no job view, no plan lifecycle
             return
         job = self.job(event.job)
-        plan_lifecycle.step(self.lifecycle(event.job), event)
+        self._fold(event)
         handler = getattr(self, "_on_" + event.kind.replace(".", "_"), None)
         if handler is None:
             self.ignored += 1
             return
         handler(event, event.payload, job)  # each handler names the payload its kind carries
+
+    def _fold(self, event: Envelope) -> None:
+        state = self.lifecycle(event.job)
+        if not plan_lifecycle.admit(state, event):
+            return
+        if isinstance(event.payload, incident_lifecycle.PAYLOADS):
+            incident_lifecycle.transition(state, event)
+        else:
+            plan_lifecycle.transition(state, event)
 
     def _authentic(self, event: Envelope) -> bool:
         """Whether a control event's signature verifies; a refusal goes to the Security page once."""
@@ -340,7 +368,7 @@ class ReadModel:
 
     # ---- analytics ------------------------------------------------------------------------------
 
-    def _on_telemetry_recovery(self, e: Envelope, p: RecoveryPhase, job: JobView) -> None:
+    def _on_telemetry_recovery(self, e: Envelope, p: RecoveryPhase, job: ConsoleJob) -> None:
         view = job.recoveries.get(p.generation)
         if view is None:
             view = job.recoveries[p.generation] = RecoveryView(p.generation, list(p.world), list(p.lost), p.iteration,
@@ -349,27 +377,30 @@ class ReadModel:
                                   f"ranks {list(p.lost)} lost; world of {len(p.world)} went on"))
         view.phases[p.phase] = (p.duration_s, p.since_detected_s)
 
-    def _on_analytics_rank_health(self, e: Envelope, p: RankHealth, job: JobView) -> None:
+    def _on_analytics_rank_health(self, e: Envelope, p: RankHealth, job: ConsoleJob) -> None:
         for entry in p.entries():
             job.health[entry.rank] = entry
 
-    def _on_incident_opened(self, e: Envelope, p: IncidentOpened, job: JobView) -> None:
-        self.incidents[p.incident_id] = IncidentView(p.incident_id, e.job, p, e.time_s, p.severity)
+    def _on_incident_opened(self, e: Envelope, p: IncidentOpened, job: ConsoleJob) -> None:
+        record = self.lifecycle(e.job).incidents.get(p.incident_id)
+        if record is None or p.incident_id in self.incidents:
+            return  # the fold keeps an incident's first opening
+        self.incidents[p.incident_id] = IncidentView(p.incident_id, e.job, p, e.time_s, record)
         job.marks.append(Mark("incident", p.iteration, e.time_s, f"{p.severity.value}: {p.summary}"))
         for pending in self._early_remediation_events.pop(p.incident_id, []):
             self._attach(pending, p.incident_id)
 
     def _on_incident_later(self, e: Envelope, p: IncidentConfirmed | IncidentUpdated | IncidentResolved,
-                           job: JobView) -> None:
+                           job: ConsoleJob) -> None:
         """A confirmation, update or resolution of an incident this view holds (one it never saw
         opened is not shown)."""
         inc = self.incidents.get(p.incident_id)
         if inc is not None:
-            inc.record(e.time_s, p)
+            inc.note(e.time_s, p)
 
     _on_incident_confirmed = _on_incident_updated = _on_incident_resolved = _on_incident_later
 
-    def _on_analytics_bus_outage(self, e: Envelope, p: BusOutage, job: JobView) -> None:
+    def _on_analytics_bus_outage(self, e: Envelope, p: BusOutage, job: ConsoleJob) -> None:
         """Analytics could not read the bus and judged no rank dead meanwhile: a bus outage, not an incident."""
         known = job.outages.get(p.outage_id)
         if known is not None and known.ended_s is not None:
@@ -380,21 +411,21 @@ class ReadModel:
                                   f"bus outage: {p.duration_s or 0:.0f} s, fail-stop judgement of "
                                   f"{p.ranks_suspended} ranks suspended"))
 
-    def _on_truth_fault(self, e: Envelope, p: FaultInjected, job: JobView) -> None:
+    def _on_truth_fault(self, e: Envelope, p: FaultInjected, job: ConsoleJob) -> None:
         job.faults.append(p)
 
     # ---- remediation ----------------------------------------------------------------------------
 
-    def _on_plan_current(self, e: Envelope, p: PlanCurrent, job: JobView) -> None:
+    def _on_plan_current(self, e: Envelope, p: PlanCurrent, job: ConsoleJob) -> None:
         """The trainer (or simulator) says what it runs: the grid needs no telemetry to be drawn."""
         job.current_plan = self.lifecycle(e.job).running_plan or job.current_plan
 
-    def _on_plan_proposed(self, e: Envelope, p: PlanProposed, job: JobView) -> None:
+    def _on_plan_proposed(self, e: Envelope, p: PlanProposed, job: ConsoleJob) -> None:
         self.plans[p.plan_id] = PlanView(p.plan_id, e.job, p, e.time_s, e.source,
                                          record=self.lifecycle(e.job).plans.get(p.plan_id))
         self._attach_to_incidents(e, p.incident_ids)
 
-    def _on_plan_withheld(self, e: Envelope, p: PlanWithheld, job: JobView) -> None:
+    def _on_plan_withheld(self, e: Envelope, p: PlanWithheld, job: ConsoleJob) -> None:
         self._attach_to_incidents(e, p.incident_ids)
 
     def _attach_to_incidents(self, e: Envelope, incident_ids: list[str]) -> None:
@@ -414,18 +445,18 @@ class ReadModel:
         elif isinstance(p, PlanProposed) and p.plan_id not in inc.plan_ids:
             inc.plan_ids.append(p.plan_id)
 
-    def _on_plan_decision(self, e: Envelope, p: PlanDecision, job: JobView) -> None:
+    def _on_plan_decision(self, e: Envelope, p: PlanDecision, job: ConsoleJob) -> None:
         plan = self.plans.get(p.plan_id)
         if plan is not None:
             plan.decisions.append((e.time_s, p))
 
-    def _on_command_reconfigure(self, e: Envelope, p: ReconfigureCommand, job: JobView) -> None:
+    def _on_command_reconfigure(self, e: Envelope, p: ReconfigureCommand, job: ConsoleJob) -> None:
         self.commands[p.command_id] = p.plan_id
         plan = self.plans.get(p.plan_id)
         if plan is not None:
             plan.commands.append((e.time_s, p))
 
-    def _on_command_ack(self, e: Envelope, p: CommandAck, job: JobView) -> None:
+    def _on_command_ack(self, e: Envelope, p: CommandAck, job: ConsoleJob) -> None:
         plan = self.plans.get(p.plan_id)
         if plan is not None:
             plan.acks.append((e.time_s, p))
@@ -435,18 +466,18 @@ class ReadModel:
             job.marks.append(Mark("reshape", job.predictions.iteration_at(e.time_s), e.time_s,
                                   f"epoch {p.running_epoch} applied ({p.pause_s:.1f}s pause)"))
 
-    def _on_plan_verified(self, e: Envelope, p: PlanVerified, job: JobView) -> None:
+    def _on_plan_verified(self, e: Envelope, p: PlanVerified, job: ConsoleJob) -> None:
         plan = self.plans.get(p.plan_id)
         if plan is not None:
             plan.verified = (e.time_s, p)
 
-    def _on_plan_rolled_back(self, e: Envelope, p: PlanRolledBack, job: JobView) -> None:
+    def _on_plan_rolled_back(self, e: Envelope, p: PlanRolledBack, job: ConsoleJob) -> None:
         plan = self.plans.get(p.plan_id)
         if plan is not None:
             plan.rolled_back = (e.time_s, p)
             job.marks.append(Mark("reshape", job.predictions.iteration_at(e.time_s), e.time_s, "rolled back"))
 
-    def _on_policy_changed(self, e: Envelope, p: PolicyChanged, job: JobView) -> None:
+    def _on_policy_changed(self, e: Envelope, p: PolicyChanged, job: ConsoleJob) -> None:
         job.policy = PolicyView(p.mode, list(p.auto_severities), p.actor, e.time_s)
 
     # ---- derived views --------------------------------------------------------------------------

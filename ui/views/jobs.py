@@ -9,7 +9,7 @@ import streamlit as st
 from collector.events import RankState
 from ui.charts import downsample, goodput_bar, plan_cells, plan_grid_chart, series_chart
 from ui.feed import Feed
-from ui.read_model import JobView
+from ui.read_model import ConsoleJob
 from ui.views.common import clock, pick_job, plain, writer_warnings
 
 WINDOWS = {"last 500 iterations": 500, "last 5,000 iterations": 5000, "all": None}
@@ -32,7 +32,7 @@ def render(feed: Feed, refresh_s: float) -> None:
     body()
 
 
-def _job_body(feed: Feed, job: JobView) -> None:
+def _job_body(feed: Feed, job: ConsoleJob) -> None:
     series = job.predictions.arrays()
     open_incidents = [i for i in feed.model.incidents.values() if i.job == job.job and i.resolved is None]
     shape = job.current_plan.shape() if job.current_plan is not None else _layout_shape(job)
@@ -83,7 +83,7 @@ def _job_body(feed: Feed, job: JobView) -> None:
                                    "slowdown": [e.factor for e in unhealthy]}), hide_index=True)
 
 
-def recovery_rows(job: JobView) -> list[dict]:
+def recovery_rows(job: ConsoleJob) -> list[dict]:
     """One row per phase of every in-job recovery (``telemetry.recovery``), newest recovery first."""
     rows = []
     for rec in sorted(job.recoveries.values(), key=lambda r: -r.generation):
@@ -94,7 +94,7 @@ def recovery_rows(job: JobView) -> list[dict]:
     return rows
 
 
-def _recovery_timeline(job: JobView) -> None:
+def _recovery_timeline(job: ConsoleJob) -> None:
     """Fail-stop recoveries inside the job (``resihp run --on-failure shrink``), phase by phase."""
     if not job.recoveries:
         return
@@ -122,7 +122,7 @@ def _goodput_headline(feed: Feed, job_name: str) -> None:
                + (f"; {g.pending_s:,.0f} s since the last iteration not yet attributed" if g.pending_s >= 0.5 else ""))
 
 
-def _layout_shape(job: JobView) -> str:
+def _layout_shape(job: ConsoleJob) -> str:
     if not job.layout:
         return "—"
     tp = max(s.tp_rank for s in job.layout.values()) + 1
@@ -131,7 +131,7 @@ def _layout_shape(job: JobView) -> str:
     return f"TP{tp}·PP{pp}·DP{dp}"
 
 
-def _bus_outages(job: JobView) -> None:
+def _bus_outages(job: ConsoleJob) -> None:
     """Bus outages (analytics.bus_outage): the bus was down, not the ranks, so nobody was judged dead."""
     if not job.outages:
         return
