@@ -165,3 +165,8 @@ class DetectorProjection:
         bus.publish([decode(bytes(raw)) for _, raw in rows])
         conn.execute("DELETE FROM detector_outbox WHERE seq <= ?", [rows[-1][0]])
         return len(rows)
+
+    def discard_outbox(self, conn: duckdb.DuckDBPyConnection) -> None:
+        """Forget what committed transactions produced without publishing it: another consumer
+        holds the bus (analytics/lease.py), and it publishes the same incidents."""
+        conn.execute("DELETE FROM detector_outbox")

@@ -24,8 +24,13 @@ same epoch completes, since a dead rank would have prevented it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from analytics.fail_stop import FailStopWatch
+from collector.events import Payload
+
+if TYPE_CHECKING:
+    from analytics.detection.judges.base import JobContext
 
 
 @dataclass
@@ -57,6 +62,28 @@ class HiddenStopWatch:
         epoch = watch.newest_epoch()
         self.suspects, self.epoch, self.top = tuple(sorted(silent)), epoch, watch.top_iteration(epoch)
         return self.suspects
+
+    def judge_stall(self, time_s: float, job: JobContext) -> list[Payload]:
+        """The hidden-stop judgement at event time ``time_s``: name the silent suspects once a
+        liveness probe's answers are in, or raise the suspicion (and ask the probe). Judged on
+        heartbeats, the only events a hung job sends, so it reads a time, not an iteration."""
+        stops, book = job.fail_stop, job.book
+        silent = self.silent(time_s, stops.interval_s())
+        if silent:
+            stops.dead.update(silent)
+            return book.hidden_named(silent, f"ranks {list(silent)} did not answer a liveness probe that the "
+                                             f"other {len(self.suspects) - len(silent)} suspects answered")
+        ranks = self.suspect(stops, time_s)
+        if not ranks:
+            return []
+        iteration = self.top + 1
+        probe_id = f"liveness-{self.epoch}-{iteration}" if job.config.probes else None
+        if probe_id is not None:
+            self.ask(probe_id, time_s)
+        reason = (f"the job completed nothing for {stops.stalled_now():.0f} s while every traced rank "
+                  f"heartbeats: one of the {len(ranks)} ranks that are not traced (and send no heartbeats) stopped"
+                  + ("; a liveness probe will tell which" if probe_id is not None else ""))
+        return book.hidden_fail_stop(ranks, iteration, reason, probe_id)
 
     def ask(self, probe_id: str, time_s: float) -> None:
         self.probe_id, self.asked_s, self.answered = probe_id, time_s, frozenset()

@@ -3,8 +3,9 @@
 Shards (analytics/shards.py) each score whole DP replicas into ``ReplicaSummary``s
 (analytics/replica_summary.py); this one process per job collects an iteration's summaries,
 centres the ranks and links across the job, teaches its cost model the units of the TP groups it
-does not suspect, and runs the detector's unchanged judgement (``Detector.judge``: σ, the CUSUMs,
-the incident book, the prediction, health). After each iteration it publishes its fits
+does not suspect, and runs the detector's judgement in the single process's order
+(analytics/detector.py ``judge_iteration``, with ``SummaryScorer``: σ, the judges, the incident
+book, the prediction, health). After each iteration it publishes its fits
 (``DetectorFits``), with which the shards predict the job's next iteration, as the single process
 predicts with the fits of the iterations before. It never touches a chunk, so its cost grows with
 ranks and replicas, not with chunks.
@@ -26,11 +27,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from analytics.detector import Detector
+from analytics.detection.facts import IterationFacts
+from analytics.detector import Detector, judge_iteration
 from analytics.detector_config import DetectorConfig
-from analytics.frame import LayerLookup
-from analytics.replica_summary import LIVENESS_ARRAYS, fits_event, job_view, summary_shape_problem, unpack_all
-from analytics.scoring import fit_ranks, forget_suspects, group_tags, learn_units
+from analytics.replica_summary import (
+    LIVENESS_ARRAYS, ReplicaJobView, fits_event, replica_job_view, summary_shape_problem, unpack_all,
+)
+from analytics.scoring import FrameScore, fit_ranks, forget_suspects, group_tags, learn_units
 from collector.bus import Bus
 from collector.auth import Gate, Signer
 from collector.events import (
@@ -56,7 +59,6 @@ class JobMerge:
         self._waiting: dict[tuple[int, int], dict[int, ReplicaSummary]] = {}
         self._judged: tuple[int, int] = (-1, -1)
         self._replicas: dict[int, set[int]] = {}  # epoch -> replicas of its plan
-        self._lookup: dict[int, LayerLookup] = {}
         self._heard: list[LivenessBatch] = []  # liveness not applied yet (``settle``)
         self._heard_rows = 0
         self._usable_shape: tuple[int, object] | None = None  # (ranks, layout) of the last usable summary
@@ -101,7 +103,7 @@ class JobMerge:
         if not self._heard:
             return []
         det = self.detector
-        dead_before = set(det.fail_stop.dead)
+        dead_before = set(det.dead)
         out: list[Payload] = []
         held, self._heard, self._heard_rows = self._heard, [], 0
         parts: list[LivenessBatch] = []
@@ -110,7 +112,7 @@ class JobMerge:
                 out += self._ingest(parts)
                 parts = []
                 # every shard forwards its copy of a declaration (each partition holds one): once is enough
-                out += [x for d in p.declared if d not in det.arrival.tracing for x in det.on_declared(d)]
+                out += [x for d in p.declared if d not in det.declarations for x in det.on_declared(d)]
             if (p.rows, p.layout) != self._usable_liveness:  # shards send one shape: checked once
                 if not _liveness_usable(p):
                     self.malformed += 1
@@ -120,8 +122,8 @@ class JobMerge:
                 self._usable_liveness = (p.rows, p.layout)
             parts.append(p)
         out += self._ingest(parts)
-        if det.fail_stop.dead != dead_before:
-            out.append(fits_event(det.model, *self._judged, det.arrival.plans, det.fail_stop.dead))
+        if det.dead != dead_before:
+            out.append(fits_event(det.model, *self._judged, det.plans, det.dead))
         return out + self._judge_ready(final=False)
 
     def _ingest(self, parts: list[LivenessBatch]) -> list[Payload]:
@@ -136,25 +138,17 @@ class JobMerge:
         plan that holds a traced rank. A replica its producer traces none of (``TracingDeclared``)
         sends no summary, and waiting for it held every iteration until the end of the log."""
         want = self._replicas.get(epoch)
-        arrival = self.detector.arrival
-        plan = arrival.plans.get(epoch)
-        if want is None or plan is None or not arrival.tracing:
+        det = self.detector
+        plan = det.plan(epoch)
+        if want is None or plan is None or not det.declarations:
             return want
         cached = self._due_cache.get(epoch)
-        if cached is not None and cached[0] is arrival.tracing:  # declare() makes a new tuple
+        if cached is not None and cached[0] is det.declarations:  # a declaration makes a new tuple
             return cached[1]
-        untraced = arrival.untraced(epoch)
+        untraced = det.untraced(epoch)
         due = {p.replica for p in plan.pipelines if any(d not in untraced for st in p.stages for d in st.devices)}
-        self._due_cache[epoch] = (arrival.tracing, due)
+        self._due_cache[epoch] = (det.declarations, due)
         return due
-
-    def _layers(self, epoch: int) -> LayerLookup | None:
-        plan = self.detector.arrival.plans.get(epoch)
-        if plan is None:
-            return None
-        if epoch not in self._lookup:
-            self._lookup[epoch] = LayerLookup(plan)
-        return self._lookup[epoch]
 
     def flush(self) -> list[Payload]:
         """Judge every iteration still waiting (end of a recording)."""
@@ -177,26 +171,40 @@ class JobMerge:
         return out
 
     def judge(self, epoch: int, iteration: int, parts: list[ReplicaSummary]) -> list[Payload]:
-        """One iteration from its replicas' summaries, in the single process's order: the new
-        plan's resets, the cost model taught by the unsuspected TP groups' units, the ranks and
-        links centred, the judgement; then the fits for the shards' next iteration."""
-        view = job_view(epoch, iteration, parts, self._layers(epoch))
-        frame, det = view.frame, self.detector
-        out = det.begin_frame(frame)
-        suspects = det.suspects(frame)
+        """One iteration from its replicas' summaries, in the single process's order
+        (``judge_iteration``): the new plan's resets, the cost model taught by the unsuspected TP
+        groups' units, the ranks and links centred, the judgement; then the fits for the shards'
+        next iteration."""
+        view = replica_job_view(epoch, iteration, parts, self.detector.layer_lookup(epoch))
+        return judge_iteration(self.detector, view.frame, SummaryScorer(view, self.detector))
+
+
+class SummaryScorer:
+    """The merge's scoring (``FrameScorer``), from the replicas' summaries: the shards predicted
+    and centred within their replicas; the merge teaches the cost model, centres across the job,
+    and after the judgement publishes the fits the shards predict the next iteration with."""
+
+    def __init__(self, view: ReplicaJobView, detector: Detector) -> None:
+        self.view, self.detector = view, detector
+        self.tags = group_tags(view.frame)
+
+    def score(self, suspects: set[int], stand_out: float) -> tuple[FrameScore, IterationFacts]:
+        view, frame, det = self.view, self.view.frame, self.detector
         clean = fit_ranks(frame, suspects)
-        tags = group_tags(frame)
+        tags = self.tags
         row = np.clip(np.searchsorted(frame.rank, view.u_rank), 0, max(frame.num_ranks - 1, 0))
         u_own = np.where(clean[row] & (frame.rank[row] == view.u_rank), view.u_own, np.nan)
-        learn_units(det.model, iteration, view.u_keys, view.u_class, view.u_tokens, view.u_s2, u_own,
+        learn_units(det.model, frame.iteration, view.u_keys, view.u_class, view.u_tokens, view.u_s2, u_own,
                     u_group=tags[row] if len(row) else None)
-        out += det.judge(frame, view.score(clean), view.facts, suspects)
-        # the suspects the next iteration starts with lose what they taught before the fits go out:
-        # the single process forgets them before it predicts that iteration, the shards predict it
-        # with these fits
-        forget_suspects(det.model, tags, frame.rank, det.suspects(frame))
-        out.append(fits_event(det.model, epoch, iteration, det.arrival.plans, det.fail_stop.dead))
-        return out
+        return view.score(clean), view.facts
+
+    def forget(self) -> list[Payload]:
+        """The suspects the next iteration starts with lose what they taught before the fits go out:
+        the single process forgets them before it predicts that iteration, the shards predict it
+        with these fits."""
+        frame, det = self.view.frame, self.detector
+        forget_suspects(det.model, self.tags, frame.rank, det.suspects(frame))
+        return [fits_event(det.model, frame.epoch, frame.iteration, det.plans, det.dead)]
 
 
 def _liveness_usable(p: LivenessBatch) -> bool:

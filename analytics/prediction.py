@@ -75,7 +75,7 @@ def predicted_iteration_s(frame: IterationFrame, c_pred: np.ndarray, schedule: s
 MAX_STAGE_ROWS = 256  # per iteration and job: what /metrics turns into series, so bounded at any scale
 
 
-def stage_times(frame: IterationFrame, c_pred: np.ndarray) -> list[tuple[int, int, float, float]]:
+def predicted_stage_spans(frame: IterationFrame, c_pred: np.ndarray) -> list[tuple[int, int, float, float]]:
     """(replica, stage, observed_s, predicted_s) of each pipeline stage's compute in this iteration:
     the sum of its chunks' own times (TP waits excluded) against the same sum of the cost model's
     predictions, the median over the stage's reporting TP ranks. A stage none of whose ranks has a
@@ -103,7 +103,7 @@ def stage_times(frame: IterationFrame, c_pred: np.ndarray) -> list[tuple[int, in
 
 def bounded_stage_rows(replica: np.ndarray, stage: np.ndarray, observed: np.ndarray, predicted: np.ndarray
                        ) -> list[tuple[int, int, float, float]]:
-    """``stage_times``'s rows, at most ``MAX_STAGE_ROWS`` of them (see there), sorted by (replica,
+    """``predicted_stage_spans``'s rows, at most ``MAX_STAGE_ROWS`` of them (see there), sorted by (replica,
     stage). The sharded merge applies it to the rows its shards computed per replica."""
     order = np.lexsort((stage, replica))
     replica, stage, observed, predicted = replica[order], stage[order], observed[order], predicted[order]

@@ -40,7 +40,7 @@ import numpy as np
 
 from analytics.cost_model import MAX_FIT_ROWS, ClassFit, CostModel
 from analytics.frame import IterationFrame, LayerLookup
-from analytics.prediction import bounded_stage_rows, predicted_iteration_s, stage_times
+from analytics.prediction import bounded_stage_rows, predicted_iteration_s, predicted_stage_spans
 from analytics.scoring import (
     FrameScore, WorkClass, centre_links, centre_ranks, chunk_classes, link_times, predict_chunks, rank_log_ratios,
     unit_table,
@@ -186,7 +186,7 @@ def summarize_replica(frame: IterationFrame, fits: DetectorFits | None, *, windo
                   u_class=t.u_class[rows], u_tokens=t.u_tokens[rows], u_s2=t.u_s2[rows], u_own=t.u_own[rows],
                   u_rank=frame.rank[t.u_rank[rows]])
     arrays.update(zip(LINK_ARRAYS, link_times(frame)))
-    stage_rows = stage_times(frame, pred)  # at most the replica's stages: under the bound, every one
+    stage_rows = predicted_stage_spans(frame, pred)  # at most the replica's stages: under the bound, every one
     arrays.update(s_stage=np.array([r[1] for r in stage_rows]), s_observed=np.array([r[2] for r in stage_rows]),
                   s_predicted=np.array([r[3] for r in stage_rows]))
     layout, blob = pack(arrays)
@@ -209,7 +209,7 @@ def summarize_replica(frame: IterationFrame, fits: DetectorFits | None, *, windo
 
 @dataclass
 class SummaryFacts:
-    """IterationFacts (analytics/detector.py) from the replicas' summaries."""
+    """IterationFacts (analytics/detection/facts.py) from the replicas' summaries."""
 
     own_s: np.ndarray
     pred_s: np.ndarray
@@ -221,8 +221,9 @@ class SummaryFacts:
 
 
 @dataclass
-class JobView:
-    """The job's iteration as the merge sees it: a frame of rank rows only, the ranks' uncentred
+class ReplicaJobView:
+    """The job's iteration as the merge sees it, assembled from its replicas' summaries (not the
+    console's ``JobView``): a frame of rank rows only, the ranks' uncentred
     scores, the links' uncentred times, the unit rows, and the facts judging needs."""
 
     frame: IterationFrame
@@ -251,7 +252,8 @@ class JobView:
 _INT = np.int64
 
 
-def job_view(epoch: int, iteration: int, parts: Sequence[ReplicaSummary], layers: LayerLookup | None) -> JobView:
+def replica_job_view(epoch: int, iteration: int, parts: Sequence[ReplicaSummary],
+                     layers: LayerLookup | None) -> ReplicaJobView:
     """The replicas' summaries as one job, rank rows sorted by rank (as ``build_frame`` sorts them)."""
     cols = unpack_all(parts, [n for group in SUMMARY_ARRAY_GROUPS for n in group])
     replica, ranks, wall, dp_waits, explained_s, pipeline_s, tokens, inferred = zip(*(
@@ -305,7 +307,7 @@ def job_view(epoch: int, iteration: int, parts: Sequence[ReplicaSummary], layers
                                                    stage_cols[1], stage_cols[2]))
     links = (cols["l_src"].astype(_INT), cols["l_dst"].astype(_INT), cols["l_time"],
              cols["l_stage_src"].astype(_INT), cols["l_stage_dst"].astype(_INT), cols["l_waits"] > 0)
-    return JobView(frame=frame, x=rows(cols["x"]), xk=xk, links=links, u_keys=list(keys),
+    return ReplicaJobView(frame=frame, x=rows(cols["x"]), xk=xk, links=links, u_keys=list(keys),
                    u_class=u_class, u_tokens=cols["u_tokens"],
                    u_s2=cols["u_s2"], u_own=cols["u_own"], u_rank=cols["u_rank"].astype(_INT), facts=facts,
                    inferred=any(inferred))

@@ -305,7 +305,7 @@ def _summary(replica: int, units: int, class_keys: list, u_class: list[int]):
 def test_joining_summaries_gives_the_per_replica_arrays_in_replica_order_whether_or_not_layouts_agree() -> None:
     """``unpack_all`` joins same-layout summaries as one block: it must give what reading each
     summary and concatenating gives, and the class indices must map through each replica's own list."""
-    from analytics.replica_summary import job_view, unpack, unpack_all
+    from analytics.replica_summary import replica_job_view, unpack, unpack_all
 
     same = [_summary(r, 3, [["F", 0], ["B", 0]], [0, 1, 1]) for r in range(3)]
     mixed = [_summary(0, 3, [["F", 0], ["B", 0]], [0, 1, 1]), _summary(1, 2, [["B", 0], ["F", 0]], [0, 1])]
@@ -315,11 +315,11 @@ def test_joining_summaries_gives_the_per_replica_arrays_in_replica_order_whether
         for n in names:
             want = np.concatenate([unpack(p.layout, p.blob)[n] for p in parts])
             assert joined[n].dtype == want.dtype and joined[n].tolist() == want.tolist(), n
-    view = job_view(0, 1, mixed, None)
+    view = replica_job_view(0, 1, mixed, None)
     assert view.u_keys == [("F", 0), ("B", 0)]
     assert view.u_class.tolist() == [0, 1, 1, 1, 0]  # replica 1 listed B first
     assert view.u_tokens.tolist() == [0, 1, 2, 100, 101]
-    assert job_view(0, 1, same, None).u_class.tolist() == [0, 1, 1] * 3
+    assert replica_job_view(0, 1, same, None).u_class.tolist() == [0, 1, 1] * 3
 
 
 def test_a_summary_whose_arrays_the_merge_cannot_join_is_counted_and_left_out() -> None:

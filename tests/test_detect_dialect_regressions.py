@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analytics.detector import Detector, fast_side_sigma
+from analytics.detection.judges.noise import fast_side_sigma
+from analytics.detector import Detector
 from analytics.detector_config import DetectorConfig
 from collector.events import FaultCategory, IncidentConfirmed, IncidentOpened, ProbeRequest
 from trainer.fault_spec import FaultSpec
