@@ -100,11 +100,11 @@ def node_fence_verdict(command: NodeCommand, running_round: int,
     its status and why. Pure, like :func:`fence_verdict`."""
     if command.command_id in seen:
         return _duplicate(command.command_id)
-    if command.epoch < running_round:
-        return AckStatus.IGNORED_STALE, (f"decided in rendezvous round {command.epoch}, but the job re-formed since "
+    if command.round < running_round:
+        return AckStatus.IGNORED_STALE, (f"decided in rendezvous round {command.round}, but the job re-formed since "
                                          f"(round {running_round}) and may number its nodes otherwise; decide again")
-    if command.epoch > running_round:
-        return AckStatus.IGNORED_STALE, (f"names rendezvous round {command.epoch}, but the job is in round "
+    if command.round > running_round:
+        return AckStatus.IGNORED_STALE, (f"names rendezvous round {command.round}, but the job is in round "
                                          f"{running_round}; give the round the agents print")
     return None, ""
 

@@ -23,8 +23,9 @@ from functools import cached_property
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import (
-    AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, TypeAdapter, ValidationInfo, create_model,
-    field_validator, model_validator,
+    AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, PrivateAttr, SerializerFunctionWrapHandler,
+    TypeAdapter, ValidationInfo, ValidatorFunctionWrapHandler, create_model, field_validator, model_serializer,
+    model_validator,
 )
 
 from collector.plan import SCHEDULES, Plan, parse_id_ranges
@@ -554,7 +555,7 @@ class ReplicaSummary(PackedArrays):
 
 class LivenessBatch(PackedArrays):
     """What a shard heard of its ranks' liveness since its last batch, for the merge's fail-stop
-    watch (analytics/fail_stop.py), which judges heartbeats and report progress job-wide: one row
+    watch (analytics/detection/fail_stop.py), which judges heartbeats and report progress job-wide: one row
     per heartbeat (kind 1, with its interval) or rank report (kind 0) the shard read, in the order
     read. ``blob``/``layout`` (PackedArrays): arrays kind, rank, epoch, iteration, time_s,
     interval_s. ``declared``: the producers' tracing declarations the shard read (they travel on
@@ -569,7 +570,7 @@ class LivenessBatch(PackedArrays):
 class DetectorFits(Payload):
     """The merge's cost-model fits after it judged (epoch, iteration): what the shards predict the
     job's next iteration with, as the single process predicts with the fits of the iterations before
-    (analytics/scoring.py ``predict_chunks``). ``classes``: [class key, α, β, γ, uses Σ lᵢ²].
+    (analytics/detection/scoring.py ``predict_chunks``). ``classes``: [class key, α, β, γ, uses Σ lᵢ²].
     ``planned_epochs``: the epochs whose plan the merge knows (without one, a new epoch forgets the
     fits, as the single process does). Republished for the same iteration when ``dead`` changes."""
 
@@ -903,22 +904,44 @@ class NodeCommand(Payload):
     ``stop``: the agent of ``node`` stops its ranks (SIGTERM, then SIGKILL after its grace) and
     leaves; under ``--on-failure shrink`` the other nodes go on without them, as past a dead agent.
     ``join``: a spare agent waiting with ``--join-running --join-on-command`` takes the place that
-    ``node`` left. ``epoch`` is the job's rendezvous round the command was decided in (each agent
+    ``node`` left. ``round`` is the job's rendezvous round the command was decided in (each agent
     prints it, and acks carry it): node numbers hold within one round, so a command of another
-    round is stale. Signed by the engine or an operator; the agent answers with ``command.node_ack``."""
+    round is stale. Signed by the engine or an operator; the agent answers with ``command.node_ack``.
+
+    Schema 3 names the round ``round`` (``epoch`` is the plan's, everywhere else); a schema 1–2
+    command's ``epoch`` is read as its round and written back under that name, so the bytes its
+    signature covers are the ones it was signed with."""
 
     KIND: ClassVar[str] = "command.node"
-    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # 2 adds run and expires_at_s
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, 3)  # 2 adds run and expires_at_s; 3 renames epoch to round
     command_id: str = Field(min_length=1, max_length=200)
     node: Int32 = Field(description="the agent's group rank in the rendezvous round (\"node N\" in its messages)")
     action: NodeAction
-    epoch: Int32 = Field(description="the rendezvous round the command was decided in")
+    round: Int32 = Field(description="the rendezvous round the command was decided in (schema 1–2: epoch)")
     reason: str = Field(default="", max_length=2000, description="why, for the log and the console")
     actor: str | None = Field(default=None, max_length=200, description="the operator (cli:NAME, ui:NAME) when a person "
                                                                         "decided it")
     run: RunId = Field(description="the job's rendezvous id (--rdzv-id) it is for; an agent of another run "
                                    "refuses it")
     expires_at_s: ExpiresAt = Field(description="Unix time after which no agent obeys it")
+    _round_named: str = PrivateAttr(default="round")  # the name the wire gave the round: written back the same
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _read_old_round(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> NodeCommand:
+        named = data._round_named if isinstance(data, NodeCommand) else "round"
+        if isinstance(data, dict) and "epoch" in data and "round" not in data:
+            data, named = {("round" if k == "epoch" else k): v for k, v in data.items()}, "epoch"
+        command = handler(data)
+        command._round_named = named
+        return command
+
+    @model_serializer(mode="wrap")
+    def _write_round_as_read(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        body = handler(self)
+        if self._round_named != "round" and isinstance(body, dict) and "round" in body:
+            body = {(self._round_named if k == "round" else k): v for k, v in body.items()}
+        return body
 
 
 class NodeCommandAck(Payload):

@@ -68,8 +68,8 @@ def place_of(log: Path) -> tuple[int, tuple[int, int], int] | None:
 
 
 def order_by_cli(tmp_path: Path, action: str, node: int, round_: int, command_id: str, run: str = RUN) -> None:
-    """``resihp node ACTION NODE --epoch ROUND --run RUN``, as an operator types it (signed with their key)."""
-    out = subprocess.run([sys.executable, "-m", "resihp.cli", "node", action, str(node), "--epoch", str(round_),
+    """``resihp node ACTION NODE --round ROUND --run RUN``, as an operator types it (signed with their key)."""
+    out = subprocess.run([sys.executable, "-m", "resihp.cli", "node", action, str(node), "--round", str(round_),
                           "--run", run, "--job", JOB, "--bus", "embedded", "--bus-path", str(tmp_path / "bus.sqlite"),
                           "--command-id", command_id, "--as", "alice", "--reason", "replace the machine"],
                          env=env(), cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -165,7 +165,7 @@ def test_the_simulator_refuses_another_runs_command_and_judges_expiry_on_its_sim
 
 
 def _order(node: int, run: str | None, issued_s: float, command_id: str) -> Envelope:
-    command = NodeCommand(command_id=command_id, node=node, action="stop", epoch=0, actor="cli:alice", run=run,
+    command = NodeCommand(command_id=command_id, node=node, action="stop", round=0, actor="cli:alice", run=run,
                           expires_at_s=None if run is None else issued_s + COMMAND_TTL_S)
     return factory(JOB, "cli:alice").make(command, time_s=issued_s)  # signed with alice's own key
 

@@ -1,4 +1,4 @@
-"""``resihp node stop|join NODE --epoch ROUND --run RUN``: order one node agent of a ``resihp run`` job.
+"""``resihp node stop|join NODE --round ROUND --run RUN``: order one node agent of a ``resihp run`` job.
 
 Publishes a ``command.node`` with your identity (``--as``, default ``cli:$USER``), signed with your
 own key (``person.NAME``), to the commands topic the agents obey (docs/agent.md, "Node commands"). NODE is the
@@ -14,6 +14,7 @@ reported as ``control.rejected``.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 import uuid
 
@@ -32,8 +33,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         q = acts.add_parser(action, help=text)
         add_bus_flags(q)
         q.add_argument("node", type=int, metavar="NODE", help="the node number the agent prints (its group rank)")
-        q.add_argument("--epoch", type=int, required=True, metavar="ROUND",
-                       help="the rendezvous round the agent printed; an order for another round is ignored as stale")
+        q.add_argument("--round", type=int, default=None, metavar="ROUND",
+                       help="the rendezvous round the agent printed (required); an order for another round is "
+                            "ignored as stale")
+        q.add_argument("--epoch", dest="legacy_epoch", type=int, default=None, help=argparse.SUPPRESS)
         q.add_argument("--run", required=True, metavar="RUN",
                        help="the job's rendezvous id (--rdzv-id of its agents); an agent of another run refuses it")
         q.add_argument("--ttl", type=float, default=None, metavar="SECONDS",
@@ -46,21 +49,34 @@ def register(sub: argparse._SubParsersAction) -> None:
         q.set_defaults(func=_order)
 
 
+def _round(args: argparse.Namespace) -> int:
+    """The rendezvous round the order names: ``--round``, or the deprecated ``--epoch`` (the plan's
+    word elsewhere), still read with a warning."""
+    if args.round is not None:
+        return args.round
+    if args.legacy_epoch is not None:
+        print("resihp node: --epoch is deprecated (it names the rendezvous round); use --round", file=sys.stderr)
+        return args.legacy_epoch
+    raise SystemExit("resihp node: error: the following arguments are required: --round ROUND (the rendezvous "
+                     "round the agent printed)")
+
+
 def _order(args: argparse.Namespace) -> int:
     from collector.epoch_fence import COMMAND_TTL_MAX_S, COMMAND_TTL_S, run_of
     from collector.events import NodeCommand
 
     ttl_s = COMMAND_TTL_S if args.ttl is None else args.ttl
-    if args.node < 0 or args.epoch < 0:
-        raise SystemExit("resihp node: error: NODE and --epoch are numbers from 0, as the agent prints them")
+    round_ = _round(args)
+    if args.node < 0 or round_ < 0:
+        raise SystemExit("resihp node: error: NODE and --round are numbers from 0, as the agent prints them")
     if not 0 < ttl_s <= COMMAND_TTL_MAX_S:
         raise SystemExit(f"resihp node: error: --ttl is seconds in (0, {COMMAND_TTL_MAX_S:g}]; agents refuse longer")
     command_id = args.command_id or f"node-{args.action}-{uuid.uuid4().hex[:12]}"
-    event = _signed(args, NodeCommand(command_id=command_id, node=args.node, action=args.action, epoch=args.epoch,
+    event = _signed(args, NodeCommand(command_id=command_id, node=args.node, action=args.action, round=round_,
                                       reason=args.reason, actor=_actor(args), run=run_of(args.run),
                                       expires_at_s=time.time() + ttl_s))
     with bus_from_args(args) as bus:
         bus.publish([event])
-    print(f"{args.action} node {args.node} (round {args.epoch}) ordered as {command_id} by {event.source}; "
+    print(f"{args.action} node {args.node} (round {round_}) ordered as {command_id} by {event.source}; "
           "the agent answers with command.node_ack")
     return 0

@@ -97,10 +97,10 @@ class NodeCommands:
     def ack(self, command: NodeCommand, running_round: int, status: AckStatus, detail: str,
             ranks: Sequence[int] = ()) -> None:
         ack = NodeCommandAck(command_id=command.command_id, node=command.node, action=command.action,
-                             epoch=command.epoch, status=status, running_epoch=running_round, ranks=list(ranks),
+                             epoch=command.round, status=status, running_epoch=running_round, ranks=list(ranks),
                              detail=detail[:2000], run=self.run)
         self.acks.append(ack)
-        line = f"node command {command.command_id} ({command.action} node {command.node}, round {command.epoch}): "
+        line = f"node command {command.command_id} ({command.action} node {command.node}, round {command.round}): "
         print(f"resihp run: {line}{status.value}: {detail}", file=sys.stderr, flush=True)
         try:
             self.bus.publish([self.signer.make(ack)])
@@ -155,6 +155,6 @@ class JoinOrders:
     def expired(self, timeout_s: float) -> None:
         """The spare gave up waiting: the orders still held fail."""
         for order in self.waiting:
-            self.commands.ack(order, order.epoch, AckStatus.FAILED,
+            self.commands.ack(order, order.round, AckStatus.FAILED,
                               f"node {order.node} left no place with this agent's number of ranks within {timeout_s:g} s")
         self.waiting = []

@@ -97,7 +97,7 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo=None) -> int:
                 echo(f"rendezvous {config.run_id} at {rdzv.host}:{rdzv.port} (hosted by this agent)")
             if args.join_on_command:
                 echo(f"waiting for an order to take the place a node left in job {config.run_id} (resihp node join "
-                     "NODE --epoch ROUND; --join-running --join-on-command)")
+                     "NODE --round ROUND; --join-running --join-on-command)")
             elif args.join_running:
                 echo(f"waiting for a place that a dead node left in job {config.run_id} (--join-running)")
             master_addr, master_port = None, None

@@ -46,7 +46,7 @@ def agent_parser(prog: str = "resihp run") -> argparse.ArgumentParser:
                            "node's ranks replace the dead node's and the world takes them back at its next step; "
                            "pass the job's other flags unchanged")
     ours.add_argument("--join-on-command", action="store_true",
-                      help="with --join-running: wait for a signed join order (resihp node join NODE --epoch ROUND) "
+                      help="with --join-running: wait for a signed join order (resihp node join NODE --round ROUND) "
                            "and take the place that node left, and no other")
     ours.add_argument("--stop-grace-s", type=float, default=5.0,
                       help="on a node command to stop, this node's ranks get SIGTERM and, after this many seconds, "
