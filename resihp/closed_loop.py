@@ -18,15 +18,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from collector import topics
+from collector import incident_lifecycle, topics
 from collector.embedded import EmbeddedBus
 from collector.auth import Gate, Signer, operator_key
 from collector.events import (
-    AckStatus, CommandAck, Envelope, EventFactory, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentUpdated,
-    IterationSummary, PolicyChanged, PolicyMode, Severity,
+    AckStatus, CommandAck, Envelope, EventFactory, FaultInjected, IncidentConfirmed, IncidentOpened, IterationSummary,
+    PolicyChanged, PolicyMode, Severity,
 )
+from collector.incident_lifecycle import IncidentLifecycle
 from collector.stream import EventStream
-from analytics.projector import Projection, Projector
+from analytics.projections.projector import Projection, Projector
 from resihp.referee import covers, fault_devices, location_devices
 
 __all__ = ["Detection", "ThroughputSeries", "LoopRun", "location_devices", "run_closed_loop"]
@@ -94,7 +95,8 @@ class _Referee:
     fault is detected at the first incident event (opened, confirmed, updated) from its onset on
     that covers it, of any category; an incident that never covers a fault is a false one. A
     group-level incident names its whole TP group, so it covers a fault on any member; one naming
-    only healthy devices is false; one naming no device covers nothing until a later event places it."""
+    only healthy devices is false; one naming no device covers nothing until a later event places it.
+    Where an incident is comes from the incident fold (collector/incident_lifecycle.py)."""
 
     def __init__(self, bus: EmbeddedBus, job: str, gpus_per_node: int, t0_s: float) -> None:
         self.stream = EventStream(bus, f"referee:{job}", [topics.TRUTH, topics.ANALYTICS],
@@ -103,6 +105,7 @@ class _Referee:
         self.faults: dict[str, tuple[Detection, set[int]]] = {}
         self.unmatched: set[str] = set()
         self.matched: set[str] = set()
+        self.incidents = IncidentLifecycle(job=job)
 
     def poll(self) -> None:
         # Truth first: one poll may hand over an incident before the fault it is about.
@@ -114,18 +117,21 @@ class _Referee:
                 # the devices the fault hits, not its TP group's: an incident on a healthy peer is false
                 hit_devices = fault_devices(p.location, self.per_node)
                 self.faults[p.fault_id] = (Detection(p.fault_id, p.category.value, t), hit_devices)
-            elif isinstance(p, IncidentOpened | IncidentUpdated | IncidentConfirmed):
+            elif isinstance(p, incident_lifecycle.PAYLOADS):
+                record = incident_lifecycle.step(self.incidents, e)
+                if record is None or not record.is_open or (isinstance(p, IncidentConfirmed) and not p.locations):
+                    continue  # no new word on where it is
                 # a confirmation can be what first locates an incident (a probe naming a link)
                 hit = False
                 for det, devices in self.faults.values():
-                    if t >= det.onset_s and covers(devices, p.locations, self.per_node, unplaced_covers=False):
+                    if t >= det.onset_s and covers(devices, record.locations, self.per_node, unplaced_covers=False):
                         hit = True
                         if det.detected_s is None:
                             det.detected_s = t
                 if hit:
-                    self.matched.add(p.incident_id)
+                    self.matched.add(record.incident_id)
                 elif isinstance(p, IncidentOpened):
-                    self.unmatched.add(p.incident_id)
+                    self.unmatched.add(record.incident_id)
         self.stream.commit()
 
     def close(self) -> None:
@@ -152,8 +158,8 @@ def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,
     consumer reads everything published so far, in transactions of at most ``analytics_batch``
     records (one turn at 8,192 ranks is ~45,000 records: a single transaction per turn would fall
     further behind at every turn until retention deleted what it had not read)."""
-    from analytics.detector_config import DetectorConfig
-    from analytics.detector_projection import DetectorProjection
+    from analytics.detection.config import DetectorConfig
+    from analytics.projections.detector_projection import DetectorProjection
     from remediation.engine import EngineConfig, RemediationEngine
     from remediation.lifecycle import PlanStatus
     from trainer.sim.runner import SimulatorRunner
