@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from analytics.cost_model import fit_class
-from analytics.detector import Detector
-from analytics.frame import GROUP_CODE, OP_CODE, build_frame
+from analytics.detection.cost_model import fit_class
+from analytics.detection.detector import Detector
+from analytics.detection.frame import GROUP_CODE, OP_CODE, build_frame
 from collector.codec import InvalidEvent, decode, encode
 from collector.events import (
     Chunk, CommOp, CommWait, Coords, EventFactory, Heartbeat, IncidentOpened, IterationPrediction, PlanCurrent,
@@ -314,11 +314,11 @@ def test_a_sampled_job_whose_traced_rank_stops_on_a_sampled_step_is_found_dead()
 def test_projections_and_the_rank_store_take_the_new_fields() -> None:
     import duckdb
 
-    from analytics.control_tables import ControlProjection
-    from analytics.event_log import EventLogProjection
-    from analytics.tables import TelemetryProjection
+    from analytics.projections.control_tables import ControlProjection
+    from analytics.projections.event_log import EventLogProjection
+    from analytics.projections.tables import TelemetryProjection
     from collector.stream import Delivery
-    from ui.rank_store import RankStore
+    from ui.rank_factors import RankFactors
 
     declared = TracingDeclared(epoch=0, dialect="megatron", traced_ranks=TP0_ONLY, tokens=False)
     events = job(3, traced=lambda r: r in TP0_ONLY, declare=declared, tokens=False)
@@ -334,12 +334,12 @@ def test_projections_and_the_rank_store_take_the_new_fields() -> None:
     assert conn.execute("SELECT count(*), count(tokens) FROM chunks").fetchone() == (3 * len(TP0_ONLY) * 2 * M, 0)
     assert conn.execute("SELECT min(pp_wait_s) FROM rank_iterations").fetchone()[0] == pytest.approx(0.002)
     assert conn.execute("SELECT count(DISTINCT rank) FROM rank_health WHERE state = 'not_traced'").fetchone() == (4,)
-    store = RankStore()
+    factors = RankFactors()
     for e in events:
-        if isinstance(e.payload, RankIteration):
-            store.add(e.payload)
-    _, matrix = store.slowdown(0, 2)
-    assert np.isfinite(matrix[TP0_ONLY]).all() and np.isnan(matrix[[1, 3, 5]]).all()  # rows 0..6: rank 7 never reported
+        if isinstance(e.payload, RankHealth):
+            factors.add(e.payload)
+    _, _, matrix = factors.matrix(2, 2)  # the console's heatmap: the detector's factors
+    assert np.isfinite(matrix[TP0_ONLY]).all() and np.isnan(matrix[[1, 3, 5]]).all()  # untraced: no factor
 
 
 def test_a_declaration_later_than_the_wait_resolves_the_fail_stops_it_explains() -> None:

@@ -67,7 +67,8 @@ def test_ui_fold_shows_a_pending_plan_and_the_slow_rank_in_the_heatmap() -> None
         model.apply(e)
     (inc,) = model.incidents.values()
     assert model.incident_state(inc) == "awaiting decision"
-    iterations, matrix = model.jobs["demo"].ranks.slowdown(50, 79)
+    iterations, ranks, matrix = model.jobs["demo"].slowdown(50, 79)  # the detector's factors
+    assert list(ranks) == list(range(8))
     assert matrix.shape == (8, 30) and iterations[0] == 50
     after = matrix[:, iterations >= 60]
     assert np.all(after[5] > 1.6) and np.all(np.delete(after, 5, axis=0) < 1.2)

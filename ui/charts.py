@@ -3,7 +3,7 @@
 Long series are downsampled before they reach the browser: a few hundred points per chart keep a
 page responsive with hours of history (Vega-Lite slows to a crawl past ~10k marks). Buckets keep
 the mean of the predicted series and both the mean and the worst of the observed one, so a short
-slowdown is still visible after downsampling.
+excess is still visible after downsampling.
 """
 
 from __future__ import annotations
@@ -178,9 +178,11 @@ def plan_grid_chart(cells: Sequence[Cell], colour_by: str, *, title: str = "") -
         title=title, width=alt.Step(max(step, 28) if nodes <= 16 else step * 2), height=alt.Step(step))
 
 
-def slowdown_figure(iterations: np.ndarray, matrix: np.ndarray, *, suspects: Sequence[int] = ()):
-    """Per-rank slowdown heatmap (ranks × iterations, compute time / stage median). matplotlib, since
-    a 1,024-rank image is one raster rather than 100k vector marks."""
+def slowdown_figure(iterations: np.ndarray, ranks: np.ndarray, matrix: np.ndarray, *,
+                    suspects: dict[int, float] | None = None):
+    """Per-rank slowdown heatmap (ranks × iterations): the detector's factor for each rank as
+    ``analytics.rank_health`` published it, the suspects an incident locates labelled with their
+    location's factor. matplotlib, since a 1,024-rank image is one raster rather than 100k vector marks."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -188,18 +190,20 @@ def slowdown_figure(iterations: np.ndarray, matrix: np.ndarray, *, suspects: Seq
 
     fig, ax = plt.subplots(figsize=(9, 3.2), dpi=100)
     if matrix.size == 0:
-        ax.text(0.5, 0.5, "no per-rank telemetry in this window", ha="center", va="center")
+        ax.text(0.5, 0.5, "no rank health from the detector in this window", ha="center", va="center")
         ax.set_axis_off()
         return fig
     vmax = max(2.0, float(np.nanmax(matrix)) if np.isfinite(matrix).any() else 2.0)
     extent = (float(iterations[0]), float(iterations[-1]) + 1, matrix.shape[0] - 0.5, -0.5)
     image = ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap="magma_r", vmin=1.0, vmax=vmax, extent=extent)
-    for r in suspects:
-        ax.annotate(f"rank {r}", xy=(extent[0], r), xytext=(-4, 0), textcoords="offset points", ha="right",
-                    va="center", fontsize=7, color="#c8362f")
+    for rank, factor in (suspects or {}).items():
+        row = int(np.searchsorted(ranks, rank))
+        if row < len(ranks) and ranks[row] == rank:
+            ax.annotate(f"rank {rank} ×{factor:.2f}", xy=(extent[0], row), xytext=(-4, 0), textcoords="offset points",
+                        ha="right", va="center", fontsize=7, color="#c8362f")
     ax.set_xlabel("iteration")
-    ax.set_ylabel("rank")
-    fig.colorbar(image, ax=ax, label="compute / stage median")
+    ax.set_ylabel("rank" if len(ranks) and ranks[-1] == len(ranks) - 1 else "rank (rows in rank order)")
+    fig.colorbar(image, ax=ax, label="detector's slowdown factor")
     fig.tight_layout()
     return fig
 

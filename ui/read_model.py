@@ -42,6 +42,7 @@ from collector.auth import Keyring, Refusals, load_keyring, needs_signature
 from collector.incident_lifecycle import IncidentLifecycle, IncidentRecord
 from collector.plan import Plan
 from collector.plan_lifecycle import PlanLifecycle, PlanRecord, PlanStatus
+from ui.rank_factors import RankFactors
 from ui.rank_store import RankStore
 from ui.security_log import SecurityLog
 
@@ -161,7 +162,8 @@ class ConsoleJob:
 
     job: str
     predictions: PredictionSeries = field(default_factory=PredictionSeries)
-    health: dict[int, RankHealthEntry] = field(default_factory=dict)
+    health: dict[int, RankHealthEntry] = field(default_factory=dict)  # the detector's newest view
+    factors: RankFactors = field(default_factory=RankFactors)  # its views over iterations: the heatmap
     layout: dict[int, Slot] = field(default_factory=dict)
     current_plan: Plan | None = None
     policy: PolicyView | None = None
@@ -175,6 +177,11 @@ class ConsoleJob:
 
     def running_epoch(self) -> int:
         return self.current_plan.epoch if self.current_plan is not None else self.last_epoch
+
+    def slowdown(self, first: int, last: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(iterations, ranks, matrix ranks × iterations) of the detector's slowdown factors from
+        ``first`` to ``last`` or the newest iteration the console has seen, whichever is earlier."""
+        return self.factors.matrix(first, min(last, self.last_iteration))
 
 
 @dataclass
@@ -380,6 +387,7 @@ class ReadModel:
     def _on_analytics_rank_health(self, e: Envelope, p: RankHealth, job: ConsoleJob) -> None:
         for entry in p.entries():
             job.health[entry.rank] = entry
+        job.factors.add(p)
 
     def _on_incident_opened(self, e: Envelope, p: IncidentOpened, job: ConsoleJob) -> None:
         record = self.lifecycle(e.job).incidents.get(p.incident_id)

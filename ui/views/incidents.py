@@ -173,13 +173,13 @@ def _evidence(feed: Feed, inc: IncidentView) -> None:
             st.altair_chart(series_chart(downsample(cols), marks, kind="time"), width="stretch")
         st.caption(f"detector statistic: {plain(ev.statistic or '—')}; {plain(ev.note)}")
     with tabs[1]:
-        suspects = [loc.rank for loc in inc.latest_locations if loc.rank is not None]
-        if job is not None and len(job.ranks):
-            iterations, matrix = job.ranks.slowdown(first, last)
-            fig = slowdown_figure(iterations, matrix, suspects=suspects)
+        suspects = {loc.rank: loc.factor for loc in inc.latest_locations if loc.rank is not None}
+        if job is not None and len(job.factors):
+            iterations, ranks, matrix = job.slowdown(first, last)
+            fig = slowdown_figure(iterations, ranks, matrix, suspects=suspects)
             st.pyplot(fig, clear_figure=True)
         elif ev.rank_factors:
-            st.caption("no per-rank telemetry in the console's window; the detector's own factors:")
+            st.caption("no rank health from the detector in the console's window; the incident's evidence:")
             st.bar_chart(pd.DataFrame({"rank": list(ev.rank_factors), "slowdown": list(ev.rank_factors.values())}),
                          x="rank", y="slowdown")
         else:
