@@ -43,6 +43,29 @@ def _rate(samples: dict[int, tuple[int, float]], iterations: list[int]) -> float
     return median(rates) if rates else 0.0
 
 
+def _against_predicted_change(record: PlanRecord, verification: Verification, after: float, before: float,
+                              unfaulted: float) -> tuple[bool, str]:
+    """Rule 1 of :func:`verdict`: the measured change ``after / before`` against the predicted one;
+    ``unfaulted`` is what the base epoch measured before the fault (0: nothing)."""
+    prop, tol = record.proposal, verification.tolerance
+    expected = prop.predicted_tokens_per_s / prop.current_tokens_per_s
+    achieved = after / before if before > 0 else float("inf")
+    floor = (1 - tol) * expected
+    no_loss = 1 - verification.max_loss if expected > 1 else 0.0
+    restored = unfaulted > 0 and after >= (1 - tol) * unfaulted
+    faster = achieved >= 1 + verification.kept_gain
+    ok = achieved >= no_loss and (achieved >= floor or restored or faster)
+    why = (f"measured ×{achieved:.3f} ({before:,.0f} → {after:,.0f} tokens/s) against the predicted "
+           f"×{expected:.3f} (needs ×{max(floor, no_loss):.3f})")
+    if restored and achieved < floor:
+        why += (f", but back to {after / unfaulted:.0%} of the {unfaulted:,.0f} tokens/s before the fault "
+                f"(tolerance {tol:.0%})")
+    elif faster and achieved < floor:
+        why += (f", but faster than the layout it replaced by more than {verification.kept_gain:.0%}: "
+                "a roll-back would only be slower")
+    return ok, why
+
+
 def verdict(state: LifecycleState, record: PlanRecord,
             verification: Verification = Verification()) -> tuple[bool, float, str] | None:
     """(verified?, measured tokens/s, why) for an applied plan, or None while samples are missing.
@@ -67,8 +90,8 @@ def verdict(state: LifecycleState, record: PlanRecord,
        rule alone can fail a plan that restored the job on one noisy sample.) For the same reason
        a plan short of the predicted change that measured ≥ 1 + ``kept_gain`` times the faulty
        layout's rate is verified: the model over-promised, but a roll-back would go back to a
-       layout measured slower (the torch demo's ×3 GPU: ×1.68 measured against ×2.00 predicted
-       used to send the job back to the faulty layout's 350 tokens/s from 588).
+       layout measured slower (the torch demo's ×3 GPU measures ×1.68 against ×2.00 predicted: a
+       roll-back would take the job from 588 tokens/s back to the faulty layout's 350).
     2. The old layout was hung on a dead device (predicted 0): the reference is what the base
        epoch measured before the fail-stop; with the proposal's ``fraction_of_before`` (the
        engine's prediction of the new plan over the old layout before the fault) verified when
@@ -92,23 +115,8 @@ def verdict(state: LifecycleState, record: PlanRecord,
                or [i for i in ordered if since is None or i >= since])[-verification.iterations:]
     healthy = [i for i in ordered if since is not None and i < since][-verification.iterations:]
     if prop.current_tokens_per_s > 0 and faulted:
-        before = _rate(base, faulted)
-        expected = prop.predicted_tokens_per_s / prop.current_tokens_per_s
-        achieved = after / before if before > 0 else float("inf")
-        floor = (1 - tol) * expected
-        no_loss = 1 - verification.max_loss if expected > 1 else 0.0
-        unfaulted = _rate(base, healthy) if healthy else 0.0
-        restored = unfaulted > 0 and after >= (1 - tol) * unfaulted
-        faster = achieved >= 1 + verification.kept_gain
-        ok = achieved >= no_loss and (achieved >= floor or restored or faster)
-        why = (f"measured ×{achieved:.3f} ({before:,.0f} → {after:,.0f} tokens/s) against the predicted "
-               f"×{expected:.3f} (needs ×{max(floor, no_loss):.3f})")
-        if restored and achieved < floor:
-            why += (f", but back to {after / unfaulted:.0%} of the {unfaulted:,.0f} tokens/s before the fault "
-                    f"(tolerance {tol:.0%})")
-        elif faster and achieved < floor:
-            why += (f", but faster than the layout it replaced by more than {verification.kept_gain:.0%}: "
-                    "a roll-back would only be slower")
+        ok, why = _against_predicted_change(record, verification, after, _rate(base, faulted),
+                                            _rate(base, healthy) if healthy else 0.0)
     elif prop.current_tokens_per_s <= 0 and healthy and prop.fraction_of_before is not None:
         before = _rate(base, healthy)
         achieved = after / before if before > 0 else float("inf")
