@@ -23,6 +23,34 @@ import pytest
 from collector.bus import Bus
 from infra import broker
 from tests.fixtures.processes import FIXTURE_OWNED
+from tests.fixtures.tiers import KAFKA_FIXTURES, NEEDS, no_process_started
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for mark, why in NEEDS.items():
+        config.addinivalue_line("markers", f"{mark}: {why}")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that requests a broker fixture needs the broker, whatever its marks say."""
+    for item in items:
+        if KAFKA_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("kafka") is None:
+            item.add_marker(pytest.mark.kafka)
+
+
+@pytest.fixture(autouse=True)
+def fast_tier_starts_no_process(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that says it needs none of tests/fixtures/tiers.py's ``NEEDS`` starts no process."""
+    if any(request.node.get_closest_marker(mark) for mark in NEEDS):
+        yield
+        return
+    started: list[str] = []
+    with no_process_started(request.node.nodeid, started):
+        yield
+    if started:
+        pytest.fail(f"{request.node.nodeid} started {len(started)} process(es) ({started[0]}) but is in the fast "
+                    "tier: mark it @pytest.mark.processes (or kafka, browser, monitoring; tests/fixtures/tiers.py)",
+                    pytrace=False)
 
 
 @pytest.fixture(scope="session", autouse=True)

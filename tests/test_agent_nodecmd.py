@@ -14,6 +14,7 @@ node's place, the world grows back to 4 and ends at the reference state, nothing
 
 from __future__ import annotations
 
+import pytest
 import re
 import subprocess
 import sys
@@ -28,6 +29,8 @@ from collector.stream import EventStream
 from tests.fixtures.signing import factory
 from tests.test_agent_run import ROOT, agent_cmd, alive, env, free_port, pid_dir, rows_of, wait_until, written_pids
 from tests.test_agent_shrink import assert_reference_state, shrink_agent
+
+pytestmark = pytest.mark.processes  # tests/fixtures/tiers.py
 
 JOB = "shrink-job"  # the job tests/test_agent_shrink.py's agents publish as
 RUN = "job-s"  # their rendezvous id (--rdzv-id): the run an order names

@@ -4,6 +4,7 @@ without release the first failure stops the rest, as torch's contexts do."""
 
 from __future__ import annotations
 
+import pytest
 import os
 import signal
 import time
@@ -13,6 +14,8 @@ from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
 
 from tests.test_agent_run import alive, wait_until
 from trainer.agent.pcontext import PreloadedContext
+
+pytestmark = pytest.mark.processes  # tests/fixtures/tiers.py
 
 
 def _rank(out_dir: str, seconds: str) -> None:

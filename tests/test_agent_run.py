@@ -19,6 +19,8 @@ import pytest
 
 from trainer.agent.store import AgentError, open_rendezvous_store
 
+pytestmark = pytest.mark.processes  # tests/fixtures/tiers.py
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

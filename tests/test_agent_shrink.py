@@ -8,6 +8,7 @@ failure (the sample job's global batch does not depend on the world size).
 
 from __future__ import annotations
 
+import pytest
 import json
 import os
 import signal
@@ -24,6 +25,8 @@ from tests.test_agent_run import (agent_cmd, alive, env, free_port, kill_rank_an
                                   wait_until, written_pids)
 from trainer.agent.sample_job import reference_state
 from trainer.agent.shrink import PHASES
+
+pytestmark = pytest.mark.processes  # tests/fixtures/tiers.py
 
 STEPS = 14
 

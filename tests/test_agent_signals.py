@@ -26,6 +26,8 @@ from tests.test_agent_run import agent_cmd, alive, env, pid_dir, written_pids
 from trainer.agent.flight import flight_file_path, read_flight
 from trainer.agent.hang import process_state
 
+pytestmark = pytest.mark.processes  # tests/fixtures/tiers.py
+
 T = TypeVar("T")
 PATIENCE_S = 300  # how long to wait for something that must happen (not a speed bound)
 

@@ -3,6 +3,7 @@ chunk tables of one clean run, on both bus backends (offsets live in the same Du
 
 from __future__ import annotations
 
+import pytest
 import os
 import random
 import signal
@@ -19,6 +20,8 @@ from analytics.projector import Projector
 from analytics.tables import TelemetryProjection
 from collector import topics
 from collector.events import Chunk, CommWait, Coords, EventFactory, Heartbeat, IterationSummary, RankIteration
+
+pytestmark = pytest.mark.processes  # tests/fixtures/tiers.py
 
 TABLES = {
     "chunks": "job, epoch, iteration, rank, kind, microbatch, virtual_stage",

@@ -20,6 +20,7 @@ def _bench(capsys: pytest.CaptureFixture[str], jobs: int, loop: str, scenarios: 
     return json.loads(out.strip().splitlines()[-1]), out
 
 
+@pytest.mark.processes
 def test_parallel_runs_give_the_figures_of_one_process(capsys: pytest.CaptureFixture[str]) -> None:
     one, _ = _bench(capsys, 1, "direct", "stop_gpu,slow_x4", "ours,dp_only", 300.0)
     two, _ = _bench(capsys, 2, "direct", "stop_gpu,slow_x4", "ours,dp_only", 300.0)
@@ -28,6 +29,7 @@ def test_parallel_runs_give_the_figures_of_one_process(capsys: pytest.CaptureFix
     assert all(0 < row["ours"] < 1 and row["oracle"] == 1.0 for row in one["scenarios"].values())
 
 
+@pytest.mark.processes
 def test_a_bus_loop_run_in_a_worker_brings_its_detections_back(capsys: pytest.CaptureFixture[str]) -> None:
     figures, out = _bench(capsys, 2, "bus", "stop_gpu", "ours", 60.0)
     assert 0 < figures["scenarios"]["stop_gpu@256"]["ours"] < 1

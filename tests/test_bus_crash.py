@@ -27,6 +27,8 @@ from collector import topics
 from collector.events import Coords, EventFactory, Heartbeat, RankIteration
 from collector.stream import EventStream
 
+pytestmark = pytest.mark.processes  # tests/fixtures/tiers.py
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

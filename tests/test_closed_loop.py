@@ -18,6 +18,8 @@ from trainer.sim.presets import MODEL_PRESETS, ClusterSpec
 from collector.events import Location
 from tests.fixtures.signing import Authors
 
+pytestmark = pytest.mark.slow  # tests/fixtures/tiers.py
+
 MODEL = MODEL_PRESETS["tiny"]
 
 

@@ -19,6 +19,8 @@ import pytest
 
 from collector.trace import TraceReader
 
+pytestmark = pytest.mark.processes  # tests/fixtures/tiers.py
+
 REPO = Path(__file__).resolve().parents[1]
 
 

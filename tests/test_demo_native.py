@@ -9,6 +9,7 @@ why), applied live by the native executor and acknowledged with the reshape's ph
 
 from __future__ import annotations
 
+import pytest
 import json
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from collector.embedded import EmbeddedBus
 from collector.events import AckStatus, CommandAck, ExecutorCapabilities, PlanProposed
 from collector.stream import EventStream
 from tests.test_demo_e2e import _component_logs
+
+pytestmark = pytest.mark.processes  # tests/fixtures/tiers.py
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.processes  # tests/fixtures/tiers.py
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -4,6 +4,7 @@ lock-step (chunk = slowest peer + all-reduce) and report their TP waits."""
 
 from __future__ import annotations
 
+import pytest
 import numpy as np
 
 from analytics.detector import Detector
@@ -123,6 +124,7 @@ def test_a_slow_rank_is_localised_with_its_factor_within_two_iterations() -> Non
     assert any(e.rank == 7 and e.state == "slow" for e in health[-1].ranks)
 
 
+@pytest.mark.slow
 def test_a_tp_group_noisier_than_the_job_is_judged_against_its_own_noise() -> None:
     # The group of ranks 8-9 wobbles ×e^N(0, 0.05) per iteration, ten times the job's σ (what a
     # group that alone runs its layer range sees: its class is fitted on itself). Judged with the

@@ -71,6 +71,7 @@ def test_every_library_scenario_the_trainer_can_run_loads_as_its_fault_list():
     assert loaded >= 3
 
 
+@pytest.mark.processes
 def test_resihp_train_refuses_a_fault_on_a_device_the_plan_does_not_have(tmp_path):
     scenario = ROOT / "scenarios" / "fail_slow_compute_x2.yaml"  # device 10, on a 32-GPU plan
     run = subprocess.run([sys.executable, "-m", "resihp.cli", "train", "--tp", "2", "--pp", "2", "--dp", "2",

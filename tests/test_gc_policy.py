@@ -39,6 +39,7 @@ def test_an_unknown_value_is_refused_with_the_choices(monkeypatch, restore_thres
         tune_for_streaming()
 
 
+@pytest.mark.processes
 def test_the_cli_applies_it_and_names_a_bad_value(tmp_path):
     code = ("import gc, sys; from resihp import cli; cli.main(['plans', 'list', '--bus-path', sys.argv[1]]); "
             "print(gc.get_threshold())")

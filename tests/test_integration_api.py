@@ -336,6 +336,7 @@ PROBE_RANK = textwrap.dedent(
 )
 
 
+@pytest.mark.processes
 def test_ranks_of_a_real_process_group_answer_a_probe_through_the_api(tmp_path: Path) -> None:
     """Four gloo ranks: rank 0's listener reads the request, every rank runs it, the asked ones
     (1 and 2, a TP pair) answer, and the slow one stands out against the world's median."""
@@ -371,6 +372,7 @@ def _run_example(tmp_path: Path, *args: str) -> Path:
     return path
 
 
+@pytest.mark.processes
 def test_megatron_style_example_runs_and_its_events_land(tmp_path: Path) -> None:
     path = _run_example(tmp_path, "--iterations", "2", "--command-at", "0")
     telemetry = _events(path, topics.TELEMETRY)
@@ -393,6 +395,7 @@ def test_megatron_style_example_runs_and_its_events_land(tmp_path: Path) -> None
         ("start", 0), ("reshape", 1)]
 
 
+@pytest.mark.processes
 def test_the_example_answers_the_probe_it_is_sent(tmp_path: Path) -> None:
     path = _run_example(tmp_path, "--iterations", "3", "--probe-at", "0")
     (result,) = [e.payload for e in _events(path, topics.CONTROL) if isinstance(e.payload, ProbeResult)]

@@ -59,6 +59,7 @@ def test_the_set_the_people_and_an_export_are_written_private_whatever_the_umask
         keys.export(["person.alice"], tmp_path / "nowhere")
 
 
+@pytest.mark.processes
 def test_processes_that_make_the_key_set_at_once_agree_on_one(tmp_path: Path) -> None:
     path = tmp_path / "keys"
     code = "import sys; from collector.keys import KeyDir; print(KeyDir(__import__('pathlib').Path(sys.argv[1])).create())"

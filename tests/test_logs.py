@@ -57,6 +57,7 @@ def test_an_unknown_format_names_the_variable():
         logs.configure(fmt="xml")
 
 
+@pytest.mark.processes
 def test_a_worker_process_entry_logs_json_lines_with_its_rank(tmp_path):
     """The trainer's rank entry point configures JSON logs before it does anything else: a spec
     that cannot start still leaves a parseable line naming the rank."""

@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 JOB = "prom-job"
 CONSOLE_URL = "http://console.example:8501"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.monitoring]
 
 
 def _free_port() -> int:

@@ -32,6 +32,8 @@ from trainer.native.stage import TrainSettings, reference_losses
 from trainer.native.worker import NativeRunSpec, launch_native, read_results
 from trainer.spec import BusSpec
 
+pytestmark = pytest.mark.processes  # tests/fixtures/tiers.py
+
 JOB = "native-cmd"
 CFG = LlamaConfig(dim=32, n_layers=4, n_heads=4, ffn_hidden=64, vocab_size=64, dtype="float64")
 SETTINGS = TrainSettings(block_size=16)

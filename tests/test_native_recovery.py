@@ -25,6 +25,8 @@ from trainer.native.worker import NativeRunSpec, launch_native, read_results
 from trainer.spec import BusSpec
 from tests.test_native_reshape import CFG, SETTINGS, _assert_matches_reference, _plan
 
+pytestmark = pytest.mark.processes  # tests/fixtures/tiers.py
+
 PHASES = {"agree", "export", "new_mesh", "stages_rebuilt", "redistribute", "first_step"}
 
 

@@ -24,6 +24,8 @@ from trainer.native.stage import TrainSettings, reference_losses
 from trainer.native.worker import NativeRunSpec, ReshapeFault, ScheduledReshape, launch_native, read_results
 from trainer.spec import BusSpec
 
+pytestmark = pytest.mark.processes  # tests/fixtures/tiers.py
+
 CFG = LlamaConfig(dim=32, n_layers=4, n_heads=4, ffn_hidden=64, vocab_size=64, dtype="float64")
 SETTINGS = TrainSettings(block_size=16)
 GLOBAL_MICROBATCHES = 4

@@ -19,7 +19,7 @@ import pytest
 from infra import monitoring
 
 REPO = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.monitoring]
 
 
 def _free_port() -> int:

@@ -226,6 +226,7 @@ def test_remediate_refuses_a_bad_model_file_in_one_line(tmp_path, capsys, change
     assert problem in err and "\n" not in err, err
 
 
+@pytest.mark.processes
 def test_remediation_imports_neither_trainer_nor_bench():
     import subprocess
     import sys

@@ -47,6 +47,8 @@ from trainer.reference.spec import RunSpec
 from trainer.spec import BusSpec
 from tests.fixtures.signing import Authors
 
+pytestmark = pytest.mark.processes  # tests/fixtures/tiers.py
+
 MODEL = dict(vocab_size=64, n_layer=4, n_head=4, n_embd=32, block_size=64, dtype="float64")
 ITERATIONS = 12
 BASE = Plan.uniform(tp=2, pp=2, dp=2, num_layers=4, microbatches_per_replica=4)

@@ -17,6 +17,8 @@ from collector.plan import PipelinePlan, Plan, StagePlan
 from tests.test_trainer_reshape import _final_state, _losses, _spec
 from trainer.reference.launcher import launch
 
+pytestmark = pytest.mark.processes  # tests/fixtures/tiers.py
+
 MODEL = dict(vocab_size=64, n_layer=2, n_head=12, n_embd=48, block_size=32, dtype="float64")
 ITERATIONS = 3
 

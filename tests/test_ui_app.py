@@ -225,6 +225,7 @@ def _exit_quietly() -> None:
     return None
 
 
+@pytest.mark.processes
 def test_a_process_started_after_the_console_ran_in_this_process_starts_clean() -> None:
     """Multiprocessing re-imports the parent's ``__main__`` in every forkserver or spawn child; if
     the console were still ``__main__`` every rank started later in this process would run the

@@ -39,6 +39,8 @@ from ui.auth import UsersFile
 from tests.fixtures.console_demo import DemoSpec, demo_events
 from tests.fixtures.signing import signed_all
 
+pytestmark = pytest.mark.browser  # tests/fixtures/tiers.py
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
