@@ -138,6 +138,92 @@ class _Referee:
         self.stream.close()
 
 
+class _Platform:
+    """The platform's production parts around one simulated job, on one embedded bus: the analytics
+    projector with the detector, the remediation engine, the referee and the optional observers.
+    They take turns (:meth:`turn`) instead of running on the wall clock."""
+
+    def __init__(self, tmp: Path, sim_engine, model, *, strategy: str, options, hardware, detector_config,
+                 telemetry_retention_s: float, observers: Sequence[Projection], batch: int) -> None:
+        from analytics.detection.config import DetectorConfig
+        from analytics.projections.detector_projection import DetectorProjection
+        from remediation.engine import EngineConfig, RemediationEngine
+        from trainer.sim.runner import SimulatorRunner
+
+        cfg = sim_engine.config
+        self.batch = batch
+        self.bus = EmbeddedBus(tmp / "bus.sqlite", retention_s={topics.TELEMETRY: telemetry_retention_s})
+        self.runner = SimulatorRunner(self.bus, sim_engine)
+        self.detector = DetectorProjection(config=detector_config or DetectorConfig(probes=True))
+        self.projector = Projector(self.bus, tmp / "analytics.duckdb", "analytics", [topics.TELEMETRY, topics.CONTROL],
+                                   [self.detector], gate=Gate("analytics"), on_rejected=self.detector.enqueue)
+        self.engine = RemediationEngine(self.bus, EngineConfig(job=cfg.job, num_devices=cfg.cluster.gpus,
+                                                               hardware=hardware, options=options, strategy=strategy),
+                                        model, cfg.plan)
+        self.referee = _Referee(self.bus, cfg.job, cfg.cluster.gpus_per_node, cfg.start_time_s)
+        self.watch = Projector(self.bus, tmp / "observers.duckdb", "observers",
+                               [topics.TELEMETRY, topics.ANALYTICS, topics.CONTROL], observers) if observers else None
+        self.bus.publish([Signer(EventFactory(cfg.job, "cli:closed-loop"), operator_key("cli:closed-loop", create=True)).make(
+            PolicyChanged(mode=PolicyMode.AUTO, auto_severities=list(Severity), actor="cli:closed-loop"),
+            time_s=cfg.start_time_s)])  # on the job's clock: the engine's clock is the newest event time
+
+    def analyse(self) -> None:
+        """Analytics reads everything published so far, in transactions of at most ``batch`` records,
+        and publishes what it derived."""
+        while self.projector.step(max_records=self.batch, timeout_s=0.0) >= self.batch:
+            pass  # a full transaction: more may be waiting
+        self.detector.flush_outbox(self.projector.conn, self.bus)
+
+    def observe(self) -> None:
+        while self.watch is not None and self.watch.step(max_records=self.batch, timeout_s=0.0):
+            pass
+
+    def turn(self) -> None:
+        """One turn of the platform: analytics, then the engine, the referee and the observers."""
+        self.analyse()
+        self.engine.poll_once(timeout_s=0.0)
+        self.referee.poll()
+        self.observe()
+
+    def finish(self) -> None:
+        """The referee's last word; the observers get the last turn's telemetry and what analytics
+        derived from it."""
+        self.referee.poll()
+        if self.watch is not None:
+            while self.projector.step(max_records=self.batch, timeout_s=0.0):
+                pass
+            self.detector.flush_outbox(self.projector.conn, self.bus)
+            self.observe()
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
+        self.referee.close()
+        self.engine.close()
+        self.projector.close()
+        self.runner.close()
+        self.bus.close()
+
+
+def _simulate_iteration(platform: _Platform, sim_engine, run: LoopRun, series: ThroughputSeries, duration_s: float,
+                        on_applied: Callable[[object], list[Envelope]] | None) -> None:
+    """One simulator iteration: its tokens counted, and each command it applied followed by what
+    ``on_applied`` publishes (a restart's downtime gets a throughput window of its own)."""
+    runner = platform.runner
+    acks = len(runner.acks)
+    for e in runner.step():
+        if isinstance(e.payload, IterationSummary) and sim_engine.now_s <= duration_s:
+            run.tokens += e.payload.tokens
+            series.add(e.payload.tokens)
+    for ack in runner.acks[acks:]:
+        if isinstance(ack.payload, CommandAck) and ack.payload.status == AckStatus.APPLIED:
+            run.plans_applied += 1
+            if on_applied is not None:
+                series.close(sim_engine.now_s)
+                runner.publish(on_applied(sim_engine))
+                series.close(sim_engine.now_s)
+
+
 def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,
                     options, hardware, detector_config=None, analytics_every: int = 5, analytics_batch: int = 20_000,
                     window_s: float = 60.0,
@@ -158,78 +244,32 @@ def run_closed_loop(sim_engine, model, *, strategy: str, duration_s: float,
     consumer reads everything published so far, in transactions of at most ``analytics_batch``
     records (one turn at 8,192 ranks is ~45,000 records: a single transaction per turn would fall
     further behind at every turn until retention deleted what it had not read)."""
-    from analytics.detection.config import DetectorConfig
-    from analytics.projections.detector_projection import DetectorProjection
-    from remediation.engine import EngineConfig, RemediationEngine
     from remediation.lifecycle import PlanStatus
-    from trainer.sim.runner import SimulatorRunner
 
-    cfg = sim_engine.config
-    job = cfg.job
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        bus = EmbeddedBus(Path(tmp) / "bus.sqlite", retention_s={topics.TELEMETRY: telemetry_retention_s})
-        runner = SimulatorRunner(bus, sim_engine)
-        detector = DetectorProjection(config=detector_config or DetectorConfig(probes=True))
-        projector = Projector(bus, Path(tmp) / "analytics.duckdb", "analytics", [topics.TELEMETRY, topics.CONTROL],
-                              [detector], gate=Gate("analytics"), on_rejected=detector.enqueue)
-        engine = RemediationEngine(bus, EngineConfig(job=job, num_devices=cfg.cluster.gpus, hardware=hardware,
-                                                     options=options, strategy=strategy),
-                                   model, cfg.plan)
-        referee = _Referee(bus, job, cfg.cluster.gpus_per_node, cfg.start_time_s)
-        watch = Projector(bus, Path(tmp) / "observers.duckdb", "observers",
-                          [topics.TELEMETRY, topics.ANALYTICS, topics.CONTROL], observers) if observers else None
-        bus.publish([Signer(EventFactory(job, "cli:closed-loop"), operator_key("cli:closed-loop", create=True)).make(PolicyChanged(
-            mode=PolicyMode.AUTO, auto_severities=list(Severity), actor="cli:closed-loop"),
-            time_s=cfg.start_time_s)])  # on the job's clock: the engine's clock is the newest event time
+        platform = _Platform(Path(tmp), sim_engine, model, strategy=strategy, options=options, hardware=hardware,
+                             detector_config=detector_config, telemetry_retention_s=telemetry_retention_s,
+                             observers=observers, batch=analytics_batch)
         run = LoopRun()
         series = ThroughputSeries(window_s)
         try:
             while sim_engine.now_s < duration_s and not sim_engine.finished:
-                acks = len(runner.acks)
                 before = sim_engine.now_s
-                for e in runner.step():
-                    if isinstance(e.payload, IterationSummary) and sim_engine.now_s <= duration_s:
-                        run.tokens += e.payload.tokens
-                        series.add(e.payload.tokens)
-                for ack in runner.acks[acks:]:
-                    if isinstance(ack.payload, CommandAck) and ack.payload.status == AckStatus.APPLIED:
-                        run.plans_applied += 1
-                        if on_applied is not None:
-                            series.close(sim_engine.now_s)
-                            runner.publish(on_applied(sim_engine))
-                            series.close(sim_engine.now_s)
+                _simulate_iteration(platform, sim_engine, run, series, duration_s, on_applied)
                 if sim_engine.iteration % analytics_every == 0 or sim_engine.hanging_for_s > 0:
-                    while projector.step(max_records=analytics_batch, timeout_s=0.0) >= analytics_batch:
-                        pass  # a full transaction: more may be waiting
-                    detector.flush_outbox(projector.conn, bus)
-                    engine.poll_once(timeout_s=0.0)
-                    referee.poll()
-                    while watch is not None and watch.step(max_records=analytics_batch, timeout_s=0.0):
-                        pass
+                    platform.turn()
                 series.tick(sim_engine.now_s)
                 if on_progress is not None:
                     on_progress(min(sim_engine.now_s, duration_s))
                 run.training_at_end = sim_engine.now_s > before and sim_engine.hanging_for_s == 0.0
-            referee.poll()
-            if watch is not None:  # the last turn's telemetry, and what analytics derived from it
-                while projector.step(max_records=analytics_batch, timeout_s=0.0):
-                    pass
-                detector.flush_outbox(projector.conn, bus)
-                while watch.step(max_records=analytics_batch, timeout_s=0.0):
-                    pass
+            platform.finish()
             run.series = series.points
-            run.rolled_back = sum(r.status == PlanStatus.ROLLED_BACK for r in engine.state.plans.values())
-            run.telemetry_lost = sum(getattr(projector.stream.consumer, "lost_to_retention", {}).values())
+            run.rolled_back = sum(r.status == PlanStatus.ROLLED_BACK for r in platform.engine.state.plans.values())
+            run.telemetry_lost = sum(getattr(platform.projector.stream.consumer, "lost_to_retention", {}).values())
             run.bus_bytes = sum(p.stat().st_size for p in Path(tmp).glob("bus.sqlite*"))
         finally:
-            if watch is not None:
-                watch.close()
-            referee.close()
-            engine.close()
-            projector.close()
-            runner.close()
-            bus.close()
-        run.detections = [det for det, _ in referee.faults.values()]
-        run.false_incidents = len(referee.unmatched - referee.matched)
-        run.refusals = list(engine.refusals)
+            platform.close()
+        run.detections = [det for det, _ in platform.referee.faults.values()]
+        run.false_incidents = len(platform.referee.unmatched - platform.referee.matched)
+        run.refusals = list(platform.engine.refusals)
     return run
