@@ -3,12 +3,12 @@
 What it measures, per iteration of a TP8·PP16 job of about ``--ranks`` ranks (16 micro-batches, F and B
 chunks, as bench/analytics.py's detector table):
 
-* per replica, what a shard does (analytics/shards.py): decode the replica's rank reports and a
+* per replica, what a shard does (analytics/sharding/shards.py): decode the replica's rank reports and a
   heartbeat per rank from their bus bytes, fold them, flatten them into a frame, score it with the merge's fits and encode the
   ReplicaSummary. Measured on a few replicas and multiplied by the replicas a shard holds
   (ceil(DP / N)): shards share nothing, so per-shard work is that product, and it falls as 1/N
   while N divides the replicas;
-* the merge (analytics/merge.py), measured whole at the full size: decode every replica's
+* the merge (analytics/sharding/merge.py), measured whole at the full size: decode every replica's
   LivenessBatch and ReplicaSummary, apply the batches' heartbeats and report progress to the
   fail-stop watch as arrays (``JobMerge.settle``), and judge the job (``JobMerge.judge``: centring, the cost-model fit on the summaries' unit rows, CUSUMs,
   incidents, the fits for the next iteration). The merge is fed the binary records the shards
@@ -49,7 +49,7 @@ def _replica_reports(tp: int, pp: int, replica: int, microbatches: int, iteratio
 
 def _clone(summary, replica: int, template: int, tp: int, pp: int):
     """A template replica's ReplicaSummary as replica ``replica``: ranks and dp shifted, rest shared."""
-    from analytics.replica_summary import pack, unpack
+    from analytics.sharding.replica_summary import pack, unpack
 
     arrays = {k: v.copy() for k, v in unpack(summary.layout, summary.blob).items()}
     shift = (replica - template) * tp * pp
@@ -62,7 +62,7 @@ def _clone(summary, replica: int, template: int, tp: int, pp: int):
 
 def _clone_liveness(batch, shift: int):
     """A template replica's LivenessBatch with its ranks shifted."""
-    from analytics.replica_summary import pack, unpack
+    from analytics.sharding.replica_summary import pack, unpack
 
     arrays = {k: v.copy() for k, v in unpack(batch.layout, batch.blob).items()}
     arrays["rank"] += shift
@@ -71,9 +71,9 @@ def _clone_liveness(batch, shift: int):
 
 
 def bench_shards(ranks: int, shards: list[int], iterations: int = 4, microbatches: int = 16) -> dict:
-    from analytics.frame import LayerLookup
-    from analytics.merge import JobMerge
-    from analytics.shards import ReplicaShard
+    from analytics.detection.frame import LayerLookup
+    from analytics.sharding.merge import JobMerge
+    from analytics.sharding.shards import ReplicaShard
     from collector.codec import decode, encode, encode_json
     from collector.events import DetectorFits, EventFactory, Heartbeat, LivenessBatch, PlanCurrent
     from collector.plan import Plan

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from collector.goodput import Goodput
-from analytics.goodput_projection import GoodputProjection
+from analytics.projections.goodput_projection import GoodputProjection
 from collector.events import Envelope, IterationSummary
 from collector.plan import Plan
 from trainer.sim.engine import SimConfig, SimEngine

@@ -93,7 +93,7 @@ def bench_wire(reports: list) -> dict:
 def bench_ingest(events: int, batch: int) -> dict:
     import duckdb
 
-    from analytics.tables import TelemetryProjection
+    from analytics.projections.tables import TelemetryProjection
     from collector.codec import decode, encode
     from collector.events import EventFactory
     from collector.stream import Delivery
@@ -133,8 +133,8 @@ def bench_ingest(events: int, batch: int) -> dict:
 
 
 def bench_detector(tp: int, pp: int, dp: int, microbatches: int, iterations: int) -> dict:
-    from analytics.detector import Detector
-    from analytics.frame import LayerLookup, build_frame
+    from analytics.detection.detector import Detector
+    from analytics.detection.frame import LayerLookup, build_frame
     from collector.events import EventFactory, PlanCurrent
     from collector.plan import Plan
 
@@ -166,7 +166,7 @@ def bench_detector_events(tp: int, pp: int, dp: int, microbatches: int, iteratio
     """Median ms per iteration of the whole event path, as ``resihp analytics`` drives it: every
     report and a heartbeat per rank through ``Detector.on_event`` (liveness bookkeeping, arrival,
     then the frame and its scoring once the iteration is complete), decoding aside."""
-    from analytics.detector import Detector
+    from analytics.detection.detector import Detector
     from collector.events import EventFactory, Heartbeat, PlanCurrent
     from collector.plan import Plan
 

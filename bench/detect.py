@@ -72,9 +72,9 @@ def suite(iterations: int) -> list[Case]:
 
 
 def make_detectors(job: str) -> dict:
-    from analytics.baselines import ChangePointDetector, RawThresholdDetector, RelativeRankDetector
-    from analytics.detector import Detector
-    from analytics.detector_config import DetectorConfig
+    from analytics.detection.baselines import ChangePointDetector, RawThresholdDetector, RelativeRankDetector
+    from analytics.detection.detector import Detector
+    from analytics.detection.config import DetectorConfig
 
     return {"ours": Detector(job, DetectorConfig(probes=True)), "raw_threshold": RawThresholdDetector(job),
             "greyhound_changepoint": ChangePointDetector(job), "nvrx_relative": RelativeRankDetector(job)}

@@ -33,13 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _synthetic_projection(ranks: int, iterations: int = 2000):
-    from analytics.goodput_projection import GoodputProjection
+    from analytics.projections.goodput_projection import GoodputProjection
     from collector.auth import Signer
     from collector.events import (
         EventFactory, Evidence, FaultCategory, IncidentOpened, IterationPrediction, IterationSummary, Location,
         RankHealth, RankHealthEntry, RankState, Severity, StageTime,
     )
-    from analytics.prediction import MAX_STAGE_ROWS
+    from analytics.detection.prediction import MAX_STAGE_ROWS
 
     job, t = "big-job", 1_700_000_000.0
     proj = GoodputProjection()
@@ -74,7 +74,7 @@ def _synthetic_projection(ranks: int, iterations: int = 2000):
 
 
 def _scrape_figures(ranks: int, scrapes: int) -> dict:
-    from analytics.metrics import AnalyticsCollector, AnalyticsSnapshot, MetricsServer
+    from analytics.service.metrics import AnalyticsCollector, AnalyticsSnapshot, MetricsServer
 
     proj = _synthetic_projection(ranks)
     snaps = []

@@ -2,7 +2,7 @@
 
 Each case of the detection suite (bench/detect.py: the same scenarios and faults) is simulated in a
 dialect and judged three ways from the same events: by the single process (``Detector``) and by 1
-and N shards with the merge, in process (``analytics.in_process.run_sharded``, wired as the bus
+and N shards with the merge, in process (``analytics.sharding.in_process.run_sharded``, wired as the bus
 wires them). A case is the same when the merge opened the single process's incidents: same
 iterations, targets, ranks and replicas. Probes are not answered (neither side gets answers), so
 what is compared is what each opens from telemetry alone.
@@ -30,9 +30,9 @@ def _opened(out: list) -> list[tuple]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from analytics.detector import Detector
-    from analytics.detector_config import DetectorConfig
-    from analytics.in_process import run_sharded
+    from analytics.detection.detector import Detector
+    from analytics.detection.config import DetectorConfig
+    from analytics.sharding.in_process import run_sharded
     from bench.detect import case_engine, dialects_of, suite
 
     dialects = dialects_of(args.dialect or ["all"])

@@ -1,7 +1,7 @@
 """Goodput (ETTR) as one fold over the event log: the share of a job's wall time spent on productive
 training, and where the rest went.
 
-Every reader imports this fold — the metrics exporter (``analytics/metrics.py``) and the console's
+Every reader imports this fold — the metrics exporter (``analytics/service/metrics.py``) and the console's
 job view — so the figure an operator sees on a dashboard and on the console is one definition. It
 lives in collector/ beside the plan and incident folds because it reads nothing but the contract:
 the console folds it from the log itself rather than importing analytics.
@@ -41,7 +41,7 @@ Goodput keeps only its own figures on top: each open incident's drag, each waiti
 
 The state is plain data (:meth:`GoodputFold.to_state` / :meth:`GoodputFold.load_state`, the
 incident fold's records included) so the analytics consumer stores it in the same DuckDB
-transaction as its offsets (``analytics/goodput_projection.py``): a restart resumes the counters
+transaction as its offsets (``analytics/projections/goodput_projection.py``): a restart resumes the counters
 where they were.
 """
 

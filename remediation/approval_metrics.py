@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 
-from analytics.metrics import ApprovalCollector, MetricsServer
+from analytics.service.metrics import ApprovalCollector, MetricsServer
 from collector.plan_lifecycle import PlanStatus
 from remediation.engine import RemediationEngine
 

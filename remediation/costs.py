@@ -3,7 +3,7 @@ pipeline's iteration time through the shared schedule model (analytics.schedule)
 
 The planner only ever asks one question of the schedule model: "how long does this pipeline take
 for m micro-batches?" — :class:`PipelineScorer`. The default scorer calls
-``analytics.schedule.pipeline_timing`` (the DAG's critical path) and, because a pipeline in steady
+``analytics.detection.schedule.pipeline_timing`` (the DAG's critical path) and, because a pipeline in steady
 state adds the same time per extra micro-batch, evaluates the DAG exactly up to ``2·S + 2``
 micro-batches and extrapolates linearly from the last two exact points beyond (exact for 1F1B,
 checked in tests). Swap the scorer to use another model.
@@ -30,7 +30,7 @@ from typing import Protocol
 
 import numpy as np
 
-from analytics.schedule import op_table, pipeline_timing
+from analytics.detection.schedule import op_table, pipeline_timing
 from collector.plan import Plan
 from remediation.cluster import ClusterState
 from remediation.model import PlannerModel

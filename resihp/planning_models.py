@@ -7,7 +7,7 @@ recover``, the demo, tests).
 * ``exact_model``: the simulator's own per-layer coefficients (trainer/sim/cost.py) and the
   workload's true means of N and Σlᵢ² — the oracle knows everything.
 * ``fitted_model``: what production does. A healthy warm-up of the same job emits telemetry; the
-  analytics cost model's robust fit (``analytics.cost_model.fit_class``) gives α, β, γ per stage
+  analytics cost model's robust fit (``analytics.detection.cost_model.fit_class``) gives α, β, γ per stage
   and chunk kind, wrapped as the ``analytics.cost_model`` event's ``CostFit`` lines; the
   simulator's own ``plan.current`` announcement gives the plan and model facts; and
   ``remediation.cost_figures.model_from_fits`` turns them into the planner's PlannerModel.
@@ -84,8 +84,8 @@ def warmup_fits(config, iterations: int = 24, spread_iterations: int = 0
     observed iteration times) from a healthy warm-up of ``config``'s job; the iteration times
     are max(iterations, spread_iterations) of them (the ones past ``iterations`` are run
     without building events)."""
-    from analytics.cost_model import fit_class
-    from analytics.cost_publish import cost_fit
+    from analytics.detection.cost_model import fit_class
+    from analytics.detection.cost_publish import cost_fit
     from trainer.sim.engine import SimEngine
 
     plan: Plan = config.plan

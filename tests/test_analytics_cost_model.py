@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from analytics.cost_model import CostModel, fit_class
+from analytics.detection.cost_model import CostModel, fit_class
 
 
 def _rows(n: int, rng: np.random.Generator, noise: float = 0.02):

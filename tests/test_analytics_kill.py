@@ -14,10 +14,10 @@ from pathlib import Path
 
 import duckdb
 
-from analytics.control_tables import ControlProjection
-from analytics.event_log import EventLogProjection
-from analytics.projector import Projector
-from analytics.tables import TelemetryProjection
+from analytics.projections.control_tables import ControlProjection
+from analytics.projections.event_log import EventLogProjection
+from analytics.projections.projector import Projector
+from analytics.projections.tables import TelemetryProjection
 from collector import topics
 from collector.events import Chunk, CommWait, Coords, EventFactory, Heartbeat, IterationSummary, RankIteration
 

@@ -1,5 +1,5 @@
 """A second analytics consumer on one bus is detected, warns, and publishes no incidents
-(analytics/lease.py); a successor that starts after its predecessor stopped is not a duplicate.
+(analytics/service/lease.py); a successor that starts after its predecessor stopped is not a duplicate.
 Leases travel on a real embedded bus and are read back through the consumers' own stream."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from analytics.lease import EXPIRY_INTERVALS, LEASE_INTERVAL_S, AnalyticsLeases
+from analytics.service.lease import EXPIRY_INTERVALS, LEASE_INTERVAL_S, AnalyticsLeases
 from collector import topics
 from collector.embedded import EmbeddedBus
 from collector.events import AnalyticsLease

@@ -7,11 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 
-from analytics.control_tables import ControlProjection
-from analytics.detector_projection import DetectorProjection
-from analytics.event_log import EventLogProjection
-from analytics.projector import Projector
-from analytics.tables import TelemetryProjection
+from analytics.projections.control_tables import ControlProjection
+from analytics.projections.detector_projection import DetectorProjection
+from analytics.projections.event_log import EventLogProjection
+from analytics.projections.projector import Projector
+from analytics.projections.tables import TelemetryProjection
 from collector import topics
 from collector.embedded import EmbeddedBus
 from collector.events import (
@@ -96,7 +96,7 @@ def test_the_consumer_publishes_incidents_and_its_own_tables_fold_them_back(tmp_
 
 def _detect(bus, db: Path, config=None) -> Projector:
     """Run a consumer with the detector over everything on ``bus``, then close it."""
-    from analytics.detector_config import DetectorConfig
+    from analytics.detection.config import DetectorConfig
 
     pj = _project(bus, db, [DetectorProjection(config=config or DetectorConfig())])
     det = pj.projections[-1]
@@ -109,7 +109,7 @@ def _detect(bus, db: Path, config=None) -> Projector:
 def test_a_restarted_consumer_goes_on_under_the_detector_config_it_was_started_with(tmp_path: Path) -> None:
     """An operator tunes the detector and restarts analytics: the restored state of a running job
     must obey the new config, not the one pickled with it."""
-    from analytics.detector_config import DetectorConfig
+    from analytics.detection.config import DetectorConfig
     from test_detect_detector import synth
 
     events = synth(slow={7: 1.4}, start=6, iterations=24, plan=True)
@@ -143,7 +143,7 @@ def _stored_state(tmp_path: Path) -> Path:
 def _reopen(db: Path, config=None):
     import duckdb
 
-    from analytics.detector_config import DetectorConfig
+    from analytics.detection.config import DetectorConfig
 
     conn = duckdb.connect(str(db))
     try:
@@ -158,9 +158,9 @@ def test_stored_detector_state_from_another_layout_version_is_refused_with_the_w
     import duckdb
     import pytest
 
-    from analytics.detector import STATE_VERSION
-    from analytics.detector_config import DetectorConfig
-    from analytics.detector_projection import DetectorStateError
+    from analytics.detection.detector import STATE_VERSION
+    from analytics.detection.config import DetectorConfig
+    from analytics.projections.detector_projection import DetectorStateError
 
     db = _stored_state(tmp_path)
     assert _reopen(db).detectors["j"].job == "j"
@@ -181,8 +181,8 @@ def test_state_stored_before_layout_versions_is_read_as_version_1(tmp_path: Path
     import duckdb
     import pytest
 
-    from analytics.detector import STATE_VERSION
-    from analytics.detector_projection import DetectorStateError
+    from analytics.detection.detector import STATE_VERSION
+    from analytics.projections.detector_projection import DetectorStateError
 
     db = _stored_state(tmp_path)
     with duckdb.connect(str(db)) as conn:

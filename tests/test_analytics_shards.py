@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from analytics.detector import Detector
-from analytics.detector_config import DetectorConfig
-from analytics.in_process import run_sharded
-from analytics.merge import JobMerge
-from analytics.shards import ReplicaShard
+from analytics.detection.detector import Detector
+from analytics.detection.config import DetectorConfig
+from analytics.sharding.in_process import run_sharded
+from analytics.sharding.merge import JobMerge
+from analytics.sharding.shards import ReplicaShard
 from collector.events import (
     Coords, DetectorFits, EventFactory, Heartbeat, IncidentOpened, IterationPrediction, RankIteration, ReplicaSummary,
     TracingDeclared,
@@ -116,8 +116,8 @@ def test_a_liveness_batch_leaves_the_watch_as_its_events_one_by_one_do() -> None
     """The merge's array path (FailStopWatch.ingest) against the single process's event path:
     the same streams, the same dead rank at the same iteration; only when within a batch it is named
     differs (at the batch's end)."""
-    from analytics.detector_config import DetectorConfig
-    from analytics.fail_stop import FailStopWatch
+    from analytics.detection.config import DetectorConfig
+    from analytics.detection.fail_stop import FailStopWatch
 
     rows = _liveness_rows(ranks=48, iterations=30, dies=(17, 20), reshape_at=8)
     one, batched = FailStopWatch(DetectorConfig()), FailStopWatch(DetectorConfig())
@@ -149,7 +149,7 @@ def test_a_liveness_batch_leaves_the_watch_as_its_events_one_by_one_do() -> None
 def test_a_batch_the_array_path_cannot_settle_goes_event_by_event() -> None:
     """A clock far ahead of the job (and a dead rank's heartbeat) leave the watch untouched on the
     array path; the detector then applies the rows one by one, as the single process does."""
-    from analytics.detector import Detector
+    from analytics.detection.detector import Detector
 
     rows = _liveness_rows(ranks=8, iterations=6, dies=(99, 99), reshape_at=99)
     det, ref = Detector("j"), Detector("j")
@@ -170,7 +170,7 @@ def test_a_batch_the_array_path_cannot_settle_goes_event_by_event() -> None:
 
 
 def test_a_liveness_batch_whose_arrays_do_not_match_its_layout_is_counted_not_applied() -> None:
-    from analytics.replica_summary import pack
+    from analytics.sharding.replica_summary import pack
     from collector.events import LivenessBatch
 
     merge = JobMerge("j")
@@ -189,7 +189,7 @@ def test_an_untraced_rank_that_stops_raises_the_hidden_stop_through_shards() -> 
     """Megatron-style tracing (one rank per TP group reports; the declaration travels on the
     telemetry topic, so shards forward it to the merge): an untraced rank stops, the job hangs, and
     the merge's hidden-stop watch names the same group as the single process."""
-    from analytics.detector import Detector
+    from analytics.detection.detector import Detector
     from trainer.fault_spec import FaultSpec
     from trainer.sim.engine import SimEngine
     from trainer.sim.scenario import load_scenario
@@ -271,8 +271,8 @@ def _assert_the_slow_rank_raised_and_every_summary_out(bus) -> None:
 
 
 def test_shard_and_merge_workers_on_the_embedded_bus_publish_the_incident(tmp_path) -> None:
-    from analytics.merge import MergeWorker
-    from analytics.shards import ShardWorker
+    from analytics.sharding.merge import MergeWorker
+    from analytics.sharding.shards import ShardWorker
     from collector.bus import open_bus
 
     with open_bus("embedded", path=str(tmp_path / "bus.sqlite")) as bus:
@@ -287,7 +287,7 @@ def test_shard_and_merge_workers_on_the_embedded_bus_publish_the_incident(tmp_pa
 
 def _summary(replica: int, units: int, class_keys: list, u_class: list[int]):
     """A ReplicaSummary of one 2-rank replica with ``units`` unit rows, arrays filled with markers."""
-    from analytics.replica_summary import LINK_ARRAYS, RANK_ARRAYS, SCORE_ARRAYS, UNIT_ARRAYS, pack
+    from analytics.sharding.replica_summary import LINK_ARRAYS, RANK_ARRAYS, SCORE_ARRAYS, UNIT_ARRAYS, pack
     from collector.events import ReplicaSummary
 
     arrays = {n: np.full(2, replica, float) for n in (*RANK_ARRAYS, *SCORE_ARRAYS)}
@@ -305,7 +305,7 @@ def _summary(replica: int, units: int, class_keys: list, u_class: list[int]):
 def test_joining_summaries_gives_the_per_replica_arrays_in_replica_order_whether_or_not_layouts_agree() -> None:
     """``unpack_all`` joins same-layout summaries as one block: it must give what reading each
     summary and concatenating gives, and the class indices must map through each replica's own list."""
-    from analytics.replica_summary import replica_job_view, unpack, unpack_all
+    from analytics.sharding.replica_summary import replica_job_view, unpack, unpack_all
 
     same = [_summary(r, 3, [["F", 0], ["B", 0]], [0, 1, 1]) for r in range(3)]
     mixed = [_summary(0, 3, [["F", 0], ["B", 0]], [0, 1, 1]), _summary(1, 2, [["B", 0], ["F", 0]], [0, 1])]
@@ -326,7 +326,7 @@ def test_a_summary_whose_arrays_the_merge_cannot_join_is_counted_and_left_out() 
     """A summary of another build decodes (its blob matches its own layout) but lacks an array the
     merge joins, or has rank or link rows of different lengths: the merge must log and count it as
     it does a malformed liveness batch, never raise on it when the iteration is judged."""
-    from analytics.replica_summary import pack, summary_shape_problem, unpack
+    from analytics.sharding.replica_summary import pack, summary_shape_problem, unpack
 
     good = _summary(0, 3, [["F", 0]], [0, 0, 0])
     assert summary_shape_problem(good) is None
@@ -355,8 +355,8 @@ def test_a_summary_whose_arrays_the_merge_cannot_join_is_counted_and_left_out() 
 
 
 def test_a_shard_catching_up_on_a_backlog_reads_only_a_few_iterations_past_the_merges_fits(tmp_path) -> None:
-    from analytics.merge import MergeWorker
-    from analytics.shards import READ_AHEAD, ShardWorker
+    from analytics.sharding.merge import MergeWorker
+    from analytics.sharding.shards import READ_AHEAD, ShardWorker
     from collector.bus import open_bus
 
     with open_bus("embedded", path=str(tmp_path / "bus.sqlite")) as bus:

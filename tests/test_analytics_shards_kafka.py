@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-from analytics.merge import JobMerge
-from analytics.shards import ShardWorker
+from analytics.sharding.merge import JobMerge
+from analytics.sharding.shards import ShardWorker
 from collector import topics
 from collector.events import DetectorFits, EventFactory, Heartbeat, IncidentOpened, RankIteration, TracingDeclared
 from collector.kafka_bus import KafkaBus

@@ -1,4 +1,4 @@
-"""A bus outage is an event, not only a log line (analytics/bus_outage.py): the analytics consumer
+"""A bus outage is an event, not only a log line (analytics/service/bus_outage.py): the analytics consumer
 publishes ``analytics.bus_outage`` for each job whose fail-stop judgement it suspended — the start
 and, once caught up, the end with its duration — and the console folds them into the job's page as
 a bus outage. On the embedded bus with the bus client's own health marked down and up; the real
@@ -9,9 +9,9 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
-from analytics.bus_outage import OutageGuard
-from analytics.detector_config import DetectorConfig
-from analytics.fail_stop import FailStopWatch
+from analytics.service.bus_outage import OutageGuard
+from analytics.detection.config import DetectorConfig
+from analytics.detection.fail_stop import FailStopWatch
 from collector import topics
 from collector.auth import load_keyring
 from collector.bus import BusHealth, Consumer

@@ -86,7 +86,7 @@ def test_a_dead_gpu_is_found_by_heartbeats_and_the_job_trains_again(tmp_path: Pa
     _, ours = _run("ours", faults, 15.0, tmp_path)
     _, idle = _run("do_nothing", faults, 15.0, tmp_path)
     (det,) = ours.detections
-    # the job hangs on it: 1.5 missed 1-s heartbeats, not 3 (analytics/fail_stop.py), plus the phase
+    # the job hangs on it: 1.5 missed 1-s heartbeats, not 3 (analytics/detection/fail_stop.py), plus the phase
     assert det.category == "fail_stop" and det.delay_s is not None and det.delay_s <= 3.5
     assert ours.plans_applied >= 1 and ours.training_at_end
     assert not idle.training_at_end and ours.tokens > 2 * idle.tokens

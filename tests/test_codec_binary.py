@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from analytics.replica_summary import LIVENESS_ARRAYS, pack, unpack
+from analytics.sharding.replica_summary import LIVENESS_ARRAYS, pack, unpack
 from collector import topics
 from collector.bus import RawMessage
 from collector.codec import BINARY_MAGIC, InvalidEvent, decode, encode, encode_json, readable

@@ -11,11 +11,11 @@ import uuid
 from pathlib import Path
 
 import duckdb
-from analytics.detector_projection import DetectorProjection
-from analytics.event_log import EventLogProjection
-from analytics.control_tables import ControlProjection
-from analytics.merge import MergeWorker
-from analytics.projector import Projector
+from analytics.projections.detector_projection import DetectorProjection
+from analytics.projections.event_log import EventLogProjection
+from analytics.projections.control_tables import ControlProjection
+from analytics.sharding.merge import MergeWorker
+from analytics.projections.projector import Projector
 from collector import topics
 from collector.auth import AUTO_ACTOR, ROLES, WRITERS, Gate, load_keyring
 from collector.bus import RawMessage

@@ -102,7 +102,7 @@ def test_the_story_puts_its_two_faults_in_different_replicas_at_every_scale() ->
 
 
 def test_the_default_story_is_tp2_and_the_detector_runs_at_its_defaults_plus_probes() -> None:
-    from analytics.detector_config import DetectorConfig
+    from analytics.detection.config import DetectorConfig
     from resihp.demo.story import DETECTOR_SETTINGS
 
     story = story_for(8)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from test_detect_detector import run, synth
 
-from analytics.detector import Detector
+from analytics.detection.detector import Detector
 from collector.events import CostModelFitted, IncidentOpened, IncidentResolved
 
 

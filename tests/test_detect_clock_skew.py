@@ -1,5 +1,5 @@
 """Clocks: a heartbeat is believed only within a bounded skew of the job's time as it arrives
-(analytics/fail_stop.py, Clocks). One stamped an hour ahead once dragged the job's reference with
+(analytics/detection/fail_stop.py, Clocks). One stamped an hour ahead once dragged the job's reference with
 it and opened 31 false critical incidents; one stamped in the past could move a rank's last
 heartbeat back or revive a dead rank."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from test_detect_detector import run, synth
 
-from analytics.detector_config import DetectorConfig
-from analytics.fail_stop import FailStopWatch
+from analytics.detection.config import DetectorConfig
+from analytics.detection.fail_stop import FailStopWatch
 from collector.events import EventFactory, Heartbeat, IncidentOpened
 
 

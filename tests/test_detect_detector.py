@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import numpy as np
 
-from analytics.detector import Detector
-from analytics.detector_config import DetectorConfig
+from analytics.detection.detector import Detector
+from analytics.detection.config import DetectorConfig
 from collector.events import (
     Chunk, CommWait, Coords, EventFactory, Heartbeat, IncidentConfirmed, IncidentOpened, IncidentResolved,
     IterationPrediction, PlanCurrent, ProbeRequest, ProbeResult, RankHealth, RankIteration,

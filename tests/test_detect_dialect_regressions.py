@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from analytics.detection.judges.noise import fast_side_sigma
-from analytics.detector import Detector
-from analytics.detector_config import DetectorConfig
+from analytics.detection.detector import Detector
+from analytics.detection.config import DetectorConfig
 from collector.events import FaultCategory, IncidentConfirmed, IncidentOpened, ProbeRequest
 from trainer.fault_spec import FaultSpec
 from trainer.sim.engine import SimEngine

@@ -1,10 +1,10 @@
 """Fail-stop while the job hangs: a dead rank stalls every synchronous peer, and the stall shortens
-the wait for its missing heartbeats (analytics/fail_stop.py)."""
+the wait for its missing heartbeats (analytics/detection/fail_stop.py)."""
 
 from __future__ import annotations
 
-from analytics.detector_config import DetectorConfig
-from analytics.fail_stop import FailStopWatch
+from analytics.detection.config import DetectorConfig
+from analytics.detection.fail_stop import FailStopWatch
 from collector.events import Heartbeat
 
 RANKS = 24

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from analytics.detector_config import DetectorConfig
-from analytics.fail_stop import LivenessChange
-from analytics.incidents import IncidentBook, Suspect
+from analytics.detection.config import DetectorConfig
+from analytics.detection.fail_stop import LivenessChange
+from analytics.detection.incidents import IncidentBook, Suspect
 from collector.events import (
     FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated, ProbeRequest, ProbeResult,
 )

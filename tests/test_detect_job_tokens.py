@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from analytics.detection.facts import job_tokens
-from analytics.frame import build_frame
+from analytics.detection.frame import build_frame
 from collector.events import Chunk, Coords, RankIteration
 from collector.plan import Plan
 

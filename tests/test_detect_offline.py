@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from analytics.baselines import ChangePointDetector, RawThresholdDetector, RelativeRankDetector
+from analytics.detection.baselines import ChangePointDetector, RawThresholdDetector, RelativeRankDetector
 from collector.events import EventFactory, IterationSummary
 from collector.trace import TraceWriter
 from resihp.cli import main

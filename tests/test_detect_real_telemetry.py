@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from analytics.detector import Detector
-from analytics.detector_config import DetectorConfig
-from analytics.incidents import IncidentBook, Suspect
-from analytics.scoring import group_median, group_quantile, group_quantile_low
+from analytics.detection.detector import Detector
+from analytics.detection.config import DetectorConfig
+from analytics.detection.incidents import IncidentBook, Suspect
+from analytics.detection.scoring import group_median, group_quantile, group_quantile_low
 from collector.events import (
     Chunk, CommWait, Coords, EventFactory, IncidentConfirmed, IncidentOpened, IncidentUpdated, IterationPrediction,
     PlanCurrent, RankIteration,
@@ -220,8 +220,8 @@ def test_a_suspects_replica_is_corrected_like_the_others_when_the_classes_lines_
     # amount; with a suspect's stage left out, the median over the replica's other stages moved
     # with those amounts and its healthy stages read slow (the profiler's interleaved run opened one
     # incident per stage of the ×2 GPU's replica)
-    from analytics.frame import build_frame
-    from analytics.scoring import _class_levels, _per_microbatch_correction, chunk_classes, unit_ids, unit_own_time
+    from analytics.detection.frame import build_frame
+    from analytics.detection.scoring import _class_levels, _per_microbatch_correction, chunk_classes, unit_ids, unit_own_time
 
     events = fused_job(pp=4, dp=4, iterations=1, noise=0.0)
     frame = build_frame([e.payload for e in events if isinstance(e.payload, RankIteration)])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from analytics.detector import Detector
+from analytics.detection.detector import Detector
 from collector.events import (
     Chunk, CommWait, Coords, CostModelFitted, EventFactory, Heartbeat, IncidentOpened, PlanCurrent, RankIteration,
 )

@@ -1,4 +1,4 @@
-"""A partition that lags across a reshape is late, not dead (analytics/fail_stop.py, arrival.py).
+"""A partition that lags across a reshape is late, not dead (analytics/detection/fail_stop.py, arrival.py).
 
 The shape of the Kafka demo's flake: right after a reshape the other ranks' heartbeats of the new
 epoch (sent through the reshape's pause) arrive, while one rank's partition is still in the old
@@ -9,9 +9,9 @@ than the others'. It must not be called dead, and a rank that really stops later
 
 from __future__ import annotations
 
-from analytics.arrival import FrameAssembler
-from analytics.detector_config import DetectorConfig
-from analytics.fail_stop import FailStopWatch
+from analytics.detection.arrival import FrameAssembler
+from analytics.detection.config import DetectorConfig
+from analytics.detection.fail_stop import FailStopWatch
 from collector.events import Heartbeat
 
 RANKS = 8

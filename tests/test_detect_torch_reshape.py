@@ -13,7 +13,7 @@ Replica 0's untouched TP group [0, 1] was then flagged ×15, its incident kept t
 learning, the stale line survived both reshapes (classes keyed by layer range carry over) and rank 5
 came back at ×64. The fit now leaves suspects' whole TP groups out and takes a unit's slowest
 member, the job's centre and σ are taken over TP groups' slowest members, and a class left without
-a fit is predicted from a sibling scaled by layer count (analytics/scoring.py: ``fit_ranks``,
+a fit is predicted from a sibling scaled by layer count (analytics/detection/scoring.py: ``fit_ranks``,
 ``unit_own_time``, ``tp_group_max``, ``_layer_scaled_prior``).
 
 The second trace is the first 37 iterations of the demo itself (``resihp demo --workload torch
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from analytics.offline import detect_events
+from analytics.service.offline import detect_events
 from collector.trace import read_trace
 
 HERE = Path(__file__).resolve().parent

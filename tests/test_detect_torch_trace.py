@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from analytics.detector_config import DetectorConfig
-from analytics.offline import detect_events
+from analytics.detection.config import DetectorConfig
+from analytics.service.offline import detect_events
 from collector.trace import read_trace
 
 HERE = Path(__file__).resolve().parent
@@ -47,8 +47,8 @@ def test_a_torch_jobs_iterations_are_laid_out_whichever_way_its_micro_batches_ar
 
     import numpy as np
 
-    from analytics.frame import build_frame
-    from analytics.prediction import predicted_iteration_s
+    from analytics.detection.frame import build_frame
+    from analytics.detection.prediction import predicted_iteration_s
 
     events = read_trace(HERE / "detect_torch_healthy.parquet")
     reports = [e.payload for e in events if e.kind == "telemetry.iteration" and e.payload.iteration == 5]

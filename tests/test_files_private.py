@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from analytics.projector import Projector
+from analytics.projections.projector import Projector
 from collector.embedded import EmbeddedBus
 from collector.events import EventFactory, Heartbeat
 from collector import topics

@@ -1,4 +1,4 @@
-"""When time lost outside the traced ranks counts (analytics/untraced.py ``HiddenExcess``): a run of
+"""When time lost outside the traced ranks counts (analytics/detection/untraced.py ``HiddenExcess``): a run of
 late traced iterations opens an incident on its own only when the job's own healthy swing makes
 such a run too unlikely; otherwise the excess must hold for ``UNTRACED_SUSTAIN`` traced iterations."""
 
@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from analytics.untraced import UNTRACED_SUSTAIN, HiddenExcess
+from analytics.detection.untraced import UNTRACED_SUSTAIN, HiddenExcess
 from bench import detect
 from resihp.referee import detecting
 
@@ -101,7 +101,7 @@ def test_a_x5_gpu_nobody_traces_is_named_two_traced_iterations_after_its_first_w
 
 def _false_runs(draw, steps: int = 20_000, seed: int = 0) -> int:
     """Runs the default rate lets through on a healthy swing drawn by ``draw`` (one per traced step)."""
-    from analytics.detector_config import DetectorConfig
+    from analytics.detection.config import DetectorConfig
 
     rate = DetectorConfig().untraced_run_rate
     rng = np.random.default_rng(seed)
@@ -142,7 +142,7 @@ def _answer(probe_id: str, rank: int, ratio: float):
 
 
 def test_a_sweep_is_asked_every_n_traced_iterations_and_one_at_a_time() -> None:
-    from analytics.untraced import UntracedSweep
+    from analytics.detection.untraced import UntracedSweep
 
     sweep = UntracedSweep()
     asked = [it for it in range(0, 40, 2) if sweep.step("job", 0, it, [8, 9], every=4) is not None]
@@ -155,7 +155,7 @@ def test_a_sweep_is_asked_every_n_traced_iterations_and_one_at_a_time() -> None:
 
 
 def test_a_sweep_whose_missing_answers_are_from_dead_ranks_ends() -> None:
-    from analytics.untraced import UntracedSweep
+    from analytics.detection.untraced import UntracedSweep
 
     sweep = UntracedSweep()
     for it in range(4):
@@ -168,8 +168,8 @@ def test_a_sweep_whose_missing_answers_are_from_dead_ranks_ends() -> None:
 
 def _sampled_run(case_name: str, **config):
     """A suite case in the sampled dialect through a detector with probes, answered by the simulator."""
-    from analytics.detector import Detector
-    from analytics.detector_config import DetectorConfig
+    from analytics.detection.detector import Detector
+    from analytics.detection.config import DetectorConfig
     from collector.events import IncidentConfirmed, IncidentOpened, IncidentResolved, ProbeRequest
 
     (case,) = [c for c in detect.suite(120) if c.name == case_name]
@@ -237,7 +237,7 @@ def test_in_a_job_that_barely_swings_an_excess_no_incident_would_open_on_is_not_
 
 
 def test_a_suspicious_iteration_asks_the_sweep_at_once_and_the_next_counts_from_it() -> None:
-    from analytics.untraced import UntracedSweep
+    from analytics.detection.untraced import UntracedSweep
 
     sweep = UntracedSweep()
     assert sweep.step("job", 0, 0, [8, 9], every=8) is None
@@ -277,7 +277,7 @@ def test_late_steps_of_healthy_swings_ask_a_probe_about_as_often_as_the_rate_say
     predictive tail is at most ``untraced_suspicion_rate`` (0.02). The tail is fitted to a few
     dozen values of a swing that need not be exponential; on the suite's kind of mixture and on a
     Pareto(2.5) one it asks on 3–4.5 % of steps, on a narrow normal one far fewer."""
-    from analytics.detector_config import DetectorConfig
+    from analytics.detection.config import DetectorConfig
 
     rate = DetectorConfig().untraced_suspicion_rate
     swings = {

@@ -37,6 +37,14 @@ APART = {frozenset({"trainer", "remediation"})}
 RANK = {pkg: rank for rank, layer in enumerate(LAYERS) for pkg in layer}
 PACKAGES = sorted(RANK)
 
+# Inside a package, its subpackages are layered the same way, low to high. analytics: detection
+# judges (the cost model, the frame, the judges, the incident book) and knows nothing of where it
+# runs; projections (DuckDB) and sharding (shards and the merge) each run it, never each other;
+# the service runs them all on a bus. Every module of such a package lives in one of them.
+SUBLAYERS: dict[str, list[set[str]]] = {
+    "analytics": [{"detection"}, {"projections", "sharding"}, {"service"}],
+}
+
 
 def imported_modules(tree: ast.AST, package: str) -> list[tuple[int, str]]:
     """(line, dotted name) of every import in a module's tree; relative imports stay in ``package``."""
@@ -53,16 +61,43 @@ def imported_modules(tree: ast.AST, package: str) -> list[tuple[int, str]]:
     return found
 
 
-def wrong_way_imports(package: str, files: list[Path]) -> list[str]:
-    """Every import in ``files`` (which belong to ``package``) that the layers forbid."""
+def subpackage_of(package: str, path: Path) -> str | None:
+    """The subpackage of ``package`` that ``path`` lies in (None: outside it, or at its root)."""
+    parts = path.relative_to(ROOT / package).parts if path.is_relative_to(ROOT / package) else ()
+    return parts[0] if len(parts) > 1 else None
+
+
+def sublayer_problem(package: str, here: str | None, name: str) -> str | None:
+    """Why an import of ``name`` from subpackage ``here`` of ``package`` breaks its sublayers (None: it does not)."""
+    layers = SUBLAYERS.get(package)
+    parts = name.split(".")
+    if layers is None or here is None or len(parts) < 2 or parts[0] != package:
+        return None
+    rank = {sub: r for r, layer in enumerate(layers) for sub in layer}
+    target = parts[1]
+    if target == here or target not in rank or here not in rank:
+        return None
+    if rank[target] == rank[here]:
+        return f"{package}.{target} is a sibling of {package}.{here} in the same layer"
+    if rank[target] > rank[here]:
+        return f"{package}.{target} sits above {package}.{here}"
+    return None
+
+
+def wrong_way_imports(package: str, files: list[Path], subpackage: str | None = None) -> list[str]:
+    """Every import in ``files`` (which belong to ``package``, in ``subpackage`` when given, else
+    wherever each lies) that the layers or the package's sublayers forbid."""
     problems = []
     for path in files:
         tree = ast.parse(path.read_text(), filename=str(path))
+        here = subpackage or subpackage_of(package, path)
         for line, name in imported_modules(tree, package):
             target = name.split(".")[0]
+            where = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{line} imports {name}"
+            if target == package and (why := sublayer_problem(package, here, name)) is not None:
+                problems.append(f"{where}: {why}")
             if target not in RANK or target == package:
                 continue
-            where = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{line} imports {name}"
             if package in LEAVES:
                 problems.append(f"{where}: {package} is a leaf and imports none of our packages")
             elif frozenset({package, target}) in APART:
@@ -78,6 +113,15 @@ def test_every_package_has_a_layer():
     on_disk = {p.parent.name for p in ROOT.glob("*/__init__.py")}
     assert on_disk - {"tests"} <= set(RANK), f"place {sorted(on_disk - set(RANK))} in LAYERS"
     assert set(RANK) <= on_disk, f"LAYERS names packages that do not exist: {sorted(set(RANK) - on_disk)}"
+
+
+@pytest.mark.parametrize("package", sorted(SUBLAYERS))
+def test_every_module_lies_in_a_sublayer(package):
+    named = {sub for layer in SUBLAYERS[package] for sub in layer}
+    on_disk = {p.parent.name for p in (ROOT / package).glob("*/__init__.py")}
+    loose = sorted(p.name for p in (ROOT / package).glob("*.py") if p.name != "__init__.py")
+    assert on_disk == named, f"{package}: subpackages {sorted(on_disk)} on disk, {sorted(named)} in SUBLAYERS"
+    assert not loose, f"{package}: place {loose} in one of its subpackages"
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -103,8 +147,24 @@ def test_the_check_catches_a_wrong_way_import(tmp_path, source, package, expecte
     assert len(problems) == 1 and expected in problems[0], problems
 
 
+@pytest.mark.parametrize("source, subpackage, expected", [
+    ("from analytics.sharding.merge import JobMerge\n", "detection", "analytics.sharding sits above analytics.detection"),
+    ("def f():\n    from analytics.service import consumer\n", "projections",
+     "analytics.service sits above analytics.projections"),
+    ("from analytics.projections.tables import insert_arrow\n", "sharding",
+     "analytics.projections is a sibling of analytics.sharding"),
+])
+def test_the_check_catches_a_wrong_way_import_between_subpackages(tmp_path, source, subpackage, expected):
+    module = tmp_path / "m.py"
+    module.write_text(source)
+    problems = wrong_way_imports("analytics", [module], subpackage)
+    assert len(problems) == 1 and expected in problems[0], problems
+
+
 def test_the_check_allows_a_downward_import(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("from collector.events import Envelope\nfrom . import sibling\n"
-                      "def f():\n    from analytics.schedule import op_table\n")
+                      "def f():\n    from analytics.detection.schedule import op_table\n")
     assert wrong_way_imports("remediation", [module]) == []
+    module.write_text("from analytics.detection.frame import IterationFrame\nfrom analytics.sharding import merge\n")
+    assert wrong_way_imports("analytics", [module], "service") == []

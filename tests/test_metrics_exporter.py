@@ -1,4 +1,4 @@
-"""The exporters' output (analytics/metrics.py): bounded series at 100k ranks, the rank histogram's
+"""The exporters' output (analytics/service/metrics.py): bounded series at 100k ranks, the rank histogram's
 counts, per-rank series only for slow ranks, per-stage and per-incident series capped per job, and
 the engine's approval wait on the right clock."""
 
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from analytics.metrics import AnalyticsCollector, AnalyticsSnapshot, ApprovalCollector
-from analytics.prediction import MAX_STAGE_ROWS
+from analytics.service.metrics import AnalyticsCollector, AnalyticsSnapshot, ApprovalCollector
+from analytics.detection.prediction import MAX_STAGE_ROWS
 from bench.metrics import _synthetic_projection
 from collector.plan_lifecycle import PlanStatus
 from remediation.approval_metrics import waiting_ages

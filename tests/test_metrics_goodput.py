@@ -9,10 +9,10 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from analytics.detector import Detector
-from analytics.detector_config import DetectorConfig
+from analytics.detection.detector import Detector
+from analytics.detection.config import DetectorConfig
 from collector.goodput import GoodputFold
-from analytics.goodput_projection import GoodputProjection
+from analytics.projections.goodput_projection import GoodputProjection
 from bench._goodput_truth import TruthRecordingEngine, healthy_seconds
 from collector.events import (
     AckStatus, CommandAck, Envelope, EventFactory, Evidence, FaultCategory, IncidentOpened, IncidentResolved,

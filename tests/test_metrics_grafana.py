@@ -11,8 +11,8 @@ import re
 import duckdb
 import yaml
 
-from analytics.goodput_projection import GoodputProjection
-from analytics.metrics import AnalyticsCollector, AnalyticsSnapshot, ApprovalCollector
+from analytics.projections.goodput_projection import GoodputProjection
+from analytics.service.metrics import AnalyticsCollector, AnalyticsSnapshot, ApprovalCollector
 from collector.events import (
     EventFactory, Evidence, FaultCategory, IncidentOpened, IterationPrediction, IterationSummary, RankHealth, RankHealthEntry,
     Location, RankState, Severity, StageTime,

@@ -9,11 +9,11 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from analytics.detector import Detector
-from analytics.detector_config import DetectorConfig
-from analytics.goodput_projection import GoodputProjection
-from analytics.metrics import AnalyticsCollector, AnalyticsSnapshot
-from analytics.prediction import MAX_STAGE_ROWS
+from analytics.detection.detector import Detector
+from analytics.detection.config import DetectorConfig
+from analytics.projections.goodput_projection import GoodputProjection
+from analytics.service.metrics import AnalyticsCollector, AnalyticsSnapshot
+from analytics.detection.prediction import MAX_STAGE_ROWS
 from collector.events import Envelope, EventFactory, IterationPrediction, RankIteration
 from collector.plan import Plan
 from trainer.fault_spec import FaultSpec

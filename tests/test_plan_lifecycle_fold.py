@@ -165,7 +165,7 @@ def test_engine_console_demo_and_duckdb_agree_on_where_each_plan_stands() -> Non
     not make any of them disagree with the engine."""
     import duckdb
 
-    from analytics.control_tables import ControlProjection
+    from analytics.projections.control_tables import ControlProjection
     from collector.stream import Delivery
     from remediation.lifecycle import fold as engine_fold
     from remediation.lifecycle import initial_state

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from analytics.schedule import op_table, pipeline_timing
+from analytics.detection.schedule import op_table, pipeline_timing
 from collector.events import Location
 from collector.plan import Plan
 from remediation.baselines import STRATEGY_NAMES, make_strategy

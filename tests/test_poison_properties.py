@@ -20,11 +20,11 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from analytics.control_tables import ControlProjection
-from analytics.detector_projection import DetectorProjection
-from analytics.event_log import EventLogProjection
-from analytics.projector import Projector
-from analytics.tables import TelemetryProjection
+from analytics.projections.control_tables import ControlProjection
+from analytics.projections.detector_projection import DetectorProjection
+from analytics.projections.event_log import EventLogProjection
+from analytics.projections.projector import Projector
+from analytics.projections.tables import TelemetryProjection
 from collector import topics
 from collector.bus import RawMessage
 from collector.codec import MAX_EVENT_BYTES, encode

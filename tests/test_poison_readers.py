@@ -26,13 +26,13 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from analytics.control_tables import ControlProjection
-from analytics.detector_projection import DetectorProjection
-from analytics.event_log import EventLogProjection
-from analytics.merge import MergeWorker
-from analytics.projector import Projector
-from analytics.shards import ShardWorker
-from analytics.tables import TelemetryProjection
+from analytics.projections.control_tables import ControlProjection
+from analytics.projections.detector_projection import DetectorProjection
+from analytics.projections.event_log import EventLogProjection
+from analytics.sharding.merge import MergeWorker
+from analytics.projections.projector import Projector
+from analytics.sharding.shards import ShardWorker
+from analytics.projections.tables import TelemetryProjection
 from collector import topics
 from collector.auth import ROLES, WRITERS, Gate, load_keyring
 from collector.bus import RawMessage

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from analytics.schedule import (
+from analytics.detection.schedule import (
     PipelineDurations, closed_form_1f1b_s, closed_form_interleaved_s, closed_form_zero_bubble_s,
     durations_from_plan, op_table, pipeline_timing, predict_iteration, predict_plan,
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from analytics.schedule import (
+from analytics.detection.schedule import (
     closed_form_1f1b_s, closed_form_interleaved_s, closed_form_zero_bubble_s, op_table, pipeline_timing,
 )
 from collector.events import Envelope, RankIteration

@@ -380,7 +380,7 @@ def test_pacing_pads_a_ranks_compute_not_the_tp_all_reduces_inside_its_chunks(tm
     waiting for it, got no pad at all (here: ×2.65 for the slow rank, 0.11 of the device's time for
     its peer, ×28 between them). Padding the compute alone, each rank's own time is its emulated
     device's (here ×3.00 and 1.00)."""
-    from analytics.frame import build_frame
+    from analytics.detection.frame import build_frame
     from trainer.reference.schedule import paced_chunk_s
 
     plan = Plan.uniform(tp=2, pp=1, dp=1, num_layers=4, microbatches_per_replica=4)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from analytics.schedule import op_table
+from analytics.detection.schedule import op_table
 from collector.events import AckStatus, ReconfigureCommand
 from collector.plan import Plan
 from trainer.reference.chunks import schedule_problem, stage_chunks, units_of_chunks

@@ -2,7 +2,7 @@
 
 The single process has every chunk of the frame (``ChunkFacts`` computes each fact when first
 read); the sharded merge has only the replicas' summaries, which carry the same facts in
-(analytics/replica_summary.py ``SummaryFacts``). Both satisfy ``IterationFacts``, so one judgement
+(analytics/sharding/replica_summary.py ``SummaryFacts``). Both satisfy ``IterationFacts``, so one judgement
 runs on either.
 """
 
@@ -13,10 +13,10 @@ from typing import Protocol
 
 import numpy as np
 
-from analytics.frame import IterationFrame
-from analytics.prediction import predicted_iteration_s, predicted_stage_spans
-from analytics.scoring import FrameScore
-from analytics.untraced import traced_pipeline_s
+from analytics.detection.frame import IterationFrame
+from analytics.detection.prediction import predicted_iteration_s, predicted_stage_spans
+from analytics.detection.scoring import FrameScore
+from analytics.detection.untraced import traced_pipeline_s
 
 
 def job_tokens(frame: IterationFrame) -> int:
@@ -31,7 +31,7 @@ def job_tokens(frame: IterationFrame) -> int:
 class IterationFacts(Protocol):
     """What judging an iteration reads of its chunks (``Detector.judge``). Read-only: the single
     process computes each from the frame when first read (``ChunkFacts``), the sharded merge
-    carries them in from the replicas' summaries (analytics/replica_summary.py ``SummaryFacts``)."""
+    carries them in from the replicas' summaries (analytics/sharding/replica_summary.py ``SummaryFacts``)."""
 
     @property
     def own_s(self) -> np.ndarray:
@@ -55,11 +55,11 @@ class IterationFacts(Protocol):
 
     @property
     def stages(self) -> list[tuple[int, int, float, float]]:
-        """Per stage (analytics/prediction.py ``predicted_stage_spans``)."""
+        """Per stage (analytics/detection/prediction.py ``predicted_stage_spans``)."""
 
     @property
     def span_s(self) -> float:
-        """When the last traced chunk ended (analytics/untraced.py ``traced_pipeline_s``; NaN: none)."""
+        """When the last traced chunk ended (analytics/detection/untraced.py ``traced_pipeline_s``; NaN: none)."""
 
 
 class ChunkFacts:

@@ -2,8 +2,8 @@
 
 ``run_consumer`` (``--role all``) keeps the DuckDB projections of the log exactly once and runs the
 detector inside the same transactions. Around each step: the leases say whether this consumer
-publishes (a second one on the bus defers, analytics/lease.py, and its outbox is discarded), the
-outage guard suspends fail-stop judgement through a broker outage (analytics/bus_outage.py), the
+publishes (a second one on the bus defers, analytics/service/lease.py, and its outbox is discarded), the
+outage guard suspends fail-stop judgement through a broker outage (analytics/service/bus_outage.py), the
 outbox is flushed, and ``/metrics`` refreshed. It never exits on a broker outage: the bus client
 retries with back-off, each said in a JSON line on stderr.
 
@@ -18,15 +18,15 @@ import sys
 import time
 from dataclasses import dataclass
 
-from analytics.bus_outage import OutageGuard
-from analytics.control_tables import ControlProjection
-from analytics.detector_config import DetectorConfig
-from analytics.detector_projection import DetectorProjection
-from analytics.event_log import EventLogProjection
-from analytics.goodput_projection import GoodputProjection
-from analytics.lease import AnalyticsLeases
-from analytics.projector import Projection, Projector
-from analytics.tables import TelemetryProjection
+from analytics.service.bus_outage import OutageGuard
+from analytics.projections.control_tables import ControlProjection
+from analytics.detection.config import DetectorConfig
+from analytics.projections.detector_projection import DetectorProjection
+from analytics.projections.event_log import EventLogProjection
+from analytics.projections.goodput_projection import GoodputProjection
+from analytics.service.lease import AnalyticsLeases
+from analytics.projections.projector import Projection, Projector
+from analytics.projections.tables import TelemetryProjection
 from collector import topics
 from collector.auth import Gate
 from collector.bus import Bus
@@ -67,7 +67,7 @@ def run_consumer(bus: Bus, opts: ConsumerOptions) -> int:
     exporter = None
     try:
         if opts.metrics_port is not None:
-            from analytics.metrics_exporter import AnalyticsExporter
+            from analytics.service.metrics_exporter import AnalyticsExporter
 
             exporter = AnalyticsExporter(goodput, bus, projector.stream, port=opts.metrics_port)
             exporter.announce()
@@ -120,8 +120,8 @@ def _release(leases: AnalyticsLeases, bus: Bus) -> None:
 
 def run_role(bus: Bus, role: str, opts: ConsumerOptions, config: DetectorConfig, job: str | None = None) -> int:
     """One shard (``role`` "shard", folding ``job``'s replicas) or the merge ("merge") until idle."""
-    from analytics.merge import MergeWorker
-    from analytics.shards import ShardWorker
+    from analytics.sharding.merge import MergeWorker
+    from analytics.sharding.shards import ShardWorker
 
     worker: ShardWorker | MergeWorker
     if role == "shard":

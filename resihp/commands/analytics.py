@@ -1,7 +1,7 @@
 """``resihp analytics``: keep the DuckDB projections of the log, exactly once.
 
 It never exits on a broker outage: the bus client retries with back-off, and fail-stop judgement
-is suspended from the outage until this consumer has caught up (analytics/bus_outage.py), each
+is suspended from the outage until this consumer has caught up (analytics/service/bus_outage.py), each
 said in a JSON line on stderr. The loops are the service's (analytics/service/consumer.py); this
 command reads the flags and calls them."""
 
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     if args.role == "all":
         with bus_from_args(args) as bus:
             return run_consumer(bus, opts)
-    from analytics.detector_config import DetectorConfig
+    from analytics.detection.config import DetectorConfig
 
     if args.role == "shard" and not args.job:
         raise SystemExit("--role shard needs --job JOB: a shard folds one job's replicas")

@@ -25,8 +25,8 @@ def run(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
 
-    from analytics.detector_config import DetectorConfig
-    from analytics.offline import detect_events
+    from analytics.detection.config import DetectorConfig
+    from analytics.service.offline import detect_events
     from collector.codec import encode
     from collector.trace import TraceError, TraceReader
 

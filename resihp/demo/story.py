@@ -26,7 +26,7 @@ import yaml
 JOB = "demo"
 DEFAULT_TP = 2  # TP groups: the fail-slow is first seen on its group, a probe (or the planner) takes it from there
 
-# The detector's settings for the demo (analytics/detector_config.py): the defaults, plus probes —
+# The detector's settings for the demo (analytics/detection/config.py): the defaults, plus probes —
 # the workload runs a short fixed job on each suspect, so a slow member of a TP group (whose peers
 # report identical chunk times) is named, not just its group. (The lags used to be raised here to
 # ride out Kafka's per-partition skew; the detector now copes with that at its defaults.)

@@ -5,7 +5,7 @@ exactly that range as one chunk. Under ``interleaved`` with ``virtual_stages = V
 range only says *how many* layers the stage holds: the model is cut into ``S·V`` consecutive
 slices in Megatron's round-robin order — slice ``g = c·S + s`` is chunk ``c`` of stage ``s`` — so
 data visits stage 0, 1, …, S-1 and wraps around to stage 0 for the next chunk, and the op orders of
-analytics/schedule.py (built on that same ``g``) are the orders the trainer runs. A stage's count
+analytics/detection/schedule.py (built on that same ``g``) are the orders the trainer runs. A stage's count
 is split into V chunk sizes as evenly as possible (earlier chunks take the remainder); the slices
 then follow each other in ``g`` order. Example, 8 layers, S=2, V=2, 4 layers per stage: stage 0
 runs layers 0-1 (chunk 0) and 4-5 (chunk 1), stage 1 runs 2-3 and 6-7. Which layers a device

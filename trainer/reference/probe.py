@@ -2,7 +2,7 @@
 
 When telemetry can only point at a TP group (its members run in lock-step, so all of them look
 slow), the detector asks the group to run a probe (``probe.request``) and names the member whose
-probe is slow (analytics/incidents.py). The launcher, the only reader of the control topic, posts
+probe is slow (analytics/detection/incidents.py). The launcher, the only reader of the control topic, posts
 each request in the store (trainer/reference/rendezvous.py: ``probe/Q``); ranks learn of it at their commit,
 which carries the newest probe number, so every rank of the world runs it at the same iteration
 boundary, after the optimizer step and outside any iteration's timings.

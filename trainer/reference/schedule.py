@@ -1,7 +1,7 @@
 """Pipeline schedules over point-to-point sends: 1F1B, interleaved 1F1B and zero-bubble.
 
 What a schedule *is* comes from the platform's own model: each stage runs the op order
-``analytics.schedule.op_table(schedule, S, M, V).stage_order(s)`` — (kind, chunk, micro-batch)
+``analytics.detection.schedule.op_table(schedule, S, M, V).stage_order(s)`` — (kind, chunk, micro-batch)
 triples — so the trainer runs exactly the order the detector and the planner predict. This module
 only executes such an order:
 
@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.fx.experimental.symbolic_shapes  # noqa: F401 - see below
 import torch.nn.functional as F
 
-from analytics.schedule import op_table
+from analytics.detection.schedule import op_table
 from collector.events import ChunkKind, CommOp
 from collector.plan import PipelinePlan, RankRole
 from trainer.reference.chunks import virtual_stages

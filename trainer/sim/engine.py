@@ -2,7 +2,7 @@
 
 ``SimEngine.step()`` returns the events of one iteration (or, while the job hangs on a dead rank,
 of one heartbeat interval). Internally it computes blocks of iterations at once — every replica
-and every iteration of the block is one row of :func:`analytics.schedule.pipeline_timing` — and cuts
+and every iteration of the block is one row of :func:`analytics.detection.schedule.pipeline_timing` — and cuts
 a block where a fault starts or ends, so the numbers do not depend on the block size: each
 iteration draws its workload and noise from generators seeded by (seed, iteration, group), and its
 stalls from (seed, iteration) alone, so that runs of one seed under different plans meet the same
@@ -36,7 +36,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from analytics.schedule import OpTable, PipelineTiming, op_table, pipeline_timing
+from analytics.detection.schedule import OpTable, PipelineTiming, op_table, pipeline_timing
 from collector.auth import Gate, load_keyring
 from collector.epoch_fence import fence_verdict, order_refusal
 from collector.events import (

@@ -25,7 +25,7 @@ from typing import Literal
 
 import numpy as np
 
-from analytics.schedule import KIND_NAMES, OpTable
+from analytics.detection.schedule import KIND_NAMES, OpTable
 from collector.events import (
     ChunkKind, ChunkTable, CommOp, CommWait, Coords, Envelope, EventFactory, Payload, RankIteration, TracingDeclared,
 )
@@ -269,7 +269,7 @@ def dialect_rank_iterations(
                             op=CommOp.PP_SEND, peer=peer(snd[1], t), microbatch=mbs[k], bytes=msg_bytes(snd[0], mbs[k]),
                             start_s=en[k], duration_s=max(en[k], posted) + snd[2] - en[k], includes_wait=True, group="pp"))
                     if stage.tp > 1 and kinds[k] != 2:  # the chunk's TP all-reduces, on the TP group
-                        # a stage's time is spread evenly over its V model chunks (analytics/schedule.py),
+                        # a stage's time is spread evenly over its V model chunks (analytics/detection/schedule.py),
                         # its TP all-reduces too: each model chunk holds 1/V of them
                         comm.append(CommWait.model_construct(
                             op=CommOp.TP_ALLREDUCE, peer=None, microbatch=mbs[k],

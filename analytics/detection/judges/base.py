@@ -1,6 +1,6 @@
 """What every judge of an iteration reads, and the one signature the judges share.
 
-The detector (analytics/detector.py) judges each scored iteration with a row of judges, each
+The detector (analytics/detection/detector.py) judges each scored iteration with a row of judges, each
 owning one statistic and the state it keeps: the rank CUSUM, the link CUSUM, the communication
 excess, the sweep of untraced ranks, the prediction and the rank health. Each implements
 ``FrameJudge``: ``judge(view, job)`` returns the payloads the iteration causes, ``new_epoch(job)``
@@ -17,14 +17,14 @@ from typing import Protocol, overload
 
 import numpy as np
 
-from analytics.arrival import FrameAssembler
-from analytics.cost_model import CostModel
+from analytics.detection.arrival import FrameAssembler
+from analytics.detection.cost_model import CostModel
 from analytics.detection.facts import IterationFacts
-from analytics.detector_config import DetectorConfig
-from analytics.fail_stop import FailStopWatch
-from analytics.frame import IterationFrame
-from analytics.incidents import IncidentBook
-from analytics.scoring import FrameScore
+from analytics.detection.config import DetectorConfig
+from analytics.detection.fail_stop import FailStopWatch
+from analytics.detection.frame import IterationFrame
+from analytics.detection.incidents import IncidentBook
+from analytics.detection.scoring import FrameScore
 from collector.events import Payload
 from collector.plan import Plan
 
@@ -56,7 +56,7 @@ class JobContext:
     def thresholds(self, sigma: float | np.ndarray) -> tuple[float | np.ndarray, float | np.ndarray,
                                                             float | np.ndarray]:
         """(k, h, cap) of a CUSUM for a σ, or element-wise for an array of them
-        (analytics/detector_config.py explains each)."""
+        (analytics/detection/config.py explains each)."""
         c = self.config
         k = np.maximum(c.k_sigma * sigma, c.log_min_slowdown)
         h = np.maximum(c.h_sigma * sigma, c.log_min_alarm)

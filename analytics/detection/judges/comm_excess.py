@@ -1,7 +1,7 @@
 """The communication excess: wall time that the observed compute cannot explain.
 
 It is communication — or, in a job that traces only some ranks, a fault outside what is traced
-(analytics/untraced.py). The schedule model replays the observed own chunk times (no transfers, no
+(analytics/detection/untraced.py). The schedule model replays the observed own chunk times (no transfers, no
 all-reduce); the log of observed over that is steady while links are healthy. A CUSUM on its
 deviation from the recent healthy median flags the excess; probes say where.
 
@@ -18,10 +18,10 @@ from collections import deque
 import numpy as np
 
 from analytics.detection.judges.base import FrameView, JobContext
-from analytics.frame import IterationFrame
-from analytics.incidents import Suspect
-from analytics.scoring import FrameScore
-from analytics.untraced import HiddenExcess, stage_factors_for
+from analytics.detection.frame import IterationFrame
+from analytics.detection.incidents import Suspect
+from analytics.detection.scoring import FrameScore
+from analytics.detection.untraced import HiddenExcess, stage_factors_for
 from collector.events import Payload
 
 COMM = ("comm",)  # the incident key of a communication excess
@@ -149,7 +149,7 @@ def untraced_size(frame: IterationFrame, sched: tuple[str | None, int | None], e
 def _open_untraced(frame: IterationFrame, sched: tuple[str | None, int | None], explained: float, wall: float,
                    z: float, k: float, h: float, sigma: float, untraced: list[int], run: int | None,
                    job: JobContext) -> list[Payload]:
-    """A compute incident on the ranks nobody traces (see analytics/untraced.py). It opens
+    """A compute incident on the ranks nobody traces (see analytics/detection/untraced.py). It opens
     without a place, as a communication incident opened on the iteration's excess does: one
     of sixteen ranks over several replicas and stages is no TP group, and a planner handed
     them as one would plan around every one of them as slow by a stage's guess. The ranks are

@@ -16,10 +16,10 @@ import numpy as np
 
 from analytics.detection.judges.base import FrameView, JobContext
 from analytics.detection.judges.noise import fast_side_sigma
-from analytics.detector_config import DetectorConfig
-from analytics.frame import IterationFrame
-from analytics.incidents import Suspect
-from analytics.scoring import FrameScore
+from analytics.detection.config import DetectorConfig
+from analytics.detection.frame import IterationFrame
+from analytics.detection.incidents import Suspect
+from analytics.detection.scoring import FrameScore
 from collector.events import Payload
 
 LINK_SUSTAIN = 3  # iterations a link whose timers hold waits must read slow before it counts

@@ -11,9 +11,9 @@ from collections import deque
 
 import numpy as np
 
-from analytics.detector_config import DetectorConfig
-from analytics.frame import IterationFrame
-from analytics.scoring import FrameScore, fit_ranks, tp_group_max
+from analytics.detection.config import DetectorConfig
+from analytics.detection.frame import IterationFrame
+from analytics.detection.scoring import FrameScore, fit_ranks, tp_group_max
 
 
 def fast_side_sigma(pooled: np.ndarray, *, levelled: bool = False) -> float:
@@ -25,7 +25,7 @@ def fast_side_sigma(pooled: np.ndarray, *, levelled: bool = False) -> float:
     time, so the half below the median is what healthy noise looks like.
 
     Why the tail for levelled scores: without sequence lengths each micro-batch's prediction is
-    levelled on the median over its replica's stages (analytics/scoring.py), which pulls the middle
+    levelled on the median over its replica's stages (analytics/detection/scoring.py), which pulls the middle
     stages' scores to 0 and leaves the outer ones — those that can alarm — as spread as the raw
     per-stage noise. The median deviation then describes the middle ones: in the Megatron dialect
     it read σ 0.009 where a healthy stage under the simulator's 2 % per-stage jitter swung by

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from analytics.detection.judges.base import FrameView, JobContext
-from analytics.frame import IterationFrame
-from analytics.incidents import Suspect
-from analytics.scoring import FrameScore, chunk_slowdown, fit_ranks
+from analytics.detection.frame import IterationFrame
+from analytics.detection.incidents import Suspect
+from analytics.detection.scoring import FrameScore, chunk_slowdown, fit_ranks
 from collector.events import Payload
 
 _GROW = 1024

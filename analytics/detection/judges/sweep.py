@@ -1,5 +1,5 @@
 """The sweep of untraced ranks: their compute, probed now and then, and at once when an
-iteration is later than the job runs healthy (analytics/untraced.py ``UntracedSweep``)."""
+iteration is later than the job runs healthy (analytics/detection/untraced.py ``UntracedSweep``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 
 from analytics.detection.judges.base import FrameView, JobContext
 from analytics.detection.judges.comm_excess import COMM, UNTRACED
-from analytics.incidents import Suspect
-from analytics.untraced import HiddenExcess, UntracedSweep
+from analytics.detection.incidents import Suspect
+from analytics.detection.untraced import HiddenExcess, UntracedSweep
 from collector.events import Payload, ProbeResult
 
 

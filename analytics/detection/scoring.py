@@ -22,8 +22,8 @@ from typing import Literal
 
 import numpy as np
 
-from analytics.cost_model import CostModel
-from analytics.frame import OP_CODE, IterationFrame
+from analytics.detection.cost_model import CostModel
+from analytics.detection.frame import OP_CODE, IterationFrame
 
 # A work class (``chunk_classes`` says why): the stage named by its layer range when the plan is
 # known, else by its index; then the virtual stage, the chunk kind and the TP degree.
@@ -493,7 +493,7 @@ def centre_ranks(frame: IterationFrame, x: np.ndarray, xk: np.ndarray, clean: np
                  inferred: bool) -> tuple[np.ndarray, np.ndarray]:
     """(z, z by kind): the ranks' log-ratios centred on the job — the median over clean TP groups
     of each group's slowest member, per work class when sequence lengths were inferred. Needs only
-    the per-rank arrays, so the sharded merge (analytics/merge.py) runs it on its shards' ``x``."""
+    the per-rank arrays, so the sharded merge (analytics/sharding/merge.py) runs it on its shards' ``x``."""
     pool = tp_group_max(frame, x, clean)
     if not len(pool):
         pool = x[np.isfinite(x)]

@@ -18,8 +18,8 @@ from statistics import median
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from analytics.detector_config import DetectorConfig
-from analytics.fail_stop import LivenessChange
+from analytics.detection.config import DetectorConfig
+from analytics.detection.fail_stop import LivenessChange
 from collector.events import (
     ConfirmMethod, Evidence, FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated,
     Location, LocationTarget, Payload, ProbeRequest, ProbeResult, Severity,
@@ -51,7 +51,7 @@ class Suspect:
     note: str
     ranks: tuple[int, ...] = ()  # the compute suspects (one, or a TP group telemetry cannot split)
     # Ranks whose links to probe when the compute probe of ``ranks`` finds nobody slow: time lost
-    # outside the traced ranks is an untraced rank's compute or some link or NIC (analytics/untraced.py).
+    # outside the traced ranks is an untraced rank's compute or some link or NIC (analytics/detection/untraced.py).
     link_probe_ranks: tuple[int, ...] = ()
     # What the factor slows: the rank's chunks (telemetry's measure) or its compute alone (a probe's,
     # for a rank no telemetry sees: Location.measure).
@@ -387,7 +387,7 @@ class IncidentBook:
             s.rank, s.ranks = worst, (worst,)
             s.confidence = min(0.99, s.confidence * len(asked))
             if s.key == ("untraced",) and worst in s.rank_factors:
-                # sized through the schedule for the named rank's own stage (analytics/untraced.py),
+                # sized through the schedule for the named rank's own stage (analytics/detection/untraced.py),
                 # no longer as the median stage
                 inc.factor = s.rank_factors[worst]
             # The incident is now about the member alone: its healthy peers stop being suspects
@@ -540,7 +540,7 @@ class IncidentBook:
     def hidden_fail_stop(self, ranks: tuple[int, ...], iteration: int, reason: str,
                          probe_id: str | None) -> list[Payload]:
         """Open (and confirm) one fail-stop on ranks nobody traces, as a group: the job hangs while
-        every watched rank lives on (analytics/hidden_stop.py). With ``probe_id``, ask them for a
+        every watched rank lives on (analytics/detection/hidden_stop.py). With ``probe_id``, ask them for a
         liveness probe; ``hidden_named`` then narrows the group to the ranks that stayed silent."""
         key = ("dead_hidden",)
         if key in self.open:

@@ -1,7 +1,7 @@
 """The predicted healthy iteration time of one frame, through the shared schedule model.
 
 Per replica, the predicted own time of every (stage, micro-batch) chunk goes into the schedule's
-DAG (analytics/schedule.py, the same one the planner and the simulator use); its critical path
+DAG (analytics/detection/schedule.py, the same one the planner and the simulator use); its critical path
 plus the DP all-reduce is what a healthy iteration with this iteration's sequences should take.
 The schedule is the plan's when the detector knows it, otherwise inferred from the chunks (W
 chunks mean zero-bubble, virtual stages mean interleaved).
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from analytics.frame import OP_CODE, IterationFrame
-from analytics.schedule import PipelineDurations, predict_iteration
-from analytics.scoring import group_median
+from analytics.detection.frame import OP_CODE, IterationFrame
+from analytics.detection.schedule import PipelineDurations, predict_iteration
+from analytics.detection.scoring import group_median
 
 
 def infer_schedule(frame: IterationFrame) -> tuple[str, int]:

@@ -30,7 +30,7 @@ GROUP_CODE = {"tp": 0, "pp": 1, "dp": 2, "cp": 3, "fsdp": 4}  # k_group; -1 when
 # The communications a frame keeps: those judging reads (TP waits inside chunks, p2p send timers,
 # the DP all-reduce). A pipeline rank's ``pp_recv`` waits, one per chunk that receives its input,
 # are most of its records and judged nowhere: converting them cost 20 ms of a 1,024-rank frame's
-# 50. The DuckDB tables keep every wait (analytics/tables.py).
+# 50. The DuckDB tables keep every wait (analytics/projections/tables.py).
 FRAME_OPS = frozenset({"tp_allreduce", "pp_send", "pp_sendrecv", "dp_allreduce"})
 
 

@@ -6,7 +6,7 @@ in through Arrow: one pyarrow table per batch and table, registered into DuckDB 
 single ``INSERT ... SELECT`` (row-by-row inserts would cap ingestion at a few thousand rows/s).
 
 ``sum_sq_len`` (Σ lᵢ² of a chunk's packed sequences) is NULL when the source did not report
-``seq_lens``; the cost model then falls back to what can be inferred (see analytics/cost_model.py).
+``seq_lens``; the cost model then falls back to what can be inferred (see analytics/detection/cost_model.py).
 ``tokens`` is NULL when the source did not report it (unknown, never 0).
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import duckdb
 import pyarrow as pa
 
-from analytics.frame import sum_sq_lens
+from analytics.detection.frame import sum_sq_lens
 from collector.events import CommOp, Heartbeat, IterationSummary, RankIteration
 from collector.stream import Delivery
 

@@ -1,13 +1,13 @@
 """One analytics shard: the rank reports of the DP replicas it holds, scored into per-replica summaries.
 
 Why this split: at 100k ranks one process spends most of an iteration on per-rank work — decoding
-every report, assembling the iteration, flattening chunks into arrays (analytics/frame.py), scoring
+every report, assembling the iteration, flattening chunks into arrays (analytics/detection/frame.py), scoring
 every chunk against the cost model — and that work divides by replica. Telemetry is keyed
 ``job/replica-D`` (collector/topics.py), so each member of the analytics consumer group receives
 whole replicas. A shard groups a replica's reports per (epoch, iteration); once the replica is
 complete and the merge's cost-model fits of the job's previous iteration are in
 (``DetectorFits``), it scores the replica and emits a ``ReplicaSummary``
-(analytics/replica_summary.py). The merge (analytics/merge.py) judges the job from the summaries.
+(analytics/sharding/replica_summary.py). The merge (analytics/sharding/merge.py) judges the job from the summaries.
 
 A replica is complete when every rank it holds reported the iteration. Which ranks those are comes
 from the plan when the shard has seen one; otherwise it is learned: the ranks that reported the
@@ -19,7 +19,7 @@ every k-th step), for a replica's iteration i — the single process predicts it
 fits the iterations before taught it. A shard
 waits for them when the job has an iteration i−1 it knows of (it saw reports of iteration i−1 or
 earlier); at the first iteration it ever saw it predicts with the latest fits it has, or with none
-(classes are then fitted from its own replicas, see analytics/replica_summary.py).
+(classes are then fitted from its own replicas, see analytics/sharding/replica_summary.py).
 
 The shard keeps no state worth saving: what it holds is reports of replicas not yet emitted. It
 commits its consumer offsets only below the oldest report still held (``safe_positions``), so a
@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from analytics.admission import EpochShape, undetectable
-from analytics.detector_config import DetectorConfig
-from analytics.fail_stop import tracing_at
-from analytics.frame import LayerLookup, build_frame
-from analytics.replica_summary import LIVENESS_ARRAYS, pack, summarize_replica
+from analytics.detection.admission import EpochShape, undetectable
+from analytics.detection.config import DetectorConfig
+from analytics.detection.fail_stop import tracing_at
+from analytics.detection.frame import LayerLookup, build_frame
+from analytics.sharding.replica_summary import LIVENESS_ARRAYS, pack, summarize_replica
 from collector.auth import Gate
 from collector.bus import Bus, TopicPartition
 from collector.events import (
@@ -89,7 +89,7 @@ class ReplicaShard:
     _tracing: tuple[TracingDeclared, ...] = ()  # every declaration read (the newest per epoch)
     _shapes: dict[tuple[str, int], EpochShape] = field(default_factory=dict)  # what undetectable admitted
     emitted: int = 0
-    skipped: int = 0  # events kept out by analytics/admission.py's rule
+    skipped: int = 0  # events kept out by analytics/detection/admission.py's rule
     failed: int = 0  # replica iterations whose summary could not be made (logged, left out)
 
     def on_event(self, event: Envelope, where: tuple[str, int, int] | None = None) -> list[ReplicaSummary]:

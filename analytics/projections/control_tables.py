@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import duckdb
 import pyarrow as pa
 
-from analytics.tables import insert_arrow
+from analytics.projections.tables import insert_arrow
 from collector.events import (
     CommandAck, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated, IterationPrediction,
     PlanDecision, PlanProposed, PlanRolledBack, PlanVerified, RankHealth, ReconfigureCommand,

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from analytics.fail_stop import FailStopWatch
+from analytics.detection.fail_stop import FailStopWatch
 from collector.auth import Signer, load_keyring
 from collector.bus import Bus, Consumer
 from collector.events import DURATION_MAX_S, BusOutage, Envelope, EventFactory

@@ -1,10 +1,10 @@
 """The merge step of sharded analytics: per-replica summaries in, the job-level verdict out.
 
-Shards (analytics/shards.py) each score whole DP replicas into ``ReplicaSummary``s
-(analytics/replica_summary.py); this one process per job collects an iteration's summaries,
+Shards (analytics/sharding/shards.py) each score whole DP replicas into ``ReplicaSummary``s
+(analytics/sharding/replica_summary.py); this one process per job collects an iteration's summaries,
 centres the ranks and links across the job, teaches its cost model the units of the TP groups it
 does not suspect, and runs the detector's judgement in the single process's order
-(analytics/detector.py ``judge_iteration``, with ``SummaryScorer``: σ, the judges, the incident
+(analytics/detection/detector.py ``judge_iteration``, with ``SummaryScorer``: σ, the judges, the incident
 book, the prediction, health). After each iteration it publishes its fits
 (``DetectorFits``), with which the shards predict the job's next iteration, as the single process
 predicts with the fits of the iterations before. It never touches a chunk, so its cost grows with
@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from analytics.detection.facts import IterationFacts
-from analytics.detector import Detector, judge_iteration
-from analytics.detector_config import DetectorConfig
-from analytics.replica_summary import (
+from analytics.detection.detector import Detector, judge_iteration
+from analytics.detection.config import DetectorConfig
+from analytics.sharding.replica_summary import (
     LIVENESS_ARRAYS, ReplicaJobView, fits_event, replica_job_view, summary_shape_problem, unpack_all,
 )
-from analytics.scoring import FrameScore, fit_ranks, forget_suspects, group_tags, learn_units
+from analytics.detection.scoring import FrameScore, fit_ranks, forget_suspects, group_tags, learn_units
 from collector.bus import Bus
 from collector.auth import Gate, Signer
 from collector.events import (
@@ -220,7 +220,7 @@ class MergeWorker:
     (plans) from their beginning as its own group, keeps one JobMerge per job, and publishes what
     they raise. It keeps no state of its own: restarted, it replays both topics and rebuilds it, and
     its publication is at-least-once (a restart republishes what the replay raises again; the
-    single-process path's exactly-once outbox is analytics/detector_projection.py)."""
+    single-process path's exactly-once outbox is analytics/projections/detector_projection.py)."""
 
     def __init__(self, bus: Bus, group: str, config: DetectorConfig | None = None) -> None:
         from collector import topics

@@ -5,7 +5,7 @@ seconds per iteration. Almost all of that is per replica. What is job-wide is sm
 model's fit (a few rows per class suffice), the centre the ranks are judged against (one number
 per TP group), the links' centres (one per stage pair), and the CUSUMs over per-rank scores.
 
-So the split follows the single process's own order (analytics/scoring.py):
+So the split follows the single process's own order (analytics/detection/scoring.py):
 
 * the shard predicts the replica's chunks with the merge's fits of the job's previous iteration
   (``DetectorFits``) — the single process predicts with the same fits, taught by iterations before
@@ -38,14 +38,14 @@ from typing import Literal
 
 import numpy as np
 
-from analytics.cost_model import MAX_FIT_ROWS, ClassFit, CostModel
-from analytics.frame import IterationFrame, LayerLookup
-from analytics.prediction import bounded_stage_rows, predicted_iteration_s, predicted_stage_spans
-from analytics.scoring import (
+from analytics.detection.cost_model import MAX_FIT_ROWS, ClassFit, CostModel
+from analytics.detection.frame import IterationFrame, LayerLookup
+from analytics.detection.prediction import bounded_stage_rows, predicted_iteration_s, predicted_stage_spans
+from analytics.detection.scoring import (
     FrameScore, WorkClass, centre_links, centre_ranks, chunk_classes, link_times, predict_chunks, rank_log_ratios,
     unit_table,
 )
-from analytics.untraced import traced_pipeline_s
+from analytics.detection.untraced import traced_pipeline_s
 from collector.events import DetectorFits, PackedArrays, ReplicaSummary
 
 RANK_ARRAYS = ("rank", "tp", "pp", "dp", "cp", "node")

@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeHistogramMetricFami
 from prometheus_client.registry import Collector
 
 from collector.goodput import CAUSES
-from analytics.goodput_projection import FACTOR_BUCKETS, JobFigures
+from analytics.projections.goodput_projection import FACTOR_BUCKETS, JobFigures
 from collector.bus import Bus, TopicPartition
 from collector.events import FaultCategory, Severity
 

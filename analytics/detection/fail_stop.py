@@ -61,7 +61,7 @@ a rank is judged against the others' progress:
   producer reconnects a little later than the others' is not.
 
 - **Batches**: the sharded merge receives every rank's heartbeats and report progress from the
-  shards (analytics/merge.py) and applies them as arrays (``ingest``): per rank what its rows leave,
+  shards (analytics/sharding/merge.py) and applies them as arrays (``ingest``): per rank what its rows leave,
   then one judgement if one is due. The same rules, checked to hold before anything is applied
   (every time believable, no dead rank revived, no interval changed); a batch that needs the
   one-by-one rules for any row goes event by event. A rank is named at the end of the batch.
@@ -81,8 +81,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from analytics.detector_config import DetectorConfig
-from analytics.rank_streams import RankStreams
+from analytics.detection.config import DetectorConfig
+from analytics.detection.rank_streams import RankStreams
 from collector.events import Heartbeat, TracingDeclared
 
 REFERENCE_QUANTILE = 1 / 3
@@ -119,7 +119,7 @@ def distinct(values: np.ndarray) -> list[int]:
 class FailStopWatch:
     config: DetectorConfig
     dead: set[int] = field(default_factory=set)
-    table: RankStreams = field(default_factory=RankStreams)  # every rank's stream (analytics/rank_streams.py)
+    table: RankStreams = field(default_factory=RankStreams)  # every rank's stream (analytics/detection/rank_streams.py)
     _epoch_top: dict[int, int] = field(default_factory=dict)  # epoch -> newest iteration any rank reported
     _top_time_s: dict[int, float] = field(default_factory=dict)  # epoch -> event time its top was first reported
     _iteration_s: float | None = None  # typical event time between iterations of the newest epoch
@@ -428,7 +428,7 @@ class FailStopWatch:
 
     def silent_untraced(self) -> set[int]:
         """Live ranks of the newest plan left untraced that never sent a heartbeat: nothing of
-        theirs can say they stopped (analytics/hidden_stop.py judges them from the job's stall)."""
+        theirs can say they stopped (analytics/detection/hidden_stop.py judges them from the job's stall)."""
         return {r for r in self._untraced_planned() - self.dead if not self.has_heartbeat(r)}
 
     def has_heartbeat(self, rank: int) -> bool:

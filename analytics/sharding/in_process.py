@@ -9,8 +9,8 @@ does at the end of each poll."""
 
 from __future__ import annotations
 
-from analytics.merge import JobMerge
-from analytics.shards import ReplicaShard
+from analytics.sharding.merge import JobMerge
+from analytics.sharding.shards import ReplicaShard
 from collector.events import DetectorFits, Envelope, EventFactory, Heartbeat, Payload, RankIteration, ReplicaSummary, TracingDeclared
 
 

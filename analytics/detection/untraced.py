@@ -28,8 +28,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from analytics.frame import IterationFrame
-from analytics.prediction import predicted_iteration_s
+from analytics.detection.frame import IterationFrame
+from analytics.detection.prediction import predicted_iteration_s
 from collector.events import ProbeRequest, ProbeResult
 
 _SIZE_STEPS = 12  # bisection steps on log(factor) over [0, log 32]: 0.08 % resolution

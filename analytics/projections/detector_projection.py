@@ -34,10 +34,10 @@ from collections.abc import Sequence
 import duckdb
 import pyarrow as pa
 
-from analytics.detector import STATE_VERSION, Detector
-from analytics.admission import EpochShape, undetectable
-from analytics.detector_config import DetectorConfig
-from analytics.tables import insert_arrow
+from analytics.detection.detector import STATE_VERSION, Detector
+from analytics.detection.admission import EpochShape, undetectable
+from analytics.detection.config import DetectorConfig
+from analytics.projections.tables import insert_arrow
 from collector.auth import Signer, load_keyring
 from collector.bus import Bus
 from collector.codec import dead_letter, decode, encode
@@ -168,5 +168,5 @@ class DetectorProjection:
 
     def discard_outbox(self, conn: duckdb.DuckDBPyConnection) -> None:
         """Forget what committed transactions produced without publishing it: another consumer
-        holds the bus (analytics/lease.py), and it publishes the same incidents."""
+        holds the bus (analytics/service/lease.py), and it publishes the same incidents."""
         conn.execute("DELETE FROM detector_outbox")

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from analytics.cost_model import ClassFit, CostModel
-from analytics.detector_config import DetectorConfig
-from analytics.frame import KIND_NAME, IterationFrame
-from analytics.scoring import FrameScore, WorkClass, fit_ranks, group_median, unit_ids
+from analytics.detection.cost_model import ClassFit, CostModel
+from analytics.detection.config import DetectorConfig
+from analytics.detection.frame import KIND_NAME, IterationFrame
+from analytics.detection.scoring import FrameScore, WorkClass, fit_ranks, group_median, unit_ids
 from collector.events import ChunkKind, CostFit, CostModelFitted
 from collector.plan import Plan
 

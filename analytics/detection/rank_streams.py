@@ -1,6 +1,6 @@
 """What each rank's own stream told the fail-stop watch so far, held as columns (one row per rank).
 
-Why columns: the watch (analytics/fail_stop.py) judges every rank against the job's progress, and
+Why columns: the watch (analytics/detection/fail_stop.py) judges every rank against the job's progress, and
 the sharded merge receives every rank's heartbeat and report progress each iteration
 (``LivenessBatch``). With an object per rank and a Python call per event that cost the merge 10.8 s
 per iteration at 100k ranks. As columns, a shard's batch is applied with a few numpy operations

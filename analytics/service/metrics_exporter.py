@@ -11,8 +11,8 @@ from __future__ import annotations
 import sys
 import time
 
-from analytics.goodput_projection import GoodputProjection
-from analytics.metrics import AnalyticsCollector, AnalyticsSnapshot, MetricsServer, consumer_lag
+from analytics.projections.goodput_projection import GoodputProjection
+from analytics.service.metrics import AnalyticsCollector, AnalyticsSnapshot, MetricsServer, consumer_lag
 from collector.bus import Bus
 from collector.stream import EventStream
 

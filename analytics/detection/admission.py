@@ -18,7 +18,7 @@ MAX_DEVICES = 1 << 20  # device ids, coordinates and pipeline stages (dp x pp) t
 MAX_VIRTUAL_STAGES = 1 << 8
 MAX_MICROBATCH = 1 << 24
 # The detector's per-iteration arrays hold replicas × stages × virtual stages × a replica's micro-batch
-# span × 3 chunk kinds cells (analytics/prediction.py): 2^24 is 128 MiB of doubles, some 25 times a
+# span × 3 chunk kinds cells (analytics/detection/prediction.py): 2^24 is 128 MiB of doubles, some 25 times a
 # 100,000-GPU job's (781 replicas × 16 stages × 16 micro-batches × 3).
 MAX_CELLS = 1 << 24
 

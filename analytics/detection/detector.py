@@ -1,19 +1,19 @@
 """The workload-aware detector: telemetry in, incidents and health out.
 
 It folds the event stream. Rank reports are grouped per (epoch, iteration) into a frame
-(analytics/frame.py) once the iteration is complete: every rank of the running plan reported it, or
-its own stream moved past it, or it is dead (analytics/arrival.py; judged on each rank's own stream,
+(analytics/detection/frame.py) once the iteration is complete: every rank of the running plan reported it, or
+its own stream moved past it, or it is dead (analytics/detection/arrival.py; judged on each rank's own stream,
 never on the order in which streams arrive). Each frame is scored against the cost model
-(analytics/scoring.py) and read by the judges (analytics/detection/judges/), each owning one
-statistic behind one signature: the rank CUSUM and the link CUSUM (analytics/detector_config.py
+(analytics/detection/scoring.py) and read by the judges (analytics/detection/judges/), each owning one
+statistic behind one signature: the rank CUSUM and the link CUSUM (analytics/detection/config.py
 explains the statistic), the communication excess, the sweep of untraced ranks, the prediction and
-the rank health. They report fail-slow incidents to the IncidentBook (analytics/incidents.py),
+the rank health. They report fail-slow incidents to the IncidentBook (analytics/detection/incidents.py),
 which carries them through opened → confirmed → updated → resolved. Heartbeats and telemetry gaps
-feed the fail-stop watch (analytics/fail_stop.py) and the hidden-stop watch (analytics/hidden_stop.py).
+feed the fail-stop watch (analytics/detection/fail_stop.py) and the hidden-stop watch (analytics/detection/hidden_stop.py).
 
 The order in which an iteration is judged (begin → suspects → score → judge → forget) is
 ``judge_iteration``: the single process runs it on a frame's chunks (``ChunkScorer``), the sharded
-merge on its replicas' summaries (analytics/merge.py).
+merge on its replicas' summaries (analytics/sharding/merge.py).
 
 It returns payloads to publish; it never touches a bus or a database, so the same object runs in
 the live consumer, in ``resihp detect`` over a trace, and in the benchmark.
@@ -26,9 +26,9 @@ from typing import Protocol
 
 import numpy as np
 
-from analytics.arrival import FrameAssembler
-from analytics.cost_model import CostModel
-from analytics.cost_publish import CostPublisher
+from analytics.detection.arrival import FrameAssembler
+from analytics.detection.cost_model import CostModel
+from analytics.detection.cost_publish import CostPublisher
 from analytics.detection.facts import ChunkFacts, IterationFacts
 from analytics.detection.judges.base import FrameView, JobContext
 from analytics.detection.judges.comm_excess import CommExcess
@@ -38,12 +38,12 @@ from analytics.detection.judges.noise import JobNoise
 from analytics.detection.judges.prediction import PredictionJudge
 from analytics.detection.judges.rank_cusum import RankCusum
 from analytics.detection.judges.sweep import SweepJudge
-from analytics.detector_config import DetectorConfig
-from analytics.fail_stop import FailStopWatch, distinct
-from analytics.frame import IterationFrame, LayerLookup, build_frame
-from analytics.hidden_stop import HiddenStopWatch
-from analytics.incidents import IncidentBook
-from analytics.scoring import FrameScore, score_frame
+from analytics.detection.config import DetectorConfig
+from analytics.detection.fail_stop import FailStopWatch, distinct
+from analytics.detection.frame import IterationFrame, LayerLookup, build_frame
+from analytics.detection.hidden_stop import HiddenStopWatch
+from analytics.detection.incidents import IncidentBook
+from analytics.detection.scoring import FrameScore, score_frame
 from collector.events import (
     Envelope, Heartbeat, Payload, PlanCurrent, ProbeResult, RankIteration, ReconfigureCommand, TracingDeclared,
 )
@@ -58,7 +58,7 @@ class DetectorStats:
 
 
 # The layout of a pickled Detector (its state moves with the consumer's offsets, see
-# analytics/detector_projection.py). Bump it when a change to these classes makes an old pickle
+# analytics/projections/detector_projection.py). Bump it when a change to these classes makes an old pickle
 # unreadable or wrong; a consumer then refuses the old state and names the way out (--rebuild).
 STATE_VERSION = 5
 
@@ -180,7 +180,7 @@ class Detector:
     def on_liveness(self, kind: np.ndarray, rank: np.ndarray, epoch: np.ndarray, iteration: np.ndarray,
                     time_s: np.ndarray, interval_s: np.ndarray) -> list[Payload]:
         """A shard's heartbeats (``kind`` 1) and report progress (0), in the order it read them (the
-        sharded merge, analytics/merge.py): the fail-stop watch takes the batch as arrays
+        sharded merge, analytics/sharding/merge.py): the fail-stop watch takes the batch as arrays
         (``FailStopWatch.ingest``), the hidden-stop watch is judged once at its newest time. What
         the array path leaves to the one-by-one rules (a dead rank's row, a clock jump) goes
         through ``on_heartbeat`` and ``report_seen`` row by row."""
@@ -293,7 +293,7 @@ class Detector:
               suspects: set[int]) -> list[Payload]:
         """The job-level half of an iteration: σ, then each judge in turn, the incident book's own
         step, the prediction and health. It reads the frame's per-rank arrays only; what it needs of
-        the chunks comes in ``facts``, so the sharded merge (analytics/merge.py) runs it on a frame
+        the chunks comes in ``facts``, so the sharded merge (analytics/sharding/merge.py) runs it on a frame
         without chunks."""
         self.stats.frames += 1
         self.stats.inferred_frames += int(score.inferred)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable, Iterator
 
-from analytics.detector import Detector
-from analytics.detector_config import DetectorConfig
+from analytics.detection.detector import Detector
+from analytics.detection.config import DetectorConfig
 from collector.auth import Signer, load_keyring
 from collector.events import Envelope, EventFactory
 

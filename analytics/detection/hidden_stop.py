@@ -6,7 +6,7 @@ dies the job still hangs: its TP peer blocks in the group's collective, the rest
 p2p waits on it, the other replicas in the DP all-reduce; every traced rank keeps heartbeating and
 no iteration completes. The stall is the evidence. Once the job has completed nothing for as long
 as the hung-job rule gives a silent heartbeating rank (``hang_miss_intervals`` intervals into the
-stall, analytics/fail_stop.py) and no watched rank was judged dead, the rank that stopped is one
+stall, analytics/detection/fail_stop.py) and no watched rank was judged dead, the rank that stopped is one
 of those nobody watches, and a fail-stop opens on them (as a group: which one is not in the
 telemetry).
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from analytics.fail_stop import FailStopWatch
+from analytics.detection.fail_stop import FailStopWatch
 from collector.events import Payload
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """The detector's settings: defaults that work on one machine, overridable from a YAML file.
 
 The statistic is a one-sided CUSUM on z, a rank's centred log-ratio of own compute to the cost
-model's prediction (see analytics/scoring.py):
+model's prediction (see analytics/detection/scoring.py):
 
     S ← max(0, S + min(z − k, cap·h)),  alarm when S > h
     k = max(k_sigma·σ, log(min_slowdown)),  h = max(h_sigma·σ, log(min_alarm_factor)),  cap = step_cap
@@ -59,7 +59,7 @@ class DetectorConfig(BaseModel):
     median's own error"""
     heartbeat_miss_intervals: float = Field(default=3.0, gt=0)
     """missed intervals that make a rank dead, in event time relative to the other ranks' progress
-    (analytics/fail_stop.py)"""
+    (analytics/detection/fail_stop.py)"""
     reference_max_lag_intervals: float = Field(default=20.0, gt=0)
     """the job's reference time never trails its newest event by more than this many intervals, so a third or
     more of the job dying at once is still judged; a partition lagging longer than this while the job hangs
@@ -73,7 +73,7 @@ class DetectorConfig(BaseModel):
     """iterations in a row a rank's own stream moved on without its report"""
     flush_lag_iterations: int = Field(default=2, ge=1)
     """only for ranks that never heartbeat: score an iteration without them once reports this many iterations
-    later arrived (analytics/arrival.py)"""
+    later arrived (analytics/detection/arrival.py)"""
     unplanned_wait_iterations: int = Field(default=16, ge=1)
     """without the epoch's plan (plan.current): wait for reports this many iterations later before scoring an
     iteration with the ranks heard from"""
@@ -104,7 +104,7 @@ class DetectorConfig(BaseModel):
     untraced_run_rate: float = Field(default=1e-6, gt=0, lt=1)
     """with replicas nobody traces: a run of 2-3 late traced iterations opens an incident on its own when a healthy
     run that late would come this rarely per traced iteration (the predictive tail of the job's own healthy excess,
-    analytics/untraced.py HiddenExcess); a smaller excess waits for 4 traced iterations"""
+    analytics/detection/untraced.py HiddenExcess); a smaller excess waits for 4 traced iterations"""
 
     @field_validator("refine_iterations")
     @classmethod

@@ -18,7 +18,7 @@ What can go wrong: with fixed-length packing N is the same for every chunk and �
 separately identifiable; the least-squares minimum-norm solution still predicts correctly, which is
 all the detector needs. When the source reports no ``seq_lens`` (Σ lᵢ² is NaN) the class is fitted
 on N alone and ``has_seq_lens`` says so; the detector then corrects per micro-batch (see
-analytics/scoring.py). When the source reports no token counts either (N is NaN: unknown, not 0),
+analytics/detection/scoring.py). When the source reports no token counts either (N is NaN: unknown, not 0),
 the class is fitted on γ alone and ``has_tokens`` says so: its chunks are taken as unknown but equal
 work, so the fit is the class's robust centre (its Huber-weighted median), which is what the
 TP/DP comparison and the per-micro-batch correction need; a slow rank is still off it.
@@ -67,7 +67,7 @@ class CostModel:
         self.window_iterations = window_iterations
         self._windows: dict[Hashable, _ClassWindow] = {}
         self.fits: dict[Hashable, ClassFit] = {}
-        self.forgotten: set[int] = set()  # TP groups whose rows were taken out (analytics/scoring.py forget_suspects)
+        self.forgotten: set[int] = set()  # TP groups whose rows were taken out (analytics/detection/scoring.py forget_suspects)
 
     def observe(self, key: Hashable, iteration: int, tokens: np.ndarray, sum_sq_len: np.ndarray,
                 duration_s: np.ndarray, groups: np.ndarray | None = None) -> None:

@@ -9,7 +9,7 @@ order in which streams interleave:
 - the rank reported it; or
 - its stream moved past it (a later report, a heartbeat that says it started iteration ≥ i+2, or a
   later epoch): that report is lost, not late; or
-- it is judged dead (analytics/fail_stop.py, event time relative to the others' progress); or
+- it is judged dead (analytics/detection/fail_stop.py, event time relative to the others' progress); or
 - it sent reports but no heartbeat yet (silence cannot be told from lag) and reports
   ``flush_lag_iterations`` later arrived from others — ``unplanned_wait_iterations`` when other
   ranks do heartbeat: then its first heartbeat is late (its partition lags from the job's start),
@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from analytics.detector_config import DetectorConfig
-from analytics.fail_stop import FailStopWatch, tracing_at
+from analytics.detection.config import DetectorConfig
+from analytics.detection.fail_stop import FailStopWatch, tracing_at
 from collector.events import RankIteration, TracingDeclared
 from collector.plan import Plan
 
