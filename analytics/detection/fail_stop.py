@@ -54,7 +54,7 @@ a rank is judged against the others' progress:
   clocks at once); it is counted (``untrusted_times``) and logged, and never judges anybody. A
   heartbeat stamped in the past never moves a rank's last heartbeat back nor revives a dead rank.
 - **Bus outages**: ``suspend`` while the bus client cannot reach the log, and until this consumer
-  has caught up after it (resihp/commands/analytics.py decides, from the bus client's own
+  has caught up after it (analytics/service/consumer.py decides, from the bus client's own
   connection errors): nothing is judged dead meanwhile, since what is missing is the bus, not the
   ranks. ``resume`` then counts every live rank as heard at the job's reference time, so a rank
   that died during the outage is named ``heartbeat_miss_intervals`` after it, and one whose

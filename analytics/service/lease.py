@@ -8,7 +8,7 @@ when it stops, and reads the others' (this is a projection with no table: it onl
 The instance that started first holds the bus. A later one that sees the holder's lease renewed
 while it runs — so both run now, not one after the other — defers: it logs an
 ``analytics_duplicate`` JSON line at error level, says whom it defers to in its own leases
-(``deferring_to``), and publishes nothing from its detector (resihp/commands/analytics.py empties
+(``deferring_to``), and publishes nothing from its detector (analytics/service/consumer.py empties
 its outbox) until the holder releases or stops renewing for ``EXPIRY_INTERVALS`` intervals. The
 holder goes on and logs that it sees a duplicate. A successor that starts after its predecessor
 stopped never defers: the predecessor's last lease came before the successor started.
