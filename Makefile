@@ -1,6 +1,7 @@
 # Two commands for a fresh machine (see README):
 #   make demo   - install, then run the platform end to end on the embedded bus
 #   make test   - install everything the tests need (venv, Python deps, Kafka, Chromium, Prometheus), run them
+#   make test-fast - only the tests that start no process, broker or browser (minutes; while working)
 #
 # Installs are cached: uv's cache for wheels, .kafka/lib for the broker's jars, a stamp file for
 # the virtual environment (re-made only when pyproject.toml changes).
@@ -10,14 +11,19 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test install kafka browser monitoring clean
+.PHONY: demo test test-fast install kafka browser monitoring clean
 
 demo: install
 	$(BIN)/resihp demo
 
 # stdin from /dev/null: no process a test starts may wait on the terminal or pipe that ran make.
+# The fast tier first (no process, broker, browser or Prometheus: tests/fixtures/tiers.py), then the rest.
 test: install kafka browser monitoring
-	$(BIN)/python -m pytest </dev/null
+	$(BIN)/python -m pytest --tier fast </dev/null
+	$(BIN)/python -m pytest --tier slow --durations=25 </dev/null
+
+test-fast: install
+	$(BIN)/python -m pytest --tier fast </dev/null
 
 install: $(STAMP)
 

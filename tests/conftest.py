@@ -26,16 +26,33 @@ from tests.fixtures.processes import FIXTURE_OWNED
 from tests.fixtures.tiers import KAFKA_FIXTURES, NEEDS, no_process_started
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--tier", choices=("fast", "slow", "all"), default="all",
+                     help="fast: the tests that need none of tests/fixtures/tiers.py's NEEDS (make test-fast); "
+                          "slow: the others; all (default): both")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     for mark, why in NEEDS.items():
         config.addinivalue_line("markers", f"{mark}: {why}")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test that requests a broker fixture needs the broker, whatever its marks say."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that requests a broker fixture needs the broker, whatever its marks say; ``--tier``
+    keeps the fast or the slow tier."""
     for item in items:
         if KAFKA_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("kafka") is None:
             item.add_marker(pytest.mark.kafka)
+    tier = config.getoption("--tier")
+    if tier == "all":
+        return
+    keep, drop = [], []
+    for item in items:
+        slow = any(item.get_closest_marker(mark) for mark in NEEDS)
+        (keep if slow == (tier == "slow") else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.fixture(autouse=True)
