@@ -12,7 +12,8 @@ time until the next change. The search is joint and exact for its candidate set:
    the pipelines, each using its best candidate, absorb the whole global batch. Choosing a
    candidate and the micro-batch split at once is what makes TP, PP and DP joint rather than one
    dimension after another.
-3. The surplus micro-batches at T* are taken from the pipelines that finish last.
+3. The surplus micro-batches at T* are taken from the pipelines that finish last. (Steps 2 and 3
+   are remediation/microbatch_split.py.)
 4. The joint plan, the micro-batch-only rebalance and "change nothing" are compared on tokens over
    the horizon: throughput × (horizon − reshape cost).
 
@@ -22,8 +23,7 @@ devices or too little memory), with the numbers; the caller keeps the old plan.
 
 from __future__ import annotations
 
-import heapq
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from collector.plan import PipelinePlan, Plan, StagePlan
 from remediation.candidates import (
@@ -31,21 +31,12 @@ from remediation.candidates import (
     unchanged_candidate,
 )
 from remediation.cluster import ClusterState
-from remediation.costs import PipelineScorer, ScheduleModelScorer, dp_allreduce_s
+from remediation.costs import PipelineScorer, ScheduleModelScorer
 from remediation.diff import plan_diff
+from remediation.microbatch_split import Chosen, MicrobatchSplit, Slot
 from remediation.model import PlannerModel
 from remediation.plan_result import PlanRefused, PlanResult
-from remediation.throughput import expected_iteration_s, pipeline_signature, predict_tokens_per_s
-
-_T_BISECTION_STEPS = 60
-
-
-@dataclass
-class _Slot:
-    """One pipeline, or a class of identical healthy pipelines sharing a template."""
-
-    members: list[PipelinePlan]
-    candidates: list[PipelineCandidate]
+from remediation.throughput import pipeline_signature, predict_tokens_per_s
 
 
 class Planner:
@@ -127,10 +118,10 @@ class Planner:
         M = current.global_microbatches
         dp = current.dp
         bad = cluster.bad_devices()
-        joint_slots: list[_Slot] = []
-        keep_slots: list[_Slot] = []
-        classes: dict[tuple, _Slot] = {}
-        class_keep: dict[tuple, _Slot] = {}
+        joint_slots: list[Slot] = []
+        keep_slots: list[Slot] = []
+        classes: dict[tuple, Slot] = {}
+        class_keep: dict[tuple, Slot] = {}
         idle = self._idle_healthy(cluster, current) if opts.allow_tp else {}
         tps = [st.tp for p in current.pipelines for st in p.stages]
         job_tp = max(set(tps), key=lambda t: (tps.count(t), t))  # the layout's own TP degree
@@ -145,9 +136,9 @@ class Planner:
             if (bad and any(d in bad for st in pipe.stages for d in st.devices)) or regrow:
                 cands = pipeline_candidates(cluster, self.model, pipe, current.schedule, opts, dp)
                 cands[:0] = regrow
-                joint_slots.append(_Slot([pipe], cands))
+                joint_slots.append(Slot([pipe], cands))
                 kept = unchanged_candidate(cluster, self.model, pipe, current.schedule, opts, dp)
-                keep_slots.append(_Slot([pipe], [kept] if kept else [dropped(pipe)]))
+                keep_slots.append(Slot([pipe], [kept] if kept else [dropped(pipe)]))
                 continue
             sig = pipeline_signature(pipe)
             if sig in classes:
@@ -163,19 +154,20 @@ class Planner:
                                           current.schedule, opts, dp)
                 if resplit is not None and resplit.stages != keep.stages:
                     cands.append(resplit)
-            classes[sig] = _Slot([pipe], cands)
-            class_keep[sig] = _Slot([pipe], [keep])
+            classes[sig] = Slot([pipe], cands)
+            class_keep[sig] = Slot([pipe], [keep])
         joint_slots.extend(classes.values())
         keep_slots.extend(class_keep.values())
 
         out: list[PlanResult] = []
-        joint = self._solve(joint_slots, M, scorer, cluster, opts)
+        split = MicrobatchSplit(self.model, scorer, cluster, self._interleaved)
+        joint = split.solve(joint_slots, M, opts.allow_dp)
         if joint is not None:
-            out.append(self._result(joint, current, current_tps, scorer, cluster))
+            out.append(self._result(joint, current, current_tps, split))
         if opts.allow_dp:
-            rebalance = self._solve(keep_slots, M, scorer, cluster, opts)
+            rebalance = split.solve(keep_slots, M, opts.allow_dp)
             if rebalance is not None:
-                out.append(self._result(rebalance, current, current_tps, scorer, cluster))
+                out.append(self._result(rebalance, current, current_tps, split))
         return out
 
     def _idle_healthy(self, cluster: ClusterState, current: Plan) -> dict[int, dict[int, tuple[int, ...]]]:
@@ -209,163 +201,9 @@ class Planner:
                 out.setdefault(replica, {})[n] = tuple(devices)
         return out
 
-    # ---- search --------------------------------------------------------------------------------
-
-    def _max_mb(self, scorer: PipelineScorer, cand: PipelineCandidate, span_bound_s: float, M: int) -> int:
-        """The most micro-batches ``cand`` runs with its pipeline makespan ≤ ``span_bound_s``."""
-        if cand.dropped or cand.times is None:
-            return 0
-        step = self._granule(cand)
-        if step > M or scorer.makespan_s(cand.running_times, step) > span_bound_s:
-            return 0
-        lo, hi = 1, M // step
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if scorer.makespan_s(cand.running_times, mid * step) <= span_bound_s:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo * step
-
-    def _granule(self, cand: PipelineCandidate) -> int:
-        """Micro-batch counts must be multiples of this: the stage count under interleaving
-        (Megatron's interleaved order runs groups of S micro-batches), else 1."""
-        return len(cand.stages) if self._interleaved and cand.stages else 1
-
-    def _solve(self, slots: list[_Slot], M: int, scorer: PipelineScorer, cluster: ClusterState, opts: PlannerOptions
-               ) -> list[tuple[PipelinePlan, PipelineCandidate, int]] | None:
-        """Per current pipeline: (pipeline, chosen candidate, micro-batches); None if infeasible.
-
-        The iteration is the slowest pipeline plus the gradient all-reduce, whose time is set by the
-        device holding the most gradient bytes anywhere in the job. So for each possible all-reduce
-        time D (the distinct ones the candidates have) the search allows only candidates with
-        all-reduce ≤ D and bounds the pipelines by T − D. The best D is the one whose solution the
-        full score rates fastest (the expected slowest of the pipelines, the stalls' tail, D: what
-        the result will predict), not the one with the smallest T: with many replicas the expected
-        slowest grows with their number, so dropping one can win on the score and lose on T.
-        """
-        live = [s for s in slots if any(not c.dropped for c in s.candidates)]
-        if not live:
-            return None
-        if not opts.allow_dp:
-            return self._even(slots, M, scorer)
-        dps = sorted({round(c.dp_s, 9) for s in live for c in s.candidates if not c.dropped})
-        best: tuple[float, list[tuple[PipelinePlan, PipelineCandidate, int]]] | None = None
-        for limit_s in dps:
-            allowed = [_Slot(s.members, [c for c in s.candidates if c.dropped or c.dp_s <= limit_s + 1e-8]
-                             or [dropped(s.members[0])]) for s in slots]
-            found = self._solve_bounded(allowed, M, scorer)
-            if found is None or sum(m for _, _, m in found) != M:
-                continue  # infeasible, or interleaved granules could not add up to the global batch
-            score = self._iteration_s(found, scorer, cluster)
-            if best is None or score < best[0] * (1 - 1e-9):
-                best = (score, found)
-        return None if best is None else best[1]
-
-    def _solve_bounded(self, slots: list[_Slot], M: int, scorer: PipelineScorer
-                       ) -> list[tuple[PipelinePlan, PipelineCandidate, int]] | None:
-        """The smallest pipeline makespan T that absorbs all M micro-batches (bisection), and per
-        slot the candidate that absorbs the most within T; None if no slot has a live candidate."""
-        live = [s for s in slots if any(not c.dropped for c in s.candidates)]
-        if not live:
-            return None
-
-        def absorbed(span_s: float) -> int:
-            total = 0
-            for slot in live:
-                total += len(slot.members) * max(self._max_mb(scorer, c, span_s, M) for c in slot.candidates)
-                if total >= M:
-                    return total
-            return total
-
-        hi = min(scorer.makespan_s(c.running_times, M) for s in live for c in s.candidates if c.times is not None)
-        lo = 0.0
-        for _ in range(_T_BISECTION_STEPS):
-            mid = (lo + hi) / 2
-            if absorbed(mid) >= M:
-                hi = mid
-            else:
-                lo = mid
-            if hi - lo <= 1e-7 * hi:
-                break
-        chosen: list[tuple[PipelinePlan, PipelineCandidate, int]] = []
-        for slot in slots:
-            pick = max(slot.candidates, key=lambda c: (self._max_mb(scorer, c, hi, M), not c.structural, -c.move_s))
-            m = self._max_mb(scorer, pick, hi, M)
-            for pipe in slot.members:
-                chosen.append((pipe, pick, m))
-        return self._trim(chosen, M, scorer)
-
-    def _trim(self, chosen: list[tuple[PipelinePlan, PipelineCandidate, int]], M: int, scorer: PipelineScorer
-              ) -> list[tuple[PipelinePlan, PipelineCandidate, int]]:
-        """Take the surplus micro-batches (over M) from the pipelines that finish last."""
-        surplus = sum(m for _, _, m in chosen) - M
-        if surplus <= 0:
-            return chosen
-        ms = [m for _, _, m in chosen]
-        heap = [(-scorer.makespan_s(c.running_times, m), i) for i, (_, c, m) in enumerate(chosen) if m > 0]
-        heapq.heapify(heap)
-        while surplus > 0 and heap:
-            _, i = heapq.heappop(heap)
-            step = self._granule(chosen[i][1])
-            if step > surplus:
-                continue  # this pipeline's granule overshoots; try the next-latest one
-            ms[i] -= step
-            surplus -= step
-            if ms[i] > 0:
-                heapq.heappush(heap, (-scorer.makespan_s(chosen[i][1].running_times, ms[i]), i))
-        return [(p, c, m) for (p, c, _), m in zip(chosen, ms)]
-
-    def _even(self, slots: list[_Slot], M: int, scorer: PipelineScorer
-              ) -> list[tuple[PipelinePlan, PipelineCandidate, int]] | None:
-        """DP adaptation off: the surviving pipelines split the batch evenly; each picks the
-        candidate that is fastest at its share."""
-        alive = [(pipe, slot) for slot in slots for pipe in slot.members if any(not c.dropped for c in slot.candidates)]
-        if not alive:
-            return None
-        share, extra = divmod(M, len(alive))
-        if share == 0:
-            return None
-        chosen = []
-        for i, (pipe, slot) in enumerate(alive):
-            m = share + (1 if i < extra else 0)
-            fits = [c for c in slot.candidates if not c.dropped and m % self._granule(c) == 0]
-            if not fits:
-                return None
-            best = min(fits, key=lambda c: (scorer.makespan_s(c.running_times, m), c.structural, c.move_s))
-            chosen.append((pipe, best, m))
-        alive_ids = {id(p) for p, _ in alive}
-        for slot in slots:
-            for pipe in slot.members:
-                if id(pipe) not in alive_ids:
-                    chosen.append((pipe, dropped(pipe), 0))
-        return chosen
-
     # ---- results -------------------------------------------------------------------------------
 
-    def _iteration_s(self, chosen: list[tuple[PipelinePlan, PipelineCandidate, int]], scorer: PipelineScorer,
-                     cluster: ClusterState) -> float:
-        spans: dict[float, int] = {}
-        for _, c, m in chosen:
-            if m > 0 and c.times:
-                span = scorer.makespan_s(c.running_times, m)
-                spans[span] = spans.get(span, 0) + 1
-        live = [c for _, c, m in chosen if m > 0]
-        return expected_iteration_s(self.model, spans, self._allreduce_s(live, cluster))
-
-    def _allreduce_s(self, live: list[PipelineCandidate], cluster: ClusterState) -> float:
-        """The DP all-reduce after the slowest pipeline, over the replicas that still run.
-        Candidates price it over the current replica count; a plan that drops replicas
-        all-reduces over fewer (a ring's 2(n−1)/n and its n−1 latencies), so it is priced again
-        here: the prediction is then what the new plan scores on its own."""
-        n = len(live)
-        if n <= 1:
-            return 0.0
-        unique = {id(c): c for c in live}.values()  # class members share their candidate
-        return max(dp_allreduce_s(cluster, self.model, c.stages, n) for c in unique)
-
-    def _result(self, chosen: list[tuple[PipelinePlan, PipelineCandidate, int]], current: Plan, current_tps: float,
-                scorer: PipelineScorer, cluster: ClusterState) -> PlanResult:
+    def _result(self, chosen: Chosen, current: Plan, current_tps: float, split: MicrobatchSplit) -> PlanResult:
         pipelines = []
         structural = False
         move_s = 0.0
@@ -389,7 +227,7 @@ class Planner:
             num_layers=current.num_layers,
             pipelines=tuple(PipelinePlan(replica=i, microbatches=m, stages=st) for i, (_, m, st) in enumerate(pipelines)),
         )
-        iteration_s = self._iteration_s(chosen, scorer, cluster)
+        iteration_s = split.iteration_s(chosen)
         tps = current.global_microbatches * self.model.tokens_per_microbatch / iteration_s
         cost = (move_s + self.options.pause_s) if structural else (self.options.rebalance_pause_s if changed_mb else 0.0)
         if self.options.free_reshape:
@@ -398,7 +236,7 @@ class Planner:
             plan=plan, strategy=self.strategy, changed=structural or changed_mb, iteration_s=iteration_s,
             predicted_tokens_per_s=tps, current_tokens_per_s=current_tps, reshape_cost_s=cost,
             horizon_tokens=tps * max(0.0, self.options.horizon_s - cost),
-            diff=plan_diff(current, plan, [p.replica for p, _, m in chosen if m > 0], cluster),
+            diff=plan_diff(current, plan, [p.replica for p, _, m in chosen if m > 0], split.cluster),
             choices=choices,
         )
 
