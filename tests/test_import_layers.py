@@ -31,8 +31,10 @@ LEAVES = {"collector", "infra"}
 
 # trainer sits on analytics, beside remediation rather than above it (trainer → analytics →
 # collector): an executor obeys commands from the bus, never the planner's code, and what both need
-# (the slowest-link rule, collector/topology.py) is contract.
-APART = {frozenset({"trainer", "remediation"})}
+# (the slowest-link rule, collector/topology.py) is contract. The console never imports analytics:
+# what analytics derives reaches it as events, and the folds it shares with analytics (goodput,
+# incidents, the plan lifecycle) are contract in collector/.
+APART = {frozenset({"trainer", "remediation"}), frozenset({"ui", "analytics"})}
 
 RANK = {pkg: rank for rank, layer in enumerate(LAYERS) for pkg in layer}
 PACKAGES = sorted(RANK)
@@ -138,6 +140,8 @@ def test_imports_point_down_the_layers(package):
     ("import importlib\nimportlib.import_module('ui.feed')\n", "trainer", "ui is a sibling of trainer"),
     ("from trainer.sim import engine\n", "analytics", "trainer sits above analytics"),
     ("from remediation.cluster import ClusterState\n", "trainer", "trainer and remediation never import each other"),
+    ("def f():\n    from analytics.projections.goodput_projection import GoodputProjection\n", "ui",
+     "ui and analytics never import each other"),
     ("from remediation import planner\n", "infra", "infra is a leaf"),
 ])
 def test_the_check_catches_a_wrong_way_import(tmp_path, source, package, expected):
