@@ -254,16 +254,10 @@ class GoodputFold:
         self._charge(s, "reshape", t)
         s.restart_in_gap = True  # what the gap still holds after the pause is the restart into the new plan
 
-    def _incident_fold(self, job: str) -> IncidentLifecycle:
-        book = self.incident_folds.get(job)
-        if book is None:
-            book = self.incident_folds[job] = IncidentLifecycle(job=job)
-        return book
-
     def _incident(self, s: JobGoodput, event: Envelope) -> None:
         """Fold an incident event (its signature was checked by whoever reads the bus for this fold)
         and follow what the fold now says of the incident it changed."""
-        book = self._incident_fold(event.job)
+        book = self.incident_folds.setdefault(event.job, IncidentLifecycle(job=event.job))
         record = incident_lifecycle.transition(book, event)
         if record is None:
             return

@@ -25,7 +25,6 @@ plain data (:meth:`IncidentRecord.to_state`) so a reader that stores its state w
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -113,23 +112,20 @@ class IncidentLifecycle(Admission):
         return [i for i in self.incidents.values() if i.is_open]
 
 
-def transition(state: IncidentLifecycle, event: Envelope) -> IncidentRecord | None:
-    """Apply one admitted event. Returns the incident it changed (None: it changed none — reported,
-    or another stream's event)."""
-    handler = _HANDLERS.get(type(event.payload))
-    return handler(state, event, event.payload) if handler is not None else None
-
-
 def step(state: IncidentLifecycle, event: Envelope) -> IncidentRecord | None:
     """:func:`~collector.plan_lifecycle.admit` then :func:`transition`."""
     return transition(state, event) if admit(state, event) else None
 
 
-def fold(events: list[Envelope] | tuple[Envelope, ...], state: IncidentLifecycle | None = None) -> IncidentLifecycle:
-    state = state if state is not None else IncidentLifecycle()
-    for e in events:
-        step(state, e)
-    return state
+def transition(state: IncidentLifecycle, event: Envelope) -> IncidentRecord | None:
+    """Apply one admitted event. Returns the incident it changed (None: it changed none — reported,
+    or another stream's event)."""
+    p = event.payload
+    if isinstance(p, IncidentOpened):
+        return _opened(state, event, p)
+    if isinstance(p, IncidentConfirmed | IncidentUpdated | IncidentResolved):
+        return _later(state, event, p)
+    return None
 
 
 # ---- transitions ---------------------------------------------------------------------------------
@@ -147,45 +143,32 @@ def _opened(state: IncidentLifecycle, e: Envelope, p: IncidentOpened) -> Inciden
     return record
 
 
-def _known(state: IncidentLifecycle, e: Envelope, incident_id: str, what: str) -> IncidentRecord | None:
-    """The incident an event refers to; an event about an incident never opened is reported and ignored."""
-    record = state.incidents.get(incident_id)
+_WHAT = {IncidentConfirmed: "confirmation", IncidentUpdated: "update", IncidentResolved: "resolution"}
+
+
+def _later(state: IncidentLifecycle, e: Envelope,
+           p: IncidentConfirmed | IncidentUpdated | IncidentResolved) -> IncidentRecord | None:
+    """A confirmation, update or resolution of an incident the fold holds; one about an incident
+    never opened is reported and ignored."""
+    record = state.incidents.get(p.incident_id)
     if record is None:
-        state.report(e, f"{what} of unknown incident {incident_id}")
-    return record
-
-
-def _confirmed(state: IncidentLifecycle, e: Envelope, p: IncidentConfirmed) -> IncidentRecord | None:
-    if (record := _known(state, e, p.incident_id, "confirmation")) is None:
+        state.report(e, f"{_WHAT[type(p)]} of unknown incident {p.incident_id}")
         return None
-    record.status, record.probing = IncidentStatus.CONFIRMED, ()
-    record.confirmed_by = record.confirmed_by or p.method
-    if p.locations:
+    if isinstance(p, IncidentUpdated):
+        record.severity = p.severity
+        record.changed_iteration = max(record.changed_iteration, p.iteration)
+        record.probing, record.probing_since_s = tuple(p.probing), e.time_s
         record.locations = list(p.locations)
-        state.faults_changed(record)
-    return record
-
-
-def _updated(state: IncidentLifecycle, e: Envelope, p: IncidentUpdated) -> IncidentRecord | None:
-    if (record := _known(state, e, p.incident_id, "update")) is None:
-        return None
-    record.severity = p.severity
-    record.changed_iteration = max(record.changed_iteration, p.iteration)
-    record.probing, record.probing_since_s = tuple(p.probing), e.time_s
-    record.locations = list(p.locations)
+    elif isinstance(p, IncidentConfirmed):
+        record.status, record.probing = IncidentStatus.CONFIRMED, ()
+        record.confirmed_by = record.confirmed_by or p.method
+        if not p.locations:
+            return record  # confirmed where it was: the faults are the same
+        record.locations = list(p.locations)
+    else:
+        record.status, record.probing = IncidentStatus.RESOLVED, ()
     state.faults_changed(record)
     return record
 
 
-def _resolved(state: IncidentLifecycle, e: Envelope, p: IncidentResolved) -> IncidentRecord | None:
-    if (record := _known(state, e, p.incident_id, "resolution")) is None:
-        return None
-    record.status, record.probing = IncidentStatus.RESOLVED, ()
-    state.faults_changed(record)
-    return record
-
-
-_HANDLERS: dict[type, Callable[[IncidentLifecycle, Envelope, Any], IncidentRecord | None]] = {
-    IncidentOpened: _opened, IncidentConfirmed: _confirmed, IncidentUpdated: _updated, IncidentResolved: _resolved,
-}
-PAYLOADS: tuple[type, ...] = tuple(_HANDLERS)  # the payloads this fold reads: a reader of several streams routes by them
+PAYLOADS: tuple[type, ...] = (IncidentOpened, *_WHAT)  # what this fold reads: a reader of several streams routes by it
