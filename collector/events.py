@@ -898,7 +898,36 @@ class CommandAck(Payload):
 NodeAction = Literal["stop", "join"]
 
 
-class NodeCommand(Payload):
+class RenamedOnWire(Payload):
+    """A payload whose newest schema renamed fields: an older event's names (``OLD_NAMES``, old →
+    new) are read as the new ones and written back under the names it came with, because the bytes
+    a signature covers are the ones it was signed with; a re-encoded old event that wrote the new
+    names would no longer verify."""
+
+    OLD_NAMES: ClassVar[dict[str, str]] = {}
+    _old_names: bool = PrivateAttr(default=False)  # the wire used OLD_NAMES: written back the same
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _read_old_names(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> RenamedOnWire:
+        old = data._old_names if isinstance(data, RenamedOnWire) else False
+        if (isinstance(data, dict) and any(name in data for name in cls.OLD_NAMES)
+                and not any(name in data for name in cls.OLD_NAMES.values())):
+            data, old = {cls.OLD_NAMES.get(k, k): v for k, v in data.items()}, True
+        payload = handler(data)
+        payload._old_names = old
+        return payload
+
+    @model_serializer(mode="wrap")
+    def _write_names_as_read(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        body = handler(self)
+        if not self._old_names or not isinstance(body, dict):
+            return body
+        new_to_old = {new: old for old, new in self.OLD_NAMES.items()}
+        return {(new_to_old[k] if k in new_to_old else k): v for k, v in body.items()}
+
+
+class NodeCommand(RenamedOnWire):
     """An order for one node agent of a ``resihp run`` job (docs/agent.md, "Node commands").
 
     ``stop``: the agent of ``node`` stops its ranks (SIGTERM, then SIGKILL after its grace) and
@@ -914,6 +943,7 @@ class NodeCommand(Payload):
 
     KIND: ClassVar[str] = "command.node"
     VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, 3)  # 2 adds run and expires_at_s; 3 renames epoch to round
+    OLD_NAMES: ClassVar[dict[str, str]] = {"epoch": "round"}
     command_id: str = Field(min_length=1, max_length=200)
     node: Int32 = Field(description="the agent's group rank in the rendezvous round (\"node N\" in its messages)")
     action: NodeAction
@@ -924,40 +954,27 @@ class NodeCommand(Payload):
     run: RunId = Field(description="the job's rendezvous id (--rdzv-id) it is for; an agent of another run "
                                    "refuses it")
     expires_at_s: ExpiresAt = Field(description="Unix time after which no agent obeys it")
-    _round_named: str = PrivateAttr(default="round")  # the name the wire gave the round: written back the same
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _read_old_round(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> NodeCommand:
-        named = data._round_named if isinstance(data, NodeCommand) else "round"
-        if isinstance(data, dict) and "epoch" in data and "round" not in data:
-            data, named = {("round" if k == "epoch" else k): v for k, v in data.items()}, "epoch"
-        command = handler(data)
-        command._round_named = named
-        return command
-
-    @model_serializer(mode="wrap")
-    def _write_round_as_read(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        body = handler(self)
-        if self._round_named != "round" and isinstance(body, dict) and "round" in body:
-            body = {(self._round_named if k == "round" else k): v for k, v in body.items()}
-        return body
 
 
-class NodeCommandAck(Payload):
+class NodeCommandAck(RenamedOnWire):
     """A node agent's answer to a ``command.node`` addressed to it: ``applied`` (with what it did),
     ``ignored_stale`` (another rendezvous round), ``ignored_duplicate`` (a command id handled
     before) or ``failed`` (it cannot be obeyed: the node hosts the job's stores, no such node, no
-    place to join). An unsigned or unauthorised command gets no ack but a ``control.rejected``."""
+    place to join). An unsigned or unauthorised command gets no ack but a ``control.rejected``.
+
+    Schema 3 names the rounds ``round`` and ``running_round``, as :class:`NodeCommand` does; a
+    schema 1–2 ack's ``epoch`` and ``running_epoch`` are read as those and written back under their
+    old names, so an ack signed before the rename still verifies."""
 
     KIND: ClassVar[str] = "command.node_ack"
-    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # 2 adds run
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, 3)  # 2 adds run; 3 renames epoch, running_epoch to round, running_round
+    OLD_NAMES: ClassVar[dict[str, str]] = {"epoch": "round", "running_epoch": "running_round"}  # schema 1–2 → 3
     command_id: str = Field(min_length=1, max_length=200)
     node: Int32
     action: NodeAction
-    epoch: Int32 = Field(description="the round the command named")
+    round: Int32 = Field(description="the rendezvous round the command named (schema 1–2: epoch)")
     status: AckStatus
-    running_epoch: Int32 = Field(description="the rendezvous round the agent is in")
+    running_round: Int32 = Field(description="the rendezvous round the agent is in (schema 1–2: running_epoch)")
     ranks: list[Int32] = Field(default_factory=list, max_length=LIST_MAX, description="the global ranks it acted on")
     detail: str = Field(default="", max_length=2000)
     run: RunId = Field(description="the run of the agent that answered: a restarted agent of that run treats the "

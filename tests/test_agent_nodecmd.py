@@ -99,13 +99,13 @@ def test_a_signed_stop_shrinks_the_job_and_a_signed_join_grows_it_back_and_nothi
         engine = factory(JOB, "remediation")
 
         def order(command_id: str, **kw: object) -> NodeCommand:
-            return NodeCommand(command_id=command_id, **{"node": node, "action": "stop", "epoch": round_, "run": RUN,
+            return NodeCommand(command_id=command_id, **{"node": node, "action": "stop", "round": round_, "run": RUN,
                                                          "expires_at_s": time.time() + COMMAND_TTL_S, **kw})
 
         forged = EventFactory(JOB, "remediation").make(order("forged"))  # no signature
-        bus.publish([forged, engine.make(order("stale", epoch=round_ + 1)), engine.make(order("host", node=0)),
-                     engine.make(order("early-join", action="join", epoch=round_ + 1))])  # held: no place yet
-        bus.publish([engine.make(order("stale", epoch=round_ + 1))])  # the same command id again
+        bus.publish([forged, engine.make(order("stale", round=round_ + 1)), engine.make(order("host", node=0)),
+                     engine.make(order("early-join", action="join", round=round_ + 1))])  # held: no place yet
+        bus.publish([engine.make(order("stale", round=round_ + 1))])  # the same command id again
         wait_until(lambda: watch.statuses("stale") == [AckStatus.IGNORED_STALE, AckStatus.IGNORED_DUPLICATE]
                    and watch.statuses("host") == [AckStatus.FAILED]
                    and any(r.event_id == forged.id for r in watch.rejected))
@@ -139,7 +139,7 @@ def test_a_signed_stop_shrinks_the_job_and_a_signed_join_grows_it_back_and_nothi
     assert watch.statuses("join-1") == [AckStatus.APPLIED], outs
     joined = watch.acks["join-1"][0]
     watch.close()
-    assert tuple(ack.ranks) == tuple(joined.ranks) == ranks and ack.epoch == ack.running_epoch == round_
+    assert tuple(ack.ranks) == tuple(joined.ranks) == ranks and ack.round == ack.running_round == round_
     assert f"stopped on node command stop-1: node {node} stopped its ranks {list(ranks)}" in outs[other]
     assert f"the agent of node {node} is gone with its ranks {list(ranks)}" in outs[host], outs[host]
     assert all(f"rank {r} joined the world" in outs[2] for r in ranks), outs[2]

@@ -83,10 +83,10 @@ def _sample(kind: str, role: str | None, n: int) -> Payload:
         "plan.capabilities": ExecutorCapabilities(executor="reference"),
         "analytics.prediction": IterationPrediction(epoch=0, iteration=n, observed_s=1.0, predicted_s=1.0, tokens=1),
         "analytics.bus_outage": BusOutage(outage_id=f"o{n}", started_s=1.0, ended_s=2.0, duration_s=1.0),
-        "command.node": NodeCommand(command_id=f"n{n}", node=1, action="stop", epoch=0, run=RUN,
+        "command.node": NodeCommand(command_id=f"n{n}", node=1, action="stop", round=0, run=RUN,
                                     expires_at_s=1000.0 + COMMAND_TTL_S),
-        "command.node_ack": NodeCommandAck(command_id=f"n{n}", node=1, action="stop", epoch=0,
-                                           status=AckStatus.APPLIED, running_epoch=0, ranks=[2, 3]),
+        "command.node_ack": NodeCommandAck(command_id=f"n{n}", node=1, action="stop", round=0,
+                                           status=AckStatus.APPLIED, running_round=0, ranks=[2, 3]),
     }
     return samples[kind]
 

@@ -42,8 +42,8 @@ def test_fence_verdict_does_not_mark_the_command_seen():
 
 
 def test_a_node_command_is_obeyed_only_in_the_round_it_names_and_only_once():
-    def stop(command_id: str, epoch: int) -> NodeCommand:
-        return NodeCommand(command_id=command_id, node=1, action="stop", epoch=epoch)
+    def stop(command_id: str, round_: int) -> NodeCommand:
+        return NodeCommand(command_id=command_id, node=1, action="stop", round=round_)
 
     assert node_fence_verdict(stop("a", 2), running_round=2, seen=set()) == (None, "")
     older, newer = node_fence_verdict(stop("a", 1), 2, set()), node_fence_verdict(stop("a", 3), 2, set())

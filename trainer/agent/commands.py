@@ -97,7 +97,7 @@ class NodeCommands:
     def ack(self, command: NodeCommand, running_round: int, status: AckStatus, detail: str,
             ranks: Sequence[int] = ()) -> None:
         ack = NodeCommandAck(command_id=command.command_id, node=command.node, action=command.action,
-                             epoch=command.round, status=status, running_epoch=running_round, ranks=list(ranks),
+                             round=command.round, status=status, running_round=running_round, ranks=list(ranks),
                              detail=detail[:2000], run=self.run)
         self.acks.append(ack)
         line = f"node command {command.command_id} ({command.action} node {command.node}, round {command.round}): "
