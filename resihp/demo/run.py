@@ -36,7 +36,7 @@ from resihp.demo.procs import ProcessGroup, bus_flags, resihp_argv
 from resihp.demo.progress import Progress
 from resihp.demo.story import DemoStory, native_story, story_for
 from resihp.demo.summary import fault_stories, overall_tokens_per_s, summary_lines
-from resihp.demo.watch import LogWatch
+from resihp.demo.watch import LogState, LogWatch
 
 REPO = Path(__file__).resolve().parents[2]
 TORCH_MODEL = "tiny"  # trainer preset: 4 layers, quick on CPU
@@ -159,11 +159,7 @@ def run_demo(opts: DemoOptions) -> int:
     flags = bus_flags(bus, bus_path)
     db = workdir / "analytics.duckdb"
     trace_path = workdir / "traces" / "demo-trace.parquet"
-    workload_text = (f"the native executor (Llama-style decoder, {story.layout}, {story.gpus} CPU ranks)"
-                     if opts.trainer == "native" else
-                     f"the torch trainer ({TORCH_MODEL} GPT, {story.layout}, 8 CPU ranks)" if opts.workload == "torch"
-                     else f"the simulator ({story.gpus} GPUs, {story.model}, {story.layout})")
-    progress.message(f"resihp demo: {workload_text} on the {bus_text}; workdir {workdir}")
+    progress.message(f"resihp demo: {_workload_text(opts, story)} on the {bus_text}; workdir {workdir}")
     progress.message(f"story: {story.told()}; policy: auto-apply every severity")
     # Every part signs and checks control events with one key set (docs/security.md), made here on
     # first use; children find it through RESIHP_KEYS, whatever their working directory.
@@ -191,65 +187,16 @@ def run_demo(opts: DemoOptions) -> int:
         watch = LogWatch(bus, story.job, trace_path)
         group.start("workload", _workload_argv(opts, story, files, flags))
         components = ", ".join(["workload", *names])
-        deadline = time.monotonic() + opts.timeout_s
-        failure = None
-        while True:
-            watch.poll(timeout_s=0.3)
-            progress.update(watch.state, components)
-            dead = group.died(names)
-            if dead is not None:
-                failure = f"{dead.name} exited with {dead.returncode}; the end of {dead.log_path}:\n{dead.log_tail()}"
-                break
-            if not group.components["workload"].running:
-                break
-            if time.monotonic() > deadline:
-                failure = f"the demo ran past --timeout {opts.timeout_s:.0f} s"
-                break
+        failure = _watch_workload(watch, progress, components, names, group, opts.timeout_s)
         workload_rc = group.stop("workload", grace_s=10.0)
         if failure is None and workload_rc != 0:
             wl = group.components["workload"]
             progress.message(f"the workload exited with {workload_rc}; the end of {wl.log_path}:\n{wl.log_tail(8)}")
         _settle(watch, progress, components, names, group)
         progress.close()
-        progress.message("stopping analytics (SIGINT) and draining what it has not read yet")
-        group.stop("analytics")
-        group.start("analytics-drain", analytics_argv + ["--exit-when-idle", "3"])
-        if group.wait("analytics-drain", timeout_s=300) is None:
-            group.stop("analytics-drain")
-        group.stop("remediate")
-        watch.drain()
-        watch.close()
-        state = watch.state
-        rows, distinct = _duckdb_telemetry(db)
-        stories = fault_stories(state)
-        for line in summary_lines(state, stories):
-            progress.message(line)
-        tps = overall_tokens_per_s(state, stories)
-        complete = failure is None and bool(stories) and all(st.detected and st.plan is not None for st in stories)
-        lost = state.telemetry_records - distinct
-        progress.message(f"telemetry: {state.telemetry_records:,} events published, {rows:,} rows in DuckDB "
-                         f"({distinct:,} distinct; {'nothing lost' if lost == 0 else f'{lost:,} MISSING'})")
-        progress.message(f"trace: {trace_path} ({state.records:,} events) — replay it with "
-                         f"`resihp replay {trace_path} --speed 10` or open it on the console's Replay page")
-        if failure is not None:
-            progress.message(f"the demo stopped early: {failure}")
-        elif not complete:
-            progress.message("the story is incomplete: see the lines above marked NO / none applied, and "
-                             f"the component logs in {workdir / 'logs'}")
-        result = {
-            "injected": [{"fault_id": st.fault.fault_id, "category": st.fault.category,
-                          "device": st.fault.location.rank, "iteration": st.fault.start_iteration} for st in stories],
-            "detected": [_detected_json(st) for st in stories if st.incident is not None],
-            "plans_applied": sum(1 for p in state.plans.values() if p.applied_time_s is not None),
-            "plans_verified": sum(1 for p in state.plans.values() if p.status == "verified"),
-            "tokens_per_s": {k: (None if v is None else round(v, 1)) for k, v in tps.items()},
-            "events_published": state.telemetry_records,
-            "events_in_duckdb": rows,
-            "distinct_events_in_duckdb": distinct,
-            "incidents": len(state.incidents),
-            "workload": opts.workload, "trainer": opts.trainer if opts.workload == "torch" else None, "bus": opts.bus, "gpus": story.gpus, "layout": story.layout,
-            "complete": complete, "workdir": str(workdir), "trace": str(trace_path),
-        }
+        _drain(watch, progress, group, analytics_argv)
+        result = _report(watch.state, progress, opts, story, failure, workdir, db, trace_path)
+        complete = bool(result["complete"])
         (workdir / "summary.json").write_text(json.dumps(result, indent=2))
         if not opts.headless and failure is None:
             _linger(opts, password, progress)
@@ -262,6 +209,80 @@ def run_demo(opts: DemoOptions) -> int:
             watch.close()
         group.stop_all()
         bus.close()
+
+
+def _workload_text(opts: DemoOptions, story: DemoStory) -> str:
+    if opts.trainer == "native":
+        return f"the native executor (Llama-style decoder, {story.layout}, {story.gpus} CPU ranks)"
+    if opts.workload == "torch":
+        return f"the torch trainer ({TORCH_MODEL} GPT, {story.layout}, 8 CPU ranks)"
+    return f"the simulator ({story.gpus} GPUs, {story.model}, {story.layout})"
+
+
+def _watch_workload(watch: LogWatch, progress: Progress, components: str, names: list[str], group: ProcessGroup,
+                    timeout_s: float) -> str | None:
+    """Follow the log until the workload ends; why the demo must stop early (a component died, the
+    timeout passed), or None when the workload ended by itself."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        watch.poll(timeout_s=0.3)
+        progress.update(watch.state, components)
+        dead = group.died(names)
+        if dead is not None:
+            return f"{dead.name} exited with {dead.returncode}; the end of {dead.log_path}:\n{dead.log_tail()}"
+        if not group.components["workload"].running:
+            return None
+        if time.monotonic() > deadline:
+            return f"the demo ran past --timeout {timeout_s:.0f} s"
+
+
+def _drain(watch: LogWatch, progress: Progress, group: ProcessGroup, analytics_argv: list[str]) -> None:
+    """Stop analytics and let a fresh one read what it had not (so every telemetry record reaches
+    DuckDB), stop the engine, and read the log to its end."""
+    progress.message("stopping analytics (SIGINT) and draining what it has not read yet")
+    group.stop("analytics")
+    group.start("analytics-drain", analytics_argv + ["--exit-when-idle", "3"])
+    if group.wait("analytics-drain", timeout_s=300) is None:
+        group.stop("analytics-drain")
+    group.stop("remediate")
+    watch.drain()
+    watch.close()
+
+
+def _report(state: LogState, progress: Progress, opts: DemoOptions, story: DemoStory, failure: str | None,
+            workdir: Path, db: Path, trace_path: Path) -> dict:
+    """Print the run's story and return the summary (``summary.json``, ``--json``)."""
+    rows, distinct = _duckdb_telemetry(db)
+    stories = fault_stories(state)
+    for line in summary_lines(state, stories):
+        progress.message(line)
+    tps = overall_tokens_per_s(state, stories)
+    complete = failure is None and bool(stories) and all(st.detected and st.plan is not None for st in stories)
+    lost = state.telemetry_records - distinct
+    progress.message(f"telemetry: {state.telemetry_records:,} events published, {rows:,} rows in DuckDB "
+                     f"({distinct:,} distinct; {'nothing lost' if lost == 0 else f'{lost:,} MISSING'})")
+    progress.message(f"trace: {trace_path} ({state.records:,} events) — replay it with "
+                     f"`resihp replay {trace_path} --speed 10` or open it on the console's Replay page")
+    if failure is not None:
+        progress.message(f"the demo stopped early: {failure}")
+    elif not complete:
+        progress.message("the story is incomplete: see the lines above marked NO / none applied, and "
+                         f"the component logs in {workdir / 'logs'}")
+    return {
+        "injected": [{"fault_id": st.fault.fault_id, "category": st.fault.category,
+                      "device": st.fault.location.rank, "iteration": st.fault.start_iteration} for st in stories],
+        "detected": [_detected_json(st) for st in stories if st.incident is not None],
+        "plans_applied": sum(1 for p in state.plans.values() if p.applied_time_s is not None),
+        "plans_verified": sum(1 for p in state.plans.values() if p.status == "verified"),
+        "tokens_per_s": {k: (None if v is None else round(v, 1)) for k, v in tps.items()},
+        "events_published": state.telemetry_records,
+        "events_in_duckdb": rows,
+        "distinct_events_in_duckdb": distinct,
+        "incidents": len(state.incidents),
+        "workload": opts.workload, "trainer": opts.trainer if opts.workload == "torch" else None, "bus": opts.bus,
+        "gpus": story.gpus, "layout": story.layout,
+        "complete": complete, "workdir": str(workdir), "trace": str(trace_path),
+    }
 
 
 def _detected_json(st) -> dict:
