@@ -9,8 +9,8 @@ schema-valid oddities reach the readers' logic and not only their doors. Every r
 random topic. The log then goes through every reader: the analytics projector (every projection and
 the detector), the remediation engine, a shard and the merge of the sharded analytics, the
 console's read model, the integration API's command listener, the torch launcher's intake, a node
-agent's command reader, the plan fold of ``resihp plans list`` and the demo's watcher with the trace
-it records. Nothing may raise; every record that is not an event, or is an event
+agent's command reader, the simulator's closed loop, the plan fold of ``resihp plans list`` and the
+demo's watcher with the trace it records. Nothing may raise; every record that is not an event, or is an event
 of a kind never published to the topic it was read from, has a dead letter from the projector's
 group with a reason, and every control event that does not verify is reported by analytics as
 ``control.rejected``.
@@ -49,6 +49,9 @@ from tests.test_control_audit import JOB, SOURCE, _sample
 from tests.test_poison_properties import payloads
 from trainer.agent.commands import NodeCommands
 from trainer.integration import CommandListener
+from trainer.sim.engine import SimConfig, SimEngine
+from trainer.sim.presets import MODEL_PRESETS, ClusterSpec
+from trainer.sim.runner import SimulatorRunner
 from trainer.reference.intake import CommandIntake
 from ui.read_model import ReadModel
 
@@ -200,6 +203,14 @@ def _run_every_reader(bus: EmbeddedBus, tmp: Path) -> None:
 
     orders = NodeCommands(bus, JOB, "agent-fuzz", from_beginning=True)
     orders.read(lambda c: True)
+
+    sim = SimEngine(SimConfig(model=MODEL_PRESETS["tiny"], cluster=ClusterSpec(gpus=4), job=JOB,
+                              plan=Plan.uniform(tp=1, pp=2, dp=2, num_layers=MODEL_PRESETS["tiny"].layers,
+                                                microbatches_per_replica=2)))
+    runner = SimulatorRunner(bus, sim)  # the simulator in closed loop: the orders and probes it obeys
+    runner._control_end = {}  # from the start of the log, not its end: the fuzzed records are already there
+    while runner.handle_control(timeout_s=0.01):
+        pass
 
     fold_log(bus, JOB, max_polls=50)  # `resihp plans list`: the plan lifecycle's fold over the log
     watch = LogWatch(bus, JOB, tmp / "watched.trace")  # the demo's story of the run, and the trace it records
