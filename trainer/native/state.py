@@ -133,49 +133,26 @@ class Assembled:
     scheduler: dict[str, Any] = field(default_factory=dict)
 
 
+Piece = tuple[tuple[int, ...], int, tuple[int, int, int, int], int | None]  # shape, count, signature, start
+Route = dict[tuple[int, int], list[str]]  # (source, destination) → the keys whose pieces go that way
+Message = tuple[int, list[str], torch.Tensor, torch.Tensor]  # source, keys, indices, (width, n) values
+
+
 def exchange(mine: LocalState | None, needed: dict[str, tuple[int, ...]], group: dist.ProcessGroup,
              dtype: torch.dtype) -> tuple[Assembled, list[str]]:
     """Collective over ``group`` (every rank of the old and the new world): bring every key in
     ``needed`` to this rank from live pieces. Returns the assembled state and the keys no set of
-    live pieces covers (the same list on every rank)."""
-    me, size = dist.get_rank(group), dist.get_world_size(group)
-    held: dict[str, tuple[tuple[int, ...], int, tuple[int, ...], int | None]] = {}
-    if mine is not None:
-        for k, idx in mine.index.items():  # a piece's signature: replicas of one shard are equal
-            held[k] = (mine.shapes[k], idx.numel(), (idx.numel(), int(idx[0]), int(idx[-1]), int(idx.sum())),
-                       mine.start[k])
-    # Plain Python only: a tensor in the gathered objects costs each receiver a nested torch.load.
-    step = (mine.step.item(), str(mine.step.dtype).removeprefix("torch.")) if mine and mine.step is not None else None
-    info = {"held": held, "needed": sorted(needed), "stepped": step is not None,
-            "small": (step, mine.hyper, mine.scheduler) if mine is not None else None}
-    everyone: list[Any] = [None] * size
-    dist.all_gather_object(everyone, info, group=group)
-    holders = [r for r in range(size) if everyone[r]["held"]]
+    live pieces covers (the same list on every rank).
+
+    The steps: every rank says what it holds and needs (:func:`_announce`); every rank computes
+    the same route (:func:`_route`); the pieces are posted at once (:func:`_post`) and land in one
+    buffer (:func:`_land`). A peer that dies meanwhile fails the collective on every rank."""
+    me = dist.get_rank(group)
+    everyone = _announce(mine, needed, group)
+    holders = [r for r in range(len(everyone)) if everyone[r]["held"]]
     stepped = bool(holders) and all(everyone[r]["stepped"] for r in holders)
     width = 1 + len(MOMENTS) if stepped else 1
-
-    # Which pieces each rank receives from which source: identical on every rank. Per key, its
-    # distinct pieces (replicas of one shard count once) by the first rank holding each.
-    distinct: dict[str, dict[tuple[int, int, int, int], int]] = {}
-    for r in holders:
-        for k, piece in everyone[r]["held"].items():
-            distinct.setdefault(k, {}).setdefault(piece[2], r)
-    plan: dict[tuple[int, int], list[str]] = {}
-    missing: set[str] = set()
-    for dst in range(size):
-        own = everyone[dst]["held"]
-        for k in everyone[dst]["needed"]:
-            first = [(own[k][2], dst)] if k in own else []
-            others = [(sig, src) for sig, src in distinct.get(k, {}).items() if not first or sig != first[0][0]]
-            covered = 0
-            for sig, src in first + others:
-                plan.setdefault((src, dst), []).append(k)
-                covered += sig[0]
-                if covered == math.prod(everyone[src]["held"][k][0]):
-                    break
-            else:
-                missing.add(k)
-
+    route, missing = _route(everyone)
     out = Assembled()
     if holders:
         step, out.hyper, out.scheduler = everyone[holders[0]]["small"]
@@ -188,13 +165,66 @@ def exchange(mine: LocalState | None, needed: dict[str, tuple[int, ...]], group:
         offset[k], total = total, total + math.prod(needed[k])
     landed = torch.empty(width, total, dtype=dtype)
     out.full = {k: landed[:, offset[k]:offset[k] + math.prod(needed[k])] for k in offset}
-    pieces: list[tuple[int, list[str], torch.Tensor, torch.Tensor]] = []
+    messages = _post(route, me, mine, everyone, group, width, dtype)
+    _land(messages, everyone, offset, landed)
+    return out, sorted(missing)
+
+
+def _announce(mine: LocalState | None, needed: dict[str, tuple[int, ...]], group: dist.ProcessGroup) -> list[Any]:
+    """One small ``all_gather_object``: each rank's pieces (by signature: replicas of one shard
+    are equal), the keys it needs, and its step, hyper-parameters and scheduler state."""
+    held: dict[str, Piece] = {}
+    if mine is not None:
+        for k, idx in mine.index.items():
+            held[k] = (mine.shapes[k], idx.numel(), (idx.numel(), int(idx[0]), int(idx[-1]), int(idx.sum())),
+                       mine.start[k])
+    # Plain Python only: a tensor in the gathered objects costs each receiver a nested torch.load.
+    step = (mine.step.item(), str(mine.step.dtype).removeprefix("torch.")) if mine and mine.step is not None else None
+    info = {"held": held, "needed": sorted(needed), "stepped": step is not None,
+            "small": (step, mine.hyper, mine.scheduler) if mine is not None else None}
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, info, group=group)
+    return everyone
+
+
+def _route(everyone: list[Any]) -> tuple[Route, set[str]]:
+    """Which pieces each rank receives from which source, and the keys no live pieces cover:
+    identical on every rank. Per key, its distinct pieces (replicas of one shard count once) by the
+    first rank holding each; a rank takes its own piece first, then the fewest others."""
+    distinct: dict[str, dict[tuple[int, int, int, int], int]] = {}
+    for r, info in enumerate(everyone):
+        for k, piece in info["held"].items():
+            distinct.setdefault(k, {}).setdefault(piece[2], r)
+    route: Route = {}
+    missing: set[str] = set()
+    for dst, info in enumerate(everyone):
+        own = info["held"]
+        for k in info["needed"]:
+            first = [(own[k][2], dst)] if k in own else []
+            others = [(sig, src) for sig, src in distinct.get(k, {}).items() if not first or sig != first[0][0]]
+            covered = 0
+            for sig, src in first + others:
+                route.setdefault((src, dst), []).append(k)
+                covered += sig[0]
+                if covered == math.prod(everyone[src]["held"][k][0]):
+                    break
+            else:
+                missing.add(k)
+    return route, missing
+
+
+def _post(route: Route, me: int, mine: LocalState | None, everyone: list[Any], group: dist.ProcessGroup,
+          width: int, dtype: torch.dtype) -> list[Message]:
+    """Send this rank's pieces and receive the ones routed to it, two raw tensors (indices,
+    values) per (source, destination) pair, all posted in one batch; returns what arrived (its
+    own pieces included) once every transfer is done."""
+    messages: list[Message] = []
     ops: list[dist.P2POp] = []
-    for (src, dst), keys in sorted(plan.items()):
+    for (src, dst), keys in sorted(route.items()):
         if src == me and dst == me:
             assert mine is not None
-            pieces.append((src, keys, torch.cat([mine.index[k] for k in keys]),
-                           torch.cat([mine.values[k] for k in keys], dim=1)))
+            messages.append((src, keys, torch.cat([mine.index[k] for k in keys]),
+                             torch.cat([mine.values[k] for k in keys], dim=1)))
         elif src == me:
             assert mine is not None
             ops += [dist.P2POp(dist.isend, torch.cat([mine.index[k] for k in keys]), group=group, group_peer=dst, tag=0),
@@ -205,13 +235,19 @@ def exchange(mine: LocalState | None, needed: dict[str, tuple[int, ...]], group:
             index, values = torch.empty(n, dtype=torch.int64), torch.empty(width, n, dtype=dtype)
             ops += [dist.P2POp(dist.irecv, index, group=group, group_peer=src, tag=0),
                     dist.P2POp(dist.irecv, values, group=group, group_peer=src, tag=1)]
-            pieces.append((src, keys, index, values))
+            messages.append((src, keys, index, values))
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-    for src, keys, index, values in pieces:
+    return messages
+
+
+def _land(messages: list[Message], everyone: list[Any], offset: dict[str, int], landed: torch.Tensor) -> None:
+    """Copy each message into the buffer: slice copies when every piece is one ascending run,
+    else one indexed copy at its indices shifted by each key's offset."""
+    for src, keys, index, values in messages:
         pieces_of = [everyone[src]["held"][k] for k in keys]
-        if all(piece[3] is not None for piece in pieces_of):  # every piece one run: slice copies
+        if all(piece[3] is not None for piece in pieces_of):
             at = 0
             for k, piece in zip(keys, pieces_of):
                 n, begin = piece[1], offset[k] + piece[3]
@@ -221,7 +257,6 @@ def exchange(mine: LocalState | None, needed: dict[str, tuple[int, ...]], group:
             shift = torch.repeat_interleave(torch.tensor([offset[k] for k in keys]),
                                             torch.tensor([piece[1] for piece in pieces_of]))
             landed[:, index + shift] = values
-    return out, sorted(missing)
 
 
 def load_full(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, state: Assembled) -> None:

@@ -37,7 +37,7 @@ from collector.auth import load_keyring
 from trainer.agent.signed_store import SignedStore, rank_role
 from trainer.agent.standalone import standalone_node
 from trainer.fault_spec import FaultSpec
-from trainer.native.executor import NativeExecutor
+from trainer.native.executor import NativeExecutor, ReshapeReport
 from trainer.protocol import Released, ReshapeRefused
 from trainer.native.faults import ChunkPadding
 from trainer.native.intake import CommandFollower, NativeCommandIntake
@@ -132,128 +132,192 @@ def select_device(preference: str, device: int) -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
-def run_rank(spec: NativeRunSpec, device: int) -> int:
-    torch.set_num_threads(spec.threads)
-    cfg, settings = spec.config, spec.train_settings
-    torch_device, backend = select_device(spec.device, device)
-    layout = NativeLayout.of(spec.plan, cfg)
-    if device not in layout.world:
-        return 0
-    store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
-    # One default group for the whole job, over its first world: later layouts use sub-groups of it.
-    rank_of = {d: i for i, d in enumerate(layout.world)}
-    dist.init_process_group(backend, store=dist.PrefixStore("native/pg/", store), rank=rank_of[device],
-                            world_size=len(layout.world), timeout=timedelta(seconds=spec.timeout_s))
-    telemetry = (TelemetryPublisher(spec.bus.open, spec.job, device, spec.heartbeat_s) if spec.bus else None)
-    keyring = load_keyring()
-    records = SignedStore(store, spec.run_id, reader=f"rank-{device}", keyring=keyring, role=rank_role(keyring),
-                          report=telemetry.publish if telemetry is not None else None)
-    at = {"iteration": 0}
+class NativeRank:
+    """One rank's run as steps: :meth:`join` the job's process group, :meth:`train` (applying the
+    scheduled and the bus's reshapes at iteration boundaries, and recovering with the survivors
+    when a peer dies under a collective), :meth:`finish` (the final checkpoint and parameters);
+    :meth:`close` writes the results file whatever happened. ``iteration`` is the next iteration
+    to run: a reshape or a recovery that rolls back moves it back."""
 
-    def on_phase(epoch: int, phase: str, seconds: float, ok: bool, detail: str) -> None:
-        if telemetry is not None:
-            telemetry.publish(ReshapePhase(executor="native", epoch=epoch, iteration=at["iteration"], rank=device,
-                                           phase=ReshapePhaseName(phase), duration_s=seconds, ok=ok,
-                                           detail=detail[:2_000]))
+    def __init__(self, spec: NativeRunSpec, device: int) -> None:
+        torch.set_num_threads(spec.threads)
+        self.spec, self.device = spec, device
+        self.cfg, self.settings = spec.config, spec.train_settings
+        self.torch_device, backend = select_device(spec.device, device)
+        self.layout = NativeLayout.of(spec.plan, self.cfg)
+        self.results: dict = {"device": device, "losses": {}, "walls": {}, "reshapes": [], "refused": [],
+                              "backend": backend}
+        self.backend = backend
+        self.telemetry: TelemetryPublisher | None = None
+        self.iteration = 0
+        self.phase_iteration = 0  # the iteration a reshape's phases are published under: the one it came before
+        self.first_step_of: ReshapeReport | None = None  # the reshape or recovery whose first step is next
+        self.post: int | None = None  # the bus command being applied (trainer/native/intake.py)
 
-    ex = NativeExecutor(device, cfg, settings, rank_of, torch_device, spec.timeout_s,
-                        checkpoint_dir=lambda: newest_checkpoint(spec), model_factory=spec.factory(), on_phase=on_phase,
-                        fail_in=tuple((f.epoch, f.phase) for f in spec.reshape_faults if f.device == device))
-    results: dict = {"device": device, "losses": {}, "walls": {}, "reshapes": [], "refused": [], "backend": backend}
-    follower = CommandFollower(store, device, torch_device) if spec.commands else None
-    padding = ChunkPadding(spec.faults, device, spec.pace_s_per_layer_token)
-    try:
-        ex.start(layout)
+    @property
+    def in_world(self) -> bool:
+        """Whether the first layout gives this device a place (a device only later plans use waits out)."""
+        return self.device in self.layout.world
+
+    def join(self) -> None:
+        """One default process group for the whole job, over its first world (later layouts use
+        sub-groups of it), with the executor, the bus's command follower and the compute faults.
+        Fails when the store cannot be reached or the group does not form within the timeout."""
+        spec, device = self.spec, self.device
+        store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
+                              timeout=timedelta(seconds=spec.timeout_s))
+        rank_of = {d: i for i, d in enumerate(self.layout.world)}
+        dist.init_process_group(self.backend, store=dist.PrefixStore("native/pg/", store), rank=rank_of[device],
+                                world_size=len(self.layout.world), timeout=timedelta(seconds=spec.timeout_s))
+        self.telemetry = telemetry = (TelemetryPublisher(spec.bus.open, spec.job, device, spec.heartbeat_s)
+                                      if spec.bus else None)
+        keyring = load_keyring()
+        self.records = SignedStore(store, spec.run_id, reader=f"rank-{device}", keyring=keyring, role=rank_role(keyring),
+                                   report=telemetry.publish if telemetry is not None else None)
+        self.ex = NativeExecutor(device, self.cfg, self.settings, rank_of, self.torch_device, spec.timeout_s,
+                                 checkpoint_dir=lambda: newest_checkpoint(spec), model_factory=spec.factory(),
+                                 on_phase=self.on_phase,
+                                 fail_in=tuple((f.epoch, f.phase) for f in spec.reshape_faults if f.device == device))
+        self.follower = CommandFollower(store, device, self.torch_device) if spec.commands else None
+        self.padding = ChunkPadding(spec.faults, device, spec.pace_s_per_layer_token)
+
+    def on_phase(self, epoch: int, phase: str, seconds: float, ok: bool, detail: str) -> None:
+        if self.telemetry is not None:
+            self.telemetry.publish(ReshapePhase(executor="native", epoch=epoch, iteration=self.phase_iteration,
+                                                rank=self.device, phase=ReshapePhaseName(phase), duration_s=seconds,
+                                                ok=ok, detail=detail[:2_000]))
+
+    def train(self) -> None:
+        """Start the first layout (from ``resume_dir`` when given) and run to ``spec.iterations``."""
+        spec, ex = self.spec, self.ex
+        ex.start(self.layout)
         assert ex.current is not None
-        iteration = 0
         if spec.resume_dir:
             cur = ex.current
-            iteration = load_dcp(spec.resume_dir, cur.model, cur.opt, cur.sched, cur.world)
+            self.iteration = load_dcp(spec.resume_dir, cur.model, cur.opt, cur.sched, cur.world)
         pending = {r.at_iteration: r.plan for r in spec.reshapes}
-        first_step_of, post = None, None
-        while iteration < spec.iterations:
-            at["iteration"] = iteration
-            plan = pending.pop(iteration, None)
-            if plan is None and follower is not None and (posted := follower.next_plan(ex.current.world)) is not None:
-                post, plan = posted
-            if plan is not None:
-                try:
-                    report, rollback_to = ex.reshape(plan)
-                    first_step_of = report
-                    if rollback_to is not None:
-                        iteration = rollback_to
-                except ReshapeRefused as exc:
-                    log.warning("device %d: plan refused, training on at epoch %d: %s", device,
-                                ex.current.layout.plan.epoch, exc)
-                    results["refused"].append(str(exc))
-                    if follower is not None and post is not None:
-                        follower.refused(post, str(exc))
-                        post = None
+        while self.iteration < spec.iterations:
+            self.phase_iteration = self.iteration
+            self.reshape_if_due(pending)
             cur = ex.current
-            padding.begin_iteration(iteration, cur.stage, cur.role)
+            assert cur is not None
+            self.padding.begin_iteration(self.iteration, cur.stage, cur.role)
             started = time.perf_counter()
             try:
-                loss = cur.train_step(iteration, cfg, settings)
+                loss = cur.train_step(self.iteration, self.cfg, self.settings)
             except Exception as exc:
                 if not peer_failure(exc):
                     raise
                 # A peer died under this rank's collective: recover with the survivors and redo
                 # this iteration, which nobody committed.
-                report, rollback_to = ex.recover(records, iteration, exc, time.perf_counter() - started)
-                first_step_of = report
-                if rollback_to is not None:
-                    iteration = rollback_to
+                self.resumed(*ex.recover(self.records, self.iteration, exc, time.perf_counter() - started))
                 continue
-            wall_s = time.perf_counter() - started
-            if first_step_of is not None:
-                first_step_of.phases_s["first_step"] = wall_s
-                on_phase(first_step_of.epoch, "first_step", wall_s, True, "")
-                results["reshapes"].append({"epoch": first_step_of.epoch, "source": first_step_of.source,
-                                            "phases_s": first_step_of.phases_s, "cpu_s": first_step_of.cpu_s,
-                                            "iteration": iteration,
-                                            "groups_created": ex.groups.created, "lost": list(first_step_of.lost)})
-                if follower is not None and post is not None:
-                    follower.done(post, first_step_of.epoch, first_step_of.source, first_step_of.phases_s)
-                if follower is not None and first_step_of.lost and cur.layout.rank(device) == 0:
-                    follower.recovered(cur.layout.plan)
-                first_step_of, post = None, None
-            results["losses"][iteration] = loss
-            results["epochs"] = {**results.get("epochs", {}), iteration: cur.layout.plan.epoch}
-            if follower is not None:
-                follower.stepped()
-            results["walls"][iteration] = wall_s
-            if spec.echo and cur.layout.rank(device) == 0:
-                print(f"iteration {iteration} epoch {cur.layout.plan.epoch} loss {loss:.4f} ({wall_s:.3f} s)", flush=True)
-            if telemetry is not None:
-                _publish(telemetry, cur, device, iteration, wall_s, loss, settings)
-                for f in padding.started(iteration):
-                    telemetry.publish(FaultInjected(
-                        fault_id=f.id or f"{spec.job}/{f.kind}/{device}/{iteration}", category=f.category,
-                        location=Location(target="compute", rank=device, factor=f.factor),
-                        start_iteration=iteration, end_iteration=f.end_iteration))
-            iteration += 1
-            if spec.save_dir and spec.checkpoint_every and iteration % spec.checkpoint_every == 0:
-                save_dcp(spec.save_dir, cur.model, cur.opt, cur.sched, iteration, cur.world)
-        cur = ex.current
+            self.stepped(cur, loss, time.perf_counter() - started)
+            self.iteration += 1
+            if spec.save_dir and spec.checkpoint_every and self.iteration % spec.checkpoint_every == 0:
+                save_dcp(spec.save_dir, cur.model, cur.opt, cur.sched, self.iteration, cur.world)
+
+    def reshape_if_due(self, pending: dict[int, Plan]) -> None:
+        """Apply the plan scheduled before this iteration, else the bus's next command; a refused
+        plan leaves the layout running (and is answered on the bus when it came from there)."""
+        ex, follower = self.ex, self.follower
+        assert ex.current is not None
+        plan = pending.pop(self.iteration, None)
+        if plan is None and follower is not None and (posted := follower.next_plan(ex.current.world)) is not None:
+            self.post, plan = posted
+        if plan is None:
+            return
+        try:
+            self.resumed(*ex.reshape(plan))
+        except ReshapeRefused as exc:
+            log.warning("device %d: plan refused, training on at epoch %d: %s", self.device,
+                        ex.current.layout.plan.epoch, exc)
+            self.results["refused"].append(str(exc))
+            if follower is not None and self.post is not None:
+                follower.refused(self.post, str(exc))
+                self.post = None
+
+    def resumed(self, report: ReshapeReport, rollback_to: int | None) -> None:
+        """A reshape or recovery is done: its first step completes its report, and a roll-back
+        sets the next iteration back to the one it restored."""
+        self.first_step_of = report
+        if rollback_to is not None:
+            self.iteration = rollback_to
+
+    def stepped(self, cur: NativeRole, loss: float, wall_s: float) -> None:
+        """One iteration trained: its results, its telemetry, and the first step of a reshape."""
+        spec, device, iteration = self.spec, self.device, self.iteration
+        if self.first_step_of is not None:
+            self.first_step_done(self.first_step_of, cur, wall_s)
+        self.results["losses"][iteration] = loss
+        self.results["epochs"] = {**self.results.get("epochs", {}), iteration: cur.layout.plan.epoch}
+        if self.follower is not None:
+            self.follower.stepped()
+        self.results["walls"][iteration] = wall_s
+        if spec.echo and cur.layout.rank(device) == 0:
+            print(f"iteration {iteration} epoch {cur.layout.plan.epoch} loss {loss:.4f} ({wall_s:.3f} s)", flush=True)
+        if self.telemetry is not None:
+            _publish(self.telemetry, cur, device, iteration, wall_s, loss, self.settings)
+            for f in self.padding.started(iteration):
+                self.telemetry.publish(FaultInjected(
+                    fault_id=f.id or f"{spec.job}/{f.kind}/{device}/{iteration}", category=f.category,
+                    location=Location(target="compute", rank=device, factor=f.factor),
+                    start_iteration=iteration, end_iteration=f.end_iteration))
+
+    def first_step_done(self, report: ReshapeReport, cur: NativeRole, wall_s: float) -> None:
+        """The first step after a reshape or recovery closes its report: its last phase, its
+        result row, and the bus's answer (done, or recovered by world rank 0)."""
+        report.phases_s["first_step"] = wall_s
+        self.on_phase(report.epoch, "first_step", wall_s, True, "")
+        self.results["reshapes"].append({"epoch": report.epoch, "source": report.source,
+                                         "phases_s": report.phases_s, "cpu_s": report.cpu_s,
+                                         "iteration": self.iteration,
+                                         "groups_created": self.ex.groups.created, "lost": list(report.lost)})
+        if self.follower is not None and self.post is not None:
+            self.follower.done(self.post, report.epoch, report.source, report.phases_s)
+        if self.follower is not None and report.lost and cur.layout.rank(self.device) == 0:
+            self.follower.recovered(cur.layout.plan)
+        self.first_step_of, self.post = None, None
+
+    def finish(self) -> None:
+        """The final checkpoint (``save_dir``), the stage's full parameters (replica 0's TP rank 0,
+        to compare with the reference) and a barrier, so no rank leaves while a peer still saves."""
+        spec, cur = self.spec, self.ex.current
+        assert cur is not None
         if spec.save_dir:
-            save_dcp(spec.save_dir, cur.model, cur.opt, cur.sched, iteration, cur.world)
+            save_dcp(spec.save_dir, cur.model, cur.opt, cur.sched, self.iteration, cur.world)
         params = full_params(cur.model)
         if spec.out_dir and cur.role.replica == 0 and cur.role.tp_rank == 0:
-            torch.save(params, Path(spec.out_dir) / f"params-{device}.pt")
-        results["final_epoch"] = cur.layout.plan.epoch
+            torch.save(params, Path(spec.out_dir) / f"params-{self.device}.pt")
+        self.results["final_epoch"] = cur.layout.plan.epoch
         dist.barrier(group=cur.world)
+
+    def close(self) -> None:
+        if self.spec.out_dir:
+            (Path(self.spec.out_dir) / f"rank-{self.device}.json").write_text(json.dumps(self.results))
+        if self.telemetry is not None:
+            self.telemetry.close()
+
+
+def run_rank(spec: NativeRunSpec, device: int) -> int:
+    """One rank from joining to its results file; 0 also when this device has no place in the
+    first layout or the executor released it (a shrink left it out)."""
+    rank = NativeRank(spec, device)
+    if not rank.in_world:
+        return 0
+    rank.join()
+    try:
+        rank.train()
+        rank.finish()
         return 0
     except Released:
-        results["released"] = True
+        rank.results["released"] = True
         return 0
     except Exception as exc:
-        results["error"] = str(exc)
+        rank.results["error"] = str(exc)
         raise
     finally:
-        if spec.out_dir:
-            (Path(spec.out_dir) / f"rank-{device}.json").write_text(json.dumps(results))
-        if telemetry is not None:
-            telemetry.close()
+        rank.close()
 
 
 def newest_checkpoint(spec: NativeRunSpec) -> Path | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -29,7 +30,7 @@ from analytics.detection.schedule import KIND_NAMES, OpTable
 from collector.events import (
     ChunkKind, ChunkTable, CommOp, CommWait, Coords, Envelope, EventFactory, Payload, RankIteration, TracingDeclared,
 )
-from collector.plan import PipelinePlan, Plan
+from collector.plan import PipelinePlan, Plan, StagePlan
 from trainer.sim.presets import ClusterSpec, ModelSpec
 
 Dialect = Literal["ours", "megatron", "profiler", "sampled"]
@@ -205,76 +206,20 @@ def dialect_rank_iterations(
     and the send kernel apart, the send holding the wait until the peer posts its receive (when the
     peer's chunk before the consuming one ends) and then the wire time."""
     pipe = plan.pipelines[replica]
-    S, V = table.stages, table.virtual_stages
-    n = table.n_ops
-    ends = np.append(end_s, 0.0)  # index n: "no op" ends at the iteration start
-    prev = table.prev_on_stage
+    timers = _P2PTimers(dialect, pipe, table, np.append(end_s, 0.0), model.hidden * model.bytes_per_value,
+                        tokens.tolist(), tp_comm_s)
     out: list[RankIteration] = []
-    h_bytes = model.hidden * model.bytes_per_value
-    tok = tokens.tolist()
     for s, stage, wanted, idx, st, en, kinds, mbs in _traced_stages(pipe, table, ops_by_stage, start_s, end_s, ranks):
         chunks = ChunkTable.model_construct(
             kind="".join(_KINDS[k].value for k in kinds), microbatch=mbs, virtual_stage=table.chunk[idx].tolist(),
             tokens=[None] * len(idx), seq_lens=[None] * len(idx), start_s=st, duration_s=[b - a for a, b in zip(st, en)],
         )
-
-        def peer(stage_index: int, t: int) -> int:
-            devices = pipe.stages[stage_index].devices
-            return devices[0] if dialect == "megatron" else devices[min(t, len(devices) - 1)]
-
-        def msg_bytes(link: int, m: int) -> int:
-            return int(tok[m]) * h_bytes // min(pipe.stages[link].tp, pipe.stages[(link + 1) % S].tp)
-
-        # (op position k) -> the transfer it receives / the transfer it sends: (link, peer stage, wire s)
-        recv: list[tuple[int, int, float] | None] = []
-        send: list[tuple[int, int, float, int] | None] = []  # ... and the consumer op
-        for j in idx.tolist():
-            link, m = int(table.link[j]), int(table.microbatch[j])
-            recv.append(None if link < 0 else (link, int(table.stage[table.dep[j]]), float(wire_s[link, m])))
-            c = int(consumers[j])
-            lc = int(table.link[c]) if c >= 0 else -1
-            send.append(None if c < 0 else (lc, int(table.stage[c]), float(wire_s[lc, m]), c))
+        recv, send = timers.transfers(idx, consumers, wire_s)
         for t in wanted:
-            comm: list[CommWait] = []
             if dialect == "megatron":
-                for k in range(len(idx) + 1):  # the gap before chunk k (k = len: after the last chunk)
-                    r = recv[k] if k < len(idx) else None
-                    snd = send[k - 1] if k > 0 else None
-                    if r is not None:
-                        peer_stage = r[1]
-                    elif snd is not None:
-                        peer_stage = snd[1]
-                    else:
-                        continue
-                    b = en[k - 1] if k > 0 else 0.0
-                    end = st[k] if r is not None else b
-                    if snd is not None:
-                        end = max(end, b + snd[2])
-                    m = mbs[k] if r is not None else mbs[k - 1]
-                    comm.append(CommWait.model_construct(
-                        op=CommOp.PP_SENDRECV, peer=peer(peer_stage, t), microbatch=m,
-                        bytes=None, start_s=b, duration_s=end - b, includes_wait=True, group=None))
+                comm = timers.fused(recv, send, st, en, mbs, t)
             else:
-                for k in range(len(idx)):
-                    b = en[k - 1] if k > 0 else 0.0
-                    r = recv[k]
-                    if r is not None:
-                        comm.append(CommWait.model_construct(
-                            op=CommOp.PP_RECV, peer=peer(r[1], t), microbatch=mbs[k], bytes=msg_bytes(r[0], mbs[k]),
-                            start_s=b, duration_s=max(st[k], b + r[2]) - b, includes_wait=True, group="pp"))
-                    snd = send[k]
-                    if snd is not None:
-                        posted = float(ends[prev[snd[3]]]) if prev[snd[3]] < n else 0.0
-                        comm.append(CommWait.model_construct(
-                            op=CommOp.PP_SEND, peer=peer(snd[1], t), microbatch=mbs[k], bytes=msg_bytes(snd[0], mbs[k]),
-                            start_s=en[k], duration_s=max(en[k], posted) + snd[2] - en[k], includes_wait=True, group="pp"))
-                    if stage.tp > 1 and kinds[k] != 2:  # the chunk's TP all-reduces, on the TP group
-                        # a stage's time is spread evenly over its V model chunks (analytics/detection/schedule.py),
-                        # its TP all-reduces too: each model chunk holds 1/V of them
-                        comm.append(CommWait.model_construct(
-                            op=CommOp.TP_ALLREDUCE, peer=None, microbatch=mbs[k],
-                            bytes=2 * stage.num_layers * int(tok[mbs[k]]) * h_bytes // V, start_s=st[k],
-                            duration_s=float(tp_comm_s[s, mbs[k]]) / V, includes_wait=True, group="tp"))
+                comm = timers.kernels(s, stage, recv, send, st, en, kinds, mbs, t)
             last = max(en) if en else 0.0
             if plan.dp > 1:
                 profiler = dialect == "profiler"
@@ -287,3 +232,100 @@ def dialect_rank_iterations(
                 coords=Coords(tp=t, pp=s, dp=replica), wall_s=iteration_s, chunk_table=chunks, comm=comm,
             ))
     return out
+
+
+Received = tuple[int, int, float]  # a transfer an op receives: (link, peer stage, wire s)
+Sent = tuple[int, int, float, int]  # a transfer an op sends: (link, peer stage, wire s, the consumer op)
+
+
+@dataclass(frozen=True)
+class _P2PTimers:
+    """One replica's pipeline transfers as Megatron-LM's fused timers (:meth:`fused`) or as
+    torch.profiler's kernels (:meth:`kernels`), for :func:`dialect_rank_iterations`."""
+
+    dialect: Literal["megatron", "profiler"]
+    pipe: PipelinePlan
+    table: OpTable
+    ends: np.ndarray  # (n_ops + 1,) each op's end; index n_ops: "no op" ends at the iteration start
+    hidden_bytes: int
+    tokens: list  # (M,)
+    tp_comm_s: np.ndarray  # (S, M)
+
+    def peer(self, stage_index: int, t: int) -> int:
+        """The rank a TP rank ``t`` exchanges with in ``stage_index``: Megatron traces one per TP group."""
+        devices = self.pipe.stages[stage_index].devices
+        return devices[0] if self.dialect == "megatron" else devices[min(t, len(devices) - 1)]
+
+    def msg_bytes(self, link: int, m: int) -> int:
+        pipe = self.pipe
+        return int(self.tokens[m]) * self.hidden_bytes // min(pipe.stages[link].tp,
+                                                              pipe.stages[(link + 1) % self.table.stages].tp)
+
+    def transfers(self, idx: np.ndarray, consumers: np.ndarray,
+                  wire_s: np.ndarray) -> tuple[list[Received | None], list[Sent | None]]:
+        """Per op position of a stage: the transfer it receives and the one it sends (None: none)."""
+        table = self.table
+        recv: list[Received | None] = []
+        send: list[Sent | None] = []
+        for j in idx.tolist():
+            link, m = int(table.link[j]), int(table.microbatch[j])
+            recv.append(None if link < 0 else (link, int(table.stage[table.dep[j]]), float(wire_s[link, m])))
+            c = int(consumers[j])
+            lc = int(table.link[c]) if c >= 0 else -1
+            send.append(None if c < 0 else (lc, int(table.stage[c]), float(wire_s[lc, m]), c))
+        return recv, send
+
+    def fused(self, recv: list[Received | None], send: list[Sent | None], st: list, en: list, mbs: list,
+              t: int) -> list[CommWait]:
+        """Megatron's timers: one fused send+recv per gap between chunks, ending at
+        ``max(next start, previous end + send wire)``; no byte counts."""
+        comm: list[CommWait] = []
+        for k in range(len(recv) + 1):  # the gap before chunk k (k = len: after the last chunk)
+            r = recv[k] if k < len(recv) else None
+            snd = send[k - 1] if k > 0 else None
+            if r is not None:
+                peer_stage = r[1]
+            elif snd is not None:
+                peer_stage = snd[1]
+            else:
+                continue
+            b = en[k - 1] if k > 0 else 0.0
+            end = st[k] if r is not None else b
+            if snd is not None:
+                end = max(end, b + snd[2])
+            m = mbs[k] if r is not None else mbs[k - 1]
+            comm.append(CommWait.model_construct(
+                op=CommOp.PP_SENDRECV, peer=self.peer(peer_stage, t), microbatch=m,
+                bytes=None, start_s=b, duration_s=end - b, includes_wait=True, group=None))
+        return comm
+
+    def kernels(self, s: int, stage: StagePlan, recv: list[Received | None], send: list[Sent | None], st: list, en: list,
+                kinds: list, mbs: list, t: int) -> list[CommWait]:
+        """The profiler's kernels: the receive (from the previous chunk's end until the input is
+        there), the send (holding the wait until the peer posts its receive, then the wire) and
+        each chunk's TP all-reduces on the TP group."""
+        table, ends, prev, n = self.table, self.ends, self.table.prev_on_stage, self.table.n_ops
+        V = table.virtual_stages
+        comm: list[CommWait] = []
+        for k in range(len(recv)):
+            b = en[k - 1] if k > 0 else 0.0
+            r = recv[k]
+            if r is not None:
+                comm.append(CommWait.model_construct(
+                    op=CommOp.PP_RECV, peer=self.peer(r[1], t), microbatch=mbs[k], bytes=self.msg_bytes(r[0], mbs[k]),
+                    start_s=b, duration_s=max(st[k], b + r[2]) - b, includes_wait=True, group="pp"))
+            snd = send[k]
+            if snd is not None:
+                posted = float(ends[prev[snd[3]]]) if prev[snd[3]] < n else 0.0
+                comm.append(CommWait.model_construct(
+                    op=CommOp.PP_SEND, peer=self.peer(snd[1], t), microbatch=mbs[k],
+                    bytes=self.msg_bytes(snd[0], mbs[k]), start_s=en[k],
+                    duration_s=max(en[k], posted) + snd[2] - en[k], includes_wait=True, group="pp"))
+            if stage.tp > 1 and kinds[k] != 2:  # the chunk's TP all-reduces, on the TP group
+                # a stage's time is spread evenly over its V model chunks (analytics/detection/schedule.py),
+                # its TP all-reduces too: each model chunk holds 1/V of them
+                comm.append(CommWait.model_construct(
+                    op=CommOp.TP_ALLREDUCE, peer=None, microbatch=mbs[k],
+                    bytes=2 * stage.num_layers * int(self.tokens[mbs[k]]) * self.hidden_bytes // V, start_s=st[k],
+                    duration_s=float(self.tp_comm_s[s, mbs[k]]) / V, includes_wait=True, group="tp"))
+        return comm
