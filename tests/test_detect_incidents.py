@@ -10,6 +10,7 @@ import pytest
 
 from analytics.detection.config import DetectorConfig
 from analytics.detection.fail_stop import LivenessChange
+from analytics.detection.incident_keys import COMM_KEY, IncidentKey, UNTRACED_KEY
 from analytics.detection.incidents import IncidentBook, Suspect
 from collector.events import (
     FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated, ProbeRequest, ProbeResult,
@@ -18,7 +19,7 @@ from collector.events import (
 
 def _group_suspect(ranks: tuple[int, ...] = (4, 5), factor: float = 3.0) -> Suspect:
     """Telemetry can only point at this TP group (its members run in lock-step)."""
-    return Suspect(key=("ranks", ranks), target="compute", rank=None, link=None, node=0, replica=1, stage=0,
+    return Suspect(key=IncidentKey.of_ranks(ranks), target="compute", rank=None, link=None, node=0, replica=1, stage=0,
                    tp_group=ranks, factor=factor, confidence=0.5, iterations=[], observed_s=[], predicted_s=[],
                    rank_factors={}, statistic="", note="", ranks=ranks)
 
@@ -57,7 +58,7 @@ def test_a_probed_link_carries_the_probes_factor_and_telemetry_no_longer_moves_i
     itself at ×4, which is what the planner must cost every transfer over it with."""
     config = DetectorConfig(probes=True)
     book = IncidentBook("j", config)
-    comm = Suspect(key=("comm",), target="link", rank=None, link=None, node=None, replica=None, stage=None,
+    comm = Suspect(key=COMM_KEY, target="link", rank=None, link=None, node=None, replica=None, stage=None,
                    tp_group=None, factor=1.10, confidence=0.5, iterations=[], observed_s=[], predicted_s=[],
                    rank_factors={}, statistic="", note="", ranks=(1, 2, 3))
     (probe,) = [p for p in book.open_fail_slow(comm, iteration=10) if isinstance(p, ProbeRequest)]
@@ -68,8 +69,8 @@ def test_a_probed_link_carries_the_probes_factor_and_telemetry_no_longer_moves_i
     assert isinstance(confirmed, IncidentConfirmed) and confirmed.method == "probe"
     (loc,) = confirmed.locations
     assert set(loc.link) == {2, 3} and loc.factor == 4.0
-    assert book.observe(("comm",), z=0.5, k=0.02, iteration=20, factor=1.6) == []  # no update from the excess
-    assert book.open[("comm",)].factor == 4.0
+    assert book.observe(COMM_KEY, z=0.5, k=0.02, iteration=20, factor=1.6) == []  # no update from the excess
+    assert book.open[COMM_KEY].factor == 4.0
 
 
 def _answer(book: IncidentBook, probe: ProbeRequest, ratios: dict[int, float]) -> list:
@@ -88,13 +89,13 @@ def test_a_named_rank_that_gets_worse_has_its_group_probed_again_and_a_slow_peer
     (probe,) = [p for p in book.open_fail_slow(group, iteration=10) if isinstance(p, ProbeRequest)]
     (named,) = _answer(book, probe, {4: 1.0, 5: 1.5, 6: 1.0, 7: 1.0})
     assert isinstance(named, IncidentConfirmed) and named.locations[0].rank == 5
-    assert book.observe(("ranks", (5,)), z=0.22, k=0.02, iteration=14, factor=1.25) == []  # as before: no update
-    out = book.observe(("ranks", (5,)), z=0.4, k=0.02, iteration=40, factor=1.5)
+    assert book.observe(IncidentKey.of_ranks((5,)), z=0.22, k=0.02, iteration=14, factor=1.25) == []  # as before: no update
+    out = book.observe(IncidentKey.of_ranks((5,)), z=0.4, k=0.02, iteration=40, factor=1.5)
     update, again = out
     assert isinstance(update, IncidentUpdated) and isinstance(again, ProbeRequest)
     assert sorted(again.ranks) == [4, 5, 6, 7] and again.probe_id != probe.probe_id
     assert update.probing == [4, 5, 6, 7]  # a planner waits for the answer
-    later = book.observe(("ranks", (5,)), z=0.4, k=0.02, iteration=50, factor=1.7)
+    later = book.observe(IncidentKey.of_ranks((5,)), z=0.4, k=0.02, iteration=50, factor=1.7)
     assert [type(p) for p in later] == [IncidentUpdated] and not later[0].probing  # one re-probe at a time
     opened, confirmed, own = _answer(book, again, {4: 1.0, 5: 1.5, 6: 2.0, 7: 1.01})
     assert isinstance(own, IncidentUpdated) and own.locations[0].rank == 5 and not own.probing  # the answer, last
@@ -103,7 +104,7 @@ def test_a_named_rank_that_gets_worse_has_its_group_probed_again_and_a_slow_peer
     assert opened.locations[0].factor == 1.7  # the slowest member sets the group's chunks
     assert own.locations[0].factor == 1.0 + 0.5 * 0.7  # half as slow in compute: half the excess
     assert book.slow_factors() == {5: 1.35, 6: 1.7}
-    assert book.observe(("ranks", (5,)), z=0.5, k=0.02, iteration=60, factor=1.7) == []  # the probe's from now on
+    assert book.observe(IncidentKey.of_ranks((5,)), z=0.5, k=0.02, iteration=60, factor=1.7) == []  # the probe's from now on
 
 
 def test_a_re_probe_that_finds_only_the_named_rank_keeps_the_location_and_says_so() -> None:
@@ -111,7 +112,7 @@ def test_a_re_probe_that_finds_only_the_named_rank_keeps_the_location_and_says_s
     book = IncidentBook("j", config)
     (probe,) = [p for p in book.open_fail_slow(_group_suspect(), iteration=10) if isinstance(p, ProbeRequest)]
     _answer(book, probe, {4: 1.0, 5: 3.0})
-    update, again = book.observe(("ranks", (5,)), z=1.5, k=0.02, iteration=30, factor=4.5)
+    update, again = book.observe(IncidentKey.of_ranks((5,)), z=1.5, k=0.02, iteration=30, factor=4.5)
     assert update.probing == [4, 5]
     (answer,) = _answer(book, again, {4: 1.0, 5: 4.5})
     assert isinstance(answer, IncidentUpdated) and not answer.probing
@@ -136,7 +137,7 @@ def test_a_re_probe_whose_missing_member_died_is_concluded_on_the_answers_in() -
     group = _group_suspect((4, 5, 6, 7), factor=1.25)
     (probe,) = [p for p in book.open_fail_slow(group, iteration=10) if isinstance(p, ProbeRequest)]
     _answer(book, probe, {4: 1.0, 5: 1.5, 6: 1.0, 7: 1.0})
-    _, again = book.observe(("ranks", (5,)), z=0.4, k=0.02, iteration=40, factor=1.5)
+    _, again = book.observe(IncidentKey.of_ranks((5,)), z=0.4, k=0.02, iteration=40, factor=1.5)
     assert _answer(book, again, {4: 1.0, 5: 1.5, 6: 2.0}) == []  # 7 is still due
     assert [p for p in book.end_of_iteration(300) if not isinstance(p, IncidentConfirmed)] == []  # however long
     opened, confirmed, own = _dies(book, 7, 301)
@@ -152,11 +153,11 @@ def test_a_re_probe_concluded_without_a_dead_peer_lets_the_group_be_re_probed_wh
     book = IncidentBook("j", config)
     (probe,) = [p for p in book.open_fail_slow(_group_suspect(), iteration=10) if isinstance(p, ProbeRequest)]
     _answer(book, probe, {4: 1.0, 5: 3.0})
-    _, again = book.observe(("ranks", (5,)), z=1.5, k=0.02, iteration=30, factor=4.5)
+    _, again = book.observe(IncidentKey.of_ranks((5,)), z=1.5, k=0.02, iteration=30, factor=4.5)
     _answer(book, again, {5: 4.5})  # rank 4 dies before it answers
     (answer,) = _dies(book, 4, 35)
     assert isinstance(answer, IncidentUpdated) and answer.locations[0].rank == 5 and not answer.probing
-    update, third = book.observe(("ranks", (5,)), z=2.5, k=0.02, iteration=50, factor=7.0)
+    update, third = book.observe(IncidentKey.of_ranks((5,)), z=2.5, k=0.02, iteration=50, factor=7.0)
     assert update.probing == [4, 5] and isinstance(third, ProbeRequest) and third.probe_id != again.probe_id
 
 
@@ -171,7 +172,7 @@ def test_a_first_probe_missing_a_dead_members_answer_names_the_slow_member_that_
 
 
 def _named_slow(rank: int = 5, factor: float = 3.0) -> Suspect:
-    return Suspect(key=("ranks", (rank,)), target="compute", rank=rank, link=None, node=0, replica=1, stage=0,
+    return Suspect(key=IncidentKey.of_ranks((rank,)), target="compute", rank=rank, link=None, node=0, replica=1, stage=0,
                    tp_group=(4, 5), factor=factor, confidence=0.9, iterations=[], observed_s=[], predicted_s=[],
                    rank_factors={}, statistic="", note="", ranks=(rank,))
 
@@ -227,7 +228,7 @@ def test_a_fail_slow_is_sized_again_once_on_its_first_slow_iterations() -> None:
     config = DetectorConfig(refine_iterations=[8], refine_min_change=0.01)
     book = IncidentBook("j", config)
     book.open_fail_slow(_named_slow(factor=1.85), iteration=10)
-    key, k = ("ranks", (5,)), 0.05
+    key, k = IncidentKey.of_ranks((5,)), 0.05
     slow = [1.91, 1.88, 1.93, 1.89, 1.90, 1.92, 1.87]  # seven of the eight: not yet
     out = [p for i, f in enumerate(slow) for p in book.observe(key, math.log(f), k, 11 + i, factor=1.86)]
     assert out == []
@@ -251,7 +252,7 @@ def test_a_fail_slow_is_sized_again_once_on_its_first_slow_iterations() -> None:
 def test_a_fail_slow_that_moves_past_the_update_threshold_is_sized_again_on_its_new_iterations() -> None:
     book = IncidentBook("j", DetectorConfig(refine_iterations=[4], refine_min_change=0.01))
     book.open_fail_slow(_named_slow(factor=1.5), iteration=10)
-    key, k = ("ranks", (5,)), 0.05
+    key, k = IncidentKey.of_ranks((5,)), 0.05
     first = [p for i in range(11, 15) for p in book.observe(key, math.log(1.6), k, i, factor=1.52)]
     assert [round(p.locations[0].factor, 3) for p in first] == [1.6]  # refined once
     (worse,) = book.observe(key, math.log(2.5), k, 20, factor=2.4)  # a new size: the 10 % rule
@@ -266,12 +267,12 @@ def test_a_refined_size_is_compared_with_the_size_last_published_even_by_a_probe
     book = IncidentBook("j", DetectorConfig(probes=True, refine_iterations=[4], refine_min_change=0.005))
     (probe,) = [p for p in book.open_fail_slow(_group_suspect(factor=1.90), iteration=10)
                 if isinstance(p, ProbeRequest)]
-    group, k = ("ranks", (4, 5)), 0.05
+    group, k = IncidentKey.of_ranks((4, 5)), 0.05
     assert book.observe(group, math.log(1.80), k, 11, factor=1.80) == []
     _answer(book, probe, {4: 1.0, 5: 2.0})  # names rank 5 at the factor of the moment
-    named = book.open[("ranks", (5,))]
+    named = book.open[IncidentKey.of_ranks((5,))]
     assert named.published_factor == 1.80
-    out = [p for i in range(12, 16) for p in book.observe(("ranks", (5,)), math.log(1.90), k, i, factor=1.85)]
+    out = [p for i in range(12, 16) for p in book.observe(IncidentKey.of_ranks((5,)), math.log(1.90), k, i, factor=1.85)]
     (update,) = out
     assert update.locations[0].factor == 1.90 and "(was ×1.800)" in update.evidence.statistic
 
@@ -280,7 +281,7 @@ def test_a_fail_slow_is_sized_again_at_each_refinement_point_while_the_size_move
     """8 iterations correct the opening's window; 32 are precise where one iteration is noisy."""
     book = IncidentBook("j", DetectorConfig(refine_iterations=[4, 8], refine_min_change=0.005))
     book.open_fail_slow(_named_slow(factor=1.80), iteration=10)
-    key, k = ("ranks", (5,)), 0.05
+    key, k = IncidentKey.of_ranks((5,)), 0.05
     factors = [1.90, 1.86, 1.87, 1.88, 1.95, 1.96, 1.97, 1.95, 1.96, 1.96, 1.96, 1.96]
     out = [p for i, f in enumerate(factors) for p in book.observe(key, math.log(f), k, 11 + i, factor=1.85)]
     assert [(p.iteration, round(p.locations[0].factor, 3)) for p in out] == [(14, 1.875), (18, 1.925)]
@@ -292,7 +293,7 @@ def test_by_default_a_size_that_32_iterations_leave_within_their_noise_is_correc
     rebalance, worth 2.6 %, read just under the engine's 2 % minimum. 128 iterations settle it."""
     book = IncidentBook("j", DetectorConfig())
     book.open_fail_slow(_named_slow(factor=1.433), iteration=10)
-    key, k = ("ranks", (5,)), 0.05
+    key, k = IncidentKey.of_ranks((5,)), 0.05
     early = [p for i in range(11, 43) for p in book.observe(key, math.log(1.438), k, i, factor=1.44)]
     assert early == []  # the medians of 8 and of 32 are within 0.5 % of the published size
     later = [p for i in range(43, 200) for p in book.observe(key, math.log(1.450), k, i, factor=1.45)]
@@ -308,7 +309,7 @@ def test_time_lost_outside_the_traced_ranks_probes_the_untraced_ranks_then_every
     config = DetectorConfig(probes=True)
     book = IncidentBook("j", config)
     untraced = tuple(range(8, 16)) + tuple(range(24, 32))
-    suspect = Suspect(key=("untraced",), target="compute", rank=None, link=None, node=None, replica=None, stage=None,
+    suspect = Suspect(key=UNTRACED_KEY, target="compute", rank=None, link=None, node=None, replica=None, stage=None,
                       tp_group=untraced, factor=1.7, confidence=0.5, iterations=[], observed_s=[], predicted_s=[],
                       rank_factors={}, statistic="", note="", ranks=untraced, link_probe_ranks=tuple(range(32)))
     (probe,) = [p for p in book.open_fail_slow(suspect, iteration=40) if isinstance(p, ProbeRequest)]

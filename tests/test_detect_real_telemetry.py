@@ -9,6 +9,7 @@ import numpy as np
 
 from analytics.detection.detector import Detector
 from analytics.detection.config import DetectorConfig
+from analytics.detection.incident_keys import IncidentKey
 from analytics.detection.incidents import IncidentBook, Suspect
 from analytics.detection.scoring import group_median, group_quantile, group_quantile_low
 from collector.events import (
@@ -149,7 +150,7 @@ def test_quiet_links_do_not_open_on_a_wobble():
 def test_an_incident_whose_factor_is_not_above_one_never_opens():
     book = IncidentBook("j", DetectorConfig())
     for factor in (1.0, 0.98, float("nan")):
-        s = Suspect(key=("link", 0, 1), target="link", rank=None, link=(0, 1), node=None, replica=0, stage=0,
+        s = Suspect(key=IncidentKey.of_link(0, 1), target="link", rank=None, link=(0, 1), node=None, replica=0, stage=0,
                     tp_group=None, factor=factor, confidence=0.0, iterations=[1], observed_s=[], predicted_s=[],
                     rank_factors={}, statistic="", note="")
         assert book.open_fail_slow(s, 1) == []

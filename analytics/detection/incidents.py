@@ -1,8 +1,10 @@
 """The incident lifecycle: opened → confirmed → updated → resolved, as events.
 
-One incident per location (a rank's compute, a link, a dead rank). Ids are derived from the job,
-the location and the opening iteration, so replaying a log (or restarting from a snapshot) yields
-the same ids and consumers dedupe them.
+One incident per location (a rank's compute, a link, a dead rank), keyed by ``IncidentKey``
+(analytics/detection/incident_keys.py). Ids are derived from the job, the location and the opening
+iteration, so replaying a log (or restarting from a snapshot) yields the same ids and consumers
+dedupe them. Which probe an incident has asked (naming, links, re-probe of its TP group, health)
+is its ``ProbeKind``: its answers are judged as that probe's.
 
 Confirmation: by probe (if enabled: the suspects run a short fixed workload and report it against
 a healthy reference), by persistence (still slow ``confirm_iterations`` later), or by heartbeat
@@ -20,6 +22,9 @@ from typing import Literal
 
 from analytics.detection.config import DetectorConfig
 from analytics.detection.fail_stop import LivenessChange
+from analytics.detection.incident_keys import (
+    COMM_KEY, DEAD_HIDDEN_KEY, UNTRACED_KEY, IncidentKey, KeyKind, ProbeKind,
+)
 from collector.events import (
     ConfirmMethod, Evidence, FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated,
     Location, LocationTarget, Payload, ProbeRequest, ProbeResult, Severity,
@@ -33,7 +38,7 @@ DEAD_FACTOR = 1e6
 class Suspect:
     """What the detector knows about a location when it raises an incident."""
 
-    key: tuple
+    key: IncidentKey
     target: LocationTarget
     rank: int | None
     link: tuple[int, int] | None
@@ -80,9 +85,9 @@ class _Open:
     last_update_iteration: int = -1
     probe_id: str | None = None
     probe_ratios: dict[int, float] = field(default_factory=dict)
-    probe_used: bool = False  # its answers already named (or confirmed) the suspect
+    probe_used: bool = False  # a probe's answers already named (or confirmed) the suspect: it is not asked to again
     probe_sized: bool = False  # a probe measured the location itself: its factor is the probe's
-    reprobe: bool = False  # the pending probe re-asks the named rank's TP group (it got slower)
+    probe: ProbeKind = ProbeKind.NAMING  # which probe is pending (or was asked last)
     probe_asked_iteration: int | None = None  # when the pending probe was asked (None: none pending)
     # A fail-slow rank the running plan leaves out sends no telemetry: only a probe can see it heal.
     # The iteration from which no telemetry sees it (the plan left it out, or nobody traces it and a
@@ -91,12 +96,10 @@ class _Open:
     unseen: bool = False  # found by a sweep of ranks nobody traces: health-probed in any plan
     health_asked_iteration: int | None = None  # when the last health probe was asked
     health_probes: int = 0  # asked since it was left out: each one doubles the wait for the next
-    health: bool = False  # the pending probe is a health check of an excluded rank
     # The size as telemetry measures it, one factor per slow iteration since the opening (or the
     # last update that moved it by more than update_min_change): the refinement's evidence.
     slow_factors: list[float] = field(default_factory=list)
     refined: int = 0  # how many of the config's refine_iterations points the size was estimated again at
-    link_probe: bool = False  # the pending (or last) probe asks the suspect's link_probe_ranks for their links
 
 
 def severity_of(factor: float, category: FaultCategory) -> Severity:
@@ -113,34 +116,34 @@ def severity_of(factor: float, category: FaultCategory) -> Severity:
 class IncidentBook:
     job: str
     config: DetectorConfig
-    open: dict[tuple, _Open] = field(default_factory=dict)
+    open: dict[IncidentKey, _Open] = field(default_factory=dict)
     opened_total: int = 0
 
     # ---- views ----------------------------------------------------------------------------------
 
     def suspect_ranks(self) -> set[int]:
-        return self.open_compute_ranks() | {k[1] for k in self.open if k[0] == "dead"}
+        return self.open_compute_ranks() | {k.ranks[0] for k in self.open if k.kind is KeyKind.DEAD}
 
     def open_compute_ranks(self) -> set[int]:
-        return {r for k in self.open if k[0] == "ranks" for r in k[1]}
+        return {r for k in self.open if k.kind is KeyKind.RANKS for r in k.ranks}
 
     def names(self, rank: int) -> bool:
         """Whether an open incident is about ``rank``: its own, its TP group's, or one that a
         probe named it in (time lost on untraced ranks stays a job-level incident)."""
         return rank in self.suspect_ranks() or any(inc.suspect.rank == rank for inc in self.open.values())
 
-    def open_rank_keys(self) -> list[tuple]:
-        return [k for k in self.open if k[0] == "ranks"]
+    def open_rank_keys(self) -> list[IncidentKey]:
+        return [k for k in self.open if k.kind is KeyKind.RANKS]
 
-    def open_links(self) -> set[tuple]:
-        return {k for k in self.open if k[0] == "link"}
+    def open_links(self) -> set[IncidentKey]:
+        return {k for k in self.open if k.kind is KeyKind.LINK}
 
     def slow_factors(self) -> dict[int, float]:
-        return {r: inc.factor for k, inc in self.open.items() if k[0] == "ranks" for r in inc.suspect.ranks}
+        return {r: inc.factor for k, inc in self.open.items() if k.kind is KeyKind.RANKS for r in inc.suspect.ranks}
 
     # ---- fail-slow ------------------------------------------------------------------------------
 
-    def _id(self, key: tuple, iteration: int) -> str:
+    def _id(self, key: IncidentKey, iteration: int) -> str:
         return "inc-" + uuid.uuid5(_NS, f"{self.job}/{key}/{iteration}").hex[:16]
 
     def open_fail_slow(self, s: Suspect, iteration: int) -> list[Payload]:
@@ -183,7 +186,7 @@ class IncidentBook:
             inc.unseen = True
         return out
 
-    def observe(self, key: tuple, z: float, k: float, iteration: int, factor: float,
+    def observe(self, key: IncidentKey, z: float, k: float, iteration: int, factor: float,
                 sample: float | None = None) -> list[Payload]:
         """One more iteration of an open incident's location: update, or count toward resolution.
         ``sample``: this iteration's own size for the refinements (default exp(z), the location's
@@ -219,7 +222,7 @@ class IncidentBook:
             # Its TP peers run in lock-step with it and are never alarmed on while it is open, so a
             # peer that slows down too only shows up here, as the named rank getting worse. The
             # update says the group is being probed: a planner should wait for the answer.
-            inc.probe_id, inc.probe_ratios, inc.reprobe = f"probe-{inc.incident_id[4:]}-{iteration}", {}, True
+            inc.probe_id, inc.probe_ratios, inc.probe = f"probe-{inc.incident_id[4:]}-{iteration}", {}, ProbeKind.REPROBE
             inc.probe_asked_iteration = iteration
             group = list(s.tp_group or ())
             return [update.model_copy(update={"probing": group}),
@@ -260,7 +263,8 @@ class IncidentBook:
 
     def _can_reprobe(self, inc: _Open) -> bool:
         s = inc.suspect
-        return (self.config.probes and s.target == "compute" and s.key[0] == "ranks" and inc.probe_used and not inc.reprobe
+        return (self.config.probes and s.target == "compute" and s.key.kind is KeyKind.RANKS and inc.probe_used
+                and inc.probe is not ProbeKind.REPROBE
                 and len(s.ranks) == 1 and len(s.tp_group or ()) > 1)
 
     def place_communication(self, link: tuple[int, int], factor: float, iteration: int) -> list[Payload]:
@@ -269,7 +273,7 @@ class IncidentBook:
         at that link's size, rather than a second incident opening for the same fault. Telemetry's
         excess no longer moves its size (as after a probe's naming): it is the iteration's, not the
         link's. Nothing when there is no such incident."""
-        inc = self.open.get(("comm",))
+        inc = self.open.get(COMM_KEY)
         if inc is None or inc.suspect.link is not None or inc.suspect.rank is not None or not factor > 1.0:
             return []
         s = inc.suspect
@@ -310,7 +314,7 @@ class IncidentBook:
         last = inc.health_asked_iteration if inc.health_asked_iteration is not None else inc.excluded_since
         if iteration - last < first * 2 ** inc.health_probes:
             return []
-        inc.probe_id, inc.probe_ratios, inc.health = f"probe-{inc.incident_id[4:]}-health-{iteration}", {}, True
+        inc.probe_id, inc.probe_ratios, inc.probe = f"probe-{inc.incident_id[4:]}-health-{iteration}", {}, ProbeKind.HEALTH
         inc.probe_asked_iteration = inc.health_asked_iteration = iteration
         inc.health_probes += 1
         return [ProbeRequest(probe_id=inc.probe_id, incident_id=inc.incident_id, ranks=list(inc.suspect.ranks),
@@ -318,9 +322,11 @@ class IncidentBook:
 
     @staticmethod
     def _asked(inc: _Open) -> tuple[int, ...]:
-        if inc.link_probe:
+        if inc.probe is ProbeKind.LINKS:
             return inc.suspect.link_probe_ranks
-        return (inc.suspect.tp_group or ()) if inc.reprobe else inc.suspect.ranks or tuple(inc.suspect.link or ())
+        if inc.probe is ProbeKind.REPROBE:
+            return inc.suspect.tp_group or ()
+        return inc.suspect.ranks or tuple(inc.suspect.link or ())
 
     def probe_result(self, p: ProbeResult) -> list[Payload]:
         """Collect a probe's answers; once every asked rank that is alive answered, confirm on the
@@ -335,7 +341,7 @@ class IncidentBook:
         return []
 
     def _dead(self) -> set[int]:
-        return {key[1] for key in self.open if key[0] == "dead"}
+        return {key.ranks[0] for key in self.open if key.kind is KeyKind.DEAD}
 
     def _awaited(self, inc: _Open) -> set[int]:
         """The asked ranks whose answer has not come."""
@@ -358,9 +364,9 @@ class IncidentBook:
             return []  # concluded already: a repeated answer changes nothing
         asked_iteration, inc.probe_asked_iteration = inc.probe_asked_iteration, None
         asked = self._asked(inc)
-        if inc.health:
+        if inc.probe is ProbeKind.HEALTH:
             return self._health_result(inc, asked_iteration)
-        if inc.reprobe:
+        if inc.probe is ProbeKind.REPROBE:
             return self._reprobe_result(inc, missing=sorted(set(asked) - set(inc.probe_ratios)))
         if not inc.probe_ratios:
             return []
@@ -368,16 +374,16 @@ class IncidentBook:
         ratio = inc.probe_ratios[worst]
         s = inc.suspect
         bar = self.probe_bar(inc.probe_ratios)
-        if ratio < bar and s.link_probe_ranks and not inc.link_probe:
+        if ratio < bar and s.link_probe_ranks and inc.probe is not ProbeKind.LINKS:
             # nobody it named computes slow: the time went to a link or a NIC; ask every rank's links
-            inc.link_probe, inc.probe_ratios = True, {}
+            inc.probe, inc.probe_ratios = ProbeKind.LINKS, {}
             inc.probe_id, inc.probe_asked_iteration = f"probe-{inc.incident_id[4:]}-links", asked_iteration
             return [ProbeRequest(probe_id=inc.probe_id, incident_id=inc.incident_id, ranks=list(s.link_probe_ranks),
                                  target="link")]
         if ratio < bar or inc.probe_used:
             return []
         inc.probe_used = True
-        if inc.link_probe:  # the links' probe found the slow one: the incident is about that link or NIC
+        if inc.probe is ProbeKind.LINKS:  # the links' probe found the slow one: the incident is about that link or NIC
             s.target, s.tp_group, s.ranks = "link", None, ()
         # Persistence may have confirmed the incident while the probe ran (telemetry and the
         # answers travel on different topics): the answers still name the member, as an update.
@@ -386,16 +392,17 @@ class IncidentBook:
         if s.target == "compute" and s.rank is None:
             s.rank, s.ranks = worst, (worst,)
             s.confidence = min(0.99, s.confidence * len(asked))
-            if s.key == ("untraced",) and worst in s.rank_factors:
+            if s.key == UNTRACED_KEY and worst in s.rank_factors:
                 # sized through the schedule for the named rank's own stage (analytics/detection/untraced.py),
                 # no longer as the median stage
                 inc.factor = s.rank_factors[worst]
             # The incident is now about the member alone: its healthy peers stop being suspects
             # (left out of fits, never alarmed on), or a later fault on one of them, in a
             # layout that keeps them, would go unseen for as long as this incident is open.
-            if s.key[0] == "ranks" and ("ranks", (worst,)) not in self.open:  # an untraced one stays job-level
-                self.open[("ranks", (worst,))] = self.open.pop(s.key)
-                s.key = ("ranks", (worst,))
+            named = IncidentKey.of_ranks((worst,))
+            if s.key.kind is KeyKind.RANKS and named not in self.open:  # an untraced one stays job-level
+                self.open[named] = self.open.pop(s.key)
+                s.key = named
         elif s.target == "link":
             slow = sorted((r for r, v in inc.probe_ratios.items() if v >= self.config.probe_confirm_ratio),
                           key=lambda r: -inc.probe_ratios[r])
@@ -439,7 +446,7 @@ class IncidentBook:
     def _health_result(self, inc: _Open, iteration: int) -> list[Payload]:
         """An excluded rank's health probe: resolved when every asked rank answered below the
         ratio that confirms a slowdown; otherwise it stays open, to be probed again."""
-        inc.health = False
+        inc.probe = ProbeKind.NAMING
         ratios, asked = inc.probe_ratios, self._asked(inc)
         if set(ratios) != set(asked) or max(ratios.values()) >= self.config.probe_confirm_ratio:
             return []
@@ -458,7 +465,7 @@ class IncidentBook:
         would give every member the group's). The named rank's incident is always updated, last:
         that update (``probing`` empty) is the answer a planner waits for, so every peer's
         incident is already on the log when it comes."""
-        inc.reprobe = False
+        inc.probe = ProbeKind.NAMING
         ratios, s = inc.probe_ratios, inc.suspect
         slow = sorted((r for r, v in ratios.items() if v >= self.config.probe_confirm_ratio), key=lambda r: -ratios[r])
         table = ", ".join(f"{r}: ×{v:.2f}" for r, v in sorted(ratios.items()))
@@ -476,7 +483,7 @@ class IncidentBook:
             inc.factor = inc.published_factor = chunk_factor(ratios.get(s.rank, 1.0))
             inc.probe_sized = True
             for r in slow:
-                key = ("ranks", (r,))
+                key = IncidentKey.of_ranks((r,))
                 if r in s.ranks or key in self.open:
                     continue
                 f = chunk_factor(ratios[r])
@@ -508,12 +515,12 @@ class IncidentBook:
         out: list[Payload] = []
         for ch in changes:
             iteration = ch.iteration
-            key = ("dead", ch.rank)
+            key = IncidentKey.of_dead(ch.rank)
             if not ch.alive and key not in self.open:
                 # A dead rank never answers: judge its pending probes on the answers in first, so
                 # a slow peer it answered alongside is named before a group incident is superseded.
                 out += self._probes_left_to_the_dead(also=ch.rank)
-                slow_key = next((k for k in self.open if k[0] == "ranks" and ch.rank in k[1]), None)
+                slow_key = next((k for k in self.open if k.kind is KeyKind.RANKS and ch.rank in k.ranks), None)
                 slow = self.open.pop(slow_key) if slow_key else None
                 if slow is not None:
                     out.append(IncidentResolved(incident_id=slow.incident_id, iteration=iteration,
@@ -542,7 +549,7 @@ class IncidentBook:
         """Open (and confirm) one fail-stop on ranks nobody traces, as a group: the job hangs while
         every watched rank lives on (analytics/detection/hidden_stop.py). With ``probe_id``, ask them for a
         liveness probe; ``hidden_named`` then narrows the group to the ranks that stayed silent."""
-        key = ("dead_hidden",)
+        key = DEAD_HIDDEN_KEY
         if key in self.open:
             return []
         one = ranks[0] if len(ranks) == 1 else None
@@ -570,11 +577,11 @@ class IncidentBook:
         """The liveness probe's verdict: the ranks in ``silent`` never answered. A single one takes
         over the group's incident as its own fail-stop (so a new plan without it resolves it, and
         heartbeats, should it send any, revive it); several narrow the group."""
-        inc = self.open.pop(("dead_hidden",), None)
+        inc = self.open.pop(DEAD_HIDDEN_KEY, None)
         if inc is None:
             return []
         one = silent[0] if len(silent) == 1 else None
-        inc.suspect = replace(inc.suspect, key=("dead", one) if one is not None else ("dead_hidden",), rank=one,
+        inc.suspect = replace(inc.suspect, key=IncidentKey.of_dead(one) if one is not None else DEAD_HIDDEN_KEY, rank=one,
                               tp_group=None if one is not None else silent, ranks=silent,
                               confidence=0.99 if one is not None else round(1.0 / len(silent), 4),
                               rank_factors={r: DEAD_FACTOR for r in silent})
@@ -584,7 +591,7 @@ class IncidentBook:
 
     def hidden_cleared(self, iteration: int, reason: str) -> list[Payload]:
         """The job moved on: the group suspected of a hidden stop held nobody up."""
-        inc = self.open.pop(("dead_hidden",), None)
+        inc = self.open.pop(DEAD_HIDDEN_KEY, None)
         return [] if inc is None else [IncidentResolved(incident_id=inc.incident_id, iteration=iteration, reason=reason)]
 
     def reconfigured(self, present: set[int], iteration: int) -> list[Payload]:
@@ -595,11 +602,11 @@ class IncidentBook:
         rank is probed now and then instead, and resolved when the probe finds it healthy."""
         out: list[Payload] = []
         for key in list(self.open):
-            if key[0] == "dead" and key[1] not in present:  # fail-slow (ranks, links, comm) stays open
+            if key.kind is KeyKind.DEAD and key.ranks[0] not in present:  # fail-slow (ranks, links, comm) stays open
                 inc = self.open.pop(key)
                 out.append(IncidentResolved(incident_id=inc.incident_id, iteration=iteration,
                                             reason="the new plan no longer uses this location"))
-            elif key[0] == "ranks":  # left out, a slow rank is health-probed now and then (end_of_iteration)
+            elif key.kind is KeyKind.RANKS:  # left out, a slow rank is health-probed now and then (end_of_iteration)
                 inc = self.open[key]
                 out_of_plan = not set(inc.suspect.ranks) & present
                 if out_of_plan and inc.excluded_since is None:

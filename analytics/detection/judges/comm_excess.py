@@ -19,13 +19,12 @@ import numpy as np
 
 from analytics.detection.judges.base import FrameView, JobContext
 from analytics.detection.frame import IterationFrame
+from analytics.detection.incident_keys import COMM_KEY, UNTRACED_KEY
 from analytics.detection.incidents import Suspect
 from analytics.detection.scoring import FrameScore
 from analytics.detection.untraced import HiddenExcess, stage_factors_for
 from collector.events import Payload
 
-COMM = ("comm",)  # the incident key of a communication excess
-UNTRACED = ("untraced",)  # the incident key of an excess placed on the ranks nobody traces
 
 
 class CommExcess:
@@ -46,7 +45,7 @@ class CommExcess:
         # A communication incident open across a new plan can no longer be judged from the excess
         # over this layout's history (it would be learned with the fault in it, and resolve it).
         # It stays open, as a fail-slow on a rank left out does: nothing measured the link healthy.
-        self.unjudged = COMM in job.book.open or UNTRACED in job.book.open
+        self.unjudged = COMM_KEY in job.book.open or UNTRACED_KEY in job.book.open
 
     def judge(self, view: FrameView, job: JobContext) -> list[Payload]:
         if not job.config.links:
@@ -73,12 +72,12 @@ class CommExcess:
         k, h, cap = job.thresholds(sig)
         z = r - centre
         book = job.book
-        for key in (COMM, UNTRACED):
+        for key in (COMM_KEY, UNTRACED_KEY):
             if key in book.open:
                 if self.unjudged:
                     return []  # this layout's history was learned with the fault in it: no healthy reference
                 size = (untraced_size(frame, sched, explained, wall, r_size - centre, book.open[key].suspect.rank,
-                                      job)[0] if key == UNTRACED else float(np.exp(z)))
+                                      job)[0] if key == UNTRACED_KEY else float(np.exp(z)))
                 return book.observe(key, z, k, frame.iteration, size, sample=size)
         if book.open_compute_ranks():
             return []  # a slow rank explains a slow iteration; wait until it is handled
@@ -121,7 +120,7 @@ def _comm_suspect(frame: IterationFrame, score: FrameScore, wall: float, explain
         link = None
     candidates = tuple(int(r_) for r_ in frame.rank[: 4096])
     return Suspect(
-        key=COMM, target="link", rank=None, link=link, node=None, replica=None, stage=None, tp_group=None,
+        key=COMM_KEY, target="link", rank=None, link=link, node=None, replica=None, stage=None, tp_group=None,
         factor=float(np.exp(z)), confidence=0.5, iterations=[frame.iteration],
         observed_s=[wall], predicted_s=[float(explained * np.exp(centre))], rank_factors={},
         statistic=f"CUSUM on log(wall / iteration explained by observed compute); k={k:.4f} h={h:.4f}",
@@ -161,7 +160,7 @@ def _open_untraced(frame: IterationFrame, sched: tuple[str | None, int | None], 
     # each rank's size if it is the slow one (its stage's answer): the probe's naming takes it
     by_rank = {r: round(per_stage[roles[r].stage], 4) for r in ranks if r in roles and roles[r].stage in per_stage}
     return job.book.open_fail_slow(Suspect(
-        key=UNTRACED, target="compute", rank=None, link=None, node=None, replica=None, stage=None,
+        key=UNTRACED_KEY, target="compute", rank=None, link=None, node=None, replica=None, stage=None,
         tp_group=None, factor=size, confidence=float(min(0.99, 1.0 - np.exp(-max(z - k, 0.0) / sigma / 2))),
         iterations=[frame.iteration], observed_s=[wall], predicted_s=[wall * math.exp(-z)], rank_factors=by_rank,
         statistic=(f"{run} traced iterations in a row later than the job's healthy swing allows "

@@ -18,6 +18,7 @@ from analytics.detection.judges.base import FrameView, JobContext
 from analytics.detection.judges.noise import fast_side_sigma
 from analytics.detection.config import DetectorConfig
 from analytics.detection.frame import IterationFrame
+from analytics.detection.incident_keys import IncidentKey
 from analytics.detection.incidents import Suspect
 from analytics.detection.scoring import FrameScore
 from collector.events import Payload
@@ -59,8 +60,8 @@ class LinkCusum:
             if waits:
                 z = self._sustained_z(key, z)
             i = coord.get(a)
-            if ("link", a, b) in open_links:
-                out += book.observe(("link", a, b), z, k, frame.iteration, float(np.exp(z)))
+            if (link_key := IncidentKey.of_link(a, b)) in open_links:
+                out += book.observe(link_key, z, k, frame.iteration, float(np.exp(z)))
                 continue
             if i is not None and int(frame.dp[i]) in explained:
                 continue  # a slow rank in this pipeline explains slow transfers better than the wire does
@@ -136,7 +137,7 @@ def _link_suspect(frame: IterationFrame, i: int | None, a: int, b: int, z: float
                   h: float) -> Suspect:
     """A slow link a → b, ``i`` the sender's row in the frame (None: it sent no report)."""
     return Suspect(
-        key=("link", a, b), target="link", rank=None, link=(a, b), node=None,
+        key=IncidentKey.of_link(a, b), target="link", rank=None, link=(a, b), node=None,
         replica=int(frame.dp[i]) if i is not None else None, stage=int(frame.pp[i]) if i is not None else None,
         tp_group=None, factor=float(np.exp(z)),
         confidence=float(min(0.99, 1.0 - np.exp(-max(z - k, 0.0) / max(sigma, 1e-6) / 2))),

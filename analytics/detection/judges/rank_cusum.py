@@ -17,6 +17,7 @@ import numpy as np
 
 from analytics.detection.judges.base import FrameView, JobContext
 from analytics.detection.frame import IterationFrame
+from analytics.detection.incident_keys import IncidentKey
 from analytics.detection.incidents import Suspect
 from analytics.detection.scoring import FrameScore, chunk_slowdown, fit_ranks
 from collector.events import Payload
@@ -86,7 +87,7 @@ class RankCusum:
                 self._compute_suspect(frame, score, members, float(sig_r[i]), float(k_r[i]), float(h_r[i]), job),
                 frame.iteration)
         for key in book.open_rank_keys():
-            watched = tuple(sorted(job.with_traced_peers(frame, set(key[1]))))  # an untraced suspect: its peer
+            watched = tuple(sorted(job.with_traced_peers(frame, set(key.ranks))))  # an untraced suspect: its peer
             idx = np.flatnonzero(np.isin(frame.rank, watched) & judged)
             if len(idx):  # no judged member this iteration: no evidence either way (not a healthy one)
                 z_now = float(score.z[idx].max())
@@ -192,7 +193,7 @@ class RankCusum:
         factor = chunk_slowdown(frame, score.c_pred, i, self.factor(ranks, score.z[i], k))
         conf = float(min(0.99, 1.0 - np.exp(-max(score.z[i] - k, 0.0) / max(sigma, 1e-6) / 2))) / len(ranks)
         return Suspect(
-            key=("ranks", ranks), target="compute", rank=ranks[0] if len(ranks) == 1 else None, link=None,
+            key=IncidentKey.of_ranks(ranks), target="compute", rank=ranks[0] if len(ranks) == 1 else None, link=None,
             node=int(frame.node[i]) if frame.node[i] >= 0 else None, replica=int(frame.dp[i]),
             stage=int(frame.pp[i]), tp_group=tp_group, factor=factor,
             confidence=conf, iterations=[h_[0] for h_ in hist], observed_s=[h_[1] for h_ in hist],

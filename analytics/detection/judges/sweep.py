@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 
 from analytics.detection.judges.base import FrameView, JobContext
-from analytics.detection.judges.comm_excess import COMM, UNTRACED
+from analytics.detection.incident_keys import COMM_KEY, UNTRACED_KEY
+from analytics.detection.incident_keys import IncidentKey
 from analytics.detection.incidents import Suspect
 from analytics.detection.untraced import HiddenExcess, UntracedSweep
 from collector.events import Payload, ProbeResult
@@ -37,7 +38,7 @@ class SweepJudge:
         # rank) or probes for it anyway (the lateness's own).
         rate = config.untraced_suspicion_rate
         book = job.book
-        accounted = book.open_compute_ranks() or UNTRACED in book.open or COMM in book.open
+        accounted = book.open_compute_ranks() or UNTRACED_KEY in book.open or COMM_KEY in book.open
         least = math.log(config.min_alarm_factor)
         suspicious = rate > 0 and not accounted and self.excess.chance(frame.iteration, least) <= rate
         request = self.sweep.step(job.job, frame.epoch, frame.iteration, view.hidden[:4096],
@@ -71,7 +72,7 @@ class SweepJudge:
             return []
         table = ", ".join(f"{r}: ×{v:.2f}" for r, v in sorted(ratios.items()))
         return book.open_unseen(Suspect(
-            key=("ranks", (worst,)), target="compute", rank=worst, link=None, node=None, replica=role.replica,
+            key=IncidentKey.of_ranks((worst,)), target="compute", rank=worst, link=None, node=None, replica=role.replica,
             stage=role.stage, tp_group=job.tp_group_of(epoch, worst) or None, factor=ratio, confidence=0.9,
             iterations=[sweep.iteration], observed_s=[], predicted_s=[], rank_factors={worst: round(ratio, 4)},
             statistic=f"sweep probe of the {len(ratios)} ranks nobody traces: rank {worst} took ×{ratio:.2f} of "
