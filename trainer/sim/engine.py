@@ -1,9 +1,10 @@
 """The simulator engine: steppable, one iteration at a time, computed in vectorised blocks.
 
 ``SimEngine.step()`` returns the events of one iteration (or, while the job hangs on a dead rank,
-of one heartbeat interval). Internally it computes blocks of iterations at once — every replica
-and every iteration of the block is one row of :func:`analytics.detection.schedule.pipeline_timing` — and cuts
-a block where a fault starts or ends, so the numbers do not depend on the block size: each
+of one heartbeat interval). Internally it computes blocks of iterations at once
+(trainer/sim/timing.py) — every replica and every iteration of the block is one row of
+:func:`analytics.detection.schedule.pipeline_timing` — and cuts a block where a fault starts or
+ends, so the numbers do not depend on the block size: each
 iteration draws its workload and noise from generators seeded by (seed, iteration, group), and its
 stalls from (seed, iteration) alone, so that runs of one seed under different plans meet the same
 stalls (common random numbers for comparing strategies).
@@ -30,29 +31,28 @@ from __future__ import annotations
 import hashlib
 import math
 import zlib
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from analytics.detection.schedule import OpTable, PipelineTiming, op_table, pipeline_timing
 from collector.auth import Gate, load_keyring
 from collector.epoch_fence import fence_verdict, order_refusal
 from collector.events import (
     AckStatus, CommandAck, Envelope, FaultInjected, Heartbeat, IterationSummary, ProbeRequest, ProbeResult,
-    PlanCurrent, PlanCurrentReason, ReconfigureCommand,
+    PlanCurrent, PlanCurrentReason, RankIteration, ReconfigureCommand,
 )
 from collector.plan import Plan
 from collector.replica_drop import drop_replicas
 from trainer.integration import probe_refusal
-from trainer.sim.cost import StageCoefficients, dp_allreduce_s, stage_coefficients
 from trainer.sim.faults import ActiveFault, FaultEffects, FaultSpec, truth_event_payload
 from trainer.sim.presets import ClusterSpec, ModelSpec
 from trainer.sim.telemetry import (
-    Dialect, DeterministicEvents, dialect_rank_iterations, replica_rank_iterations, stage_ops, tracing_of, transfer_consumers,
+    Dialect, DeterministicEvents, dialect_rank_iterations, replica_rank_iterations, tracing_of,
 )
-from trainer.sim.workload import Packed, WorkloadSpec, draw_microbatches
+from trainer.sim.timing import Block, PlanTiming
+from trainer.sim.workload import WorkloadSpec
 
 SIM_EPOCH_TIME_S = 1_700_000_000.0  # 2023-11-14T22:13:20Z: simulated time starts here
 
@@ -108,44 +108,6 @@ class SimConfig(BaseModel):
         return self
 
 
-def _poisson_quantile(u: float, lam: float) -> int:
-    """The smallest k with P(Poisson(lam) ≤ k) ≥ u: one uniform gives the count, so runs whose
-    means differ a little (a plan with one stage more) draw the same count almost always."""
-    k, pmf = 0, math.exp(-lam)
-    cdf = pmf
-    while cdf < u and pmf > 0.0:
-        k += 1
-        pmf *= lam / k
-        cdf += pmf
-    return k
-
-
-@dataclass
-class _Group:
-    """Replicas of one shape, simulated together."""
-
-    index: int
-    replicas: list[int]
-    table: OpTable
-    coeffs: StageCoefficients
-    ops_by_stage: list[np.ndarray]
-    consumers: np.ndarray  # (n_ops,) the op that receives each op's output over a link, or -1
-
-
-@dataclass
-class _Block:
-    first: int
-    starts_s: np.ndarray  # (n,) since job start
-    durations_s: np.ndarray  # (n,)
-    tokens: np.ndarray  # (n,) whole job
-    parts: list[tuple[_Group, PipelineTiming, Packed]] = field(default_factory=list)
-    wires: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # per part: p2p and TP comm, (n·R, S, M)
-
-    @property
-    def n(self) -> int:
-        return int(self.durations_s.shape[0])
-
-
 class SimEngine:
     """A simulated job. Not thread-safe; one driver calls step / reconfigure / probe."""
 
@@ -166,7 +128,7 @@ class SimEngine:
         self.active: list[ActiveFault] = []
         self.history: list[ActiveFault] = []
         self._effects = FaultEffects.of([], c.cluster)
-        self._block: _Block | None = None
+        self._block: Block | None = None
         self._next_heartbeat_s = 0.0
         self._hang_started_s: float | None = None
         self._seen_commands: set[str] = set()
@@ -182,18 +144,7 @@ class SimEngine:
             raise ValueError(f"plan uses devices {bad[:5]} beyond the cluster's {self.config.cluster.gpus} GPUs")
 
     def _setup_plan(self) -> None:
-        shapes: dict[tuple[int, int], list[int]] = {}
-        for pipe in self.plan.pipelines:
-            shapes.setdefault((len(pipe.stages), pipe.microbatches), []).append(pipe.replica)
-        self._groups = []
-        for gi, ((S, M), reps) in enumerate(sorted(shapes.items())):
-            table = op_table(self.plan.schedule, S, M, self.plan.virtual_stages)
-            coeffs = stage_coefficients(self.config.model, self.config.cluster, self.plan, reps)
-            self._groups.append(_Group(gi, reps, table, coeffs, stage_ops(table), transfer_consumers(table)))
-        self._dp_allreduce_s = dp_allreduce_s(self.config.model, self.config.cluster, self.plan)
-        m = self.config.model  # gradient bytes per TP rank, per replica and stage (replicas may differ in shape)
-        self._dp_bytes = [[st.num_layers * m.params_per_layer // st.tp * m.bytes_per_value for st in pipe.stages]
-                          for pipe in self.plan.pipelines]
+        self._timing = PlanTiming(self.config, self.plan)
         self._block = None
         self._tracing = tracing_of(self.config.dialect, self.plan, self.config.seed, self._ranks)
         # who sends RankIteration and heartbeats: the dialect's traced ranks (the telemetry option narrows them)
@@ -251,119 +202,6 @@ class SimEngine:
     def _abs(self, t_s: float) -> float:
         return self.config.start_time_s + t_s
 
-    # ---- the timing core ---------------------------------------------------------------------
-
-    def _block_size(self) -> int:
-        if self.config.block_iterations:
-            return self.config.block_iterations
-        cells = sum(len(g.replicas) * g.table.n_ops for g in self._groups)
-        return int(max(1, min(256, 4_000_000 // max(cells, 1))))
-
-    def _compute_block(self) -> _Block:
-        c, k0 = self.config, self.iteration
-        n = self._block_size()
-        eff = self._effects
-        parts, wires = [], []
-        ends = np.zeros(n)
-        tokens = np.zeros(n)
-        stalls = self._stalls(n, k0)
-        for g in self._groups:
-            R, S, M = len(g.replicas), g.table.stages, g.table.microbatches
-            pipes = [self.plan.pipelines[r] for r in g.replicas]
-            comp_f = np.array([[eff.compute_factor(st.devices) for st in p.stages] for p in pipes])
-            tp_f = np.array([[eff.comm_factor(c.cluster, st.devices, st.devices) for st in p.stages] for p in pipes])
-            p2p_f = np.array([[eff.comm_factor(c.cluster, st.devices, p.stages[(s + 1) % S].devices)
-                               for s, st in enumerate(p.stages)] for p in pipes])
-            wl_rngs = [np.random.default_rng([c.seed, k0 + j, g.index, 0]) for j in range(n)]
-            packed = draw_microbatches(wl_rngs, c.workload, R, M)
-            f_s, b_s, w_s, p2p_s, tp_s = self._durations(g, n, packed, comp_f, tp_f, p2p_f, k0, stalls[g.index])
-            timing = pipeline_timing(g.table, f_s, b_s, w_s, p2p_s)
-            wires.append((p2p_s, tp_s))
-            ends = np.maximum(ends, timing.makespan_s.reshape(n, R).max(axis=1))
-            tokens += packed.tokens.reshape(n, R * M).sum(axis=1)
-            parts.append((g, timing, packed))
-        dp_f = 1.0
-        if self.plan.dp > 1 and (eff.links or eff.nics):
-            dp_f = max(eff.comm_factor(c.cluster, tuple(self.plan.devices), tuple(self.plan.devices)), 1.0)
-        durations = ends + self._dp_allreduce_s * dp_f
-        starts = self.now_s + np.concatenate([[0.0], np.cumsum(durations)[:-1]])
-        cut = next((j for j in range(1, n) if self._changes_at(k0 + j, starts[j])), n)
-        if cut < n:  # a fault starts or ends inside: keep what ran under today's faults
-            durations, starts, tokens = durations[:cut], starts[:cut], tokens[:cut]
-        return _Block(k0, starts, durations, tokens, parts, wires)
-
-    def _stalls(self, n: int, k0: int) -> dict[int, np.ndarray]:
-        """The stalls of the block's iterations, group index → (n·R, S, M) seconds added to forwards.
-
-        Drawn from (seed, iteration) alone, whatever the layout: a Poisson count with mean
-        ``stall_probability`` × the plan's (replica, stage) pairs, exponential lengths, and a place
-        drawn uniformly over the pairs (replicas in plan order) and the replica's micro-batches. Two
-        runs of the same seed under different plans so meet the same stalls at the same iteration
-        (common random numbers): a rare 1-s stall holds every replica's step, and drawn per group it
-        made two strategies differ by ~1 % at 8,192 GPUs for nothing but luck."""
-        nz = self.config.noise
-        out = {g.index: np.zeros((n * len(g.replicas), g.table.stages, g.table.microbatches)) for g in self._groups}
-        if not nz.stall_probability or not self._groups:
-            return out
-        owner: dict[int, tuple[_Group, int]] = {r: (g, i) for g in self._groups for i, r in enumerate(g.replicas)}
-        order = sorted(owner)
-        stages = np.array([owner[r][0].table.stages for r in order])
-        ends = np.cumsum(stages)
-        pairs = int(ends[-1])
-        lam = nz.stall_probability * pairs
-        for j in range(n):
-            rng = np.random.default_rng([self.config.seed, k0 + j, 3])
-            count = _poisson_quantile(float(rng.random()), lam)
-            if not count:
-                continue
-            u = rng.random((count, 3))  # one row per stall: length, pair, micro-batch
-            for length_u, pair_u, mb_u in u:
-                pair = min(int(pair_u * pairs), pairs - 1)
-                at = int(np.searchsorted(ends, pair, side="right"))
-                g, pos = owner[order[at]]
-                stage = pair - int(ends[at] - stages[at])
-                mb = min(int(mb_u * g.table.microbatches), g.table.microbatches - 1)
-                out[g.index][j * len(g.replicas) + pos, stage, mb] += -nz.stall_mean_s * math.log1p(-length_u)
-        return out
-
-    def _durations(self, g: _Group, n: int, packed: Packed, comp_f: np.ndarray, tp_f: np.ndarray,
-                   p2p_f: np.ndarray, k0: int, stall: np.ndarray
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]:
-        """Chunk durations, pipeline transfer times and the TP all-reduce time inside each F / B
-        chunk, (n·R, S, M) each, rows iteration-major; ``stall`` from :meth:`_stalls`."""
-        nz = self.config.noise
-        co = g.coeffs
-        R, S, M = len(g.replicas), g.table.stages, g.table.microbatches
-        zb = g.table.schedule == "zero_bubble"
-        rows = n * R
-        tile = lambda a: np.tile(a, (n, 1))[:, :, None]  # (R, S) -> (rows, S, 1)  # noqa: E731
-        tok = packed.tokens[:, None, :].astype(np.float64)  # (rows, 1, M)
-        sq = packed.sum_sq[:, None, :]
-        lin = tile(co.linear_s_per_token) * tok
-        att = tile(co.attn_s_per_sq_token) * sq
-        over = tile(co.overhead_s)
-        comm = (tile(co.tp_comm_s_per_token) * tok + tile(co.tp_comm_latency_s)) * tile(tp_f)
-        kinds = 3 if zb else 2
-        noise = np.ones((rows, kinds, S, M))
-        jitter = np.ones((rows, S, 1))
-        if nz.chunk_sigma or nz.rank_sigma:
-            for j in range(n):
-                rng = np.random.default_rng([self.config.seed, k0 + j, g.index, 1])
-                sl = slice(j * R, (j + 1) * R)
-                noise[sl] = np.exp(nz.chunk_sigma * rng.standard_normal((R, kinds, S, M)))
-                jitter[sl, :, 0] = np.exp(nz.rank_sigma * rng.standard_normal((R, S)))
-        cf = tile(comp_f) * jitter
-        if zb:
-            f_s = (lin + att) * cf * noise[:, 0] + over + comm + stall
-            b_s = (lin + 2 * att) * cf * noise[:, 1] + over / 2 + comm
-            w_s = lin * cf * noise[:, 2] + over / 2
-        else:
-            f_s = (lin + att) * cf * noise[:, 0] + over + comm + stall
-            b_s = 2 * (lin + att) * cf * noise[:, 1] + over + comm
-            w_s = None
-        p2p_s = (tile(co.p2p_s_per_token) * tok + tile(co.p2p_latency_s)) * tile(p2p_f)
-        return f_s, b_s, w_s, p2p_s, np.broadcast_to(comm, f_s.shape)
-
     # ---- stepping ----------------------------------------------------------------------------
 
     def step(self) -> list[Envelope]:
@@ -374,10 +212,9 @@ class SimEngine:
         if self.dead & set(self.plan.devices):
             return events + self._hang()
         self._hang_started_s = None
-        if self._block is None or not (self._block.first <= self.iteration < self._block.first + self._block.n):
-            self._block = self._compute_block()
-        events += self._iteration_events(self._block, self.iteration - self._block.first)
-        self.now_s += float(self._block.durations_s[self.iteration - self._block.first])
+        block = self._current_block()
+        events += self._iteration_events(block, self.iteration - block.first)
+        self.now_s += float(block.durations_s[self.iteration - block.first])
         self.iteration += 1
         events += self._heartbeats()
         return events
@@ -399,44 +236,32 @@ class SimEngine:
             if self.dead & set(self.plan.devices):
                 self._hang()
                 continue
-            if self._block is None or not (self._block.first <= self.iteration < self._block.first + self._block.n):
-                self._block = self._compute_block()
-            j = self.iteration - self._block.first
-            take = min(self._block.n - j, iterations - len(out))
-            # Never run past a scripted fault change: _compute_block cut the block there.
-            d = self._block.durations_s[j:j + take]
+            block = self._current_block()
+            j = self.iteration - block.first
+            take = min(block.n - j, iterations - len(out))
+            # Never run past a scripted fault change: PlanTiming.block cut the block there.
+            d = block.durations_s[j:j + take]
             out.extend(d.tolist())
             self.now_s += float(d.sum())
             self.iteration += take
         return np.asarray(out)
 
-    def _iteration_events(self, block: _Block, j: int) -> list[Envelope]:
+    def _current_block(self) -> Block:
+        """The block holding the current iteration, computed when the last one ran out (or a
+        fault or a plan change dropped it)."""
+        if self._block is None or not (self._block.first <= self.iteration < self._block.first + self._block.n):
+            self._block = self._timing.block(self.iteration, self.now_s, self._effects, self._changes_at)
+        return self._block
+
+    def _iteration_events(self, block: Block, j: int) -> list[Envelope]:
         k = self.iteration
         dur = float(block.durations_s[j])
         t_end = self._abs(self.now_s + dur)
         out: list[Envelope] = []
         ranks, tracing = self._reporting, self._tracing
         if (ranks is None or ranks) and (tracing is None or tracing.step_traced(k)):
-            for (g, timing, packed), (p2p_s, tp_s) in zip(block.parts, block.wires):
-                R = len(g.replicas)
-                for i, replica in enumerate(g.replicas):
-                    row = j * R + i
-                    if self.config.dialect in ("megatron", "profiler"):
-                        payloads = dialect_rank_iterations(
-                            dialect=self.config.dialect, plan=self.plan, cluster=self.config.cluster, model=self.config.model,
-                            replica=replica, iteration=k, table=g.table, ops_by_stage=g.ops_by_stage,
-                            consumers=g.consumers, start_s=timing.start_s[row], end_s=timing.end_s[row],
-                            wire_s=p2p_s[row], tp_comm_s=tp_s[row], tokens=packed.tokens[row], iteration_s=dur,
-                            dp_bytes=self._dp_bytes[replica], ranks=ranks)
-                    else:
-                        seq = [packed.seq_lens(row, m) for m in range(g.table.microbatches)]
-                        payloads = replica_rank_iterations(
-                            plan=self.plan, cluster=self.config.cluster, replica=replica, iteration=k, table=g.table,
-                            ops_by_stage=g.ops_by_stage, start_s=timing.start_s[row], end_s=timing.end_s[row],
-                            tokens=packed.tokens[row], seq_lens=seq, iteration_s=dur, dp_bytes=self._dp_bytes[replica],
-                            ranks=ranks)
-                    for p in payloads:
-                        out.append(self.events.make(f"rank-{p.rank}", p, t_end))
+            for p in _rank_iterations(self.config, self.plan, self._timing.dp_bytes, block, j, k, ranks):
+                out.append(self.events.make(f"rank-{p.rank}", p, t_end))
         loss = 2.0 + 6.0 / math.sqrt(1.0 + k / 100.0)
         summary = IterationSummary(epoch=self.plan.epoch, iteration=k, loss=loss, tokens=int(block.tokens[j]), wall_s=dur)
         out.append(self.events.make("launcher", summary, t_end))
@@ -589,3 +414,29 @@ class SimEngine:
                                          "rank"))
         self.now_s += longest
         return out
+
+
+def _rank_iterations(config: SimConfig, plan: Plan, dp_bytes: list[list[int]], block: Block, j: int, iteration: int,
+                     ranks: set[int] | None) -> Iterator[RankIteration]:
+    """The ``RankIteration`` payloads of iteration ``j`` of ``block``, every replica's, as the
+    configured dialect records them (``ranks``: the ranks that report, None: all)."""
+    dur = float(block.durations_s[j])
+    for (g, timing, packed), (p2p_s, tp_s) in zip(block.parts, block.wires):
+        R = len(g.replicas)
+        for i, replica in enumerate(g.replicas):
+            row = j * R + i
+            if config.dialect in ("megatron", "profiler"):
+                payloads = dialect_rank_iterations(
+                    dialect=config.dialect, plan=plan, cluster=config.cluster, model=config.model,
+                    replica=replica, iteration=iteration, table=g.table, ops_by_stage=g.ops_by_stage,
+                    consumers=g.consumers, start_s=timing.start_s[row], end_s=timing.end_s[row],
+                    wire_s=p2p_s[row], tp_comm_s=tp_s[row], tokens=packed.tokens[row], iteration_s=dur,
+                    dp_bytes=dp_bytes[replica], ranks=ranks)
+            else:
+                seq = [packed.seq_lens(row, m) for m in range(g.table.microbatches)]
+                payloads = replica_rank_iterations(
+                    plan=plan, cluster=config.cluster, replica=replica, iteration=iteration, table=g.table,
+                    ops_by_stage=g.ops_by_stage, start_s=timing.start_s[row], end_s=timing.end_s[row],
+                    tokens=packed.tokens[row], seq_lens=seq, iteration_s=dur, dp_bytes=dp_bytes[replica],
+                    ranks=ranks)
+            yield from payloads
