@@ -15,9 +15,11 @@ Two phases per backend:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import random
+import sys
 import time
 import uuid
 
@@ -115,19 +117,13 @@ def _phase(spec: dict, payloads: list[RankIteration], iterations: int, rate_msgs
     }
 
 
-def measure(backend: str, args: argparse.Namespace) -> dict:
+def measure(backend: str, args: argparse.Namespace, bootstrap: str = "") -> dict:
     import tempfile
 
-    spec: dict[str, str] = {"backend": backend, "path": "", "bootstrap": "", "namespace": f"bench{uuid.uuid4().hex[:8]}."}
+    spec: dict[str, str] = {"backend": backend, "path": "", "bootstrap": bootstrap,
+                            "namespace": f"bench{uuid.uuid4().hex[:8]}."}
     if backend == "embedded":
         spec["path"] = args.path or tempfile.mkdtemp(prefix="resihp-bench-") + "/bus.sqlite"
-    else:
-        if args.bootstrap:
-            spec["bootstrap"] = args.bootstrap
-        else:
-            from infra import broker
-
-            spec["bootstrap"] = broker.up()
     payloads = make_payloads(args.ranks, args.microbatches)
     throughput = _phase(spec, payloads, args.iterations, None)
     paced_iterations = max(1, int(args.latency_seconds * throughput["messages_per_s"] / 2 / args.ranks))
@@ -147,7 +143,15 @@ def measure(backend: str, args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     backends = ["embedded", "kafka"] if args.backend == "both" else [args.backend]
-    rows = [measure(b, args) for b in backends]
+    with contextlib.ExitStack() as stack:
+        bootstrap = args.bootstrap or ""
+        if "kafka" in backends and not bootstrap:
+            from infra import broker
+
+            lent = stack.enter_context(broker.borrowed())
+            bootstrap = lent.bootstrap
+            print(f"Kafka: {lent.describe()}", file=sys.stderr)
+        rows = [measure(b, args, bootstrap) for b in backends]
     print(f"{'backend':<10} {'chunk records/s':>16} {'messages/s':>11} {'p50 ms':>8} {'p99 ms':>8}")
     for r in rows:
         print(f"{r['backend']:<10} {r['records_per_s']:>16,} {r['messages_per_s']:>11,} {r['p50_ms']:>8} {r['p99_ms']:>8}")

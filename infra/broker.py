@@ -38,10 +38,13 @@ import socket
 import string
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 from infra import kafka_security as security
 from infra import tls
@@ -240,6 +243,46 @@ def _wait_ready(data_dir: Path, bootstrap: str, timeout_s: float) -> str:
                               f"stopped; raise timeout_s on a slow machine. Its log ends with:\n{log_tail}")
         time.sleep(0.5)
     return bootstrap
+
+
+class Borrowed(NamedTuple):
+    """A broker a command uses: its address, whether the command started it, where its data lives."""
+
+    bootstrap: str
+    started: bool
+    data_dir: Path
+
+    def describe(self) -> str:
+        return (f"a broker started for this command at {self.bootstrap} (stopped when it ends)" if self.started
+                else f"the broker already up at {self.bootstrap} (left running)")
+
+
+@contextlib.contextmanager
+def borrowed(timeout_s: float = 120.0) -> Iterator[Borrowed]:
+    """A broker for one command (a benchmark). The broker already up on the default data dir is
+    used and left running; otherwise one is started on free ports in a throw-away data dir, tied to
+    this process (``die_with``: it dies with it however it ends), and stopped and deleted on
+    leaving. Why: a command that started a 0.5 GB JVM for itself must not leave it behind."""
+    running = status()
+    if running["running"] and running["bootstrap"] and not running["secure"]:
+        yield Borrowed(running["bootstrap"], False, Path(running["data_dir"]))
+        return
+    data_dir = Path(tempfile.mkdtemp(prefix="resihp-broker-"))
+    try:
+        bootstrap = up(port=_free_port(), controller_port=_free_port(), data_dir=data_dir, timeout_s=timeout_s,
+                       die_with=os.getpid())
+        try:
+            yield Borrowed(bootstrap, True, data_dir)
+        finally:
+            down(data_dir=data_dir)
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
 
 
 def down(data_dir: Path | str | None = None, timeout_s: float = 30.0) -> bool:

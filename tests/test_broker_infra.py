@@ -91,3 +91,22 @@ def test_a_broker_started_for_a_supervisor_stops_when_the_supervisor_is_killed(t
     finally:
         supervisor.kill()
         broker.down(data_dir)
+
+
+def test_a_broker_borrowed_by_a_command_is_stopped_and_deleted_when_it_ends(monkeypatch, tmp_path):
+    """`resihp bench bus --backend kafka` borrows a broker: with none up on the default data dir it
+    starts one of its own, tied to the process, and leaves neither the JVM nor its data behind."""
+    monkeypatch.setenv("RESIHP_KAFKA_DATA_DIR", str(tmp_path / "no-broker-here"))
+    with broker.borrowed() as lent:
+        assert lent.started and "stopped when it ends" in lent.describe()
+        admin = KafkaAdminClient(bootstrap_servers=lent.bootstrap)
+        assert isinstance(admin.list_topics(), list)  # it answers
+        admin.close()
+        pid = broker.status(lent.data_dir)["pid"]
+        assert pid is not None
+    assert not lent.data_dir.exists()
+    try:  # gone, or a zombie waiting to be reaped (its command line is empty then)
+        cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+    except FileNotFoundError:
+        cmdline = b""
+    assert b"kafka" not in cmdline, f"the borrowed broker (pid {pid}) outlived the command"
