@@ -17,7 +17,7 @@ Outages: a broker that goes away never stops a process. ``publish`` retries what
 not take, with back-off, until they take it (``RESIHP_KAFKA_OUTAGE_LIMIT_S`` bounds the wait; 0, the
 default, waits for ever), and a consumer's ``poll`` and ``commit`` ride it out; both mark the bus's
 ``BusHealth`` down on the connection errors and up again, so a consumer can say an outage happened
-and suspend what missing data would mislead (resihp/commands/analytics.py). A retried batch may land
+and suspend what missing data would mislead (analytics/service/consumer.py). A retried batch may land
 twice (the broker may have written it before the connection broke): consumers dedupe on event id.
 Topics are created at start-up with the admin client (replication from RESIHP_KAFKA_REPLICATION,
 default 1 for the single-node broker) and the configs of ``collector.topics.TOPIC_CONFIGS`` (the
