@@ -863,9 +863,9 @@ class ReconfigureCommand(Payload):
     command_id: str
     plan_id: str
     plan: ContractPlan
-    run: RunId = Field(description="the run incarnation it is for (the executor's plan.current names it); an "
+    run: RunId = Field(default=None, description="the run incarnation it is for (the executor's plan.current names it); an "
                                    "executor of another run refuses it")
-    expires_at_s: ExpiresAt = Field(description="Unix time after which no executor obeys it (issued time + a "
+    expires_at_s: ExpiresAt = Field(default=None, description="Unix time after which no executor obeys it (issued time + a "
                                                 "bounded TTL, collector/epoch_fence.py)")
 
 
@@ -891,7 +891,7 @@ class CommandAck(Payload):
     pause_s: float = Field(default=0.0, ge=0, le=DURATION_MAX_S)
     pause_iterations: int = Field(default=0, ge=0, le=COUNT_MAX)
     detail: str = ""
-    run: RunId = Field(description="the run incarnation of the executor that answered: a restarted listener of "
+    run: RunId = Field(default=None, description="the run incarnation of the executor that answered: a restarted listener of "
                                    "that run rebuilds its fence from these")
 
 
@@ -951,9 +951,9 @@ class NodeCommand(RenamedOnWire):
     reason: str = Field(default="", max_length=2000, description="why, for the log and the console")
     actor: str | None = Field(default=None, max_length=200, description="the operator (cli:NAME, ui:NAME) when a person "
                                                                         "decided it")
-    run: RunId = Field(description="the job's rendezvous id (--rdzv-id) it is for; an agent of another run "
+    run: RunId = Field(default=None, description="the job's rendezvous id (--rdzv-id) it is for; an agent of another run "
                                    "refuses it")
-    expires_at_s: ExpiresAt = Field(description="Unix time after which no agent obeys it")
+    expires_at_s: ExpiresAt = Field(default=None, description="Unix time after which no agent obeys it")
 
 
 class NodeCommandAck(RenamedOnWire):
@@ -977,7 +977,7 @@ class NodeCommandAck(RenamedOnWire):
     running_round: Int32 = Field(description="the rendezvous round the agent is in (schema 1–2: running_epoch)")
     ranks: list[Int32] = Field(default_factory=list, max_length=LIST_MAX, description="the global ranks it acted on")
     detail: str = Field(default="", max_length=2000)
-    run: RunId = Field(description="the run of the agent that answered: a restarted agent of that run treats the "
+    run: RunId = Field(default=None, description="the run of the agent that answered: a restarted agent of that run treats the "
                                    "command ids it answered as answered")
 
 
@@ -1033,7 +1033,7 @@ class PlanCurrent(Payload):
     layer_state_bytes: int = Field(default=0, ge=0, le=COUNT_MAX,
                                    description="parameters + optimizer state of one layer")
     tokens_per_microbatch: int = Field(default=0, ge=0, le=TOKENS_MAX)
-    run: RunId = Field(description="the run incarnation: new random bits each time the executor starts the job, the "
+    run: RunId = Field(default=None, description="the run incarnation: new random bits each time the executor starts the job, the "
                                    "same for every plan.current of that run; commands must name it")
 
 
