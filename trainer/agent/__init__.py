@@ -22,9 +22,11 @@ platform adds, one module each:
   died (its sockets closed) and marks its ranks lost (shrink);
 * ``vacancy``: the place a dead agent left, and the rendezvous handler with which a replacement
   (``--join-running``) takes it;
-* ``node``: the agent itself (heartbeats on the bus, hang checks, recovery phase timings, marking
-  lost ranks for the shrink);
-* ``launch``: ``run_agent``, the whole command with one-line errors;
+* ``node``: the agent itself (heartbeats on the bus, hang checks, marking lost ranks for the
+  shrink);
+* ``recovery_log``: each recovery's phase timings, logged and published;
+* ``node_stop``: a running node's ``stop`` orders from the bus, and the stop itself;
+* ``launch``: ``run_agent``, the whole command as named steps (``AgentLaunch``) with one-line errors;
 * ``sample_job``: a small gloo job that checkpoints, resumes, keeps a flight record and recovers in
   place under ``--on-failure shrink`` (its state is independent of the world size).
 """

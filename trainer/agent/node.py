@@ -12,7 +12,7 @@ again, up to ``--max-restarts`` times. This class adds what the platform needs a
   running rank; the flight records shared through the rendezvous store so every agent judges the
   whole world, and a hang report (trainer/agent/hang.py) from the agent that owns the culprit;
   with ``on_hang="restart"`` it then kills the culprit, which torch's restart path takes over;
-* the restart path: each phase's time since the failure was detected (``RecoveryTimeline``),
+* the restart path: each phase's time since the failure was detected (trainer/agent/recovery_log.py),
   logged as one JSON line per phase and kept for ``resihp bench agent``;
 * with ``on_failure="shrink"``, in-job recovery instead of a restart: a rank that exits with an
   error leaves torch's watch (so torch does not stop its peers), is marked lost in the
@@ -20,7 +20,8 @@ again, up to ``--max-restarts`` times. This class adds what the platform needs a
   the phases the new world's rank 0 reports are logged and published as ``telemetry.recovery``;
   every agent watches every other (trainer/agent/presence.py), and a survivor marks a dead agent's
   ranks lost and offers its place to a replacement (trainer/agent/vacancy.py);
-* node commands from the bus (trainer/agent/commands.py), read in the monitor loop: ``stop`` stops
+* node commands from the bus (trainer/agent/commands.py), read in the monitor loop
+  (trainer/agent/node_stop.py): ``stop`` stops
   this node's ranks (SIGTERM, SIGKILL after ``stop_grace_s``) and ends the agent as a death looks
   to its peers, so under ``--on-failure shrink`` they go on without the node and offer its place;
 * a job's own controller (``AgentSettings.controller``, the reference trainer's in
@@ -49,15 +50,16 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from collector.auth import Refusals
-from collector.events import (AckStatus, Evidence, FaultCategory, Heartbeat, IncidentOpened, Location, NodeCommand,
-                              RecoveryPhase, Severity)
+from collector.events import (Evidence, FaultCategory, Heartbeat, IncidentOpened, Location, Severity)
 from trainer.agent.commands import NodeCommands
+from trainer.agent.node_stop import StopOrders
+from trainer.agent.recovery_log import RecoveryTimeline, publish_shrink_recoveries
 from trainer.agent.child import AGENT_PID_ENV, STACK_DIR_ENV, stack_file_path
 from trainer.agent.pcontext import RankWatch, agent_contexts
 from trainer.agent.flight import FLIGHT_DIR_ENV, LOST, FlightEntry, flight_file_path, read_flight
 from trainer.agent.predicted import PredictedIteration
 from trainer.agent.presence import AgentPresence, PeerAgent
-from trainer.agent.shrink import PHASES, STORE_SCOPE_ENV, admitted_key, is_lost, mark_lost
+from trainer.agent.shrink import STORE_SCOPE_ENV, admitted_key, is_lost, mark_lost
 from trainer.agent.signed_store import RANK_WRITERS, SignedStore
 from trainer.agent.store import AgentError, forget_bootstrap_store
 from trainer.agent.vacancy import (Vacancy, VacancyRendezvous, check_in_for_dead_agent, publish_vacancy,
@@ -100,28 +102,6 @@ class JobController(Protocol):
         """One monitor pass; ``exits`` maps every rank that has exited so far to its exit code."""
 
 
-class NodeStopped(Exception):
-    """This node obeyed a ``stop`` command: its ranks are stopped and the agent ends (run_agent)."""
-
-    def __init__(self, command: NodeCommand, detail: str) -> None:
-        super().__init__(detail)
-        self.command, self.detail = command, detail
-
-
-@dataclass
-class RecoveryTimeline:
-    """Seconds from the failure's detection to each phase of one restart (this host's clock)."""
-
-    detected_at: float
-    restart: int
-    phases: dict[str, float] = field(default_factory=dict)
-
-    def mark(self, phase: str) -> None:
-        self.phases[phase] = time.monotonic() - self.detected_at
-        print(json.dumps({"event": "recovery", "restart": self.restart, "phase": phase,
-                          "since_detected_s": round(self.phases[phase], 4)}), file=sys.stderr, flush=True)
-
-
 class NodeAgent(LocalElasticAgent):
     def __init__(self, spec: Any, logs_specs: Any, settings: AgentSettings, **kwargs: Any) -> None:
         super().__init__(spec, logs_specs, **kwargs)
@@ -146,6 +126,8 @@ class NodeAgent(LocalElasticAgent):
         self.presence: AgentPresence | None = None  # the other agents' liveness (shrink)
         self._ranks_store: SignedStore | None = None
         self._refused = Refusals()  # store records this agent refused: each reported once
+        self._stop_orders = (StopOrders(settings.commands, settings.hosts_rendezvous, settings.stop_grace_s)
+                             if settings.commands is not None else None)
 
     # ---- starting ranks ----------------------------------------------------------------------
 
@@ -209,7 +191,7 @@ class NodeAgent(LocalElasticAgent):
         if self.settings.on_failure == "shrink":
             self._admit_returned(worker_group)
             self._release_dead_agents(worker_group)
-            self._publish_recoveries()
+            self.recoveries += publish_shrink_recoveries(self.flight_dir, self.settings.telemetry)
         result = super()._monitor_workers(worker_group)
         if self._pcontext is not None:
             released = self.watched_ranks().take_released()
@@ -234,9 +216,9 @@ class NodeAgent(LocalElasticAgent):
         if now >= self._next_beat:
             self._next_beat = now + self.settings.heartbeat_s
             self._heartbeat(pids, local, entries)
-        if self.settings.commands is not None and now >= self._next_commands:
+        if self._stop_orders is not None and now >= self._next_commands:
             self._next_commands = now + self.settings.share_s
-            self._obey_node_commands(worker_group)
+            self._stop_orders.obey(worker_group, self.watched_ranks())
         if now >= self._next_share:
             self._next_share = now + self.settings.share_s
             world = self._share_flight(worker_group, entries)
@@ -246,68 +228,6 @@ class NodeAgent(LocalElasticAgent):
                     (self._restart_count(), report.iteration) not in self._reported:
                 self._on_hang(report, pids, local, worker_group)
         return result
-
-    # ---- node commands -----------------------------------------------------------------------------
-
-    def _obey_node_commands(self, worker_group: WorkerGroup) -> None:
-        """Read the stop orders addressed to this node (node 0 also answers for nodes the round does
-        not have), acknowledge those it will not obey, and obey the rest. A ``join`` is a spare's
-        to answer (trainer/agent/commands.py's ``JoinOrders``), not a running node's."""
-        commands = self.settings.commands
-        assert commands is not None
-        node, nodes = worker_group.group_rank or 0, worker_group.group_world_size or 1
-        round_ = rendezvous_round(worker_group.spec.rdzv_handler)
-
-        def addressed(c: NodeCommand) -> bool:
-            return c.action == "stop" and (c.node == node or (node == 0 and c.node >= nodes))
-
-        for command in commands.read(addressed):
-            status, detail = commands.judge(command, round_)
-            refusal = self._node_command_refusal(command, node, nodes) if status is None else ""
-            if refusal:
-                status, detail = AckStatus.FAILED, refusal
-            if status is not None:
-                commands.ack(command, round_, status, detail)
-                continue
-            self._stop_node(worker_group, commands, command, round_)
-
-    def _node_command_refusal(self, command: NodeCommand, node: int, nodes: int) -> str:
-        """Why this running node cannot obey a command that passed the fence ("" : it can)."""
-        if command.node >= nodes:
-            return f"the job has no node {command.node} in this round: its nodes are 0–{nodes - 1}"
-        if nodes > 1 and (node == 0 or self.settings.hosts_rendezvous):
-            return (f"node {node} hosts the job's rendezvous and its ranks' store, so stopping it would end the job; "
-                    "stop another node, or stop the job (SIGTERM to every agent)")
-        return ""
-
-    def _stop_node(self, worker_group: WorkerGroup, commands: NodeCommands, command: NodeCommand, round_: int) -> None:
-        """SIGTERM every rank of this node (its process group), SIGKILL what is left after the
-        grace, acknowledge, and end the agent (:class:`NodeStopped`): its peers see it go as a
-        death and, under ``--on-failure shrink``, go on without its ranks (presence.py)."""
-        ranks = [w.global_rank for w in worker_group.workers]
-        watch = self.watched_ranks()
-        grace = self.settings.stop_grace_s
-        print(f"resihp run: node {worker_group.group_rank} stops its ranks {ranks} on command {command.command_id}"
-              f"{f' ({command.reason})' if command.reason else ''}: SIGTERM, SIGKILL after {grace:g} s",
-              file=sys.stderr, flush=True)
-        running = [lr for lr in range(len(worker_group.workers)) if watch.exit_code(lr) is None]
-        for lr in running:
-            watch.signal_rank(lr, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(watch.exit_code(lr) is None for lr in running):
-            time.sleep(0.05)
-        killed = sorted(worker_group.workers[lr].global_rank for lr in running if watch.exit_code(lr) is None)
-        for lr in running:
-            if watch.exit_code(lr) is None:
-                watch.signal_rank(lr, signal.SIGKILL)
-        while any(watch.exit_code(lr) is None for lr in running):
-            time.sleep(0.05)
-        termed = sorted(set(worker_group.workers[lr].global_rank for lr in running) - set(killed))
-        detail = f"node {worker_group.group_rank} stopped its ranks {ranks}"
-        detail += f"; {termed} exited on SIGTERM" if termed else ""
-        detail += f"; {killed} were SIGKILLed after {grace:g} s" if killed else ""
-        commands.ack(command, round_, AckStatus.APPLIED, detail, ranks)
-        raise NodeStopped(command, detail)
 
     # ---- in-job recovery (on_failure="shrink") ----------------------------------------------------
 
@@ -406,28 +326,6 @@ class NodeAgent(LocalElasticAgent):
                               report=telemetry.publish if telemetry is not None else None)
         records.refused = self._refused
         return records
-
-    def _publish_recoveries(self) -> None:
-        """The recoveries this node's new-world rank 0 reported: one JSON line and one
-        ``telemetry.recovery`` event per phase."""
-        for path in sorted(self.flight_dir.glob("recovery-g*.json")):
-            rec = json.loads(path.read_text())
-            path.unlink()
-            self.recoveries.append(rec)
-            since = 0.0
-            for phase in PHASES:
-                duration = rec["durations_s"].get(phase)
-                if duration is None:
-                    continue
-                since += duration if phase != "detected" else 0.0
-                print(json.dumps({"event": "recovery", "mode": "shrink", "generation": rec["generation"],
-                                  "phase": phase, "duration_s": round(duration, 4),
-                                  "since_detected_s": round(since, 4), "world": rec["world"], "lost": rec["lost"]}),
-                      file=sys.stderr, flush=True)
-                if self.settings.telemetry is not None:
-                    self.settings.telemetry.publish(RecoveryPhase(
-                        generation=rec["generation"], phase=phase, duration_s=duration, since_detected_s=since,
-                        iteration=rec["step"], world=rec["world"], lost=rec["lost"], failed_op=rec["failed_op"]))
 
     def _heartbeat(self, pids: dict[int, int], local: dict[int, int], entries: dict[int, FlightEntry]) -> None:
         telemetry = self.settings.telemetry
