@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from collector.events import ChunkKind, CommOp, FaultCategory, TracingDeclared
+from collector.events import ChunkKind, CommOp, FaultCategory, PlanCurrent, RankIteration, TracingDeclared
 from collector.profiler_import import ImportProblem, Layout, RankLayout, import_traces, read_kineto
 from collector.trace import TraceWriter, read_trace
 from resihp.cli import main
@@ -62,12 +62,14 @@ def _pipeline_worker(rank: int, port: int, out: str) -> None:
                     x, y = saved[mb]
                     if rank == 1:
                         y.sum().backward()
+                        assert x.grad is not None
                         dist.send(x.grad, dst=0)
                     else:
                         grad = torch.empty(16, 32)
                         dist.recv(grad, src=1)
                         y.backward(grad)
             for p in layer.parameters():
+                assert p.grad is not None
                 dist.all_reduce(p.grad)
             prof.step()
     prof.export_chrome_trace(os.path.join(out, f"rank{rank}.json"))
@@ -107,7 +109,9 @@ def test_a_real_profiled_pipeline_job_imports_as_one_report_per_rank_per_step(pr
     assert _import(profiled_job, out) == 0
     events = read_trace(out)
     assert [e.kind for e in events[:2]] == ["plan.current", "telemetry.tracing"]
-    plan = events[0].payload.plan
+    current = events[0].payload
+    assert isinstance(current, PlanCurrent)
+    plan = current.plan
     assert plan.shape() == "TP1·PP2·DP1" and plan.global_microbatches == MICROBATCHES
     assert [plan.role_of(r).stage for r in (0, 1)] == [0, 1]
     declared = events[1].payload
@@ -115,7 +119,7 @@ def test_a_real_profiled_pipeline_job_imports_as_one_report_per_rank_per_step(pr
     assert declared.dialect == "profiler" and declared.traced_ranks is None
     assert (declared.seq_lens, declared.tokens) == (False, False)
 
-    reports = [e.payload for e in events if e.kind == "telemetry.iteration"]
+    reports = [e.payload for e in events if isinstance(e.payload, RankIteration)]
     steps = sorted({r.iteration for r in reports})
     assert steps == list(range(WAIT_STEPS + WARMUP_STEPS, WAIT_STEPS + WARMUP_STEPS + ACTIVE_STEPS))
     assert sorted((r.iteration, r.rank) for r in reports) == [(s, r) for s in steps for r in (0, 1)]
@@ -174,7 +178,7 @@ def test_a_step_without_micro_batch_spans_becomes_one_forward_and_one_backward(t
     (tmp_path / "a.json").write_text(json.dumps(_kineto(0, events)))
     layout = Layout(microbatches=1, num_layers=1, ranks=[RankLayout(rank=0, pp=0)])
     result = import_traces([tmp_path / "a.json"], layout, job="j")
-    (report,) = [e.payload for e in result.events if e.kind == "telemetry.iteration"]
+    (report,) = [e.payload for e in result.events if isinstance(e.payload, RankIteration)]
     assert report.iteration == 7 and report.wall_s == pytest.approx(100e-6)
     assert [(c.kind, round(c.start_s * 1e6), round(c.duration_s * 1e6)) for c in report.chunks] == [
         (ChunkKind.FORWARD, 0, 50), (ChunkKind.BACKWARD, 50, 35)]
@@ -189,8 +193,9 @@ def test_gpipe_spans_give_chunks_and_a_recv_inside_a_forward_is_waiting_not_comp
     layout = Layout(microbatches=1, num_layers=2, ranks=[RankLayout(rank=0, pp=0), RankLayout(rank=1, pp=1)])
     result = import_traces([tmp_path / "rank1.json"], layout, job="j")
     declared = result.events[1].payload
+    assert isinstance(declared, TracingDeclared)
     assert declared.traced_ranks == [1]  # rank 0 has no trace: not traced, not dead
-    (report,) = [e.payload for e in result.events if e.kind == "telemetry.iteration"]
+    (report,) = [e.payload for e in result.events if isinstance(e.payload, RankIteration)]
     assert [(c.kind, round(c.duration_s * 1e6)) for c in report.chunks] == [
         (ChunkKind.FORWARD, 400 - 305), (ChunkKind.BACKWARD, 200 - 40)]
     assert [(w.op, w.peer, w.microbatch, round(w.duration_s * 1e6)) for w in report.waits().rows()] == [
@@ -329,6 +334,7 @@ def test_a_ranks_profiling_cycles_in_several_gzipped_files_import_as_one_series(
     result = import_traces(trace_files([tmp_path]), layout, job="j")
     assert result.steps == [4, 8]
     declared = result.events[1].payload
+    assert isinstance(declared, TracingDeclared)
     assert (declared.step_every, declared.step_offset, declared.traced_ranks) == (4, 0, None)
     with pytest.raises(ImportProblem, match="rank 0 step 4 again"):
         import_traces(trace_files([tmp_path, tmp_path / "host_0.pt.trace.json.gz"]), layout, job="j")
@@ -350,5 +356,5 @@ def test_an_all_reduce_is_tensor_parallel_only_when_the_layout_or_the_trace_says
     ranks = [RankLayout(rank=r * tp + t, tp=t, dp=r, pp=0) for r in range(4) for t in range(tp)]
     layout = Layout(microbatches=1, num_layers=1, ranks=ranks)
     (report,) = [e.payload for e in import_traces([tmp_path / "rank0.json"], layout, job="j").events
-                 if e.kind == "telemetry.iteration"]
+                 if isinstance(e.payload, RankIteration)]
     assert [w.op for w in report.waits().rows()] == [inside, CommOp.DP_ALLREDUCE]
