@@ -15,8 +15,8 @@ from collector.auth import Gate, Keyring, KeyFileError, create_keys, load_keyrin
 from collector.codec import decode, encode
 from collector.embedded import EmbeddedBus
 from collector.events import (
-    ControlRejected, Envelope, EventFactory, Evidence, FaultCategory, IncidentOpened, IterationSummary, Location, PlanDecision,
-    PlanProposed, PolicyChanged, PolicyMode, ProbeRequest, Severity,
+    CommandAck, ControlRejected, Envelope, EventFactory, Evidence, FaultCategory, IncidentOpened, IterationSummary, Location,
+    PlanCurrent, PlanDecision, PlanProposed, PolicyChanged, PolicyMode, ProbeRequest, ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
 from collector.plan_lifecycle import PlanLifecycle, PlanStatus, fold
@@ -24,6 +24,7 @@ from collector.stream import EventStream
 from remediation.engine import EngineConfig, RemediationEngine
 from remediation.lifecycle import reaction_id
 from remediation.model import PlannerModel
+from tests.fixtures.payloads import payload_as, payloads_as
 from tests.fixtures.signing import Authors, signed
 from trainer.integration import CommandListener, new_command
 
@@ -139,7 +140,7 @@ def test_the_engine_acts_on_no_forged_incident_policy_or_decision_and_reports_ea
         bus.publish([forged_policy, forged_incident, forged_incident])  # a republished forgery: one report
         engine.poll_once()
         assert not engine.state.incidents and not engine.state.plans and engine.state.policy_mode == PolicyMode.PROPOSE
-        rejected = {e.payload.event_id: e.payload for e in _rejections(bus)}
+        rejected = {r.event_id: r for r in payloads_as(_rejections(bus), ControlRejected)}
         assert set(rejected) == {forged_policy.id, forged_incident.id} and len(_rejections(bus)) == 2
         assert all(r.reader == "remediation" and r.reason.startswith("unsigned") for r in rejected.values())
 
@@ -154,7 +155,7 @@ def test_the_engine_acts_on_no_forged_incident_policy_or_decision_and_reports_ea
         bus.publish([forged_decision, wrong_key])
         engine.poll_once()
         assert record.status == PlanStatus.PROPOSED and record.decided_by is None
-        reasons = {e.payload.event_id: e.payload.reason for e in _rejections(bus)}
+        reasons = {r.event_id: r.reason for r in payloads_as(_rejections(bus), ControlRejected)}
         assert forged_decision.id in reasons and "only console/engine" in reasons[wrong_key.id]
 
         bus.publish([Authors(JOB).make(record.decision(approve=True, actor="ui:alice"))])
@@ -186,7 +187,7 @@ def test_the_listener_runs_no_forged_command_and_no_probe_over_its_bounds(tmp_pa
         unsigned_probe = EventFactory(JOB, "rank-1").make(ProbeRequest(probe_id="u", ranks=[1]))
         bus.publish([forged, tampered, huge, stranger, unsigned_probe])
         assert listener.poll() is None and listener.take_probes() == [] and not listener.acks
-        reasons = {e.payload.event_id: e.payload.reason for e in _rejections(bus)}
+        reasons = {r.event_id: r.reason for r in payloads_as(_rejections(bus), ControlRejected)}
         assert set(reasons) == {forged.id, tampered.id, huge.id, stranger.id, unsigned_probe.id}
         assert "10,000,000 repeats" in reasons[huge.id] and "[99]" in reasons[stranger.id]
         assert "does not verify" in reasons[tampered.id]
@@ -236,9 +237,9 @@ def test_a_simulator_process_executes_no_forged_command_and_reports_each(tmp_pat
     try:
         with EmbeddedBus(path) as bus:
             events = _wait_for(bus, "the simulator's plan.current", lambda evs: any(e.kind == "plan.current" for e in evs))
-            (start,) = [e for e in events if e.kind == "plan.current"]
-            nxt = start.payload.plan.model_copy(update={"epoch": start.payload.plan.epoch + 1})
-            run = start.payload.run
+            (start,) = [e.payload for e in events if isinstance(e.payload, PlanCurrent)]
+            nxt = start.plan.model_copy(update={"epoch": start.plan.epoch + 1})
+            run = start.run
             forged = EventFactory("guarded", "mallory").make(new_command(nxt, "mallory", run=run))
             wrong_role = load_keyring().sign(EventFactory("guarded", "analytics").make(new_command(nxt, "a", run=run)),
                                              "analytics")
@@ -257,9 +258,10 @@ def test_a_simulator_process_executes_no_forged_command_and_reports_each(tmp_pat
             bus.publish([good, probe])
             events = _wait_for(bus, "the signed command's ack and the probe's rejection",
                                lambda evs: any(e.kind == "command.ack" for e in evs) and probe.id in rejected(evs))
-        acks = [e.payload for e in events if e.kind == "command.ack"]
-        assert [(a.command_id, a.status.value) for a in acks] == [(good.payload.command_id, "applied")]
-        assert [e.payload.plan.epoch for e in events if e.kind == "plan.current"] == [0, 1]
+        acks = [e.payload for e in events if isinstance(e.payload, CommandAck)]
+        assert [(a.command_id, a.status.value) for a in acks] == [
+            (payload_as(good, ReconfigureCommand).command_id, "applied")]
+        assert [e.payload.plan.epoch for e in events if isinstance(e.payload, PlanCurrent)] == [0, 1]
         reasons = {e.payload.event_id: e.payload.reason for e in events if isinstance(e.payload, ControlRejected)}
         assert "unsigned" in reasons[forged.id] and "only engine/executor" in reasons[wrong_role.id]
         assert "does not verify" in reasons[tampered.id] and "10,000,000 repeats" in reasons[probe.id]
@@ -280,8 +282,8 @@ def test_the_launchers_intake_queues_only_signed_commands_and_bounded_probes() -
     hang = analytics.make(ProbeRequest(probe_id="hang", ranks=[0], repeats=10**7))
     assert not intake.offer_event(forged) and not intake.offer_event(forged) and not intake.queue
     assert intake.admit_probe(hang) is None
-    assert [(r.payload.event_id, r.payload.reader) for r in intake.rejections()] == [(forged.id, "trainer"),
-                                                                                   (hang.id, "trainer")]
+    assert [(r.event_id, r.reader) for r in payloads_as(intake.rejections(), ControlRejected)] == [
+        (forged.id, "trainer"), (hang.id, "trainer")]
     assert intake.rejections() == []  # once per event id
     good = signed(EventFactory(JOB, "remediation").make(new_command(nxt, "p1", run=intake.run)))
     own = load_keyring().sign(EventFactory(JOB, "trainer").make(new_command(nxt, "launcher-drop-3", run=intake.run)),
@@ -317,6 +319,6 @@ def test_a_flood_of_forgeries_leaves_each_reader_bounded_and_reports_each_forger
         fold([event], state)
     assert len(gate.rejected) == len(state.rejected) == 50
     assert set(gate.rejected) == {e.id for e in forgeries[-50:]}
-    reported = [e.payload.event_id for e in gate.take()]
+    reported = [r.event_id for r in payloads_as(gate.take(), ControlRejected)]
     assert len(reported) == len(set(reported)) == 400  # every forgery once, the returning ten not again
     assert len(state.reports) <= 1_000 and state.reports[-1].message.startswith("not authenticated")
