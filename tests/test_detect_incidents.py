@@ -11,7 +11,8 @@ import pytest
 from analytics.detection.config import DetectorConfig
 from analytics.detection.fail_stop import LivenessChange
 from analytics.detection.incident_keys import COMM_KEY, IncidentKey, UNTRACED_KEY
-from analytics.detection.incidents import IncidentBook, Suspect
+from analytics.detection.incidents import IncidentBook
+from analytics.detection.open_incident import Suspect
 from collector.events import (
     FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated, ProbeRequest, ProbeResult,
 )

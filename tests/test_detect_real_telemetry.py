@@ -10,7 +10,8 @@ import numpy as np
 from analytics.detection.detector import Detector
 from analytics.detection.config import DetectorConfig
 from analytics.detection.incident_keys import IncidentKey
-from analytics.detection.incidents import IncidentBook, Suspect
+from analytics.detection.incidents import IncidentBook
+from analytics.detection.open_incident import Suspect
 from analytics.detection.scoring import group_median, group_quantile, group_quantile_low
 from collector.events import (
     Chunk, CommWait, Coords, EventFactory, IncidentConfirmed, IncidentOpened, IncidentUpdated, IterationPrediction,

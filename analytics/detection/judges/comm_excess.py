@@ -20,7 +20,7 @@ import numpy as np
 from analytics.detection.judges.base import FrameView, JobContext
 from analytics.detection.frame import IterationFrame
 from analytics.detection.incident_keys import COMM_KEY, UNTRACED_KEY
-from analytics.detection.incidents import Suspect
+from analytics.detection.open_incident import Suspect
 from analytics.detection.scoring import FrameScore
 from analytics.detection.untraced import HiddenExcess, stage_factors_for
 from collector.events import Payload

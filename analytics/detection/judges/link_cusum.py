@@ -19,7 +19,7 @@ from analytics.detection.judges.noise import fast_side_sigma
 from analytics.detection.config import DetectorConfig
 from analytics.detection.frame import IterationFrame
 from analytics.detection.incident_keys import IncidentKey
-from analytics.detection.incidents import Suspect
+from analytics.detection.open_incident import Suspect
 from analytics.detection.scoring import FrameScore
 from collector.events import Payload
 

@@ -18,7 +18,7 @@ import numpy as np
 from analytics.detection.judges.base import FrameView, JobContext
 from analytics.detection.frame import IterationFrame
 from analytics.detection.incident_keys import IncidentKey
-from analytics.detection.incidents import Suspect
+from analytics.detection.open_incident import Suspect
 from analytics.detection.scoring import FrameScore, chunk_slowdown, fit_ranks
 from collector.events import Payload
 

@@ -8,7 +8,7 @@ import math
 from analytics.detection.judges.base import FrameView, JobContext
 from analytics.detection.incident_keys import COMM_KEY, UNTRACED_KEY
 from analytics.detection.incident_keys import IncidentKey
-from analytics.detection.incidents import Suspect
+from analytics.detection.open_incident import Suspect
 from analytics.detection.untraced import HiddenExcess, UntracedSweep
 from collector.events import Payload, ProbeResult
 
@@ -51,7 +51,7 @@ class SweepJudge:
 
     def result(self, job: JobContext) -> list[Payload]:
         """A sweep's answers, once complete: the slowest rank, if it stands out as a probe's naming
-        must (``IncidentBook.probe_bar``), opens a compute incident on itself, sized by the probe.
+        must (``IncidentProbes.bar``), opens a compute incident on itself, sized by the probe.
 
         Why the probe's size: the job's lateness, the only other measure of an untraced rank, is
         within the untraced replicas' swing for the slowdowns only a sweep finds, and sized through
@@ -64,7 +64,7 @@ class SweepJudge:
         if not ratios:
             return []
         worst = max(ratios, key=lambda r: ratios[r])
-        ratio, bar = ratios[worst], book.probe_bar(ratios)
+        ratio, bar = ratios[worst], book.probes.bar(ratios)
         epoch = sweep.epoch
         plan = job.plan(epoch)
         role = plan.roles.get(worst) if plan is not None else None
