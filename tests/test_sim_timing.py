@@ -8,8 +8,8 @@ import pytest
 from analytics.detection.schedule import (
     closed_form_1f1b_s, closed_form_interleaved_s, closed_form_zero_bubble_s, op_table, pipeline_timing,
 )
-from collector.events import Envelope, RankIteration
-from collector.plan import Plan
+from collector.events import Envelope, FaultInjected, Heartbeat, RankIteration
+from collector.plan import Plan, Schedule
 from trainer.sim.engine import NOISE_OFF, SimConfig, SimEngine
 from trainer.fault_spec import FaultSpec
 from trainer.sim.presets import ClusterSpec, ModelSpec
@@ -22,18 +22,18 @@ MODEL = ModelSpec(name="uniform", layers=16, hidden=2048, heads=16, vocab=8)
 FAST = dict(intra_node_gbps=1e9, inter_node_gbps=1e9, link_latency_s=0.0, layer_overhead_s=0.0)
 
 
-def _engine(schedule: str, pp: int, mb: int, *, v: int = 1, dp: int = 1, faults: list[FaultSpec] | None = None,
+def _engine(schedule: Schedule, pp: int, mb: int, *, v: int = 1, dp: int = 1, faults: list[FaultSpec] | None = None,
             noise=NOISE_OFF, seed: int = 0) -> SimEngine:  # noqa: ANN001
     plan = Plan.uniform(tp=1, pp=pp, dp=dp, num_layers=MODEL.layers, microbatches_per_replica=mb,
                         schedule=schedule, virtual_stages=v)
-    cfg = SimConfig(model=MODEL, cluster=ClusterSpec(gpus=pp * dp, **FAST), workload=WORKLOAD_PRESETS["uniform"],
-                    noise=noise, plan=plan, seed=seed)
+    cluster = ClusterSpec.model_validate({"gpus": pp * dp, **FAST})
+    cfg = SimConfig(model=MODEL, cluster=cluster, workload=WORKLOAD_PRESETS["uniform"], noise=noise, plan=plan, seed=seed)
     return SimEngine(cfg, faults)
 
 
 def _rank_iters(events: list[Envelope], iteration: int) -> dict[int, RankIteration]:
     return {e.payload.rank: e.payload for e in events
-            if e.kind == "telemetry.iteration" and e.payload.iteration == iteration}
+            if isinstance(e.payload, RankIteration) and e.payload.iteration == iteration}
 
 
 def _chunk_time(ri: RankIteration, kind: str) -> float:
@@ -85,7 +85,7 @@ def test_fail_slow_lengthens_iteration_by_what_the_dag_predicts(factor: float) -
     # Only the slowed stage's chunks got longer; the others wait instead.
     assert _chunk_time(slow[2], "F") == pytest.approx(factor * _chunk_time(healthy[2], "F"), rel=0.01)
     assert _chunk_time(slow[1], "F") == pytest.approx(_chunk_time(healthy[1], "F"), rel=0.01)
-    truth = [e.payload for e in events if e.kind == "truth.fault"]
+    truth = [e.payload for e in events if isinstance(e.payload, FaultInjected)]
     assert len(truth) == 1 and truth[0].location.rank == 2 and truth[0].start_iteration == 2
 
 
@@ -94,15 +94,15 @@ def test_fail_stop_silences_the_rank_and_hangs_the_job() -> None:
     fault = FaultSpec(kind="stop_device", device=1, at_iteration=3)
     engine = _engine("1f1b", pp, mb, dp=dp, faults=[fault])
     before = engine.run(3)
-    assert {e.payload.rank for e in before if e.kind == "telemetry.iteration"} == {0, 1, 2, 3}
+    assert {e.payload.rank for e in before if isinstance(e.payload, RankIteration)} == {0, 1, 2, 3}
     after: list[Envelope] = []
     for _ in range(5):
         after += engine.step()
     assert engine.iteration == 3  # nothing completes while a rank of the plan is dead
-    assert not [e for e in after if e.kind == "telemetry.iteration"]
-    beats = [e.payload.rank for e in after if e.kind == "telemetry.heartbeat"]
+    assert not [e for e in after if isinstance(e.payload, RankIteration)]
+    beats = [e.payload.rank for e in after if isinstance(e.payload, Heartbeat)]
     assert beats and 1 not in beats and {0, 2, 3} <= set(beats)
-    assert [e.payload.category for e in after if e.kind == "truth.fault"] == ["fail_stop"]
+    assert [e.payload.category for e in after if isinstance(e.payload, FaultInjected)] == ["fail_stop"]
 
 
 def test_elastic_restart_drops_the_dead_replica_and_keeps_the_batch() -> None:
@@ -110,7 +110,7 @@ def test_elastic_restart_drops_the_dead_replica_and_keeps_the_batch() -> None:
     engine = _engine("1f1b", 2, 4, dp=2, faults=[fault])
     engine = SimEngine(engine.config.model_copy(update={"restart_after_s": 30.0}), [fault])
     events = engine.run(5)
-    late = [e.payload for e in events if e.kind == "telemetry.iteration" and e.payload.iteration == 4]
+    late = [e.payload for e in events if isinstance(e.payload, RankIteration) and e.payload.iteration == 4]
     assert {p.rank for p in late} == {2, 3} and {p.epoch for p in late} == {1}
     assert engine.plan.global_microbatches == 8 and engine.plan.dp == 1
 
