@@ -73,9 +73,9 @@ def test_a_reshape_seen_only_in_heartbeats_is_a_pause_not_a_hung_job() -> None:
     miss does not apply to a rank whose partition is a few seconds behind within the new epoch."""
     watch = FailStopWatch(DetectorConfig())
     iteration = _steady(watch, 20.0)
-    assert watch._stall_from_s(HB_S) < float("inf")
+    assert watch.stall_from_s(HB_S) < float("inf")
     watch.heartbeat(Heartbeat(rank=0, epoch=1, iteration=iteration, interval_s=HB_S), 22.0)
-    assert watch._stall_from_s(HB_S) == float("inf")
+    assert watch.stall_from_s(HB_S) == float("inf")
 
 
 def test_a_rank_whose_first_heartbeat_is_late_is_waited_for_while_its_peers_heartbeat() -> None:

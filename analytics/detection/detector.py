@@ -39,7 +39,8 @@ from analytics.detection.judges.prediction import PredictionJudge
 from analytics.detection.judges.rank_cusum import RankCusum
 from analytics.detection.judges.sweep import SweepJudge
 from analytics.detection.config import DetectorConfig
-from analytics.detection.fail_stop import FailStopWatch, distinct
+from analytics.detection.fail_stop import FailStopWatch
+from analytics.detection.fail_stop_progress import distinct
 from analytics.detection.frame import IterationFrame, LayerLookup, build_frame
 from analytics.detection.hidden_stop import HiddenStopWatch
 from analytics.detection.incidents import IncidentBook
