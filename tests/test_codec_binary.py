@@ -77,7 +77,7 @@ def test_a_json_record_written_before_binary_records_still_decodes() -> None:
     (LIVE[:3] + b"\x07" + LIVE[4:], "wire format 7 (this build reads 1)"),
     (LIVE[:8] + b"\xfe" + LIVE[9:], "binary record's header is not UTF-8"),
     (LIVE[:8] + b"[" + LIVE[9:], "invalid event"),
-])
+], ids=["cut", "padded", "prefix", "header", "format", "utf8", "json"])  # stable ids: LIVE holds a random event id
 def test_a_corrupt_binary_record_is_refused_with_its_reason(raw: bytes, reason: str) -> None:
     with pytest.raises(InvalidEvent, match=reason.replace("(", r"\(").replace(")", r"\)")) as err:
         decode(raw)
