@@ -46,7 +46,7 @@ from collector.events import (
 from collector.plan import Plan
 from collector.replica_drop import drop_replicas
 from trainer.integration import probe_refusal
-from trainer.sim.faults import ActiveFault, FaultEffects, FaultSpec, truth_event_payload
+from trainer.sim.faults import ActiveFault, FaultSchedule, FaultSpec, truth_event_payload
 from trainer.sim.presets import ClusterSpec, ModelSpec
 from trainer.sim.telemetry import (
     Dialect, DeterministicEvents, dialect_rank_iterations, replica_rank_iterations, tracing_of,
@@ -124,10 +124,7 @@ class SimEngine:
         self.events = DeterministicEvents(c.job)
         self.keyring = load_keyring()  # signs its acknowledgements as the executor, its ranks' probe results as rank
         self.run_id = c.run or "sim-" + hashlib.sha256(f"{c.job}/{c.seed}".encode()).hexdigest()[:16]
-        self._pending = [(f.id or f"fault-{i}", f) for i, f in enumerate(faults or [])]
-        self.active: list[ActiveFault] = []
-        self.history: list[ActiveFault] = []
-        self._effects = FaultEffects.of([], c.cluster)
+        self.faults = FaultSchedule(faults or [], c.cluster)
         self._block: Block | None = None
         self._next_heartbeat_s = 0.0
         self._hang_started_s: float | None = None
@@ -153,42 +150,26 @@ class SimEngine:
 
     # ---- faults ------------------------------------------------------------------------------
 
-    def _triggered(self, spec: FaultSpec, iteration: int, t_s: float) -> bool:
-        return (spec.at_iteration is not None and iteration >= spec.at_iteration) or (
-            spec.at_s is not None and t_s >= spec.at_s)
+    @property
+    def active(self) -> list[ActiveFault]:
+        return self.faults.active
 
-    def _ended(self, f: ActiveFault, iteration: int, t_s: float) -> bool:
-        s = f.spec
-        return (s.duration_iterations is not None and iteration >= f.start_iteration + s.duration_iterations) or (
-            s.duration_s is not None and t_s >= f.start_s + s.duration_s)
+    @property
+    def history(self) -> list[ActiveFault]:
+        """Every fault that started, in order."""
+        return self.faults.history
 
     def _update_faults(self) -> list[Envelope]:
-        out = []
-        k, t = self.iteration, self.now_s
-        for f in [f for f in self.active if self._ended(f, k, t)]:
-            f.end_iteration = k
-            self.active.remove(f)
-            out.append(self._truth(f))
-        for fid, spec in [p for p in self._pending if self._triggered(p[1], k, t)]:
-            self._pending.remove((fid, spec))
-            f = ActiveFault(spec, fid, k, t)
-            if spec.duration_iterations is not None:
-                f.end_iteration = k + spec.duration_iterations
-            self.active.append(f)
-            self.history.append(f)
-            out.append(self._truth(f))
-        if out:
-            self._effects = FaultEffects.of(self.active, self.config.cluster)
+        """The faults' changes now, as their truth events; a change drops the block computed under
+        the faults before it."""
+        changed = self.faults.update(self.iteration, self.now_s)
+        if changed:
             self._block = None
-        return out
+        return [self._truth(f) for f in changed]
 
     def _truth(self, f: ActiveFault) -> Envelope:
         payload: FaultInjected = truth_event_payload(f, self.config.cluster, self.plan)
         return self.events.make("simulator", payload, self._abs(self.now_s))
-
-    def _changes_at(self, iteration: int, t_s: float) -> bool:
-        return any(self._triggered(s, iteration, t_s) for _, s in self._pending) or any(
-            self._ended(f, iteration, t_s) for f in self.active)
 
     @property
     def hanging_for_s(self) -> float:
@@ -197,7 +178,7 @@ class SimEngine:
 
     @property
     def dead(self) -> set[int]:
-        return self._effects.dead
+        return self.faults.effects.dead
 
     def _abs(self, t_s: float) -> float:
         return self.config.start_time_s + t_s
@@ -250,7 +231,7 @@ class SimEngine:
         """The block holding the current iteration, computed when the last one ran out (or a
         fault or a plan change dropped it)."""
         if self._block is None or not (self._block.first <= self.iteration < self._block.first + self._block.n):
-            self._block = self._timing.block(self.iteration, self.now_s, self._effects, self._changes_at)
+            self._block = self._timing.block(self.iteration, self.now_s, self.faults.effects, self.faults.changes_at)
         return self._block
 
     def _iteration_events(self, block: Block, j: int) -> list[Envelope]:
@@ -303,15 +284,9 @@ class SimEngine:
         end = self.now_s + seconds
         events = self._update_faults()
         while self.now_s < end:
-            self.now_s = min(end, self._next_heartbeat_s, self._next_fault_change_s())
+            self.now_s = min(end, self._next_heartbeat_s, self.faults.next_change_s(self.now_s))
             events += self._update_faults() + self._heartbeats()
         return events
-
-    def _next_fault_change_s(self) -> float:
-        """When the next timed fault starts or ends (inf when none is due after now)."""
-        times = [s.at_s for _, s in self._pending if s.at_s is not None]
-        times += [f.start_s + f.spec.duration_s for f in self.active if f.spec.duration_s is not None]
-        return min((t for t in times if t > self.now_s), default=math.inf)
 
     def _restart_without_dead(self) -> None:
         """Open loop only: what an elastic launcher does — drop every replica that lost a device
@@ -396,7 +371,7 @@ class SimEngine:
     def probe(self, request: ProbeRequest) -> list[Envelope]:
         """Each live rank runs a fixed workload alone; dead ranks do not answer."""
         out = self._update_faults()
-        c, eff = self.config, self._effects
+        c, eff = self.config, self.faults.effects
         rng = np.random.default_rng([c.seed, self.iteration, zlib.crc32(request.probe_id.encode()), 2])
         longest = 0.0
         for d in request.ranks:

@@ -14,6 +14,7 @@ re-published with the same ``fault_id`` and its ``end_iteration`` when it ends (
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from collector.events import FaultInjected, Location
@@ -106,3 +107,61 @@ class FaultEffects:
     def compute_factor(self, devices: tuple[int, ...]) -> float:
         """A TP group runs in lock-step: it is as slow as its slowest member."""
         return max((self.compute.get(d, 1.0) for d in devices), default=1.0)
+
+
+class FaultSchedule:
+    """The scripted faults of one run: those yet to start (``pending``), the ``active`` ones,
+    every one that started (``history``), and the active ones' combined ``effects``. A fault
+    starts when its iteration or time comes and ends after its duration; the engine asks
+    :meth:`update` at every iteration boundary and clock move, and cuts its blocks of iterations
+    where :meth:`changes_at` says the faults change."""
+
+    def __init__(self, faults: list[FaultSpec], cluster: ClusterSpec) -> None:
+        self.cluster = cluster
+        self.pending = [(f.id or f"fault-{i}", f) for i, f in enumerate(faults)]
+        self.active: list[ActiveFault] = []
+        self.history: list[ActiveFault] = []
+        self.effects = FaultEffects.of([], cluster)
+
+    @staticmethod
+    def _triggered(spec: FaultSpec, iteration: int, t_s: float) -> bool:
+        return (spec.at_iteration is not None and iteration >= spec.at_iteration) or (
+            spec.at_s is not None and t_s >= spec.at_s)
+
+    @staticmethod
+    def _ended(f: ActiveFault, iteration: int, t_s: float) -> bool:
+        s = f.spec
+        return (s.duration_iterations is not None and iteration >= f.start_iteration + s.duration_iterations) or (
+            s.duration_s is not None and t_s >= f.start_s + s.duration_s)
+
+    def update(self, iteration: int, t_s: float) -> list[ActiveFault]:
+        """End the faults due to end and start the ones due to start, at ``iteration`` and ``t_s``
+        (simulated seconds); returns those that ended, then those that started (each one's truth
+        is published again)."""
+        changed = []
+        for f in [f for f in self.active if self._ended(f, iteration, t_s)]:
+            f.end_iteration = iteration
+            self.active.remove(f)
+            changed.append(f)
+        for fid, spec in [p for p in self.pending if self._triggered(p[1], iteration, t_s)]:
+            self.pending.remove((fid, spec))
+            f = ActiveFault(spec, fid, iteration, t_s)
+            if spec.duration_iterations is not None:
+                f.end_iteration = iteration + spec.duration_iterations
+            self.active.append(f)
+            self.history.append(f)
+            changed.append(f)
+        if changed:
+            self.effects = FaultEffects.of(self.active, self.cluster)
+        return changed
+
+    def changes_at(self, iteration: int, t_s: float) -> bool:
+        """Whether a fault would start or end at ``iteration`` and ``t_s``."""
+        return any(self._triggered(s, iteration, t_s) for _, s in self.pending) or any(
+            self._ended(f, iteration, t_s) for f in self.active)
+
+    def next_change_s(self, now_s: float) -> float:
+        """When the next timed fault starts or ends after ``now_s`` (inf when none is due)."""
+        times = [s.at_s for _, s in self.pending if s.at_s is not None]
+        times += [f.start_s + f.spec.duration_s for f in self.active if f.spec.duration_s is not None]
+        return min((t for t in times if t > now_s), default=math.inf)
