@@ -99,8 +99,8 @@ def test_a_signed_stop_shrinks_the_job_and_a_signed_join_grows_it_back_and_nothi
         engine = factory(JOB, "remediation")
 
         def order(command_id: str, **kw: object) -> NodeCommand:
-            return NodeCommand(command_id=command_id, **{"node": node, "action": "stop", "round": round_, "run": RUN,
-                                                         "expires_at_s": time.time() + COMMAND_TTL_S, **kw})
+            return NodeCommand.model_validate({"command_id": command_id, "node": node, "action": "stop", "round": round_,
+                                               "run": RUN, "expires_at_s": time.time() + COMMAND_TTL_S, **kw})
 
         forged = EventFactory(JOB, "remediation").make(order("forged"))  # no signature
         bus.publish([forged, engine.make(order("stale", round=round_ + 1)), engine.make(order("host", node=0)),
