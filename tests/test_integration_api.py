@@ -19,6 +19,7 @@ from collector.embedded import EmbeddedBus
 from collector.events import (AckStatus, CommandAck, Coords, Heartbeat, IterationSummary, PlanCurrent,
                               ProbeRequest, ProbeResult, RankIteration, ReconfigureCommand)
 from collector.plan import Plan
+from tests.fixtures.payloads import payload_as
 from tests.fixtures.signing import factory
 from trainer.integration import (CommandListener, EpochFence, ResiHPReporter, best_seconds, coords_in, new_command,
                                  probe_answer, seq_lens_from_cu_seqlens)
@@ -165,8 +166,8 @@ def test_a_blocked_bus_never_blocks_the_loop_and_overflow_drops_the_oldest() -> 
     assert reporter.dropped == 30 - 4  # the queue holds the newest 4 of the 30 iteration reports
     bus.release.set()
     reporter.close()
-    iterations = [decode(m.value).payload.iteration for m in bus.published if m.topic == topics.TELEMETRY
-                  and b"telemetry.iteration" in m.value]
+    iterations = [payload_as(decode(m.value), RankIteration).iteration for m in bus.published
+                  if m.topic == topics.TELEMETRY and b"telemetry.iteration" in m.value]
     assert iterations[-4:] == [26, 27, 28, 29]  # the newest survive
 
 
@@ -238,7 +239,7 @@ def test_listener_fails_a_plan_its_check_refuses_and_keeps_the_running_epoch(tmp
     with EmbeddedBus(path) as bus, CommandListener("job-a", _plan(), bus=bus, check=check, run=RUN) as listener:
         _publish_commands(path, "job-a", [wrong, right])
         got = listener.poll(timeout_s=1.0)
-        assert got.command_id == right.command_id
+        assert got is not None and got.command_id == right.command_id
         listener.ack_failed(got, "rendezvous timed out")
         with pytest.raises(ValueError, match="not the one awaiting"):
             listener.ack_applied(got, pause_s=1.0)
@@ -264,10 +265,12 @@ def test_probe_answer_is_against_the_median_and_only_for_asked_ranks() -> None:
     request = ProbeRequest(probe_id="p", ranks=[4, 5], target="compute")
     everyone = [1.0, 1.1, 0.9, 1.0, 1.05, 3.0, 1.0, 0.95]  # rank 5 is slow; the median ignores it
     slow, peer = probe_answer(request, 5, 3.0, everyone), probe_answer(request, 4, 1.05, everyone)
+    assert slow is not None and peer is not None
     assert (slow.rank, slow.duration_s, slow.reference_s) == (5, 3.0, 1.0)
     assert peer.duration_s / peer.reference_s == pytest.approx(1.05)
     assert probe_answer(request, 0, 1.0, everyone) is None
     alone = probe_answer(ProbeRequest(probe_id="l", ranks=[0], target="link"), 0, 0.0, [0.0])
+    assert alone is not None
     assert (alone.duration_s, alone.reference_s) == (0.0, 1.0)  # nothing to time: not slow
     with pytest.raises(ValueError, match="needs every rank's time"):
         probe_answer(request, 5, 3.0, [])
@@ -278,7 +281,11 @@ def test_best_seconds_keeps_the_fastest_repeat_and_syncs_around_each() -> None:
     delays = iter([0.03, 0.002, 0.02])
     import time as _time
 
-    seconds = best_seconds(lambda: (calls.append("run"), _time.sleep(next(delays))), 3, sync=lambda: calls.append("sync"))
+    def run() -> None:
+        calls.append("run")
+        _time.sleep(next(delays))
+
+    seconds = best_seconds(run, 3, sync=lambda: calls.append("sync"))
     assert 0.002 <= seconds < 0.02
     assert calls == ["sync", "run", "sync"] * 3
     with pytest.raises(ValueError, match="repeats must be at least 1"):
