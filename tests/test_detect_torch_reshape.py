@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from collector.events import IncidentOpened, IncidentResolved, PlanCurrent
 from analytics.service.offline import detect_events
 from collector.trace import read_trace
 
@@ -50,7 +51,7 @@ def test_the_trace_holds_the_reshapes_and_the_fault(outcome: tuple[list, list]) 
     assert [p.epoch for p in plans] == [0, 1, 2]
     assert 5 not in plans[1].devices and [p.microbatches for p in plans[1].pipelines] == [5, 3]
     assert 5 in plans[2].devices
-    first_iteration = {}
+    first_iteration: dict[int, int] = {}
     for e in events:
         if e.kind == "telemetry.iteration":
             first_iteration.setdefault(e.payload.epoch, e.payload.iteration)
@@ -76,13 +77,14 @@ def test_after_a_reshape_only_the_slow_rank_is_flagged_at_a_sane_factor(outcome:
 
 def test_the_demo_reshape_that_keeps_the_slow_rank_keeps_its_incident_open_at_its_factor() -> None:
     events = read_trace(HERE / "detect_torch_demo_reshape.parquet")
-    plans = [e.payload.plan for e in events if e.kind == "plan.current"]
+    plans = [e.payload.plan for e in events if isinstance(e.payload, PlanCurrent)]
     assert [p.epoch for p in plans] == [0, 1] and 5 in plans[1].devices
     assert plans[1].role_of(5).end_layer == 1 and [p.microbatches for p in plans[1].pipelines] == [5, 3]
     out = list(detect_events(events))
-    opened = [e.payload for e in out if e.kind == "incident.opened"]
+    opened = [e.payload for e in out if isinstance(e.payload, IncidentOpened)]
     assert [(p.iteration, p.locations[0].rank) for p in opened] == [(21, 5)], opened  # onset 20
-    assert not [e for e in out if e.kind == "incident.resolved"]  # still slow through epoch 1 (22-36)
+    # still slow through epoch 1 (22-36)
+    assert not [e for e in out if isinstance(e.payload, IncidentResolved)]
     factors = [loc.factor for e in out if e.kind.startswith("incident.") for loc in (getattr(e.payload, "locations",
                                                                                              None) or [])]
     assert all(1.5 <= f <= 6.0 for f in factors), factors

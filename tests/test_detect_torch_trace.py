@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from collector.events import FaultInjected, IncidentOpened, IterationPrediction, RankIteration
 from analytics.detection.config import DetectorConfig
 from analytics.service.offline import detect_events
 from collector.trace import read_trace
+from tests.fixtures.payloads import payloads_as
 
 HERE = Path(__file__).resolve().parent
 
@@ -20,11 +22,12 @@ HERE = Path(__file__).resolve().parent
 def _opened(name: str, config: DetectorConfig | None = None) -> list[tuple[int, int | None]]:
     events = read_trace(HERE / name)
     return [(e.payload.iteration, e.payload.locations[0].rank) for e in detect_events(events, config)
-            if e.kind == "incident.opened"]
+            if isinstance(e.payload, IncidentOpened)]
 
 
 def test_a_slow_torch_rank_is_found_within_three_iterations_despite_cpu_preemption() -> None:
-    truth = [e.payload for e in read_trace(HERE / "detect_torch_slow_rank6.parquet") if e.kind == "truth.fault"]
+    truth = [e.payload for e in read_trace(HERE / "detect_torch_slow_rank6.parquet")
+             if isinstance(e.payload, FaultInjected)]
     assert [(f.location.rank, f.start_iteration, f.location.factor) for f in truth] == [(6, 10, 2.0)]
     found = _opened("detect_torch_slow_rank6.parquet")
     assert found and found[0][1] == 6 and 10 <= found[0][0] <= 13, found
@@ -51,7 +54,7 @@ def test_a_torch_jobs_iterations_are_laid_out_whichever_way_its_micro_batches_ar
     from analytics.detection.prediction import predicted_iteration_s
 
     events = read_trace(HERE / "detect_torch_healthy.parquet")
-    reports = [e.payload for e in events if e.kind == "telemetry.iteration" and e.payload.iteration == 5]
+    reports = [e.payload for e in events if isinstance(e.payload, RankIteration) and e.payload.iteration == 5]
     frame = build_frame(reports)
     dp_c = frame.dp[frame.c_rank]
     assert not set(frame.c_mb[dp_c == 1].tolist()) & set(frame.c_mb[dp_c == 0].tolist())  # numbered globally
@@ -61,5 +64,5 @@ def test_a_torch_jobs_iterations_are_laid_out_whichever_way_its_micro_batches_ar
     assert global_s == predicted_iteration_s(local, local.c_own)
     assert global_s <= frame.wall_s.max()  # the measured chunks fit in the slowest rank's wall
 
-    predictions = [e.payload for e in detect_events(events, kinds_prefix=("analytics.prediction",))]
+    predictions = payloads_as(detect_events(events, kinds_prefix=("analytics.prediction",)), IterationPrediction)
     assert len(predictions) == 30 and all(p.predicted_s > 0 for p in predictions)

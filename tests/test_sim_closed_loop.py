@@ -10,13 +10,16 @@ import pytest
 from collector import topics
 from collector.embedded import EmbeddedBus
 from collector.epoch_fence import COMMAND_TTL_S
-from collector.events import AckStatus, Envelope, ProbeRequest, ReconfigureCommand
+from collector.events import (
+    AckStatus, CommandAck, Envelope, FaultInjected, Heartbeat, ProbeRequest, RankIteration, ReconfigureCommand,
+)
 from collector.plan import Plan
 from collector.stream import EventStream
 from trainer.sim.engine import SimConfig, SimEngine
 from trainer.fault_spec import FaultSpec
 from trainer.sim.presets import MODEL_PRESETS, ClusterSpec
 from trainer.sim.runner import SimulatorRunner
+from tests.fixtures.payloads import payload_as
 from tests.fixtures.signing import Authors
 
 MODEL = MODEL_PRESETS["tiny"]
@@ -70,7 +73,7 @@ def test_reconfigure_is_applied_acked_and_stale_or_duplicate_ones_ignored(tmp_pa
         assert "not newer" in acks[2].detail
         with EventStream(bus, "telemetry-check", [topics.TELEMETRY]) as s:
             late = [d.event.payload for d in s.poll(max_records=100_000, timeout_s=0.5)
-                    if d.event.kind == "telemetry.iteration"]
+                    if isinstance(d.event.payload, RankIteration)]
         assert {p.rank for p in late if p.epoch == 1} == set(range(8, 16))
     finally:
         runner.close()
@@ -118,12 +121,13 @@ def test_engine_is_steppable_in_process_and_fences_without_a_bus() -> None:
     engine.step()
     assert engine.iteration == 2  # hung on the dead device
     bad = Plan.uniform(tp=2, pp=2, dp=2, num_layers=MODEL.layers, microbatches_per_replica=4, epoch=1)
-    ack = engine.reconfigure(_command(bad, "uses-dead"))[0].payload
+    ack = payload_as(engine.reconfigure(_command(bad, "uses-dead"))[0], CommandAck)
     assert ack.status == AckStatus.FAILED and "dead" in ack.detail and engine.plan.epoch == 0
     good = Plan.uniform(tp=2, pp=2, dp=2, num_layers=MODEL.layers, microbatches_per_replica=4, epoch=1, first_device=8)
-    assert engine.reconfigure(_command(good, "ok"))[0].payload.status == AckStatus.APPLIED
+    assert payload_as(engine.reconfigure(_command(good, "ok"))[0], CommandAck).status == AckStatus.APPLIED
     skip = good.model_copy(update={"epoch": 3})
-    assert engine.reconfigure(_command(skip, "skip"))[0].payload.status == AckStatus.IGNORED_STALE  # out of order: ignored, reported
+    skipped = payload_as(engine.reconfigure(_command(skip, "skip"))[0], CommandAck)
+    assert skipped.status == AckStatus.IGNORED_STALE  # out of order: ignored, reported
     engine.run(2)
     assert engine.iteration == 4
 
@@ -139,7 +143,7 @@ def test_telemetry_of_replicas_with_different_stage_counts() -> None:
         StagePlan(devices=(6, 7), first_layer=4, end_layer=8)))
     plan = Plan.model_validate({**base.model_dump(), "pipelines": [base.pipelines[0].model_dump(), split.model_dump()]})
     engine = SimEngine(SimConfig(model=MODEL, cluster=ClusterSpec(gpus=8), plan=plan, job="shapes"))
-    reports = [e.payload for e in engine.step() if e.kind == "telemetry.iteration"]
+    reports = [e.payload for e in engine.step() if isinstance(e.payload, RankIteration)]
     assert sorted(r.rank for r in reports) == list(range(8))
     dp = {r.rank: next(c.bytes for c in r.waits().rows() if c.op == "dp_allreduce") for r in reports}
     assert dp[4] == dp[5] == 2 * MODEL.params_per_layer * MODEL.bytes_per_value  # 2 layers, TP 1
@@ -158,9 +162,9 @@ def test_downtime_keeps_the_clock_the_faults_and_the_heartbeats_in_step() -> Non
     assert not [e for e in events if e.kind in ("telemetry.iteration", "iteration.summary")]
     t0 = engine.config.start_time_s
     truth = [(e.payload.category.value, e.payload.end_iteration is None, e.time_s - t0)
-             for e in events if e.kind == "truth.fault"]
+             for e in events if isinstance(e.payload, FaultInjected)]
     assert truth == [("fail_slow", True, 20.0), ("fail_stop", True, 45.0), ("fail_slow", False, 50.0)]
-    beats = [(e.payload.rank, e.time_s - t0) for e in events if e.kind == "telemetry.heartbeat"]
+    beats = [(e.payload.rank, e.time_s - t0) for e in events if isinstance(e.payload, Heartbeat)]
     assert {t for r, t in beats if r == 3} == {10.0, 20.0, 30.0, 40.0}
     assert {t for r, t in beats if r == 4} == {10.0 * k for k in range(1, 11)}
     with pytest.raises(ValueError, match="non-negative"):

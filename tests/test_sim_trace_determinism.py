@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from collector.events import FaultInjected, Heartbeat, IterationSummary, RankIteration, ReshapePhase
 from collector.trace import read_trace
 from resihp.cli import main
 from trainer.sim.scenario import load_scenario
@@ -48,17 +49,19 @@ def test_trace_holds_telemetry_and_ground_truth(tmp_path: Path) -> None:
     events = read_trace(_simulate(tmp_path, "a", seed=3))
     kinds = {e.kind for e in events}
     assert {"telemetry.iteration", "telemetry.summary", "telemetry.heartbeat", "truth.fault"} <= kinds
-    truth = [e.payload for e in events if e.kind == "truth.fault"]
+    truth = [e.payload for e in events if isinstance(e.payload, FaultInjected)]
     assert {t.fault_id for t in truth} == {"fault-0", "fault-1"}
     assert any(t.end_iteration == 10 for t in truth if t.fault_id == "fault-0")
     node = [t for t in truth if t.fault_id == "fault-1"][0]
     assert node.location.target == "node" and node.location.node == 1
     # After the node died, nothing from its devices (8..15); the job restarts on node 0.
-    t_dead = min(e.time_s for e in events if e.kind == "truth.fault" and e.payload.fault_id == "fault-1")
+    t_dead = min(e.time_s for e in events
+                 if isinstance(e.payload, FaultInjected) and e.payload.fault_id == "fault-1")
     late = [e for e in events if e.time_s > t_dead and e.kind.startswith("telemetry.")
             and e.kind != "telemetry.summary"]
-    assert late and all(e.payload.rank < 8 for e in late)
-    summaries = [e.payload for e in events if e.kind == "telemetry.summary"]
+    assert late and all(isinstance(e.payload, (RankIteration, Heartbeat, ReshapePhase)) and e.payload.rank < 8
+                       for e in late)
+    summaries = [e.payload for e in events if isinstance(e.payload, IterationSummary)]
     assert [s.iteration for s in summaries] == list(range(20))
     assert summaries[-1].epoch == 1
 
