@@ -8,6 +8,7 @@ Kafka tests are never skipped.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -46,7 +47,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     tier = config.getoption("--tier")
     if tier == "all":
         return
-    keep, drop = [], []
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
     for item in items:
         slow = any(item.get_closest_marker(mark) for mark in NEEDS)
         (keep if slow == (tier == "slow") else drop).append(item)
@@ -211,7 +213,17 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         broker.down(data_dir=data_dir)
 
 
-BusFactory = Callable[[], Bus]
+@dataclasses.dataclass(frozen=True)
+class BusFactory:
+    """Opens a bus onto one test's log when called; ``backend`` and ``spec`` name that log, so a
+    child process the test starts can open it too."""
+
+    open: Callable[[], Bus]
+    backend: str
+    spec: dict[str, str | None]
+
+    def __call__(self) -> Bus:
+        return self.open()
 
 
 @pytest.fixture(params=["embedded", pytest.param("kafka", marks=pytest.mark.kafka)])
@@ -236,11 +248,10 @@ def bus_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BusF
             opened.append(KafkaBus(bootstrap, namespace=namespace))
             return opened[-1]
 
-    make.backend = request.param
-    make.spec = {"backend": request.param, "path": str(tmp_path / "bus.sqlite"),
-                 "bootstrap": request.getfixturevalue("kafka_bootstrap") if request.param == "kafka" else None,
-                 "namespace": namespace if request.param == "kafka" else ""}
-    yield make
+    spec = {"backend": request.param, "path": str(tmp_path / "bus.sqlite"),
+            "bootstrap": request.getfixturevalue("kafka_bootstrap") if request.param == "kafka" else None,
+            "namespace": namespace if request.param == "kafka" else ""}
+    yield BusFactory(make, request.param, spec)
     for bus in opened:
         bus.close()
 
@@ -257,7 +268,7 @@ def _recording_argv(into: list[list[str]]) -> Iterator[None]:
     given (its /proc cmdline, read once the broker runs)."""
     real_init = subprocess.Popen.__init__
 
-    def recording_init(self, args, *rest, **kwargs):  # type: ignore[no-untyped-def]
+    def recording_init(self, args, *rest, **kwargs):
         into.append([str(a) for a in ([args] if isinstance(args, (str, bytes, os.PathLike)) else args)])
         real_init(self, args, *rest, **kwargs)
 
