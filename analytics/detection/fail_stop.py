@@ -218,8 +218,7 @@ class FailStopWatch:
 
     def ingest(self, kind: np.ndarray, rank: np.ndarray, epoch: np.ndarray, iteration: np.ndarray,
                time_s: np.ndarray, interval_s: np.ndarray) -> list[LivenessChange] | None:
-        """A shard's batch of rows, applied as arrays (``fail_stop_batch.ingest``); None when only
-        the one-by-one rules settle it."""
+        """A shard's batch of rows as arrays (``fail_stop_batch.ingest``; None: apply them one by one)."""
         return fail_stop_batch.ingest(self, kind, rank, epoch, iteration, time_s, interval_s)
 
     # ---- dead and alive -------------------------------------------------------------------------
