@@ -20,6 +20,7 @@ from collector.events import (
     RankHealth, RankIteration, RankState, TracingDeclared,
 )
 from collector.plan import Plan
+from tests.fixtures.payloads import payload_as
 
 TP, PP, DP, M = 2, 2, 2, 4
 
@@ -135,11 +136,11 @@ def test_a_probe_measured_location_says_so_and_a_chunk_measured_one_is_written_a
     probed = incident(Location(target="compute", rank=9, factor=2.0, measure="compute"))
     body = json.loads(encode(probed))
     assert body["schema_version"] == 2 and body["payload"]["locations"][0]["measure"] == "compute"
-    assert decode(encode(probed)).payload.locations[0].measure == "compute"
+    assert payload_as(decode(encode(probed)), IncidentOpened).locations[0].measure == "compute"
     chunks = json.loads(encode(incident(Location(target="compute", rank=9, factor=2.0))))
     assert "measure" not in chunks["payload"]["locations"][0]
     chunks["schema_version"] = 1
-    assert decode(json.dumps(chunks).encode()).payload.locations[0].measure == "chunks"
+    assert payload_as(decode(json.dumps(chunks).encode()), IncidentOpened).locations[0].measure == "chunks"
     body["payload"]["locations"][0]["measure"] = "flops"
     with pytest.raises(InvalidEvent, match="measure"):
         decode(json.dumps(body).encode())
@@ -147,12 +148,12 @@ def test_a_probe_measured_location_says_so_and_a_chunk_measured_one_is_written_a
 
 def test_the_schema_3_and_schema_4_forms_of_a_record_read_and_frame_the_same() -> None:
     ev = job(1)[1]
-    p = ev.payload
+    p = payload_as(ev, RankIteration)
     body = json.loads(encode(ev))
     old = dict(body, schema_version=3)
     old["payload"] = {k: v for k, v in body["payload"].items() if k != "comm_table"}
     old["payload"]["comm"] = [w.model_dump(mode="json") for w in p.waits().rows()]
-    legacy = decode(json.dumps(old).encode()).payload
+    legacy = payload_as(decode(json.dumps(old).encode()), RankIteration)
     assert legacy.comm and not len(legacy.comm_table)
     assert legacy.waits().rows() == p.waits().rows() and len(p.waits()) >= 2
     a, b = build_frame([p]), build_frame([legacy])
@@ -178,7 +179,7 @@ def test_unknown_token_counts_are_null_on_the_wire_and_never_zero() -> None:
     ev = job(1, tokens=False)[1]
     body = json.loads(encode(ev))
     assert set(body["payload"]["chunk_table"]["tokens"]) == {None}
-    assert decode(encode(ev)).payload.chunks[0].tokens is None
+    assert payload_as(decode(encode(ev)), RankIteration).chunks[0].tokens is None
     with pytest.raises(ValidationError):
         Chunk(kind="F", microbatch=0, tokens=-1, start_s=0.0, duration_s=1.0)
 
@@ -332,7 +333,8 @@ def test_projections_and_the_rank_store_take_the_new_fields() -> None:
         projection.apply(conn, deliveries)
     assert conn.execute("SELECT count(*) FROM events WHERE kind = 'telemetry.tracing'").fetchone() == (1,)
     assert conn.execute("SELECT count(*), count(tokens) FROM chunks").fetchone() == (3 * len(TP0_ONLY) * 2 * M, 0)
-    assert conn.execute("SELECT min(pp_wait_s) FROM rank_iterations").fetchone()[0] == pytest.approx(0.002)
+    row = conn.execute("SELECT min(pp_wait_s) FROM rank_iterations").fetchone()
+    assert row is not None and row[0] == pytest.approx(0.002)
     assert conn.execute("SELECT count(DISTINCT rank) FROM rank_health WHERE state = 'not_traced'").fetchone() == (4,)
     factors = RankFactors()
     for e in events:

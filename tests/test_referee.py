@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from collector.events import FaultCategory, FaultInjected, Location
 from resihp import referee
+
+
+class _Window(TypedDict):
+    """The run a fault is judged in: ``referee.detects``'s keyword arguments."""
+
+    gpus_per_node: int
+    iterations: int
+    before: int
+    after: int
 
 
 @dataclass
@@ -32,7 +42,7 @@ def test_a_fault_hits_its_device_not_its_tp_group_and_a_node_hits_all_its_device
 
 def test_detection_needs_category_window_and_a_shared_device():
     f = _fault(Location(target="compute", rank=5, tp_group=(4, 5)))
-    ok = dict(gpus_per_node=8, iterations=100, before=1, after=5)
+    ok = _Window(gpus_per_node=8, iterations=100, before=1, after=5)
     assert referee.detects(f, _Inc(12, "fail_slow", [Location(target="compute", tp_group=(4, 5))]), **ok)
     assert not referee.detects(f, _Inc(12, "fail_stop", [Location(target="compute", rank=5)]), **ok)
     assert not referee.detects(f, _Inc(12, "fail_slow", [Location(target="compute", rank=4)]), **ok)

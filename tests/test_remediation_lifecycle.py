@@ -63,7 +63,7 @@ def test_full_happy_path_reaches_verified():
     assert s.plans["p1"].status == PlanStatus.APPLIED and s.running_epoch == 1 and s.running_plan == PLAN1
     s = fold([F.make(IterationSummary(epoch=1, iteration=i, tokens=100, wall_s=1.0)) for i in range(10, 16)], s)
     (key, verdict), = reactions(s, Verification(iterations=5, warmup_iterations=1))
-    assert key == "verified/p1" and verdict.measured_tokens_per_s == 100.0
+    assert key == "verified/p1" and isinstance(verdict, PlanVerified) and verdict.measured_tokens_per_s == 100.0
     s = fold([F.make(verdict)], s)
     assert s.plans["p1"].status == PlanStatus.VERIFIED and reactions(s) == []
 
@@ -72,7 +72,7 @@ def test_measured_throughput_below_prediction_rolls_back():
     s = fold([proposed(predicted=200.0), decision(), command(), ack()], state0())
     s = fold([F.make(IterationSummary(epoch=1, iteration=i, tokens=100, wall_s=1.0)) for i in range(6)], s)
     (key, verdict), = reactions(s)
-    assert key == "rolled_back/p1" and "below the predicted" in verdict.reason
+    assert key == "rolled_back/p1" and isinstance(verdict, PlanRolledBack) and "below the predicted" in verdict.reason
     s = fold([F.make(verdict)], s)
     assert s.plans["p1"].status == PlanStatus.ROLLED_BACK
 
@@ -126,7 +126,7 @@ def test_auto_policy_approves_only_listed_severities():
     assert reactions(s) == []
     s = fold([proposed("p2", severity=Severity.CRITICAL)], s)
     (key, d), = reactions(s)
-    assert key == "decision/p2" and d.approve and d.actor == "policy:auto"
+    assert key == "decision/p2" and isinstance(d, PlanDecision) and d.approve and d.actor == "policy:auto"
 
 
 def test_default_policy_proposes_and_waits():
@@ -178,7 +178,7 @@ def test_a_mis_scaled_model_does_not_roll_back_a_plan_that_gained_as_predicted()
     s = _applied(current=1_000.0, predicted=1_500.0, before_tokens=100)
     s = fold(_summaries(1, 20, 6, 150), s)
     (key, verdict), = reactions(s)
-    assert key == "verified/p1" and verdict.measured_tokens_per_s == 150.0
+    assert key == "verified/p1" and isinstance(verdict, PlanVerified) and verdict.measured_tokens_per_s == 150.0
 
 
 def test_a_stalled_iteration_neither_rolls_back_a_good_plan_nor_passes_a_bad_one():
@@ -221,11 +221,15 @@ def test_a_plan_answering_an_incident_that_got_worse_is_judged_against_the_layou
     faulted = _summaries(0, 0, 10, 2_000) + [_opened_at(10)] + _summaries(0, 10, 8, 1_000)
     applied = [prop, decision(), command(), ack()] + _summaries(1, 20, 6, 945)
     s = fold(faulted + [worse] + _summaries(0, 18, 2, 900) + applied, state0())
-    ok, _, why = verdict(s, s.plans["p1"])
+    judged = verdict(s, s.plans["p1"])
+    assert judged is not None
+    ok, _, why = judged
     assert ok and "(900 → 945 tokens/s)" in why
     # an update no sample of the old layout followed: the samples since the opening are all there is
     s = fold(faulted + [worse] + applied, state0())
-    ok, _, why = verdict(s, s.plans["p1"])
+    judged = verdict(s, s.plans["p1"])
+    assert judged is not None
+    ok, _, why = judged
     assert not ok and "(1,000 → 945 tokens/s)" in why
 
 
@@ -248,7 +252,8 @@ def test_a_plan_that_gained_less_than_predicted_rolls_back_whatever_the_scale():
     s = _applied(current=100.0, predicted=150.0, before_tokens=100)
     s = fold(_summaries(1, 20, 6, 110), s)  # ×1.1 against ×1.5
     (key, verdict), = reactions(s)
-    assert key == "rolled_back/p1" and "×1.100" in verdict.reason and "×1.500" in verdict.reason
+    assert key == "rolled_back/p1" and isinstance(verdict, PlanRolledBack)
+    assert "×1.100" in verdict.reason and "×1.500" in verdict.reason
 
 
 def _short_of_220(measured: int):

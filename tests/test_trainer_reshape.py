@@ -72,7 +72,7 @@ def _events(path: Path, topic: str) -> list:
         return out
 
 
-def _losses(tmp: Path) -> dict[int, tuple[int, float]]:
+def _losses(tmp: Path) -> dict[int, tuple[int, float | None]]:
     """iteration -> (epoch, loss) from the IterationSummary events."""
     return {e.payload.iteration: (e.payload.epoch, e.payload.loss)
             for e in _events(tmp / "bus.sqlite", topics.TELEMETRY) if isinstance(e.payload, IterationSummary)}
@@ -221,6 +221,7 @@ def test_trainer_survives_a_killed_rank_from_live_state(reference: Path, tmp_pat
     assert all(code == 0 for d, code in result.exit_codes.items() if d != 5)
     (ack,) = _acks(tmp_path)
     assert ack.status == AckStatus.APPLIED and ack.epoch == 1 and ack.pause_iterations >= 1
+    assert result.final_plan is not None
     assert 5 not in result.final_plan.devices and result.final_plan.dp == 1
     losses = _losses(tmp_path)
     assert losses[2][0] == 0 and losses[3][0] == 1, "iteration 3 was re-run under the new plan"
@@ -240,6 +241,7 @@ def test_a_dead_spare_leaves_the_plan_as_it_is_and_the_job_goes_on(reference: Pa
     assert all(code == 0 for d, code in result.exit_codes.items() if d != 8)
     (ack,) = _acks(tmp_path)
     assert ack.status == AckStatus.APPLIED and ack.epoch == 1 and ack.plan_id == "launcher-spare-8"
+    assert result.final_plan is not None
     assert result.final_plan.pipelines == BASE.pipelines and result.final_plan.epoch == 1
     _assert_same_training(tmp_path, reference)
 
@@ -280,6 +282,7 @@ def test_a_command_whose_device_dies_mid_reshape_fails_and_the_job_goes_on(kill:
     assert failed.command_id == doomed.command_id and failed.status == AckStatus.FAILED
     assert "device 3 died" in failed.detail and "names [3]" in failed.detail
     assert applied.status == AckStatus.APPLIED and applied.epoch == 1 and applied.plan_id.startswith("launcher-drop")
+    assert result.final_plan is not None
     assert result.final_plan.devices == [0, 1]
     _assert_same_training(tmp_path, reference)
 
@@ -323,6 +326,7 @@ def test_trainer_falls_back_to_the_latest_disk_checkpoint_when_no_live_copy_surv
     (ack,) = _acks(tmp_path)
     assert ack.status == AckStatus.APPLIED and "disk checkpoint" in ack.detail and "(iteration 4)" in ack.detail
     assert ack.pause_iterations >= 2, "iterations 4 and 5 were lost and re-run"
+    assert result.final_plan is not None
     assert [st.devices for st in result.final_plan.pipelines[0].stages] == [(0,), (2,)]
     assert sorted(p.name for p in (tmp_path / "final").glob("step-*")) == ["step-00000008", "step-00000010"]
     _assert_same_training(tmp_path, reference)
@@ -393,15 +397,18 @@ def test_pacing_pads_a_ranks_compute_not_the_tp_all_reduces_inside_its_chunks(tm
     for e in _events(tmp_path / "bus.sqlite", topics.TELEMETRY):
         if isinstance(e.payload, RankIteration) and e.payload.iteration >= 1:  # the first warms up
             reports.setdefault(e.payload.iteration, []).append(e.payload)
-    own, device = {0: [], 1: []}, {0: [], 1: []}
+    own: dict[int, list[float]] = {0: [], 1: []}
+    device: dict[int, list[float]] = {0: [], 1: []}
     for it in reports.values():
         frame = build_frame(it)  # its chunks: the reports' in rank order, each report's in its order
         for i, report in enumerate(sorted(it, key=lambda r: r.rank)):
             table = report.chunk_table
             for j, c in enumerate(np.flatnonzero(frame.c_rank == i)):
                 if table.kind[j] == "F":
+                    tokens = table.tokens[j]
+                    assert tokens is not None  # the job reports every chunk's tokens
                     own[report.rank].append(float(frame.c_own[c]))
-                    device[report.rank].append(paced_chunk_s(pace, layers=4, tp=2, tokens=table.tokens[j],
+                    device[report.rank].append(paced_chunk_s(pace, layers=4, tp=2, tokens=tokens,
                                                              seq_lens=table.seq_lens[j] or []))
     assert len(own[0]) == len(own[1]) == 12
     ratio = float(np.median(own[1]) / np.median(own[0]))
