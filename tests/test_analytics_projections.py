@@ -74,8 +74,8 @@ def test_the_consumer_publishes_incidents_and_its_own_tables_fold_them_back(tmp_
 
     bus = EmbeddedBus(tmp_path / "bus.sqlite")
     bus.publish(synth(slow={7: 1.4}, start=6, iterations=16, plan=True))  # plan.current, as producers announce it
-    pj = _project(bus, tmp_path / "a.duckdb", [DetectorProjection()])
-    det = pj.projections[-1]
+    det = DetectorProjection()
+    pj = _project(bus, tmp_path / "a.duckdb", [det])
     for _ in range(200):
         n = pj.step(max_records=150, timeout_s=0.05)
         det.flush_outbox(pj.conn, bus)
@@ -83,8 +83,8 @@ def test_the_consumer_publishes_incidents_and_its_own_tables_fold_them_back(tmp_
             break
     rows = pj.conn.execute("SELECT status, locations->>'$[0].rank' FROM incidents").fetchall()
     assert rows == [("confirmed", "7")]
-    assert pj.conn.execute("SELECT count(*) FROM predictions").fetchone()[0] == 16
-    assert pj.conn.execute("SELECT count(*) FROM detector_outbox").fetchone()[0] == 0
+    assert pj.conn.execute("SELECT count(*) FROM predictions").fetchall() == [(16,)]
+    assert pj.conn.execute("SELECT count(*) FROM detector_outbox").fetchall() == [(0,)]
     pj.close()
     with EventStream(bus, "reader", [topics.ANALYTICS]) as stream:
         kinds = [d.event.kind for d in stream.poll(10_000, 0.5)]
@@ -98,8 +98,8 @@ def _detect(bus, db: Path, config=None) -> Projector:
     """Run a consumer with the detector over everything on ``bus``, then close it."""
     from analytics.detection.config import DetectorConfig
 
-    pj = _project(bus, db, [DetectorProjection(config=config or DetectorConfig())])
-    det = pj.projections[-1]
+    det = DetectorProjection(config=config or DetectorConfig())
+    pj = _project(bus, db, [det])
     while pj.step(max_records=150, timeout_s=0.05) or pj.step(timeout_s=0.05):
         det.flush_outbox(pj.conn, bus)
     det.flush_outbox(pj.conn, bus)
@@ -117,11 +117,13 @@ def test_a_restarted_consumer_goes_on_under_the_detector_config_it_was_started_w
     bus.publish(events[: len(events) * 2 // 5])
     deaf = DetectorConfig(min_slowdown=5.0, min_alarm_factor=5.0)  # a ×1.4 rank is below its allowance
     pj = _detect(bus, tmp_path / "a.duckdb", deaf)
-    assert pj.conn.execute("SELECT count(*) FROM incidents").fetchone()[0] == 0
+    assert pj.conn.execute("SELECT count(*) FROM incidents").fetchall() == [(0,)]
     pj.close()
     bus.publish(events[len(events) * 2 // 5:])
     pj = _detect(bus, tmp_path / "a.duckdb")  # the default config
-    restored = pj.projections[-1].detectors["j"]
+    detector = pj.projections[-1]
+    assert isinstance(detector, DetectorProjection)
+    restored = detector.detectors["j"]
     assert restored.config == DetectorConfig()
     assert all(part.config is restored.config for part in (restored.book, restored.fail_stop, restored.arrival,
                                                            restored.costs))

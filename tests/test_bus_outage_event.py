@@ -19,6 +19,7 @@ from collector.embedded import EmbeddedBus
 from collector.events import BusOutage, Envelope, EventFactory
 from collector.stream import EventStream
 from ui.read_model import ReadModel
+from tests.fixtures.payloads import payload_as, payloads_as
 
 
 def _outage_events(bus: EmbeddedBus) -> list[Envelope]:
@@ -45,10 +46,10 @@ def test_an_outage_publishes_its_start_and_end_per_job_once_the_bus_is_back(tmp_
         guard.after_step(0, watches)
         assert not any(w.suspended for w in watches.values())
         events = _outage_events(bus)
-        by_job = {(e.job, e.payload.ended_s is None): e for e in events}
+        by_job = {(e.job, payload_as(e, BusOutage).ended_s is None): e for e in events}
         assert len(events) == 4 and set(by_job) == {("job-a", True), ("job-a", False), ("job-b", True), ("job-b", False)}
-        end = by_job[("job-a", False)].payload
-        assert end.outage_id == by_job[("job-a", True)].payload.outage_id and end.ranks_suspended == 3
+        end = payload_as(by_job[("job-a", False)], BusOutage)
+        assert end.outage_id == payload_as(by_job[("job-a", True)], BusOutage).outage_id and end.ranks_suspended == 3
         assert end.duration_s is not None and end.duration_s >= 0 and "connection refused" in end.reason
         assert all(load_keyring().verify(e) is None for e in events)  # signed as analytics
 
@@ -99,6 +100,6 @@ def test_an_outage_starts_at_the_clients_first_failure_even_when_seen_after_it_e
         consumer.health.mark_up()  # down and up again between two looks
         time.sleep(0.05)
         guard.after_step(0, watches)
-        (start, end) = sorted(_outage_events(bus), key=lambda e: e.payload.ended_s is not None)
-        assert start.payload.started_s == end.payload.started_s == failed_at
-        assert end.payload.duration_s is not None and end.payload.duration_s >= 0.05
+        (start, end) = sorted(payloads_as(_outage_events(bus), BusOutage), key=lambda o: o.ended_s is not None)
+        assert start.started_s == end.started_s == failed_at
+        assert end.duration_s is not None and end.duration_s >= 0.05

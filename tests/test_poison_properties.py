@@ -39,6 +39,7 @@ from collector.plan import Plan
 from collector.stream import EventStream
 from remediation.engine import EngineConfig, RemediationEngine
 from remediation.model import PlannerModel
+from tests.fixtures.payloads import payload_as
 from ui.read_model import ReadModel
 
 JOB = "poison"
@@ -160,9 +161,9 @@ def _is_valid(raw: bytes) -> bool:
 
 
 def _run_path(bus: EmbeddedBus, db: Path, model: ReadModel, stream: EventStream) -> Projector:
+    detector = DetectorProjection()
     projector = Projector(bus, db, GROUP, [topics.TELEMETRY, topics.ANALYTICS, topics.CONTROL],
-                          [EventLogProjection(), TelemetryProjection(), ControlProjection(), DetectorProjection()])
-    detector = projector.projections[-1]
+                          [EventLogProjection(), TelemetryProjection(), ControlProjection(), detector])
     engine = RemediationEngine(bus, EngineConfig(job=JOB), PlannerModel.uniform(4))
     try:
         for _ in range(4):
@@ -197,7 +198,7 @@ def test_any_log_reaches_the_console_with_each_valid_event_once_and_each_bad_rec
                              on_assign=lambda ps: {tp: 0 for tp in ps})
         projector = _run_path(bus, Path(tmp) / "a.duckdb", model, stream)
         try:
-            valid = {}
+            valid: dict[str, bytes] = {}
             for raw in log:
                 if _is_valid(raw):
                     valid.setdefault(json.loads(raw)["id"], raw)
@@ -206,8 +207,8 @@ def test_any_log_reaches_the_console_with_each_valid_event_once_and_each_bad_rec
                 assert rows.get(event_id) == 1, f"valid event {event_id!r} has {rows.get(event_id)} rows"
             extra = {i for i in rows if i not in valid}
             outputs = projector.conn.execute("SELECT count(*) FROM events WHERE source IN ('analytics', 'remediation') "
-                                             "AND id IN (SELECT unnest(?))", [sorted(extra)]).fetchone()[0]
-            assert outputs == len(extra), "rows that are neither a valid input nor a consumer's own output"
+                                             "AND id IN (SELECT unnest(?))", [sorted(extra)]).fetchone()
+            assert outputs is not None and outputs[0] == len(extra), "rows that are neither a valid input nor a consumer's own output"
             assert all(n == 1 for n in rows.values())
 
             letters = EventStream(bus, "dlq-reader", [topics.DEADLETTER], on_assign=lambda ps: {tp: 0 for tp in ps})
@@ -256,7 +257,7 @@ def test_a_dead_letter_of_a_record_at_the_bus_limit_fits_the_bus_and_keeps_a_dig
         (d,) = letters.poll(timeout_s=0.05)
         letters.close()
         bus.close()
-    letter = d.event.payload
+    letter = payload_as(d.event, DeadLetter)
     assert len(encode(d.event)) < MAX_EVENT_BYTES // 4
     assert letter.raw_length == len(raw) and letter.raw_sha256 == hashlib.sha256(raw).hexdigest()
     assert raw.startswith(base64.b64decode(letter.raw_b64)) and "not UTF-8" in letter.reason

@@ -24,6 +24,7 @@ from collector.events import (
 )
 from collector.plan import Plan
 from collector.stream import EventStream
+from tests.fixtures.payloads import payload_as, payloads_as
 from tests.fixtures.signing import factory
 from trainer.agent.commands import NodeCommands
 from trainer.reference.intake import CommandIntake
@@ -76,7 +77,8 @@ def test_a_fresh_listener_of_the_job_refuses_another_runs_command_an_expired_one
         current = _engine_command(_plan(1), listener.run, now)
         bus.publish([old_run, month_old, unnamed, current])
         got = listener.poll(timeout_s=1.0)
-        assert got is not None and got.command_id == current.payload.command_id  # the only one obeyed
+        # the only one obeyed
+        assert got is not None and got.command_id == payload_as(current, ReconfigureCommand).command_id
         listener.close()
         refused = _refusals(bus, "trainer")
         assert set(refused) == {old_run.id, month_old.id, unnamed.id}
@@ -115,17 +117,18 @@ def test_a_restarted_listener_of_the_same_run_keeps_its_fence(tmp_path: Path) ->
 
         # the loop restarts from a checkpoint taken at epoch 0 and resumes the same run
         restarted = CommandListener(JOB, _plan(), bus=bus, run=run)
-        assert restarted.fence.running_epoch == 1 and applied.payload.command_id in restarted.fence.seen
+        assert restarted.fence.running_epoch == 1
+        assert payload_as(applied, ReconfigureCommand).command_id in restarted.fence.seen
         again = factory(JOB, "remediation").make(applied.payload, time_s=now)  # republished: a new event id
         epoch_one = _engine_command(_plan(1, microbatches=3), run, now)  # an epoch the run already applied
         next_epoch = _engine_command(_plan(2), run, now)
         bus.publish([again, epoch_one, next_epoch])
         got = restarted.poll(timeout_s=1.0)
-        assert got is not None and got.command_id == next_epoch.payload.command_id
+        assert got is not None and got.command_id == payload_as(next_epoch, ReconfigureCommand).command_id
         restarted.close()
         acks = {a.command_id: a for a in _acked(bus) if a.status != AckStatus.APPLIED}
-        assert acks[applied.payload.command_id].status == AckStatus.IGNORED_DUPLICATE
-        assert acks[epoch_one.payload.command_id].status == AckStatus.IGNORED_STALE
+        assert acks[payload_as(applied, ReconfigureCommand).command_id].status == AckStatus.IGNORED_DUPLICATE
+        assert acks[payload_as(epoch_one, ReconfigureCommand).command_id].status == AckStatus.IGNORED_STALE
         assert all(a.run == run for a in _acked(bus))
 
 
@@ -136,8 +139,8 @@ def test_the_launchers_intake_refuses_a_command_of_another_run_and_an_expired_on
     expired = _engine_command(_plan(1), intake.run, now - MONTH_S)
     mine = _engine_command(_plan(1), intake.run, now)
     assert [intake.offer_event(e) for e in (other, expired, mine)] == [False, False, True]
-    assert [c.command_id for c in intake.queue] == [mine.payload.command_id]
-    assert {r.payload.event_id for r in intake.rejections()} == {other.id, expired.id}
+    assert [c.command_id for c in intake.queue] == [payload_as(mine, ReconfigureCommand).command_id]
+    assert {r.event_id for r in payloads_as(intake.rejections(), ControlRejected)} == {other.id, expired.id}
 
 
 def test_the_simulator_refuses_another_runs_command_and_judges_expiry_on_its_simulated_clock(tmp_path: Path) -> None:
