@@ -84,6 +84,7 @@ def test_sigkill_mid_batch_and_restart_gives_the_tables_of_a_clean_run(bus_facto
     rng = random.Random(3)
     for _ in range(3):
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        assert proc.stderr is not None
         wanted = rng.randint(1, 6)  # committed transactions before the kill, so it lands mid-stream
         seen = 0
         for line in proc.stderr:
@@ -96,17 +97,19 @@ def test_sigkill_mid_batch_and_restart_gives_the_tables_of_a_clean_run(bus_facto
         proc.wait()
         proc.stderr.close()
         with duckdb.connect(str(killed_db), read_only=True) as conn:
-            partial_counts.append(conn.execute("SELECT count(*) FROM chunks").fetchone()[0])
+            row = conn.execute("SELECT count(*) FROM chunks").fetchone()
+            assert row is not None
+            partial_counts.append(row[0])
     assert any(0 < c < total_chunks for c in partial_counts), f"no kill landed mid-stream: {partial_counts}"
     finished = subprocess.run(cmd, env=env, capture_output=True, timeout=300)
     assert finished.returncode == 0, finished.stderr.decode()[-2000:]
 
     clean_db = tmp_path / "clean.duckdb"  # one uninterrupted run, in this process
     with bus_factory() as bus:
-        clean = Projector(bus, clean_db, "clean", [topics.TELEMETRY, topics.ANALYTICS, topics.CONTROL],
-                          [EventLogProjection(), TelemetryProjection(), ControlProjection()])
-        clean.run(idle_exit_s=1.5)
-        clean.close()
+        projector = Projector(bus, clean_db, "clean", [topics.TELEMETRY, topics.ANALYTICS, topics.CONTROL],
+                              [EventLogProjection(), TelemetryProjection(), ControlProjection()])
+        projector.run(idle_exit_s=1.5)
+        projector.close()
 
     killed, clean = _snapshot(killed_db), _snapshot(clean_db)
     assert len(clean["chunks"]) == total_chunks

@@ -24,6 +24,7 @@ import duckdb
 import pytest
 
 from collector import topics
+from collector.bus import RawMessage
 from collector.events import Coords, EventFactory, Heartbeat, RankIteration
 from collector.stream import EventStream
 
@@ -69,6 +70,7 @@ def test_a_killed_publisher_loses_nothing_it_was_told_was_durable(bus_factory):
         [sys.executable, "-c", PUBLISHER, json.dumps(spec)],
         stdout=subprocess.PIPE, text=True, env=child_env(spec), cwd=ROOT,
     )
+    assert proc.stdout is not None
     acked: list[str] = []
     try:
         for _ in range(20):  # 20 acknowledged batches, then kill without warning
@@ -94,7 +96,7 @@ def test_analytics_killed_mid_stream_resumes_without_loss_or_duplicates(bus_fact
     spec = bus_factory.spec
     bus = bus_factory()
     factories = [EventFactory("job-crash", f"rank-{r}") for r in range(8)]
-    published = []
+    published: list[str] = []
     for it in range(150):
         batch = [
             f.make(RankIteration(epoch=0, iteration=it, rank=r, coords=Coords(tp=0, pp=r % 2, dp=r // 2),
@@ -114,6 +116,7 @@ def test_analytics_killed_mid_stream_resumes_without_loss_or_duplicates(bus_fact
         # after the next transaction.
         proc = subprocess.Popen(cmd, env=child_env(spec), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True)
+        assert proc.stderr is not None
         committed = 0
         while committed < 3:
             line = proc.stderr.readline()
@@ -142,12 +145,12 @@ def test_a_full_disk_on_the_embedded_bus_fails_the_publish_with_its_own_error_an
     from collector.embedded import EmbeddedBus, _table
 
     with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
-        bus.publish_raw([("t", None, b"first")])
+        bus.publish_raw([RawMessage("t", None, b"first")])
         (pages,) = bus._conn.execute("PRAGMA page_count").fetchone()
         bus._conn.execute(f"PRAGMA max_page_count = {pages + 2}")
         with pytest.raises(sqlite3.OperationalError, match="full"):
-            bus.publish_raw([("t", None, b"lost with the batch"), ("t", None, b"x" * 100_000)])
+            bus.publish_raw([RawMessage("t", None, b"lost with the batch"), RawMessage("t", None, b"x" * 100_000)])
         bus._conn.execute("PRAGMA max_page_count = 1073741823")
-        bus.publish_raw([("t", None, b"second")])
+        bus.publish_raw([RawMessage("t", None, b"second")])
         values = [v for (v,) in bus._conn.execute(f"SELECT value FROM {_table('t')} ORDER BY offset")]
     assert values == [b"first", b"second"]
