@@ -42,8 +42,15 @@ def publish(bus: EmbeddedBus, n: int, tag: str, size: int = 16) -> None:
     bus.publish_raw([RawMessage(topics.TELEMETRY, b"k", f"{tag}-{i}".encode().ljust(size, b".")) for i in range(n)])
 
 
+def embedded_consumer(bus: EmbeddedBus, group: str) -> embedded.EmbeddedConsumer:
+    """A consumer of the telemetry topic; the embedded one, which counts what retention took."""
+    consumer = bus.consumer(group, [topics.TELEMETRY])
+    assert isinstance(consumer, embedded.EmbeddedConsumer)
+    return consumer
+
+
 def read_all(consumer) -> list[bytes]:
-    out = []
+    out: list[bytes] = []
     while batch := consumer.poll(1_000, timeout_s=0.0):
         out.extend(r.value.rstrip(b".") for r in batch)
     return out
@@ -57,7 +64,7 @@ def test_retention_deletes_expired_records_as_publishing_goes_on(tmp_path, clock
     assert bus.consumer("g1", [topics.TELEMETRY]).poll(100, 0.0)[0].offset == 0
     clock.now += 20
     publish(bus, 5, "new")  # "old" is 70 s old: gone; "mid" is 20 s old: kept
-    consumer = bus.consumer("g2", [topics.TELEMETRY])
+    consumer = embedded_consumer(bus, "g2")
     assert read_all(consumer) == [f"mid-{i}".encode() for i in range(5)] + [f"new-{i}".encode() for i in range(5)]
     assert consumer.lost_to_retention == {TELEMETRY: 5}  # a new group starts at 0: those 5 are gone
     assert bus.end_offsets([topics.TELEMETRY]) == {TELEMETRY: 15}
@@ -85,7 +92,7 @@ def test_the_newest_record_stays_so_offsets_never_restart(tmp_path, clock):
 def test_a_consumer_behind_the_cut_continues_and_reports_what_it_lost(tmp_path, clock, caplog):
     bus = EmbeddedBus(tmp_path / "bus.sqlite")
     publish(bus, 10, "a")
-    consumer = bus.consumer("slow", [topics.TELEMETRY])
+    consumer = embedded_consumer(bus, "slow")
     assert len(consumer.poll(3, 0.0)) == 3
     consumer.commit()
     clock.now += 10
@@ -95,7 +102,7 @@ def test_a_consumer_behind_the_cut_continues_and_reports_what_it_lost(tmp_path, 
         assert read_all(consumer) == [b"b-0", b"b-1"]
     assert consumer.lost_to_retention == {TELEMETRY: 7}
     assert "group slow lost 7 offsets 3-9 of resihp.telemetry to retention" in caplog.text
-    resumed = bus.consumer("slow", [topics.TELEMETRY])  # from the committed offset 3: the same loss, once
+    resumed = embedded_consumer(bus, "slow")  # from the committed offset 3: the same loss, once
     assert read_all(resumed) == [b"b-0", b"b-1"] and resumed.lost_to_retention == {TELEMETRY: 7}
 
 
@@ -103,7 +110,7 @@ def test_seeking_to_the_beginning_of_a_trimmed_log_is_no_loss(tmp_path, clock):
     bus = EmbeddedBus(tmp_path / "bus.sqlite")
     publish(bus, 6, "a")
     bus.trim(topics.TELEMETRY, older_than_s=clock.now + 1)
-    consumer = bus.consumer("g", [topics.TELEMETRY])
+    consumer = embedded_consumer(bus, "g")
     consumer.seek_to_beginning()
     assert read_all(consumer) == [b"a-5"] and consumer.lost_to_retention == {}
 

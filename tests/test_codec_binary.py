@@ -19,6 +19,7 @@ from collector.codec import BINARY_MAGIC, InvalidEvent, decode, encode, encode_j
 from collector.events import DeadLetter, EventFactory, Heartbeat, LivenessBatch, ReplicaSummary
 from collector.stream import EventStream
 from collector.trace import EventHeader, TraceReader, TraceWriter
+from tests.fixtures.payloads import payload_as
 
 FACTORY = EventFactory("job-bin", "shard:s0")
 ROWS = np.array([[0, 5, 0, 3, 10.5, 0.0], [1, 6, 0, 4, 11.0, 2.0], [1, 7, 0, 4, 11.25, 2.0]])
@@ -31,7 +32,7 @@ def liveness_event():
 
 def summary_event():
     rng = np.random.default_rng(7)
-    arrays = {"rank": np.arange(128), "x": rng.normal(size=128), "x_f": rng.normal(size=128).astype(np.float32),
+    arrays: dict[str, np.ndarray] = {"rank": np.arange(128), "x": rng.normal(size=128), "x_f": rng.normal(size=128).astype(np.float32),
               "u_class": rng.integers(0, 4, size=32), "u_own": rng.random(32), "l_waits": np.ones(30)}
     arrays["x"][3] = np.nan  # "not judged" travels as it is
     layout, blob = pack(arrays)
@@ -50,7 +51,8 @@ def test_packed_payloads_travel_binary_round_trip_and_are_smaller_than_their_jso
         assert decode(raw) == event == decode(as_json)
         assert len(raw) < len(as_json)
         assert readable(raw) == as_json
-    arrays = unpack(*(lambda p: (p.layout, p.blob))(decode(encode(summary_event())).payload))
+    summary = payload_as(decode(encode(summary_event())), ReplicaSummary)
+    arrays = unpack(summary.layout, summary.blob)
     assert np.isnan(arrays["x"][3]) and arrays["rank"].tolist() == list(range(128))
     heartbeat = FACTORY.make(Heartbeat(rank=1, epoch=0, iteration=2, interval_s=1.0))
     assert encode(heartbeat) == encode_json(heartbeat)  # every other kind stays JSON
@@ -65,7 +67,7 @@ def test_a_json_record_written_before_binary_records_still_decodes() -> None:
                           blob=base64.b64encode(blob).decode("ascii"))
     assert "+" in doc["payload"]["blob"] and "/" in doc["payload"]["blob"]
     event = decode(json.dumps(doc).encode())
-    assert event.payload.blob == blob
+    assert payload_as(event, LivenessBatch).blob == blob
     assert json.loads(encode_json(event))["payload"]["blob"] == doc["payload"]["blob"]  # written back the same way
 
 

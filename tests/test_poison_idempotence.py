@@ -23,6 +23,7 @@ from collector.codec import MAX_EVENT_BYTES, encode
 from collector.events import DeadLetter
 from collector.stream import EventStream
 from collector.trace import TraceWriter, replay
+from tests.fixtures.payloads import payload_as
 
 TABLES = ("events", "chunks", "rank_iterations", "heartbeats", "ranks", "iterations", "incident_events",
           "plan_events", "predictions", "rank_health")
@@ -30,9 +31,9 @@ TABLES = ("events", "chunks", "rank_iterations", "heartbeats", "ranks", "iterati
 
 def _consume(bus: Bus, db: Path) -> Projector:
     """Fold everything on the bus, publishing the detector's output, until nothing new arrives."""
+    det = DetectorProjection()
     pj = Projector(bus, db, "analytics", [topics.TELEMETRY, topics.ANALYTICS, topics.CONTROL],
-                   [EventLogProjection(), TelemetryProjection(), ControlProjection(), DetectorProjection()])
-    det = pj.projections[-1]
+                   [EventLogProjection(), TelemetryProjection(), ControlProjection(), det])
     idle, started, deadline = 0, False, time.monotonic() + 120
     while idle < 8 and time.monotonic() < deadline:  # a Kafka consumer reads nothing until it is assigned
         moved = pj.step(max_records=2_000, timeout_s=0.3)
@@ -43,7 +44,12 @@ def _consume(bus: Bus, db: Path) -> Projector:
 
 
 def _counts(pj: Projector) -> dict[str, int]:
-    return {t: pj.conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in TABLES}
+    counts: dict[str, int] = {}
+    for table in TABLES:
+        row = pj.conn.execute(f"SELECT count(*) FROM {table}").fetchone()
+        assert row is not None
+        counts[table] = row[0]
+    return counts
 
 
 def _analytics_records(bus: Bus) -> int:
@@ -105,7 +111,7 @@ def test_a_dead_letter_of_a_record_at_the_size_limit_fits_the_bus(bus_factory) -
             break
     letters.close()
     (event,) = found
-    letter = event.payload
+    letter = payload_as(event, DeadLetter)
     assert len(encode(event)) < MAX_EVENT_BYTES // 4
     assert letter.raw_length == len(raw) and letter.raw_sha256 == hashlib.sha256(raw).hexdigest()
     assert "not UTF-8" in letter.reason and letter.group == "analytics"
