@@ -19,6 +19,7 @@ from collector.events import DetectorFits, EventFactory, Heartbeat, IncidentOpen
 from collector.kafka_bus import KafkaBus
 from collector.stream import EventStream
 from collector.topics import replica_partition
+from tests.fixtures.payloads import payload_as
 from test_detect_detector import opened, run, synth
 
 pytestmark = pytest.mark.kafka
@@ -98,10 +99,11 @@ def test_on_kafka_each_replica_lands_in_the_partition_its_rule_names(kafka_boots
         assert len(reports) == 6 * 6 * 2
         rule = {d: replica_partition(f"j/replica-{d}".encode(), topics.PARTITIONS[topics.TELEMETRY]) for d in range(6)}
         assert len(set(rule.values())) == 6  # six replicas, six partitions of the eight
-        assert {(d.event.payload.coords.dp, d.partition) for d in reports} == set(rule.items())
-        replica_of = {d.event.payload.rank: d.event.payload.coords.dp for d in reports}
+        placed = [(payload_as(d.event, RankIteration), d.partition) for d in reports]
+        assert {(report.coords.dp, partition) for report, partition in placed} == set(rule.items())
+        replica_of = {report.rank: report.coords.dp for report, _ in placed}
         beats = [d for d in got if isinstance(d.event.payload, Heartbeat) and d.event.payload.rank in replica_of]
-        assert beats and all(d.partition == rule[replica_of[d.event.payload.rank]] for d in beats)
+        assert beats and all(d.partition == rule[replica_of[payload_as(d.event, Heartbeat).rank]] for d in beats)
     finally:
         bus.close()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collector.events import FaultCategory, Location, Severity
 from collector.incident_lifecycle import IncidentRecord
+from collector.plan_lifecycle import PlanStatus
 from resihp.demo.story import story_for
 from resihp.demo.summary import fault_stories, match_incident, overall_tokens_per_s, summary_lines
 from resihp.demo.watch import Injected, LogState, PlanRow, Summary
@@ -30,8 +31,8 @@ def _state() -> LogState:
         "i2": IncidentRecord("i2", FaultCategory("fail_stop"), Severity("critical"), [Location(target="compute", rank=2)], "", 39, opened_at_s=43.0),
     }
     s.plans = {
-        "p1": PlanRow("p1", "ours", 0, 1, ["i1"], [], 0, 0, 12.0, status="verified", applied_time_s=20.0),
-        "p2": PlanRow("p2", "ours", 1, 2, ["i2"], [], 0, 0, 44.0, status="verified", applied_time_s=50.0),
+        "p1": PlanRow("p1", "ours", 0, 1, ["i1"], [], 0, 0, 12.0, status=PlanStatus.VERIFIED, applied_time_s=20.0),
+        "p2": PlanRow("p2", "ours", 1, 2, ["i2"], [], 0, 0, 44.0, status=PlanStatus.VERIFIED, applied_time_s=50.0),
     }
     return s
 
@@ -74,7 +75,7 @@ def test_windows_follow_the_iteration_stream_not_the_stamps_of_late_records() ->
     s.injected = [Injected("slow", "fail_slow", Location(target="compute", rank=1, factor=3.0), 10, 13.0 + 1.5)]
     s.incidents = {"i1": IncidentRecord("i1", FaultCategory("fail_slow"), Severity("high"), [Location(target="compute", rank=1)], "", 11, opened_at_s=16.0)}
     first_new = next(x for x in s.summaries if x.epoch == 1)
-    s.plans = {"p1": PlanRow("p1", "ours", 0, 1, ["i1"], [], 0, 0, 17.0, status="verified",
+    s.plans = {"p1": PlanRow("p1", "ours", 0, 1, ["i1"], [], 0, 0, 17.0, status=PlanStatus.VERIFIED,
                                 applied_time_s=first_new.time_s - 0.5)}
     (story,) = fault_stories(s)
     assert story.onset_s == 10.0 and story.fixed_s == first_new.time_s - first_new.wall_s == 21.0
@@ -96,6 +97,7 @@ def test_an_unfixed_fault_has_no_after_window_and_a_missed_one_no_incident() -> 
 def test_the_story_puts_its_two_faults_in_different_replicas_at_every_scale() -> None:
     for gpus in (8, 32, 256):
         story = story_for(gpus)
+        assert story.slow is not None and story.stop is not None
         replicas = {d // (story.tp * story.pp) for d in (story.slow.device, story.stop.device)}
         assert len(replicas) == 2 and story.stop.at_iteration > story.slow.at_iteration
         assert story.tp * story.pp * story.dp <= gpus
@@ -117,7 +119,7 @@ def test_a_plans_verdict_is_printed_under_it() -> None:
     its prediction reads as verified, and the line under it says what it measured."""
     s = _state()
     s.plans["p1"].verdict = "measured ×1.680 (350 → 588 tokens/s) against the predicted ×2.004 (needs ×1.703)"
-    s.plans["p2"].status, s.plans["p2"].verdict = "rolled_back", "below the predicted change: measured ×0.900"
+    s.plans["p2"].status, s.plans["p2"].verdict = PlanStatus.ROLLED_BACK, "below the predicted change: measured ×0.900"
     text = "\n".join(summary_lines(s, fault_stories(s)))
     assert "      verified: measured ×1.680 (350 → 588 tokens/s)" in text
     assert "      rolled back: below the predicted change: measured ×0.900" in text

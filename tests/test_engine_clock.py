@@ -8,7 +8,7 @@ from pathlib import Path
 
 from collector.embedded import EmbeddedBus
 from collector.events import (
-    EventFactory, Evidence, FaultCategory, IncidentOpened, IncidentUpdated, IterationPrediction, Location, Severity,
+    Envelope, EventFactory, Evidence, FaultCategory, IncidentOpened, IncidentUpdated, IterationPrediction, Location, Severity,
 )
 from collector.plan import Plan
 from remediation.engine import EngineConfig, RemediationEngine
@@ -24,7 +24,7 @@ def _engine(bus: EmbeddedBus, **config) -> RemediationEngine:
     return RemediationEngine(bus, EngineConfig(job=JOB, num_devices=16, **config), PlannerModel.uniform(8), plan)
 
 
-def _group_incident(analytics: Authors, t: float) -> IncidentOpened:
+def _group_incident(analytics: Authors, t: float) -> Envelope:
     group = Location(target="compute", tp_group=(4, 5), replica=1, stage=0, factor=3.0)
     return analytics.make(IncidentOpened(
         incident_id="i1", category=FaultCategory.FAIL_SLOW, severity=Severity.CRITICAL, iteration=5,

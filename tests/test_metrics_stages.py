@@ -67,8 +67,8 @@ def test_stage_times_are_the_telemetrys_and_the_slow_stage_stands_out() -> None:
     assert len(newest.stages) == 4
     for row in newest.stages:
         rank = next(r for r, role in plan.roles.items() if (role.replica, role.stage) == (row.replica, row.stage))
-        report = next(e.payload for e in telemetry
-                      if e.payload.iteration == newest.iteration and e.payload.rank == rank)
+        report = next(e.payload for e in telemetry if isinstance(e.payload, RankIteration)
+                      and e.payload.iteration == newest.iteration and e.payload.rank == rank)
         assert row.observed_s == pytest.approx(sum(report.chunk_table.duration_s), rel=1e-9)
         ratio = row.observed_s / row.predicted_s
         if (row.replica, row.stage) == (slow.replica, slow.stage):

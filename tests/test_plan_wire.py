@@ -13,6 +13,7 @@ from collector.auth import Keyring, canonical_bytes
 from collector.codec import MAX_EVENT_BYTES, InvalidEvent, decode, encode
 from collector.events import EventFactory, PlanCurrent, RankHealth, RankHealthEntry, RankState, ReconfigureCommand
 from collector.plan import Plan, StagePlan, id_ranges, parse_id_ranges
+from tests.fixtures.payloads import payload_as
 
 
 @pytest.mark.parametrize("devices, text", [
@@ -38,7 +39,7 @@ def test_a_100k_device_plan_fits_one_record_and_comes_back_equal() -> None:
     as_lists = len(plan.model_dump_json(context={"resihp.device_lists": True}))
     raw = encode(EventFactory("j", "trainer").make(PlanCurrent(plan=plan)))
     assert as_lists > MAX_EVENT_BYTES > len(raw)  # 1.2 MB as lists: the bus refused it
-    assert decode(raw).payload.plan == plan
+    assert payload_as(decode(raw), PlanCurrent).plan == plan
 
 
 def test_a_plan_written_as_lists_decodes_and_its_signature_verifies_in_either_form() -> None:
@@ -61,7 +62,7 @@ def test_a_plan_written_as_lists_decodes_and_its_signature_verifies_in_either_fo
                         sort_keys=True, separators=(",", ":")).encode()
     for raw in (ranges, lists):
         back = decode(raw)
-        assert back.payload.plan == moved
+        assert payload_as(back, ReconfigureCommand).plan == moved
         assert canonical_bytes(back) == canonical_bytes(event) == before
         assert keys.verify(back) is None
     record["payload"]["plan"]["pipelines"][0]["stages"][0]["devices"] = [9, 8]  # altered: no longer verifies
@@ -83,12 +84,13 @@ def test_the_view_of_100k_ranks_fits_one_record_and_reads_back_rank_by_rank() ->
         RankHealthEntry(rank=r, state=RankState.DEAD, factor=1e6) for r in sorted(dead)])
     raw = encode(EventFactory("j", "analytics").make(p))
     assert len(raw) < MAX_EVENT_BYTES
-    view = {e.rank: (e.state, e.factor) for e in decode(raw).payload.entries()}
+    view = {e.rank: (e.state, e.factor) for e in payload_as(decode(raw), RankHealth).entries()}
     assert len(view) == n
     assert view[8] == (RankState.SLOW, 1.4) and view[16] == (RankState.DEAD, 1e6) and view[1] == (RankState.NOT_TRACED, 1.0)
     assert sum(s is RankState.HEALTHY for s, _ in view.values()) == len(healthy)
     old = RankHealth(epoch=0, iteration=5, ranks=[RankHealthEntry(rank=r, state=RankState.HEALTHY) for r in range(3)])
-    assert [e.rank for e in decode(encode(EventFactory("j", "analytics").make(old))).payload.entries()] == [0, 1, 2]
+    back = payload_as(decode(encode(EventFactory("j", "analytics").make(old))), RankHealth)
+    assert [e.rank for e in back.entries()] == [0, 1, 2]
     record = json.loads(raw)
     record["payload"]["healthy"] = "0-7,x"
     with pytest.raises(InvalidEvent, match="healthy"):
