@@ -21,6 +21,7 @@ def _run(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
 
 
+@pytest.mark.processes
 def test_ruff_finds_nothing():
     result = _run("ruff", "check", "--no-cache", *LINTED, timeout_s=120)
     assert result.returncode == 0, f"ruff check {' '.join(LINTED)}:\n{result.stdout}{result.stderr}"
