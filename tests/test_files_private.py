@@ -35,7 +35,7 @@ def open_umask() -> Iterator[None]:
 class _Rows:
     """A projection that writes one row per event, so DuckDB has a .wal to write."""
 
-    tables = ("rows",)
+    tables: tuple[str, ...] = ("rows",)
 
     def create(self, conn) -> None:
         conn.execute("CREATE TABLE IF NOT EXISTS rows (id VARCHAR)")

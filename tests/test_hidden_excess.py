@@ -147,6 +147,7 @@ def test_a_sweep_is_asked_every_n_traced_iterations_and_one_at_a_time() -> None:
     sweep = UntracedSweep()
     asked = [it for it in range(0, 40, 2) if sweep.step("job", 0, it, [8, 9], every=4) is not None]
     assert asked == [6]  # the 4th traced iteration; the next waits for this one's answers
+    assert sweep.probe_id is not None
     assert sweep.claims(_answer(sweep.probe_id, 8, 1.0)) and sweep.done(set()) is None
     assert not sweep.claims(_answer("probe-other", 9, 1.0))
     assert sweep.claims(_answer(sweep.probe_id, 9, 1.2)) and sweep.done(set()) == {8: 1.0, 9: 1.2}
@@ -160,6 +161,7 @@ def test_a_sweep_whose_missing_answers_are_from_dead_ranks_ends() -> None:
     sweep = UntracedSweep()
     for it in range(4):
         sweep.step("job", 0, it, [8, 9, 10], every=4)
+    assert sweep.probe_id is not None
     sweep.claims(_answer(sweep.probe_id, 8, 1.0))
     assert sweep.done({9}) is None
     assert sweep.done({9, 10}) == {8: 1.0}
@@ -244,6 +246,7 @@ def test_a_suspicious_iteration_asks_the_sweep_at_once_and_the_next_counts_from_
     asked = sweep.step("job", 0, 2, [8, 9], every=8, suspicious=True)
     assert asked is not None and asked.ranks == [8, 9] and asked.target == "compute"
     assert sweep.step("job", 0, 4, [8, 9], every=8, suspicious=True) is None  # one at a time
+    assert sweep.probe_id is not None
     sweep.claims(_answer(sweep.probe_id, 8, 1.0))
     sweep.claims(_answer(sweep.probe_id, 9, 1.0))
     assert sweep.done(set()) == {8: 1.0, 9: 1.0}

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from analytics.detection.schedule import op_table
 from collector.events import AckStatus, ReconfigureCommand
-from collector.plan import Plan
+from collector.plan import Plan, Schedule
 from trainer.reference.chunks import schedule_problem, stage_chunks, units_of_chunks
 from trainer.data import global_targets, microbatch
 from trainer.faults import FaultInjector
@@ -38,8 +38,9 @@ def test_plans_the_interleaved_schedule_cannot_run_are_refused_by_the_intake() -
                        virtual_stages=2, epoch=1)
     thin = Plan.uniform(tp=1, pp=2, dp=1, num_layers=4, microbatches_per_replica=4, schedule="interleaved",
                         virtual_stages=3, epoch=1)
-    assert "multiple of its 2 stages" in schedule_problem(odd)
-    assert "fewer layers" in schedule_problem(thin)
+    odd_problem, thin_problem = schedule_problem(odd), schedule_problem(thin)
+    assert odd_problem is not None and "multiple of its 2 stages" in odd_problem
+    assert thin_problem is not None and "fewer layers" in thin_problem
 
     class Store(dict):
         def set(self, k, v):
@@ -62,7 +63,7 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
-def _run(schedule: str, virtual_stages: int) -> tuple[float, dict[str, torch.Tensor], list]:
+def _run(schedule: Schedule, virtual_stages: int) -> tuple[float, dict[str, torch.Tensor], list]:
     plan = Plan.uniform(tp=1, pp=1, dp=1, num_layers=4, microbatches_per_replica=4, schedule=schedule,
                         virtual_stages=virtual_stages)
     role = plan.role_of(0)
@@ -72,12 +73,17 @@ def _run(schedule: str, virtual_stages: int) -> tuple[float, dict[str, torch.Ten
     runner = PipelineSchedule.for_plan(stage, PlanWorld(plan, (0,)), role, FaultInjector([], 0))
     mbs = [microbatch(0, 0, m, CFG.vocab_size, CFG.block_size) for m in range(4)]
     loss = runner.run(mbs, global_targets(0, 0, 4, CFG.block_size), rec)
-    return loss, {n: p.grad.clone() for n, p in stage.named_parameters()}, rec.chunks
+    grads: dict[str, torch.Tensor] = {}
+    for name, param in stage.named_parameters():
+        assert param.grad is not None
+        grads[name] = param.grad.clone()
+    return loss, grads, rec.chunks
 
 
 def test_interleaved_and_zero_bubble_orders_give_the_1f1b_loss_and_gradients(one_rank_group) -> None:
     ref_loss, ref_grads, ref_chunks = _run("1f1b", 1)
-    for schedule, v in (("interleaved", 2), ("zero_bubble", 1)):
+    orders: list[tuple[Schedule, int]] = [("interleaved", 2), ("zero_bubble", 1)]
+    for schedule, v in orders:
         loss, grads, chunks = _run(schedule, v)
         assert loss == pytest.approx(ref_loss, rel=1e-13)
         for name, g in ref_grads.items():

@@ -4,9 +4,11 @@ the DP bucket layout, the command intake's epoch fencing, the drop-replica polic
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import cast
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from collector.events import AckStatus, ReconfigureCommand
 from collector.plan import PipelinePlan, Plan, StagePlan
@@ -116,7 +118,14 @@ class _Store:
 
 def _records() -> SignedStore:
     """The launcher's signed records over a :class:`_Store` (trainer/agent/signed_store.py)."""
-    return SignedStore(_Store(), "units", reader="trainer")
+    return SignedStore(cast(dist.Store, _Store()), "units", reader="trainer")  # a dict standing in for a TCPStore
+
+
+def _fake_store(records: SignedStore) -> _Store:
+    """The :class:`_Store` under ``records``, to look at what was written."""
+    store = records.store
+    assert isinstance(store, _Store)
+    return store
 
 
 def _cmd(plan: Plan, cid: str) -> ReconfigureCommand:
@@ -247,7 +256,7 @@ def test_intake_fails_a_plan_the_job_cannot_run_without_touching_the_ranks() -> 
     acks = intake.poll({0, 1}, progress_iteration=5)
     assert [a.status for a in acks] == [AckStatus.FAILED, AckStatus.FAILED]
     assert "global batch" in acks[0].detail and "[2]" in acks[1].detail
-    assert CONTROL_POST not in store.store.data
+    assert CONTROL_POST not in _fake_store(store).data
 
 
 def test_any_tp_degree_is_a_plan_and_the_trainer_refuses_one_that_does_not_divide_the_heads() -> None:
@@ -267,7 +276,7 @@ def test_any_tp_degree_is_a_plan_and_the_trainer_refuses_one_that_does_not_divid
                            n_layer=4, n_head=4, global_microbatches=4)
     intake.offer(_cmd(three.model_copy(update={"epoch": 1}), "tp3"))
     (ack,) = intake.poll({0, 1, 2, 3}, progress_iteration=5)
-    assert (ack.status, ack.detail) == (AckStatus.FAILED, why) and CONTROL_POST not in store.store.data
+    assert (ack.status, ack.detail) == (AckStatus.FAILED, why) and CONTROL_POST not in _fake_store(store).data
 
 
 def test_only_a_change_of_micro_batch_counts_on_the_same_world_keeps_the_groups() -> None:
@@ -299,6 +308,7 @@ def test_drop_replicas_keeps_the_global_batch() -> None:
 def test_on_death_policy_uses_spares_when_no_replica_survives() -> None:
     plan = Plan.uniform(tp=1, pp=2, dp=1, num_layers=4, microbatches_per_replica=4)
     new, how = on_death_plan(plan, {1}, alive={0, 2, 3})
+    assert new is not None
     assert [st.devices for st in new.pipelines[0].stages] == [(0,), (2,)] and new.epoch == 1
     assert "spares" in how
     assert on_death_plan(plan, {1}, alive={0})[0] is None

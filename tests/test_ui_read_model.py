@@ -34,6 +34,7 @@ def test_ui_fold_follows_the_whole_lifecycle_and_is_idempotent() -> None:
     plan = model.plans[inc.plan_ids[0]]
     assert len(plan.decisions) == 1 and plan.status == "verified"
     verified = next(s for s in model.timeline(inc) if s.label == "verified")
+    assert plan.verified is not None
     assert verified.detail.endswith(f"tokens/s measured: {plan.verified[1].reason}")
     assert "against the predicted" in verified.detail
     job = model.jobs["demo"]
@@ -147,7 +148,8 @@ def test_ui_actions_check_role_expiry_and_state_before_publishing(tmp_path: Path
     with pytest.raises(ActionRefused, match="at least one severity"):
         change_policy(feed, operator, "demo", mode=PolicyMode.AUTO, auto_severities=[], now_s=50)
     e1 = change_policy(feed, operator, "demo", mode=PolicyMode.AUTO, auto_severities=[Severity.CRITICAL], now_s=50)
-    assert feed.model.jobs["demo"].policy.mode == PolicyMode.AUTO
+    policy = feed.model.jobs["demo"].policy
+    assert policy is not None and policy.mode == PolicyMode.AUTO
     assert e1.source == "ui:alice" and e1.seq == event.seq + 1  # per-source numbering continues
     feed.close()
 
@@ -207,12 +209,12 @@ def test_ui_fold_shows_rejected_control_events_from_a_plain_dict_payload() -> No
     from collector.events import Envelope
     rejected = Envelope.model_construct(
         id="rej-1", kind="control.rejected", schema_version=1, job="demo", source="remediation", seq=0, time_s=5.0,
-        payload={"event_id": "forged-7", "kind": "plan.decision", "source": "ui:alice",
-                 "reason": "no valid signature for ui:alice"})
+        payload={"event_id": "forged-7", "kind": "plan.decision", "source": "ui:alice",  # type: ignore[arg-type]
+                 "reason": "no valid signature for ui:alice"})  # the point: a dict payload folds like the class
     by_trainer = Envelope.model_construct(
         id="rej-2", kind="control.rejected", schema_version=1, job="demo", source="trainer", seq=0, time_s=6.0,
-        payload={"event_id": "forged-8", "kind": "command.reconfigure", "source": "mallory",
-                 "reason": "unsigned command.reconfigure", "reader": "trainer:rank-0"})
+        payload={"event_id": "forged-8", "kind": "command.reconfigure", "source": "mallory",  # type: ignore[arg-type]
+                 "reason": "unsigned command.reconfigure", "reader": "trainer:rank-0"})  # a dict payload, as above
     model = ReadModel()
     model.apply(rejected)
     model.apply(rejected)  # a duplicate adds nothing
