@@ -10,7 +10,6 @@ reported as ``control.rejected`` with the reason and never acknowledged.
 from __future__ import annotations
 
 import time
-import uuid
 from pathlib import Path
 
 from collector import topics
@@ -23,8 +22,8 @@ from collector.events import (
     AckStatus, CommandAck, ControlRejected, Envelope, EventFactory, NodeCommand, NodeCommandAck, ReconfigureCommand,
 )
 from collector.plan import Plan
-from collector.stream import EventStream
 from tests.fixtures.payloads import payload_as, payloads_as
+from tests.fixtures.bus_log import control_log
 from tests.fixtures.signing import factory
 from trainer.agent.commands import NodeCommands
 from trainer.reference.intake import CommandIntake
@@ -41,21 +40,13 @@ def _plan(epoch: int = 0, microbatches: int = 2) -> Plan:
     return Plan.uniform(tp=1, pp=1, dp=2, num_layers=4, microbatches_per_replica=microbatches, epoch=epoch)
 
 
-def _control(bus: EmbeddedBus) -> list[Envelope]:
-    stream = EventStream(bus, f"check-{uuid.uuid4().hex}", [topics.CONTROL], on_assign=lambda ps: {tp: 0 for tp in ps})
-    try:
-        return [d.event for d in stream.poll(timeout_s=0.2)]
-    finally:
-        stream.close()
-
-
 def _refusals(bus: EmbeddedBus, reader: str) -> dict[str, str]:
-    return {e.payload.event_id: e.payload.reason for e in _control(bus)
+    return {e.payload.event_id: e.payload.reason for e in control_log(bus)
             if isinstance(e.payload, ControlRejected) and e.payload.reader == reader}
 
 
 def _acked(bus: EmbeddedBus) -> list[CommandAck]:
-    return [e.payload for e in _control(bus) if isinstance(e.payload, CommandAck)]
+    return [e.payload for e in control_log(bus) if isinstance(e.payload, CommandAck)]
 
 
 def _engine_command(plan: Plan, run: str | None, issued_s: float) -> Envelope:
@@ -210,7 +201,7 @@ def test_a_restarted_node_agent_of_the_same_run_does_not_obey_an_order_it_answer
         assert "stop-1" not in other_run.seen  # the answers of another run are not this run's
         restarted.close()
         other_run.close()
-        assert [a.run for a in (e.payload for e in _control(bus)) if isinstance(a, NodeCommandAck)] == ["job-s"]
+        assert [a.run for a in (e.payload for e in control_log(bus)) if isinstance(a, NodeCommandAck)] == ["job-s"]
 
 
 def test_a_command_written_before_runs_still_decodes_and_verifies_but_is_no_order() -> None:

@@ -17,27 +17,19 @@ from collector.bus import RawMessage
 from collector.codec import encode
 from collector.embedded import EmbeddedBus
 from collector.events import (
-    ControlRejected, Envelope, Evidence, FaultCategory, IncidentOpened, Location, PlanCurrent, PlanDecision,
+    ControlRejected, Evidence, FaultCategory, IncidentOpened, Location, PlanCurrent, PlanDecision,
     ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
 from collector.plan_lifecycle import plan_digest
-from collector.stream import EventStream
 from remediation.engine import EngineConfig, RemediationEngine
 from remediation.lifecycle import PlanStatus
 from remediation.model import PlannerModel
+from tests.fixtures.bus_log import control_log
 from tests.fixtures.signing import Authors
 
 JOB = "replayed-job"
 PLAN = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
-
-
-def _control(bus: EmbeddedBus) -> list[Envelope]:
-    stream = EventStream(bus, f"check-{uuid.uuid4().hex}", [topics.CONTROL], on_assign=lambda ps: {tp: 0 for tp in ps})
-    try:
-        return [d.event for d in stream.poll(timeout_s=0.2)]
-    finally:
-        stream.close()
 
 
 def _proposed_run(bus: EmbeddedBus, run: str, rank: int = 5) -> RemediationEngine:
@@ -59,7 +51,7 @@ def test_an_approval_from_another_run_of_the_job_commands_nothing_in_the_new_run
         first.publish([approval])
         engine.poll_once()
         engine.poll_once()
-        assert [e.payload.plan_id for e in _control(first) if isinstance(e.payload, ReconfigureCommand)] == [
+        assert [e.payload.plan_id for e in control_log(first) if isinstance(e.payload, ReconfigureCommand)] == [
             record.plan_id]  # in its own run the approval commands its plan
         engine.close()
     with EmbeddedBus(tmp_path / "second.sqlite") as second:
@@ -70,7 +62,7 @@ def test_an_approval_from_another_run_of_the_job_commands_nothing_in_the_new_run
         engine.poll_once()
         engine.poll_once()
         assert engine.state.plans[fresh.plan_id].status == PlanStatus.PROPOSED
-        assert not [e for e in _control(second) if isinstance(e.payload, ReconfigureCommand)]
+        assert not [e for e in control_log(second) if isinstance(e.payload, ReconfigureCommand)]
         assert any(r.event_id == approval.id and "unknown plan" in r.message for r in engine.state.reports)
         engine.close()
 
@@ -91,7 +83,7 @@ def test_a_decision_that_names_another_proposal_another_plan_or_none_is_refused_
         engine.poll_once()
         engine.poll_once()
         assert engine.state.plans[record.plan_id].status == PlanStatus.PROPOSED  # none of them decided it
-        control = _control(bus)
+        control = control_log(bus)
         assert not [e for e in control if isinstance(e.payload, ReconfigureCommand)]
         reasons = {e.payload.event_id: e.payload.reason for e in control
                    if isinstance(e.payload, ControlRejected) and e.payload.reader == "remediation"}
@@ -103,6 +95,6 @@ def test_a_decision_that_names_another_proposal_another_plan_or_none_is_refused_
         bus.publish([console.make(record.decision(approve=True, actor="ui:alice"))])
         engine.poll_once()
         engine.poll_once()
-        (command,) = [e.payload for e in _control(bus) if isinstance(e.payload, ReconfigureCommand)]
+        (command,) = [e.payload for e in control_log(bus) if isinstance(e.payload, ReconfigureCommand)]
         assert command.plan_id == record.plan_id and command.run == "run-one" and command.expires_at_s is not None
         engine.close()
