@@ -77,7 +77,11 @@ def test_ranks_that_all_succeed_end_the_context_with_no_failure(tmp_path: Path) 
     context = _context(tmp_path, 0, release_failed=True)
     results = []
     try:
-        wait_until(lambda: bool(results.append(context._poll()) or results[-1]))
+        def finished() -> bool:
+            results.append(context._poll())
+            return bool(results[-1])
+
+        wait_until(finished)
         result = results[-1]
     finally:
         context.close()

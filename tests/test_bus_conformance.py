@@ -167,7 +167,8 @@ def test_the_same_bad_record_read_twice_gives_the_same_dead_letter_id(bus):
 
 def test_encoded_bytes_on_the_bus_decode_to_the_published_event(bus):
     f = EventFactory("job-a", "rank-3")
-    event = f.make(telemetry(f, 3, 7))
+    report = telemetry(f, 3, 7)
+    event = f.make(report)
     bus.publish([event])
     consumer = bus.consumer("g-raw", [topics.TELEMETRY])
     try:
@@ -180,7 +181,7 @@ def test_encoded_bytes_on_the_bus_decode_to_the_published_event(bus):
         consumer.close()
     assert len(records) == 1
     assert records[0].value == encode(event)
-    assert records[0].key == f"job-a/replica-{event.payload.coords.dp}".encode()  # rank reports: keyed by replica
+    assert records[0].key == f"job-a/replica-{report.coords.dp}".encode()  # rank reports: keyed by replica
     assert decode(records[0].value) == event
 
 

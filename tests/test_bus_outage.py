@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from collector import topics
-from collector.events import IncidentOpened, IterationPrediction
+from collector.events import Envelope, IncidentOpened, IterationPrediction
 from collector.kafka_bus import KafkaBus
 from collector.stream import EventStream
 from infra import broker
@@ -102,12 +102,16 @@ def test_a_broker_outage_raises_no_fail_stop_and_every_process_survives(secure_k
         assert "fail_stop_suspended" in said, said[-3000:]
 
         bus = KafkaBus(bootstrap, namespace=namespace, security=security.client_config("console", creds["console"], secure_kafka["cafile"]))
-        events = []
+        events: list[Envelope] = []
         with EventStream(bus, f"ui-check-{uuid.uuid4().hex[:6]}", [topics.ANALYTICS]) as stream:
-            _wait_for("the last iteration's prediction", lambda: (
-                events.extend(d.event for d in stream.poll(timeout_s=1.0)) or
-                max((e.payload.iteration for e in events if isinstance(e.payload, IterationPrediction)),
-                    default=-1) >= scenario["iterations"] - 5), {"analytics": procs["analytics"]}, limit_s=120)
+
+            def predicted_the_last_iterations() -> bool:
+                events.extend(d.event for d in stream.poll(timeout_s=1.0))
+                return max((e.payload.iteration for e in events if isinstance(e.payload, IterationPrediction)),
+                           default=-1) >= scenario["iterations"] - 5
+
+            _wait_for("the last iteration's prediction", predicted_the_last_iterations,
+                      {"analytics": procs["analytics"]}, limit_s=120)
         bus.close()
         fail_stops = [e.payload for e in events if isinstance(e.payload, IncidentOpened)
                       and e.payload.category.value == "fail_stop"]

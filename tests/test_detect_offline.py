@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from analytics.detection.baselines import ChangePointDetector, RawThresholdDetector, RelativeRankDetector
-from collector.events import EventFactory, IterationSummary
+from collector.events import EventFactory, IncidentOpened, IterationSummary
 from collector.trace import TraceWriter
 from resihp.cli import main
 from trainer.sim.engine import SimEngine
@@ -47,7 +47,7 @@ def test_raw_threshold_and_change_point_fire_on_a_step_in_iteration_time() -> No
     for det in (RawThresholdDetector("j"), ChangePointDetector("j")):
         out = [p for e in _summaries(walls) for p in det.on_event(e)]
         assert [type(p).__name__ for p in out] == ["IncidentOpened"], det.name
-        assert 40 <= out[0].iteration <= 46
+        assert isinstance(out[0], IncidentOpened) and 40 <= out[0].iteration <= 46
 
 
 def test_the_relative_rank_baseline_flags_ranks_doing_more_work_than_the_best() -> None:
@@ -55,5 +55,5 @@ def test_the_relative_rank_baseline_flags_ranks_doing_more_work_than_the_best() 
 
     det = RelativeRankDetector("j")
     out = [p for e in synth(iterations=15, stage_weights=[1.0, 1.0, 1.6]) for p in det.on_event(e)] + det.flush()
-    flagged = {p.locations[0].stage for p in out if type(p).__name__ == "IncidentOpened"}
+    flagged = {p.locations[0].stage for p in out if isinstance(p, IncidentOpened)}
     assert flagged == {2}  # stage imbalance is not a fault, but this baseline cannot tell

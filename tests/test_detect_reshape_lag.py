@@ -9,10 +9,12 @@ than the others'. It must not be called dead, and a rank that really stops later
 
 from __future__ import annotations
 
+from typing import cast
+
 from analytics.detection.arrival import FrameAssembler
 from analytics.detection.config import DetectorConfig
 from analytics.detection.fail_stop import FailStopWatch
-from collector.events import Heartbeat
+from collector.events import Heartbeat, RankIteration
 
 RANKS = 8
 HB_S = 2.0
@@ -91,7 +93,8 @@ def test_a_rank_whose_first_heartbeat_is_late_is_waited_for_while_its_peers_hear
         if r != 1:
             watch.heartbeat(Heartbeat(rank=r, epoch=0, iteration=1, interval_s=HB_S), 0.0)
     for k in range(1, 6):
-        arrival.pending[(0, k)] = {r: object() for r in range(RANKS) if r != 1}  # held reports (only keys count)
+        # held reports: only the keys count, so a bare object stands in for each report
+        arrival.pending[(0, k)] = {r: cast(RankIteration, object()) for r in range(RANKS) if r != 1}
         for r in range(RANKS):
             if r != 1:
                 watch.telemetry(r, 0, k, float(k))

@@ -78,7 +78,7 @@ def test_simulator_acks_with_the_fence_details():
     stale = ReconfigureCommand(command_id="old", plan_id="p", plan=engine.plan)
     skipping = ReconfigureCommand(command_id="skip", plan_id="p",
                                   plan=engine.plan.model_copy(update={"epoch": running + 2}))
-    acks = {}
+    acks: dict[str, list[CommandAck]] = {}
     for command in (stale, skipping, stale):
         for ev in engine.reconfigure(command):
             if isinstance(ev.payload, CommandAck):

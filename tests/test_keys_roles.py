@@ -123,7 +123,7 @@ def test_a_persons_key_signs_only_that_persons_decisions(tmp_path: Path, monkeyp
         stream = EventStream(b, "keys-test", ["resihp.control"], on_assign=lambda ps: {tp: 0 for tp in ps})
         (policy,) = [d.event for d in stream.poll(timeout_s=0.5)]
         stream.close()
-    assert policy.signature.startswith("person.dana:") and load_keyring().verify(policy) is None
+    assert policy.signature is not None and policy.signature.startswith("person.dana:") and load_keyring().verify(policy) is None
 
 
 def test_a_person_added_while_a_reader_runs_is_known_to_it_without_a_restart() -> None:

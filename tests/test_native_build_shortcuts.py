@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch._prims_common import make_contiguous_strides_for
@@ -26,7 +28,7 @@ def test_a_partial_hook_has_the_signature_inspect_gives_whatever_it_binds():
     install_stage_build_shortcuts()
     memo = _api.inspect
     assert memo is not inspect
-    cases = [functools.partial(_Style().hook, 1, 2), functools.partial(_Style().hook, 1, 2),
+    cases: list[Callable[..., Any]] = [functools.partial(_Style().hook, 1, 2), functools.partial(_Style().hook, 1, 2),
              functools.partial(_Style().hook, 1), functools.partial(_Style().other, 1),
              functools.partial(_Style().hook, 1, b=2), functools.partial(lambda m, i, d: i),
              lambda m, i, d: i]

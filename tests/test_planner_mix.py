@@ -122,7 +122,9 @@ def test_the_spread_is_fitted_on_the_body_and_stalls_are_a_constant() -> None:
     model = fitted_model(SimConfig(model=SIM_MODEL, cluster=CLUSTER, workload=WORKLOAD_PRESETS["pretrain"],
                                    plan=PLAN, telemetry="none", seed=3), iterations=12)
     cluster = ClusterState(64, hardware_of(CLUSTER))
-    spans, dp_s = plan_spans(cluster, model, PLAN)
+    timed = plan_spans(cluster, model, PLAN)
+    assert timed is not None
+    spans, dp_s = timed
     level = expected_slowest_s(spans.items(), 0.0) + dp_s
     rng = np.random.default_rng(1)
     times = level * (1.02 + 0.03 * rng.standard_normal(4000))

@@ -159,8 +159,10 @@ def test_partition_respects_memory_caps_and_speeds():
 
 def test_partition_balances_equal_stages_and_counts_the_head():
     even = balanced_partition(32, [1.0] * 4, [32] * 4)
+    assert even is not None
     assert [b - a for a, b in even] == [8, 8, 8, 8]  # no surplus piled on early stages
     with_head = balanced_partition(32, [1.0] * 4, [32] * 4, [0.0, 0.0, 0.0, 2.5])
+    assert with_head is not None
     sizes = [b - a for a, b in with_head]
     assert sizes[3] < 8 and max(sizes[:3]) - min(sizes[:3]) <= 1 and sum(sizes) == 32
 

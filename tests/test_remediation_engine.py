@@ -281,7 +281,9 @@ def test_the_spread_is_fitted_on_the_iterations_before_the_incident_on_a_healthy
     tokens = 4096 * plan.global_microbatches
     base = model_from_fits(fits, current, engine_config.hardware, tokens_per_microbatch=tokens / plan.global_microbatches)
     healthy_cluster = ClusterState(16, engine_config.hardware)
-    spans, dp_s = plan_spans(healthy_cluster, base, plan)
+    timed = plan_spans(healthy_cluster, base, plan)
+    assert timed is not None
+    spans, dp_s = timed
     typical_s = median_slowest_s(spans.items(), 0.0) + dp_s
     healthy = typical_s * (1.06 + 0.03 * np.random.default_rng(0).standard_normal(150))
     analytics = Authors(JOB, "analytics")

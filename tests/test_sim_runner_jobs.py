@@ -46,7 +46,8 @@ class _Clock:
     """A wall clock that moves only when slept on, or by the work a step is said to take."""
 
     def __init__(self) -> None:
-        self.now, self.slept = 100.0, []
+        self.now = 100.0
+        self.slept: list[float] = []
 
     def __call__(self) -> float:
         return self.now

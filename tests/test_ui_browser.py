@@ -22,6 +22,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -38,6 +39,9 @@ from collector.stream import EventStream
 from ui.auth import UsersFile
 from tests.fixtures.console_demo import DemoSpec, demo_events
 from tests.fixtures.signing import signed_all
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser
 
 pytestmark = pytest.mark.browser  # tests/fixtures/tiers.py
 
@@ -138,7 +142,7 @@ class Served:
     url: str
     bus_path: Path
     pixels: PixelServer
-    browser: object  # playwright Browser
+    browser: Browser
 
 
 @pytest.fixture(scope="module")
