@@ -83,6 +83,7 @@ def test_a_stopped_rank_is_reported_hung_in_its_op_and_dies_with_a_killed_agent(
         stuck = read_flight(flight_file_path(str(tmp_path / "w" / "flight"), 1))
         assert stuck is not None
         report_path = wait_for("a hang report", lambda: next((tmp_path / "w").glob("hang-*.json"), None))
+        assert report_path is not None
         time.sleep(0.5)  # the report file is written whole before the line is printed
         report = json.loads(report_path.read_text())
         assert 1 in report["culprits"] and report["ops"]["1"] == stuck.op
@@ -131,8 +132,9 @@ def test_resihp_train_leaves_no_rank_behind_when_it_is_stopped(sig: signal.Signa
          "--bus-path", str(tmp_path / "bus.sqlite")], env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True)
     try:
-        assert train.stdout is not None
-        wait_for("a trained iteration", lambda: train.stdout.readline().startswith("iteration "))
+        stdout = train.stdout
+        assert stdout is not None
+        wait_for("a trained iteration", lambda: stdout.readline().startswith("iteration "))
         below = descendants(train.pid)
         assert len(below) >= 3  # the fork server and the two ranks forked from it, at least
         train.send_signal(sig)

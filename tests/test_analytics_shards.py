@@ -57,6 +57,7 @@ def test_the_merge_scores_every_rank_and_link_as_the_single_detector() -> None:
     assert len(stages[0]) == 9 and stages[0] == stages[1]  # every (replica, stage) of tp2·pp3·dp3
     a, b = single.last_score, merge.detector.last_score
     assert a is not None and b is not None
+    assert single.last_frame is not None and merge.detector.last_frame is not None
     assert np.array_equal(single.last_frame.rank, merge.detector.last_frame.rank)
     assert np.allclose(a.z, b.z, equal_nan=True, atol=1e-9)
     assert np.allclose(a.z_by_kind, b.z_by_kind, equal_nan=True, atol=1e-6)  # sent as float32

@@ -54,8 +54,8 @@ def synth(tp=2, pp=3, dp=3, M=6, iterations=24, slow=None, slow_kind=None, start
                 ranks = [(d * pp + s) * tp + t for t in range(tp)]
                 wobble = max((float(np.exp(rng.normal(0, (jitter or {})[r]))) for r in ranks if r in (jitter or {})),
                              default=1.0)
-                chunks = {r: [] for r in ranks}
-                comm = {r: [] for r in ranks}
+                chunks: dict[int, list[Chunk]] = {r: [] for r in ranks}
+                comm: dict[int, list[CommWait]] = {r: [] for r in ranks}
                 t0 = 0.0
                 for m, lens in enumerate(mbs):
                     n, s2 = sum(lens), float(sum(x * x for x in lens))

@@ -37,8 +37,8 @@ def plan_events(phases: list[tuple[Plan, int]], *, slow: dict[int, float] | None
             for pipe in plan.pipelines:
                 mbs = [[int(x) for x in rng.integers(64, 2048, size=rng.integers(2, 12))] for _ in range(pipe.microbatches)]
                 for s, stage in enumerate(pipe.stages):
-                    chunks = {d: [] for d in stage.devices}
-                    comm = {d: [] for d in stage.devices}
+                    chunks: dict[int, list[Chunk]] = {d: [] for d in stage.devices}
+                    comm: dict[int, list[CommWait]] = {d: [] for d in stage.devices}
                     t0 = 0.0
                     for m, lens in enumerate(mbs):
                         n_tok, s2 = sum(lens), float(sum(x * x for x in lens))

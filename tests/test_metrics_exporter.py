@@ -5,6 +5,7 @@ the engine's approval wait on the right clock."""
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import cast
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -14,6 +15,7 @@ from analytics.detection.prediction import MAX_STAGE_ROWS
 from bench.metrics import _synthetic_projection
 from collector.plan_lifecycle import PlanStatus
 from remediation.approval_metrics import waiting_ages
+from remediation.engine import RemediationEngine
 
 
 def _samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -51,9 +53,9 @@ def test_the_approval_wait_is_on_the_wall_clock_live_and_on_the_jobs_clock_in_a_
     plans = {"a": SimpleNamespace(status=PlanStatus.PROPOSED, proposed_at_s=1000.0),
              "b": SimpleNamespace(status=PlanStatus.APPROVED, proposed_at_s=900.0)}
     live = SimpleNamespace(state=SimpleNamespace(plans=plans), clock_s=1010.0)
-    assert waiting_ages(live, wall_s=1100.0) == [100.0]
+    assert waiting_ages(cast(RemediationEngine, live), wall_s=1100.0) == [100.0]
     replay = SimpleNamespace(state=SimpleNamespace(plans=plans), clock_s=1010.0)
-    assert waiting_ages(replay, wall_s=1_800_000_000.0) == [10.0]
+    assert waiting_ages(cast(RemediationEngine, replay), wall_s=1_800_000_000.0) == [10.0]
     text = generate_latest(ApprovalCollector(lambda: ("j", [100.0, 30.0])))
     samples = _samples(text)
     assert samples[("resihp_plans_awaiting_approval", (("job", "j"),))] == 2

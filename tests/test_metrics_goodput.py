@@ -16,7 +16,7 @@ from analytics.projections.goodput_projection import GoodputProjection
 from bench._goodput_truth import TruthRecordingEngine, healthy_seconds
 from collector.events import (
     AckStatus, CommandAck, Envelope, EventFactory, Evidence, FaultCategory, IncidentOpened, IncidentResolved,
-    IterationPrediction, IterationSummary, Location, PlanCurrent, PlanDecision, PlanProposed, Severity,
+    IterationPrediction, IterationSummary, Location, Payload, PlanCurrent, PlanDecision, PlanProposed, Severity,
 )
 from collector.plan import Plan
 from collector.stream import Delivery
@@ -58,7 +58,7 @@ class _Log:
             locations=[Location(target="compute", rank=1, factor=2.0, confidence=0.9)],
             evidence=Evidence(iterations=its), summary="x"), time_s=self.t))
 
-    def at(self, t: float, payload: object, factory: EventFactory | None = None) -> None:
+    def at(self, t: float, payload: Payload, factory: EventFactory | None = None) -> None:
         self.t = max(self.t, t)
         self.events.append((factory or self.engine).make(payload, time_s=t))
 

@@ -132,7 +132,10 @@ class _Stack:
             env=env, stdout=subprocess.DEVNULL, stderr=open(self.tmp / "analytics.log", "ab")))
 
     def run(self, iterations: int | None = None, duration_s: float | None = None, max_hang_s: float = 30.0) -> None:
-        run_open_loop(self.sim, self.bus.publish, iterations=iterations, duration_s=duration_s, max_hang_s=max_hang_s)
+        def publish(events: list[Envelope]) -> None:
+            self.bus.publish(events)
+
+        run_open_loop(self.sim, publish, iterations=iterations, duration_s=duration_s, max_hang_s=max_hang_s)
 
     def published(self) -> list[Envelope]:
         """Every event on the bus, in event-time order."""

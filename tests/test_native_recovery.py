@@ -21,6 +21,7 @@ from collector.embedded import EmbeddedBus
 from collector.events import PlanCurrent, ReshapePhase
 from collector.stream import EventStream
 from trainer.fault_spec import FaultSpec
+from trainer.native.parallelize import DpMode
 from trainer.native.worker import NativeRunSpec, launch_native, read_results
 from trainer.spec import BusSpec
 from tests.test_native_reshape import CFG, SETTINGS, _assert_matches_reference, _plan
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.processes  # tests/fixtures/tiers.py
 PHASES = {"agree", "export", "new_mesh", "stages_rebuilt", "redistribute", "first_step"}
 
 
-def _spec(tmp: Path, plan, iterations: int, killed: int, at: int, dp_mode: str, **extra) -> NativeRunSpec:
+def _spec(tmp: Path, plan, iterations: int, killed: int, at: int, dp_mode: DpMode, **extra) -> NativeRunSpec:
     return NativeRunSpec(model=asdict(CFG), settings=asdict(replace(SETTINGS, dp_mode=dp_mode)), plan=plan,
                          iterations=iterations, out_dir=str(tmp), timeout_s=60, device="cpu",
                          faults=[FaultSpec(kind="stop_device", device=killed, at_iteration=at)], **extra)

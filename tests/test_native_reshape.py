@@ -31,7 +31,11 @@ SETTINGS = TrainSettings(block_size=16)
 GLOBAL_MICROBATCHES = 4
 
 
-def _plan(epoch: int, *pipelines: tuple[int, list[tuple[tuple[int, ...], int, int]]], cfg: LlamaConfig = CFG) -> Plan:
+# one replica: (microbatches, [(devices, first_layer, end_layer), ...])
+ReplicaSpec = tuple[int, list[tuple[tuple[int, ...], int, int]]]
+
+
+def _plan(epoch: int, *pipelines: ReplicaSpec, cfg: LlamaConfig = CFG) -> Plan:
     """``_plan(e, (microbatches, [(devices, first_layer, end_layer), ...]), ...)``, one per replica."""
     return Plan(epoch=epoch, num_layers=cfg.n_layers, pipelines=tuple(
         PipelinePlan(replica=r, microbatches=mbs, stages=tuple(
@@ -86,7 +90,8 @@ def test_tp_shrink_and_dp_migration_mid_run_equal_the_reference_and_the_schedule
     first = by_key[(2, 0)]  # replica 1 ran micro-batch 3 only, under epoch 0
     assert first.epoch == 0 and (first.coords.tp, first.coords.pp, first.coords.dp) == (0, 0, 1)
     assert [(c.kind.value, c.microbatch) for c in first.chunks] == [("F", 3), ("B", 3)]
-    assert all(c.tokens == SETTINGS.block_size and sum(c.seq_lens) == SETTINGS.block_size for c in first.chunks)
+    assert all(c.tokens == SETTINGS.block_size and c.seq_lens is not None and sum(c.seq_lens) == SETTINGS.block_size
+               for c in first.chunks)
     later = by_key[(0, 3)]
     assert later.epoch == 1 and sorted({c.microbatch for c in later.chunks}) == [0, 1]
 
@@ -108,7 +113,8 @@ def test_tp_4_to_3_excluding_one_device_equals_the_reference(tmp_path):
 def test_tp_grow_onto_fsdp_and_tp_together_equals_the_reference(tmp_path):
     # DP4 (FSDP over four replicas) → TP2·DP2: every parameter lands in FSDP's strided shard of a
     # TP shard on a 2-D mesh, each rank taking its shard of the moved state by flat indices.
-    start = _plan(0, *[(1, [((d,), 0, 4)]) for d in range(4)])
+    replicas: list[ReplicaSpec] = [(1, [((d,), 0, 4)]) for d in range(4)]
+    start = _plan(0, *replicas)
     grown = _plan(1, (2, [((0, 1), 0, 4)]), (2, [((2, 3), 0, 4)]))
     ranks, params = _run(tmp_path, start, 4, reshapes=[(2, grown)])
     _assert_matches_reference(ranks, params, 4)

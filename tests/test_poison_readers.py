@@ -45,6 +45,7 @@ from remediation.engine import EngineConfig, RemediationEngine
 from remediation.log_view import fold_log
 from resihp.demo.watch import LogWatch
 from remediation.model import PlannerModel
+from tests.fixtures.payloads import payloads_as
 from tests.test_control_audit import JOB, SOURCE, _sample
 from tests.test_poison_properties import payloads
 from trainer.agent.commands import NodeCommands
@@ -298,5 +299,5 @@ def test_a_signed_command_on_the_telemetry_topic_is_dead_lettered_as_misplaced_n
         with EventStream(bus, GROUP, [topics.TELEMETRY], on_assign=lambda ps: {tp: 0 for tp in ps}) as s:
             assert _poll_all(s) == []
         with EventStream(bus, "audit", [topics.DEADLETTER], on_assign=lambda ps: {tp: 0 for tp in ps}) as s:
-            (letter,) = [e.payload for e in _poll_all(s)]
+            (letter,) = payloads_as(_poll_all(s), DeadLetter)
     assert "command.reconfigure is never published to resihp.telemetry" in letter.reason
