@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -63,59 +64,56 @@ def _dir(args: argparse.Namespace):  # noqa: ANN202 - collector.keys.KeyDir, imp
     return KeyDir((args.dir or key_path()).expanduser())
 
 
-def _fail(args: argparse.Namespace, exc: Exception) -> int:
-    raise SystemExit(f"resihp keys {args.action}: {exc}")
+def _refusing(action: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A key directory that cannot be used, or a file that cannot be written, ends the command with
+    one line that names it (collector/keys.py's errors name the fix), never a traceback."""
+    def run(args: argparse.Namespace) -> int:
+        from collector.keys import KeyFileError
+
+        try:
+            return action(args)
+        except (KeyFileError, OSError) as exc:
+            raise SystemExit(f"resihp keys {args.action}: {exc}") from None
+
+    return run
 
 
+@_refusing
 def _create(args: argparse.Namespace) -> int:
-    from collector.keys import KeyFileError
-
     keys = _dir(args)
-    try:
-        made = keys.create()
-    except KeyFileError as exc:
-        return _fail(args, exc)
+    made = keys.create()
     print(f"{'made' if made else 'kept'} the key set in {keys.path}")
     return _list(argparse.Namespace(**{**vars(args), "json": False}))
 
 
+@_refusing
 def _add_person(args: argparse.Namespace) -> int:
-    from collector.keys import KeyFileError, person_key_id
+    from collector.keys import person_key_id
 
     keys = _dir(args)
-    try:
-        key_id = person_key_id(args.name)
-        path = keys.add_person(args.name, args.out, replace=args.replace)
-    except (KeyFileError, OSError) as exc:
-        return _fail(args, exc)
+    key_id = person_key_id(args.name)
+    path = keys.add_person(args.name, args.out, replace=args.replace)
     print(f"{key_id}: private key {path} (0600); its public key is in {keys.public_path}")
     print(f"{args.name} signs as cli:{args.name} with RESIHP_KEYS={path.parent} "
           f"(`resihp plans approve PLAN --as {args.name}`); hand the file to them alone")
     return 0
 
 
+@_refusing
 def _export(args: argparse.Namespace) -> int:
-    from collector.keys import KeyFileError
-
-    keys = _dir(args)
-    try:
-        written = keys.export(args.keys, args.out)
-    except (KeyFileError, OSError) as exc:
-        return _fail(args, exc)
+    written = _dir(args).export(args.keys, args.out)
     for path in written:
         print(path)
     print(f"copy {args.out} to the host (keep it 0700) and set RESIHP_KEYS to it there")
     return 0
 
 
+@_refusing
 def _list(args: argparse.Namespace) -> int:
-    from collector.keys import KeyFileError, fingerprint, person_of, role_of
+    from collector.keys import fingerprint, person_of, role_of
 
     keys = _dir(args)
-    try:
-        public = keys.read_public()
-    except KeyFileError as exc:
-        return _fail(args, exc)
+    public = keys.read_public()
     here = set(keys.private_ids())
     rows = [{"key_id": k, "signs_as": f"cli:{person_of(k)}" if person_of(k) else role_of(k),
              "fingerprint": fingerprint(v), "private_here": k in here} for k, v in sorted(public.items())]
