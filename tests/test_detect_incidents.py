@@ -14,7 +14,8 @@ from analytics.detection.incident_keys import COMM_KEY, IncidentKey, UNTRACED_KE
 from analytics.detection.incidents import IncidentBook
 from analytics.detection.open_incident import Suspect
 from collector.events import (
-    FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated, ProbeRequest, ProbeResult,
+    FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated, Payload, ProbeRequest,
+    ProbeResult,
 )
 
 
@@ -69,9 +70,19 @@ def test_a_probed_link_carries_the_probes_factor_and_telemetry_no_longer_moves_i
     (confirmed,) = out
     assert isinstance(confirmed, IncidentConfirmed) and confirmed.method == "probe"
     (loc,) = confirmed.locations
-    assert set(loc.link) == {2, 3} and loc.factor == 4.0
+    assert loc.link is not None and set(loc.link) == {2, 3} and loc.factor == 4.0
     assert book.observe(COMM_KEY, z=0.5, k=0.02, iteration=20, factor=1.6) == []  # no update from the excess
     assert book.open[COMM_KEY].factor == 4.0
+
+
+# what the book publishes about an incident (each names it by ``incident_id``)
+INCIDENT_PAYLOADS = (IncidentOpened, IncidentConfirmed, IncidentUpdated, IncidentResolved, ProbeRequest)
+
+
+def _updates(out: list[Payload]) -> list[IncidentUpdated]:
+    """``out``, each checked to be an incident update."""
+    assert all(isinstance(p, IncidentUpdated) for p in out), out
+    return [p for p in out if isinstance(p, IncidentUpdated)]
 
 
 def _answer(book: IncidentBook, probe: ProbeRequest, ratios: dict[int, float]) -> list:
@@ -97,7 +108,8 @@ def test_a_named_rank_that_gets_worse_has_its_group_probed_again_and_a_slow_peer
     assert sorted(again.ranks) == [4, 5, 6, 7] and again.probe_id != probe.probe_id
     assert update.probing == [4, 5, 6, 7]  # a planner waits for the answer
     later = book.observe(IncidentKey.of_ranks((5,)), z=0.4, k=0.02, iteration=50, factor=1.7)
-    assert [type(p) for p in later] == [IncidentUpdated] and not later[0].probing  # one re-probe at a time
+    (one,) = later
+    assert isinstance(one, IncidentUpdated) and not one.probing  # one re-probe at a time
     opened, confirmed, own = _answer(book, again, {4: 1.0, 5: 1.5, 6: 2.0, 7: 1.01})
     assert isinstance(own, IncidentUpdated) and own.locations[0].rank == 5 and not own.probing  # the answer, last
     assert isinstance(opened, IncidentOpened) and opened.locations[0].rank == 6
@@ -114,7 +126,7 @@ def test_a_re_probe_that_finds_only_the_named_rank_keeps_the_location_and_says_s
     (probe,) = [p for p in book.open_fail_slow(_group_suspect(), iteration=10) if isinstance(p, ProbeRequest)]
     _answer(book, probe, {4: 1.0, 5: 3.0})
     update, again = book.observe(IncidentKey.of_ranks((5,)), z=1.5, k=0.02, iteration=30, factor=4.5)
-    assert update.probing == [4, 5]
+    assert isinstance(update, IncidentUpdated) and update.probing == [4, 5] and isinstance(again, ProbeRequest)
     (answer,) = _answer(book, again, {4: 1.0, 5: 4.5})
     assert isinstance(answer, IncidentUpdated) and not answer.probing
     assert answer.locations[0].rank == 5 and answer.locations[0].factor == 4.5
@@ -126,7 +138,8 @@ def _dies(book: IncidentBook, rank: int, iteration: int) -> list:
     """What the book publishes when the fail-stop watch finds ``rank`` dead, fail-stop incident aside."""
     out = book.fail_stop([LivenessChange(rank=rank, alive=False, reason="missed heartbeats", iteration=iteration)])
     (stop,) = [p for p in out if isinstance(p, IncidentOpened) and p.category == FaultCategory.FAIL_STOP]
-    return [p for p in out if p.incident_id != stop.incident_id]
+    assert all(isinstance(p, INCIDENT_PAYLOADS) for p in out), out
+    return [p for p in out if isinstance(p, INCIDENT_PAYLOADS) and p.incident_id != stop.incident_id]
 
 
 def test_a_re_probe_whose_missing_member_died_is_concluded_on_the_answers_in() -> None:
@@ -139,6 +152,7 @@ def test_a_re_probe_whose_missing_member_died_is_concluded_on_the_answers_in() -
     (probe,) = [p for p in book.open_fail_slow(group, iteration=10) if isinstance(p, ProbeRequest)]
     _answer(book, probe, {4: 1.0, 5: 1.5, 6: 1.0, 7: 1.0})
     _, again = book.observe(IncidentKey.of_ranks((5,)), z=0.4, k=0.02, iteration=40, factor=1.5)
+    assert isinstance(again, ProbeRequest)
     assert _answer(book, again, {4: 1.0, 5: 1.5, 6: 2.0}) == []  # 7 is still due
     assert [p for p in book.end_of_iteration(300) if not isinstance(p, IncidentConfirmed)] == []  # however long
     opened, confirmed, own = _dies(book, 7, 301)
@@ -155,11 +169,13 @@ def test_a_re_probe_concluded_without_a_dead_peer_lets_the_group_be_re_probed_wh
     (probe,) = [p for p in book.open_fail_slow(_group_suspect(), iteration=10) if isinstance(p, ProbeRequest)]
     _answer(book, probe, {4: 1.0, 5: 3.0})
     _, again = book.observe(IncidentKey.of_ranks((5,)), z=1.5, k=0.02, iteration=30, factor=4.5)
+    assert isinstance(again, ProbeRequest)
     _answer(book, again, {5: 4.5})  # rank 4 dies before it answers
     (answer,) = _dies(book, 4, 35)
     assert isinstance(answer, IncidentUpdated) and answer.locations[0].rank == 5 and not answer.probing
     update, third = book.observe(IncidentKey.of_ranks((5,)), z=2.5, k=0.02, iteration=50, factor=7.0)
-    assert update.probing == [4, 5] and isinstance(third, ProbeRequest) and third.probe_id != again.probe_id
+    assert isinstance(update, IncidentUpdated) and update.probing == [4, 5]
+    assert isinstance(third, ProbeRequest) and third.probe_id != again.probe_id
 
 
 def test_a_first_probe_missing_a_dead_members_answer_names_the_slow_member_that_did_answer() -> None:
@@ -191,6 +207,7 @@ def test_a_slow_rank_the_plan_left_out_is_probed_now_and_then_and_resolved_once_
     assert _answer(book, check, {5: 2.5}) == [] and book.open_compute_ranks() == {5}  # still slow: stays open
     assert [p for i in range(71, 170) for p in book.end_of_iteration(i)] == []  # the wait doubled: 100
     (again,) = book.end_of_iteration(170)
+    assert isinstance(again, ProbeRequest)
     (resolved,) = _answer(book, again, {5: 1.01})
     assert isinstance(resolved, IncidentResolved) and "probed healthy" in resolved.reason
     assert resolved.iteration == 170 and book.open_compute_ranks() == set()
@@ -254,11 +271,11 @@ def test_a_fail_slow_that_moves_past_the_update_threshold_is_sized_again_on_its_
     book = IncidentBook("j", DetectorConfig(refine_iterations=[4], refine_min_change=0.01))
     book.open_fail_slow(_named_slow(factor=1.5), iteration=10)
     key, k = IncidentKey.of_ranks((5,)), 0.05
-    first = [p for i in range(11, 15) for p in book.observe(key, math.log(1.6), k, i, factor=1.52)]
+    first = _updates([p for i in range(11, 15) for p in book.observe(key, math.log(1.6), k, i, factor=1.52)])
     assert [round(p.locations[0].factor, 3) for p in first] == [1.6]  # refined once
-    (worse,) = book.observe(key, math.log(2.5), k, 20, factor=2.4)  # a new size: the 10 % rule
+    (worse,) = _updates(book.observe(key, math.log(2.5), k, 20, factor=2.4))  # a new size: the 10 % rule
     assert worse.locations[0].factor == 2.4
-    later = [p for i in range(21, 30) for p in book.observe(key, math.log(2.6), k, i, factor=2.45)]
+    later = _updates([p for i in range(21, 30) for p in book.observe(key, math.log(2.6), k, i, factor=2.45)])
     assert [round(p.locations[0].factor, 3) for p in later] == [2.6]  # refined on the new size's iterations
 
 
@@ -274,7 +291,7 @@ def test_a_refined_size_is_compared_with_the_size_last_published_even_by_a_probe
     named = book.open[IncidentKey.of_ranks((5,))]
     assert named.published_factor == 1.80
     out = [p for i in range(12, 16) for p in book.observe(IncidentKey.of_ranks((5,)), math.log(1.90), k, i, factor=1.85)]
-    (update,) = out
+    (update,) = _updates(out)
     assert update.locations[0].factor == 1.90 and "(was ×1.800)" in update.evidence.statistic
 
 
@@ -284,7 +301,7 @@ def test_a_fail_slow_is_sized_again_at_each_refinement_point_while_the_size_move
     book.open_fail_slow(_named_slow(factor=1.80), iteration=10)
     key, k = IncidentKey.of_ranks((5,)), 0.05
     factors = [1.90, 1.86, 1.87, 1.88, 1.95, 1.96, 1.97, 1.95, 1.96, 1.96, 1.96, 1.96]
-    out = [p for i, f in enumerate(factors) for p in book.observe(key, math.log(f), k, 11 + i, factor=1.85)]
+    out = _updates([p for i, f in enumerate(factors) for p in book.observe(key, math.log(f), k, 11 + i, factor=1.85)])
     assert [(p.iteration, round(p.locations[0].factor, 3)) for p in out] == [(14, 1.875), (18, 1.925)]
 
 
@@ -298,7 +315,7 @@ def test_by_default_a_size_that_32_iterations_leave_within_their_noise_is_correc
     early = [p for i in range(11, 43) for p in book.observe(key, math.log(1.438), k, i, factor=1.44)]
     assert early == []  # the medians of 8 and of 32 are within 0.5 % of the published size
     later = [p for i in range(43, 200) for p in book.observe(key, math.log(1.450), k, i, factor=1.45)]
-    (update,) = later
+    (update,) = _updates(later)
     assert update.iteration == 10 + 128 and update.locations[0].factor == 1.450
     assert "sized again on 128 slow iterations: ×1.450 (was ×1.433)" in update.evidence.statistic
 
