@@ -94,6 +94,16 @@ def control_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.environ["RESIHP_KEYS"] = before
 
 
+@pytest.fixture
+def open_umask() -> Iterator[None]:
+    """The most permissive umask: every file mode a test then sees is the platform's choice, not the umask's."""
+    before = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(before)
+
+
 @pytest.fixture(autouse=True)
 def keep_main_module() -> Iterator[None]:
     """Streamlit's AppTest runs the console script as ``__main__`` and leaves it in ``sys.modules``.

@@ -23,15 +23,6 @@ def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-@pytest.fixture
-def open_umask() -> Iterator[None]:
-    old = os.umask(0)
-    try:
-        yield
-    finally:
-        os.umask(old)
-
-
 class _Rows:
     """A projection that writes one row per event, so DuckDB has a .wal to write."""
 

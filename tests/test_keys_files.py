@@ -5,11 +5,9 @@ set; an export holds public.json and only the private keys named."""
 from __future__ import annotations
 
 import json
-import os
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,16 +16,6 @@ from collector.keys import KeyDir, KeyFileError
 from resihp.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def open_umask() -> Iterator[None]:
-    """The most permissive umask: every mode below is the platform's choice, not the umask's."""
-    before = os.umask(0)
-    try:
-        yield
-    finally:
-        os.umask(before)
 
 
 def _mode(path: Path) -> int:
