@@ -38,5 +38,8 @@ def test_every_package_is_linted_and_type_checked():
 
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     on_disk = sorted(p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name != "tests")
-    assert sorted(config["tool"]["mypy"]["packages"]) == on_disk
     assert sorted(PACKAGES) == on_disk
+    # tests/ has no __init__.py (pytest imports it from the root), so mypy reads it as a package
+    # from its base, the root: explicit_package_bases
+    assert sorted(config["tool"]["mypy"]["packages"]) == sorted([*on_disk, "tests"])
+    assert config["tool"]["mypy"]["explicit_package_bases"] is True
