@@ -102,7 +102,7 @@ def _launch(mode: str, args: argparse.Namespace, work: Path, port: int, attempt:
                    "--no-telemetry", "--work-dir", str(work / f"agent-{node}"), *preload, *job]
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, "--max-restarts", "0", *job]
-        log = open(work / f"{mode}-{attempt}-node{node}.log", "w")  # noqa: SIM115 - the child owns it
+        log = open(work / f"{mode}-{attempt}-node{node}.log", "w")  # the child owns it
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ,
                                       "OMP_NUM_THREADS": "1"}, start_new_session=True))
     return procs

@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also time 20 iterations of the 1,024-GPU job with full telemetry objects built")
 
 
-def _engine(tp: int, pp: int, dp: int, mb: int, telemetry: Literal["all", "none"] = "none"):  # noqa: ANN202
+def _engine(tp: int, pp: int, dp: int, mb: int, telemetry: Literal["all", "none"] = "none"):
     from collector.plan import Plan
     from trainer.sim.engine import SimConfig, SimEngine
     from trainer.sim.presets import MODEL_PRESETS, ClusterSpec

@@ -297,7 +297,7 @@ class KafkaBus(Bus):
         if self._producer is not None:
             try:
                 self._producer.close(timeout=0)
-            except Exception:  # noqa: BLE001 - closing a broken producer may fail any way; it is dropped
+            except Exception:  # closing a broken producer may fail any way; it is dropped
                 log.debug("closing the producer after an outage failed", exc_info=True)
             self._producer = None
 

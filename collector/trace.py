@@ -234,8 +234,8 @@ def replay(
     *,
     speed: float = 1.0,
     batch: int = 5_000,
-    sleep=time.sleep,  # noqa: ANN001 - injectable for tests
-    clock=time.monotonic,  # noqa: ANN001
+    sleep=time.sleep,  # injectable for tests
+    clock=time.monotonic,
 ) -> int:
     """Publish a trace onto ``bus`` in order: at its original pace (speed 1), ``speed`` times faster,
     or as fast as possible (speed 0 or inf). Returns the number of records published.

@@ -25,16 +25,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
-from collector.bus import open_bus  # noqa: E402
-from collector.auth import Signer  # noqa: E402
-from collector.events import EventFactory, ProbeRequest  # noqa: E402
-from collector.plan import PipelinePlan, Plan  # noqa: E402
-from trainer.integration import (CommandListener, ResiHPReporter, best_seconds, coords_in,  # noqa: E402
+from collector.bus import open_bus
+from collector.auth import Signer
+from collector.events import EventFactory, ProbeRequest
+from collector.plan import PipelinePlan, Plan
+from trainer.integration import (CommandListener, ResiHPReporter, best_seconds, coords_in,
                                  new_command, probe_answer, seq_lens_from_cu_seqlens)
 
 VOCAB, WIDTH, HEADS, LAYERS, BLOCK = 256, 64, 4, 2, 256

@@ -211,7 +211,7 @@ class RemediationEngine:
             if isinstance(e.payload, PlanRolledBack):
                 try:
                     rollback = self.planning.rollback_proposal(e.payload.plan_id)
-                except Exception as exc:  # noqa: BLE001 - a failed roll-back plan must not stop the engine
+                except Exception as exc:  # a failed roll-back plan must not stop the engine
                     log.exception("remediation job=%s: no roll-back proposal for %s", self.config.job, e.payload.plan_id)
                     self.output.refuse(f"no roll-back proposal for {e.payload.plan_id}: {exc!r}")
                     rollback = None

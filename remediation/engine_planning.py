@@ -128,7 +128,7 @@ class EnginePlanning:
             return None
         try:
             view = self.view()
-        except Exception as exc:  # noqa: BLE001 - an incident must never stop the engine
+        except Exception as exc:  # an incident must never stop the engine
             log.exception("remediation job=%s: cannot read the open incidents", s.job)
             self.output.refuse(f"cannot read the open incidents: {exc!r}")
             return None
@@ -150,7 +150,7 @@ class EnginePlanning:
                          key=f"group/{incident_id}/{s.incident_version}")
         try:
             return self._propose(view)
-        except Exception as exc:  # noqa: BLE001 - an incident must never stop the engine
+        except Exception as exc:  # an incident must never stop the engine
             log.exception("remediation job=%s epoch=%s: planning failed", s.job, s.running_epoch)
             self.output.refuse(f"planning failed for incidents {[i.incident_id for i in s.open_incidents()]}: {exc!r}",
                          key=f"error/{key}")

@@ -44,7 +44,7 @@ def shrink_agent(tmp_path: Path, port: int, node: int, steps: int, *flags: str, 
                      job_args=job)
     at = argv.index("--no-telemetry")
     cmd = [*argv[:at], "--bus", "embedded", "--bus-path", str(tmp_path / "bus.sqlite"), *argv[at + 1:]]
-    out = open(log, "w") if log else subprocess.PIPE  # noqa: SIM115 - the child owns it
+    out = open(log, "w") if log else subprocess.PIPE  # the child owns it
     return subprocess.Popen(cmd, env=env(), stdout=out, stderr=subprocess.STDOUT, text=True)
 
 

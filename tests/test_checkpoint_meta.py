@@ -19,7 +19,7 @@ class _RunsCode:
     def __init__(self, marker: Path) -> None:
         self.marker = marker
 
-    def __reduce__(self):  # noqa: ANN204 - the pickle protocol
+    def __reduce__(self):  # the pickle protocol
         return (os.system, (f"touch {self.marker}",))
 
 

@@ -32,7 +32,7 @@ JOB = "authjob"
 PLAN = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
 
 
-def _incident(source_factory, incident_id: str = "i1", rank: int = 5) -> Envelope:  # noqa: ANN001
+def _incident(source_factory, incident_id: str = "i1", rank: int = 5) -> Envelope:
     return source_factory.make(IncidentOpened(
         incident_id=incident_id, category=FaultCategory.FAIL_STOP, severity=Severity.HIGH, iteration=5,
         locations=[Location(target="compute", rank=rank)], evidence=Evidence(), summary=f"rank {rank} silent"))
@@ -208,7 +208,7 @@ iterations: 1000000
 """
 
 
-def _wait_for(bus: EmbeddedBus, what: str, found, deadline_polls: int = 300) -> list[Envelope]:  # noqa: ANN001
+def _wait_for(bus: EmbeddedBus, what: str, found, deadline_polls: int = 300) -> list[Envelope]:
     """Control events until ``found(events)`` holds (the process runs on its own; we wait for it)."""
     stream = EventStream(bus, f"w-{uuid.uuid4().hex}", [topics.CONTROL], on_assign=lambda ps: {tp: 0 for tp in ps})
     events: list[Envelope] = []

@@ -125,7 +125,7 @@ def test_a_plans_verdict_is_printed_under_it() -> None:
     assert "      rolled back: below the predicted change: measured ×0.900" in text
 
 
-def test_the_watcher_records_a_command_once_whichever_topic_it_reads_first(tmp_path) -> None:  # noqa: ANN001
+def test_the_watcher_records_a_command_once_whichever_topic_it_reads_first(tmp_path) -> None:
     """A command is on two topics with one id: the commands topic (the order) and the control topic
     (the record). The watcher reads the record; had it folded the order that a poll can hand it
     before the proposal, the plan would read "none applied" though the trainer applied it."""

@@ -146,7 +146,7 @@ def test_an_hmac_signed_log_verifies_only_against_the_old_key_file_which_signs_n
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     old = _legacy_file(tmp_path / "keys.json")
 
-    def hmac_signed(event, role):  # noqa: ANN001, ANN202 - as the platform signed before Ed25519
+    def hmac_signed(event, role):  # as the platform signed before Ed25519
         mac = hmac.new(old[role], canonical_bytes(event), hashlib.sha256).hexdigest()
         return event.model_copy(update={"signature": f"{role}:{mac}"})
 

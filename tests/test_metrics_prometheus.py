@@ -66,13 +66,13 @@ class _Webhook:
         received = self.received = []  # type: list[dict[str, Any]]
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 received.append(json.loads(body))
                 self.send_response(200)
                 self.end_headers()
 
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            def log_message(self, format: str, *args: object) -> None:
                 return
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

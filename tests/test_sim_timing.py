@@ -23,7 +23,7 @@ FAST = dict(intra_node_gbps=1e9, inter_node_gbps=1e9, link_latency_s=0.0, layer_
 
 
 def _engine(schedule: Schedule, pp: int, mb: int, *, v: int = 1, dp: int = 1, faults: list[FaultSpec] | None = None,
-            noise=NOISE_OFF, seed: int = 0) -> SimEngine:  # noqa: ANN001
+            noise=NOISE_OFF, seed: int = 0) -> SimEngine:
     plan = Plan.uniform(tp=1, pp=pp, dp=dp, num_layers=MODEL.layers, microbatches_per_replica=mb,
                         schedule=schedule, virtual_stages=v)
     cluster = ClusterSpec.model_validate({"gpus": pp * dp, **FAST})

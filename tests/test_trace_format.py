@@ -15,7 +15,7 @@ from collector.topics import ALL_TOPICS
 from collector.trace import SCHEMA, TraceReader, TraceWriter, read_trace, replay
 
 
-def _events(n: int, dt: float = 1.0):  # noqa: ANN202
+def _events(n: int, dt: float = 1.0):
     f = EventFactory("job-t", "rank-0")
     return [f.make(Heartbeat(rank=0, epoch=0, iteration=i, interval_s=dt), time_s=1000.0 + i * dt) for i in range(n)]
 

@@ -24,14 +24,14 @@ def test_no_alertmanager_at_the_url_is_one_line_naming_it_and_the_fix() -> None:
 
 def test_a_server_that_is_not_alertmanager_is_refused_with_a_reason() -> None:
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             body = b'{"status": "success"}'
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        def log_message(self, format: str, *args: object) -> None:
             return
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

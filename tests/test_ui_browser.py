@@ -76,7 +76,7 @@ class PixelServer:
         self.hits = hits
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - the http.server API
+            def do_GET(self) -> None:  # the http.server API
                 hits.append(self.path)
                 self.send_response(200)
                 self.send_header("Content-Type", "image/gif")

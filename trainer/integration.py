@@ -168,7 +168,7 @@ class IterationReport:
                                            start_s=max(0.0, start_s), duration_s=max(0.0, duration_s)))
 
     def time_comm(self, op: str | CommOp, *, peer: int | None = None, microbatch: int | None = None,
-                  nbytes: int | None = None):  # noqa: ANN201 - a context manager
+                  nbytes: int | None = None):  # a context manager
         """Time a blocking collective or receive with the host clock (trainer/telemetry.py's timer)."""
         return self.recorder.comm_wait(CommOp(op), peer=peer, microbatch=microbatch, nbytes=nbytes)
 
@@ -403,7 +403,7 @@ class CommandListener:
         self.acks.append(ack)
         return ack
 
-    def _publish(self, payloads: list) -> None:  # noqa: ANN001
+    def _publish(self, payloads: list) -> None:
         if payloads:
             self.bus.publish([self.factory.make(p) for p in payloads])
 

@@ -87,7 +87,7 @@ class DetectorProjection:
                                      f"this build reads version {STATE_VERSION}: {_REBUILD}")
         try:
             detector = pickle.loads(state)
-        except Exception as exc:  # noqa: BLE001 - whatever unpickling raises, the remedy is the same
+        except Exception as exc:  # whatever unpickling raises, the remedy is the same
             raise DetectorStateError(f"the stored detector state of job {job!r} cannot be read by this build "
                                      f"({type(exc).__name__}: {exc}): {_REBUILD}") from exc
         if not isinstance(detector, Detector):
@@ -119,7 +119,7 @@ class DetectorProjection:
                 self.emitted[e.job] = 0
             try:
                 encoded = [encode(self._envelope(e.job, p, e.time_s)) for p in det.on_event(e)]
-            except Exception as exc:  # noqa: BLE001 - one event must not stop the consumer (module docstring)
+            except Exception as exc:  # one event must not stop the consumer (module docstring)
                 self.failed += 1
                 log.exception("job %s: the detector failed on event %s (%s); it is dead-lettered", e.job, e.id, e.kind)
                 encoded = [self._dead_letter(d, exc)]

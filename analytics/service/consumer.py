@@ -113,7 +113,7 @@ def _publish(detector: DetectorProjection, leases: AnalyticsLeases, outage: Outa
 def _release(leases: AnalyticsLeases, bus: Bus) -> None:
     try:
         leases.release(bus)
-    except Exception as exc:  # the bus may be gone; the lease then expires
+    except Exception as exc:  # noqa: BLE001 - the bus may be gone; the lease then expires
         print(json.dumps({"event": "analytics_lease_not_released", "why": repr(exc)[:200]}),
               file=sys.stderr, flush=True)
 

@@ -234,7 +234,7 @@ class MetricsServer:
 
 def _handler(collector: AnalyticsCollector | ApprovalCollector) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
+        def do_GET(self) -> None:  # the name http.server calls
             url = urlsplit(self.path)
             job: str | None = parse_qs(url.query).get("job", [None])[0]
             path = url.path.rstrip("/")
@@ -257,7 +257,7 @@ def _handler(collector: AnalyticsCollector | ApprovalCollector) -> type[BaseHTTP
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - http.server's signature
+        def log_message(self, format: str, *args: object) -> None:  # http.server's signature
             return  # one line per scrape would drown the consumer's log
 
     return Handler

@@ -248,7 +248,7 @@ class ReplicaShard:
                 chunk_quantile=self.config.chunk_quantile,
                 schedule=(plan.schedule, plan.virtual_stages) if plan is not None else (None, None),
                 replicas=len(plan.pipelines) if plan is not None else None, replica=replica, shard=self.name)
-        except Exception:  # noqa: BLE001 - see the docstring: logged, counted, the shard goes on
+        except Exception:  # see the docstring: logged, counted, the shard goes on
             self.failed += 1
             log.exception("shard %s, job %s: replica %d of iteration %d (epoch %d) cannot be summarised; left out",
                           self.name, self.job, replica, iteration, epoch)
@@ -356,7 +356,7 @@ class ShardWorker:
             try:
                 self.stream.commit({TopicPartition(t, p): off for (t, p), off in safe.items()})
                 self._committed = safe
-            except Exception as exc:  # noqa: BLE001 - kafka's errors when a rebalance is taking them
+            except Exception as exc:  # kafka's errors when a rebalance is taking them
                 if type(exc).__name__ not in _REBALANCING:
                     raise
                 # Not committed: the next owner resumes from the previous commit, older hence still safe.

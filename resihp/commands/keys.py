@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls.set_defaults(func=_list)
 
 
-def _dir(args: argparse.Namespace):  # noqa: ANN202 - collector.keys.KeyDir, imported late
+def _dir(args: argparse.Namespace):  # collector.keys.KeyDir, imported late
     from collector.auth import key_path
     from collector.keys import KeyDir
 

@@ -50,7 +50,7 @@ def _printing_receiver(port: int):
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - the name http.server calls
+        def do_POST(self) -> None:  # the name http.server calls
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             for alert in body.get("alerts", []):
                 print(json.dumps({"event": "alert", "status": alert.get("status"), **alert.get("labels", {}),
@@ -60,7 +60,7 @@ def _printing_receiver(port: int):
             self.send_response(200)
             self.end_headers()
 
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        def log_message(self, format: str, *args: object) -> None:
             return
 
     httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)

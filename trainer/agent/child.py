@@ -58,7 +58,7 @@ def _run(argv: list[str], expected_parent: int | None) -> None:
     if stack_dir:
         # Kept open for the life of the process: faulthandler writes to the descriptor from a
         # signal handler, where nothing can be opened.
-        stacks = open(stack_file_path(stack_dir, str(elastic_environment().LOCAL_RANK)), "w")  # noqa: SIM115
+        stacks = open(stack_file_path(stack_dir, str(elastic_environment().LOCAL_RANK)), "w")
         faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
     if not argv:
         raise SystemExit("usage: python -m trainer.agent.child [-m] SCRIPT [ARGS...]")

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.fx.experimental.symbolic_shapes  # noqa: F401 - see below
+import torch.fx.experimental.symbolic_shapes  # see below
 import torch.nn.functional as F
 
 from analytics.detection.schedule import op_table
