@@ -5,6 +5,11 @@ each holding a forward and a backward chunk for every micro-batch with its packe
 A producer (this process) publishes a batch per iteration — all ranks' messages — and a consumer
 (a second process, as in production) decodes and validates every record through ``EventStream``.
 
+Beside each backend, its raw client on the same bytes: the encoded events, published and read back
+by kafka-python's producer and consumer alone, or inserted into and selected from a SQLite table of
+the embedded log's shape alone, with no decoding. ``ratio`` is the platform's rate over the raw
+client's, measured in the same run: a slowdown of ours shows on any machine as a falling ratio.
+
 Two phases per backend:
 - throughput: publish everything as fast as possible; chunk records per second from the first
   publish to the last record decoded by the consumer;
@@ -24,6 +29,7 @@ import time
 import uuid
 
 from collector import topics
+from collector.codec import encode
 from collector.events import Chunk, ChunkKind, Coords, EventFactory, RankIteration
 
 
@@ -33,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatches", type=int, default=16, help="micro-batches per iteration (2 chunks each)")
     parser.add_argument("--iterations", type=int, default=200, help="iterations in the throughput phase")
     parser.add_argument("--latency-seconds", type=float, default=5.0, help="length of the paced latency phase")
-    parser.add_argument("--bootstrap", default=None, help="Kafka bootstrap (default: start the local broker)")
+    parser.add_argument("--bootstrap", default=None, help="Kafka bootstrap (default: the broker up on the default data dir, else one started for the bench and stopped after)")
     parser.add_argument("--path", default=None, help="embedded log file (default: a fresh temporary file)")
 
 
@@ -126,6 +132,8 @@ def measure(backend: str, args: argparse.Namespace, bootstrap: str = "") -> dict
         spec["path"] = args.path or tempfile.mkdtemp(prefix="resihp-bench-") + "/bus.sqlite"
     payloads = make_payloads(args.ranks, args.microbatches)
     throughput = _phase(spec, payloads, args.iterations, None)
+    values = [encode(EventFactory("bench", f"rank-{p.rank}").make(p)) for p in payloads]
+    raw_records_per_s = _raw_phase(spec, values, args.iterations, len(payloads[0].chunks))
     paced_iterations = max(1, int(args.latency_seconds * throughput["messages_per_s"] / 2 / args.ranks))
     spec["namespace"] += "lat."
     if backend == "embedded":
@@ -134,11 +142,94 @@ def measure(backend: str, args: argparse.Namespace, bootstrap: str = "") -> dict
     return {
         "backend": backend,
         "records_per_s": round(throughput["records_per_s"]),
+        "raw_records_per_s": round(raw_records_per_s),
+        "ratio_to_raw": round(throughput["records_per_s"] / raw_records_per_s, 3),
         "messages_per_s": round(throughput["messages_per_s"]),
         "p50_ms": round(latency["p50_ms"], 2),
         "p99_ms": round(latency["p99_ms"], 2),
         "chunks_per_message": 2 * args.microbatches,
     }
+
+
+RAW_TOPIC_PARTITIONS = topics.PARTITIONS[topics.TELEMETRY]
+
+
+def _raw_consume(spec: dict, expect: int, ready, results) -> None:  # ready, results: multiprocessing's Event, Queue
+    """The raw client's consumer process: read ``expect`` records' bytes, decode nothing."""
+    seen = 0
+    if spec["backend"] == "kafka":
+        from kafka import KafkaConsumer
+
+        consumer = KafkaConsumer(spec["topic"], bootstrap_servers=spec["bootstrap"], group_id=None,
+                                 auto_offset_reset="earliest", max_partition_fetch_bytes=8 << 20)
+        consumer.poll(timeout_ms=500)
+        ready.set()
+        while seen < expect:
+            seen += sum(len(rs) for rs in consumer.poll(timeout_ms=1000, max_records=20_000).values())
+        consumer.close()
+    else:
+        import sqlite3
+
+        conn = sqlite3.connect(spec["path"])
+        ready.set()
+        while seen < expect:
+            rows = conn.execute("SELECT offset, value FROM log WHERE offset >= ? ORDER BY offset LIMIT 20000",
+                                (seen,)).fetchall()
+            seen += len(rows)
+            if not rows:
+                time.sleep(0.001)
+        conn.close()
+    results.put(time.time())
+
+
+def _raw_phase(spec: dict, values: list[bytes], iterations: int, chunks_per_message: int) -> float:
+    """Chunk records per second through the raw client alone (same bytes, same batches)."""
+    ctx = mp.get_context("spawn")
+    ready, results = ctx.Event(), ctx.Queue()
+    raw = dict(spec)
+    if spec["backend"] == "kafka":
+        from kafka import KafkaProducer
+        from kafka.admin import KafkaAdminClient, NewTopic
+
+        raw["topic"] = f"{spec['namespace']}raw"
+        admin = KafkaAdminClient(bootstrap_servers=spec["bootstrap"])
+        admin.create_topics([NewTopic(raw["topic"], RAW_TOPIC_PARTITIONS, 1)])
+        admin.close()
+    else:
+        import sqlite3
+
+        raw["path"] = spec["path"].replace("bus.sqlite", "raw.sqlite")
+        conn = sqlite3.connect(raw["path"], isolation_level=None)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")  # the embedded log's default (RESIHP_EMBEDDED_SYNC)
+        conn.execute("CREATE TABLE log (offset INTEGER PRIMARY KEY, key BLOB, value BLOB NOT NULL, ts REAL NOT NULL)")
+    consumer = ctx.Process(target=_raw_consume, args=(raw, iterations * len(values), ready, results), daemon=True)
+    consumer.start()
+    if not ready.wait(120):
+        raise RuntimeError("the raw client's consumer did not start")
+    start = time.time()
+    if spec["backend"] == "kafka":
+        producer = KafkaProducer(bootstrap_servers=spec["bootstrap"], acks="all", enable_idempotence=True, linger_ms=5,
+                                 batch_size=512 * 1024)  # the bus's producer settings (collector/kafka_bus.py)
+        for _ in range(iterations):
+            futures = [producer.send(raw["topic"], value=v, key=b"bench/rank") for v in values]
+            producer.flush()
+            for f in futures:
+                f.get()
+        producer.close()
+    else:
+        offset = 0
+        for _ in range(iterations):
+            conn.execute("BEGIN IMMEDIATE")
+            now = time.time()
+            conn.executemany("INSERT INTO log (offset, key, value, ts) VALUES (?, ?, ?, ?)",
+                             ((offset + i, b"bench/rank", v, now) for i, v in enumerate(values)))
+            conn.execute("COMMIT")
+            offset += len(values)
+        conn.close()
+    finished = results.get(timeout=600)
+    consumer.join(30)
+    return iterations * len(values) * chunks_per_message / (finished - start)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -152,11 +243,14 @@ def run(args: argparse.Namespace) -> int:
             bootstrap = lent.bootstrap
             print(f"Kafka: {lent.describe()}", file=sys.stderr)
         rows = [measure(b, args, bootstrap) for b in backends]
-    print(f"{'backend':<10} {'chunk records/s':>16} {'messages/s':>11} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"{'backend':<10} {'chunk records/s':>16} {'raw client':>11} {'ratio':>6} {'messages/s':>11} "
+          f"{'p50 ms':>8} {'p99 ms':>8}")
     for r in rows:
-        print(f"{r['backend']:<10} {r['records_per_s']:>16,} {r['messages_per_s']:>11,} {r['p50_ms']:>8} {r['p99_ms']:>8}")
+        print(f"{r['backend']:<10} {r['records_per_s']:>16,} {r['raw_records_per_s']:>11,} {r['ratio_to_raw']:>6.2f} "
+              f"{r['messages_per_s']:>11,} {r['p50_ms']:>8} {r['p99_ms']:>8}")
     print(f"({args.ranks} ranks × {args.microbatches} micro-batches × F/B = {2 * args.microbatches} chunks per message; "
-          f"latency measured at half the throughput)")
+          f"latency measured at half the throughput; raw client: the same bytes through kafka-python or SQLite "
+          f"alone, no decoding; ratio: ours over it)")
     if args.json:
         print(json.dumps(rows[0] if len(rows) == 1 else {"runs": rows}))
     return 0
