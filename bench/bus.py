@@ -74,8 +74,13 @@ def _open(spec: dict):
 
 
 def _consume(spec: dict, expect: int, ready, results) -> None:
-    """Consumer process: decode ``expect`` messages, report when it finished and the latencies."""
+    """Consumer process: decode ``expect`` messages, report when it finished and the latencies. A
+    spawned interpreter starts with CPython's collector settings; every ``resihp`` process runs with
+    the platform's (collector/gc_policy.py), and so does this one, or it measures another program."""
+    from collector.gc_policy import tune_for_streaming
     from collector.stream import EventStream
+
+    tune_for_streaming()
 
     bus = _open(spec)
     stream = EventStream(bus, f"bench-{uuid.uuid4().hex[:8]}", [topics.TELEMETRY])
@@ -155,7 +160,11 @@ RAW_TOPIC_PARTITIONS = topics.PARTITIONS[topics.TELEMETRY]
 
 
 def _raw_consume(spec: dict, expect: int, ready, results) -> None:  # ready, results: multiprocessing's Event, Queue
-    """The raw client's consumer process: read ``expect`` records' bytes, decode nothing."""
+    """The raw client's consumer process: read ``expect`` records' bytes, decode nothing (under the
+    same collector settings as the bus's consumer)."""
+    from collector.gc_policy import tune_for_streaming
+
+    tune_for_streaming()
     seen = 0
     if spec["backend"] == "kafka":
         from kafka import KafkaConsumer
