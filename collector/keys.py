@@ -41,7 +41,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from collector.private_files import private_dir
+from collector.private_files import private_dir, write_new_file
 
 ROLES: tuple[str, ...] = ("engine", "analytics", "console", "executor", "rank")
 PERSON = "person."  # a person's key id: person.alice signs cli:alice's decisions
@@ -105,14 +105,6 @@ def _open_to_others(mode: int, bits: int) -> bool:
 def _pem(key: Ed25519PrivateKey) -> bytes:
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
-
-
-def _write_new(path: Path, data: bytes, mode: int) -> None:
-    """Write ``data`` to a new file ``path`` created with ``mode`` (never widened by the umask's absence)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(path, mode)
 
 
 def _public_json(keys: dict[str, Ed25519PublicKey]) -> bytes:
@@ -222,8 +214,8 @@ class KeyDir:
             os.chmod(tmp, 0o700)
             pairs = {role: Ed25519PrivateKey.generate() for role in ROLES}
             for role, key in pairs.items():
-                _write_new(tmp / f"{role}.key", _pem(key), 0o600)
-            _write_new(tmp / PUBLIC_FILE, _public_json({r: k.public_key() for r, k in pairs.items()}), 0o644)
+                write_new_file(tmp / f"{role}.key", _pem(key), 0o600)
+            write_new_file(tmp / PUBLIC_FILE, _public_json({r: k.public_key() for r, k in pairs.items()}), 0o644)
             try:
                 os.rename(tmp, self.path)  # onto nothing, or an empty directory: atomic
             except OSError:
@@ -246,7 +238,7 @@ class KeyDir:
 
     def _replace_public(self, keys: dict[str, Ed25519PublicKey]) -> None:
         tmp = self.path / f".{PUBLIC_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
-        _write_new(tmp, _public_json(keys), 0o644)
+        write_new_file(tmp, _public_json(keys), 0o644)
         os.replace(tmp, self.public_path)
 
     def add_person(self, name: str, out: Path | None = None, *, replace: bool = False) -> Path:
@@ -268,7 +260,7 @@ class KeyDir:
                 os.chmod(target.path, 0o700)
             path = target.private_path(key_id)
             tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-            _write_new(tmp, _pem(key), 0o600)
+            write_new_file(tmp, _pem(key), 0o600)
             os.replace(tmp, path)
             self._replace_public(keys)
         if out is not None:
@@ -278,7 +270,7 @@ class KeyDir:
     def copy_public_from(self, source: KeyDir) -> None:
         data = source.public_path.read_bytes()
         tmp = self.path / f".{PUBLIC_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
-        _write_new(tmp, data, 0o644)
+        write_new_file(tmp, data, 0o644)
         os.replace(tmp, self.public_path)
 
     def export(self, key_ids: Iterable[str], out: Path) -> list[Path]:
@@ -301,7 +293,7 @@ class KeyDir:
         for key_id in wanted:
             dest = target.private_path(key_id)
             tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{secrets.token_hex(4)}")
-            _write_new(tmp, self.private_path(key_id).read_bytes(), 0o600)
+            write_new_file(tmp, self.private_path(key_id).read_bytes(), 0o600)
             os.replace(tmp, dest)
             written.append(dest)
         return written

@@ -96,19 +96,25 @@ def tighten(path: str | os.PathLike[str]) -> None:
         log.warning("%s was readable by other users (mode %04o); made it 0600", path, stat.S_IMODE(st.st_mode))
 
 
+def write_new_file(path: str | os.PathLike[str], data: bytes, mode: int = FILE_MODE) -> None:
+    """Write ``data`` to ``path``, a file this call creates (``O_EXCL``: no one can plant it first)
+    with ``mode`` from its first byte, whatever the umask, and flushed to disk."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), mode)
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_private_file(path: str | os.PathLike[str], data: bytes) -> None:
     """Replace ``path`` with ``data`` atomically, mode 0600 from its first byte: written to a fresh
-    file beside it (``O_EXCL``, so no one can plant it first) and renamed into place."""
+    file beside it and renamed into place."""
     path = Path(path)
     private_dir(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), FILE_MODE)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        write_new_file(tmp, data)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
