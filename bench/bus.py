@@ -23,7 +23,9 @@ import argparse
 import contextlib
 import json
 import multiprocessing as mp
+import os
 import random
+import signal
 import sys
 import time
 import uuid
@@ -80,6 +82,7 @@ def _consume(spec: dict, expect: int, ready, results) -> None:
     from collector.gc_policy import tune_for_streaming
     from collector.stream import EventStream
 
+    _child_of(spec["parent"])
     tune_for_streaming()
 
     bus = _open(spec)
@@ -99,11 +102,20 @@ def _consume(spec: dict, expect: int, ready, results) -> None:
     bus.close()
 
 
+def _child_of(parent: int) -> None:
+    """A consumer waits for records only its parent publishes: it dies with the parent, however the
+    parent ends (a daemon process outlives a SIGKILLed one)."""
+    from resihp.demo.guard import set_parent_death_signal
+
+    set_parent_death_signal(signal.SIGKILL, parent)
+
+
 def _phase(spec: dict, payloads: list[RankIteration], iterations: int, rate_msgs_per_s: float | None) -> dict:
     ctx = mp.get_context("spawn")
     ready, results = ctx.Event(), ctx.Queue()
     expect = iterations * len(payloads)
-    consumer = ctx.Process(target=_consume, args=(spec, expect, ready, results), daemon=True)
+    consumer = ctx.Process(target=_consume, args=({**spec, "parent": os.getpid()}, expect, ready, results),
+                           daemon=True)
     consumer.start()
     if not ready.wait(120):
         raise RuntimeError("the benchmark consumer did not start")
@@ -164,6 +176,7 @@ def _raw_consume(spec: dict, expect: int, ready, results) -> None:  # ready, res
     same collector settings as the bus's consumer)."""
     from collector.gc_policy import tune_for_streaming
 
+    _child_of(spec["parent"])
     tune_for_streaming()
     seen = 0
     if spec["backend"] == "kafka":
@@ -195,7 +208,7 @@ def _raw_phase(spec: dict, values: list[bytes], iterations: int, chunks_per_mess
     """Chunk records per second through the raw client alone (same bytes, same batches)."""
     ctx = mp.get_context("spawn")
     ready, results = ctx.Event(), ctx.Queue()
-    raw = dict(spec)
+    raw = {**spec, "parent": os.getpid()}
     if spec["backend"] == "kafka":
         from kafka import KafkaProducer
         from kafka.admin import KafkaAdminClient, NewTopic
