@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from collector.auth import KeyFileError, Keyring, Refusals, load_keyring
+from collector.auth import Keyring, Refusals, load_keyring
 from collector.events import ControlRejected
 
 log = logging.getLogger("resihp.store")
@@ -58,11 +58,7 @@ T = TypeVar("T")
 def rank_role(keyring: Keyring) -> str:
     """What a rank signs its records as: ``rank`` where this process holds that key, else the
     executor's key its launcher gave it."""
-    try:
-        keyring.sign_bytes(b"", "rank")
-    except (KeyFileError, KeyError):
-        return SIGNING_ROLE
-    return "rank"
+    return "rank" if keyring.can_sign("rank") else SIGNING_ROLE
 
 
 class RecordRefused(ValueError):
