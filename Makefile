@@ -30,7 +30,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m uv --version >/dev/null 2>&1 || $(PYTHON) -m pip install --quiet uv
 	test -x $(BIN)/python || $(PYTHON) -m uv venv $(VENV) --python $(PYTHON)
-	$(PYTHON) -m uv pip install --python $(BIN)/python --quiet -e '.[dev]'
+	$(PYTHON) -m uv pip install --python $(BIN)/python --quiet -e '.[dev,torchtitan]'
 	touch $(STAMP)
 
 kafka: install

@@ -57,6 +57,11 @@ class Environment(BaseSettings):
     key_console: str = Field(default="", description="the web console's private key, hex (instead of console.key)")
     key_executor: str = Field(default="", description="the trainer's (executor's) private key, hex (instead of executor.key)")
     key_rank: str = Field(default="", description="the ranks' private key (probe results only), hex (instead of rank.key)")
+    job: str = Field(default="", description="set by the node agent for its ranks: the job name on the bus (resihp run --job)")
+    devices: str = Field(default="", description="set by the node agent when it restarts a job at a new layout: the "
+                         "device id of each world rank, comma-separated (trainer/agent/relayout.py)")
+    plan_epoch: int = Field(default=0, ge=0, description="set by the node agent with RESIHP_DEVICES: the plan epoch the "
+                            "restarted world runs")
     store_scope: str = Field(default="", description="set by the node agent for its ranks: the rendezvous round their "
                              "signed store records belong to (trainer/agent/shrink.py)")
     legacy_keys: str = Field(default="", description="an HMAC key file of the earlier scheme: its signatures verify, "

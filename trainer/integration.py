@@ -194,11 +194,12 @@ class ResiHPReporter:
 
     ``rank`` is the device id plans name: keep it stable across reshapes (the global rank at job
     start). ``bus``: a Bus you own (borrowed, not closed), a callable that opens one, or None for
-    ``open_bus()`` from the environment. Call ``close()`` at the end (it flushes, up to a timeout).
+    ``open_bus()`` from the environment. ``heartbeat_s`` None: no heartbeats of its own (under
+    ``resihp run`` the node agent sends one per live rank). Call ``close()`` at the end (it flushes, up to a timeout).
     """
 
     def __init__(self, job: str, rank: int, coords: Coords | tuple[int, int, int], *, bus: BusSource = None,
-                 epoch: int = 0, node: int | None = None, heartbeat_s: float = 1.0, max_queued: int = 10_000) -> None:
+                 epoch: int = 0, node: int | None = None, heartbeat_s: float | None = 1.0, max_queued: int = 10_000) -> None:
         self.job, self.rank, self.node, self.epoch = job, rank, node, epoch
         self.coords = coords if isinstance(coords, Coords) else Coords(tp=coords[0], pp=coords[1], dp=coords[2])
         self.publisher = TelemetryPublisher(_bus_opener(bus), job, rank, heartbeat_s, max_queued)

@@ -1,0 +1,207 @@
+"""A torchtitan job's layout in the contract's words, and back: flags ⇄ ``Plan``.
+
+torchtitan lays its world out as one grid, ``(pp, dp_replicate · dp_shard, cp, tp)`` in row-major
+order (``ParallelDims``): world rank ``((p · B + b) · CP + c) · TP + t``. In a ``Plan`` that grid is
+``B`` pipelines (replicas: torchtitan's batch dimension, FSDP shards and replicas alike) of ``PP``
+stages, each stage a TP group of ``TP`` devices. Devices are the ids plans name; a job started with
+N ranks owns devices 0..N-1 (its first world ranks) and keeps those ids across restarts, so a
+restart that leaves device 1 out runs world rank r on ``devices[r]``.
+
+What a torchtitan job can run (:data:`TORCHTITAN_CAPABILITIES`) is a *uniform* layout: one TP degree
+for every stage, the same layer ranges in every replica, the same micro-batch count in every
+replica (torchtitan builds one mesh and one schedule). A plan that is not uniform is refused with
+the rule it breaks (:func:`layout_of`), the same words the planner's capability check uses.
+
+Pure: no torch, no torchtitan; the agent (which never imports torchtitan) and the ranks share it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from collector.capabilities import capability_refusal
+from collector.events import ExecutorCapabilities
+from collector.plan import PipelinePlan, Plan, StagePlan
+
+TORCHTITAN_CAPABILITIES = ExecutorCapabilities(
+    executor="torchtitan",
+    tp_shrink="uniform",
+    tp_exclusion=False,
+    pp_repartition="uniform",
+    dp_drop=True,
+    dp_microbatch_migration=False,
+    spares=True,
+    schedules=["1f1b", "gpipe"],
+    notes={
+        "tp_shrink": "uniform only: torchtitan builds one DeviceMesh, so every stage of every replica runs one TP degree",
+        "tp_exclusion": "one stage at a smaller TP degree than the rest is not a torchtitan layout",
+        "pp_repartition": "torchtitan splits layers evenly itself; the same ranges in every replica",
+        "dp_drop": "yes: a restart at fewer replicas, the global batch kept by gradient accumulation",
+        "dp_microbatch_migration": "every replica runs the same local batch",
+        "spares": "devices left out of the plan idle; a restart can take them back",
+        "state_transfer": "a DCP checkpoint at a step boundary, resharded on load (trainer/torchtitan/)",
+    },
+)
+
+# Flags the platform sets on a restart; a value given on the job's command line is replaced.
+LAYOUT_FLAGS = ("--parallelism.data_parallel_replicate_degree", "--parallelism.data_parallel_shard_degree",
+                "--parallelism.tensor_parallel_degree", "--parallelism.pipeline_parallel_degree",
+                "--parallelism.context_parallel_degree", "--training.global_batch_size")
+
+
+class NotUniform(ValueError):
+    """A plan a torchtitan job cannot run, with the rule it breaks."""
+
+
+@dataclass(frozen=True)
+class TitanLayout:
+    """One torchtitan grid: the degrees ``ParallelDims`` takes (``dp_shard`` resolved, never -1)."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    cp: int = 1
+
+    @property
+    def batch(self) -> int:
+        """Replicas in the contract's sense: torchtitan's batch dimension."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.batch * self.cp * self.tp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(tp, pp, dp) of world rank ``rank``, the contract's ``Coords`` order."""
+        if self.cp != 1:
+            raise NotUniform("context parallelism is not expressed in plans yet; run with cp 1")
+        t = rank % self.tp
+        b = (rank // self.tp) % self.batch
+        p = rank // (self.tp * self.batch)
+        return t, p, b
+
+    def rank_of(self, t: int, p: int, b: int) -> int:
+        return (p * self.batch + b) * self.tp + t
+
+    @classmethod
+    def from_flags(cls, args: Sequence[str], world: int) -> TitanLayout:
+        """The layout torchtitan would build from ``args`` (its CLI flags) on ``world`` ranks:
+        ``dp_shard`` -1 (the default) takes what the other degrees leave."""
+        values = _flag_values(args)
+        pp = int(values.get("--parallelism.pipeline_parallel_degree", 1))
+        rep = int(values.get("--parallelism.data_parallel_replicate_degree", 1))
+        tp = int(values.get("--parallelism.tensor_parallel_degree", 1))
+        cp = int(values.get("--parallelism.context_parallel_degree", 1))
+        shard = int(values.get("--parallelism.data_parallel_shard_degree", -1))
+        if shard < 0:
+            shard, rest = divmod(world, pp * rep * tp * cp)
+            if rest or shard < 1:
+                raise NotUniform(f"{world} ranks do not divide into pp {pp} x dp_replicate {rep} x tp {tp} x cp {cp}")
+        layout = cls(pp=pp, dp_replicate=rep, dp_shard=shard, tp=tp, cp=cp)
+        if layout.world != world:
+            raise NotUniform(f"pp {pp} x dp_replicate {rep} x dp_shard {shard} x tp {tp} x cp {cp} = {layout.world} "
+                             f"ranks, but the job has {world}")
+        return layout
+
+    def flags(self, global_batch: int) -> list[str]:
+        """The CLI flags that make torchtitan build this layout, the global batch kept."""
+        return ["--parallelism.data_parallel_replicate_degree", str(self.dp_replicate),
+                "--parallelism.data_parallel_shard_degree", str(self.dp_shard),
+                "--parallelism.tensor_parallel_degree", str(self.tp),
+                "--parallelism.pipeline_parallel_degree", str(self.pp),
+                "--parallelism.context_parallel_degree", str(self.cp),
+                "--training.global_batch_size", str(global_batch)]
+
+
+def _flag_values(args: Sequence[str]) -> dict[str, str]:
+    """``--name value`` and ``--name=value`` pairs; the last occurrence wins, as in tyro."""
+    out: dict[str, str] = {}
+    for i, arg in enumerate(args):
+        if not arg.startswith("--"):
+            continue
+        if "=" in arg:
+            name, value = arg.split("=", 1)
+            out[name] = value
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            out[arg] = args[i + 1]
+    return out
+
+
+def flag_value(args: Sequence[str], name: str) -> str | None:
+    return _flag_values(args).get(name)
+
+
+def with_flags(args: Sequence[str], extra: Sequence[str], replaced: Sequence[str] = LAYOUT_FLAGS) -> list[str]:
+    """``args`` without any of ``replaced`` (and their values), then ``extra``."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in replaced:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out + list(extra)
+
+
+def even_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Contiguous layer ranges, the first ``num_layers % stages`` stages one layer longer."""
+    if stages > num_layers:
+        raise NotUniform(f"{stages} pipeline stages cannot split {num_layers} layers")
+    size, extra = divmod(num_layers, stages)
+    out, first = [], 0
+    for s in range(stages):
+        end = first + size + (1 if s < extra else 0)
+        out.append((first, end))
+        first = end
+    return out
+
+
+def plan_of(layout: TitanLayout, devices: Sequence[int], num_layers: int, microbatches: int, epoch: int,
+            schedule: str = "1f1b") -> Plan:
+    """The plan of ``layout`` with world rank r on ``devices[r]``; ``microbatches`` per replica."""
+    if len(devices) != layout.world:
+        raise NotUniform(f"{len(devices)} devices for a layout of {layout.world} ranks")
+    ranges = even_layers(num_layers, layout.pp)
+    pipelines = tuple(
+        PipelinePlan(replica=b, microbatches=microbatches, stages=tuple(
+            StagePlan(devices=tuple(devices[layout.rank_of(t, p, b)] for t in range(layout.tp)),
+                      first_layer=ranges[p][0], end_layer=ranges[p][1])
+            for p in range(layout.pp)))
+        for b in range(layout.batch))
+    return Plan.model_validate({"epoch": epoch, "schedule": schedule if layout.pp > 1 else "1f1b",
+                                "num_layers": num_layers, "pipelines": pipelines})
+
+
+def layout_of(plan: Plan, running: TitanLayout, running_plan: Plan | None = None) -> tuple[TitanLayout, list[int]]:
+    """The torchtitan layout that runs ``plan`` and the device of each new world rank; raises
+    :class:`NotUniform` naming the rule a non-uniform plan breaks. The batch dimension keeps the
+    running job's kind: FSDP shards when it sharded, replicas when it only replicated."""
+    refusal = capability_refusal(plan, running_plan, TORCHTITAN_CAPABILITIES)
+    if refusal:
+        raise NotUniform(refusal)
+    tps = {s.tp for p in plan.pipelines for s in p.stages}
+    pps = {len(p.stages) for p in plan.pipelines}
+    counts = {p.microbatches for p in plan.pipelines}
+    if len(tps) != 1 or len(pps) != 1 or len(counts) != 1:
+        raise NotUniform(f"plan epoch {plan.epoch} is not one grid: TP {sorted(tps)}, PP {sorted(pps)}, "
+                         f"micro-batches {sorted(counts)}")
+    batch, tp, pp = len(plan.pipelines), tps.pop(), pps.pop()
+    ranges = {tuple((s.first_layer, s.end_layer) for s in p.stages) for p in plan.pipelines}
+    if ranges != {tuple(even_layers(plan.num_layers, pp))}:
+        raise NotUniform(f"plan epoch {plan.epoch} splits layers {sorted(ranges)}; torchtitan splits them evenly")
+    if running.dp_shard > 1 or running.dp_replicate == 1:
+        layout = TitanLayout(pp=pp, dp_replicate=1, dp_shard=batch, tp=tp)
+    else:
+        layout = TitanLayout(pp=pp, dp_replicate=batch, dp_shard=1, tp=tp)
+    devices = [0] * layout.world
+    for pipe in sorted(plan.pipelines, key=lambda p: p.replica):
+        for p, stage in enumerate(pipe.stages):
+            for t, device in enumerate(stage.devices):
+                devices[layout.rank_of(t, p, pipe.replica)] = device
+    return layout, devices

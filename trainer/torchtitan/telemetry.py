@@ -1,0 +1,226 @@
+"""One torchtitan rank's telemetry in the contract: chunks with their documents, steps, the loss.
+
+Where the times come from, without touching torchtitan's code:
+
+* **without pipelining** a step runs one ``forward_backward_step`` per micro-batch (gradient
+  accumulation). A forward pre-hook (prepended, so FSDP's all-gather is inside) and a forward hook
+  on the model time the F chunk; the rest of the call, up to the end of ``backward()``, is the B chunk;
+* **with pipelining** torchtitan's ``pp_schedule`` is torch's schedule over ``PipelineStage``
+  objects, and trainer/native/telemetry.py's ``ScheduleWatcher`` times every F and B chunk (and the
+  p2p waits) of each stage this rank holds;
+* each micro-batch's documents come from its ``positions`` (they restart at 0 where a document
+  starts; torchtitan's loaders and ours emit them): the lengths the detector's β·Σl² term needs.
+
+The clock is the host's; on a GPU the chunk boundaries synchronise the device first
+(``torch.cuda.synchronize``), which costs the overlap of one micro-batch with the next: this adapter
+measures a GPU job at the price of that serialisation, and says so (docs/torchtitan.md).
+
+Injected faults (``--resihp.faults``): a ``slow_compute`` on this rank's device stretches each chunk
+by its factor (trainer/faults.py's padding); ``stop_device`` kills the rank in its forward
+(trainer/native/faults.py's ``ChunkPadding`` does both on pipeline stages).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from collector.events import ChunkKind, TracingDeclared
+from collector.settings import environment
+from trainer.agent.flight import FlightRecorder
+from trainer.data import MicroBatch
+from trainer.fault_spec import FaultList
+from trainer.faults import FaultInjector
+from trainer.integration import IterationReport, ResiHPReporter
+from trainer.native.faults import native_fault_problem
+
+if TYPE_CHECKING:
+    from trainer.torchtitan.trainer import ResiHPSection, ResiHPTrainer
+
+
+def document_lengths(positions: torch.Tensor | None, labels: torch.Tensor) -> list[int]:
+    """The packed documents' lengths of a (B, L) micro-batch, row after row; one document per row
+    when the loader gave no positions."""
+    if positions is None:
+        return [int(labels.shape[-1])] * int(labels.shape[0]) if labels.dim() > 1 else [int(labels.numel())]
+    rows = positions if positions.dim() > 1 else positions.unsqueeze(0)
+    lengths: list[int] = []
+    for row in rows:
+        starts = torch.nonzero(row == 0).flatten().tolist()
+        if not starts or starts[0] != 0:
+            starts = [0, *starts]
+        bounds = [*starts, int(row.numel())]
+        lengths += [b - a for a, b in zip(bounds, bounds[1:]) if b > a]
+    return lengths
+
+
+class StepTelemetry:
+    """The telemetry of one rank; :meth:`attach` builds it for a trainer."""
+
+    def __init__(self, trainer: ResiHPTrainer, reporter: ResiHPReporter, injector: FaultInjector | None,
+                 flight: FlightRecorder | None) -> None:
+        self.trainer, self.reporter, self.injector, self.flight = trainer, reporter, injector, flight
+        self.report: IterationReport | None = None
+        self.group: list[MicroBatch] = []  # the micro-batches of the forward_backward_step under way
+        self._next_index = 0
+        self._tokens = 0
+        self._forward_started = 0.0
+        self._forward_s = 0.0
+        self.watchers: list[Any] = []
+        self.loss: float | None = None
+        self._reports_summary = False
+
+    @classmethod
+    def attach(cls, trainer: ResiHPTrainer, section: ResiHPSection) -> StepTelemetry:
+        env = environment()
+        job = section.job or env.job or "torchtitan"
+        under_agent = bool(env.flight_dir)  # the node agent heartbeats for its ranks
+        reporter = ResiHPReporter(job, trainer.device_id, trainer.layout.coords(trainer.world_rank),
+                                  epoch=trainer.plan_epoch, heartbeat_s=None if under_agent else 1.0)
+        faults = FaultList.load(section.faults, "trainer").faults if section.faults else []
+        problem = native_fault_problem(faults)
+        if problem:
+            raise ValueError(problem.replace("the native executor", "a torchtitan rank"))
+        injector = FaultInjector(faults, trainer.device_id) if faults else None
+        self = cls(trainer, reporter, injector, FlightRecorder.from_env())
+        if trainer.parallel_dims.pp_enabled:
+            self._watch_schedule()
+        else:
+            self._hook_model(trainer.model_parts[0])
+        self._wrap_metrics_log()
+        pd = trainer.parallel_dims
+        tp_rank = trainer.layout.coords(trainer.world_rank)[0]
+        batch_rank = trainer.layout.coords(trainer.world_rank)[2]
+        last_stage = trainer.pp_has_last_stage if pd.pp_enabled else True
+        self._reports_summary = last_stage and tp_rank == 0 and batch_rank == 0
+        if trainer.world_rank == 0:
+            reporter.publisher.publish(TracingDeclared(epoch=trainer.plan_epoch, dialect="torchtitan", seq_lens=True,
+                                                       tokens=True, fused_p2p=False))
+        return self
+
+    # ---- one step ----------------------------------------------------------------------------------
+
+    @contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        if self.flight is not None:
+            self.flight.step(step)
+        if self.injector is not None:
+            self.injector.iteration = step
+        self._next_index, self._tokens, self.loss = 0, 0, None
+        for w in self.watchers:
+            w.begin([])
+        with self.reporter.iteration(step) as report:
+            self.report = report
+            yield
+            for w in self.watchers:
+                rec = w.end()
+                report.recorder.chunks += rec.chunks
+                report.recorder.comm += rec.comm
+            if self._reports_summary:
+                report.summary(tokens=self._tokens * self.trainer.layout.batch, loss=self.loss)
+        self.report = None
+
+    def microbatch(self, positions: torch.Tensor | None, labels: torch.Tensor) -> None:
+        """A micro-batch entered the model (``post_dataloading_process``): its index and documents."""
+        lens = document_lengths(positions, labels)
+        flat = labels.reshape(-1)
+        mb = MicroBatch(iteration=self.trainer.step, index=self._next_index, tokens=flat, targets=flat,
+                        positions=flat if positions is None else positions.reshape(-1), seq_lens=lens)
+        self._next_index += 1
+        self._tokens += int(flat.numel())
+        self.group.append(mb)
+        for w in self.watchers:
+            w.microbatches = self.group
+
+    def begin_group(self) -> None:
+        """A ``forward_backward_step`` begins: its micro-batches are numbered on from the last."""
+        self.group = []
+
+    @contextmanager
+    def fused_chunks(self) -> Iterator[None]:
+        """One micro-batch's F and B without pipelining: F from the forward hooks, B the rest."""
+        started = time.perf_counter()
+        yield
+        _synchronize()
+        ended = time.perf_counter()
+        backward_s = max(0.0, ended - started - self._forward_s)
+        if self.injector is not None:
+            self.injector.after_compute(backward_s)
+            backward_s = time.perf_counter() - ended + backward_s
+        report = self.report
+        if report is None or not self.group:
+            return
+        mb = self.group[-1]
+        t0 = report.recorder.t0
+        report.chunk(ChunkKind.FORWARD, mb.index, duration_s=self._forward_s, tokens=len(mb.tokens),
+                     seq_lens=mb.seq_lens, start_s=self._forward_started - t0)
+        report.chunk(ChunkKind.BACKWARD, mb.index, duration_s=backward_s, tokens=len(mb.tokens),
+                     seq_lens=mb.seq_lens, start_s=self._forward_started - t0 + self._forward_s)
+
+    # ---- hooks ---------------------------------------------------------------------------------------
+
+    def _hook_model(self, model: torch.nn.Module) -> None:
+        def before(_module: Any, _args: Any) -> None:
+            if self.injector is not None and any(f.kind == "stop_device" and f.at_iteration == self.injector.iteration
+                                                 for f in self.injector.faults):
+                os.kill(os.getpid(), signal.SIGKILL)  # no goodbye, mid-step: a device lost
+            self._forward_started = time.perf_counter()
+
+        def after(_module: Any, _args: Any, _out: Any) -> None:
+            _synchronize()
+            self._forward_s = time.perf_counter() - self._forward_started
+            if self.injector is not None:
+                self.injector.after_compute(self._forward_s)
+                self._forward_s = time.perf_counter() - self._forward_started
+
+        model.register_forward_pre_hook(before, prepend=True)
+        model.register_forward_hook(after)
+
+    def _watch_schedule(self) -> None:
+        from trainer.native.faults import ChunkPadding
+        from trainer.native.telemetry import ScheduleWatcher
+
+        schedule = self.trainer.pp_schedule
+        stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
+        for stage in stages:
+            if self.injector is not None:
+                padding = ChunkPadding(self.injector.faults, self.trainer.device_id)
+                padding.injector = self.injector
+                padding.begin_iteration(0, stage, _role_for_padding())
+            self.watchers.append(ScheduleWatcher(stage))
+
+    def _wrap_metrics_log(self) -> None:
+        """The loss torchtitan logs (every ``--metrics.log_freq`` steps) goes in the step's summary."""
+        processor = self.trainer.metrics_processor
+        log = processor.log
+
+        def logged(step: int, global_avg_loss: float, *args: Any, **kwargs: Any) -> Any:
+            self.loss = float(global_avg_loss) if global_avg_loss >= 0 else None
+            return log(step, global_avg_loss, *args, **kwargs)
+
+        processor.log = logged
+
+    def close(self) -> None:
+        if self.flight is not None:
+            self.flight.finish()
+            self.flight = None
+        self.reporter.close()
+
+
+def _role_for_padding() -> Any:
+    """ChunkPadding sizes a paced device from its role; torchtitan ranks are not paced."""
+    from collector.plan import RankRole
+
+    return RankRole(device=0, replica=0, stage=0, tp_rank=0, tp_degree=1, first_layer=0, end_layer=1,
+                    microbatches=1, num_stages=1)
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
