@@ -99,6 +99,9 @@ class SimConfig(BaseModel):
         "hold waits, no sequence lengths or token counts), profiler (torch.profiler: blocking p2p ops, "
         "collectives by group, no lengths, tokens or nodes), sampled (ours on a declared subset of ranks and "
         "every 2nd step); the timeline is the same in every dialect"))
+    declares_waits: bool = Field(default=True, description=(
+        "whether a dialect whose p2p timers hold waits (megatron, profiler) says so (fused_p2p, includes_wait); "
+        "false records the same timers unsaid, as a producer that skipped docs/dialects.md does"))
 
     @model_validator(mode="after")
     def _check(self) -> SimConfig:
@@ -143,7 +146,8 @@ class SimEngine:
     def _setup_plan(self) -> None:
         self._timing = PlanTiming(self.config, self.plan)
         self._block = None
-        self._tracing = tracing_of(self.config.dialect, self.plan, self.config.seed, self._ranks)
+        self._tracing = tracing_of(self.config.dialect, self.plan, self.config.seed, self._ranks,
+                                   self.config.declares_waits)
         # who sends RankIteration and heartbeats: the dialect's traced ranks (the telemetry option narrows them)
         traced = None if self._tracing is None or self._tracing.traced_ranks is None else set(self._tracing.traced_ranks)
         self._reporting: set[int] | None = traced if traced is not None else self._ranks
@@ -406,7 +410,7 @@ def _rank_iterations(config: SimConfig, plan: Plan, dp_bytes: list[list[int]], b
                     replica=replica, iteration=iteration, table=g.table, ops_by_stage=g.ops_by_stage,
                     consumers=g.consumers, start_s=timing.start_s[row], end_s=timing.end_s[row],
                     wire_s=p2p_s[row], tp_comm_s=tp_s[row], tokens=packed.tokens[row], iteration_s=dur,
-                    dp_bytes=dp_bytes[replica], ranks=ranks)
+                    dp_bytes=dp_bytes[replica], ranks=ranks, declares_waits=config.declares_waits)
             else:
                 seq = [packed.seq_lens(row, m) for m in range(g.table.microbatches)]
                 payloads = replica_rank_iterations(

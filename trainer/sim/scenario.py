@@ -69,6 +69,8 @@ class Scenario(BaseModel):
     restart_after_s: float | None = Field(default=None, ge=0)
     telemetry: Literal["all", "none"] | list[int] = "all"
     dialect: Dialect = Field(default="ours", description="how the ranks record: ours, megatron, profiler, sampled")
+    declares_waits: bool = Field(default=True, description=(
+        "false: megatron / profiler p2p timers that hold waits are recorded without saying so (no fused_p2p)"))
     faults: list[FaultSpec] = Field(default_factory=list)
     periodic_faults: PeriodicFaults | None = None
 
@@ -111,6 +113,7 @@ class Scenario(BaseModel):
             job=self.job or self.name, seed=self.seed, heartbeat_interval_s=self.heartbeat_interval_s,
             reshape_pause_s=self.reshape_pause_s, rebalance_pause_s=self.rebalance_pause_s,
             restart_after_s=self.restart_after_s, telemetry=self.telemetry, dialect=self.dialect,
+            declares_waits=self.declares_waits,
         )
         fields.update(overrides)
         return SimConfig(**fields)

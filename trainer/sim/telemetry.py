@@ -137,9 +137,12 @@ def replica_rank_iterations(
 # ---- the dialects of real trainers ---------------------------------------------------------------
 
 
-def tracing_of(dialect: Dialect, plan: Plan, seed: int, ranks: set[int] | None) -> TracingDeclared | None:
+def tracing_of(dialect: Dialect, plan: Plan, seed: int, ranks: set[int] | None,
+               declares_waits: bool = True) -> TracingDeclared | None:
     """What a producer of ``dialect`` declares under ``plan`` (None for ours: it declares nothing,
     and every rank reports). ``ranks``: the simulator's telemetry option, which narrows the traced set.
+    ``declares_waits`` false: the producer leaves ``fused_p2p`` unsaid although its timers hold waits
+    (a user who skipped docs/dialects.md).
 
     megatron traces TP rank 0 of every stage; sampled traces every second DP replica (replicas 0, 2,
     …) when there are two or more, otherwise a quarter of the TP groups drawn with ``seed`` (at
@@ -148,10 +151,10 @@ def tracing_of(dialect: Dialect, plan: Plan, seed: int, ranks: set[int] | None) 
         return None
     if dialect == "profiler":
         return TracingDeclared(epoch=plan.epoch, dialect=dialect, traced_ranks=None if ranks is None else sorted(ranks),
-                               seq_lens=False, tokens=False, fused_p2p=True)
+                               seq_lens=False, tokens=False, fused_p2p=declares_waits)
     if dialect == "megatron":
         traced = [st.devices[0] for pipe in plan.pipelines for st in pipe.stages]
-        extra: dict = dict(seq_lens=False, tokens=False, fused_p2p=True)
+        extra: dict = dict(seq_lens=False, tokens=False, fused_p2p=declares_waits)
     else:
         if plan.dp >= 2:
             groups = [st.devices for pipe in plan.pipelines if pipe.replica % 2 == 0 for st in pipe.stages]
@@ -195,9 +198,11 @@ def dialect_rank_iterations(
     iteration_s: float,
     dp_bytes: list[int],
     ranks: set[int] | None,
+    declares_waits: bool = True,
 ) -> list[RankIteration]:
     """The RankIteration payloads of one replica's ranks as Megatron-LM's timers or torch.profiler
-    record them, from the same timeline as :func:`replica_rank_iterations`.
+    record them, from the same timeline as :func:`replica_rank_iterations`. ``declares_waits``
+    false: the same timers, their records not saying that they hold waits (``includes_wait`` false).
 
     A stage calls its p2p op when its previous chunk ends (``b``) and its next chunk starts when the
     op returns (``a``): the op holds the wait for the peer and the transfer. Megatron fuses the send
@@ -207,7 +212,7 @@ def dialect_rank_iterations(
     peer's chunk before the consuming one ends) and then the wire time."""
     pipe = plan.pipelines[replica]
     timers = _P2PTimers(dialect, pipe, table, np.append(end_s, 0.0), model.hidden * model.bytes_per_value,
-                        tokens.tolist(), tp_comm_s)
+                        tokens.tolist(), tp_comm_s, declares_waits)
     out: list[RankIteration] = []
     for s, stage, wanted, idx, st, en, kinds, mbs in _traced_stages(pipe, table, ops_by_stage, start_s, end_s, ranks):
         chunks = ChunkTable.model_construct(
@@ -250,6 +255,7 @@ class _P2PTimers:
     hidden_bytes: int
     tokens: list  # (M,)
     tp_comm_s: np.ndarray  # (S, M)
+    declares_waits: bool = True  # false: p2p records do not say that they hold waits (the timers still do)
 
     def peer(self, stage_index: int, t: int) -> int:
         """The rank a TP rank ``t`` exchanges with in ``stage_index``: Megatron traces one per TP group."""
@@ -296,7 +302,7 @@ class _P2PTimers:
             m = mbs[k] if r is not None else mbs[k - 1]
             comm.append(CommWait.model_construct(
                 op=CommOp.PP_SENDRECV, peer=self.peer(peer_stage, t), microbatch=m,
-                bytes=None, start_s=b, duration_s=end - b, includes_wait=True, group=None))
+                bytes=None, start_s=b, duration_s=end - b, includes_wait=self.declares_waits, group=None))
         return comm
 
     def kernels(self, s: int, stage: StagePlan, recv: list[Received | None], send: list[Sent | None], st: list, en: list,
@@ -313,14 +319,14 @@ class _P2PTimers:
             if r is not None:
                 comm.append(CommWait.model_construct(
                     op=CommOp.PP_RECV, peer=self.peer(r[1], t), microbatch=mbs[k], bytes=self.msg_bytes(r[0], mbs[k]),
-                    start_s=b, duration_s=max(st[k], b + r[2]) - b, includes_wait=True, group="pp"))
+                    start_s=b, duration_s=max(st[k], b + r[2]) - b, includes_wait=self.declares_waits, group="pp"))
             snd = send[k]
             if snd is not None:
                 posted = float(ends[prev[snd[3]]]) if prev[snd[3]] < n else 0.0
                 comm.append(CommWait.model_construct(
                     op=CommOp.PP_SEND, peer=self.peer(snd[1], t), microbatch=mbs[k],
                     bytes=self.msg_bytes(snd[0], mbs[k]), start_s=en[k],
-                    duration_s=max(en[k], posted) + snd[2] - en[k], includes_wait=True, group="pp"))
+                    duration_s=max(en[k], posted) + snd[2] - en[k], includes_wait=self.declares_waits, group="pp"))
             if stage.tp > 1 and kinds[k] != 2:  # the chunk's TP all-reduces, on the TP group
                 # a stage's time is spread evenly over its V model chunks (analytics/detection/schedule.py),
                 # its TP all-reduces too: each model chunk holds 1/V of them

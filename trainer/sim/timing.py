@@ -23,7 +23,7 @@ from collector.plan import Plan
 from trainer.sim.cost import StageCoefficients, dp_allreduce_s, stage_coefficients
 from trainer.sim.faults import FaultEffects
 from trainer.sim.telemetry import stage_ops, transfer_consumers
-from trainer.sim.workload import Packed, draw_microbatches
+from trainer.sim.workload import Packed, burst_rows, draw_microbatches
 
 if TYPE_CHECKING:
     from trainer.sim.engine import SimConfig
@@ -110,7 +110,8 @@ class PlanTiming:
             p2p_f = np.array([[eff.comm_factor(c.cluster, st.devices, p.stages[(s + 1) % S].devices)
                                for s, st in enumerate(p.stages)] for p in pipes])
             wl_rngs = [np.random.default_rng([c.seed, k0 + j, g.index, 0]) for j in range(n)]
-            packed = draw_microbatches(wl_rngs, c.workload, R, M)
+            bursts = burst_rows(c.workload, c.seed, k0, n, g.replicas)
+            packed = draw_microbatches(wl_rngs, c.workload, R, M, bursts)
             f_s, b_s, w_s, p2p_s, tp_s = self.durations(g, n, packed, comp_f, tp_f, p2p_f, k0, stalls[g.index])
             timing = pipeline_timing(g.table, f_s, b_s, w_s, p2p_s)
             wires.append((p2p_s, tp_s))

@@ -12,6 +12,14 @@ over 2,800 tokens). ``long_context`` (median 3,000, σ = 1.5, 32k budget) mimics
 fine-tuning mixes where a few documents fill most of a micro-batch. These are shapes chosen to look
 like published length histograms, not fits to a particular dataset; pass your own numbers.
 
+Long-document bursts (``burst_rate`` > 0): now and then a replica's data loader reaches a run of
+long documents (a shard of books or code files) and, for ``burst_iterations`` iterations, that
+replica's micro-batches pack a few long documents each (``burst_median_tokens``, ``burst_sigma``)
+while the other replicas keep the ordinary mix. Its chunks then run ×1.3–×2 longer on every stage
+at once, which is not a fault: the ``long_doc_bursts_*`` scenarios (docs/scenarios.md) grade
+detectors on it. Whether a (replica, iteration) is in a burst depends only on the seed, the
+iteration and the replica (``burst_rows``), never on how iterations are batched.
+
 Packing is vectorised over rows (replicas × iterations): one ``searchsorted`` per micro-batch
 index, never a Python loop per document.
 """
@@ -31,6 +39,11 @@ class WorkloadSpec(BaseModel):
     median_tokens: float = Field(default=600.0, gt=0)
     sigma: float = Field(default=1.2, ge=0, description="log-normal shape; 0 gives fixed-length documents")
     min_tokens: int = Field(default=16, ge=1)
+    burst_rate: float = Field(default=0.0, ge=0, le=1, description=(
+        "chance per (replica, iteration) that a burst of long documents starts on the replica; 0: none"))
+    burst_iterations: int = Field(default=3, ge=1, description="how many iterations a burst lasts")
+    burst_median_tokens: float = Field(default=16_000.0, gt=0, description="median document length in a burst")
+    burst_sigma: float = Field(default=1.0, ge=0, description="log-normal shape of a burst's document lengths")
 
 
 WORKLOAD_PRESETS: dict[str, WorkloadSpec] = {
@@ -99,14 +112,46 @@ def pack(lengths: np.ndarray, budget_tokens: int, microbatches: int) -> Packed |
     return Packed(tokens, sum_sq, lengths, first, end)
 
 
-def draw_microbatches(rngs: list[np.random.Generator], spec: WorkloadSpec, streams: int, microbatches: int) -> Packed:
+def burst_rows(spec: WorkloadSpec, seed: int, first_iteration: int, iterations: int, replicas: list[int]
+               ) -> np.ndarray | None:
+    """(iterations · len(replicas),) True where a replica is in a long-document burst, rows
+    iteration-major as ``draw_microbatches`` stacks them; None when the workload has no bursts.
+
+    A burst starts at iteration k on replica r when the uniform drawn for r from (seed, k) falls
+    under ``burst_rate``, and lasts ``burst_iterations``: the same replicas and iterations however
+    iterations are batched, whatever the replica's group."""
+    if spec.burst_rate <= 0 or not replicas:
+        return None
+    width = max(replicas) + 1
+    span = spec.burst_iterations
+    starts = np.stack([np.random.default_rng([seed, k, 5]).random(width) < spec.burst_rate if k >= 0
+                       else np.zeros(width, dtype=bool)  # nothing ran before the first iteration
+                       for k in range(first_iteration - span + 1, first_iteration + iterations)])
+    ongoing = np.stack([starts[j:j + span].any(axis=0) for j in range(iterations)])  # (iterations, width)
+    return ongoing[:, replicas].reshape(-1)
+
+
+def _burst_spec(spec: WorkloadSpec) -> WorkloadSpec:
+    return spec.model_copy(update={"median_tokens": spec.burst_median_tokens, "sigma": spec.burst_sigma})
+
+
+def draw_microbatches(rngs: list[np.random.Generator], spec: WorkloadSpec, streams: int, microbatches: int,
+                      bursts: np.ndarray | None = None) -> Packed:
     """One independent set of ``streams`` × ``microbatches`` micro-batches per generator, stacked
     (rows = len(rngs) · streams, generator-major). Each generator's draws depend only on itself,
-    so an iteration's workload does not depend on how iterations are batched."""
+    so an iteration's workload does not depend on how iterations are batched. ``bursts`` (one
+    bool per row, ``burst_rows``): rows whose documents come from the burst's long lengths, drawn
+    after the ordinary ones so the other rows are the same with bursts or without."""
     count = docs_needed(spec, microbatches)
     while True:
-        lengths = np.concatenate([draw_lengths(g, spec, streams, count) for g in rngs]) if rngs else \
-            np.zeros((0, count), dtype=np.int64)
+        parts = []
+        for i, g in enumerate(rngs):
+            drawn = draw_lengths(g, spec, streams, count)
+            if bursts is not None and bursts[i * streams:(i + 1) * streams].any():
+                long = draw_lengths(g, _burst_spec(spec), streams, count)
+                drawn = np.where(bursts[i * streams:(i + 1) * streams, None], long, drawn)
+            parts.append(drawn)
+        lengths = np.concatenate(parts) if rngs else np.zeros((0, count), dtype=np.int64)
         packed = pack(lengths, spec.tokens_per_microbatch, microbatches)
         if packed is not None:
             return packed
