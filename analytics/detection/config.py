@@ -36,12 +36,20 @@ class DetectorConfig(BaseModel):
     """drift allowance k never goes below log of this"""
     min_alarm_factor: float = Field(default=1.06, gt=1.0)
     """threshold h never goes below log of this"""
+    min_incident_factor: float = Field(default=1.03, gt=1.0)
+    """the detector's smallest incident: a fail-slow (rank, link, communication, a probe's find alike) opens and is
+    confirmed only above this size. At or under it a reading is within what a healthy device or link reads (the
+    probes' own bar, probe_confirm_ratio, is ×1.03); the smallest slowdown the accuracy suite grades, ×1.05, reads
+    ×1.036 in chunk time where only one rank of its TP group is traced (megatron)"""
     step_cap: float = Field(default=0.6, gt=0, le=1.0)
     """largest CUSUM step, as a fraction of h"""
     sigma_floor: float = Field(default=0.004, gt=0)
     rank_noise_iterations: int = Field(default=64, ge=0)
     """span of each rank's own noise estimate (a running median of |Δz| between its iterations); a rank noisier
     than the job is judged with its own σ; 0: every rank with the job's σ"""
+    mix_hold_iterations: int = Field(default=8, ge=0)
+    """without sequence lengths: iterations in a row a replica slow on every stage at once is taken for its mix of
+    long documents (a burst lasts a few); past that it is judged in full (0: never taken for its mix)"""
     confirm_iterations: int = Field(default=3, ge=1)
     """persistence needed to confirm"""
     resolve_iterations: int = Field(default=3, ge=1)

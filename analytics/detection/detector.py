@@ -61,7 +61,7 @@ class DetectorStats:
 # The layout of a pickled Detector (its state moves with the consumer's offsets, see
 # analytics/projections/detector_projection.py). Bump it when a change to these classes makes an old pickle
 # unreadable or wrong; a consumer then refuses the old state and names the way out (--rebuild).
-STATE_VERSION = 7
+STATE_VERSION = 8
 
 
 @dataclass

@@ -147,8 +147,8 @@ class IncidentProbes:
             probe_id = probe.ask(ProbeKind.LINKS, f"probe-{inc.incident_id[4:]}-links", asked_iteration)
             return [ProbeRequest(probe_id=probe_id, incident_id=inc.incident_id, ranks=list(s.link_probe_ranks),
                                  target="link")]
-        if below or probe.named:
-            return []
+        if below or probe.named or not self.book.big_enough(max(inc.factor, probe.ratios[worst])):
+            return []  # nobody slow, named already, or too small to confirm (it may grow, or resolve)
         return self._named(inc, worst, asked)
 
     def _named(self, inc: OpenIncident, worst: int, asked: tuple[int, ...]) -> list[Payload]:
@@ -173,7 +173,7 @@ class IncidentProbes:
             ratios += f"; no answer from {missing}: stopped"
         if already:
             return [IncidentUpdated(incident_id=inc.incident_id, iteration=inc.last_update_iteration,
-                                    severity=severity_of(inc.factor, inc.category),
+                                    severity=severity_of(inc.factor),
                                     locations=[s.location(inc.factor)],
                                     evidence=s.evidence().model_copy(update={
                                         "statistic": f"probe: rank {worst} took ×{ratio:.2f} ({ratios})"}))]
@@ -274,7 +274,7 @@ class IncidentProbes:
                     out += self._open_peer(inc, r, chunk_factor(ratios[r]), statistic, table)
         return out + [IncidentUpdated(
             incident_id=inc.incident_id, iteration=inc.last_update_iteration,
-            severity=severity_of(inc.factor, inc.category), locations=[s.location(inc.factor)],
+            severity=severity_of(inc.factor), locations=[s.location(inc.factor)],
             evidence=s.evidence().model_copy(update={"statistic": statistic}))]
 
     def _open_peer(self, inc: OpenIncident, r: int, f: float, statistic: str, table: str) -> list[Payload]:
@@ -288,7 +288,7 @@ class IncidentProbes:
                            last_update_iteration=at, probe=IncidentProbe(named=True), probe_sized=True)
         self.book.add(new)
         return [IncidentOpened(incident_id=new.incident_id, category=new.category,
-                               severity=severity_of(f, new.category), iteration=new.opened_iteration,
+                               severity=severity_of(f), iteration=new.opened_iteration,
                                locations=[peer.location()], evidence=peer.evidence(),
                                summary=f"rank {r} is ×{f:.2f} slower than its work predicts (replica "
                                        f"{peer.replica}, stage {peer.stage}; a TP peer of rank {s.rank})"),

@@ -78,13 +78,19 @@ class IncidentBook:
     def dead_ranks(self) -> set[int]:
         return {key.ranks[0] for key in self.open if key.kind is KeyKind.DEAD}
 
-    def open_fail_slow(self, s: Suspect, iteration: int) -> list[Payload]:
-        """Open a fail-slow incident for ``s``, unless its size says it is not slow at all.
+    def big_enough(self, factor: float) -> bool:
+        """Whether a fail-slow of this size may open or be confirmed: above the detector's smallest
+        incident (``min_incident_factor``, ×1.03), and a number."""
+        return factor > self.config.min_incident_factor
 
-        A factor of 1 or less (or not a number) is no slowdown, whatever a statistic summed on the way
-        there: such a suspect opens nothing. This is the one place the rule lives, for ranks, links
-        and communication alike."""
-        if not (s.factor > 1.0):
+    def open_fail_slow(self, s: Suspect, iteration: int) -> list[Payload]:
+        """Open a fail-slow incident for ``s``, unless its size is under the smallest incident.
+
+        At or under ``min_incident_factor`` (or not a number) a size is within what a healthy
+        device or link reads, whatever a statistic summed on the way there: such a suspect opens
+        nothing (a ×1.03 link on fused timers never pages). This is the one place the rule lives,
+        for ranks, links, communication and probes' finds alike."""
+        if not self.big_enough(s.factor):
             return []
         inc = OpenIncident(self.incident_id(s.key, iteration), FaultCategory.FAIL_SLOW, s, iteration, s.factor,
                            s.factor, last_update_iteration=iteration)
@@ -95,7 +101,7 @@ class IncidentBook:
             where = (f"rank {s.rank}" if s.rank is not None else f"TP group {list(s.ranks)}" if s.tp_group
                      else f"one of ranks {list(s.ranks)}")
         out: list[Payload] = [IncidentOpened(
-            incident_id=inc.incident_id, category=inc.category, severity=severity_of(s.factor, inc.category),
+            incident_id=inc.incident_id, category=inc.category, severity=severity_of(s.factor),
             iteration=iteration, locations=[s.location()], evidence=s.evidence(),
             summary=f"{where} is ×{s.factor:.2f} slower than its work predicts"
                     + (f" (replica {s.replica}, stage {s.stage})" if s.replica is not None else ""))]
@@ -143,7 +149,7 @@ class IncidentBook:
             inc.slow_factors, inc.refined = [], 0  # a new size: refine it again on its own iterations
             s = inc.suspect
             update = IncidentUpdated(incident_id=inc.incident_id, iteration=iteration,
-                                     severity=severity_of(factor, inc.category),
+                                     severity=severity_of(factor),
                                      locations=[s.location(factor)], evidence=s.evidence())
             if not (worse and self.probes.can_reprobe(inc)):
                 return [update]
@@ -177,7 +183,7 @@ class IncidentBook:
         inc.last_update_iteration = iteration
         s = inc.suspect
         return [IncidentUpdated(incident_id=inc.incident_id, iteration=iteration,
-                                severity=severity_of(refined, inc.category), locations=[s.location(refined)],
+                                severity=severity_of(refined), locations=[s.location(refined)],
                                 evidence=s.evidence().model_copy(update={
                                     "statistic": f"sized again on {n} slow iterations: ×{refined:.3f} "
                                                  f"(was ×{before:.3f})"}))]
@@ -189,13 +195,14 @@ class IncidentBook:
         excess no longer moves its size (as after a probe's naming): it is the iteration's, not the
         link's. Nothing when there is no such incident."""
         inc = self.open.get(COMM_KEY)
-        if inc is None or inc.suspect.link is not None or inc.suspect.rank is not None or not factor > 1.0:
+        if (inc is None or inc.suspect.link is not None or inc.suspect.rank is not None
+                or not self.big_enough(factor)):
             return []
         s = inc.suspect
         s.link = link
         inc.factor = inc.published_factor = factor
         inc.probe_sized, inc.last_update_iteration = True, iteration
-        return [IncidentUpdated(incident_id=inc.incident_id, iteration=iteration, severity=severity_of(factor, inc.category),
+        return [IncidentUpdated(incident_id=inc.incident_id, iteration=iteration, severity=severity_of(factor),
                                 locations=[s.location(factor)], evidence=s.evidence().model_copy(update={
                                     "statistic": f"link {link[0]}->{link[1]} scored ×{factor:.2f} on its own timers"}))]
 
@@ -203,7 +210,7 @@ class IncidentBook:
         out: list[Payload] = []
         for inc in self.open.values():
             if (not inc.confirmed and inc.category is FaultCategory.FAIL_SLOW and inc.healthy_streak == 0
-                    and inc.excluded_since is None
+                    and inc.excluded_since is None and self.big_enough(inc.factor)
                     and iteration >= inc.opened_iteration + self.config.confirm_iterations):
                 inc.confirmed = True
                 inc.published_factor = inc.factor

@@ -23,14 +23,17 @@ def incident_id(job: str, key: IncidentKey, iteration: int) -> str:
     return "inc-" + uuid.uuid5(_NS, f"{job}/{key}/{iteration}").hex[:16]
 
 
-def severity_of(factor: float, category: FaultCategory) -> Severity:
-    if category is FaultCategory.FAIL_STOP:
+def severity_of(factor: float) -> Severity:
+    """How urgent an incident is, from its size alone: what the slowdown costs the job, whatever
+    found it (a rank, a link, the iteration's excess, a probe). A dead rank is critical because its
+    size (``DEAD_FACTOR``) is: a fail-stop is always sized so."""
+    if not factor < 3.0:
         return Severity.CRITICAL
     if factor < 1.1:
         return Severity.LOW
     if factor < 1.5:
         return Severity.MEDIUM
-    return Severity.HIGH if factor < 3.0 else Severity.CRITICAL
+    return Severity.HIGH
 
 
 @dataclass

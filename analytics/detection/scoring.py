@@ -545,6 +545,32 @@ def chunk_slowdown(frame: IterationFrame, c_pred: np.ndarray, row: int, own_fact
     return 1.0 + (own_factor - 1.0) * own_s / (own_s + tp_s)
 
 
+def replica_shared_slowdown(frame: IterationFrame, z: np.ndarray) -> np.ndarray:
+    """Per replica (indexed by ``frame.dp``), the part of its slowness that every stage of it
+    shares: the least, over its TP groups, of each group's slowest member's ``z`` (NaN for a
+    replica with fewer than two stages judged).
+
+    Why: without sequence lengths a micro-batch's mix is read from its other stages, and at
+    pipeline depth 2 the level of a whole replica comes from the job (``_per_microbatch_correction``),
+    so a replica whose loader packed long documents for a few iterations reads slow on every stage
+    at once (×1.3–×1.6 in the long-document bursts of ``resihp bench detect``). A slow GPU slows
+    one stage's own compute, never every stage's: what all stages share is the replica's mix."""
+    if not len(z):
+        return np.zeros(0)
+    S = int(frame.pp.max()) + 1
+    group = frame.dp * S + frame.pp
+    ok = np.isfinite(z)
+    gmax = np.full(int(group.max()) + 1, -np.inf)
+    np.maximum.at(gmax, group[ok], z[ok])
+    D = int(frame.dp.max()) + 1
+    least = np.full(D, np.inf)
+    stages = np.zeros(D, np.int64)
+    live = np.flatnonzero(np.isfinite(gmax))
+    np.minimum.at(least, live // S, gmax[live])
+    np.add.at(stages, live // S, 1)
+    return np.where(stages >= 2, least, np.nan)
+
+
 MIN_CLASS_PEERS = 3  # TP groups of one work class needed to centre a rank on its own class
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -19,7 +19,7 @@ from analytics.detection.judges.base import FrameView, JobContext
 from analytics.detection.frame import IterationFrame
 from analytics.detection.incident_keys import IncidentKey
 from analytics.detection.open_incident import Suspect
-from analytics.detection.scoring import FrameScore, chunk_slowdown, fit_ranks
+from analytics.detection.scoring import FrameScore, chunk_slowdown, fit_ranks, replica_shared_slowdown
 from collector.events import Payload
 
 _GROW = 1024
@@ -56,10 +56,36 @@ class RankCusum:
         self.z_noise = np.full(_GROW, np.nan)  # each rank's running median step (rank_noise_iterations)
         self.z_steps = np.zeros(_GROW)  # how many steps that median has seen
         self.history: deque[FrameRecord] = deque(maxlen=8)
+        self.mix_held: dict[int, int] = {}  # replica → iterations in a row its shared slowdown was taken for its mix
 
     def new_epoch(self, job: JobContext) -> None:
         self.cusum[:] = 0.0
         self.z_last[:] = np.nan  # z moves with the layout: no step is measured across a reshape
+        self.mix_held = {}
+
+    def mix_explained(self, frame: IterationFrame, score: FrameScore, k: float, hold: int) -> np.ndarray:
+        """Per row of the frame, the part of its score its replica's mix explains (0 where none).
+
+        Without sequence lengths, a replica every stage of which reads slower than the drift
+        allowance ``k`` in the same iteration is taken to have drawn long documents
+        (``replica_shared_slowdown``): that shared part is taken out of its ranks' scores for up to
+        ``hold`` iterations in a row (``mix_hold_iterations``). A burst of long documents lasts a
+        few iterations; a replica slow on every stage for longer is judged in full, so a whole
+        replica (or node) that stays slow still opens, ``hold`` iterations late. With lengths
+        reported the cost model sees the mix itself and nothing is taken out."""
+        explained = np.zeros(len(frame.rank))
+        if not score.inferred or hold <= 0 or not len(frame.rank):
+            self.mix_held = {}
+            return explained
+        shared = replica_shared_slowdown(frame, score.z)
+        held: dict[int, int] = {}
+        for d in np.flatnonzero(np.nan_to_num(shared, nan=-np.inf) >= k).tolist():
+            n = self.mix_held.get(d, 0) + 1
+            held[d] = n
+            if n <= hold:
+                explained[frame.dp == d] = shared[d]
+        self.mix_held = held
+        return explained
 
     def judge(self, view: FrameView, job: JobContext) -> list[Payload]:
         frame, score, sigma = view.frame, view.score, view.sigma
@@ -68,6 +94,9 @@ class RankCusum:
         self._grow(int(frame.rank.max()) + 1)
         sig_r = self.rank_sigma(frame, score, sigma, job.config.rank_noise_iterations)
         k_r, h_r, cap_r = job.thresholds(sig_r)
+        explained = self.mix_explained(frame, score, k, job.config.mix_hold_iterations)
+        if explained.any():
+            score = replace(score, z=score.z - explained)
         judged = np.isfinite(score.z)  # a rank without predictions keeps its CUSUM as it was
         at = state_index(frame.rank)
         prev = self.cusum[at]

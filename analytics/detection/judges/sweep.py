@@ -51,7 +51,8 @@ class SweepJudge:
 
     def result(self, job: JobContext) -> list[Payload]:
         """A sweep's answers, once complete: the slowest rank, if it stands out as a probe's naming
-        must (``IncidentProbes.bar``), opens a compute incident on itself, sized by the probe.
+        must (``IncidentProbes.bar``) and passes the smallest alarm, opens a compute incident on
+        itself, sized by the probe.
 
         Why the probe's size: the job's lateness, the only other measure of an untraced rank, is
         within the untraced replicas' swing for the slowdowns only a sweep finds, and sized through
@@ -64,7 +65,10 @@ class SweepJudge:
         if not ratios:
             return []
         worst = max(ratios, key=lambda r: ratios[r])
-        ratio, bar = ratios[worst], book.probes.bar(ratios)
+        # Nothing else sees these ranks, so the sweep's one answer must pass the smallest alarm
+        # (min_alarm_factor) too: the slowest of sixteen healthy answers read ×1.038 in the sampled
+        # long-document bursts, under the four-σ bar of a spread that sixteen answers put too low.
+        ratio, bar = ratios[worst], max(book.probes.bar(ratios), job.config.min_alarm_factor)
         epoch = sweep.epoch
         plan = job.plan(epoch)
         role = plan.roles.get(worst) if plan is not None else None
