@@ -66,6 +66,7 @@ WRITERS: dict[str, tuple[str, ...]] = {
     "plan.capabilities": ("executor",),  # what the job can run: the engine proposes only that
     "probe.result": ("rank",),  # a rank's answer: it confirms an incident and names the slow device
     "analytics.bus_outage": ("analytics",),  # why no rank was judged dead meanwhile
+    "analytics.telemetry_notice": ("analytics",),  # what the console tells operators to declare
     # the job's clock for the engine's waits, and a node agent's hang deadline: an unsigned one stamped
     # ahead would end every wait, a tiny one would call every step a hang
     "analytics.prediction": ("analytics",),

@@ -662,6 +662,18 @@ class BusOutage(Payload):
                                  description="ranks whose fail-stop judgement waited (the live ranks watched)")
 
 
+class TelemetryNotice(IterationPayload):
+    """The detector read a producer's telemetry otherwise than it was declared, and says what the
+    producer should declare: once per job and finding, from the iteration that told. ``finding``
+    ``fused_p2p``: p2p timers that did not say they hold waits do (they grow with the peer's compute
+    and the pipeline bubble, which no wire can), so they are read as holding waits."""
+
+    KIND: ClassVar[str] = "analytics.telemetry_notice"
+    finding: Literal["fused_p2p"]
+    message: str = Field(min_length=1, max_length=500, description="what the console shows")
+    detail: str = Field(default="", max_length=2000, description="the evidence")
+
+
 # ---- incidents ----------------------------------------------------------------------------------
 
 
@@ -1154,6 +1166,7 @@ class ControlRejected(Payload):
 PAYLOAD_TYPES: tuple[type[Payload], ...] = (
     RankIteration, IterationSummary, Heartbeat, TracingDeclared, RecoveryPhase, ReshapePhase,
     IterationPrediction, RankHealth, AnalyticsLease, ReplicaSummary, DetectorFits, LivenessBatch, BusOutage,
+    TelemetryNotice,
     IncidentOpened, IncidentConfirmed, IncidentUpdated, IncidentResolved, ProbeRequest, ProbeResult,
     PlanProposed, PlanDecision, PolicyChanged, ReconfigureCommand, CommandAck, NodeCommand, NodeCommandAck,
     PlanVerified, PlanRolledBack,

@@ -28,7 +28,7 @@ from collector.events import (
     Evidence, ExecutorCapabilities, FaultCategory, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated,
     IterationPrediction, Location, NodeCommand, NodeCommandAck, Payload, PlanCurrent, PlanDecision, PlanProposed,
     PlanRolledBack, PlanVerified, PlanWithheld, PolicyChanged, PolicyMode, ProbeRequest, ProbeResult,
-    ReconfigureCommand, Severity,
+    ReconfigureCommand, Severity, TelemetryNotice,
 )
 from collector.plan import Plan
 from collector.stream import EventStream
@@ -84,6 +84,7 @@ def _sample(kind: str, role: str | None, n: int) -> Payload:
         "plan.capabilities": ExecutorCapabilities(executor="reference"),
         "analytics.prediction": IterationPrediction(epoch=0, iteration=n, observed_s=1.0, predicted_s=1.0, tokens=1),
         "analytics.bus_outage": BusOutage(outage_id=f"o{n}", started_s=1.0, ended_s=2.0, duration_s=1.0),
+        "analytics.telemetry_notice": TelemetryNotice(epoch=0, iteration=n, finding="fused_p2p", message="declare it"),
         "command.node": NodeCommand(command_id=f"n{n}", node=1, action="stop", round=0, run=RUN,
                                     expires_at_s=1000.0 + COMMAND_TTL_S),
         "command.node_ack": NodeCommandAck(command_id=f"n{n}", node=1, action="stop", round=0,

@@ -1,17 +1,23 @@
 """Real Megatron-style jobs without sequence lengths (issue 54): a replica that draws long
-documents for a few iterations opens nothing, a slow GPU among such bursts is still named,
-nothing opens or is confirmed at or under the detector's smallest incident, and severity follows the size."""
+documents for a few iterations opens nothing, a slow GPU among such bursts is still named, undeclared
+fused p2p timers are told from the data and said once, and nothing opens or is confirmed under the
+detector's smallest incident."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
 
 from analytics.detection.config import DetectorConfig
 from analytics.detection.detector import Detector
+from analytics.detection.frame import build_frame
 from analytics.detection.incident_keys import IncidentKey
 from analytics.detection.incidents import IncidentBook
 from analytics.detection.open_incident import DEAD_FACTOR, Suspect, severity_of
-from collector.events import IncidentConfirmed, IncidentOpened, Payload, Severity
+from analytics.detection.p2p_waits import NOTICE, P2P_SEND_OPS, WAIT_SPREAD, undeclared_spread
+from collector.events import IncidentConfirmed, IncidentOpened, Payload, RankIteration, Severity, TelemetryNotice
 from trainer.fault_spec import FaultSpec
 from trainer.sim.engine import SimEngine
 from trainer.sim.scenario import load_scenario
@@ -63,6 +69,30 @@ def test_a_replica_slow_on_every_stage_for_longer_than_a_burst_is_named() -> Non
     assert 10 + hold <= min(p.iteration for p in opened) <= 10 + hold + 3
 
 
+def test_undeclared_fused_timers_are_read_as_holding_waits_and_said_once() -> None:
+    out, _ = _run(30, declares_waits=False)
+    notices = [p for p in out if isinstance(p, TelemetryNotice)]
+    assert [(n.finding, n.message, n.iteration) for n in notices] == [("fused_p2p", NOTICE, 0)]
+    assert _opened(out) == []
+    declared, _ = _run(10)
+    assert not [p for p in declared if isinstance(p, TelemetryNotice)]
+
+
+def test_wire_only_timers_stay_within_the_spread_that_tells_waits() -> None:
+    """The same frame's undeclared send timers holding waits spread ×100s; made wire-only (time
+    in proportion to the message, ± packing and noise) they stay far under ``WAIT_SPREAD``."""
+    sc = load_scenario("long_doc_bursts_pp2_cp2").model_copy(update={"dialect": "megatron", "declares_waits": False})
+    engine = SimEngine(sc.sim_config())
+    reports = [e.payload for e in engine.step() if isinstance(e.payload, RankIteration)]
+    frame = build_frame(reports)
+    assert undeclared_spread(frame) > 10 * WAIT_SPREAD
+    sends = np.isin(frame.k_op, P2P_SEND_OPS)
+    rng = np.random.default_rng(0)
+    wire = np.where(sends, 2e-4 * rng.uniform(0.5, 1.0, len(sends)) * np.exp(0.1 * rng.standard_normal(len(sends))),
+                    frame.k_dur)
+    assert undeclared_spread(replace(frame, k_dur=wire)) < WAIT_SPREAD / 2
+
+
 def _suspect(factor: float) -> Suspect:
     return Suspect(key=IncidentKey.of_ranks((4,)), target="compute", rank=4, link=None, node=0, replica=1, stage=0,
                    tp_group=(4,), factor=factor, confidence=0.5, iterations=[], observed_s=[], predicted_s=[],
@@ -89,3 +119,17 @@ def test_severity_follows_the_size_whatever_found_it() -> None:
     assert [severity_of(f) for f in (1.05, 1.2, 2.0, 3.5, DEAD_FACTOR)] == [
         Severity.LOW, Severity.MEDIUM, Severity.HIGH, Severity.CRITICAL, Severity.CRITICAL]
 
+
+def test_the_console_shows_the_notice_once_and_only_when_analytics_signed_it() -> None:
+    from collector.auth import Signer
+    from collector.events import EventFactory
+    from ui.read_model import ReadModel
+
+    notice = TelemetryNotice(epoch=0, iteration=3, finding="fused_p2p", message=NOTICE, detail="×900")
+    signer = Signer(EventFactory("job-a", "analytics"), "analytics")
+    model = ReadModel()
+    model.apply(signer.make(notice))
+    model.apply(signer.make(notice.model_copy(update={"iteration": 9})))
+    assert [(n.message, n.iteration) for n in model.jobs["job-a"].notices.values()] == [(NOTICE, 3)]
+    model.apply(EventFactory("job-b", "rank-3").make(notice))  # a telemetry writer cannot put words on the console
+    assert "job-b" not in model.jobs

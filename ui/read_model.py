@@ -35,7 +35,7 @@ from collector.events import (
     AckStatus, BusOutage, CommandAck, Envelope, FaultInjected, IncidentConfirmed, IncidentOpened, IncidentResolved,
     IncidentUpdated, IterationPrediction, PlanCurrent, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified,
     PlanWithheld, PolicyChanged, PolicyMode, RankHealth, RankHealthEntry, RankIteration, ReconfigureCommand,
-    RecoveryPhase, Severity,
+    RecoveryPhase, Severity, TelemetryNotice,
 )
 from collector import incident_lifecycle, plan_lifecycle
 from collector.auth import Keyring, Refusals, load_keyring, needs_signature
@@ -174,6 +174,7 @@ class ConsoleJob:
     last_iteration: int = -1
     last_epoch: int = 0
     outages: dict[str, BusOutage] = field(default_factory=dict)  # outage id -> its newest word (end over start)
+    notices: dict[str, TelemetryNotice] = field(default_factory=dict)  # finding -> the detector's word on the telemetry
 
     def running_epoch(self) -> int:
         return self.current_plan.epoch if self.current_plan is not None else self.last_epoch
@@ -418,6 +419,11 @@ class ReadModel:
             job.marks.append(Mark("outage", job.predictions.iteration_at(p.started_s), p.started_s,
                                   f"bus outage: {p.duration_s or 0:.0f} s, fail-stop judgement of "
                                   f"{p.ranks_suspended} ranks suspended"))
+
+    def _on_analytics_telemetry_notice(self, e: Envelope, p: TelemetryNotice, job: ConsoleJob) -> None:
+        """The detector read the job's telemetry otherwise than its producer declared it: kept once per
+        finding (the first word), shown on the job's page with what to declare."""
+        job.notices.setdefault(p.finding, p)
 
     def _on_truth_fault(self, e: Envelope, p: FaultInjected, job: ConsoleJob) -> None:
         job.faults.append(p)

@@ -44,9 +44,12 @@ from analytics.detection.fail_stop_progress import distinct
 from analytics.detection.frame import IterationFrame, LayerLookup, build_frame
 from analytics.detection.hidden_stop import HiddenStopWatch
 from analytics.detection.incidents import IncidentBook
+from analytics.detection.p2p_waits import NOTICE as P2P_NOTICE
+from analytics.detection.p2p_waits import WAIT_SPREAD, P2PWaitInference
 from analytics.detection.scoring import FrameScore, score_frame
 from collector.events import (
-    Envelope, Heartbeat, Payload, PlanCurrent, ProbeResult, RankIteration, ReconfigureCommand, TracingDeclared,
+    Envelope, Heartbeat, Payload, PlanCurrent, ProbeResult, RankIteration, ReconfigureCommand, TelemetryNotice,
+    TracingDeclared,
 )
 from collector.plan import Plan
 
@@ -87,6 +90,7 @@ class Detector:
         self.sweep = SweepJudge(self.comm.hidden)
         self.prediction = PredictionJudge(window)
         self.health = HealthJudge()
+        self.p2p_waits = P2PWaitInference()
         self.stats = DetectorStats()
         self.epoch = -1
         self._layers: dict[int, LayerLookup] = {}
@@ -254,8 +258,19 @@ class Detector:
         return lookup
 
     def process_frame(self, frame: IterationFrame) -> list[Payload]:
-        """Score one iteration's frame from its chunks and return the events it causes."""
-        return judge_iteration(self, frame, ChunkScorer(frame, self))
+        """Score one iteration's frame from its chunks and return the events it causes. Undeclared
+        p2p timers that the data show to hold waits are read as such (``P2PWaitInference``), and
+        the first frame that shows it says so (``analytics.telemetry_notice``)."""
+        frame, told = self.p2p_waits.read(frame)
+        out: list[Payload] = []
+        if told:
+            out.append(TelemetryNotice(
+                epoch=frame.epoch, iteration=frame.iteration, finding="fused_p2p", message=P2P_NOTICE,
+                detail=f"the median link's slowest p2p message took ×{self.p2p_waits.spread:.0f} its fastest in "
+                       f"iteration {frame.iteration}; a wire-only timer stays within ×{WAIT_SPREAD:g}: they are "
+                       "read as holding waits (centred on the same stage pair, naming no link on the "
+                       "iteration's excess)"))
+        return out + judge_iteration(self, frame, ChunkScorer(frame, self))
 
     def stand_out(self) -> float:
         """The score at which a rank stands out before it is suspected: the alarm threshold h under

@@ -40,6 +40,7 @@ from analytics.detection.admission import EpochShape, undetectable
 from analytics.detection.config import DetectorConfig
 from analytics.detection.fail_stop import tracing_at
 from analytics.detection.frame import LayerLookup, build_frame
+from analytics.detection.p2p_waits import P2PWaitInference
 from analytics.sharding.replica_summary import LIVENESS_ARRAYS, pack, summarize_replica
 from collector.auth import Gate
 from collector.bus import Bus, TopicPartition
@@ -88,6 +89,9 @@ class ReplicaShard:
     _declared: list[TracingDeclared] = field(default_factory=list)  # read since the last LivenessBatch
     _tracing: tuple[TracingDeclared, ...] = ()  # every declaration read (the newest per epoch)
     _shapes: dict[tuple[str, int], EpochShape] = field(default_factory=dict)  # what undetectable admitted
+    # whether this job's undeclared p2p timers hold waits, told from its replicas' own records: the merge
+    # centres and judges links on what each shard read (the single process says so as an event)
+    _p2p_waits: P2PWaitInference = field(default_factory=P2PWaitInference)
     emitted: int = 0
     skipped: int = 0  # events kept out by analytics/detection/admission.py's rule
     failed: int = 0  # replica iterations whose summary could not be made (logged, left out)
@@ -242,7 +246,7 @@ class ReplicaShard:
         if fits is not None and fits.epoch != epoch and epoch not in fits.planned_epochs:
             fits = None  # a new layout without a plan: the single process forgets its fits too
         try:
-            frame = build_frame(list(pend.reports.values()), self._layers.get(epoch))
+            frame, _ = self._p2p_waits.read(build_frame(list(pend.reports.values()), self._layers.get(epoch)))
             summary = summarize_replica(
                 frame, fits, window_iterations=self.config.window_iterations,
                 chunk_quantile=self.config.chunk_quantile,

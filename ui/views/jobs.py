@@ -49,6 +49,7 @@ def _job_body(feed: Feed, job: ConsoleJob) -> None:
                     delta_color="inverse")
     m[4].metric("Open incidents", len(open_incidents))
     _bus_outages(job)
+    _telemetry_notices(job)
 
     window = st.radio("History", list(WINDOWS), horizontal=True, key="jobs_window", index=0)
     if len(series["iteration"]):
@@ -129,6 +130,13 @@ def _layout_shape(job: ConsoleJob) -> str:
     pp = max(s.stage for s in job.layout.values()) + 1
     dp = max(s.replica for s in job.layout.values()) + 1
     return f"TP{tp}·PP{pp}·DP{dp}"
+
+
+def _telemetry_notices(job: ConsoleJob) -> None:
+    """What the detector found about the job's telemetry that its producer did not declare
+    (analytics.telemetry_notice): the fix is on the producer's side, so it is said here, once."""
+    for notice in sorted(job.notices.values(), key=lambda n: n.iteration):
+        st.info(f"Telemetry, from iteration {notice.iteration}: {plain(notice.message)}. {plain(notice.detail)}")
 
 
 def _bus_outages(job: ConsoleJob) -> None:
