@@ -116,6 +116,35 @@ class PipelinePlan(BaseModel):
 
 
 @dataclass(frozen=True)
+class StagePeers:
+    """Who one TP rank of a pipeline stage exchanges activations and gradients with (device ids).
+
+    The rule every executor follows when neighbouring stages have different TP degrees: the
+    receiver with TP index j takes its input from the previous stage's TP rank j mod tp(previous)
+    (activations are replicated across a stage's TP ranks, so any sender is right) and its output
+    gradient from the next stage's TP rank j mod tp(next); a sender sends to every neighbour
+    whose index maps to it, possibly none (TP 4 → TP 3: the fourth rank's output is not needed)."""
+
+    act_from: int | None
+    act_to: tuple[int, ...]
+    grad_from: int | None
+    grad_to: tuple[int, ...]
+
+
+def stage_peers(pipe: PipelinePlan, stage: int, tp_rank: int, wrap: bool = False) -> StagePeers:
+    """:class:`StagePeers` of ``pipe``'s stage ``stage``, TP rank ``tp_rank``; ``wrap``: the last
+    stage feeds the first (interleaved chunks)."""
+    S, me = len(pipe.stages), pipe.stages[stage]
+    prev = pipe.stages[(stage - 1) % S] if (stage > 0 or wrap) else None
+    nxt = pipe.stages[(stage + 1) % S] if (stage + 1 < S or wrap) else None
+    return StagePeers(
+        act_from=prev.devices[tp_rank % prev.tp] if prev is not None else None,
+        act_to=tuple(d for j, d in enumerate(nxt.devices) if j % me.tp == tp_rank) if nxt is not None else (),
+        grad_from=nxt.devices[tp_rank % nxt.tp] if nxt is not None else None,
+        grad_to=tuple(d for j, d in enumerate(prev.devices) if j % me.tp == tp_rank) if prev is not None else ())
+
+
+@dataclass(frozen=True)
 class RankRole:
     """What one device does under a plan: its coordinates and its work."""
 

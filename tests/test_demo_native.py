@@ -3,8 +3,8 @@
 Real processes on the embedded bus: two native CPU ranks (TP1·PP1·DP2, gloo, paced), the
 analytics consumer with the detector, the remediation engine with auto-apply. A ×3 fail-slow is
 injected on device 1; it must be detected on that rank, planned within the capabilities the
-executor declared on the bus (a DP change: no TP or PP change is offered, and the proposal says
-why), applied live by the native executor and acknowledged with the reshape's phases.
+executor declared on the bus (a DP change: a TP1 stage has no TP group to re-form, and a
+per-replica PP repartition is not offered, which the proposal says), applied live by the native executor and acknowledged with the reshape's phases.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def test_the_native_executor_closes_the_loop_on_a_fail_slow(tmp_path: Path) -> N
     (caps,) = [e for e in events if isinstance(e, ExecutorCapabilities)]
     assert caps.executor == "native", why
     proposals = [e for e in events if isinstance(e, PlanProposed)]
-    assert proposals and all(any(n.startswith("TP exclusion not offered: executor native") for n in p.not_offered)
+    assert proposals and all(any(n.startswith("PP repartition not offered: executor native") for n in p.not_offered)
                              for p in proposals), why
     for p in proposals:  # DP changes only: the same one-device stages, micro-batches moved or a replica dropped
         assert {s.devices for pipe in p.plan.pipelines for s in pipe.stages} <= {(d,) for d in range(4)}, why

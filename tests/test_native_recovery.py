@@ -97,16 +97,13 @@ def test_without_a_checkpoint_the_survivors_stop_naming_the_lost_pieces(tmp_path
     assert "--save-dir" in error
 
 
-@pytest.mark.parametrize("layout", ["pp2-dp2", "tp2-dp2"])
-def test_a_replica_losing_one_rank_is_dropped_its_partner_released_and_the_rest_train_on(tmp_path, layout):
-    # Replicated, device 3 dies in iteration 1: PP2·DP2 loses replica 1's last stage, TP2·DP2 one
-    # TP rank of replica 1. Device 2 (its partner) sends its pieces and is released; devices 0 and
-    # 1 run all 4 micro-batches. A survivor waiting on device 2 in a collective learns of the
-    # loss only when that collective times out (gloo cannot be woken), hence the short timeout.
-    if layout == "pp2-dp2":
-        start = _plan(0, (2, [((0,), 0, 2), ((1,), 2, 4)]), (2, [((2,), 0, 2), ((3,), 2, 4)]))
-    else:
-        start = _plan(0, (2, [((0, 1), 0, 4)]), (2, [((2, 3), 0, 4)]))
+def test_a_replica_losing_its_only_rank_of_a_stage_is_dropped_its_partner_released_and_the_rest_train_on(tmp_path):
+    # PP2·DP2 replicated, device 3 (replica 1's last stage, TP1) dies in iteration 1: the stage
+    # cannot go on, so replica 1 is dropped; device 2 (its partner) sends its pieces and is
+    # released; devices 0 and 1 run all 4 micro-batches. A survivor waiting on device 2 in a
+    # collective learns of the loss only when that collective times out (gloo cannot be woken),
+    # hence the short timeout.
+    start = _plan(0, (2, [((0,), 0, 2), ((1,), 2, 4)]), (2, [((2,), 0, 2), ((3,), 2, 4)]))
     spec = _spec(tmp_path, start, 3, killed=3, at=1, dp_mode="replicate").model_copy(update={"timeout_s": 15})
     codes = launch_native(spec)
     assert codes == {0: 0, 1: 0, 2: 0, 3: -9}, codes
@@ -116,3 +113,19 @@ def test_a_replica_losing_one_rank_is_dropped_its_partner_released_and_the_rest_
     for device in (0, 1):
         (recovery,) = ranks[device]["reshapes"]
         assert recovery["lost"] == [3] and recovery["source"] == "live" and recovery["iteration"] == 1
+
+
+def test_a_stage_losing_one_rank_of_its_tp_group_goes_on_at_tp1_on_its_peer(tmp_path):
+    # TP2·DP2 replicated, device 3 (replica 1's TP rank 1) dies in iteration 1: replica 1 goes on
+    # at TP1 on device 2 (TP exclusion, its 2 micro-batches kept) beside replica 0's TP2, the dead
+    # rank's shard re-cut from replica 0's live copy; nothing is released.
+    start = _plan(0, (2, [((0, 1), 0, 4)]), (2, [((2, 3), 0, 4)]))
+    spec = _spec(tmp_path, start, 3, killed=3, at=1, dp_mode="replicate").model_copy(update={"timeout_s": 15})
+    codes = launch_native(spec)
+    assert codes == {0: 0, 1: 0, 2: 0, 3: -9}, codes
+    ranks, params = read_results(tmp_path)
+    _assert_matches_reference(ranks, params, 3)
+    for device in (0, 1, 2):
+        (recovery,) = ranks[device]["reshapes"]
+        assert recovery["lost"] == [3] and recovery["source"] == "live" and recovery["iteration"] == 1
+        assert ranks[device]["epochs"] == {"0": 0, "1": 1, "2": 1} and not ranks[device].get("released")

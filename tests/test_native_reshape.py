@@ -62,20 +62,24 @@ def _assert_matches_reference(ranks: dict, params: dict, iterations: int, cfg: L
         torch.testing.assert_close(params[k], v, rtol=1e-9, atol=1e-9, msg=k)
 
 
-def test_tp_shrink_and_dp_migration_mid_run_equal_the_reference_and_the_schedule_reports_telemetry(tmp_path):
-    # TP2·DP2 with replica 1 running 1 of 4 micro-batches; a plan mixing TP degrees is refused and
-    # training goes on; then TP 2→1 with the micro-batches moved back to 2/2 (devices 1, 3 released).
+def test_tp_exclusion_on_one_replica_then_tp_shrink_and_dp_migration_equal_the_reference_with_telemetry(tmp_path):
+    # TP2·DP2 with replica 1 running 1 of 4 micro-batches; a plan giving replicas different layer
+    # ranges is refused and training goes on; then replica 1's stage excludes device 3 (TP 2→1 on
+    # that stage beside replica 0's TP2, so the replicas sum full gradients); then replica 0 shrinks
+    # to TP1 too with the micro-batches moved back to 2/2 (devices 3, then 1, released).
     start = _plan(0, (3, [((0, 1), 0, 4)]), (1, [((2, 3), 0, 4)]))
-    mixed = _plan(1, (2, [((0, 1), 0, 4)]), (2, [((2,), 0, 4)]))
-    shrunk = _plan(1, (2, [((0,), 0, 4)]), (2, [((2,), 0, 4)]))
+    split = _plan(1, (3, [((0, 1), 0, 4)]), (1, [((2,), 0, 2), ((3,), 2, 4)]))
+    excluded = _plan(1, (3, [((0, 1), 0, 4)]), (1, [((2,), 0, 4)]))
+    shrunk = _plan(2, (2, [((0,), 0, 4)]), (2, [((2,), 0, 4)]))
     bus = tmp_path / "bus.sqlite"
-    ranks, params = _run(tmp_path, start, 4, reshapes=[(1, mixed), (2, shrunk)],
+    ranks, params = _run(tmp_path, start, 5, reshapes=[(1, split), (2, excluded), (3, shrunk)],
                          bus=BusSpec(backend="embedded", path=str(bus)))
-    _assert_matches_reference(ranks, params, 4)
+    _assert_matches_reference(ranks, params, 5)
     assert ranks[1].get("released") and ranks[3].get("released")
-    assert "mixes TP degrees" in ranks[0]["refused"][0]
-    (reshape,) = ranks[0]["reshapes"]
-    assert reshape["source"] == "live" and reshape["iteration"] == 2
+    assert "different stage layer ranges" in ranks[0]["refused"][0]
+    assert ranks[3]["epochs"] == {"0": 0, "1": 0} and ranks[1]["epochs"] == {"0": 0, "1": 0, "2": 1}
+    exclusion, reshape = ranks[0]["reshapes"]
+    assert exclusion["source"] == "live" and exclusion["iteration"] == 2 and reshape["iteration"] == 3
     assert set(reshape["phases_s"]) == {"agree", "export", "new_mesh", "stages_rebuilt", "redistribute", "first_step"}
     # each protocol phase's CPU too (bench reshape_cpu sums it over ranks); a stage build costs some
     assert set(reshape["cpu_s"]) == set(reshape["phases_s"]) - {"first_step"}
@@ -86,14 +90,32 @@ def test_tp_shrink_and_dp_migration_mid_run_equal_the_reference_and_the_schedule
         while batch := stream.poll(timeout_s=0.1):
             events += [d.event.payload for d in batch if isinstance(d.event.payload, RankIteration)]
     by_key = {(e.rank, e.iteration): e for e in events}
-    assert set(by_key) == {(d, i) for d in (0, 1, 2, 3) for i in (0, 1)} | {(d, i) for d in (0, 2) for i in (2, 3)}
+    assert set(by_key) == ({(d, i) for d in (0, 1, 2, 3) for i in (0, 1)} | {(d, 2) for d in (0, 1, 2)}
+                           | {(d, i) for d in (0, 2) for i in (3, 4)})
     first = by_key[(2, 0)]  # replica 1 ran micro-batch 3 only, under epoch 0
     assert first.epoch == 0 and (first.coords.tp, first.coords.pp, first.coords.dp) == (0, 0, 1)
     assert [(c.kind.value, c.microbatch) for c in first.chunks] == [("F", 3), ("B", 3)]
     assert all(c.tokens == SETTINGS.block_size and c.seq_lens is not None and sum(c.seq_lens) == SETTINGS.block_size
                for c in first.chunks)
-    later = by_key[(0, 3)]
-    assert later.epoch == 1 and sorted({c.microbatch for c in later.chunks}) == [0, 1]
+    later = by_key[(0, 4)]
+    assert later.epoch == 2 and sorted({c.microbatch for c in later.chunks}) == [0, 1]
+
+
+def test_tp_4_to_3_on_one_stage_of_a_pp2_dp2_job_equals_the_reference(tmp_path):
+    # TP4·PP2·DP2 on 16 ranks; device 5 leaves replica 0's stage 1, which goes on at TP3 on devices
+    # 4, 6, 7 while every other stage stays at TP4. Activations and gradients cross TP4 → TP3 by
+    # the contract's rule (stage 0's rank 3 sends to nobody; stage 1's rank 0 sends gradients to two
+    # ranks); the FFN width (100) and vocabulary (98) divide unevenly, so both stages sum full
+    # gradients across replicas. Its TP shards are re-cut from the four live TP4 shards.
+    cfg = LlamaConfig(dim=48, n_layers=2, n_heads=12, ffn_hidden=100, vocab_size=98, dtype="float64")
+    other: ReplicaSpec = (2, [((8, 9, 10, 11), 0, 1), ((12, 13, 14, 15), 1, 2)])
+    start = _plan(0, (2, [((0, 1, 2, 3), 0, 1), ((4, 5, 6, 7), 1, 2)]), other, cfg=cfg)
+    excluded = _plan(1, (2, [((0, 1, 2, 3), 0, 1), ((4, 6, 7), 1, 2)]), other, cfg=cfg)
+    ranks, params = _run(tmp_path, start, 3, reshapes=[(1, excluded)], cfg=cfg)
+    _assert_matches_reference(ranks, params, 3, cfg)
+    assert ranks[5].get("released") and ranks[5]["epochs"] == {"0": 0}
+    assert all(r["reshapes"][0]["source"] == "live" and r["final_epoch"] == 1
+               for d, r in ranks.items() if d != 5)
 
 
 def test_tp_4_to_3_excluding_one_device_equals_the_reference(tmp_path):

@@ -2,8 +2,9 @@
 
 Unit tests of the rule (collector/capabilities.py) and of the options it cuts
 (remediation/capability_fit.py), then the engine over the embedded bus: a job that declares the
-native executor's capabilities gets a plan it can run, with the reason the TP exclusion the
-reference trainer would get is not offered; a declaration not signed by the executor is refused.
+native executor's capabilities gets a plan it can run (a TP exclusion on the dead GPU's stage,
+its layers kept), with the reason the per-replica PP repartition the reference trainer could get
+is not offered; a declaration not signed by the executor is refused.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from remediation.engine import EngineConfig, RemediationEngine
 from remediation.model import PlannerModel
 from remediation.planner import Planner
 from tests.fixtures.signing import Authors
-from trainer.native.capabilities import NATIVE_CAPABILITIES
+from trainer.native.capabilities import NATIVE_CAPABILITIES, refusal
+from trainer.native.model import LlamaConfig
 
 JOB = "caps"
 PLAN = Plan.uniform(tp=2, pp=2, dp=4, num_layers=8, microbatches_per_replica=4)
@@ -38,26 +40,40 @@ def test_a_job_that_declares_nothing_is_planned_with_every_remediation():
     assert capability_refusal(PLAN, PLAN, ExecutorCapabilities(executor="reference")) is None
 
 
-def test_the_native_declaration_leaves_tp_and_pp_out_and_says_why():
+def test_the_native_declaration_offers_tp_exclusion_leaves_per_replica_pp_out_and_says_why():
     options, notes = fit_options(PlannerOptions(), NATIVE_CAPABILITIES)
-    assert (options.allow_tp, options.allow_pp, options.allow_dp, options.allow_drop) == (False, False, True, True)
-    assert notes[0].startswith("TP exclusion not offered: executor native cannot run it (one stage at a smaller TP")
-    assert notes[1].startswith("PP repartition not offered: executor native moves layers only alike in every replica")
-    assert len(notes) == 2
+    assert (options.allow_tp, options.allow_pp, options.allow_dp, options.allow_drop) == (True, False, True, True)
+    assert notes == [n for n in notes if n.startswith("PP repartition not offered: executor native moves layers only "
+                                                      "alike in every replica")] and len(notes) == 1
+
+
+GRID = ExecutorCapabilities(executor="grid", tp_shrink="uniform", tp_exclusion=False, pp_repartition="uniform",
+                            notes={"tp_exclusion": "one DeviceMesh for the whole job"})
 
 
 def test_a_dead_gpu_gets_a_tp_exclusion_unless_the_executor_cannot_run_one():
     cluster = ClusterState(16).with_device(5, DeviceState(dead=True))
     free = Planner(MODEL).plan(cluster, PLAN)
     assert 5 not in free.plan.devices
-    why = capability_refusal(free.plan, PLAN, NATIVE_CAPABILITIES)
-    assert why is not None and "mixes TP degrees" in why and "TP exclusion" in why and "executor native" in why
+    why = capability_refusal(free.plan, PLAN, GRID)
+    assert why is not None and "mixes TP degrees" in why and "TP exclusion" in why and "executor grid" in why
 
     options, _ = fit_options(PlannerOptions(), NATIVE_CAPABILITIES)
+    native = Planner(MODEL, options).plan(cluster, PLAN)
+    stage = PLAN.role_of(5)
+    kept = native.plan.pipelines[stage.replica].stages[stage.stage]
+    assert native.plan.dp == 4 and kept.devices == (4,)  # device 5's stage goes on at TP1 on its peer
+    assert [(s.first_layer, s.end_layer) for p in native.plan.pipelines for s in p.stages] == [
+        (s.first_layer, s.end_layer) for p in PLAN.pipelines for s in p.stages]  # no layer moved
+    assert {s.tp for p in native.plan.pipelines for s in p.stages} == {1, 2}
+    assert capability_refusal(native.plan, PLAN, NATIVE_CAPABILITIES) is None
+    assert refusal(native.plan, LlamaConfig(n_layers=8), PLAN.epoch, PLAN) is None  # the executor runs it too
+
+    options, _ = fit_options(PlannerOptions(), GRID)
     fitted = Planner(MODEL, options).plan(cluster, PLAN)
     assert 5 not in fitted.plan.devices and fitted.plan.dp == 3  # the replica holding device 5 is dropped
     assert fitted.plan.global_microbatches == PLAN.global_microbatches
-    assert capability_refusal(fitted.plan, PLAN, NATIVE_CAPABILITIES) is None
+    assert capability_refusal(fitted.plan, PLAN, GRID) is None
 
 
 def test_a_slow_gpu_gets_micro_batches_moved_the_native_executor_can_run():
@@ -112,9 +128,8 @@ def test_the_engine_plans_within_the_declared_capabilities_over_the_embedded_bus
         assert engine.state.capabilities == NATIVE_CAPABILITIES
         (record,) = engine.state.plans.values()
         proposal = record.proposal
-        assert 5 not in proposal.plan.devices and {s.tp for p in proposal.plan.pipelines for s in p.stages} == {2}
-        assert capability_refusal(proposal.plan, PLAN, NATIVE_CAPABILITIES) is None
-        assert any(n.startswith("TP exclusion not offered: executor native cannot run it") for n in proposal.not_offered)
+        assert 5 not in proposal.plan.devices and capability_refusal(proposal.plan, PLAN, NATIVE_CAPABILITIES) is None
+        assert any(n.startswith("PP repartition not offered: executor native") for n in proposal.not_offered)
         engine.close()
 
 

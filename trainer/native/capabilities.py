@@ -18,18 +18,19 @@ from trainer.native.model import LlamaConfig
 
 NATIVE_CAPABILITIES = ExecutorCapabilities(
     executor="native",
-    tp_shrink="uniform",
-    tp_exclusion=False,
+    tp_shrink="per_stage",
+    tp_exclusion=True,
     pp_repartition="uniform",
     dp_drop=True,
     dp_microbatch_migration=True,
     spares=False,
     schedules=["1f1b"],
     notes={
-        "tp_shrink": "uniform only: every stage of every replica moves to the same TP degree (a DeviceMesh is a grid), "
-                     "any degree that divides the model's heads, FFN width and vocabulary (TP 4 → 3 with 12 heads)",
-        "tp_exclusion": "one stage at a smaller TP degree than the rest is refused; shrink TP job-wide instead, "
-                        "re-forming the mesh without the bad device",
+        "tp_shrink": "per stage: each stage of each replica runs at its own TP degree (one DeviceMesh per stage), any "
+                     "degree that gives every rank whole attention heads; the FFN width and vocabulary may divide "
+                     "unevenly",
+        "tp_exclusion": "yes: a stage re-forms its TP group around the healthy devices (TP 4 → 3) while every other "
+                        "stage keeps its degree; its replicas then sum full gradients instead of FSDP's shards",
         "pp_repartition": "at layer granularity, the same layer ranges in every replica",
         "dp_drop": "yes",
         "dp_microbatch_migration": "per-replica micro-batch counts may differ; the global batch and loss scaling stay",

@@ -31,7 +31,8 @@ out.
 
 Recovery (``recover``): a rank died while the job trained. ``agree`` becomes the survivors'
 quorum in the store (trainer/native/recovery.py: who joined, who the launcher marked lost), the
-plan drops the dead rank's replica and keeps the global batch, every cached group is abandoned,
+plan re-forms the dead rank's TP group around its peers (or drops its replica when that stage
+cannot go on) and keeps the global batch, every cached group is abandoned,
 and the same four phases run over a fresh group of the survivors; nothing to roll back to.
 """
 
@@ -53,7 +54,7 @@ from collector.plan import Plan
 from trainer.agent.signed_store import SignedStore
 from trainer.native.capabilities import refusal
 from trainer.native.groups import GroupCache
-from trainer.native.layout import NativeLayout
+from trainer.native.layout import NativeLayout, tp_fit_problem
 from trainer.native.model import LlamaConfig, ModelFactory, build_model
 from trainer.native.parallelize import build_mesh
 from trainer.native.recovery import close_quorum, survivor_plan
@@ -197,7 +198,7 @@ class NativeExecutor(ReshapeExecutor):
         lap = self._lap(report)  # agree: from the failure to the survivors' quorum
         quorum = close_quorum(store, running.epoch + 1, old.layout.world, self.device, self.rank_of, committed,
                               self.timeout_s)
-        plan = survivor_plan(running, quorum.lost)
+        plan = survivor_plan(running, quorum.lost, lambda tp: tp_fit_problem(self.cfg, tp) is None)
         if reason := refusal(plan, self.cfg, running.epoch):
             raise RuntimeError(f"devices {list(quorum.lost)} lost and the survivors' plan cannot run: {reason}")
         layout = NativeLayout.of(plan, self.cfg)

@@ -3,8 +3,8 @@
 A reshape used to destroy the default group and rendezvous a new one, then let DeviceMesh create
 a sub-group for every slice of every dimension — a world-wide store barrier and a gloo full-mesh
 connect each time, most of a pause. Instead the default group spans the job's first world for
-the whole run, and every group a layout needs (a mesh dimension's slice, the running world, the
-union of an old and a new world for moving state) is created once, by its members only
+the whole run, and every group a layout needs (a stage mesh's dimension, the devices of one stage
+across replicas, the running world, the union of an old and a new world for moving state) is created once, by its members only
 (``use_local_synchronization``), and reused by every later layout that has the same ranks: a
 reshape back to a layout seen before creates nothing, and the old layout's groups stay alive
 until the new one is committed, which is what lets a failed reshape roll back.
@@ -24,7 +24,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-ROLES = ("dp", "pp", "tp", "world", "moves")
+ROLES = ("dp", "stage", "tp", "world", "moves", "solo")
 
 
 class GroupCache:

@@ -1,73 +1,98 @@
-"""The native layout: a contract ``Plan`` checked against what a DeviceMesh can express.
+"""The native layout: a contract ``Plan`` checked against what per-stage DeviceMeshes can express.
 
 torchtitan's ``ParallelDims`` habit: one small object, validated when it is built, that every
-later step trusts. A DeviceMesh is a regular (dp, pp, tp) grid, so the native executor runs the
-subset of plans that are grids: every stage at the same TP degree, every replica with the same
-stages (the same layer ranges, so FSDP reduces matching parameters across replicas); replicas may
-still differ in micro-batch counts. ``NativeLayout.of(plan)`` raises :class:`MeshRuleBroken` naming
-the first rule a plan breaks and what to propose instead — before any rank stops training.
+later step trusts. Each pipeline stage has its own mesh rather than the job one (dp, pp, tp)
+grid, so a stage may run at its own TP degree and, within a stage, replicas may too (a stage
+that excluded a bad device runs at TP 3 beside its replicas' TP 4):
+
+* a stage whose replicas all hold it at one TP degree, cut evenly, is a regular (dp, tp) grid:
+  TP over the tp dimension, FSDP2 over the dp dimension (``grid``);
+* any other stage gives each replica's TP group a 1-D ``tp`` mesh of its own, and its replicas
+  sum full gradients over the stage's devices (trainer/native/grad_sum.py) instead of FSDP.
+
+Every replica must still hold the same layers per stage (FSDP and the gradient sum reduce
+matching parameters stage by stage); replicas may differ in micro-batch counts. Activations and
+gradients cross stages of different TP degrees by the contract's rule
+(``collector.plan.stage_peers``, trainer/native/pipeline.py). ``NativeLayout.of(plan)`` raises
+:class:`MeshRuleBroken` naming the first rule a plan breaks and what to propose instead — before
+any rank stops training.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from collector.plan import Plan, RankRole
 from trainer.native.model import LlamaConfig
+
 
 class MeshRuleBroken(ValueError):
     """The native executor cannot run this plan; the message says why and what it can run."""
 
 
+def chunk_sizes(n: int, tp: int) -> list[int]:
+    """How DTensor's ``Shard`` cuts ``n`` rows over ``tp`` ranks, as ``torch.chunk`` does:
+    ceil-sized pieces, the last ones smaller (or empty)."""
+    size = -(-n // tp)
+    return [max(0, min(size, n - i * size)) for i in range(tp)]
+
+
+def tp_fit_problem(cfg: LlamaConfig, tp: int) -> str | None:
+    """Why TP degree ``tp`` cannot cut ``cfg``'s model (None: it can). Attention needs the same
+    whole number of heads on every rank (its output goes back to ``wo`` as an even shard), so
+    ``tp`` must divide the heads; the FFN width and the vocabulary may divide unevenly (DTensor
+    cuts them as ``torch.chunk`` does and pads and unpads inside its collectives), as long as
+    every rank gets a piece."""
+    if cfg.n_heads % tp:
+        fits = [d for d in range(1, cfg.n_heads + 1) if cfg.n_heads % d == 0]
+        return (f"TP {tp} does not divide the model's attention heads ({cfg.n_heads}); choose a TP degree that "
+                f"divides the heads ({fits}); the FFN width and vocabulary may divide unevenly")
+    for what, n in (("FFN width", cfg.ffn_hidden), ("vocabulary", cfg.vocab_size)):
+        if 0 in chunk_sizes(n, tp):
+            return f"TP {tp} leaves a rank without a piece of the model's {what} ({n}); choose a degree of at most {n}"
+    return None
+
+
 @dataclass(frozen=True)
 class NativeLayout:
     plan: Plan
-    dp: int
     pp: int
-    tp: int
     world: tuple[int, ...]  # device ids; a device's process-group rank is its index here
+    grid: tuple[bool, ...]  # per stage: a regular (dp, tp) grid of even TP shards (FSDP runs on it)
 
     @classmethod
     def of(cls, plan: Plan, cfg: LlamaConfig) -> NativeLayout:
-        tps = {s.tp for p in plan.pipelines for s in p.stages}
-        if len(tps) != 1:
-            raise MeshRuleBroken(f"plan epoch {plan.epoch} mixes TP degrees {sorted(tps)}: a DeviceMesh is a regular "
-                              "grid, so the native executor runs one TP degree for the whole job; propose a uniform "
-                              "TP shrink instead of excluding one device from one stage")
         ranges = {tuple((s.first_layer, s.end_layer) for s in p.stages) for p in plan.pipelines}
         if len(ranges) != 1:
             raise MeshRuleBroken(f"plan epoch {plan.epoch} gives replicas different stage layer ranges {sorted(ranges)}: "
-                              "FSDP reduces gradients across replicas stage by stage, so every replica must hold the "
-                              "same layers per stage; repartition all replicas alike")
-        tp = tps.pop()
-        dims = (("attention heads", cfg.n_heads), ("FFN width", cfg.ffn_hidden), ("vocabulary", cfg.vocab_size))
-        for what, n in dims:
-            if n % tp:
-                fits = [d for d in range(1, cfg.n_heads + 1) if all(m % d == 0 for _, m in dims)]
-                raise MeshRuleBroken(f"TP {tp} does not divide the model's {what} ({n}); choose a TP degree that "
-                                  f"divides the heads, FFN width and vocabulary ({fits})")
-        if plan.schedule == "1f1b" and plan.virtual_stages == 1:
-            pass
-        else:
+                                 "replicas reduce gradients stage by stage, so every replica must hold the same "
+                                 "layers per stage; repartition all replicas alike")
+        for tp in sorted({s.tp for p in plan.pipelines for s in p.stages}):
+            if problem := tp_fit_problem(cfg, tp):
+                raise MeshRuleBroken(problem)
+        if plan.schedule != "1f1b" or plan.virtual_stages != 1:
             raise MeshRuleBroken(f"schedule {plan.schedule!r} with {plan.virtual_stages} virtual stages is not run by the "
-                              "native executor yet; it runs 1f1b with one model chunk per stage")
+                                 "native executor yet; it runs 1f1b with one model chunk per stage")
         pp = len(plan.pipelines[0].stages)
         short = [p.replica for p in plan.pipelines if p.microbatches < pp]
         if short:
             raise MeshRuleBroken(f"replicas {short} run fewer micro-batches than the {pp} pipeline stages; 1F1B needs at "
-                              f"least {pp} per replica")
-        return cls(plan=plan, dp=plan.dp, pp=pp, tp=tp, world=tuple(plan.devices))
+                                 f"least {pp} per replica")
+        grid = tuple(len(tps := {p.stages[s].tp for p in plan.pipelines}) == 1
+                     and all(n % next(iter(tps)) == 0 for n in (cfg.dim, cfg.ffn_hidden, cfg.vocab_size))
+                     for s in range(pp))
+        return cls(plan=plan, pp=pp, world=tuple(plan.devices), grid=grid)
+
+    @property
+    def dp(self) -> int:
+        return self.plan.dp
 
     def rank(self, device: int) -> int:
         return self.world.index(device)
 
-    def mesh_ranks(self, rank_of: dict[int, int] | None = None) -> torch.Tensor:
-        """(dp, pp, tp) process-group ranks: [r][s][t] is replica r's stage s, TP rank t. Ranks
-        are ``rank_of[device]`` (the job's default group) or, without it, indices in this world."""
-        rank = rank_of.__getitem__ if rank_of is not None else self.rank
-        return torch.tensor([[[rank(d) for d in s.devices] for s in p.stages] for p in self.plan.pipelines])
+    def stage_groups(self, stage: int) -> list[tuple[int, ...]]:
+        """The TP groups (device ids) holding ``stage``, one per replica in replica order."""
+        return [p.stages[stage].devices for p in self.plan.pipelines]
 
     def role(self, device: int) -> RankRole:
         return self.plan.role_of(device)

@@ -1,17 +1,20 @@
 """Apply TP, PP and DP to the decoder, one step each (torchtitan's ``parallelize_llama`` shape).
 
-    mesh = build_mesh(layout, ...)                  # DeviceMesh (dp, pp, tp) from cached groups
+    mesh = build_mesh(layout, ...)                  # this stage's DeviceMesh: (dp, tp), or (tp,) alone
     model = apply_pp(build_model(cfg, seed), role)  # keep this stage's layers
     apply_tp(model, mesh["tp"])                     # DTensor colwise / rowwise plan
-    apply_dp(model, mesh["dp"])                     # FSDP2 fully_shard per block, then the root
-    stage = pipeline_stage(model, role, mesh["pp"]) # torch.distributed.pipelining.PipelineStage
+    apply_dp(model, mesh["dp"])                     # FSDP2 fully_shard per block, then the root (grid stages)
+    stage = pipeline_stage(model, role, ...)        # trainer/native/pipeline.py's MappedStage
 
-Gradients are *summed* across replicas (FSDP's divide factor 1) and every micro-batch's loss is
-divided by the global batch's target-token count, so a replica may run any number of the global
-batch's micro-batches and the update is the same as one process running them all. The steps
-work on any module with the torchtitan Llama layout (``layers`` as a ModuleDict of blocks with
-``attention.wq/wk/wv/wo`` and ``feed_forward.w1/w2/w3``); ``tp_plan_for_block`` is the one place
-that names those submodules.
+Each pipeline stage has its own mesh (trainer/native/layout.py): a stage every replica holds at
+one TP degree, cut evenly, is a (dp, tp) grid with FSDP2 over dp; any other stage is one (tp,)
+mesh per replica, whose replicas sum full gradients instead (``apply_grad_sum``,
+trainer/native/grad_sum.py). Gradients are *summed* across replicas (FSDP's divide factor 1) and
+every micro-batch's loss is divided by the global batch's target-token count, so a replica may
+run any number of the global batch's micro-batches and the update is the same as one process
+running them all. The steps work on any module with the torchtitan Llama layout (``layers`` as a
+ModuleDict of blocks with ``attention.wq/wk/wv/wo`` and ``feed_forward.w1/w2/w3``);
+``tp_plan_for_block`` is the one place that names those submodules.
 """
 
 from __future__ import annotations
@@ -20,33 +23,49 @@ import math
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from collector.plan import RankRole
+from collector.plan import RankRole, stage_peers
 from trainer.native.groups import GroupCache
 from trainer.native.layout import NativeLayout
-from trainer.native.model import keep_layers
+from trainer.native.model import LlamaConfig, keep_layers
+from trainer.native.pipeline import MappedStage, static_meta
 
 DpMode = Literal["shard", "replicate"]
 
 
 def build_mesh(layout: NativeLayout, device_type: str, groups: GroupCache, rank_of: dict[int, int],
                device: int) -> DeviceMesh:
-    """The (dp, pp, tp) mesh of ``layout`` from this device's three dimension groups (taken from
-    ``groups``: created once per rank set, by their members only, and reused by later layouts, so
-    DTensor's caches, keyed by mesh equality, always meet the groups they were made with).
-    ``rank_of`` maps a device to its rank in the job's default group."""
-    ranks = layout.mesh_ranks(rank_of)
-    r, s, t = (int(i) for i in (ranks == rank_of[device]).nonzero()[0])
-    slices = {"dp": ranks[:, s, t], "pp": ranks[r, :, t], "tp": ranks[r, s, :]}
-    dims = [groups.get(name, slices[name].tolist(), layout.plan.epoch) for name in ("dp", "pp", "tp")]
-    return DeviceMesh.from_group(dims, device_type, mesh=ranks, mesh_dim_names=("dp", "pp", "tp"))
+    """This device's stage mesh under ``layout``, from groups taken from ``groups`` (created once
+    per rank set, by their members only, and reused by later layouts, so DTensor's caches, keyed
+    by mesh equality, always meet the groups they were made with): a grid stage's (dp, tp) mesh
+    over every replica's TP group, else the (tp,) mesh of this replica's group alone. ``rank_of``
+    maps a device to its rank in the job's default group."""
+    role, epoch = layout.role(device), layout.plan.epoch
+    held = layout.stage_groups(role.stage)
+    if layout.grid[role.stage]:
+        ranks = torch.tensor([[rank_of[d] for d in g] for g in held])  # (dp, tp)
+        slices = {"dp": ranks[:, role.tp_rank].tolist(), "tp": ranks[role.replica].tolist()}
+        dims = [groups.get(name, slices[name], epoch) for name in ("dp", "tp")]
+        return DeviceMesh.from_group(dims, device_type, mesh=ranks, mesh_dim_names=("dp", "tp"))
+    mine = [rank_of[d] for d in held[role.replica]]
+    return DeviceMesh.from_group(groups.get("tp", mine, epoch), device_type, mesh=mine, mesh_dim_names=("tp",))
+
+
+def stage_group(layout: NativeLayout, groups: GroupCache, rank_of: dict[int, int], device: int
+                ) -> dist.ProcessGroup | None:
+    """Every device of this device's stage in every replica, when the stage is not a grid and has
+    more than one replica: the group its full gradients are summed over (else None)."""
+    stage = layout.role(device).stage
+    if layout.grid[stage] or layout.dp == 1:
+        return None
+    return groups.get("stage", [rank_of[d] for g in layout.stage_groups(stage) for d in g], layout.plan.epoch)
 
 
 def apply_pp(model: Any, role: RankRole) -> Any:
@@ -58,11 +77,14 @@ def apply_pp(model: Any, role: RankRole) -> Any:
 def tp_plan_for_block() -> dict[str, ParallelStyle]:
     """Megatron's split of one decoder block: q/k/v and the SwiGLU gates column-parallel (each TP
     rank holds whole heads / a slice of the hidden width), wo and w2 row-parallel (one all-reduce
-    each on the way out)."""
+    each on the way out). The gates' outputs stay DTensors into w2: a plain local tensor would be
+    taken back as an even shard (``from_local``), which a width that does not divide by the TP
+    degree (100 over TP 3: 34/34/32) is not."""
     return {
         "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(),
-        "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(use_local_output=False),
+        "feed_forward.w3": ColwiseParallel(use_local_output=False),
         "feed_forward.w2": RowwiseParallel(),
     }
 
@@ -112,8 +134,16 @@ def _data_parallel(module: nn.Module, dp_mesh: DeviceMesh, mode: DpMode) -> None
         fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
 
 
-def pipeline_stage(model: nn.Module, role: RankRole, pp_mesh: DeviceMesh, device: torch.device) -> PipelineStage:
-    return PipelineStage(model, role.stage, role.num_stages, device, group=pp_mesh.get_group())
+def pipeline_stage(model: nn.Module, cfg: LlamaConfig, layout: NativeLayout, device: int, torch_device: torch.device,
+                   groups: GroupCache, rank_of: dict[int, int], world: dist.ProcessGroup, block: int) -> MappedStage:
+    """torch's ``PipelineStage`` with this rank's peers by the contract's rule (neighbouring
+    stages may run at other TP degrees) and its shapes given up front (no shape inference)."""
+    role = layout.role(device)
+    pipe = layout.plan.pipelines[role.replica]
+    example = static_meta(role, cfg.dim, cfg.vocab_size, block, cfg.torch_dtype, torch_device)
+    solo = groups.get("solo", [rank_of[device]], layout.plan.epoch)
+    return MappedStage(model, role, torch_device, stage_peers(pipe, role.stage, role.tp_rank), rank_of, world, solo,
+                       example)
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, warmup_iterations: int

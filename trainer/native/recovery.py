@@ -7,7 +7,9 @@ store the way trainer/agent/shrink.py's ``ShrinkingWorld.close`` does — it wri
 every device of the running world has either joined or been marked lost by whoever supervises
 the ranks (the native launcher, or the node agent under ``--on-failure shrink``), both through
 the agent's one key, ``resihp/lost/<rank>`` (``mark_lost``). The survivors, the same set on every
-one of them, then reshape to :func:`survivor_plan` through the executor's own phases.
+one of them, then reshape to :func:`survivor_plan` through the executor's own phases: a stage that
+lost a device goes on at a smaller TP degree on its TP peers, and only a replica that cannot (its
+stage's only device died) is dropped.
 
 What can fail: a device that neither joins nor is marked lost (a peer blocked in a collective
 with a live rank that itself left: gloo's ``abort`` in torch 2.15 does not wake a pending wait,
@@ -20,6 +22,7 @@ peers got its result) are refused: nothing here can tell which update is the rig
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,15 +93,28 @@ def close_quorum(store: SignedStore, epoch: int, world: tuple[int, ...], device:
     return Quorum(tuple(joined), tuple(lost), committed)
 
 
-def survivor_plan(plan: Plan, lost: tuple[int, ...]) -> Plan:
-    """``plan`` at the next epoch without every replica that held a lost device; the dropped
-    replicas' micro-batches go, one at a time, to the surviving replica running fewest (the lowest
-    replica among equals), so the global batch is kept. ``ValueError`` when no replica survives."""
+def survivor_plan(plan: Plan, lost: tuple[int, ...], fits: Callable[[int], bool] = lambda tp: False) -> Plan:
+    """``plan`` at the next epoch without the lost devices. A stage that lost some of its TP group
+    goes on at a smaller degree on the rest (TP exclusion: its layers, its replica's micro-batches
+    and every other stage unchanged) when ``fits(new degree)``; a replica whose stage cannot (its
+    only device died, or the smaller degree cannot cut the model) is dropped, its micro-batches
+    given, one at a time, to the surviving replica running fewest (the lowest replica among
+    equals), so the global batch is kept. ``ValueError`` when no replica survives."""
     gone = set(lost)
-    kept = [p for p in plan.pipelines if not gone & {d for s in p.stages for d in s.devices}]
+
+    def excluded(p: PipelinePlan) -> PipelinePlan | None:
+        stages = []
+        for s in p.stages:
+            rest = tuple(d for d in s.devices if d not in gone)
+            if len(rest) < len(s.devices) and not (rest and fits(len(rest))):
+                return None
+            stages.append(s if len(rest) == len(s.devices) else s.model_copy(update={"devices": rest}))
+        return p.model_copy(update={"stages": tuple(stages)})
+
+    kept = [q for p in plan.pipelines if (q := excluded(p)) is not None]
     if not kept:
-        raise ValueError(f"every replica of plan epoch {plan.epoch} lost a device ({sorted(gone)}): no pipeline "
-                         "survives to train on; restart from a DCP checkpoint (--resume-dir)")
+        raise ValueError(f"every replica of plan epoch {plan.epoch} lost a device ({sorted(gone)}) it cannot run "
+                         "without: no pipeline survives to train on; restart from a DCP checkpoint (--resume-dir)")
     counts = [p.microbatches for p in kept]
     for _ in range(plan.global_microbatches - sum(counts)):
         counts[counts.index(min(counts))] += 1

@@ -26,7 +26,9 @@ from trainer.native.dtensor_rules import install_stage_build_shortcuts
 from trainer.native.groups import GroupCache
 from trainer.native.layout import NativeLayout
 from trainer.native.model import LlamaConfig, ModelFactory, build_model
-from trainer.native.parallelize import DpMode, apply_dp, apply_pp, apply_tp, build_mesh, build_optimizer, pipeline_stage
+from trainer.native.grad_sum import FullGradSum
+from trainer.native.parallelize import (DpMode, apply_dp, apply_pp, apply_tp, build_mesh, build_optimizer,
+                                        pipeline_stage, stage_group)
 from trainer.native.telemetry import ScheduleWatcher
 from trainer.telemetry import IterationRecorder
 
@@ -68,6 +70,7 @@ class NativeRole:
     watcher: ScheduleWatcher
     world: dist.ProcessGroup  # this layout's world: the iteration's commit all-reduce, DCP
     params: tuple[tuple[str, nn.Parameter], ...]  # the managed (sharded) parameters by name, as built: what moves
+    grad_sum: FullGradSum | None  # a non-grid stage's replicas: their gradient sum (grad_sum.py); FSDP's otherwise
     last_recorder: IterationRecorder | None = None
 
     @classmethod
@@ -84,13 +87,17 @@ class NativeRole:
         mesh = mesh or build_mesh(layout, torch_device.type, groups, rank_of, device)
         model = apply_pp(model_factory(cfg, settings.seed), role).to(torch_device)
         apply_tp(model, mesh["tp"])
-        apply_dp(model, mesh["dp"], settings.dp_mode)
-        stage = pipeline_stage(model, role, mesh["pp"], torch_device)
+        if "dp" in (mesh.mesh_dim_names or ()):
+            apply_dp(model, mesh["dp"], settings.dp_mode)
+        stage = pipeline_stage(model, cfg, layout, device, torch_device, groups, rank_of, world, settings.block_size)
         loss = GlobalTokenLoss()
         schedule = Schedule1F1B(stage, n_microbatches=role.microbatches, loss_fn=loss, scale_grads=False)
         opt, sched = build_optimizer(model, settings.lr, settings.weight_decay, settings.warmup_iterations)
+        params = tuple(model.named_parameters())
+        summed = stage_group(layout, groups, rank_of, device)
+        grad_sum = FullGradSum(params, role.tp_rank, summed) if summed is not None else None
         return cls(layout, role, mesh, model, stage, schedule, loss, opt, sched, ScheduleWatcher(stage), world,
-                   tuple(model.named_parameters()))
+                   params, grad_sum)
 
     def with_counts(self, layout: NativeLayout, device: int) -> NativeRole:
         """This role under ``layout``, a plan that changes only micro-batch counts: the mesh,
@@ -126,6 +133,8 @@ class NativeRole:
         total = torch.zeros(1, dtype=torch.float64, device=dev)
         if self.stage.is_last and self.role.tp_rank == 0:
             total += sum(float(x.detach()) for x in losses)
+        if self.grad_sum is not None:
+            self.grad_sum()
         dist.all_reduce(total, group=self.world)  # the commit: nothing is stepped unless every rank got here
         self.opt.step()
         self.sched.step()

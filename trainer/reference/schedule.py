@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from analytics.detection.schedule import op_table
 from collector.events import ChunkKind, CommOp
-from collector.plan import PipelinePlan, RankRole
+from collector.plan import PipelinePlan, RankRole, stage_peers
 from trainer.reference.chunks import virtual_stages
 from trainer.data import IGNORE, MicroBatch
 from trainer.faults import FaultInjector
@@ -70,20 +70,14 @@ class Peers:
 
 
 def pipeline_peers(pipe: PipelinePlan, role: RankRole, layout: PlanWorld, wrap: bool = False) -> Peers:
-    s, t, S = role.stage, role.tp_rank, len(pipe.stages)
-    me = pipe.stages[s]
-    prev = pipe.stages[(s - 1) % S] if (s > 0 or wrap) else None
-    nxt = pipe.stages[(s + 1) % S] if (s + 1 < S or wrap) else None
-    act_from_dev = prev.devices[t % prev.tp] if prev is not None else None
-    grad_from_dev = nxt.devices[t % nxt.tp] if nxt is not None else None
-    act_to = [d for j, d in enumerate(nxt.devices) if j % me.tp == t] if nxt else []
-    grad_to = [d for j, d in enumerate(prev.devices) if j % me.tp == t] if prev else []
+    """This rank's peers by the contract's rule (``collector.plan.stage_peers``), as world ranks."""
+    p = stage_peers(pipe, role.stage, role.tp_rank, wrap)
     return Peers(
-        act_from=layout.rank(act_from_dev) if act_from_dev is not None else None,
-        act_to=[layout.rank(d) for d in act_to],
-        grad_from=layout.rank(grad_from_dev) if grad_from_dev is not None else None,
-        grad_to=[layout.rank(d) for d in grad_to],
-        act_from_device=act_from_dev, grad_from_device=grad_from_dev,
+        act_from=layout.rank(p.act_from) if p.act_from is not None else None,
+        act_to=[layout.rank(d) for d in p.act_to],
+        grad_from=layout.rank(p.grad_from) if p.grad_from is not None else None,
+        grad_to=[layout.rank(d) for d in p.grad_to],
+        act_from_device=p.act_from, grad_from_device=p.grad_from,
     )
 
 
