@@ -2,13 +2,14 @@
 
 A job announces its executor's capabilities on the bus (``plan.capabilities``); the engine plans
 only within them, so an executor is never sent a plan it would refuse, and every proposal says
-what was left out and why ("TP exclusion not offered: executor native cannot run it (…)"), so an
-operator who expected a TP shrink sees why the plan drops a replica instead.
+what was left out and why ("PP repartition not offered: executor native moves layers only alike
+in every replica (…)"), so an operator who expected layers to move sees why the plan does not.
 
 The planner's TP candidates shrink or re-form one stage's group around its bad devices, which is
 a per-stage TP change and an exclusion; its PP candidates re-split one pipeline's layers, which
-is a per-replica repartition. An executor that runs neither (a DeviceMesh is a grid: the native
-executor) is planned for with DP changes only: micro-batch migration and replica drop. The final
+is a per-replica repartition. An executor that runs neither (one DeviceMesh over the whole job)
+is planned for with DP changes only: micro-batch migration and replica drop; the native
+executor, one mesh per stage, gets the TP candidates but not the per-replica re-split. The final
 word on a plan is collector/capabilities.py's ``capability_refusal``, which the engine also runs
 on whatever a strategy returns.
 """
