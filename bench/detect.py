@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from bench._detect_tuning import BaselineInputs, tune_and_hold_out
 from resihp.referee import covers, detecting, fault_devices, score
 
 if TYPE_CHECKING:
@@ -131,6 +132,7 @@ class CaseRun(NamedTuple):
     config: SimConfig
     probe_pause_s: float  # training time ours's probes paused (each probe holds the job for its longest answer)
     run_s: float  # the simulated job's time, probe pauses included
+    baseline_inputs: BaselineInputs  # what the baselines read, for tuning them on a replay
 
 
 def run_case(case: Case, dialect: str = "ours") -> CaseRun:
@@ -138,7 +140,7 @@ def run_case(case: Case, dialect: str = "ours") -> CaseRun:
     faults in every dialect, only what the ranks report differs). Only ours asks probes; the
     simulator answers each in place, the job paused for as long as the longest answer took."""
     from collector.events import (
-        FaultInjected, IncidentConfirmed, IncidentOpened, IncidentUpdated, ProbeRequest,
+        FaultInjected, IncidentConfirmed, IncidentOpened, IncidentUpdated, IterationSummary, ProbeRequest, RankIteration,
     )
 
     engine, target = case_engine(case, dialect)
@@ -162,12 +164,18 @@ def run_case(case: Case, dialect: str = "ours") -> CaseRun:
 
     pause_s = 0.0
     guard = 0
+    inputs = BaselineInputs()
     while engine.iteration < target and not engine.finished and guard < 10 * target:
         guard += 1
         for e in engine.step():
             if isinstance(e.payload, FaultInjected):
                 truth[e.payload.fault_id] = e.payload
                 continue
+            if isinstance(e.payload, IterationSummary):
+                inputs.summaries.append((e.payload.iteration, e.payload.wall_s))
+            elif isinstance(e.payload, RankIteration):
+                r = e.payload
+                inputs.ranks.append((r.iteration, r.rank, r.coords.dp, r.coords.pp, sum(r.chunk_table.duration_s)))
             for name, det in detectors.items():
                 probes = absorb(name, det.on_event(e))
                 while probes:  # an answer may ask for another probe (an untraced suspect's links)
@@ -185,7 +193,7 @@ def run_case(case: Case, dialect: str = "ours") -> CaseRun:
     for f in faults:
         faulty |= set(range(f.start_iteration, f.end_iteration if f.end_iteration is not None else iterations))
     healthy = sum(1 for i in range(iterations) if i not in faulty)
-    return CaseRun(faults, incidents, iterations, healthy, engine.config, pause_s, engine.now_s)
+    return CaseRun(faults, incidents, iterations, healthy, engine.config, pause_s, engine.now_s, inputs)
 
 
 def sizing(faults: list, incs: dict[str, Tracked], iterations: int, config, grace: int = 5
@@ -263,10 +271,49 @@ def first_sizes(faults: list, incs: dict[str, Tracked], iterations: int, config,
     return out
 
 
+def reliability(results: list, grace: int = 5) -> list[dict]:
+    """Ours's reported confidence against what its incidents were, per decile of confidence: of the
+    incidents opened at about p, how many detected a fault (the referee's match, ``detecting``).
+
+    The confidence read is the one every reader of the incident fold reads
+    (``collector.incident_lifecycle``: the largest over the opening's locations). A decile's gap is
+    |mean confidence − share real|; a calibrated confidence has small gaps where the decile holds
+    enough incidents to say (20 or more)."""
+    rows: list[tuple[float, bool]] = []
+    for faults, incidents, iterations, _, cluster, _ in results:
+        incs = incidents["ours"]
+        matched: set[str] = set()
+        for f in faults:
+            matched |= {iid for _, iid in detecting(f, incs, gpus_per_node=cluster.gpus_per_node,
+                                                    iterations=iterations, grace=grace)}
+        for iid, t in incs.items():
+            locs = t.sized[0][1] if t.sized else []
+            rows.append((max((float(loc.confidence) for loc in locs), default=0.0), iid in matched))
+    out = []
+    for d in range(10):
+        lo, hi = d / 10, (d + 1) / 10
+        sel = [(c, real) for c, real in rows if lo <= c < hi or (d == 9 and c == 1.0)]
+        if not sel:
+            continue
+        mean = float(np.mean([c for c, _ in sel]))
+        share = float(np.mean([real for _, real in sel]))
+        out.append({"decile": f"{lo:.1f}-{hi:.1f}", "incidents": len(sel), "mean_confidence": round(mean, 4),
+                    "share_real": round(share, 4), "gap": round(abs(mean - share), 4)})
+    return out
+
+
+def _tracked(opened: list) -> dict[str, Tracked]:
+    """Opened incidents as the referee's records (a replayed baseline's incidents)."""
+    return {p.incident_id: Tracked(p.iteration, p.category.value, [(p.iteration, list(p.locations))]) for p in opened}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=int, default=120, help="iterations per scenario")
     parser.add_argument("--only", default=None, help="run only cases whose name contains this text")
     parser.add_argument("--grace", type=int, default=5, help="iterations after a fault ends that still count")
+    parser.add_argument("--no-tune", dest="tune", action="store_false",
+                        help="skip tuning the baselines on one half of the suite and scoring every detector on the "
+                        "other (a replay of what the baselines read: no simulation, a few seconds a dialect)")
     parser.add_argument("--dialect", action="append", default=None, metavar="NAME",
                         help="how the simulated ranks record: ours (default), megatron, profiler, sampled, or all; "
                         "repeat for several: one table per dialect, the same runs for every detector")
@@ -299,8 +346,12 @@ def run(args: argparse.Namespace) -> int:
         first: list[tuple[str, str, float, float]] = []
         pause_s = run_s = 0.0  # over the healthy cases: what ours's probes cost a job with nothing wrong
         families: dict[str, dict] = {}  # family → its iterations and each detector's incidents (all false)
+        jobs: list[str] = []
+        inputs: list[BaselineInputs] = []
         for case in tqdm(cases, desc=f"scenarios ({dialect})", disable=args.json):
-            faults, incidents, iterations, healthy, config, case_pause_s, case_run_s = run_case(case, dialect)
+            faults, incidents, iterations, healthy, config, case_pause_s, case_run_s, case_inputs = run_case(case, dialect)
+            jobs.append(config.job)
+            inputs.append(case_inputs)
             if case.family is not None:
                 fam = families.setdefault(case.family, {"iterations": 0, "incidents": dict.fromkeys(incidents, 0)})
                 fam["iterations"] += healthy
@@ -333,6 +384,25 @@ def run(args: argparse.Namespace) -> int:
                                       "false_alarms_per_10k": {n: round(r, 2) for n, r in rates.items()}}
             print(f"\n{fam_name} ({fam['iterations']} healthy iterations), false alarms per 10k: "
                   + ", ".join(f"{n} {r:.1f}" for n, r in rates.items()))
+        table = reliability(results, args.grace)
+        print(f"\n{'confidence of ours (opening)':28} {'incidents':>9} {'mean p':>7} {'real':>6} {'gap':>6}")
+        for row in table:
+            print(f"{row['decile']:28} {row['incidents']:9d} {row['mean_confidence']:7.3f} {row['share_real']:6.3f} "
+                  f"{row['gap']:6.3f}")
+        if args.tune:
+            entry_tuning = tune_and_hold_out(results, _tracked, score, jobs, inputs, args.grace)
+            print("\nbaselines tuned on one half of the suite (best F1 there), every detector scored on the other "
+                  "(halves: the suite's cases at even / odd places)")
+            print(f"{'detector':22} {'half':>4} {'tuned on':>8} {'f1':>7} {'precision':>9} {'recall':>7} "
+                  f"{'false/10k':>9}  setting")
+            for name, tuned in entry_tuning.items():
+                for half in ("A", "B"):
+                    row = tuned["held_out"][half]
+                    setting = row.get("setting")
+                    on = "-" if setting is None else ("B" if half == "A" else "A")
+                    print(f"{name:22} {half:>4} {on:>8} {row['f1']:7.3f} {row['precision']:9.3f} {row['recall']:7.3f} "
+                          f"{row['false_alarms_per_10k']:9.1f}  "
+                          + ("" if setting is None else ", ".join(f"{k}={v}" for k, v in setting.items())))
         pause_share = pause_s / run_s if run_s > 0 else 0.0
         print(f"\nprobe pauses of ours on the healthy runs: {pause_s:.2f} s of {run_s:.1f} s ({pause_share:.2%})")
         errors = [abs(read / true - 1) for _, true, _, read in sized]
@@ -353,6 +423,11 @@ def run(args: argparse.Namespace) -> int:
             "delay_p50_iters", "delay_p95_iters_x1_2_plus")} for n in names}}
         entry["probe_pause_share_healthy"] = round(pause_share, 5)
         entry["families"] = family_rates
+        entry["reliability"] = table
+        if args.tune:
+            entry["tuned_baselines"] = {name: {"held_out": {h: {k: v for k, v in row.items() if k in (
+                "setting", "f1", "precision", "recall", "false_alarms_per_10k")} for h, row in t["held_out"].items()}}
+                for name, t in entry_tuning.items()}
         if sized:
             entry["sizing"] = {"median_error": round(float(np.median(errors)), 4), "worst_error": round(max(errors), 4),
                                "gpus": len(sized)}

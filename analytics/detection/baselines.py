@@ -41,10 +41,17 @@ class _WholeJobBaseline:
 
     def on_event(self, event: Envelope) -> list[Payload]:
         p = event.payload
-        if event.job != self.job or not isinstance(p, IterationSummary) or p.iteration in self._seen:
+        if event.job != self.job or not isinstance(p, IterationSummary):
             return []
-        self._seen.add(p.iteration)
-        return self._judge(p.iteration, p.wall_s)
+        return self.observe(p.iteration, p.wall_s)
+
+    def observe(self, iteration: int, wall_s: float) -> list[Payload]:
+        """One iteration's wall time (each iteration once): what ``on_event`` reads of a summary,
+        and all a replay needs (``resihp bench detect`` tunes the thresholds on recorded times)."""
+        if iteration in self._seen:
+            return []
+        self._seen.add(iteration)
+        return self._judge(iteration, wall_s)
 
     def _judge(self, iteration: int, wall_s: float) -> list[Payload]:
         raise NotImplementedError
@@ -142,12 +149,17 @@ class RelativeRankDetector:
         p = event.payload
         if event.job != self.job or not isinstance(p, RankIteration):
             return []
+        return self.observe(p.iteration, p.rank, p.coords.dp, p.coords.pp, sum(p.chunk_table.duration_s))
+
+    def observe(self, iteration: int, rank: int, replica: int, stage: int, compute_s: float) -> list[Payload]:
+        """One rank's compute time in one iteration (its chunks' durations summed): what ``on_event``
+        reads of a report, and all a replay needs."""
         out: list[Payload] = []
-        if p.iteration != self._last_iteration and self._last_iteration >= 0:
+        if iteration != self._last_iteration and self._last_iteration >= 0:
             out = self._score(self._last_iteration)
-        self._last_iteration = p.iteration
-        self._times.setdefault(p.rank, deque(maxlen=self.window)).append(sum(c.duration_s for c in p.chunks))
-        self._coords[p.rank] = (p.coords.dp, p.coords.pp)
+        self._last_iteration = iteration
+        self._times.setdefault(rank, deque(maxlen=self.window)).append(compute_s)
+        self._coords[rank] = (replica, stage)
         return out
 
     def _score(self, iteration: int) -> list[Payload]:
