@@ -53,6 +53,9 @@ class PlannerOptions:
     free_reshape: bool = False
     prefer_rebalance_within: float = 0.005
     max_combinations: int = 64
+    uniform_only: bool = False  # the executor runs one regular grid: plan among uniform layouts (remediation/uniform.py)
+    uniform_tp: bool = True  # with uniform_only: the grid's TP degree may change
+    uniform_pp: bool = True  # with uniform_only: the grid's stage count may change
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,13 @@ def fit_options(options: PlannerOptions, caps: ExecutorCapabilities | None) -> t
     allow_drop = options.allow_drop and caps.dp_drop
     if options.allow_drop and not allow_drop:
         notes.append(_left_out(caps, "dp_drop"))
-    return replace(options, allow_tp=allow_tp, allow_pp=allow_pp, allow_dp=allow_dp, allow_drop=allow_drop), notes
+    # An executor that changes TP and PP only job-wide and cannot run uneven replicas runs one grid:
+    # it gets every uniform layout (a restart at TP 1, at PP 1, at half the replicas …) instead.
+    uniform_only = (caps.tp_shrink != "per_stage" and caps.pp_repartition != "per_replica"
+                    and not caps.dp_microbatch_migration)
+    return replace(options, allow_tp=allow_tp, allow_pp=allow_pp, allow_dp=allow_dp, allow_drop=allow_drop,
+                   uniform_only=uniform_only, uniform_tp=caps.tp_shrink == "uniform",
+                   uniform_pp=caps.pp_repartition == "uniform"), notes
 
 
 __all__ = ["fit_options"]

@@ -37,6 +37,7 @@ from remediation.microbatch_split import Chosen, MicrobatchSplit, Slot
 from remediation.model import PlannerModel
 from remediation.plan_result import PlanRefused, PlanResult
 from remediation.throughput import pipeline_signature, predict_tokens_per_s
+from remediation.uniform import is_uniform, uniform_plans
 
 
 class Planner:
@@ -75,6 +76,8 @@ class Planner:
         options: list[PlanResult] = []
         for opts in self._variants():
             options.extend(self._search(cluster, current, opts, scorer, current_tps))
+        if self.options.uniform_only:  # the executor runs one grid: only uniform plans, every uniform layout
+            options = [r for r in options if is_uniform(r.plan)] + self._uniform(cluster, current, scorer, current_tps)
         if current_tps > 0:
             options.append(self._unchanged_result(current, current_tps, cluster))
         if not options:
@@ -255,6 +258,25 @@ class Planner:
             predicted_tokens_per_s=current_tps, current_tokens_per_s=current_tps, reshape_cost_s=0.0,
             horizon_tokens=current_tps * self.options.horizon_s, diff=[], choices={},
         )
+
+    def _uniform(self, cluster: ClusterState, current: Plan, scorer: PipelineScorer,
+                 current_tps: float) -> list[PlanResult]:
+        """Every uniform layout the executor may run (remediation/uniform.py), each a restart-sized reshape."""
+        out = []
+        cost = 0.0 if self.options.free_reshape else self.options.pause_s
+        for plan in uniform_plans(cluster, self.model, current, change_tp=self.options.uniform_tp,
+                                  change_pp=self.options.uniform_pp):
+            tps = predict_tokens_per_s(cluster, self.model, plan, scorer)
+            if tps <= 0:
+                continue
+            out.append(PlanResult(
+                plan=plan, strategy=self.strategy, changed=True,
+                iteration_s=plan.global_microbatches * self.model.tokens_per_microbatch / tps,
+                predicted_tokens_per_s=tps, current_tokens_per_s=current_tps, reshape_cost_s=cost,
+                horizon_tokens=tps * max(0.0, self.options.horizon_s - cost),
+                diff=plan_diff(current, plan, None, cluster),
+                choices={p.replica: f"uniform {plan.shape()}" for p in plan.pipelines}))
+        return out
 
     def _current_tokens_per_s(self, cluster: ClusterState, current: Plan, scorer: PipelineScorer) -> float:
         """What the current plan trains on this cluster: 0 if it uses a dead device."""
