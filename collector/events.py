@@ -401,7 +401,7 @@ class ReshapePhase(Payload):
     pause took N seconds (and which rank and phase made it long). Any executor may publish it."""
 
     KIND: ClassVar[str] = "telemetry.reshape_phase"
-    executor: Literal["native", "reference"] = Field(description="which executor ran the reshape")
+    executor: Literal["native", "reference", "torchtitan"] = Field(description="which executor ran the reshape")
     epoch: int = Field(ge=0, le=INT32_MAX, description="the epoch the reshape moves to")
     iteration: int = Field(ge=0, le=COUNT_MAX, description="the iteration boundary it happens at")
     rank: int = Field(ge=0, le=INT32_MAX, description="device id")

@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 import time
 
+from collector.events import FaultInjected, Location
 from trainer.fault_spec import FaultSpec
 
 KILL_EXIT_CODE = 43
@@ -96,3 +97,11 @@ class FaultInjector:
     def started(self, iteration: int) -> list[FaultSpec]:
         """Faults that begin at ``iteration`` (published as ground truth)."""
         return [f for f in self.faults if f.at_iteration == iteration]
+
+    def truth(self, job: str, iteration: int) -> list[FaultInjected]:
+        """The ``truth.fault`` events of the slowdowns that begin at ``iteration`` on this device."""
+        return [FaultInjected(fault_id=f.id or f"{job}/{f.kind}/{f.device}/{iteration}", category=f.category,
+                              location=Location(target="compute" if f.kind == "slow_compute" else "link",
+                                                rank=f.device, factor=f.factor),
+                              start_iteration=iteration, end_iteration=f.end_iteration)
+                for f in self.started(iteration) if f.kind in ("slow_compute", "slow_send")]

@@ -13,6 +13,17 @@ class BusSpec(BaseModel):
     bootstrap: str | None = None
     namespace: str = ""
 
+    def environment(self) -> dict[str, str]:
+        """The RESIHP_* variables that make a child process's ``open_bus()`` open this bus."""
+        env = {"RESIHP_BUS": self.backend} if self.backend else {}
+        if self.path:
+            env["RESIHP_EMBEDDED_PATH"] = self.path
+        if self.bootstrap:
+            env["RESIHP_KAFKA_BOOTSTRAP"] = self.bootstrap
+        if self.namespace:
+            env["RESIHP_KAFKA_NAMESPACE"] = self.namespace
+        return env
+
     def open(self):
         """Open the bus this spec names (Kafka with a topic namespace when one is given)."""
         if self.backend == "kafka" and self.namespace:

@@ -35,10 +35,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="give up if the workload has not finished by then (default 1200)")
     story.add_argument("--tp", type=int, default=None, help="TP degree of the layout (default 2)")
     torch = p.add_argument_group("the torch workload")
-    torch.add_argument("--trainer", choices=["reference", "native"], default="reference",
-                       help="the reference trainer (8 ranks, a fail-slow and a fail-stop) or the PyTorch-native "
+    torch.add_argument("--trainer", choices=["reference", "native", "torchtitan"], default="reference",
+                       help="the reference trainer (8 ranks, a fail-slow and a fail-stop), the PyTorch-native "
                             "executor (trainer/native/: 4 CPU ranks, DP4, a fail-slow answered by the DP changes it "
-                            "declares it can run)")
+                            "declares it can run) or torchtitan's own trainer under resihp run (2 CPU ranks, FSDP, "
+                            "a fail-slow answered by a restart at a smaller layout: docs/torchtitan.md)")
     torch.add_argument("--pace", type=float, default=None, metavar="S",
                        help="emulated device seconds per layer-token, so 8 ranks on few cores behave like devices "
                             "of a set speed; a stage's TP ranks split a layer's time (default 4e-4; 0: raw CPU)")
@@ -61,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
     if args.scale is not None and args.scale < 8:
         raise SystemExit(f"--scale {args.scale}: the demo needs at least 8 GPUs")
     workload = args.workload or ("sim" if args.scale is not None else "torch")
-    if args.trainer == "native" and (workload != "torch" or args.scale is not None or args.tp not in (None, 1)):
-        raise SystemExit("--trainer native runs its own 4-rank story on the torch workload; drop --workload sim, "
+    if args.trainer != "reference" and (workload != "torch" or args.scale is not None or args.tp not in (None, 1)):
+        raise SystemExit(f"--trainer {args.trainer} runs its own story on the torch workload; drop --workload sim, "
                          "--scale and --tp")
     if workload == "torch" and args.scale not in (None, 8):
         raise SystemExit("the torch trainer runs 8 CPU ranks; use --workload sim for --scale "

@@ -34,7 +34,7 @@ from collector.auth import Signer, create_keys, key_path, operator_key
 from collector.events import EventFactory, PolicyChanged, PolicyMode, Severity
 from resihp.demo.procs import ProcessGroup, bus_flags, resihp_argv
 from resihp.demo.progress import Progress
-from resihp.demo.story import DemoStory, native_story, story_for
+from resihp.demo.story import DemoStory, native_story, story_for, torchtitan_story
 from resihp.demo.summary import fault_stories, overall_tokens_per_s, summary_lines
 from resihp.demo.watch import LogState, LogWatch
 
@@ -81,6 +81,8 @@ def _open_bus(opts: DemoOptions, workdir: Path, env: dict[str, str]) -> tuple[Bu
 
 
 def _workload_argv(opts: DemoOptions, story: DemoStory, files: dict[str, Path], flags: list[str]) -> list[str]:
+    if opts.trainer == "torchtitan":
+        return _torchtitan_argv(story, files, flags)
     if opts.trainer == "native":
         return [sys.executable, "-m", "resihp.demo.native_workload", *flags, "--job", story.job,
                 "--dp", str(story.dp), "--microbatches", str(story.microbatches_per_replica),
@@ -96,8 +98,28 @@ def _workload_argv(opts: DemoOptions, story: DemoStory, files: dict[str, Path], 
             *flags]
 
 
+def _torchtitan_argv(story: DemoStory, files: dict[str, Path], flags: list[str]) -> list[str]:
+    """torchtitan's own entry point under ``resihp run`` (docs/torchtitan.md), its assets built here."""
+    from trainer.torchtitan.assets import build_assets
+
+    workdir = files["faults"].parent
+    assets = build_assets(workdir / "torchtitan-assets")
+    return resihp_argv("run", "--standalone", "--nproc-per-node", str(story.gpus), "--job", story.job, *flags,
+                       "--preload", "torchtitan.trainer,trainer.torchtitan.config_registry",
+                       "-m", "torchtitan.train", "--module", "trainer.torchtitan", "--config", "llama3_debugmodel",
+                       "--hf_assets_path", str(assets), "--dataloader.dataset_path", str(assets),
+                       # DDP-style replicas: no all-gather inside the forward, so a slow device's F chunks are its own
+                       "--parallelism.data_parallel_replicate_degree", str(story.dp),
+                       "--parallelism.data_parallel_shard_degree", "1",
+                       "--training.local_batch_size", "1", "--training.steps", str(story.iterations),
+                       "--dump_folder", str(workdir / "torchtitan"), "--resihp.faults", str(files["faults"]))
+
+
 def _remediate_argv(opts: DemoOptions, story: DemoStory, files: dict[str, Path], flags: list[str]) -> list[str]:
     argv = resihp_argv("remediate", *flags, "--job", story.job)
+    if opts.trainer == "torchtitan":
+        return argv + ["--tp", "1", "--pp", "1", "--dp", str(story.dp), "--layers", "6",
+                       "--microbatches", str(story.microbatches_per_replica), "--devices", str(story.gpus)]
     if opts.trainer == "native":
         from trainer.native.model import LlamaConfig
 
@@ -147,8 +169,9 @@ def run_demo(opts: DemoOptions) -> int:
     if (workdir / "analytics.duckdb").exists() or (workdir / "bus.sqlite").exists():
         print(f"{workdir} already holds a demo run; pass a new --workdir (or delete it)", file=sys.stderr)
         return 2
-    story = native_story(short=opts.short) if opts.trainer == "native" else story_for(opts.scale or 8, short=opts.short,
-                                                                                       tp=opts.tp)
+    story = (native_story(short=opts.short) if opts.trainer == "native"
+             else torchtitan_story(short=opts.short) if opts.trainer == "torchtitan"
+             else story_for(opts.scale or 8, short=opts.short, tp=opts.tp))
     private_dir(workdir)  # the bus and DuckDB files go here: only this user may enter it
     files = story.write(workdir)
     env = dict(os.environ)
@@ -212,6 +235,8 @@ def run_demo(opts: DemoOptions) -> int:
 
 
 def _workload_text(opts: DemoOptions, story: DemoStory) -> str:
+    if opts.trainer == "torchtitan":
+        return f"torchtitan (llama3 debug model, {story.gpus} data-parallel CPU ranks, resihp run)"
     if opts.trainer == "native":
         return f"the native executor (Llama-style decoder, {story.layout}, {story.gpus} CPU ranks)"
     if opts.workload == "torch":

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from trainer.agent.commands import NodeCommands
     from trainer.agent.node import AgentSettings, NodeAgent
     from trainer.telemetry import TelemetryPublisher
+    from trainer.torchtitan.controller import TitanRelayout
 
 
 def worker_command(args: argparse.Namespace, cmd: Any, cmd_args: list[str]) -> tuple[str, list[str]]:
@@ -73,6 +74,7 @@ class AgentLaunch:
         self.node_address: str | None = None
         self.master: tuple[str | None, int | None] = (None, None)
         self.agent: NodeAgent | None = None
+        self.relayout: TitanRelayout | None = None
         self.finished = False  # this agent ends on purpose: its peers must not take its ranks for lost
 
     def check_flags(self) -> None:
@@ -149,6 +151,21 @@ class AgentLaunch:
             group = f"agent:{args.job}:{os.uname().nodename}:{os.getpid()}"
             self.predicted = PredictedIteration(self.bus.open(), args.job, group)
 
+    def open_executor(self) -> None:
+        """A torchtitan job (``-m torchtitan.train --module trainer.torchtitan``) on one node gets its
+        executor in the agent (trainer/torchtitan/controller.py): the plan announced, commands obeyed
+        by a restart at a new layout. Its command line gains ``--checkpoint.enable``."""
+        args = self.args
+        if args.no_telemetry or self.config.max_nodes != 1:
+            return
+        from trainer.torchtitan.controller import TitanRelayout, is_torchtitan_job
+
+        if not is_torchtitan_job(args.module, args.training_script, args.training_script_args):
+            return
+        self.relayout = TitanRelayout(args.job, self.bus.open, self.telemetry)
+        head = self.program_args.index(args.training_script) + 1
+        self.program_args = self.program_args[:head] + self.relayout.initial_args(self.program_args[head:])
+
     def settings(self) -> AgentSettings:
         from trainer.agent.node import AgentSettings
 
@@ -160,7 +177,8 @@ class AgentLaunch:
                              telemetry=self.telemetry, predicted=self.predicted, node_address=self.node_address,
                              job_store=rdzv.store if rdzv is not None else None,
                              hosts_rendezvous=rdzv is not None and rdzv.hosting, commands=self.commands,
-                             stop_grace_s=args.stop_grace_s)
+                             stop_grace_s=args.stop_grace_s, relayout=self.relayout,
+                             rank_env={} if args.no_telemetry else self.bus.environment())
 
     def worker_spec(self, settings: AgentSettings) -> WorkerSpec:
         """torch's spec of this node's ranks; with --preload each rank is forked from a server
@@ -192,6 +210,7 @@ class AgentLaunch:
         self.check_flags()
         self.rendezvous()
         self.open_telemetry()
+        self.open_executor()
         settings = self.settings()
         spec = self.worker_spec(settings)
         self.agent = agent = NodeAgent(spec, self.config.logs_specs, settings,
@@ -220,7 +239,7 @@ class AgentLaunch:
                 self.handler.shutdown()
             except Exception:  # noqa: BLE001 - the rendezvous may already be gone with its host
                 pass
-        for client in (self.telemetry, self.predicted, self.commands):
+        for client in (self.relayout, self.telemetry, self.predicted, self.commands):
             if client is not None:
                 client.close()
 

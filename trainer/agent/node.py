@@ -42,6 +42,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch.distributed as dist
@@ -90,6 +91,8 @@ class AgentSettings:
     stop_grace_s: float = 5.0  # a stopped node's ranks get SIGTERM, then SIGKILL after this
     preload: tuple[str, ...] = ()  # fork the ranks from a server that imported these (trainer/agent/pcontext.py)
     controller: JobController | None = None  # the job's own death policy; torch restarts nothing
+    relayout: Relayout | None = None  # the job restarts at a new layout on command (trainer/agent/relayout.py)
+    rank_env: dict[str, str] = field(default_factory=dict)  # what the ranks need to reach the agent's bus
 
 
 class JobController(Protocol):
@@ -100,6 +103,21 @@ class JobController(Protocol):
 
     def watch(self, exits: dict[int, int]) -> None:
         """One monitor pass; ``exits`` maps every rank that has exited so far to its exit code."""
+
+
+class Relayout(Protocol):
+    """A job the agent restarts at a new layout on command (trainer/agent/relayout.py; torchtitan's
+    in trainer/torchtitan/controller.py)."""
+
+    def worker_env(self) -> dict[str, str]:
+        """Environment of the ranks started next."""
+
+    def identity(self, rank: int) -> tuple[int, int]:
+        """(device id, plan epoch) of world rank ``rank`` now: what its heartbeats say."""
+
+    def watch(self, records: SignedStore, all_exited_ok: bool, any_failed: bool,
+              relaunch: Callable[[int, Callable[[Sequence[str]], list[str]]], None]) -> bool:
+        """One monitor pass; True when it restarted the worker group through ``relaunch``."""
 
 
 class NodeAgent(LocalElasticAgent):
@@ -148,7 +166,10 @@ class NodeAgent(LocalElasticAgent):
                                           worker_group.group_world_size or 1, ranks, self.settings.node_address)
         env = {FLIGHT_DIR_ENV: str(self.flight_dir), STACK_DIR_ENV: str(self.stack_dir),
                AGENT_PID_ENV: str(os.getpid()), "RESIHP_ON_FAILURE": self.settings.on_failure,
-               STORE_SCOPE_ENV: self._round_scope(worker_group)}
+               STORE_SCOPE_ENV: self._round_scope(worker_group), "RESIHP_JOB": self.settings.job,
+               **self.settings.rank_env}
+        if self.settings.relayout is not None:
+            env.update(self.settings.relayout.worker_env())
         release_failed = self.settings.on_failure == "shrink" or self.settings.controller is not None
         with agent_contexts(preload=self.settings.preload, release_failed=release_failed, extra_env=env):
             pids = super()._start_workers(worker_group)
@@ -170,6 +191,16 @@ class NodeAgent(LocalElasticAgent):
         self._pending = RecoveryTimeline(time.monotonic(), self._restart_count() + 1)
         self._pending.mark("detected")
         super()._restart_workers(worker_group)
+
+    def relaunch(self, worker_group: WorkerGroup, local_world_size: int,
+                 edit_args: Callable[[Sequence[str]], list[str]]) -> None:
+        """Start this node's ranks again, ``local_world_size`` of them with the arguments ``edit_args``
+        makes of the current ones: a restart at a new layout, not a failure (no restart is spent)."""
+        spec = worker_group.spec
+        spec.local_world_size = local_world_size
+        spec.args = tuple(edit_args(list(spec.args)))
+        self._ranks_store = None
+        LocalElasticAgent._restart_workers(self, worker_group)
 
     def _restart_count(self) -> int:
         return self._worker_group.spec.max_restarts - self._remaining_restarts
@@ -193,6 +224,13 @@ class NodeAgent(LocalElasticAgent):
             self._release_dead_agents(worker_group)
             self.recoveries += publish_shrink_recoveries(self.flight_dir, self.settings.telemetry)
         result = super()._monitor_workers(worker_group)
+        if self.settings.relayout is not None and self._pcontext is not None and worker_group.master_addr is not None:
+            restarted = self.settings.relayout.watch(
+                self._store_of_ranks(worker_group), result.state == WorkerState.SUCCEEDED,
+                result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY),
+                lambda world, edit: self.relaunch(worker_group, world, edit))
+            if restarted:
+                return RunResult(state=WorkerState.HEALTHY)
         if self._pcontext is not None:
             released = self.watched_ranks().take_released()
             if self.settings.on_failure == "shrink":
@@ -336,7 +374,9 @@ class NodeAgent(LocalElasticAgent):
                 continue  # stopped or gone: no heartbeat, which is how a consumer notices
             rank = local[lr]
             entry = entries.get(rank)
-            telemetry.publish(Heartbeat(rank=rank, epoch=self._restart_count(),
+            device, epoch = (self.settings.relayout.identity(rank) if self.settings.relayout is not None
+                             else (rank, self._restart_count()))
+            telemetry.publish(Heartbeat(rank=device, epoch=epoch,
                                         iteration=max(0, entry.iteration) if entry else 0,
                                         interval_s=self.settings.heartbeat_s))
 

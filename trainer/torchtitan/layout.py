@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from collector.capabilities import capability_refusal
 from collector.events import ExecutorCapabilities
@@ -47,7 +48,11 @@ TORCHTITAN_CAPABILITIES = ExecutorCapabilities(
 # Flags the platform sets on a restart; a value given on the job's command line is replaced.
 LAYOUT_FLAGS = ("--parallelism.data_parallel_replicate_degree", "--parallelism.data_parallel_shard_degree",
                 "--parallelism.tensor_parallel_degree", "--parallelism.pipeline_parallel_degree",
-                "--parallelism.context_parallel_degree", "--training.global_batch_size")
+                "--parallelism.context_parallel_degree", "--parallelism.pipeline_parallel_microbatch_size",
+                "--training.local_batch_size", "--training.global_batch_size")
+
+
+JOB_KEY = "resihp/relayout/job"  # in the ranks' store: what the job's rank 0 runs, for its agent to announce
 
 
 class NotUniform(ValueError):
@@ -105,14 +110,22 @@ class TitanLayout:
                              f"ranks, but the job has {world}")
         return layout
 
-    def flags(self, global_batch: int) -> list[str]:
-        """The CLI flags that make torchtitan build this layout, the global batch kept."""
+    def flags(self, microbatches: int, samples_per_microbatch: int) -> list[str]:
+        """The CLI flags that make torchtitan build this layout with ``microbatches`` micro-batches
+        of ``samples_per_microbatch`` samples per replica and step (the global batch is their
+        product times the replicas). Without pipelining a micro-batch is one gradient-accumulation
+        step of ``local_batch_size`` samples; with it, one schedule micro-batch of
+        ``pipeline_parallel_microbatch_size`` samples, the local batch holding all of them."""
+        per_step = microbatches * samples_per_microbatch
+        local = per_step if self.pp > 1 else samples_per_microbatch
         return ["--parallelism.data_parallel_replicate_degree", str(self.dp_replicate),
                 "--parallelism.data_parallel_shard_degree", str(self.dp_shard),
                 "--parallelism.tensor_parallel_degree", str(self.tp),
                 "--parallelism.pipeline_parallel_degree", str(self.pp),
                 "--parallelism.context_parallel_degree", str(self.cp),
-                "--training.global_batch_size", str(global_batch)]
+                "--parallelism.pipeline_parallel_microbatch_size", str(samples_per_microbatch),
+                "--training.local_batch_size", str(local),
+                "--training.global_batch_size", str(per_step * self.batch)]
 
 
 def _flag_values(args: Sequence[str]) -> dict[str, str]:
@@ -205,3 +218,50 @@ def layout_of(plan: Plan, running: TitanLayout, running_plan: Plan | None = None
             for t, device in enumerate(stage.devices):
                 devices[layout.rank_of(t, p, pipe.replica)] = device
     return layout, devices
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """What rank 0 of a torchtitan world reports at start (``JOB_KEY``, signed as a rank)."""
+
+    layout: TitanLayout
+    devices: tuple[int, ...]
+    epoch: int
+    num_layers: int
+    global_batch: int
+    microbatches: int  # per replica per step: gradient accumulation x pipeline micro-batches
+    samples_per_microbatch: int
+    tokens_per_microbatch: int
+    layer_state_bytes: int
+    model: str
+
+    def to_json(self) -> dict[str, Any]:
+        lay = self.layout
+        return {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp,
+                "cp": lay.cp, "devices": list(self.devices), "epoch": self.epoch, "num_layers": self.num_layers,
+                "global_batch": self.global_batch, "microbatches": self.microbatches,
+                "samples_per_microbatch": self.samples_per_microbatch, "tokens_per_microbatch": self.tokens_per_microbatch, "layer_state_bytes": self.layer_state_bytes,
+                "model": self.model}
+
+    @classmethod
+    def parse(cls, body: Any) -> JobShape:
+        if not isinstance(body, dict):
+            raise ValueError("a job shape is an object")
+        ints = ("pp", "dp_replicate", "dp_shard", "tp", "cp", "epoch", "num_layers", "global_batch", "microbatches",
+                "samples_per_microbatch", "tokens_per_microbatch", "layer_state_bytes")
+        if not all(isinstance(body.get(k), int) and body[k] >= 0 for k in ints):
+            raise ValueError(f"a job shape needs non-negative integers {', '.join(ints)}")
+        devices = body.get("devices")
+        if not isinstance(devices, list) or not all(isinstance(d, int) and d >= 0 for d in devices):
+            raise ValueError("a job shape's devices are non-negative integers")
+        layout = TitanLayout(pp=body["pp"], dp_replicate=body["dp_replicate"], dp_shard=body["dp_shard"],
+                             tp=body["tp"], cp=body["cp"])
+        if layout.world != len(devices):
+            raise ValueError(f"a job shape of {layout.world} ranks names {len(devices)} devices")
+        return cls(layout=layout, devices=tuple(devices), epoch=body["epoch"], num_layers=body["num_layers"],
+                   global_batch=body["global_batch"], microbatches=body["microbatches"],
+                   samples_per_microbatch=body["samples_per_microbatch"], tokens_per_microbatch=body["tokens_per_microbatch"],
+                   layer_state_bytes=body["layer_state_bytes"], model=str(body.get("model", ""))[:200])
+
+    def plan(self) -> Plan:
+        return plan_of(self.layout, self.devices, self.num_layers, self.microbatches, self.epoch)

@@ -112,6 +112,8 @@ class StepTelemetry:
             self.flight.step(step)
         if self.injector is not None:
             self.injector.iteration = step
+            for truth in self.injector.truth(self.reporter.job, step):
+                self.reporter.publisher.publish(truth)
         self._next_index, self._tokens, self.loss = 0, 0, None
         for w in self.watchers:
             w.begin([])

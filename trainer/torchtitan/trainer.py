@@ -30,7 +30,7 @@ from torchtitan.trainer import Trainer
 from collector.settings import elastic_environment, environment
 from trainer.agent.relayout import RESUMED_KEY, STOP_KEY, STOPPED_KEY, StopOrder, devices_of
 from trainer.torchtitan import cpu
-from trainer.torchtitan.layout import TitanLayout
+from trainer.torchtitan.layout import JOB_KEY, JobShape, TitanLayout
 from trainer.torchtitan.telemetry import StepTelemetry
 
 
@@ -66,6 +66,26 @@ class ResiHPTrainer(Trainer):
         self._stop_records = _agent_records(self.world_rank)
         self._resumed_reported = False
         self.stopped_for: StopOrder | None = None
+        if self._stop_records is not None and self.world_rank == 0:
+            self._stop_records.set(JOB_KEY, self.job_shape().to_json())
+
+    def job_shape(self) -> JobShape:
+        """What this world runs, in the terms the agent announces it in (trainer/torchtitan/layout.py)."""
+        config, pd = self.config, self.parallel_dims
+        training = config.training
+        global_batch = training.global_batch_size if training.global_batch_size > 0 \
+            else training.local_batch_size * self.layout.batch
+        per_microbatch = config.parallelism.pipeline_parallel_microbatch_size if pd.pp_enabled \
+            else training.local_batch_size
+        num_layers = len(getattr(self.model_config, "layers", None) or []) or 1
+        local_params = sum(p.numel() for part in self.model_parts for p in part.parameters())
+        layers_here = max(1, num_layers // self.layout.pp)
+        return JobShape(layout=self.layout, devices=tuple(self.devices), epoch=self.plan_epoch, num_layers=num_layers,
+                        global_batch=global_batch,
+                        microbatches=self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches,
+                        samples_per_microbatch=per_microbatch, tokens_per_microbatch=per_microbatch * training.seq_len,
+                        layer_state_bytes=16 * local_params // layers_here,  # fp32 weight, grad, Adam m and v
+                        model=f"{config.model_spec.name} {config.model_spec.flavor}" if config.model_spec else "")
 
     # ---- the step loop's hooks -------------------------------------------------------------------
 

@@ -1,0 +1,226 @@
+"""The node agent's side of a torchtitan job: its plan announced, its commands obeyed by a restart.
+
+torchtitan runs one regular layout per process world, so the platform's reshape of a torchtitan job
+is a restart at another layout, driven from the agent (which holds the executor's key; the ranks
+only publish telemetry). :class:`TitanRelayout` is called on every pass of the agent's monitor loop
+(trainer/agent/node.py) and walks the protocol of trainer/agent/relayout.py:
+
+    announce   once the job's rank 0 has said what it runs (``resihp/relayout/job``: degrees, global
+               batch, micro-batches, layers), ``plan.current`` and ``plan.capabilities`` go out, so
+               the engine plans for this job within what torchtitan can run (layout.py)
+    command    a ``command.reconfigure`` (signed, fenced, for this run: trainer/integration.py's
+               ``CommandListener``) whose plan is a uniform layout: its torchtitan degrees and the
+               device of each new rank (``layout_of``); anything else is acknowledged ``failed``
+               with the rule it breaks, and the job runs on untouched
+    stop       the stop order in the ranks' store; the ranks stop after one step, together, and save
+    restart    when every rank has exited after ``stopped``: the same command line with the new
+               degrees and the global batch kept, as many ranks as the plan has devices, each on its
+               device (``RESIHP_DEVICES``; on GPUs also ``CUDA_VISIBLE_DEVICES``)
+    resumed    the new world's first step: ``command.ack`` applied with the pause, the new
+               ``plan.current``, and the pause's phases as ``telemetry.reshape_phase`` events
+
+Single node only: a multi-node job is announced and watched but not restarted at a new layout
+(every node's agent would have to restart its share in the same round); its commands are
+acknowledged ``failed`` with that reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from collector.events import ReconfigureCommand, ReshapePhase, ReshapePhaseName
+from collector.plan import Plan
+from trainer.agent.relayout import RESUMED_KEY, STOP_KEY, STOPPED_KEY, StepMark
+from trainer.agent.signed_store import RANK_WRITERS, SignedStore
+from trainer.integration import CommandListener
+from trainer.telemetry import TelemetryPublisher
+from trainer.torchtitan.layout import (JOB_KEY, TORCHTITAN_CAPABILITIES, JobShape, NotUniform, TitanLayout, layout_of,
+                                       with_flags)
+
+log = logging.getLogger("resihp.torchtitan")
+STOP_DEADLINE_S = 120.0  # a stop order not obeyed by then (no step boundary reached) is a failed command
+RESUME_DEADLINE_S = 300.0  # a new world that has not stepped by then
+
+
+def is_torchtitan_job(module: bool, script: str, script_args: Sequence[str]) -> bool:
+    """``resihp run -m torchtitan.train --module trainer.torchtitan …``: a job this controller serves."""
+    if not (module and script == "torchtitan.train"):
+        return False
+    args = list(script_args)
+    for i, arg in enumerate(args):
+        if arg == "--module" and i + 1 < len(args):
+            return args[i + 1].startswith("trainer.torchtitan")
+        if arg.startswith("--module="):
+            return arg.split("=", 1)[1].startswith("trainer.torchtitan")
+    return False
+
+
+@dataclass
+class _InFlight:
+    command: ReconfigureCommand
+    layout: TitanLayout
+    devices: list[int]
+    asked_at: float
+    stopped: StepMark | None = None
+    stopped_at: float = 0.0
+    restarted_at: float = 0.0
+
+
+class TitanRelayout:
+    """One torchtitan job's executor inside its (single) node agent."""
+
+    def __init__(self, job: str, open_bus: Callable[[], Any], telemetry: TelemetryPublisher | None,
+                 multi_node: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+        self.job, self.open_bus, self.telemetry, self.multi_node, self.clock = job, open_bus, telemetry, multi_node, clock
+        self.shape: JobShape | None = None
+        self.listener: CommandListener | None = None
+        self.flight: _InFlight | None = None
+        self.env: dict[str, str] = {}
+        self.relaunches = 0
+
+    # ---- what the agent asks -----------------------------------------------------------------------
+
+    def initial_args(self, args: Sequence[str]) -> list[str]:
+        """The job's own command line, with checkpointing on (a restart resumes from a checkpoint)."""
+        if "--checkpoint.enable" in args or any(a.startswith("--checkpoint.enable=") for a in args):
+            return list(args)
+        return [*args, "--checkpoint.enable"]
+
+    def worker_env(self) -> dict[str, str]:
+        """Environment of the ranks the agent starts next (the devices and epoch of a new layout)."""
+        return dict(self.env)
+
+    def identity(self, rank: int) -> tuple[int, int]:
+        """World rank ``rank``'s device and the plan epoch its world runs (heartbeats name devices)."""
+        if self.flight is not None and self.flight.restarted_at:
+            return self.flight.devices[rank], self.flight.command.plan.epoch
+        if self.shape is not None and rank < len(self.shape.devices):
+            return self.shape.devices[rank], self.shape.epoch
+        return rank, 0
+
+    def watch(self, records: SignedStore, all_exited_ok: bool, any_failed: bool,
+              relaunch: Callable[[int, Callable[[Sequence[str]], list[str]]], None]) -> bool:
+        """One monitor pass. ``records``: this round's ranks' store; ``relaunch(world, edit_args)``
+        restarts the worker group. Returns True when it restarted the group (the agent carries on)."""
+        if self.shape is None:
+            self._read_shape(records)
+            return False
+        assert self.listener is not None
+        if self.flight is None:
+            command = self.listener.poll()
+            if command is not None:
+                self._begin(command, records)
+            return False
+        return self._advance(records, all_exited_ok, any_failed, relaunch)
+
+    # ---- steps -----------------------------------------------------------------------------------------
+
+    def _read_shape(self, records: SignedStore) -> None:
+        shape = records.read(JOB_KEY, JobShape.parse, allowed=RANK_WRITERS)
+        if shape is None:
+            return
+        self.shape = shape
+        plan = shape.plan()
+        self.listener = CommandListener(self.job, plan, bus=self.open_bus, source="agent:torchtitan",
+                                        check=self._refusal)
+        self.listener.announce_plan(plan, gpus_per_node=max(1, len(shape.devices)), model_name=shape.model,
+                                    layer_state_bytes=shape.layer_state_bytes,
+                                    tokens_per_microbatch=shape.tokens_per_microbatch)
+        self.listener.announce_capabilities(TORCHTITAN_CAPABILITIES)
+        log.info("torchtitan job %s runs %s", self.job, plan.shape())
+
+    def _refusal(self, plan: Plan) -> str | None:
+        if self.multi_node:
+            return "a torchtitan job is restarted at a new layout on one node only; this job spans several"
+        assert self.shape is not None
+        try:
+            layout_of(plan, self.shape.layout, self.listener.running if self.listener else None)
+        except NotUniform as exc:
+            return str(exc)
+        return None
+
+    def _begin(self, command: ReconfigureCommand, records: SignedStore) -> None:
+        assert self.shape is not None and self.listener is not None
+        layout, devices = layout_of(command.plan, self.shape.layout, self.listener.running)
+        self.flight = _InFlight(command, layout, devices, self.clock())
+        records.set(STOP_KEY, {"epoch": command.plan.epoch, "command": command.command_id})
+        log.info("torchtitan job %s: stop for epoch %d (%s)", self.job, command.plan.epoch, command.plan.shape())
+
+    def _advance(self, records: SignedStore, all_exited_ok: bool, any_failed: bool,
+                 relaunch: Callable[[int, Callable[[Sequence[str]], list[str]]], None]) -> bool:
+        flight = self.flight
+        assert flight is not None and self.listener is not None and self.shape is not None
+        now = self.clock()
+        if flight.restarted_at == 0.0:
+            if flight.stopped is None:
+                flight.stopped = records.read(STOPPED_KEY, StepMark.parse, allowed=RANK_WRITERS)
+                if flight.stopped is not None:
+                    flight.stopped_at = now
+            if any_failed or (flight.stopped is None and now - flight.asked_at > STOP_DEADLINE_S):
+                self._fail(f"the job did not stop at a step boundary ({'a rank failed' if any_failed else 'no boundary in '}"
+                           f"{'' if any_failed else f'{STOP_DEADLINE_S:.0f} s'}); it runs on, or restarts, at the old layout")
+                return False
+            if flight.stopped is None or not all_exited_ok:
+                return False
+            self._restart(flight, relaunch)
+            return True
+        mark = records.read(RESUMED_KEY, StepMark.parse, allowed=RANK_WRITERS)
+        if mark is not None and mark.epoch == flight.command.plan.epoch:
+            self._applied(flight, mark, now)
+        elif now - flight.restarted_at > RESUME_DEADLINE_S:
+            self._fail(f"the new world did not step within {RESUME_DEADLINE_S:.0f} s")
+        return False
+
+    def _restart(self, flight: _InFlight, relaunch: Callable[[int, Callable[[Sequence[str]], list[str]]], None]) -> None:
+        assert self.shape is not None
+        devices = ",".join(str(d) for d in flight.devices)
+        self.env = {"RESIHP_DEVICES": devices, "RESIHP_PLAN_EPOCH": str(flight.command.plan.epoch),
+                    "CUDA_VISIBLE_DEVICES": devices}
+        extra = flight.layout.flags(flight.command.plan.pipelines[0].microbatches, self.shape.samples_per_microbatch)
+        flight.restarted_at = self.clock()
+        self.relaunches += 1
+        relaunch(flight.layout.world, lambda args: with_flags(args, extra))
+
+    def _applied(self, flight: _InFlight, mark: StepMark, now: float) -> None:
+        assert self.listener is not None and self.shape is not None
+        pause_s = now - flight.asked_at
+        stopped = flight.stopped or StepMark(mark.epoch, mark.step)
+        self.listener.ack_applied(flight.command, pause_s,
+                                  detail=f"restarted at {flight.layout.world} ranks (pp {flight.layout.pp}, "
+                                         f"dp {flight.layout.batch}, tp {flight.layout.tp}) from the checkpoint of "
+                                         f"step {stopped.step}")
+        self._phases(flight, mark, now)
+        self.shape = JobShape(layout=flight.layout, devices=tuple(flight.devices), epoch=flight.command.plan.epoch,
+                              num_layers=self.shape.num_layers, global_batch=self.shape.global_batch,
+                              microbatches=flight.command.plan.pipelines[0].microbatches,
+                              samples_per_microbatch=self.shape.samples_per_microbatch, tokens_per_microbatch=self.shape.tokens_per_microbatch,
+                              layer_state_bytes=self.shape.layer_state_bytes, model=self.shape.model)
+        self.flight = None
+
+    def _phases(self, flight: _InFlight, mark: StepMark, now: float) -> None:
+        """The pause as the agent saw it: stop agreed and saved, new world started, first step."""
+        if self.telemetry is None:
+            return
+        epoch, step = flight.command.plan.epoch, mark.step
+        spans = [(ReshapePhaseName.EXPORT, flight.stopped_at - flight.asked_at,
+                  "every rank stopped after the same step and saved its DCP checkpoint"),
+                 (ReshapePhaseName.NEW_MESH, flight.restarted_at - flight.stopped_at, "the old world's ranks exited"),
+                 (ReshapePhaseName.FIRST_STEP, now - flight.restarted_at,
+                  f"new world of {flight.layout.world} ranks started, loaded the checkpoint (resharded) and stepped")]
+        for phase, seconds, detail in spans:
+            self.telemetry.publish(ReshapePhase(executor="torchtitan", epoch=epoch, iteration=step, rank=0,
+                                                phase=phase, duration_s=max(0.0, seconds), detail=detail))
+
+    def _fail(self, why: str) -> None:
+        assert self.flight is not None and self.listener is not None
+        self.listener.ack_failed(self.flight.command, why)
+        log.warning("torchtitan job %s: command %s failed: %s", self.job, self.flight.command.command_id, why)
+        self.flight = None
+
+    def close(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
