@@ -10,6 +10,17 @@ as the reference's. Then it is given the reference's plans in the same order as 
 reshapes, three iterations apart; it refuses the ones a DeviceMesh cannot express (interleaved,
 zero-bubble) before anything stops, and reports each applied reshape's phases.
 
+A third launch measures TP exclusion on the native executor (``run_native_exclusion``): 8 CPU
+ranks at TP4·PP1·DP2 (a 2-layer, 12-head model, so TP 3 gives whole heads), paced; device 1
+(replica 0's TP group) computes at half speed from iteration 6 to the end; first the micro-batch-only remedy
+(replica 0 runs 5 of the 16 micro-batches), then the exclusion (replica 0 re-formed at TP3 on
+devices 0, 2, 3 beside replica 1's TP4, micro-batches back to 8/8, device 1 released), then the
+exclusion with the micro-batches rebalanced to the TP3 replica's speed (7/9), as the planner's
+joint search would propose. It prints
+the exclusion's pause and phases, the first step against a steady one, and the share of the slow
+GPU's throughput loss each remedy wins back; with ``--executor both`` the exclusion's pause is set
+beside the reference trainer's TP change from the same run.
+
 One launch of the real trainer (gloo, local processes), driven from here through the bus:
 iterations run healthy on TP1·PP2·DP4; then rank 3 (replica 1, stage 1) computes at half speed;
 a remediation command gives its stage fewer layers and its replica fewer micro-batches; the slow
@@ -53,6 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pace", type=float, default=5e-5, help=(
         "emulated device seconds per layer-token (0: raw CPU speed; on a 2-core machine 8 ranks then "
         "share the cores and a sleeping slow rank frees CPU for the others)"))
+    parser.add_argument("--exclusion-pace", type=float, default=2e-3, help=(
+        "the TP-exclusion run's pace: its TP4 chunks carry DTensor's collectives on 8 ranks sharing the cores, so "
+        "the emulated device time must stay above their CPU time for the slow GPU to show"))
+    parser.add_argument("--exclusion-layers", type=int, default=2, help=(
+        "the TP-exclusion run's layers: few, so its CPU time per chunk stays under the paced time"))
     parser.add_argument("--native-pace", type=float, default=2e-4, help=(
         "the native run's pace: its raw CPU per chunk (DTensor dispatch, FSDP and pipelining hooks) is several "
         "times the reference's, so at --pace a loaded 2-core machine's CPU time, not the emulated device, sets "
@@ -92,12 +108,16 @@ def run(args: argparse.Namespace) -> int:
         results["reference"] = run_reference(args)
     if args.executor in ("native", "both"):
         results["native"] = run_native(args)
+        results["native_tp_exclusion"] = run_native_exclusion(args)
     if args.executor == "both":
         ref, nat = results["reference"]["pause_s"], results["native"]["pause_s"]
+        excl = results["native_tp_exclusion"]["pause_s"]
         print(f"{'side by side':<14} {'reference s':>12} {'native s':>9} {'ratio':>6}")
-        for k in ("microbatches", "tp", "pp", "dp"):
-            if k in ref and k in nat:
-                print(f"{k:<14} {ref[k]:>12.3f} {nat[k]:>9.3f} {nat[k] / max(ref[k], 1e-9):>6.1f}")
+        rows = [(k, ref.get(k), nat.get(k)) for k in ("microbatches", "tp", "pp", "dp")]
+        rows.append(("tp exclusion", ref.get("tp"), excl))  # against the reference trainer's TP change
+        for k, r, n in rows:
+            if r is not None and n is not None:
+                print(f"{k:<14} {r:>12.3f} {n:>9.3f} {n / max(r, 1e-9):>6.1f}")
     if args.json:
         print(json.dumps(results))
     return 0
@@ -215,11 +235,101 @@ def run_native(args: argparse.Namespace) -> dict:
             "won_back_percent": won_back}
 
 
+EXCLUSION_REMEDY_COUNTS = (5, 11)  # the micro-batch-only remedy: replica 0 (its TP group holds the slow GPU) runs 5
+EXCLUSION_REBALANCED_COUNTS = (7, 9)  # after the exclusion replica 0 runs at TP3, 4/3 as long per micro-batch
+
+
+def run_native_exclusion(args: argparse.Namespace) -> dict:
+    """TP exclusion on the native executor against its micro-batch-only remedy, one launch: the
+    pause and phases of re-forming a TP group around a slow GPU, and the throughput each remedy
+    wins back (module docstring)."""
+    from collector.plan import PipelinePlan, Plan, StagePlan
+    from trainer.fault_spec import FaultSpec
+    from trainer.native.model import LlamaConfig
+    from trainer.native.stage import TrainSettings
+    from trainer.native.worker import NativeRunSpec, ScheduledReshape, launch_native, read_results
+
+    layers = args.exclusion_layers
+    cfg = LlamaConfig(vocab_size=256, dim=48, n_layers=layers, n_heads=12, ffn_hidden=96)
+    settings = TrainSettings(block_size=args.block)
+
+    def plan(epoch: int, groups: tuple[tuple[int, ...], ...], counts: tuple[int, ...]) -> Plan:
+        return Plan(epoch=epoch, num_layers=layers, pipelines=tuple(
+            PipelinePlan(replica=r, microbatches=n, stages=(StagePlan(devices=g, first_layer=0, end_layer=layers),))
+            for r, (g, n) in enumerate(zip(groups, counts, strict=True))))
+
+    tp4 = ((0, 1, 2, 3), (4, 5, 6, 7))
+    base = plan(0, tp4, (8, 8))
+    microbatches = plan(1, tp4, EXCLUSION_REMEDY_COUNTS)
+    excluded = plan(2, ((0, 2, 3), (4, 5, 6, 7)), (8, 8))
+    rebalanced = plan(3, ((0, 2, 3), (4, 5, 6, 7)), EXCLUSION_REBALANCED_COUNTS)
+    slow_start, remedy_at, exclude_at, rebalance_at, per_phase = 6, 10, 14, 18, 4
+    iterations = rebalance_at + per_phase
+    tmp = Path(tempfile.mkdtemp(prefix="resihp-bench-native-exclusion-"))
+    slow = FaultSpec(kind="slow_compute", device=1, factor=args.slow_factor, at_iteration=slow_start,
+                     duration_iterations=iterations - slow_start)
+    spec = NativeRunSpec(job="bench-reshape-native-exclusion", model=asdict(cfg), settings=asdict(settings),
+                         plan=base, reshapes=[ScheduledReshape(at_iteration=remedy_at, plan=microbatches),
+                                              ScheduledReshape(at_iteration=exclude_at, plan=excluded),
+                                              ScheduledReshape(at_iteration=rebalance_at, plan=rebalanced)],
+                         iterations=iterations, out_dir=str(tmp), device="cpu", faults=[slow],
+                         pace_s_per_layer_token=args.exclusion_pace)
+    started = time.perf_counter()
+    codes = launch_native(spec)
+    elapsed = time.perf_counter() - started
+    ranks, _ = read_results(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    walls: dict[int, list[float]] = {}
+    for r in ranks.values():
+        for it, w in r.get("walls", {}).items():
+            walls.setdefault(int(it), []).append(w)
+    windows = {"healthy": (base, range(3, slow_start)), "slow": (base, range(slow_start + 1, remedy_at)),
+               "micro-batches": (microbatches, range(remedy_at + 1, exclude_at)),
+               "tp exclusion": (excluded, range(exclude_at + 1, rebalance_at)),
+               "tp excl. + mbs": (rebalanced, range(rebalance_at + 1, iterations))}
+    rates = {}
+    for name, (p, iters) in windows.items():
+        steady = [max(walls[i]) for i in iters if i in walls]
+        rates[name] = p.global_microbatches * args.block / statistics.median(steady) if steady else None
+    reports = [rep for r in ranks.values() for rep in r["reshapes"] if rep["epoch"] == excluded.epoch]
+    print(f"bench reshape (native executor, TP exclusion): 8 CPU ranks TP4·PP1·DP2, {layers} layers × 48 wide, "
+          f"12 heads, {args.block}-token micro-batches, pace {args.exclusion_pace:g} s/layer-token, device 1 "
+          f"×{args.slow_factor:g} from iteration {slow_start}, {elapsed:.1f} s total; exit codes {codes}")
+    out: dict = {"tokens_per_s": rates, "pause_s": None, "phases_s": {}, "won_back_percent": {}}
+    if reports:
+        phases = {p: max(rep["phases_s"].get(p, 0.0) for rep in reports) for p in reports[0]["phases_s"]}
+        out["pause_s"] = round(max(sum(v for p, v in rep["phases_s"].items() if p != "first_step")
+                                   for rep in reports), 4)
+        out["phases_s"] = phases
+        steady_s = statistics.median(max(walls[i]) for i in range(exclude_at + 1, rebalance_at) if i in walls)
+        out["steady_step_s"] = steady_s
+        print(f"TP exclusion (replica 0: TP4 → TP3 on devices 0, 2, 3) pause {out['pause_s']:.3f} s (slowest rank, "
+              "first_step excluded): " + " ".join(f"{p}={v:.3f}" for p, v in phases.items())
+              + f"; a steady step after it {steady_s:.3f} s")
+    else:
+        print("TP exclusion: not applied")
+    print(f"{'phase':<14} {'tokens/s':>9}  iterations")
+    for name, (_, iters) in windows.items():
+        v = rates[name]
+        print(f"{name:<14} {v if v is None else round(v):>9}  {list(iters)}")
+    healthy, slowed = rates["healthy"], rates["slow"]
+    labels = {"micro-batches": f"micro-batches only ({'/'.join(map(str, EXCLUSION_REMEDY_COUNTS))})",
+              "tp exclusion": "TP exclusion (TP3 beside TP4, 8/8)",
+              "tp excl. + mbs": f"TP exclusion with micro-batches {'/'.join(map(str, EXCLUSION_REBALANCED_COUNTS))}"}
+    for name, what in labels.items():
+        remedied = rates[name]
+        if healthy and slowed and remedied and healthy > slowed:
+            out["won_back_percent"][name] = round(100 * (remedied - slowed) / (healthy - slowed), 1)
+            print(f"{what} won back {out['won_back_percent'][name]:.0f}% of the throughput the slow GPU cost")
+    return out
+
+
 def run_reference(args: argparse.Namespace) -> dict:
     from collector import topics
     from collector.auth import Signer
     from collector.embedded import EmbeddedBus
-    from collector.events import CommandAck, EventFactory, IterationSummary, ReconfigureCommand
+    from collector.epoch_fence import COMMAND_TTL_S
+    from collector.events import CommandAck, EventFactory, IterationSummary, PlanCurrent, ReconfigureCommand
     from collector.stream import EventStream
     from trainer.fault_spec import FaultSpec
     from trainer.reference.launcher import launch
@@ -252,10 +362,18 @@ def run_reference(args: argparse.Namespace) -> dict:
             queue = list(SEQUENCE)
             waiting_for: str | None = None  # plan_id of the command sent last and not yet acked
             acked_at = -1
+            run: str | None = None  # the run a command must name, from the trainer's plan.current
+
+            def command(plan_id: str) -> ReconfigureCommand:
+                return ReconfigureCommand(command_id=uuid.uuid4().hex, plan_id=plan_id, plan=plans[plan_id], run=run,
+                                          expires_at_s=time.time() + COMMAND_TTL_S)
+
             while not done.is_set():
                 for d in stream.poll(timeout_s=0.1):
                     p = d.event.payload
-                    if isinstance(p, IterationSummary):
+                    if isinstance(p, PlanCurrent) and run is None:
+                        run = p.run
+                    elif isinstance(p, IterationSummary):
                         summaries[p.iteration] = p
                     elif isinstance(p, CommandAck):
                         acks.append(p)
@@ -263,15 +381,13 @@ def run_reference(args: argparse.Namespace) -> dict:
                             waiting_for, acked_at = None, max(summaries, default=-1)
                 top = max(summaries, default=-1)
                 if not sent_remedy and top >= slow_start + 5:
-                    bus.publish([factory.make(ReconfigureCommand(command_id=uuid.uuid4().hex, plan_id="remediate",
-                                                                 plan=plans["remediate"]))])
+                    bus.publish([factory.make(command("remediate"))])
                     sent_remedy = True
                 # The rest one at a time, each once the previous one ran a few iterations.
                 if (queue and waiting_for is None and top >= slow_end
                         and top >= acked_at + ITERATIONS_PER_KIND):
                     kind = queue.pop(0)
-                    bus.publish([factory.make(ReconfigureCommand(command_id=uuid.uuid4().hex, plan_id=kind,
-                                                                 plan=plans[kind]))])
+                    bus.publish([factory.make(command(kind))])
                     waiting_for = kind
 
     driver = threading.Thread(target=drive, daemon=True)

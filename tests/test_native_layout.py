@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from collector.plan import PipelinePlan, Plan, StagePlan
+from resihp.cli import main
 from trainer.native.capabilities import NATIVE_CAPABILITIES, refusal
 from trainer.native.layout import MeshRuleBroken, NativeLayout, chunk_sizes
 from trainer.native.model import LlamaConfig
@@ -86,3 +87,22 @@ def test_the_declaration_names_every_remediation_kind():
     assert caps.tp_exclusion and caps.tp_shrink == "per_stage" and caps.pp_repartition == "uniform"
     assert caps.dp_drop and caps.dp_microbatch_migration and caps.schedules == ["1f1b"]
     assert {"tp_shrink", "tp_exclusion", "pp_repartition", "dp_drop", "dp_microbatch_migration"} <= set(caps.notes)
+
+
+def test_resihp_train_native_refuses_a_later_plan_before_any_process_starts(tmp_path):
+    # `--reshape ITERATION:PLAN.json` schedules a live change; each plan is judged against the one
+    # before it, so a plan the executor cannot run stops the command with the reason, and a stage
+    # at its own TP degree passes.
+    start = Plan.uniform(tp=2, pp=2, dp=2, num_layers=4, microbatches_per_replica=2)
+    excluded = Plan(epoch=1, num_layers=4, pipelines=(_pipe(0, 2, ((0, 1), 0, 2), ((2,), 2, 4)),
+                                                      _pipe(1, 2, ((4, 5), 0, 2), ((6, 7), 2, 4))))
+    split = Plan(epoch=2, num_layers=4, pipelines=(_pipe(0, 2, ((0, 1), 0, 1), ((2,), 1, 4)),
+                                                   _pipe(1, 2, ((4, 5), 0, 2), ((6, 7), 2, 4))))
+    for name, plan in (("start", start), ("excluded", excluded), ("split", split)):
+        (tmp_path / f"{name}.json").write_text(plan.model_dump_json())
+    argv = ["train", "--native", "--layers", "4", "--no-telemetry", "--plan", str(tmp_path / "start.json"),
+            "--reshape", f"1:{tmp_path / 'excluded.json'}", "--reshape", f"2:{tmp_path / 'split.json'}"]
+    with pytest.raises(SystemExit, match="cannot run .*split.json: .*different stage layer ranges"):
+        main(argv)
+    with pytest.raises(SystemExit, match="give ITERATION:PLAN.json"):
+        main(argv[:-4] + ["--reshape", "soon"])

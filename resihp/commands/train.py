@@ -62,6 +62,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--plan, --iterations, --layers, --seed, --lr, --save-dir, --resume-dir (a DCP checkpoint), --checkpoint-every "
         "(a DCP checkpoint to --save-dir itself, replaced each time), --dp-mode and the bus flags; a rank that dies is "
         "recovered from by the others; see docs/native.md for what it does not read yet"))
+    p.add_argument("--reshape", action="append", default=[], metavar="ITERATION:PLAN.json", help=(
+        "native only: apply this plan file live before that iteration, state moved from the live ranks (repeatable, "
+        "in order; each plan's epoch is the previous one's + 1; stages may run different TP degrees)"))
     p.add_argument("--dp-mode", choices=("shard", "replicate"), default="shard", help=(
         "native only: how replicas hold a stage: FSDP2 shards (least memory; a dead rank's shards come back from the "
         "--checkpoint-every checkpoint) or whole copies (FSDP2 replicate; a dead rank's state comes from its peers)"))
@@ -130,11 +133,13 @@ def run(args: argparse.Namespace) -> int:
 
 def run_native(args: argparse.Namespace) -> int:
     from dataclasses import asdict, replace
+    from pathlib import Path
 
+    from collector.plan import Plan
     from trainer.native.capabilities import refusal
     from trainer.native.model import LlamaConfig
     from trainer.native.stage import TrainSettings
-    from trainer.native.worker import NativeRunSpec, launch_native
+    from trainer.native.worker import NativeRunSpec, ScheduledReshape, launch_native
     from trainer.spec import BusSpec
 
     cfg = LlamaConfig(dtype=args.dtype)
@@ -143,9 +148,19 @@ def run_native(args: argparse.Namespace) -> int:
     plan = _plan(args, cfg.n_layers)
     if reason := refusal(plan, cfg):
         raise SystemExit(f"the native executor cannot run this plan: {reason}")
+    reshapes, running = [], plan
+    for item in args.reshape:
+        at, _, path = item.partition(":")
+        if not at.isdigit() or not path:
+            raise SystemExit(f"--reshape {item!r}: give ITERATION:PLAN.json, e.g. --reshape 2:excluded.json")
+        later = Plan.model_validate_json(Path(path).read_text())
+        if reason := refusal(later, cfg, running.epoch, running):
+            raise SystemExit(f"the native executor cannot run {path}: {reason}")
+        reshapes.append(ScheduledReshape(at_iteration=int(at), plan=later))
+        running = later
     spec = NativeRunSpec(
         job=args.job, model=asdict(cfg), settings=asdict(TrainSettings(seed=args.seed, lr=args.lr, dp_mode=args.dp_mode)),
-        plan=plan, iterations=args.iterations, timeout_s=args.rendezvous_timeout, threads=args.threads,
+        plan=plan, reshapes=reshapes, iterations=args.iterations, timeout_s=args.rendezvous_timeout, threads=args.threads,
         save_dir=args.save_dir, resume_dir=args.resume_dir, checkpoint_every=args.checkpoint_every or 0, echo=True,
         bus=None if args.no_telemetry else BusSpec(backend=args.bus, path=args.bus_path, bootstrap=args.bootstrap))
     print(f"job {args.job} (native): {plan.shape()} 1f1b on {len(plan.devices)} ranks, {cfg.n_layers} layers, "

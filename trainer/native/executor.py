@@ -56,7 +56,7 @@ from trainer.native.capabilities import refusal
 from trainer.native.groups import GroupCache
 from trainer.native.layout import NativeLayout, tp_fit_problem
 from trainer.native.model import LlamaConfig, ModelFactory, build_model
-from trainer.native.parallelize import build_mesh
+from trainer.native.parallelize import build_mesh, stage_group
 from trainer.native.recovery import close_quorum, survivor_plan
 from trainer.native.stage import NativeRole, TrainSettings
 from trainer.native.state import LocalState, exchange, load_dcp, load_full, local_state, needed_keys
@@ -237,9 +237,12 @@ class NativeExecutor(ReshapeExecutor):
 
     def new_mesh(self, layout: NativeLayout) -> DeviceMesh:
         """The first half of :meth:`rebuild`: every group the new layout needs, made now by its
-        members (the stage build finds them), and the DeviceMesh over them. A group that never
-        forms fails here (a member died)."""
+        members (the stage build finds them: the stage's group across replicas when it sums full
+        gradients, and the one-rank group torch's stage is built on), and the DeviceMesh over
+        them. A group that never forms fails here (a member died)."""
         self.groups.get("world", [self.rank_of[d] for d in layout.world], layout.plan.epoch)
+        self.groups.get("solo", [self.rank_of[self.device]], layout.plan.epoch)
+        stage_group(layout, self.groups, self.rank_of, self.device)
         return build_mesh(layout, self.torch_device.type, self.groups, self.rank_of, self.device)
 
     def rebuild(self, layout: NativeLayout, mesh: DeviceMesh) -> NativeRole:
