@@ -99,3 +99,21 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trainer.torchtitan.assets FOLDER``: write the assets a torchtitan job here reads."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m trainer.torchtitan.assets", description=__doc__)
+    p.add_argument("folder", help="where corpus.jsonl and the tokenizer files go (kept if already built)")
+    p.add_argument("--documents", type=int, default=CorpusSpec.documents, help="documents in the corpus")
+    p.add_argument("--vocab-size", type=int, default=512, help=f"tokenizer vocabulary (at most {DEBUG_VOCAB_SIZE})")
+    args = p.parse_args(argv)
+    folder = build_assets(args.folder, CorpusSpec(documents=args.documents), vocab_size=args.vocab_size)
+    print(f"{folder}: pass --hf_assets_path {folder} --dataloader.dataset_path {folder}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
