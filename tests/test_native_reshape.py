@@ -66,10 +66,11 @@ def test_tp_exclusion_on_one_replica_then_tp_shrink_and_dp_migration_equal_the_r
     # TP2·DP2 with replica 1 running 1 of 4 micro-batches; a plan giving replicas different layer
     # ranges is refused and training goes on; then replica 1's stage excludes device 3 (TP 2→1 on
     # that stage beside replica 0's TP2, so the replicas sum full gradients); then replica 0 shrinks
-    # to TP1 too with the micro-batches moved back to 2/2 (devices 3, then 1, released).
-    start = _plan(0, (3, [((0, 1), 0, 4)]), (1, [((2, 3), 0, 4)]))
-    split = _plan(1, (3, [((0, 1), 0, 4)]), (1, [((2,), 0, 2), ((3,), 2, 4)]))
-    excluded = _plan(1, (3, [((0, 1), 0, 4)]), (1, [((2,), 0, 4)]))
+    # to TP1 too with the micro-batches moved back to 2/2 (devices 3, then 1, released). Replica 0
+    # names its TP group 1, 0: the shards follow the group's rank order, not the plan's.
+    start = _plan(0, (3, [((1, 0), 0, 4)]), (1, [((2, 3), 0, 4)]))
+    split = _plan(1, (3, [((1, 0), 0, 4)]), (1, [((2,), 0, 2), ((3,), 2, 4)]))
+    excluded = _plan(1, (3, [((1, 0), 0, 4)]), (1, [((2,), 0, 4)]))
     shrunk = _plan(2, (2, [((0,), 0, 4)]), (2, [((2,), 0, 4)]))
     bus = tmp_path / "bus.sqlite"
     ranks, params = _run(tmp_path, start, 5, reshapes=[(1, split), (2, excluded), (3, shrunk)],

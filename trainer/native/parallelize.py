@@ -46,15 +46,21 @@ def build_mesh(layout: NativeLayout, device_type: str, groups: GroupCache, rank_
     per rank set, by their members only, and reused by later layouts, so DTensor's caches, keyed
     by mesh equality, always meet the groups they were made with): a grid stage's (dp, tp) mesh
     over every replica's TP group, else the (tp,) mesh of this replica's group alone. ``rank_of``
-    maps a device to its rank in the job's default group."""
+    maps a device to its rank in the job's default group.
+
+    A TP group's mesh lists its ranks in ascending order whatever order the plan names its devices
+    in: a mesh coordinate must be the rank's place in its process group, whose collectives order
+    their pieces by group rank (a group listed 1, 0 would otherwise gather its shards swapped).
+    Only the shard a rank holds follows the mesh; the plan's TP index still routes activations."""
     role, epoch = layout.role(device), layout.plan.epoch
-    held = layout.stage_groups(role.stage)
+    held = [sorted(rank_of[d] for d in g) for g in layout.stage_groups(role.stage)]
+    mine = held[role.replica]
     if layout.grid[role.stage]:
-        ranks = torch.tensor([[rank_of[d] for d in g] for g in held])  # (dp, tp)
-        slices = {"dp": ranks[:, role.tp_rank].tolist(), "tp": ranks[role.replica].tolist()}
+        column = mine.index(rank_of[device])
+        ranks = torch.tensor(held)  # (dp, tp)
+        slices = {"dp": ranks[:, column].tolist(), "tp": mine}
         dims = [groups.get(name, slices[name], epoch) for name in ("dp", "tp")]
         return DeviceMesh.from_group(dims, device_type, mesh=ranks, mesh_dim_names=("dp", "tp"))
-    mine = [rank_of[d] for d in held[role.replica]]
     return DeviceMesh.from_group(groups.get("tp", mine, epoch), device_type, mesh=mine, mesh_dim_names=("tp",))
 
 

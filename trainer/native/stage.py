@@ -1,8 +1,9 @@
 """One device's part of a native job under one plan: mesh, stage model, schedule, optimizer.
 
 ``NativeRole.build`` runs the parallelisation steps in order; ``train_step`` runs one iteration:
-this replica's share of the global batch's micro-batches through torch's 1F1B schedule, FSDP's
-reduce-scatter across replicas, then AdamW and the LR scheduler. The same global batch and the
+this replica's share of the global batch's micro-batches through torch's 1F1B schedule, the sum
+of gradients across replicas (FSDP's reduce-scatter on a grid stage, ``FullGradSum`` on any other),
+then AdamW and the LR scheduler. The same global batch and the
 same loss scaling in every layout: micro-batch ids come from trainer/data.py by the plan's
 per-replica counts, and each micro-batch's loss is divided by the global batch's target tokens.
 """
