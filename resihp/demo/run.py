@@ -104,15 +104,19 @@ def _torchtitan_argv(story: DemoStory, files: dict[str, Path], flags: list[str])
 
     workdir = files["faults"].parent
     assets = build_assets(workdir / "torchtitan-assets")
+    training = ["--module", "trainer.torchtitan", "--config", "llama3_debugmodel",
+                "--hf_assets_path", str(assets), "--dataloader.dataset_path", str(assets),
+                # DDP-style replicas: no all-gather inside the forward, so a slow device's F chunks are its own
+                "--parallelism.data_parallel_replicate_degree", str(story.dp),
+                "--parallelism.data_parallel_shard_degree", "1",
+                "--training.local_batch_size", "1",
+                "--training.global_batch_size", str(story.microbatches_per_replica * story.dp),
+                "--training.steps", str(story.iterations),
+                "--dump_folder", str(workdir / "torchtitan"), "--resihp.faults", str(files["faults"])]
+    (workdir / "torchtitan-argv.json").write_text(json.dumps(training))  # what `python -m torchtitan.train` got
     return resihp_argv("run", "--standalone", "--nproc-per-node", str(story.gpus), "--job", story.job, *flags,
                        "--preload", "torchtitan.trainer,trainer.torchtitan.config_registry",
-                       "-m", "torchtitan.train", "--module", "trainer.torchtitan", "--config", "llama3_debugmodel",
-                       "--hf_assets_path", str(assets), "--dataloader.dataset_path", str(assets),
-                       # DDP-style replicas: no all-gather inside the forward, so a slow device's F chunks are its own
-                       "--parallelism.data_parallel_replicate_degree", str(story.dp),
-                       "--parallelism.data_parallel_shard_degree", "1",
-                       "--training.local_batch_size", "1", "--training.steps", str(story.iterations),
-                       "--dump_folder", str(workdir / "torchtitan"), "--resihp.faults", str(files["faults"]))
+                       "-m", "torchtitan.train", *training)
 
 
 def _remediate_argv(opts: DemoOptions, story: DemoStory, files: dict[str, Path], flags: list[str]) -> list[str]:
