@@ -19,6 +19,69 @@ from pathlib import Path
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long", action="store_true", help="the demo's long story (default: --short)")
     parser.add_argument("--workdir", type=Path, default=None, help="where the run goes (default: a temporary folder)")
+    parser.add_argument("--steps", type=int, default=300, help="steps of the adapter-cost measurement")
+
+
+DEMO_TOKENS_PER_RANK = 256  # the demo's torchtitan story: one sample of 256 tokens per rank and step
+
+
+def adapter_cost(steps: int, microbatches: int = 1, batch: int = 1, seq_len: int = 256) -> dict[str, float]:
+    """What the adapter adds to a rank's training thread per step, in seconds: the documents'
+    lengths from ``positions``, the micro-batch's record, two chunks, the step's report queued (the
+    publisher thread encodes and writes it off the training thread; its encoding is measured apart,
+    ``encode_s``, as CPU it takes from the same host). The torchtitan step's own work is not in it."""
+    import time
+
+    import numpy as np
+    import torch
+
+    from collector.events import Coords, Envelope
+    from trainer.data import MicroBatch
+    from trainer.integration import ResiHPReporter
+    from trainer.torchtitan.assets import CorpusSpec, documents
+    from trainer.torchtitan.data import PackedStream
+    from trainer.torchtitan.telemetry import document_lengths
+
+    docs = [[1 + (hash(w) % 500) for w in d.split()] for d in documents(CorpusSpec(documents=200))]
+    stream = PackedStream.from_documents(docs)
+    rows = [stream.sample(i, seq_len) for i in range(batch)]
+    positions = torch.from_numpy(np.stack([r[1] for r in rows]))
+    labels = torch.from_numpy(np.stack([r[2] for r in rows]))
+    published: list = []
+
+    class _Queue:  # the reporter's publisher, stopped at its queue: what the training thread pays
+        epoch = iteration = 0
+
+        def publish(self, payload: object) -> None:
+            published.append(payload)
+
+        def close(self, timeout_s: float = 0.0) -> None:
+            return None
+
+    reporter = ResiHPReporter.__new__(ResiHPReporter)
+    reporter.job, reporter.rank, reporter.node, reporter.epoch = "bench", 0, None, 0
+    reporter.coords = Coords(tp=0, pp=0, dp=0)
+    reporter.publisher = _Queue()  # type: ignore[assignment]
+    started = time.perf_counter()
+    for step in range(steps):
+        with reporter.iteration(step) as report:
+            for m in range(microbatches):
+                lens = document_lengths(positions, labels)
+                flat = labels.reshape(-1)
+                mb = MicroBatch(iteration=step, index=m, tokens=flat, targets=flat, positions=positions.reshape(-1),
+                                seq_lens=lens)
+                report.chunk("F", mb.index, duration_s=0.1, tokens=len(mb.tokens), seq_lens=mb.seq_lens, start_s=0.0)
+                report.chunk("B", mb.index, duration_s=0.2, tokens=len(mb.tokens), seq_lens=mb.seq_lens, start_s=0.1)
+            report.summary(tokens=batch * seq_len, loss=1.0)
+    in_loop_s = (time.perf_counter() - started) / steps
+    from collector.events import EventFactory
+
+    factory = EventFactory("bench", "rank-0")
+    started = time.perf_counter()
+    for payload in published:
+        Envelope.model_validate(factory.make(payload)).model_dump_json()
+    encode_s = (time.perf_counter() - started) / steps
+    return {"in_loop_s": in_loop_s, "encode_s": encode_s}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     from collector.stream import EventStream
     from resihp.demo.run import DemoOptions, run_demo
 
+    cost = adapter_cost(args.steps)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="resihp-bench-torchtitan-")) / "run"
     code = run_demo(DemoOptions(workload="torch", trainer="torchtitan", headless=True, short=not args.long,
                                 workdir=workdir, timeout_s=900))
@@ -51,8 +115,12 @@ def run(args: argparse.Namespace) -> int:
     for ack in acks:
         mine = [p for p in phases if p.epoch == ack.epoch]
         print(f"{ack.epoch:<18}{ack.pause_s:>9.2f}  " + ", ".join(f"{p.phase} {p.duration_s:.2f}" for p in mine))
+    healthy_step_s = DEMO_TOKENS_PER_RANK * summary["gpus"] / before if before else None
+    print(f"\nadapter per step (training thread): {1e6 * cost['in_loop_s']:.0f} µs; encoding off the thread "
+          f"{1e6 * cost['encode_s']:.0f} µs" + (f"; {100 * (cost['in_loop_s'] + cost['encode_s']) / healthy_step_s:.2f} % "
+                                              f"of a healthy {healthy_step_s:.2f} s step" if healthy_step_s else ""))
     if args.json:
-        print(json.dumps({"summary": summary, "won_back": won,
+        print(json.dumps({"summary": summary, "won_back": won, "adapter": cost,
                           "restarts": [{"epoch": a.epoch, "pause_s": a.pause_s, "detail": a.detail,
                                         "phases_s": {p.phase: p.duration_s for p in phases if p.epoch == a.epoch}}
                                        for a in acks]}))
