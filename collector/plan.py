@@ -67,6 +67,21 @@ def parse_id_ranges(text: str) -> list[int]:
     return out
 
 
+def even_layer_ranges(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Contiguous layer ranges for ``stages`` stages, the first ``num_layers % stages`` one layer
+    longer: how a framework that splits layers itself (torchtitan) cuts them, and how a uniform
+    plan for it must. Raises ValueError for more stages than layers."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"{stages} pipeline stages cannot split {num_layers} layers")
+    size, extra = divmod(num_layers, stages)
+    out, first = [], 0
+    for s in range(stages):
+        end = first + size + (1 if s < extra else 0)
+        out.append((first, end))
+        first = end
+    return out
+
+
 class StagePlan(BaseModel):
     """One pipeline stage: a TP group of devices holding layers [first_layer, end_layer)."""
 

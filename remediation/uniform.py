@@ -16,7 +16,7 @@ neighbours), then the cluster's other healthy devices (spares, devices back from
 
 from __future__ import annotations
 
-from collector.plan import PipelinePlan, Plan, StagePlan
+from collector.plan import PipelinePlan, Plan, StagePlan, even_layer_ranges
 from remediation.cluster import ClusterState
 from remediation.model import PlannerModel
 
@@ -29,21 +29,10 @@ def is_uniform(plan: Plan) -> bool:
     return len(tps) == 1 and len(splits) == 1 and len(counts) == 1
 
 
-def even_split(num_layers: int, stages: int) -> list[tuple[int, int]]:
-    """Contiguous ranges, the first ``num_layers % stages`` one layer longer (torchtitan's split)."""
-    size, extra = divmod(num_layers, stages)
-    out, first = [], 0
-    for s in range(stages):
-        end = first + size + (1 if s < extra else 0)
-        out.append((first, end))
-        first = end
-    return out
-
-
 def grid_plan(devices: list[int], tp: int, pp: int, dp: int, microbatches: int, num_layers: int, epoch: int,
               schedule: str) -> Plan:
     """The grid's plan, devices taken in order: replica-major, then stage, then TP rank."""
-    ranges = even_split(num_layers, pp)
+    ranges = even_layer_ranges(num_layers, pp)
     it = iter(devices)
     pipelines = tuple(PipelinePlan(replica=r, microbatches=microbatches, stages=tuple(
         StagePlan(devices=tuple(next(it) for _ in range(tp)), first_layer=ranges[s][0], end_layer=ranges[s][1])

@@ -38,7 +38,7 @@ from trainer.agent.relayout import RESUMED_KEY, STOP_KEY, STOPPED_KEY, StepMark
 from trainer.agent.signed_store import RANK_WRITERS, SignedStore
 from trainer.integration import CommandListener
 from trainer.telemetry import TelemetryPublisher
-from trainer.torchtitan.layout import (JOB_KEY, TORCHTITAN_CAPABILITIES, JobShape, NotUniform, TitanLayout, layout_of,
+from trainer.torchtitan.layout import (JOB_KEY, TORCHTITAN_CAPABILITIES, JobShape, TitanLayout, layout_of,
                                        with_flags)
 
 log = logging.getLogger("resihp.torchtitan")
@@ -139,7 +139,7 @@ class TitanRelayout:
         assert self.shape is not None
         try:
             layout_of(plan, self.shape.layout, self.listener.running if self.listener else None)
-        except NotUniform as exc:
+        except ValueError as exc:  # NotUniform, or a plan no grid can hold
             return str(exc)
         return None
 

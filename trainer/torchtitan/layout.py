@@ -23,7 +23,7 @@ from typing import Any
 
 from collector.capabilities import capability_refusal
 from collector.events import ExecutorCapabilities
-from collector.plan import PipelinePlan, Plan, StagePlan
+from collector.plan import PipelinePlan, Plan, StagePlan, even_layer_ranges
 
 TORCHTITAN_CAPABILITIES = ExecutorCapabilities(
     executor="torchtitan",
@@ -162,25 +162,12 @@ def with_flags(args: Sequence[str], extra: Sequence[str], replaced: Sequence[str
     return out + list(extra)
 
 
-def even_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
-    """Contiguous layer ranges, the first ``num_layers % stages`` stages one layer longer."""
-    if stages > num_layers:
-        raise NotUniform(f"{stages} pipeline stages cannot split {num_layers} layers")
-    size, extra = divmod(num_layers, stages)
-    out, first = [], 0
-    for s in range(stages):
-        end = first + size + (1 if s < extra else 0)
-        out.append((first, end))
-        first = end
-    return out
-
-
 def plan_of(layout: TitanLayout, devices: Sequence[int], num_layers: int, microbatches: int, epoch: int,
             schedule: str = "1f1b") -> Plan:
     """The plan of ``layout`` with world rank r on ``devices[r]``; ``microbatches`` per replica."""
     if len(devices) != layout.world:
         raise NotUniform(f"{len(devices)} devices for a layout of {layout.world} ranks")
-    ranges = even_layers(num_layers, layout.pp)
+    ranges = even_layer_ranges(num_layers, layout.pp)
     pipelines = tuple(
         PipelinePlan(replica=b, microbatches=microbatches, stages=tuple(
             StagePlan(devices=tuple(devices[layout.rank_of(t, p, b)] for t in range(layout.tp)),
@@ -206,7 +193,7 @@ def layout_of(plan: Plan, running: TitanLayout, running_plan: Plan | None = None
                          f"micro-batches {sorted(counts)}")
     batch, tp, pp = len(plan.pipelines), tps.pop(), pps.pop()
     ranges = {tuple((s.first_layer, s.end_layer) for s in p.stages) for p in plan.pipelines}
-    if ranges != {tuple(even_layers(plan.num_layers, pp))}:
+    if ranges != {tuple(even_layer_ranges(plan.num_layers, pp))}:
         raise NotUniform(f"plan epoch {plan.epoch} splits layers {sorted(ranges)}; torchtitan splits them evenly")
     if running.dp_shard > 1 or running.dp_replicate == 1:
         layout = TitanLayout(pp=pp, dp_replicate=1, dp_shard=batch, tp=tp)
