@@ -208,10 +208,14 @@ class StepTelemetry:
 
         processor.log = logged
 
-    def close(self) -> None:
+    def finished(self) -> None:
+        """The rank is past its last step (its flight record says so: teardown is not a hang)."""
         if self.flight is not None:
             self.flight.finish()
             self.flight = None
+
+    def close(self) -> None:
+        self.finished()
         self.reporter.close()
 
 

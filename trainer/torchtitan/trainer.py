@@ -116,6 +116,8 @@ class ResiHPTrainer(Trainer):
         """The step boundary: the loop's own condition, then whether every rank agrees to stop for
         a new layout (trainer/agent/relayout.py); if so the step's checkpoint is saved first."""
         if not super().should_continue_training():
+            if self.telemetry is not None:
+                self.telemetry.finished()  # past the last step: torchtitan's teardown is not a hang
             return False
         if self._stop_records is None or self.step == 0:
             return True
