@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Any
 
 import pytest
 import torch
@@ -59,7 +60,7 @@ def test_the_attention_adaptation_is_document_causal_attention_with_a_backward()
     with pytest.raises(Exception):  # noqa: B017 - varlen attention is a CUDA flash kernel: any error will do
         VarlenAttention(VarlenAttention.Config())(q, k, v, attention_masks=meta)
 
-    masked = cpu._masked_sdpa_class()
+    masked: Any = cpu._masked_sdpa_class()
     layer = masked(masked.Config())
     out = layer(q, k, v, attention_masks=VarlenMetadata(*meta[:4]))
     ref = _reference_attention(q, k, v, docs)
@@ -91,9 +92,8 @@ def _fsdp_rank(rank: int, port: int, results: dict) -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,))
 
-    def sharded() -> torch.nn.Module:
-        model = torch.nn.Linear(4, 4)
-        fully_shard(model, mesh=mesh)
+    def sharded() -> Any:  # a Linear that fully_shard made an FSDPModule
+        model: Any = fully_shard(torch.nn.Linear(4, 4), mesh=mesh)
         model.set_gradient_divide_factor(1.0)  # what torchtitan does: the loss is divided by the global token count
         return model
 

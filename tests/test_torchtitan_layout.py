@@ -95,6 +95,7 @@ def test_the_job_shape_record_refuses_anything_malformed(body: dict) -> None:
 def test_store_records_parse_or_refuse() -> None:
     assert StopOrder.parse({"epoch": 2, "command": "c"}) == StopOrder(2, "c")
     assert StepMark.parse({"epoch": 1, "step": 7}) == StepMark(1, 7)
+    bad: object
     for bad in ({"epoch": 0, "command": "c"}, {"epoch": "1", "command": "c"}, [], None, {"epoch": 1}):
         with pytest.raises(ValueError):
             StopOrder.parse(bad)
@@ -107,7 +108,7 @@ def test_store_records_parse_or_refuse() -> None:
 
 
 def _samples_of_step(step: int, dp: int, batch: int, batches_per_step: int) -> set[int]:
-    out = set()
+    out: set[int] = set()
     for r in range(dp):
         for k in range(step * batches_per_step, (step + 1) * batches_per_step):
             first = slot(k, r, dp) * batch

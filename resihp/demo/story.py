@@ -173,17 +173,15 @@ def native_story(*, short: bool = False) -> DemoStory:
 
 def torchtitan_story(*, short: bool = False, ranks: int = 4) -> DemoStory:
     """The story for a torchtitan job (``resihp demo --trainer torchtitan``): torchtitan's llama3
-    debug model as data-parallel replicas on ``ranks`` CPU ranks under ``resihp run``, a ×4
+    debug model as data-parallel replicas on ``ranks`` CPU ranks under ``resihp run``, a ×3
     fail-slow on device 1. torchtitan runs uniform layouts only (trainer/torchtitan/layout.py), so
     the planner chooses among uniform layouts without the slow device (remediation/uniform.py):
     two replicas of two micro-batches each (the global batch of four kept), which the node agent
     applies by a restart at that
     layout from a checkpoint of the step every rank stopped at (trainer/torchtitan/controller.py).
     Four replicas, because the detector centres each rank on the job's median, which two ranks (one
-    of them slow) would split between them. ×4, because the healthy replicas' backward chunks hold
-    their wait for the slow one's gradients (the all-reduce is inside the backward), so the detector
-    sizes a ×3 device at about ×2, where halving the replicas does not pay."""
+    of them slow) would split between them."""
     warmup, phase = (8, 12) if short else (20, 30)
-    slow = FaultBeat("demo-fail-slow", "fail_slow", 1, warmup, factor=4.0)
+    slow = FaultBeat("demo-fail-slow", "fail_slow", 1, warmup, factor=3.0)
     return DemoStory(gpus=ranks, tp=1, pp=1, dp=ranks, microbatches_per_replica=1, model="7b",
                      warmup_iterations=warmup, slow=slow, stop=None, iterations=warmup + 2 * phase, probes=False)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from collector.events import ChunkKind, TracingDeclared
+from collector.events import ChunkKind, CommOp, CommWait, TracingDeclared
 from collector.settings import environment
 from trainer.agent.flight import FlightRecorder
 from trainer.data import MicroBatch
@@ -42,6 +42,55 @@ from trainer.native.faults import native_fault_problem
 
 if TYPE_CHECKING:
     from trainer.torchtitan.trainer import ResiHPSection, ResiHPTrainer
+
+
+_syncing: StepTelemetry | None = None  # the rank's telemetry while a step runs (FSDP's hooks report to it)
+_sync_depth = 0
+_sync_timed = False
+
+
+def _install_sync_timer() -> None:
+    """Time FSDP2's own gradient reduction and parameter all-gathers, once per process.
+
+    The collectives run inside the model's forward and backward (FSDP's hooks), so a chunk timed
+    around them holds each rank's wait for the slowest peer: every healthy replica's backward grows
+    with a slow one's, and the slow rank stands out by less than its slowdown. Wrapping the four
+    methods of ``FSDPParamGroup`` / ``FSDPState`` that issue and wait on them (private to torch
+    2.15; if torch renames them, nothing is subtracted and the chunks hold the waits as before)
+    lets :class:`StepTelemetry` report those seconds as waits (``all_gather``, ``reduce_scatter``)
+    and the chunks without them. Inert when no step is being timed."""
+    global _sync_timed
+    if _sync_timed:
+        return
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:
+        return
+    targets = [(FSDPParamGroup, "unshard", "all_gather"), (FSDPParamGroup, "wait_for_unshard", "all_gather"),
+               (FSDPParamGroup, "post_backward", "reduce_scatter"),
+               (FSDPState, "_root_post_backward_final_callback", "reduce_scatter")]
+    for cls, name, op in targets:
+        method = getattr(cls, name, None)
+        if method is not None:
+            setattr(cls, name, _timed_sync(method, op))
+    _sync_timed = True
+
+
+def _timed_sync(method: Any, op: str) -> Any:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        global _sync_depth
+        telemetry = _syncing
+        if telemetry is None or _sync_depth:
+            return method(*args, **kwargs)
+        _sync_depth += 1
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _sync_depth -= 1
+            telemetry.synced(op, started, time.perf_counter())
+    return timed
 
 
 def document_lengths(positions: torch.Tensor | None, labels: torch.Tensor) -> list[int]:
@@ -72,9 +121,11 @@ class StepTelemetry:
         self._tokens = 0
         self._forward_started = 0.0
         self._forward_s = 0.0
+        self._forward_sync_s = 0.0
         self.watchers: list[Any] = []
         self.loss: float | None = None
         self._reports_summary = False
+        self._syncs: list[tuple[str, float, float]] = []  # FSDP's collectives this micro-batch: (op, start, end)
 
     @classmethod
     def attach(cls, trainer: ResiHPTrainer, section: ResiHPSection) -> StepTelemetry:
@@ -140,30 +191,46 @@ class StepTelemetry:
         for w in self.watchers:
             w.microbatches = self.group
 
+    def synced(self, op: str, start: float, end: float) -> None:
+        """FSDP waited ``end − start`` seconds in ``op`` (see :func:`_install_sync_timer`)."""
+        self._syncs.append((op, start, end))
+
     def begin_group(self) -> None:
         """A ``forward_backward_step`` begins: its micro-batches are numbered on from the last."""
         self.group = []
 
     @contextmanager
     def fused_chunks(self) -> Iterator[None]:
-        """One micro-batch's F and B without pipelining: F from the forward hooks, B the rest."""
-        started = time.perf_counter()
-        yield
+        """One micro-batch's F and B without pipelining: F from the forward hooks, B the rest, each
+        without FSDP's collectives, which are reported as the waits they are."""
+        global _syncing
+        self._syncs, self._forward_sync_s = [], 0.0
+        _syncing = self
+        try:
+            yield
+        finally:
+            _syncing = None
         _synchronize()
         ended = time.perf_counter()
-        backward_s = max(0.0, ended - started - self._forward_s)
+        forward_end = self._forward_started + self._forward_s
+        backward_sync_s = sum(e - s for _, s, e in self._syncs if s >= forward_end)
+        backward_s = max(0.0, ended - forward_end - backward_sync_s)
         if self.injector is not None:
+            padded = time.perf_counter()
             self.injector.after_compute(backward_s)
-            backward_s = time.perf_counter() - ended + backward_s
+            backward_s += time.perf_counter() - padded
         report = self.report
         if report is None or not self.group:
             return
         mb = self.group[-1]
         t0 = report.recorder.t0
-        report.chunk(ChunkKind.FORWARD, mb.index, duration_s=self._forward_s, tokens=len(mb.tokens),
-                     seq_lens=mb.seq_lens, start_s=self._forward_started - t0)
+        report.chunk(ChunkKind.FORWARD, mb.index, duration_s=max(0.0, self._forward_s - self._forward_sync_s),
+                     tokens=len(mb.tokens), seq_lens=mb.seq_lens, start_s=self._forward_started - t0)
         report.chunk(ChunkKind.BACKWARD, mb.index, duration_s=backward_s, tokens=len(mb.tokens),
-                     seq_lens=mb.seq_lens, start_s=self._forward_started - t0 + self._forward_s)
+                     seq_lens=mb.seq_lens, start_s=forward_end - t0)
+        for op, s, e in self._syncs:  # FSDP's collectives hold the wait for the slowest peer
+            report.recorder.comm.append(CommWait(op=CommOp(op), microbatch=mb.index, start_s=max(0.0, s - t0),
+                                                 duration_s=e - s, includes_wait=True, group="fsdp"))
 
     # ---- hooks ---------------------------------------------------------------------------------------
 
@@ -177,12 +244,14 @@ class StepTelemetry:
         def after(_module: Any, _args: Any, _out: Any) -> None:
             _synchronize()
             self._forward_s = time.perf_counter() - self._forward_started
+            self._forward_sync_s = sum(e - s for _, s, e in self._syncs)  # the all-gathers inside the forward
             if self.injector is not None:
-                self.injector.after_compute(self._forward_s)
+                self.injector.after_compute(self._forward_s - self._forward_sync_s)
                 self._forward_s = time.perf_counter() - self._forward_started
 
         model.register_forward_pre_hook(before, prepend=True)
         model.register_forward_hook(after)
+        _install_sync_timer()
 
     def _watch_schedule(self) -> None:
         from trainer.native.faults import ChunkPadding
