@@ -808,12 +808,35 @@ RunId = Annotated[str | None, Field(default=None, min_length=1, max_length=64, p
 ExpiresAt = Annotated[float | None, Field(default=None, ge=0, le=TIME_MAX_S, exclude_if=lambda v: v is None)]
 
 
+NodeAction = Literal["stop", "join"]
+
+
+class NodeOrder(BaseModel):
+    """A node command a plan carries (``PlanProposed.node_orders``): the engine issues it as a
+    ``command.node`` with this id once the plan's ``command.reconfigure`` is acknowledged applied,
+    so the node stops when nothing of the plan runs on it (docs/remediation.md, "Node plans")."""
+
+    model_config = _CONTRACT
+
+    command_id: str = Field(min_length=1, max_length=200, description="the id of the command.node it issues")
+    node: Int32 = Field(description="the agent's group rank in the rendezvous round")
+    action: NodeAction
+    round: Int32 = Field(description="the rendezvous round the order names (the newest an agent acknowledged, else "
+                                     "the engine's --node-round)")
+    run: RunId = Field(default=None, description="the job's rendezvous id (--rdzv-id) the order is for")
+    devices: list[Int32] = Field(default_factory=list, max_length=LIST_MAX,
+                                 description="the devices (global ranks) the engine holds the node to run")
+    reason: str = Field(default="", max_length=2000, description="why the detector blames the node")
+
+
 class PlanProposed(Payload):
-    """The planner's answer to open incidents: a new plan, what it should gain and cost, and a readable diff."""
+    """The planner's answer to open incidents: a new plan, what it should gain and cost, and a readable diff.
+    A node plan (schema 5) also orders nodes: ``node_orders`` stops the nodes the detector blames,
+    whose devices the plan leaves out."""
 
     KIND: ClassVar[str] = "plan.proposed"
-    # 2 adds fraction_of_before, 3 not_offered, 4 writes a stage's devices as ranges ("8-15")
-    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, 3, 4)
+    # 2 adds fraction_of_before, 3 not_offered, 4 writes a stage's devices as ranges ("8-15"), 5 node_orders
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, 3, 4, 5)
     plan_id: str
     incident_ids: list[str] = Field(max_length=LIST_MAX)
     strategy: str
@@ -831,6 +854,10 @@ class PlanProposed(Payload):
     not_offered: list[str] = Field(default_factory=list, max_length=LIST_MAX, description=(
         "remediations the planner left out because the job's executor declared it cannot run them "
         "(plan.capabilities), each with the executor's reason"))
+    node_orders: list[NodeOrder] = Field(
+        default_factory=list, max_length=LIST_MAX, exclude_if=lambda v: not v,
+        description="node commands the plan issues once it is applied (empty: an in-job plan); left out of the JSON "
+                    "when empty, so a schema 1–4 proposal keeps the bytes its signature covers")
 
 
 class PlanDecision(Payload):
@@ -905,9 +932,6 @@ class CommandAck(Payload):
     detail: str = ""
     run: RunId = Field(default=None, description="the run incarnation of the executor that answered: a restarted listener of "
                                    "that run rebuilds its fence from these")
-
-
-NodeAction = Literal["stop", "join"]
 
 
 class RenamedOnWire(Payload):

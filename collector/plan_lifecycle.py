@@ -1,7 +1,8 @@
 """The plan lifecycle as one fold over contract events: every reader of the stream imports it.
 
     plan.proposed → plan.decision (an operator or policy:auto) → command.reconfigure (epoch e+1)
-    → command.ack → plan.verified | plan.rolled_back, with plan.current and policy.changed
+    → command.ack → plan.verified | plan.rolled_back, with plan.current and policy.changed;
+    a node plan's command.node → command.node_ack once it is applied
 
 :class:`PlanStatus` names the states once; :func:`claimed_status` says which state an event moves
 its plan to; :func:`transition` applies one event to a :class:`PlanLifecycle` (no I/O), so the same
@@ -13,6 +14,12 @@ longer waiting (a decision applies once), a command for a plan nobody approved, 
 epoch is not the running epoch + 1 (stale or out of order), a duplicate command, an ack for a
 command the fold has not accepted, a trainer's ``ignored_*`` acknowledgement. Events are
 deduplicated on their id (:func:`admit`).
+
+A node plan (a proposal with ``node_orders``) names the ids of the ``command.node`` orders it
+issues; the fold keeps each such order and its agent's ``command.node_ack`` on the plan's record.
+They move no status: the plan's state is its layout's (the node leaves once the layout runs
+without it). A node command that no plan names (an operator's ``resihp node``) moves nothing; one a
+plan names that arrives before the plan is applied is kept and reported.
 
 A decision is bound to the proposal it answers (:func:`decision_refusal`): it names the
 proposal's event id and the digest of its plan (:func:`plan_digest`), and applies only when both
@@ -43,8 +50,8 @@ from typing import Any
 from collector.auth import Keyring, Refusals, load_keyring, needs_signature
 from collector.epoch_fence import fence_verdict
 from collector.events import (
-    AckStatus, CommandAck, Envelope, PlanCurrent, PlanDecision, PlanProposed, PlanRolledBack, PlanVerified,
-    PolicyChanged, PolicyMode, ReconfigureCommand, Severity,
+    AckStatus, CommandAck, Envelope, NodeCommand, NodeCommandAck, PlanCurrent, PlanDecision, PlanProposed,
+    PlanRolledBack, PlanVerified, PolicyChanged, PolicyMode, ReconfigureCommand, Severity,
 )
 from collector.plan import DEVICE_LISTS, Plan
 
@@ -112,6 +119,9 @@ class PlanRecord:
     samples: dict[int, tuple[int, float]] = field(default_factory=dict)
     measured_tokens_per_s: float | None = None
     verdict: str = ""
+    # a node plan's orders as issued (command id -> command.node) and the agents' answers (-> command.node_ack)
+    node_commands: dict[str, NodeCommand] = field(default_factory=dict)
+    node_acks: dict[str, NodeCommandAck] = field(default_factory=dict)
 
     @property
     def epoch(self) -> int:
@@ -127,6 +137,14 @@ class PlanRecord:
         """Failed on its merits: the trainer tried it and answered ``failed`` (a plan that went
         stale on the way failed too, but its layout may still be the right one)."""
         return self.status == PlanStatus.FAILED and self.ack is not None and self.ack.status == AckStatus.FAILED
+
+    def node_order_state(self, command_id: str) -> str:
+        """Where one of the plan's node orders stands: ``waiting`` (for the plan to be applied),
+        ``commanded``, or the agent's ack status (``applied``, ``failed``, ``ignored_stale`` …)."""
+        ack = self.node_acks.get(command_id)
+        if ack is not None:
+            return ack.status.value
+        return "commanded" if command_id in self.node_commands else "waiting"
 
 
 @dataclass(frozen=True)
@@ -168,6 +186,7 @@ class PlanLifecycle(Admission):
     layouts: dict[int, Plan] = field(default_factory=dict)  # epoch -> the plan that ran (for roll-backs)
     plans: dict[str, PlanRecord] = field(default_factory=dict)
     commands: dict[str, str] = field(default_factory=dict)  # command_id -> plan_id
+    node_orders: dict[str, str] = field(default_factory=dict)  # a node plan's command.node id -> plan_id
     policy_mode: PolicyMode = PolicyMode.PROPOSE
     auto_severities: list[Severity] = field(default_factory=list)
 
@@ -236,6 +255,8 @@ def _proposed(state: PlanLifecycle, e: Envelope, p: PlanProposed) -> PlanRecord 
         return None
     record = PlanRecord(p.plan_id, p, proposed_at_s=e.time_s, proposal_id=e.id)
     state.plans[p.plan_id] = record
+    for order in p.node_orders:
+        state.node_orders.setdefault(order.command_id, p.plan_id)
     if p.base_epoch != state.running_epoch:
         record.status = PlanStatus.SUPERSEDED
         state.report(e, f"plan {p.plan_id} is based on epoch {p.base_epoch} but epoch {state.running_epoch} runs; "
@@ -352,6 +373,35 @@ def _ack(state: PlanLifecycle, e: Envelope, p: CommandAck) -> PlanRecord | None:
     return None
 
 
+def _node_command(state: PlanLifecycle, e: Envelope, p: NodeCommand) -> PlanRecord | None:
+    """A node plan's order, kept on its record (the agent fences it by round and id, not the fold).
+    An order no plan names is an operator's: no plan moves."""
+    record = state.plans.get(state.node_orders.get(p.command_id, ""))
+    if record is None:
+        return None
+    if p.command_id in record.node_commands:
+        state.report(e, f"duplicate node command {p.command_id} for plan {record.plan_id}; ignored")
+        return None
+    if record.status not in (PlanStatus.APPLIED, PlanStatus.VERIFIED, PlanStatus.ROLLED_BACK):
+        state.report(e, f"node command {p.command_id} of plan {record.plan_id}, which is {record.status.value}: "
+                        "a node plan orders its nodes once its layout is applied")
+    record.node_commands[p.command_id] = p
+    return record
+
+
+def _node_ack(state: PlanLifecycle, e: Envelope, p: NodeCommandAck) -> PlanRecord | None:
+    """An agent's answer to a node plan's order, kept on the plan's record (the first answer
+    counts; a duplicate's ``ignored_duplicate`` does not replace it)."""
+    record = state.plans.get(state.node_orders.get(p.command_id, ""))
+    if record is None:
+        return None
+    if p.command_id in record.node_acks:
+        state.report(e, f"second answer to node command {p.command_id} ({p.status.value}); kept the first")
+        return None
+    record.node_acks[p.command_id] = p
+    return record
+
+
 def _verdict(state: PlanLifecycle, e: Envelope, p: PlanVerified | PlanRolledBack) -> PlanRecord | None:
     """The last word on an applied plan: kept (verified) or rolled back, with the throughput
     measured after it. A verdict on a plan that is not applied is reported and ignored."""
@@ -395,4 +445,5 @@ def _plan_current(state: PlanLifecycle, e: Envelope, p: PlanCurrent) -> None:
 _HANDLERS: dict[type, Callable[[PlanLifecycle, Envelope, Any], PlanRecord | None]] = {
     PlanProposed: _proposed, PlanDecision: _decision, PolicyChanged: _policy, ReconfigureCommand: _command,
     CommandAck: _ack, PlanVerified: _verdict, PlanRolledBack: _verdict, PlanCurrent: _plan_current,
+    NodeCommand: _node_command, NodeCommandAck: _node_ack,
 }

@@ -24,6 +24,10 @@ when they cannot describe the model) it uses the model it was started with.
 It searches only what the job's executor declared it can run (``plan.capabilities``,
 remediation.capability_fit) and names in each proposal what it left out and why (``not_offered``);
 a strategy that returns a plan the executor cannot run anyway is withheld with the reason.
+When the incidents blame a whole node and ``nodes.run`` names the job's rendezvous id, it may
+propose a node plan (remediation/node_plans.py): the layout without the node, and the node's stop,
+issued as ``command.node`` once the layout is applied; an agent's answer that is not ``applied`` is
+published as ``plan.withheld``.
 
 The engine is three parts: this loop (read, gate, fold, react until quiet), its planning
 (remediation/engine_planning.py: when to plan, around what, with which cost figures) and its output
@@ -46,7 +50,8 @@ from collector import topics
 from collector.auth import Gate, Keyring, Signer, load_keyring
 from collector.bus import Bus, TopicPartition
 from collector.events import (
-    CommandAck, Envelope, EventFactory, IterationSummary, PlanDecision, PlanRolledBack, PlanVerified,
+    AckStatus, CommandAck, Envelope, EventFactory, IterationSummary, NodeCommandAck, PlanDecision, PlanRolledBack,
+    PlanVerified,
 )
 from collector.plan import Plan
 from collector.plan_lifecycle import decision_refusal
@@ -59,6 +64,7 @@ from remediation.engine_planning import EnginePlanning
 from remediation.horizon import HorizonEstimator
 from remediation.lifecycle import KEPT_UNVERIFIED, LifecycleState, Verification, initial_state, reactions, step
 from remediation.model import PlannerModel
+from remediation.node_plans import NodeSettings
 from remediation.planning_view import PlanningView
 
 log = logging.getLogger("resihp.remediation")
@@ -80,6 +86,7 @@ class EngineConfig:
     # The engine's clock is the newest *signed* event time it read (so a replay decides as the run did),
     # never more than this past the host's wall clock: a signer whose clock runs ahead cannot skip waits.
     clock_skew_s: float = 300.0
+    nodes: NodeSettings = field(default_factory=NodeSettings)  # node plans: off until the job's rendezvous id is given
 
 
 class RemediationEngine:
@@ -167,6 +174,14 @@ class RemediationEngine:
         if isinstance(p, CommandAck):
             log.info("remediation job=%s: trainer %s %s as epoch %s (%s)", self.config.job, p.status.value,
                      p.plan_id, p.epoch, p.detail)
+        elif isinstance(p, NodeCommandAck):
+            log.info("remediation job=%s: node %s %s %s in round %s (%s)", self.config.job, p.node, p.status.value,
+                     p.command_id, p.running_round, p.detail)
+            plan_id = self.state.node_orders.get(p.command_id)
+            if plan_id is not None and p.status != AckStatus.APPLIED:
+                self.output.refuse(f"plan {plan_id}'s {p.action} of node {p.node} was not obeyed ({p.status.value}: "
+                                   f"{p.detail}); the plan's layout runs without the node's devices, which stay idle",
+                                   key=f"node-ack/{p.command_id}")
 
     def _react_until_quiet(self) -> None:
         """React until quiet: a proposal under the auto policy is decided, and a decision commanded,

@@ -5,7 +5,9 @@ proposal: it reads which incidents can be planned around now (remediation.planni
 the cluster they imply, keeps the cost figures fresh (the analytics fits of the running epoch, the
 tokens per micro-batch and the replicas' spread measured from ``analytics.prediction``, else the
 model the engine was started with), and proposes only what pays over the horizon and what the
-job's executor can run. It plans only when what it knows changed, and never raises: an error is
+job's executor can run. When the incidents blame a whole node it scores the node's exclusion
+against the in-job reshape and may propose a node plan (remediation/node_plans.py). It plans only
+when what it knows changed, and never raises: an error is
 reported (``plan.withheld``) and planning is tried again on the next change. A plan whose
 verification failed is answered by proposing the layout before it (:meth:`rollback_proposal`).
 """
@@ -18,7 +20,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from collector.capabilities import capability_refusal
-from collector.events import Envelope, FaultCategory, IncidentOpened, IterationPrediction, Location, PlanProposed
+from collector.events import (
+    Envelope, FaultCategory, IncidentOpened, IterationPrediction, Location, NodeOrder, PlanProposed,
+)
 from collector.plan import Plan
 from remediation.baselines import PlannerStrategy, Strategy, make_strategy
 from remediation.capability_fit import fit_options
@@ -29,7 +33,8 @@ from remediation.engine_output import EngineClock, EngineOutput
 from remediation.horizon import HorizonEstimator
 from remediation.lifecycle import LifecycleState, PlanStatus
 from remediation.model import PlannerModel
-from remediation.plan_result import PlanRefused
+from remediation.node_plans import blamed_nodes, choose, node_devices, order_line, stop_orders, without_nodes
+from remediation.plan_result import PlanRefused, PlanResult
 from remediation.planning_view import PlanningView, planning_view
 from remediation.throughput import predict_tokens_per_s
 
@@ -164,13 +169,18 @@ class EnginePlanning:
             return None
         if s.running_plan is None:  # the caller plans only while a plan runs
             return None
+        cluster = self.cluster(view)
         try:
-            result = strategy.plan(self.cluster(view), s.running_plan)
+            result = strategy.plan(cluster, s.running_plan)
         except PlanRefused as exc:
             self.output.refuse(f"plan refused: {exc.reason}", key=f"refused/{s.running_epoch}/{s.incident_version}")
             return None
         horizon_s = getattr(strategy, "options", self.config.options).horizon_s
         chosen = result.to_apply(horizon_s, self.config.min_gain_fraction)
+        blamed = blamed_nodes(cluster, s.running_plan, self.config.nodes.min_bad_devices)
+        node_plan = self._node_plan(strategy, cluster, blamed, chosen, horizon_s)
+        if node_plan is not None:
+            chosen = node_plan
         if chosen is None:
             return None
         result = chosen
@@ -199,15 +209,49 @@ class EnginePlanning:
         # and a replay of this log re-derives it
         plan_id = (f"p{s.running_epoch}-{s.incident_version}" + (f"-g{len(view.grouped)}" if view.grouped else "")
                    + (f"-f{len(failed)}" if failed else "") + (f"-r{s.run[:8]}" if s.run else ""))
+        orders: list[NodeOrder] = []
+        if node_plan is not None:
+            round_ = self.config.nodes.round if s.node_round is None else s.node_round
+            orders = stop_orders(plan_id, blamed, cluster, self.config.nodes, round_)
         payload = PlanProposed(
             plan_id=plan_id, incident_ids=[i.incident_id for i in s.open_incidents()],
             strategy=result.strategy, base_epoch=s.running_epoch, plan=result.plan,
             current_tokens_per_s=result.current_tokens_per_s, predicted_tokens_per_s=result.predicted_tokens_per_s,
-            reshape_cost_s=result.reshape_cost_s, diff=result.diff, severity=s.max_severity(),
+            reshape_cost_s=result.reshape_cost_s, diff=[order_line(o) for o in orders] + result.diff,
+            severity=s.max_severity(),
             fraction_of_before=self._fraction_of_before(result, view) if result.current_tokens_per_s <= 0 else None,
-            not_offered=not_offered,
+            not_offered=not_offered, node_orders=orders,
         )
         return self.output.make(f"proposal/{plan_id}", payload)
+
+    def _node_plan(self, strategy: Strategy, cluster: ClusterState, blamed: dict[int, str],
+                   in_job: PlanResult | None, horizon_s: float) -> PlanResult | None:
+        """The plan to propose with stop orders for the ``blamed`` nodes, or None for the in-job
+        answer (remediation/node_plans.py's ``choose``): the exclusion is the same strategy's
+        answer on the cluster without those nodes, scored by the same cost model."""
+        if not blamed:
+            return None
+        s = self.state
+        if self.config.nodes.run is None:
+            for node, why in blamed.items():
+                self.output.refuse(f"node {node} is blamed ({why}), but the engine orders no node: it was started "
+                                   "without the job's rendezvous id (resihp remediate --node-run RDZV_ID)",
+                                   key=f"node-blamed/{node}/{s.incident_version}")
+            return None
+        devices = {d for node in blamed for d in node_devices(cluster, node)}
+        try:
+            excluded = strategy.plan(without_nodes(cluster, blamed), s.running_plan).to_apply(
+                horizon_s, self.config.min_gain_fraction) if s.running_plan is not None else None
+        except PlanRefused as exc:
+            self.output.refuse(f"no plan without node(s) {sorted(blamed)}: {exc.reason}",
+                               key=f"node-refused/{s.running_epoch}/{s.incident_version}")
+            excluded = None
+        chosen = choose(in_job, excluded, devices)
+        if chosen is None and in_job is not None:
+            self.output.refuse(f"node(s) {sorted(blamed)} blamed, but a reshape that keeps some of their devices "
+                               "trains more over the horizon: no node is stopped",
+                               key=f"node-kept/{s.running_epoch}/{s.incident_version}")
+        return chosen
 
     def _fraction_of_before(self, result, view: PlanningView) -> float | None:
         """For a plan that resumes a job hung on a dead device: its predicted throughput over the

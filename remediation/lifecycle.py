@@ -2,14 +2,17 @@
 
     incident.opened/confirmed/updated/resolved → plan.proposed → plan.decision (operator or
     policy:auto) → command.reconfigure (epoch e+1) → command.ack → plan.verified | plan.rolled_back
+    (a node plan: command.node once applied → command.node_ack)
 
 :func:`step` applies one event to a :class:`LifecycleState` and does no I/O, so the same log
 always folds to the same state. The plan half is collector/plan_lifecycle.py's fold and the
 incident half collector/incident_lifecycle.py's, the ones every reader of those streams imports
 (their states, records and reports are re-exported here); :class:`LifecycleState` extends both with
 what the engine alone needs: the devices known dead, a version of the set of faults, the samples a
-verification judges. Anything that must not take effect is *reported*, never
-applied; events are deduplicated on their id.
+verification judges, the rendezvous round node agents run. Anything that must not take effect is
+*reported*, never applied; events are deduplicated on their id. A node stop an agent acknowledges
+``applied`` makes the ranks it stopped known dead (the layouts that used them cannot run again), and
+a join acknowledged ``applied`` makes the ranks it started alive again, whoever ordered either.
 
 :func:`reactions` is the other half: what the engine should publish given the state (auto
 decisions, commands for approved plans, verification verdicts). It is pure too, and every
@@ -26,8 +29,9 @@ from typing import Any
 from collector import incident_lifecycle, plan_lifecycle
 from collector.epoch_fence import COMMAND_TTL_S
 from collector.events import (
-    CostModelFitted, Envelope, ExecutorCapabilities, FaultCategory, IterationPrediction, IterationSummary, Location,
-    Payload, PlanCurrent, PlanRolledBack, PlanVerified, PlanWithheld, PolicyMode, ReconfigureCommand, Severity,
+    AckStatus, CostModelFitted, Envelope, ExecutorCapabilities, FaultCategory, IterationPrediction, IterationSummary,
+    Location, NodeCommand, NodeCommandAck, Payload, PlanCurrent, PlanRolledBack, PlanVerified, PlanWithheld,
+    PolicyMode, ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
 # the folds' names, re-exported: the engine's readers (resihp plans, the closed loop, the planner) import them from here
@@ -55,6 +59,7 @@ class LifecycleState(PlanLifecycle, IncidentLifecycle):
     known_dead: set[int] = field(default_factory=set)
     withheld: list[PlanWithheld] = field(default_factory=list)  # why the engine did not plan, in order
     capabilities: ExecutorCapabilities | None = None  # the executor's latest plan.capabilities (None: runs all)
+    node_round: int | None = None  # the newest rendezvous round a node agent said it runs (command.node_ack)
 
     def plan_runs(self, plan: Plan) -> None:
         """``plan`` runs now: its devices are alive again, and plans left behind close."""
@@ -190,10 +195,23 @@ def _withheld(state: LifecycleState, e: Envelope, p: PlanWithheld) -> None:
     state.withheld.append(p)
 
 
+def _node_ack(state: LifecycleState, e: Envelope, p: NodeCommandAck) -> None:
+    """A node agent's answer: the round it runs, and the ranks a stop ended (known dead) or a
+    join started (alive again). Then the plan fold keeps it on its node plan, if one ordered it."""
+    state.node_round = max(state.node_round or 0, p.running_round)
+    if p.status == AckStatus.APPLIED and p.action == "stop":
+        state.known_dead.update(p.ranks)
+        state.incident_version += 1  # the cluster changed: a cue to plan again
+    elif p.status == AckStatus.APPLIED and p.action == "join":
+        state.known_dead.difference_update(p.ranks)
+        state.incident_version += 1
+    plan_lifecycle.transition(state, e)
+
+
 _HANDLERS: dict[type, Callable[[LifecycleState, Envelope, Any], None]] = {
     PlanCurrent: _plan_current, CostModelFitted: _cost_model, ExecutorCapabilities: _capabilities,
     IterationSummary: _summary, IterationPrediction: _prediction,
-    PlanWithheld: _withheld,
+    PlanWithheld: _withheld, NodeCommandAck: _node_ack,
 }  # the plan lifecycle's and the incidents' events go to their folds' transitions
 
 
@@ -233,6 +251,7 @@ def reactions(state: LifecycleState, verification: Verification = Verification()
                 command_id=f"cmd-{record.plan_id}", plan_id=record.plan_id, plan=prop.plan, run=state.run,
                 expires_at_s=None if now_s is None else now_s + COMMAND_TTL_S)))
         elif record.status == PlanStatus.APPLIED:
+            out += _node_orders(state, record, now_s)
             judged = verdict(state, record, verification)
             if judged is None:
                 continue
@@ -247,4 +266,16 @@ def reactions(state: LifecycleState, verification: Verification = Verification()
                 out.append((f"rolled_back/{record.plan_id}", PlanRolledBack(
                     plan_id=record.plan_id, measured_tokens_per_s=measured, predicted_tokens_per_s=predicted,
                     reason=f"below the predicted change: {why}")))
+        elif record.status == PlanStatus.VERIFIED:
+            out += _node_orders(state, record, now_s)
     return out
+
+
+def _node_orders(state: LifecycleState, record: PlanRecord, now_s: float | None) -> list[tuple[str, Payload]]:
+    """A node plan's orders not issued yet, once its layout runs: the node holds nothing of the
+    plan then, so stopping it loses no work."""
+    return [(f"node/{order.command_id}", NodeCommand(
+        command_id=order.command_id, node=order.node, action=order.action, round=order.round,
+        reason=f"plan {record.plan_id}: {order.reason}"[:2000], run=order.run,
+        expires_at_s=None if now_s is None else now_s + COMMAND_TTL_S))
+        for order in record.proposal.node_orders if order.command_id not in record.node_commands]
