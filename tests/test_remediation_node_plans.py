@@ -209,3 +209,22 @@ def test_an_in_job_proposal_writes_no_node_orders_so_older_signatures_still_cove
     order = NodeOrder(command_id="c", node=1, action="stop", round=0, run=RUN, devices=[4, 5])
     again = PlanProposed.model_validate_json(PlanProposed(**fields, node_orders=[order]).model_dump_json())
     assert again.node_orders == [order]
+
+
+def test_resihp_remediate_turns_node_plans_on_with_the_jobs_rendezvous_id(tmp_path: Path) -> None:
+    from collector.events import PlanProposed
+    from resihp.cli import main
+
+    path = tmp_path / "bus.sqlite"
+    flags = ["--bus", "embedded", "--bus-path", str(path), "--job", JOB]
+    layout = ["--tp", "2", "--pp", "2", "--dp", "4", "--layers", "8", "--microbatches", "4", "--devices-per-node", "4"]
+    assert main(["remediate", *flags, *layout, "--node-round", "-1"]) == 2
+    with EmbeddedBus(path) as bus:
+        bus.publish([Authors(JOB, "analytics").make(
+            _incident("n1", FaultCategory.FAIL_STOP, [Location(target="node", node=1)]))])
+    assert main(["remediate", *flags, *layout, "--node-run", RUN, "--node-round", "2", "--exit-when-idle", "0.3"]) == 0
+    with EmbeddedBus(path) as bus:
+        stream = EventStream(bus, "reader", [topics.CONTROL], on_assign=lambda ps: {tp: 0 for tp in ps})
+        (proposal,) = [d.event.payload for d in stream.poll(timeout_s=0.2) if isinstance(d.event.payload, PlanProposed)]
+        stream.close()
+    assert [(o.node, o.round, o.run) for o in proposal.node_orders] == [(1, 2, RUN)]

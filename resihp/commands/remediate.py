@@ -15,6 +15,11 @@ Incidents the detector has not located to a device yet are reported and wait: a 
 only by its TP group waits --localisation-wait-s for the rank, then is planned around as a whole
 group; a link fault with no ends waits for a confirmation. An error while planning one incident
 is logged and the engine keeps running.
+
+Node plans (docs/remediation.md, "Node plans"): with --node-run RDZV_ID (the ``--rdzv-id`` of the
+job's ``resihp run`` agents), when the incidents blame a whole node the engine may propose the
+layout without it together with the node's stop, issued as ``command.node`` once the layout is
+applied. Without it a blamed node is reported and planned around in the job.
 """
 
 from __future__ import annotations
@@ -46,7 +51,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "before the planner plans around the whole group (default 30)")
     p.add_argument("--devices", type=int, default=None,
                    help="devices in the cluster (default: the running plan's highest id + 1, whole nodes)")
-    p.add_argument("--devices-per-node", type=int, default=8, help="devices per node (default 8)")
+    p.add_argument("--devices-per-node", type=int, default=8, help="devices per node (default 8); for node plans, "
+                   "the ranks each agent runs (--nproc-per-node)")
+    p.add_argument("--node-run", default=None, metavar="RDZV_ID",
+                   help="the job's rendezvous id (its agents' --rdzv-id): turns node plans on, whose stop orders "
+                        "name it (default: off)")
+    p.add_argument("--node-round", type=int, default=0, metavar="ROUND",
+                   help="the rendezvous round node orders name until an agent's command.node_ack says which runs "
+                        "(default 0)")
+    p.add_argument("--node-min-bad-devices", type=int, default=2, metavar="N",
+                   help="a node is blamed when at least N of its devices are slow, dead or behind a slow NIC "
+                        "(default 2)")
     p.add_argument("--strategy", default="ours", help="planning strategy: ours or a baseline (see remediation.baselines)")
     p.add_argument("--horizon-s", type=float, default=1800.0, help="expected time until the next change (default 1800)")
     p.add_argument("--group", default="remediation", help="consumer group")
@@ -64,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
     from pathlib import Path
 
+    from collector.epoch_fence import run_of
     from collector.plan import Plan
     from remediation.baselines import make_strategy
     from remediation.candidates import PlannerOptions
@@ -73,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     from collector.codec import one_line
     from remediation.model import PlannerModel, read_model_file
+    from remediation.node_plans import NodeSettings
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     plan = None
@@ -102,12 +119,17 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
+    if args.node_round < 0 or args.node_min_bad_devices < 1:
+        print("--node-round is a round from 0 and --node-min-bad-devices a count from 1", file=sys.stderr)
+        return 2
     config = EngineConfig(
         job=args.job, num_devices=args.devices,
         hardware=Hardware(devices_per_node=args.devices_per_node),
         options=PlannerOptions(horizon_s=args.horizon_s), group=args.group,
         verify_from_telemetry=args.verify_from_telemetry, strategy=args.strategy,
         mean_document_tokens=args.mean_document_tokens, localisation_wait_s=args.localisation_wait_s,
+        nodes=NodeSettings(run=run_of(args.node_run) if args.node_run else None, round=args.node_round,
+                           min_bad_devices=args.node_min_bad_devices),
     )
     with bus_from_args(args) as bus:
         engine = RemediationEngine(bus, config, model, plan)
