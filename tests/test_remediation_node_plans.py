@@ -228,3 +228,37 @@ def test_resihp_remediate_turns_node_plans_on_with_the_jobs_rendezvous_id(tmp_pa
         (proposal,) = [d.event.payload for d in stream.poll(timeout_s=0.2) if isinstance(d.event.payload, PlanProposed)]
         stream.close()
     assert [(o.node, o.round, o.run) for o in proposal.node_orders] == [(1, 2, RUN)]
+
+
+def test_the_console_shows_a_node_plans_orders_as_they_go(tmp_path: Path) -> None:
+    from ui.read_model import ReadModel
+
+    analytics, trainer = Authors(JOB, "analytics"), Authors(JOB, "trainer")
+    model = ReadModel()
+
+    def control(bus: EmbeddedBus) -> None:
+        stream = EventStream(bus, f"console-{len(model.plans)}", [topics.CONTROL, topics.ANALYTICS],
+                             on_assign=lambda ps: {tp: 0 for tp in ps})
+        for d in stream.poll(timeout_s=0.2):
+            model.apply(d.event)
+        stream.close()
+
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
+        engine = _engine(bus)
+        bus.publish([analytics.make(_incident("n1", FaultCategory.FAIL_STOP, [Location(target="node", node=1)]))])
+        engine.poll_once()
+        (record,) = engine.state.plans.values()
+        control(bus)
+        assert model.plans[record.plan_id].node_orders == ["stop node 1 (rendezvous round 3): waiting for the plan "
+                                                           "to be applied"]
+        (order,) = record.proposal.node_orders
+        bus.publish([trainer.make(CommandAck(command_id=record.command_id or "", plan_id=record.plan_id, epoch=1,
+                                             status=AckStatus.APPLIED, running_epoch=1)),
+                     trainer.make(NodeCommandAck(command_id=order.command_id, node=1, action="stop", round=3,
+                                                 status=AckStatus.APPLIED, running_round=3, ranks=[4, 5, 6, 7],
+                                                 detail="node 1 stopped its ranks [4, 5, 6, 7]"))])
+        engine.poll_once()
+        control(bus)
+        engine.close()
+    assert model.plans[record.plan_id].node_orders == [
+        "stop node 1 (rendezvous round 3): applied — node 1 stopped its ranks [4, 5, 6, 7]"]

@@ -213,6 +213,19 @@ class PlanView:
         return next(((t, a) for t, a in self.acks if a.status == AckStatus.APPLIED), None)
 
     @property
+    def node_orders(self) -> list[str]:
+        """A node plan's orders, each with where it stands (the plan fold's record): waiting for
+        the layout to be applied, commanded, or the agent's answer and its detail."""
+        lines = []
+        for order in self.proposed.node_orders:
+            state = self.record.node_order_state(order.command_id) if self.record is not None else "waiting"
+            ack = self.record.node_acks.get(order.command_id) if self.record is not None else None
+            words = "waiting for the plan to be applied" if state == "waiting" else state.replace("_", " ")
+            lines.append(f"{order.action} node {order.node} (rendezvous round {order.round}): {words}"
+                         + (f" — {ack.detail}" if ack is not None and ack.detail else ""))
+        return lines
+
+    @property
     def status(self) -> str:
         """The fold's state in the console's words."""
         state = self.record.status if self.record is not None else PlanStatus.PROPOSED

@@ -208,6 +208,8 @@ def _plan(feed: Feed, plan: PlanView) -> None:
     st.caption(f"{plain(plan.plan_id)} · strategy {plain(p.strategy)} · proposed by {plain(plan.source)} at "
                f"{clock(plan.proposed_time_s)} · epoch {p.base_epoch} → {p.plan.epoch}")
     st.markdown("**Diff**\n" + "\n".join(f"- {plain(line)}" for line in p.diff) if p.diff else "no differences listed")
+    if plan.node_orders:
+        st.markdown("**Node orders**\n" + "\n".join(f"- {plain(line)}" for line in plan.node_orders))
     job = feed.model.jobs.get(plan.job)
     base = feed.model.base_plan(plan)
     layout = job.layout if job else {}
