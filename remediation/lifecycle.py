@@ -220,11 +220,15 @@ _HANDLERS: dict[type, Callable[[LifecycleState, Envelope, Any], None]] = {
 
 def can_roll_back(state: LifecycleState, record: PlanRecord) -> bool:
     """Whether the layout ``record`` replaced could run again: known, and using no device known dead
-    (a plan that resumed a job hung on a dead device has nothing to roll back to: it is kept)."""
+    nor one of a node the plan ordered to stop (a plan that resumed a job hung on a dead device has
+    nothing to roll back to: it is kept)."""
     previous = state.layouts.get(record.proposal.base_epoch)
     if record.proposal.current_tokens_per_s <= 0 or previous is None:
         return False
-    return not any(d in state.known_dead for d in previous.devices)
+    # a node plan's stop, once ordered, takes the node's devices away whether or not its ack came yet
+    stopping = {d for o in record.proposal.node_orders if o.action == "stop" and o.command_id in record.node_commands
+                for d in o.devices}
+    return not any(d in state.known_dead or d in stopping for d in previous.devices)
 
 
 def reaction_id(job: str, what: str) -> str:

@@ -9,8 +9,8 @@ from collector import topics
 from collector.embedded import EmbeddedBus
 from collector.epoch_fence import COMMAND_TTL_S
 from collector.events import (
-    AckStatus, CommandAck, Evidence, FaultCategory, IncidentOpened, Location, NodeCommand, NodeCommandAck,
-    PolicyChanged, PolicyMode, Severity,
+    AckStatus, CommandAck, Evidence, FaultCategory, IncidentOpened, IterationPrediction, Location, NodeCommand,
+    NodeCommandAck, PolicyChanged, PolicyMode, Severity,
 )
 from collector.plan import Plan
 from collector.plan_lifecycle import PlanLifecycle, fold
@@ -262,3 +262,31 @@ def test_the_console_shows_a_node_plans_orders_as_they_go(tmp_path: Path) -> Non
         engine.close()
     assert model.plans[record.plan_id].node_orders == [
         "stop node 1 (rendezvous round 3): applied — node 1 stopped its ranks [4, 5, 6, 7]"]
+
+
+def test_a_node_plan_short_of_its_prediction_is_kept_once_its_stop_is_ordered(tmp_path: Path) -> None:
+    """The layout before it used the node: once the stop is out, that layout cannot run again, so
+    a shortfall keeps the plan (and says why) instead of rolling back onto a leaving node."""
+    analytics, trainer = Authors(JOB, "analytics"), Authors(JOB, "trainer")
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
+        bus.publish([analytics.make(IterationPrediction(epoch=0, iteration=i, observed_s=1.0, predicted_s=1.0,
+                                                        tokens=1_000)) for i in range(5)])
+        engine = _engine(bus)
+        bus.publish([analytics.make(_incident(f"s{r}", FaultCategory.FAIL_SLOW, [
+            Location(target="compute", rank=r, factor=20.0, measure="compute")])) for r in (8, 9, 10, 11)])
+        bus.publish([analytics.make(IterationPrediction(epoch=0, iteration=i, observed_s=1.0, predicted_s=1.0,
+                                                        tokens=100)) for i in range(6, 12)])
+        engine.poll_once()
+        (record,) = engine.state.plans.values()
+        assert [o.node for o in record.proposal.node_orders] == [2] and record.status == PlanStatus.COMMANDED
+        bus.publish([trainer.make(CommandAck(command_id=record.command_id or "", plan_id=record.plan_id, epoch=1,
+                                             status=AckStatus.APPLIED, running_epoch=1))])
+        engine.poll_once()
+        assert record.node_commands  # ordered; no ack yet
+        bus.publish([analytics.make(IterationPrediction(epoch=1, iteration=i, observed_s=1.0, predicted_s=1.0,
+                                                        tokens=101)) for i in range(20, 27)])  # no gain measured
+        engine.poll_once()
+        engine.poll_once()
+        assert record.status == PlanStatus.VERIFIED and len(engine.state.plans) == 1
+        assert any(f"plan {record.plan_id} fell short" in r for r in engine.refusals)
+        engine.close()
