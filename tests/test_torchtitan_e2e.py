@@ -30,7 +30,7 @@ from collector.events import (AckStatus, CommandAck, ExecutorCapabilities, Itera
                               ReshapePhase)
 from collector.stream import EventStream
 from tests.test_demo_e2e import _component_logs
-from trainer.torchtitan.layout import TitanLayout, with_flags
+from trainer.torchtitan.layout import TitanLayout, layout_of, with_flags
 
 pytestmark = pytest.mark.processes  # tests/fixtures/tiers.py
 
@@ -88,7 +88,7 @@ def test_a_slow_device_in_a_torchtitan_job_is_left_out_by_a_restart_and_the_rest
     fresh = tmp_path / "fresh"
     shutil.copytree(workdir / "torchtitan" / "checkpoint" / f"step-{stopped_at}",
                     fresh / "checkpoint" / f"step-{stopped_at}")
-    layout = TitanLayout(dp_replicate=new_plan.dp)
+    layout, _ = layout_of(new_plan, TitanLayout(dp_replicate=result["gpus"]))  # PP, TP and DP as the plan has them
     argv = json.loads((workdir / "torchtitan-argv.json").read_text())
     args = with_flags(argv, layout.flags(new_plan.pipelines[0].microbatches, 1))
     # the same --training.steps: the learning-rate schedule is a function of them
