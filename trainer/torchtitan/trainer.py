@@ -65,7 +65,6 @@ class ResiHPTrainer(Trainer):
         self.telemetry = StepTelemetry.attach(self, config.resihp) if config.resihp.telemetry else None
         self._stop_records = _agent_records(self.world_rank)
         self._resumed_reported = False
-        self.stopped_for: StopOrder | None = None
         if self._stop_records is not None and self.world_rank == 0:
             self._stop_records.set(JOB_KEY, self.job_shape().to_json())
 
@@ -125,7 +124,6 @@ class ResiHPTrainer(Trainer):
         if order is None:
             return True
         self._save_whole_state()
-        self.stopped_for = order
         if self.world_rank == 0:
             self._stop_records.set(STOPPED_KEY, {"epoch": order.epoch, "step": self.step})
         if self.telemetry is not None:
