@@ -181,7 +181,7 @@ def torchtitan_story(*, short: bool = False, ranks: int = 4) -> DemoStory:
     layout from a checkpoint of the step every rank stopped at (trainer/torchtitan/controller.py).
     Four replicas, because the detector centres each rank on the job's median, which two ranks (one
     of them slow) would split between them."""
-    warmup, phase = (8, 12) if short else (20, 30)
+    warmup, phase = (8, 8) if short else (20, 30)
     slow = FaultBeat("demo-fail-slow", "fail_slow", 1, warmup, factor=3.0)
     return DemoStory(gpus=ranks, tp=1, pp=1, dp=ranks, microbatches_per_replica=1, model="7b",
                      warmup_iterations=warmup, slow=slow, stop=None, iterations=warmup + 2 * phase, probes=False)
