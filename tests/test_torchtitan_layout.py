@@ -20,7 +20,7 @@ from remediation.planner import Planner
 from remediation.uniform import is_uniform, uniform_plans
 from trainer.agent.relayout import StepMark, StopOrder, devices_of
 from trainer.torchtitan.data import PackedStream, batches_done, positions_of, slot
-from trainer.torchtitan.layout import (TORCHTITAN_CAPABILITIES, JobShape, NotUniform, TitanLayout, flag_value,
+from trainer.torchtitan.layout import (TORCHTITAN_CAPABILITIES, JobShape, NotUniform, TitanLayout,
                                        layout_of, plan_of, with_flags)
 
 
@@ -30,15 +30,6 @@ def test_world_ranks_follow_torchtitans_grid_order() -> None:
     assert [layout.coords(r) for r in range(8)] == [
         (0, 0, 0), (1, 0, 0), (0, 0, 1), (1, 0, 1), (0, 1, 0), (1, 1, 0), (0, 1, 1), (1, 1, 1)]
     assert all(layout.rank_of(*layout.coords(r)) == r for r in range(8))
-
-
-def test_flags_resolve_the_shard_degree_as_torchtitan_does() -> None:
-    assert TitanLayout.from_flags([], 4) == TitanLayout(dp_shard=4)
-    got = TitanLayout.from_flags(["--parallelism.tensor_parallel_degree", "2",
-                                  "--parallelism.pipeline_parallel_degree=2"], 8)
-    assert got == TitanLayout(pp=2, dp_shard=2, tp=2)
-    with pytest.raises(NotUniform, match="do not divide"):
-        TitanLayout.from_flags(["--parallelism.tensor_parallel_degree", "3"], 4)
 
 
 def test_a_plan_round_trips_through_the_layout_and_back() -> None:
@@ -63,6 +54,10 @@ def test_a_plan_that_is_not_one_grid_is_refused_with_the_rule_it_breaks() -> Non
         layout_of(uneven, TitanLayout(dp_shard=2, tp=2), running)
 
 
+def flag_value(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
 def test_a_restart_keeps_the_global_batch_whatever_the_degrees() -> None:
     four = TitanLayout(dp_replicate=4).flags(microbatches=3, samples_per_microbatch=1)
     three = TitanLayout(dp_replicate=3).flags(microbatches=4, samples_per_microbatch=1)
@@ -80,7 +75,7 @@ def test_restart_flags_replace_the_jobs_own() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.dictionaries(st.sampled_from(["pp", "dp_shard", "tp", "devices", "epoch", "global_batch", "model"]),
+@given(st.dictionaries(st.sampled_from(["pp", "dp_shard", "tp", "devices", "epoch", "microbatches", "model"]),
                        st.one_of(st.integers(-3, 9), st.text(max_size=3), st.lists(st.integers(-1, 5), max_size=5),
                                  st.none())))
 def test_the_job_shape_record_refuses_anything_malformed(body: dict) -> None:

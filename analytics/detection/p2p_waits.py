@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from analytics.detection.frame import OP_CODE, IterationFrame
+from analytics.detection.scoring import message_times
 
 P2P_SEND_OPS = (OP_CODE["pp_send"], OP_CODE["pp_sendrecv"])
 WAIT_SPREAD = 8.0  # the median link's slowest message over its fastest, beyond which timers hold waits
@@ -39,14 +40,7 @@ def undeclared_spread(frame: IterationFrame) -> float:
     sel = np.isin(frame.k_op, P2P_SEND_OPS) & ~frame.k_wait & (frame.k_peer >= 0) & (frame.k_dur > 0)
     if sel.sum() < 2:
         return float("nan")
-    src = frame.rank[frame.k_rank[sel]]
-    dst = frame.k_peer[sel]
-    per = frame.k_dur[sel]
-    nbytes = frame.k_bytes[sel]
-    per = np.where(np.isfinite(nbytes) & (nbytes > 0), per / np.maximum(nbytes, 1.0), per)
-    span = int(max(src.max(), dst.max())) + 1
-    _, link = np.unique(src * span + dst, return_inverse=True)
-    link = link.reshape(-1)
+    _, link, per, _ = message_times(frame, sel)
     n = int(link.max()) + 1
     hi = np.full(n, -np.inf)
     lo = np.full(n, np.inf)

@@ -610,6 +610,20 @@ P2P_OPS = (OP_CODE["pp_send"], OP_CODE["pp_sendrecv"])
 MIN_LINK_PEERS = 3  # links of one stage pair needed to centre them on each other
 
 
+def message_times(frame: IterationFrame, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """The p2p records ``sel`` picks (at least one) by link: (link codes ``src · span + dst``, each
+    record's link index into them, each record's time per message — per byte when its size is
+    known — and ``span``)."""
+    src = frame.rank[frame.k_rank[sel]]
+    dst = frame.k_peer[sel]
+    per = frame.k_dur[sel]
+    nbytes = frame.k_bytes[sel]
+    per = np.where(np.isfinite(nbytes) & (nbytes > 0), per / np.maximum(nbytes, 1.0), per)
+    span = int(max(src.max(), dst.max())) + 1
+    pairs, inv = np.unique(src * span + dst, return_inverse=True)
+    return pairs, inv.reshape(-1), per, span
+
+
 def link_times(frame: IterationFrame) -> tuple[np.ndarray, ...]:
     """Per link with p2p send records (``pp_send``, or a fused ``pp_sendrecv``): (src device, dst
     device, log time per message, source stage, destination stage, timers hold waits), uncentred.
@@ -623,14 +637,7 @@ def link_times(frame: IterationFrame) -> tuple[np.ndarray, ...]:
     if not sel.any():
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, np.zeros(0), empty, empty, np.zeros(0, dtype=bool)
-    src = frame.rank[frame.k_rank[sel]]
-    dst = frame.k_peer[sel]
-    per = frame.k_dur[sel]
-    nbytes = frame.k_bytes[sel]
-    per = np.where(np.isfinite(nbytes) & (nbytes > 0), per / np.maximum(nbytes, 1.0), per)
-    span = int(max(src.max(), dst.max())) + 1
-    pairs, inv = np.unique(src * span + dst, return_inverse=True)
-    inv = inv.reshape(-1)
+    pairs, inv, per, span = message_times(frame, sel)
     waits = np.zeros(len(pairs), dtype=bool)
     np.logical_or.at(waits, inv, frame.k_wait[sel])
     # a timer that holds the wait: the fastest message is the one that waited least (the wire's

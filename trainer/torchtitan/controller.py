@@ -5,8 +5,8 @@ is a restart at another layout, driven from the agent (which holds the executor'
 only publish telemetry). :class:`TitanRelayout` is called on every pass of the agent's monitor loop
 (trainer/agent/node.py) and walks the protocol of trainer/agent/relayout.py:
 
-    announce   once the job's rank 0 has said what it runs (``resihp/relayout/job``: degrees, global
-               batch, micro-batches, layers), ``plan.current`` and ``plan.capabilities`` go out, so
+    announce   once the job's rank 0 has said what it runs (``resihp/relayout/job``: degrees,
+               devices, micro-batches, layers), ``plan.current`` and ``plan.capabilities`` go out, so
                the engine plans for this job within what torchtitan can run (layout.py)
     command    a ``command.reconfigure`` (signed, fenced, for this run: trainer/integration.py's
                ``CommandListener``) whose plan is a uniform layout: its torchtitan degrees and the
@@ -34,7 +34,7 @@ from typing import Any
 
 from collector.events import ReconfigureCommand, ReshapePhase, ReshapePhaseName
 from collector.plan import Plan
-from trainer.agent.relayout import RESUMED_KEY, STOP_KEY, STOPPED_KEY, StepMark
+from trainer.agent.relayout import DEVICES_ENV, EPOCH_ENV, RESUMED_KEY, STOP_KEY, STOPPED_KEY, StepMark
 from trainer.agent.signed_store import RANK_WRITERS, SignedStore
 from trainer.integration import CommandListener
 from trainer.telemetry import TelemetryPublisher
@@ -80,7 +80,6 @@ class TitanRelayout:
         self.listener: CommandListener | None = None
         self.flight: _InFlight | None = None
         self.env: dict[str, str] = {}
-        self.relaunches = 0
 
     # ---- what the agent asks -----------------------------------------------------------------------
 
@@ -160,9 +159,11 @@ class TitanRelayout:
                 flight.stopped = records.read(STOPPED_KEY, StepMark.parse, allowed=RANK_WRITERS)
                 if flight.stopped is not None:
                     flight.stopped_at = now
-            if any_failed or (flight.stopped is None and now - flight.asked_at > STOP_DEADLINE_S):
-                self._fail(f"the job did not stop at a step boundary ({'a rank failed' if any_failed else 'no boundary in '}"
-                           f"{'' if any_failed else f'{STOP_DEADLINE_S:.0f} s'}); it runs on, or restarts, at the old layout")
+            if any_failed:
+                self._fail("a rank failed before the job stopped; it restarts at the old layout")
+                return False
+            if flight.stopped is None and now - flight.asked_at > STOP_DEADLINE_S:
+                self._fail(f"the job reached no step boundary in {STOP_DEADLINE_S:.0f} s; it runs on at the old layout")
                 return False
             if flight.stopped is None or not all_exited_ok:
                 return False
@@ -178,11 +179,9 @@ class TitanRelayout:
     def _restart(self, flight: _InFlight, relaunch: Callable[[int, Callable[[Sequence[str]], list[str]]], None]) -> None:
         assert self.shape is not None
         devices = ",".join(str(d) for d in flight.devices)
-        self.env = {"RESIHP_DEVICES": devices, "RESIHP_PLAN_EPOCH": str(flight.command.plan.epoch),
-                    "CUDA_VISIBLE_DEVICES": devices}
+        self.env = {DEVICES_ENV: devices, EPOCH_ENV: str(flight.command.plan.epoch), "CUDA_VISIBLE_DEVICES": devices}
         extra = flight.layout.flags(flight.command.plan.pipelines[0].microbatches, self.shape.samples_per_microbatch)
         flight.restarted_at = self.clock()
-        self.relaunches += 1
         relaunch(flight.layout.world, lambda args: with_flags(args, extra))
 
     def _applied(self, flight: _InFlight, mark: StepMark, now: float) -> None:
@@ -195,7 +194,7 @@ class TitanRelayout:
                                          f"step {stopped.step}")
         self._phases(flight, mark, now)
         self.shape = JobShape(layout=flight.layout, devices=tuple(flight.devices), epoch=flight.command.plan.epoch,
-                              num_layers=self.shape.num_layers, global_batch=self.shape.global_batch,
+                              num_layers=self.shape.num_layers,
                               microbatches=flight.command.plan.pipelines[0].microbatches,
                               samples_per_microbatch=self.shape.samples_per_microbatch, tokens_per_microbatch=self.shape.tokens_per_microbatch,
                               layer_state_bytes=self.shape.layer_state_bytes, model=self.shape.model)

@@ -90,26 +90,6 @@ class TitanLayout:
     def rank_of(self, t: int, p: int, b: int) -> int:
         return (p * self.batch + b) * self.tp + t
 
-    @classmethod
-    def from_flags(cls, args: Sequence[str], world: int) -> TitanLayout:
-        """The layout torchtitan would build from ``args`` (its CLI flags) on ``world`` ranks:
-        ``dp_shard`` -1 (the default) takes what the other degrees leave."""
-        values = _flag_values(args)
-        pp = int(values.get("--parallelism.pipeline_parallel_degree", 1))
-        rep = int(values.get("--parallelism.data_parallel_replicate_degree", 1))
-        tp = int(values.get("--parallelism.tensor_parallel_degree", 1))
-        cp = int(values.get("--parallelism.context_parallel_degree", 1))
-        shard = int(values.get("--parallelism.data_parallel_shard_degree", -1))
-        if shard < 0:
-            shard, rest = divmod(world, pp * rep * tp * cp)
-            if rest or shard < 1:
-                raise NotUniform(f"{world} ranks do not divide into pp {pp} x dp_replicate {rep} x tp {tp} x cp {cp}")
-        layout = cls(pp=pp, dp_replicate=rep, dp_shard=shard, tp=tp, cp=cp)
-        if layout.world != world:
-            raise NotUniform(f"pp {pp} x dp_replicate {rep} x dp_shard {shard} x tp {tp} x cp {cp} = {layout.world} "
-                             f"ranks, but the job has {world}")
-        return layout
-
     def flags(self, microbatches: int, samples_per_microbatch: int) -> list[str]:
         """The CLI flags that make torchtitan build this layout with ``microbatches`` micro-batches
         of ``samples_per_microbatch`` samples per replica and step (the global batch is their
@@ -126,24 +106,6 @@ class TitanLayout:
                 "--parallelism.pipeline_parallel_microbatch_size", str(samples_per_microbatch),
                 "--training.local_batch_size", str(local),
                 "--training.global_batch_size", str(per_step * self.batch)]
-
-
-def _flag_values(args: Sequence[str]) -> dict[str, str]:
-    """``--name value`` and ``--name=value`` pairs; the last occurrence wins, as in tyro."""
-    out: dict[str, str] = {}
-    for i, arg in enumerate(args):
-        if not arg.startswith("--"):
-            continue
-        if "=" in arg:
-            name, value = arg.split("=", 1)
-            out[name] = value
-        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
-            out[arg] = args[i + 1]
-    return out
-
-
-def flag_value(args: Sequence[str], name: str) -> str | None:
-    return _flag_values(args).get(name)
 
 
 def with_flags(args: Sequence[str], extra: Sequence[str], replaced: Sequence[str] = LAYOUT_FLAGS) -> list[str]:
@@ -215,7 +177,6 @@ class JobShape:
     devices: tuple[int, ...]
     epoch: int
     num_layers: int
-    global_batch: int
     microbatches: int  # per replica per step: gradient accumulation x pipeline micro-batches
     samples_per_microbatch: int
     tokens_per_microbatch: int
@@ -226,7 +187,7 @@ class JobShape:
         lay = self.layout
         return {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp,
                 "cp": lay.cp, "devices": list(self.devices), "epoch": self.epoch, "num_layers": self.num_layers,
-                "global_batch": self.global_batch, "microbatches": self.microbatches,
+                "microbatches": self.microbatches,
                 "samples_per_microbatch": self.samples_per_microbatch, "tokens_per_microbatch": self.tokens_per_microbatch, "layer_state_bytes": self.layer_state_bytes,
                 "model": self.model}
 
@@ -234,7 +195,7 @@ class JobShape:
     def parse(cls, body: Any) -> JobShape:
         if not isinstance(body, dict):
             raise ValueError("a job shape is an object")
-        ints = ("pp", "dp_replicate", "dp_shard", "tp", "cp", "epoch", "num_layers", "global_batch", "microbatches",
+        ints = ("pp", "dp_replicate", "dp_shard", "tp", "cp", "epoch", "num_layers", "microbatches",
                 "samples_per_microbatch", "tokens_per_microbatch", "layer_state_bytes")
         if not all(isinstance(body.get(k), int) and body[k] >= 0 for k in ints):
             raise ValueError(f"a job shape needs non-negative integers {', '.join(ints)}")
@@ -246,7 +207,7 @@ class JobShape:
         if layout.world != len(devices):
             raise ValueError(f"a job shape of {layout.world} ranks names {len(devices)} devices")
         return cls(layout=layout, devices=tuple(devices), epoch=body["epoch"], num_layers=body["num_layers"],
-                   global_batch=body["global_batch"], microbatches=body["microbatches"],
+                   microbatches=body["microbatches"],
                    samples_per_microbatch=body["samples_per_microbatch"], tokens_per_microbatch=body["tokens_per_microbatch"],
                    layer_state_bytes=body["layer_state_bytes"], model=str(body.get("model", ""))[:200])
 

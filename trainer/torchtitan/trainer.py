@@ -72,15 +72,12 @@ class ResiHPTrainer(Trainer):
         """What this world runs, in the terms the agent announces it in (trainer/torchtitan/layout.py)."""
         config, pd = self.config, self.parallel_dims
         training = config.training
-        global_batch = training.global_batch_size if training.global_batch_size > 0 \
-            else training.local_batch_size * self.layout.batch
         per_microbatch = config.parallelism.pipeline_parallel_microbatch_size if pd.pp_enabled \
             else training.local_batch_size
         num_layers = len(getattr(self.model_config, "layers", None) or []) or 1
         local_params = sum(p.numel() for part in self.model_parts for p in part.parameters())
         layers_here = max(1, num_layers // self.layout.pp)
         return JobShape(layout=self.layout, devices=tuple(self.devices), epoch=self.plan_epoch, num_layers=num_layers,
-                        global_batch=global_batch,
                         microbatches=self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches,
                         samples_per_microbatch=per_microbatch, tokens_per_microbatch=per_microbatch * training.seq_len,
                         layer_state_bytes=16 * local_params // layers_here,  # fp32 weight, grad, Adam m and v
