@@ -12,7 +12,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-fast install kafka browser monitoring clean
+.PHONY: demo test test-fast install kafka browser monitoring etcd clean
 
 demo: install
 	$(BIN)/resihp demo
@@ -23,7 +23,7 @@ demo: install
 # own) runs in those gaps at the lowest CPU priority, so it barely slows them. Its output is
 # printed when it ends; a failure in either tier fails the target. Both are in this shell's process
 # group, so stopping make stops both.
-test: install kafka browser monitoring
+test: install kafka browser monitoring etcd
 	@mkdir -p .resihp
 	@( nice -n 19 $(BIN)/python -m pytest --tier fast </dev/null >.resihp/test-fast.log 2>&1; \
 	   echo $$? >.resihp/test-fast.rc ) & \
@@ -57,6 +57,12 @@ monitoring:
 	  echo "installing Debian's prometheus and prometheus-alertmanager for the metrics and alerting tests"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus prometheus-alertmanager >/dev/null) || \
 	  { echo "could not install prometheus (needs root and Debian's package index)"; exit 1; }; }
+
+etcd:
+	@command -v etcd >/dev/null 2>&1 || { \
+	  echo "installing Debian's etcd-server for the multi-node rendezvous tests"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null) || \
+	  { echo "could not install etcd-server (needs root and Debian's package index)"; exit 1; }; }
 
 clean:
 	rm -rf $(VENV) .resihp .kafka/broker
