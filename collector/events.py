@@ -693,9 +693,15 @@ class Severity(StrEnum):
 
 
 class Location(BaseModel):
-    """Where a fault is: a rank's compute, a link between two devices, or a whole node."""
+    """Where a fault is: a rank's compute, a link between two devices, or a whole node.
+
+    ``place_confidence`` says how sure the detector is of the place, not whether the fault is real
+    (that is the incident's ``p_real``). Schema 1–2 named it ``confidence`` and mixed both; such a
+    location is read with that number as its place confidence and written back under the old name,
+    because the bytes an incident's signature covers are the ones it was signed with."""
 
     model_config = _CONTRACT
+    _old_confidence: bool = PrivateAttr(default=False)  # the wire said ``confidence``: written back the same
 
     target: LocationTarget
     rank: int | None = Field(default=None, ge=0, le=INT32_MAX)
@@ -705,12 +711,32 @@ class Location(BaseModel):
     stage: int | None = Field(default=None, ge=0, le=INT32_MAX)
     tp_group: tuple[Int32, ...] | None = Field(default=None, max_length=LIST_MAX)
     factor: float = Field(default=1.0, gt=0, description="estimated slowdown; large (finite) for dead")
-    confidence: float = Field(default=1.0, ge=0, le=1)
+    place_confidence: float = Field(
+        default=1.0, ge=0, le=1,
+        description="share of the evidence that points at this place among the candidates it could be (1: the "
+                    "place is measured; 1/n: one of n lock-step or untraced ranks); schema 1–2: confidence")
     measure: Literal["chunks", "compute"] = Field(
         default="chunks", exclude_if=lambda v: v == "chunks",
         description="what a compute location's factor slows: the rank's chunks, as telemetry times them (compute "
                     "and the TP communication inside; a planner takes the compute slowdown behind it), or its "
                     "compute alone, as a probe times it")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _read_old_confidence(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Location:
+        old = data._old_confidence if isinstance(data, Location) else False
+        if isinstance(data, dict) and "confidence" in data and "place_confidence" not in data:
+            data, old = {("place_confidence" if k == "confidence" else k): v for k, v in data.items()}, True
+        loc = handler(data)
+        loc._old_confidence = old
+        return loc
+
+    @model_serializer(mode="wrap")
+    def _write_confidence_as_read(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        body = handler(self)
+        if not self._old_confidence or not isinstance(body, dict):
+            return body
+        return {("confidence" if k == "place_confidence" else k): v for k, v in body.items()}
 
 
 class Evidence(BaseModel):
@@ -724,13 +750,28 @@ class Evidence(BaseModel):
     rank_factors: dict[Int32, Finite] = Field(default_factory=dict, max_length=LIST_MAX)
     statistic: str = ""
     note: str = ""
+    basis: str = Field(default="", exclude_if=lambda v: not v,
+                       description="the kind of evidence the incident's p_real was read from (schema 3; "
+                                   "analytics/detection/calibration.py BASES)")
+    margin: float | None = Field(default=None, allow_inf_nan=False, exclude_if=lambda v: v is None,
+                                 description="how far that evidence passed its alarm bar, in the basis's own "
+                                             "units (schema 3)")
+
+
+# How sure the detector is that an incident's fault is real, calibrated on the detection suite
+# (docs/detector.md, "Confidence"); absent (schema 1–2, a baseline detector): uncalibrated.
+PReal = Annotated[float | None, Field(
+    default=None, ge=0, le=1, exclude_if=lambda v: v is None,
+    description="probability the fault is real, calibrated on the detection suite (absent: uncalibrated, as "
+                "every schema 1–2 incident is)")]
 
 
 class IncidentOpened(Payload):
     """The detector found something its prediction cannot explain, and says where and why."""
 
     KIND: ClassVar[str] = "incident.opened"
-    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # 2 adds Location.measure
+    # 2 adds Location.measure, 3 p_real and Location.place_confidence (was confidence)
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, 3)
     incident_id: str
     category: FaultCategory
     severity: Severity
@@ -738,24 +779,28 @@ class IncidentOpened(Payload):
     locations: list[Location] = Field(max_length=LIST_MAX)
     evidence: Evidence
     summary: str
+    p_real: PReal
 
 
 class IncidentConfirmed(Payload):
     """A suspicion is confirmed: by a probe, by missing heartbeats, or by persisting evidence."""
 
     KIND: ClassVar[str] = "incident.confirmed"
-    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # 2 adds Location.measure
+    # 2 adds Location.measure, 3 p_real and Location.place_confidence (was confidence)
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, 3)
     incident_id: str
     method: ConfirmMethod
     detail: str
     locations: list[Location] = Field(default_factory=list, max_length=LIST_MAX)
+    p_real: PReal
 
 
 class IncidentUpdated(Payload):
     """New evidence for an open incident: severity, locations or factors changed."""
 
     KIND: ClassVar[str] = "incident.updated"
-    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # 2 adds Location.measure
+    # 2 adds Location.measure, 3 p_real and Location.place_confidence (was confidence)
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, 3)
     incident_id: str
     iteration: Count
     severity: Severity
@@ -765,6 +810,7 @@ class IncidentUpdated(Payload):
         default_factory=list, max_length=LIST_MAX,
         description="ranks a probe is asking again because of this update: a more precise location follows "
                     "(the next update of the incident), so a plan made on this one would soon be stale")
+    p_real: PReal
 
 
 class IncidentResolved(Payload):
