@@ -24,8 +24,8 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import (
     AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, PrivateAttr, SerializerFunctionWrapHandler,
-    TypeAdapter, ValidationInfo, ValidatorFunctionWrapHandler, create_model, field_validator, model_serializer,
-    model_validator,
+    TypeAdapter, ValidationInfo, ValidatorFunctionWrapHandler, create_model, field_serializer, field_validator,
+    model_serializer, model_validator,
 )
 
 from collector.plan import SCHEDULES, Plan, parse_id_ranges
@@ -221,6 +221,12 @@ class ChunkTable(BaseModel):
             duration_s=[c.duration_s for c in chunks],
         )
 
+    @field_serializer("microbatch", "virtual_stage", "tokens", "seq_lens", "start_s", "duration_s", mode="wrap")
+    def _as_lists(self, value: Sequence, handler: SerializerFunctionWrapHandler) -> Any:
+        """A table read from a binary report holds its columns as arrays (collector/rank_columns.py)
+        until someone reads them: written out, they are the lists the JSON form holds."""
+        return handler(value if isinstance(value, list) else list(value))
+
     def __len__(self) -> int:
         return len(self.kind)
 
@@ -302,6 +308,20 @@ class CommTable(BaseModel):
                                                    self.duration_s, waits, groups)]
 
 
+class RankColumns(BaseModel):
+    """What follows the header of a binary rank report (schema 5): the chunk kinds, one letter per
+    chunk, and how many sequence lengths and communications the blob holds (collector/rank_columns.py
+    gives the layout). Only in a binary record's header; a JSON record carries its columns inline."""
+
+    model_config = _CONTRACT
+
+    kind: str = Field(pattern=r"^[FBW]*$", max_length=CHUNKS_MAX, description="one letter per chunk")
+    seq_lens: int = Field(ge=0, le=LIST_MAX, description="packed sequence lengths, all chunks together")
+    waits: int = Field(ge=0, le=LIST_MAX, description="communications")
+    includes_wait: bool = Field(default=False, description="the blob holds an includes_wait column")
+    group: bool = Field(default=False, description="the blob holds a group column")
+
+
 class RankIteration(IterationPayload):
     """One rank's telemetry for one iteration: every chunk it ran and every wait it measured.
 
@@ -310,20 +330,24 @@ class RankIteration(IterationPayload):
     ``.chunks`` / ``.chunk_table`` and ``.waits()`` (columns, whichever form the record came in).
     Schema 2 carries chunks as columns; schema 3 adds ``coords.cp``, unknown token counts (null),
     the collectives real jobs record and the comm fields ``includes_wait`` / ``group``; schema 4
-    carries the communications as columns too (``comm_table``). Every addition has a default and
-    ``comm`` is still read, so a schema-2 or -3 record decodes unchanged: that is the migration of
-    old logs.
+    carries the communications as columns too (``comm_table``); schema 5 travels on the bus as a
+    binary record whose columns are arrays (collector/rank_columns.py; its JSON form, in traces, is
+    schema 4's). Every addition has a default and ``comm`` is still read, so a schema-2 to -4
+    record decodes unchanged: that is the migration of old logs.
     """
 
     KIND: ClassVar[str] = "telemetry.iteration"
-    VERSIONS: ClassVar[tuple[int, ...]] = (2, 3, 4)
+    VERSIONS: ClassVar[tuple[int, ...]] = (2, 3, 4, 5)
     rank: int = Field(ge=0, le=INT32_MAX, description="device id")
     node: int | None = Field(default=None, ge=0, le=INT32_MAX)
     coords: Coords
     wall_s: float = Field(ge=0, le=DURATION_MAX_S, description="the rank's own iteration time, local clock")
     chunk_table: ChunkTable = Field(description="every chunk the rank ran, as columns")
-    comm_table: CommTable = Field(default_factory=CommTable, description="every communication it measured, as "
-                                  "columns (schema 4)")
+    comm_table: CommTable = Field(default_factory=CommTable, exclude_if=lambda v: not len(v),
+                                  description="every communication it measured, as columns (schema 4)")
+    columns: RankColumns | None = Field(default=None, exclude_if=lambda v: v is None,
+                                        description="schema 5, a binary record's header only: what its blob holds "
+                                                    "(the tables above are then empty)")
     comm: list[CommWait] = Field(default_factory=list, max_length=LIST_MAX, exclude_if=lambda v: not v,
                                  description="schema 2–3: the communications as objects; read from older logs, "
                                  "never written (a record holds comm or comm_table, not both)")
@@ -931,11 +955,17 @@ class PolicyMode(StrEnum):
 
 
 class PolicyChanged(Payload):
-    """Per job: propose and wait for an operator, or auto-apply plans of the listed severities."""
+    """Per job: propose and wait for an operator, or auto-apply plans of the listed severities whose
+    incidents the detector is sure enough are real (``auto_min_p_real``)."""
 
     KIND: ClassVar[str] = "policy.changed"
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # 2 adds auto_min_p_real
     mode: PolicyMode
     auto_severities: list[Severity] = Field(default_factory=list, max_length=16, description="severities auto-applied in auto mode")
+    auto_min_p_real: float | None = Field(
+        default=None, ge=0, le=1, exclude_if=lambda v: v is None,
+        description="in auto mode, a plan is applied without an operator only when every incident it answers has a "
+                    "calibrated p_real at least this (absent, as in schema 1: severity alone decides)")
     actor: str = Field(min_length=1)
 
 
