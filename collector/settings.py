@@ -64,6 +64,9 @@ class Environment(BaseSettings):
                             "restarted world runs")
     store_scope: str = Field(default="", description="set by the node agent for its ranks: the rendezvous round their "
                              "signed store records belong to (trainer/agent/shrink.py)")
+    ranks_store: str = Field(default="", description="set by the node agent under --rdzv-backend etcd: the store its ranks "
+                             "meet in (etcd://HOST:PORT,.../PREFIX, trainer/agent/etcd_store.py); unset: the bootstrap "
+                             "TCPStore at MASTER_ADDR:MASTER_PORT")
     legacy_keys: str = Field(default="", description="an HMAC key file of the earlier scheme: its signatures verify, "
                              "nothing is signed with it")
     # processes
