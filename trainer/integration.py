@@ -375,14 +375,15 @@ class CommandListener:
             events.append(self._announced)
         self._publish(events)
 
-    def adopt(self, plan: Plan) -> None:
+    def adopt(self, plan: Plan, reason: PlanCurrentReason = "reshape") -> None:
         """The loop moved to ``plan`` on its own, not on a command (the survivors of a lost rank
-        re-formed without it): fence the next command on it and, if the plan was announced at
-        start, announce this one (``plan.current``, reason ``reshape``) so the engine plans from it."""
+        re-formed without it; a restart past a lost device): fence the next command on it and, if
+        the plan was announced at start, announce this one (``plan.current``) so the engine plans
+        from it."""
         self.running = plan
         self.fence.running_epoch = plan.epoch
         if self._announced is not None:
-            self._announced = self._announced.model_copy(update={"plan": plan, "reason": "reshape"})
+            self._announced = self._announced.model_copy(update={"plan": plan, "reason": reason})
             self._publish([self._announced])
 
     def ack_failed(self, command: ReconfigureCommand, detail: str) -> None:

@@ -115,9 +115,11 @@ class Relayout(Protocol):
     def identity(self, rank: int) -> tuple[int, int]:
         """(device id, plan epoch) of world rank ``rank`` now: what its heartbeats say."""
 
-    def watch(self, records: SignedStore, all_exited_ok: bool, any_failed: bool,
+    def watch(self, records: SignedStore, all_exited_ok: bool, failed: Sequence[int] | None,
               relaunch: Callable[[int, Callable[[Sequence[str]], list[str]]], None]) -> bool:
-        """One monitor pass; True when it restarted the worker group through ``relaunch``."""
+        """One monitor pass; True when it restarted the worker group through ``relaunch``.
+        ``failed``: None while no rank failed, else the world ranks whose failure ended the group
+        (:meth:`RankWatch.culprits`; empty when the group is unhealthy with no rank to name)."""
 
 
 class NodeAgent(LocalElasticAgent):
@@ -225,9 +227,11 @@ class NodeAgent(LocalElasticAgent):
             self.recoveries += publish_shrink_recoveries(self.flight_dir, self.settings.telemetry)
         result = super()._monitor_workers(worker_group)
         if self.settings.relayout is not None and self._pcontext is not None and worker_group.master_addr is not None:
+            failed = None
+            if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+                failed = [worker_group.workers[lr].global_rank for lr in self.watched_ranks().culprits()]
             restarted = self.settings.relayout.watch(
-                self._store_of_ranks(worker_group), result.state == WorkerState.SUCCEEDED,
-                result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY),
+                self._store_of_ranks(worker_group), result.state == WorkerState.SUCCEEDED, failed,
                 lambda world, edit: self.relaunch(worker_group, world, edit))
             if restarted:
                 return RunResult(state=WorkerState.HEALTHY)

@@ -58,6 +58,7 @@ class RankWatch:
         self._codes: dict[int, int] = {}
         self._failed: dict[int, ProcessFailure] = {}
         self._released: dict[int, ProcessFailure] = {}
+        self._own: dict[int, int] = {}  # ranks that failed by themselves, before a close stopped the rest
 
     def exit_code(self, local_rank: int) -> int | None:
         """The rank's exit code (negative: the signal that killed it), None while it runs."""
@@ -72,6 +73,14 @@ class RankWatch:
             if lr not in self._codes and (code := self.exit_code(lr)) is not None:
                 self._codes[lr] = code
         return dict(self._codes)
+
+    def culprits(self) -> list[int]:
+        """The local ranks whose failure ended the group: those that failed by themselves (not the
+        peers the close then stopped) and, of those, the ones a signal killed when there are any. A
+        rank that loses a peer mid-collective raises (exit code 1) a moment later; the peer that
+        vanished raised nothing, so when both are seen in one pass the signalled one is the cause."""
+        signalled = [lr for lr, code in self._own.items() if code < 0]
+        return sorted(signalled or self._own)
 
     def take_released(self) -> dict[int, ProcessFailure]:
         """The ranks that failed and left the watch since the last call (``release_failed``)."""
@@ -99,6 +108,7 @@ class RankWatch:
                 continue
             self._watched.discard(lr)
             if code != 0:
+                self._own[lr] = code
                 failure = ProcessFailure(local_rank=lr, pid=self.rank_pid(lr), exitcode=code,
                                          error_file=self.error_files[lr])
                 (self._released if self.release_failed else self._failed)[lr] = failure

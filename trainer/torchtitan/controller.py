@@ -19,6 +19,13 @@ only publish telemetry). :class:`TitanRelayout` is called on every pass of the a
     resumed    the new world's first step: ``command.ack`` applied with the pause, the new
                ``plan.current``, and the pause's phases as ``telemetry.reshape_phase`` events
 
+Fail-stop (trainer/torchtitan/recovery.py): a rank that dies ends its round and torch restarts the
+group at the same layout from the last periodic checkpoint; when the same device's rank ends two
+rounds in a row the device is judged lost, and the agent restarts the job from that checkpoint at
+the largest uniform layout on the devices left, as the next plan epoch (``plan.current``, reason
+``restart``, and the pause's phases), without spending a restart. A command in flight when a rank
+dies is acknowledged ``failed``.
+
 Single node only: a multi-node job is announced and watched but not restarted at a new layout
 (every node's agent would have to restart its share in the same round); its commands are
 acknowledged ``failed`` with that reason.
@@ -38,8 +45,9 @@ from trainer.agent.relayout import DEVICES_ENV, EPOCH_ENV, RESUMED_KEY, STOP_KEY
 from trainer.agent.signed_store import RANK_WRITERS, SignedStore
 from trainer.integration import CommandListener
 from trainer.telemetry import TelemetryPublisher
-from trainer.torchtitan.layout import (JOB_KEY, TORCHTITAN_CAPABILITIES, JobShape, TitanLayout, layout_of,
-                                       with_flags)
+from trainer.torchtitan.layout import (JOB_KEY, TORCHTITAN_CAPABILITIES, JobShape, TitanLayout, fallback_layout,
+                                       layout_of, with_flags)
+from trainer.torchtitan.recovery import LostDevices
 
 log = logging.getLogger("resihp.torchtitan")
 STOP_DEADLINE_S = 120.0  # a stop order not obeyed by then (no step boundary reached) is a failed command
@@ -70,6 +78,16 @@ class _InFlight:
     restarted_at: float = 0.0
 
 
+@dataclass
+class _Recovery:
+    """A restart past lost devices, from its detection to the new world's first step."""
+
+    epoch: int
+    lost: list[int]
+    detected_at: float
+    restarted_at: float
+
+
 class TitanRelayout:
     """One torchtitan job's executor inside its (single) node agent."""
 
@@ -79,6 +97,8 @@ class TitanRelayout:
         self.shape: JobShape | None = None
         self.listener: CommandListener | None = None
         self.flight: _InFlight | None = None
+        self.recovery: _Recovery | None = None
+        self.devices = LostDevices()
         self.env: dict[str, str] = {}
 
     # ---- what the agent asks -----------------------------------------------------------------------
@@ -101,20 +121,28 @@ class TitanRelayout:
             return self.shape.devices[rank], self.shape.epoch
         return rank, 0
 
-    def watch(self, records: SignedStore, all_exited_ok: bool, any_failed: bool,
+    def watch(self, records: SignedStore, all_exited_ok: bool, failed: Sequence[int] | None,
               relaunch: Callable[[int, Callable[[Sequence[str]], list[str]]], None]) -> bool:
-        """One monitor pass. ``records``: this round's ranks' store; ``relaunch(world, edit_args)``
-        restarts the worker group. Returns True when it restarted the group (the agent carries on)."""
+        """One monitor pass. ``records``: this round's ranks' store; ``failed``: None, or the world
+        ranks whose failure ended the round; ``relaunch(world, edit_args)`` restarts the worker
+        group. Returns True when it restarted the group (the agent carries on)."""
         if self.shape is None:
             self._read_shape(records)
             return False
         assert self.listener is not None
+        if failed is not None:
+            if self.flight is not None:
+                self._fail("a rank failed before the new layout ran; the job restarts from its last checkpoint")
+            return self._on_failure(failed, relaunch)
+        if self.recovery is not None:
+            self._recovered(records)
+            return False
         if self.flight is None:
             command = self.listener.poll()
             if command is not None:
                 self._begin(command, records)
             return False
-        return self._advance(records, all_exited_ok, any_failed, relaunch)
+        return self._advance(records, all_exited_ok, relaunch)
 
     # ---- steps -----------------------------------------------------------------------------------------
 
@@ -149,7 +177,7 @@ class TitanRelayout:
         records.set(STOP_KEY, {"epoch": command.plan.epoch, "command": command.command_id})
         log.info("torchtitan job %s: stop for epoch %d (%s)", self.job, command.plan.epoch, command.plan.shape())
 
-    def _advance(self, records: SignedStore, all_exited_ok: bool, any_failed: bool,
+    def _advance(self, records: SignedStore, all_exited_ok: bool,
                  relaunch: Callable[[int, Callable[[Sequence[str]], list[str]]], None]) -> bool:
         flight = self.flight
         assert flight is not None and self.listener is not None and self.shape is not None
@@ -159,9 +187,6 @@ class TitanRelayout:
                 flight.stopped = records.read(STOPPED_KEY, StepMark.parse, allowed=RANK_WRITERS)
                 if flight.stopped is not None:
                     flight.stopped_at = now
-            if any_failed:
-                self._fail("a rank failed before the job stopped; it restarts at the old layout")
-                return False
             if flight.stopped is None and now - flight.asked_at > STOP_DEADLINE_S:
                 self._fail(f"the job reached no step boundary in {STOP_DEADLINE_S:.0f} s; it runs on at the old layout")
                 return False
@@ -213,6 +238,66 @@ class TitanRelayout:
         for phase, seconds, detail in spans:
             self.telemetry.publish(ReshapePhase(executor="torchtitan", epoch=epoch, iteration=step, rank=0,
                                                 phase=phase, duration_s=max(0.0, seconds), detail=detail))
+
+    # ---- fail-stop -------------------------------------------------------------------------------------
+
+    def _on_failure(self, failed: Sequence[int], relaunch: Callable[[int, Callable[[Sequence[str]], list[str]]], None]) -> bool:
+        """A round ended by the ranks ``failed``: leave the restart to torch (same layout, last
+        checkpoint) unless a device is now judged lost; then restart past it. True when restarted."""
+        assert self.shape is not None and self.listener is not None
+        now = self.clock()
+        self.recovery = None  # a world that failed before its first step never resumed
+        lost = self.devices.failed(self.identity(r)[0] for r in failed)
+        if not lost:
+            return False
+        shape = self.shape
+        healthy = self.devices.healthy(shape.devices)
+        global_mb = shape.microbatches * shape.layout.batch
+        layout = fallback_layout(shape.layout, len(healthy), global_mb, shape.num_layers)
+        if layout is None:
+            log.error("torchtitan job %s lost devices %s and no uniform layout fits the %d left; torch's restarts "
+                      "go on at the old layout", self.job, sorted(self.devices.lost), len(healthy))
+            return False
+        devices = healthy[:layout.world]
+        epoch = max(shape.epoch, self.listener.running.epoch) + 1
+        microbatches = global_mb // layout.batch
+        joined = ",".join(str(d) for d in devices)
+        self.env = {DEVICES_ENV: joined, EPOCH_ENV: str(epoch), "CUDA_VISIBLE_DEVICES": joined}
+        extra = layout.flags(microbatches, shape.samples_per_microbatch)
+        log.warning("torchtitan job %s lost device(s) %s: restarting from its last checkpoint at %d ranks "
+                    "(pp %d, dp %d, tp %d) on devices %s", self.job, sorted(lost), layout.world, layout.pp,
+                    layout.batch, layout.tp, joined)
+        relaunch(layout.world, lambda args: with_flags(args, extra))
+        self.shape = JobShape(layout=layout, devices=tuple(devices), epoch=epoch, num_layers=shape.num_layers,
+                              microbatches=microbatches, samples_per_microbatch=shape.samples_per_microbatch,
+                              tokens_per_microbatch=shape.tokens_per_microbatch,
+                              layer_state_bytes=shape.layer_state_bytes, model=shape.model)
+        self.recovery = _Recovery(epoch, sorted(lost), now, self.clock())
+        return True
+
+    def _recovered(self, records: SignedStore) -> None:
+        """The world restarted past lost devices has stepped: it runs the new plan; say so."""
+        recovery = self.recovery
+        assert recovery is not None and self.listener is not None and self.shape is not None
+        mark = records.read(RESUMED_KEY, StepMark.parse, allowed=RANK_WRITERS)
+        if mark is None or mark.epoch != recovery.epoch:
+            return
+        now = self.clock()
+        self.recovery = None
+        self.listener.adopt(self.shape.plan(), reason="restart")
+        log.info("torchtitan job %s runs %s without device(s) %s since step %d", self.job, self.shape.plan().shape(),
+                 recovery.lost, mark.step)
+        if self.telemetry is None:
+            return
+        lost = ", ".join(str(d) for d in recovery.lost)
+        for phase, seconds, detail in (
+                (ReshapePhaseName.NEW_MESH, recovery.restarted_at - recovery.detected_at,
+                 f"device(s) {lost} judged lost; the failed world's ranks stopped"),
+                (ReshapePhaseName.FIRST_STEP, now - recovery.restarted_at,
+                 f"new world of {self.shape.layout.world} ranks started, loaded the last checkpoint (resharded) "
+                 f"and stepped")):
+            self.telemetry.publish(ReshapePhase(executor="torchtitan", epoch=recovery.epoch, iteration=mark.step,
+                                                rank=0, phase=phase, duration_s=max(0.0, seconds), detail=detail))
 
     def _fail(self, why: str) -> None:
         assert self.flight is not None and self.listener is not None

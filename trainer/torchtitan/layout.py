@@ -213,3 +213,29 @@ class JobShape:
 
     def plan(self) -> Plan:
         return plan_of(self.layout, self.devices, self.num_layers, self.microbatches, self.epoch)
+
+
+def fallback_layout(running: TitanLayout, healthy: int, global_microbatches: int, num_layers: int) -> TitanLayout | None:
+    """The uniform layout a job restarts at when devices are gone and no plan says where, among
+    those on at most ``healthy`` devices that keep the global batch (``global_microbatches`` split
+    evenly over the replicas, at least one per stage), a TP degree dividing the running one (so it
+    divides the heads and widths) and the batch dimension's kind (FSDP shards or replicas).
+
+    Chosen by the step time a schedule gives with every device as fast as the others: a replica
+    runs its ``m`` micro-batches over ``pp`` stages in ``m + pp - 1`` stage-slots of ``1 / (pp · tp)``
+    of the model each. Ties keep the running TP, then PP, then use fewer devices. Memory is not
+    weighed (the agent does not know the devices' capacity) and neither are the links: the engine,
+    which knows both, can move the job on from here. None when no uniform layout fits."""
+    best: tuple[tuple[float, bool, bool, int], TitanLayout] | None = None
+    sharded = running.dp_shard > 1 or running.dp_replicate == 1
+    for tp in (t for t in range(1, running.tp + 1) if running.tp % t == 0):
+        for pp in range(1, min(num_layers, healthy // tp) + 1):
+            for dp in range(1, healthy // (tp * pp) + 1):
+                if global_microbatches % dp or global_microbatches // dp < pp:
+                    continue
+                layout = TitanLayout(pp=pp, dp_replicate=1 if sharded else dp, dp_shard=dp if sharded else 1, tp=tp)
+                step = (global_microbatches // dp + pp - 1) / (pp * tp)
+                score = (-step, tp == running.tp, pp == running.pp, -layout.world)
+                if best is None or score > best[0]:
+                    best = (score, layout)
+    return best[1] if best is not None else None

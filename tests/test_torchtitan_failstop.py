@@ -1,0 +1,79 @@
+"""A torchtitan job that loses a device, under ``resihp run``: restarted at the same layout from its
+last checkpoint, then — when the same device's rank dies again — restarted past it at a smaller
+uniform layout, the losses of the steps it redoes unchanged.
+
+Four CPU ranks (data-parallel replicas, a global batch of four micro-batches), a checkpoint every
+3 steps, and device 3 lost at step 6 (``stop_device``: its rank is killed in its forward there, in
+every world that reaches it, as a device that is gone would fail every process put on it).
+
+* round 1 trains steps 1–5 and dies in step 6; torch's agent restarts it at the same layout (one
+  restart spent) from the checkpoint of step 3;
+* round 2 redoes steps 4–5 — with the losses round 1 had, to the bit (the same layout, the same
+  reductions) — and dies in step 6 again: device 3 has ended two rounds in a row, it is lost;
+* round 3 is the agent's: 2 replicas on devices 0 and 1 (the bubble-free layout on the three left
+  that keeps the global batch: 4 micro-batches do not split over 3 replicas), plan epoch 1,
+  announced as ``plan.current`` (reason ``restart``) with its phases. It redoes steps 4–5 from the
+  same checkpoint with round 1's losses (to 1e-5 relative: fp32, the gradients summed in another
+  order) and trains to the end.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from collector import topics
+from collector.events import IterationSummary, PlanCurrent, ReshapePhase
+from tests.test_torchtitan_e2e import _events
+
+pytestmark = pytest.mark.processes  # tests/fixtures/tiers.py
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 8
+
+
+def test_a_lost_device_is_restarted_past_at_a_smaller_uniform_layout_and_the_redone_steps_are_exact(
+        tmp_path: Path) -> None:
+    from trainer.torchtitan.assets import build_assets
+
+    assets = build_assets(tmp_path / "assets")
+    faults = tmp_path / "faults.yaml"
+    faults.write_text("faults:\n  - kind: stop_device\n    device: 3\n    at_iteration: 6\n")
+    bus = tmp_path / "bus.sqlite"
+    argv = [sys.executable, "-m", "resihp.cli", "run", "--standalone", "--nproc-per-node", "4", "--max-restarts", "3",
+            "--job", "lost-device", "--bus", "embedded", "--bus-path", str(bus),
+            "--preload", "torchtitan.trainer,trainer.torchtitan.config_registry",
+            "-m", "torchtitan.train", "--module", "trainer.torchtitan", "--config", "llama3_debugmodel",
+            "--hf_assets_path", str(assets), "--dataloader.dataset_path", str(assets),
+            "--parallelism.data_parallel_replicate_degree", "4", "--parallelism.data_parallel_shard_degree", "1",
+            "--training.local_batch_size", "1", "--training.global_batch_size", "4",
+            "--training.steps", str(STEPS), "--checkpoint.interval", "3",
+            "--dump_folder", str(tmp_path / "run"), "--resihp.faults", str(faults)]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    why = f"\nexit {proc.returncode}\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, why
+    assert "lost device(s) [3]" in proc.stderr, why
+
+    control = _events(bus, [topics.CONTROL])
+    telemetry = _events(bus, [topics.TELEMETRY])
+    plans = [e for e in control if isinstance(e, PlanCurrent)]
+    assert [p.plan.epoch for p in plans] == [0, 1] and plans[1].reason == "restart", why
+    assert plans[0].plan.devices == [0, 1, 2, 3] and plans[1].plan.devices == [0, 1], why
+    assert [len(p.stages) for p in plans[1].plan.pipelines] == [1, 1], why
+    phases = [e.phase for e in telemetry if isinstance(e, ReshapePhase) and e.epoch == 1]
+    assert phases == ["new_mesh", "first_step"], why
+
+    summaries = [e for e in telemetry if isinstance(e, IterationSummary) and e.loss is not None]
+    old = [(e.iteration, e.loss) for e in summaries if e.epoch == 0]
+    new = {e.iteration: e.loss for e in summaries if e.epoch == 1}
+    first_round = dict(old[:5])
+    assert sorted(first_round) == [1, 2, 3, 4, 5], old
+    second_round = old[5:]
+    assert [s for s, _ in second_round] == [4, 5], old  # resumed from step 3's checkpoint, died in step 6 again
+    assert all(loss == first_round[s] for s, loss in second_round), old
+    assert sorted(new) == list(range(4, STEPS + 1)), new  # the smaller world resumed from the same checkpoint
+    for step in (4, 5):
+        assert new[step] == pytest.approx(first_round[step], rel=1e-5), (step, new[step], first_round[step])
