@@ -29,6 +29,24 @@ def test_no_report_before_the_deadline_the_floor_or_the_first_finished_step() ->
     assert judge_hang(fresh, HangPolicy(factor=3.0, floor_s=1.0), now_s=1e9) is None
 
 
+def test_a_slow_rank_that_still_enters_its_ops_is_not_hung() -> None:
+    """Fail-slow is not a hang: the step has run 4 × its expected 0.5 s, yet the rank behind entered
+    its op 0.2 s ago; once it enters none for the deadline it is."""
+    slow = FlightEntry(rank=1, pid=1001, restart=0, iteration=7, step_started_s=100.0, op="backward",
+                       op_entered_s=101.8, seq=21, recent_step_s=(0.5, 0.5))
+    world = {0: entry(0, "all_reduce", 22), 1: slow}
+    assert judge_hang(world, HangPolicy(factor=3.0, floor_s=1.0), now_s=102.0) is None
+    report = judge_hang(world, HangPolicy(factor=3.0, floor_s=1.0), now_s=103.4)
+    assert report is not None and report.culprits == (1,) and report.op == "backward"
+
+
+def test_a_rank_warming_up_in_a_new_world_is_not_judged_even_with_a_prediction() -> None:
+    """The first step of a restarted world loads its checkpoint: no finished step there yet, no
+    verdict, whatever the cost model predicts for a step."""
+    fresh = {r: entry(r, "step", 1, recent=()) for r in (0, 1)}
+    assert judge_hang(fresh, HangPolicy(factor=3.0, floor_s=1.0), now_s=1e9, predicted_s=0.5) is None
+
+
 def test_the_cost_model_estimate_replaces_the_ranks_own_history() -> None:
     world = {0: entry(0, "all_reduce", 22), 1: entry(1, "all_reduce", 22)}
     report = judge_hang(world, HangPolicy(factor=3.0, floor_s=1.0, expected_step_s=2.0), now_s=106.5)

@@ -1,7 +1,10 @@
 """Judging a hang from the flight records, and the report that names the stuck op.
 
-A step is hung when it has run past its deadline: ``factor`` × the expected step time, never less
-than ``floor_s``. The expected time is, first found: ``--expected-step-s``; the iteration time the
+A rank is hung when it has made no progress — entered no op, begun no step — for longer than its
+deadline: ``factor`` × the expected step time, never less than ``floor_s``. Progress, not the
+step's length: a rank slowed ×4 still enters its ops one after the other (it is fail-slow, the
+detector's to size), while a stopped or deadlocked one enters none. A rank that has not finished a
+step in this world yet is warming up (loading a checkpoint, compiling) and is not judged. The expected time is, first found: ``--expected-step-s``; the iteration time the
 analytics consumer's cost model predicts for the job (its newest ``analytics.prediction``, read
 from the bus by trainer/agent/predicted.py); the median of the ranks' own recent steps. Before any
 of these exists nothing is judged (the rendezvous and first-step warm-up are covered by torch's
@@ -90,7 +93,9 @@ def judge_hang(entries: Mapping[int, FlightEntry], policy: HangPolicy, now_s: fl
     stopped = tuple(r for r in culprits if entries[r].stopped)
     if stopped and len(stopped) < len(culprits):
         culprits = stopped
-    stuck_for = max(now_s - entries[r].step_started_s for r in culprits)
+    if any(not entries[r].recent_step_s for r in culprits):
+        return None  # warming up in this world: the rendezvous and first step are torch's timeouts' to judge
+    stuck_for = max(now_s - max(entries[r].op_entered_s, entries[r].step_started_s) for r in culprits)
     if stuck_for <= deadline:
         return None
     first = entries[culprits[0]]

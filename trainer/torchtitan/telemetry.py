@@ -239,6 +239,8 @@ class StepTelemetry:
             if self.injector is not None and any(f.kind == "stop_device" and f.at_iteration == self.injector.iteration
                                                  for f in self.injector.faults):
                 os.kill(os.getpid(), signal.SIGKILL)  # no goodbye, mid-step: a device lost
+            if self.flight is not None:
+                self.flight.enter("forward")  # progress the agent's hang judge reads (trainer/agent/hang.py)
             self._forward_started = time.perf_counter()
 
         def after(_module: Any, _args: Any, _out: Any) -> None:
@@ -248,6 +250,8 @@ class StepTelemetry:
             if self.injector is not None:
                 self.injector.after_compute(self._forward_s - self._forward_sync_s)
                 self._forward_s = time.perf_counter() - self._forward_started
+            if self.flight is not None:
+                self.flight.enter("backward")
 
         model.register_forward_pre_hook(before, prepend=True)
         model.register_forward_hook(after)
