@@ -20,6 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long", action="store_true", help="the demo's long story (default: --short)")
     parser.add_argument("--workdir", type=Path, default=None, help="where the run goes (default: a temporary folder)")
     parser.add_argument("--steps", type=int, default=300, help="steps of the adapter-cost measurement")
+    parser.add_argument("--layout", choices=["replicas", "fsdp", "pp"], default="replicas",
+                        help="the job's four ranks as DDP-style replicas, FSDP2 shards or two pipelines of two stages")
 
 
 DEMO_TOKENS_PER_RANK = 256  # the demo's torchtitan story: one sample of 256 tokens per rank and step
@@ -94,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     cost = adapter_cost(args.steps)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="resihp-bench-torchtitan-")) / "run"
     code = run_demo(DemoOptions(workload="torch", trainer="torchtitan", headless=True, short=not args.long,
-                                workdir=workdir, timeout_s=900))
+                                workdir=workdir, timeout_s=900, titan_layout=args.layout))
     summary = json.loads((workdir / "summary.json").read_text())
     with EmbeddedBus(workdir / "bus.sqlite") as bus:
         stream = EventStream(bus, "bench", [topics.CONTROL, topics.TELEMETRY], on_assign=lambda ps: {tp: 0 for tp in ps})

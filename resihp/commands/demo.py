@@ -38,8 +38,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     torch.add_argument("--trainer", choices=["reference", "native", "torchtitan"], default="reference",
                        help="the reference trainer (8 ranks, a fail-slow and a fail-stop), the PyTorch-native "
                             "executor (trainer/native/: 4 CPU ranks, DP4, a fail-slow answered by the DP changes it "
-                            "declares it can run) or torchtitan's own trainer under resihp run (2 CPU ranks, FSDP, "
+                            "declares it can run) or torchtitan's own trainer under resihp run (4 CPU ranks, "
                             "a fail-slow answered by a restart at a smaller layout: docs/torchtitan.md)")
+    torch.add_argument("--torchtitan-layout", choices=["replicas", "fsdp", "pp"], default="replicas",
+                       help="with --trainer torchtitan: its four ranks as DDP-style replicas (default), FSDP2 "
+                            "shards, or two pipelines of two stages")
     torch.add_argument("--pace", type=float, default=None, metavar="S",
                        help="emulated device seconds per layer-token, so 8 ranks on few cores behave like devices "
                             "of a set speed; a stage's TP ranks split a layer's time (default 4e-4; 0: raw CPU)")
@@ -72,4 +75,5 @@ def run(args: argparse.Namespace) -> int:
         bus=args.bus, scale=args.scale, workload=workload, headless=args.headless, json=args.json,
         workdir=args.workdir, speed=args.speed, short=args.short, port=args.port, linger_s=args.linger,
         timeout_s=args.timeout, tp=args.tp, pace=args.pace, trainer=args.trainer,
+        titan_layout=args.torchtitan_layout,
     ))

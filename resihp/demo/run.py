@@ -58,6 +58,7 @@ class DemoOptions:
     tp: int | None = None  # override the story's TP degree
     pace: float | None = None  # torch: emulated device s per layer-token (None: torch_workload's default)
     trainer: str = "reference"  # torch workload: the reference trainer or the PyTorch-native executor
+    titan_layout: str = "replicas"  # torchtitan: replicas, fsdp or pp (resihp/demo/story.py)
 
 
 def _open_bus(opts: DemoOptions, workdir: Path, env: dict[str, str]) -> tuple[Bus, Path | None, str]:
@@ -106,10 +107,13 @@ def _torchtitan_argv(story: DemoStory, files: dict[str, Path], flags: list[str])
     assets = build_assets(workdir / "torchtitan-assets")
     training = ["--module", "trainer.torchtitan", "--config", "llama3_debugmodel",
                 "--hf_assets_path", str(assets), "--dataloader.dataset_path", str(assets),
-                # DDP-style replicas: no all-gather inside the forward, so a slow device's F chunks are its own
-                "--parallelism.data_parallel_replicate_degree", str(story.dp),
-                "--parallelism.data_parallel_shard_degree", "1",
-                "--training.local_batch_size", "1",
+                # DDP-style replicas (no all-gather inside the forward) or FSDP2 shards; pipelines of
+                # story.pp stages run a micro-batch of one sample per stage slot
+                "--parallelism.data_parallel_replicate_degree", "1" if story.sharded else str(story.dp),
+                "--parallelism.data_parallel_shard_degree", str(story.dp) if story.sharded else "1",
+                "--parallelism.pipeline_parallel_degree", str(story.pp),
+                "--parallelism.pipeline_parallel_microbatch_size", "1",
+                "--training.local_batch_size", str(story.microbatches_per_replica if story.pp > 1 else 1),
                 "--training.global_batch_size", str(story.microbatches_per_replica * story.dp),
                 "--training.steps", str(story.iterations),
                 "--dump_folder", str(workdir / "torchtitan"), "--resihp.faults", str(files["faults"])]
@@ -122,7 +126,7 @@ def _torchtitan_argv(story: DemoStory, files: dict[str, Path], flags: list[str])
 def _remediate_argv(opts: DemoOptions, story: DemoStory, files: dict[str, Path], flags: list[str]) -> list[str]:
     argv = resihp_argv("remediate", *flags, "--job", story.job)
     if opts.trainer == "torchtitan":
-        return argv + ["--tp", "1", "--pp", "1", "--dp", str(story.dp), "--layers", "6",
+        return argv + ["--tp", "1", "--pp", str(story.pp), "--dp", str(story.dp), "--layers", "6",
                        "--microbatches", str(story.microbatches_per_replica), "--devices", str(story.gpus)]
     if opts.trainer == "native":
         from trainer.native.model import LlamaConfig
@@ -174,7 +178,7 @@ def run_demo(opts: DemoOptions) -> int:
         print(f"{workdir} already holds a demo run; pass a new --workdir (or delete it)", file=sys.stderr)
         return 2
     story = (native_story(short=opts.short) if opts.trainer == "native"
-             else torchtitan_story(short=opts.short) if opts.trainer == "torchtitan"
+             else torchtitan_story(short=opts.short, layout=opts.titan_layout) if opts.trainer == "torchtitan"
              else story_for(opts.scale or 8, short=opts.short, tp=opts.tp))
     private_dir(workdir)  # the bus and DuckDB files go here: only this user may enter it
     files = story.write(workdir)
@@ -240,7 +244,8 @@ def run_demo(opts: DemoOptions) -> int:
 
 def _workload_text(opts: DemoOptions, story: DemoStory) -> str:
     if opts.trainer == "torchtitan":
-        return f"torchtitan (llama3 debug model, {story.gpus} data-parallel CPU ranks, resihp run)"
+        kind = "FSDP2 shards" if story.sharded else "pipelines" if story.pp > 1 else "data-parallel replicas"
+        return f"torchtitan (llama3 debug model, {story.gpus} CPU ranks as {kind}, {story.layout}, resihp run)"
     if opts.trainer == "native":
         return f"the native executor (Llama-style decoder, {story.layout}, {story.gpus} CPU ranks)"
     if opts.workload == "torch":

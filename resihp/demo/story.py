@@ -60,6 +60,7 @@ class DemoStory:
     reshape_pause_s: float = 5.0
     job: str = JOB
     probes: bool = True  # the detector asks the workload to probe suspects (the native launcher answers none)
+    sharded: bool = False  # torchtitan: the replicas are FSDP2 shards (else DDP-style replicas)
 
     @property
     def faults(self) -> list[FaultBeat]:
@@ -171,7 +172,10 @@ def native_story(*, short: bool = False) -> DemoStory:
                      slow=slow, stop=None, iterations=warmup + 2 * phase, probes=False)
 
 
-def torchtitan_story(*, short: bool = False, ranks: int = 4) -> DemoStory:
+TITAN_LAYOUTS = ("replicas", "fsdp", "pp")  # how the torchtitan story's four ranks hold the model
+
+
+def torchtitan_story(*, short: bool = False, ranks: int = 4, layout: str = "replicas") -> DemoStory:
     """The story for a torchtitan job (``resihp demo --trainer torchtitan``): torchtitan's llama3
     debug model as data-parallel replicas on ``ranks`` CPU ranks under ``resihp run``, a ×3
     fail-slow on device 1. torchtitan runs uniform layouts only (trainer/torchtitan/layout.py), so
@@ -180,8 +184,16 @@ def torchtitan_story(*, short: bool = False, ranks: int = 4) -> DemoStory:
     applies by a restart at that
     layout from a checkpoint of the step every rank stopped at (trainer/torchtitan/controller.py).
     Four replicas, because the detector centres each rank on the job's median, which two ranks (one
-    of them slow) would split between them."""
+    of them slow) would split between them.
+
+    ``layout``: ``replicas`` (DDP-style, the default), ``fsdp`` (the same four ranks as FSDP2 shards:
+    a slow rank's all-gathers and reductions hold every peer's wait) or ``pp`` (two pipelines of two
+    stages, two micro-batches each: device 1 is the first stage of the second pipeline)."""
+    if layout not in TITAN_LAYOUTS:
+        raise ValueError(f"torchtitan story layout {layout!r}: one of {', '.join(TITAN_LAYOUTS)}")
     warmup, phase = (8, 8) if short else (20, 30)
     slow = FaultBeat("demo-fail-slow", "fail_slow", 1, warmup, factor=3.0)
-    return DemoStory(gpus=ranks, tp=1, pp=1, dp=ranks, microbatches_per_replica=1, model="7b",
-                     warmup_iterations=warmup, slow=slow, stop=None, iterations=warmup + 2 * phase, probes=False)
+    pp = 2 if layout == "pp" else 1
+    return DemoStory(gpus=ranks, tp=1, pp=pp, dp=ranks // pp, microbatches_per_replica=pp, model="7b",
+                     warmup_iterations=warmup, slow=slow, stop=None, iterations=warmup + 2 * phase, probes=False,
+                     sharded=layout == "fsdp")
