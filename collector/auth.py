@@ -65,6 +65,7 @@ WRITERS: dict[str, tuple[str, ...]] = {
     "plan.current": ("executor",),  # what runs: the engine plans on it and the fold supersedes plans by it
     "plan.capabilities": ("executor",),  # what the job can run: the engine proposes only that
     "probe.result": ("rank",),  # a rank's answer: it confirms an incident and names the slow device
+    "telemetry.hang": ("executor",),  # a node agent's hang finding: it opens a fail-stop incident
     "analytics.bus_outage": ("analytics",),  # why no rank was judged dead meanwhile
     "analytics.telemetry_notice": ("analytics",),  # what the console tells operators to declare
     # the job's clock for the engine's waits, and a node agent's hang deadline: an unsigned one stamped

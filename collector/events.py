@@ -455,6 +455,24 @@ class Heartbeat(Payload):
     interval_s: float = Field(gt=0, le=DURATION_MAX_S, description="when the next heartbeat is due")
 
 
+class HangReported(Payload):
+    """A node agent found ranks that made no progress past their deadline (trainer/agent/hang.py):
+    the ranks it names entered no op for ``stuck_for_s`` while their peers waited on them. The
+    agent's observation, signed with the executor's key; the analytics consumer judges it like
+    any evidence of a stopped rank and opens the incident (with its own key), resolved when the
+    ranks report again."""
+
+    KIND: ClassVar[str] = "telemetry.hang"
+    iteration: int = Field(ge=0, le=COUNT_MAX, description="the iteration the named ranks are stuck in")
+    ranks: list[Int32] = Field(min_length=1, max_length=LIST_MAX, description="devices of the ranks that made no progress")
+    waiting: list[Int32] = Field(default_factory=list, max_length=LIST_MAX, description="devices of the ranks waiting on them")
+    op: str = Field(max_length=200, description="the op the named ranks last entered")
+    stuck_for_s: float = Field(ge=0, le=DURATION_MAX_S)
+    deadline_s: float = Field(ge=0, le=DURATION_MAX_S, description="factor × the expected step, floored")
+    summary: str = Field(max_length=2000)
+    stacks: str = Field(default="", max_length=16000, description="the named ranks' Python stacks, newest part")
+
+
 class RecoveryPhase(Payload):
     """One phase of a fail-stop recovery inside the job (``resihp run --on-failure shrink``): the
     survivors kept running, re-formed the world without the lost ranks and went on. Published by
@@ -1264,7 +1282,7 @@ class ControlRejected(Payload):
 
 
 PAYLOAD_TYPES: tuple[type[Payload], ...] = (
-    RankIteration, IterationSummary, Heartbeat, TracingDeclared, RecoveryPhase, ReshapePhase,
+    RankIteration, IterationSummary, Heartbeat, TracingDeclared, HangReported, RecoveryPhase, ReshapePhase,
     IterationPrediction, RankHealth, AnalyticsLease, ReplicaSummary, DetectorFits, LivenessBatch, BusOutage,
     TelemetryNotice,
     IncidentOpened, IncidentConfirmed, IncidentUpdated, IncidentResolved, ProbeRequest, ProbeResult,

@@ -105,6 +105,11 @@ def _type_name(annotation: object) -> str:
     text = repr(annotation) if not isinstance(annotation, type) else annotation.__name__
     text = re.sub(r"\b(?:[a-z_]+\.)+", "", text)  # drop module paths
     text = text.replace("typing.", "").replace("NoneType", "None")
+    # constrained item types read as what they allow: list[int 0..2147483647], dict[…, finite float]
+    text = re.sub(r"Annotated\[(\w+), FieldInfo\(annotation=None, required=True, metadata=\[Ge\(ge=([\d.e+-]+)\), "
+                  r"Le\(le=([\d.e+-]+)\)\]\)\]", r"\1 \2..\3", text)
+    text = re.sub(r"Annotated\[float, FieldInfo\(annotation=None, required=True, "
+                  r"metadata=\[AllowInfNan\(allow_inf_nan=False\)\]\)\]", "finite float", text)
     return text
 
 

@@ -20,7 +20,8 @@ import pytest
 
 from collector import topics
 from collector.bus import open_bus
-from collector.events import Heartbeat, IncidentOpened
+from collector.auth import Gate
+from collector.events import HangReported, Heartbeat, IncidentOpened
 from collector.stream import EventStream
 from tests.test_agent_run import agent_cmd, alive, env, pid_dir, written_pids
 from trainer.agent.flight import flight_file_path, read_flight
@@ -100,12 +101,15 @@ def test_a_stopped_rank_is_reported_hung_in_its_op_and_dies_with_a_killed_agent(
             agent.wait()
     bus = open_bus("embedded", path=str(bus_path))
     stream = EventStream(bus, "test", [topics.TELEMETRY, topics.ANALYTICS], job="hang-job")
-    events = [d.event.payload for d in stream.poll(timeout_s=1.0)]
+    envelopes = [d.event for d in stream.poll(timeout_s=1.0)]
     bus.close()
+    events = [e.payload for e in envelopes]
     assert {e.rank for e in events if isinstance(e, Heartbeat)} == {0, 1}
-    incidents = [e for e in events if isinstance(e, IncidentOpened)]
-    assert len(incidents) == 1 and [loc.rank for loc in incidents[0].locations] == report["culprits"]
-    assert f"stuck in '{stuck.op}'" in incidents[0].summary
+    assert not any(isinstance(e, IncidentOpened) for e in events)  # incidents are the analytics key's to open
+    (hang,) = [e for e in envelopes if isinstance(e.payload, HangReported)]
+    assert Gate("analytics").admit(hang), "the agent signs its hang report with the executor's key"
+    assert hang.payload.ranks == report["culprits"] and hang.payload.op == stuck.op
+    assert f"stuck in '{stuck.op}'" in hang.payload.summary and "is stopped (state T" in hang.payload.stacks
 
 
 def descendants(pid: int) -> list[int]:

@@ -169,3 +169,56 @@ def test_a_rank_whose_stream_lags_across_a_reshape_is_alive_while_the_new_epoch_
         left_out.telemetry(r, 0, 0, 0.5)
     left_out.plan_announced(1, set(range(1, RANKS)))  # the new plan leaves rank 0 out: not judged at all
     assert left_out.proof_of_life(0) is False
+
+
+# ---- a node agent's hang report (telemetry.hang) --------------------------------------------------
+
+
+def _hang(ranks: list[int], iteration: int = 7):
+    from collector.events import HangReported
+
+    return HangReported(iteration=iteration, ranks=ranks, waiting=[0, 1, 2], op="forward", stuck_for_s=16.0,
+                        deadline_s=15.0, summary="hang: rank [3] stuck in 'forward'")
+
+
+def test_a_hang_report_stops_the_ranks_it_names_until_they_report_again_not_until_they_heartbeat() -> None:
+    watch = FailStopWatch(DetectorConfig())
+    for r in range(4):
+        watch.telemetry(r, 0, 6, 10.0)
+    (change,) = watch.hung([3], 7, "forward", 16.0)
+    assert (change.rank, change.alive, change.iteration) == (3, False, 7) and "hung" in change.reason
+    assert watch.hung([3], 7, "forward", 20.0) == []  # named once
+    assert watch.heartbeat(Heartbeat(rank=3, epoch=0, iteration=7, interval_s=HB_S), 12.0) == []  # its agent still beats
+    assert 3 in watch.dead
+    (back,) = watch.telemetry(3, 0, 7, 30.0)
+    assert back.alive and back.rank == 3 and 3 not in watch.dead
+
+
+def test_the_detector_opens_a_fail_stop_incident_from_a_hang_report_and_resolves_it_on_progress() -> None:
+    from analytics.detection.detector import Detector
+    from collector.events import (Chunk, Coords, EventFactory, FaultCategory, IncidentConfirmed, IncidentOpened,
+                                  IncidentResolved, RankIteration)
+
+    det = Detector("job-h", DetectorConfig())
+    agent = EventFactory("job-h", "agent-node0")
+    out = det.on_event(agent.make(_hang([3])))
+    opened = [p for p in out if isinstance(p, IncidentOpened)]
+    assert len(opened) == 1 and opened[0].category == FaultCategory.FAIL_STOP
+    assert [loc.rank for loc in opened[0].locations] == [3] and "hung" in opened[0].summary
+    assert any(isinstance(p, IncidentConfirmed) for p in out)
+    report = RankIteration(epoch=0, iteration=8, rank=3, coords=Coords(tp=0, pp=0, dp=3), wall_s=1.0,
+                           chunks=[Chunk(kind="F", microbatch=0, start_s=0.0, duration_s=0.3, tokens=64)])
+    later = det.on_event(EventFactory("job-h", "rank-3").make(report))
+    assert any(isinstance(p, IncidentResolved) and p.incident_id == opened[0].incident_id for p in later)
+
+
+def test_only_the_executors_key_may_report_a_hang() -> None:
+    from collector.auth import Gate
+    from collector.events import EventFactory
+    from tests.fixtures.signing import signed
+
+    gate = Gate("analytics")
+    event = EventFactory("job-h", "agent-node0").make(_hang([3]))
+    assert gate.admit(signed(event, "executor"))
+    assert not gate.admit(signed(EventFactory("job-h", "rank-3").make(_hang([3])), "rank"))
+    assert not gate.admit(event)  # unsigned

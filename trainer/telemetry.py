@@ -73,10 +73,12 @@ class TelemetryPublisher:
     """Queue + background thread publishing this rank's events; heartbeats on a timer."""
 
     def __init__(self, open_bus: Callable[[], Bus], job: str, device: int, heartbeat_s: float | None = 1.0,
-                 max_queued: int = 10_000, source: str | None = None) -> None:
+                 max_queued: int = 10_000, source: str | None = None, role: str = "rank") -> None:
         """``heartbeat_s`` None: no heartbeats of its own (the node agent sends one per live rank);
-        ``source``: the envelope's source (default ``rank-<device>``)."""
+        ``source``: the envelope's source (default ``rank-<device>``); ``role``: the key its signed
+        kinds carry (a rank's probe results; the node agent, ``executor``, its hang findings)."""
         self.factory = EventFactory(job, source or f"rank-{device}")
+        self.role = role
         self.device = device
         self.heartbeat_s = heartbeat_s
         self.epoch = 0
@@ -108,10 +110,10 @@ class TelemetryPublisher:
             while self._queue.get() is not None:
                 pass
             return
-        try:  # probe results are signed with the ranks' key (collector/auth.py); telemetry passes as made
-            make = Signer(self.factory, "rank").make
+        try:  # signed kinds (collector/auth.py) carry the role's key; telemetry passes as made
+            make = Signer(self.factory, self.role).make
         except KeyFileError as exc:
-            log.error("rank %d: %s; its probe results go out unsigned and will be refused", self.device, exc)
+            log.error("%s: %s; its signed events go out unsigned and will be refused", self.factory.source, exc)
             make = self.factory.make
         next_beat = 0.0
         stop = False

@@ -48,7 +48,7 @@ from analytics.detection.p2p_waits import NOTICE as P2P_NOTICE
 from analytics.detection.p2p_waits import WAIT_SPREAD, P2PWaitInference
 from analytics.detection.scoring import FrameScore, score_frame
 from collector.events import (
-    Envelope, Heartbeat, Payload, PlanCurrent, ProbeResult, RankIteration, ReconfigureCommand, TelemetryNotice,
+    Envelope, HangReported, Heartbeat, Payload, PlanCurrent, ProbeResult, RankIteration, ReconfigureCommand, TelemetryNotice,
     TracingDeclared,
 )
 from collector.plan import Plan
@@ -152,6 +152,8 @@ class Detector:
             return self.on_heartbeat(p, event.time_s)
         if isinstance(p, TracingDeclared):
             return self.on_declared(p)
+        if isinstance(p, HangReported):
+            return self.book.fail_stop(self.fail_stop.hung(p.ranks, p.iteration, p.op, p.stuck_for_s))
         if isinstance(p, ProbeResult):
             if self.hidden_stop.answer(p.probe_id, p.rank):
                 return []

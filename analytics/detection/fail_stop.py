@@ -126,6 +126,9 @@ class FailStopWatch:
     suspended: bool = False  # a bus outage: judge nobody until resume()
     tracing: tuple[TracingDeclared, ...] = ()  # every TracingDeclared seen, oldest first
     gpus_per_node: int | None = None  # from plan.current: a node's devices are consecutive ids (None: unknown)
+    # dead because their agent reported them hung: alive again only on progress (a report), never on
+    # a heartbeat (the agent beats for a stuck process too). Immutable, so an older pickle restores.
+    hung_ranks: frozenset[int] = frozenset()
 
     @property
     def untrusted_times(self) -> int:
@@ -179,7 +182,7 @@ class FailStopWatch:
         if hb.epoch == c["epoch"][i] and hb.iteration > c["started"][i]:
             c["started"][i] = hb.iteration
         self._watch(i)
-        revived = self._revive(hb.rank, i, "heartbeats resumed") if newer else []
+        revived = self._revive(hb.rank, i, "heartbeats resumed") if newer and hb.rank not in self.hung_ranks else []
         return revived + self.judgement.maybe_check(self, time_s)
 
     def _believable(self, rank: int, i: int, time_s: float, what: str) -> bool:
@@ -200,6 +203,8 @@ class FailStopWatch:
         self.progress.note(epoch, iteration, time_s)
         c["missing"][i] = 0
         self._watch(i)
+        if rank in self.hung_ranks:
+            self.hung_ranks = self.hung_ranks - {rank}
         return (self._revive(rank, i, f"telemetry resumed at iteration {iteration}")
                 + self.judgement.maybe_check(self, time_s))
 
@@ -271,6 +276,27 @@ class FailStopWatch:
                 out.append(LivenessChange(rank, False, f"telemetry stopped: no report for {n} iterations "
                                                        f"while peers reported (up to iteration {iteration})",
                                           iteration - n + 1))
+        return out
+
+    def hung(self, ranks: Iterable[int], iteration: int, op: str, stuck_for_s: float) -> list[LivenessChange]:
+        """Ranks their node agent found making no progress (``telemetry.hang``): stopped like the
+        dead until they report again (``telemetry`` revives them). The agent's deadline already
+        held them for several expected steps; a rank declared untraced, retired or already dead is
+        left as it is."""
+        out: list[LivenessChange] = []
+        if self.suspended:
+            return out
+        c = self.table.cols
+        for rank in sorted(set(ranks)):
+            if not self.traced(rank) or rank in self.dead:
+                continue
+            i = self.table.row(rank)
+            if c["retired"][i]:
+                continue
+            self.dead.add(rank)
+            self.hung_ranks = self.hung_ranks | {rank}
+            out.append(LivenessChange(rank, False, f"hung: no progress in {op!r} for {stuck_for_s:.1f} s "
+                                                   f"(its node agent's hang report)", iteration))
         return out
 
     def suspend(self) -> None:

@@ -146,7 +146,8 @@ class AgentLaunch:
             return
         from trainer.telemetry import TelemetryPublisher
 
-        self.telemetry = TelemetryPublisher(self.bus.open, args.job, 0, heartbeat_s=None, source=self.source)
+        self.telemetry = TelemetryPublisher(self.bus.open, args.job, 0, heartbeat_s=None, source=self.source,
+                                            role="executor")  # its hang findings are signed as the executor's
         if args.expected_step_s is None:
             group = f"agent:{args.job}:{os.uname().nodename}:{os.getpid()}"
             self.predicted = PredictedIteration(self.bus.open(), args.job, group)

@@ -51,7 +51,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from collector.auth import Refusals
-from collector.events import (Evidence, FaultCategory, Heartbeat, IncidentOpened, Location, Severity)
+from collector.events import HangReported, Heartbeat
 from trainer.agent.commands import NodeCommands
 from trainer.agent.node_stop import StopOrders
 from trainer.agent.recovery_log import RecoveryTimeline, publish_shrink_recoveries
@@ -417,14 +417,16 @@ class NodeAgent(LocalElasticAgent):
         path = self.settings.work_dir / f"hang-r{self._restart_count()}-i{report.iteration}.json"
         path.write_text(json.dumps(report.__dict__, indent=1, default=str))
         print(f"resihp run: {report.summary()}; stacks in {path}", file=sys.stderr, flush=True)
-        if self.settings.telemetry is not None:
-            self.settings.telemetry.publish(IncidentOpened(
-                incident_id=f"{self.settings.job}/hang/{self._restart_count()}/{report.iteration}",
-                category=FaultCategory.FAIL_STOP, severity=Severity.HIGH, iteration=max(0, report.iteration),
-                locations=[Location(target="compute", rank=r) for r in report.culprits],
-                evidence=Evidence(statistic="hang", note=json.dumps({"op": report.op, "ops": report.ops,
-                                                                     "stacks": stacks})[:16000]),
-                summary=report.summary()))
+        if self.settings.telemetry is not None:  # the agent's finding; the analytics consumer opens the incident
+            device = (lambda r: self.settings.relayout.identity(r)[0]) if self.settings.relayout is not None \
+                else (lambda r: r)
+            culprits = set(report.culprits)
+            self.settings.telemetry.publish(HangReported(
+                iteration=max(0, report.iteration), ranks=sorted({device(r) for r in culprits}),
+                waiting=sorted({device(r) for r in report.ops if r not in culprits}), op=report.op[:200],
+                stuck_for_s=min(report.stuck_for_s, 1e6), deadline_s=min(report.deadline_s, 1e6),
+                summary=report.summary()[:2000],
+                stacks="\n".join(f"--- rank {r}\n{stacks.get(r, '')}" for r in sorted(culprits))[-16000:]))
         if self.settings.on_hang == "restart":
             for rank in report.culprits:
                 if rank in by_rank:
