@@ -100,6 +100,9 @@ class Tracked:
     opened: int
     category: str
     sized: list = field(default_factory=list)  # (simulator iteration, locations) of every opening, confirmation, update
+    p_real: float | None = None  # what the opening said of how sure the fault is real (None: uncalibrated)
+    basis: str = ""  # the evidence the opening rested on, and by how much it passed its bar (calibration.py)
+    margin: float = float("nan")
 
     @property
     def locations(self) -> list:
@@ -153,8 +156,10 @@ def run_case(case: Case, dialect: str = "ours") -> CaseRun:
         probes = []
         for p in payloads:
             if isinstance(p, IncidentOpened):
+                margin = p.evidence.margin
                 incidents[name][p.incident_id] = Tracked(p.iteration, p.category.value,
-                                                         [(engine.iteration, list(p.locations))])
+                                                         [(engine.iteration, list(p.locations))], p.p_real,
+                                                         p.evidence.basis, float("nan") if margin is None else margin)
             elif isinstance(p, (IncidentConfirmed, IncidentUpdated)) and p.locations:
                 if p.incident_id in incidents[name]:
                     incidents[name][p.incident_id].sized.append((engine.iteration, list(p.locations)))
@@ -271,34 +276,105 @@ def first_sizes(faults: list, incs: dict[str, Tracked], iterations: int, config,
     return out
 
 
-def reliability(results: list, grace: int = 5) -> list[dict]:
-    """Ours's reported confidence against what its incidents were, per decile of confidence: of the
-    incidents opened at about p, how many detected a fault (the referee's match, ``detecting``).
+class Opening(NamedTuple):
+    """One of ours's openings on the suite, labelled by the referee: what calibration is fitted on."""
 
-    The confidence read is the one every reader of the incident fold reads
-    (``collector.incident_lifecycle``: the largest over the opening's locations). A decile's gap is
-    |mean confidence − share real|; a calibrated confidence has small gaps where the decile holds
-    enough incidents to say (20 or more)."""
-    rows: list[tuple[float, bool]] = []
-    for faults, incidents, iterations, _, cluster, _ in results:
+    dialect: str
+    case: int  # its case's place in the suite (even: half A, the half the table is fitted on)
+    basis: str
+    margin: float
+    p_real: float | None  # as the detector reported it (None: uncalibrated)
+    real: bool  # it detected a fault (the referee's match, ``detecting``)
+
+
+def openings(results: list, dialect: str, grace: int = 5) -> list[Opening]:
+    """Ours's openings over the suite's runs (``score``'s input), each labelled real or not: real
+    when it detects a fault as the referee matches them (its category, while the fault is active,
+    naming a device the fault hits; an incident that names none also counts)."""
+    out = []
+    for case, (faults, incidents, iterations, _, cluster, _) in enumerate(results):
         incs = incidents["ours"]
         matched: set[str] = set()
         for f in faults:
             matched |= {iid for _, iid in detecting(f, incs, gpus_per_node=cluster.gpus_per_node,
                                                     iterations=iterations, grace=grace)}
-        for iid, t in incs.items():
-            locs = t.sized[0][1] if t.sized else []
-            rows.append((max((float(loc.confidence) for loc in locs), default=0.0), iid in matched))
+        out += [Opening(dialect, case, t.basis, t.margin, t.p_real, iid in matched) for iid, t in incs.items()]
+    return out
+
+
+MIN_JUDGED = 20  # a decile with fewer incidents is printed but not judged against the calibration goal
+CALIBRATION_GOAL = 0.05  # |mean p_real − share real| per judged decile
+
+
+def reliability(rows: list[tuple[float, bool]], min_judged: int = MIN_JUDGED) -> list[dict]:
+    """(p_real, real) pairs per decile of p_real: of the incidents reported at about p, the share
+    that were real. A decile's gap is |mean p_real − share real|; it is judged only with
+    ``min_judged`` incidents or more (fewer say little: one false incident in five is a gap of 0.2
+    by chance). Empty deciles are left out; p = 1.0 falls in the top decile."""
     out = []
     for d in range(10):
         lo, hi = d / 10, (d + 1) / 10
-        sel = [(c, real) for c, real in rows if lo <= c < hi or (d == 9 and c == 1.0)]
+        sel = [(p, real) for p, real in rows if lo <= p < hi or (d == 9 and p == 1.0)]
         if not sel:
             continue
-        mean = float(np.mean([c for c, _ in sel]))
+        mean = float(np.mean([p for p, _ in sel]))
         share = float(np.mean([real for _, real in sel]))
-        out.append({"decile": f"{lo:.1f}-{hi:.1f}", "incidents": len(sel), "mean_confidence": round(mean, 4),
-                    "share_real": round(share, 4), "gap": round(abs(mean - share), 4)})
+        out.append({"decile": f"{lo:.1f}-{hi:.1f}", "incidents": len(sel), "mean_p_real": round(mean, 4),
+                    "share_real": round(share, 4), "gap": round(abs(mean - share), 4),
+                    "judged": len(sel) >= min_judged})
+    return out
+
+
+def worst_judged_gap(table: list[dict]) -> float | None:
+    """The largest gap among a reliability table's judged deciles (None: none judged)."""
+    gaps = [row["gap"] for row in table if row["judged"]]
+    return max(gaps) if gaps else None
+
+
+def print_reliability(title: str, table: list[dict]) -> None:
+    print(f"\n{title:40} {'incidents':>9} {'mean p':>7} {'real':>6} {'gap':>6}")
+    for row in table:
+        print(f"{row['decile']:40} {row['incidents']:9d} {row['mean_p_real']:7.3f} {row['share_real']:6.3f} "
+              f"{row['gap']:6.3f}" + ("" if row["judged"] else f"  (under {MIN_JUDGED}: not judged)"))
+    worst = worst_judged_gap(table)
+    print(f"{'worst judged gap':40} " + ("none judged" if worst is None else
+                                          f"{worst:.3f} ({'within' if worst <= CALIBRATION_GOAL else 'over'} "
+                                          f"the goal {CALIBRATION_GOAL})"))
+
+
+def calibration_report(labelled: list[Opening], fit_table: bool) -> dict:
+    """The reliability of p_real per dialect, over every dialect run, and over the held-back half
+    (cases at odd places: the committed table is fitted on the even ones). With ``fit_table`` the
+    table is fitted here on half A of ``labelled`` and written (analytics/detection/calibration.py),
+    and every opening's p_real is read from the new table, as the detector will report it; else
+    p_real is what the detector reported (uncalibrated as 0.5)."""
+    from analytics.detection import calibration
+
+    if fit_table:
+        dialects = sorted({o.dialect for o in labelled})
+        table = calibration.fit([(o.basis, o.margin, o.real) for o in labelled if o.case % 2 == 0],
+                                fitted_on=f"the detection suite's cases at even places (half A), dialects "
+                                          f"{', '.join(dialects)}")
+        calibration.write_table(table)
+        print(f"\ncalibration fitted on half A ({table['pooled']['incidents']} openings, "
+              f"{table['pooled']['real']} real) and written to {calibration.TABLE_PATH}")
+
+        def p_of(o: Opening) -> float:
+            return calibration.p_real(o.basis, o.margin, table)
+    else:
+        def p_of(o: Opening) -> float:
+            return calibration.UNCALIBRATED if o.p_real is None else o.p_real
+    out: dict = {"per_dialect": {}}
+    for dialect in dict.fromkeys(o.dialect for o in labelled):
+        table = reliability([(p_of(o), o.real) for o in labelled if o.dialect == dialect])
+        print_reliability(f"p_real of ours ({dialect})", table)
+        out["per_dialect"][dialect] = table
+    out["all"] = reliability([(p_of(o), o.real) for o in labelled])
+    print_reliability("p_real of ours (every dialect run)", out["all"])
+    out["held_back"] = reliability([(p_of(o), o.real) for o in labelled if o.case % 2 == 1])
+    print_reliability("p_real of ours (held-back half B)", out["held_back"])
+    out["false_openings"] = sum(not o.real for o in labelled)
+    out["openings"] = len(labelled)
     return out
 
 
@@ -314,6 +390,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-tune", dest="tune", action="store_false",
                         help="skip tuning the baselines on one half of the suite and scoring every detector on the "
                         "other (a replay of what the baselines read: no simulation, a few seconds a dialect)")
+    parser.add_argument("--fit-calibration", action="store_true",
+                        help="fit p_real's calibration table on half A of the suite's openings (every dialect run) "
+                        "and write analytics/detection/calibration_table.json; the reliability tables then read it")
     parser.add_argument("--dialect", action="append", default=None, metavar="NAME",
                         help="how the simulated ranks record: ours (default), megatron, profiler, sampled, or all; "
                         "repeat for several: one table per dialect, the same runs for every detector")
@@ -339,6 +418,7 @@ def run(args: argparse.Namespace) -> int:
     dialects = dialects_of(getattr(args, "dialect", None))
     out: dict[str, dict] = {}
     t0 = time.perf_counter()
+    labelled: list[Opening] = []
     for dialect in dialects:
         results = []
         rows = []
@@ -384,11 +464,7 @@ def run(args: argparse.Namespace) -> int:
                                       "false_alarms_per_10k": {n: round(r, 2) for n, r in rates.items()}}
             print(f"\n{fam_name} ({fam['iterations']} healthy iterations), false alarms per 10k: "
                   + ", ".join(f"{n} {r:.1f}" for n, r in rates.items()))
-        table = reliability(results, args.grace)
-        print(f"\n{'confidence of ours (opening)':28} {'incidents':>9} {'mean p':>7} {'real':>6} {'gap':>6}")
-        for row in table:
-            print(f"{row['decile']:28} {row['incidents']:9d} {row['mean_confidence']:7.3f} {row['share_real']:6.3f} "
-                  f"{row['gap']:6.3f}")
+        labelled += openings(results, dialect, args.grace)
         if args.tune:
             entry_tuning = tune_and_hold_out(results, _tracked, score, jobs, inputs, args.grace)
             print("\nbaselines tuned on one half of the suite (best F1 there), every detector scored on the other "
@@ -423,7 +499,6 @@ def run(args: argparse.Namespace) -> int:
             "delay_p50_iters", "delay_p95_iters_x1_2_plus")} for n in names}}
         entry["probe_pause_share_healthy"] = round(pause_share, 5)
         entry["families"] = family_rates
-        entry["reliability"] = table
         if args.tune:
             entry["tuned_baselines"] = {name: {"held_out": {h: {k: v for k, v in row.items() if k in (
                 "setting", "f1", "precision", "recall", "false_alarms_per_10k")} for h, row in t["held_out"].items()}}
@@ -437,6 +512,10 @@ def run(args: argparse.Namespace) -> int:
                                    "within_5_percent": round(float(np.mean(np.array(first_errors) <= 0.05)), 4),
                                    "faults": len(first)}
         out[dialect] = entry
+    calibrated = calibration_report(labelled, getattr(args, "fit_calibration", False))
+    for dialect, table in calibrated["per_dialect"].items():
+        out[dialect]["reliability"] = table
+    out["calibration"] = {k: v for k, v in calibrated.items() if k != "per_dialect"}
     print(f"\n{len(cases)} scenarios x {len(dialects)} dialect(s) in {time.perf_counter() - t0:.0f} s")
     if args.json:
         print(json.dumps(out))

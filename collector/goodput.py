@@ -92,7 +92,7 @@ class OpenIncident:
     category: str
     severity: str
     factor: float
-    confidence: float
+    p_real: float  # how sure the detector is that the fault is real (collector/incident_lifecycle.py)
     first_iteration: int
     drag_raw_s: float = 0.0  # signed sum of observed − predicted over its iterations (outliers capped)
     excess: list[float] = field(default_factory=list)  # recent observed / predicted − 1 of its iterations
@@ -269,13 +269,13 @@ class GoodputFold:
         if inc is None:
             self._incident_opened(s, record)
         else:
-            inc.severity, inc.factor, inc.confidence = record.severity.value, record.factor, record.confidence
+            inc.severity, inc.factor, inc.p_real = record.severity.value, record.factor, record.p_real
 
     def _incident_opened(self, s: JobGoodput, record: IncidentRecord) -> None:
         first = record.evidence_from_iteration
         s.incidents[record.incident_id] = OpenIncident(
             category=record.category.value, severity=record.severity.value, factor=record.factor,
-            confidence=record.confidence, first_iteration=first)
+            p_real=record.p_real, first_iteration=first)
         s.healthy_excess = [h for h in s.healthy_excess if h[0] < first]  # they were slow, not healthy
         if record.category == FaultCategory.FAIL_STOP:
             self._charge_gap(s, closing=False)  # the hang began at the last iteration's end: charge it now
@@ -331,11 +331,19 @@ class GoodputFold:
                        for iid, v in st.get("incidents", {}).items()]
         book = self.incident_folds[job] = IncidentLifecycle(job=job)
         book.incidents = {r.incident_id: r for r in records}
-        st["incidents"] = {k: OpenIncident(**v) for k, v in st.get("incidents", {}).items()}
+        st["incidents"] = {k: OpenIncident(**_p_real_of(v)) for k, v in st.get("incidents", {}).items()}
         st["predictions"] = {int(k): v for k, v in st.get("predictions", {}).items()}
         st["charged_iterations"] = {int(k): v for k, v in st.get("charged_iterations", {}).items()}
         st["loss_s"] = {**dict.fromkeys(CAUSES, 0.0), **st.get("loss_s", {})}
         self.jobs[job] = JobGoodput(**st)
+
+
+def _p_real_of(stored: dict) -> dict:
+    """A stored open incident's fields; one stored before p_real held the detector's mixed
+    ``confidence``, which says nothing calibrated: it reads as uncalibrated until its next event."""
+    fields = {k: v for k, v in stored.items() if k != "confidence"}
+    fields.setdefault("p_real", incident_lifecycle.UNCALIBRATED)
+    return fields
 
 
 def _median(values: list[float]) -> float:

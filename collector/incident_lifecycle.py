@@ -34,6 +34,11 @@ from collector.events import (
 )
 from collector.plan_lifecycle import Admission, admit
 
+# What an incident reads when nothing calibrated says how sure its fault is real (a schema 1–2
+# record, a baseline detector's): as likely real as not. Readers that act on p_real (the auto-apply
+# policy) also check ``IncidentRecord.calibrated``.
+UNCALIBRATED = 0.5
+
 
 class IncidentStatus(StrEnum):
     """Where an incident stands. The values are what the demo and the engine's logs show."""
@@ -64,6 +69,10 @@ class IncidentRecord:
     probing: tuple[int, ...] = ()  # ranks a probe re-asks since the latest update: a better location follows
     probing_since_s: float = 0.0  # that update's time
     confirmed_by: str | None = None  # the first confirmation's method (probe, …)
+    # How sure the detector is that the fault is real: the latest p_real its events carried
+    # (docs/detector.md, "Confidence"); UNCALIBRATED, with calibrated False, when none carried one.
+    p_real: float = UNCALIBRATED
+    calibrated: bool = False
 
     @property
     def is_open(self) -> bool:
@@ -75,8 +84,9 @@ class IncidentRecord:
         return max((loc.factor for loc in self.locations), default=1.0)
 
     @property
-    def confidence(self) -> float:
-        return max((loc.confidence for loc in self.locations), default=0.0)
+    def place_confidence(self) -> float:
+        """How sure the detector is of the place: the best of its locations' (0.0: none named)."""
+        return max((loc.place_confidence for loc in self.locations), default=0.0)
 
     def to_state(self) -> dict[str, Any]:
         """The record as plain data (JSON-ready); :meth:`from_state` reads it back."""
@@ -85,7 +95,8 @@ class IncidentRecord:
                 "opened_iteration": self.opened_iteration, "status": self.status.value,
                 "changed_iteration": self.changed_iteration, "opened_at_s": self.opened_at_s,
                 "evidence_from_iteration": self.evidence_from_iteration, "probing": list(self.probing),
-                "probing_since_s": self.probing_since_s, "confirmed_by": self.confirmed_by}
+                "probing_since_s": self.probing_since_s, "confirmed_by": self.confirmed_by, "p_real": self.p_real,
+                "calibrated": self.calibrated}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> IncidentRecord:
@@ -93,7 +104,8 @@ class IncidentRecord:
                    [Location.model_validate(loc) for loc in state["locations"]], state["summary"],
                    state["opened_iteration"], IncidentStatus(state["status"]), state["changed_iteration"],
                    state["opened_at_s"], state["evidence_from_iteration"], tuple(state["probing"]),
-                   state["probing_since_s"], state["confirmed_by"])
+                   state["probing_since_s"], state["confirmed_by"], state.get("p_real", UNCALIBRATED),
+                   state.get("calibrated", False))  # a state stored before p_real: uncalibrated
 
 
 @dataclass
@@ -139,6 +151,7 @@ def _opened(state: IncidentLifecycle, e: Envelope, p: IncidentOpened) -> Inciden
         p.incident_id, p.category, p.severity, list(p.locations), p.summary, p.iteration,
         changed_iteration=p.iteration, opened_at_s=e.time_s,
         evidence_from_iteration=min(min(p.evidence.iterations, default=p.iteration), p.iteration))
+    _read_p_real(record, p)
     state.faults_changed(record)
     return record
 
@@ -154,6 +167,8 @@ def _later(state: IncidentLifecycle, e: Envelope,
     if record is None:
         state.report(e, f"{_WHAT[type(p)]} of unknown incident {p.incident_id}")
         return None
+    if not isinstance(p, IncidentResolved):
+        _read_p_real(record, p)
     if isinstance(p, IncidentUpdated):
         record.severity = p.severity
         record.changed_iteration = max(record.changed_iteration, p.iteration)
@@ -169,6 +184,12 @@ def _later(state: IncidentLifecycle, e: Envelope,
         record.status, record.probing = IncidentStatus.RESOLVED, ()
     state.faults_changed(record)
     return record
+
+
+def _read_p_real(record: IncidentRecord, p: IncidentOpened | IncidentConfirmed | IncidentUpdated) -> None:
+    """An event that carries p_real sets it; one without (schema 1–2) leaves what the record holds."""
+    if p.p_real is not None:
+        record.p_real, record.calibrated = p.p_real, True
 
 
 PAYLOADS: tuple[type, ...] = (IncidentOpened, *_WHAT)  # what this fold reads: a reader of several streams routes by it

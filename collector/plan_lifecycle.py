@@ -189,6 +189,7 @@ class PlanLifecycle(Admission):
     node_orders: dict[str, str] = field(default_factory=dict)  # a node plan's command.node id -> plan_id
     policy_mode: PolicyMode = PolicyMode.PROPOSE
     auto_severities: list[Severity] = field(default_factory=list)
+    auto_min_p_real: float | None = None  # the p_real every answered incident needs to auto-apply (None: no bar)
 
     def plan_runs(self, plan: Plan) -> None:
         """``plan`` runs now; plans left behind by the epoch change close."""
@@ -318,6 +319,7 @@ def _decision(state: PlanLifecycle, e: Envelope, p: PlanDecision) -> PlanRecord 
 def _policy(state: PlanLifecycle, e: Envelope, p: PolicyChanged) -> None:
     state.policy_mode = p.mode
     state.auto_severities = list(p.auto_severities)
+    state.auto_min_p_real = p.auto_min_p_real
 
 
 def _command(state: PlanLifecycle, e: Envelope, p: ReconfigureCommand) -> PlanRecord | None:

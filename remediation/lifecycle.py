@@ -30,7 +30,7 @@ from collector import incident_lifecycle, plan_lifecycle
 from collector.epoch_fence import COMMAND_TTL_S
 from collector.events import (
     AckStatus, CostModelFitted, Envelope, ExecutorCapabilities, FaultCategory, IterationPrediction, IterationSummary,
-    Location, NodeCommand, NodeCommandAck, Payload, PlanCurrent, PlanRolledBack, PlanVerified, PlanWithheld,
+    Location, NodeCommand, NodeCommandAck, Payload, PlanCurrent, PlanProposed, PlanRolledBack, PlanVerified, PlanWithheld,
     PolicyMode, ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
@@ -231,6 +231,26 @@ def can_roll_back(state: LifecycleState, record: PlanRecord) -> bool:
     return not any(d in state.known_dead or d in stopping for d in previous.devices)
 
 
+def auto_applies(state: LifecycleState, prop: PlanProposed) -> str | None:
+    """Why the job's policy applies ``prop`` without an operator, or None when it does not: auto
+    mode, the plan's severity in the policy's set, and, when the policy sets ``auto_min_p_real``,
+    every incident the plan answers calibrated and at least that sure to be real (an incident the
+    fold does not hold, or one with no calibrated p_real, is not). A severe plan on a doubtful
+    incident waits for an operator: reshaping a job around a fault that is not there costs the
+    reshape and the throughput of the device left out."""
+    if state.policy_mode != PolicyMode.AUTO or prop.severity not in state.auto_severities:
+        return None
+    why = f"severity {prop.severity.value} is in the policy's auto set"
+    bar = state.auto_min_p_real
+    if bar is None:
+        return why
+    records = [state.incidents.get(i) for i in prop.incident_ids]
+    if any(r is None or not r.calibrated or r.p_real < bar for r in records):
+        return None
+    least = min((r.p_real for r in records if r is not None), default=1.0)
+    return f"{why}, and its incidents are real with p ≥ {least:.2f} (the policy's bar {bar:.2f})"
+
+
 def reaction_id(job: str, what: str) -> str:
     """Deterministic event id of a reaction, so re-publishing it is deduplicated by every fold."""
     return uuid.uuid5(_NAMESPACE, f"{job}/{what}").hex
@@ -245,11 +265,9 @@ def reactions(state: LifecycleState, verification: Verification = Verification()
     out: list[tuple[str, Payload]] = []
     for record in state.plans.values():
         prop = record.proposal
-        if (record.status == PlanStatus.PROPOSED and state.policy_mode == PolicyMode.AUTO
-                and prop.severity in state.auto_severities):
-            out.append((f"decision/{record.plan_id}", record.decision(
-                approve=True, actor="policy:auto",
-                comment=f"auto-applied: severity {prop.severity.value} is in the policy's auto set")))
+        if record.status == PlanStatus.PROPOSED and (why := auto_applies(state, prop)) is not None:
+            out.append((f"decision/{record.plan_id}", record.decision(approve=True, actor="policy:auto",
+                                                                      comment=f"auto-applied: {why}")))
         elif record.status == PlanStatus.APPROVED and prop.base_epoch == state.running_epoch:
             out.append((f"command/{record.plan_id}", ReconfigureCommand(
                 command_id=f"cmd-{record.plan_id}", plan_id=record.plan_id, plan=prop.plan, run=state.run,

@@ -22,7 +22,7 @@ from collector.events import (
 def _group_suspect(ranks: tuple[int, ...] = (4, 5), factor: float = 3.0) -> Suspect:
     """Telemetry can only point at this TP group (its members run in lock-step)."""
     return Suspect(key=IncidentKey.of_ranks(ranks), target="compute", rank=None, link=None, node=0, replica=1, stage=0,
-                   tp_group=ranks, factor=factor, confidence=0.5, iterations=[], observed_s=[], predicted_s=[],
+                   tp_group=ranks, factor=factor, place_confidence=0.5, iterations=[], observed_s=[], predicted_s=[],
                    rank_factors={}, statistic="", note="", ranks=ranks)
 
 
@@ -61,7 +61,7 @@ def test_a_probed_link_carries_the_probes_factor_and_telemetry_no_longer_moves_i
     config = DetectorConfig(probes=True)
     book = IncidentBook("j", config)
     comm = Suspect(key=COMM_KEY, target="link", rank=None, link=None, node=None, replica=None, stage=None,
-                   tp_group=None, factor=1.10, confidence=0.5, iterations=[], observed_s=[], predicted_s=[],
+                   tp_group=None, factor=1.10, place_confidence=0.5, iterations=[], observed_s=[], predicted_s=[],
                    rank_factors={}, statistic="", note="", ranks=(1, 2, 3))
     (probe,) = [p for p in book.open_fail_slow(comm, iteration=10) if isinstance(p, ProbeRequest)]
     answers = {1: 0.05, 2: 0.20, 3: 0.20}
@@ -190,7 +190,7 @@ def test_a_first_probe_missing_a_dead_members_answer_names_the_slow_member_that_
 
 def _named_slow(rank: int = 5, factor: float = 3.0) -> Suspect:
     return Suspect(key=IncidentKey.of_ranks((rank,)), target="compute", rank=rank, link=None, node=0, replica=1, stage=0,
-                   tp_group=(4, 5), factor=factor, confidence=0.9, iterations=[], observed_s=[], predicted_s=[],
+                   tp_group=(4, 5), factor=factor, place_confidence=0.9, iterations=[], observed_s=[], predicted_s=[],
                    rank_factors={}, statistic="", note="", ranks=(rank,))
 
 
@@ -328,7 +328,7 @@ def test_time_lost_outside_the_traced_ranks_probes_the_untraced_ranks_then_every
     book = IncidentBook("j", config)
     untraced = tuple(range(8, 16)) + tuple(range(24, 32))
     suspect = Suspect(key=UNTRACED_KEY, target="compute", rank=None, link=None, node=None, replica=None, stage=None,
-                      tp_group=untraced, factor=1.7, confidence=0.5, iterations=[], observed_s=[], predicted_s=[],
+                      tp_group=untraced, factor=1.7, place_confidence=0.5, iterations=[], observed_s=[], predicted_s=[],
                       rank_factors={}, statistic="", note="", ranks=untraced, link_probe_ranks=tuple(range(32)))
     (probe,) = [p for p in book.open_fail_slow(suspect, iteration=40) if isinstance(p, ProbeRequest)]
     assert probe.target == "compute" and tuple(probe.ranks) == untraced

@@ -95,7 +95,7 @@ def test_wire_only_timers_stay_within_the_spread_that_tells_waits() -> None:
 
 def _suspect(factor: float) -> Suspect:
     return Suspect(key=IncidentKey.of_ranks((4,)), target="compute", rank=4, link=None, node=0, replica=1, stage=0,
-                   tp_group=(4,), factor=factor, confidence=0.5, iterations=[], observed_s=[], predicted_s=[],
+                   tp_group=(4,), factor=factor, place_confidence=0.5, iterations=[], observed_s=[], predicted_s=[],
                    rank_factors={}, statistic="", note="", ranks=(4,))
 
 

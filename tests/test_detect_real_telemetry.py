@@ -152,7 +152,7 @@ def test_an_incident_whose_factor_is_not_above_one_never_opens():
     book = IncidentBook("j", DetectorConfig())
     for factor in (1.0, 0.98, float("nan")):
         s = Suspect(key=IncidentKey.of_link(0, 1), target="link", rank=None, link=(0, 1), node=None, replica=0, stage=0,
-                    tp_group=None, factor=factor, confidence=0.0, iterations=[1], observed_s=[], predicted_s=[],
+                    tp_group=None, factor=factor, place_confidence=0.0, iterations=[1], observed_s=[], predicted_s=[],
                     rank_factors={}, statistic="", note="")
         assert book.open_fail_slow(s, 1) == []
     assert book.open == {}

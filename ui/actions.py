@@ -53,13 +53,18 @@ def decide_plan(feed: Feed, session: Session, plan_id: str, *, approve: bool, co
 
 
 def change_policy(feed: Feed, session: Session, job: str, *, mode: PolicyMode, auto_severities: list[Severity],
-                  now_s: float | None = None) -> Envelope:
-    """Publish a policy.changed for ``job`` by the session's user. Raises SessionExpired or NotAllowed."""
+                  auto_min_p_real: float | None = None, now_s: float | None = None) -> Envelope:
+    """Publish a policy.changed for ``job`` by the session's user. ``auto_min_p_real``: in auto mode,
+    how sure the detector must be that a plan's incidents are real (None: severity alone). Raises
+    SessionExpired or NotAllowed."""
     now_s = time.time() if now_s is None else now_s
     user = session.require_operator(now_s, "change the policy")
     if mode == PolicyMode.AUTO and not auto_severities:
         raise ActionRefused("auto-apply needs at least one severity to apply automatically; pick some or choose propose")
+    if auto_min_p_real is not None and not 0.0 <= auto_min_p_real <= 1.0:
+        raise ActionRefused(f"the auto-apply bar on p_real must be between 0 and 1, not {auto_min_p_real}")
     event = _factory(feed, job, user.actor).make(
-        PolicyChanged(mode=mode, auto_severities=sorted(set(auto_severities), key=list(Severity).index), actor=user.actor))
+        PolicyChanged(mode=mode, auto_severities=sorted(set(auto_severities), key=list(Severity).index),
+                      auto_min_p_real=auto_min_p_real if mode == PolicyMode.AUTO else None, actor=user.actor))
     feed.publish(event)
     return event

@@ -121,6 +121,7 @@ class PolicyView:
     auto_severities: list[Severity]
     actor: str
     time_s: float
+    auto_min_p_real: float | None = None  # how sure of its incidents an auto-applied plan must be (None: no bar)
 
 
 @dataclass
@@ -505,7 +506,7 @@ class ReadModel:
             job.marks.append(Mark("reshape", job.predictions.iteration_at(e.time_s), e.time_s, "rolled back"))
 
     def _on_policy_changed(self, e: Envelope, p: PolicyChanged, job: ConsoleJob) -> None:
-        job.policy = PolicyView(p.mode, list(p.auto_severities), p.actor, e.time_s)
+        job.policy = PolicyView(p.mode, list(p.auto_severities), p.actor, e.time_s, p.auto_min_p_real)
 
     # ---- derived views --------------------------------------------------------------------------
 

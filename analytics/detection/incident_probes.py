@@ -23,6 +23,7 @@ from dataclasses import replace
 from statistics import median
 from typing import TYPE_CHECKING
 
+from analytics.detection.calibration import PROBE
 from analytics.detection.incident_keys import UNTRACED_KEY, IncidentKey, KeyKind, ProbeKind
 from analytics.detection.open_incident import IncidentProbe, OpenIncident, severity_of
 from collector.events import (
@@ -174,19 +175,19 @@ class IncidentProbes:
         if already:
             return [IncidentUpdated(incident_id=inc.incident_id, iteration=inc.last_update_iteration,
                                     severity=severity_of(inc.factor),
-                                    locations=[s.location(inc.factor)],
+                                    locations=[s.location(inc.factor)], p_real=inc.p_real,
                                     evidence=s.evidence().model_copy(update={
                                         "statistic": f"probe: rank {worst} took ×{ratio:.2f} ({ratios})"}))]
         return [IncidentConfirmed(
             incident_id=inc.incident_id, method="probe",
             detail=f"probe: rank {worst} took ×{ratio:.2f} of the healthy reference ({ratios})",
-            locations=[s.location(inc.factor)])]
+            locations=[s.location(inc.factor)], p_real=inc.p_real)]
 
     def _name_member(self, inc: OpenIncident, worst: int, asked: tuple[int, ...]) -> None:
         """The compute incident names one member of the group telemetry pointed at."""
         s = inc.suspect
         s.rank, s.ranks = worst, (worst,)
-        s.confidence = min(0.99, s.confidence * len(asked))
+        s.place_confidence = 1.0  # the probe measured each member alone
         if s.key == UNTRACED_KEY and worst in s.rank_factors:
             # sized through the schedule for the named rank's own stage (analytics/detection/untraced.py),
             # no longer as the median stage
@@ -210,7 +211,7 @@ class IncidentProbes:
             s.link, s.rank = (slow[0], slow[1]), None  # both ends of one slow link
         else:
             s.link, s.rank = None, worst  # one device's NIC
-        s.confidence = 0.9
+        s.place_confidence = 1.0  # the probe timed it
         # Telemetry measured how much the iteration lost; the planner needs how slow the
         # link is (it costs every transfer over it), which is what the probe timed.
         inc.factor = max(ratios[worst], inc.factor)
@@ -274,7 +275,7 @@ class IncidentProbes:
                     out += self._open_peer(inc, r, chunk_factor(ratios[r]), statistic, table)
         return out + [IncidentUpdated(
             incident_id=inc.incident_id, iteration=inc.last_update_iteration,
-            severity=severity_of(inc.factor), locations=[s.location(inc.factor)],
+            severity=severity_of(inc.factor), locations=[s.location(inc.factor)], p_real=inc.p_real,
             evidence=s.evidence().model_copy(update={"statistic": statistic}))]
 
     def _open_peer(self, inc: OpenIncident, r: int, f: float, statistic: str, table: str) -> list[Payload]:
@@ -282,16 +283,18 @@ class IncidentProbes:
         at the named rank's last update (the iteration the re-probe was asked at)."""
         s, at = inc.suspect, inc.last_update_iteration
         key = IncidentKey.of_ranks((r,))
-        peer = replace(s, key=key, rank=r, ranks=(r,), factor=f, confidence=0.9, statistic=statistic,
-                       note=f"a TP peer of rank {s.rank}, found by re-probing its group when it got slower")
-        new = OpenIncident(self.book.incident_id(key, at), FaultCategory.FAIL_SLOW, peer, at, f, f, confirmed=True,
-                           last_update_iteration=at, probe=IncidentProbe(named=True), probe_sized=True)
+        bar = self.book.config.probe_confirm_ratio
+        peer = replace(s, key=key, rank=r, ranks=(r,), factor=f, place_confidence=1.0, statistic=statistic,
+                       note=f"a TP peer of rank {s.rank}, found by re-probing its group when it got slower",
+                       basis=PROBE, margin=math.log(max(inc.probe.ratios[r], 1e-12)) / math.log(bar) if bar > 1 else 1.0)
+        new = OpenIncident(self.book.incident_id(key, at), FaultCategory.FAIL_SLOW, peer, at, f, f, p_real=peer.p_real(),
+                           confirmed=True, last_update_iteration=at, probe=IncidentProbe(named=True), probe_sized=True)
         self.book.add(new)
         return [IncidentOpened(incident_id=new.incident_id, category=new.category,
                                severity=severity_of(f), iteration=new.opened_iteration,
-                               locations=[peer.location()], evidence=peer.evidence(),
+                               locations=[peer.location()], evidence=peer.evidence(), p_real=new.p_real,
                                summary=f"rank {r} is ×{f:.2f} slower than its work predicts (replica "
                                        f"{peer.replica}, stage {peer.stage}; a TP peer of rank {s.rank})"),
                 IncidentConfirmed(incident_id=new.incident_id, method="probe",
                                   detail=f"re-probe: rank {r} took ×{inc.probe.ratios[r]:.2f} of the healthy "
-                                         f"reference ({table})", locations=[peer.location()])]
+                                         f"reference ({table})", locations=[peer.location()], p_real=new.p_real)]

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field, replace
 from statistics import median
 
+from analytics.detection.calibration import HEARTBEAT, HIDDEN_STOP
 from analytics.detection.config import DetectorConfig
 from analytics.detection.fail_stop import LivenessChange
 from analytics.detection.incident_keys import COMM_KEY, DEAD_HIDDEN_KEY, IncidentKey, KeyKind
@@ -93,7 +94,7 @@ class IncidentBook:
         if not self.big_enough(s.factor):
             return []
         inc = OpenIncident(self.incident_id(s.key, iteration), FaultCategory.FAIL_SLOW, s, iteration, s.factor,
-                           s.factor, last_update_iteration=iteration)
+                           s.factor, p_real=s.p_real(), last_update_iteration=iteration)
         self.add(inc)
         if s.target == "link":
             where = f"link {s.link[0]}->{s.link[1]}" if s.link else "communication"
@@ -102,7 +103,7 @@ class IncidentBook:
                      else f"one of ranks {list(s.ranks)}")
         out: list[Payload] = [IncidentOpened(
             incident_id=inc.incident_id, category=inc.category, severity=severity_of(s.factor),
-            iteration=iteration, locations=[s.location()], evidence=s.evidence(),
+            iteration=iteration, locations=[s.location()], evidence=s.evidence(), p_real=inc.p_real,
             summary=f"{where} is ×{s.factor:.2f} slower than its work predicts"
                     + (f" (replica {s.replica}, stage {s.stage})" if s.replica is not None else ""))]
         if self.config.probes:
@@ -150,7 +151,7 @@ class IncidentBook:
             s = inc.suspect
             update = IncidentUpdated(incident_id=inc.incident_id, iteration=iteration,
                                      severity=severity_of(factor),
-                                     locations=[s.location(factor)], evidence=s.evidence())
+                                     locations=[s.location(factor)], evidence=s.evidence(), p_real=inc.p_real)
             if not (worse and self.probes.can_reprobe(inc)):
                 return [update]
             return self.probes.reprobe(inc, update, iteration)
@@ -183,7 +184,7 @@ class IncidentBook:
         inc.last_update_iteration = iteration
         s = inc.suspect
         return [IncidentUpdated(incident_id=inc.incident_id, iteration=iteration,
-                                severity=severity_of(refined), locations=[s.location(refined)],
+                                severity=severity_of(refined), locations=[s.location(refined)], p_real=inc.p_real,
                                 evidence=s.evidence().model_copy(update={
                                     "statistic": f"sized again on {n} slow iterations: ×{refined:.3f} "
                                                  f"(was ×{before:.3f})"}))]
@@ -203,7 +204,7 @@ class IncidentBook:
         inc.factor = inc.published_factor = factor
         inc.probe_sized, inc.last_update_iteration = True, iteration
         return [IncidentUpdated(incident_id=inc.incident_id, iteration=iteration, severity=severity_of(factor),
-                                locations=[s.location(factor)], evidence=s.evidence().model_copy(update={
+                                locations=[s.location(factor)], p_real=inc.p_real, evidence=s.evidence().model_copy(update={
                                     "statistic": f"link {link[0]}->{link[1]} scored ×{factor:.2f} on its own timers"}))]
 
     def end_of_iteration(self, iteration: int) -> list[Payload]:
@@ -217,7 +218,7 @@ class IncidentBook:
                 out.append(IncidentConfirmed(
                     incident_id=inc.incident_id, method="persistence",
                     detail=f"still ×{inc.factor:.2f} after {iteration - inc.opened_iteration} iterations",
-                    locations=[inc.suspect.location(inc.factor)]))
+                    locations=[inc.suspect.location(inc.factor)], p_real=inc.p_real))
             out += self.probes.health_probe(inc, iteration)
         return out
 
@@ -244,18 +245,20 @@ class IncidentBook:
                     out.append(IncidentResolved(incident_id=slow.incident_id, iteration=iteration,
                                                 reason="superseded: the rank stopped (fail-stop incident)"))
                 s = Suspect(key=key, target="compute", rank=ch.rank, link=None, node=None, replica=None, stage=None,
-                            tp_group=None, factor=DEAD_FACTOR, confidence=0.99, iterations=[iteration],
+                            tp_group=None, factor=DEAD_FACTOR, place_confidence=1.0, iterations=[iteration],
                             observed_s=[], predicted_s=[], rank_factors={ch.rank: DEAD_FACTOR},
-                            statistic="heartbeat and telemetry liveness", note=ch.reason)
+                            statistic="heartbeat and telemetry liveness", note=ch.reason, basis=HEARTBEAT,
+                            margin=1.0)
                 inc = OpenIncident(self.incident_id(key, iteration), FaultCategory.FAIL_STOP, s, iteration,
-                                   DEAD_FACTOR, DEAD_FACTOR, confirmed=True)
+                                   DEAD_FACTOR, DEAD_FACTOR, p_real=s.p_real(), confirmed=True)
                 self.add(inc)
                 out.append(IncidentOpened(incident_id=inc.incident_id, category=inc.category,
                                           severity=Severity.CRITICAL, iteration=iteration, locations=[s.location()],
-                                          evidence=s.evidence(), summary=f"rank {ch.rank} stopped: {ch.reason}"))
+                                          evidence=s.evidence(), summary=f"rank {ch.rank} stopped: {ch.reason}",
+                                          p_real=inc.p_real))
                 method: ConfirmMethod = "heartbeat" if "heartbeat" in ch.reason else "persistence"
                 out.append(IncidentConfirmed(incident_id=inc.incident_id, method=method, detail=ch.reason,
-                                             locations=[s.location()]))
+                                             locations=[s.location()], p_real=inc.p_real))
             elif ch.alive and key in self.open:
                 inc = self.open.pop(key)
                 out.append(IncidentResolved(incident_id=inc.incident_id, iteration=iteration, reason=ch.reason))
@@ -272,19 +275,19 @@ class IncidentBook:
         one = ranks[0] if len(ranks) == 1 else None
         s = Suspect(key=key, target="compute", rank=one, link=None, node=None, replica=None, stage=None,
                     tp_group=None if one is not None else ranks, factor=DEAD_FACTOR,
-                    confidence=round(1.0 / len(ranks), 4), iterations=[iteration], observed_s=[], predicted_s=[],
-                    rank_factors={}, statistic="job stalled while every traced rank heartbeats", note=reason,
-                    ranks=ranks)
+                    place_confidence=round(1.0 / len(ranks), 4), iterations=[iteration], observed_s=[],
+                    predicted_s=[], rank_factors={}, statistic="job stalled while every traced rank heartbeats",
+                    note=reason, ranks=ranks, basis=HIDDEN_STOP, margin=1.0)
         inc = OpenIncident(self.incident_id(key, iteration), FaultCategory.FAIL_STOP, s, iteration, DEAD_FACTOR,
-                           DEAD_FACTOR, confirmed=True)
+                           DEAD_FACTOR, p_real=s.p_real(), confirmed=True)
         self.add(inc)
         where = f"rank {one}" if one is not None else f"one of the {len(ranks)} untraced ranks {list(ranks)}"
         out: list[Payload] = [
             IncidentOpened(incident_id=inc.incident_id, category=inc.category, severity=Severity.CRITICAL,
                            iteration=iteration, locations=[s.location()], evidence=s.evidence(),
-                           summary=f"{where} stopped: {reason}"),
+                           summary=f"{where} stopped: {reason}", p_real=inc.p_real),
             IncidentConfirmed(incident_id=inc.incident_id, method="persistence", detail=reason,
-                              locations=[s.location()])]
+                              locations=[s.location()], p_real=inc.p_real)]
         if probe_id is not None:
             out.append(ProbeRequest(probe_id=probe_id, incident_id=inc.incident_id, ranks=list(ranks), repeats=1))
         return out
@@ -299,11 +302,11 @@ class IncidentBook:
         one = silent[0] if len(silent) == 1 else None
         inc.suspect = replace(inc.suspect, key=IncidentKey.of_dead(one) if one is not None else DEAD_HIDDEN_KEY, rank=one,
                               tp_group=None if one is not None else silent, ranks=silent,
-                              confidence=0.99 if one is not None else round(1.0 / len(silent), 4),
+                              place_confidence=1.0 if one is not None else round(1.0 / len(silent), 4),
                               rank_factors={r: DEAD_FACTOR for r in silent})
         self.open[inc.suspect.key] = inc
         return [IncidentConfirmed(incident_id=inc.incident_id, method="probe", detail=detail,
-                                  locations=[inc.suspect.location()])]
+                                  locations=[inc.suspect.location()], p_real=inc.p_real)]
 
     def hidden_cleared(self, iteration: int, reason: str) -> list[Payload]:
         """The job moved on: the group suspected of a hidden stop held nobody up."""

@@ -7,10 +7,12 @@ read and write these records, so they live here, below both.
 
 from __future__ import annotations
 
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
+from analytics.detection.calibration import COMPUTE_CUSUM, p_real
 from analytics.detection.incident_keys import IncidentKey, ProbeKind
 from collector.events import Evidence, FaultCategory, Location, LocationTarget, Severity
 
@@ -49,7 +51,7 @@ class Suspect:
     stage: int | None
     tp_group: tuple[int, ...] | None
     factor: float
-    confidence: float
+    place_confidence: float  # share of the evidence pointing at this place (Location.place_confidence)
     iterations: list[int]
     observed_s: list[float]
     predicted_s: list[float]
@@ -63,15 +65,24 @@ class Suspect:
     # What the factor slows: the rank's chunks (telemetry's measure) or its compute alone (a probe's,
     # for a rank no telemetry sees: Location.measure).
     measure: Literal["chunks", "compute"] = "chunks"
+    # The evidence it rests on and how far that passed its alarm bar (analytics/detection/calibration.py):
+    # what the incident's p_real is read from.
+    basis: str = COMPUTE_CUSUM
+    margin: float = 0.0
 
     def location(self, factor: float | None = None) -> Location:
         return Location(target=self.target, rank=self.rank, link=self.link, node=self.node, replica=self.replica,
                         stage=self.stage, tp_group=self.tp_group, factor=max(factor or self.factor, 1e-6),
-                        confidence=self.confidence, measure=self.measure)
+                        place_confidence=self.place_confidence, measure=self.measure)
 
     def evidence(self) -> Evidence:
         return Evidence(iterations=self.iterations, observed_s=self.observed_s, predicted_s=self.predicted_s,
-                        rank_factors=self.rank_factors, statistic=self.statistic, note=self.note)
+                        rank_factors=self.rank_factors, statistic=self.statistic, note=self.note,
+                        basis=self.basis, margin=round(self.margin, 4) if math.isfinite(self.margin) else None)
+
+    def p_real(self) -> float:
+        """How sure an incident on this evidence is that its fault is real (the calibrated table)."""
+        return p_real(self.basis, self.margin)
 
 
 @dataclass
@@ -102,6 +113,7 @@ class OpenIncident:
     opened_iteration: int
     factor: float
     published_factor: float  # the size consumers hold: the last one an opening, confirmation or update carried
+    p_real: float = 0.5  # how sure the opening's evidence is that the fault is real: every event of it carries this
     confirmed: bool = False
     healthy_streak: int = 0
     last_update_iteration: int = -1

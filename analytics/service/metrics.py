@@ -126,8 +126,13 @@ def _incident_families(figures: list[JobFigures]) -> Iterator[Metric]:
                               labels=["job", "category", "severity"])
     factor = GaugeMetricFamily("resihp_incident_slowdown_factor", "Largest estimated slowdown among the open "
                                "incidents of a category (1 when none is open).", labels=["job", "category"])
-    confidence = GaugeMetricFamily("resihp_detector_confidence", "The detector's highest location confidence among "
-                                   "the open incidents of a category (0 when none is open).", labels=["job", "category"])
+    p_real = GaugeMetricFamily("resihp_incident_p_real", "How sure the detector is that a fault is real (calibrated "
+                               "on the detection suite; 0.5 uncalibrated): the highest among the open incidents of a "
+                               "category (0 when none is open).", labels=["job", "category"])
+    each_p_real = GaugeMetricFamily("resihp_open_incident_p_real", "Each open incident of "
+                                    "resihp_open_incident_slowdown_factor: how sure the detector is that its fault is "
+                                    "real, for alerts to page on real faults only.",
+                                    labels=["job", "incident_id", "category", "severity"])
     each = GaugeMetricFamily("resihp_open_incident_slowdown_factor", "Each open incident (at most "
                              f"{MAX_INCIDENT_SERIES} per job, fail-stop first, then the largest): its estimated "
                              "slowdown, and its id for the alert to link to.",
@@ -136,13 +141,14 @@ def _incident_families(figures: list[JobFigures]) -> Iterator[Metric]:
         ranked = sorted(f.incidents.items(), key=lambda kv: (kv[1].category != "fail_stop", -kv[1].factor, kv[0]))
         for iid, inc in ranked[:MAX_INCIDENT_SERIES]:
             each.add_metric([f.job, iid, inc.category, inc.severity], min(inc.factor, 1e6))
+            each_p_real.add_metric([f.job, iid, inc.category, inc.severity], inc.p_real)
         for cat in CATEGORIES:
             mine = [i for i in f.incidents.values() if i.category == cat]
             for sev in SEVERITIES:
                 open_.add_metric([f.job, cat, sev], sum(i.severity == sev for i in mine))
             factor.add_metric([f.job, cat], max((min(i.factor, 1e6) for i in mine), default=1.0))
-            confidence.add_metric([f.job, cat], max((i.confidence for i in mine), default=0.0))
-    yield from (open_, factor, confidence, each)
+            p_real.add_metric([f.job, cat], max((i.p_real for i in mine), default=0.0))
+    yield from (open_, factor, p_real, each, each_p_real)
 
 
 def _health_families(figures: list[JobFigures]) -> Iterator[Metric]:

@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
+from collector.incident_lifecycle import IncidentRecord
 from ui.actions import decide_plan
 from ui.alerts import AlertmanagerUnreachable, FiringAlert, by_incident, firing_alerts
 from ui.auth import Session
@@ -105,19 +106,21 @@ def _list(feed: Feed, page_size: int) -> None:
     page = st.number_input(f"Page (of {pages})", min_value=1, max_value=pages, value=1, key="inc_page") if pages > 1 else 1
     rows = items[(page - 1) * page_size: page * page_size]
     st.caption(f"{len(items):,} incidents; showing {len(rows)}")
-    head = st.columns([2, 1, 1, 0.9, 1.3, 0.7, 3, 1])
-    for col, name in zip(head, ["incident", "job", "category", "severity", "state", "iter.", "summary", ""]):
+    widths = [2, 1, 1, 0.9, 1.3, 0.7, 0.7, 3, 1]
+    head = st.columns(widths)
+    for col, name in zip(head, ["incident", "job", "category", "severity", "state", "iter.", "p real", "summary", ""]):
         col.markdown(f"**{name}**")
     for inc in rows:
-        c = st.columns([2, 1, 1, 0.9, 1.3, 0.7, 3, 1])
+        c = st.columns(widths)
         c[0].text(inc.incident_id)
         c[1].text(inc.job)
         c[2].text(inc.opened.category.value)
         c[3].markdown(SEVERITY_BADGE[inc.severity.value])
         c[4].text(model.incident_state(inc))
         c[5].text(str(inc.opened.iteration))
-        c[6].text(inc.opened.summary)
-        c[7].button("Open", key=f"open-{inc.incident_id}", on_click=_open, args=(inc.incident_id,))
+        c[6].text(p_real_label(inc.record))
+        c[7].text(inc.opened.summary)
+        c[8].button("Open", key=f"open-{inc.incident_id}", on_click=_open, args=(inc.incident_id,))
 
 
 def _detail(feed: Feed, session: Session, inc: IncidentView, alerts: list[FiringAlert], unreachable: str) -> None:
@@ -125,6 +128,8 @@ def _detail(feed: Feed, session: Session, inc: IncidentView, alerts: list[Firing
     st.header(f"Incident {plain(inc.incident_id)}")
     st.markdown(f"{SEVERITY_BADGE[inc.severity.value]} · **{plain(model.incident_state(inc))}** · job {plain(inc.job)} · "
                 f"{inc.opened.category.value} · detected at iteration {inc.opened.iteration} — {plain(inc.opened.summary)}")
+    st.caption(f"p real {p_real_label(inc.record)}: how sure the detector is that the fault is real (calibrated on "
+               f"the detection suite) · place confidence {inc.record.place_confidence:.2f}: how sure it is of the place")
 
     _alerts_section(alerts, unreachable)
 
@@ -152,6 +157,11 @@ def _detail(feed: Feed, session: Session, inc: IncidentView, alerts: list[Firing
         return
     _plan(feed, plan)
     _decision(feed, session, plan)
+
+
+def p_real_label(record: IncidentRecord) -> str:
+    """An incident's p_real as the console shows it: uncalibrated says so rather than showing 0.50."""
+    return f"{record.p_real:.2f}" if record.calibrated else "uncalibrated"
 
 
 def _evidence(feed: Feed, inc: IncidentView) -> None:

@@ -17,6 +17,7 @@ from collections import deque
 
 import numpy as np
 
+from analytics.detection.calibration import COMM_EXCESS, UNTRACED_EXCESS
 from analytics.detection.judges.base import FrameView, JobContext
 from analytics.detection.frame import IterationFrame
 from analytics.detection.incident_keys import COMM_KEY, UNTRACED_KEY
@@ -121,7 +122,8 @@ def _comm_suspect(frame: IterationFrame, score: FrameScore, wall: float, explain
     candidates = tuple(int(r_) for r_ in frame.rank[: 4096])
     return Suspect(
         key=COMM_KEY, target="link", rank=None, link=link, node=None, replica=None, stage=None, tp_group=None,
-        factor=float(np.exp(z)), confidence=0.5, iterations=[frame.iteration],
+        factor=float(np.exp(z)), place_confidence=1.0 if link is not None else 0.0, iterations=[frame.iteration],
+        basis=COMM_EXCESS, margin=float((z - k) / k) if k > 0 else 0.0,
         observed_s=[wall], predicted_s=[float(explained * np.exp(centre))], rank_factors={},
         statistic=f"CUSUM on log(wall / iteration explained by observed compute); k={k:.4f} h={h:.4f}",
         note="iteration slower than its compute explains: communication" + (
@@ -161,7 +163,8 @@ def _open_untraced(frame: IterationFrame, sched: tuple[str | None, int | None], 
     by_rank = {r: round(per_stage[roles[r].stage], 4) for r in ranks if r in roles and roles[r].stage in per_stage}
     return job.book.open_fail_slow(Suspect(
         key=UNTRACED_KEY, target="compute", rank=None, link=None, node=None, replica=None, stage=None,
-        tp_group=None, factor=size, confidence=float(min(0.99, 1.0 - np.exp(-max(z - k, 0.0) / sigma / 2))),
+        tp_group=None, factor=size, place_confidence=round(1.0 / max(len(ranks), 1), 4), basis=UNTRACED_EXCESS,
+        margin=float((z - k) / max(sigma, 1e-6)),
         iterations=[frame.iteration], observed_s=[wall], predicted_s=[wall * math.exp(-z)], rank_factors=by_rank,
         statistic=(f"{run} traced iterations in a row later than the job's healthy swing allows "
                    f"(tail fitted to its own excesses); " if run else

@@ -14,6 +14,7 @@ from collections import deque
 
 import numpy as np
 
+from analytics.detection.calibration import LINK_CUSUM
 from analytics.detection.judges.base import FrameView, JobContext
 from analytics.detection.judges.noise import fast_side_sigma
 from analytics.detection.config import DetectorConfig
@@ -140,7 +141,7 @@ def _link_suspect(frame: IterationFrame, i: int | None, a: int, b: int, z: float
         key=IncidentKey.of_link(a, b), target="link", rank=None, link=(a, b), node=None,
         replica=int(frame.dp[i]) if i is not None else None, stage=int(frame.pp[i]) if i is not None else None,
         tp_group=None, factor=float(np.exp(z)),
-        confidence=float(min(0.99, 1.0 - np.exp(-max(z - k, 0.0) / max(sigma, 1e-6) / 2))),
+        place_confidence=1.0, basis=LINK_CUSUM, margin=float((z - k) / max(sigma, 1e-6)),
         iterations=[frame.iteration], observed_s=[], predicted_s=[], rank_factors={},
         statistic=f"CUSUM on log(lower-quartile p2p send time), centred on the same stage pair's links; "
                   f"k={k:.4f} h={h:.4f} sigma={sigma:.4f} (links' own window)",

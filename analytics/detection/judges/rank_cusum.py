@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from analytics.detection.calibration import COMPUTE_CUSUM
 from analytics.detection.judges.base import FrameView, JobContext
 from analytics.detection.frame import IterationFrame
 from analytics.detection.incident_keys import IncidentKey
@@ -220,12 +221,12 @@ class RankCusum:
         hist = [(r.iteration, float(r.own_s[j]), float(r.pred_s[j]))
                 for r in self.history for j in np.flatnonzero(r.rank == frame.rank[i])]
         factor = chunk_slowdown(frame, score.c_pred, i, self.factor(ranks, score.z[i], k))
-        conf = float(min(0.99, 1.0 - np.exp(-max(score.z[i] - k, 0.0) / max(sigma, 1e-6) / 2))) / len(ranks)
         return Suspect(
             key=IncidentKey.of_ranks(ranks), target="compute", rank=ranks[0] if len(ranks) == 1 else None, link=None,
             node=int(frame.node[i]) if frame.node[i] >= 0 else None, replica=int(frame.dp[i]),
             stage=int(frame.pp[i]), tp_group=tp_group, factor=factor,
-            confidence=conf, iterations=[h_[0] for h_ in hist], observed_s=[h_[1] for h_ in hist],
+            place_confidence=round(1.0 / len(ranks), 4), basis=COMPUTE_CUSUM,
+            margin=float((score.z[i] - k) / max(sigma, 1e-6)), iterations=[h_[0] for h_ in hist], observed_s=[h_[1] for h_ in hist],
             predicted_s=[h_[2] for h_ in hist],
             rank_factors={int(frame.rank[j]): round(float(np.exp(score.z[j])), 4) for j in group
                           if np.isfinite(score.z[j])},

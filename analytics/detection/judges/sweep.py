@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from analytics.detection.calibration import PROBE
 from analytics.detection.judges.base import FrameView, JobContext
 from analytics.detection.incident_keys import COMM_KEY, UNTRACED_KEY
 from analytics.detection.incident_keys import IncidentKey
@@ -77,7 +78,7 @@ class SweepJudge:
         table = ", ".join(f"{r}: ×{v:.2f}" for r, v in sorted(ratios.items()))
         return book.open_unseen(Suspect(
             key=IncidentKey.of_ranks((worst,)), target="compute", rank=worst, link=None, node=None, replica=role.replica,
-            stage=role.stage, tp_group=job.tp_group_of(epoch, worst) or None, factor=ratio, confidence=0.9,
+            stage=role.stage, tp_group=job.tp_group_of(epoch, worst) or None, factor=ratio, place_confidence=1.0,
             iterations=[sweep.iteration], observed_s=[], predicted_s=[], rank_factors={worst: round(ratio, 4)},
             statistic=f"sweep probe of the {len(ratios)} ranks nobody traces: rank {worst} took ×{ratio:.2f} of "
                       f"the healthy reference, above the bar ×{bar:.3f} ({table})",
@@ -86,4 +87,5 @@ class SweepJudge:
                 f"asked then measured it" if sweep.late else
                 "its slowdown is within what the job's lateness can show, and the periodic probe of the untraced "
                 "ranks measured it"),
-            ranks=(worst,), measure="compute"), sweep.iteration)
+            ranks=(worst,), measure="compute", basis=PROBE,
+            margin=math.log(ratio) / math.log(bar) if bar > 1 else 1.0), sweep.iteration)
