@@ -15,18 +15,28 @@ every world that reaches it, as a device that is gone would fail every process p
   announced as ``plan.current`` (reason ``restart``) with its phases. It redoes steps 4–5 from the
   same checkpoint with round 1's losses (to 1e-5 relative: fp32, the gradients summed in another
   order) and trains to the end.
+
+The same run answers a probe: once the job has announced its plan, the test publishes a compute
+``probe.request`` for device 1 signed as the analytics consumer; the agent posts it to the ranks,
+every rank runs it at one step boundary, and device 1 answers with a ``probe.result`` signed with
+the ranks' key against the world's median.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from collector import topics
-from collector.events import IterationSummary, PlanCurrent, ReshapePhase
+from collector.auth import Gate
+from collector.embedded import EmbeddedBus
+from collector.events import EventFactory, IterationSummary, PlanCurrent, ProbeRequest, ProbeResult, ReshapePhase
+from collector.stream import EventStream
+from tests.fixtures.signing import signed
 from tests.test_torchtitan_e2e import _events
 
 pytestmark = pytest.mark.processes  # tests/fixtures/tiers.py
@@ -52,13 +62,36 @@ def test_a_lost_device_is_restarted_past_at_a_smaller_uniform_layout_and_the_red
             "--training.local_batch_size", "1", "--training.global_batch_size", "4",
             "--training.steps", str(STEPS), "--checkpoint.interval", "3",
             "--dump_folder", str(tmp_path / "run"), "--resihp.faults", str(faults)]
-    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
-    why = f"\nexit {proc.returncode}\n{proc.stderr[-5000:]}"
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not any(isinstance(e, PlanCurrent) for e in (_events(bus, [topics.CONTROL]) if bus.exists() else [])):
+            assert proc.poll() is None and time.monotonic() < deadline, "the job never announced its plan"
+            time.sleep(0.2)
+        with EmbeddedBus(bus) as writer:
+            probe = ProbeRequest(probe_id="p-device-1", ranks=[1], target="compute", repeats=3)
+            writer.publish([signed(EventFactory("lost-device", "analytics").make(probe))])
+        _, stderr = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    why = f"\nexit {proc.returncode}\n{stderr[-5000:]}"
     assert proc.returncode == 0, why
-    assert "lost device(s) [3]" in proc.stderr, why
+    assert "lost device(s) [3]" in stderr, why
 
     control = _events(bus, [topics.CONTROL])
     telemetry = _events(bus, [topics.TELEMETRY])
+    with EmbeddedBus(bus) as reader:
+        stream = EventStream(reader, "test-probe", [topics.CONTROL], on_assign=lambda ps: {tp: 0 for tp in ps})
+        answers = [d.event for d in stream.poll(timeout_s=0.5) if isinstance(d.event.payload, ProbeResult)]
+        stream.close()
+    (envelope,) = answers
+    assert Gate("test").admit(envelope), "a probe result carries the ranks' signature"
+    answer = envelope.payload
+    assert answer.probe_id == "p-device-1" and answer.rank == 1 and answer.reference_s > 0, why
+    assert 0.2 < answer.duration_s / answer.reference_s < 5, answer  # a healthy device near the world's median
     plans = [e for e in control if isinstance(e, PlanCurrent)]
     assert [p.plan.epoch for p in plans] == [0, 1] and plans[1].reason == "restart", why
     assert plans[0].plan.devices == [0, 1, 2, 3] and plans[1].plan.devices == [0, 1], why

@@ -15,6 +15,11 @@ store of the round (MASTER_ADDR/MASTER_PORT), every record signed (trainer/agent
     resumed   the new world's rank 0, after its first step, writes ``resihp/relayout/resumed``
               {epoch, step} in the new round's store; the agent acknowledges the command
 
+The same agreement carries the detector's probes (``probe.request``, read by the agent): the agent
+posts each as ``resihp/relayout/probe/<n>`` and the newest ``n`` as ``resihp/relayout/probe``; rank
+0 reads the number at the step boundary, the all-reduce spreads it, and every rank runs the probes
+it has not run yet at that boundary, outside any step's timings.
+
 What can fail: a rank that dies before ``stopped`` turns the stop into a failure (torch's restart
 from the last checkpoint, at the old layout); a new world that never writes ``resumed`` within the
 agent's deadline is reported as a failed command. A forged stop record is refused and reported,
@@ -29,6 +34,8 @@ from typing import Any
 STOP_KEY = "resihp/relayout/stop"
 STOPPED_KEY = "resihp/relayout/stopped"
 RESUMED_KEY = "resihp/relayout/resumed"
+PROBE_KEY = "resihp/relayout/probe"  # {number}: the newest probe the agent posted
+PROBE_REQUEST_KEY = "resihp/relayout/probe/{number}"  # the probe.request itself
 DEVICES_ENV = "RESIHP_DEVICES"  # comma-separated: the device each new world rank runs on
 EPOCH_ENV = "RESIHP_PLAN_EPOCH"  # the plan epoch the new world runs
 
@@ -59,6 +66,19 @@ class StepMark:
                                                  for k in ("epoch", "step")):
             raise ValueError("a step mark is {epoch: int >= 0, step: int >= 0}")
         return cls(body["epoch"], body["step"])
+
+
+@dataclass(frozen=True)
+class ProbeNumber:
+    """The newest probe the agent posted (``PROBE_KEY``): ranks run every one up to it."""
+
+    number: int
+
+    @classmethod
+    def parse(cls, body: Any) -> ProbeNumber:
+        if not isinstance(body, dict) or not isinstance(body.get("number"), int) or body["number"] < 1:
+            raise ValueError("a probe number is {number: int >= 1}")
+        return cls(body["number"])
 
 
 def devices_of(env_value: str | None, world: int) -> list[int]:

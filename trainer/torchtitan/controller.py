@@ -19,6 +19,11 @@ only publish telemetry). :class:`TitanRelayout` is called on every pass of the a
     resumed    the new world's first step: ``command.ack`` applied with the pause, the new
                ``plan.current``, and the pause's phases as ``telemetry.reshape_phase`` events
 
+Probes: each compute ``probe.request`` the listener admits (signed by analytics, for devices the job
+runs, bounded) is posted in the ranks' store; the ranks run it together at their next step
+boundary (trainer/torchtitan/probes.py) and the asked ones publish ``probe.result``. A link probe is
+not answered (a torchtitan rank has no link workload of its own); the detector's wait for it ends.
+
 Fail-stop (trainer/torchtitan/recovery.py): a rank that dies ends its round and torch restarts the
 group at the same layout from the last periodic checkpoint; when the same device's rank ends two
 rounds in a row the device is judged lost, and the agent restarts the job from that checkpoint at
@@ -41,7 +46,8 @@ from typing import Any
 
 from collector.events import ReconfigureCommand, ReshapePhase, ReshapePhaseName
 from collector.plan import Plan
-from trainer.agent.relayout import DEVICES_ENV, EPOCH_ENV, RESUMED_KEY, STOP_KEY, STOPPED_KEY, StepMark
+from trainer.agent.relayout import (DEVICES_ENV, EPOCH_ENV, PROBE_KEY, PROBE_REQUEST_KEY, RESUMED_KEY, STOP_KEY,
+                                    STOPPED_KEY, StepMark)
 from trainer.agent.signed_store import RANK_WRITERS, SignedStore
 from trainer.integration import CommandListener
 from trainer.telemetry import TelemetryPublisher
@@ -100,6 +106,7 @@ class TitanRelayout:
         self.recovery: _Recovery | None = None
         self.devices = LostDevices()
         self.env: dict[str, str] = {}
+        self.probes_posted = 0  # probe numbers run from 1 per job; a new world's ranks start at 0 done
 
     # ---- what the agent asks -----------------------------------------------------------------------
 
@@ -131,6 +138,7 @@ class TitanRelayout:
             return False
         assert self.listener is not None
         if failed is not None:
+            self.probes_posted = 0  # the next world meets in a new round's store
             if self.flight is not None:
                 self._fail("a rank failed before the new layout ran; the job restarts from its last checkpoint")
             return self._on_failure(failed, relaunch)
@@ -139,10 +147,23 @@ class TitanRelayout:
             return False
         if self.flight is None:
             command = self.listener.poll()
+            self._post_probes(records)
             if command is not None:
                 self._begin(command, records)
             return False
         return self._advance(records, all_exited_ok, relaunch)
+
+    def _post_probes(self, records: SignedStore) -> None:
+        """The probes the listener admitted since the last pass, for the ranks to run together."""
+        assert self.listener is not None
+        for request in self.listener.take_probes():
+            if request.target != "compute":
+                log.info("torchtitan job %s: probe %s asks for a %s probe; torchtitan ranks answer compute probes "
+                         "only", self.job, request.probe_id, request.target)
+                continue
+            self.probes_posted += 1
+            records.set(PROBE_REQUEST_KEY.format(number=self.probes_posted), request.model_dump(mode="json"))
+            records.set(PROBE_KEY, {"number": self.probes_posted})
 
     # ---- steps -----------------------------------------------------------------------------------------
 
@@ -207,6 +228,7 @@ class TitanRelayout:
         self.env = {DEVICES_ENV: devices, EPOCH_ENV: str(flight.command.plan.epoch), "CUDA_VISIBLE_DEVICES": devices}
         extra = flight.layout.flags(flight.command.plan.pipelines[0].microbatches, self.shape.samples_per_microbatch)
         flight.restarted_at = self.clock()
+        self.probes_posted = 0
         relaunch(flight.layout.world, lambda args: with_flags(args, extra))
 
     def _applied(self, flight: _InFlight, mark: StepMark, now: float) -> None:

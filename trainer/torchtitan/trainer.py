@@ -10,6 +10,8 @@ it) and is selected by ``--module trainer.torchtitan`` (config_registry.py). Per
 * **the stop protocol** of a restart at a new layout (trainer/agent/relayout.py): at each step
   boundary the ranks agree whether the agent asked them to stop; if so each saves the step's DCP
   checkpoint and the loop ends, and the new world resumes from it;
+* **probes**: the same agreement carries the newest probe the agent posted; every rank runs the
+  ones it has not run at that boundary and the asked ranks answer (trainer/torchtitan/probes.py);
 * **injected faults** for demos and tests (``--resihp.faults``: the platform's fault file; a
   ``slow_compute`` on a device stretches its chunks by the factor).
 
@@ -28,8 +30,11 @@ import torch.distributed as dist
 from torchtitan.trainer import Trainer
 
 from collector.settings import elastic_environment, environment
-from trainer.agent.relayout import RESUMED_KEY, STOP_KEY, STOPPED_KEY, StopOrder, devices_of
+from trainer.agent.relayout import (PROBE_KEY, PROBE_REQUEST_KEY, RESUMED_KEY, STOP_KEY, STOPPED_KEY, ProbeNumber,
+                                    StopOrder, devices_of)
+from collector.events import ProbeRequest
 from trainer.torchtitan import cpu
+from trainer.torchtitan.probes import answer_probe
 from trainer.torchtitan.layout import JOB_KEY, JobShape, TitanLayout
 from trainer.torchtitan.telemetry import StepTelemetry
 
@@ -65,6 +70,7 @@ class ResiHPTrainer(Trainer):
         self.telemetry = StepTelemetry.attach(self, config.resihp) if config.resihp.telemetry else None
         self._stop_records = _agent_records(self.world_rank)
         self._resumed_reported = False
+        self._probes_done = 0
         if self._stop_records is not None and self.world_rank == 0:
             self._stop_records.set(JOB_KEY, self.job_shape().to_json())
 
@@ -117,7 +123,8 @@ class ResiHPTrainer(Trainer):
             return False
         if self._stop_records is None or self.step == 0:
             return True
-        order = self._agreed_stop()
+        order, probes = self._agree()
+        self._run_probes(probes)
         if order is None:
             return True
         self._save_whole_state()
@@ -140,19 +147,40 @@ class ResiHPTrainer(Trainer):
         finally:
             ckpt.last_save_model_only, ckpt.last_save_in_hf = kept
 
-    def _agreed_stop(self) -> StopOrder | None:
-        """Rank 0 reads the agent's stop order; the ranks take the max of the epoch it found (0: none)."""
+    def _agree(self) -> tuple[StopOrder | None, int]:
+        """Rank 0 reads the agent's stop order and newest probe number; the ranks take the max of
+        what it found (0: none), so all of them stop, and probe, after the same step."""
         assert self._stop_records is not None
-        found = 0
+        found, probes = 0, 0
         order: StopOrder | None = None
-        if self.world_rank == 0 and self._stop_records.has(STOP_KEY):
-            order = self._stop_records.read(STOP_KEY, StopOrder.parse)
-            found = order.epoch if order is not None and order.epoch > self.plan_epoch else 0
-        agreed = torch.tensor([found, self.step], dtype=torch.int64, device=self.device)
+        if self.world_rank == 0:
+            if self._stop_records.has(STOP_KEY):
+                order = self._stop_records.read(STOP_KEY, StopOrder.parse)
+                found = order.epoch if order is not None and order.epoch > self.plan_epoch else 0
+            if self._stop_records.has(PROBE_KEY):
+                newest = self._stop_records.read(PROBE_KEY, ProbeNumber.parse)
+                probes = newest.number if newest is not None else 0
+        agreed = torch.tensor([found, self.step, probes], dtype=torch.int64, device=self.device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         if int(agreed[0]) == 0:
-            return None
-        return order or StopOrder(int(agreed[0]), "")
+            return None, int(agreed[2])
+        return order or StopOrder(int(agreed[0]), ""), int(agreed[2])
+
+    def _run_probes(self, newest: int) -> None:
+        """Every probe posted since the last boundary, run by every rank together (the world's
+        median is the healthy reference); the asked ranks publish their answers. A probe whose
+        record is missing or refused is skipped by every rank alike (each reads the same store)."""
+        assert self._stop_records is not None
+        while self._probes_done < newest:
+            self._probes_done += 1
+            request = self._stop_records.read(PROBE_REQUEST_KEY.format(number=self._probes_done),
+                                              ProbeRequest.model_validate)
+            if request is None:
+                continue
+            result = answer_probe(request, self.device_id, self.telemetry.injector if self.telemetry else None,
+                                  self.device)
+            if result is not None and self.telemetry is not None:
+                self.telemetry.reporter.answer_probe(result)
 
     def _say_resumed(self) -> None:
         """After the new world's first step: rank 0 tells the agent (the pause ends here)."""
