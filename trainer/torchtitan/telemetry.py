@@ -124,7 +124,7 @@ class StepTelemetry:
         self._forward_sync_s = 0.0
         self.watchers: list[Any] = []
         self.loss: float | None = None
-        self._reports_summary = False
+        self.reports_summary = False  # this rank reports the step's tokens and loss (one rank per job)
         self._syncs: list[tuple[str, float, float]] = []  # FSDP's collectives this micro-batch: (op, start, end)
 
     @classmethod
@@ -149,7 +149,7 @@ class StepTelemetry:
         tp_rank = trainer.layout.coords(trainer.world_rank)[0]
         batch_rank = trainer.layout.coords(trainer.world_rank)[2]
         last_stage = trainer.pp_has_last_stage if pd.pp_enabled else True
-        self._reports_summary = last_stage and tp_rank == 0 and batch_rank == 0
+        self.reports_summary = last_stage and tp_rank == 0 and batch_rank == 0
         if trainer.world_rank == 0:
             reporter.publisher.publish(TracingDeclared(epoch=trainer.plan_epoch, dialect="torchtitan", seq_lens=True,
                                                        tokens=True, fused_p2p=False))
@@ -175,7 +175,7 @@ class StepTelemetry:
                 rec = w.end()
                 report.recorder.chunks += rec.chunks
                 report.recorder.comm += rec.comm
-            if self._reports_summary:
+            if self.reports_summary:
                 report.summary(tokens=self._tokens * self.trainer.layout.batch, loss=self.loss)
         self.report = None
 
