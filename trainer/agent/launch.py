@@ -1,6 +1,7 @@
 """``run_agent``: one node's agent from parsed flags to exit code, every failure one line.
 
-The steps (:class:`AgentLaunch`): the rendezvous (our bound store and job check for c10d, torch's
+The steps (:class:`AgentLaunch`): the rendezvous (our bound store and job check for c10d; the
+job's store and torch's dynamic rendezvous on etcd for etcd, trainer/agent/etcd_store.py; torch's
 registry for the other backends) → the bus clients → the worker spec (each rank wrapped in
 trainer/agent/child.py) → torch's agent loop → shut the rendezvous and the bus down, whatever
 happened; ``run_agent`` turns each way out into its exit code and one line. torch's agent stops this node's ranks
@@ -20,14 +21,18 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.agent.hang import HangPolicy
 from trainer.agent.predicted import PredictedIteration
-from trainer.agent.store import LOOPBACK_NAMES, AgentError, RendezvousStore, make_handler, open_rendezvous_store
+from trainer.agent.store import (LOOPBACK_NAMES, AgentError, RendezvousStore, bind_bootstrap_store, make_handler,
+                                 open_rendezvous_store)
 from trainer.agent.vacancy import VacancyRendezvous
 from trainer.spec import BusSpec
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.api import WorkerSpec
 
+    import torch.distributed as dist
+
     from trainer.agent.commands import NodeCommands
+    from trainer.agent.etcd_client import EtcdClient
     from trainer.agent.node import AgentSettings, NodeAgent
     from trainer.telemetry import TelemetryPublisher
     from trainer.torchtitan.controller import TitanRelayout
@@ -67,6 +72,8 @@ class AgentLaunch:
         self.hosts = _bool(self.configs.pop("is_host", None))
         self.source = f"agent-{os.uname().nodename}-{os.getpid()}"
         self.rdzv: RendezvousStore | None = None
+        self.etcd: EtcdClient | None = None  # the job's store is on etcd (--rdzv-backend etcd)
+        self.job_store: dist.Store | None = None  # the rendezvous store itself: vacancies go there
         self.telemetry: TelemetryPublisher | None = None
         self.predicted: PredictedIteration | None = None
         self.commands: NodeCommands | None = None
@@ -80,19 +87,26 @@ class AgentLaunch:
     def check_flags(self) -> None:
         """The join flags make sense only together: fails with the flags to pass."""
         args = self.args
-        if args.join_running and (self.config.rdzv_backend != "c10d" or args.on_failure != "shrink"):
-            raise AgentError("--join-running takes a dead node's place in a job run with --rdzv-backend c10d and "
-                             "--on-failure shrink; pass both, with the job's other flags")
+        if self.config.rdzv_backend in ("etcd-v2",):
+            raise AgentError("--rdzv-backend etcd-v2 needs etcd's v2 API and python-etcd; pass --rdzv-backend etcd "
+                             "(etcd's v3 API, docs/agent.md) with --rdzv-endpoint HOST:PORT,HOST:PORT,...")
+        if args.join_running and (self.config.rdzv_backend not in ("c10d", "etcd") or args.on_failure != "shrink"):
+            raise AgentError("--join-running takes a dead node's place in a job run with --rdzv-backend c10d or etcd "
+                             "and --on-failure shrink; pass both, with the job's other flags")
         if args.join_on_command and (not args.join_running or args.no_telemetry):
             raise AgentError("--join-on-command makes a --join-running agent wait for a join order from the bus; pass "
                              "--join-running, and not --no-telemetry")
 
     def rendezvous(self) -> None:
-        """The rendezvous handler: our bound store and job check for c10d (where node commands
-        apply), torch's registry for the other backends. Fails with ``AgentError`` on a store that
-        cannot be bound or reached, and a ``RendezvousError`` from torch."""
+        """The rendezvous handler: our bound store and job check for c10d, the job's store on etcd
+        for etcd (node commands and replacements apply to both), torch's registry for the other
+        backends. Fails with ``AgentError`` on a store that cannot be bound or reached, and a
+        ``RendezvousError`` from torch."""
         if self.config.rdzv_backend == "c10d":
             self._c10d_rendezvous()
+            return
+        if self.config.rdzv_backend == "etcd":
+            self._etcd_rendezvous()
             return
         from torch.distributed.elastic.rendezvous import RendezvousParameters
         from torch.distributed.elastic.rendezvous import registry as rdzv_registry
@@ -109,9 +123,6 @@ class AgentLaunch:
     def _c10d_rendezvous(self) -> None:
         from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-        from collector.epoch_fence import run_of
-        from trainer.agent.commands import JoinOrders, NodeCommands
-
         args, config = self.args, self.config
         self.rdzv = rdzv = open_rendezvous_store(config.rdzv_endpoint, config.run_id,
                                                  hosts=False if args.join_running else self.hosts,
@@ -124,14 +135,59 @@ class AgentLaunch:
         params = RendezvousParameters(backend="c10d", endpoint=f"{rdzv.host}:{rdzv.port}", run_id=config.run_id,
                                       min_nodes=config.min_nodes, max_nodes=config.max_nodes,
                                       local_addr=self.node_address, **self.configs)
-        if not args.no_telemetry:  # node commands name a node of a c10d rendezvous round
-            self.commands = NodeCommands(self.bus.open(), args.job, self.source, run=run_of(config.run_id))
-        orders = JoinOrders(self.commands) if args.join_on_command and self.commands else None
-        self.handler = (VacancyRendezvous(rdzv.store, config.run_id, config.nproc_per_node,
-                                          float(self.configs.get("join_timeout", 600)), orders)
-                        if args.join_running else make_handler(rdzv, params, self.node_address, self.timeout_s))
+        self.job_store = rdzv.store
+        self._job_handler(lambda: make_handler(rdzv, params, self.node_address, self.timeout_s))
         if rdzv.hosting:
             self.echo(f"rendezvous {config.run_id} at {rdzv.host}:{rdzv.port} (hosted by this agent)")
+
+    def _etcd_rendezvous(self) -> None:
+        """torch's dynamic rendezvous with its state, the job's store and the ranks' store on the
+        etcd cluster at --rdzv-endpoint (trainer/agent/etcd_store.py): no agent hosts anything the
+        job needs. Fails with ``AgentError`` on a bad endpoint list or a cluster nobody answers."""
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+        from trainer.agent.etcd_client import EtcdUnavailable, parse_endpoints
+        from trainer.agent.etcd_store import EtcdStore, etcd_client, etcd_handler, job_store, reachable
+
+        config = self.config
+        try:
+            endpoints = parse_endpoints(config.rdzv_endpoint)
+            self.etcd = etcd = etcd_client(config.rdzv_endpoint, self.timeout_s)
+            reachable(etcd)
+        except ValueError as exc:
+            raise AgentError(f"--rdzv-endpoint: {exc}") from None
+        except EtcdUnavailable as exc:
+            raise AgentError(f"cannot reach the etcd cluster at {config.rdzv_endpoint} ({exc}); check "
+                             "--rdzv-endpoint and that a majority of its members is up") from None
+        loopback = all(h in LOOPBACK_NAMES or h.startswith("127.") or h == "::1" for h, _ in endpoints)
+        self.node_address = config.local_addr or ("127.0.0.1" if loopback else None)
+        params = RendezvousParameters(backend="etcd", endpoint=config.rdzv_endpoint, run_id=config.run_id,
+                                      min_nodes=config.min_nodes, max_nodes=config.max_nodes,
+                                      local_addr=self.node_address, **self.configs)
+        self.job_store = job_store(etcd, config.run_id, self.timeout_s)
+
+        def handler() -> Any:
+            assert isinstance(self.job_store, EtcdStore)
+            made = etcd_handler(etcd, self.job_store, params)
+            bind_bootstrap_store(made, self.node_address, self.timeout_s)
+            return made
+
+        self._job_handler(handler)
+
+    def _job_handler(self, make: Callable[[], Any]) -> None:
+        """The node-command reader and this agent's handler: ``make``'s, or a replacement's
+        (--join-running) that takes a dead node's place from the job store."""
+        from collector.epoch_fence import run_of
+        from trainer.agent.commands import JoinOrders, NodeCommands
+
+        args, config = self.args, self.config
+        assert self.job_store is not None
+        if not args.no_telemetry:  # node commands name a node of a rendezvous round
+            self.commands = NodeCommands(self.bus.open(), args.job, self.source, run=run_of(config.run_id))
+        orders = JoinOrders(self.commands) if args.join_on_command and self.commands else None
+        self.handler = (VacancyRendezvous(self.job_store, config.run_id, config.nproc_per_node,
+                                          float(self.configs.get("join_timeout", 600)), orders)
+                        if args.join_running else make())
         if args.join_on_command:
             self.echo(f"waiting for an order to take the place a node left in job {config.run_id} (resihp node join "
                       "NODE --round ROUND; --join-running --join-on-command)")
@@ -176,7 +232,7 @@ class AgentLaunch:
                              hang=HangPolicy(args.hang_factor, args.hang_floor_s, args.expected_step_s),
                              on_hang=args.on_hang, on_failure=args.on_failure, heartbeat_s=args.heartbeat_s,
                              telemetry=self.telemetry, predicted=self.predicted, node_address=self.node_address,
-                             job_store=rdzv.store if rdzv is not None else None,
+                             job_store=self.job_store, etcd=self.etcd,
                              hosts_rendezvous=rdzv is not None and rdzv.hosting, commands=self.commands,
                              stop_grace_s=args.stop_grace_s, relayout=self.relayout,
                              rank_env={} if args.no_telemetry else self.bus.environment())
@@ -252,6 +308,7 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo: Callable[[str], None
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.rendezvous import RendezvousError
 
+    from trainer.agent.etcd_client import EtcdUnavailable
     from trainer.agent.node_stop import NodeStopped
 
     echo = echo or (lambda line: print(f"resihp run: {line}", file=sys.stderr, flush=True))
@@ -268,6 +325,10 @@ def run_agent(args: argparse.Namespace, bus: BusSpec, echo: Callable[[str], None
     except RendezvousError as exc:
         echo(f"error: the rendezvous failed ({_first_line(exc)}); check that every agent has the "
              "same --rdzv-endpoint, --rdzv-id and --nnodes, and raise join_timeout in --rdzv-conf if nodes start late")
+        return 2
+    except EtcdUnavailable as exc:  # the job's store on etcd: a majority of the cluster is gone
+        echo(f"error: lost the job's store on etcd ({_first_line(exc)}); the job goes on only while a majority "
+             "of the etcd cluster answers; this node's ranks were stopped")
         return 2
     except DistError as exc:  # a store of the running job stopped answering: its host agent is gone
         echo(f"error: lost the job's rendezvous store ({_first_line(exc)}); the agent that hosts it "

@@ -53,6 +53,8 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from collector.auth import Refusals
 from collector.events import HangReported, Heartbeat
 from trainer.agent.commands import NodeCommands
+from trainer.agent.etcd_client import EtcdClient
+from trainer.agent.etcd_store import open_store_address, ranks_store_address
 from trainer.agent.node_stop import StopOrders
 from trainer.agent.recovery_log import RecoveryTimeline, publish_shrink_recoveries
 from trainer.agent.child import AGENT_PID_ENV, STACK_DIR_ENV, stack_file_path
@@ -70,6 +72,7 @@ from trainer.telemetry import TelemetryPublisher
 
 log = logging.getLogger("resihp.agent")
 FLIGHT_KEY = "resihp/flight/{rank}"  # in the round's own (prefixed) store
+RANKS_STORE_ENV = "RESIHP_RANKS_STORE"  # the agent tells its ranks where they meet (etcd)
 
 
 @dataclass
@@ -87,6 +90,7 @@ class AgentSettings:
     node_address: str | None = None  # where this node is reached (the other agents connect to it)
     job_store: dist.Store | None = None  # the rendezvous store itself (not a round's): vacancies go there
     hosts_rendezvous: bool = False  # this agent serves the job's rendezvous store: stopping it ends the job
+    etcd: EtcdClient | None = None  # the job's stores are on etcd (--rdzv-backend etcd): no agent serves one
     commands: NodeCommands | None = None  # node commands from the bus (None: none are read)
     stop_grace_s: float = 5.0  # a stopped node's ranks get SIGTERM, then SIGKILL after this
     preload: tuple[str, ...] = ()  # fork the ranks from a server that imported these (trainer/agent/pcontext.py)
@@ -170,6 +174,8 @@ class NodeAgent(LocalElasticAgent):
                AGENT_PID_ENV: str(os.getpid()), "RESIHP_ON_FAILURE": self.settings.on_failure,
                STORE_SCOPE_ENV: self._round_scope(worker_group), "RESIHP_JOB": self.settings.job,
                **self.settings.rank_env}
+        if self.settings.etcd is not None:  # the ranks meet on etcd, not in node 0's agent
+            env[RANKS_STORE_ENV] = self._ranks_store_address(worker_group)
         if self.settings.relayout is not None:
             env.update(self.settings.relayout.worker_env())
         release_failed = self.settings.on_failure == "shrink" or self.settings.controller is not None
@@ -319,7 +325,7 @@ class NodeAgent(LocalElasticAgent):
             self._release_peer(worker_group, peer)
 
     def _release_peer(self, worker_group: WorkerGroup, peer: PeerAgent) -> None:
-        if peer.group_rank == 0:  # torch creates the ranks' store in the agent of group rank 0
+        if peer.group_rank == 0 and self.settings.etcd is None:  # it served the ranks' store (c10d)
             raise AgentError(f"the agent of node 0 is gone with its ranks {list(peer.ranks)}; it hosted the store "
                              "the ranks meet in, and the job cannot go on without it; this node's ranks were stopped")
         ranks_store = self._store_of_ranks(worker_group)
@@ -340,9 +346,19 @@ class NodeAgent(LocalElasticAgent):
               f"ranks {marked} marked lost, the others go on without them until an agent takes its place "
               "(--join-running; --on-failure shrink)", file=sys.stderr, flush=True)
 
+    def _ranks_store_address(self, worker_group: WorkerGroup) -> str:
+        """Where this round's ranks meet on etcd (``RESIHP_RANKS_STORE``, trainer/agent/etcd_store.py)."""
+        assert self.settings.etcd is not None
+        return ranks_store_address(self.settings.etcd, worker_group.spec.rdzv_handler.get_run_id(),
+                                   self._round_scope(worker_group))
+
     def _store_of_ranks(self, worker_group: WorkerGroup) -> SignedStore:
-        """The ranks' bootstrap store (MASTER_ADDR/MASTER_PORT of this round), where they meet; its
-        records signed for the round, as the ranks sign theirs (trainer/agent/shrink.py)."""
+        """The ranks' store (this round's keys on etcd, else the bootstrap store at
+        MASTER_ADDR/MASTER_PORT), where they meet; its records signed for the round, as the ranks
+        sign theirs (trainer/agent/shrink.py)."""
+        if self._ranks_store is None and self.settings.etcd is not None:
+            self._ranks_store = self._signed(open_store_address(self._ranks_store_address(worker_group), 30.0),
+                                             self._round_scope(worker_group))
         if self._ranks_store is None:
             if worker_group.master_addr is None or worker_group.master_port is None:
                 raise RuntimeError("the ranks' bootstrap store is not known before the first rendezvous")

@@ -45,6 +45,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=5)
     p.add_argument("--progress-file", default=None)
     p.add_argument("--final-state", default=None, help="rank 0 saves the model's state here at the end (tests)")
+    p.add_argument("--stop-file", default=None,
+                   help="end the job at the first step boundary where this file exists on some rank, every rank at "
+                        "the same step (tests and benchmarks: the run ends once it has shown what it must)")
     p.add_argument("--pid-dir", default=None, help="each rank writes its pid here (tests look for orphans)")
     p.add_argument("--exit-code", type=int, default=None, help="exit at once with this code (tests)")
     p.add_argument("--timeout-s", type=float, default=30.0, help="collective timeout")
@@ -106,6 +109,17 @@ def save_checkpoint(directory: Path, model: torch.nn.Module, opt: torch.optim.Op
     os.replace(tmp, directory / "latest.pt")
 
 
+def stop_agreed(world: ShrinkingWorld | None, path: str) -> bool:
+    """Whether the ranks end the job here: ``path`` exists on some rank (one all-reduce of one
+    number, so every rank ends after the same step)."""
+    here = int(os.path.exists(path))
+    if world is not None:
+        return world.agree_max(here, "all_reduce(stop)") > 0
+    flag = torch.tensor([here])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag[0])
+
+
 def train(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int,
           world: ShrinkingWorld | None, flight: FlightRecorder | None, restart: int,
           state: Callable[[], dict], load: Callable[[dict], None]) -> None:
@@ -113,6 +127,16 @@ def train(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Opt
     in place and the step is run again by the new world."""
     ckpt = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     while step < args.steps:
+        if args.stop_file:
+            stop_started = time.monotonic()
+            try:
+                if stop_agreed(world, args.stop_file):
+                    return
+            except (RuntimeError, dist.DistError):
+                if world is None:
+                    raise
+                step = world.recover("all_reduce(stop)", stop_started, step, state, load)
+                continue
         rank = world.rank if world else dist.get_rank()
         size = world.world_size if world else dist.get_world_size()
         if flight:

@@ -2,7 +2,8 @@
 
 Under ``resihp run --on-failure shrink`` the agent does not tear the worker group down when a rank
 dies: it counts the loss (``resihp/lost-count``) and marks the rank lost (``resihp/lost/<rank>``)
-in the ranks' bootstrap store, and leaves the survivors running. A data-parallel job then
+in the ranks' store (:func:`open_ranks_store`: the bootstrap store, or the round's keys on etcd
+under ``--rdzv-backend etcd``), and leaves the survivors running. A data-parallel job then
 recovers in place with :class:`ShrinkingWorld`, one method per step of the protocol (read it the
 way torchft's manager reads):
 
@@ -65,6 +66,7 @@ import torch.distributed as dist
 
 from collector.settings import elastic_environment, environment
 from collector.auth import load_keyring
+from trainer.agent.etcd_store import open_store_address
 from trainer.agent.signed_store import RANK_WRITERS, SignedStore, rank_role
 
 LOST_KEY = "resihp/lost/{rank}"
@@ -117,6 +119,17 @@ def store_scope() -> str:
     return environment().store_scope or elastic_environment().TORCHELASTIC_RUN_ID
 
 
+def open_ranks_store(timeout_s: float) -> dist.Store:
+    """The store this round's ranks meet in: on etcd when the agent names one (``RESIHP_RANKS_STORE``,
+    ``--rdzv-backend etcd``: nothing the ranks need lives in an agent), else the bootstrap TCPStore
+    (MASTER_ADDR/MASTER_PORT, served by the agent of node 0)."""
+    address = environment().ranks_store
+    if address:
+        return open_store_address(address, timeout_s)
+    env = elastic_environment()
+    return dist.TCPStore(env.MASTER_ADDR, env.MASTER_PORT, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
 def admitted_key(rank: int) -> str:
     return f"resihp/admitted/{rank}"
 
@@ -166,11 +179,10 @@ class ShrinkingWorld:
 
     @classmethod
     def from_env(cls, timeout_s: float = 30.0) -> ShrinkingWorld:
-        """Join generation 0 over the ranks' bootstrap store (MASTER_ADDR/MASTER_PORT); or, when
+        """Join generation 0 over the ranks' store (:func:`open_ranks_store`); or, when
         this rank is already marked lost there, it is a replacement that must :meth:`join`."""
         env = elastic_environment()
-        store = dist.TCPStore(env.MASTER_ADDR, env.MASTER_PORT, is_master=False,
-                              timeout=timedelta(seconds=timeout_s))
+        store = open_ranks_store(timeout_s)
         records = rank_records(store, env.RANK)
         joining = is_lost(records, env.RANK)
         return cls(store, tuple(range(env.WORLD_SIZE)), env.RANK, timeout_s, joining=joining, records=records)
@@ -212,7 +224,8 @@ class ShrinkingWorld:
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1), "barrier")
 
-    def _agree_max(self, value: int, op: str) -> int:
+    def agree_max(self, value: int, op: str) -> int:
+        """The largest of every rank's ``value``: how the world agrees on one thing at a step boundary."""
         tensor = torch.tensor([value], dtype=torch.int64)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
@@ -319,7 +332,7 @@ class ShrinkingWorld:
         request, so a stranger's request (a process that claims a lost rank's id to receive the
         model's state) is refused and reported, and the world re-forms as it was."""
         started = time.monotonic()
-        asked = self._agree_max(self.store.add(REJOIN_COUNT_KEY, 0), "all_reduce(rejoin requests)")
+        asked = self.agree_max(self.store.add(REJOIN_COUNT_KEY, 0), "all_reduce(rejoin requests)")
         if asked <= self._rejoin_seen:
             return step
         self._rejoin_seen = asked

@@ -134,14 +134,21 @@ def make_handler(rdzv: RendezvousStore, params: RendezvousParameters, node_addre
     """torch's dynamic rendezvous handler over our store; the ranks' bootstrap store it creates on
     the rank-0 node listens on ``node_address`` only (all interfaces when None)."""
     handler = create_handler(rdzv.store, C10dRendezvousBackend(rdzv.store, params.run_id), params)
-    if node_address is not None:
-
-        def create_server(_addr: str, port: int) -> dist.TCPStore:
-            return bound_store_server(node_address, port, timeout_s)
-
-        # torch names this a private method; it is the one place the bootstrap store is created.
-        setattr(handler, "_create_tcp_store_server", create_server)  # noqa: B010
+    bind_bootstrap_store(handler, node_address, timeout_s)
     return handler
+
+
+def bind_bootstrap_store(handler: RendezvousHandler, node_address: str | None, timeout_s: float) -> None:
+    """Make the ranks' bootstrap store that torch's dynamic handler creates on the rank-0 node
+    listen on ``node_address`` only (all interfaces when None)."""
+    if node_address is None:
+        return
+
+    def create_server(_addr: str, port: int) -> dist.TCPStore:
+        return bound_store_server(node_address, port, timeout_s)
+
+    # torch names this a private method; it is the one place the bootstrap store is created.
+    setattr(handler, "_create_tcp_store_server", create_server)  # noqa: B010
 
 
 def forget_bootstrap_store(handler: RendezvousHandler) -> None:
