@@ -33,7 +33,11 @@ import struct
 
 from pydantic import ValidationError
 
-from collector.events import ATTACHED_BLOB, DEADLETTER_REASON_MAX, EVENT_ADAPTER, DeadLetter, Envelope, PackedArrays
+from collector.events import (
+    ATTACHED_BLOB, DEADLETTER_REASON_MAX, EVENT_ADAPTER, ChunkTable, CommTable, DeadLetter, Envelope, PackedArrays,
+    RankIteration,
+)
+from collector.rank_columns import decode_columns, encode_columns
 
 MAX_EVENT_BYTES = 1_000_000  # Kafka's default message.max.bytes is ~1 MB; stay under it.
 DEADLETTER_RAW_PREFIX = 64 * 1024  # bytes of a bad record a dead letter carries whole (base64: ~87 KB)
@@ -50,17 +54,32 @@ class InvalidEvent(ValueError):
 
 BINARY_MAGIC = b"\xffRB"
 BINARY_FORMAT = 1  # the binary record's layout; the payload's schema version is the envelope's
+BINARY_RANK_SCHEMA = 5  # telemetry.iteration travels binary from this schema version on
+_EMPTY_CHUNKS = ChunkTable.model_construct(kind="", microbatch=[], virtual_stage=[], tokens=[], seq_lens=[], start_s=[],
+                                           duration_s=[])
+_EMPTY_COMM = CommTable.model_construct(op=[], peer=[], microbatch=[], bytes=[], start_s=[], duration_s=[],
+                                        includes_wait=[], group=[])
 _PREFIX = struct.Struct("<3sBI")  # magic, wire format, header length
 
 
 def encode(event: Envelope) -> bytes:
-    """The bus bytes of ``event``: a binary record for a PackedArrays payload, JSON otherwise."""
+    """The bus bytes of ``event``: a binary record for a PackedArrays payload and a rank report of
+    schema 5 on, JSON otherwise."""
     payload = event.payload
-    if not isinstance(payload, PackedArrays):
+    if isinstance(payload, PackedArrays):
+        header_payload, blob = payload.model_copy(update={"blob": b""}), payload.blob
+    elif isinstance(payload, RankIteration) and event.schema_version >= BINARY_RANK_SCHEMA and not payload.comm:
+        try:
+            columns, blob = encode_columns(payload.chunk_table, payload.waits())
+        except (ValueError, KeyError) as exc:  # a table built without validation
+            raise InvalidEvent(f"rank report's columns do not fit their wire types: {exc}") from None
+        header_payload = payload.model_copy(update={"chunk_table": _EMPTY_CHUNKS, "comm_table": _EMPTY_COMM,
+                                                    "columns": columns})
+    else:
         return _bounded(event, event.__pydantic_serializer__.to_json(event))
-    header = event.model_copy(update={"payload": payload.model_copy(update={"blob": b""})})
+    header = event.model_copy(update={"payload": header_payload})
     head = header.__pydantic_serializer__.to_json(header)
-    return _bounded(event, b"".join((_PREFIX.pack(BINARY_MAGIC, BINARY_FORMAT, len(head)), head, payload.blob)))
+    return _bounded(event, b"".join((_PREFIX.pack(BINARY_MAGIC, BINARY_FORMAT, len(head)), head, blob)))
 
 
 def encode_json(event: Envelope) -> bytes:
@@ -85,12 +104,39 @@ def decode(raw: bytes) -> Envelope:
     if not raw:
         raise InvalidEvent("empty record")
     if raw[:3] != BINARY_MAGIC:
-        return _validate(raw, None)
+        event = _validate(raw, None)
+        if isinstance(event.payload, RankIteration) and event.payload.columns is not None:
+            raise InvalidEvent("a JSON rank report names payload.columns, which only a binary record's header "
+                               "carries; give the columns inline (chunk_table, comm_table)")
+        return event
     head, blob = _split_binary(bytes(raw))
     event = _validate(head, {ATTACHED_BLOB: blob})
+    if isinstance(event.payload, RankIteration):
+        return _with_columns(event, blob)
     if not isinstance(event.payload, PackedArrays):
         raise InvalidEvent(f"binary record of kind {event.kind}: only payloads of packed arrays (analytics."
-                           "replica_summary, analytics.liveness) travel binary; publish it as JSON")
+                           "replica_summary, analytics.liveness) and rank reports travel binary; publish it as JSON")
+    return event
+
+
+def _with_columns(event: Envelope, blob: bytes) -> Envelope:
+    """A binary rank report with its tables read from the blob after its header."""
+    p = event.payload
+    assert isinstance(p, RankIteration)
+    if event.schema_version < BINARY_RANK_SCHEMA:
+        raise InvalidEvent(f"binary rank report of schema {event.schema_version}: rank reports travel binary from "
+                           f"schema {BINARY_RANK_SCHEMA}; publish older ones as JSON")
+    if p.columns is None:
+        raise InvalidEvent("binary rank report without payload.columns: its header must say what its blob holds")
+    if len(p.chunk_table) or len(p.comm_table) or p.comm:
+        raise InvalidEvent("binary rank report's header carries table rows; its columns belong in the blob")
+    try:
+        chunks, comm = decode_columns(p.columns, blob)
+    except ValueError as exc:
+        raise InvalidEvent(str(exc)) from None
+    # The event was built by this call and is not shared yet: fill in its tables rather than copy
+    # it twice (a frozen model's fields live in its __dict__).
+    p.__dict__.update(chunk_table=chunks, comm_table=comm, columns=None)
     return event
 
 

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from analytics.detection.cost_model import fit_class
 from analytics.detection.detector import Detector
 from analytics.detection.frame import GROUP_CODE, OP_CODE, build_frame
-from collector.codec import InvalidEvent, decode, encode
+from collector.codec import BINARY_MAGIC, InvalidEvent, decode, encode, encode_json
 from collector.events import (
     Chunk, CommOp, CommWait, Coords, EventFactory, Heartbeat, IncidentOpened, IterationPrediction, PlanCurrent,
     RankHealth, RankIteration, RankState, TracingDeclared,
@@ -109,17 +109,18 @@ def test_a_schema_2_record_decodes_unchanged_with_the_schema_3_defaults() -> Non
     assert again == event
 
 
-def test_schema_4_is_written_with_comm_as_columns_and_an_unknown_version_names_what_this_build_reads() -> None:
+def test_schema_5_is_written_with_comm_as_columns_and_an_unknown_version_names_what_this_build_reads() -> None:
     ev = job(1)[1]
-    assert ev.kind == "telemetry.iteration" and ev.schema_version == 4
-    body = json.loads(encode(ev))
+    assert ev.kind == "telemetry.iteration" and ev.schema_version == 5
+    assert encode(ev).startswith(BINARY_MAGIC) and decode(encode(ev)) == ev  # on the bus: binary columns
+    body = json.loads(encode_json(ev))  # its JSON form (traces) holds the same columns
     assert "comm" not in body["payload"]  # the schema-3 form is read, never written
     table = body["payload"]["comm_table"]
     fused = table["op"].index("pp_sendrecv")
     assert table["includes_wait"][fused] is True and table["group"][fused] == "pp"
     assert len({len(v) for v in table.values()}) == 1
-    body["schema_version"] = 5
-    with pytest.raises(Exception, match="reads 2–4"):
+    body["schema_version"] = 6
+    with pytest.raises(Exception, match="reads 2–5"):
         decode(json.dumps(body).encode())
 
 
@@ -149,7 +150,7 @@ def test_a_probe_measured_location_says_so_and_a_chunk_measured_one_is_written_a
 def test_the_schema_3_and_schema_4_forms_of_a_record_read_and_frame_the_same() -> None:
     ev = job(1)[1]
     p = payload_as(ev, RankIteration)
-    body = json.loads(encode(ev))
+    body = json.loads(encode_json(ev))
     old = dict(body, schema_version=3)
     old["payload"] = {k: v for k, v in body["payload"].items() if k != "comm_table"}
     old["payload"]["comm"] = [w.model_dump(mode="json") for w in p.waits().rows()]
@@ -163,7 +164,7 @@ def test_the_schema_3_and_schema_4_forms_of_a_record_read_and_frame_the_same() -
 
 
 def test_a_record_with_both_comm_forms_or_ragged_comm_columns_is_refused_in_one_line() -> None:
-    body = json.loads(encode(job(1)[1]))
+    body = json.loads(encode_json(job(1)[1]))
     both = json.loads(json.dumps(body))
     both["payload"]["comm"] = [{"op": "dp_allreduce", "start_s": 0.0, "duration_s": 0.1}]
     with pytest.raises(InvalidEvent, match="comm .schema 2–3. or comm_table .schema 4., not both"):
@@ -177,7 +178,7 @@ def test_a_record_with_both_comm_forms_or_ragged_comm_columns_is_refused_in_one_
 
 def test_unknown_token_counts_are_null_on_the_wire_and_never_zero() -> None:
     ev = job(1, tokens=False)[1]
-    body = json.loads(encode(ev))
+    body = json.loads(encode_json(ev))
     assert set(body["payload"]["chunk_table"]["tokens"]) == {None}
     assert payload_as(decode(encode(ev)), RankIteration).chunks[0].tokens is None
     with pytest.raises(ValidationError):

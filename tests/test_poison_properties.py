@@ -27,7 +27,7 @@ from analytics.projections.projector import Projector
 from analytics.projections.tables import TelemetryProjection
 from collector import topics
 from collector.bus import RawMessage
-from collector.codec import MAX_EVENT_BYTES, encode
+from collector.codec import MAX_EVENT_BYTES, encode, header_json, readable
 from collector.embedded import EmbeddedBus
 from collector.events import (
     COUNT_MAX, DURATION_MAX_S, INT32_MAX, TIME_MAX_S, TOKENS_MAX, AckStatus, Chunk, ChunkKind, CommandAck, CommOp,
@@ -128,7 +128,7 @@ def invalid_records(draw: st.DrawFn) -> bytes:
     raw = draw(valid_events())
     if choice == 1:
         return raw[: draw(st.integers(0, len(raw) - 1))]
-    doc = json.loads(raw)
+    doc = json.loads(readable(raw))  # a binary record's JSON form
     holder = doc if draw(st.booleans()) else doc["payload"]
     numeric = [k for k, v in holder.items() if isinstance(v, (int, float)) and not isinstance(v, bool)] or ["seq"]
     holder = holder if numeric != ["seq"] else doc
@@ -145,7 +145,7 @@ records = st.lists(st.one_of(valid_events(), invalid_records()), min_size=1, max
 
 def _topic_of(raw: bytes, index: int) -> str:
     try:
-        return topics.topic_for(json.loads(raw)["kind"])
+        return topics.topic_for(json.loads(header_json(raw))["kind"])
     except (ValueError, KeyError, TypeError):
         return (topics.TELEMETRY, topics.CONTROL)[index % 2]
 
@@ -201,7 +201,7 @@ def test_any_log_reaches_the_console_with_each_valid_event_once_and_each_bad_rec
             valid: dict[str, bytes] = {}
             for raw in log:
                 if _is_valid(raw):
-                    valid.setdefault(json.loads(raw)["id"], raw)
+                    valid.setdefault(json.loads(header_json(raw))["id"], raw)
             rows = dict(projector.conn.execute("SELECT id, count(*) FROM events GROUP BY id").fetchall())
             for event_id in valid:
                 assert rows.get(event_id) == 1, f"valid event {event_id!r} has {rows.get(event_id)} rows"

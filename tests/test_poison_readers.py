@@ -36,7 +36,7 @@ from analytics.projections.tables import TelemetryProjection
 from collector import topics
 from collector.auth import ROLES, WRITERS, Gate, load_keyring
 from collector.bus import RawMessage
-from collector.codec import InvalidEvent, decode, encode
+from collector.codec import InvalidEvent, decode, encode, readable
 from collector.embedded import EmbeddedBus
 from collector.events import PAYLOAD_BY_KIND, ControlRejected, DeadLetter, Envelope, EventFactory
 from collector.plan import Plan
@@ -113,7 +113,9 @@ def records(draw: st.DrawFn) -> bytes:
     raw = encode(event)
     if how == "cut":
         return raw[: draw(st.integers(0, len(raw) - 1))]
-    doc = json.loads(raw)
+    if how == "as is":
+        return raw  # binary or JSON, as the writer encodes it
+    doc = json.loads(readable(raw))  # a binary record's JSON form, to alter
     if how == "signature":
         doc["signature"] = draw(st.one_of(signatures, json_values))
     elif how == "envelope":

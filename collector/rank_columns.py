@@ -1,0 +1,309 @@
+"""A rank report's columns as bytes: the binary body of ``telemetry.iteration`` from schema 5.
+
+Why binary: rank reports are the bus's bulk (one per rank per iteration, tens of chunks each, and
+hundreds of packed sequence lengths). As JSON, pydantic built and range-checked a Python object per
+value: a 32-chunk report with 345 sequence lengths took 39 µs to decode, 15 µs of it the lengths
+alone. As arrays the same checks (ranges, finiteness, lengths) are a few vectorised passes over
+one array per dtype, whatever the row count.
+
+The blob follows the binary record's header (collector/codec.py), whose payload says what it holds
+(``RankColumns``: the chunk kinds, how many sequence lengths, how many communications, and
+whether ``includes_wait`` / ``group`` columns are present). Arrays are grouped by dtype, so each
+group is read and checked once (n chunks, m sequence lengths, k communications; little-endian):
+
+    f8  chunk start_s[n], chunk duration_s[n], comm start_s[k], comm duration_s[k]   0 … 1e6
+    i8  chunk tokens[n] (-1: unknown) 0 … 2^40, comm bytes[k] (-1: unknown) 0 … 2^53
+    i4  chunk microbatch[n], virtual_stage[n], seq_lens[m]                          0 … 2^31-1
+    i4  chunk seq_count[n] (-1: not reported; they sum to m), comm peer[k],
+        comm microbatch[k] (-1: none)
+    u1  comm op[k] (index into ``COMM_OPS``), includes_wait[k] (0/1, when said),
+        group[k] (index into ``GROUPS``, 255: unknown; when said)
+
+Why not Arrow IPC: one report is a one-row batch of list columns; its schema flatbuffer alone
+is larger than a report's arrays (the same finding as for the replica summaries, codec.py), and
+reading it back costs more than ``np.frombuffer`` over the blob. The layout above is fixed by
+the schema version, so a reader needs nothing but the counts in the header.
+
+``decode_columns`` never raises anything but ``ValueError`` with one line naming the column, the
+row and the bound; the codec turns it into ``InvalidEvent`` (a dead letter).
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+from collections.abc import Iterator, Sequence
+from typing import Any, get_args
+
+import numpy as np
+
+from collector.events import (
+    CHUNKS_MAX, COUNT_MAX, DURATION_MAX_S, TOKENS_MAX, ChunkTable, CommOp, CommTable, ProcessGroupName, RankColumns,
+)
+
+COMM_OPS: tuple[CommOp, ...] = tuple(CommOp)  # u1 op codes, in the enum's order (append only)
+GROUPS: tuple[str, ...] = get_args(ProcessGroupName)  # u1 group codes, in the contract's order (append only)
+_OP_CODE = {op: i for i, op in enumerate(COMM_OPS)}
+_GROUP_CODE = {g: i for i, g in enumerate(GROUPS)}
+_NO_GROUP = 255
+_F8, _I8, _I4, _U1 = np.dtype("<f8"), np.dtype("<i8"), np.dtype("<i4"), np.dtype("<u1")
+_BELOW_0X41 = bytes(range(0x41))
+_OP_CODES = bytes(range(len(COMM_OPS)))
+_GROUP_CODES = bytes(range(len(GROUPS))) + bytes([_NO_GROUP])
+
+
+def blob_bytes(columns: RankColumns) -> int:
+    """How long the blob after a header saying ``columns`` must be."""
+    n, m, k = len(columns.kind), columns.seq_lens, columns.waits
+    return 16 * n + 16 * k + 8 * n + 8 * k + 4 * (3 * n + m) + 4 * 2 * k + k * (
+        1 + int(columns.includes_wait) + int(columns.group))
+
+
+def encode_columns(chunks: ChunkTable, comm: CommTable) -> tuple[RankColumns, bytes]:
+    """The header's description and the blob of a report's tables (validated values, as lists or
+    as the columns a binary report was read into). One ``struct.pack`` over the values: on a
+    rank's thread it costs a third of building a numpy array per column."""
+    lens = chunks.seq_lens
+    if isinstance(lens, SeqLensColumn):
+        flat, counts = lens.flat.tolist(), lens.counts.tolist()
+    else:
+        counts = [-1 if x is None else len(x) for x in lens]
+        flat = list(itertools.chain.from_iterable(x for x in lens if x))
+    n, m, k = len(chunks), len(flat), len(comm)
+    said_wait, said_group = bool(comm.includes_wait), bool(comm.group)
+    columns = RankColumns(kind=chunks.kind, seq_lens=m, waits=k, includes_wait=said_wait, group=said_group)
+    flags = k * (int(said_wait) + int(said_group))
+    values = [*_wire(chunks.start_s), *_wire(chunks.duration_s), *comm.start_s, *comm.duration_s,
+              *_wire(chunks.tokens), *_wire(comm.bytes),
+              *_wire(chunks.microbatch), *_wire(chunks.virtual_stage), *flat, *counts, *_wire(comm.peer),
+              *_wire(comm.microbatch), *[_OP_CODE[op] for op in comm.op]]
+    if said_wait:
+        values += comm.includes_wait
+    if said_group:
+        values += [_NO_GROUP if g is None else _GROUP_CODE[g] for g in comm.group]
+    try:
+        blob = struct.pack(f"<{2 * n + 2 * k}d{n + k}q{3 * n + m + 2 * k}i{k + flags}B", *values)
+    except struct.error as exc:  # a table built without validation holds what its wire type cannot
+        raise ValueError(f"rank report's columns do not fit their wire types: {exc}") from None
+    return columns, blob
+
+
+def _wire(values: Sequence) -> Sequence:
+    """A column's values for the wire: None (unknown) as -1."""
+    if isinstance(values, ArrayColumn):
+        return values.array.tolist()
+    if None in values:
+        return [-1 if v is None else v for v in values]
+    return values
+
+
+def decode_columns(columns: RankColumns, blob: bytes) -> tuple[ChunkTable, CommTable]:
+    """The report's tables from its blob, every value checked as the JSON form checks it.
+
+    One pass per dtype group over all its columns (ranges, finiteness, counts against lengths),
+    first by the bytes that carry sign and magnitude: ``bytes`` checks a strided slice in a
+    fraction of a microsecond, where numpy takes 1–2 µs a reduction on a report's few hundred
+    values. Numpy checks exactly only when those bytes say "look closer" (an unknown count, -1; a
+    duration over 131,072 s), and ``_problem`` then names the column, the row and the bound.
+    Chunk columns stay bytes until a reader asks for their arrays or values."""
+    n, m, k = len(columns.kind), columns.seq_lens, columns.waits
+    want = blob_bytes(columns)
+    if len(blob) != want:
+        raise ValueError(f"rank report's columns hold {len(blob):,} bytes but its header names {want:,} "
+                         f"({n} chunks, {m} sequence lengths, {k} communications); the record is truncated or corrupt")
+    f, i = 16 * (n + k), 24 * (n + k)  # where the int64 and the int32 groups start
+    s = i + 4 * (2 * n + m)  # the int32 values that may be -1: sequence counts, comm peers and micro-batches
+    u = s + 4 * (n + 2 * k)  # the bytes: comm op codes and flags
+    counts = list(struct.unpack_from(f"<{n}i", blob, s))
+    ok = ((not blob[7:f:8].translate(None, _BELOW_0X41)  # top bytes < 0x41: +0.0 … 131,072, finite
+           or _doubles_in_range(np.frombuffer(blob, _F8, 2 * (n + k))))
+          and (blob[f + 5:i:8].count(0) == blob[f + 6:i:8].count(0) == blob[f + 7:i:8].count(0) == n + k  # < 2^40
+               or _int64_in_range(np.frombuffer(blob, _I8, n + k, f), n))
+          and blob[i + 3:s:4].isascii()  # top bytes < 0x80: none negative
+          and (blob[s + 3:u:4].isascii() or np.frombuffer(blob, _I4, n + 2 * k, s).min() >= -1)
+          and (not n or (max(counts) <= CHUNKS_MAX and sum(counts) + counts.count(-1) == m))
+          and (not k or (not blob[u:u + k].translate(None, _OP_CODES)
+                         and not blob[u + k:u + k + k * columns.includes_wait].translate(None, b"\x00\x01")
+                         and not blob[u + k + k * columns.includes_wait:].translate(None, _GROUP_CODES))))
+    if not ok:
+        problem = _problem(columns, blob)
+        if problem:
+            raise ValueError("rank report's " + problem)
+    chunk_table = _construct(ChunkTable, {
+        "kind": columns.kind, "microbatch": ArrayColumn(blob, _I4, i, n), "virtual_stage": ArrayColumn(blob, _I4, i + 4 * n, n),
+        "tokens": ArrayColumn(blob, _I8, f, n, nullable=True), "seq_lens": SeqLensColumn(blob, i + 8 * n, m, counts),
+        "start_s": ArrayColumn(blob, _F8, 0, n), "duration_s": ArrayColumn(blob, _F8, 8 * n, n)})
+    if not k:
+        return chunk_table, _EMPTY_COMM
+    floats = struct.unpack_from(f"<{2 * k}d", blob, 16 * n)
+    signed = struct.unpack_from(f"<{2 * k}i", blob, s + 4 * n)
+    nbytes = struct.unpack_from(f"<{k}q", blob, f + 8 * n)
+    flags = blob[u + k:]
+    waits = flags[:k] if columns.includes_wait else b""
+    return chunk_table, _construct(CommTable, {
+        "op": [COMM_OPS[o] for o in blob[u:u + k]], "peer": _nullable(signed[:k]),
+        "microbatch": _nullable(signed[k:]), "bytes": _nullable(nbytes), "start_s": list(floats[:k]),
+        "duration_s": list(floats[k:]), "includes_wait": [bool(w) for w in waits],
+        "group": [None if g == _NO_GROUP else GROUPS[g] for g in flags[len(waits):]]})
+
+
+def _doubles_in_range(values: np.ndarray) -> bool:
+    return bool(((values >= 0.0) & (values <= DURATION_MAX_S)).all())  # NaN fails both
+
+
+def _int64_in_range(values: np.ndarray, n: int) -> bool:
+    """Token counts (the first ``n``) 0 … 2^40 and byte counts 0 … 2^53, or -1 (unknown)."""
+    return bool(values.min() >= -1 and (not n or values[:n].max() <= TOKENS_MAX)
+                and (len(values) == n or values[n:].max() <= COUNT_MAX))
+
+
+def _nullable(values: Sequence[int]) -> list[int | None]:
+    """-1 read as None (unknown)."""
+    return [None if v < 0 else v for v in values]
+
+
+def _construct(cls: type, values: dict) -> Any:
+    """A model from values checked already: what ``model_construct`` does for a model without
+    defaults to fill, without its per-field loop (a report's decode is a few microseconds)."""
+    obj = cls.__new__(cls)
+    object.__setattr__(obj, "__dict__", values)
+    object.__setattr__(obj, "__pydantic_fields_set__", set(values))
+    object.__setattr__(obj, "__pydantic_extra__", None)
+    object.__setattr__(obj, "__pydantic_private__", None)
+    return obj
+
+
+def _problem(columns: RankColumns, blob: bytes) -> str | None:
+    """What is wrong with a report's columns, naming the column, the row and the bound (None: nothing)."""
+    n, m, k = len(columns.kind), columns.seq_lens, columns.waits
+    f8 = np.frombuffer(blob, _F8, 2 * (n + k))
+    i8 = np.frombuffer(blob, _I8, n + k, 16 * (n + k))
+    i4 = np.frombuffer(blob, _I4, 3 * n + m + 2 * k, 24 * (n + k))
+    u1 = np.frombuffer(blob, _U1, len(blob) - 24 * (n + k) - 4 * len(i4), 24 * (n + k) + 4 * len(i4))
+    natural, signed = i4[:2 * n + m], i4[2 * n + m:]
+    floats = (("chunk start_s", f8[:n]), ("chunk duration_s", f8[n:2 * n]), ("comm start_s", f8[2 * n:2 * n + k]),
+              ("comm duration_s", f8[2 * n + k:]))
+    for name, values in floats:
+        bad = np.flatnonzero(~((values >= 0.0) & (values <= DURATION_MAX_S)))
+        if len(bad):
+            return f"{name}[{int(bad[0])}] = {float(values[bad[0]])!r} is outside 0 … {DURATION_MAX_S:g} (or not finite)"
+    ints = (("chunk microbatch", natural[:n], 0, None), ("chunk virtual_stage", natural[n:2 * n], 0, None),
+            ("seq_lens", natural[2 * n:], 0, None), ("sequence count", signed[:n], -1, CHUNKS_MAX),
+            ("comm peer", signed[n:n + k], -1, None), ("comm microbatch", signed[n + k:], -1, None),
+            ("chunk tokens", i8[:n], -1, TOKENS_MAX), ("comm bytes", i8[n:], -1, COUNT_MAX),
+            ("comm op code", u1[:k], 0, len(COMM_OPS) - 1))
+    for name, values, low, high in ints:
+        bad = np.flatnonzero((values < low) | (values > high if high is not None else False))
+        if len(bad):
+            value = int(values[bad[0]])
+            bound = f"below {low}" + (" (-1: unknown)" if low else "") if value < low else f"above {high:,}"
+            return f"{name}[{int(bad[0])}] = {value} is {bound}"
+    counts = signed[:n]
+    if int(np.maximum(counts, 0).sum()) != m:
+        return f"sequence counts sum to {int(np.maximum(counts, 0).sum()):,}, not the header's {m:,}"
+    flags = u1[k:]
+    waits = flags[:k] if columns.includes_wait else flags[:0]
+    groups = flags[len(waits):]
+    if len(waits) and waits.max() > 1:
+        return f"includes_wait holds {int(waits.max())}, not 0 or 1"
+    if len(groups) and ((groups >= len(GROUPS)) & (groups != _NO_GROUP)).any():
+        return f"comm group codes go past {len(GROUPS) - 1} (255: unknown)"
+    return None
+
+
+class ArrayColumn(Sequence):
+    """A chunk column read from a binary report: its array (``.array``: what vectorised readers
+    take, read from the record's bytes on first use) and a read-only sequence of Python values,
+    built only when someone iterates. Why: building a Python object per value was most of a JSON
+    report's decode; the analytics frame and the DuckDB ingest want arrays. ``nullable``: -1 reads
+    as None (unknown)."""
+
+    __slots__ = ("_array", "_blob", "_count", "_dtype", "_offset", "_values", "nullable")
+
+    def __init__(self, blob: bytes, dtype: np.dtype, offset: int, count: int, nullable: bool = False) -> None:
+        self._blob, self._dtype, self._offset, self._count, self.nullable = blob, dtype, offset, count, nullable
+        self._array: np.ndarray | None = None
+        self._values: list | None = None
+
+    @property
+    def array(self) -> np.ndarray:
+        if self._array is None:
+            self._array = np.frombuffer(self._blob, self._dtype, self._count, self._offset)
+        return self._array
+
+    def values(self) -> list:
+        if self._values is None:
+            self._values = _nullable(self.array.tolist()) if self.nullable else self.array.tolist()
+        return self._values
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):  # type: ignore[override]  # int or slice, as a list answers
+        return self.values()[index]
+
+    def __iter__(self) -> Iterator:
+        return iter(self.values())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, (list, Sequence)) and not isinstance(other, str) and self.values() == list(other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-looking, compared by value, as a list
+
+    def __repr__(self) -> str:
+        return repr(self.values())
+
+
+class SeqLensColumn(Sequence):
+    """Every chunk's packed sequence lengths from a binary report: ``flat`` (all lengths, chunk
+    after chunk) and ``counts`` (per chunk, -1: not reported) as arrays, and as a sequence of
+    lists (None where not reported) built only when someone iterates."""
+
+    __slots__ = ("_blob", "_counts", "_flat", "_offset", "_total", "_values")
+
+    def __init__(self, blob: bytes, offset: int, total: int, counts: list[int]) -> None:
+        self._blob, self._offset, self._total, self._counts = blob, offset, total, counts
+        self._flat: np.ndarray | None = None
+        self._values: list | None = None
+
+    @property
+    def flat(self) -> np.ndarray:
+        if self._flat is None:
+            self._flat = np.frombuffer(self._blob, _I4, self._total, self._offset)
+        return self._flat
+
+    @property
+    def counts(self) -> np.ndarray:
+        return np.array(self._counts, np.int64)
+
+    def values(self) -> list[list[int] | None]:
+        if self._values is None:
+            flat = self.flat.tolist()
+            out: list[list[int] | None] = []
+            at = 0
+            for c in self._counts:
+                out.append(None if c < 0 else flat[at:at + c])
+                at += max(c, 0)
+            self._values = out
+        return self._values
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def __getitem__(self, index):  # type: ignore[override]  # int or slice, as a list answers
+        return self.values()[index]
+
+    def __iter__(self) -> Iterator:
+        return iter(self.values())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, (list, Sequence)) and not isinstance(other, str) and self.values() == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(self.values())
+
+
+_EMPTY_COMM = CommTable.model_construct(op=[], peer=[], microbatch=[], bytes=[], start_s=[], duration_s=[],
+                                        includes_wait=[], group=[])
