@@ -41,6 +41,7 @@ from trainer.reference.chunks import role_chunks
 from trainer.reference.parallel import PlanWorld, keeps_groups
 from trainer.reference.rendezvous import (GROUPS_KEPT, Post, PostAborted, PostRefused, await_arrivals, done_key, failed_key,
                                 newest_post, read_post)
+from trainer.agent.wake import wait
 from trainer.protocol import Released, ReshapeExecutor, ReshapeFailed
 from trainer.reference.state import NoLiveSource, ShardState, export_state, transfer_live, units_without_live_copy
 
@@ -148,7 +149,7 @@ class Executor(ReshapeExecutor):
     def resume(self, number: int, pause_s: float, source: str) -> None:
         """Barrier over the new world, then report ``done/<post>/<device>`` with the pause and the
         state's source. After the barrier every rank trains under the new epoch."""
-        dist.barrier(group=self.trainer.current.train_group)
+        wait(dist.barrier(group=self.trainer.current.train_group, async_op=True), "barrier (resume)")
         self.trainer.post = number
         wall = sum(self.recent_walls_s[-5:]) / max(1, len(self.recent_walls_s[-5:])) if self.recent_walls_s else 0.0
         iterations = (math.ceil(pause_s / wall) if wall > 0 else 0) + self.lost_iterations

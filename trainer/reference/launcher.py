@@ -45,6 +45,7 @@ from collector.plan import Plan
 from collector.replica_drop import drop_replicas
 from collector.settings import elastic_environment
 from collector.stream import EventStream
+from trainer.agent.shrink import mark_lost
 from trainer.agent.signed_store import RANK_WRITERS, SignedStore
 from trainer.agent.standalone import standalone_node
 from trainer.reference.chunks import schedule_problem
@@ -243,10 +244,13 @@ class TrainerController:
                 self.on_rank_death(d, code, alive=set(range(self.ranks)) - set(exits))
 
     def on_rank_death(self, d: int, exitcode: int, alive: set[int]) -> None:
-        """Tell the intake (an in-flight reshape that needs ``d`` fails), publish the death as a
+        """Count the loss where the ranks wait (``resihp/lost-count``: survivors blocked on a peer
+        that gave up wake now, not at their collective timeout), tell the intake (an in-flight
+        reshape that needs ``d`` fails), publish the death as a
         fail-stop fault and, with ``on_death="drop-replica"``, publish the launcher's own plan
         around it (:func:`on_death_plan`); with ``"wait"`` the survivors wait for the bus."""
         self.result.dead.append(d)
+        mark_lost(self.store, d, exitcode)  # first: every survivor's wait on a peer ends now (trainer/agent/wake.py)
         self.intake.note_death()
         self.echo(f"device {d} exited with {exitcode}")
         self.bus.publish([self.factory.make(FaultInjected(

@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainer.decoder_config import DecoderConfig
+from trainer.agent.wake import wait
 
 ShardRule = Literal["col", "row", "rep"]
 
@@ -69,7 +70,7 @@ class _CopyToTP(torch.autograd.Function):
     def backward(ctx, grad):
         grad = grad.contiguous()
         with ctx.timer("tp"):
-            dist.all_reduce(grad, group=ctx.group)
+            wait(dist.all_reduce(grad, group=ctx.group, async_op=True), "tp all_reduce (backward)")
         return grad, None, None
 
 
@@ -80,7 +81,7 @@ class _ReduceFromTP(torch.autograd.Function):
     def forward(ctx, x, group, timer):
         x = x.contiguous()
         with timer("tp"):
-            dist.all_reduce(x, group=group)
+            wait(dist.all_reduce(x, group=group, async_op=True), "tp all_reduce (forward)")
         return x
 
     @staticmethod

@@ -18,6 +18,7 @@ a uniform layout costs one all-reduce per TP rank per stage.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import cached_property
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from collector.plan import Plan, RankRole, StagePlan
 from trainer.reference.chunks import all_units, role_chunks, stage_chunks, units_of_chunks
+from trainer.agent.wake import wait
 from trainer.reference.model import GPTConfig, GPTStage, TPContext, shard_rule, unit_of, unshard
 
 
@@ -140,7 +142,7 @@ def _replica_index(plan: Plan, replica: int) -> int:
 def gather_tp(pieces_local: torch.Tensor, tp: TPContext, tp_devices: tuple[int, ...], layout: PlanWorld) -> list[torch.Tensor]:
     """All-gather a flat tensor inside the TP group; returns the pieces in TP-rank order."""
     out = [torch.empty_like(pieces_local) for _ in tp_devices]
-    dist.all_gather(out, pieces_local.contiguous(), group=tp.group)
+    wait(dist.all_gather(out, pieces_local.contiguous(), group=tp.group, async_op=True), "tp all_gather (gradients)")
     by_rank = sorted(tp_devices, key=layout.rank)  # group rank order is world-rank order
     return [out[by_rank.index(d)] for d in tp_devices]
 
@@ -190,11 +192,8 @@ class GradReducer:
                 tensors = full[unit] if is_full else [self._grad(p) for _, p in self.unit_params(unit)]
                 chunks += [t.reshape(-1) for t in tensors]
             flat = torch.cat(chunks)
-            if self.timer:
-                with self.timer():
-                    dist.all_reduce(flat, group=self.groups.get(b.devices))
-            else:
-                dist.all_reduce(flat, group=self.groups.get(b.devices))
+            with self.timer() if self.timer else contextlib.nullcontext():
+                wait(dist.all_reduce(flat, group=self.groups.get(b.devices), async_op=True), "dp all_reduce (gradients)")
             at = 0
             for unit, is_full in zip(b.units, b.full):
                 for i, (name, p) in enumerate(self.unit_params(unit)):

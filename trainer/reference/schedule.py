@@ -44,6 +44,7 @@ from collector.plan import PipelinePlan, RankRole, stage_peers
 from trainer.reference.chunks import virtual_stages
 from trainer.data import IGNORE, MicroBatch
 from trainer.faults import FaultInjector
+from trainer.agent.wake import wait
 from trainer.reference.model import GPTStage
 from trainer.reference.parallel import PlanWorld
 from trainer.telemetry import IterationRecorder
@@ -160,7 +161,7 @@ class PipelineSchedule:
                 self._weight(it, c, mb)
         with rec.comm_wait(CommOp.PP_SEND):
             for w in it.pending:
-                w.wait()
+                wait(w, "pp send", p2p=True)
         return it.loss_sum
 
     # ---- helpers -----------------------------------------------------------------------------------
@@ -184,7 +185,7 @@ class PipelineSchedule:
         buf = torch.empty(len(mb.tokens), self.hidden, dtype=self.dtype) if like is None else torch.empty_like(like)
         with it.rec.comm_wait(CommOp.PP_RECV, peer=device, microbatch=mb.index,
                               nbytes=buf.numel() * buf.element_size()):
-            dist.recv(buf, src=src, tag=tag, group=self.group)
+            wait(dist.irecv(buf, src=src, tag=tag, group=self.group), "pp recv", p2p=True)
         return buf
 
     def _send(self, it: _Iteration, dsts: list[int], tensor: torch.Tensor, tag: int) -> None:

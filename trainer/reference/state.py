@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from collector.plan import Plan
+from trainer.agent.wake import wait
 from trainer.reference.chunks import all_units, role_chunks, units_of_chunks
 from trainer.reference.model import GPTConfig, GPTStage, full_shape, shard, shard_rule, unshard
 from trainer.reference.optim import AdamW
@@ -143,11 +144,11 @@ def transfer_live(cfg: GPTConfig, old: Plan, new: PlanWorld, me: int, mine: Shar
                     if src == me and dst == me:
                         pieces.append({n: have[n] for n in names})
                     elif src == me:
-                        dist.send(flatten(have, names), dst=new.rank(dst))
+                        wait(dist.isend(flatten(have, names), dst=new.rank(dst)), "transfer send", p2p=True)
                     elif dst == me:
                         buf = torch.empty(sum(_shard_numel(cfg, n, source.tp) for n in names) * len(STATE_KINDS),
                                           dtype=cfg.torch_dtype)
-                        dist.recv(buf, src=new.rank(src))
+                        wait(dist.irecv(buf, src=new.rank(src)), "transfer recv", p2p=True)
                         pieces.append(unflatten(cfg, buf, names, source.tp))
                 if dst == me:
                     result.update(reassemble(cfg, pieces, names, nr.tp_degree, nr.tp_rank))

@@ -4,8 +4,8 @@ The loop, per iteration: inject faults due now; run this rank's pipeline
 schedule (1F1B, interleaved or zero-bubble, as the plan names); reduce gradients
 across replicas; *commit* — one small all-reduce over the whole world that carries each replica's
 loss and the number of the newest plan post any rank has seen in the store; only then step the
-optimizer. If anything in the iteration raises (a peer died: its neighbours at once, the rest at
-the collective timeout), no rank has stepped, gradients are dropped, and the executor recovers
+optimizer. If anything in the iteration raises (a peer died: its neighbours at once, the rest as soon
+as the launcher counts the loss, trainer/agent/wake.py), no rank has stepped, gradients are dropped, and the executor recovers
 from the last committed state. After a commit that saw a newer post, every rank reshapes at this
 same boundary. With ``checkpoint_every`` K, every K committed iterations all ranks also write a
 periodic disk checkpoint (trainer/reference/checkpoint.py), the fallback when no live copy survives.
@@ -44,12 +44,14 @@ from trainer.reference.checkpoint import load_checkpoint, periodic_dir, prune_pe
 from trainer.reference.probe import run_probe
 from collector.auth import load_keyring
 from trainer.agent.signed_store import SignedStore, rank_role
+from trainer.agent import wake
 from trainer.reference.rendezvous import (PROGRESS, Post, await_arrivals, await_first_post, newest_post_and_probe, pg_prefix,
                                 read_probe)
 from trainer.reference.state import import_state, make_optimizer
 from trainer.telemetry import IterationRecorder, TelemetryPublisher
 
 log = logging.getLogger("resihp.trainer")
+WAKE_POLL_S = 0.005  # between two reads of the loss count while a wait on a peer lasts
 
 
 @dataclass
@@ -123,6 +125,7 @@ class Trainer:
         prefixed = dist.PrefixStore(pg_prefix(post.number), self.store)
         dist.init_process_group("gloo", store=prefixed, rank=post.world.index(self.device), world_size=len(post.world),
                                 timeout=timedelta(seconds=self.spec.rendezvous_timeout_s))
+        wake.rearm()  # the new world holds no rank lost so far: only a later loss wakes its waits
         return PlanWorld(post.plan, post.world)
 
     def build(self, layout: PlanWorld, state=None) -> Role:
@@ -189,7 +192,7 @@ class Trainer:
         commit[-3] = float(newest_probe_seen)
         commit[-2] = -float(self.probes_done)  # MAX of the negatives: the world's fewest answered
         commit[-1] = float(newest_post_seen)
-        dist.all_reduce(commit, op=dist.ReduceOp.MAX, group=cur.train_group)
+        wake.wait(dist.all_reduce(commit, op=dist.ReduceOp.MAX, group=cur.train_group, async_op=True), "commit all_reduce")
         if cur.work is not None:
             cur.work.opt.step()
         wall_s = rec.now_s()
@@ -292,6 +295,9 @@ def run_rank(spec: RunSpec, device: int) -> int:
     store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
                           timeout=timedelta(seconds=spec.rendezvous_timeout_s))
     trainer = Trainer(spec, device, store)
+    # The launcher's controller counts each death in this store within its monitor interval: every
+    # wait on a peer (trainer/agent/wake.py) then ends at once instead of at --pg-timeout.
+    wake.watch_losses(store, WAKE_POLL_S)
     executor = Executor(trainer)
     try:
         post = await_first_post(trainer.records, spec.rendezvous_timeout_s)
