@@ -62,7 +62,7 @@ def run_story(story: Story, workdir: Path) -> dict[str, Any]:
     import yaml
 
     from collector import topics
-    from collector.auth import Signer, create_keys, operator_key
+    from collector.auth import Signer, create_keys, key_path, operator_key
     from collector.embedded import EmbeddedBus
     from collector.events import EventFactory, PolicyChanged, PolicyMode, Severity
     from collector.private_files import private_dir
@@ -71,8 +71,7 @@ def run_story(story: Story, workdir: Path) -> dict[str, Any]:
     from trainer.torchtitan.assets import build_assets
 
     private_dir(workdir)
-    keys = workdir / "keys"
-    os.environ["RESIHP_KEYS"] = str(keys)  # this process signs the policy; the children inherit it
+    keys = key_path().resolve()  # one key set for every part, as `resihp demo` uses (docs/security.md)
     create_keys(keys)
     bus_path = workdir / "bus.sqlite"
     assets = build_assets(workdir / "assets")
@@ -82,7 +81,8 @@ def run_story(story: Story, workdir: Path) -> dict[str, Any]:
                                                   "duration_iterations": story.slow_steps}]}))
     detector = workdir / "detector.yaml"
     detector.write_text(yaml.safe_dump({}))
-    env = dict(os.environ, RESIHP_BUS="embedded", RESIHP_EMBEDDED_PATH=str(bus_path), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, RESIHP_BUS="embedded", RESIHP_EMBEDDED_PATH=str(bus_path), RESIHP_KEYS=str(keys),
+               PYTHONUNBUFFERED="1")
     repo = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     group = ProcessGroup(workdir, env)
