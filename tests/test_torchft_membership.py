@@ -33,7 +33,7 @@ from trainer.torchft.membership import (JOINED_KEY, LEFT_KEY, ORDER_KEY, PROGRES
 from trainer.torchft.supervisor import LighthouseSpec, TorchftEviction
 from trainer.torchtitan.layout import JOB_KEY, JobShape, TitanLayout, plan_of
 
-GROUPS = [(0,), (1,), (2,)]
+GROUPS: list[tuple[int, ...]] = [(0,), (1,), (2,)]
 
 
 def _running(microbatches: int = 2) -> Plan:
