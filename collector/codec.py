@@ -34,8 +34,8 @@ import struct
 from pydantic import ValidationError
 
 from collector.events import (
-    ATTACHED_BLOB, DEADLETTER_REASON_MAX, EVENT_ADAPTER, ChunkTable, CommTable, DeadLetter, Envelope, PackedArrays,
-    RankIteration,
+    ATTACHED_BLOB, DEADLETTER_REASON_MAX, EVENT_ADAPTER, NO_COMM, ChunkTable, DeadLetter, Envelope, PackedArrays,
+    RankColumns, RankIteration,
 )
 from collector.rank_columns import decode_columns, encode_columns
 
@@ -57,8 +57,6 @@ BINARY_FORMAT = 1  # the binary record's layout; the payload's schema version is
 BINARY_RANK_SCHEMA = 5  # telemetry.iteration travels binary from this schema version on
 _EMPTY_CHUNKS = ChunkTable.model_construct(kind="", microbatch=[], virtual_stage=[], tokens=[], seq_lens=[], start_s=[],
                                            duration_s=[])
-_EMPTY_COMM = CommTable.model_construct(op=[], peer=[], microbatch=[], bytes=[], start_s=[], duration_s=[],
-                                        includes_wait=[], group=[])
 _PREFIX = struct.Struct("<3sBI")  # magic, wire format, header length
 
 
@@ -67,19 +65,35 @@ def encode(event: Envelope) -> bytes:
     schema 5 on, JSON otherwise."""
     payload = event.payload
     if isinstance(payload, PackedArrays):
-        header_payload, blob = payload.model_copy(update={"blob": b""}), payload.blob
+        header = event.model_copy(update={"payload": payload.model_copy(update={"blob": b""})})
+        head, blob = header.__pydantic_serializer__.to_json(header), payload.blob
     elif isinstance(payload, RankIteration) and event.schema_version >= BINARY_RANK_SCHEMA and not payload.comm:
         try:
             columns, blob = encode_columns(payload.chunk_table, payload.waits())
         except (ValueError, KeyError) as exc:  # a table built without validation
             raise InvalidEvent(f"rank report's columns do not fit their wire types: {exc}") from None
-        header_payload = payload.model_copy(update={"chunk_table": _EMPTY_CHUNKS, "comm_table": _EMPTY_COMM,
-                                                    "columns": columns})
+        head = _rank_header(event, columns)
     else:
         return _bounded(event, event.__pydantic_serializer__.to_json(event))
-    header = event.model_copy(update={"payload": header_payload})
-    head = header.__pydantic_serializer__.to_json(header)
     return _bounded(event, b"".join((_PREFIX.pack(BINARY_MAGIC, BINARY_FORMAT, len(head)), head, blob)))
+
+
+_TABLES = {"payload": {"chunk_table": True, "comm_table": True}}
+_EMPTY_CHUNKS_JSON = _EMPTY_CHUNKS.__pydantic_serializer__.to_json(_EMPTY_CHUNKS)
+
+
+def _rank_header(event: Envelope, columns: bytes) -> bytes:
+    """A binary rank report's header: the envelope's JSON with empty tables and ``columns``. An
+    unsigned envelope's JSON ends with its payload's and its own closing braces, so the tables'
+    stand-ins are written in before them (two model copies cost a rank more than its columns)."""
+    if event.signature is None:
+        head = event.__pydantic_serializer__.to_json(event, exclude=_TABLES)
+        if head.endswith(b"}}"):
+            return b"".join((head[:-2], b',"chunk_table":', _EMPTY_CHUNKS_JSON, b',"columns":', columns, b"}}"))
+    payload = event.payload.model_copy(update={"chunk_table": _EMPTY_CHUNKS, "comm_table": NO_COMM,
+                                               "columns": RankColumns.model_validate_json(columns)})
+    header = event.model_copy(update={"payload": payload})
+    return header.__pydantic_serializer__.to_json(header)
 
 
 def encode_json(event: Envelope) -> bytes:

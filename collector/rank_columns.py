@@ -38,7 +38,8 @@ from typing import Any, get_args
 import numpy as np
 
 from collector.events import (
-    CHUNKS_MAX, COUNT_MAX, DURATION_MAX_S, TOKENS_MAX, ChunkTable, CommOp, CommTable, ProcessGroupName, RankColumns,
+    CHUNKS_MAX, COUNT_MAX, DURATION_MAX_S, NO_COMM, TOKENS_MAX, ChunkTable, CommOp, CommTable, ProcessGroupName,
+    RankColumns,
 )
 
 COMM_OPS: tuple[CommOp, ...] = tuple(CommOp)  # u1 op codes, in the enum's order (append only)
@@ -59,39 +60,46 @@ def blob_bytes(columns: RankColumns) -> int:
         1 + int(columns.includes_wait) + int(columns.group))
 
 
-def encode_columns(chunks: ChunkTable, comm: CommTable) -> tuple[RankColumns, bytes]:
-    """The header's description and the blob of a report's tables (validated values, as lists or
-    as the columns a binary report was read into). One ``struct.pack`` over the values: on a
-    rank's thread it costs a third of building a numpy array per column."""
+def encode_columns(chunks: ChunkTable, comm: CommTable) -> tuple[bytes, bytes]:
+    """The JSON of the header's ``columns`` and the blob of a report's tables (validated values,
+    as lists or as the columns a binary report was read into). One ``struct.pack`` over the
+    values: on a rank's thread it costs a third of building a numpy array per column."""
     lens = chunks.seq_lens
-    if isinstance(lens, SeqLensColumn):
-        flat, counts = lens.flat.tolist(), lens.counts.tolist()
-    else:
+    if type(lens) is SeqLensColumn:
+        flat: list[int] = lens.flat.tolist()
+        counts: list[int] = lens.counts.tolist()
+    elif None in lens:
         counts = [-1 if x is None else len(x) for x in lens]
         flat = list(itertools.chain.from_iterable(x for x in lens if x))
+    else:
+        counts = list(map(len, lens))
+        flat = list(itertools.chain.from_iterable(lens))
     n, m, k = len(chunks), len(flat), len(comm)
     said_wait, said_group = bool(comm.includes_wait), bool(comm.group)
-    columns = RankColumns(kind=chunks.kind, seq_lens=m, waits=k, includes_wait=said_wait, group=said_group)
     flags = k * (int(said_wait) + int(said_group))
-    values = [*_wire(chunks.start_s), *_wire(chunks.duration_s), *comm.start_s, *comm.duration_s,
-              *_wire(chunks.tokens), *_wire(comm.bytes),
-              *_wire(chunks.microbatch), *_wire(chunks.virtual_stage), *flat, *counts, *_wire(comm.peer),
-              *_wire(comm.microbatch), *[_OP_CODE[op] for op in comm.op]]
-    if said_wait:
-        values += comm.includes_wait
-    if said_group:
-        values += [_NO_GROUP if g is None else _GROUP_CODE[g] for g in comm.group]
+    if not k:  # lists concatenated, then unpacked once (a chain of iterators unpacks slower)
+        values = (_wire(chunks.start_s) + _wire(chunks.duration_s) + _wire(chunks.tokens) + _wire(chunks.microbatch)
+                  + _wire(chunks.virtual_stage) + flat + counts)
+    else:
+        values = (_wire(chunks.start_s) + _wire(chunks.duration_s) + list(comm.start_s) + list(comm.duration_s)
+                  + _wire(chunks.tokens) + _wire(comm.bytes) + _wire(chunks.microbatch) + _wire(chunks.virtual_stage)
+                  + flat + counts + _wire(comm.peer) + _wire(comm.microbatch) + [_OP_CODE[op] for op in comm.op]
+                  + ([int(w) for w in comm.includes_wait] if said_wait else [])
+                  + ([_NO_GROUP if g is None else _GROUP_CODE[g] for g in comm.group] if said_group else []))
     try:
         blob = struct.pack(f"<{2 * n + 2 * k}d{n + k}q{3 * n + m + 2 * k}i{k + flags}B", *values)
     except struct.error as exc:  # a table built without validation holds what its wire type cannot
         raise ValueError(f"rank report's columns do not fit their wire types: {exc}") from None
-    return columns, blob
+    # ``kind`` is validated [FBW]*, the rest numbers and flags: the JSON is written as it reads.
+    header = (f'{{"kind":"{chunks.kind}","seq_lens":{m},"waits":{k},"includes_wait":{str(said_wait).lower()},'
+              f'"group":{str(said_group).lower()}}}').encode()
+    return header, blob
 
 
-def _wire(values: Sequence) -> Sequence:
+def _wire(values: Sequence) -> list:
     """A column's values for the wire: None (unknown) as -1."""
-    if isinstance(values, ArrayColumn):
-        return values.array.tolist()
+    if type(values) is not list:  # not isinstance: a check against an ABC's subclass costs a rank ~1 µs a column
+        return values.array.tolist() if isinstance(values, ArrayColumn) else list(values)
     if None in values:
         return [-1 if v is None else v for v in values]
     return values
@@ -134,7 +142,7 @@ def decode_columns(columns: RankColumns, blob: bytes) -> tuple[ChunkTable, CommT
         "tokens": ArrayColumn(blob, _I8, f, n, nullable=True), "seq_lens": SeqLensColumn(blob, i + 8 * n, m, counts),
         "start_s": ArrayColumn(blob, _F8, 0, n), "duration_s": ArrayColumn(blob, _F8, 8 * n, n)})
     if not k:
-        return chunk_table, _EMPTY_COMM
+        return chunk_table, NO_COMM
     floats = struct.unpack_from(f"<{2 * k}d", blob, 16 * n)
     signed = struct.unpack_from(f"<{2 * k}i", blob, s + 4 * n)
     nbytes = struct.unpack_from(f"<{k}q", blob, f + 8 * n)
@@ -305,5 +313,3 @@ class SeqLensColumn(Sequence):
         return repr(self.values())
 
 
-_EMPTY_COMM = CommTable.model_construct(op=[], peer=[], microbatch=[], bytes=[], start_s=[], duration_s=[],
-                                        includes_wait=[], group=[])

@@ -62,6 +62,8 @@ def test_a_rank_report_travels_as_binary_columns_and_reads_back_as_arrays_equal_
     assert waits.peer == [7, None] and waits.bytes == [4096, None] and waits.group == ["pp", None]
     assert waits.includes_wait == [True, False]
     assert decode(encode(got)) == EVENT  # a decoded report publishes again unchanged
+    signed = EVENT.model_copy(update={"signature": "rank:" + "0" * 128})  # the header written by model copies
+    assert decode(encode(signed)) == signed
     plain = FACTORY.make(report(with_comm=False))
     assert decode(encode(plain)) == plain
 
