@@ -123,16 +123,11 @@ class TorchftEviction:
         self.full_plan = plan_of(layout, devices, shape.num_layers, shape.microbatches, 0)
         self.listener = CommandListener(self.job, self.full_plan, bus=self.open_bus, source="agent:torchft",
                                         check=self._refusal)
-        self._announce(self.full_plan, "start")
+        self.listener.announce_plan(self.full_plan, gpus_per_node=len(devices), model_name=shape.model,
+                                    layer_state_bytes=shape.layer_state_bytes,
+                                    tokens_per_microbatch=shape.tokens_per_microbatch)
         self.listener.announce_capabilities(TORCHFT_CAPABILITIES)
         log.info("torchft job %s: %d replica groups announced", self.job, len(self.groups))
-
-    def _announce(self, plan: Plan, reason: str) -> None:
-        assert self.listener is not None and self.shape is not None
-        self.listener.running = plan
-        self.listener.announce_plan(plan, reason=reason, gpus_per_node=len(self.full_plan.devices) if self.full_plan else 8,  # type: ignore[arg-type]
-                                    model_name=self.shape.model, layer_state_bytes=self.shape.layer_state_bytes,
-                                    tokens_per_microbatch=self.shape.tokens_per_microbatch)
 
     def running_plan(self, epoch: int) -> Plan:
         """The plan that runs with the groups now in: theirs replicas, each at its own micro-batches."""
@@ -209,7 +204,7 @@ class TorchftEviction:
                                   detail=f"group(s) {flight.groups} left the torchft quorum after step {last_left}; "
                                          f"{len(stayed)} group(s) go on at their own batch; back after "
                                          f"{flight.probation_s:.0f} s of probation, healed from a peer")
-        self._announce(plan, "reshape")
+        self.listener.adopt(plan)  # what runs: the groups in, each at its own batch (not the planner's re-split)
         self._phases(epoch, last_left, [
             (ReshapePhaseName.AGREE, flight.left_at - flight.asked_at,
              f"group(s) {flight.groups} stopped asking for quorum at a step boundary"),
@@ -237,7 +232,7 @@ class TorchftEviction:
             self.out -= set(ev.groups)
             self.probations.remove(ev)
             step = max(m.step for m in marks.values() if m is not None)
-            self._announce(self.running_plan(self._running_epoch()), "reshape")
+            self.listener.adopt(self.running_plan(self._running_epoch()))  # not on a command: the probation's end
             self._phases(epoch, step, [(ReshapePhaseName.REDISTRIBUTE, now - ev.back_asked_at,
                                         f"group(s) {ev.groups} joined the quorum again, healed from a peer over "
                                         "torchft's checkpoint transport, and committed a step")])
