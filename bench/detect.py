@@ -11,7 +11,11 @@ iteration before its onset to ``--grace`` iterations after it ends) that names a
 recall, exact localisation, delay p50 / p95 (the x1.2-and-more p95 apart) and false alarms per
 10,000 healthy iterations follow from that match. Sizes: the last size of each slow GPU's
 incident while the fault lasted (``sizing``) and the first size each detected fail-slow's incident
-reported (``first_sizes``: median and p95 error per dialect, against the goal of 5 %).
+reported (``first_sizes``: median and p95 error per dialect, against the goal of 5 %). Ours's
+p_real (how sure each incident is that its fault is real) against the share of its openings that
+were real, per decile (``reliability``), per dialect, over every dialect and on the half its
+calibration table was not fitted on; ``--fit-calibration`` fits that table on the other half
+(analytics/detection/calibration.py).
 """
 
 from __future__ import annotations
@@ -366,9 +370,9 @@ def calibration_report(labelled: list[Opening], fit_table: bool) -> dict:
             return calibration.UNCALIBRATED if o.p_real is None else o.p_real
     out: dict = {"per_dialect": {}}
     for dialect in dict.fromkeys(o.dialect for o in labelled):
-        table = reliability([(p_of(o), o.real) for o in labelled if o.dialect == dialect])
-        print_reliability(f"p_real of ours ({dialect})", table)
-        out["per_dialect"][dialect] = table
+        deciles = reliability([(p_of(o), o.real) for o in labelled if o.dialect == dialect])
+        print_reliability(f"p_real of ours ({dialect})", deciles)
+        out["per_dialect"][dialect] = deciles
     out["all"] = reliability([(p_of(o), o.real) for o in labelled])
     print_reliability("p_real of ours (every dialect run)", out["all"])
     out["held_back"] = reliability([(p_of(o), o.real) for o in labelled if o.case % 2 == 1])

@@ -809,7 +809,7 @@ class Evidence(BaseModel):
 # How sure the detector is that an incident's fault is real, calibrated on the detection suite
 # (docs/detector.md, "Confidence"); absent (schema 1–2, a baseline detector): uncalibrated.
 PReal = Annotated[float | None, Field(
-    default=None, ge=0, le=1, exclude_if=lambda v: v is None,
+    ge=0, le=1, exclude_if=lambda v: v is None,
     description="probability the fault is real, calibrated on the detection suite (absent: uncalibrated, as "
                 "every schema 1–2 incident is)")]
 
@@ -827,7 +827,7 @@ class IncidentOpened(Payload):
     locations: list[Location] = Field(max_length=LIST_MAX)
     evidence: Evidence
     summary: str
-    p_real: PReal
+    p_real: PReal = None
 
 
 class IncidentConfirmed(Payload):
@@ -840,7 +840,7 @@ class IncidentConfirmed(Payload):
     method: ConfirmMethod
     detail: str
     locations: list[Location] = Field(default_factory=list, max_length=LIST_MAX)
-    p_real: PReal
+    p_real: PReal = None
 
 
 class IncidentUpdated(Payload):
@@ -858,7 +858,7 @@ class IncidentUpdated(Payload):
         default_factory=list, max_length=LIST_MAX,
         description="ranks a probe is asking again because of this update: a more precise location follows "
                     "(the next update of the incident), so a plan made on this one would soon be stale")
-    p_real: PReal
+    p_real: PReal = None
 
 
 class IncidentResolved(Payload):

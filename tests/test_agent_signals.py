@@ -108,8 +108,10 @@ def test_a_stopped_rank_is_reported_hung_in_its_op_and_dies_with_a_killed_agent(
     assert not any(isinstance(e, IncidentOpened) for e in events)  # incidents are the analytics key's to open
     (hang,) = [e for e in envelopes if isinstance(e.payload, HangReported)]
     assert Gate("analytics").admit(hang), "the agent signs its hang report with the executor's key"
-    assert hang.payload.ranks == report["culprits"] and hang.payload.op == stuck.op
-    assert f"stuck in '{stuck.op}'" in hang.payload.summary and "is stopped (state T" in hang.payload.stacks
+    found = hang.payload
+    assert isinstance(found, HangReported)
+    assert found.ranks == report["culprits"] and found.op == stuck.op
+    assert f"stuck in '{stuck.op}'" in found.summary and "is stopped (state T" in found.stacks
 
 
 def descendants(pid: int) -> list[int]:

@@ -98,6 +98,7 @@ def test_a_schema_2_incident_decodes_with_its_confidence_as_the_place_and_p_real
     loc = body["payload"]["locations"][0]
     loc["confidence"] = loc.pop("place_confidence") * 0.25
     old = decode(json.dumps(body).encode())
+    assert isinstance(old.payload, IncidentOpened)
     assert old.payload.p_real is None and old.payload.locations[0].place_confidence == 0.25
     # written back as it came: the bytes a signature covers are unchanged
     assert json.loads(encode_json(old))["payload"]["locations"][0] == loc

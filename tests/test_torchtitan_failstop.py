@@ -90,6 +90,7 @@ def test_a_lost_device_is_restarted_past_at_a_smaller_uniform_layout_and_the_red
     (envelope,) = answers
     assert Gate("test").admit(envelope), "a probe result carries the ranks' signature"
     answer = envelope.payload
+    assert isinstance(answer, ProbeResult)
     assert answer.probe_id == "p-device-1" and answer.rank == 1 and answer.reference_s > 0, why
     assert 0.2 < answer.duration_s / answer.reference_s < 5, answer  # a healthy device near the world's median
     plans = [e for e in control if isinstance(e, PlanCurrent)]

@@ -154,6 +154,7 @@ def test_ui_policy_change_by_operator_publishes_policy_changed_and_viewer_cannot
     assert changed.job == "demo" and changed.payload.actor == "ui:alice"
     assert changed.payload.mode.value == "auto"
     assert [s.value for s in changed.payload.auto_severities] == ["high", "critical"]
+    assert changed.payload.auto_min_p_real == 0.9  # the console's default bar on how sure a fault is real
     assert any(f"set by {plain('ui:alice')}" in m.value for m in at.markdown)
 
 

@@ -70,8 +70,8 @@ def free_port() -> int:
 
 
 def lighthouse_argv(spec: LighthouseSpec, port: int) -> list[str]:
-    binary = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable) + os.pathsep
-                          + os.environ.get("PATH", ""))
+    # the lighthouse installed beside this interpreter (the virtual environment's bin/), else on PATH
+    binary = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) or shutil.which("torchft_lighthouse")
     if binary is None:
         raise FileNotFoundError("torchft_lighthouse is not installed: pip install -e '.[torchtitan]' (torchft 0.2.0)")
     return [binary, "--bind", f"127.0.0.1:{port}", "--min_replicas", str(spec.min_replicas),
@@ -232,7 +232,8 @@ class TorchftEviction:
             self.out -= set(ev.groups)
             self.probations.remove(ev)
             step = max(m.step for m in marks.values() if m is not None)
-            self.listener.adopt(self.running_plan(self._running_epoch()))  # not on a command: the probation's end
+            if self.listener is not None:
+                self.listener.adopt(self.running_plan(self._running_epoch()))  # not on a command: the probation's end
             self._phases(epoch, step, [(ReshapePhaseName.REDISTRIBUTE, now - ev.back_asked_at,
                                         f"group(s) {ev.groups} joined the quorum again, healed from a peer over "
                                         "torchft's checkpoint transport, and committed a step")])
@@ -335,11 +336,10 @@ class FTJob:
                                    self.probation, progress_log=self.workdir / "progress.jsonl")
         try:
             for g, store in enumerate(stores):
-                env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK="0", LOCAL_RANK="0",
+                env = dict({"OMP_NUM_THREADS": "1"}, **os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK="0", LOCAL_RANK="0",
                            WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0", TORCHELASTIC_USE_AGENT_STORE="True",
                            TORCHELASTIC_RUN_ID=scope, TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{port}",
                            RESIHP_STORE_SCOPE=scope, RESIHP_JOB=self.job,
-                           OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                            **{AGENT_PID_ENV: str(me)})
                 procs.append(subprocess.Popen(self.group_argv(g), env=env, stdout=open(logs / f"group-{g}.log", "wb"),
                                               stderr=subprocess.STDOUT))
