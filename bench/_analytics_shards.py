@@ -16,7 +16,7 @@ chunks, as bench/analytics.py's detector table):
   logs before binary records have them) and decoded in the same run, the two decodes interleaved
   and repeated (the fastest of ``DECODE_REPEATS`` each, the garbage collector paused during each
   pass), so both costs and both sizes come from one job on one machine load;
-* bytes on the wire per iteration: rank reports (JSON), and ReplicaSummaries with LivenessBatches
+* bytes on the wire per iteration: rank reports (binary columns, telemetry schema 5), and ReplicaSummaries with LivenessBatches
   (binary, and as JSON).
 
 It does not run Kafka: the bus's own throughput is ``resihp bench bus``. Replica templates are
@@ -197,7 +197,7 @@ def print_table(r: dict, step_s: float = 5.0) -> None:
     dec, live, judge = r["merge_split_s"]
     print(f"merge per iteration: {r['merge_s']:.3f} s = decode {r['replicas']:,} ReplicaSummaries and "
           f"LivenessBatches {dec:.3f} s + fail-stop watch {live:.3f} s + judge the job (JobMerge.judge) {judge:.3f} s")
-    print(f"bytes on the wire per iteration: rank reports (JSON) {r['report_bytes_per_iteration'] / 1e6:,.1f} MB, "
+    print(f"bytes on the wire per iteration: rank reports (binary columns) {r['report_bytes_per_iteration'] / 1e6:,.1f} MB, "
           f"ReplicaSummaries + LivenessBatches {r['summary_bytes_per_iteration'] / 1e6:,.1f} MB binary "
           f"({r['summary_json_bytes_per_iteration'] / 1e6:,.1f} MB as JSON)")
     print(f"the merge's decode of them, same run: binary {dec:.3f} s, JSON {r['decode_json_s']:.3f} s")

@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 import struct
 from collections.abc import Iterator, Sequence
-from typing import Any, get_args
+from typing import Any, cast, get_args
 
 import numpy as np
 
@@ -72,8 +72,9 @@ def encode_columns(chunks: ChunkTable, comm: CommTable) -> tuple[bytes, bytes]:
         counts = [-1 if x is None else len(x) for x in lens]
         flat = list(itertools.chain.from_iterable(x for x in lens if x))
     else:
-        counts = list(map(len, lens))
-        flat = list(itertools.chain.from_iterable(lens))
+        present = cast("list[list[int]]", lens)
+        counts = list(map(len, present))
+        flat = list(itertools.chain.from_iterable(present))
     n, m, k = len(chunks), len(flat), len(comm)
     said_wait, said_group = bool(comm.includes_wait), bool(comm.group)
     flags = k * (int(said_wait) + int(said_group))
@@ -173,7 +174,7 @@ def _nullable(values: Sequence[int]) -> list[int | None]:
 def _construct(cls: type, values: dict) -> Any:
     """A model from values checked already: what ``model_construct`` does for a model without
     defaults to fill, without its per-field loop (a report's decode is a few microseconds)."""
-    obj = cls.__new__(cls)
+    obj: Any = object.__new__(cls)
     object.__setattr__(obj, "__dict__", values)
     object.__setattr__(obj, "__pydantic_fields_set__", set(values))
     object.__setattr__(obj, "__pydantic_extra__", None)
@@ -195,15 +196,15 @@ def _problem(columns: RankColumns, blob: bytes) -> str | None:
         bad = np.flatnonzero(~((values >= 0.0) & (values <= DURATION_MAX_S)))
         if len(bad):
             return f"{name}[{int(bad[0])}] = {float(values[bad[0]])!r} is outside 0 … {DURATION_MAX_S:g} (or not finite)"
-    ints = (("chunk microbatch", natural[:n], 0, None), ("chunk virtual_stage", natural[n:2 * n], 0, None),
+    ints: tuple[tuple[str, np.ndarray, int, int | None], ...] = (("chunk microbatch", natural[:n], 0, None), ("chunk virtual_stage", natural[n:2 * n], 0, None),
             ("seq_lens", natural[2 * n:], 0, None), ("sequence count", signed[:n], -1, CHUNKS_MAX),
             ("comm peer", signed[n:n + k], -1, None), ("comm microbatch", signed[n + k:], -1, None),
             ("chunk tokens", i8[:n], -1, TOKENS_MAX), ("comm bytes", i8[n:], -1, COUNT_MAX),
             ("comm op code", u1[:k], 0, len(COMM_OPS) - 1))
-    for name, values, low, high in ints:
-        bad = np.flatnonzero((values < low) | (values > high if high is not None else False))
+    for name, column, low, high in ints:
+        bad = np.flatnonzero((column < low) | (column > high if high is not None else False))
         if len(bad):
-            value = int(values[bad[0]])
+            value = int(column[bad[0]])
             bound = f"below {low}" + (" (-1: unknown)" if low else "") if value < low else f"above {high:,}"
             return f"{name}[{int(bad[0])}] = {value} is {bound}"
     counts = signed[:n]
@@ -247,7 +248,7 @@ class ArrayColumn(Sequence):
     def __len__(self) -> int:
         return self._count
 
-    def __getitem__(self, index):  # type: ignore[override]  # int or slice, as a list answers
+    def __getitem__(self, index):  # int or slice, as a list answers
         return self.values()[index]
 
     def __iter__(self) -> Iterator:
@@ -298,7 +299,7 @@ class SeqLensColumn(Sequence):
     def __len__(self) -> int:
         return len(self._counts)
 
-    def __getitem__(self, index):  # type: ignore[override]  # int or slice, as a list answers
+    def __getitem__(self, index):  # int or slice, as a list answers
         return self.values()[index]
 
     def __iter__(self) -> Iterator:
@@ -312,4 +313,29 @@ class SeqLensColumn(Sequence):
     def __repr__(self) -> str:
         return repr(self.values())
 
+
+def joined(columns: Sequence[Sequence], dtype: np.dtype | type, total: int, unknown: float | None = None) -> np.ndarray:
+    """One column of many reports as one array, in order (``total`` values). When every report
+    was read from the wire its arrays are joined, with no Python value per element; otherwise the
+    values are read once. ``unknown``: what -1 / None reads as (a float column's NaN)."""
+    if columns and all(type(c) is ArrayColumn for c in columns):
+        out = np.concatenate([cast(ArrayColumn, c).array for c in columns]).astype(dtype, copy=unknown is not None)
+        if unknown is not None:
+            out[out < 0] = unknown
+        return out
+    values = itertools.chain.from_iterable(columns)
+    if unknown is None:
+        return np.fromiter(values, dtype, total)
+    return np.array(list(values), dtype=dtype).reshape(total)  # None reads as NaN in the one conversion
+
+
+def joined_seq_lens(columns: Sequence[Sequence]) -> tuple[np.ndarray, np.ndarray] | None:
+    """Every report's packed sequence lengths as (all lengths in order, per-chunk count with -1
+    where not reported), when every report was read from the wire; None otherwise."""
+    if not columns or not all(type(c) is SeqLensColumn for c in columns):
+        return None
+    lens = cast("Sequence[SeqLensColumn]", columns)
+    flat = np.concatenate([c.flat for c in lens]).astype(np.int64)
+    counts = np.fromiter(itertools.chain.from_iterable(c._counts for c in lens), np.int64)
+    return flat, counts
 

@@ -25,11 +25,13 @@ models in `collector/events.py` and `collector/plan.py` (`python -m collector.re
 docs/events.md`); a test keeps it identical to them.
 
 Every event is an **envelope** around a **payload**. The wire format is one JSON object (UTF-8)
-per record, but for the payloads of packed arrays (`analytics.replica_summary`,
-`analytics.liveness`): those travel as a binary record, the envelope's JSON (its `blob` empty)
-after an 8-byte prefix (`0xFF 'R' 'B'`, the wire format, the header's length as u32 LE) and then
-the blob's bytes raw; in JSON their `blob` is standard base64, and both forms decode
-(`collector/codec.py`). Records over {max_bytes:,} bytes are refused. Consumers are idempotent on `id`.
+per record, but for the bulk records: rank reports (`telemetry.iteration` from schema 5) and the
+payloads of packed arrays (`analytics.replica_summary`, `analytics.liveness`) travel as a binary
+record, an 8-byte prefix (`0xFF 'R' 'B'`, the wire format, the header's length as u32 LE), the
+envelope's JSON as header (a packed payload's `blob` empty; a rank report's tables empty and
+`columns` saying what follows) and then the arrays' bytes raw. In JSON a `blob` is standard
+base64 and a rank report carries its columns inline; both forms decode (`collector/codec.py`), and
+traces keep the JSON form. Records over {max_bytes:,} bytes are refused. Consumers are idempotent on `id`.
 A record that does not decode (bad bytes, missing or wrongly typed fields, unknown kind, unknown
 schema version, too large) goes to `{deadletter}` with the reason and the raw bytes.
 
@@ -97,7 +99,14 @@ comm fields `includes_wait` and `group`. Schema 4 carries a rank's communication
 smaller and decodes ×1.58 faster than with its waits as objects (`resihp bench analytics`,
 [benchmarks](benchmarks.md)). Every addition has a default and the
 schema-3 `comm` list is still read, so a schema-2 or -3 record (an old log) decodes unchanged;
-schema 4 is written, and a record carrying both forms is refused.
+a record carrying both forms is refused. Schema 5 is written: on the bus a binary record whose
+columns are little-endian arrays grouped by dtype (`collector/rank_columns.py` gives the layout),
+checked at decode in one pass per dtype group (ranges, finiteness, sequence counts against the
+header) and kept as arrays until a reader asks for values; a report of 32 chunks decodes ×2–3
+faster than its JSON columns. Its JSON form (a trace, `encode_json`) is schema 4's, and a JSON
+record that names `columns` is refused. Why not Arrow IPC: one report is a one-row batch of list
+columns whose schema flatbuffer alone outweighs its arrays, and reading it back costs more than
+`np.frombuffer` over the body (as for the replica summaries, `collector/codec.py`).
 """
 
 

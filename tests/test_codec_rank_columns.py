@@ -161,3 +161,19 @@ def test_random_bytes_after_a_rank_report_header_are_dead_lettered_and_the_consu
     letters.close()
     (letter,) = [d.event.payload for d in found if isinstance(d.event.payload, DeadLetter)]
     assert base64.b64decode(letter.raw_b64) == corrupt and letter.reason.startswith("rank report's ")
+
+
+def test_a_frame_built_from_binary_reports_equals_the_one_built_from_their_json() -> None:
+    """The frame joins the arrays of reports read from the wire; from JSON it reads the values.
+    Both must give the detector the same numbers, bit for bit."""
+    from analytics.detection.frame import build_frame
+
+    reports = [report().model_copy(update={"rank": r, "coords": Coords(tp=r % 2, pp=r // 2, dp=0)}) for r in range(4)]
+    events = [FACTORY.make(r) for r in reports]
+    from_wire = build_frame([payload_as(decode(encode(e)), RankIteration) for e in events])
+    from_json = build_frame([payload_as(decode(encode_json(e)), RankIteration) for e in events])
+    assert isinstance(payload_as(decode(encode(events[0])), RankIteration).chunk_table.start_s, ArrayColumn)
+    for name, value in vars(from_json).items():
+        if isinstance(value, np.ndarray):
+            np.testing.assert_array_equal(getattr(from_wire, name), value, err_msg=name)
+    assert np.isnan(from_wire.c_tokens[1]) and np.isnan(from_wire.c_s2[1]) and from_wire.c_s2[0] == 300**2 + 400**2

@@ -18,6 +18,7 @@ import numpy as np
 
 from collector.events import RankIteration
 from collector.plan import Plan
+from collector.rank_columns import joined, joined_seq_lens
 
 KIND_CODE = {"F": 0, "B": 1, "W": 2}
 _KIND_LUT = np.zeros(256, np.int8)
@@ -104,12 +105,14 @@ def build_frame(reports: Sequence[RankIteration], layers: LayerLookup | None = N
     chain = itertools.chain.from_iterable
     kind_bytes = np.frombuffer("".join(t.kind for t in tables).encode("ascii"), np.uint8)
     c_kind = _KIND_LUT[kind_bytes].astype(np.int64)
-    c_mb = np.fromiter(chain(t.microbatch for t in tables), np.int64, C)
-    c_vs = np.fromiter(chain(t.virtual_stage for t in tables), np.int64, C)
-    c_tokens = _tokens(tables, C)
-    c_start = np.fromiter(chain(t.start_s for t in tables), float, C)
-    c_dur = np.fromiter(chain(t.duration_s for t in tables), float, C)
-    c_s2 = sum_sq_lens(list(chain(t.seq_lens for t in tables)))
+    # Reports read from the wire hold their columns as arrays: joined, never a Python value each.
+    c_mb = joined([t.microbatch for t in tables], np.int64, C)
+    c_vs = joined([t.virtual_stage for t in tables], np.int64, C)
+    c_tokens = joined([t.tokens for t in tables], float, C, unknown=np.nan)
+    c_start = joined([t.start_s for t in tables], float, C)
+    c_dur = joined([t.duration_s for t in tables], float, C)
+    lens = joined_seq_lens([t.seq_lens for t in tables])
+    c_s2 = sum_sq_lens(list(chain(t.seq_lens for t in tables))) if lens is None else sum_sq_of(*lens)
     c_rank = np.repeat(np.arange(R, dtype=np.int64), counts)
     k = _comm_rows(reports)
     own = c_dur - _tp_wait_inside(c_rank, c_start, c_dur, k)
@@ -127,12 +130,6 @@ def build_frame(reports: Sequence[RankIteration], layers: LayerLookup | None = N
         k_mb=k[:, 3].astype(np.int64), k_bytes=k[:, 4], k_dur=k[:, 6], k_wait=k[:, 7] > 0,
         k_group=k[:, 8].astype(np.int64),
     )
-
-
-def _tokens(tables: Sequence, n: int) -> np.ndarray:
-    """Token count per chunk as floats; NaN where the source did not report it (unknown, not 0:
-    numpy turns None into NaN converting a list to floats, in the one pass)."""
-    return np.array(list(itertools.chain.from_iterable(t.tokens for t in tables)), dtype=float).reshape(n)
 
 
 def _comm_rows(reports: Sequence[RankIteration]) -> np.ndarray:
@@ -178,15 +175,24 @@ def sum_sq_lens(seq_lens: list[list[int] | None]) -> np.ndarray:
     lists: Sequence[Sequence[int]] = [x or () for x in seq_lens] if missing else cast("list[list[int]]", seq_lens)
     counts = np.fromiter(map(len, lists), np.int64, n)
     # as integers, then floats: reading Python ints as int64 is a third faster than as float64
-    flat = np.fromiter(itertools.chain.from_iterable(lists), np.int64, int(counts.sum())).astype(np.float64)
+    flat = np.fromiter(itertools.chain.from_iterable(lists), np.int64, int(counts.sum()))
+    if missing:
+        counts[np.fromiter((x is None for x in seq_lens), bool, n)] = -1
+    return sum_sq_of(flat, counts)
+
+
+def sum_sq_of(flat: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Σ lᵢ² per chunk from all chunks' lengths in order and each chunk's count (-1: not
+    reported, NaN)."""
+    n = len(counts)
+    flat = flat.astype(np.float64)
     out = np.zeros(n)
     if len(flat):
         starts = np.zeros(n, np.int64)
-        np.cumsum(counts[:-1], out=starts[1:])
+        np.cumsum(np.maximum(counts[:-1], 0), out=starts[1:])
         has = counts > 0
         out[has] = np.add.reduceat(flat * flat, starts[has])
-    if missing:
-        out[np.fromiter((x is None for x in seq_lens), bool, n)] = np.nan
+    out[counts < 0] = np.nan
     return out
 
 
