@@ -234,7 +234,7 @@ class AgentLaunch:
                              telemetry=self.telemetry, predicted=self.predicted, node_address=self.node_address,
                              job_store=self.job_store, etcd=self.etcd,
                              hosts_rendezvous=rdzv is not None and rdzv.hosting, commands=self.commands,
-                             stop_grace_s=args.stop_grace_s, relayout=self.relayout,
+                             stop_grace_s=args.stop_grace_s, drain_s=args.drain_s, relayout=self.relayout,
                              rank_env={} if args.no_telemetry else self.bus.environment())
 
     def worker_spec(self, settings: AgentSettings) -> WorkerSpec:

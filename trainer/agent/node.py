@@ -93,6 +93,7 @@ class AgentSettings:
     etcd: EtcdClient | None = None  # the job's stores are on etcd (--rdzv-backend etcd): no agent serves one
     commands: NodeCommands | None = None  # node commands from the bus (None: none are read)
     stop_grace_s: float = 5.0  # a stopped node's ranks get SIGTERM, then SIGKILL after this
+    drain_s: float = 60.0  # under shrink, a stop first waits this long for the ranks to leave at a step boundary
     preload: tuple[str, ...] = ()  # fork the ranks from a server that imported these (trainer/agent/pcontext.py)
     controller: JobController | None = None  # the job's own death policy; torch restarts nothing
     relayout: Relayout | None = None  # the job restarts at a new layout on command (trainer/agent/relayout.py)
@@ -150,7 +151,9 @@ class NodeAgent(LocalElasticAgent):
         self.presence: AgentPresence | None = None  # the other agents' liveness (shrink)
         self._ranks_store: SignedStore | None = None
         self._refused = Refusals()  # store records this agent refused: each reported once
-        self._stop_orders = (StopOrders(settings.commands, settings.hosts_rendezvous, settings.stop_grace_s)
+        self._stop_orders = (StopOrders(settings.commands, settings.hosts_rendezvous, settings.stop_grace_s,
+                                        serves_ranks_store=settings.etcd is None,
+                                        drain_s=settings.drain_s if settings.on_failure == "shrink" else 0.0)
                              if settings.commands is not None else None)
 
     # ---- starting ranks ----------------------------------------------------------------------
@@ -266,7 +269,8 @@ class NodeAgent(LocalElasticAgent):
             self._heartbeat(pids, local, entries)
         if self._stop_orders is not None and now >= self._next_commands:
             self._next_commands = now + self.settings.share_s
-            self._stop_orders.obey(worker_group, self.watched_ranks())
+            self._stop_orders.obey(worker_group, self.watched_ranks(),
+                                   self._store_of_ranks(worker_group) if self.settings.on_failure == "shrink" else None)
         if now >= self._next_share:
             self._next_share = now + self.settings.share_s
             world = self._share_flight(worker_group, entries)
@@ -334,7 +338,7 @@ class NodeAgent(LocalElasticAgent):
         marked = [r for r in peer.ranks if not is_lost(ranks_store, r)]
         for rank in marked:
             mark_lost(ranks_store, rank, None)  # no exit code: it died with its agent
-        self.peer_lost.update(marked)
+        self.peer_lost.update(peer.ranks)  # their flight records are closed, so nobody judges them hung
         if self._store is not None:
             check_in_for_dead_agent(self._store, worker_group.group_world_size or 1)
         if self.settings.job_store is not None and worker_group.master_addr and worker_group.master_port:
@@ -342,9 +346,10 @@ class NodeAgent(LocalElasticAgent):
             publish_vacancy(job_records, Vacancy(
                 peer.group_rank, worker_group.group_world_size or 1, peer.ranks,
                 round_store_prefix(worker_group.spec.rdzv_handler), worker_group.master_addr, worker_group.master_port))
-        print(f"resihp run: the agent of node {peer.group_rank} is gone with its ranks {list(peer.ranks)}; "
-              f"ranks {marked} marked lost, the others go on without them until an agent takes its place "
-              "(--join-running; --on-failure shrink)", file=sys.stderr, flush=True)
+        how = (f"ranks {marked} marked lost, the others go on without them" if marked else
+               "they had left the world already (a drained node stop)")
+        print(f"resihp run: the agent of node {peer.group_rank} is gone with its ranks {list(peer.ranks)}; {how} "
+              "until an agent takes its place (--join-running; --on-failure shrink)", file=sys.stderr, flush=True)
 
     def _ranks_store_address(self, worker_group: WorkerGroup) -> str:
         """Where this round's ranks meet on etcd (``RESIHP_RANKS_STORE``, trainer/agent/etcd_store.py)."""

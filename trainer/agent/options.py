@@ -51,6 +51,10 @@ def agent_parser(prog: str = "resihp run") -> argparse.ArgumentParser:
     ours.add_argument("--stop-grace-s", type=float, default=5.0,
                       help="on a node command to stop, this node's ranks get SIGTERM and, after this many seconds, "
                            "SIGKILL (docs/agent.md, node commands)")
+    ours.add_argument("--drain-s", type=float, default=60.0,
+                      help="under --on-failure shrink, a node command to stop first lets this node's ranks finish the "
+                           "step they are in and leave the world after it, waiting up to this many seconds, so no work "
+                           "is lost; ranks still running then are stopped as --stop-grace-s says (0: no drain)")
     ours.add_argument("--preload", default=None, metavar="MODULES",
                       help="comma-separated modules (e.g. torch,train) imported once by a fork server the ranks are "
                            "forked from, so starting and restarting ranks costs no imports; default: a fresh "

@@ -170,11 +170,7 @@ def train(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Opt
         step += 1
         if world:
             world.stepped()
-            admit_started = time.monotonic()
-            try:
-                step = world.admit(step, state, load)  # a benched rank that runs again rejoins here
-            except (RuntimeError, dist.DistError):
-                step = world.recover("all_reduce(rejoin requests)", admit_started, step, state, load)
+        # the step's record before the world changes at its boundary: a rank 0 drained there leaves in admit
         if ckpt and step % args.checkpoint_every == 0 and rank == 0:
             if flight:
                 flight.enter("checkpoint")
@@ -183,6 +179,12 @@ def train(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Opt
             with open(args.progress_file, "a") as f:
                 f.write(json.dumps({"t": time.time(), "pid": os.getpid(), "step": step, "restart": restart,
                                     "world": size, "loss": loss.detach().item() * size}) + "\n")
+        if world:
+            admit_started = time.monotonic()
+            try:
+                step = world.admit(step, state, load)  # a benched rank that runs again rejoins here
+            except (RuntimeError, dist.DistError):
+                step = world.recover("all_reduce(rejoin requests)", admit_started, step, state, load)
 
 
 def main(argv: list[str] | None = None) -> int:

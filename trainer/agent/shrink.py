@@ -72,6 +72,7 @@ from trainer.agent.signed_store import RANK_WRITERS, SignedStore, rank_role
 LOST_KEY = "resihp/lost/{rank}"
 LOST_COUNT_KEY = "resihp/lost-count"  # added to before the rank's key is set
 REJOIN_COUNT_KEY = "resihp/rejoin-count"
+DRAIN_COUNT_KEY = "resihp/drain-count"  # added to after a node's agent asked to drain its ranks
 POLL_S = 0.002
 Phase = Literal["detected", "rendezvous closed", "new world", "state restored", "first step"]
 PHASES: tuple[Phase, ...] = ("detected", "rendezvous closed", "new world", "state restored", "first step")
@@ -89,17 +90,37 @@ class WorldFinished(Exception):
     """The world finished the job while this rank waited to rejoin it: nothing is left to do."""
 
 
+class Departed(WorldFinished):
+    """This rank left the world at a step boundary because its agent drains its node (a node
+    stop): the world goes on without it, and it has nothing left to do (it exits 0)."""
+
+
 class PeerLost(RuntimeError):
     """A rank of this world was lost while this rank waited in a collective."""
 
 
-def mark_lost(records: SignedStore, rank: int, exitcode: int | None) -> None:
+def mark_lost(records: SignedStore, rank: int, exitcode: int | None, *, wake: bool = True) -> None:
     """The agent's side: count the loss first, so a rank that sees the mark also sees the count.
     ``exitcode`` None: the rank died with its agent, which another agent noticed. The mark is
-    signed; the count is only a wake-up (a stranger's add costs the ranks a look, :meth:`ShrinkingWorld._wait`)."""
+    signed; the count is only a wake-up (a stranger's add costs the ranks a look, :meth:`ShrinkingWorld._wait`).
+    ``wake`` False: the rank already left the world (drained), nobody waits for it, and the mark
+    only says that its place is open (a replacement's rank finds itself lost and joins)."""
     records.store.delete_key(admitted_key(rank))  # a rank benched again must be admitted again
-    records.store.add(LOST_COUNT_KEY, 1)
+    if wake:
+        records.store.add(LOST_COUNT_KEY, 1)
     records.set(lost_key(rank), {"exitcode": exitcode})
+
+
+def drain(records: SignedStore, ranks: list[int]) -> None:
+    """The agent's side of a node stop: ask the world to let ``ranks`` go at its next step boundary
+    (signed, one record per rank; the count, added to after, is a wake-up)."""
+    for rank in ranks:
+        records.set(drain_key(rank), {"drain": True})
+    records.store.add(DRAIN_COUNT_KEY, 1)
+
+
+def drain_key(rank: int) -> str:
+    return f"resihp/drain/{rank}"
 
 
 def is_lost(records: SignedStore, rank: int) -> bool:
@@ -170,6 +191,7 @@ class ShrinkingWorld:
         self.everyone = ranks  # every rank the job started with: who may ask to rejoin
         self.generation = 0
         self._rejoin_seen = 0
+        self._drain_seen = 0
         self.recoveries: list[Recovery] = []
         self.abandoned: list[Any] = []  # kept: dropping one joins its blocked threads
         self._pending: Recovery | None = None
@@ -226,11 +248,15 @@ class ShrinkingWorld:
 
     def agree_max(self, value: int, op: str) -> int:
         """The largest of every rank's ``value``: how the world agrees on one thing at a step boundary."""
-        tensor = torch.tensor([value], dtype=torch.int64)
+        return self.agree_max_each([value], op)[0]
+
+    def agree_max_each(self, values: list[int], op: str) -> list[int]:
+        """The largest of every rank's value at each position (one all-reduce)."""
+        tensor = torch.tensor(values, dtype=torch.int64)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
         self._wait(self.group.allreduce([tensor], opts), op)
-        return int(tensor[0])
+        return [int(v) for v in tensor]
 
     # ---- the steps --------------------------------------------------------------------------------
 
@@ -320,46 +346,65 @@ class ShrinkingWorld:
                 raise WorldFinished(f"rank {self.rank_id}: the world finished the job while it waited to rejoin")
             time.sleep(0.01)
         rec.generation = generation
-        rec.world, self._rejoin_seen = self._members(generation)
+        rec.world, self._rejoin_seen, self._drain_seen = self._members(generation)
         self._phase(rec, "rendezvous closed")
         self.rebuild(rec)
         return self.restore(rec, step, state, load)
 
     def admit(self, step: int, state: Callable[[], Any], load: Callable[[Any], None]) -> int:
         """At a step boundary, every rank of the world: grow by the benched ranks that asked to
-        rejoin, if any did (all agree through one all-reduce); returns the step to go on from.
-        The rejoin count only says that someone asked: rank 0 admits a rank only on its signed
-        request, so a stranger's request (a process that claims a lost rank's id to receive the
-        model's state) is refused and reported, and the world re-forms as it was."""
+        rejoin, and shrink by the ranks whose agent drains them (a node stop), if any (all agree
+        through one all-reduce); returns the step to go on from, or raises :class:`Departed` on a
+        rank that leaves here. A drain loses no work: every rank finished the step, so the ones
+        that stay hold the whole state and nothing is redone.
+        The counts only say that someone asked: rank 0 admits a rank only on its signed request
+        and lets one go only on its agent's signed drain, so a stranger's request (a process that
+        claims a lost rank's id to receive the model's state) is refused and reported, and the
+        world re-forms as it was."""
         started = time.monotonic()
-        asked = self.agree_max(self.store.add(REJOIN_COUNT_KEY, 0), "all_reduce(rejoin requests)")
-        if asked <= self._rejoin_seen:
+        asked, draining = self.agree_max_each([self.store.add(REJOIN_COUNT_KEY, 0), self.store.add(DRAIN_COUNT_KEY, 0)],
+                                              "all_reduce(rejoin requests)")
+        if asked <= self._rejoin_seen and draining <= self._drain_seen:
             return step
-        self._rejoin_seen = asked
+        self._rejoin_seen, self._drain_seen = max(asked, self._rejoin_seen), max(draining, self._drain_seen)
         generation = self.generation + 1
         members_key = f"resihp/world/{generation}/members"
         if self.rank == 0:
             joiners = [r for r in self.everyone if r not in self.world and self.records.valid(f"resihp/rejoin/{r}", RANK_WRITERS)]
-            self.records.set(members_key, {"members": sorted([*self.world, *joiners]), "rejoin_seen": asked})
+            leavers = [r for r in self.world if self.records.valid(drain_key(r))]  # agents' records only
+            self.records.set(members_key, {"members": sorted({*self.world, *joiners} - set(leavers)),
+                                           "rejoin_seen": self._rejoin_seen, "drain_seen": self._drain_seen})
+            for r in leavers:
+                self.store.delete_key(drain_key(r))
             for r in joiners:
                 self.store.delete_key(f"resihp/rejoin/{r}")
                 self.store.delete_key(lost_key(r))
                 self.records.set(admitted_key(r), {"generation": generation})
-        members, _ = self._members(generation)
+        members, _, _ = self._members(generation)
+        if self.rank_id not in members:
+            self.abandoned.append(self.group)
+            raise Departed(f"rank {self.rank_id} left the world after step {step}: its node is stopping")
         joined = tuple(r for r in members if r not in self.world)
-        rec = Recovery(generation, members, (), f"rejoin of ranks {list(joined)}")
+        left = tuple(r for r in self.world if r not in members)
+        what = " and ".join(part for part in (f"rejoin of ranks {list(joined)}" if joined else "",
+                                              f"drain of ranks {list(left)}" if left else "") if part)
+        rec = Recovery(generation, members, left, what or "rejoin of ranks []")
         rec.durations_s["detected"] = time.monotonic() - started
         self._mark = time.monotonic()
         self._phase(rec, "rendezvous closed")
         self.abandoned.append(self.group)
         self.rebuild(rec)
-        restored = self.restore(rec, step, state, load)
+        if joined:  # a newcomer needs the state; after a drain alone, every rank already holds it
+            restored = self.restore(rec, step, state, load)
+        else:
+            restored, rec.step, rec.source = step, step, self.world[0]
+            self._phase(rec, "state restored")
         self._pending = rec
         return restored
 
-    def _members(self, generation: int) -> tuple[tuple[int, ...], int]:
-        """Who generation ``generation`` (grown by :meth:`admit`) holds, and the rejoin requests
-        it answered: a rank taken back must not count those as new at its next step. Waits for
+    def _members(self, generation: int) -> tuple[tuple[int, ...], int, int]:
+        """Who generation ``generation`` (changed by :meth:`admit`) holds, and the rejoin requests
+        and drains it answered: a rank taken back must not count those as new at its next step. Waits for
         rank 0's signed record (a forged one is refused, reported, and waited past) up to the timeout."""
         key = f"resihp/world/{generation}/members"
         deadline = time.monotonic() + self.timeout_s
@@ -418,9 +463,10 @@ def _generation(body: Any) -> int:
     return generation
 
 
-def _members(body: Any) -> tuple[tuple[int, ...], int]:
-    """A grown world's body: ``{"members": [...], "rejoin_seen": N}``."""
+def _members(body: Any) -> tuple[tuple[int, ...], int, int]:
+    """A changed world's body: ``{"members": [...], "rejoin_seen": N, "drain_seen": M}``."""
     members = tuple(body["members"])
-    if not all(type(r) is int for r in members) or type(body["rejoin_seen"]) is not int:
-        raise ValueError("members are rank ids and rejoin_seen a count")
-    return members, body["rejoin_seen"]
+    counts = (body["rejoin_seen"], body["drain_seen"])
+    if not all(type(r) is int for r in members) or not all(type(c) is int for c in counts):
+        raise ValueError("members are rank ids, rejoin_seen and drain_seen counts")
+    return members, *counts
