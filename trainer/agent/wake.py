@@ -27,21 +27,38 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 LOST_COUNT_KEY = "resihp/lost-count"  # the agent adds to it before it sets a rank's lost mark
 POLL_S = 0.002
+T = TypeVar("T")
 
 
 class PeerLost(RuntimeError):
     """A rank of this world was lost while this rank waited in a collective."""
 
 
-# Where point-to-point waits run (see wait_or_lost); an abandoned one holds its thread until the
-# group's timeout ends it, so there are several.
-_p2p_waiters = ThreadPoolExecutor(max_workers=16, thread_name_prefix="resihp-p2p-wait")
+# Where waits that cannot be sliced run (call_or_lost); an abandoned one holds its thread until
+# the group's timeout ends it, so there are several.
+_callers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="resihp-wait")
+
+
+def call_or_lost(fn: Callable[[], T], lost: Callable[[], bool], op: str, poll_s: float = POLL_S) -> T:
+    """``fn()`` run on a thread of a pool while this thread polls ``lost()`` every ``poll_s``;
+    ``PeerLost`` as soon as it says a peer was lost, leaving ``fn`` behind. For a wait inside
+    code that is not ours (a torch pipelining schedule, DTensor's collectives): ``fn`` then stays
+    blocked until its group's timeout ends it with an error nobody reads. Whatever ``fn`` still
+    touches after that must not be what the caller recovers from (its groups are abandoned, and a
+    step ``fn`` abandoned cannot commit: the commit needs the lost rank too)."""
+    future = _callers.submit(fn)
+    while True:
+        try:
+            return future.result(timeout=poll_s)
+        except FutureTimeout:
+            if lost():
+                raise PeerLost(f"{op}: a rank of this world was lost while this rank waited") from None
 
 
 def wait_or_lost(work: Any, lost: Callable[[], bool], op: str, poll_s: float = POLL_S, p2p: bool = False) -> None:
@@ -52,16 +69,10 @@ def wait_or_lost(work: Any, lost: Callable[[], bool], op: str, poll_s: float = P
     A collective's work is waited on with a timeout, which leaves it pending when the slice ends.
     A gloo send or receive (``p2p``) cannot be: its timed wait closes the connection to the peer
     when the slice ends, and it never reports itself completed, so it is waited on whole by a
-    thread of a pool while this thread polls."""
+    thread of a pool while this thread polls (:func:`call_or_lost`)."""
     if p2p:
-        future = _p2p_waiters.submit(work.wait)
-        while True:
-            try:
-                future.result(timeout=poll_s)
-                return
-            except FutureTimeout:
-                if lost():
-                    raise PeerLost(f"{op}: a rank of this world was lost while this rank waited") from None
+        call_or_lost(work.wait, lost, op, poll_s)
+        return
     step = timedelta(seconds=poll_s)
     while True:
         try:
@@ -96,6 +107,9 @@ class LossWatch:
 
     def wait(self, work: Any, op: str, p2p: bool = False) -> None:
         wait_or_lost(work, self.moved, op, self.poll_s, p2p)
+
+    def call(self, fn: Callable[[], T], op: str) -> T:
+        return call_or_lost(fn, self.moved, op, self.poll_s)
 
 
 _watch: LossWatch | None = None  # this process's, once its executor installed one

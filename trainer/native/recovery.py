@@ -31,6 +31,7 @@ import torch.distributed as dist
 from collector.plan import PipelinePlan, Plan
 from trainer.agent.shrink import is_lost, mark_lost
 from trainer.agent.signed_store import RANK_WRITERS, SignedStore
+from trainer.agent.wake import PeerLost
 
 POLL_S = 0.01
 
@@ -46,7 +47,7 @@ def peer_failure(exc: BaseException) -> bool:
     is read: pipelining re-raises a chunk's failure as its own ``RuntimeError``."""
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, dist.DistError) or any(s in str(seen) for s in _PEER_GONE):
+        if isinstance(seen, dist.DistError | PeerLost) or any(s in str(seen) for s in _PEER_GONE):
             return True
         seen = seen.__cause__ or seen.__context__
     return False

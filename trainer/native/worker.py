@@ -36,6 +36,7 @@ from collector.settings import elastic_environment, environment
 from collector.auth import load_keyring
 from trainer.agent.signed_store import SignedStore, rank_role
 from trainer.agent.standalone import standalone_node
+from trainer.agent.wake import LossWatch
 from trainer.fault_spec import FaultSpec
 from trainer.native.executor import NativeExecutor, ReshapeReport
 from trainer.protocol import Released, ReshapeRefused
@@ -50,6 +51,7 @@ from trainer.spec import BusSpec
 from trainer.telemetry import TelemetryPublisher
 
 log = logging.getLogger("resihp.trainer.native")
+WAKE_POLL_S = 0.005  # between two reads of the loss count while a step lasts
 
 
 class ScheduledReshape(BaseModel):
@@ -179,6 +181,9 @@ class NativeRank:
                                  on_phase=self.on_phase,
                                  fail_in=tuple((f.epoch, f.phase) for f in spec.reshape_faults if f.device == device))
         self.follower = CommandFollower(store, device, self.torch_device) if spec.commands else None
+        # The launcher's controller counts each death in this store within its monitor interval
+        # (mark_lost): a step blocked on a peer that already left ends then, not at the gloo timeout.
+        self.watch = LossWatch(store, WAKE_POLL_S)
         self.padding = ChunkPadding(spec.faults, device, spec.pace_s_per_layer_token)
 
     def on_phase(self, epoch: int, phase: str, seconds: float, ok: bool, detail: str) -> None:
@@ -204,18 +209,28 @@ class NativeRank:
             self.padding.begin_iteration(self.iteration, cur.stage, cur.role)
             started = time.perf_counter()
             try:
-                loss = cur.train_step(self.iteration, self.cfg, self.settings)
+                loss = self.watch.call(lambda cur=cur: self.step_on_this_device(cur), "train step")
             except Exception as exc:
                 if not peer_failure(exc):
                     raise
                 # A peer died under this rank's collective: recover with the survivors and redo
-                # this iteration, which nobody committed.
+                # this iteration, which nobody committed. The quorum closes only once the agent
+                # marked every dead rank (after counting it): only a later loss should wake the watch.
                 self.resumed(*ex.recover(self.records, self.iteration, exc, time.perf_counter() - started))
+                self.watch.rearm()
                 continue
             self.stepped(cur, loss, time.perf_counter() - started)
             self.iteration += 1
             if spec.save_dir and spec.checkpoint_every and self.iteration % spec.checkpoint_every == 0:
                 save_dcp(spec.save_dir, cur.model, cur.opt, cur.sched, self.iteration, cur.world)
+
+    def step_on_this_device(self, cur: NativeRole) -> float:
+        """One training step of ``cur``. It runs on a thread of the loss watch's pool (the waits
+        inside torch's pipelining and DTensor cannot be sliced, trainer/agent/wake.py), which
+        starts on the default device: a GPU rank sets its own first."""
+        if self.torch_device.type == "cuda":
+            torch.cuda.set_device(self.torch_device)
+        return cur.train_step(self.iteration, self.cfg, self.settings)
 
     def reshape_if_due(self, pending: dict[int, Plan]) -> None:
         """Apply the plan scheduled before this iteration, else the bus's next command; a refused
