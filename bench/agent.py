@@ -17,6 +17,13 @@ first step a new rank 0 finishes.
 * ``agent-kill``: ``--on-failure shrink`` again, but the whole agent of the last node is SIGKILLed
   (its ranks die with it): a surviving agent sees its connection close, marks its ranks lost, and
   the other nodes' ranks shrink past them (needs ``--nodes`` ≥ 2).
+* ``etcd-kill-node0``: ``--on-failure shrink`` with the rendezvous and every store of the job on a
+  three-member etcd cluster on loopback (``--rdzv-backend etcd``, infra/etcd.py), and the agent of
+  node 0 SIGKILLed: under c10d it serves the job's stores and its death ends the job; here the
+  other nodes shrink past its ranks as past any dead agent's.
+* ``etcd-kill-member``: the same job on etcd, and the etcd leader SIGKILLed (an election; every
+  client moves to a live member): the clock runs from the kill to the first step finished after it,
+  which is one step time when the job did not stall.
 * ``torchrun``: ``python -m torch.distributed.run`` (max-restarts 0), as most jobs are launched.
   The failed node's torchrun exits; the harness (a scheduler, here) stops the others and launches
   the whole job again, which resumes from the same checkpoint.
@@ -42,10 +49,15 @@ from pathlib import Path
 from typing import TypeVar
 from collections.abc import Callable
 
+from bench._executor_failstop import EXECUTOR_MODES, measure_executor
+from infra.etcd import start_cluster
+
 T = TypeVar("T")
-MODES = ("agent", "agent-preload", "agent-shrink", "agent-kill", "torchrun")
-FAST = ("agent", "agent-preload", "agent-shrink", "agent-kill")  # the modes compared with a torchrun restart
-SHRINKING = ("agent-shrink", "agent-kill")  # no restart: the same rank 0 goes on in a smaller world
+MODES = ("agent", "agent-preload", "agent-shrink", "agent-kill", "etcd-kill-node0", "etcd-kill-member", "torchrun",
+         *EXECUTOR_MODES)  # the last: our own trainers losing a rank in a TP, a PP and a DP position (bench/_executor_failstop.py)
+FAST = ("agent", "agent-preload", "agent-shrink", "agent-kill", "etcd-kill-node0")  # compared with a torchrun restart
+SHRINKING = ("agent-shrink", "agent-kill", "etcd-kill-node0")  # no restart: the survivors go on in a smaller world
+ON_ETCD = ("etcd-kill-node0", "etcd-kill-member")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,19 +97,21 @@ def _progress(path: Path) -> list[dict]:
     return rows
 
 
-def _launch(mode: str, args: argparse.Namespace, work: Path, port: int, attempt: int) -> list[subprocess.Popen]:
+def _launch(mode: str, args: argparse.Namespace, work: Path, port: int, attempt: int,
+            etcd: str | None = None) -> list[subprocess.Popen]:
     per_node = args.ranks // args.nodes
-    rdzv = ["--nnodes", str(args.nodes), "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench-{attempt}", "--monitor-interval", "0.05",
+    backend, endpoint = ("etcd", etcd) if etcd else ("c10d", f"127.0.0.1:{port}")
+    rdzv = ["--nnodes", str(args.nodes), "--nproc-per-node", str(per_node), "--rdzv-backend", backend,
+            "--rdzv-endpoint", endpoint, "--rdzv-id", f"bench-{attempt}", "--monitor-interval", "0.05",
             "--rdzv-conf", "join_timeout=600"]
     job = ["-m", "trainer.agent.sample_job", "--steps", "1000000", "--step-s", str(args.step_s),
            "--checkpoint-dir", str(work / "ckpt"), "--checkpoint-every", str(args.checkpoint_every),
            "--progress-file", str(work / "progress.jsonl"), "--pid-dir", str(work / "pids")]
     procs = []
     for node in range(args.nodes):
-        if mode.startswith("agent"):
-            preload = {"agent-preload": ["--preload", "torch"], "agent-shrink": ["--on-failure", "shrink"],
-                       "agent-kill": ["--on-failure", "shrink"]}.get(mode, [])
+        if mode.startswith("agent") or mode in ON_ETCD:
+            preload = (["--preload", "torch"] if mode == "agent-preload" else
+                       ["--on-failure", "shrink"] if mode in SHRINKING or mode in ON_ETCD else [])
             cmd = [sys.executable, "-m", "resihp.cli", "run", *rdzv, "--node-rank", str(node), "--max-restarts", "3",
                    "--no-telemetry", "--work-dir", str(work / f"agent-{node}"), *preload, *job]
         else:
@@ -141,21 +155,31 @@ def _phases(work: Path, mode: str) -> dict[str, float]:
 
 
 def measure(mode: str, args: argparse.Namespace) -> Measurement:
+    if mode in EXECUTOR_MODES:
+        return measure_executor(mode, args)
     work = Path(tempfile.mkdtemp(prefix=f"resihp-bench-{mode}-"))
     (work / "pids").mkdir()
     progress = work / "progress.jsonl"
-    procs = _launch(mode, args, work, _free_port(), 0)
+    cluster = start_cluster(work / "etcd") if mode in ON_ETCD else None  # a fresh one: a member may be killed
+    procs: list[subprocess.Popen] = []
     try:
+        procs = _launch(mode, args, work, _free_port(), 0, cluster.endpoints if cluster else None)
         _wait("the warm-up steps", lambda: True if len(_progress(progress)) >= args.warm_steps else None,
               args.patience_s)
         rows = _progress(progress)
         old_rank0 = rows[-1]["pid"]
         ranks = {int(p.name): int(p.read_text()) for p in (work / "pids").iterdir()}
         victim = next(pid for pid, rank in ranks.items() if rank == args.ranks - 1)
-        if mode == "agent-kill":  # the agent that started the last rank (never the one hosting the stores)
+        if mode == "etcd-kill-node0":  # rank 0's: node 0, the one that hosts the stores under c10d
+            victim = next(pid for pid, rank in ranks.items() if rank == 0)
+        if mode in ("agent-kill", "etcd-kill-node0"):  # the agent that started that rank
             victim = int(Path(f"/proc/{victim}/stat").read_text().rsplit(")", 1)[1].split()[1])
         killed_at = time.time()
-        os.kill(victim, signal.SIGKILL)
+        if mode == "etcd-kill-member":
+            assert cluster is not None
+            cluster.kill(cluster.leader())
+        else:
+            os.kill(victim, signal.SIGKILL)
         last_step = rows[-1]["step"]
         if mode == "torchrun":
             _wait("torchrun to exit", lambda: True if any(p.poll() is not None for p in procs) else None,
@@ -164,6 +188,8 @@ def measure(mode: str, args: argparse.Namespace) -> Measurement:
             procs = _launch(mode, args, work, _free_port(), 1)
 
         def again() -> dict | None:
+            if mode == "etcd-kill-member":  # the same world goes on
+                return next((r for r in _progress(progress) if r["t"] > killed_at), None)
             if mode in SHRINKING:  # the same rank 0 goes on, in a smaller world
                 return next((r for r in _progress(progress) if r["world"] < args.ranks and r["t"] > killed_at), None)
             return next((r for r in _progress(progress) if r["pid"] != old_rank0 and r["t"] > killed_at), None)
@@ -176,12 +202,14 @@ def measure(mode: str, args: argparse.Namespace) -> Measurement:
         phases = _phases(work, mode)
     finally:
         _stop(procs)
+        if cluster is not None:
+            cluster.stop()
     return Measurement(mode, first["t"] - killed_at, redone, phases)
 
 
 def run(args: argparse.Namespace) -> int:
-    if "agent-kill" in args.modes and args.nodes < 2:
-        raise SystemExit("agent-kill kills a whole agent and needs --nodes 2 or more")
+    if ("agent-kill" in args.modes or "etcd-kill-node0" in args.modes) and args.nodes < 2:
+        raise SystemExit("agent-kill and etcd-kill-node0 kill a whole agent and need --nodes 2 or more")
     if args.ranks % args.nodes:
         raise SystemExit(f"--ranks {args.ranks} must split evenly over --nodes {args.nodes}")
     modes = [m for m in args.modes.split(",") if m]
@@ -193,14 +221,14 @@ def run(args: argparse.Namespace) -> int:
             results[mode].append(measure(mode, args))
     print(f"fail-stop → training again, {args.ranks} CPU ranks on {args.nodes} agents, "
           f"checkpoint every {args.checkpoint_every} steps, {args.repeats} failures per mode")
-    print(f"{'mode':<13} {'median s':>9} {'min s':>7} {'max s':>7} {'redone steps':>13}")
+    print(f"{'mode':<17} {'median s':>9} {'min s':>7} {'max s':>7} {'redone steps':>13}")
     medians = {}
     for mode, ms in results.items():
         times = [m.recovery_s for m in ms]
         medians[mode] = statistics.median(times)
-        print(f"{mode:<13} {medians[mode]:>9.2f} {min(times):>7.2f} {max(times):>7.2f} "
+        print(f"{mode:<17} {medians[mode]:>9.2f} {min(times):>7.2f} {max(times):>7.2f} "
               f"{statistics.median(m.redone_steps for m in ms):>13.0f}")
-    for mode in FAST:
+    for mode in (*FAST, *EXECUTOR_MODES):
         if mode in results and results[mode][0].phases:
             phases = {k: statistics.median(m.phases.get(k, float("nan")) for m in results[mode])
                       for k in results[mode][0].phases}

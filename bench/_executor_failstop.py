@@ -1,0 +1,72 @@
+"""Fail-stop → training again for our own executors: ``resihp bench agent`` modes ``reference-tp|pp|dp``.
+
+The reference trainer (``resihp train``) runs 8 CPU ranks under its node agent (standalone on
+loopback, ranks forked from a server that preloaded the trainer) in a layout where rank 1 holds a
+TP, a PP or a DP position: TP2·PP1·DP4 (rank 1 is TP rank 1 of replica 0), TP1·PP2·DP4 (stage 1
+of replica 0), TP1·PP1·DP8 (replica 1). At ``--kill-at`` rank 1 exits (a ``stop_device`` fault,
+``os._exit`` at the start of the iteration); the launcher's on-death policy (``drop-replica``)
+drops its replica and the survivors move state live.
+
+The clock starts at the agent's monitor pass that sees the exit (every 0.05 s, so at most that
+after the death) and stops at the same loop's pass that sees the first iteration the new plan
+committed: both ends read by one process on one clock. Before the survivors learnt of a death from
+the loss count (trainer/agent/wake.py), those not next to the dead rank waited out the collective
+timeout (``--pg-timeout``, 5 s here as in ``resihp bench reshape``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+EXECUTOR_MODES = ("reference-tp", "reference-pp", "reference-dp")
+LAYOUTS = {"reference-tp": (2, 1, 4), "reference-pp": (1, 2, 4), "reference-dp": (1, 1, 8)}  # (tp, pp, dp)
+VICTIM = 1
+KILL_AT = 6
+PG_TIMEOUT_S = 5.0
+
+
+def measure_executor(mode: str, args: argparse.Namespace):
+    """One fail-stop of ``mode``'s layout; a ``bench.agent.Measurement`` (its phases: the reshape's
+    pause from the acknowledgement, and what came before it)."""
+    from bench.agent import Measurement
+    from collector.plan import Plan
+    from trainer.fault_spec import FaultSpec
+    from trainer.reference.launcher import launch
+    from trainer.reference.model import GPTConfig
+    from trainer.reference.spec import RunSpec
+    from trainer.spec import BusSpec
+
+    if args.ranks != 8:
+        raise SystemExit(f"{mode} runs 8 ranks (its layouts are 8 devices); pass --ranks 8")
+    tp, pp, dp = LAYOUTS[mode]
+    plan = Plan.uniform(tp=tp, pp=pp, dp=dp, num_layers=4, microbatches_per_replica=2)
+    cfg = GPTConfig(vocab_size=256, n_layer=4, n_head=4, n_embd=64, block_size=64)
+    tmp = Path(tempfile.mkdtemp(prefix=f"resihp-bench-{mode}-"))
+    spec = RunSpec(job=f"bench-{mode}", model=asdict(cfg), iterations=KILL_AT + 3, pg_timeout_s=PG_TIMEOUT_S,
+                   bus=BusSpec(backend="embedded", path=str(tmp / "bus.sqlite")), heartbeat_s=1.0,
+                   faults=[FaultSpec(kind="stop_device", device=VICTIM, at_iteration=KILL_AT)])
+    seen: dict[str, float] = {}
+
+    def echo(line: str) -> None:
+        now = time.monotonic()
+        if line.startswith(f"device {VICTIM} exited"):
+            seen.setdefault("death", now)
+        elif line.startswith("iteration ") and " epoch 1 " in line:
+            seen.setdefault("again", now)
+
+    try:
+        result = launch(spec, plan, 8, on_death="drop-replica", echo=echo)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    applied = [a for a in result.acks if a.status.value == "applied" and a.epoch == 1]
+    if {"death", "again"} - set(seen) or not applied:
+        raise SystemExit(f"bench agent {mode}: the job did not train again after rank {VICTIM} died "
+                         f"(exit codes {result.exit_codes}, acks {[a.status.value for a in result.acks]})")
+    recovery_s = seen["again"] - seen["death"]
+    pause_s = max(a.pause_s for a in applied)
+    return Measurement(mode, recovery_s, 1, {"reshape (the ack's pause)": pause_s})
