@@ -20,11 +20,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from collector.bus import Bus
 from infra import broker
 from tests.fixtures.processes import FIXTURE_OWNED
 from tests.fixtures.tiers import KAFKA_FIXTURES, NEEDS, no_process_started
+
+# Property tests judge values, never time: `make test` runs the fast tier niced beside the slow
+# one on two cores, where how long Hypothesis takes to draw an input says nothing about the code.
+# A test's own @settings inherits these for what it leaves out.
+settings.register_profile("resihp", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("resihp")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

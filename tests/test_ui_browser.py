@@ -306,11 +306,11 @@ def test_ui_browser_auto_apply_policy_is_shown_and_published(served: Served, pag
     snap(page, "policy")
     page.locator(".st-key-policy_save button").click()
     expect(page.get_by_text(f"Policy of {REJECT_SPEC.job} set to auto-apply (by severity) by ui:alice")).to_be_visible()
-    expect(page.get_by_text("Current: auto-apply (by severity) for severities high, critical — set by ui:alice")
-           ).to_be_visible()
+    expect(page.get_by_text("Current: auto-apply (by severity) for severities high, critical when p_real ≥ 0.90 "
+                            "— set by ui:alice")).to_be_visible()
     (changed,) = [e for e in control_events(served.bus_path, PolicyChanged) if e.job == REJECT_SPEC.job]
-    assert (changed.payload.mode.value, [s.value for s in changed.payload.auto_severities], changed.payload.actor) == (
-        "auto", ["high", "critical"], "ui:alice")
+    assert (changed.payload.mode.value, [s.value for s in changed.payload.auto_severities], changed.payload.actor,
+            changed.payload.auto_min_p_real) == ("auto", ["high", "critical"], "ui:alice", 0.9)
 
 
 def test_ui_browser_job_view_shows_the_layout_series_and_plan_grid(page) -> None:

@@ -45,19 +45,27 @@ class PeerLost(RuntimeError):
 _callers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="resihp-wait")
 
 
-def call_or_lost(fn: Callable[[], T], lost: Callable[[], bool], op: str, poll_s: float = POLL_S) -> T:
+def call_or_lost(fn: Callable[[], T], lost: Callable[[], bool], op: str, poll_s: float = POLL_S,
+                 committed: Callable[[], bool] | None = None) -> T:
     """``fn()`` run on a thread of a pool while this thread polls ``lost()`` every ``poll_s``;
     ``PeerLost`` as soon as it says a peer was lost, leaving ``fn`` behind. For a wait inside
     code that is not ours (a torch pipelining schedule, DTensor's collectives): ``fn`` then stays
     blocked until its group's timeout ends it with an error nobody reads. Whatever ``fn`` still
     touches after that must not be what the caller recovers from (its groups are abandoned, and a
-    step ``fn`` abandoned cannot commit: the commit needs the lost rank too)."""
+    step ``fn`` abandoned cannot commit: the commit needs the lost rank too).
+
+    ``committed``: whether ``fn`` is past its last wait on a peer (a step past its commit
+    all-reduce, with only local work left). A loss seen then is the next step's: ``fn`` is waited
+    for to its end, since abandoning it would leave its commit half applied (every peer counts
+    the step, this rank would not)."""
     future = _callers.submit(fn)
     while True:
         try:
             return future.result(timeout=poll_s)
         except FutureTimeout:
             if lost():
+                if committed is not None and committed():
+                    return future.result()
                 raise PeerLost(f"{op}: a rank of this world was lost while this rank waited") from None
 
 
@@ -108,8 +116,8 @@ class LossWatch:
     def wait(self, work: Any, op: str, p2p: bool = False) -> None:
         wait_or_lost(work, self.moved, op, self.poll_s, p2p)
 
-    def call(self, fn: Callable[[], T], op: str) -> T:
-        return call_or_lost(fn, self.moved, op, self.poll_s)
+    def call(self, fn: Callable[[], T], op: str, committed: Callable[[], bool] | None = None) -> T:
+        return call_or_lost(fn, self.moved, op, self.poll_s, committed)
 
 
 _watch: LossWatch | None = None  # this process's, once its executor installed one

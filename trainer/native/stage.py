@@ -11,6 +11,7 @@ per-replica counts, and each micro-batch's loss is divided by the global batch's
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -111,9 +112,11 @@ class NativeRole:
         ids = replica_microbatch_ids(self.layout.plan, self.role.replica)
         return [microbatch(settings.seed, iteration, m, cfg.vocab_size, settings.block_size) for m in ids]
 
-    def train_step(self, iteration: int, cfg: LlamaConfig, settings: TrainSettings) -> float:
+    def train_step(self, iteration: int, cfg: LlamaConfig, settings: TrainSettings,
+                   on_commit: Callable[[], None] | None = None) -> float:
         """One iteration; returns the global loss (the sum over every replica's last stage),
-        known to every rank. Raises if a peer died (nothing is stepped then)."""
+        known to every rank. Raises if a peer died (nothing is stepped then). ``on_commit`` is
+        called once every rank got to the commit: what is left is this rank's own work."""
         plan = self.layout.plan
         mbs = self.microbatches(iteration, cfg, settings)
         self.loss.denominator = global_targets(settings.seed, iteration, plan.global_microbatches, settings.block_size)
@@ -137,6 +140,8 @@ class NativeRole:
         if self.grad_sum is not None:
             self.grad_sum()
         dist.all_reduce(total, group=self.world)  # the commit: nothing is stepped unless every rank got here
+        if on_commit is not None:
+            on_commit()
         self.opt.step()
         self.sched.step()
         return float(total)

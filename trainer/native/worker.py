@@ -14,13 +14,16 @@ own chunk timings) and writes ``rank-<device>.json`` (losses, reshape phases, re
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import logging
 import os
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
@@ -209,7 +212,9 @@ class NativeRank:
             self.padding.begin_iteration(self.iteration, cur.stage, cur.role)
             started = time.perf_counter()
             try:
-                loss = self.watch.call(lambda cur=cur: self.step_on_this_device(cur), "train step")
+                committed = threading.Event()  # set once the step's commit all-reduce returned
+                loss = self.watch.call(functools.partial(self.step_on_this_device, cur, committed.set), "train step",
+                                       committed.is_set)
             except Exception as exc:
                 if not peer_failure(exc):
                     raise
@@ -224,13 +229,13 @@ class NativeRank:
             if spec.save_dir and spec.checkpoint_every and self.iteration % spec.checkpoint_every == 0:
                 save_dcp(spec.save_dir, cur.model, cur.opt, cur.sched, self.iteration, cur.world)
 
-    def step_on_this_device(self, cur: NativeRole) -> float:
+    def step_on_this_device(self, cur: NativeRole, on_commit: Callable[[], None]) -> float:
         """One training step of ``cur``. It runs on a thread of the loss watch's pool (the waits
         inside torch's pipelining and DTensor cannot be sliced, trainer/agent/wake.py), which
         starts on the default device: a GPU rank sets its own first."""
         if self.torch_device.type == "cuda":
             torch.cuda.set_device(self.torch_device)
-        return cur.train_step(self.iteration, self.cfg, self.settings)
+        return cur.train_step(self.iteration, self.cfg, self.settings, on_commit)
 
     def reshape_if_due(self, pending: dict[int, Plan]) -> None:
         """Apply the plan scheduled before this iteration, else the bus's next command; a refused
