@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from trainer.reference.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.reference.chunks import role_chunks
-from trainer.reference.parallel import PlanWorld, keeps_groups
+from trainer.reference.parallel import Groups, PlanWorld, keeps_groups
 from trainer.reference.rendezvous import (GROUPS_KEPT, Post, PostAborted, PostRefused, await_arrivals, done_key, failed_key,
                                 newest_post, read_post)
 from trainer.agent.wake import wait
@@ -56,6 +56,11 @@ class Executor(ReshapeExecutor):
         self.recent_walls_s: list[float] = []
         self.failure_wait_s = 0.0
         self.lost_iterations = 0
+        # Groups of a world left after a failure, kept for the process's life: a survivor woken by
+        # the loss count (trainer/agent/wake.py) left its collective pending on them, and dropping
+        # a gloo group joins its threads, so the next step would wait out that collective's timeout.
+        self.abandoned: list[tuple[Groups, dist.ProcessGroup]] = []
+        self._failed = False
 
     # ---- the steps -------------------------------------------------------------------------------
 
@@ -144,6 +149,10 @@ class Executor(ReshapeExecutor):
     def rebuild_groups(self, layout: PlanWorld, state: ShardState | None) -> None:
         """Create the epoch's training groups, build this device's stage (TP, PP, DP steps) and
         load the restored state into it and its optimizer."""
+        old = self.trainer.current
+        if self._failed and old is not None:
+            self.abandoned.append((old.groups, old.train_group))
+            self._failed = False
         self.trainer.current = self.trainer.build(layout, state if self.trainer.device in layout.plan.roles else None)
 
     def resume(self, number: int, pause_s: float, source: str) -> None:
@@ -202,7 +211,11 @@ class Executor(ReshapeExecutor):
                 raise
             log.warning("device %d: the world of post %d failed mid-reshape (%s); back to epoch %d, waiting for "
                         "the next plan", self.trainer.device, number, str(exc).splitlines()[0][:200], old.epoch)
+            failed_world = self.trainer.current
+            if failed_world is not previous and failed_world is not None:  # its collectives may be pending
+                self.abandoned.append((failed_world.groups, failed_world.train_group))
             self.trainer.current, self.trainer.iteration, self.lost_iterations = previous, iteration, lost
+            self._failed = True  # the running epoch's groups too: the failure may have left work on them
             self._wait_and_reshape(number)
             return
         plan = self.trainer.current.layout.plan
@@ -235,6 +248,7 @@ class Executor(ReshapeExecutor):
         log.warning("device %d: iteration %d failed (%s); waiting for a new plan",
                     self.trainer.device, self.trainer.iteration, str(exc).splitlines()[0][:200])
         start = time.perf_counter()
+        self._failed = True
         target = self.await_plan(after=self.trainer.post)
         self.failure_wait_s = time.perf_counter() - start
         self.lost_iterations = 1
