@@ -1,4 +1,5 @@
-"""Fail-stop → training again for our own executors: ``resihp bench agent`` modes ``reference-tp|pp|dp``.
+"""Fail-stop → training again for our own executors: ``resihp bench agent`` modes ``reference-tp|pp|dp``
+and ``native-tp|pp|dp``.
 
 The reference trainer (``resihp train``) runs 8 CPU ranks under its node agent (standalone on
 loopback, ranks forked from a server that preloaded the trainer) in a layout where rank 1 holds a
@@ -12,6 +13,15 @@ after the death) and stops at the same loop's pass that sees the first iteration
 committed: both ends read by one process on one clock. Before the survivors learnt of a death from
 the loss count (trainer/agent/wake.py), those not next to the dead rank waited out the collective
 timeout (``--pg-timeout``, 5 s here as in ``resihp bench reshape``).
+
+The native executor (``resihp train --native``) runs the same three layouts on 8 CPU ranks under
+its launcher (replicas hold whole copies, so every piece has a live holder), and rank 1 is
+SIGKILLed in its first forward chunk of ``--kill-at``; the survivors close their quorum, go on at
+the survivors' plan (a TP group at the smaller degree on its TP peers; a stage's only rank lost:
+its replica dropped) and redo the iteration. Its launcher prints no iterations, so the figure is
+the ranks' own: each survivor's recovery phases summed (``agree`` runs from the step that failed
+to the quorum), the slowest survivor; what it leaves out is the launcher's notice of the death
+(its monitor interval, 0.05 s at most).
 """
 
 from __future__ import annotations
@@ -23,8 +33,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-EXECUTOR_MODES = ("reference-tp", "reference-pp", "reference-dp")
-LAYOUTS = {"reference-tp": (2, 1, 4), "reference-pp": (1, 2, 4), "reference-dp": (1, 1, 8)}  # (tp, pp, dp)
+EXECUTOR_MODES = ("reference-tp", "reference-pp", "reference-dp", "native-tp", "native-pp", "native-dp")
+LAYOUTS = {"tp": (2, 1, 4), "pp": (1, 2, 4), "dp": (1, 1, 8)}  # (tp, pp, dp) of each position rank 1 holds
 VICTIM = 1
 KILL_AT = 6
 PG_TIMEOUT_S = 5.0
@@ -33,6 +43,10 @@ PG_TIMEOUT_S = 5.0
 def measure_executor(mode: str, args: argparse.Namespace):
     """One fail-stop of ``mode``'s layout; a ``bench.agent.Measurement`` (its phases: the reshape's
     pause from the acknowledgement, and what came before it)."""
+    if args.ranks != 8:
+        raise SystemExit(f"{mode} runs 8 ranks (its layouts are 8 devices); pass --ranks 8")
+    if mode.startswith("native-"):
+        return _measure_native(mode)
     from bench.agent import Measurement
     from collector.plan import Plan
     from trainer.fault_spec import FaultSpec
@@ -41,9 +55,7 @@ def measure_executor(mode: str, args: argparse.Namespace):
     from trainer.reference.spec import RunSpec
     from trainer.spec import BusSpec
 
-    if args.ranks != 8:
-        raise SystemExit(f"{mode} runs 8 ranks (its layouts are 8 devices); pass --ranks 8")
-    tp, pp, dp = LAYOUTS[mode]
+    tp, pp, dp = LAYOUTS[mode.split("-")[1]]
     plan = Plan.uniform(tp=tp, pp=pp, dp=dp, num_layers=4, microbatches_per_replica=2)
     cfg = GPTConfig(vocab_size=256, n_layer=4, n_head=4, n_embd=64, block_size=64)
     tmp = Path(tempfile.mkdtemp(prefix=f"resihp-bench-{mode}-"))
@@ -70,3 +82,34 @@ def measure_executor(mode: str, args: argparse.Namespace):
     recovery_s = seen["again"] - seen["death"]
     pause_s = max(a.pause_s for a in applied)
     return Measurement(mode, recovery_s, 1, {"reshape (the ack's pause)": pause_s})
+
+
+def _measure_native(mode: str):
+    """One SIGKILL of rank 1 under the native executor (see the module's docstring)."""
+    from bench.agent import Measurement
+    from collector.plan import Plan
+    from trainer.fault_spec import FaultSpec
+    from trainer.native.model import LlamaConfig
+    from trainer.native.stage import TrainSettings
+    from trainer.native.worker import NativeRunSpec, launch_native, read_results
+
+    tp, pp, dp = LAYOUTS[mode.split("-")[1]]
+    plan = Plan.uniform(tp=tp, pp=pp, dp=dp, num_layers=4, microbatches_per_replica=2)
+    cfg = LlamaConfig(dim=64, n_layers=4, n_heads=4, ffn_hidden=128, vocab_size=256)
+    tmp = Path(tempfile.mkdtemp(prefix=f"resihp-bench-{mode}-"))
+    try:
+        spec = NativeRunSpec(job=f"bench-{mode}", model=asdict(cfg),
+                             settings=asdict(TrainSettings(block_size=32, dp_mode="replicate")), plan=plan,
+                             iterations=KILL_AT + 3, out_dir=str(tmp), timeout_s=PG_TIMEOUT_S * 3, device="cpu",
+                             faults=[FaultSpec(kind="stop_device", device=VICTIM, at_iteration=KILL_AT)])
+        codes = launch_native(spec)
+        ranks, _ = read_results(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    survivors = {d: r for d, r in ranks.items() if r.get("reshapes")}
+    if codes.get(VICTIM) != -9 or not survivors:
+        raise SystemExit(f"bench agent {mode}: the job did not recover from rank {VICTIM}'s death (exit codes {codes})")
+    totals = {d: sum(r["reshapes"][0]["phases_s"].values()) for d, r in survivors.items()}
+    slowest = max(totals, key=lambda d: totals[d])
+    phases = {k: float(v) for k, v in survivors[slowest]["reshapes"][0]["phases_s"].items()}
+    return Measurement(mode, totals[slowest], 1, phases)

@@ -27,6 +27,9 @@ first step a new rank 0 finishes.
 * ``torchrun``: ``python -m torch.distributed.run`` (max-restarts 0), as most jobs are launched.
   The failed node's torchrun exits; the harness (a scheduler, here) stops the others and launches
   the whole job again, which resumes from the same checkpoint.
+* ``reference-tp|pp|dp`` and ``native-tp|pp|dp``: our own executors, 8 ranks under their own
+  launcher (not the agents above), losing rank 1 in a TP, a pipeline-stage or a DP position
+  (bench/_executor_failstop.py says how each is clocked).
 
 The restarts lose the steps since the last checkpoint (``redone``); the shrink redoes at most the
 step the failure interrupted.
