@@ -177,3 +177,20 @@ def test_a_frame_built_from_binary_reports_equals_the_one_built_from_their_json(
         if isinstance(value, np.ndarray):
             np.testing.assert_array_equal(getattr(from_wire, name), value, err_msg=name)
     assert np.isnan(from_wire.c_tokens[1]) and np.isnan(from_wire.c_s2[1]) and from_wire.c_s2[0] == 300**2 + 400**2
+
+
+def test_the_chunks_table_from_binary_reports_equals_the_one_from_their_json() -> None:
+    """DuckDB's chunks rows: joined from the arrays of reports read from the wire, read value by
+    value from JSON; the same Arrow table either way, unknown tokens and lengths NULL."""
+    from analytics.projections.tables import chunk_rows
+
+    reports = [report().model_copy(update={"rank": r, "coords": Coords(tp=r % 2, pp=r // 2, dp=0)}) for r in range(4)]
+    events = [FACTORY.make(r) for r in reports]
+    from_wire = chunk_rows([("j", payload_as(decode(encode(e)), RankIteration)) for e in events])
+    from_json = chunk_rows([("j", payload_as(decode(encode_json(e)), RankIteration)) for e in events])
+    assert from_wire.equals(from_json)
+    rows = from_wire.to_pylist()
+    n = len(reports[0].chunk_table.kind)
+    assert len(rows) == 4 * n and [r["rank"] for r in rows[n - 1:n + 1]] == [0, 1]
+    assert rows[1]["tokens"] is None and rows[1]["sum_sq_len"] is None and rows[1]["n_seqs"] is None
+    assert rows[0]["sum_sq_len"] == 300**2 + 400**2 and rows[0]["n_seqs"] == 2 and rows[0]["tokens"] is not None

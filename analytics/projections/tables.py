@@ -12,13 +12,16 @@ single ``INSERT ... SELECT`` (row-by-row inserts would cap ingestion at a few th
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 
-from analytics.detection.frame import sum_sq_lens
+from analytics.detection.frame import sum_sq_lens, sum_sq_of
 from collector.events import CommOp, Heartbeat, IterationSummary, RankIteration
+from collector.rank_columns import joined, joined_seq_lens
 from collector.stream import Delivery
 
 CHUNK_SCHEMA = pa.schema([
@@ -95,8 +98,7 @@ class TelemetryProjection:
             conn.execute(ddl)
 
     def apply(self, conn: duckdb.DuckDBPyConnection, deliveries: Sequence[Delivery]) -> None:
-        ch: dict[str, list] = {n: [] for n in CHUNK_SCHEMA.names if n not in ("sum_sq_len", "n_seqs")}
-        ch["_seq_lens"] = []
+        reports: list[tuple[str, RankIteration]] = []
         ri: dict[str, list] = {n: [] for n in RANK_ITERATION_SCHEMA.names}
         it: dict[str, list] = {n: [] for n in ITERATION_SCHEMA.names}
         hb: dict[str, list] = {n: [] for n in HEARTBEAT_SCHEMA.names}
@@ -105,7 +107,8 @@ class TelemetryProjection:
             e = d.event
             p = e.payload
             if isinstance(p, RankIteration):
-                _add_rank_iteration(ch, ri, rk, e.job, e.time_s, p)
+                reports.append((e.job, p))
+                _add_rank_iteration(ri, rk, e.job, e.time_s, p)
             elif isinstance(p, Heartbeat):
                 for name, value in zip(HEARTBEAT_SCHEMA.names,
                                        (e.job, p.rank, p.epoch, p.iteration, p.interval_s, e.time_s, e.source)):
@@ -114,10 +117,7 @@ class TelemetryProjection:
                 for name, value in zip(ITERATION_SCHEMA.names,
                                        (e.job, p.epoch, p.iteration, p.tokens, p.wall_s, p.loss, e.time_s)):
                     it[name].append(value)
-        lens = ch.pop("_seq_lens")
-        ch["sum_sq_len"] = pa.array(sum_sq_lens(lens), pa.float64(), from_pandas=True)  # NaN -> NULL
-        ch["n_seqs"] = pa.array([None if x is None else len(x) for x in lens], pa.int32())
-        insert_arrow(conn, "chunks", pa.Table.from_pydict(ch, schema=CHUNK_SCHEMA))
+        insert_arrow(conn, "chunks", chunk_rows(reports))
         insert_arrow(conn, "rank_iterations", pa.Table.from_pydict(ri, schema=RANK_ITERATION_SCHEMA))
         insert_arrow(conn, "iterations", pa.Table.from_pydict(it, schema=ITERATION_SCHEMA))
         insert_arrow(conn, "heartbeats", pa.Table.from_pydict(hb, schema=HEARTBEAT_SCHEMA))
@@ -125,24 +125,49 @@ class TelemetryProjection:
                      order_by="first_iteration")
 
 
-def _add_rank_iteration(ch: dict[str, list], ri: dict[str, list], rk: dict[str, list], job: str, time_s: float,
-                        p: RankIteration) -> None:
+def chunk_rows(reports: Sequence[tuple[str, RankIteration]]) -> pa.Table:
+    """The chunks of every (job, report) as one Arrow table. Reports read from the bus hold their
+    columns as arrays (collector/rank_columns.py): those are joined, with no Python value per
+    chunk; reports built in the process or read from JSON are read value by value."""
+    tables = [p.chunk_table for _, p in reports]
+    counts = np.fromiter((len(t.kind) for t in tables), np.int64, len(tables))
+    total = int(counts.sum())
+
+    def per_report(values: list, dtype: type | str) -> np.ndarray:
+        return np.repeat(np.array(values, dtype=dtype), counts)
+
+    lens = joined_seq_lens([t.seq_lens for t in tables])
+    if lens is None:
+        listed = list(itertools.chain.from_iterable(t.seq_lens for t in tables))
+        sum_sq = sum_sq_lens(listed)
+        n_seqs = np.fromiter((-1 if x is None else len(x) for x in listed), np.int64, total)
+    else:
+        sum_sq, n_seqs = sum_sq_of(*lens), lens[1]
+    tokens = joined([t.tokens for t in tables], float, total, unknown=np.nan)
+    columns = {
+        "job": pa.array(per_report([job for job, _ in reports], object), pa.string()),
+        "epoch": per_report([p.epoch for _, p in reports], np.int32),
+        "iteration": per_report([p.iteration for _, p in reports], np.int64),
+        "rank": per_report([p.rank for _, p in reports], np.int32),
+        "tp": per_report([p.coords.tp for _, p in reports], np.int32),
+        "pp": per_report([p.coords.pp for _, p in reports], np.int32),
+        "dp": per_report([p.coords.dp for _, p in reports], np.int32),
+        "kind": pa.array(list("".join(t.kind for t in tables)), pa.string()),
+        "microbatch": joined([t.microbatch for t in tables], np.int32, total),
+        "virtual_stage": joined([t.virtual_stage for t in tables], np.int32, total),
+        "tokens": pa.array(np.nan_to_num(tokens, nan=0).astype(np.int64), pa.int64(), mask=np.isnan(tokens)),
+        "sum_sq_len": pa.array(sum_sq, pa.float64(), from_pandas=True),  # NaN -> NULL
+        "n_seqs": pa.array(np.maximum(n_seqs, 0).astype(np.int32), pa.int32(), mask=n_seqs < 0),
+        "start_s": joined([t.start_s for t in tables], np.float64, total),
+        "duration_s": joined([t.duration_s for t in tables], np.float64, total),
+    }
+    return pa.Table.from_pydict(columns, schema=CHUNK_SCHEMA)
+
+
+def _add_rank_iteration(ri: dict[str, list], rk: dict[str, list], job: str, time_s: float, p: RankIteration) -> None:
     c = p.coords
-    t = p.chunk_table  # the wire's column form: extend columns, no object per chunk
-    n = len(t.kind)
+    compute_s = sum(p.chunk_table.duration_s)
     value: object  # a column's value: the rows hold text and numbers
-    for col, value in (("job", job), ("epoch", p.epoch), ("iteration", p.iteration), ("rank", p.rank),
-                       ("tp", c.tp), ("pp", c.pp), ("dp", c.dp)):
-        ch[col].extend([value] * n)
-    ch["kind"].extend(t.kind)
-    ch["microbatch"].extend(t.microbatch)
-    ch["virtual_stage"].extend(t.virtual_stage)
-    ch["tokens"].extend(t.tokens)
-    ch["_seq_lens"].extend(t.seq_lens)
-    ch["start_s"].extend(t.start_s)
-    durations = t.duration_s
-    ch["duration_s"].extend(durations)
-    compute_s = sum(durations)
     waits = dict.fromkeys(CommOp, 0.0)  # the other collectives (all-gather, ...) have no column of their own
     comm = p.waits()
     for op, duration in zip(comm.op, comm.duration_s):
