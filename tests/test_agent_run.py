@@ -119,7 +119,10 @@ def test_two_agents_train_a_four_rank_world_to_the_end_through_a_killed_rank(tmp
     assert {r["world"] for r in rows} == {4}
     assert after and (after[0]["step"] - 1) % 2 == 0  # resumed from a checkpoint (every 2 steps)
     assert after[0]["step"] <= before[-1]["step"] + 1 and after[-1]["step"] == 12
-    assert len(set(written_pids(tmp_path)) - first_pids) == 4  # a whole new world of ranks
+    # a whole new world of ranks; on a loaded machine torch may form a second round when one agent
+    # joins the first late (a membership change, which no --max-restarts counts): whole worlds still
+    new = len(set(written_pids(tmp_path)) - first_pids)
+    assert new >= 4 and new % 4 == 0, new
     assert f":{port} " not in subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout
 
 

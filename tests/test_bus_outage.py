@@ -43,11 +43,15 @@ def _last_iteration(log: Path) -> int:
     return json.loads(lines[-1])["iteration"] if lines else -1
 
 
-def _wait_for(what: str, ok, procs, limit_s: float = 180.0) -> None:
+def _wait_for(what: str, ok, procs, limit_s: float = 180.0, log_dir: Path | None = None) -> None:
+    """Until ``ok()``; a process of ``procs`` that exits first fails the test with the end of its
+    log (``log_dir``/NAME.log)."""
     deadline = time.monotonic() + limit_s
     while not ok():
         for name, proc in procs.items():
-            assert proc.poll() is None, f"{name} exited with {proc.returncode} while waiting for {what}"
+            log = log_dir / f"{name}.log" if log_dir is not None else None
+            tail = log.read_text(errors="replace")[-3000:] if log is not None and log.exists() else ""
+            assert proc.poll() is None, f"{name} exited with {proc.returncode} while waiting for {what}:\n{tail}"
         assert time.monotonic() < deadline, f"never saw {what}"
         time.sleep(0.2)
 
@@ -79,7 +83,8 @@ def test_a_broker_outage_raises_no_fail_stop_and_every_process_survives(secure_k
             [sys.executable, "-m", "resihp.demo.sim_workload", str(tmp_path / "scenario.yaml"), "--speed", "2",
              *flags], cwd=REPO, env=dict(env, **_as("trainer", creds, secure_kafka["cafile"])), stdout=logs["workload"],
             stderr=subprocess.STDOUT)
-        _wait_for("the job's 4th iteration", lambda: _last_iteration(tmp_path / "workload.log") >= 4, procs)
+        _wait_for("the job's 4th iteration", lambda: _last_iteration(tmp_path / "workload.log") >= 4, procs,
+                  log_dir=tmp_path)
 
         gone = time.time()
         assert broker.down(data_dir) is True
@@ -97,7 +102,7 @@ def test_a_broker_outage_raises_no_fail_stop_and_every_process_survives(secure_k
         assert procs["workload"].returncode == 0, (tmp_path / "workload.log").read_text()[-3000:]
         assert procs["analytics"].poll() is None, (tmp_path / "analytics.log").read_text()[-3000:]
         _wait_for("judgement resumed", lambda: "fail_stop_resumed" in (tmp_path / "analytics.log").read_text(),
-                  {"analytics": procs["analytics"]}, limit_s=120)
+                  {"analytics": procs["analytics"]}, limit_s=120, log_dir=tmp_path)
         said = (tmp_path / "analytics.log").read_text()
         assert "fail_stop_suspended" in said, said[-3000:]
 
@@ -111,7 +116,7 @@ def test_a_broker_outage_raises_no_fail_stop_and_every_process_survives(secure_k
                            default=-1) >= scenario["iterations"] - 5
 
             _wait_for("the last iteration's prediction", predicted_the_last_iterations,
-                      {"analytics": procs["analytics"]}, limit_s=120)
+                      {"analytics": procs["analytics"]}, limit_s=120, log_dir=tmp_path)
         bus.close()
         fail_stops = [e.payload for e in events if isinstance(e.payload, IncidentOpened)
                       and e.payload.category.value == "fail_stop"]
