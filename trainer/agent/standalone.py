@@ -4,7 +4,9 @@
 their ranks the same way: a standalone :class:`NodeAgent` hosts the rendezvous store on loopback
 (the ranks find the job's own keys there too, so any rank may die and the survivors still meet),
 forks one rank per device from a server that imported the executor once, and hands every exit to
-the job's :class:`JobController` each monitor pass. The store is opened first
+the job's :class:`JobController` each monitor pass — or, for a job whose ranks recover as under
+``resihp run --on-failure shrink`` (the native executor's), marks a dead rank lost itself, so
+those ranks find their store, keys and loss count the same way in both. The store is opened first
 (:func:`standalone_node`) because the ranks' arguments and the controller need its port and
 client; :meth:`StandaloneNode.run` then runs the ranks to their end.
 """
@@ -50,14 +52,19 @@ class StandaloneNode:
         return self.rdzv.port
 
     def run(self, *, job: str, role: str, ranks: int, entrypoint: Callable[..., Any], args: tuple,
-            preload: tuple[str, ...], controller: JobController, poll_s: float) -> dict[int, int]:
+            preload: tuple[str, ...], controller: JobController | None, poll_s: float,
+            on_failure: str = "restart") -> dict[int, int]:
         """Run ``ranks`` ranks of ``entrypoint(*args)`` (forked from a server that imported
         ``preload``; the entrypoint must live in one of those modules) until all have exited,
-        calling ``controller.watch`` every ``poll_s``; returns each exited rank's code."""
+        calling ``controller.watch`` every ``poll_s``; returns each exited rank's code.
+        ``on_failure="shrink"``: the agent marks a rank that dies lost in the ranks' store, as
+        ``resihp run --on-failure shrink`` does, and its peers go on (the native executor's ranks,
+        trainer/native/worker.py); otherwise a death is the controller's to handle."""
         worker = WorkerSpec(role=role, local_world_size=ranks, entrypoint=entrypoint, args=args,
                             rdzv_handler=self.handler, max_restarts=0, monitor_interval=poll_s)
         settings = AgentSettings(job=job, node_label=os.uname().nodename, work_dir=self.work_dir, preload=preload,
-                                 controller=controller, job_store=self.rdzv.store, hosts_rendezvous=True)
+                                 controller=controller, job_store=self.rdzv.store, hosts_rendezvous=True,
+                                 on_failure=on_failure, node_address=self.host)
         agent = NodeAgent(worker, DefaultLogsSpecs(log_dir=str(self.work_dir / "logs")), settings)
         with signal_handlers_kept():
             agent.run()

@@ -196,8 +196,7 @@ class NativeExecutor(ReshapeExecutor):
         running = old.layout.plan
         report = ReshapeReport(running.epoch + 1)
         lap = self._lap(report)  # agree: from the failure to the survivors' quorum
-        quorum = close_quorum(store, running.epoch + 1, old.layout.world, self.device, self.rank_of, committed,
-                              self.timeout_s)
+        quorum = close_quorum(store, running.epoch + 1, old.layout.world, self.device, committed, self.timeout_s)
         plan = survivor_plan(running, quorum.lost, lambda tp: tp_fit_problem(self.cfg, tp) is None)
         if reason := refusal(plan, self.cfg, running.epoch):
             raise RuntimeError(f"devices {list(quorum.lost)} lost and the survivors' plan cannot run: {reason}")

@@ -5,8 +5,9 @@ closed by peer"). Those peers do not tear the job down: each one closes a quorum
 store the way trainer/agent/shrink.py's ``ShrinkingWorld.close`` does — it writes
 ``native/recover/<epoch>/join/<device>`` with the iterations it has committed, then waits until
 every device of the running world has either joined or been marked lost by whoever supervises
-the ranks (the native launcher, or the node agent under ``--on-failure shrink``), both through
-the agent's one key, ``resihp/lost/<rank>`` (``mark_lost``). The survivors, the same set on every
+the ranks — the node agent under ``--on-failure shrink``, which the native launcher runs too —
+under the agent's one key, ``resihp/lost/<rank>`` (``mark_lost``; a device is its process's
+global rank). The survivors, the same set on every
 one of them, then reshape to :func:`survivor_plan` through the executor's own phases: a stage that
 lost a device goes on at a smaller TP degree on its TP peers, and only a replica that cannot (its
 stage's only device died) is dropped.
@@ -29,13 +30,13 @@ from typing import Any
 import torch.distributed as dist
 
 from collector.plan import PipelinePlan, Plan
-from trainer.agent.shrink import is_lost, mark_lost
+from trainer.agent.shrink import is_lost
 from trainer.agent.signed_store import RANK_WRITERS, SignedStore
 from trainer.agent.wake import PeerLost
 
 POLL_S = 0.01
 
-__all__ = ["Quorum", "close_quorum", "mark_lost", "peer_failure", "survivor_plan"]
+__all__ = ["Quorum", "close_quorum", "peer_failure", "survivor_plan"]
 
 # What gloo says when a peer's process is gone, or a peer never answered within the group timeout.
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting")
@@ -62,10 +63,11 @@ class Quorum:
     committed: int
 
 
-def close_quorum(store: SignedStore, epoch: int, world: tuple[int, ...], device: int, rank_of: dict[int, int],
-                 committed: int, timeout_s: float) -> Quorum:
+def close_quorum(store: SignedStore, epoch: int, world: tuple[int, ...], device: int, committed: int,
+                 timeout_s: float) -> Quorum:
     """Join the recovery to ``epoch`` and wait until every device of ``world`` joined or was
-    marked lost (its default-group rank's ``resihp/lost/<rank>``), for up to twice the
+    marked lost (``resihp/lost/<device>``: a device is its process's global rank, the one its
+    node agent marks), for up to twice the
     collective timeout ``timeout_s``. Signed joins and marks only (trainer/agent/signed_store.py):
     a forged one is refused, reported, and waited past."""
     prefix = f"native/recover/{epoch}/join/"
@@ -76,7 +78,7 @@ def close_quorum(store: SignedStore, epoch: int, world: tuple[int, ...], device:
     while True:
         counts = {d: c for d in world if (c := store.read(f"{prefix}{d}", _committed, RANK_WRITERS)) is not None}
         joined = [d for d in world if d in counts]
-        lost = [d for d in world if d not in joined and is_lost(store, rank_of[d])]
+        lost = [d for d in world if d not in joined and is_lost(store, d)]
         if len(joined) + len(lost) == len(world):
             break
         if time.monotonic() > deadline:

@@ -36,8 +36,7 @@ from collector.events import (Coords, FaultInjected, IterationSummary, Location,
                               ReshapePhaseName)
 from collector.plan import Plan
 from collector.settings import elastic_environment, environment
-from collector.auth import load_keyring
-from trainer.agent.signed_store import SignedStore, rank_role
+from trainer.agent.shrink import open_ranks_store, rank_records
 from trainer.agent.standalone import standalone_node
 from trainer.agent.wake import LossWatch
 from trainer.fault_spec import FaultSpec
@@ -46,7 +45,7 @@ from trainer.protocol import Released, ReshapeRefused
 from trainer.native.faults import ChunkPadding
 from trainer.native.intake import CommandFollower, NativeCommandIntake
 from trainer.native.layout import NativeLayout
-from trainer.native.recovery import mark_lost, peer_failure
+from trainer.native.recovery import peer_failure
 from trainer.native.model import LlamaConfig, ModelFactory
 from trainer.native.stage import NativeRole, TrainSettings
 from trainer.native.state import full_params, load_dcp, save_dcp
@@ -92,8 +91,8 @@ class NativeRunSpec(BaseModel):
     reshapes: list[ScheduledReshape] = Field(default_factory=list)
     iterations: int = Field(default=10, ge=1)
     store_host: str = "127.0.0.1"
-    store_port: int = 0
-    run_id: str = ""  # what the store's signed records are bound to (trainer/agent/signed_store.py)
+    store_port: int = Field(default=0, description=(
+        "set by launch_native when commands: its agent's store, where bus commands are posted (trainer/native/intake.py)"))
     timeout_s: float = Field(default=120.0, gt=0, description="collective and rendezvous timeout")
     device: str = Field(default="auto", description="auto: cuda + nccl when a GPU is present, else cpu + gloo")
     threads: int = Field(default=1, ge=1)
@@ -173,21 +172,24 @@ class NativeRank:
         sub-groups of it), with the executor, the bus's command follower and the compute faults.
         Fails when the store cannot be reached or the group does not form within the timeout."""
         spec, device = self.spec, self.device
-        store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
-                              timeout=timedelta(seconds=spec.timeout_s))
+        # The ranks' store, as the node agent that started this rank names it (the bootstrap store,
+        # or the round's keys on etcd): where it counts and marks a dead rank lost, by global rank
+        # (this device), under ``--on-failure shrink`` — the native launcher's agent runs that way too.
+        store = open_ranks_store(spec.timeout_s)
         rank_of = {d: i for i, d in enumerate(self.layout.world)}
         dist.init_process_group(self.backend, store=dist.PrefixStore("native/pg/", store), rank=rank_of[device],
                                 world_size=len(self.layout.world), timeout=timedelta(seconds=spec.timeout_s))
         self.telemetry = telemetry = (TelemetryPublisher(spec.bus.open, spec.job, device, spec.heartbeat_s)
                                       if spec.bus else None)
-        keyring = load_keyring()
-        self.records = SignedStore(store, spec.run_id, reader=f"rank-{device}", keyring=keyring, role=rank_role(keyring),
-                                   report=telemetry.publish if telemetry is not None else None)
+        self.records = rank_records(store, device)  # signed for the agent's rendezvous round
+        self.records.report = telemetry.publish if telemetry is not None else None
         self.ex = NativeExecutor(device, self.cfg, self.settings, rank_of, self.torch_device, spec.timeout_s,
                                  checkpoint_dir=lambda: newest_checkpoint(spec), model_factory=spec.factory(),
                                  on_phase=self.on_phase,
                                  fail_in=tuple((f.epoch, f.phase) for f in spec.reshape_faults if f.device == device))
-        self.follower = CommandFollower(store, device, self.torch_device) if spec.commands else None
+        self.follower = CommandFollower(
+            dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timedelta(seconds=spec.timeout_s)),
+            device, self.torch_device) if spec.commands else None  # the launcher's intake posts in its agent's store
         # The launcher's controller counts each death in this store within its monitor interval
         # (mark_lost): a step blocked on a peer that already left ends then, not at the gloo timeout.
         self.watch = LossWatch(store, WAKE_POLL_S)
@@ -383,7 +385,10 @@ def process_main(device: int, spec_json: str) -> None:
 def launch_native(spec: NativeRunSpec, ranks: int | None = None) -> dict[int, int]:
     """Run one process per device under the node agent (trainer/agent/standalone.py, the
     reference trainer's launcher too) until all exit; returns their exit codes (-1: never exited).
-    Fails before any rank starts when commands are asked for without a bus or the store cannot bind."""
+    The agent runs as ``resihp run --on-failure shrink`` does: it marks a rank that dies lost in
+    the ranks' store and its peers recover without it (the same path as a job started with
+    ``resihp run ... -m trainer.native.job``, trainer/native/job.py). Fails before any rank starts
+    when commands are asked for without a bus or the store cannot bind."""
     if spec.commands and spec.bus is None:
         raise ValueError("commands from the bus need a bus: give the run spec one")
     devices = sorted(set(spec.plan.devices) | {d for r in spec.reshapes for d in r.plan.devices})
@@ -391,9 +396,8 @@ def launch_native(spec: NativeRunSpec, ranks: int | None = None) -> dict[int, in
     if spec.out_dir:
         Path(spec.out_dir).mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
-    run_id = uuid.uuid4().hex
-    with standalone_node(spec.store_host, run_id, spec.timeout_s) as node:
-        spec = spec.model_copy(update={"store_port": node.port, "run_id": run_id})
+    with standalone_node(spec.store_host, uuid.uuid4().hex, spec.timeout_s) as node:
+        spec = spec.model_copy(update={"store_port": node.port})
         intake = None
         if spec.commands:
             assert spec.bus is not None
@@ -402,9 +406,8 @@ def launch_native(spec: NativeRunSpec, ranks: int | None = None) -> dict[int, in
             intake.start()
         try:
             exits = node.run(job=spec.job, role="native", ranks=ranks, entrypoint=_rank_main,
-                             args=(spec.model_dump_json(),), preload=(__name__,),
-                             controller=NativeController(spec.plan, ranks, SignedStore(node.store, run_id, reader="native"),
-                                                         intake), poll_s=0.05)
+                             args=(spec.model_dump_json(),), preload=(__name__,), on_failure="shrink",
+                             controller=NativeController(ranks, intake) if intake is not None else None, poll_s=0.05)
         finally:
             if intake is not None:
                 intake.finish()
@@ -412,23 +415,15 @@ def launch_native(spec: NativeRunSpec, ranks: int | None = None) -> dict[int, in
 
 
 class NativeController:
-    """The native executor's part of the agent's monitor loop: a rank that exits with an error is
-    marked lost where its peers look (``resihp/lost/<rank>`` in the agent-hosted store), so the
-    survivors close their quorum without it and train on (trainer/native/recovery.py); then the
-    bus's commands go to the ranks (trainer/native/intake.py) when the run obeys them."""
+    """The native launcher's part of the agent's monitor loop: the bus's commands go to the ranks
+    (trainer/native/intake.py). A rank that dies is the agent's to mark lost (``--on-failure
+    shrink``, trainer/agent/node.py), as under ``resihp run``."""
 
-    def __init__(self, plan: Plan, ranks: int, store: SignedStore, intake: NativeCommandIntake | None) -> None:
-        self.ranks, self.store, self.intake = ranks, store, intake
-        self.rank_of = {d: i for i, d in enumerate(plan.devices)}  # the job's default-group ranks (run_rank)
-        self.seen: set[int] = set()
+    def __init__(self, ranks: int, intake: NativeCommandIntake) -> None:
+        self.ranks, self.intake = ranks, intake
 
     def watch(self, exits: dict[int, int]) -> None:
-        for d in sorted(set(exits) - self.seen):
-            self.seen.add(d)
-            if exits[d] != 0 and d in self.rank_of:
-                mark_lost(self.store, self.rank_of[d], exits[d])
-                log.warning("device %d exited with %s: marked lost", d, exits[d])
-        if self.intake is not None and (alive := set(range(self.ranks)) - set(exits)):
+        if alive := set(range(self.ranks)) - set(exits):
             self.intake.poll(alive)
 
 
