@@ -62,6 +62,7 @@ WRITERS: dict[str, tuple[str, ...]] = {
     "command.ack": ("executor",),
     "command.node": ("engine", "console"),  # an order for one node agent (resihp run): the engine or an operator
     "command.node_ack": ("executor",),  # the node agent's answer
+    "node.spare": ("executor",),  # a spare agent waiting for a place: the engine orders its join
     "plan.current": ("executor",),  # what runs: the engine plans on it and the fold supersedes plans by it
     "plan.capabilities": ("executor",),  # what the job can run: the engine proposes only that
     "probe.result": ("rank",),  # a rank's answer: it confirms an incident and names the slow device

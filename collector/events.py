@@ -903,6 +903,9 @@ ExpiresAt = Annotated[float | None, Field(default=None, ge=0, le=TIME_MAX_S, exc
 
 
 NodeAction = Literal["stop", "join"]
+# Which waiting spare agent a join names (its NodeSpare.spare); left out of the JSON when absent, so
+# an order written before the field existed keeps the bytes its signature covers.
+SpareId = Annotated[str | None, Field(default=None, min_length=1, max_length=200, exclude_if=lambda v: v is None)]
 
 
 class NodeOrder(BaseModel):
@@ -921,16 +924,19 @@ class NodeOrder(BaseModel):
     devices: list[Int32] = Field(default_factory=list, max_length=LIST_MAX,
                                  description="the devices (global ranks) the engine holds the node to run")
     reason: str = Field(default="", max_length=2000, description="why the detector blames the node")
+    spare: SpareId = Field(default=None, description="a join's spare agent (its node.spare id), the one that takes the "
+                                                     "place")
 
 
 class PlanProposed(Payload):
     """The planner's answer to open incidents: a new plan, what it should gain and cost, and a readable diff.
     A node plan (schema 5) also orders nodes: ``node_orders`` stops the nodes the detector blames,
-    whose devices the plan leaves out."""
+    whose devices the plan leaves out, and (schema 6) joins a waiting spare into each one's place."""
 
     KIND: ClassVar[str] = "plan.proposed"
-    # 2 adds fraction_of_before, 3 not_offered, 4 writes a stage's devices as ranges ("8-15"), 5 node_orders
-    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, 3, 4, 5)
+    # 2 adds fraction_of_before, 3 not_offered, 4 writes a stage's devices as ranges ("8-15"), 5 node_orders,
+    # 6 a join order's spare
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, 3, 4, 5, 6)
     plan_id: str
     incident_ids: list[str] = Field(max_length=LIST_MAX)
     strategy: str
@@ -1069,7 +1075,7 @@ class NodeCommand(RenamedOnWire):
     ``stop``: the agent of ``node`` stops its ranks (SIGTERM, then SIGKILL after its grace) and
     leaves; under ``--on-failure shrink`` the other nodes go on without them, as past a dead agent.
     ``join``: a spare agent waiting with ``--join-running --join-on-command`` takes the place that
-    ``node`` left. ``round`` is the job's rendezvous round the command was decided in (each agent
+    ``node`` left: the spare ``spare`` names (schema 4; its ``node.spare`` id), or any spare. ``round`` is the job's rendezvous round the command was decided in (each agent
     prints it, and acks carry it): node numbers hold within one round, so a command of another
     round is stale. Signed by the engine or an operator; the agent answers with ``command.node_ack``.
 
@@ -1078,7 +1084,8 @@ class NodeCommand(RenamedOnWire):
     signature covers are the ones it was signed with."""
 
     KIND: ClassVar[str] = "command.node"
-    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, 3)  # 2 adds run and expires_at_s; 3 renames epoch to round
+    # 2 adds run and expires_at_s; 3 renames epoch to round; 4 adds spare
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, 3, 4)
     OLD_NAMES: ClassVar[dict[str, str]] = {"epoch": "round"}
     command_id: str = Field(min_length=1, max_length=200)
     node: Int32 = Field(description="the agent's group rank in the rendezvous round (\"node N\" in its messages)")
@@ -1090,6 +1097,8 @@ class NodeCommand(RenamedOnWire):
     run: RunId = Field(default=None, description="the job's rendezvous id (--rdzv-id) it is for; an agent of another run "
                                    "refuses it")
     expires_at_s: ExpiresAt = Field(default=None, description="Unix time after which no agent obeys it")
+    spare: SpareId = Field(default=None, description="a join: the spare agent (its node.spare id) that takes the place; "
+                                                     "None: any spare waiting for an order")
 
 
 class NodeCommandAck(RenamedOnWire):
@@ -1115,6 +1124,23 @@ class NodeCommandAck(RenamedOnWire):
     detail: str = Field(default="", max_length=2000)
     run: RunId = Field(default=None, description="the run of the agent that answered: a restarted agent of that run treats the "
                                    "command ids it answered as answered")
+
+
+class NodeSpare(Payload):
+    """A spare node agent (``resihp run --join-running --join-on-command``) waiting to take the
+    place a node of run ``run`` leaves: the engine can plan a blamed node's replacement only when
+    it knows one waits (docs/remediation.md, "Node plans"). The spare says so when it starts and
+    again every ``interval`` until it takes a place or gives up (``waiting`` false); a claim past
+    ``expires_at_s`` is stale (the spare died without saying so). Signed as the executor, as the
+    agent's acks are."""
+
+    KIND: ClassVar[str] = "node.spare"
+    spare: str = Field(min_length=1, max_length=200, description="the spare agent's id: what a join order names")
+    run: RunId = Field(default=None, description="the job's rendezvous id (--rdzv-id) whose place it waits for")
+    ranks: Int32 = Field(ge=1, description="how many ranks it starts: it takes only a place of that many")
+    waiting: bool = Field(description="false: it took a place or stopped waiting, and takes no order")
+    expires_at_s: ExpiresAt = Field(default=None, description="Unix time after which the claim is stale unless renewed")
+    detail: str = Field(default="", max_length=2000)
 
 
 class PlanVerified(Payload):
@@ -1293,6 +1319,7 @@ PAYLOAD_TYPES: tuple[type[Payload], ...] = (
     TelemetryNotice,
     IncidentOpened, IncidentConfirmed, IncidentUpdated, IncidentResolved, ProbeRequest, ProbeResult,
     PlanProposed, PlanDecision, PolicyChanged, ReconfigureCommand, CommandAck, NodeCommand, NodeCommandAck,
+    NodeSpare,
     PlanVerified, PlanRolledBack,
     PlanWithheld, PlanCurrent, ExecutorCapabilities, CostModelFitted,
     FaultInjected, DeadLetter, SignInFailed, ControlRejected,

@@ -50,6 +50,7 @@ _TOPIC_BY_PREFIX: dict[str, str] = {
     "plan": CONTROL,
     "policy": CONTROL,
     "command": CONTROL,
+    "node": CONTROL,
     "control": CONTROL,
     "ui": CONTROL,
     "truth": TRUTH,

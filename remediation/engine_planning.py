@@ -33,7 +33,8 @@ from remediation.engine_output import EngineClock, EngineOutput
 from remediation.horizon import HorizonEstimator
 from remediation.lifecycle import LifecycleState, PlanStatus
 from remediation.model import PlannerModel
-from remediation.node_plans import blamed_nodes, choose, node_devices, order_line, stop_orders, without_nodes
+from remediation.node_plans import (blamed_nodes, choose, join_orders, node_devices, order_line, stop_orders,
+                                    without_nodes)
 from remediation.plan_result import PlanRefused, PlanResult
 from remediation.planning_view import PlanningView, planning_view
 from remediation.throughput import predict_tokens_per_s
@@ -213,6 +214,8 @@ class EnginePlanning:
         if node_plan is not None:
             round_ = self.config.nodes.round if s.node_round is None else s.node_round
             orders = stop_orders(plan_id, blamed, cluster, self.config.nodes, round_)
+            spares = s.waiting_spares(self.config.nodes.run, cluster.hardware.devices_per_node, self.clock.signed_s)
+            orders += join_orders(plan_id, orders, spares)
         payload = PlanProposed(
             plan_id=plan_id, incident_ids=[i.incident_id for i in s.open_incidents()],
             strategy=result.strategy, base_epoch=s.running_epoch, plan=result.plan,

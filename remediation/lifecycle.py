@@ -30,7 +30,7 @@ from collector import incident_lifecycle, plan_lifecycle
 from collector.epoch_fence import COMMAND_TTL_S
 from collector.events import (
     AckStatus, CostModelFitted, Envelope, ExecutorCapabilities, FaultCategory, IterationPrediction, IterationSummary,
-    Location, NodeCommand, NodeCommandAck, Payload, PlanCurrent, PlanProposed, PlanRolledBack, PlanVerified, PlanWithheld,
+    Location, NodeCommand, NodeCommandAck, NodeSpare, Payload, PlanCurrent, PlanProposed, PlanRolledBack, PlanVerified, PlanWithheld,
     PolicyMode, ReconfigureCommand, Severity,
 )
 from collector.plan import Plan
@@ -60,6 +60,15 @@ class LifecycleState(PlanLifecycle, IncidentLifecycle):
     withheld: list[PlanWithheld] = field(default_factory=list)  # why the engine did not plan, in order
     capabilities: ExecutorCapabilities | None = None  # the executor's latest plan.capabilities (None: runs all)
     node_round: int | None = None  # the newest rendezvous round a node agent said it runs (command.node_ack)
+    spares: dict[str, NodeSpare] = field(default_factory=dict)  # spare id -> its newest claim that it waits
+
+    def waiting_spares(self, run: str | None, ranks: int, now_s: float | None) -> list[str]:
+        """The spares that wait for a place of ``ranks`` ranks in ``run`` and that no plan's join
+        order has named yet, oldest claim first; a claim past its expiry (at ``now_s``) is stale."""
+        named = {o.spare for r in self.plans.values() for o in r.proposal.node_orders if o.spare is not None}
+        return [sid for sid, p in self.spares.items()
+                if p.run == run and p.ranks == ranks and sid not in named
+                and (now_s is None or p.expires_at_s is None or p.expires_at_s > now_s)]
 
     def plan_runs(self, plan: Plan) -> None:
         """``plan`` runs now: its devices are alive again, and plans left behind close."""
@@ -204,14 +213,24 @@ def _node_ack(state: LifecycleState, e: Envelope, p: NodeCommandAck) -> None:
         state.incident_version += 1  # the cluster changed: a cue to plan again
     elif p.status == AckStatus.APPLIED and p.action == "join":
         state.known_dead.difference_update(p.ranks)
+        state.spares.pop(e.source, None)  # the spare that took the place waits no more
         state.incident_version += 1
     plan_lifecycle.transition(state, e)
+
+
+def _spare(state: LifecycleState, e: Envelope, p: NodeSpare) -> None:
+    """A spare agent's word that it waits for a place (kept, newest claim per spare) or no more."""
+    if p.waiting:
+        state.spares.pop(p.spare, None)  # re-inserted: the dict keeps claims in the order they came
+        state.spares[p.spare] = p
+    else:
+        state.spares.pop(p.spare, None)
 
 
 _HANDLERS: dict[type, Callable[[LifecycleState, Envelope, Any], None]] = {
     PlanCurrent: _plan_current, CostModelFitted: _cost_model, ExecutorCapabilities: _capabilities,
     IterationSummary: _summary, IterationPrediction: _prediction,
-    PlanWithheld: _withheld, NodeCommandAck: _node_ack,
+    PlanWithheld: _withheld, NodeCommandAck: _node_ack, NodeSpare: _spare,
 }  # the plan lifecycle's and the incidents' events go to their folds' transitions
 
 
@@ -298,6 +317,6 @@ def _node_orders(state: LifecycleState, record: PlanRecord, now_s: float | None)
     plan then, so stopping it loses no work."""
     return [(f"node/{order.command_id}", NodeCommand(
         command_id=order.command_id, node=order.node, action=order.action, round=order.round,
-        reason=f"plan {record.plan_id}: {order.reason}"[:2000], run=order.run,
+        reason=f"plan {record.plan_id}: {order.reason}"[:2000], run=order.run, spare=order.spare,
         expires_at_s=None if now_s is None else now_s + COMMAND_TTL_S))
         for order in record.proposal.node_orders if order.command_id not in record.node_commands]

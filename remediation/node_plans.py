@@ -14,8 +14,9 @@ trains more over the horizon than the in-job winner. Otherwise the in-job plan i
 
 What a node plan orders (:func:`stop_orders`) is a ``stop`` per blamed node, carried in the proposal
 (``PlanProposed.node_orders``) and issued as ``command.node`` once the plan's layout is applied
-(remediation/lifecycle.py's reactions). No ``join``: nothing on the bus says that a spare waits
-(spares wait in the rendezvous store, trainer/agent/vacancy.py), so the engine cannot know one does.
+(remediation/lifecycle.py's reactions), and (:func:`join_orders`) a ``join`` of a waiting spare into
+each stopped node's place while spares with the node's number of ranks say they wait (``node.spare``,
+trainer/agent/commands.py's ``JoinOrders``); the spare holds the order until the place is published.
 """
 
 from __future__ import annotations
@@ -99,8 +100,21 @@ def stop_orders(plan_id: str, blamed: Mapping[int, str], cluster: ClusterState, 
             for node, why in sorted(blamed.items())]
 
 
+def join_orders(plan_id: str, stops: list[NodeOrder], spares: list[str]) -> list[NodeOrder]:
+    """A ``join`` per stopped node while waiting spares last (in ``stops``' order, one spare each):
+    the spare takes the place the node leaves, with the node's ranks, as soon as it is published
+    (the agent holds the order until then), so the job grows back to its size on new hardware."""
+    return [NodeOrder(command_id=f"node-join-{stop.node}-{plan_id}"[:200], node=stop.node, action="join",
+                      round=stop.round, run=stop.run, devices=stop.devices, spare=spare,
+                      reason=f"node {stop.node}: spare {spare} takes its place"[:2000])
+            for stop, spare in zip(stops, spares)]
+
+
 def order_line(order: NodeOrder) -> str:
     """The diff's line for one order."""
     devices = f"devices {order.devices[0]}–{order.devices[-1]}" if order.devices else "no devices known"
+    if order.action == "join":
+        return (f"join spare {order.spare or '(any)'} into node {order.node}'s place ({devices}, rendezvous round "
+                f"{order.round}) once the node has left")
     return (f"{order.action} node {order.node} ({devices}, rendezvous round {order.round}) once the plan runs: "
             f"{order.reason.removeprefix(f'node {order.node}: ')}")

@@ -8,8 +8,10 @@ a stop of the node hosting the job's stores — each answered on the bus (``cont
 ``command.node_ack`` saying why) while all four ranks keep training. Then ``resihp node stop``
 (the operator's command line, console-signed) for the other node: its ranks exit, its agent acks
 ``applied`` and ends, and node 0 trains on as a 2-rank world; the spare does not move until
-``resihp node join`` (a join of another round is stale and leaves it waiting); then it takes the
-node's place, the world grows back to 4 and ends at the reference state, nothing left running.
+``resihp node join`` (a join of another round is stale and leaves it waiting, one naming another
+spare is not its own); meanwhile it says on the bus that it waits (``node.spare``, signed). Then it
+takes the node's place, says it waits no more, the world grows back to 4 and ends at the reference
+state, nothing left running.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 from collector import topics
 from collector.bus import open_bus
 from collector.epoch_fence import COMMAND_TTL_S
-from collector.events import AckStatus, ControlRejected, EventFactory, NodeCommand, NodeCommandAck
+from collector.events import AckStatus, ControlRejected, EventFactory, NodeCommand, NodeCommandAck, NodeSpare
 from collector.stream import EventStream
 from tests.fixtures.signing import factory
 from tests.test_agent_run import ROOT, agent_cmd, alive, env, free_port, pid_dir, rows_of, wait_until, written_pids
@@ -46,6 +48,7 @@ class BusWatch:
         self.stream = EventStream(self.bus, "test-watch", [topics.CONTROL], job=JOB)
         self.acks: dict[str, list[NodeCommandAck]] = {}
         self.rejected: list[ControlRejected] = []
+        self.spares: list[tuple[str, NodeSpare]] = []  # (the event's source, the claim)
 
     def poll(self) -> None:
         for d in self.stream.poll(timeout_s=0.2):
@@ -54,6 +57,8 @@ class BusWatch:
                 self.acks.setdefault(p.command_id, []).append(p)
             elif isinstance(p, ControlRejected):
                 self.rejected.append(p)
+            elif isinstance(p, NodeSpare):
+                self.spares.append((d.event.source, p))
 
     def statuses(self, command_id: str) -> list[AckStatus]:
         self.poll()
@@ -70,11 +75,12 @@ def place_of(log: Path) -> tuple[int, tuple[int, int], int] | None:
     return (int(m[1]), (int(m[2]), int(m[3])), int(m[4])) if m else None
 
 
-def order_by_cli(tmp_path: Path, action: str, node: int, round_: int, command_id: str, run: str = RUN) -> None:
+def order_by_cli(tmp_path: Path, action: str, node: int, round_: int, command_id: str, run: str = RUN,
+                 *extra: str) -> None:
     """``resihp node ACTION NODE --round ROUND --run RUN``, as an operator types it (signed with their key)."""
     out = subprocess.run([sys.executable, "-m", "resihp.cli", "node", action, str(node), "--round", str(round_),
                           "--run", run, "--job", JOB, "--bus", "embedded", "--bus-path", str(tmp_path / "bus.sqlite"),
-                          "--command-id", command_id, "--as", "alice", "--reason", "replace the machine"],
+                          "--command-id", command_id, "--as", "alice", "--reason", "replace the machine", *extra],
                          env=env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
 
@@ -104,7 +110,8 @@ def test_a_signed_stop_shrinks_the_job_and_a_signed_join_grows_it_back_and_nothi
 
         forged = EventFactory(JOB, "remediation").make(order("forged"))  # no signature
         bus.publish([forged, engine.make(order("stale", round=round_ + 1)), engine.make(order("host", node=0)),
-                     engine.make(order("early-join", action="join", round=round_ + 1))])  # held: no place yet
+                     engine.make(order("early-join", action="join", round=round_ + 1)),  # held: no place yet
+                     engine.make(order("elsewhere", action="join", spare="agent-on-another-host"))])  # not this spare's
         bus.publish([engine.make(order("stale", round=round_ + 1))])  # the same command id again
         wait_until(lambda: watch.statuses("stale") == [AckStatus.IGNORED_STALE, AckStatus.IGNORED_DUPLICATE]
                    and watch.statuses("host") == [AckStatus.FAILED]
@@ -125,7 +132,11 @@ def test_a_signed_stop_shrinks_the_job_and_a_signed_join_grows_it_back_and_nothi
         wait_until(lambda: len(rows_of(progress)) >= shrunk + 3)
         assert rows_of(progress)[-1]["world"] == 2 and agents[2].poll() is None  # the spare waits for its order
 
-        order_by_cli(tmp_path, "join", node, round_, "join-1")
+        waiting = [(source, p) for source, p in watch.spares if p.waiting]  # the spare says it waits, signed
+        assert waiting and {(p.spare, p.run, p.ranks) for _, p in waiting} == {(waiting[0][0], RUN, 2)}, watch.spares
+        spare_id = waiting[0][0]
+        assert f"spare {spare_id} waiting for an order" in logs[2].read_text()
+        order_by_cli(tmp_path, "join", node, round_, "join-1", RUN, "--spare", spare_id)
         assert agents[host].wait(timeout=600) == 0 and agents[2].wait(timeout=600) == 0
     finally:
         bus.close()
@@ -138,6 +149,8 @@ def test_a_signed_stop_shrinks_the_job_and_a_signed_join_grows_it_back_and_nothi
     ack = watch.acks["stop-1"][0]
     assert watch.statuses("join-1") == [AckStatus.APPLIED], outs
     joined = watch.acks["join-1"][0]
+    assert "elsewhere" not in watch.acks  # a join naming another spare is that spare's, not answered here
+    assert [p.waiting for source, p in watch.spares if source == spare_id][-1] is False  # it waits no more
     watch.close()
     assert tuple(ack.ranks) == tuple(joined.ranks) == ranks and ack.round == ack.running_round == round_
     assert f"stopped on node command stop-1: node {node} stopped its ranks {list(ranks)}" in outs[other]

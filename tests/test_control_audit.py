@@ -26,7 +26,7 @@ from collector.keys import role_of
 from collector.events import (
     PAYLOAD_TYPES, AckStatus, BusOutage, CommandAck, ControlRejected, CostFit, CostModelFitted, Envelope, EventFactory,
     Evidence, ExecutorCapabilities, FaultCategory, HangReported, IncidentConfirmed, IncidentOpened, IncidentResolved, IncidentUpdated,
-    IterationPrediction, Location, NodeCommand, NodeCommandAck, Payload, PlanCurrent, PlanDecision, PlanProposed,
+    IterationPrediction, Location, NodeCommand, NodeCommandAck, NodeSpare, Payload, PlanCurrent, PlanDecision, PlanProposed,
     PlanRolledBack, PlanVerified, PlanWithheld, PolicyChanged, PolicyMode, ProbeRequest, ProbeResult,
     ReconfigureCommand, Severity, TelemetryNotice,
 )
@@ -91,6 +91,7 @@ def _sample(kind: str, role: str | None, n: int) -> Payload:
                                        deadline_s=30.0, summary="rank 1 entered no op for 60 s"),
         "command.node_ack": NodeCommandAck(command_id=f"n{n}", node=1, action="stop", round=0,
                                            status=AckStatus.APPLIED, running_round=0, ranks=[2, 3]),
+        "node.spare": NodeSpare(spare=f"agent-{n}", run=RUN, ranks=2, waiting=True, expires_at_s=1000.0 + 60),
     }
     return samples[kind]
 

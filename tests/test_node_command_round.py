@@ -57,8 +57,10 @@ def test_a_new_order_names_the_round():
     order = NodeCommand(command_id="n-new", node=1, action="join", round=2, run="a1b2c3d4e5f6",
                         expires_at_s=time.time() + 600)
     body = order.model_dump(mode="json")
-    assert body["round"] == 2 and "epoch" not in body
-    assert max(NodeCommand.VERSIONS) == 3
+    assert body["round"] == 2 and "epoch" not in body and "spare" not in body  # no spare named: the bytes of schema 3
+    assert max(NodeCommand.VERSIONS) == 4
+    named = NodeCommand(command_id="n-spare", node=1, action="join", round=2, spare="agent-host-42")
+    assert NodeCommand.model_validate_json(named.model_dump_json()).spare == "agent-host-42"
 
 
 def test_the_node_command_reads_round_and_the_deprecated_epoch_flag(capsys):

@@ -10,7 +10,7 @@ from collector.embedded import EmbeddedBus
 from collector.epoch_fence import COMMAND_TTL_S
 from collector.events import (
     AckStatus, CommandAck, Evidence, FaultCategory, IncidentOpened, IterationPrediction, Location, NodeCommand,
-    NodeCommandAck, PolicyChanged, PolicyMode, Severity,
+    NodeCommandAck, NodeSpare, PolicyChanged, PolicyMode, Severity,
 )
 from collector.plan import Plan
 from collector.plan_lifecycle import PlanLifecycle, fold
@@ -113,6 +113,55 @@ def test_a_dead_node_is_excluded_and_stopped_once_the_layout_runs_without_it(tmp
         assert record.node_order_state(order.command_id) == "applied"
         assert {4, 5, 6, 7} <= engine.state.known_dead and engine.state.node_round == 3
         assert len(engine.state.plans) == 1  # the stop changes no layout: nothing to plan
+        engine.close()
+
+
+def test_a_waiting_spare_is_ordered_into_the_stopped_nodes_place_and_its_join_returns_the_ranks(
+        tmp_path: Path) -> None:
+    """Spares say they wait (``node.spare``): the node plan joins the oldest one that fits (this
+    run, the node's number of ranks, a claim not stale) into the stopped node's place; its order is
+    issued with the stop once the layout runs and names that spare, and the spare's applied ack
+    makes the ranks alive again and the spare no longer waiting. Spares of another run, of another
+    size, stale, or that stopped waiting are never named."""
+    analytics, trainer = Authors(JOB, "analytics"), Authors(JOB, "trainer")
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
+        engine = _engine(bus)
+
+        def spare(name: str, **kw: object) -> NodeSpare:
+            return NodeSpare.model_validate({"spare": name, "run": RUN, "ranks": 4, "waiting": True,
+                                             "expires_at_s": 4e9, **kw})
+
+        bus.publish([Authors(JOB, name).make(p) for name, p in (
+            ("agent-other-run", spare("agent-other-run", run="job-7")), ("agent-two", spare("agent-two", ranks=2)),
+            ("agent-stale", spare("agent-stale", expires_at_s=1.0)), ("agent-gone", spare("agent-gone")),
+            ("agent-gone", spare("agent-gone", waiting=False, expires_at_s=None)),
+            ("agent-spare", spare("agent-spare")), ("agent-later", spare("agent-later")))])
+        bus.publish([analytics.make(_incident("n1", FaultCategory.FAIL_STOP, [Location(target="node", node=1)]))])
+        engine.poll_once()
+        (record,) = engine.state.plans.values()
+        stop, join = record.proposal.node_orders
+        assert (stop.action, join.action, join.node, join.round, join.run, join.spare) == (
+            "stop", "join", 1, 3, RUN, "agent-spare")
+        assert join.devices == [4, 5, 6, 7]
+        assert record.proposal.diff[1].startswith("join spare agent-spare into node 1's place (devices 4–7")
+        assert engine.state.waiting_spares(RUN, 4, engine.clock_s) == ["agent-later"]  # one spare per place
+
+        bus.publish([trainer.make(CommandAck(command_id=record.command_id or "", plan_id=record.plan_id, epoch=1,
+                                             status=AckStatus.APPLIED, running_epoch=1))])
+        engine.poll_once()
+        commands = record.node_commands
+        assert [(c.action, c.spare) for c in commands.values() if isinstance(c, NodeCommand)] == [
+            ("stop", None), ("join", "agent-spare")]
+        bus.publish([trainer.make(NodeCommandAck(command_id=stop.command_id, node=1, action="stop", round=3,
+                                                 status=AckStatus.APPLIED, running_round=3, ranks=[4, 5, 6, 7]))])
+        engine.poll_once()
+        assert {4, 5, 6, 7} <= engine.state.known_dead
+        bus.publish([Authors(JOB, "agent-spare").make(NodeCommandAck(
+            command_id=join.command_id, node=1, action="join", round=3, status=AckStatus.APPLIED, running_round=3,
+            ranks=[4, 5, 6, 7]))])
+        engine.poll_once()
+        assert record.node_order_state(join.command_id) == "applied"
+        assert not {4, 5, 6, 7} & engine.state.known_dead and "agent-spare" not in engine.state.spares
         engine.close()
 
 

@@ -46,6 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         q.add_argument("--reason", default="", help="why (kept in the log)")
         q.add_argument("--command-id", default=None, help="the command's id (default: a new one)")
         q.add_argument("--as", dest="actor", default=None, help="your identity (default: cli:$USER; a bare NAME is cli:NAME)")
+        if action == "join":
+            q.add_argument("--spare", default=None, metavar="ID",
+                           help="only the spare with this id takes the place (the id its node.spare events and its "
+                                "log give); default: any spare waiting for an order")
         q.set_defaults(func=_order)
 
 
@@ -74,7 +78,7 @@ def _order(args: argparse.Namespace) -> int:
     command_id = args.command_id or f"node-{args.action}-{uuid.uuid4().hex[:12]}"
     event = _signed(args, NodeCommand(command_id=command_id, node=args.node, action=args.action, round=round_,
                                       reason=args.reason, actor=_actor(args), run=run_of(args.run),
-                                      expires_at_s=time.time() + ttl_s))
+                                      expires_at_s=time.time() + ttl_s, spare=getattr(args, "spare", None)))
     with bus_from_args(args) as bus:
         bus.publish([event])
     print(f"{args.action} node {args.node} (round {round_}) ordered as {command_id} by {event.source}; "

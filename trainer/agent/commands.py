@@ -30,7 +30,7 @@ from collector import topics
 from collector.auth import Gate, Keyring, Signer, load_keyring
 from collector.bus import Bus
 from collector.epoch_fence import new_run, node_fence_verdict, order_refusal
-from collector.events import AckStatus, EventFactory, NodeCommand, NodeCommandAck
+from collector.events import AckStatus, EventFactory, NodeCommand, NodeCommandAck, NodeSpare
 from collector.stream import EventStream
 from trainer.integration import signed_history
 
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from trainer.agent.vacancy import Vacancy
 
 log = logging.getLogger("resihp.agent")
+SPARE_ANNOUNCE_S = 20.0  # a waiting spare says so this often on the control topic (kept forever: not often)
 
 
 class NodeCommands:
@@ -49,7 +50,7 @@ class NodeCommands:
         re-reads the whole log (an audit of every order ever written). ``run``: the job's run id,
         which an order must name (None: a fresh one no order names); ``clock``: Unix time, for
         orders' expiries."""
-        self.bus, self.job = bus, job
+        self.bus, self.job, self.source = bus, job, source
         keyring = keyring or load_keyring()
         self.gate = Gate(source, keyring)
         self.signer = Signer(EventFactory(job, source), "executor", keyring)
@@ -102,10 +103,14 @@ class NodeCommands:
         self.acks.append(ack)
         line = f"node command {command.command_id} ({command.action} node {command.node}, round {command.round}): "
         print(f"resihp run: {line}{status.value}: {detail}", file=sys.stderr, flush=True)
+        self.say(ack, f"the ack of node command {command.command_id}")
+
+    def say(self, payload: NodeCommandAck | NodeSpare, what: str) -> None:
+        """Publish ``payload`` signed as the executor; a bus that cannot take it is logged, not fatal."""
         try:
-            self.bus.publish([self.signer.make(ack)])
-        except Exception as exc:  # noqa: BLE001 - the line above still says it
-            log.warning("cannot publish the ack of node command %s: %s", command.command_id, exc)
+            self.bus.publish([self.signer.make(payload)])
+        except Exception as exc:  # noqa: BLE001 - the agent's own line still says it
+            log.warning("cannot publish %s: %s", what, exc)
 
     def close(self) -> None:
         self._stream.close()
@@ -116,16 +121,40 @@ class JoinOrders:
     """A spare's wait for a signed ``join`` order (``--join-running --join-on-command``): the place
     it may take is the one the ordered node left, in the round the order names. An order is held
     until that place is published; one of another round is stale, and one whose place another
-    agent claimed first fails. Every order is answered once (:class:`NodeCommands`' acks)."""
+    agent claimed first fails. Every order is answered once (:class:`NodeCommands`' acks).
 
-    def __init__(self, commands: NodeCommands) -> None:
-        self.commands = commands
+    While it waits the spare says so on the bus (``node.spare``, every ``announce_s``, each claim
+    stale after three of them), so the engine can order it into a blamed node's place; an order
+    that names another spare is not this one's and is left to that spare. Once it took a place or
+    gave up it says it waits no more."""
+
+    def __init__(self, commands: NodeCommands, ranks: int, announce_s: float = SPARE_ANNOUNCE_S,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.commands, self.ranks, self.announce_s, self.clock = commands, ranks, announce_s, clock
         self.waiting: list[NodeCommand] = []  # verified orders whose place is not published yet
         self._chosen: NodeCommand | None = None
+        self._next_announce = 0.0
+        self.done = False  # it took a place or gave up: it waits no more, and said so
+
+    @property
+    def spare(self) -> str:
+        """This spare's id, the one a join order names (its agent's source)."""
+        return self.commands.source
+
+    def announce(self, waiting: bool, detail: str = "") -> None:
+        """Say on the bus whether this spare waits for an order (``node.spare``)."""
+        self.done = not waiting
+        now = self.clock()
+        self._next_announce = now + self.announce_s
+        self.commands.say(NodeSpare(spare=self.spare, run=self.commands.run, ranks=self.ranks, waiting=waiting,
+                                    expires_at_s=now + 3 * self.announce_s if waiting else None, detail=detail[:2000]),
+                          "that this spare waits" if waiting else "that this spare waits no more")
 
     def pick(self, places: Mapping[int, Vacancy]) -> int | None:
         """The number of the place to claim now, or None (no order yet, or its place not yet)."""
-        self.waiting += self.commands.read(lambda c: c.action == "join")
+        if self.clock() >= self._next_announce:
+            self.announce(True, f"waiting for a join order to take the place of a node with {self.ranks} ranks")
+        self.waiting += self.commands.read(lambda c: c.action == "join" and c.spare in (None, self.spare))
         for order in list(self.waiting):
             fits = [n for n, v in places.items() if v.group_rank == order.node]
             if not fits:
@@ -148,6 +177,7 @@ class JoinOrders:
             self.commands.ack(order, vacancy.round, AckStatus.APPLIED,
                               f"took the place of node {vacancy.group_rank}: its ranks {list(vacancy.ranks)} start here "
                               "and join the world at its next step", vacancy.ranks)
+            self.announce(False, f"took the place of node {vacancy.group_rank} in round {vacancy.round}")
         else:
             self.commands.ack(order, vacancy.round, AckStatus.FAILED,
                               f"another agent took the place of node {vacancy.group_rank} first")
@@ -158,3 +188,9 @@ class JoinOrders:
             self.commands.ack(order, order.round, AckStatus.FAILED,
                               f"node {order.node} left no place with this agent's number of ranks within {timeout_s:g} s")
         self.waiting = []
+        self.announce(False, f"no place within {timeout_s:g} s")
+
+    def close(self) -> None:
+        """The spare's agent ends: if it still waited, it says it waits no more."""
+        if not self.done and self._next_announce:
+            self.announce(False, "the spare's agent stopped")

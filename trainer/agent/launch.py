@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     import torch.distributed as dist
 
-    from trainer.agent.commands import NodeCommands
+    from trainer.agent.commands import JoinOrders, NodeCommands
     from trainer.agent.etcd_client import EtcdClient
     from trainer.agent.node import AgentSettings, NodeAgent
     from trainer.telemetry import TelemetryPublisher
@@ -83,6 +83,7 @@ class AgentLaunch:
         self.agent: NodeAgent | None = None
         self.relayout: TitanRelayout | None = None
         self.finished = False  # this agent ends on purpose: its peers must not take its ranks for lost
+        self.orders: JoinOrders | None = None  # a spare's wait for a join order (--join-on-command)
 
     def check_flags(self) -> None:
         """The join flags make sense only together: fails with the flags to pass."""
@@ -184,13 +185,14 @@ class AgentLaunch:
         assert self.job_store is not None
         if not args.no_telemetry:  # node commands name a node of a rendezvous round
             self.commands = NodeCommands(self.bus.open(), args.job, self.source, run=run_of(config.run_id))
-        orders = JoinOrders(self.commands) if args.join_on_command and self.commands else None
+        self.orders = orders = (JoinOrders(self.commands, config.nproc_per_node) if args.join_on_command and self.commands
+                                else None)
         self.handler = (VacancyRendezvous(self.job_store, config.run_id, config.nproc_per_node,
                                           float(self.configs.get("join_timeout", 600)), orders)
                         if args.join_running else make())
         if args.join_on_command:
-            self.echo(f"waiting for an order to take the place a node left in job {config.run_id} (resihp node join "
-                      "NODE --round ROUND; --join-running --join-on-command)")
+            self.echo(f"spare {self.source} waiting for an order to take the place a node left in job {config.run_id} "
+                      f"(resihp node join NODE --round ROUND [--spare {self.source}]; --join-running --join-on-command)")
         elif args.join_running:
             self.echo(f"waiting for a place that a dead node left in job {config.run_id} (--join-running)")
 
@@ -296,6 +298,8 @@ class AgentLaunch:
                 self.handler.shutdown()
             except Exception:  # noqa: BLE001 - the rendezvous may already be gone with its host
                 pass
+        if self.orders is not None:
+            self.orders.close()
         for client in (self.relayout, self.telemetry, self.predicted, self.commands):
             if client is not None:
                 client.close()
