@@ -22,7 +22,7 @@ from collector.events import PlanCurrent, ReshapePhase
 from collector.stream import EventStream
 from trainer.fault_spec import FaultSpec
 from trainer.native.parallelize import DpMode
-from trainer.native.worker import NativeRunSpec, launch_native, read_results
+from trainer.native.worker import NativeRunSpec, ReshapeFault, ScheduledReshape, launch_native, read_results
 from trainer.spec import BusSpec
 from tests.test_native_reshape import CFG, SETTINGS, _assert_matches_reference, _plan
 
@@ -129,3 +129,30 @@ def test_a_stage_losing_one_rank_of_its_tp_group_goes_on_at_tp1_on_its_peer(tmp_
         (recovery,) = ranks[device]["reshapes"]
         assert recovery["lost"] == [3] and recovery["source"] == "live" and recovery["iteration"] == 1
         assert ranks[device]["epochs"] == {"0": 0, "1": 1, "2": 1} and not ranks[device].get("released")
+
+
+@pytest.mark.parametrize(("victim", "phase", "survivors"), [(1, "export", (0, 2)), (2, "redistribute", (0, 1))])
+def test_a_rank_killed_mid_reshape_is_recovered_from_the_running_layout_and_equals_the_reference(
+        tmp_path, victim, phase, survivors):
+    # TP1·PP1·DP3 replicated (2/1/1); before iteration 2 a reshape drops replica 2 (2/2 on devices
+    # 0, 1, device 2 released). ``victim`` is SIGKILLed at the end of ``phase`` of that reshape,
+    # before the phase's vote: the survivors, woken by the loss count, drop the reshape (nothing was
+    # committed), recover from epoch 0 without the victim (its micro-batch to the replica running
+    # fewest: 2/2 on the survivors) and train on from iteration 2, as if they had not tried.
+    start = _plan(0, (2, [((0,), 0, 4)]), (1, [((1,), 0, 4)]), (1, [((2,), 0, 4)]))
+    dropped = _plan(1, (2, [((0,), 0, 4)]), (2, [((1,), 0, 4)]))
+    spec = NativeRunSpec(model=asdict(CFG), settings=asdict(replace(SETTINGS, dp_mode="replicate")), plan=start,
+                         iterations=4, out_dir=str(tmp_path), timeout_s=60, device="cpu",
+                         reshapes=[ScheduledReshape(at_iteration=2, plan=dropped)],
+                         reshape_faults=[ReshapeFault(device=victim, epoch=1, phase=phase, action="kill")])
+    codes = launch_native(spec)
+    assert codes == {**{d: 0 for d in survivors}, victim: -9}, codes
+    ranks, params = read_results(tmp_path)
+    assert sorted(ranks) == list(survivors)  # the victim wrote nothing
+    _assert_matches_reference(ranks, params, 4)
+    for device in survivors:
+        (recovery,) = ranks[device]["reshapes"]
+        assert recovery["lost"] == [victim] and recovery["source"] == "live" and recovery["iteration"] == 2
+        assert ranks[device]["epochs"] == {"0": 0, "1": 0, "2": 1, "3": 1} and not ranks[device].get("released")
+        (refused,) = ranks[device]["refused"]
+        assert "reshape to epoch 1: a rank died during it" in refused

@@ -26,8 +26,8 @@ all-reduce over the union of both worlds after export, after stages_rebuilt and 
 redistribute (the commit) — so no rank is left waiting in a collective its peer skipped; on a
 failed vote every rank drops what it built and ``ReshapeFailed`` says why, training going on at
 the old layout. A device outside the new world sends its pieces and leaves only once the
-commit vote passed. A rank that *dies* mid-reshape is not this path: its peers' collectives time
-out.
+commit vote passed. A rank that *dies* mid-reshape is not this path: its peers wake on the loss
+count and recover from the old layout (below).
 
 Recovery (``recover``): a rank died while the job trained. ``agree`` becomes the survivors'
 quorum in the store (trainer/native/recovery.py: who joined, who the launcher marked lost), the
@@ -39,6 +39,8 @@ and the same four phases run over a fresh group of the survivors; nothing to rol
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 import zlib
 from collections.abc import Callable
@@ -97,13 +99,14 @@ class NativeExecutor(ReshapeExecutor):
                  torch_device: torch.device, timeout_s: float,
                  checkpoint_dir: Callable[[], Path | None] = lambda: None,
                  model_factory: ModelFactory = build_model, on_phase: PhaseHook | None = None,
-                 fail_in: tuple[tuple[int, str], ...] = ()) -> None:
+                 fail_in: tuple[tuple[int, str], ...] = (), kill_in: tuple[tuple[int, str], ...] = ()) -> None:
         self.device, self.cfg, self.settings, self.rank_of = device, cfg, settings, rank_of
         self.torch_device, self.timeout_s = torch_device, timeout_s
         self.checkpoint_dir = checkpoint_dir
         self.model_factory = model_factory
         self.on_phase = on_phase or (lambda *_: None)
         self.fail_in = set(fail_in)  # (epoch, phase): the test hook that makes this rank fail there, once
+        self.kill_in = set(kill_in)  # (epoch, phase): the test hook that SIGKILLs this rank there
         self.groups = GroupCache(timeout_s)
         self.current: NativeRole | None = None
         self.reports: list[ReshapeReport] = []
@@ -145,16 +148,24 @@ class NativeExecutor(ReshapeExecutor):
             raise ReshapeFailed(f"a peer failed by the end of {phase}")
 
     def _inject(self, epoch: int, phase: str) -> None:
+        if (epoch, phase) in self.kill_in:  # a death mid-reshape: no vote, no goodbye
+            os.kill(os.getpid(), signal.SIGKILL)
         if (epoch, phase) in self.fail_in:
             self.fail_in.discard((epoch, phase))
             raise InjectedFailure(f"injected failure in {phase} of epoch {epoch}")
 
     # ---- the protocol ------------------------------------------------------------------------------
 
-    def reshape(self, plan: Plan) -> tuple[ReshapeReport, int | None]:
+    def reshape(self, plan: Plan, on_commit: Callable[[], None] = lambda: None) -> tuple[ReshapeReport, int | None]:
         """Move to ``plan`` at this iteration boundary. Returns the report and, after a disk
         fallback, the iteration to resume from. ``ReshapeRefused`` (or ``ReshapeFailed``): still
-        at the old layout. ``Released``: this device is not in the new world."""
+        at the old layout. ``Released``: this device is not in the new world. ``on_commit`` is
+        called once the commit vote passed (what is left is local).
+
+        A rank that *dies* mid-reshape makes a collective raise or never end: the worker runs the
+        reshape on the loss watch's pool and, on a loss before the commit, recovers from the old
+        layout, which nothing changed (``recover``; groups this abandoned work would still create
+        are refused it, ``GroupCache.bind``)."""
         old = self.current
         assert old is not None
         report = ReshapeReport(plan.epoch)
@@ -174,7 +185,7 @@ class NativeExecutor(ReshapeExecutor):
         union = self.groups.get("moves", [self.rank_of[d] for d in set(old.layout.world) | set(layout.world)],
                                 plan.epoch)
         try:
-            rollback_to = self._move(old, layout, union, report, lap)
+            rollback_to = self._move(old, layout, union, report, lap, on_commit)
         except ReshapeFailed as exc:
             lap("rollback", False, str(exc))
             log.warning("device %d: reshape to epoch %d rolled back, training on at epoch %d: %s", self.device,
@@ -285,7 +296,7 @@ class NativeExecutor(ReshapeExecutor):
             return None, exc
 
     def _move(self, old: NativeRole, layout: NativeLayout, union: dist.ProcessGroup, report: ReshapeReport,
-              lap: Callable[..., None]) -> int | None:
+              lap: Callable[..., None], on_commit: Callable[[], None] = lambda: None) -> int | None:
         """export → rebuild → restore → resume over ``union`` (every rank that holds or needs
         state), with the three votes; commits ``layout`` on success. Returns the iteration to
         resume from after a disk fallback. ``ReshapeFailed``: nothing committed."""
@@ -309,6 +320,7 @@ class NativeExecutor(ReshapeExecutor):
         if restored is not None:
             report.source = restored[0]
         self._vote(failure, union, "redistribute")
+        on_commit()
         lap("redistribute", detail=f"state from {report.source}")
         self.resume(layout, role, report)
         return restored[1] if restored is not None else None

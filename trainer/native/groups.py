@@ -18,6 +18,7 @@ depends on what the group is, not on who created what before.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -36,12 +37,22 @@ class GroupCache:
         self.created = 0  # how many groups this rank has created (the benchmark reports it)
         self.generation = 0  # bumped by ``forget``: part of the salt, so a group made after a loss is new
         self.abandoned: list[dist.ProcessGroup] = []  # kept alive: dropping one may join a blocked thread
+        self._bound: dict[int, int] = {}  # thread → the generation its work began under (``bind``)
+
+    def bind(self) -> None:
+        """The calling thread starts work (a reshape on the loss watch's pool) under the current
+        generation: if a loss makes this rank abandon that work (``forget``), the thread gets no
+        group of the next generation, which the survivors' recovery is creating meanwhile."""
+        self._bound[threading.get_ident()] = self.generation
 
     def get(self, role: str, ranks: Sequence[int], epoch: int) -> dist.ProcessGroup:
         """The group of ``ranks`` for ``role``, created now by its members if it is new. Every
         member calls this for the same (role, ranks) in the same reshape; non-members never do.
         ``moves`` groups are gloo whatever the job's backend: the state they carry and the votes
         they take are CPU tensors (NCCL moves only GPU ones)."""
+        generation = self._bound.get(threading.get_ident(), self.generation)
+        if generation != self.generation:
+            raise RuntimeError(f"group {role} {list(ranks)}: this work was abandoned when a rank was lost")
         key = (role, tuple(sorted(ranks)))
         if key[1] == tuple(range(dist.get_world_size())) and role in ("world",):
             world = dist.group.WORLD
@@ -53,7 +64,7 @@ class GroupCache:
             # The salt (see the module doc): the same on every member, distinct per epoch and role;
             # the count is put back after, so groups torch creates world-wide still agree on theirs.
             count = c10d._world.group_count
-            c10d._world.group_count = (1_000_000 + self.generation * 100_000_000 + epoch * len(ROLES)
+            c10d._world.group_count = (1_000_000 + generation * 100_000_000 + epoch * len(ROLES)
                                        + ROLES.index(role))
             try:
                 made = dist.new_group(list(key[1]), timeout=self.timeout, use_local_synchronization=True,
@@ -61,6 +72,9 @@ class GroupCache:
             finally:
                 c10d._world.group_count = count
             assert isinstance(made, dist.ProcessGroup)
+            if generation != self.generation:  # forgotten while it formed: not the survivors' group
+                self.abandoned.append(made)
+                raise RuntimeError(f"group {role} {list(ranks)}: this work was abandoned when a rank was lost")
             group = self._groups[key] = made
             self.created += 1
         return group

@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,7 @@ log = logging.getLogger("resihp.trainer.native")
 # peers as the reference trainer does), so it reads 4x less often: 20 ms more to notice a loss, 50
 # reads a second per rank on the store that every rank of the job shares.
 WAKE_POLL_S = 0.02
+T = TypeVar("T")
 
 
 class ScheduledReshape(BaseModel):
@@ -69,13 +70,16 @@ class ScheduledReshape(BaseModel):
 
 class ReshapeFault(BaseModel):
     """A test hook: ``device`` fails at the end of ``phase`` of the first reshape to ``epoch``
-    that reaches it (every rank must then roll back to the running layout and train on)."""
+    that reaches it. ``raise``: an error every rank votes on (all roll back to the running layout
+    and train on); ``kill``: the rank is SIGKILLed there, before the phase's vote (the survivors
+    recover without it from the running layout)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     device: int = Field(ge=0)
     epoch: int = Field(ge=1)
     phase: Literal["export", "new_mesh", "stages_rebuilt", "redistribute"]
+    action: Literal["raise", "kill"] = "raise"
 
 
 class NativeRunSpec(BaseModel):
@@ -186,7 +190,10 @@ class NativeRank:
         self.ex = NativeExecutor(device, self.cfg, self.settings, rank_of, self.torch_device, spec.timeout_s,
                                  checkpoint_dir=lambda: newest_checkpoint(spec), model_factory=spec.factory(),
                                  on_phase=self.on_phase,
-                                 fail_in=tuple((f.epoch, f.phase) for f in spec.reshape_faults if f.device == device))
+                                 fail_in=tuple((f.epoch, f.phase) for f in spec.reshape_faults
+                                               if f.device == device and f.action == "raise"),
+                                 kill_in=tuple((f.epoch, f.phase) for f in spec.reshape_faults
+                                               if f.device == device and f.action == "kill"))
         self.follower = CommandFollower(
             dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timedelta(seconds=spec.timeout_s)),
             device, self.torch_device) if spec.commands else None  # the launcher's intake posts in its agent's store
@@ -219,29 +226,39 @@ class NativeRank:
             started = time.perf_counter()
             try:
                 committed = threading.Event()  # set once the step's commit all-reduce returned
-                loss = self.watch.call(functools.partial(self.step_on_this_device, cur, committed.set), "train step",
+                # On the loss watch's pool: the waits inside torch's pipelining and DTensor cannot be
+                # sliced (trainer/agent/wake.py).
+                loss = self.watch.call(functools.partial(self.on_this_device, functools.partial(
+                    cur.train_step, self.iteration, self.cfg, self.settings, committed.set)), "train step",
                                        committed.is_set)
             except Exception as exc:
                 if not peer_failure(exc):
                     raise
                 # A peer died under this rank's collective: recover with the survivors and redo
-                # this iteration, which nobody committed. The quorum closes only once the agent
-                # marked every dead rank (after counting it): only a later loss should wake the watch.
-                self.resumed(*ex.recover(self.records, self.iteration, exc, time.perf_counter() - started))
-                self.watch.rearm()
+                # this iteration, which nobody committed.
+                self.recover(exc, time.perf_counter() - started)
                 continue
             self.stepped(cur, loss, time.perf_counter() - started)
             self.iteration += 1
             if spec.save_dir and spec.checkpoint_every and self.iteration % spec.checkpoint_every == 0:
                 save_dcp(spec.save_dir, cur.model, cur.opt, cur.sched, self.iteration, cur.world)
 
-    def step_on_this_device(self, cur: NativeRole, on_commit: Callable[[], None]) -> float:
-        """One training step of ``cur``. It runs on a thread of the loss watch's pool (the waits
-        inside torch's pipelining and DTensor cannot be sliced, trainer/agent/wake.py), which
-        starts on the default device: a GPU rank sets its own first."""
+    def recover(self, failure: BaseException, failed_after_s: float) -> None:
+        """A peer died under one of this rank's collectives (a step's, or a reshape's before its
+        commit, which leaves the running layout as it was): re-form with the survivors at this
+        iteration boundary. The quorum closes only once the agent marked every dead rank (after
+        counting it): only a later loss should wake the watch."""
+        self.resumed(*self.ex.recover(self.records, self.iteration, failure, failed_after_s))
+        self.watch.rearm()
+
+    def on_this_device(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on a thread of the loss watch's pool, which starts on the default device: a GPU
+        rank sets its own first; the thread's group creations belong to this rank's current
+        generation (``GroupCache.bind``: none once a loss made the rank abandon the work)."""
         if self.torch_device.type == "cuda":
             torch.cuda.set_device(self.torch_device)
-        return cur.train_step(self.iteration, self.cfg, self.settings, on_commit)
+        self.ex.groups.bind()
+        return fn()
 
     def reshape_if_due(self, pending: dict[int, Plan]) -> None:
         """Apply the plan scheduled before this iteration, else the bus's next command; a refused
@@ -253,8 +270,11 @@ class NativeRank:
             self.post, plan = posted
         if plan is None:
             return
+        started = time.perf_counter()
+        committed = threading.Event()  # set once the commit vote passed: a loss after it is the next step's
         try:
-            self.resumed(*ex.reshape(plan))
+            self.resumed(*self.watch.call(functools.partial(self.on_this_device, functools.partial(
+                ex.reshape, plan, committed.set)), f"reshape to epoch {plan.epoch}", committed.is_set))
         except ReshapeRefused as exc:
             log.warning("device %d: plan refused, training on at epoch %d: %s", self.device,
                         ex.current.layout.plan.epoch, exc)
@@ -262,6 +282,19 @@ class NativeRank:
             if follower is not None and self.post is not None:
                 follower.refused(self.post, str(exc))
                 self.post = None
+        except Exception as exc:
+            if not peer_failure(exc):
+                raise
+            # A rank died mid-reshape, before the commit: the running layout is intact, so the
+            # survivors recover from it as from a death while training; the plan is dropped.
+            log.warning("device %d: a rank died during the reshape to epoch %d; recovering without it",
+                        self.device, plan.epoch)
+            self.results["refused"].append(f"reshape to epoch {plan.epoch}: a rank died during it ({exc})"[:500])
+            if follower is not None and self.post is not None:
+                follower.refused(self.post, f"a rank died during the reshape to epoch {plan.epoch}; the survivors "
+                                 "recovered without it from the running layout")
+                self.post = None
+            self.recover(exc, time.perf_counter() - started)
 
     def resumed(self, report: ReshapeReport, rollback_to: int | None) -> None:
         """A reshape or recovery is done: its first step completes its report, and a roll-back
