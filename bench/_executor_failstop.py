@@ -1,5 +1,5 @@
-"""Fail-stop → training again for our own executors: ``resihp bench agent`` modes ``reference-tp|pp|dp``
-and ``native-tp|pp|dp``.
+"""Fail-stop → training again for our own executors: ``resihp bench agent`` modes ``reference-tp|pp|dp``,
+``native-tp|pp|dp`` and ``native-run``.
 
 The reference trainer (``resihp train``) runs 8 CPU ranks under its node agent (standalone on
 loopback, ranks forked from a server that preloaded the trainer) in a layout where rank 1 holds a
@@ -22,18 +22,28 @@ its replica dropped) and redo the iteration. Its launcher prints no iterations, 
 the ranks' own: each survivor's recovery phases summed (``agree`` runs from the step that failed
 to the quorum), the slowest survivor; what it leaves out is the launcher's notice of the death
 (its monitor interval, 0.05 s at most).
+
+``native-run`` is the native executor as an ordinary ``resihp run`` job (trainer/native/job.py):
+``resihp run --standalone --nproc-per-node 8 --on-failure shrink --preload trainer.native.worker
+-m trainer.native.job --spec …`` in the DP layout, rank 1 SIGKILLed the same way. The clock is
+the agent's and the ranks' output read as it comes: from the agent's line that rank 1 was killed
+(its monitor pass, every 0.05 s) to world rank 0's line for the first iteration at the survivors'
+plan (``--echo``), as the reference modes are clocked.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-EXECUTOR_MODES = ("reference-tp", "reference-pp", "reference-dp", "native-tp", "native-pp", "native-dp")
+EXECUTOR_MODES = ("reference-tp", "reference-pp", "reference-dp", "native-tp", "native-pp", "native-dp", "native-run")
 LAYOUTS = {"tp": (2, 1, 4), "pp": (1, 2, 4), "dp": (1, 1, 8)}  # (tp, pp, dp) of each position rank 1 holds
 VICTIM = 1
 KILL_AT = 6
@@ -45,6 +55,8 @@ def measure_executor(mode: str, args: argparse.Namespace):
     pause from the acknowledgement, and what came before it)."""
     if args.ranks != 8:
         raise SystemExit(f"{mode} runs 8 ranks (its layouts are 8 devices); pass --ranks 8")
+    if mode == "native-run":
+        return _measure_native_run()
     if mode.startswith("native-"):
         return _measure_native(mode)
     from bench.agent import Measurement
@@ -84,32 +96,80 @@ def measure_executor(mode: str, args: argparse.Namespace):
     return Measurement(mode, recovery_s, 1, {"reshape (the ack's pause)": pause_s})
 
 
-def _measure_native(mode: str):
-    """One SIGKILL of rank 1 under the native executor (see the module's docstring)."""
-    from bench.agent import Measurement
+def _native_spec(mode: str, layout: str, out_dir: Path):
+    """The native modes' run: rank 1 SIGKILLed in its first forward chunk of ``KILL_AT``."""
     from collector.plan import Plan
     from trainer.fault_spec import FaultSpec
     from trainer.native.model import LlamaConfig
     from trainer.native.stage import TrainSettings
-    from trainer.native.worker import NativeRunSpec, launch_native, read_results
+    from trainer.native.worker import NativeRunSpec
 
-    tp, pp, dp = LAYOUTS[mode.split("-")[1]]
+    tp, pp, dp = LAYOUTS[layout]
     plan = Plan.uniform(tp=tp, pp=pp, dp=dp, num_layers=4, microbatches_per_replica=2)
     cfg = LlamaConfig(dim=64, n_layers=4, n_heads=4, ffn_hidden=128, vocab_size=256)
-    tmp = Path(tempfile.mkdtemp(prefix=f"resihp-bench-{mode}-"))
-    try:
-        spec = NativeRunSpec(job=f"bench-{mode}", model=asdict(cfg),
-                             settings=asdict(TrainSettings(block_size=32, dp_mode="replicate")), plan=plan,
-                             iterations=KILL_AT + 3, out_dir=str(tmp), timeout_s=PG_TIMEOUT_S * 3, device="cpu",
-                             faults=[FaultSpec(kind="stop_device", device=VICTIM, at_iteration=KILL_AT)])
-        codes = launch_native(spec)
-        ranks, _ = read_results(tmp)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return NativeRunSpec(job=f"bench-{mode}", model=asdict(cfg),
+                         settings=asdict(TrainSettings(block_size=32, dp_mode="replicate")), plan=plan,
+                         iterations=KILL_AT + 3, out_dir=str(out_dir), timeout_s=PG_TIMEOUT_S * 3, device="cpu",
+                         faults=[FaultSpec(kind="stop_device", device=VICTIM, at_iteration=KILL_AT)])
+
+
+def _slowest_recovery(mode: str, out_dir: Path, codes: dict[int, int]) -> tuple[float, dict[str, float]]:
+    """The slowest survivor's recovery phases, summed, and each (rank result files in ``out_dir``)."""
+    from trainer.native.worker import read_results
+
+    ranks, _ = read_results(out_dir)
     survivors = {d: r for d, r in ranks.items() if r.get("reshapes")}
     if codes.get(VICTIM) != -9 or not survivors:
         raise SystemExit(f"bench agent {mode}: the job did not recover from rank {VICTIM}'s death (exit codes {codes})")
     totals = {d: sum(r["reshapes"][0]["phases_s"].values()) for d, r in survivors.items()}
     slowest = max(totals, key=lambda d: totals[d])
-    phases = {k: float(v) for k, v in survivors[slowest]["reshapes"][0]["phases_s"].items()}
-    return Measurement(mode, totals[slowest], 1, phases)
+    return totals[slowest], {k: float(v) for k, v in survivors[slowest]["reshapes"][0]["phases_s"].items()}
+
+
+def _measure_native(mode: str):
+    """One SIGKILL of rank 1 under the native executor's launcher (see the module's docstring)."""
+    from bench.agent import Measurement
+    from trainer.native.worker import launch_native
+
+    tmp = Path(tempfile.mkdtemp(prefix=f"resihp-bench-{mode}-"))
+    try:
+        codes = launch_native(_native_spec(mode, mode.split("-")[1], tmp))
+        total_s, phases = _slowest_recovery(mode, tmp, codes)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Measurement(mode, total_s, 1, phases)
+
+
+def _measure_native_run():
+    """One SIGKILL of rank 1 of a native DP8 job started with ``resihp run --on-failure shrink``,
+    clocked on the agent's and the ranks' output (see the module's docstring)."""
+    from bench.agent import Measurement
+
+    mode = "native-run"
+    tmp = Path(tempfile.mkdtemp(prefix=f"resihp-bench-{mode}-"))
+    try:
+        spec = _native_spec(mode, "dp", tmp / "out").model_copy(update={"echo": True})
+        (tmp / "spec.json").write_text(spec.model_dump_json())
+        cmd = [sys.executable, "-m", "resihp.cli", "run", "--no-telemetry", "--standalone", "--nproc-per-node", "8",
+               "--monitor-interval", "0.05", "--on-failure", "shrink", "--preload", "trainer.native.worker",
+               "--work-dir", str(tmp / "agent"), "-m", "trainer.native.job", "--spec", str(tmp / "spec.json")]
+        seen: dict[str, float] = {}
+        lines: list[str] = []
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}) as agent:
+            assert agent.stdout is not None
+            for line in agent.stdout:
+                now = time.monotonic()
+                lines.append(line)
+                if f"rank {VICTIM} (local {VICTIM}" in line and "SIGKILL" in line:
+                    seen.setdefault("death", now)
+                elif line.startswith("iteration ") and " epoch 1 " in line:
+                    seen.setdefault("again", now)
+        if agent.returncode != 0 or {"death", "again"} - set(seen):
+            raise SystemExit(f"bench agent {mode}: the job did not train again after rank {VICTIM} died (exit "
+                             f"{agent.returncode}):\n{''.join(lines[-20:])}")
+        codes = {VICTIM: -9}  # the agent said so (above); the others' exit is the agent's 0
+        _, phases = _slowest_recovery(mode, tmp / "out", codes)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Measurement(mode, seen["again"] - seen["death"], 1, phases)

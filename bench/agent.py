@@ -28,8 +28,9 @@ first step a new rank 0 finishes.
   The failed node's torchrun exits; the harness (a scheduler, here) stops the others and launches
   the whole job again, which resumes from the same checkpoint.
 * ``reference-tp|pp|dp`` and ``native-tp|pp|dp``: our own executors, 8 ranks under their own
-  launcher (not the agents above), losing rank 1 in a TP, a pipeline-stage or a DP position
-  (bench/_executor_failstop.py says how each is clocked).
+  launcher (not the agents above), losing rank 1 in a TP, a pipeline-stage or a DP position;
+  ``native-run``: the native executor's 8 ranks as a ``resihp run --on-failure shrink`` job
+  losing rank 1 in a DP position (bench/_executor_failstop.py says how each is clocked).
 
 The restarts lose the steps since the last checkpoint (``redone``); the shrink redoes at most the
 step the failure interrupted.
