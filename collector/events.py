@@ -926,6 +926,10 @@ class NodeOrder(BaseModel):
     reason: str = Field(default="", max_length=2000, description="why the detector blames the node")
     spare: SpareId = Field(default=None, description="a join's spare agent (its node.spare id), the one that takes the "
                                                      "place")
+    with_command: bool = Field(default=False, exclude_if=lambda v: not v,
+                               description="issued with the plan's command, not after its applied ack: the job's devices "
+                                           "leave the layout only with their node (plan.capabilities "
+                                           "leaves_by_node_stop), so the node's stop is how the layout changes")
 
 
 class PlanProposed(Payload):
@@ -935,7 +939,7 @@ class PlanProposed(Payload):
 
     KIND: ClassVar[str] = "plan.proposed"
     # 2 adds fraction_of_before, 3 not_offered, 4 writes a stage's devices as ranges ("8-15"), 5 node_orders,
-    # 6 a join order's spare
+    # 6 a join order's spare and an order's with_command
     VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, 3, 4, 5, 6)
     plan_id: str
     incident_ids: list[str] = Field(max_length=LIST_MAX)
@@ -1207,6 +1211,7 @@ class ExecutorCapabilities(Payload):
     collector/capabilities.py."""
 
     KIND: ClassVar[str] = "plan.capabilities"
+    VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # 2 adds leaves_by_node_stop
     executor: str = Field(min_length=1, max_length=200, description="reference, native, or a loop's own name")
     tp_shrink: Literal["per_stage", "uniform", "no"] = Field(
         default="per_stage", description="per_stage: any stage may run at its own TP degree; uniform: only every "
@@ -1219,6 +1224,11 @@ class ExecutorCapabilities(Payload):
     dp_drop: bool = True
     dp_microbatch_migration: bool = Field(default=True, description="replicas may run different micro-batch counts")
     spares: bool = Field(default=True, description="devices of the world may idle outside the plan (and come back)")
+    leaves_by_node_stop: bool = Field(
+        default=False, exclude_if=lambda v: not v,
+        description="devices leave the layout only with their node, whose stop drains their ranks at a step boundary "
+                    "(a shrinking data-parallel world): a node plan's orders go out with its command, which the "
+                    "executor acknowledges applied once the node's ranks have left")
     schedules: list[str] = Field(default_factory=lambda: list(SCHEDULES), max_length=64)
     notes: dict[str, str] = Field(default_factory=dict, description="the executor's own words per remediation "
                                                                     "(tp_shrink, pp_repartition …), quoted in plans")

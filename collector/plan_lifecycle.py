@@ -384,9 +384,12 @@ def _node_command(state: PlanLifecycle, e: Envelope, p: NodeCommand) -> PlanReco
     if p.command_id in record.node_commands:
         state.report(e, f"duplicate node command {p.command_id} for plan {record.plan_id}; ignored")
         return None
-    if record.status not in (PlanStatus.APPLIED, PlanStatus.VERIFIED, PlanStatus.ROLLED_BACK):
+    early = any(o.with_command for o in record.proposal.node_orders if o.command_id == p.command_id)
+    allowed = (PlanStatus.APPLIED, PlanStatus.VERIFIED, PlanStatus.ROLLED_BACK) + ((PlanStatus.COMMANDED,) if early else ())
+    if record.status not in allowed:
         state.report(e, f"node command {p.command_id} of plan {record.plan_id}, which is {record.status.value}: "
-                        "a node plan orders its nodes once its layout is applied")
+                        "a node plan orders its nodes once its layout is applied (with its command when the job's "
+                        "devices leave only with their node)")
     record.node_commands[p.command_id] = p
     return record
 

@@ -192,6 +192,13 @@ class EnginePlanning:
                 self.output.refuse(f"the best plan ({result.strategy}) is one the job cannot run: {cannot}",
                              key=f"incapable/{s.running_epoch}/{s.incident_version}")
                 return None
+            stopping = {d for node in (blamed if node_plan is not None else {}) for d in node_devices(cluster, node)}
+            kept_out = set(s.running_plan.devices) - set(result.plan.devices) - stopping - s.known_dead
+            if s.capabilities.leaves_by_node_stop and kept_out:
+                self.output.refuse(f"the best plan ({result.strategy}) leaves devices {sorted(kept_out)} out, but the "
+                                   "job's devices leave only with their node, and no node of theirs is stopped",
+                                   key=f"node-only/{s.running_epoch}/{s.incident_version}")
+                return None
         failed = s.failed()
         open_ids = {i.incident_id for i in s.open_incidents()}
         # A layout the trainer failed to apply would fail again; one rolled back for these same
@@ -216,6 +223,8 @@ class EnginePlanning:
             orders = stop_orders(plan_id, blamed, cluster, self.config.nodes, round_)
             spares = s.waiting_spares(self.config.nodes.run, cluster.hardware.devices_per_node, self.clock.signed_s)
             orders += join_orders(plan_id, orders, spares)
+            if s.capabilities is not None and s.capabilities.leaves_by_node_stop:  # the stop is how the layout changes
+                orders = [o.model_copy(update={"with_command": True}) for o in orders]
         payload = PlanProposed(
             plan_id=plan_id, incident_ids=[i.incident_id for i in s.open_incidents()],
             strategy=result.strategy, base_epoch=s.running_epoch, plan=result.plan,

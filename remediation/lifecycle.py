@@ -291,6 +291,8 @@ def reactions(state: LifecycleState, verification: Verification = Verification()
             out.append((f"command/{record.plan_id}", ReconfigureCommand(
                 command_id=f"cmd-{record.plan_id}", plan_id=record.plan_id, plan=prop.plan, run=state.run,
                 expires_at_s=None if now_s is None else now_s + COMMAND_TTL_S)))
+        elif record.status == PlanStatus.COMMANDED:
+            out += _node_orders(state, record, now_s, with_command=True)
         elif record.status == PlanStatus.APPLIED:
             out += _node_orders(state, record, now_s)
             judged = verdict(state, record, verification)
@@ -312,11 +314,15 @@ def reactions(state: LifecycleState, verification: Verification = Verification()
     return out
 
 
-def _node_orders(state: LifecycleState, record: PlanRecord, now_s: float | None) -> list[tuple[str, Payload]]:
+def _node_orders(state: LifecycleState, record: PlanRecord, now_s: float | None,
+                 with_command: bool = False) -> list[tuple[str, Payload]]:
     """A node plan's orders not issued yet, once its layout runs: the node holds nothing of the
-    plan then, so stopping it loses no work."""
+    plan then, so stopping it loses no work. ``with_command``: only the orders that go out with the
+    plan's command (a job whose devices leave only with their node: its stop drains the node's
+    ranks at a step boundary, and that is how the layout changes)."""
     return [(f"node/{order.command_id}", NodeCommand(
         command_id=order.command_id, node=order.node, action=order.action, round=order.round,
         reason=f"plan {record.plan_id}: {order.reason}"[:2000], run=order.run, spare=order.spare,
         expires_at_s=None if now_s is None else now_s + COMMAND_TTL_S))
-        for order in record.proposal.node_orders if order.command_id not in record.node_commands]
+        for order in record.proposal.node_orders if order.command_id not in record.node_commands
+        and (order.with_command or not with_command)]

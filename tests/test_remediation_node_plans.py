@@ -9,7 +9,7 @@ from collector import topics
 from collector.embedded import EmbeddedBus
 from collector.epoch_fence import COMMAND_TTL_S
 from collector.events import (
-    AckStatus, CommandAck, Evidence, FaultCategory, IncidentOpened, IterationPrediction, Location, NodeCommand,
+    AckStatus, CommandAck, Evidence, ExecutorCapabilities, FaultCategory, IncidentOpened, IterationPrediction, Location, NodeCommand,
     NodeCommandAck, NodeSpare, PolicyChanged, PolicyMode, Severity,
 )
 from collector.plan import Plan
@@ -162,6 +162,42 @@ def test_a_waiting_spare_is_ordered_into_the_stopped_nodes_place_and_its_join_re
         engine.poll_once()
         assert record.node_order_state(join.command_id) == "applied"
         assert not {4, 5, 6, 7} & engine.state.known_dead and "agent-spare" not in engine.state.spares
+        engine.close()
+
+
+def test_a_job_whose_devices_leave_only_with_their_node_gets_the_stop_with_the_command(tmp_path: Path) -> None:
+    """A shrinking data-parallel world (``leaves_by_node_stop``) changes its layout by the node's
+    stop, which drains the node's ranks: the orders go out with the command (every reader's fold
+    takes them there without a report), and a plan leaving out devices of a node it does not
+    stop is refused with why."""
+    analytics, trainer = Authors(JOB, "analytics"), Authors(JOB, "trainer")
+    dp = Plan.uniform(tp=1, pp=1, dp=16, num_layers=8, microbatches_per_replica=1)
+    caps = ExecutorCapabilities(executor="shrink", tp_shrink="no", tp_exclusion=False, pp_repartition="no",
+                                spares=False, leaves_by_node_stop=True)
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
+        bus.publish([Authors(JOB, "operator").make(PolicyChanged(
+            mode=PolicyMode.AUTO, auto_severities=[Severity.HIGH], actor="cli:test")), trainer.make(caps)])
+        config = EngineConfig(job=JOB, num_devices=16, hardware=HW, nodes=NodeSettings(run=RUN, round=3))
+        engine = RemediationEngine(bus, config, PlannerModel.uniform(8), dp)
+        bus.publish([analytics.make(_incident("n1", FaultCategory.FAIL_STOP, [Location(target="node", node=1)]))])
+        engine.poll_once()
+        (record,) = engine.state.plans.values()
+        assert record.status == PlanStatus.COMMANDED
+        (order,) = record.proposal.node_orders
+        assert order.with_command and list(record.node_commands) == [order.command_id]  # before any ack
+        events = [d.event for d in EventStream(bus, "reader", [topics.CONTROL],
+                                               on_assign=lambda ps: {tp: 0 for tp in ps}).poll(timeout_s=0.2)]
+        assert not fold(events, PlanLifecycle(job=JOB)).reports
+        engine.close()
+    with EmbeddedBus(tmp_path / "bus-one.sqlite") as bus:  # one slow device: its node is not blamed
+        bus.publish([trainer.make(caps)])
+        engine = RemediationEngine(bus, config, PlannerModel.uniform(8), dp)
+        bus.publish([analytics.make(_incident("s2", FaultCategory.FAIL_SLOW, [
+            Location(target="compute", rank=2, factor=30.0, measure="compute")]))])
+        engine.poll_once()
+        assert not engine.state.plans
+        assert any("leaves devices [2] out, but the job's devices leave only with their node" in r
+                   for r in engine.refusals), engine.refusals
         engine.close()
 
 
