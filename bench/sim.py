@@ -1,4 +1,6 @@
-"""Simulator speed: wall time to simulate 1,000 iterations of 1,024- and 16,384-GPU jobs.
+"""Simulator speed: wall time to simulate 1,000 iterations of 1,024- and 16,384-GPU jobs; with
+``--publish``, seconds to build and publish one 100k-rank step over 1 and N publisher processes
+(bench/_sim_publish.py).
 
 Truth/timing only: every chunk of every replica is timed through the schedule DAG with workload,
 noise, stalls and communication, but no telemetry objects are built (``telemetry: none``; one
@@ -25,6 +27,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-100k", action="store_true", help="leave out the 100,000-GPU estimate")
     parser.add_argument("--telemetry", action="store_true",
                         help="also time 20 iterations of the 1,024-GPU job with full telemetry objects built")
+    parser.add_argument("--publish", action="store_true",
+                        help="instead: seconds to build and publish a step of --scenario through 1 and N publishers, "
+                             "with the raw client on the same bytes")
+    parser.add_argument("--scenario", default="healthy_100k", help="with --publish: the scenario (default healthy_100k)")
+    parser.add_argument("--publishers", default="1,2", help="with --publish: publisher counts, comma-separated")
+    parser.add_argument("--backend", choices=["embedded", "kafka", "both"], default="both", help="with --publish")
+    parser.add_argument("--bootstrap", default=None,
+                        help="with --publish: Kafka bootstrap (default: the broker up on the default data dir, else "
+                             "one started for the bench and stopped after)")
+    parser.add_argument("--steps", type=int, default=5, help="with --publish: steps timed per run (after the first)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="with --publish: rounds, publisher counts alternating within each (others share the CPU)")
 
 
 def _engine(tp: int, pp: int, dp: int, mb: int, telemetry: Literal["all", "none"] = "none"):
@@ -39,6 +53,13 @@ def _engine(tp: int, pp: int, dp: int, mb: int, telemetry: Literal["all", "none"
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.publish:
+        from bench._sim_publish import run as run_publish
+
+        rows = run_publish(args)
+        if args.json:
+            print(json.dumps({"publish": rows}))
+        return 0
     runs = []
     print(f"{'GPUs':>8} {'layout':>16} {'iterations':>10} {'wall_s':>8} {'per-iter ms':>11}  note")
     for gpus, tp, pp, dp, mb, iters in JOBS:

@@ -75,7 +75,13 @@ def encode(event: Envelope) -> bytes:
         head = _rank_header(event, columns)
     else:
         return _bounded(event, event.__pydantic_serializer__.to_json(event))
-    return _bounded(event, b"".join((_PREFIX.pack(BINARY_MAGIC, BINARY_FORMAT, len(head)), head, blob)))
+    return _bounded(event, binary_record(head, blob))
+
+
+def binary_record(head: bytes, blob: bytes) -> bytes:
+    """A binary record from its header's JSON and its blob (no size check: ``encode`` bounds it).
+    The simulator's publishers write rank reports through it without building their events."""
+    return b"".join((_PREFIX.pack(BINARY_MAGIC, BINARY_FORMAT, len(head)), head, blob))
 
 
 _TABLES = {"payload": {"chunk_table": True, "comm_table": True}}

@@ -24,6 +24,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="simulated seconds per wall second: with --publish or --closed-loop each iteration goes "
                         "out when the simulated clock reaches it, a live job's steady rate (default: as fast as "
                         "possible)")
+    p.add_argument("--publishers", type=int, default=1,
+                   help="with --publish (open loop, no --out): processes that publish the ranks' telemetry, each with "
+                        "its own bus producer and a share of the DP replicas (default 1: this process); the job's "
+                        "own events go out from this process (docs/simulator.md)")
     p.add_argument("--list", action="store_true", help="list the scenario library and exit")
     add_bus_flags(p)
     p.set_defaults(func=run)
@@ -37,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from collector.trace import TraceWriter
     from resihp.options import bus_from_args
     from trainer.sim.engine import SimEngine
+    from trainer.sim.publishers import BusSpec, SplitPublisher, parent_wire, run_split_open_loop, whole_job_wire
     from trainer.sim.runner import Pacer, SimulatorRunner, run_open_loop
     from trainer.sim.scenario import load_scenario
 
@@ -60,6 +65,13 @@ def run(args: argparse.Namespace) -> int:
     if args.out is None and not (args.publish or args.closed_loop):
         print("nothing to do: give --out TRACE and/or --publish / --closed-loop")
         return 2
+    if args.publishers < 1:
+        print(f"--publishers must be at least 1, not {args.publishers}")
+        return 2
+    if args.publishers > 1 and (args.out or args.closed_loop or not args.publish):
+        print("--publishers N needs --publish, open loop, without --out: the publishers cannot follow a closed loop's "
+              "commands, and a trace is written from events in one process")
+        return 2
     writer = TraceWriter(args.out) if args.out else None
     bus = bus_from_args(args) if (args.publish or args.closed_loop) else None
     bar = tqdm(total=iterations, unit="it", desc=sc.name, disable=None)
@@ -82,6 +94,18 @@ def run(args: argparse.Namespace) -> int:
             finally:
                 runner.close()
             count = None
+        elif bus is not None and writer is None:  # the ranks' records written straight from the timings
+            pacer = Pacer(engine, args.speed) if args.speed else None
+            if args.publishers == 1:
+                engine.rank_wire = whole_job_wire(engine)
+                count = run_split_open_loop(engine, bus, None, iterations=iterations, duration_s=sc.duration_s,
+                                            progress=bar.update, pacer=pacer)
+            else:
+                engine.rank_wire = parent_wire(engine)
+                spec = BusSpec(args.bus, args.bus_path, args.bootstrap)
+                with SplitPublisher(engine.config, sc.all_faults(), spec, args.publishers) as publishers:
+                    count = run_split_open_loop(engine, bus, publishers, iterations=iterations,
+                                                duration_s=sc.duration_s, progress=bar.update, pacer=pacer)
         else:
             def sink(events: list) -> None:
                 if writer:

@@ -32,7 +32,7 @@ import hashlib
 import math
 import zlib
 from collections.abc import Iterator
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -53,6 +53,9 @@ from trainer.sim.telemetry import (
 )
 from trainer.sim.timing import Block, PlanTiming
 from trainer.sim.workload import WorkloadSpec
+
+if TYPE_CHECKING:
+    from trainer.sim.wire import RankWire
 
 SIM_EPOCH_TIME_S = 1_700_000_000.0  # 2023-11-14T22:13:20Z: simulated time starts here
 
@@ -134,7 +137,22 @@ class SimEngine:
         self._seen_commands: set[str] = set()
         self._ranks: set[int] | None = None if c.telemetry == "all" else set() if c.telemetry == "none" else set(c.telemetry)
         self._plan_news: PlanCurrentReason | None = "start"  # announce the running plan with the next events
+        self._rank_wire: RankWire | None = None
         self._setup_plan()
+
+    @property
+    def rank_wire(self) -> RankWire | None:
+        """Where the ranks' reports and heartbeats go instead of ``step()``'s events (None: they are
+        events). Open loop only, installed before the first step: the wire numbers the ranks'
+        events itself, and a closed loop's probe results would number them through the engine."""
+        return self._rank_wire
+
+    @rank_wire.setter
+    def rank_wire(self, wire: RankWire | None) -> None:
+        if self.iteration or self.now_s or self._next_heartbeat_s:
+            raise ValueError("install a rank wire before the engine's first step: it numbers the ranks' events "
+                             "from their first")
+        self._rank_wire = wire
 
     # ---- plan --------------------------------------------------------------------------------
 
@@ -151,6 +169,8 @@ class SimEngine:
         # who sends RankIteration and heartbeats: the dialect's traced ranks (the telemetry option narrows them)
         traced = None if self._tracing is None or self._tracing.traced_ranks is None else set(self._tracing.traced_ranks)
         self._reporting: set[int] | None = traced if traced is not None else self._ranks
+        if self._rank_wire is not None:
+            self._rank_wire.plan_changed(self.plan)
 
     # ---- faults ------------------------------------------------------------------------------
 
@@ -244,7 +264,9 @@ class SimEngine:
         t_end = self._abs(self.now_s + dur)
         out: list[Envelope] = []
         ranks, tracing = self._reporting, self._tracing
-        if (ranks is None or ranks) and (tracing is None or tracing.step_traced(k)):
+        if (ranks is None or ranks) and (tracing is None or tracing.step_traced(k)) and self._rank_wire is not None:
+            self._rank_wire.reports(block, j, k, t_end, ranks)
+        elif (ranks is None or ranks) and (tracing is None or tracing.step_traced(k)):
             for p in _rank_iterations(self.config, self.plan, self._timing.dp_bytes, block, j, k, ranks):
                 out.append(self.events.make(f"rank-{p.rank}", p, t_end))
         loss = 2.0 + 6.0 / math.sqrt(1.0 + k / 100.0)
@@ -261,6 +283,9 @@ class SimEngine:
             if ranks is None or ranks:
                 alive = [d for d in range(self.config.cluster.gpus) if d not in self.dead
                          and (ranks is None or d in ranks)]
+                if self._rank_wire is not None:
+                    self._rank_wire.heartbeats(alive, self.plan.epoch, self.iteration, interval, self._abs(t))
+                    alive = []
                 for d in alive:
                     hb = Heartbeat(rank=d, epoch=self.plan.epoch, iteration=self.iteration, interval_s=interval)
                     out.append(self.events.make(f"rank-{d}", hb, self._abs(t)))
@@ -396,13 +421,15 @@ class SimEngine:
 
 
 def _rank_iterations(config: SimConfig, plan: Plan, dp_bytes: list[list[int]], block: Block, j: int, iteration: int,
-                     ranks: set[int] | None) -> Iterator[RankIteration]:
-    """The ``RankIteration`` payloads of iteration ``j`` of ``block``, every replica's, as the
-    configured dialect records them (``ranks``: the ranks that report, None: all)."""
+                     ranks: set[int] | None, replicas: set[int] | None = None) -> Iterator[RankIteration]:
+    """The ``RankIteration`` payloads of iteration ``j`` of ``block``, every replica's (``replicas``:
+    only these), as the configured dialect records them (``ranks``: the ranks that report, None: all)."""
     dur = float(block.durations_s[j])
     for (g, timing, packed), (p2p_s, tp_s) in zip(block.parts, block.wires):
         R = len(g.replicas)
         for i, replica in enumerate(g.replicas):
+            if replicas is not None and replica not in replicas:
+                continue
             row = j * R + i
             if config.dialect in ("megatron", "profiler"):
                 payloads = dialect_rank_iterations(

@@ -25,8 +25,9 @@ from trainer.sim.engine import SimEngine
 Sink = Callable[[list[Envelope]], None]
 
 
-def _done(engine: SimEngine, start_iteration: int, iterations: int | None, duration_s: float | None,
-          max_hang_s: float | None = None) -> bool:
+def run_finished(engine: SimEngine, start_iteration: int, iterations: int | None, duration_s: float | None,
+                 max_hang_s: float | None = None) -> bool:
+    """Whether a run that started at ``start_iteration`` has reached its end."""
     if engine.finished:
         return True
     if max_hang_s is not None and engine.hanging_for_s > max_hang_s:
@@ -76,7 +77,7 @@ def run_open_loop(engine: SimEngine, sink: Sink, *, iterations: int | None = Non
     start = engine.iteration
     buf: list[Envelope] = []
     total = 0
-    while not _done(engine, start, iterations, duration_s, max_hang_s):
+    while not run_finished(engine, start, iterations, duration_s, max_hang_s):
         before = engine.iteration
         buf += engine.step()
         if progress is not None and engine.iteration != before:
@@ -148,7 +149,7 @@ class SimulatorRunner:
     def run(self, *, iterations: int | None = None, duration_s: float | None = None,
             stop: Callable[[], bool] = lambda: False) -> None:
         start = self.engine.iteration
-        while not stop() and not _done(self.engine, start, iterations, duration_s):
+        while not stop() and not run_finished(self.engine, start, iterations, duration_s):
             self.step()
         self.handle_control()
 

@@ -19,6 +19,7 @@ factor), so a slow link lengthens a fused timer even where no wait hides in it.
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ DIALECTS: tuple[str, ...] = ("ours", "megatron", "profiler", "sampled")
 SAMPLED_STEP_EVERY = 2  # the sampled dialect traces every 2nd iteration
 
 _ID_NAMESPACE = uuid.UUID("0b7d3f0e-8a51-4f5e-9a8e-5d3c9b1f2a61")
+_ID_NAMESPACE_BYTES = _ID_NAMESPACE.bytes  # UUID.bytes is computed at every read
 _KINDS = [ChunkKind(k) for k in KIND_NAMES]
 
 
@@ -55,7 +57,22 @@ class DeterministicEvents:
             factory = self._factories[source] = EventFactory(self.job, source)
         n = self._counts.get(source, 0)
         self._counts[source] = n + 1
-        return factory.make(payload, time_s=time_s, event_id=uuid.uuid5(_ID_NAMESPACE, f"{self.job}/{source}/{n}").hex)
+        return factory.make(payload, time_s=time_s, event_id=deterministic_id(self.job, source, n))
+
+    def numbered(self, source: str, payload: Payload, time_s: float, n: int) -> Envelope:
+        """The ``n``-th event of ``source``, for a producer that keeps that source's count itself
+        (trainer/sim/wire.py); this object's own count of it does not move."""
+        return EventFactory(self.job, source, first_seq=n).make(payload, time_s=time_s,
+                                                                 event_id=deterministic_id(self.job, source, n))
+
+
+def deterministic_id(job: str, source: str, n: int) -> str:
+    """The id of the ``n``-th event of ``source`` in ``job``: uuid5 of (job, source, n), written
+    out from its hash (``uuid.uuid5`` costs ~4x as much a call, at 100k ranks 0.4 s a step)."""
+    digest = bytearray(hashlib.sha1(_ID_NAMESPACE_BYTES + f"{job}/{source}/{n}".encode()).digest()[:16])
+    digest[6] = (digest[6] & 0x0F) | 0x50  # version 5
+    digest[8] = (digest[8] & 0x3F) | 0x80  # RFC 4122 variant
+    return digest.hex()
 
 
 def stage_ops(table: OpTable) -> list[np.ndarray]:
