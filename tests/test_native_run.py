@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from collector.plan import Plan
-from tests.test_agent_run import env
+from infra.etcd import start_cluster
+from tests.test_agent_run import env, free_port
 from tests.test_native_reshape import CFG, SETTINGS, ReplicaSpec, _assert_matches_reference, _plan
 from trainer.fault_spec import FaultSpec
 from trainer.native.job import job_spec, parser
@@ -56,6 +57,46 @@ def test_a_sigkilled_native_rank_under_resihp_run_shrink_is_recovered_in_the_job
         (recovery,) = ranks[device]["reshapes"]
         assert recovery["lost"] == [2] and recovery["source"] == "live" and recovery["iteration"] == 2
         assert ranks[device]["epochs"] == {"0": 0, "1": 0, "2": 1, "3": 1}
+
+
+@pytest.mark.processes  # tests/fixtures/tiers.py
+@pytest.mark.parametrize("backend", ["c10d", "etcd"])
+def test_a_native_rank_lost_in_a_two_node_resihp_run_job_is_recovered_on_c10d_and_on_etcd(tmp_path, backend):
+    # 2 agents × 2 ranks, TP1·PP1·DP4 replicated: device 3 (node 1's second rank) dies in
+    # iteration 2; node 1's agent marks it lost in the ranks' store — node 0's bootstrap store under
+    # c10d, the round's keys on a three-member etcd cluster (RESIHP_RANKS_STORE) — and the three
+    # survivors on both nodes recover and train to the reference state.
+    replicas: list[ReplicaSpec] = [(1, [((d,), 0, 4)]) for d in range(4)]
+    out = tmp_path / "out"
+    spec = NativeRunSpec(model=asdict(CFG), settings=asdict(replace(SETTINGS, dp_mode="replicate")),
+                         plan=_plan(0, *replicas), iterations=4, out_dir=str(out), timeout_s=60, device="cpu",
+                         faults=[FaultSpec(kind="stop_device", device=3, at_iteration=2)])
+    (tmp_path / "spec.json").write_text(spec.model_dump_json())
+    cluster = start_cluster(tmp_path / "etcd") if backend == "etcd" else None
+    try:
+        endpoint = cluster.endpoints if cluster is not None else f"127.0.0.1:{free_port()}"
+        agents = []
+        for node in (0, 1):
+            cmd = [sys.executable, "-m", "resihp.cli", "run", "--no-telemetry", "--nnodes", "2", "--nproc-per-node",
+                   "2", "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", f"native-{backend}",
+                   "--node-rank", str(node), "--max-restarts", "0", "--monitor-interval", "0.05", "--on-failure",
+                   "shrink", "--preload", "trainer.native.worker", "--work-dir", str(tmp_path / f"agent-{node}"),
+                   "-m", "trainer.native.job", "--spec", str(tmp_path / "spec.json")]
+            agents.append(subprocess.Popen(cmd, env=env(), stdout=open(tmp_path / f"node{node}.log", "w"),
+                                           stderr=subprocess.STDOUT, text=True))
+        codes = [a.wait() for a in agents]
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    logs = [(tmp_path / f"node{node}.log").read_text() for node in (0, 1)]
+    assert codes == [0, 0], logs
+    assert "rank 3 (local 1" in logs[1] and "SIGKILL; its peers go on without it" in logs[1], logs[1]
+    ranks, params = read_results(out)
+    assert sorted(ranks) == [0, 1, 2]
+    _assert_matches_reference(ranks, params, 4)
+    for device in (0, 1, 2):
+        (recovery,) = ranks[device]["reshapes"]
+        assert recovery["lost"] == [3] and recovery["source"] == "live" and recovery["iteration"] == 2
 
 
 def _args(*argv: str) -> argparse.Namespace:
