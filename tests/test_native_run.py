@@ -19,9 +19,14 @@ from pathlib import Path
 
 import pytest
 
+from collector import topics
+from collector.embedded import EmbeddedBus
+from collector.events import ReshapePhase
 from collector.plan import Plan
+from collector.stream import EventStream
 from infra.etcd import start_cluster
 from tests.test_agent_run import env, free_port
+from tests.test_native_recovery import PHASES
 from tests.test_native_reshape import CFG, SETTINGS, ReplicaSpec, _assert_matches_reference, _plan
 from trainer.fault_spec import FaultSpec
 from trainer.native.job import job_spec, parser
@@ -29,11 +34,13 @@ from trainer.native.worker import NativeRunSpec, read_results
 
 
 def run_native_job(tmp_path: Path, spec: NativeRunSpec, ranks: int, *flags: str) -> subprocess.CompletedProcess:
-    """``resihp run --on-failure shrink`` of ``spec`` on ``ranks`` ranks of one node, to its end."""
+    """``resihp run --on-failure shrink`` of ``spec`` on ``ranks`` ranks of one node, to its end, its
+    agent and ranks publishing to the embedded bus ``bus.sqlite`` as job ``native-job``."""
     (tmp_path / "spec.json").write_text(spec.model_dump_json())
-    cmd = [sys.executable, "-m", "resihp.cli", "run", "--no-telemetry", "--standalone", "--nproc-per-node", str(ranks),
-           "--monitor-interval", "0.05", "--on-failure", "shrink", "--work-dir", str(tmp_path / "agent"), *flags,
-           "-m", "trainer.native.job", "--spec", str(tmp_path / "spec.json")]
+    cmd = [sys.executable, "-m", "resihp.cli", "run", "--job", "native-job", "--bus", "embedded", "--bus-path",
+           str(tmp_path / "bus.sqlite"), "--standalone", "--nproc-per-node", str(ranks), "--monitor-interval", "0.05",
+           "--on-failure", "shrink", "--work-dir", str(tmp_path / "agent"), *flags,
+           "-m", "trainer.native.job", "--spec", str(tmp_path / "spec.json"), "--telemetry"]
     return subprocess.run(cmd, env=env(), capture_output=True, text=True, check=False)
 
 
@@ -57,6 +64,14 @@ def test_a_sigkilled_native_rank_under_resihp_run_shrink_is_recovered_in_the_job
         (recovery,) = ranks[device]["reshapes"]
         assert recovery["lost"] == [2] and recovery["source"] == "live" and recovery["iteration"] == 2
         assert ranks[device]["epochs"] == {"0": 0, "1": 0, "2": 1, "3": 1}
+    # each survivor published its recovery's phases on the agent's bus, under the agent's job name
+    with EmbeddedBus(tmp_path / "bus.sqlite") as bus, EventStream(bus, "test", [topics.TELEMETRY],
+                                                                  job="native-job") as stream:
+        phases = []
+        while batch := stream.poll(timeout_s=0.5):
+            phases += [d.event.payload for d in batch if isinstance(d.event.payload, ReshapePhase)]
+    assert {(p.rank, p.phase.value) for p in phases} == {(d, phase) for d in (0, 1, 3) for phase in PHASES}
+    assert all(p.epoch == 1 and p.iteration == 2 and p.ok for p in phases)
 
 
 @pytest.mark.processes  # tests/fixtures/tiers.py
