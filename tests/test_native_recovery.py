@@ -11,6 +11,8 @@ the periodic DCP checkpoint (the steps since it are redone).
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -18,12 +20,15 @@ import pytest
 
 from collector import topics
 from collector.embedded import EmbeddedBus
-from collector.events import PlanCurrent, ReshapePhase
+from collector.epoch_fence import COMMAND_TTL_S
+from collector.events import AckStatus, CommandAck, PlanCurrent, ReconfigureCommand, ReshapePhase
 from collector.stream import EventStream
 from trainer.fault_spec import FaultSpec
 from trainer.native.parallelize import DpMode
 from trainer.native.worker import NativeRunSpec, ReshapeFault, ScheduledReshape, launch_native, read_results
 from trainer.spec import BusSpec
+from tests.fixtures.signing import Authors
+from tests.test_native_commands import JOB, _control
 from tests.test_native_reshape import CFG, SETTINGS, _assert_matches_reference, _plan
 
 pytestmark = pytest.mark.processes  # tests/fixtures/tiers.py
@@ -156,3 +161,49 @@ def test_a_rank_killed_mid_reshape_is_recovered_from_the_running_layout_and_equa
         assert ranks[device]["epochs"] == {"0": 0, "1": 0, "2": 1, "3": 1} and not ranks[device].get("released")
         (refused,) = ranks[device]["refused"]
         assert "reshape to epoch 1: a rank died during it" in refused
+
+
+def test_a_rank_killed_in_a_commanded_reshape_fails_the_command_and_the_survivors_plan_is_adopted(tmp_path):
+    # The same DP3 job obeying bus commands; the engine commands the DP drop (epoch 1) and device 1
+    # is SIGKILLed at the end of that reshape's stages_rebuilt: the command is acknowledged failed
+    # (the survivors refused its post, naming the death), the launcher adopts the survivors' own
+    # plan (epoch 1: 2/2 on devices 0 and 2) and announces it, and training equals the reference.
+    start = _plan(0, (2, [((0,), 0, 4)]), (1, [((1,), 0, 4)]), (1, [((2,), 0, 4)]))
+    dropped = _plan(1, (2, [((0,), 0, 4)]), (2, [((1,), 0, 4)]))
+    path = tmp_path / "bus.sqlite"
+    EmbeddedBus(path).close()
+    failures: list[BaseException] = []
+
+    def command() -> None:
+        try:
+            with EmbeddedBus(path) as bus:
+                while not (announced := [e.payload for e in _control(bus) if isinstance(e.payload, PlanCurrent)]):
+                    time.sleep(0.05)
+                bus.publish([Authors(JOB, "remediation").make(ReconfigureCommand(
+                    command_id="c-drop", plan_id="drop", plan=dropped, run=announced[0].run,
+                    expires_at_s=time.time() + COMMAND_TTL_S))])
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            failures.append(exc)
+
+    commander = threading.Thread(target=command, daemon=True)
+    commander.start()
+    spec = NativeRunSpec(job=JOB, model=asdict(CFG), settings=asdict(replace(SETTINGS, dp_mode="replicate")),
+                         plan=start, iterations=8, out_dir=str(tmp_path / "out"), timeout_s=60, device="cpu",
+                         commands=True, bus=BusSpec(backend="embedded", path=str(path)),
+                         reshape_faults=[ReshapeFault(device=1, epoch=1, phase="stages_rebuilt", action="kill")])
+    codes = launch_native(spec)
+    commander.join()
+    assert not failures and codes == {0: 0, 1: -9, 2: 0}, (failures, codes)
+    with EmbeddedBus(path) as bus:
+        events = [e.payload for e in _control(bus)]
+    (ack,) = [e for e in events if isinstance(e, CommandAck)]
+    assert ack.command_id == "c-drop" and ack.status == AckStatus.FAILED
+    assert "a rank died during the reshape to epoch 1" in ack.detail or "devices [1] exited" in ack.detail, ack.detail
+    announced = [e for e in events if isinstance(e, PlanCurrent)]
+    assert [(p.plan.epoch, p.reason, p.plan.devices) for p in announced] == [(0, "start", [0, 1, 2]),
+                                                                           (1, "reshape", [0, 2])]
+    ranks, params = read_results(tmp_path / "out")
+    _assert_matches_reference(ranks, params, 8)
+    for device in (0, 2):
+        (recovery,) = ranks[device]["reshapes"]
+        assert recovery["lost"] == [1] and recovery["epoch"] == 1 and ranks[device]["final_epoch"] == 1

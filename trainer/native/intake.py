@@ -99,7 +99,7 @@ class NativeCommandIntake:
         if refused:
             why = self.store.get(refused_key(post, refused[0])).decode()
             self.posted = None
-            self.listener.ack_failed(command, f"refused at agree, still at epoch {self.listener.running.epoch}: {why}")
+            self.listener.ack_failed(command, f"refused by the ranks, still at epoch {self.listener.running.epoch}: {why}")
             return
         dead = sorted(d for d in set(world) | set(running) if d not in alive)
         done = [d for d in world if self.store.check([done_key(post, d)])]
