@@ -19,8 +19,9 @@ Two halves over the launcher's TCPStore, like the reference trainer's (trainer/r
   The rank then reshapes through :class:`~trainer.native.executor.NativeExecutor` and reports
   ``done`` (the phases) or ``refused`` (why) under the post's number.
 
-What can go wrong: a rank that dies mid-reshape leaves the post without its report; the launcher
-acks ``failed`` once the process has exited. A rank that dies while training is recovered from
+What can go wrong: a rank that dies mid-reshape leaves the post without its report, and the
+survivors refuse it (they recover from the running layout without the dead rank); the launcher
+acks ``failed`` on the first refusal, or once the process has exited. A rank that dies while training is recovered from
 by the survivors (trainer/native/recovery.py) without a command: the new world's first rank
 writes their plan (``native/cmd/recovered``) and the launcher adopts it as the running plan
 (``CommandListener.adopt``: the fence moves to its epoch, ``plan.current`` is re-announced).
