@@ -3,9 +3,11 @@
 The run is a ``NativeRunSpec``: the model, the first plan, and the reshapes to apply (each a
 plan and the iteration boundary to apply it at — from a test, the benchmark, or ``resihp train
 --native --reshape``). The ranks run under the node agent as the reference trainer's do
-(trainer/agent/standalone.py): it hosts the store (so any rank may die) and forks one process per
-device from a fork server that imported this module once; :class:`NativeController` marks the dead
-lost and relays the bus's commands. Each rank trains, reshapes through
+(trainer/agent/standalone.py): it hosts the store (so any rank may die), forks one process per
+device from a fork server that imported this module once and, as ``resihp run --on-failure
+shrink`` does, marks a rank that dies lost; :class:`NativeController` relays the bus's commands.
+The same rank runs under ``resihp run`` (trainer/native/job.py), finding its device, store and
+keys the same way (:meth:`NativeRank.join`). Each rank trains, reshapes through
 :class:`NativeExecutor`, publishes telemetry (one ``RankIteration`` per iteration, the schedule's
 own chunk timings) and writes ``rank-<device>.json`` (losses, reshape phases, refusals) to
 ``out_dir``; replica 0's TP rank 0 of each stage also writes its stage's final full parameters to
