@@ -98,8 +98,9 @@ class EnginePlanning:
         return n
 
     def view(self) -> PlanningView:
-        """Which open incidents can be planned around now (remediation.planning_view)."""
-        return planning_view(self.state.open_incidents(), self.clock.signed_s, self.config.localisation_wait_s)
+        """Which open incidents can be planned around now (remediation.planning_view), each without
+        the ranks a spare took over after it opened (``LifecycleState.current_incidents``)."""
+        return planning_view(self.state.current_incidents(), self.clock.signed_s, self.config.localisation_wait_s)
 
     def cluster(self, view: PlanningView | None = None) -> ClusterState:
         """The cluster implied by the open incidents the planner can locate; locations it cannot

@@ -21,9 +21,10 @@ reaction has a deterministic event id, so publishing one twice is harmless.
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from collector import incident_lifecycle, plan_lifecycle
@@ -61,6 +62,27 @@ class LifecycleState(PlanLifecycle, IncidentLifecycle):
     capabilities: ExecutorCapabilities | None = None  # the executor's latest plan.capabilities (None: runs all)
     node_round: int | None = None  # the newest rendezvous round a node agent said it runs (command.node_ack)
     spares: dict[str, NodeSpare] = field(default_factory=dict)  # spare id -> its newest claim that it waits
+    # rank -> when a spare's join took it over (the join ack's time): an incident opened before that
+    # names the machine that left, not the one that runs the rank now
+    replaced_at: dict[int, float] = field(default_factory=dict)
+    node_replaced_at: dict[int, float] = field(default_factory=dict)  # node (group rank) -> the same, for node locations
+
+    def current_incidents(self) -> list[IncidentRecord]:
+        """The open incidents as they bear on the machines running now: a location on a rank a spare
+        took over after the incident opened is dropped, and an incident left with none is not
+        current (the detector resolves it once it measures the new machine healthy, or opens a new
+        one if it is not)."""
+        out = []
+        for record in self.open_incidents():
+            kept = [loc for loc in record.locations
+                    if self.replaced_at.get(loc.rank if loc.rank is not None else -1, -math.inf) <= record.opened_at_s
+                    and (loc.target != "node" or loc.node is None
+                         or self.node_replaced_at.get(loc.node, -math.inf) <= record.opened_at_s)]
+            if len(kept) == len(record.locations):
+                out.append(record)
+            elif kept:
+                out.append(replace(record, locations=kept))
+        return out
 
     def waiting_spares(self, run: str | None, ranks: int, now_s: float | None) -> list[str]:
         """The spares that wait for a place of ``ranks`` ranks in ``run`` and that no plan's join
@@ -213,6 +235,8 @@ def _node_ack(state: LifecycleState, e: Envelope, p: NodeCommandAck) -> None:
         state.incident_version += 1  # the cluster changed: a cue to plan again
     elif p.status == AckStatus.APPLIED and p.action == "join":
         state.known_dead.difference_update(p.ranks)
+        state.replaced_at.update({rank: e.time_s for rank in p.ranks})
+        state.node_replaced_at[p.node] = e.time_s
         state.spares.pop(e.source, None)  # the spare that took the place waits no more
         state.incident_version += 1
     plan_lifecycle.transition(state, e)

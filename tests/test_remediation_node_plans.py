@@ -162,6 +162,9 @@ def test_a_waiting_spare_is_ordered_into_the_stopped_nodes_place_and_its_join_re
         engine.poll_once()
         assert record.node_order_state(join.command_id) == "applied"
         assert not {4, 5, 6, 7} & engine.state.known_dead and "agent-spare" not in engine.state.spares
+        # the incident named the machine that left: the spare's node is not planned around again
+        assert engine.state.open_incidents() and not engine.state.current_incidents()
+        assert len(engine.state.plans) == 1
         engine.close()
 
 

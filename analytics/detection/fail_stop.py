@@ -389,6 +389,10 @@ class FailStopWatch:
         t = self.table
         t.rows(np.fromiter(present, np.int64, len(present)))
         keep = t.mask(present)
+        # A rank back in the plan (a spare took its node's place, a repaired device) reported in this
+        # epoch: that report is its proof of life, not a heartbeat from before it left.
+        back = keep & ~t.watched & ~np.isnan(t.hb_time_s) & np.isfinite(t.time_s)
+        t.hb_time_s[back] = np.fmax(t.hb_time_s[back], t.time_s[back])
         t.retired[:] = (t.heard | t.watched) & ~keep
         t.watched[:] = keep
         self.watched_n = len(present)

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from trainer.agent.commands import JoinOrders, NodeCommands
     from trainer.agent.etcd_client import EtcdClient
     from trainer.agent.node import AgentSettings, NodeAgent
+    from trainer.agent.shrink_executor import ShrinkExecutor
     from trainer.telemetry import TelemetryPublisher
     from trainer.torchtitan.controller import TitanRelayout
 
@@ -84,6 +85,7 @@ class AgentLaunch:
         self.relayout: TitanRelayout | None = None
         self.finished = False  # this agent ends on purpose: its peers must not take its ranks for lost
         self.orders: JoinOrders | None = None  # a spare's wait for a join order (--join-on-command)
+        self.shrink_executor: ShrinkExecutor | None = None  # a shrinking world's executor (--on-failure shrink)
 
     def check_flags(self) -> None:
         """The join flags make sense only together: fails with the flags to pass."""
@@ -225,6 +227,18 @@ class AgentLaunch:
         head = self.program_args.index(args.training_script) + 1
         self.program_args = self.program_args[:head] + self.relayout.initial_args(self.program_args[head:])
 
+    def open_shrink_executor(self) -> None:
+        """Under --on-failure shrink with the bus on, the executor of a shrinking world
+        (trainer/agent/shrink_executor.py): idle until the job's ranks report their world."""
+        args = self.args
+        if args.no_telemetry or args.on_failure != "shrink" or args.join_running:
+            return
+        from collector.epoch_fence import run_of
+        from trainer.agent.shrink_executor import ShrinkExecutor
+
+        self.shrink_executor = ShrinkExecutor(args.job, self.bus.open, run_of(self.config.run_id),
+                                              self.config.nproc_per_node)
+
     def settings(self) -> AgentSettings:
         from trainer.agent.node import AgentSettings
 
@@ -237,6 +251,7 @@ class AgentLaunch:
                              job_store=self.job_store, etcd=self.etcd,
                              hosts_rendezvous=rdzv is not None and rdzv.hosting, commands=self.commands,
                              stop_grace_s=args.stop_grace_s, drain_s=args.drain_s, relayout=self.relayout,
+                             shrink_executor=self.shrink_executor,
                              rank_env={} if args.no_telemetry else self.bus.environment())
 
     def worker_spec(self, settings: AgentSettings) -> WorkerSpec:
@@ -254,6 +269,10 @@ class AgentLaunch:
 
             entrypoint, program_args = run_script, program_args[program_args.index("trainer.agent.child") + 1:]
             settings.preload = tuple(m for m in self.args.preload.split(",") if m)
+            if self.args.join_running:  # a spare imports while it waits, not once it has a place
+                from trainer.agent.pcontext import start_fork_server
+
+                start_fork_server(settings.preload)
         config = self.config
         master_addr, master_port = self.master
         return WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
@@ -270,6 +289,7 @@ class AgentLaunch:
         self.rendezvous()
         self.open_telemetry()
         self.open_executor()
+        self.open_shrink_executor()
         settings = self.settings()
         spec = self.worker_spec(settings)
         self.agent = agent = NodeAgent(spec, self.config.logs_specs, settings,
@@ -300,7 +320,7 @@ class AgentLaunch:
                 pass
         if self.orders is not None:
             self.orders.close()
-        for client in (self.relayout, self.telemetry, self.predicted, self.commands):
+        for client in (self.relayout, self.shrink_executor, self.telemetry, self.predicted, self.commands):
             if client is not None:
                 client.close()
 

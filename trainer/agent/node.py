@@ -63,6 +63,7 @@ from trainer.agent.flight import FLIGHT_DIR_ENV, LOST, FlightEntry, flight_file_
 from trainer.agent.predicted import PredictedIteration
 from trainer.agent.presence import AgentPresence, PeerAgent
 from trainer.agent.shrink import STORE_SCOPE_ENV, admitted_key, is_lost, mark_lost
+from trainer.agent.shrink_executor import ShrinkExecutor
 from trainer.agent.signed_store import RANK_WRITERS, SignedStore
 from trainer.agent.store import AgentError, forget_bootstrap_store
 from trainer.agent.vacancy import (Vacancy, VacancyRendezvous, check_in_for_dead_agent, publish_vacancy,
@@ -97,6 +98,7 @@ class AgentSettings:
     preload: tuple[str, ...] = ()  # fork the ranks from a server that imported these (trainer/agent/pcontext.py)
     controller: JobController | None = None  # the job's own death policy; torch restarts nothing
     relayout: Relayout | None = None  # the job restarts at a new layout on command (trainer/agent/relayout.py)
+    shrink_executor: ShrinkExecutor | None = None  # a shrinking world's layout and node plans (shrink_executor.py)
     rank_env: dict[str, str] = field(default_factory=dict)  # what the ranks need to reach the agent's bus
 
 
@@ -267,6 +269,9 @@ class NodeAgent(LocalElasticAgent):
         if now >= self._next_beat:
             self._next_beat = now + self.settings.heartbeat_s
             self._heartbeat(pids, local, entries)
+        if self.settings.shrink_executor is not None and now >= self._next_commands:
+            self.settings.shrink_executor.watch(self._store_of_ranks(worker_group),
+                                                {w.global_rank for w in worker_group.workers})
         if self._stop_orders is not None and now >= self._next_commands:
             self._next_commands = now + self.settings.share_s
             self._stop_orders.obey(worker_group, self.watched_ranks(),

@@ -139,6 +139,24 @@ class WatchedSubprocessContext(RankWatch, SubprocessContext):
         return self.subprocess_handlers[local_rank].proc.pid
 
 
+def _fork_server_context(preload: Sequence[str]) -> Any:
+    """multiprocessing's forkserver context, its server to import ``preload`` and this module (a
+    rank's first steps import nothing)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([*preload, __name__])
+    return ctx
+
+
+def start_fork_server(preload: Sequence[str]) -> None:
+    """Start the fork server now rather than at the first rank: a spare that waits for a place
+    (``--join-running --preload``) has its ranks' imports done before it takes one. The server
+    ends with this process (multiprocessing's forkserver watches its parent's pipe)."""
+    from multiprocessing import forkserver
+
+    _fork_server_context(preload)
+    forkserver.ensure_running()
+
+
 class PreloadedContext(RankWatch, PContext):
     """Ranks forked from a fork server that imported ``preload``; ``entrypoint`` is a function
     (picklable by reference) called with each rank's arguments, its environment set first."""
@@ -154,8 +172,7 @@ class PreloadedContext(RankWatch, PContext):
     def _start(self) -> None:
         if self._procs:
             raise ValueError("the preloaded ranks are already started; a context starts once")
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload([*self.preload, __name__])  # this module too: a rank's first steps import nothing
+        ctx = _fork_server_context(self.preload)
         for lr in range(self.nprocs):
             env = {**os.environ, **self.envs[lr]}  # as a fresh interpreter would inherit it
             self._procs[lr] = ctx.Process(target=_preloaded_rank, name=f"{self.name}-{lr}", args=(

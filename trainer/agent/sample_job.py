@@ -32,6 +32,7 @@ import torch.distributed as dist
 from collector.settings import elastic_environment
 from trainer.agent.flight import FlightRecorder
 from trainer.agent.shrink import ShrinkingWorld, WorldFinished, shrink_enabled
+from trainer.agent.shrink_executor import WorldTelemetry
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,7 +54,32 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=30.0, help="collective timeout")
     p.add_argument("--ignore-sigterm", action="store_true",
                    help="ignore SIGTERM, as a rank stuck in a driver call does (tests: the agent's SIGKILL after grace)")
+    p.add_argument("--report", action="store_true",
+                   help="publish each rank's telemetry (a forward and a backward chunk per micro-batch, the gradient "
+                        "all-reduce) and, from the world's first rank, the world it steps in, for the agent's executor "
+                        "(trainer/agent/shrink_executor.py): the platform can then find a slow node and order it out; "
+                        "needs the bus (not --no-telemetry) and --on-failure shrink")
+    p.add_argument("--microbatch", type=int, default=16, help="samples per micro-batch (--report)")
+    p.add_argument("--sample-s", type=float, default=0.0,
+                   help="extra seconds per sample of the rank's share (emulates a device whose time scales with the work)")
+    p.add_argument("--slow", default=None, metavar="FACTOR@STEP",
+                   help="this process's emulated device (--step-s, --sample-s) is FACTOR times slower from step STEP: "
+                        "give it to one node's agent to emulate a slow node")
     return p.parse_args(argv)
+
+
+def slowdown(spec: str | None) -> tuple[float, int]:
+    """``--slow FACTOR@STEP`` as (factor, first step); (1, 0) when not given."""
+    if not spec:
+        return 1.0, 0
+    factor, _, step = spec.partition("@")
+    try:
+        parsed = float(factor), int(step or 0)
+    except ValueError:
+        raise SystemExit(f"--slow {spec!r}: expected FACTOR@STEP, e.g. 3@20") from None
+    if parsed[0] < 1 or parsed[1] < 0:
+        raise SystemExit(f"--slow {spec!r}: FACTOR is at least 1 and STEP a step number from 0")
+    return parsed
 
 
 def build(width: int, seed: int = 0) -> torch.nn.Module:
@@ -74,7 +100,12 @@ def sample(step: int, index: int, width: int) -> tuple[torch.Tensor, torch.Tenso
 
 def local_loss(model: torch.nn.Module, step: int, rank: int, world: int, batch: int, width: int) -> torch.Tensor:
     """This rank's share of the step's mean squared error: its samples (i ≡ rank mod world) over the global batch."""
-    pairs = [sample(step, i, width) for i in range(rank, batch, world)]
+    return share_loss(model, step, list(range(rank, batch, world)), batch, width)
+
+
+def share_loss(model: torch.nn.Module, step: int, indices: list[int], batch: int, width: int) -> torch.Tensor:
+    """The samples ``indices`` of step ``step``'s share of the mean squared error over the global batch."""
+    pairs = [sample(step, i, width) for i in indices]
     if not pairs:
         return sum((p.sum() * 0 for p in model.parameters()), torch.zeros(()))
     x, y = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
@@ -122,10 +153,11 @@ def stop_agreed(world: ShrinkingWorld | None, path: str) -> bool:
 
 def train(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int,
           world: ShrinkingWorld | None, flight: FlightRecorder | None, restart: int,
-          state: Callable[[], dict], load: Callable[[dict], None]) -> None:
+          state: Callable[[], dict], load: Callable[[dict], None], telemetry: WorldTelemetry | None = None) -> None:
     """Steps ``step`` … ``args.steps`` − 1; under a shrinking world, a failed collective is recovered
     in place and the step is run again by the new world."""
     ckpt = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    slow = slowdown(args.slow)
     while step < args.steps:
         if args.stop_file:
             stop_started = time.monotonic()
@@ -142,9 +174,24 @@ def train(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Opt
         if flight:
             flight.step(step)
             flight.enter("forward")
-        loss = local_loss(model, step, rank, size, args.batch, args.width)
-        loss.backward()
-        time.sleep(args.step_s)
+        report = telemetry.begin(step, world) if telemetry and world else None
+        factor = slow[0] if step >= slow[1] else 1.0
+        indices = list(range(rank, args.batch, size))
+        loss = torch.zeros(())
+        per_mb = args.microbatch if args.report else max(1, len(indices))  # unreported: the share at once, as ever
+        for mb, start in enumerate(range(0, max(1, len(indices)), per_mb)):
+            part = indices[start:start + per_mb]
+            began = time.perf_counter()
+            mb_loss = share_loss(model, step, part, args.batch, args.width)
+            if report is not None and part:
+                report.chunk("F", mb, duration_s=time.perf_counter() - began, seq_lens=[args.width] * len(part))
+            began = time.perf_counter()
+            mb_loss.backward()
+            time.sleep(args.sample_s * len(part) * factor)  # the emulated device's share of the work
+            if report is not None and part:
+                report.chunk("B", mb, duration_s=time.perf_counter() - began, seq_lens=[args.width] * len(part))
+            loss = loss + mb_loss.detach()
+        time.sleep(args.step_s * factor)
         if flight:
             flight.enter("all_reduce(gradients)")
         reduce_started = time.monotonic()
@@ -163,6 +210,9 @@ def train(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Opt
                 flight.enter("recovery")
             step = world.recover("all_reduce(gradients)", reduce_started, step, state, load)
             continue
+        if report is not None and telemetry is not None:
+            report.comm_wait("dp_allreduce", duration_s=time.monotonic() - reduce_started)
+            telemetry.end(report, loss.item() * size if rank == 0 else None)
         if flight:
             flight.enter("optimizer")
         opt.step()
@@ -214,16 +264,21 @@ def main(argv: list[str] | None = None) -> int:
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
 
+    telemetry = WorldTelemetry(args, elastic.RANK) if args.report and world is not None else None
     try:
         if world is not None and world.joining:  # it replaces a lost rank: the world takes it at a step boundary
             if flight:
                 flight.enter("join")
             step = world.join(state, load)
-        train(args, model, opt, step, world, flight, restart, state, load)
+        train(args, model, opt, step, world, flight, restart, state, load, telemetry)
     except WorldFinished:  # benched, and the world ended the job before taking this rank back
+        if telemetry:
+            telemetry.close()
         if flight:
             flight.finish()
         os._exit(0)
+    if telemetry:
+        telemetry.close()
     if flight:
         flight.enter("barrier(end)")
     world.barrier() if world else dist.barrier()
