@@ -37,6 +37,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --publish: Kafka bootstrap (default: the broker up on the default data dir, else "
                              "one started for the bench and stopped after)")
     parser.add_argument("--steps", type=int, default=5, help="with --publish: steps timed per run (after the first)")
+    parser.add_argument("--live", action="store_true",
+                        help="instead: publish --scenario live through Kafka to --shards shards and the merge at --speed, "
+                             "and print the lag per iteration (bench/_sim_live.py)")
+    parser.add_argument("--speed", type=float, default=0.1, help="with --live: simulated seconds per wall second")
+    parser.add_argument("--shards", type=int, default=2, help="with --live: shard processes")
+    parser.add_argument("--live-publishers", dest="publishers_live", type=int, default=2,
+                        help="with --live: publisher processes")
+    parser.add_argument("--live-iterations", dest="iterations_live", type=int, default=10,
+                        help="with --live: iterations published")
+    parser.add_argument("--stall-s", type=float, default=300.0,
+                        help="with --live: stop reading the merge's output after this long without a record")
     parser.add_argument("--rounds", type=int, default=2,
                         help="with --publish: rounds, publisher counts alternating within each (others share the CPU)")
 
@@ -53,6 +64,13 @@ def _engine(tp: int, pp: int, dp: int, mb: int, telemetry: Literal["all", "none"
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.live:
+        from bench._sim_live import run as run_live
+
+        live = run_live(args)
+        if args.json:
+            print(json.dumps({"live": live}))
+        return 0
     if args.publish:
         from bench._sim_publish import run as run_publish
 

@@ -35,7 +35,8 @@ from trainer.sim.telemetry import deterministic_id
 
 if TYPE_CHECKING:
     from trainer.sim.engine import SimEngine
-    from trainer.sim.timing import Block
+    from trainer.sim.timing import Block, ReplicaGroup
+    from trainer.sim.workload import Packed
 
 _PP_RECV = COMM_OPS.index(CommOp.PP_RECV)
 _DP_ALLREDUCE = COMM_OPS.index(CommOp.DP_ALLREDUCE)
@@ -144,7 +145,7 @@ class RankWire:
                 + ',' + _EMPTY_CHUNKS + ',"columns":%s}}')
         mine = set(self.replicas)
         dp_bytes = engine._timing.dp_bytes
-        for (g, timing, packed), _ in zip(block.parts, block.wires):
+        for g, timing, packed in block.parts:
             R = len(g.replicas)
             for i, replica in enumerate(g.replicas):
                 if replica not in mine:
@@ -154,7 +155,8 @@ class RankWire:
                                       wall_s, dp_bytes[replica], ranks)
                 self._flush()
 
-    def _replica_reports(self, head: str, g, start_s: np.ndarray, end_s: np.ndarray, packed, row: int, replica: int,
+    def _replica_reports(self, head: str, g: ReplicaGroup, start_s: np.ndarray, end_s: np.ndarray, packed: Packed,
+                         row: int, replica: int,
                          wall_s: float, dp_bytes: list[int], ranks: set[int] | None) -> None:
         """One replica's reports, as ``replica_rank_iterations`` builds them and the codec encodes them."""
         engine = self.engine
