@@ -4,8 +4,8 @@ The whole platform on loopback, real processes on one embedded bus: two ``resihp
 two ranks each (c10d rendezvous, ``--on-failure shrink``) train the agent's sample job with
 ``--report`` (trainer/agent/sample_job.py: data parallel, each rank's chunks on the bus, an
 emulated device time per sample); a spare agent waits with ``--join-running --join-on-command``;
-the analytics consumer runs the detector; the engine runs under the auto policy with node plans on
-(``--node-run``). From step ``--slow-from`` node 1's ranks run ``--slow-factor`` times slower
+the analytics consumer runs the detector; the engine runs under the auto policy for high and
+critical incidents with node plans on (``--node-run``). From step ``--slow-from`` node 1's ranks run ``--slow-factor`` times slower
 (``--slow`` given to node 1's agent only: the node, not the rank ids, is slow, so the spare that
 takes its place is healthy).
 
@@ -123,7 +123,7 @@ def run_story(work: Path, *, steps: int = 400, slow_from: int = 30, slow_factor:
     bus_flags = ["--bus", "embedded", "--bus-path", str(bus_path)]
     with EmbeddedBus(bus_path) as bus:
         bus.publish([Signer(EventFactory(JOB, "cli:bench"), operator_key("cli:bench", create=True)).make(PolicyChanged(
-            mode=PolicyMode.AUTO, auto_severities=list(Severity), actor="cli:bench"))])
+            mode=PolicyMode.AUTO, auto_severities=[Severity.HIGH, Severity.CRITICAL], actor="cli:bench"))])
     port = _free_port()
     cli = [sys.executable, "-m", "resihp.cli"]
     job = ["-m", "trainer.agent.sample_job", "--steps", str(steps), "--report", "--step-s", "0", "--sample-s",
