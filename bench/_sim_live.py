@@ -24,6 +24,8 @@ import uuid
 
 import numpy as np
 
+from bench._broker import kafka_bootstrap
+
 
 def run(args) -> dict:
     from bench._analytics_shards import PINNED_THREADS, _reap, _start, _wait_for_group
@@ -39,13 +41,7 @@ def run(args) -> dict:
     sc = load_scenario(args.scenario)
     job = sc.sim_config().job
     with contextlib.ExitStack() as stack:
-        bootstrap = args.bootstrap or ""
-        if not bootstrap:
-            from infra import broker
-
-            lent = stack.enter_context(broker.borrowed())
-            bootstrap = lent.bootstrap
-            print(f"Kafka: {lent.describe()}", file=sys.stderr)
+        bootstrap = kafka_bootstrap(stack, args.bootstrap)
         run_id = uuid.uuid4().hex[:8]
         ns = f"live{run_id}."
         bus = stack.enter_context(contextlib.closing(KafkaBus(bootstrap, namespace=ns)))

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
+
+from bench._broker import kafka_bootstrap
 
 
 def _engine(scenario: str, wire_owns_all: bool):
@@ -123,13 +124,7 @@ def run(args) -> list[dict]:
     records = one_step_records(args.scenario)
     size_mb = sum(len(m.value) for m in records) / 1e6
     with contextlib.ExitStack() as stack:
-        bootstrap = args.bootstrap or ""
-        if "kafka" in backends and not bootstrap:
-            from infra import broker
-
-            lent = stack.enter_context(broker.borrowed())
-            bootstrap = lent.bootstrap
-            print(f"Kafka: {lent.describe()}", file=sys.stderr)
+        bootstrap = kafka_bootstrap(stack, args.bootstrap) if "kafka" in backends else ""
         for backend in backends:
             for rnd in range(args.rounds):
                 for n in counts:

@@ -26,10 +26,10 @@ import multiprocessing as mp
 import os
 import random
 import signal
-import sys
 import time
 import uuid
 
+from bench._broker import kafka_bootstrap
 from collector import topics
 from collector.codec import encode
 from collector.events import Chunk, ChunkKind, Coords, EventFactory, RankIteration
@@ -257,13 +257,7 @@ def _raw_phase(spec: dict, values: list[bytes], iterations: int, chunks_per_mess
 def run(args: argparse.Namespace) -> int:
     backends = ["embedded", "kafka"] if args.backend == "both" else [args.backend]
     with contextlib.ExitStack() as stack:
-        bootstrap = args.bootstrap or ""
-        if "kafka" in backends and not bootstrap:
-            from infra import broker
-
-            lent = stack.enter_context(broker.borrowed())
-            bootstrap = lent.bootstrap
-            print(f"Kafka: {lent.describe()}", file=sys.stderr)
+        bootstrap = kafka_bootstrap(stack, args.bootstrap) if "kafka" in backends else ""
         rows = [measure(b, args, bootstrap) for b in backends]
     print(f"{'backend':<10} {'chunk records/s':>16} {'raw client':>11} {'ratio':>6} {'messages/s':>11} "
           f"{'p50 ms':>8} {'p99 ms':>8}")
