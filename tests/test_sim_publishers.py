@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from collector import topics
-from collector.bus import RawMessage
 from collector.codec import encode
 from collector.embedded import EmbeddedBus
 from collector.plan import Plan
@@ -61,13 +60,13 @@ def _split_records(scenario: str, steps: int, publishers: int,
     mine: list[Key] = []
     theirs: list[list[list[Key]]] = [[] for _ in engines]
     for _ in range(steps):
-        for e in parent.step():
-            mine += [(t, keys.key(e.job, e.source, e.kind, e.payload), encode(e)) for t in topics_for(e.kind)]
+        for ev in parent.step():
+            mine += [(t, keys.key(ev.job, ev.source, ev.kind, ev.payload), encode(ev)) for t in topics_for(ev.kind)]
         assert parent.rank_wire is not None and not parent.rank_wire.take()
-        for i, e in enumerate(engines):
-            e.step()
-            assert e.rank_wire is not None
-            theirs[i].append([tuple(m) for m in e.rank_wire.take()])  # type: ignore[misc]
+        for i, engine in enumerate(engines):
+            engine.step()
+            assert engine.rank_wire is not None
+            theirs[i].append([tuple(m) for m in engine.rank_wire.take()])  # type: ignore[misc]
     return mine, theirs
 
 
@@ -179,7 +178,11 @@ def _read_all(bus: EmbeddedBus) -> list[Key]:
 def test_two_publisher_processes_on_the_embedded_bus_read_back_as_one_process(tmp_path: Path) -> None:
     sc = load_scenario("fail_slow_compute_x2")
     single = EmbeddedBus(tmp_path / "single.sqlite")
-    run_open_loop(SimEngine(sc.sim_config(), sc.all_faults()), single.publish, iterations=8)
+
+    def publish(events: list) -> None:
+        single.publish(events)
+
+    run_open_loop(SimEngine(sc.sim_config(), sc.all_faults()), publish, iterations=8)
     split = EmbeddedBus(tmp_path / "split.sqlite")
     engine = SimEngine(sc.sim_config(), sc.all_faults())
     engine.rank_wire = parent_wire(engine)
