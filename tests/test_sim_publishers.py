@@ -119,6 +119,8 @@ def test_more_publishers_than_replicas_leaves_some_idle_and_none_is_refused() ->
     ("zero_bubble_healthy", 20, {}),
     ("fail_slow_compute_x2", 12, {"dialect": "megatron"}),  # another dialect goes through its events
     ("fail_slow_compute_x2", 12, {"dialect": "sampled"}),
+    ("fail_slow_compute_x2", 25, {"telemetry": [0, 1, 5, 17, 30]}),  # a subset of ranks reports
+    ("fail_slow_compute_x2", 25, {"telemetry": "none"}),
 ])
 def test_a_wire_writes_the_records_the_events_encode_to(scenario: str, steps: int, overrides: dict) -> None:
     want = _event_records(scenario, steps, **overrides)
