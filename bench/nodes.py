@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from collector import topics
-from collector.auth import Signer, create_keys, operator_key
+from collector.auth import Signer, create_keys, key_path, operator_key
 from collector.embedded import EmbeddedBus
 from collector.events import (CommandAck, EventFactory, IncidentOpened, NodeCommandAck, NodeSpare, PlanProposed,
                               PolicyChanged, PolicyMode, Severity)
@@ -116,10 +116,9 @@ def run_story(work: Path, *, steps: int = 400, slow_from: int = 30, slow_factor:
     starts is stopped before it returns, however it returns."""
     private_dir(work)  # the bus and DuckDB files go here: only this user may enter it
     bus_path, progress, stop_file = work / "bus.sqlite", work / "progress.jsonl", work / "stop"
-    keys = work / "keys"
+    keys = key_path().resolve()  # this process's key set (made on first use): every part signs and checks with it
     create_keys(keys)
     env = {**os.environ, "PYTHONPATH": str(REPO), "RESIHP_KEYS": str(keys), "PYTHONUNBUFFERED": "1"}
-    os.environ["RESIHP_KEYS"] = str(keys)  # this process signs the policy and reads the bus with the same keys
     bus_flags = ["--bus", "embedded", "--bus-path", str(bus_path)]
     with EmbeddedBus(bus_path) as bus:
         bus.publish([Signer(EventFactory(JOB, "cli:bench"), operator_key("cli:bench", create=True)).make(PolicyChanged(
