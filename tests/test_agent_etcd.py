@@ -200,7 +200,12 @@ def test_node_0_and_then_an_etcd_member_die_and_the_job_trains_on_and_a_spare_jo
     back = worlds.index(2, alone)
     assert set(worlds[:alone]) == {2} and set(worlds[alone:back]) == {1} and worlds[-1] == 1  # 2 → 1 → 2 → 1
     assert set(worlds[drained_at:]) == {1}
-    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    # Every step once: steps only rise (nothing redone) one at a time, except that the row of the step
+    # node 0's rank finished just before its SIGKILL may be missing (that rank wrote the rows; its
+    # peer, which writes them next, goes on from the step both committed).
+    done = [r["step"] for r in rows]
+    gaps = [(i, b - a) for i, (a, b) in enumerate(zip(done, done[1:]), 1) if b != a + 1]
+    assert done[0] == 1 and gaps in ([], [(alone, 2)]), (gaps, done[:alone + 3])
     assert "the agent of node 0 is gone with its ranks [0]; ranks [0] marked lost" in outs[1], outs[1]
     assert "rank 0 joined the world" in outs[2], outs[2]
     acks = [p for p in bus_events(tmp_path, topics.CONTROL) if isinstance(p, NodeCommandAck)]
