@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -41,6 +42,7 @@ from collector.events import (CommandAck, EventFactory, IncidentOpened, NodeComm
                               PolicyChanged, PolicyMode, Severity)
 from collector.private_files import private_dir
 from collector.stream import EventStream
+from resihp.demo.guard import set_parent_death_signal
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
@@ -150,11 +152,14 @@ def run_story(work: Path, *, steps: int = 400, slow_from: int = 30, slow_factor:
     }
     procs: dict[str, subprocess.Popen] = {}
     story = NodeStory()
+    me = os.getpid()
     try:
         for name, argv in commands.items():
             log = (work / f"{name}.log").open("w")
+            # each part gets SIGTERM when this process ends, however it ends (an agent then stops its ranks)
             procs[name] = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True)
+                                           start_new_session=True,
+                                           preexec_fn=lambda: set_parent_death_signal(signal.SIGTERM, me))
         deadline = time.monotonic() + timeout_s
 
         def phase_rows() -> list[dict] | None:
