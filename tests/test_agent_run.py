@@ -106,13 +106,17 @@ def test_two_agents_train_a_four_rank_world_to_the_end_through_a_killed_rank(tmp
     progress = tmp_path / "progress.jsonl"
     common = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--max-restarts", "1",
               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job-a", "--rdzv-conf", "join_timeout=300")
+    # a collective waits up to 120 s: on a loaded host one node's new ranks may start long after the
+    # other's, and what this test checks is the restart, not how fast a restarted rank imports torch
     job = ("--steps", "12", "--step-s", "0.2", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2",
-           "--progress-file", str(progress), "--pid-dir", str(pid_dir(tmp_path)))
+           "--progress-file", str(progress), "--pid-dir", str(pid_dir(tmp_path)), "--timeout-s", "120")
     agents = [subprocess.Popen(agent_cmd(*common, "--node-rank", str(n), "--work-dir", str(tmp_path / f"w{n}"),
                                          job_args=job), env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True) for n in (0, 1)]
     outs, killed_at, first_pids = kill_rank_and_wait(agents, progress, tmp_path, rank=3, after_rows=3)
-    assert [a.returncode for a in agents] == [0, 0], outs
+    assert [a.returncode for a in agents] == [0, 0], "".join(
+        f"\n--- agent {n} (exit {a.returncode}), last 60 lines:\n" + "\n".join(out.splitlines()[-60:])
+        for n, (a, out) in enumerate(zip(agents, outs)))
     rows = rows_of(progress)
     before = [r for r in rows if r["t"] <= killed_at]
     after = [r for r in rows if r["t"] > killed_at and r["pid"] != before[0]["pid"]]
