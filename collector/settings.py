@@ -59,7 +59,7 @@ class Environment(BaseSettings):
     key_rank: str = Field(default="", description="the ranks' private key (probe results only), hex (instead of rank.key)")
     job: str = Field(default="", description="set by the node agent for its ranks: the job name on the bus (resihp run --job)")
     devices: str = Field(default="", description="set by the node agent when it restarts a job at a new layout: the "
-                         "device id of each world rank, comma-separated (trainer/agent/relayout.py)")
+                         "device id of each of its node's ranks by local rank, comma-separated (trainer/agent/relayout.py)")
     plan_epoch: int = Field(default=0, ge=0, description="set by the node agent with RESIHP_DEVICES: the plan epoch the "
                             "restarted world runs")
     store_scope: str = Field(default="", description="set by the node agent for its ranks: the rendezvous round their "
@@ -116,6 +116,7 @@ class ElasticEnvironment(BaseSettings):
     RANK: int = 0
     WORLD_SIZE: int = 1
     LOCAL_RANK: int = 0
+    LOCAL_WORLD_SIZE: int = 1
     TORCHELASTIC_RESTART_COUNT: int = 0
     TORCHELASTIC_RUN_ID: str = ""  # the rendezvous id (--rdzv-id) the agent runs under
     MASTER_ADDR: str = "127.0.0.1"  # the ranks' bootstrap store, hosted by the rank-0 node's agent

@@ -311,6 +311,11 @@ class CommandListener:
                                       tokens_per_microbatch=tokens_per_microbatch, run=self.run)
         self.bus.publish([self.factory.make(self._announced)])
 
+    @property
+    def announced(self) -> bool:
+        """Whether this listener has said its plan (``announce_plan``) yet."""
+        return self._announced is not None
+
     def announce_capabilities(self, capabilities: ExecutorCapabilities) -> None:
         """Publish ``plan.capabilities``: which remediations this loop can run, so the engine proposes
         only those (collector/capabilities.py). A loop that never declares is planned for as if it

@@ -213,11 +213,12 @@ class AgentLaunch:
             self.predicted = PredictedIteration(self.bus.open(), args.job, group)
 
     def open_executor(self) -> None:
-        """A torchtitan job (``-m torchtitan.train --module trainer.torchtitan``) on one node gets its
-        executor in the agent (trainer/torchtitan/controller.py): the plan announced, commands obeyed
-        by a restart at a new layout. Its command line gains ``--checkpoint.enable``."""
+        """A torchtitan job (``-m torchtitan.train --module trainer.torchtitan``) gets its executor in
+        each of its agents (trainer/torchtitan/controller.py; the one of group rank 0 speaks for the
+        job): the plan announced, commands obeyed by a restart at a new layout, a lost device or node
+        restarted past. Its command line gains ``--checkpoint.enable``."""
         args = self.args
-        if args.no_telemetry or self.config.max_nodes != 1:
+        if args.no_telemetry:
             return
         from trainer.torchtitan.controller import TitanRelayout, is_torchtitan_job
 

@@ -122,11 +122,21 @@ class Relayout(Protocol):
     def identity(self, rank: int) -> tuple[int, int]:
         """(device id, plan epoch) of world rank ``rank`` now: what its heartbeats say."""
 
+    def start_round(self, group_rank: int, group_world: int, ranks: Sequence[int], world: int,
+                    records: SignedStore) -> Callable[[Sequence[str]], list[str]] | None:
+        """A new rendezvous round, before this node's ranks (world ranks ``ranks``) start in a world
+        of ``world``: the edit of their command line, when the round needs one."""
+
     def watch(self, records: SignedStore, all_exited_ok: bool, failed: Sequence[int] | None,
               relaunch: Callable[[int, Callable[[Sequence[str]], list[str]]], None]) -> bool:
         """One monitor pass; True when it restarted the worker group through ``relaunch``.
         ``failed``: None while no rank failed, else the world ranks whose failure ended the group
         (:meth:`RankWatch.culprits`; empty when the group is unhealthy with no rank to name)."""
+
+    def restart_for_order(self, records: SignedStore,
+                          relaunch: Callable[[int, Callable[[Sequence[str]], list[str]]], None]) -> bool:
+        """torch restarts the group (another node joined a new round): True when the relayout
+        started this node's share of a new layout through ``relaunch`` instead."""
 
 
 class NodeAgent(LocalElasticAgent):
@@ -153,6 +163,7 @@ class NodeAgent(LocalElasticAgent):
         self.presence: AgentPresence | None = None  # the other agents' liveness (shrink)
         self._ranks_store: SignedStore | None = None
         self._refused = Refusals()  # store records this agent refused: each reported once
+        self._last_round_store: Any = None
         self._stop_orders = (StopOrders(settings.commands, settings.hosts_rendezvous, settings.stop_grace_s,
                                         serves_ranks_store=settings.etcd is None,
                                         drain_s=settings.drain_s if settings.on_failure == "shrink" else 0.0)
@@ -182,6 +193,12 @@ class NodeAgent(LocalElasticAgent):
         if self.settings.etcd is not None:  # the ranks meet on etcd, not in node 0's agent
             env[RANKS_STORE_ENV] = self._ranks_store_address(worker_group)
         if self.settings.relayout is not None:
+            workers = worker_group.workers
+            edit = self.settings.relayout.start_round(
+                worker_group.group_rank or 0, worker_group.group_world_size or 1, [w.global_rank for w in workers],
+                workers[0].world_size if workers else 0, self._store_of_ranks(worker_group))
+            if edit is not None:
+                worker_group.spec.args = tuple(edit(list(worker_group.spec.args)))
             env.update(self.settings.relayout.worker_env())
         release_failed = self.settings.on_failure == "shrink" or self.settings.controller is not None
         with agent_contexts(preload=self.settings.preload, release_failed=release_failed, extra_env=env):
@@ -191,7 +208,8 @@ class NodeAgent(LocalElasticAgent):
         return pids
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        forget_bootstrap_store(worker_group.spec.rdzv_handler)
+        # the last round's store lives one round more: other nodes may still read their stop there
+        self._last_round_store = forget_bootstrap_store(worker_group.spec.rdzv_handler)
         super()._rendezvous(worker_group)
         if self.settings.commands is not None:  # what a node command names: this node, in this round
             print(f"resihp run: node {worker_group.group_rank} of {worker_group.group_world_size} with ranks "
@@ -201,6 +219,10 @@ class NodeAgent(LocalElasticAgent):
             self._pending.mark("new world")
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        if self.settings.relayout is not None and worker_group.master_addr is not None and \
+                self.settings.relayout.restart_for_order(self._store_of_ranks(worker_group),
+                                                         lambda world, edit: self.relaunch(worker_group, world, edit)):
+            return
         self._pending = RecoveryTimeline(time.monotonic(), self._restart_count() + 1)
         self._pending.mark("detected")
         super()._restart_workers(worker_group)

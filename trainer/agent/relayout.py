@@ -24,10 +24,22 @@ What can fail: a rank that dies before ``stopped`` turns the stop into a failure
 from the last checkpoint, at the old layout); a new world that never writes ``resumed`` within the
 agent's deadline is reported as a failed command. A forged stop record is refused and reported,
 never obeyed: a stranger who reaches the store cannot stop the job.
+
+Across nodes every node's agent restarts its own share of the new world in the same rendezvous
+round. The leader (the agent of the round's group rank 0, the only one on the bus) writes, before
+the stop, ``resihp/relayout/order`` {epoch, command, devices, flags}: the new world's devices in
+world-rank order and the flags it runs with. Each agent starts, once ``stopped`` is written and its
+ranks are gone, the order's devices that are its own (``resihp/relayout/node/<group rank>``: the
+devices each node has, written by its agent every round) — so the new round's world is the
+order's, and torch's rendezvous is the barrier. A round of another size than the layout it was
+meant for (a node gone, or a node that lost a device) is laid out by every agent alike from the
+job's last shape (the same rule, the same inputs, no exchange): the uniform layout of exactly
+that many ranks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +48,9 @@ STOPPED_KEY = "resihp/relayout/stopped"
 RESUMED_KEY = "resihp/relayout/resumed"
 PROBE_KEY = "resihp/relayout/probe"  # {number}: the newest probe the agent posted
 PROBE_REQUEST_KEY = "resihp/relayout/probe/{number}"  # the probe.request itself
-DEVICES_ENV = "RESIHP_DEVICES"  # comma-separated: the device each new world rank runs on
+ORDER_KEY = "resihp/relayout/order"  # {epoch, command, devices, flags}: the new world, from the leader
+NODE_KEY = "resihp/relayout/node/{group_rank}"  # {devices}: the devices a node has, from its agent
+DEVICES_ENV = "RESIHP_DEVICES"  # comma-separated: the device of each of this node's ranks, by local rank
 EPOCH_ENV = "RESIHP_PLAN_EPOCH"  # the plan epoch the new world runs
 
 
@@ -81,11 +95,52 @@ class ProbeNumber:
         return cls(body["number"])
 
 
-def devices_of(env_value: str | None, world: int) -> list[int]:
-    """The device of each world rank: ``RESIHP_DEVICES`` when the agent set it, else the rank itself."""
+def devices_of(env_value: str | None, local_world: int, first_rank: int = 0) -> list[int]:
+    """The device of each of this node's ranks, by local rank: ``RESIHP_DEVICES`` when the agent
+    set it, else the world ranks themselves (``first_rank`` onward: a job owns devices 0..N-1)."""
     if not env_value:
-        return list(range(world))
+        return list(range(first_rank, first_rank + local_world))
     devices = [int(d) for d in env_value.split(",")]
-    if len(devices) != world or len(set(devices)) != world or min(devices) < 0:
-        raise ValueError(f"{DEVICES_ENV}={env_value!r} must name {world} distinct devices, one per rank")
+    if len(devices) != local_world or len(set(devices)) != local_world or min(devices) < 0:
+        raise ValueError(f"{DEVICES_ENV}={env_value!r} must name {local_world} distinct devices, one per local rank")
     return devices
+
+
+@dataclass(frozen=True)
+class RelayoutOrder:
+    """The world a leader's stop order leads to: its devices in world-rank order and its flags."""
+
+    epoch: int
+    command: str
+    devices: tuple[int, ...]
+    flags: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "command": self.command, "devices": list(self.devices), "flags": list(self.flags)}
+
+    @classmethod
+    def parse(cls, body: Any) -> RelayoutOrder:
+        if not isinstance(body, dict) or not isinstance(body.get("epoch"), int) or body["epoch"] < 1 \
+                or not isinstance(body.get("command"), str):
+            raise ValueError("a relayout order is {epoch: int >= 1, command: str, devices: [int], flags: [str]}")
+        devices, flags = body.get("devices"), body.get("flags")
+        if not isinstance(devices, list) or not devices or len(devices) > 65536 or \
+                not all(isinstance(d, int) and d >= 0 for d in devices) or len(set(devices)) != len(devices):
+            raise ValueError("a relayout order names distinct non-negative devices")
+        if not isinstance(flags, list) or len(flags) > 64 or not all(isinstance(f, str) and len(f) <= 200 for f in flags):
+            raise ValueError("a relayout order's flags are at most 64 strings")
+        return cls(body["epoch"], body["command"][:200], tuple(devices), tuple(flags))
+
+    def share(self, node_devices: Sequence[int]) -> list[int]:
+        """The order's devices on a node that has ``node_devices``, in world-rank order."""
+        mine = set(node_devices)
+        return [d for d in self.devices if d in mine]
+
+
+def parse_node_devices(body: Any) -> tuple[int, ...]:
+    """A node's devices (``NODE_KEY``)."""
+    devices = body.get("devices") if isinstance(body, dict) else None
+    if not isinstance(devices, list) or len(devices) > 65536 or \
+            not all(isinstance(d, int) and d >= 0 for d in devices):
+        raise ValueError("a node's devices are {devices: [int >= 0]}")
+    return tuple(devices)

@@ -22,6 +22,7 @@ import ipaddress
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
@@ -151,7 +152,7 @@ def bind_bootstrap_store(handler: RendezvousHandler, node_address: str | None, t
     setattr(handler, "_create_tcp_store_server", create_server)  # noqa: B010
 
 
-def forget_bootstrap_store(handler: RendezvousHandler) -> None:
+def forget_bootstrap_store(handler: RendezvousHandler) -> Any:
     """Before each rendezvous round: make the next round create a new bootstrap store.
 
     torch's handler creates the ranks' bootstrap store once and hands the same one to every round,
@@ -159,7 +160,10 @@ def forget_bootstrap_store(handler: RendezvousHandler) -> None:
     gloo reads its peers' addresses from it. After a restart the new ranks then read the dead
     ranks' addresses and fail to connect ("connectFullMesh failed … Connection refused"), restart
     after restart. Dropping the handler's cached store and address makes the rank-0 node create a
-    fresh store and every node read its address from the new round."""
+    fresh store and every node read its address from the new round. Returns the last round's store
+    server (None on other nodes): it closes when dropped, so a caller that keeps it serves it on."""
+    served = getattr(handler, "_shared_tcp_store_server", None)
     if hasattr(handler, "_bootstrap_store_info"):
         setattr(handler, "_bootstrap_store_info", None)  # noqa: B010 - torch's private cache
         setattr(handler, "_shared_tcp_store_server", None)  # noqa: B010
+    return served

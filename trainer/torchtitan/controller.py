@@ -31,9 +31,17 @@ the largest uniform layout on the devices left, as the next plan epoch (``plan.c
 ``restart``, and the pause's phases), without spending a restart. A command in flight when a rank
 dies is acknowledged ``failed``.
 
-Single node only: a multi-node job is announced and watched but not restarted at a new layout
-(every node's agent would have to restart its share in the same round); its commands are
-acknowledged ``failed`` with that reason.
+Across nodes (trainer/agent/relayout.py) every node's agent runs this controller. The leader — the
+agent of the round's group rank 0 — is the only one on the bus (announcements, commands, probes,
+acknowledgements); before its stop order it writes the new world (``order``: devices in world-rank
+order, flags), and each agent, once the world stopped, starts the order's devices that are its own:
+the next rendezvous round is the new world. A plan that would leave a node with no rank is refused
+(leaving a node out is not built: the rendezvous would wait for it). A node that is gone — its agent
+dead, or every round without it — makes a round of another size: every agent lays that round out
+alike from the job's last shape (the uniform layout of exactly its ranks), a restart past the node
+from the last checkpoint, announced by the leader as the next plan epoch (reason ``restart``). A
+node's device lost twice in a row leaves that node's share (``LostDevices``), and the round that
+follows is laid out the same way.
 """
 
 from __future__ import annotations
@@ -44,10 +52,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from collector.events import ReconfigureCommand, ReshapePhase, ReshapePhaseName
+from collector.events import PlanCurrentReason, ReconfigureCommand, ReshapePhase, ReshapePhaseName
 from collector.plan import Plan
-from trainer.agent.relayout import (DEVICES_ENV, EPOCH_ENV, PROBE_KEY, PROBE_REQUEST_KEY, RESUMED_KEY, STOP_KEY,
-                                    STOPPED_KEY, StepMark)
+from trainer.agent.relayout import (DEVICES_ENV, EPOCH_ENV, NODE_KEY, ORDER_KEY, PROBE_KEY, PROBE_REQUEST_KEY,
+                                    RESUMED_KEY, STOP_KEY, STOPPED_KEY, RelayoutOrder, StepMark, parse_node_devices)
 from trainer.agent.signed_store import RANK_WRITERS, SignedStore
 from trainer.integration import CommandListener
 from trainer.telemetry import TelemetryPublisher
@@ -58,6 +66,7 @@ from trainer.torchtitan.recovery import LostDevices
 log = logging.getLogger("resihp.torchtitan")
 STOP_DEADLINE_S = 120.0  # a stop order not obeyed by then (no step boundary reached) is a failed command
 RESUME_DEADLINE_S = 300.0  # a new world that has not stepped by then
+HOLD_S = 20.0  # a node's ranks exited with an order pending: how long to wait for the stop mark
 
 
 def is_torchtitan_job(module: bool, script: str, script_args: Sequence[str]) -> bool:
@@ -75,9 +84,10 @@ def is_torchtitan_job(module: bool, script: str, script_args: Sequence[str]) -> 
 
 @dataclass
 class _InFlight:
+    """The leader's command, from its stop order to the new world's first step."""
+
     command: ReconfigureCommand
     layout: TitanLayout
-    devices: list[int]
     asked_at: float
     stopped: StepMark | None = None
     stopped_at: float = 0.0
@@ -86,27 +96,47 @@ class _InFlight:
 
 @dataclass
 class _Recovery:
-    """A restart past lost devices, from its detection to the new world's first step."""
+    """A restart past lost devices or a gone node, from its detection to the new world's first step."""
 
     epoch: int
-    lost: list[int]
+    what: str  # what was lost, in words
     detected_at: float
     restarted_at: float
 
 
 class TitanRelayout:
-    """One torchtitan job's executor inside its (single) node agent."""
+    """One torchtitan job's executor inside each of its node agents (the leader speaks for the job)."""
 
     def __init__(self, job: str, open_bus: Callable[[], Any], telemetry: TelemetryPublisher | None,
-                 multi_node: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
-        self.job, self.open_bus, self.telemetry, self.multi_node, self.clock = job, open_bus, telemetry, multi_node, clock
-        self.shape: JobShape | None = None
-        self.listener: CommandListener | None = None
-        self.flight: _InFlight | None = None
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.job, self.open_bus, self.telemetry, self.clock = job, open_bus, telemetry, clock
+        self.shape: JobShape | None = None  # what the newest world runs (its rank 0's record)
+        self.node_devices: tuple[int, ...] = ()  # this node's devices: its ranks' in the job's first round
+        self.share: tuple[int, ...] = ()  # the devices this node's ranks run on now, by local rank
+        self.first_rank = 0  # the world rank of this node's local rank 0, this round
+        self.group_rank, self.group_world = 0, 1
+        self.epoch = 0  # the plan epoch this round's world runs
+        self.listener: CommandListener | None = None  # the leader's bus side
+        self.flight: _InFlight | None = None  # the leader's command in flight
+        self.order: RelayoutOrder | None = None  # the world every node restarts into next
+        self.order_stopped: StepMark | None = None
+        self.held_since: float | None = None  # this node's ranks exited; the stop mark not read yet
+        self.expected_world = 0  # the world the next round was started for (0: the running one)
         self.recovery: _Recovery | None = None
+        self.failed_at: float | None = None
         self.devices = LostDevices()
         self.env: dict[str, str] = {}
-        self.probes_posted = 0  # probe numbers run from 1 per job; a new world's ranks start at 0 done
+        self.probes_posted = 0  # probe numbers run from 1 per world; a new world's ranks start at 0 done
+        self._shape_read = False  # this round's world said what it runs
+        self._records: SignedStore | None = None
+
+    @property
+    def leader(self) -> bool:
+        return self.group_rank == 0
+
+    @property
+    def multi_node(self) -> bool:
+        return self.group_world > 1
 
     # ---- what the agent asks -----------------------------------------------------------------------
 
@@ -122,36 +152,92 @@ class TitanRelayout:
 
     def identity(self, rank: int) -> tuple[int, int]:
         """World rank ``rank``'s device and the plan epoch its world runs (heartbeats name devices)."""
-        if self.flight is not None and self.flight.restarted_at:
-            return self.flight.devices[rank], self.flight.command.plan.epoch
+        local = rank - self.first_rank
+        if 0 <= local < len(self.share):
+            return self.share[local], self.epoch
         if self.shape is not None and rank < len(self.shape.devices):
-            return self.shape.devices[rank], self.shape.epoch
-        return rank, 0
+            return self.shape.devices[rank], self.epoch
+        return rank, self.epoch
+
+    def start_round(self, group_rank: int, group_world: int, ranks: Sequence[int], world: int,
+                    records: SignedStore) -> Callable[[Sequence[str]], list[str]] | None:
+        """A new rendezvous round, before this node's ranks start (``ranks``: their world ranks, by
+        local rank; ``world``: the round's size). Says this node's devices to the others and returns
+        the edit of the command line when the round is not the size its layout was meant for."""
+        self.group_rank, self.group_world, self.first_rank = group_rank, group_world, min(ranks, default=0)
+        self.probes_posted, self._shape_read, self.order, self.order_stopped, self.held_since = 0, False, None, None, None
+        if not self.node_devices:
+            self.node_devices = self.share = tuple(ranks)
+        records.set(NODE_KEY.format(group_rank=group_rank), {"devices": self.devices.healthy(self.node_devices)})
+        meant, self.expected_world = self.expected_world or (self.shape.layout.world if self.shape else 0), 0
+        if self.shape is None or world == meant:
+            return None
+        return self._refit(world)
+
+    def _refit(self, world: int) -> Callable[[Sequence[str]], list[str]] | None:
+        """A round of another size than its layout (a node gone, or one that lost a device): the
+        uniform layout of exactly ``world`` ranks, the same on every node (the same shape, the same
+        rule), from the last checkpoint, as the next plan epoch."""
+        shape = self.shape
+        assert shape is not None
+        global_mb = shape.microbatches * shape.layout.batch
+        layout = fallback_layout(shape.layout, world, global_mb, shape.num_layers, exact=True)
+        if layout is None:
+            log.error("torchtitan job %s: a round of %d ranks and no uniform layout of exactly that many keeps its "
+                      "global batch of %d micro-batches; the ranks start at the old flags", self.job, world, global_mb)
+            return None
+        now = self.clock()
+        self.epoch = max(self.epoch, shape.epoch) + 1
+        self._set_env(self.share, self.epoch)
+        self.recovery = _Recovery(self.epoch, f"a world of {shape.layout.world} ranks came back as {world}",
+                                  self.failed_at if self.failed_at is not None else now, now)
+        extra = layout.flags(global_mb // layout.batch, shape.samples_per_microbatch)
+        log.warning("torchtitan job %s: a round of %d ranks (was %d): restarting from its last checkpoint at pp %d, "
+                    "dp %d, tp %d as plan epoch %d", self.job, world, shape.layout.world, layout.pp, layout.batch,
+                    layout.tp, self.epoch)
+        return lambda args: with_flags(args, extra)
+
+    def _set_env(self, share: Sequence[int], epoch: int) -> None:
+        """The ranks started next run on ``share`` (by local rank) in plan ``epoch``; on GPUs each
+        sees its device by its index on this node."""
+        self.share = tuple(share)
+        self.env = {DEVICES_ENV: ",".join(str(d) for d in share), EPOCH_ENV: str(epoch),
+                    "CUDA_VISIBLE_DEVICES": ",".join(str(self.node_devices.index(d)) for d in share)}
 
     def watch(self, records: SignedStore, all_exited_ok: bool, failed: Sequence[int] | None,
               relaunch: Callable[[int, Callable[[Sequence[str]], list[str]]], None]) -> bool:
         """One monitor pass. ``records``: this round's ranks' store; ``failed``: None, or the world
-        ranks whose failure ended the round; ``relaunch(world, edit_args)`` restarts the worker
-        group. Returns True when it restarted the group (the agent carries on)."""
-        if self.shape is None:
+        ranks whose failure ended the round; ``relaunch(local_world, edit_args)`` restarts this
+        node's ranks. True when it restarted them, or holds them stopped for a restart to come
+        (the agent carries on)."""
+        self._records = records
+        if not self._shape_read:
             self._read_shape(records)
+        if self.shape is None:
             return False
-        assert self.listener is not None
         if failed is not None:
-            self.probes_posted = 0  # the next world meets in a new round's store
+            self.probes_posted, self.failed_at = 0, self.clock()
             if self.flight is not None:
                 self._fail("a rank failed before the new layout ran; the job restarts from its last checkpoint")
             return self._on_failure(failed, relaunch)
-        if self.recovery is not None:
+        if self.recovery is not None and self._shape_read:
             self._recovered(records)
-            return False
-        if self.flight is None:
+        if self.flight is not None and self.flight.restarted_at:
+            self._resumed(records)
+        if self.leader and self.listener is not None and self.flight is None and self.order is None:
             command = self.listener.poll()
             self._post_probes(records)
             if command is not None:
                 self._begin(command, records)
+        return self._obey(records, all_exited_ok, relaunch)
+
+    def restart_for_order(self, records: SignedStore,
+                          relaunch: Callable[[int, Callable[[Sequence[str]], list[str]]], None]) -> bool:
+        """torch restarts this node's ranks because another node joined a new round: when that is
+        an order's new world (the stop written), start this node's share of it instead."""
+        if self.shape is None:
             return False
-        return self._advance(records, all_exited_ok, relaunch)
+        return self._obey(records, True, relaunch, may_hold=False)
 
     def _post_probes(self, records: SignedStore) -> None:
         """The probes the listener admitted since the last pass, for the ranks to run together."""
@@ -168,71 +254,127 @@ class TitanRelayout:
     # ---- steps -----------------------------------------------------------------------------------------
 
     def _read_shape(self, records: SignedStore) -> None:
+        """This round's world, as its rank 0 says it; the leader announces the job on its first."""
         shape = records.read(JOB_KEY, JobShape.parse, allowed=RANK_WRITERS)
-        if shape is None:
+        if shape is None or shape.epoch < self.epoch:
             return
-        self.shape = shape
+        self.shape, self.epoch, self._shape_read = shape, shape.epoch, True
+        if not self.leader or self.listener is not None:
+            return
         plan = shape.plan()
         self.listener = CommandListener(self.job, plan, bus=self.open_bus, source="agent:torchtitan",
                                         check=self._refusal)
-        self.listener.announce_plan(plan, gpus_per_node=max(1, len(shape.devices)), model_name=shape.model,
-                                    layer_state_bytes=shape.layer_state_bytes,
-                                    tokens_per_microbatch=shape.tokens_per_microbatch)
+        if self.recovery is None:  # a leader that takes over in a restart announces it once it stepped
+            self._announce("start" if shape.epoch == 0 else "restart")
         self.listener.announce_capabilities(TORCHTITAN_CAPABILITIES)
         log.info("torchtitan job %s runs %s", self.job, plan.shape())
 
+    def _announce(self, reason: PlanCurrentReason) -> None:
+        """``plan.current`` for the shape this world reported: the first announcement with what the
+        planner needs to cost the job, later ones as the plan the job moved to."""
+        assert self.listener is not None and self.shape is not None
+        shape, plan = self.shape, self.shape.plan()
+        if self.listener.announced:
+            self.listener.adopt(plan, reason=reason)
+            return
+        self.listener.announce_plan(plan, reason=reason, gpus_per_node=max(1, len(self.node_devices)),
+                                    model_name=shape.model, layer_state_bytes=shape.layer_state_bytes,
+                                    tokens_per_microbatch=shape.tokens_per_microbatch)
+
     def _refusal(self, plan: Plan) -> str | None:
-        if self.multi_node:
-            return "a torchtitan job is restarted at a new layout on one node only; this job spans several"
         assert self.shape is not None
         try:
-            layout_of(plan, self.shape.layout, self.listener.running if self.listener else None)
+            _, devices = layout_of(plan, self.shape.layout, self.listener.running if self.listener else None)
         except ValueError as exc:  # NotUniform, or a plan no grid can hold
             return str(exc)
+        if not self.multi_node:
+            return None
+        nodes = self._nodes()
+        if nodes is None:
+            return "not every node of the job has said its devices this round"
+        stray = sorted(set(devices) - {d for have in nodes.values() for d in have})
+        if stray:
+            return f"devices {stray} are on no node of the job (or were lost)"
+        empty = [g for g, have in sorted(nodes.items()) if not set(have) & set(devices)]
+        if empty:
+            return (f"plan epoch {plan.epoch} leaves node(s) {empty} with no rank; a torchtitan job keeps every node "
+                    "it runs on (leaving a node out is not built)")
         return None
 
+    def _nodes(self) -> dict[int, tuple[int, ...]] | None:
+        """Each node's devices this round, by group rank (None until every node said them)."""
+        if self._records is None:
+            return None
+        keys = [NODE_KEY.format(group_rank=g) for g in range(self.group_world)]
+        found = self._records.read_many(keys, parse_node_devices)
+        if any(devices is None for devices in found):
+            return None
+        return {g: devices for g, devices in enumerate(found) if devices is not None}
+
     def _begin(self, command: ReconfigureCommand, records: SignedStore) -> None:
+        """The leader's side of a command: the new world's order, then the stop."""
         assert self.shape is not None and self.listener is not None
         layout, devices = layout_of(command.plan, self.shape.layout, self.listener.running)
-        self.flight = _InFlight(command, layout, devices, self.clock())
+        extra = layout.flags(command.plan.pipelines[0].microbatches, self.shape.samples_per_microbatch)
+        self.order = RelayoutOrder(command.plan.epoch, command.command_id, tuple(devices), tuple(extra))
+        self.flight = _InFlight(command, layout, self.clock())
+        records.set(ORDER_KEY, self.order.to_json())
         records.set(STOP_KEY, {"epoch": command.plan.epoch, "command": command.command_id})
         log.info("torchtitan job %s: stop for epoch %d (%s)", self.job, command.plan.epoch, command.plan.shape())
 
-    def _advance(self, records: SignedStore, all_exited_ok: bool,
-                 relaunch: Callable[[int, Callable[[Sequence[str]], list[str]]], None]) -> bool:
-        flight = self.flight
-        assert flight is not None and self.listener is not None and self.shape is not None
+    def _obey(self, records: SignedStore, all_exited_ok: bool,
+              relaunch: Callable[[int, Callable[[Sequence[str]], list[str]]], None], may_hold: bool = True) -> bool:
+        """Every node's side of an order: once the world has stopped and this node's ranks are
+        gone, start this node's share of the new world. True when it did, or (``may_hold``) while
+        it waits for the stop mark with its ranks already exited."""
         now = self.clock()
-        if flight.restarted_at == 0.0:
-            if flight.stopped is None:
-                flight.stopped = records.read(STOPPED_KEY, StepMark.parse, allowed=RANK_WRITERS)
-                if flight.stopped is not None:
-                    flight.stopped_at = now
-            if flight.stopped is None and now - flight.asked_at > STOP_DEADLINE_S:
+        if self.order is None:
+            order = records.read(ORDER_KEY, RelayoutOrder.parse)
+            if order is None or order.epoch <= self.epoch:
+                return False
+            self.order = order
+        order, flight = self.order, self.flight
+        if self.order_stopped is None:
+            mark = records.read(STOPPED_KEY, StepMark.parse, allowed=RANK_WRITERS)
+            if mark is not None and mark.epoch == order.epoch:
+                self.order_stopped = mark
+                if flight is not None:
+                    flight.stopped, flight.stopped_at = mark, now
+        if self.order_stopped is None:
+            if flight is not None and now - flight.asked_at > STOP_DEADLINE_S:
                 self._fail(f"the job reached no step boundary in {STOP_DEADLINE_S:.0f} s; it runs on at the old layout")
+                self.order = None
                 return False
-            if flight.stopped is None or not all_exited_ok:
+            if not all_exited_ok or not may_hold:
                 return False
-            self._restart(flight, relaunch)
-            return True
+            self.held_since = self.held_since or now  # this node's ranks stopped before rank 0 said so
+            return now - self.held_since < HOLD_S  # past that, they simply finished
+        if not all_exited_ok:
+            return False
+        share = order.share(self.devices.healthy(self.node_devices))
+        if not share:
+            log.error("torchtitan job %s: plan epoch %d runs no rank on this node (devices %s); it stays out",
+                      self.job, order.epoch, list(self.node_devices))
+        self._set_env(share, order.epoch)
+        self.epoch, self.expected_world, self.order = order.epoch, len(order.devices), None
+        if flight is not None:
+            flight.restarted_at = self.clock()
+        relaunch(len(share), lambda args: with_flags(args, order.flags))
+        return True
+
+    def _resumed(self, records: SignedStore) -> None:
+        """The leader's command: the new world's first step acknowledges it."""
+        flight = self.flight
+        assert flight is not None
         mark = records.read(RESUMED_KEY, StepMark.parse, allowed=RANK_WRITERS)
+        now = self.clock()
         if mark is not None and mark.epoch == flight.command.plan.epoch:
             self._applied(flight, mark, now)
         elif now - flight.restarted_at > RESUME_DEADLINE_S:
             self._fail(f"the new world did not step within {RESUME_DEADLINE_S:.0f} s")
-        return False
-
-    def _restart(self, flight: _InFlight, relaunch: Callable[[int, Callable[[Sequence[str]], list[str]]], None]) -> None:
-        assert self.shape is not None
-        devices = ",".join(str(d) for d in flight.devices)
-        self.env = {DEVICES_ENV: devices, EPOCH_ENV: str(flight.command.plan.epoch), "CUDA_VISIBLE_DEVICES": devices}
-        extra = flight.layout.flags(flight.command.plan.pipelines[0].microbatches, self.shape.samples_per_microbatch)
-        flight.restarted_at = self.clock()
-        self.probes_posted = 0
-        relaunch(flight.layout.world, lambda args: with_flags(args, extra))
 
     def _applied(self, flight: _InFlight, mark: StepMark, now: float) -> None:
-        assert self.listener is not None and self.shape is not None
+        assert self.listener is not None
         pause_s = now - flight.asked_at
         stopped = flight.stopped or StepMark(mark.epoch, mark.step)
         self.listener.ack_applied(flight.command, pause_s,
@@ -240,11 +382,6 @@ class TitanRelayout:
                                          f"dp {flight.layout.batch}, tp {flight.layout.tp}) from the checkpoint of "
                                          f"step {stopped.step}")
         self._phases(flight, mark, now)
-        self.shape = JobShape(layout=flight.layout, devices=tuple(flight.devices), epoch=flight.command.plan.epoch,
-                              num_layers=self.shape.num_layers,
-                              microbatches=flight.command.plan.pipelines[0].microbatches,
-                              samples_per_microbatch=self.shape.samples_per_microbatch, tokens_per_microbatch=self.shape.tokens_per_microbatch,
-                              layer_state_bytes=self.shape.layer_state_bytes, model=self.shape.model)
         self.flight = None
 
     def _phases(self, flight: _InFlight, mark: StepMark, now: float) -> None:
@@ -265,14 +402,23 @@ class TitanRelayout:
 
     def _on_failure(self, failed: Sequence[int], relaunch: Callable[[int, Callable[[Sequence[str]], list[str]]], None]) -> bool:
         """A round ended by the ranks ``failed``: leave the restart to torch (same layout, last
-        checkpoint) unless a device is now judged lost; then restart past it. True when restarted."""
-        assert self.shape is not None and self.listener is not None
-        now = self.clock()
-        self.recovery = None  # a world that failed before its first step never resumed
+        checkpoint) unless a device of this node is now judged lost; then restart past it — on one
+        node at the layout of the devices left, across nodes with this node's share less the lost
+        device (the round that follows is laid out by :meth:`start_round`). True when restarted."""
+        assert self.shape is not None
+        self.recovery, self.order, self.order_stopped = None, None, None  # a world that failed never resumed
         lost = self.devices.failed(self.identity(r)[0] for r in failed)
         if not lost:
             return False
         shape = self.shape
+        if self.multi_node:
+            share = [d for d in self.share if d not in lost]
+            log.warning("torchtitan job %s lost device(s) %s: this node restarts on %s; the round that follows is "
+                        "laid out for the devices every node has left", self.job, sorted(lost), share)
+            self.expected_world = -1  # whatever size the next round has, lay it out again
+            self._set_env(share, self.epoch)
+            relaunch(len(share), list)
+            return True
         healthy = self.devices.healthy(shape.devices)
         global_mb = shape.microbatches * shape.layout.batch
         layout = fallback_layout(shape.layout, len(healthy), global_mb, shape.num_layers)
@@ -281,40 +427,39 @@ class TitanRelayout:
                       "go on at the old layout", self.job, sorted(self.devices.lost), len(healthy))
             return False
         devices = healthy[:layout.world]
-        epoch = max(shape.epoch, self.listener.running.epoch) + 1
-        microbatches = global_mb // layout.batch
-        joined = ",".join(str(d) for d in devices)
-        self.env = {DEVICES_ENV: joined, EPOCH_ENV: str(epoch), "CUDA_VISIBLE_DEVICES": joined}
-        extra = layout.flags(microbatches, shape.samples_per_microbatch)
+        self.epoch = max(shape.epoch, self.listener.running.epoch if self.listener else 0) + 1
+        self._set_env(devices, self.epoch)
+        self.expected_world = layout.world
+        extra = layout.flags(global_mb // layout.batch, shape.samples_per_microbatch)
         log.warning("torchtitan job %s lost device(s) %s: restarting from its last checkpoint at %d ranks "
                     "(pp %d, dp %d, tp %d) on devices %s", self.job, sorted(lost), layout.world, layout.pp,
-                    layout.batch, layout.tp, joined)
+                    layout.batch, layout.tp, ",".join(str(d) for d in devices))
+        now = self.clock()
+        self.recovery = _Recovery(self.epoch, f"device(s) {', '.join(str(d) for d in sorted(lost))} judged lost",
+                                  now, now)
         relaunch(layout.world, lambda args: with_flags(args, extra))
-        self.shape = JobShape(layout=layout, devices=tuple(devices), epoch=epoch, num_layers=shape.num_layers,
-                              microbatches=microbatches, samples_per_microbatch=shape.samples_per_microbatch,
-                              tokens_per_microbatch=shape.tokens_per_microbatch,
-                              layer_state_bytes=shape.layer_state_bytes, model=shape.model)
-        self.recovery = _Recovery(epoch, sorted(lost), now, self.clock())
         return True
 
     def _recovered(self, records: SignedStore) -> None:
-        """The world restarted past lost devices has stepped: it runs the new plan; say so."""
+        """The world restarted past lost devices or a gone node has stepped: the leader says it runs
+        the new plan."""
         recovery = self.recovery
-        assert recovery is not None and self.listener is not None and self.shape is not None
+        assert recovery is not None and self.shape is not None
         mark = records.read(RESUMED_KEY, StepMark.parse, allowed=RANK_WRITERS)
         if mark is None or mark.epoch != recovery.epoch:
             return
         now = self.clock()
-        self.recovery = None
-        self.listener.adopt(self.shape.plan(), reason="restart")
-        log.info("torchtitan job %s runs %s without device(s) %s since step %d", self.job, self.shape.plan().shape(),
-                 recovery.lost, mark.step)
+        self.recovery, self.failed_at = None, None
+        if not self.leader or self.listener is None:
+            return
+        self._announce("restart")
+        log.info("torchtitan job %s runs %s since step %d (%s)", self.job, self.shape.plan().shape(), mark.step,
+                 recovery.what)
         if self.telemetry is None:
             return
-        lost = ", ".join(str(d) for d in recovery.lost)
         for phase, seconds, detail in (
                 (ReshapePhaseName.NEW_MESH, recovery.restarted_at - recovery.detected_at,
-                 f"device(s) {lost} judged lost; the failed world's ranks stopped"),
+                 f"{recovery.what}; the failed world's ranks stopped"),
                 (ReshapePhaseName.FIRST_STEP, now - recovery.restarted_at,
                  f"new world of {self.shape.layout.world} ranks started, loaded the last checkpoint (resharded) "
                  f"and stepped")):

@@ -215,7 +215,8 @@ class JobShape:
         return plan_of(self.layout, self.devices, self.num_layers, self.microbatches, self.epoch)
 
 
-def fallback_layout(running: TitanLayout, healthy: int, global_microbatches: int, num_layers: int) -> TitanLayout | None:
+def fallback_layout(running: TitanLayout, healthy: int, global_microbatches: int, num_layers: int,
+                    exact: bool = False) -> TitanLayout | None:
     """The uniform layout a job restarts at when devices are gone and no plan says where, among
     those on at most ``healthy`` devices that keep the global batch (``global_microbatches`` split
     evenly over the replicas, at least one per stage), a TP degree dividing the running one (so it
@@ -225,7 +226,9 @@ def fallback_layout(running: TitanLayout, healthy: int, global_microbatches: int
     runs its ``m`` micro-batches over ``pp`` stages in ``m + pp - 1`` stage-slots of ``1 / (pp · tp)``
     of the model each. Ties keep the running TP, then PP, then use fewer devices. Memory is not
     weighed (the agent does not know the devices' capacity) and neither are the links: the engine,
-    which knows both, can move the job on from here. None when no uniform layout fits."""
+    which knows both, can move the job on from here. ``exact``: only layouts of exactly ``healthy``
+    ranks (a rendezvous round across nodes has already fixed the world's size). None when no
+    uniform layout fits."""
     best: tuple[tuple[float, bool, bool, int], TitanLayout] | None = None
     sharded = running.dp_shard > 1 or running.dp_replicate == 1
     for tp in (t for t in range(1, running.tp + 1) if running.tp % t == 0):
@@ -234,6 +237,8 @@ def fallback_layout(running: TitanLayout, healthy: int, global_microbatches: int
                 if global_microbatches % dp or global_microbatches // dp < pp:
                     continue
                 layout = TitanLayout(pp=pp, dp_replicate=1 if sharded else dp, dp_shard=dp if sharded else 1, tp=tp)
+                if exact and layout.world != healthy:
+                    continue
                 step = (global_microbatches // dp + pp - 1) / (pp * tp)
                 score = (-step, tp == running.tp, pp == running.pp, -layout.world)
                 if best is None or score > best[0]:

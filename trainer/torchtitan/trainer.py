@@ -64,8 +64,7 @@ class ResiHPTrainer(Trainer):
         pd = self.parallel_dims
         self.layout = TitanLayout(pp=pd.pp, dp_replicate=pd.dp_replicate, dp_shard=pd.dp_shard, tp=pd.tp, cp=pd.cp)
         self.world_rank = dist.get_rank()
-        self.devices = devices_of(environment().devices, dist.get_world_size())
-        self.device_id = self.devices[self.world_rank]
+        self.device_id, self.devices = _devices(self.world_rank)
         self.plan_epoch = environment().plan_epoch
         self.telemetry = StepTelemetry.attach(self, config.resihp) if config.resihp.telemetry else None
         self._stop_records = _agent_records(self.world_rank)
@@ -194,6 +193,20 @@ class ResiHPTrainer(Trainer):
         if self.telemetry is not None:
             self.telemetry.close()
         super().close()
+
+
+def _devices(world_rank: int) -> tuple[int, list[int]]:
+    """This rank's device and every world rank's. The agent names the devices of its own node's
+    ranks (``RESIHP_DEVICES``, by local rank: it knows no other node's), so when it does the world's
+    list is gathered; otherwise a job owns devices 0..N-1 and world rank r runs on device r."""
+    env = elastic_environment()
+    named = environment().devices
+    local = devices_of(named, env.LOCAL_WORLD_SIZE, first_rank=world_rank - env.LOCAL_RANK)
+    if not named:
+        return local[env.LOCAL_RANK], list(range(dist.get_world_size()))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local[env.LOCAL_RANK])
+    return local[env.LOCAL_RANK], [int(d) for d in everyone]
 
 
 def _agent_records(rank: int) -> Any:

@@ -1,0 +1,152 @@
+"""The torchtitan executor in each node agent, on a real (in-process) store: what every node starts
+after a leader's order, how a round of another size is laid out, and which plans the leader
+refuses across nodes (trainer/torchtitan/controller.py). The processes are
+tests/test_torchtitan_nodes.py's; this is the agent's logic alone."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch.distributed as dist
+
+from trainer.agent.relayout import NODE_KEY, ORDER_KEY, STOPPED_KEY, RelayoutOrder
+from trainer.agent.signed_store import SignedStore
+from trainer.torchtitan.controller import TitanRelayout
+from trainer.torchtitan.layout import JOB_KEY, JobShape, TitanLayout, plan_of
+
+FLAGS = ["--module", "trainer.torchtitan", "--parallelism.data_parallel_replicate_degree", "3",
+         "--training.local_batch_size", "1", "--training.global_batch_size", "6"]
+
+
+def _store() -> SignedStore:
+    return SignedStore(dist.HashStore(), "round-1", reader="test")
+
+
+def _shape(layout: TitanLayout, devices: Sequence[int], epoch: int = 0) -> JobShape:
+    return JobShape(layout=layout, devices=tuple(devices), epoch=epoch, num_layers=6, microbatches=2,
+                    samples_per_microbatch=1, tokens_per_microbatch=256, layer_state_bytes=1000, model="llama3 debug")
+
+
+class _Relaunches:
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, list[str]]] = []
+
+    def __call__(self, world: int, edit: Callable[[Sequence[str]], list[str]]) -> None:
+        self.calls.append((world, edit(FLAGS)))
+
+
+def _follower(records: SignedStore, node_ranks: Sequence[int], world: int) -> TitanRelayout:
+    """Node 1's executor after its first round, having read the world's shape."""
+    relayout = TitanRelayout("job", lambda: None, None)
+    assert relayout.start_round(1, 2, node_ranks, world, records) is None  # the first round runs as started
+    records.set(JOB_KEY, _shape(TitanLayout(dp_replicate=world), range(world)).to_json())
+    relayout.watch(records, False, None, _Relaunches())
+    assert relayout.shape is not None and not relayout.leader
+    return relayout
+
+
+def _value(flags: list[str], name: str) -> str:
+    return flags[flags.index(name) + 1]
+
+
+def test_every_node_starts_its_own_devices_of_the_order_once_the_world_stopped() -> None:
+    records = _store()
+    relayout = _follower(records, [1, 2], 3)
+    order = RelayoutOrder(1, "c1", (0, 1), ("--parallelism.data_parallel_replicate_degree", "2"))
+    records.set(ORDER_KEY, order.to_json())
+    relaunch = _Relaunches()
+    assert relayout.watch(records, False, None, relaunch) is False and not relaunch.calls  # ranks still running
+    # this node's ranks exited before rank 0 wrote the stop mark: held, not finished
+    assert relayout.watch(records, True, None, relaunch) is True and not relaunch.calls
+    records.set(STOPPED_KEY, {"epoch": 1, "step": 4})
+    assert relayout.watch(records, True, None, relaunch) is True
+    (world, flags), = relaunch.calls
+    assert world == 1 and _value(flags, "--parallelism.data_parallel_replicate_degree") == "2"
+    env = relayout.worker_env()
+    # device 1 is this node's first device: the rank sees it as its GPU 0
+    assert env["RESIHP_DEVICES"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "0" and env["RESIHP_PLAN_EPOCH"] == "1"
+    # the new round is the order's world: nothing to lay out again
+    assert relayout.start_round(1, 2, [1], 2, _store()) is None
+    assert relayout.identity(1) == (1, 1)
+
+
+def test_a_membership_restart_after_the_stop_starts_the_orders_share_and_before_it_does_not() -> None:
+    records = _store()
+    relayout = _follower(records, [1, 2], 3)
+    records.set(ORDER_KEY, RelayoutOrder(1, "c1", (0, 2), ()).to_json())
+    relaunch = _Relaunches()
+    assert relayout.restart_for_order(records, relaunch) is False and not relaunch.calls  # no stop mark: torch's
+    records.set(STOPPED_KEY, {"epoch": 1, "step": 4})
+    assert relayout.restart_for_order(records, relaunch) is True and relaunch.calls[0][0] == 1
+    assert relayout.worker_env()["RESIHP_DEVICES"] == "2"
+
+
+def test_a_stale_order_is_not_obeyed() -> None:
+    records = _store()
+    relayout = _follower(records, [1, 2], 3)
+    records.set(ORDER_KEY, RelayoutOrder(1, "c1", (0, 1), ()).to_json())
+    records.set(STOPPED_KEY, {"epoch": 1, "step": 4})
+    relayout.epoch = 1  # the world already runs epoch 1
+    relaunch = _Relaunches()
+    assert relayout.watch(records, True, None, relaunch) is False and not relaunch.calls
+
+
+def test_a_round_of_another_size_is_laid_out_alike_on_every_node() -> None:
+    """Node 1 is gone: the round has node 0's one rank, and its agent restarts it at one replica,
+    the global batch of six micro-batches kept by accumulation; had node 0 gone, node 1's agent
+    would lay its two ranks out by the same rule from the same shape."""
+    edits = []
+    for node, ranks in ((0, [0]), (1, [1, 2])):
+        records = _store()
+        relayout = TitanRelayout("job", lambda: None, None)
+        relayout.start_round(node, 2, ranks, 3, records)
+        relayout.shape = _shape(TitanLayout(dp_replicate=3), [0, 1, 2])
+        edit = relayout.start_round(0, 1, range(len(ranks)), len(ranks), records)  # this node alone
+        assert edit is not None and relayout.epoch == 1 and relayout.recovery is not None
+        edits.append(edit(FLAGS))
+    one, two = edits
+    assert _value(one, "--parallelism.data_parallel_replicate_degree") == "1"
+    assert _value(one, "--training.global_batch_size") == "6" and _value(one, "--training.local_batch_size") == "1"
+    assert _value(two, "--parallelism.data_parallel_replicate_degree") == "2"  # a two-rank round: two replicas
+    assert _value(two, "--training.global_batch_size") == "6"
+
+
+def test_a_round_no_uniform_layout_fits_starts_at_the_old_flags() -> None:
+    records = _store()
+    relayout = TitanRelayout("job", lambda: None, None)
+    relayout.start_round(0, 2, [0, 1], 4, records)
+    relayout.shape = JobShape(layout=TitanLayout(dp_replicate=4), devices=(0, 1, 2, 3), epoch=0, num_layers=1,
+                              microbatches=1, samples_per_microbatch=1, tokens_per_microbatch=256,
+                              layer_state_bytes=1, model="")
+    # three ranks, four micro-batches, one layer: no replica count divides them and no pipeline fits
+    assert relayout.start_round(0, 2, [0, 1], 3, records) is None and relayout.epoch == 0
+
+
+def test_the_leader_refuses_a_plan_that_leaves_a_node_with_no_rank() -> None:
+    records = _store()
+    relayout = TitanRelayout("job", lambda: None, None)
+    relayout.start_round(0, 2, [0], 3, records)
+    records.set(NODE_KEY.format(group_rank=1), {"devices": [1, 2]})
+    relayout.shape, relayout._records = _shape(TitanLayout(dp_replicate=3), [0, 1, 2]), records
+    keeps_both = plan_of(TitanLayout(dp_replicate=2), [0, 1], 6, 3, 1)
+    assert relayout._refusal(keeps_both) is None
+    leaves_node_1 = plan_of(TitanLayout(dp_replicate=1), [0], 6, 6, 1)
+    assert "leaves node(s) [1] with no rank" in (relayout._refusal(leaves_node_1) or "")
+    elsewhere = plan_of(TitanLayout(dp_replicate=2), [0, 7], 6, 3, 1)
+    assert "devices [7] are on no node" in (relayout._refusal(elsewhere) or "")
+
+
+def test_orders_and_node_records_refuse_malformed_bodies() -> None:
+    import pytest
+
+    from trainer.agent.relayout import parse_node_devices
+
+    for body in ({}, {"epoch": 0, "command": "c", "devices": [0], "flags": []},
+                 {"epoch": 1, "command": "c", "devices": [0, 0], "flags": []},
+                 {"epoch": 1, "command": "c", "devices": [0], "flags": [1]},
+                 {"epoch": 1, "command": "c", "devices": [], "flags": []}):
+        with pytest.raises(ValueError):
+            RelayoutOrder.parse(body)
+    for body in (None, {"devices": [-1]}, {"devices": "0"}):
+        with pytest.raises(ValueError):
+            parse_node_devices(body)
