@@ -16,10 +16,10 @@ every world that reaches it, as a device that is gone would fail every process p
   same checkpoint with round 1's losses (to 1e-5 relative: fp32, the gradients summed in another
   order) and trains to the end.
 
-The same run answers a probe: once the job has announced its plan, the test publishes a compute
-``probe.request`` for device 1 signed as the analytics consumer; the agent posts it to the ranks,
-every rank runs it at one step boundary, and device 1 answers with a ``probe.result`` signed with
-the ranks' key against the world's median.
+The same run answers probes: once the job has announced its plan, the test publishes a compute
+``probe.request`` for device 1 and a link probe for device 2, signed as the analytics consumer; the
+agent posts them to the ranks, every rank runs them at one step boundary, and devices 1 and 2
+answer with ``probe.result``s signed with the ranks' key against the world's median.
 """
 
 from __future__ import annotations
@@ -70,8 +70,9 @@ def test_a_lost_device_is_restarted_past_at_a_smaller_uniform_layout_and_the_red
             assert proc.poll() is None and time.monotonic() < deadline, "the job never announced its plan"
             time.sleep(0.2)
         with EmbeddedBus(bus) as writer:
-            probe = ProbeRequest(probe_id="p-device-1", ranks=[1], target="compute", repeats=3)
-            writer.publish([signed(EventFactory("lost-device", "analytics").make(probe))])
+            probes = [ProbeRequest(probe_id="p-device-1", ranks=[1], target="compute", repeats=3),
+                      ProbeRequest(probe_id="p-link-2", ranks=[2], target="link", repeats=3)]
+            writer.publish([signed(EventFactory("lost-device", "analytics").make(probe)) for probe in probes])
         _, stderr = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
@@ -87,12 +88,14 @@ def test_a_lost_device_is_restarted_past_at_a_smaller_uniform_layout_and_the_red
         stream = EventStream(reader, "test-probe", [topics.CONTROL], on_assign=lambda ps: {tp: 0 for tp in ps})
         answers = [d.event for d in stream.poll(timeout_s=0.5) if isinstance(d.event.payload, ProbeResult)]
         stream.close()
-    (envelope,) = answers
-    assert Gate("test").admit(envelope), "a probe result carries the ranks' signature"
-    answer = envelope.payload
-    assert isinstance(answer, ProbeResult)
-    assert answer.probe_id == "p-device-1" and answer.rank == 1 and answer.reference_s > 0, why
+    assert all(Gate("test").admit(envelope) for envelope in answers), "a probe result carries the ranks' signature"
+    by_probe = {e.payload.probe_id: e.payload for e in answers}
+    assert sorted(by_probe) == ["p-device-1", "p-link-2"] and len(answers) == 2, answers
+    answer, link = by_probe["p-device-1"], by_probe["p-link-2"]
+    assert answer.rank == 1 and answer.reference_s > 0, why
     assert 0.2 < answer.duration_s / answer.reference_s < 5, answer  # a healthy device near the world's median
+    # device 2 sent the buffer to device 3, as long as the world's median send took
+    assert link.rank == 2 and link.duration_s > 0 and 0.1 < link.duration_s / link.reference_s < 10, link
     plans = [e for e in control if isinstance(e, PlanCurrent)]
     assert [p.plan.epoch for p in plans] == [0, 1] and plans[1].reason == "restart", why
     assert plans[0].plan.devices == [0, 1, 2, 3] and plans[1].plan.devices == [0, 1], why

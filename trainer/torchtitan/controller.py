@@ -19,10 +19,10 @@ only publish telemetry). :class:`TitanRelayout` is called on every pass of the a
     resumed    the new world's first step: ``command.ack`` applied with the pause, the new
                ``plan.current``, and the pause's phases as ``telemetry.reshape_phase`` events
 
-Probes: each compute ``probe.request`` the listener admits (signed by analytics, for devices the job
-runs, bounded) is posted in the ranks' store; the ranks run it together at their next step
-boundary (trainer/torchtitan/probes.py) and the asked ones publish ``probe.result``. A link probe is
-not answered (a torchtitan rank has no link workload of its own); the detector's wait for it ends.
+Probes: each ``probe.request`` the listener admits (signed by analytics, for devices the job runs,
+bounded) is posted in the ranks' store; the ranks run it together at their next step boundary
+(trainer/torchtitan/probes.py: a compute probe times a matmul, a link probe a send to the next
+rank) and the asked ones publish ``probe.result``.
 
 Fail-stop (trainer/torchtitan/recovery.py): a rank that dies ends its round and torch restarts the
 group at the same layout from the last periodic checkpoint; when the same device's rank ends two
@@ -243,10 +243,6 @@ class TitanRelayout:
         """The probes the listener admitted since the last pass, for the ranks to run together."""
         assert self.listener is not None
         for request in self.listener.take_probes():
-            if request.target != "compute":
-                log.info("torchtitan job %s: probe %s asks for a %s probe; torchtitan ranks answer compute probes "
-                         "only", self.job, request.probe_id, request.target)
-                continue
             self.probes_posted += 1
             records.set(PROBE_REQUEST_KEY.format(number=self.probes_posted), request.model_dump(mode="json"))
             records.set(PROBE_KEY, {"number": self.probes_posted})
