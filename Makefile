@@ -18,18 +18,21 @@ demo: install
 	$(BIN)/resihp demo
 
 # stdin from /dev/null: no process a test starts may wait on the terminal or pipe that ran make.
-# Both tiers at once (tests/fixtures/tiers.py): the slow tier's tests spend much of their time
-# waiting on the processes, brokers and browsers they start, and the fast tier (no process of its
-# own) runs in those gaps at the lowest CPU priority, so it barely slows them. Its output is
-# printed when it ends; a failure in either tier fails the target. Both are in this shell's process
-# group, so stopping make stops both.
+# Two streams at once (tests/fixtures/tiers.py): the heavy slow tests (torch ranks, agents, demos)
+# spend much of their time waiting on the processes they start, and in those gaps the other stream
+# runs the fast tier (no process of its own) at the lowest CPU priority, then the light slow tests
+# (they only wait on a broker, a browser or Prometheus). The heavy stream's length is the run's.
+# The other stream's output is printed when it ends; a failure in any fails the target. Both are in
+# this shell's process group, so stopping make stops both.
 test: install kafka browser monitoring etcd
 	@mkdir -p .resihp
 	@( nice -n 19 $(BIN)/python -m pytest --tier fast </dev/null >.resihp/test-fast.log 2>&1; \
-	   echo $$? >.resihp/test-fast.rc ) & \
-	$(BIN)/python -m pytest --tier slow --durations=25 </dev/null; slow=$$?; \
-	wait; echo "--- the fast tier (.resihp/test-fast.log)"; cat .resihp/test-fast.log; \
-	fast=$$(cat .resihp/test-fast.rc); test "$$fast" -eq 0 && test "$$slow" -eq 0
+	   echo $$? >.resihp/test-fast.rc; \
+	   $(BIN)/python -m pytest --tier light --durations=10 </dev/null >.resihp/test-light.log 2>&1; \
+	   echo $$? >.resihp/test-light.rc ) & \
+	$(BIN)/python -m pytest --tier heavy --durations=25 </dev/null; heavy=$$?; \
+	wait; for t in fast light; do echo "--- the $$t tests (.resihp/test-$$t.log)"; cat .resihp/test-$$t.log; done; \
+	test "$$(cat .resihp/test-fast.rc)" -eq 0 && test "$$(cat .resihp/test-light.rc)" -eq 0 && test "$$heavy" -eq 0
 
 test-fast: install
 	$(BIN)/python -m pytest --tier fast </dev/null

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, settings
 from collector.bus import Bus
 from infra import broker
 from tests.fixtures.processes import FIXTURE_OWNED
-from tests.fixtures.tiers import KAFKA_FIXTURES, NEEDS, no_process_started
+from tests.fixtures.tiers import KAFKA_FIXTURES, NEEDS, no_process_started, tier_of
 
 # Property tests judge values, never time: `make test` runs the fast tier niced beside the slow
 # one on two cores, where how long Hypothesis takes to draw an input says nothing about the code.
@@ -35,9 +35,10 @@ settings.load_profile("resihp")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--tier", choices=("fast", "slow", "all"), default="all",
+    parser.addoption("--tier", choices=("fast", "slow", "light", "heavy", "all"), default="all",
                      help="fast: the tests that need none of tests/fixtures/tiers.py's NEEDS (make test-fast); "
-                          "slow: the others; all (default): both")
+                          "slow: the others, which are light (servers only: broker, browser, Prometheus) and "
+                          "heavy (processes of their own, or long); all (default): every test")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -54,11 +55,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     tier = config.getoption("--tier")
     if tier == "all":
         return
+    wanted = {"fast": {"fast"}, "slow": {"light", "heavy"}, "light": {"light"}, "heavy": {"heavy"}}[tier]
     keep: list[pytest.Item] = []
     drop: list[pytest.Item] = []
     for item in items:
-        slow = any(item.get_closest_marker(mark) for mark in NEEDS)
-        (keep if slow == (tier == "slow") else drop).append(item)
+        marks = {mark for mark in NEEDS if item.get_closest_marker(mark)}
+        (keep if tier_of(marks) in wanted else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
