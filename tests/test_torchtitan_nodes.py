@@ -1,14 +1,16 @@
-"""A torchtitan job across two node agents (``resihp run`` on c10d, ``--nnodes 1:2``): a command
-restarts every node's share of the new layout in one round, and a node that dies is restarted past.
+"""A torchtitan job across three node agents (``resihp run`` on c10d, ``--nnodes 1:3``): a command
+restarts every node's share of the new layout in one round and leaves a node out, and a node that
+dies is restarted past.
 
-Node 0 runs one CPU rank (device 0), node 1 two (devices 1 and 2): three data-parallel replicas, a
-global batch of six micro-batches, a checkpoint every 3 steps.
+Each node runs one CPU rank (devices 0, 1, 2): three data-parallel replicas, a global batch of six
+micro-batches, a checkpoint every 3 steps.
 
 * a ``command.reconfigure`` for two replicas on devices 0 and 1 (signed as the engine, for the run
   the job announced): the leader (node 0's agent) writes the new world and the stop, every rank
-  stops after the same step and saves, node 0 starts device 0 and node 1 device 1 — one rendezvous
-  round, world 2 — and the command is acknowledged applied with its phases;
-* node 1's agent is SIGKILLed (its ranks die with it): node 0's rank fails, torch restarts it, and
+  stops after the same step and saves; nodes 0 and 1 start devices 0 and 1 — one rendezvous round,
+  world 2 — and node 2, with no rank in the new world, takes itself out of the rendezvous and ends
+  (exit 0). The command is acknowledged applied with its phases;
+* node 1's agent is SIGKILLed (its rank dies with it): node 0's rank fails, torch restarts it, and
   the round that forms without node 1 has one rank: node 0's agent lays it out (one replica, the
   global batch kept by accumulation), restarts from the last checkpoint as plan epoch 2
   (``plan.current`` reason ``restart``) and trains to the end. The steps it redoes have the losses
@@ -66,7 +68,7 @@ def test_a_command_restarts_every_nodes_share_in_one_round_and_a_lost_node_is_re
     port = _free_port()
 
     def agent(node: int, ranks: int) -> subprocess.Popen:
-        argv = [sys.executable, "-m", "resihp.cli", "run", "--nnodes", "1:2", "--nproc-per-node", str(ranks),
+        argv = [sys.executable, "-m", "resihp.cli", "run", "--nnodes", "1:3", "--nproc-per-node", str(ranks),
                 "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                 "--rdzv-id", JOB, "--rdzv-conf", "join_timeout=300,last_call_timeout=8", "--max-restarts", "2",
                 "--job", JOB, "--bus", "embedded", "--bus-path", str(bus), "--work-dir", str(tmp_path / f"w{node}"),
@@ -79,8 +81,8 @@ def test_a_command_restarts_every_nodes_share_in_one_round_and_a_lost_node_is_re
         return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
-    agents = [agent(0, 1), agent(1, 2)]
-    outs = ["", ""]
+    agents = [agent(0, 1), agent(1, 1), agent(2, 1)]
+    outs = ["", "", ""]
     try:
         def control() -> list:
             return _events(bus, [topics.CONTROL]) if bus.exists() else []
@@ -93,7 +95,7 @@ def test_a_command_restarts_every_nodes_share_in_one_round_and_a_lost_node_is_re
         with EmbeddedBus(bus) as writer:
             writer.publish([Authors(JOB, "test").make(command)])
         acks = _wait(lambda: [e for e in control() if isinstance(e, CommandAck) and e.command_id == command.command_id],
-                     "the command's acknowledgement", agents)
+                     "the command's acknowledgement", agents[:2])  # node 2 leaves the job meanwhile
         assert acks[-1].status == AckStatus.APPLIED, acks
 
         def two_replica_steps() -> list[int]:
@@ -101,7 +103,9 @@ def test_a_command_restarts_every_nodes_share_in_one_round_and_a_lost_node_is_re
                     if isinstance(e, IterationSummary) and e.epoch == 1 and e.loss is not None]
 
         stopped_at = int(acks[-1].detail.rsplit("step ", 1)[1])
-        _wait(lambda: max(two_replica_steps(), default=0) >= stopped_at + 2, "two steps in the new world", agents)
+        outs[2] = agents[2].communicate(timeout=120)[0]  # node 2 left the job
+        _wait(lambda: max(two_replica_steps(), default=0) >= stopped_at + 2, "two steps in the new world",
+              agents[:2])
         agents[1].send_signal(signal.SIGKILL)
         outs[1] = agents[1].communicate(timeout=60)[0]
         outs[0] = agents[0].communicate(timeout=600)[0]
@@ -110,8 +114,9 @@ def test_a_command_restarts_every_nodes_share_in_one_round_and_a_lost_node_is_re
             if a.poll() is None:
                 a.kill()
                 a.communicate()
-    why = f"\nnode 0 (exit {agents[0].returncode}):\n{outs[0][-6000:]}\nnode 1:\n{outs[1][-3000:]}"
-    assert agents[0].returncode == 0, why
+    why = "".join(f"\n--- node {n} (exit {a.returncode}):\n{out[-4000:]}" for n, (a, out) in enumerate(zip(agents, outs)))
+    assert agents[0].returncode == 0 and agents[2].returncode == 0, why
+    assert "runs no rank on this node; it left the job" in outs[2], why
 
     control_events = _events(bus, [topics.CONTROL])
     telemetry = _events(bus, [topics.TELEMETRY])

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
-from trainer.agent.relayout import NODE_KEY, ORDER_KEY, STOPPED_KEY, RelayoutOrder
+from trainer.agent.relayout import NODE_KEY, ORDER_KEY, STOPPED_KEY, NodeRecord, RelayoutOrder
 from trainer.agent.signed_store import SignedStore
 from trainer.torchtitan.controller import TitanRelayout
 from trainer.torchtitan.layout import JOB_KEY, JobShape, TitanLayout, plan_of
@@ -122,24 +122,41 @@ def test_a_round_no_uniform_layout_fits_starts_at_the_old_flags() -> None:
     assert relayout.start_round(0, 2, [0, 1], 3, records) is None and relayout.epoch == 0
 
 
-def test_the_leader_refuses_a_plan_that_leaves_a_node_with_no_rank() -> None:
+def _leader(min_nodes: int, node_1_hosts: bool = False) -> TitanRelayout:
+    """Node 0's executor in a round of two nodes: node 0 has device 0, node 1 devices 1 and 2."""
     records = _store()
-    relayout = TitanRelayout("job", lambda: None, None)
+    relayout = TitanRelayout("job", lambda: None, None, min_nodes=min_nodes)
     relayout.start_round(0, 2, [0], 3, records)
-    records.set(NODE_KEY.format(group_rank=1), {"devices": [1, 2]})
+    records.set(NODE_KEY.format(group_rank=1), NodeRecord((1, 2), node_1_hosts).to_json())
     relayout.shape, relayout._records = _shape(TitanLayout(dp_replicate=3), [0, 1, 2]), records
+    return relayout
+
+
+def test_the_leader_leaves_a_node_out_only_where_the_rendezvous_lets_the_job_go_on_without_it() -> None:
     keeps_both = plan_of(TitanLayout(dp_replicate=2), [0, 1], 6, 3, 1)
-    assert relayout._refusal(keeps_both) is None
     leaves_node_1 = plan_of(TitanLayout(dp_replicate=1), [0], 6, 6, 1)
-    assert "leaves node(s) [1] with no rank" in (relayout._refusal(leaves_node_1) or "")
     elsewhere = plan_of(TitanLayout(dp_replicate=2), [0, 7], 6, 3, 1)
-    assert "devices [7] are on no node" in (relayout._refusal(elsewhere) or "")
+    assert _leader(min_nodes=2)._refusal(keeps_both) is None
+    assert "leaves node(s) [1] with no rank, and the job runs on at least 2 node(s)" in (
+        _leader(min_nodes=2)._refusal(leaves_node_1) or "")
+    assert _leader(min_nodes=1)._refusal(leaves_node_1) is None  # --nnodes 1:2
+    assert "node 1 serves the job's rendezvous" in (_leader(1, node_1_hosts=True)._refusal(leaves_node_1) or "")
+    assert "devices [7] are on no node" in (_leader(min_nodes=1)._refusal(elsewhere) or "")
+
+
+def test_a_node_an_order_runs_no_rank_on_leaves_the_job_once_the_world_stopped() -> None:
+    records = _store()
+    relayout = _follower(records, [1, 2], 3)
+    records.set(ORDER_KEY, RelayoutOrder(1, "c1", (0,), ()).to_json())
+    records.set(STOPPED_KEY, {"epoch": 1, "step": 4})
+    relaunch = _Relaunches()
+    assert relayout.watch(records, False, None, relaunch) is False and not relayout.left_out  # ranks still saving
+    assert relayout.watch(records, True, None, relaunch) is True
+    assert relayout.left_out and not relaunch.calls and relayout.epoch == 1
 
 
 def test_orders_and_node_records_refuse_malformed_bodies() -> None:
     import pytest
-
-    from trainer.agent.relayout import parse_node_devices
 
     for body in ({}, {"epoch": 0, "command": "c", "devices": [0], "flags": []},
                  {"epoch": 1, "command": "c", "devices": [0, 0], "flags": []},
@@ -147,6 +164,7 @@ def test_orders_and_node_records_refuse_malformed_bodies() -> None:
                  {"epoch": 1, "command": "c", "devices": [], "flags": []}):
         with pytest.raises(ValueError):
             RelayoutOrder.parse(body)
-    for body in (None, {"devices": [-1]}, {"devices": "0"}):
+    for bad in (None, {"devices": [-1]}, {"devices": "0"}, {"devices": [0], "hosts": "yes"}):
         with pytest.raises(ValueError):
-            parse_node_devices(body)
+            NodeRecord.parse(bad)
+    assert NodeRecord.parse({"devices": [3, 4]}) == NodeRecord((3, 4), False)

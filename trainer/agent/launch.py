@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.agent.hang import HangPolicy
 from trainer.agent.predicted import PredictedIteration
-from trainer.agent.store import (LOOPBACK_NAMES, AgentError, RendezvousStore, bind_bootstrap_store, make_handler,
-                                 open_rendezvous_store)
+from trainer.agent.store import (LOOPBACK_NAMES, AgentError, RendezvousStore, bind_bootstrap_store, leave_rendezvous,
+                                 make_handler, open_rendezvous_store)
 from trainer.agent.vacancy import VacancyRendezvous
 from trainer.spec import BusSpec
 
@@ -224,7 +224,8 @@ class AgentLaunch:
 
         if not is_torchtitan_job(args.module, args.training_script, args.training_script_args):
             return
-        self.relayout = TitanRelayout(args.job, self.bus.open, self.telemetry)
+        self.relayout = TitanRelayout(args.job, self.bus.open, self.telemetry, min_nodes=self.config.min_nodes,
+                                      hosts_rendezvous=self.rdzv is not None and self.rdzv.hosting)
         head = self.program_args.index(args.training_script) + 1
         self.program_args = self.program_args[:head] + self.relayout.initial_args(self.program_args[head:])
 
@@ -304,6 +305,10 @@ class AgentLaunch:
             self.echo(f"error: rank {rank} (local {first.local_rank}, pid {first.pid}) {how}; "
                       f"{len(result.failures)} rank(s) failed on this node, restarts left 0 of {self.config.max_restarts}")
             return 1
+        if self.relayout is not None and self.relayout.left_out:
+            self.echo(f"the job's plan epoch {self.relayout.epoch} runs no rank on this node; it left the job, "
+                      "which goes on on the other nodes")
+            return 0
         if agent.lost and len(agent.lost) == self.config.nproc_per_node:
             self.echo(f"error: every rank of this node was lost ({sorted(agent.lost)}); the job went on without them")
             return 1
@@ -316,7 +321,10 @@ class AgentLaunch:
             self.agent.presence.close(self.finished)
         if self.handler is not None:
             try:
-                self.handler.shutdown()
+                if self.relayout is not None and self.relayout.left_out:
+                    leave_rendezvous(self.handler)  # the job goes on without this node: not closed
+                else:
+                    self.handler.shutdown()
             except Exception:  # noqa: BLE001 - the rendezvous may already be gone with its host
                 pass
         if self.orders is not None:

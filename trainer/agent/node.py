@@ -116,6 +116,8 @@ class Relayout(Protocol):
     """A job the agent restarts at a new layout on command (trainer/agent/relayout.py; torchtitan's
     in trainer/torchtitan/controller.py)."""
 
+    left_out: bool  # the new layout runs no rank on this node: its agent leaves the job
+
     def worker_env(self) -> dict[str, str]:
         """Environment of the ranks started next."""
 
@@ -218,6 +220,12 @@ class NodeAgent(LocalElasticAgent):
         if self._pending is not None:
             self._pending.mark("new world")
 
+    def _exit_barrier(self) -> None:
+        """torch's wait for every agent to finish, but for a node the job left: the others train on."""
+        if self.settings.relayout is not None and self.settings.relayout.left_out:
+            return
+        super()._exit_barrier()
+
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         if self.settings.relayout is not None and worker_group.master_addr is not None and \
                 self.settings.relayout.restart_for_order(self._store_of_ranks(worker_group),
@@ -266,6 +274,9 @@ class NodeAgent(LocalElasticAgent):
             restarted = self.settings.relayout.watch(
                 self._store_of_ranks(worker_group), result.state == WorkerState.SUCCEEDED, failed,
                 lambda world, edit: self.relaunch(worker_group, world, edit))
+            if self.settings.relayout.left_out:  # done here; the job goes on on the other nodes
+                return RunResult(state=WorkerState.SUCCEEDED,
+                                 return_values={w.global_rank: None for w in worker_group.workers})
             if restarted:
                 return RunResult(state=WorkerState.HEALTHY)
         if self._pcontext is not None:

@@ -31,7 +31,10 @@ the stop, ``resihp/relayout/order`` {epoch, command, devices, flags}: the new wo
 world-rank order and the flags it runs with. Each agent starts, once ``stopped`` is written and its
 ranks are gone, the order's devices that are its own (``resihp/relayout/node/<group rank>``: the
 devices each node has, written by its agent every round) — so the new round's world is the
-order's, and torch's rendezvous is the barrier. A round of another size than the layout it was
+order's, and torch's rendezvous is the barrier. A node with none of the order's devices leaves the
+job: its agent takes itself out of the rendezvous and ends (the leader orders that only when the
+job's ``--nnodes`` minimum allows it and the node does not serve the rendezvous). A round of
+another size than the layout it was
 meant for (a node gone, or a node that lost a device) is laid out by every agent alike from the
 job's last shape (the same rule, the same inputs, no exchange): the uniform layout of exactly
 that many ranks.
@@ -49,7 +52,7 @@ RESUMED_KEY = "resihp/relayout/resumed"
 PROBE_KEY = "resihp/relayout/probe"  # {number}: the newest probe the agent posted
 PROBE_REQUEST_KEY = "resihp/relayout/probe/{number}"  # the probe.request itself
 ORDER_KEY = "resihp/relayout/order"  # {epoch, command, devices, flags}: the new world, from the leader
-NODE_KEY = "resihp/relayout/node/{group_rank}"  # {devices}: the devices a node has, from its agent
+NODE_KEY = "resihp/relayout/node/{group_rank}"  # {devices, hosts}: a node's devices, from its agent
 DEVICES_ENV = "RESIHP_DEVICES"  # comma-separated: the device of each of this node's ranks, by local rank
 EPOCH_ENV = "RESIHP_PLAN_EPOCH"  # the plan epoch the new world runs
 
@@ -137,10 +140,22 @@ class RelayoutOrder:
         return [d for d in self.devices if d in mine]
 
 
-def parse_node_devices(body: Any) -> tuple[int, ...]:
-    """A node's devices (``NODE_KEY``)."""
-    devices = body.get("devices") if isinstance(body, dict) else None
-    if not isinstance(devices, list) or len(devices) > 65536 or \
-            not all(isinstance(d, int) and d >= 0 for d in devices):
-        raise ValueError("a node's devices are {devices: [int >= 0]}")
-    return tuple(devices)
+@dataclass(frozen=True)
+class NodeRecord:
+    """What a node's agent says of its node each round (``NODE_KEY``): its devices, and whether it
+    serves the job's rendezvous (a node that does cannot leave the job while it runs)."""
+
+    devices: tuple[int, ...]
+    hosts_rendezvous: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"devices": list(self.devices), "hosts": self.hosts_rendezvous}
+
+    @classmethod
+    def parse(cls, body: Any) -> NodeRecord:
+        devices = body.get("devices") if isinstance(body, dict) else None
+        if not isinstance(devices, list) or len(devices) > 65536 or \
+                not all(isinstance(d, int) and d >= 0 for d in devices) or \
+                not isinstance(body.get("hosts", False), bool):
+            raise ValueError("a node record is {devices: [int >= 0], hosts: bool}")
+        return cls(tuple(devices), body.get("hosts", False))

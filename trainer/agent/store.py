@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -150,6 +151,23 @@ def bind_bootstrap_store(handler: RendezvousHandler, node_address: str | None, t
 
     # torch names this a private method; it is the one place the bootstrap store is created.
     setattr(handler, "_create_tcp_store_server", create_server)  # noqa: B010
+
+
+def leave_rendezvous(handler: RendezvousHandler) -> bool:
+    """Take this node out of the job's rendezvous without closing it (``shutdown`` closes it for
+    every node): for an agent whose node the job no longer runs on. The others' next round then
+    waits for no keep-alive of ours to expire. Uses torch's own exit step of ``next_rendezvous``
+    (private to its dynamic handler); False where the handler has none, and the keep-alive then
+    expires on its own."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
+
+    executor = getattr(handler, "_op_executor", None)
+    stop = getattr(handler, "_stop_heartbeats", None)
+    if executor is None or stop is None:
+        return False
+    stop()
+    executor.run(dyn._RendezvousExitOp(), time.monotonic() + 30)  # torch's private step
+    return True
 
 
 def forget_bootstrap_store(handler: RendezvousHandler) -> Any:

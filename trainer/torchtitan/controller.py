@@ -35,13 +35,14 @@ Across nodes (trainer/agent/relayout.py) every node's agent runs this controller
 agent of the round's group rank 0 — is the only one on the bus (announcements, commands, probes,
 acknowledgements); before its stop order it writes the new world (``order``: devices in world-rank
 order, flags), and each agent, once the world stopped, starts the order's devices that are its own:
-the next rendezvous round is the new world. A plan that would leave a node with no rank is refused
-(leaving a node out is not built: the rendezvous would wait for it). A node that is gone — its agent
-dead, or every round without it — makes a round of another size: every agent lays that round out
-alike from the job's last shape (the uniform layout of exactly its ranks), a restart past the node
-from the last checkpoint, announced by the leader as the next plan epoch (reason ``restart``). A
-node's device lost twice in a row leaves that node's share (``LostDevices``), and the round that
-follows is laid out the same way.
+the next rendezvous round is the new world. A node the plan leaves with no rank leaves the job (its
+agent takes itself out of the rendezvous and ends; the leader orders it only when the job's
+``--nnodes`` minimum allows it and that node does not serve the rendezvous). A node that is gone —
+its agent dead, or every round without it — makes a round of another size: every agent lays that
+round out alike from the job's last shape (the uniform layout of exactly its ranks), a restart past
+the node from the last checkpoint, announced by the leader as the next plan epoch (reason
+``restart``). A node's device lost twice in a row leaves that node's share (``LostDevices``), and
+the round that follows is laid out the same way.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from typing import Any
 from collector.events import PlanCurrentReason, ReconfigureCommand, ReshapePhase, ReshapePhaseName
 from collector.plan import Plan
 from trainer.agent.relayout import (DEVICES_ENV, EPOCH_ENV, NODE_KEY, ORDER_KEY, PROBE_KEY, PROBE_REQUEST_KEY,
-                                    RESUMED_KEY, STOP_KEY, STOPPED_KEY, RelayoutOrder, StepMark, parse_node_devices)
+                                    RESUMED_KEY, STOP_KEY, STOPPED_KEY, NodeRecord, RelayoutOrder, StepMark)
 from trainer.agent.signed_store import RANK_WRITERS, SignedStore
 from trainer.integration import CommandListener
 from trainer.telemetry import TelemetryPublisher
@@ -108,8 +109,10 @@ class TitanRelayout:
     """One torchtitan job's executor inside each of its node agents (the leader speaks for the job)."""
 
     def __init__(self, job: str, open_bus: Callable[[], Any], telemetry: TelemetryPublisher | None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 min_nodes: int = 1, hosts_rendezvous: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
         self.job, self.open_bus, self.telemetry, self.clock = job, open_bus, telemetry, clock
+        self.min_nodes, self.hosts_rendezvous = min_nodes, hosts_rendezvous  # --nnodes' minimum; this node's role
+        self.left_out = False  # an order left this node with no rank: its agent leaves the job
         self.shape: JobShape | None = None  # what the newest world runs (its rank 0's record)
         self.node_devices: tuple[int, ...] = ()  # this node's devices: its ranks' in the job's first round
         self.share: tuple[int, ...] = ()  # the devices this node's ranks run on now, by local rank
@@ -168,7 +171,8 @@ class TitanRelayout:
         self.probes_posted, self._shape_read, self.order, self.order_stopped, self.held_since = 0, False, None, None, None
         if not self.node_devices:
             self.node_devices = self.share = tuple(ranks)
-        records.set(NODE_KEY.format(group_rank=group_rank), {"devices": self.devices.healthy(self.node_devices)})
+        records.set(NODE_KEY.format(group_rank=group_rank),
+                    NodeRecord(tuple(self.devices.healthy(self.node_devices)), self.hosts_rendezvous).to_json())
         meant, self.expected_world = self.expected_world or (self.shape.layout.world if self.shape else 0), 0
         if self.shape is None or world == meant:
             return None
@@ -288,24 +292,30 @@ class TitanRelayout:
         nodes = self._nodes()
         if nodes is None:
             return "not every node of the job has said its devices this round"
-        stray = sorted(set(devices) - {d for have in nodes.values() for d in have})
+        stray = sorted(set(devices) - {d for node in nodes.values() for d in node.devices})
         if stray:
             return f"devices {stray} are on no node of the job (or were lost)"
-        empty = [g for g, have in sorted(nodes.items()) if not set(have) & set(devices)]
-        if empty:
-            return (f"plan epoch {plan.epoch} leaves node(s) {empty} with no rank; a torchtitan job keeps every node "
-                    "it runs on (leaving a node out is not built)")
+        empty = [g for g, node in sorted(nodes.items()) if not set(node.devices) & set(devices)]
+        if not empty:
+            return None
+        if len(nodes) - len(empty) < self.min_nodes:
+            return (f"plan epoch {plan.epoch} leaves node(s) {empty} with no rank, and the job runs on at least "
+                    f"{self.min_nodes} node(s) (--nnodes)")
+        hosts = [g for g in empty if nodes[g].hosts_rendezvous]
+        if hosts:
+            return (f"plan epoch {plan.epoch} leaves node(s) {hosts} with no rank, and node {hosts[0]} serves the "
+                    "job's rendezvous (on etcd no node does)")
         return None
 
-    def _nodes(self) -> dict[int, tuple[int, ...]] | None:
-        """Each node's devices this round, by group rank (None until every node said them)."""
+    def _nodes(self) -> dict[int, NodeRecord] | None:
+        """What each node said of itself this round, by group rank (None until every node did)."""
         if self._records is None:
             return None
         keys = [NODE_KEY.format(group_rank=g) for g in range(self.group_world)]
-        found = self._records.read_many(keys, parse_node_devices)
-        if any(devices is None for devices in found):
+        found = self._records.read_many(keys, NodeRecord.parse)
+        if any(node is None for node in found):
             return None
-        return {g: devices for g, devices in enumerate(found) if devices is not None}
+        return {g: node for g, node in enumerate(found) if node is not None}
 
     def _begin(self, command: ReconfigureCommand, records: SignedStore) -> None:
         """The leader's side of a command: the new world's order, then the stop."""
@@ -348,9 +358,11 @@ class TitanRelayout:
         if not all_exited_ok:
             return False
         share = order.share(self.devices.healthy(self.node_devices))
-        if not share:
-            log.error("torchtitan job %s: plan epoch %d runs no rank on this node (devices %s); it stays out",
-                      self.job, order.epoch, list(self.node_devices))
+        if not share:  # the new world runs without this node: its agent leaves the job
+            log.warning("torchtitan job %s: plan epoch %d runs no rank on this node (devices %s); its agent leaves "
+                        "the job", self.job, order.epoch, list(self.node_devices))
+            self.left_out, self.order, self.epoch = True, None, order.epoch
+            return True
         self._set_env(share, order.epoch)
         self.epoch, self.expected_world, self.order = order.epoch, len(order.devices), None
         if flight is not None:
