@@ -89,7 +89,7 @@ def test_a_lost_device_is_restarted_past_at_a_smaller_uniform_layout_and_the_red
         answers = [d.event for d in stream.poll(timeout_s=0.5) if isinstance(d.event.payload, ProbeResult)]
         stream.close()
     assert all(Gate("test").admit(envelope) for envelope in answers), "a probe result carries the ranks' signature"
-    by_probe = {e.payload.probe_id: e.payload for e in answers}
+    by_probe = {e.payload.probe_id: e.payload for e in answers if isinstance(e.payload, ProbeResult)}
     assert sorted(by_probe) == ["p-device-1", "p-link-2"] and len(answers) == 2, answers
     answer, link = by_probe["p-device-1"], by_probe["p-link-2"]
     assert answer.rank == 1 and answer.reference_s > 0, why

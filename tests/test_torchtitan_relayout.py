@@ -164,7 +164,8 @@ def test_orders_and_node_records_refuse_malformed_bodies() -> None:
                  {"epoch": 1, "command": "c", "devices": [], "flags": []}):
         with pytest.raises(ValueError):
             RelayoutOrder.parse(body)
-    for bad in (None, {"devices": [-1]}, {"devices": "0"}, {"devices": [0], "hosts": "yes"}):
+    bad_records: list[object] = [None, {"devices": [-1]}, {"devices": "0"}, {"devices": [0], "hosts": "yes"}]
+    for bad in bad_records:
         with pytest.raises(ValueError):
             NodeRecord.parse(bad)
     assert NodeRecord.parse({"devices": [3, 4]}) == NodeRecord((3, 4), False)
