@@ -221,7 +221,10 @@ def _raw_phase(spec: dict, values: list[bytes], iterations: int, chunks_per_mess
         import sqlite3
 
         raw["path"] = spec["path"].replace("bus.sqlite", "raw.sqlite")
+        from collector.embedded import PAGE_SIZE
+
         conn = sqlite3.connect(raw["path"], isolation_level=None)
+        conn.execute(f"PRAGMA page_size={PAGE_SIZE}")  # the embedded log's page size
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")  # the embedded log's default (RESIHP_EMBEDDED_SYNC)
         conn.execute("CREATE TABLE log (offset INTEGER PRIMARY KEY, key BLOB, value BLOB NOT NULL, ts REAL NOT NULL)")

@@ -147,9 +147,11 @@ def test_a_full_disk_on_the_embedded_bus_fails_the_publish_with_its_own_error_an
     with EmbeddedBus(tmp_path / "bus.sqlite") as bus:
         bus.publish_raw([RawMessage("t", None, b"first")])
         (pages,) = bus._conn.execute("PRAGMA page_count").fetchone()
+        (page_size,) = bus._conn.execute("PRAGMA page_size").fetchone()
         bus._conn.execute(f"PRAGMA max_page_count = {pages + 2}")
-        with pytest.raises(sqlite3.OperationalError, match="full"):
-            bus.publish_raw([RawMessage("t", None, b"lost with the batch"), RawMessage("t", None, b"x" * 100_000)])
+        with pytest.raises(sqlite3.OperationalError, match="full"):  # a record of 3 pages does not fit in 2
+            bus.publish_raw([RawMessage("t", None, b"lost with the batch"),
+                             RawMessage("t", None, b"x" * (3 * page_size))])
         bus._conn.execute("PRAGMA max_page_count = 1073741823")
         bus.publish_raw([RawMessage("t", None, b"second")])
         values = [v for (v,) in bus._conn.execute(f"SELECT value FROM {_table('t')} ORDER BY offset")]
