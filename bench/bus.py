@@ -33,6 +33,7 @@ from bench._broker import kafka_bootstrap
 from collector import topics
 from collector.codec import encode
 from collector.events import Chunk, ChunkKind, Coords, EventFactory, RankIteration
+from collector.topics import PartitionKeys, replica_partition
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -149,8 +150,10 @@ def measure(backend: str, args: argparse.Namespace, bootstrap: str = "") -> dict
         spec["path"] = args.path or tempfile.mkdtemp(prefix="resihp-bench-") + "/bus.sqlite"
     payloads = make_payloads(args.ranks, args.microbatches)
     throughput = _phase(spec, payloads, args.iterations, None)
-    values = [encode(EventFactory("bench", f"rank-{p.rank}").make(p)) for p in payloads]
-    raw_records_per_s = _raw_phase(spec, values, args.iterations, len(payloads[0].chunks))
+    events = [EventFactory("bench", f"rank-{p.rank}").make(p) for p in payloads]
+    keys = PartitionKeys()  # the keys, and so the partitions, the bus gives these records
+    records = [(encode(e), keys.key(e.job, e.source, e.kind, e.payload)) for e in events]
+    raw_records_per_s = _raw_phase(spec, records, args.iterations, len(payloads[0].chunks))
     paced_iterations = max(1, int(args.latency_seconds * throughput["messages_per_s"] / 2 / args.ranks))
     spec["namespace"] += "lat."
     if backend == "embedded":
@@ -204,8 +207,10 @@ def _raw_consume(spec: dict, expect: int, ready, results) -> None:  # ready, res
     results.put(time.time())
 
 
-def _raw_phase(spec: dict, values: list[bytes], iterations: int, chunks_per_message: int) -> float:
-    """Chunk records per second through the raw client alone (same bytes, same batches)."""
+def _raw_phase(spec: dict, records: list[tuple[bytes, bytes]], iterations: int, chunks_per_message: int) -> float:
+    """Chunk records per second through the raw client alone: the same bytes under the same keys, in
+    the same partitions (``replica_partition``'s, as the bus's producer places a replica's
+    reports) and the same batches."""
     ctx = mp.get_context("spawn")
     ready, results = ctx.Event(), ctx.Queue()
     raw = {**spec, "parent": os.getpid()}
@@ -228,7 +233,7 @@ def _raw_phase(spec: dict, values: list[bytes], iterations: int, chunks_per_mess
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")  # the embedded log's default (RESIHP_EMBEDDED_SYNC)
         conn.execute("CREATE TABLE log (offset INTEGER PRIMARY KEY, key BLOB, value BLOB NOT NULL, ts REAL NOT NULL)")
-    consumer = ctx.Process(target=_raw_consume, args=(raw, iterations * len(values), ready, results), daemon=True)
+    consumer = ctx.Process(target=_raw_consume, args=(raw, iterations * len(records), ready, results), daemon=True)
     consumer.start()
     if not ready.wait(120):
         raise RuntimeError("the raw client's consumer did not start")
@@ -237,7 +242,8 @@ def _raw_phase(spec: dict, values: list[bytes], iterations: int, chunks_per_mess
         producer = KafkaProducer(bootstrap_servers=spec["bootstrap"], acks="all", enable_idempotence=True, linger_ms=5,
                                  batch_size=512 * 1024)  # the bus's producer settings (collector/kafka_bus.py)
         for _ in range(iterations):
-            futures = [producer.send(raw["topic"], value=v, key=b"bench/rank") for v in values]
+            futures = [producer.send(raw["topic"], value=v, key=k, partition=replica_partition(k, RAW_TOPIC_PARTITIONS))
+                       for v, k in records]
             producer.flush()
             for f in futures:
                 f.get()
@@ -248,13 +254,13 @@ def _raw_phase(spec: dict, values: list[bytes], iterations: int, chunks_per_mess
             conn.execute("BEGIN IMMEDIATE")
             now = time.time()
             conn.executemany("INSERT INTO log (offset, key, value, ts) VALUES (?, ?, ?, ?)",
-                             ((offset + i, b"bench/rank", v, now) for i, v in enumerate(values)))
+                             ((offset + i, k, v, now) for i, (v, k) in enumerate(records)))
             conn.execute("COMMIT")
-            offset += len(values)
+            offset += len(records)
         conn.close()
     finished = results.get(timeout=600)
     consumer.join(30)
-    return iterations * len(values) * chunks_per_message / (finished - start)
+    return iterations * len(records) * chunks_per_message / (finished - start)
 
 
 def run(args: argparse.Namespace) -> int:
