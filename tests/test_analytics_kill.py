@@ -117,3 +117,39 @@ def test_sigkill_mid_batch_and_restart_gives_the_tables_of_a_clean_run(bus_facto
     for table in TABLES:
         assert len(killed[table]) == len(clean[table]), f"table {table}: {len(killed[table])} rows after kills {partial_counts}, {len(clean[table])} clean"
         assert killed[table] == clean[table], f"table {table} differs after kills {partial_counts}"
+
+
+def test_sigint_mid_stream_stops_at_a_step_boundary_without_a_traceback_and_a_restart_finishes_the_log(
+        tmp_path: Path) -> None:
+    """SIGINT is ``resihp analytics``'s clean stop: the loop ends after the step it is in, with what
+    it read committed, exit 130. It must not reach DuckDB as an interrupt (which dies with "Query
+    interrupted" mid-transaction); a restart then reads the rest, and the tables are one clean run's."""
+    from collector.embedded import EmbeddedBus
+
+    spec = {"backend": "embedded", "path": str(tmp_path / "bus.sqlite"), "namespace": ""}
+    with EmbeddedBus(spec["path"]) as bus:
+        bus.publish(_telemetry(iterations=40, ranks=8))
+    db = tmp_path / "stopped.duckdb"
+    cmd, env = _command(spec, db)
+    stops = []
+    for wanted in (2, 5):  # signalled while it projects (its batches are 25 records)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        assert proc.stderr is not None
+        seen, said = 0, []
+        for line in proc.stderr:
+            said.append(line)
+            seen += b'"event": "batch"' in line
+            if seen >= wanted:
+                break
+        proc.send_signal(signal.SIGINT)
+        said += proc.stderr.readlines()
+        proc.wait(timeout=60)
+        proc.stderr.close()
+        stops.append((proc.returncode, b"".join(said)))
+    for code, said in stops:
+        assert code == 130 and b"Traceback" not in said, said.decode()[-3000:]
+    finished = subprocess.run(cmd, env=env, capture_output=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr.decode()[-2000:]
+    with duckdb.connect(str(db), read_only=True) as conn:
+        chunks = conn.execute("SELECT count(*), count(DISTINCT (iteration, rank, kind, microbatch)) FROM chunks").fetchone()
+    assert chunks == (40 * 8 * 8, 40 * 8 * 8)

@@ -25,6 +25,7 @@ from analytics.projections.detector_projection import DetectorProjection
 from analytics.projections.event_log import EventLogProjection
 from analytics.projections.goodput_projection import GoodputProjection
 from analytics.service.lease import AnalyticsLeases
+from analytics.service.stopping import StopRequest
 from analytics.projections.projector import Projection, Projector
 from analytics.projections.tables import TelemetryProjection
 from collector import topics
@@ -65,6 +66,7 @@ def run_consumer(bus: Bus, opts: ConsumerOptions) -> int:
     )
     outage = OutageGuard(bus, projector.stream.consumer, TOPICS)
     exporter = None
+    stop = StopRequest().install()  # SIGINT: stop at the next step, everything read committed
     try:
         if opts.metrics_port is not None:
             from analytics.service.metrics_exporter import AnalyticsExporter
@@ -74,7 +76,7 @@ def run_consumer(bus: Bus, opts: ConsumerOptions) -> int:
         if detector is not None:
             detector.flush_outbox(projector.conn, bus)  # what a crash left unpublished
         idle_since = time.monotonic()
-        while True:
+        while not stop.requested:
             consumed = projector.step(max_records=opts.batch)
             if detector is not None:
                 _publish(detector, leases, outage, projector, bus, consumed)
@@ -90,12 +92,13 @@ def run_consumer(bus: Bus, opts: ConsumerOptions) -> int:
             elif opts.exit_when_idle_s is not None and time.monotonic() - idle_since >= opts.exit_when_idle_s:
                 break
     finally:
+        stop.restore()
         if detector is not None:
             _release(leases, bus)
         if exporter is not None:
             exporter.close()
         projector.close()
-    return 0
+    return stop.exit_code()
 
 
 def _publish(detector: DetectorProjection, leases: AnalyticsLeases, outage: OutageGuard, projector: Projector,
@@ -132,11 +135,12 @@ def run_role(bus: Bus, role: str, opts: ConsumerOptions, config: DetectorConfig,
         worker = MergeWorker(bus, opts.group, config)
     idle_since = time.monotonic()
     try:
-        while True:
-            if worker.step(max_records=opts.batch):
-                idle_since = time.monotonic()
-            elif opts.exit_when_idle_s is not None and time.monotonic() - idle_since >= opts.exit_when_idle_s:
-                break
+        with StopRequest() as stop:
+            while not stop.requested:
+                if worker.step(max_records=opts.batch):
+                    idle_since = time.monotonic()
+                elif opts.exit_when_idle_s is not None and time.monotonic() - idle_since >= opts.exit_when_idle_s:
+                    break
     finally:
         worker.close()
-    return 0
+    return stop.exit_code()
