@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Iterator
 
 import duckdb
 import pytest
@@ -13,6 +14,17 @@ import pytest
 from analytics.service.stopping import STOPPED_BY_SIGINT, StopRequest
 
 LONG_QUERY = "SELECT count(*) FROM range(400000000) t(i) WHERE i % 7 = 3"  # about a second or more
+
+
+@pytest.fixture(autouse=True)
+def sigint_at_its_default() -> Iterator[None]:
+    """Python's own SIGINT handler, whatever this run inherited: a shell's background job (as
+    `make test` runs the fast tier) starts with SIGINT ignored, which StopRequest leaves alone."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _sigint_in(seconds: float) -> threading.Timer:
