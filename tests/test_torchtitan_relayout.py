@@ -91,6 +91,16 @@ def test_a_stale_order_is_not_obeyed() -> None:
     assert relayout.watch(records, True, None, relaunch) is False and not relaunch.calls
 
 
+def test_an_order_whose_flags_change_more_than_the_layout_is_refused_not_obeyed() -> None:
+    records = _store()
+    relayout = _follower(records, [1, 2], 3)
+    records.set(ORDER_KEY, RelayoutOrder(1, "c1", (0, 1), ("--dump_folder", "/elsewhere")).to_json())
+    records.set(STOPPED_KEY, {"epoch": 1, "step": 4})
+    relaunch = _Relaunches()
+    assert relayout.watch(records, True, None, relaunch) is False and not relaunch.calls
+    assert any("not a layout flag" in reason for reason in records.refused.values()), records.refused
+
+
 def test_a_round_of_another_size_is_laid_out_alike_on_every_node() -> None:
     """Node 1 is gone: the round has node 0's one rank, and its agent restarts it at one replica,
     the global batch of six micro-batches kept by accumulation; had node 0 gone, node 1's agent

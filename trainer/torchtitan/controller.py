@@ -61,7 +61,7 @@ from trainer.agent.signed_store import RANK_WRITERS, SignedStore
 from trainer.integration import CommandListener
 from trainer.telemetry import TelemetryPublisher
 from trainer.torchtitan.layout import (JOB_KEY, TORCHTITAN_CAPABILITIES, JobShape, TitanLayout, fallback_layout,
-                                       layout_of, with_flags)
+                                       layout_flags, layout_of, with_flags)
 from trainer.torchtitan.recovery import LostDevices
 
 log = logging.getLogger("resihp.torchtitan")
@@ -335,7 +335,7 @@ class TitanRelayout:
         it waits for the stop mark with its ranks already exited."""
         now = self.clock()
         if self.order is None:
-            order = records.read(ORDER_KEY, RelayoutOrder.parse)
+            order = records.read(ORDER_KEY, _layout_order)
             if order is None or order.epoch <= self.epoch:
                 return False
             self.order = order
@@ -483,3 +483,11 @@ class TitanRelayout:
     def close(self) -> None:
         if self.listener is not None:
             self.listener.close()
+
+
+def _layout_order(body: Any) -> RelayoutOrder:
+    """A leader's order as a torchtitan node obeys it: its flags change the layout and nothing else
+    (refused, and reported, otherwise)."""
+    order = RelayoutOrder.parse(body)
+    layout_flags(order.flags)
+    return order

@@ -108,6 +108,18 @@ class TitanLayout:
                 "--training.global_batch_size", str(per_step * self.batch)]
 
 
+def layout_flags(flags: Sequence[str]) -> list[str]:
+    """``flags`` when they are only :data:`LAYOUT_FLAGS`, each with a positive integer (what
+    :meth:`TitanLayout.flags` writes); ValueError otherwise. An order to restart at a new layout
+    carries flags to every node's command line: it may change the layout and nothing else."""
+    if len(flags) % 2:
+        raise ValueError("layout flags come as name, value pairs")
+    for name, value in zip(flags[::2], flags[1::2]):
+        if name not in LAYOUT_FLAGS or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{name} {value!r} is not a layout flag with a positive integer")
+    return list(flags)
+
+
 def with_flags(args: Sequence[str], extra: Sequence[str], replaced: Sequence[str] = LAYOUT_FLAGS) -> list[str]:
     """``args`` without any of ``replaced`` (and their values), then ``extra``."""
     out: list[str] = []
