@@ -96,14 +96,13 @@ def raw_kafka_s(records: list, bootstrap: str) -> float:
     from kafka.admin import KafkaAdminClient, NewTopic
 
     from collector import topics
-    from collector.codec import MAX_EVENT_BYTES
+    from collector.kafka_bus import PRODUCER_SETTINGS
 
     topic = f"bench{uuid.uuid4().hex[:8]}.raw"
     admin = KafkaAdminClient(bootstrap_servers=bootstrap)
     admin.create_topics([NewTopic(topic, topics.PARTITIONS[topics.TELEMETRY], 1)])
     admin.close()
-    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=5,
-                             batch_size=512 * 1024, max_request_size=MAX_EVENT_BYTES + 64 * 1024)  # the bus's settings
+    producer = KafkaProducer(bootstrap_servers=bootstrap, **PRODUCER_SETTINGS)  # the bus's settings
     producer.send(topic, value=b"warm-up").get(timeout=30)
     t0 = time.perf_counter()
     futures = [producer.send(topic, key=m.key, value=m.value) for m in records]

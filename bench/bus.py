@@ -239,8 +239,9 @@ def _raw_phase(spec: dict, records: list[tuple[bytes, bytes]], iterations: int, 
         raise RuntimeError("the raw client's consumer did not start")
     start = time.time()
     if spec["backend"] == "kafka":
-        producer = KafkaProducer(bootstrap_servers=spec["bootstrap"], acks="all", enable_idempotence=True, linger_ms=5,
-                                 batch_size=512 * 1024)  # the bus's producer settings (collector/kafka_bus.py)
+        from collector.kafka_bus import PRODUCER_SETTINGS
+
+        producer = KafkaProducer(bootstrap_servers=spec["bootstrap"], **PRODUCER_SETTINGS)  # the bus's settings
         for _ in range(iterations):
             futures = [producer.send(raw["topic"], value=v, key=k, partition=replica_partition(k, RAW_TOPIC_PARTITIONS))
                        for v, k in records]

@@ -51,6 +51,12 @@ from collector.settings import Environment, environment
 from collector.topics import ALL_TOPICS, PARTITIONS, TOPIC_CONFIGS, replica_partition, to_every_partition
 
 _JOIN_POLL_MS = 250
+# The producer's delivery settings: one home for the bus and the benchmarks' raw clients, which
+# measure the bus against kafka-python alone on the same terms (bench/bus.py, bench/_sim_publish.py).
+PRODUCER_SETTINGS: dict[str, object] = {
+    "acks": "all", "enable_idempotence": True, "linger_ms": 5, "batch_size": 512 * 1024,
+    "max_request_size": MAX_EVENT_BYTES + 64 * 1024,
+}
 _RETRY_MAX_S = 5.0  # the longest back-off between two tries of a publish during an outage
 _FLUSH_TIMEOUT_S = 30.0  # twice the producer's delivery timeout
 log = logging.getLogger(__name__)
@@ -227,11 +233,7 @@ class KafkaBus(Bus):
                 bootstrap_servers=self.bootstrap,
                 client_id="resihp-producer",
                 partitioner=ReplicaPartitioner(),
-                acks="all",
-                enable_idempotence=True,
-                linger_ms=5,
-                batch_size=512 * 1024,
-                max_request_size=MAX_EVENT_BYTES + 64 * 1024,
+                **PRODUCER_SETTINGS,
                 # An outage shows within seconds (then publish_raw retries), not after Kafka's minutes.
                 max_block_ms=5_000,
                 request_timeout_ms=5_000,
