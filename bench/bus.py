@@ -10,9 +10,12 @@ by kafka-python's producer and consumer alone, or inserted into and selected fro
 the embedded log's shape alone, with no decoding. ``ratio`` is the platform's rate over the raw
 client's, measured in the same run: a slowdown of ours shows on any machine as a falling ratio.
 
-Two phases per backend:
-- throughput: publish everything as fast as possible; chunk records per second from the first
-  publish to the last record decoded by the consumer;
+Per backend:
+- warm-up: one short throughput phase of the bus and one of its raw client, not counted (a broker
+  the bench started answers its first seconds from a cold JVM);
+- throughput, ``--repeats`` rounds of the bus then its raw client: publish everything as fast as
+  possible; chunk records per second from the first publish to the last record decoded (read, for
+  the raw client) by the consumer. Medians are reported, and the median of the rounds' ratios;
 - latency: publish at half the measured throughput; publish-to-consume latency per message
   (``time_s`` stamped at publish, read at decode — one machine, one clock), p50 and p99.
 """
@@ -28,6 +31,7 @@ import random
 import signal
 import time
 import uuid
+from pathlib import Path
 
 from bench._broker import kafka_bootstrap
 from collector import topics
@@ -43,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=int, default=200, help="iterations in the throughput phase")
     parser.add_argument("--latency-seconds", type=float, default=5.0, help="length of the paced latency phase")
     parser.add_argument("--bootstrap", default=None, help="Kafka bootstrap (default: the broker up on the default data dir, else one started for the bench and stopped after)")
-    parser.add_argument("--path", default=None, help="embedded log file (default: a fresh temporary file)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="throughput rounds of the bus and its raw client, alternately (medians reported)")
+    parser.add_argument("--path", default=None, help="folder for the embedded logs (default: a fresh temporary one)")
 
 
 def make_payloads(ranks: int, microbatches: int, seed: int = 0) -> list[RankIteration]:
@@ -142,29 +148,49 @@ def _phase(spec: dict, payloads: list[RankIteration], iterations: int, rate_msgs
 
 
 def measure(backend: str, args: argparse.Namespace, bootstrap: str = "") -> dict:
+    """Throughput of the bus and of its raw client, ``repeats`` times each, alternately, after a
+    warm-up of both that counts for nothing; then the bus's latency. The warm-up matters on Kafka:
+    a broker the bench starts for itself answers its first seconds from a cold JVM, which the
+    phase measured first (the bus's) would otherwise pay alone."""
+    import statistics
     import tempfile
 
-    spec: dict[str, str] = {"backend": backend, "path": "", "bootstrap": bootstrap,
-                            "namespace": f"bench{uuid.uuid4().hex[:8]}."}
-    if backend == "embedded":
-        spec["path"] = args.path or tempfile.mkdtemp(prefix="resihp-bench-") + "/bus.sqlite"
+    repeats = max(1, getattr(args, "repeats", 1))
+    folder = Path(args.path or tempfile.mkdtemp(prefix="resihp-bench-"))
+    namespace = f"bench{uuid.uuid4().hex[:8]}."
+
+    def spec(name: str) -> dict[str, str]:  # a fresh log (or namespace) for each phase
+        return {"backend": backend, "path": str(folder / f"{name}.sqlite") if backend == "embedded" else "",
+                "bootstrap": bootstrap, "namespace": f"{namespace}{name}."}
+
     payloads = make_payloads(args.ranks, args.microbatches)
-    throughput = _phase(spec, payloads, args.iterations, None)
     events = [EventFactory("bench", f"rank-{p.rank}").make(p) for p in payloads]
     keys = PartitionKeys()  # the keys, and so the partitions, the bus gives these records
     records = [(encode(e), keys.key(e.job, e.source, e.kind, e.payload)) for e in events]
-    raw_records_per_s = _raw_phase(spec, records, args.iterations, len(payloads[0].chunks))
-    paced_iterations = max(1, int(args.latency_seconds * throughput["messages_per_s"] / 2 / args.ranks))
-    spec["namespace"] += "lat."
-    if backend == "embedded":
-        spec["path"] = spec["path"].replace("bus.sqlite", "latency.sqlite")
-    latency = _phase(spec, payloads, paced_iterations, throughput["messages_per_s"] / 2)
+    chunks_per_message = len(payloads[0].chunks)
+    warm_iterations = max(1, args.iterations // 4)
+    _phase(spec("warm"), payloads, warm_iterations, None)
+    _raw_phase(spec("warm-raw"), records, warm_iterations, chunks_per_message)
+    ours, raw, throughput = [], [], None
+    for r in range(repeats):
+        throughput = _phase(spec(f"bus{r}"), payloads, args.iterations, None)
+        ours.append(throughput["records_per_s"])
+        raw.append(_raw_phase(spec(f"raw{r}"), records, args.iterations, chunks_per_message))
+    assert throughput is not None
+    messages_per_s = statistics.median(ours) / chunks_per_message
+    paced_iterations = max(1, int(args.latency_seconds * messages_per_s / 2 / args.ranks))
+    latency = _phase(spec("latency"), payloads, paced_iterations, messages_per_s / 2)
     return {
         "backend": backend,
-        "records_per_s": round(throughput["records_per_s"]),
-        "raw_records_per_s": round(raw_records_per_s),
-        "ratio_to_raw": round(throughput["records_per_s"] / raw_records_per_s, 3),
-        "messages_per_s": round(throughput["messages_per_s"]),
+        "records_per_s": round(statistics.median(ours)),
+        "raw_records_per_s": round(statistics.median(raw)),
+        # each round's two phases ran back to back: their ratios, not the medians', are like for like
+        "ratio_to_raw": round(statistics.median(o / w for o, w in zip(ours, raw)), 3),
+        "rounds": [[round(o), round(w)] for o, w in zip(ours, raw)],  # (ours, raw client) chunk records/s
+        "records_per_s_range": [round(min(ours)), round(max(ours))],
+        "raw_records_per_s_range": [round(min(raw)), round(max(raw))],
+        "repeats": repeats,
+        "messages_per_s": round(messages_per_s),
         "p50_ms": round(latency["p50_ms"], 2),
         "p99_ms": round(latency["p99_ms"], 2),
         "chunks_per_message": 2 * args.microbatches,
@@ -225,7 +251,6 @@ def _raw_phase(spec: dict, records: list[tuple[bytes, bytes]], iterations: int, 
     else:
         import sqlite3
 
-        raw["path"] = spec["path"].replace("bus.sqlite", "raw.sqlite")
         from collector.embedded import PAGE_SIZE
 
         conn = sqlite3.connect(raw["path"], isolation_level=None)
@@ -274,9 +299,13 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"{r['backend']:<10} {r['records_per_s']:>16,} {r['raw_records_per_s']:>11,} {r['ratio_to_raw']:>6.2f} "
               f"{r['messages_per_s']:>11,} {r['p50_ms']:>8} {r['p99_ms']:>8}")
+    for r in rows:
+        (lo, hi), (raw_lo, raw_hi) = r["records_per_s_range"], r["raw_records_per_s_range"]
+        print(f"{r['backend']}: {r['repeats']} rounds, bus {lo:,}–{hi:,}, raw client {raw_lo:,}–{raw_hi:,} chunk records/s")
     print(f"({args.ranks} ranks × {args.microbatches} micro-batches × F/B = {2 * args.microbatches} chunks per message; "
-          f"latency measured at half the throughput; raw client: the same bytes through kafka-python or SQLite "
-          f"alone, no decoding; ratio: ours over it)")
+          f"medians of the rounds, after a warm-up of both; ratio: the median of each round's ours over the raw "
+          f"client's (the same bytes through kafka-python or SQLite alone, no decoding); latency measured at half "
+          f"the throughput)")
     if args.json:
         print(json.dumps(rows[0] if len(rows) == 1 else {"runs": rows}))
     return 0
