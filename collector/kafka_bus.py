@@ -438,11 +438,31 @@ class KafkaBusConsumer(Consumer):
             time.sleep(min(timeout_s, 1.0))
             return []
         self._probe(bool(batches))
+        self._collect_finished_join()
         out: list[Record] = []
         for tp, records in batches.items():
             topic = tp.topic[len(self._ns):]
             out.extend(Record(topic, tp.partition, r.offset, r.key, r.value, r.timestamp / 1000.0) for r in records)
         return out
+
+    def _collect_finished_join(self) -> None:
+        """Ask for a rejoin when kafka-python holds a finished group join that no poll will collect.
+
+        A poll that times out during a join leaves it in flight for the next poll. When the join
+        was started because the topics' metadata changed (the leader had assigned before the
+        partitions were known: a topic created just after the consumer subscribed), the leader's
+        new assignment records that metadata, so the next poll sees nothing to rejoin for and never
+        applies the join's result: the member keeps the partitions of the join before — none, at
+        start-up — for ever (kafka-python 3.0; a shard that never read the merge's fits stalled a
+        live run after its first iteration). A rejoin asked for then is one more rebalance, and
+        the member gets its partitions (tests/test_kafka_group_join.py)."""
+        coordinator = getattr(self._kafka, "_coordinator", None)
+        task = getattr(coordinator, "_join_task", None)
+        # kafka-python clears the task when a poll collects it: one done and still held was left
+        if coordinator is not None and task is not None and getattr(task, "is_done", False) \
+                and not coordinator.need_rejoin():
+            log.info("group %s: a finished join was never applied; rejoining", self.group)
+            coordinator.request_rejoin()
 
     def _probe(self, delivered: bool) -> None:
         """Records prove the brokers are there; with none, look (at most once a second) whether the
