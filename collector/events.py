@@ -173,6 +173,12 @@ class Coords(BaseModel):
 
 
 
+def _column_as_list(value: Sequence, handler: SerializerFunctionWrapHandler) -> Any:
+    """A table read from a binary report holds its columns as arrays (collector/rank_columns.py)
+    until someone reads them: written out, they are the lists the JSON form holds."""
+    return handler(value if isinstance(value, list) else list(value))
+
+
 class ChunkTable(BaseModel):
     """All chunks of one rank-iteration, column by column: the wire form of ``RankIteration.chunks``.
 
@@ -223,9 +229,7 @@ class ChunkTable(BaseModel):
 
     @field_serializer("microbatch", "virtual_stage", "tokens", "seq_lens", "start_s", "duration_s", mode="wrap")
     def _as_lists(self, value: Sequence, handler: SerializerFunctionWrapHandler) -> Any:
-        """A table read from a binary report holds its columns as arrays (collector/rank_columns.py)
-        until someone reads them: written out, they are the lists the JSON form holds."""
-        return handler(value if isinstance(value, list) else list(value))
+        return _column_as_list(value, handler)
 
     def __len__(self) -> int:
         return len(self.kind)
@@ -293,6 +297,11 @@ class CommTable(BaseModel):
             includes_wait=[w.includes_wait for w in waits] if said_wait else [],
             group=[w.group for w in waits] if said_group else [],
         )
+
+    @field_serializer("op", "peer", "microbatch", "bytes", "start_s", "duration_s", "includes_wait", "group",
+                      mode="wrap")
+    def _as_lists(self, value: Sequence, handler: SerializerFunctionWrapHandler) -> Any:
+        return _column_as_list(value, handler)
 
     def __len__(self) -> int:
         return len(self.op)

@@ -48,9 +48,12 @@ _OP_CODE = {op: i for i, op in enumerate(COMM_OPS)}
 _GROUP_CODE = {g: i for i, g in enumerate(GROUPS)}
 _NO_GROUP = 255
 _F8, _I8, _I4, _U1 = np.dtype("<f8"), np.dtype("<i8"), np.dtype("<i4"), np.dtype("<u1")
+_STRUCT_CODE = {_F8: "d", _I8: "q", _I4: "i", _U1: "B"}  # each dtype's struct letter (little-endian, standard sizes)
 _BELOW_0X41 = bytes(range(0x41))
 _OP_CODES = bytes(range(len(COMM_OPS)))
 _GROUP_CODES = bytes(range(len(GROUPS))) + bytes([_NO_GROUP])
+_FLAGS = (False, True)  # includes_wait codes
+_GROUP_NAMES: tuple[str | None, ...] = GROUPS + (None,) * (256 - len(GROUPS))  # group codes (255: unknown)
 
 
 def blob_bytes(columns: RankColumns) -> int:
@@ -112,9 +115,11 @@ def decode_columns(columns: RankColumns, blob: bytes) -> tuple[ChunkTable, CommT
     One pass per dtype group over all its columns (ranges, finiteness, counts against lengths),
     first by the bytes that carry sign and magnitude: ``bytes`` checks a strided slice in a
     fraction of a microsecond, where numpy takes 1–2 µs a reduction on a report's few hundred
-    values. Numpy checks exactly only when those bytes say "look closer" (an unknown count, -1; a
-    duration over 131,072 s), and ``_problem`` then names the column, the row and the bound.
-    Chunk columns stay bytes until a reader asks for their arrays or values."""
+    values. When those bytes say "look closer" (an unknown count or peer, -1; a duration over
+    131,072 s) the group is checked exactly, and ``_problem`` then names the column, the row and
+    the bound. Every column stays bytes until a reader asks for its arrays or values: the analytics
+    frame joins them (``joined``, ``joined_codes``), and a report's communications were most of its
+    Python values (a pipeline rank's ``pp_recv`` waits, which the frame drops)."""
     n, m, k = len(columns.kind), columns.seq_lens, columns.waits
     want = blob_bytes(columns)
     if len(blob) != want:
@@ -123,13 +128,14 @@ def decode_columns(columns: RankColumns, blob: bytes) -> tuple[ChunkTable, CommT
     f, i = 16 * (n + k), 24 * (n + k)  # where the int64 and the int32 groups start
     s = i + 4 * (2 * n + m)  # the int32 values that may be -1: sequence counts, comm peers and micro-batches
     u = s + 4 * (n + 2 * k)  # the bytes: comm op codes and flags
-    counts = list(struct.unpack_from(f"<{n}i", blob, s))
+    signed = struct.unpack_from(f"<{n + 2 * k}i", blob, s)
+    counts = signed[:n]
     ok = ((not blob[7:f:8].translate(None, _BELOW_0X41)  # top bytes < 0x41: +0.0 … 131,072, finite
            or _doubles_in_range(np.frombuffer(blob, _F8, 2 * (n + k))))
           and (blob[f + 5:i:8].count(0) == blob[f + 6:i:8].count(0) == blob[f + 7:i:8].count(0) == n + k  # < 2^40
-               or _int64_in_range(np.frombuffer(blob, _I8, n + k, f), n))
+               or _int64_in_range(blob, f, n, k))
           and blob[i + 3:s:4].isascii()  # top bytes < 0x80: none negative
-          and (blob[s + 3:u:4].isascii() or np.frombuffer(blob, _I4, n + 2 * k, s).min() >= -1)
+          and (blob[s + 3:u:4].isascii() or sorted(signed)[0] >= -1)  # sorted: see ArrayColumn.extent
           and (not n or (max(counts) <= CHUNKS_MAX and sum(counts) + counts.count(-1) == m))
           and (not k or (not blob[u:u + k].translate(None, _OP_CODES)
                          and not blob[u + k:u + k + k * columns.includes_wait].translate(None, b"\x00\x01")
@@ -144,26 +150,31 @@ def decode_columns(columns: RankColumns, blob: bytes) -> tuple[ChunkTable, CommT
         "start_s": ArrayColumn(blob, _F8, 0, n), "duration_s": ArrayColumn(blob, _F8, 8 * n, n)})
     if not k:
         return chunk_table, NO_COMM
-    floats = struct.unpack_from(f"<{2 * k}d", blob, 16 * n)
-    signed = struct.unpack_from(f"<{2 * k}i", blob, s + 4 * n)
-    nbytes = struct.unpack_from(f"<{k}q", blob, f + 8 * n)
-    flags = blob[u + k:]
-    waits = flags[:k] if columns.includes_wait else b""
+    w = u + k  # where the includes_wait flags start, when said
+    g = w + k * columns.includes_wait  # where the group codes start, when said
     return chunk_table, _construct(CommTable, {
-        "op": [COMM_OPS[o] for o in blob[u:u + k]], "peer": _nullable(signed[:k]),
-        "microbatch": _nullable(signed[k:]), "bytes": _nullable(nbytes), "start_s": list(floats[:k]),
-        "duration_s": list(floats[k:]), "includes_wait": [bool(w) for w in waits],
-        "group": [None if g == _NO_GROUP else GROUPS[g] for g in flags[len(waits):]]})
+        "op": CodedColumn(blob, u, k, COMM_OPS), "peer": ArrayColumn(blob, _I4, s + 4 * n, k, True),
+        "microbatch": ArrayColumn(blob, _I4, s + 4 * (n + k), k, True),
+        "bytes": ArrayColumn(blob, _I8, f + 8 * n, k, True), "start_s": ArrayColumn(blob, _F8, 16 * n, k),
+        "duration_s": ArrayColumn(blob, _F8, 16 * n + 8 * k, k),
+        "includes_wait": CodedColumn(blob, w, k, _FLAGS) if columns.includes_wait else [],
+        "group": CodedColumn(blob, g, k, _GROUP_NAMES) if columns.group else []})
 
 
 def _doubles_in_range(values: np.ndarray) -> bool:
     return bool(((values >= 0.0) & (values <= DURATION_MAX_S)).all())  # NaN fails both
 
 
-def _int64_in_range(values: np.ndarray, n: int) -> bool:
-    """Token counts (the first ``n``) 0 … 2^40 and byte counts 0 … 2^53, or -1 (unknown)."""
-    return bool(values.min() >= -1 and (not n or values[:n].max() <= TOKENS_MAX)
-                and (len(values) == n or values[n:].max() <= COUNT_MAX))
+def _int64_in_range(blob: bytes, at: int, n: int, k: int) -> bool:
+    """Whether the ``n`` token counts at ``at`` are 0 … 2^40 and the ``k`` byte counts after them
+    0 … 2^53, or -1 (unknown), exactly. Read as Python ints: the byte test in ``decode_columns``
+    cannot tell -1 (every byte 0xff) from other negatives, and a pipeline rank's ``pp_recv`` waits
+    carry -1 in every report; a report's few dozen values cost a fifth of numpy's three
+    reductions."""
+    values = struct.unpack_from(f"<{n + k}q", blob, at)
+    tokens, nbytes = sorted(values[:n]), sorted(values[n:])  # sorted: see ArrayColumn.extent
+    return ((not n or -1 <= tokens[0] and tokens[-1] <= TOKENS_MAX)
+            and (not k or -1 <= nbytes[0] and nbytes[-1] <= COUNT_MAX))
 
 
 def _nullable(values: Sequence[int]) -> list[int | None]:
@@ -221,9 +232,9 @@ def _problem(columns: RankColumns, blob: bytes) -> str | None:
 
 
 class ArrayColumn(Sequence):
-    """A chunk column read from a binary report: its array (``.array``: what vectorised readers
-    take, read from the record's bytes on first use) and a read-only sequence of Python values,
-    built only when someone iterates. Why: building a Python object per value was most of a JSON
+    """A column read from a binary report: its array (``.array``: what vectorised readers take,
+    read from the record's bytes on first use) and a read-only sequence of Python values, built
+    only when someone iterates. Why: building a Python object per value was most of a JSON
     report's decode; the analytics frame and the DuckDB ingest want arrays. ``nullable``: -1 reads
     as None (unknown)."""
 
@@ -239,6 +250,18 @@ class ArrayColumn(Sequence):
         if self._array is None:
             self._array = np.frombuffer(self._blob, self._dtype, self._count, self._offset)
         return self._array
+
+    def extent(self) -> tuple[int, int] | None:
+        """(lowest, highest) of an integer column's numbers as the record holds them (-1 where a
+        nullable one is unknown); None when it is empty. From the record's bytes, without a
+        Python value per row kept: what a bound on the column (admission) needs. Sorted, not
+        ``min`` and ``max``: CPython sorts small ints with a compare made for them, and a report's
+        few dozen sort in a third of the time of the two generic passes."""
+        if not self._count:
+            return None
+        numbers = sorted(self._values if self._values is not None and not self.nullable else struct.unpack_from(
+            f"<{self._count}{_STRUCT_CODE[self._dtype]}", self._blob, self._offset))
+        return numbers[0], numbers[-1]
 
     def values(self) -> list:
         if self._values is None:
@@ -263,6 +286,23 @@ class ArrayColumn(Sequence):
         return repr(self.values())
 
 
+class CodedColumn(ArrayColumn):
+    """A column of one-byte codes read from a binary report (comm ops, flags, groups): ``.array``
+    holds the codes, and its values are ``names[code]``, built only when someone iterates."""
+
+    __slots__ = ("names",)
+
+    def __init__(self, blob: bytes, offset: int, count: int, names: Sequence) -> None:
+        super().__init__(blob, _U1, offset, count)
+        self.names = names
+
+    def values(self) -> list:
+        if self._values is None:
+            names = self.names
+            self._values = [names[c] for c in self._blob[self._offset:self._offset + self._count]]
+        return self._values
+
+
 class SeqLensColumn(Sequence):
     """Every chunk's packed sequence lengths from a binary report: ``flat`` (all lengths, chunk
     after chunk) and ``counts`` (per chunk, -1: not reported) as arrays, and as a sequence of
@@ -270,7 +310,7 @@ class SeqLensColumn(Sequence):
 
     __slots__ = ("_blob", "_counts", "_flat", "_offset", "_total", "_values")
 
-    def __init__(self, blob: bytes, offset: int, total: int, counts: list[int]) -> None:
+    def __init__(self, blob: bytes, offset: int, total: int, counts: Sequence[int]) -> None:
         self._blob, self._offset, self._total, self._counts = blob, offset, total, counts
         self._flat: np.ndarray | None = None
         self._values: list | None = None
@@ -318,8 +358,12 @@ def joined(columns: Sequence[Sequence], dtype: np.dtype | type, total: int, unkn
     """One column of many reports as one array, in order (``total`` values). When every report
     was read from the wire its arrays are joined, with no Python value per element; otherwise the
     values are read once. ``unknown``: what -1 / None reads as (a float column's NaN)."""
-    if columns and all(type(c) is ArrayColumn for c in columns):
-        out = np.concatenate([cast(ArrayColumn, c).array for c in columns]).astype(dtype, copy=unknown is not None)
+    wire = _same_dtype(columns)
+    if wire is not None:
+        # the records' bytes joined, then read once: an array per report cost 5 times as much
+        size = wire.itemsize
+        out = np.frombuffer(b"".join([c._blob[c._offset:c._offset + c._count * size] for c in columns]),  # type: ignore[attr-defined]
+                            wire).astype(dtype)
         if unknown is not None:
             out[out < 0] = unknown
         return out
@@ -329,13 +373,38 @@ def joined(columns: Sequence[Sequence], dtype: np.dtype | type, total: int, unkn
     return np.array(list(values), dtype=dtype).reshape(total)  # None reads as NaN in the one conversion
 
 
+def joined_codes(columns: Sequence[Sequence], counts: Sequence[int], absent: int) -> np.ndarray | None:
+    """One code column (comm op, includes_wait, group) of many binary reports as one u1 array of
+    their codes, in order; a report whose column is empty (not said) gives ``counts[i]`` codes
+    ``absent``. None when some report's column holds Python values (not read from the wire)."""
+    parts = []
+    for column, count in zip(columns, counts):
+        if type(column) is CodedColumn:
+            parts.append(column._blob[column._offset:column._offset + column._count])
+        elif not len(column):
+            parts.append(bytes([absent]) * count)
+        else:
+            return None
+    return np.frombuffer(b"".join(parts), _U1)
+
+
+def _same_dtype(columns: Sequence[Sequence]) -> np.dtype | None:
+    """The dtype of ``columns`` when every one is an ``ArrayColumn`` of it (a field's columns read
+    from the wire share the one its layout gives it); None otherwise."""
+    first = columns[0] if columns else None
+    if type(first) is not ArrayColumn:
+        return None
+    dtype = first._dtype
+    return dtype if all(type(c) is ArrayColumn and c._dtype is dtype for c in columns) else None
+
+
 def joined_seq_lens(columns: Sequence[Sequence]) -> tuple[np.ndarray, np.ndarray] | None:
     """Every report's packed sequence lengths as (all lengths in order, per-chunk count with -1
     where not reported), when every report was read from the wire; None otherwise."""
     if not columns or not all(type(c) is SeqLensColumn for c in columns):
         return None
     lens = cast("Sequence[SeqLensColumn]", columns)
-    flat = np.concatenate([c.flat for c in lens]).astype(np.int64)
+    flat = np.frombuffer(b"".join([c._blob[c._offset:c._offset + 4 * c._total] for c in lens]), _I4).astype(np.int64)
     counts = np.fromiter(itertools.chain.from_iterable(c._counts for c in lens), np.int64)
     return flat, counts
 

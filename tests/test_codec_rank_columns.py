@@ -19,7 +19,8 @@ from collector import topics
 from collector.bus import RawMessage
 from collector.codec import BINARY_MAGIC, InvalidEvent, decode, encode, encode_json, header_json, readable
 from collector.events import (
-    DURATION_MAX_S, Chunk, ChunkKind, CommOp, CommWait, Coords, DeadLetter, EventFactory, RankIteration,
+    COUNT_MAX, DURATION_MAX_S, TOKENS_MAX, Chunk, ChunkKind, CommOp, CommTable, CommWait, Coords, DeadLetter,
+    EventFactory, RankIteration,
 )
 from collector.rank_columns import ArrayColumn, SeqLensColumn
 from collector.stream import EventStream
@@ -107,6 +108,9 @@ F8, I8, I4, U1 = 0, 80, 120, 184
     (_with_value("<i", I4 + 4 * 9, 1), "sequence counts sum to 2, not the header's 3"),
     (_with_value("<i", I4 + 4 * 12, -5), "comm peer[0] = -5 is below -1 (-1: unknown)"),
     (_with_value("<q", I8 + 8 * 2, 2**41), "chunk tokens[2] = 2199023255552 is above 1,099,511,627,776"),
+    (_with_value("<q", I8 + 8 * 4, -2), "comm bytes[1] = -2 is below -1 (-1: unknown)"),
+    (_with_value("<q", I8 + 8 * 3, 2**53 + 1), "comm bytes[0] = 9007199254740993 is above 9,007,199,254,740,992"),
+    (_with_value("<i", I4 + 4 * 15, -2), "comm microbatch[1] = -2 is below -1 (-1: unknown)"),
     (_with_value("<B", U1, 200), "comm op code[0] = 200 is above 8"),
     (_with_value("<B", U1 + 2, 2), "includes_wait holds 2, not 0 or 1"),
     (_with_value("<B", U1 + 4, 9), "comm group codes go past 4"),
@@ -117,7 +121,8 @@ F8, I8, I4, U1 = 0, 80, 120, 184
                                                              seq_lens=[None], start_s=[0], duration_s=[0])),
      "header carries table rows"),
 ], ids=["cut", "padded", "nan", "negative-float", "too-long", "negative-int", "negative-len", "counts", "peer",
-        "tokens", "op", "wait-flag", "group", "schema-4", "no-columns", "bad-columns", "rows-in-header"])
+        "tokens", "bytes-minus-2", "bytes-too-many", "comm-microbatch-minus-2", "op", "wait-flag", "group", "schema-4",
+        "no-columns", "bad-columns", "rows-in-header"])
 def test_a_corrupt_binary_rank_report_is_refused_naming_the_column_and_row(raw: bytes, reason: str) -> None:
     with pytest.raises(InvalidEvent, match=re.escape(reason)) as err:
         decode(raw)
@@ -137,6 +142,64 @@ def test_any_bytes_in_a_binary_report_are_refused_or_read_as_a_report_its_json_f
             assert exc.reason and "\n" not in exc.reason
             continue
         assert decode(encode_json(event)) == event
+
+
+_INT64_EDGES = (-(2**63), -2**32 - 1, -256, -2, -1, 0, 1, 2**40 - 1, TOKENS_MAX, TOKENS_MAX + 1, COUNT_MAX,
+                COUNT_MAX + 1, 2**63 - 1)
+
+
+def _one_changed(values: list[int], change: tuple[int, int] | None) -> list[int]:
+    if change is not None:
+        values[change[0]] = change[1]
+    return values
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.one_of(st.just(-1), st.integers(0, TOKENS_MAX)), min_size=3, max_size=3),
+       st.lists(st.one_of(st.just(-1), st.integers(0, COUNT_MAX)), min_size=2, max_size=2),
+       st.none() | st.tuples(st.integers(0, 4),
+                             st.sampled_from(_INT64_EDGES) | st.integers(-(2**63), 2**63 - 1)))
+def test_token_and_byte_counts_read_exactly_with_minus_one_unknown_and_every_other_negative_or_too_large_refused(
+        tokens: list[int], nbytes: list[int], change: tuple[int, int] | None) -> None:
+    """The report's int64 columns (3 token counts, 2 byte counts), in range or -1 (unknown), and
+    at most one of them changed to any number: read back exactly when each is -1 or within its
+    bound, refused naming the column and row otherwise, whichever test (bytes, Python ints,
+    numpy) looks at them."""
+    values = _one_changed(tokens + nbytes, change)
+    tokens, nbytes = values[:3], values[3:]
+    readable_ = (all(v == -1 or 0 <= v <= TOKENS_MAX for v in tokens)
+                 and all(v == -1 or 0 <= v <= COUNT_MAX for v in nbytes))
+    body = bytearray(RAW[BODY:])
+    struct.pack_into("<5q", body, I8, *values)
+    try:
+        got = payload_as(decode(RAW[:BODY] + bytes(body)), RankIteration)
+    except InvalidEvent as exc:
+        assert not readable_, exc.reason
+        assert re.fullmatch(r"rank report's (chunk tokens|comm bytes)\[\d\] = -?\d+ is "
+                            r"(below -1 \(-1: unknown\)|above [\d,]+)", exc.reason), exc.reason
+        return
+    assert readable_, values
+    assert got.chunk_table.tokens == [None if v == -1 else v for v in tokens]
+    assert got.waits().bytes == [None if v == -1 else v for v in nbytes]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-1, 2**31 - 1), min_size=4, max_size=4),
+       st.none() | st.tuples(st.integers(0, 3), st.sampled_from((-(2**31), -256, -2)) | st.integers(-(2**31), -2)))
+def test_peers_and_comm_microbatches_read_exactly_with_minus_one_unknown_and_other_negatives_refused(
+        values: list[int], change: tuple[int, int] | None) -> None:
+    values = _one_changed(values, change)
+    body = bytearray(RAW[BODY:])
+    struct.pack_into("<4i", body, I4 + 4 * 12, *values)
+    try:
+        got = payload_as(decode(RAW[:BODY] + bytes(body)), RankIteration)
+    except InvalidEvent as exc:
+        assert min(values) < -1 and re.fullmatch(r"rank report's comm (peer|microbatch)\[\d\] = -\d+ is below -1 "
+                                                 r"\(-1: unknown\)", exc.reason), exc.reason
+        return
+    assert min(values) >= -1
+    waits = got.waits()
+    assert [*waits.peer, *waits.microbatch] == [None if v == -1 else v for v in values]
 
 
 def test_random_bytes_after_a_rank_report_header_are_dead_lettered_and_the_consumer_carries_on(bus_factory) -> None:
@@ -177,6 +240,48 @@ def test_a_frame_built_from_binary_reports_equals_the_one_built_from_their_json(
         if isinstance(value, np.ndarray):
             np.testing.assert_array_equal(getattr(from_wire, name), value, err_msg=name)
     assert np.isnan(from_wire.c_tokens[1]) and np.isnan(from_wire.c_s2[1]) and from_wire.c_s2[0] == 300**2 + 400**2
+
+
+def test_a_frames_communications_joined_from_binary_reports_equal_those_read_from_their_json() -> None:
+    """The frame keeps some communications (TP all-reduces, p2p sends, DP all-reduces) and drops
+    the rest; from the wire it picks them by op code over the joined columns, from JSON value by
+    value. Reports that say includes_wait or group and reports that do not, a report without
+    communications, unknown peers and byte counts: the same rows, bit for bit."""
+    from analytics.detection.frame import _joined_comm_rows, build_frame
+
+    def wait(op: CommOp, start_s: float, **kw) -> CommWait:
+        return CommWait(op=op, start_s=start_s, duration_s=0.001 + start_s / 10, **kw)
+
+    comms = [
+        None,  # report()'s own: a fused p2p timer that says its wait and group, a DP all-reduce
+        [],
+        [wait(CommOp.PP_RECV, 0.001, peer=5, microbatch=0, bytes=None),
+         wait(CommOp.TP_ALLREDUCE, 0.025, bytes=64, group="tp"),
+         wait(CommOp.PP_SEND, 0.04, peer=9, microbatch=1, bytes=None),
+         wait(CommOp.ALL_GATHER, 0.06, group="fsdp")],
+        [wait(CommOp.TP_ALLREDUCE, 0.005, includes_wait=True), wait(CommOp.PP_RECV, 0.03, peer=1, microbatch=0),
+         wait(CommOp.DP_ALLREDUCE, 0.09, bytes=2**40)],
+    ]
+    reports = []
+    for r, comm in enumerate(comms):
+        base = report()
+        update: dict = {"rank": r, "coords": Coords(tp=r % 2, pp=r // 2, dp=0)}
+        if comm is not None:
+            update["comm_table"] = CommTable.of(comm)
+        reports.append(base.model_copy(update=update))
+    events = [FACTORY.make(r) for r in reports]
+    wire = [payload_as(decode(encode(e)), RankIteration) for e in events]
+    json_ = [payload_as(decode(encode_json(e)), RankIteration) for e in events]
+    assert _joined_comm_rows([r.waits() for r in wire]) is not None  # joined, not read value by value
+    assert _joined_comm_rows([r.waits() for r in json_]) is None
+    from_wire, from_json = build_frame(wire), build_frame(json_)
+    for name, value in vars(from_json).items():
+        if isinstance(value, np.ndarray):
+            np.testing.assert_array_equal(getattr(from_wire, name), value, err_msg=name)
+    assert from_wire.k_op.tolist() == [4, 3, 0, 1, 0, 3]  # sendrecv, dp; tp, send; tp, dp (pp_recv, all_gather dropped)
+    assert from_wire.k_wait.tolist() == [True, False, False, False, True, False]
+    assert from_wire.k_group.tolist() == [1, -1, 0, -1, -1, -1] and np.isnan(from_wire.k_bytes[[1, 3]]).all()
+    assert from_wire.c_own[2 * 3 + 1] < from_wire.c_dur[2 * 3 + 1]  # rank 2's TP wait inside its second chunk
 
 
 def test_the_chunks_table_from_binary_reports_equals_the_one_from_their_json() -> None:

@@ -10,9 +10,11 @@ schema-valid one passes the contract's ranges, so without this rule one report a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from collector.events import Envelope, Heartbeat, PlanCurrent, ProbeResult, RankIteration, ReconfigureCommand
+from collector.rank_columns import ArrayColumn
 
 MAX_DEVICES = 1 << 20  # device ids, coordinates and pipeline stages (dp x pp) the detector's arrays may hold
 MAX_VIRTUAL_STAGES = 1 << 8
@@ -35,6 +37,18 @@ class EpochShape:
     microbatches: dict[int, tuple[int, int]] = field(default_factory=dict)  # replica -> (lowest, highest)
 
 
+def _extent(column: Sequence[int | None]) -> tuple[int, int] | None:
+    """(lowest, highest) of one of a report's integer columns, None when it is empty. An unknown
+    value (None; -1 on the wire) reads as -1, under every bound: only peers can be unknown, and
+    only their highest is read. A column read from the wire answers from its record's bytes,
+    with no Python value per row built for it (collector/rank_columns.py): on a shard's path
+    nothing else wants them."""
+    if type(column) is ArrayColumn:
+        return column.extent()
+    known = sorted(-1 if v is None else v for v in column)
+    return (known[0], known[-1]) if known else None
+
+
 def undetectable(event: Envelope, stages: dict[tuple[str, int], EpochShape]) -> str | None:
     """Why the detector must not fold ``event`` (None: it may). ``stages`` holds the shape each
     (job, epoch) has admitted so far, and is updated for an admitted report."""
@@ -45,20 +59,23 @@ def undetectable(event: Envelope, stages: dict[tuple[str, int], EpochShape]) -> 
                             ("coords.dp", c.dp), ("coords.cp", c.cp)):
             if value >= MAX_DEVICES:
                 return f"{name} {value} ≥ {MAX_DEVICES:,}"
-        if any(peer is not None and peer >= MAX_DEVICES for peer in p.waits().peer):
+        peers = _extent(p.waits().peer)
+        if peers is not None and peers[1] >= MAX_DEVICES:
             return f"a comm peer ≥ {MAX_DEVICES:,}"
         t = p.chunk_table
-        if t.virtual_stage and max(t.virtual_stage) >= MAX_VIRTUAL_STAGES:
-            return f"virtual stage {max(t.virtual_stage)} ≥ {MAX_VIRTUAL_STAGES}"
-        if t.microbatch and max(t.microbatch) >= MAX_MICROBATCH:
-            return f"micro-batch {max(t.microbatch)} ≥ {MAX_MICROBATCH:,}"
+        stages_of, microbatches = _extent(t.virtual_stage), _extent(t.microbatch)
+        if stages_of is not None and stages_of[1] >= MAX_VIRTUAL_STAGES:
+            return f"virtual stage {stages_of[1]} ≥ {MAX_VIRTUAL_STAGES}"
+        if microbatches is not None and microbatches[1] >= MAX_MICROBATCH:
+            return f"micro-batch {microbatches[1]} ≥ {MAX_MICROBATCH:,}"
         shape = stages.get((event.job, p.epoch)) or EpochShape()
         dp, pp = max(shape.dp, c.dp), max(shape.pp, c.pp)
         if (dp + 1) * (pp + 1) > MAX_DEVICES:
             return f"{dp + 1} replicas × {pp + 1} stages in epoch {p.epoch} exceed {MAX_DEVICES:,} devices"
-        vs, lo_hi, span = max([shape.vs, *t.virtual_stage]), shape.microbatches.get(c.dp), shape.span
-        if t.microbatch:
-            lo, hi = min(t.microbatch), max(t.microbatch)
+        vs = shape.vs if stages_of is None else max(shape.vs, stages_of[1])
+        lo_hi, span = shape.microbatches.get(c.dp), shape.span
+        if microbatches is not None:
+            lo, hi = microbatches
             lo_hi = (lo, hi) if lo_hi is None else (min(lo, lo_hi[0]), max(hi, lo_hi[1]))
             span = max(span, lo_hi[1] - lo_hi[0] + 1)
         cells = (dp + 1) * (pp + 1) * (vs + 1) * span * 3

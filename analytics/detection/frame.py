@@ -16,9 +16,9 @@ from typing import cast
 
 import numpy as np
 
-from collector.events import RankIteration
+from collector.events import CommTable, RankIteration
 from collector.plan import Plan
-from collector.rank_columns import joined, joined_seq_lens
+from collector.rank_columns import COMM_OPS, GROUPS, joined, joined_codes, joined_seq_lens
 
 KIND_CODE = {"F": 0, "B": 1, "W": 2}
 _KIND_LUT = np.zeros(256, np.int8)
@@ -33,6 +33,11 @@ GROUP_CODE = {"tp": 0, "pp": 1, "dp": 2, "cp": 3, "fsdp": 4}  # k_group; -1 when
 # are most of its records and judged nowhere: converting them cost 20 ms of a 1,024-rank frame's
 # 50. The DuckDB tables keep every wait (analytics/projections/tables.py).
 FRAME_OPS = frozenset({"tp_allreduce", "pp_send", "pp_sendrecv", "dp_allreduce"})
+# A binary report's op and group codes (collector/rank_columns.py) as the frame's: -1 for an op the
+# frame drops, and for a group not said (255).
+_FRAME_OP_OF_CODE = np.array([OP_CODE[op] if op in FRAME_OPS else -1 for op in COMM_OPS], np.int64)
+_GROUP_OF_CODE = np.full(256, -1, np.int64)
+_GROUP_OF_CODE[:len(GROUPS)] = [GROUP_CODE[g] for g in GROUPS]
 
 
 @dataclass
@@ -135,10 +140,13 @@ def build_frame(reports: Sequence[RankIteration], layers: LayerLookup | None = N
 def _comm_rows(reports: Sequence[RankIteration]) -> np.ndarray:
     """(K, 9) rank index, op, peer, micro-batch, bytes (NaN unknown), start, duration, includes_wait,
     group code (-1 unknown), for each report's communications of the kinds in ``FRAME_OPS``."""
+    tables = [r.waits() for r in reports]
+    joined_rows = _joined_comm_rows(tables)
+    if joined_rows is not None:
+        return joined_rows
     rows = []
     keep, oc, gc = FRAME_OPS, OP_CODE, GROUP_CODE
-    for i, r in enumerate(reports):
-        t = r.waits()
+    for i, t in enumerate(tables):
         ops = t.op
         for j in [j for j, op in enumerate(ops) if op in keep]:
             peer, mb, group = t.peer[j], t.microbatch[j], t.group[j] if t.group else None
@@ -146,6 +154,37 @@ def _comm_rows(reports: Sequence[RankIteration]) -> np.ndarray:
                          t.start_s[j], t.duration_s[j], bool(t.includes_wait and t.includes_wait[j]),
                          -1 if group is None else gc[group]))
     return np.array(rows, dtype=float).reshape(-1, 9)  # an unknown byte count (None) becomes NaN
+
+
+def _joined_comm_rows(tables: Sequence[CommTable]) -> np.ndarray | None:
+    """``_comm_rows`` when every report was read from the wire: its columns' codes and numbers
+    joined, the rows kept chosen by op code, no Python value per wait (a pipeline rank's
+    ``pp_recv`` waits, which the frame drops, were most of a 128-rank replica's frame). None when
+    some report holds Python values."""
+    counts = [len(t) for t in tables]
+    ops = joined_codes([t.op for t in tables], counts, 0)
+    waits = joined_codes([t.includes_wait for t in tables], counts, 0)
+    groups = joined_codes([t.group for t in tables], counts, 255)
+    if ops is None or waits is None or groups is None:
+        return None
+    op = _FRAME_OP_OF_CODE[ops]
+    keep = op >= 0
+    said = [t for t in tables if len(t)]  # a report without communications holds lists, empty
+
+    def column(name: str, dtype: type, unknown: float | None = None) -> np.ndarray:
+        return joined([getattr(t, name) for t in said], dtype, len(ops), unknown)[keep]
+
+    out = np.empty((int(keep.sum()), 9))
+    out[:, 0] = np.repeat(np.arange(len(tables)), counts)[keep]
+    out[:, 1] = op[keep]
+    out[:, 2] = column("peer", np.int64)  # -1: not point-to-point
+    out[:, 3] = column("microbatch", np.int64)
+    out[:, 4] = column("bytes", float, np.nan)
+    out[:, 5] = column("start_s", float)
+    out[:, 6] = column("duration_s", float)
+    out[:, 7] = waits[keep]
+    out[:, 8] = _GROUP_OF_CODE[groups[keep]]
+    return out
 
 
 class LayerLookup:
