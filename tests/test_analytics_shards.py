@@ -323,6 +323,25 @@ def test_joining_summaries_gives_the_per_replica_arrays_in_replica_order_whether
     assert replica_job_view(0, 1, same, None).u_class.tolist() == [0, 1, 1] * 3
 
 
+def test_a_summarys_unit_rows_are_every_row_of_a_small_class_and_evenly_spread_ones_of_a_larger_one() -> None:
+    """What a replica sends the merge's fit, per class: its live rows when it has at most
+    ``per_class``, otherwise the ones ``np.linspace`` spreads evenly over them, in row order."""
+    from analytics.sharding.replica_summary import _thin
+
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        n = int(rng.integers(0, 200))
+        classes, live = rng.integers(0, int(rng.integers(1, 30)), n), rng.random(n) < 0.8
+        per_class = int(rng.integers(1, 8))
+        expected: list[int] = []
+        for c in sorted(set(classes[live].tolist())):
+            rows = np.flatnonzero(live & (classes == c))
+            expected += (rows if len(rows) <= per_class
+                         else rows[np.linspace(0, len(rows) - 1, per_class).astype(np.int64)]).tolist()
+        assert _thin(classes, live, per_class).tolist() == sorted(expected)
+        assert _thin(classes, live, None).tolist() == np.flatnonzero(live).tolist()
+
+
 def test_a_summary_whose_arrays_the_merge_cannot_join_is_counted_and_left_out() -> None:
     """A summary of another build decodes (its blob matches its own layout) but lacks an array the
     merge joins, or has rank or link rows of different lengths: the merge must log and count it as

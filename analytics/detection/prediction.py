@@ -9,6 +9,8 @@ chunks mean zero-bubble, virtual stages mean interleaved).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from analytics.detection.frame import OP_CODE, IterationFrame
@@ -29,6 +31,15 @@ def predicted_iteration_s(frame: IterationFrame, c_pred: np.ndarray, schedule: s
     """Critical-path iteration time with predicted chunk times; NaN if the frame cannot be laid out
     (a replica missing a stage's telemetry, say); replicas that sent nothing are left out. ``c_pred`` may also be the observed own times:
     with ``include_comm=False`` that gives the iteration time compute alone explains."""
+    return predicted_iterations_s(frame, [(c_pred, include_comm)], schedule, virtual_stages)[0]
+
+
+def predicted_iterations_s(frame: IterationFrame, predictions: Sequence[tuple[np.ndarray, bool]],
+                           schedule: str | None = None, virtual_stages: int | None = None) -> list[float]:
+    """``predicted_iteration_s`` of each (chunk times, include_comm) in ``predictions``, their
+    pipelines laid out in one sweep of the schedule's DAG: a replica's summary wants the
+    prediction's and the observed own times' (analytics/sharding/replica_summary.py), and the
+    sweep is per level, whatever the rows."""
     if schedule is None:
         schedule, virtual_stages = infer_schedule(frame)
     V = virtual_stages or 1
@@ -43,33 +54,48 @@ def predicted_iteration_s(frame: IterationFrame, c_pred: np.ndarray, schedule: s
     M = int(mb_c.max()) + 1
     cell = ((dp_c * S + pp_c) * V + frame.c_vs) * M * 3 + mb_c * 3 + frame.c_kind
     size = n_rep * S * V * M * 3
-    med = group_median(cell, np.nan_to_num(c_pred), size).reshape(n_rep, S, V, M, 3)
     sends = frame.k_dur[(frame.k_op == OP_CODE["pp_send"])]
-    p2p_s = float(np.percentile(sends, 25)) if len(sends) and include_comm else 0.0
     dp_waits = np.bincount(frame.k_rank[frame.k_op == OP_CODE["dp_allreduce"]],
                            weights=frame.k_dur[frame.k_op == OP_CODE["dp_allreduce"]], minlength=frame.num_ranks)
-    dp_s = float(dp_waits.min()) if len(dp_waits) and include_comm else 0.0
     mb_count = np.full(n_rep, -1, np.int64)  # per replica: its last micro-batch's position (-1: no chunk at all)
     np.maximum.at(mb_count, dp_c, mb_c)
+    out = [float("nan")] * len(predictions)
     if (mb_count < 0).all():
-        return float("nan")
-    reps = []
+        return out
     # A replica with no report at all is one nobody traces (sampled tracing): the prediction is
-    # the traced replicas'; one with a stage missing cannot be laid out (NaN below).
-    for r in np.flatnonzero(mb_count >= 0).tolist():
-        a = med[r][:, :, : int(mb_count[r]) + 1]  # replicas may run different micro-batch counts
-        if np.isnan(a[..., 0]).any() or np.isnan(a[..., 1]).any():
-            return float("nan")
-        f, b = a[..., 0], a[..., 1]
-        w = a[..., 2] if schedule == "zero_bubble" else None
-        if V == 1:
-            f, b = f[:, 0], b[:, 0]
-            w = None if w is None else w[:, 0]
-        reps.append(PipelineDurations(f, b, w, p2p_s))
+    # the traced replicas'; one with a stage missing cannot be laid out (NaN).
+    traced = np.flatnonzero(mb_count >= 0).tolist()
+    reps: list[PipelineDurations] = []
+    owner: list[int] = []  # per entry of reps, its prediction
+    dp_s_of: dict[int, float] = {}
+    for i, (c_pred, include_comm) in enumerate(predictions):
+        med = group_median(cell, np.nan_to_num(c_pred), size).reshape(n_rep, S, V, M, 3)
+        p2p_s = float(np.percentile(sends, 25)) if len(sends) and include_comm else 0.0
+        mine = []
+        for r in traced:
+            a = med[r][:, :, : int(mb_count[r]) + 1]  # replicas may run different micro-batch counts
+            if np.isnan(a[..., 0]).any() or np.isnan(a[..., 1]).any():
+                break
+            f, b = a[..., 0], a[..., 1]
+            w = a[..., 2] if schedule == "zero_bubble" else None
+            if V == 1:
+                f, b = f[:, 0], b[:, 0]
+                w = None if w is None else w[:, 0]
+            mine.append(PipelineDurations(f, b, w, p2p_s))
+        else:
+            reps += mine
+            owner += [i] * len(mine)
+            dp_s_of[i] = float(dp_waits.min()) if len(dp_waits) and include_comm else 0.0
+    if not reps:
+        return out
     try:
-        return predict_iteration(schedule, reps, virtual_stages=V, dp_allreduce_s=dp_s).iteration_s
+        ends = predict_iteration(schedule, reps, virtual_stages=V).replica_end_s
     except (ValueError, KeyError):
-        return float("nan")
+        return out
+    of = np.array(owner)
+    for i, dp_s in dp_s_of.items():
+        out[i] = float(ends[of == i].max() + dp_s)
+    return out
 
 
 MAX_STAGE_ROWS = 256  # per iteration and job: what /metrics turns into series, so bounded at any scale

@@ -40,7 +40,7 @@ import numpy as np
 
 from analytics.detection.cost_model import MAX_FIT_ROWS, ClassFit, CostModel
 from analytics.detection.frame import IterationFrame, LayerLookup
-from analytics.detection.prediction import bounded_stage_rows, predicted_iteration_s, predicted_stage_spans
+from analytics.detection.prediction import bounded_stage_rows, predicted_iterations_s, predicted_stage_spans
 from analytics.detection.scoring import (
     FrameScore, WorkClass, centre_links, centre_ranks, chunk_classes, link_times, predict_chunks, rank_log_ratios,
     unit_table,
@@ -156,15 +156,20 @@ def fits_event(model: CostModel, epoch: int, iteration: int, planned: Iterable[i
 
 def _thin(u_class: np.ndarray, live: np.ndarray, per_class: int | None) -> np.ndarray:
     """Indices of the unit rows to send: every live one, or per class at most ``per_class`` of
-    them evenly spread (as the cost model thins its window)."""
+    them evenly spread (as the cost model thins its window). Every class at once: a numpy pass per
+    class (a replica has some 30) cost four times this."""
     idx = np.flatnonzero(live)
-    if per_class is None:
+    if per_class is None or not len(idx):
         return idx
-    keep = []
-    for c in np.unique(u_class[idx]).tolist():
-        rows = idx[u_class[idx] == c]
-        keep.append(rows if len(rows) <= per_class else rows[np.linspace(0, len(rows) - 1, per_class).astype(np.int64)])
-    return np.sort(np.concatenate(keep)) if keep else idx
+    grouped = idx[np.argsort(u_class[idx], kind="stable")]  # class by class, each in row order
+    cls = u_class[grouped]
+    starts = np.flatnonzero(np.concatenate(([True], cls[1:] != cls[:-1])))
+    lengths = np.diff(np.append(starts, len(cls)))
+    big = lengths > per_class
+    keep = np.repeat(~big, lengths)  # a class of per_class rows or fewer sends every one
+    # per larger class, the rows np.linspace(0, rows - 1, per_class) picks (one column per class)
+    keep[(starts[big] + np.linspace(0, lengths[big] - 1, per_class).astype(np.int64)).ravel()] = True
+    return np.sort(grouped[keep])
 
 
 def summarize_replica(frame: IterationFrame, fits: DetectorFits | None, *, window_iterations: int,
@@ -192,8 +197,7 @@ def summarize_replica(frame: IterationFrame, fits: DetectorFits | None, *, windo
     layout, blob = pack(arrays)
     dp_sel = frame.k_op == 3  # OP_CODE["dp_allreduce"]
     dp_waits = np.bincount(frame.k_rank[dp_sel], weights=frame.k_dur[dp_sel], minlength=frame.num_ranks)
-    explained = predicted_iteration_s(frame, frame.c_own, *schedule, include_comm=False)
-    pipeline = predicted_iteration_s(frame, pred, *schedule)
+    explained, pipeline = predicted_iterations_s(frame, [(frame.c_own, False), (pred, True)], *schedule)
     first = (frame.c_kind == 0) & (frame.c_vs == 0) & (frame.pp[frame.c_rank] == 0) & (frame.tp[frame.c_rank] == 0)
     span = traced_pipeline_s(frame)
     return ReplicaSummary(
