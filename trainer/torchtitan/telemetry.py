@@ -11,9 +11,10 @@ Where the times come from, without touching torchtitan's code:
 * each micro-batch's documents come from its ``positions`` (they restart at 0 where a document
   starts; torchtitan's loaders and ours emit them): the lengths the detector's β·Σl² term needs.
 
-The clock is the host's; on a GPU the chunk boundaries synchronise the device first
-(``torch.cuda.synchronize``), which costs the overlap of one micro-batch with the next: this adapter
-measures a GPU job at the price of that serialisation, and says so (docs/torchtitan.md).
+The boundaries are marks of a :class:`~trainer.torchtitan.clock.StepClock`: the host's clock on CPU,
+CUDA events on a GPU, read once at the step's end, so timing never serialises one micro-batch with
+the next (the chunks of a step are written into its report then). An injected slowdown needs the
+chunk's length at once, so a rank with one waits for the device at its boundaries.
 
 Injected faults (``--resihp.faults``): a ``slow_compute`` on this rank's device stretches each chunk
 by its factor (trainer/faults.py's padding); ``stop_device`` kills the rank in its forward
@@ -24,9 +25,9 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +40,7 @@ from trainer.fault_spec import FaultList
 from trainer.faults import FaultInjector
 from trainer.integration import IterationReport, ResiHPReporter
 from trainer.native.faults import native_fault_problem
+from trainer.torchtitan.clock import StepClock
 
 if TYPE_CHECKING:
     from trainer.torchtitan.trainer import ResiHPSection, ResiHPTrainer
@@ -84,12 +86,12 @@ def _timed_sync(method: Any, op: str) -> Any:
         if telemetry is None or _sync_depth:
             return method(*args, **kwargs)
         _sync_depth += 1
-        started = time.perf_counter()
+        started = telemetry.clock.mark()
         try:
             return method(*args, **kwargs)
         finally:
             _sync_depth -= 1
-            telemetry.synced(op, started, time.perf_counter())
+            telemetry.synced(op, started, telemetry.clock.mark())
     return timed
 
 
@@ -119,13 +121,14 @@ class StepTelemetry:
         self.group: list[MicroBatch] = []  # the micro-batches of the forward_backward_step under way
         self._next_index = 0
         self._tokens = 0
-        self._forward_started = 0.0
-        self._forward_s = 0.0
-        self._forward_sync_s = 0.0
+        self.clock = StepClock.for_device(getattr(trainer, "device", "cpu"))
+        self._forward_started: Any = 0.0  # the clock's marks
+        self._forward_ended: Any = 0.0
         self.watchers: list[Any] = []
         self.loss: float | None = None
         self.reports_summary = False  # this rank reports the step's tokens and loss (one rank per job)
-        self._syncs: list[tuple[str, float, float]] = []  # FSDP's collectives this micro-batch: (op, start, end)
+        self._syncs: list[tuple[str, Any, Any]] = []  # FSDP's collectives this micro-batch: (op, start, end marks)
+        self._timed: list[_FusedMarks] = []  # this step's micro-batches, read at its end
 
     @classmethod
     def attach(cls, trainer: ResiHPTrainer, section: ResiHPSection) -> StepTelemetry:
@@ -165,12 +168,14 @@ class StepTelemetry:
             self.injector.iteration = step
             for truth in self.injector.truth(self.reporter.job, step):
                 self.reporter.publisher.publish(truth)
-        self._next_index, self._tokens, self.loss = 0, 0, None
+        self._next_index, self._tokens, self.loss, self._timed = 0, 0, None, []
         for w in self.watchers:
             w.begin([])
         with self.reporter.iteration(step) as report:
             self.report = report
+            self.clock.begin()
             yield
+            self._write_chunks(report)
             for w in self.watchers:
                 rec = w.end()
                 report.recorder.chunks += rec.chunks
@@ -191,8 +196,8 @@ class StepTelemetry:
         for w in self.watchers:
             w.microbatches = self.group
 
-    def synced(self, op: str, start: float, end: float) -> None:
-        """FSDP waited ``end − start`` seconds in ``op`` (see :func:`_install_sync_timer`)."""
+    def synced(self, op: str, start: Any, end: Any) -> None:
+        """FSDP waited from mark ``start`` to mark ``end`` in ``op`` (see :func:`_install_sync_timer`)."""
         self._syncs.append((op, start, end))
 
     def begin_group(self) -> None:
@@ -202,35 +207,47 @@ class StepTelemetry:
     @contextmanager
     def fused_chunks(self) -> Iterator[None]:
         """One micro-batch's F and B without pipelining: F from the forward hooks, B the rest, each
-        without FSDP's collectives, which are reported as the waits they are."""
+        without FSDP's collectives, which are reported as the waits they are. Marked now, written
+        into the report when the step ends (:meth:`_write_chunks`)."""
         global _syncing
-        self._syncs, self._forward_sync_s = [], 0.0
+        self._syncs = []
         _syncing = self
         try:
             yield
         finally:
             _syncing = None
-        _synchronize()
-        ended = time.perf_counter()
-        forward_end = self._forward_started + self._forward_s
-        backward_sync_s = sum(e - s for _, s, e in self._syncs if s >= forward_end)
-        backward_s = max(0.0, ended - forward_end - backward_sync_s)
-        if self.injector is not None:
-            padded = time.perf_counter()
-            self.injector.after_compute(backward_s)
-            backward_s += time.perf_counter() - padded
-        report = self.report
-        if report is None or not self.group:
+        ended = self.clock.mark()
+        if self.injector is not None:  # the padding is a multiple of the backward's length: read now
+            self.clock.settle()
+            forward_end = self.clock.seconds(self._forward_ended)
+            waits = sum(self.clock.seconds(e) - self.clock.seconds(s) for _, s, e in self._syncs
+                        if self.clock.seconds(s) >= forward_end)
+            self.injector.after_compute(max(0.0, self.clock.seconds(ended) - forward_end - waits))
+            ended = self.clock.mark()
+        if self.report is not None and self.group:
+            mb = self.group[-1]
+            self._timed.append(_FusedMarks(mb.index, len(mb.tokens), mb.seq_lens, self._forward_started,
+                                           self._forward_ended, ended, self._syncs))
+
+    def _write_chunks(self, report: IterationReport) -> None:
+        """The step's F and B chunks and FSDP waits, from their marks (one wait for the device)."""
+        if not self._timed:
             return
-        mb = self.group[-1]
-        t0 = report.recorder.t0
-        report.chunk(ChunkKind.FORWARD, mb.index, duration_s=max(0.0, self._forward_s - self._forward_sync_s),
-                     tokens=len(mb.tokens), seq_lens=mb.seq_lens, start_s=self._forward_started - t0)
-        report.chunk(ChunkKind.BACKWARD, mb.index, duration_s=backward_s, tokens=len(mb.tokens),
-                     seq_lens=mb.seq_lens, start_s=forward_end - t0)
-        for op, s, e in self._syncs:  # FSDP's collectives hold the wait for the slowest peer
-            report.recorder.comm.append(CommWait(op=CommOp(op), microbatch=mb.index, start_s=max(0.0, s - t0),
-                                                 duration_s=e - s, includes_wait=True, group="fsdp"))
+        clock, t0 = self.clock, report.recorder.t0
+        clock.settle()
+        for m in self._timed:
+            start, forward_end, end = clock.seconds(m.forward_started), clock.seconds(m.forward_ended), clock.seconds(m.ended)
+            syncs = [(op, clock.seconds(s), clock.seconds(e)) for op, s, e in m.syncs]
+            forward_sync_s = sum(e - s for _, s, e in syncs if s < forward_end)  # the all-gathers inside the forward
+            backward_sync_s = sum(e - s for _, s, e in syncs if s >= forward_end)
+            report.chunk(ChunkKind.FORWARD, m.index, duration_s=max(0.0, forward_end - start - forward_sync_s),
+                         tokens=m.tokens, seq_lens=m.seq_lens, start_s=start - t0)
+            report.chunk(ChunkKind.BACKWARD, m.index, duration_s=max(0.0, end - forward_end - backward_sync_s),
+                         tokens=m.tokens, seq_lens=m.seq_lens, start_s=forward_end - t0)
+            for op, s, e in syncs:  # FSDP's collectives hold the wait for the slowest peer
+                report.recorder.comm.append(CommWait(op=CommOp(op), microbatch=m.index, start_s=max(0.0, s - t0),
+                                                     duration_s=e - s, includes_wait=True, group="fsdp"))
+        self._timed = []
 
     # ---- hooks ---------------------------------------------------------------------------------------
 
@@ -241,15 +258,17 @@ class StepTelemetry:
                 os.kill(os.getpid(), signal.SIGKILL)  # no goodbye, mid-step: a device lost
             if self.flight is not None:
                 self.flight.enter("forward")  # progress the agent's hang judge reads (trainer/agent/hang.py)
-            self._forward_started = time.perf_counter()
+            self._forward_started = self.clock.mark()
 
         def after(_module: Any, _args: Any, _out: Any) -> None:
-            _synchronize()
-            self._forward_s = time.perf_counter() - self._forward_started
-            self._forward_sync_s = sum(e - s for _, s, e in self._syncs)  # the all-gathers inside the forward
-            if self.injector is not None:
-                self.injector.after_compute(self._forward_s - self._forward_sync_s)
-                self._forward_s = time.perf_counter() - self._forward_started
+            self._forward_ended = self.clock.mark()
+            if self.injector is not None:  # the padding is a multiple of the forward's length: read now
+                clock = self.clock
+                clock.settle()
+                waits = sum(clock.seconds(e) - clock.seconds(s) for _, s, e in self._syncs)  # all inside the forward
+                clock_s = clock.seconds(self._forward_ended) - clock.seconds(self._forward_started)
+                self.injector.after_compute(max(0.0, clock_s - waits))
+                self._forward_ended = clock.mark()
             if self.flight is not None:
                 self.flight.enter("backward")
 
@@ -292,14 +311,22 @@ class StepTelemetry:
         self.reporter.close()
 
 
+@dataclass
+class _FusedMarks:
+    """One micro-batch's boundaries as the clock marked them, read when the step ends."""
+
+    index: int
+    tokens: int
+    seq_lens: list[int]
+    forward_started: Any
+    forward_ended: Any
+    ended: Any
+    syncs: list[tuple[str, Any, Any]]
+
+
 def _role_for_padding() -> Any:
     """ChunkPadding sizes a paced device from its role; torchtitan ranks are not paced."""
     from collector.plan import RankRole
 
     return RankRole(device=0, replica=0, stage=0, tp_rank=0, tp_degree=1, first_layer=0, end_layer=1,
                     microbatches=1, num_stages=1)
-
-
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
