@@ -247,16 +247,25 @@ def control_events(bus_path: Path, kind: type) -> list:
 
 def open_incident(page, incident_id: str) -> None:
     from playwright.sync_api import expect
-    go(page, "Incidents")
+    leave_incident(page)
     page.locator(".st-key-inc_filter").get_by_text("all", exact=True).click()
     page.locator(f".st-key-open-{incident_id} button").click()
     expect(page.get_by_role("heading", name=f"Incident {incident_id}")).to_be_visible()
 
 
 def leave_incident(page) -> None:
+    """The Incidents page's list. The console remembers an open incident across pages (the session
+    and ``?incident=``), so its page may open on it: then back to the list. Waits for one or the
+    other to be drawn rather than looking once, which a rerun still under way (a test's last click)
+    could answer with neither."""
+    from playwright.sync_api import expect
+    page.locator('[data-testid="stSidebar"]').get_by_text("Incidents", exact=True).click()
+    listed = page.get_by_role("heading", name="Incidents", exact=True)
     back = page.locator(".st-key-back button")
+    expect(listed.or_(back).first).to_be_visible()
     if back.count():
         back.click()
+    expect(listed).to_be_visible()
 
 
 def test_ui_browser_incident_shows_its_evidence_and_approve_puts_the_decision_on_the_bus(served: Served, page) -> None:
