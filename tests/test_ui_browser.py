@@ -255,17 +255,24 @@ def open_incident(page, incident_id: str) -> None:
 
 def leave_incident(page) -> None:
     """The Incidents page's list. The console remembers an open incident across pages (the session
-    and ``?incident=``), so its page may open on it: then back to the list. Waits for one or the
-    other to be drawn rather than looking once, which a rerun still under way (a test's last click)
-    could answer with neither."""
+    and ``?incident=``), so its page may open on it: then back to the list. A rerun still under way
+    (a test's last click) can show neither yet, or an old back button that is about to go: so look
+    again until the list is there, clicking a back button only while one is visible."""
+    from playwright.sync_api import Error as PlaywrightError
     from playwright.sync_api import expect
     page.locator('[data-testid="stSidebar"]').get_by_text("Incidents", exact=True).click()
     listed = page.get_by_role("heading", name="Incidents", exact=True)
-    back = page.locator(".st-key-back button")
-    expect(listed.or_(back).first).to_be_visible()
-    if back.count():
-        back.click()
-    expect(listed).to_be_visible()
+    back = page.locator(".st-key-back button").filter(visible=True)
+    for _ in range(10):
+        try:
+            expect(listed.or_(back).first).to_be_visible(timeout=10_000)
+            if not listed.is_visible():
+                back.first.click(timeout=5_000)
+            expect(listed).to_be_visible(timeout=10_000)
+            return
+        except (AssertionError, PlaywrightError):
+            continue  # a rerun replaced what was looked at: look again
+    expect(listed).to_be_visible()  # the last word, with its message
 
 
 def test_ui_browser_incident_shows_its_evidence_and_approve_puts_the_decision_on_the_bus(served: Served, page) -> None:
