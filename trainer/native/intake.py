@@ -17,7 +17,9 @@ Two halves over the launcher's TCPStore, like the reference trainer's (trainer/r
   newest post each rank has read makes the whole world pick the same post at the same boundary,
   whatever instant the launcher wrote it: a rank that read it late learns of it from a peer.
   The rank then reshapes through :class:`~trainer.native.executor.NativeExecutor` and reports
-  ``done`` (the phases) or ``refused`` (why) under the post's number.
+  ``done`` (the phases) or ``refused`` (why) under the post's number; a device the plan drops
+  writes ``released`` as it leaves after the commit, so its exit before the new world's first
+  step is not read as a death.
 
 What can go wrong: a rank that dies mid-reshape leaves the post without its report, and the
 survivors refuse it (they recover from the running layout without the dead rank); the launcher
@@ -54,6 +56,7 @@ RECOVERED = "native/cmd/recovered"  # the plan the survivors of a lost rank run,
 plan_key = functools.partial(store_key, "native/cmd/plan")  # (post): the plan of that post
 done_key = functools.partial(store_key, "native/cmd/done")  # (post, device): the device runs it
 refused_key = functools.partial(store_key, "native/cmd/refused")  # (post, device): why it cannot
+released_key = functools.partial(store_key, "native/cmd/released")  # (post, device): it left after the commit
 
 
 class NativeCommandIntake:
@@ -102,7 +105,11 @@ class NativeCommandIntake:
             self.posted = None
             self.listener.ack_failed(command, f"refused by the ranks, still at epoch {self.listener.running.epoch}: {why}")
             return
-        dead = sorted(d for d in set(world) | set(running) if d not in alive)
+        # A device the plan drops exits once the commit vote passed, which may be before the new
+        # world's first step: its exit is a death only when it left no release record.
+        leaving = [d for d in running if d not in world]
+        released = {d for d in leaving if self.store.check([released_key(post, d)])}
+        dead = sorted(d for d in set(world) | set(leaving) if d not in alive and d not in released)
         done = [d for d in world if self.store.check([done_key(post, d)])]
         if dead and len(done) < len(world):
             self.posted = None
@@ -175,6 +182,11 @@ class CommandFollower:
 
     def refused(self, post: int, reason: str) -> None:
         self.store.set(refused_key(post, self.device), reason)
+
+    def released(self, post: int) -> None:
+        """This device has no place in the post's world and leaves after its commit vote passed
+        (its pieces sent): the launcher must not read its exit as a death."""
+        self.store.set(released_key(post, self.device), "1")
 
 
 __all__ = ["NativeCommandIntake", "CommandFollower"]

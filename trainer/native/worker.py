@@ -277,6 +277,10 @@ class NativeRank:
         try:
             self.resumed(*self.watch.call(functools.partial(self.on_this_device, functools.partial(
                 ex.reshape, plan, committed.set)), f"reshape to epoch {plan.epoch}", committed.is_set))
+        except Released:
+            if follower is not None and self.post is not None:
+                follower.released(self.post)  # past the commit vote: its exit is not a death
+            raise
         except ReshapeRefused as exc:
             log.warning("device %d: plan refused, training on at epoch %d: %s", self.device,
                         ex.current.layout.plan.epoch, exc)
