@@ -13,8 +13,12 @@ micro-batches, a checkpoint every 3 steps.
 * node 1's agent is SIGKILLed (its rank dies with it): node 0's rank fails, torch restarts it, and
   the round that forms without node 1 has one rank: node 0's agent lays it out (one replica, the
   global batch kept by accumulation), restarts from the last checkpoint as plan epoch 2
-  (``plan.current`` reason ``restart``) and trains to the end. The steps it redoes have the losses
-  they had in the two-replica world (to 1e-5 relative: fp32, gradients summed in another order).
+  (``plan.current`` reason ``restart``). The steps it redoes have the losses they had in the
+  two-replica world (to 1e-5 relative: fp32, gradients summed in another order);
+* node 1 comes back (a new agent for it): it waits in the rendezvous, node 0's rank stops after
+  its next step and saves, and the round the newcomer completes runs two replicas again as plan
+  epoch 3, on device 0 and a new device 3 (the job has had devices 0–2), from the step it stopped
+  at — no step redone — and trains to the end.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from trainer.torchtitan.layout import TitanLayout, plan_of
 pytestmark = pytest.mark.processes  # tests/fixtures/tiers.py
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 9
+STEPS = 24
 JOB = "titan-nodes"
 
 
@@ -82,7 +86,7 @@ def test_a_command_restarts_every_nodes_share_in_one_round_and_a_lost_node_is_re
                                 stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     agents = [agent(0, 1), agent(1, 1), agent(2, 1)]
-    outs = ["", "", ""]
+    outs = ["", "", "", ""]
     try:
         def control() -> list:
             return _events(bus, [topics.CONTROL]) if bus.exists() else []
@@ -108,32 +112,48 @@ def test_a_command_restarts_every_nodes_share_in_one_round_and_a_lost_node_is_re
               agents[:2])
         agents[1].send_signal(signal.SIGKILL)
         outs[1] = agents[1].communicate(timeout=60)[0]
-        outs[0] = agents[0].communicate(timeout=600)[0]
+
+        def steps_of(epoch: int) -> list[int]:
+            return [e.iteration for e in _events(bus, [topics.TELEMETRY])
+                    if isinstance(e, IterationSummary) and e.epoch == epoch and e.loss is not None]
+
+        _wait(lambda: steps_of(2), "a step of the one-replica world", agents[:1])
+        agents.append(agent(1, 1))  # node 1 comes back
+        outs[3] = agents[3].communicate(timeout=600)[0]
+        outs[0] = agents[0].communicate(timeout=120)[0]
     finally:
         for a in agents:
             if a.poll() is None:
                 a.kill()
                 a.communicate()
     why = "".join(f"\n--- node {n} (exit {a.returncode}):\n{out[-4000:]}" for n, (a, out) in enumerate(zip(agents, outs)))
-    assert agents[0].returncode == 0 and agents[2].returncode == 0, why
+    assert agents[0].returncode == 0 and agents[2].returncode == 0 and agents[3].returncode == 0, why
     assert "runs no rank on this node; it left the job" in outs[2], why
 
     control_events = _events(bus, [topics.CONTROL])
     telemetry = _events(bus, [topics.TELEMETRY])
     plans = [e for e in control_events if isinstance(e, PlanCurrent)]
-    assert [p.plan.epoch for p in plans] == [0, 1, 2], why
+    assert [p.plan.epoch for p in plans] == [0, 1, 2, 3], why
     assert plans[1].plan.devices == [0, 1] and plans[2].plan.devices == [0] and plans[2].reason == "restart", why
+    assert sorted(plans[3].plan.devices) == [0, 3] and len(plans[3].plan.pipelines) == 2, why  # a new device
+    assert plans[3].reason == "restart", why
+    assert "joins the running job (plan epoch 2, 1 ranks) with devices [3]" in outs[3], why
     phases = {epoch: [e.phase for e in telemetry if isinstance(e, ReshapePhase) and e.epoch == epoch]
-              for epoch in (1, 2)}
-    assert phases == {1: ["export", "new_mesh", "first_step"], 2: ["new_mesh", "first_step"]}, why
+              for epoch in (1, 2, 3)}
+    assert phases == {1: ["export", "new_mesh", "first_step"], 2: ["new_mesh", "first_step"],
+                      3: ["new_mesh", "first_step"]}, why
+    for e in telemetry:  # the pauses, for whoever reads the test's output
+        if isinstance(e, ReshapePhase):
+            print(f"epoch {e.epoch} {e.phase}: {e.duration_s:.2f} s ({e.detail})")
 
-    losses: dict[int, dict[int, float]] = {0: {}, 1: {}, 2: {}}
+    losses: dict[int, dict[int, float]] = {0: {}, 1: {}, 2: {}, 3: {}}
     for e in telemetry:
         if isinstance(e, IterationSummary) and e.loss is not None:
             losses[e.epoch][e.iteration] = e.loss
     assert sorted(losses[0]) == list(range(1, stopped_at + 1)), losses  # the three-replica world, to the stop
     assert min(losses[1]) == stopped_at + 1, losses  # resumed after the step it stopped at
-    assert max(losses[2]) == STEPS and min(losses[2]) <= max(losses[1]) + 1, losses
+    assert min(losses[2]) <= max(losses[1]) + 1, losses
+    assert min(losses[3]) == max(losses[2]) + 1 and max(losses[3]) == STEPS, losses  # the joiner's round: none redone
     redone = sorted(set(losses[1]) & set(losses[2]))
     assert min(losses[2]) - 1 in (stopped_at, *range(3, STEPS, 3)), losses  # resumed from a checkpoint
     for step in redone:

@@ -9,9 +9,10 @@ from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
-from trainer.agent.relayout import NODE_KEY, ORDER_KEY, STOPPED_KEY, NodeRecord, RelayoutOrder
+from trainer.agent.relayout import (GROW_COMMAND, JOINED_KEY, NODE_KEY, ORDER_KEY, SHAPE_KEY, STOP_KEY, STOPPED_KEY,
+                                    NodeRecord, RelayoutOrder, StopOrder)
 from trainer.agent.signed_store import SignedStore
-from trainer.torchtitan.controller import TitanRelayout
+from trainer.torchtitan.controller import JobRecord, TitanRelayout
 from trainer.torchtitan.layout import JOB_KEY, JobShape, TitanLayout, plan_of
 
 FLAGS = ["--module", "trainer.torchtitan", "--parallelism.data_parallel_replicate_degree", "3",
@@ -97,7 +98,8 @@ def test_an_order_whose_flags_change_more_than_the_layout_is_refused_not_obeyed(
     records.set(ORDER_KEY, RelayoutOrder(1, "c1", (0, 1), ("--dump_folder", "/elsewhere")).to_json())
     records.set(STOPPED_KEY, {"epoch": 1, "step": 4})
     relaunch = _Relaunches()
-    assert relayout.watch(records, True, None, relaunch) is False and not relaunch.calls
+    # the ranks stopped all the same: this node restarts its share at the running layout, not the order's
+    assert relayout.watch(records, True, None, relaunch) is True and relaunch.calls == [(2, FLAGS)]
     assert any("not a layout flag" in reason for reason in records.refused.values()), records.refused
 
 
@@ -179,3 +181,91 @@ def test_orders_and_node_records_refuse_malformed_bodies() -> None:
         with pytest.raises(ValueError):
             NodeRecord.parse(bad)
     assert NodeRecord.parse({"devices": [3, 4]}) == NodeRecord((3, 4), False)
+
+
+def _job_store() -> SignedStore:
+    """The job's own store (it outlives rounds), signed for the job."""
+    return SignedStore(dist.HashStore(), "job", reader="test")
+
+
+def test_a_node_waiting_to_join_has_the_ranks_stop_at_a_step_boundary_before_the_restart() -> None:
+    """torch would restart the healthy group at once (losing the steps since the last checkpoint):
+    the leader writes a stop order with no new world, the ranks stop and save, and every node then
+    restarts its share into the joiner's round, laid out for its size."""
+    records = _store()
+    leader = _leader(min_nodes=1)
+    relaunch = _Relaunches()
+    assert leader.make_room(records) is True and not relaunch.calls
+    stop = records.get(STOP_KEY, StopOrder.parse)
+    assert stop == StopOrder(1, GROW_COMMAND)
+    assert leader.make_room(records) is True  # torch asks again on each pass: one stop order
+    assert leader.watch(records, False, None, relaunch) is False and not relaunch.calls  # still stepping
+    assert leader.watch(records, True, None, relaunch) is True and not relaunch.calls  # exited: held for the mark
+    records.set(STOPPED_KEY, {"epoch": 1, "step": 5})
+    assert leader.watch(records, True, None, relaunch) is True
+    assert relaunch.calls == [(1, FLAGS)] and leader.epoch == 0  # this node's share, its flags as they are
+    edit = leader.start_round(0, 3, [0], 4, _store())  # the joiner's round: four ranks
+    assert edit is not None and leader.epoch == 1 and leader.recovery is not None
+    assert "a node joined" in leader.recovery.what
+    assert _value(edit(FLAGS), "--parallelism.data_parallel_replicate_degree") == "2"  # 4 ranks: 2 replicas × PP 2
+
+
+def test_a_follower_restarts_after_a_grow_stop_even_if_torch_did_not_ask_it_first() -> None:
+    records = _store()
+    follower = _follower(records, [1, 2], 3)
+    records.set(STOP_KEY, {"epoch": 1, "command": GROW_COMMAND})
+    records.set(STOPPED_KEY, {"epoch": 1, "step": 5})
+    relaunch = _Relaunches()
+    assert follower.watch(records, True, None, relaunch) is True and relaunch.calls == [(2, FLAGS)]
+    assert follower.make_room(_store()) is True  # a follower never writes the stop
+    assert follower.watch(_store(), True, None, _Relaunches()) is False  # a job that simply finished
+
+
+def test_a_joining_node_takes_new_devices_and_lays_the_round_out_as_the_others_do() -> None:
+    job = _job_store()
+    leader = _leader(min_nodes=1)
+    leader.start_round(0, 2, [0], 3, _store(), job_records=job)
+    assert leader.shape is not None
+    leader._keep_record(leader.shape)  # what the leader does on reading each world's shape
+    assert job.get(SHAPE_KEY, JobRecord.parse).high == 3
+    leader.expected_world = -1  # restarted after a grow stop
+
+    joiners = [TitanRelayout("job", lambda: None, None) for _ in range(2)]
+    edits = [j.start_round(g, 4, [r], 5, _store(), job_records=job, round_number=3)
+             for g, (j, r) in enumerate(zip(joiners, (3, 4)), start=2)]
+    assert [j.node_devices for j in joiners] == [(3,), (4,)]  # above every device the job had, never shared
+    mine = leader.start_round(0, 4, [0], 5, _store(), job_records=job, round_number=3)
+    assert mine is not None and leader.node_devices == (0,)  # an old node keeps its devices
+    assert {leader.epoch, *(j.epoch for j in joiners)} == {1}
+    assert all(e is not None and e(FLAGS) == mine(FLAGS) for e in edits)  # the same layout on every node
+    assert joiners[0].worker_env()["RESIHP_DEVICES"] == "3" and joiners[0].worker_env()["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def test_a_joiner_refuses_devices_a_changed_counter_would_give_it() -> None:
+    import pytest
+
+    job = _job_store()
+    job.set(SHAPE_KEY, JobRecord(_shape(TitanLayout(dp_replicate=3), [0, 1, 2]), 3).to_json())
+    job.store.add(JOINED_KEY.format(high=3), -5)  # a stranger who reached the store
+    with pytest.raises(RuntimeError, match="changed by someone else"):
+        TitanRelayout("job", lambda: None, None).start_round(1, 2, [1], 2, _store(), job_records=job, round_number=1)
+
+
+def test_a_joiner_of_a_job_with_no_record_and_a_first_round_keep_their_ranks_as_devices() -> None:
+    first = TitanRelayout("job", lambda: None, None)
+    first.start_round(1, 2, [1, 2], 3, _store(), job_records=_job_store(), round_number=0)
+    late = TitanRelayout("job", lambda: None, None)
+    late.start_round(1, 2, [1, 2], 3, _store(), job_records=_job_store(), round_number=2)
+    assert first.node_devices == late.node_devices == (1, 2)
+
+
+def test_job_records_refuse_malformed_bodies() -> None:
+    import pytest
+
+    shape = _shape(TitanLayout(dp_replicate=3), [0, 1, 2]).to_json()
+    for body in (None, {"shape": shape}, {"shape": shape, "high": -1}, {"shape": shape, "high": 2},
+                 {"shape": {}, "high": 9}, {"shape": shape, "high": "9"}):
+        with pytest.raises(ValueError):
+            JobRecord.parse(body)
+    assert JobRecord.parse({"shape": shape, "high": 7}).high == 7
+

@@ -125,9 +125,11 @@ class Relayout(Protocol):
         """(device id, plan epoch) of world rank ``rank`` now: what its heartbeats say."""
 
     def start_round(self, group_rank: int, group_world: int, ranks: Sequence[int], world: int,
-                    records: SignedStore) -> Callable[[Sequence[str]], list[str]] | None:
+                    records: SignedStore, job_records: SignedStore | None = None,
+                    round_number: int = 0) -> Callable[[Sequence[str]], list[str]] | None:
         """A new rendezvous round, before this node's ranks (world ranks ``ranks``) start in a world
-        of ``world``: the edit of their command line, when the round needs one."""
+        of ``world``: the edit of their command line, when the round needs one. ``job_records``:
+        the job's store (it outlives rounds); ``round_number``: the rendezvous round's."""
 
     def watch(self, records: SignedStore, all_exited_ok: bool, failed: Sequence[int] | None,
               relaunch: Callable[[int, Callable[[Sequence[str]], list[str]]], None]) -> bool:
@@ -139,6 +141,11 @@ class Relayout(Protocol):
                           relaunch: Callable[[int, Callable[[Sequence[str]], list[str]]], None]) -> bool:
         """torch restarts the group (another node joined a new round): True when the relayout
         started this node's share of a new layout through ``relaunch`` instead."""
+
+    def make_room(self, records: SignedStore) -> bool:
+        """torch would restart a healthy group because a node waits to join: True while the
+        relayout has the ranks stop at a step boundary first (it restarts them after, in
+        :meth:`watch`); False leaves the restart to torch."""
 
 
 class NodeAgent(LocalElasticAgent):
@@ -166,6 +173,7 @@ class NodeAgent(LocalElasticAgent):
         self._ranks_store: SignedStore | None = None
         self._refused = Refusals()  # store records this agent refused: each reported once
         self._last_round_store: Any = None
+        self._last_state = WorkerState.INIT  # what the last monitor pass found
         self._stop_orders = (StopOrders(settings.commands, settings.hosts_rendezvous, settings.stop_grace_s,
                                         serves_ranks_store=settings.etcd is None,
                                         drain_s=settings.drain_s if settings.on_failure == "shrink" else 0.0)
@@ -196,9 +204,13 @@ class NodeAgent(LocalElasticAgent):
             env[RANKS_STORE_ENV] = self._ranks_store_address(worker_group)
         if self.settings.relayout is not None:
             workers = worker_group.workers
+            handler = worker_group.spec.rdzv_handler
             edit = self.settings.relayout.start_round(
                 worker_group.group_rank or 0, worker_group.group_world_size or 1, [w.global_rank for w in workers],
-                workers[0].world_size if workers else 0, self._store_of_ranks(worker_group))
+                workers[0].world_size if workers else 0, self._store_of_ranks(worker_group),
+                job_records=(self._signed(self.settings.job_store, handler.get_run_id())
+                             if self.settings.job_store is not None else None),
+                round_number=rendezvous_round(handler))
             if edit is not None:
                 worker_group.spec.args = tuple(edit(list(worker_group.spec.args)))
             env.update(self.settings.relayout.worker_env())
@@ -227,10 +239,14 @@ class NodeAgent(LocalElasticAgent):
         super()._exit_barrier()
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
-        if self.settings.relayout is not None and worker_group.master_addr is not None and \
-                self.settings.relayout.restart_for_order(self._store_of_ranks(worker_group),
-                                                         lambda world, edit: self.relaunch(worker_group, world, edit)):
-            return
+        relayout = self.settings.relayout
+        if relayout is not None and worker_group.master_addr is not None:
+            records = self._store_of_ranks(worker_group)
+            if relayout.restart_for_order(records, lambda world, edit: self.relaunch(worker_group, world, edit)):
+                return
+            # torch restarts a healthy group only because a node waits to join the rendezvous
+            if self._last_state == WorkerState.HEALTHY and relayout.make_room(records):
+                return
         self._pending = RecoveryTimeline(time.monotonic(), self._restart_count() + 1)
         self._pending.mark("detected")
         super()._restart_workers(worker_group)
@@ -262,6 +278,11 @@ class NodeAgent(LocalElasticAgent):
         return {workers[lr].global_rank: code for lr, code in self.watched_ranks().exit_codes().items()}
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = self._watch_workers(worker_group)
+        self._last_state = result.state  # torch's restart after a healthy pass is a membership change
+        return result
+
+    def _watch_workers(self, worker_group: WorkerGroup) -> RunResult:
         if self.settings.on_failure == "shrink":
             self._admit_returned(worker_group)
             self._release_dead_agents(worker_group)

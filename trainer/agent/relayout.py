@@ -38,6 +38,16 @@ another size than the layout it was
 meant for (a node gone, or a node that lost a device) is laid out by every agent alike from the
 job's last shape (the same rule, the same inputs, no exchange): the uniform layout of exactly
 that many ranks.
+
+A node that joins a running job (an agent started later, or again after its node came back) waits
+in the rendezvous; torch would restart every node at once and lose the steps since the last
+checkpoint. Instead the leader writes a stop order for the next epoch with no order of devices
+(command ``grow``): the ranks stop after the same step and save, and every agent then restarts its
+share into the round the joiner completes, which is laid out like any round of another size. The
+joiner learns what the job runs from the record the leader keeps in the job's own store, which
+outlives rounds (``resihp/relayout/shape``: the shape, and ``high``, one past every device the job
+has ever had); its devices are new numbers from ``high`` on, claimed with a counter so that two
+joiners never share one (a counter is a hint: a claim below ``high`` is not taken).
 """
 
 from __future__ import annotations
@@ -53,6 +63,9 @@ PROBE_KEY = "resihp/relayout/probe"  # {number}: the newest probe the agent post
 PROBE_REQUEST_KEY = "resihp/relayout/probe/{number}"  # the probe.request itself
 ORDER_KEY = "resihp/relayout/order"  # {epoch, command, devices, flags}: the new world, from the leader
 NODE_KEY = "resihp/relayout/node/{group_rank}"  # {devices, hosts}: a node's devices, from its agent
+SHAPE_KEY = "resihp/relayout/shape"  # job store: {shape, high}, from the leader: what a joining node lays out from
+JOINED_KEY = "resihp/relayout/joined/{high}"  # job store counter: devices joining nodes claimed from ``high`` on
+GROW_COMMAND = "grow"  # the command a stop order names when it makes room for a joining node
 DEVICES_ENV = "RESIHP_DEVICES"  # comma-separated: the device of each of this node's ranks, by local rank
 EPOCH_ENV = "RESIHP_PLAN_EPOCH"  # the plan epoch the new world runs
 

@@ -42,7 +42,11 @@ its agent dead, or every round without it — makes a round of another size: eve
 round out alike from the job's last shape (the uniform layout of exactly its ranks), a restart past
 the node from the last checkpoint, announced by the leader as the next plan epoch (reason
 ``restart``). A node's device lost twice in a row leaves that node's share (``LostDevices``), and
-the round that follows is laid out the same way.
+the round that follows is laid out the same way. A node that joins the running job (its agent
+waits in the rendezvous) is taken in at a step boundary: the leader's stop order names no new
+world (``grow``), the ranks stop and save, every agent restarts its share into the round the
+newcomer completes, laid out as any round of another size; the newcomer reads the job's shape
+from the leader's record in the job's store and takes device numbers the job never had.
 """
 
 from __future__ import annotations
@@ -55,8 +59,9 @@ from typing import Any
 
 from collector.events import PlanCurrentReason, ReconfigureCommand, ReshapePhase, ReshapePhaseName
 from collector.plan import Plan
-from trainer.agent.relayout import (DEVICES_ENV, EPOCH_ENV, NODE_KEY, ORDER_KEY, PROBE_KEY, PROBE_REQUEST_KEY,
-                                    RESUMED_KEY, STOP_KEY, STOPPED_KEY, NodeRecord, RelayoutOrder, StepMark)
+from trainer.agent.relayout import (DEVICES_ENV, EPOCH_ENV, GROW_COMMAND, JOINED_KEY, NODE_KEY, ORDER_KEY, PROBE_KEY,
+                                    PROBE_REQUEST_KEY, RESUMED_KEY, SHAPE_KEY, STOP_KEY, STOPPED_KEY, NodeRecord,
+                                    RelayoutOrder, StepMark, StopOrder)
 from trainer.agent.signed_store import RANK_WRITERS, SignedStore
 from trainer.integration import CommandListener
 from trainer.telemetry import TelemetryPublisher
@@ -93,6 +98,27 @@ class _InFlight:
     stopped: StepMark | None = None
     stopped_at: float = 0.0
     restarted_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """What the leader keeps in the job's store (``SHAPE_KEY``) for a node that joins later: the
+    shape the newest world runs and ``high``, one past every device the job has had."""
+
+    shape: JobShape
+    high: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shape": self.shape.to_json(), "high": self.high}
+
+    @classmethod
+    def parse(cls, body: Any) -> JobRecord:
+        if not isinstance(body, dict) or not isinstance(body.get("high"), int) or body["high"] < 0:
+            raise ValueError("a job record is {shape: {...}, high: int >= 0}")
+        shape = JobShape.parse(body.get("shape"))
+        if shape.devices and max(shape.devices) >= body["high"]:
+            raise ValueError("a job record's high mark is not above its devices")
+        return cls(shape, body["high"])
 
 
 @dataclass
@@ -132,6 +158,9 @@ class TitanRelayout:
         self.probes_posted = 0  # probe numbers run from 1 per world; a new world's ranks start at 0 done
         self._shape_read = False  # this round's world said what it runs
         self._records: SignedStore | None = None
+        self._job_records: SignedStore | None = None  # the job's own store, which outlives rounds
+        self.high = 0  # one past every device the job has had (the leader's job record)
+        self.grow_asked_at: float | None = None  # a node waits to join: when this agent first heard of it
 
     @property
     def leader(self) -> bool:
@@ -163,20 +192,46 @@ class TitanRelayout:
         return rank, self.epoch
 
     def start_round(self, group_rank: int, group_world: int, ranks: Sequence[int], world: int,
-                    records: SignedStore) -> Callable[[Sequence[str]], list[str]] | None:
+                    records: SignedStore, job_records: SignedStore | None = None,
+                    round_number: int = 0) -> Callable[[Sequence[str]], list[str]] | None:
         """A new rendezvous round, before this node's ranks start (``ranks``: their world ranks, by
-        local rank; ``world``: the round's size). Says this node's devices to the others and returns
-        the edit of the command line when the round is not the size its layout was meant for."""
+        local rank; ``world``: the round's size; ``round_number``: the rendezvous round's). Says
+        this node's devices to the others and returns the edit of the command line when the round
+        is not the size its layout was meant for. ``job_records``: the job's store, signed for the
+        job, where a node that joins a running job reads what it runs."""
         self.group_rank, self.group_world, self.first_rank = group_rank, group_world, min(ranks, default=0)
         self.probes_posted, self._shape_read, self.order, self.order_stopped, self.held_since = 0, False, None, None, None
+        self.grow_asked_at, self._job_records = None, job_records
         if not self.node_devices:
-            self.node_devices = self.share = tuple(ranks)
+            joined = self._join(len(ranks)) if round_number > 0 else None
+            self.node_devices = self.share = joined or tuple(ranks)
         records.set(NODE_KEY.format(group_rank=group_rank),
                     NodeRecord(tuple(self.devices.healthy(self.node_devices)), self.hosts_rendezvous).to_json())
         meant, self.expected_world = self.expected_world or (self.shape.layout.world if self.shape else 0), 0
         if self.shape is None or world == meant:
             return None
         return self._refit(world)
+
+    def _join(self, local_world: int) -> tuple[int, ...] | None:
+        """This agent's first round is not the job's: it joins a running job. Its devices are new
+        numbers from the job record's ``high`` on, and it lays the round out from the record's
+        shape as every other node does. None when the job keeps no record (it has not stepped)."""
+        if self._job_records is None:
+            return None
+        record = self._job_records.read(SHAPE_KEY, JobRecord.parse)
+        if record is None:
+            return None
+        claimed = self._job_records.store.add(JOINED_KEY.format(high=record.high), local_world) - local_world
+        if claimed < 0:
+            raise RuntimeError(f"the job's count of joined devices reads {claimed + local_world}, below what this "
+                               f"node just claimed: the counter under {JOINED_KEY.format(high=record.high)!r} was "
+                               "changed by someone else; refusing to pick devices that may be another node's")
+        first = record.high + claimed
+        self.shape, self.epoch, self.expected_world = record.shape, record.shape.epoch, -1
+        devices = tuple(range(first, first + local_world))
+        log.warning("torchtitan job %s: this node joins the running job (plan epoch %d, %d ranks) with devices %s",
+                    self.job, record.shape.epoch, record.shape.layout.world, list(devices))
+        return devices
 
     def _refit(self, world: int) -> Callable[[Sequence[str]], list[str]] | None:
         """A round of another size than its layout (a node gone, or one that lost a device): the
@@ -193,7 +248,12 @@ class TitanRelayout:
         now = self.clock()
         self.epoch = max(self.epoch, shape.epoch) + 1
         self._set_env(self.share, self.epoch)
-        self.recovery = _Recovery(self.epoch, f"a world of {shape.layout.world} ranks came back as {world}",
+        if self.flight is not None:  # its order's world, plus or less a node, is not the plan it asked for
+            self._fail(f"the round after the stop had {world} ranks, not the plan's {self.flight.layout.world} (a node "
+                       f"joined or left); the job restarts at the uniform layout of exactly {world} ranks")
+        grew = world > shape.layout.world
+        self.recovery = _Recovery(self.epoch, f"a world of {shape.layout.world} ranks came back as {world}" +
+                                  (" (a node joined)" if grew else ""),
                                   self.failed_at if self.failed_at is not None else now, now)
         extra = layout.flags(global_mb // layout.batch, shape.samples_per_microbatch)
         log.warning("torchtitan job %s: a round of %d ranks (was %d): restarting from its last checkpoint at pp %d, "
@@ -243,6 +303,22 @@ class TitanRelayout:
             return False
         return self._obey(records, True, relaunch, may_hold=False)
 
+    def make_room(self, records: SignedStore) -> bool:
+        """torch would restart the group now because a node waits to join the rendezvous: True
+        while the ranks are asked to stop together first (the leader writes a stop order with no
+        new world, command ``grow``), so no step since the last checkpoint is lost; the restart
+        into the joiner's round follows their stop (:meth:`_obey`). False leaves it to torch (the
+        job has not said what it runs yet)."""
+        if self.shape is None or self.left_out:
+            return False
+        if self.grow_asked_at is None:
+            self.grow_asked_at = self.clock()
+            if self.leader and self.order is None:
+                records.set(STOP_KEY, {"epoch": self.epoch + 1, "command": GROW_COMMAND})
+                log.info("torchtitan job %s: a node waits to join; the ranks stop after their next step and save",
+                         self.job)
+        return True
+
     def _post_probes(self, records: SignedStore) -> None:
         """The probes the listener admitted since the last pass, for the ranks to run together."""
         assert self.listener is not None
@@ -259,6 +335,8 @@ class TitanRelayout:
         if shape is None or shape.epoch < self.epoch:
             return
         self.shape, self.epoch, self._shape_read = shape, shape.epoch, True
+        if self.leader:
+            self._keep_record(shape)
         if not self.leader or self.listener is not None:
             return
         plan = shape.plan()
@@ -268,6 +346,15 @@ class TitanRelayout:
             self._announce("start" if shape.epoch == 0 else "restart")
         self.listener.announce_capabilities(TORCHTITAN_CAPABILITIES)
         log.info("torchtitan job %s runs %s", self.job, plan.shape())
+
+    def _keep_record(self, shape: JobShape) -> None:
+        """The leader's job record for nodes that join later: this shape, and the high mark."""
+        if self._job_records is None:
+            return
+        kept = self._job_records.read(SHAPE_KEY, JobRecord.parse)
+        self.high = max(self.high, kept.high if kept is not None else 0, max(shape.devices, default=-1) + 1,
+                        max(self.node_devices, default=-1) + 1)
+        self._job_records.set(SHAPE_KEY, JobRecord(shape, self.high).to_json())
 
     def _announce(self, reason: PlanCurrentReason) -> None:
         """``plan.current`` for the shape this world reported: the first announcement with what the
@@ -337,7 +424,7 @@ class TitanRelayout:
         if self.order is None:
             order = records.read(ORDER_KEY, _layout_order)
             if order is None or order.epoch <= self.epoch:
-                return False
+                return self._grow(records, all_exited_ok, relaunch, may_hold)
             self.order = order
         order, flight = self.order, self.flight
         if self.order_stopped is None:
@@ -368,6 +455,28 @@ class TitanRelayout:
         if flight is not None:
             flight.restarted_at = self.clock()
         relaunch(len(share), lambda args: with_flags(args, order.flags))
+        return True
+
+    def _grow(self, records: SignedStore, all_exited_ok: bool,
+              relaunch: Callable[[int, Callable[[Sequence[str]], list[str]]], None], may_hold: bool) -> bool:
+        """A stop with no new world (a node waits to join, :meth:`make_room`): once the ranks have
+        stopped and exited, restart this node's share into the next round, which every node then
+        lays out for its size (:meth:`start_round`). True when it did, or while it holds."""
+        if not all_exited_ok or self.order is not None:
+            return False
+        now = self.clock()
+        mark = records.read(STOPPED_KEY, StepMark.parse, allowed=RANK_WRITERS)
+        if mark is None or mark.epoch <= self.epoch:
+            stop = records.read(STOP_KEY, StopOrder.parse)
+            if stop is None or stop.epoch <= self.epoch or not may_hold:
+                return False
+            self.held_since = self.held_since or now  # the ranks stopped before rank 0's mark was read
+            return now - self.held_since < HOLD_S
+        log.info("torchtitan job %s: stopped after step %d for a joining node; restarting into its round",
+                 self.job, mark.step)
+        self.failed_at = self.grow_asked_at if self.grow_asked_at is not None else now
+        self.expected_world = -1  # whatever size the next round has, lay it out again
+        relaunch(len(self.share), list)
         return True
 
     def _resumed(self, records: SignedStore) -> None:
