@@ -269,3 +269,16 @@ def test_job_records_refuse_malformed_bodies() -> None:
             JobRecord.parse(body)
     assert JobRecord.parse({"shape": shape, "high": 7}).high == 7
 
+
+def test_a_device_is_not_judged_lost_for_failures_another_nodes_loss_caused() -> None:
+    """Each time a node dies its peers' ranks fail with it: two node losses in a row must not judge
+    a survivor's device lost, while two failures in rounds of the same size still do."""
+    for rounds_shrink, lost in ((True, set()), (False, {1})):
+        records = _store()
+        relayout = TitanRelayout("job", lambda: None, None)
+        relayout.start_round(1, 3, [1], 3, records)
+        relayout.shape = _shape(TitanLayout(dp_replicate=3), [0, 1, 2])
+        relayout.watch(records, False, [1], _Relaunches())  # a node died; this node's rank failed with it
+        relayout.start_round(1, 2 if rounds_shrink else 3, [1], 2 if rounds_shrink else 3, _store())
+        relayout.watch(records, False, [1], _Relaunches())  # and again
+        assert relayout.devices.lost == lost, rounds_shrink

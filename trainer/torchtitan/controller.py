@@ -199,6 +199,8 @@ class TitanRelayout:
         this node's devices to the others and returns the edit of the command line when the round
         is not the size its layout was meant for. ``job_records``: the job's store, signed for the
         job, where a node that joins a running job reads what it runs."""
+        if group_world < self.group_world:  # a node is gone: the failures that ended the last round were its
+            self.devices.forgive()
         self.group_rank, self.group_world, self.first_rank = group_rank, group_world, min(ranks, default=0)
         self.probes_posted, self._shape_read, self.order, self.order_stopped, self.held_since = 0, False, None, None, None
         self.grow_asked_at, self._job_records = None, job_records

@@ -39,6 +39,11 @@ class LostDevices:
         self.lost |= newly
         return newly
 
+    def forgive(self) -> None:
+        """The failures counted so far were another node's doing (it left the job: its peers' ranks
+        fail when it goes), so no device here has a failure in a row to its name."""
+        self._in_a_row.clear()
+
     def healthy(self, devices: Iterable[int]) -> list[int]:
         """``devices`` less the lost ones, in their order."""
         return [d for d in devices if d not in self.lost]
