@@ -271,10 +271,11 @@ class AgentLaunch:
 
             entrypoint, program_args = run_script, program_args[program_args.index("trainer.agent.child") + 1:]
             settings.preload = tuple(m for m in self.args.preload.split(",") if m)
-            if self.args.join_running:  # a spare imports while it waits, not once it has a place
-                from trainer.agent.pcontext import start_fork_server
+            # the ranks' imports run while this agent waits in the rendezvous (for its peers, for a
+            # place as a spare, or for a running job to take it in), not once the round formed
+            from trainer.agent.pcontext import start_fork_server
 
-                start_fork_server(settings.preload)
+            start_fork_server(settings.preload)
         config = self.config
         master_addr, master_port = self.master
         return WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,

@@ -148,9 +148,10 @@ def _fork_server_context(preload: Sequence[str]) -> Any:
 
 
 def start_fork_server(preload: Sequence[str]) -> None:
-    """Start the fork server now rather than at the first rank: a spare that waits for a place
-    (``--join-running --preload``) has its ranks' imports done before it takes one. The server
-    ends with this process (multiprocessing's forkserver watches its parent's pipe)."""
+    """Start the fork server now rather than at the first rank: an agent that waits in the
+    rendezvous (for its peers, for a place as a spare, or to be taken into a running job) has its
+    ranks' imports done meanwhile. The server ends with this process (multiprocessing's forkserver
+    watches its parent's pipe)."""
     from multiprocessing import forkserver
 
     _fork_server_context(preload)

@@ -129,6 +129,7 @@ class _Recovery:
     what: str  # what was lost, in words
     detected_at: float
     restarted_at: float
+    stopped: str = "the failed world's ranks stopped"  # how the old world ended, in words
 
 
 class TitanRelayout:
@@ -256,7 +257,9 @@ class TitanRelayout:
         grew = world > shape.layout.world
         self.recovery = _Recovery(self.epoch, f"a world of {shape.layout.world} ranks came back as {world}" +
                                   (" (a node joined)" if grew else ""),
-                                  self.failed_at if self.failed_at is not None else now, now)
+                                  self.failed_at if self.failed_at is not None else now, now,
+                                  "the ranks stopped after a step and saved, and the round formed" if grew else
+                                  "the failed world's ranks stopped")
         extra = layout.flags(global_mb // layout.batch, shape.samples_per_microbatch)
         log.warning("torchtitan job %s: a round of %d ranks (was %d): restarting from its last checkpoint at pp %d, "
                     "dp %d, tp %d as plan epoch %d", self.job, world, shape.layout.world, layout.pp, layout.batch,
@@ -578,7 +581,7 @@ class TitanRelayout:
             return
         for phase, seconds, detail in (
                 (ReshapePhaseName.NEW_MESH, recovery.restarted_at - recovery.detected_at,
-                 f"{recovery.what}; the failed world's ranks stopped"),
+                 f"{recovery.what}; {recovery.stopped}"),
                 (ReshapePhaseName.FIRST_STEP, now - recovery.restarted_at,
                  f"new world of {self.shape.layout.world} ranks started, loaded the last checkpoint (resharded) "
                  f"and stepped")):
