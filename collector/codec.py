@@ -13,10 +13,13 @@ decoding pass over 1,562 of them an iteration at the merge of a 100k-rank job:
     the rest       the blob: the layout's arrays, little-endian, back to back
 
 The header is validated as any JSON record is; the blob must be exactly as long as its layout
-says. ``encode_json`` gives any event's JSON (traces keep that form), and ``decode`` reads both, so
-logs written before the binary records still decode. ``decode`` never raises anything but
-``InvalidEvent``, whose message names the problem; consumers send such records to the dead-letter
-topic instead of crashing.
+says. A rank report (``telemetry.iteration`` from schema 5, the bus's bulk) has a second wire format,
+2: the same prefix, a fixed binary header instead of the JSON one (``collector/rank_header.py``),
+then its columns (``collector/rank_columns.py``); a signed report, or one whose header that layout
+cannot carry, keeps format 1's JSON header. ``encode_json`` gives any event's JSON (traces keep that
+form), and ``decode`` reads all three, so logs written before either binary form still decode.
+``decode`` never raises anything but ``InvalidEvent``, whose message names the problem; consumers
+send such records to the dead-letter topic instead of crashing.
 
 Why not Arrow IPC for the binary records: a summary's arrays have four different lengths (one
 list column each in a one-row batch), and on this machine an IPC stream of that shape was 25 %
@@ -37,7 +40,8 @@ from collector.events import (
     ATTACHED_BLOB, DEADLETTER_REASON_MAX, EVENT_ADAPTER, NO_COMM, ChunkTable, DeadLetter, Envelope, PackedArrays,
     RankColumns, RankIteration,
 )
-from collector.rank_columns import decode_columns, encode_columns
+from collector.rank_columns import decode_columns, encode_columns, layout_json
+from collector.rank_header import BINARY_RANK_SCHEMA, RANK_FORMAT, pack_header, read_rank_report
 
 MAX_EVENT_BYTES = 1_000_000  # Kafka's default message.max.bytes is ~1 MB; stay under it.
 DEADLETTER_RAW_PREFIX = 64 * 1024  # bytes of a bad record a dead letter carries whole (base64: ~87 KB)
@@ -53,8 +57,7 @@ class InvalidEvent(ValueError):
 
 
 BINARY_MAGIC = b"\xffRB"
-BINARY_FORMAT = 1  # the binary record's layout; the payload's schema version is the envelope's
-BINARY_RANK_SCHEMA = 5  # telemetry.iteration travels binary from this schema version on
+BINARY_FORMAT = 1  # the binary record's layout with a JSON header; the payload's schema version is the envelope's
 _EMPTY_CHUNKS = ChunkTable.model_construct(kind="", microbatch=[], virtual_stage=[], tokens=[], seq_lens=[], start_s=[],
                                            duration_s=[])
 _PREFIX = struct.Struct("<3sBI")  # magic, wire format, header length
@@ -69,10 +72,13 @@ def encode(event: Envelope) -> bytes:
         head, blob = header.__pydantic_serializer__.to_json(header), payload.blob
     elif isinstance(payload, RankIteration) and event.schema_version >= BINARY_RANK_SCHEMA and not payload.comm:
         try:
-            columns, blob = encode_columns(payload.chunk_table, payload.waits())
+            layout, blob = encode_columns(payload.chunk_table, payload.waits())
         except (ValueError, KeyError) as exc:  # a table built without validation
             raise InvalidEvent(f"rank report's columns do not fit their wire types: {exc}") from None
-        head = _rank_header(event, columns)
+        fixed = pack_header(event, layout)
+        if fixed is not None:
+            return _bounded(event, rank_record(fixed, blob))
+        head = _rank_header(event, layout_json(layout))
     else:
         return _bounded(event, event.__pydantic_serializer__.to_json(event))
     return _bounded(event, binary_record(head, blob))
@@ -82,6 +88,12 @@ def binary_record(head: bytes, blob: bytes) -> bytes:
     """A binary record from its header's JSON and its blob (no size check: ``encode`` bounds it).
     The simulator's publishers write rank reports through it without building their events."""
     return b"".join((_PREFIX.pack(BINARY_MAGIC, BINARY_FORMAT, len(head)), head, blob))
+
+
+def rank_record(head: bytes, blob: bytes) -> bytes:
+    """A rank report's record (wire format 2) from its fixed header (``collector/rank_header.py``)
+    and its columns' blob (no size check: ``encode`` bounds it)."""
+    return b"".join((_PREFIX.pack(BINARY_MAGIC, RANK_FORMAT, len(head)), head, blob))
 
 
 _TABLES = {"payload": {"chunk_table": True, "comm_table": True}}
@@ -129,7 +141,9 @@ def decode(raw: bytes) -> Envelope:
             raise InvalidEvent("a JSON rank report names payload.columns, which only a binary record's header "
                                "carries; give the columns inline (chunk_table, comm_table)")
         return event
-    head, blob = _split_binary(bytes(raw))
+    fmt, head, blob = _split_binary(bytes(raw))
+    if fmt == RANK_FORMAT:
+        return _rank_report(head, blob)
     event = _validate(head, {ATTACHED_BLOB: blob})
     if isinstance(event.payload, RankIteration):
         return _with_columns(event, blob)
@@ -160,14 +174,26 @@ def _with_columns(event: Envelope, blob: bytes) -> Envelope:
     return event
 
 
+def _rank_report(head: bytes, blob: bytes) -> Envelope:
+    """A rank report of wire format 2: its fixed header, then its columns."""
+    try:
+        return read_rank_report(head, blob)[0]
+    except ValueError as exc:
+        raise InvalidEvent(str(exc)) from None
+
+
 def header_json(raw: bytes) -> bytes:
     """The JSON part of a record: the whole of a JSON record, a binary record's header (its blob
     left empty). Never raises: what is not a binary record is returned as it is."""
     if raw[:3] != BINARY_MAGIC:
         return bytes(raw)
     try:
-        return _split_binary(bytes(raw))[0]
-    except InvalidEvent:
+        fmt, head, _ = _split_binary(bytes(raw))
+        if fmt != RANK_FORMAT:
+            return head
+        event, layout = read_rank_report(head, None)  # the JSON header format 1 writes for the same report
+        return _rank_header(event, layout_json(layout))
+    except (InvalidEvent, ValueError):
         return b""
 
 
@@ -177,17 +203,18 @@ def readable(raw: bytes) -> bytes:
     return bytes(raw) if raw[:3] != BINARY_MAGIC else encode_json(decode(raw))
 
 
-def _split_binary(raw: bytes) -> tuple[bytes, bytes]:
+def _split_binary(raw: bytes) -> tuple[int, bytes, bytes]:
+    """A binary record's wire format, header and blob."""
     if len(raw) < _PREFIX.size:
         raise InvalidEvent(f"binary record of {len(raw)} bytes is shorter than its {_PREFIX.size}-byte prefix")
     _, fmt, head_len = _PREFIX.unpack_from(raw)
-    if fmt != BINARY_FORMAT:
-        raise InvalidEvent(f"binary record in wire format {fmt} (this build reads {BINARY_FORMAT}); upgrade the "
-                           "consumer")
+    if fmt != BINARY_FORMAT and fmt != RANK_FORMAT:
+        raise InvalidEvent(f"binary record in wire format {fmt} (this build reads {BINARY_FORMAT} and {RANK_FORMAT}); "
+                           "upgrade the consumer")
     end = _PREFIX.size + head_len
     if end > len(raw):
         raise InvalidEvent(f"binary record's {head_len:,}-byte header runs past its {len(raw):,} bytes: truncated")
-    return raw[_PREFIX.size:end], raw[end:]
+    return fmt, raw[_PREFIX.size:end], raw[end:]
 
 
 def _validate(json_raw: bytes, context: dict | None) -> Envelope:

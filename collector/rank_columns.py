@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 import struct
 from collections.abc import Iterator, Sequence
-from typing import Any, cast, get_args
+from typing import Any, NamedTuple, cast, get_args
 
 import numpy as np
 
@@ -56,60 +56,87 @@ _FLAGS = (False, True)  # includes_wait codes
 _GROUP_NAMES: tuple[str | None, ...] = GROUPS + (None,) * (256 - len(GROUPS))  # group codes (255: unknown)
 
 
-def blob_bytes(columns: RankColumns) -> int:
+class RankLayout(NamedTuple):
+    """What a report's blob holds, as the header of either wire format says it (``RankColumns``
+    in a JSON header, the fixed header's counts in collector/rank_header.py)."""
+
+    kind: str  # one letter per chunk, F B W
+    seq_lens: int  # sequence lengths, all chunks together
+    waits: int  # communications
+    includes_wait: bool  # the blob holds an includes_wait column
+    group: bool  # the blob holds a group column
+
+
+def layout_json(layout: RankLayout) -> bytes:
+    """A JSON header's ``columns`` for ``layout`` (wire format 1). ``kind`` is validated [FBW]*,
+    the rest numbers and flags: the JSON is written as it reads."""
+    return (f'{{"kind":"{layout.kind}","seq_lens":{layout.seq_lens},"waits":{layout.waits},'
+            f'"includes_wait":{str(layout.includes_wait).lower()},"group":{str(layout.group).lower()}}}').encode()
+
+
+def blob_bytes(columns: RankColumns | RankLayout) -> int:
     """How long the blob after a header saying ``columns`` must be."""
     n, m, k = len(columns.kind), columns.seq_lens, columns.waits
     return 16 * n + 16 * k + 8 * n + 8 * k + 4 * (3 * n + m) + 4 * 2 * k + k * (
         1 + int(columns.includes_wait) + int(columns.group))
 
 
-def encode_columns(chunks: ChunkTable, comm: CommTable) -> tuple[bytes, bytes]:
-    """The JSON of the header's ``columns`` and the blob of a report's tables (validated values,
+def encode_columns(chunks: ChunkTable, comm: CommTable) -> tuple[RankLayout, bytes]:
+    """What the blob holds and the blob of a report's tables (validated values,
     as lists or as the columns a binary report was read into). One ``struct.pack`` over the
     values: on a rank's thread it costs a third of building a numpy array per column."""
     lens = chunks.seq_lens
-    if type(lens) is SeqLensColumn:
-        flat: list[int] = lens.flat.tolist()
-        counts: list[int] = lens.counts.tolist()
-    elif None in lens:
-        counts = [-1 if x is None else len(x) for x in lens]
-        flat = list(itertools.chain.from_iterable(x for x in lens if x))
-    else:
-        present = cast("list[list[int]]", lens)
-        counts = list(map(len, present))
-        flat = list(itertools.chain.from_iterable(present))
-    n, m, k = len(chunks), len(flat), len(comm)
+    n, k = len(chunks), len(comm)
     said_wait, said_group = bool(comm.includes_wait), bool(comm.group)
     flags = k * (int(said_wait) + int(said_group))
-    if not k:  # lists concatenated, then unpacked once (a chain of iterators unpacks slower)
-        values = (_wire(chunks.start_s) + _wire(chunks.duration_s) + _wire(chunks.tokens) + _wire(chunks.microbatch)
-                  + _wire(chunks.virtual_stage) + flat + counts)
+    # Lists concatenated, then unpacked once (a chain of iterators unpacks slower). Only token and
+    # byte counts, peers and comm micro-batches may be None (unknown): the other columns are
+    # taken as they are, and one that holds a None fails the pack below.
+    if not k:
+        values = (_wire(chunks.start_s, False) + _wire(chunks.duration_s, False) + _wire(chunks.tokens)
+                  + _wire(chunks.microbatch, False) + _wire(chunks.virtual_stage, False))
     else:
-        values = (_wire(chunks.start_s) + _wire(chunks.duration_s) + list(comm.start_s) + list(comm.duration_s)
-                  + _wire(chunks.tokens) + _wire(comm.bytes) + _wire(chunks.microbatch) + _wire(chunks.virtual_stage)
-                  + flat + counts + _wire(comm.peer) + _wire(comm.microbatch) + [_OP_CODE[op] for op in comm.op]
-                  + ([int(w) for w in comm.includes_wait] if said_wait else [])
-                  + ([_NO_GROUP if g is None else _GROUP_CODE[g] for g in comm.group] if said_group else []))
+        values = (_wire(chunks.start_s, False) + _wire(chunks.duration_s, False) + _wire(comm.start_s, False)
+                  + _wire(comm.duration_s, False) + _wire(chunks.tokens) + _wire(comm.bytes)
+                  + _wire(chunks.microbatch, False) + _wire(chunks.virtual_stage, False))
+    before = len(values)
+    if type(lens) is SeqLensColumn:
+        values += lens.flat.tolist()
+        counts: list[int] = lens.counts.tolist()
+    else:
+        try:  # every chunk's lengths, chunk after chunk: one extend each costs less than a chain
+            for x in lens:
+                values += x  # type: ignore[arg-type]  # None (not reported) raises, handled below
+            counts = list(map(len, lens))  # type: ignore[arg-type]
+        except TypeError:  # a chunk whose lengths are not reported (None)
+            del values[before:]
+            for x in lens:
+                if x:
+                    values += x
+            counts = [-1 if x is None else len(x) for x in lens]
+    m = len(values) - before
+    values += counts
+    if k:
+        values += (_wire(comm.peer) + _wire(comm.microbatch) + [_OP_CODE[op] for op in comm.op]
+                   + ([int(w) for w in comm.includes_wait] if said_wait else [])
+                   + ([_NO_GROUP if g is None else _GROUP_CODE[g] for g in comm.group] if said_group else []))
     try:
         blob = struct.pack(f"<{2 * n + 2 * k}d{n + k}q{3 * n + m + 2 * k}i{k + flags}B", *values)
     except struct.error as exc:  # a table built without validation holds what its wire type cannot
         raise ValueError(f"rank report's columns do not fit their wire types: {exc}") from None
-    # ``kind`` is validated [FBW]*, the rest numbers and flags: the JSON is written as it reads.
-    header = (f'{{"kind":"{chunks.kind}","seq_lens":{m},"waits":{k},"includes_wait":{str(said_wait).lower()},'
-              f'"group":{str(said_group).lower()}}}').encode()
-    return header, blob
+    return RankLayout(chunks.kind, m, k, said_wait, said_group), blob
 
 
-def _wire(values: Sequence) -> list:
-    """A column's values for the wire: None (unknown) as -1."""
+def _wire(values: Sequence, nullable: bool = True) -> list:
+    """A column's values for the wire: None (unknown) as -1 in a ``nullable`` one."""
     if type(values) is not list:  # not isinstance: a check against an ABC's subclass costs a rank ~1 µs a column
         return values.array.tolist() if isinstance(values, ArrayColumn) else list(values)
-    if None in values:
+    if nullable and None in values:
         return [-1 if v is None else v for v in values]
     return values
 
 
-def decode_columns(columns: RankColumns, blob: bytes) -> tuple[ChunkTable, CommTable]:
+def decode_columns(columns: RankColumns | RankLayout, blob: bytes) -> tuple[ChunkTable, CommTable]:
     """The report's tables from its blob, every value checked as the JSON form checks it.
 
     One pass per dtype group over all its columns (ranges, finiteness, counts against lengths),
@@ -144,7 +171,7 @@ def decode_columns(columns: RankColumns, blob: bytes) -> tuple[ChunkTable, CommT
         problem = _problem(columns, blob)
         if problem:
             raise ValueError("rank report's " + problem)
-    chunk_table = _construct(ChunkTable, {
+    chunk_table = construct(ChunkTable, {
         "kind": columns.kind, "microbatch": ArrayColumn(blob, _I4, i, n), "virtual_stage": ArrayColumn(blob, _I4, i + 4 * n, n),
         "tokens": ArrayColumn(blob, _I8, f, n, nullable=True), "seq_lens": SeqLensColumn(blob, i + 8 * n, m, counts),
         "start_s": ArrayColumn(blob, _F8, 0, n), "duration_s": ArrayColumn(blob, _F8, 8 * n, n)})
@@ -152,7 +179,7 @@ def decode_columns(columns: RankColumns, blob: bytes) -> tuple[ChunkTable, CommT
         return chunk_table, NO_COMM
     w = u + k  # where the includes_wait flags start, when said
     g = w + k * columns.includes_wait  # where the group codes start, when said
-    return chunk_table, _construct(CommTable, {
+    return chunk_table, construct(CommTable, {
         "op": CodedColumn(blob, u, k, COMM_OPS), "peer": ArrayColumn(blob, _I4, s + 4 * n, k, True),
         "microbatch": ArrayColumn(blob, _I4, s + 4 * (n + k), k, True),
         "bytes": ArrayColumn(blob, _I8, f + 8 * n, k, True), "start_s": ArrayColumn(blob, _F8, 16 * n, k),
@@ -182,18 +209,20 @@ def _nullable(values: Sequence[int]) -> list[int | None]:
     return [None if v < 0 else v for v in values]
 
 
-def _construct(cls: type, values: dict) -> Any:
+def construct(cls: type, values: dict, fields_set: set[str] | None = None) -> Any:
     """A model from values checked already: what ``model_construct`` does for a model without
-    defaults to fill, without its per-field loop (a report's decode is a few microseconds)."""
+    defaults to fill, without its per-field loop (a report's decode is a few microseconds).
+    ``values`` holds every field; ``fields_set`` (default: all of them) is what ``model_fields_set``
+    answers."""
     obj: Any = object.__new__(cls)
     object.__setattr__(obj, "__dict__", values)
-    object.__setattr__(obj, "__pydantic_fields_set__", set(values))
+    object.__setattr__(obj, "__pydantic_fields_set__", set(values) if fields_set is None else fields_set)
     object.__setattr__(obj, "__pydantic_extra__", None)
     object.__setattr__(obj, "__pydantic_private__", None)
     return obj
 
 
-def _problem(columns: RankColumns, blob: bytes) -> str | None:
+def _problem(columns: RankColumns | RankLayout, blob: bytes) -> str | None:
     """What is wrong with a report's columns, naming the column, the row and the bound (None: nothing)."""
     n, m, k = len(columns.kind), columns.seq_lens, columns.waits
     f8 = np.frombuffer(blob, _F8, 2 * (n + k))

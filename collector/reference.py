@@ -27,11 +27,13 @@ docs/events.md`); a test keeps it identical to them.
 Every event is an **envelope** around a **payload**. The wire format is one JSON object (UTF-8)
 per record, but for the bulk records: rank reports (`telemetry.iteration` from schema 5) and the
 payloads of packed arrays (`analytics.replica_summary`, `analytics.liveness`) travel as a binary
-record, an 8-byte prefix (`0xFF 'R' 'B'`, the wire format, the header's length as u32 LE), the
-envelope's JSON as header (a packed payload's `blob` empty; a rank report's tables empty and
-`columns` saying what follows) and then the arrays' bytes raw. In JSON a `blob` is standard
-base64 and a rank report carries its columns inline; both forms decode (`collector/codec.py`), and
-traces keep the JSON form. Records over {max_bytes:,} bytes are refused. Consumers are idempotent on `id`.
+record, an 8-byte prefix (`0xFF 'R' 'B'`, the wire format, the header's length as u32 LE), a
+header and then the arrays' bytes raw. The header of wire format 1 is the envelope's JSON (a
+packed payload's `blob` empty; a rank report's tables empty and `columns` saying what follows); a
+rank report travels in wire format 2, whose header is the same fields as fixed binary numbers and
+strings (`collector/rank_header.py`), unless it is signed. In JSON a `blob` is standard base64 and a
+rank report carries its columns inline; every form decodes (`collector/codec.py`), and traces keep
+the JSON form. Records over {max_bytes:,} bytes are refused. Consumers are idempotent on `id`.
 A record that does not decode (bad bytes, missing or wrongly typed fields, unknown kind, unknown
 schema version, too large) goes to `{deadletter}` with the reason and the raw bytes.
 

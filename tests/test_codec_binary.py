@@ -76,7 +76,7 @@ def test_a_json_record_written_before_binary_records_still_decodes() -> None:
     (LIVE + b"\x00", "blob holds 97 bytes but its layout names 96"),
     (LIVE[:6], "shorter than its 8-byte prefix"),
     (LIVE[:40], "header runs past its 40 bytes: truncated"),
-    (LIVE[:3] + b"\x07" + LIVE[4:], "wire format 7 (this build reads 1)"),
+    (LIVE[:3] + b"\x07" + LIVE[4:], "wire format 7 (this build reads 1 and 2)"),
     (LIVE[:8] + b"\xfe" + LIVE[9:], "binary record's header is not UTF-8"),
     (LIVE[:8] + b"[" + LIVE[9:], "invalid event"),
 ], ids=["cut", "padded", "prefix", "header", "format", "utf8", "json"])  # stable ids: LIVE holds a random event id

@@ -1,7 +1,8 @@
 """Binary rank reports (telemetry.iteration schema 5): their columns round trip as arrays, the JSON
-forms of every schema still decode, and any byte string in a binary report's body is either a
-report the JSON form would accept too or refused with one line naming the column, and
-dead-lettered while the consumer carries on."""
+forms of every schema and the binary records with a JSON header (wire format 1) still decode, and
+any byte string in a binary report's fixed header (wire format 2) or body is either a report the
+JSON form would accept too or refused with one line naming the field or column, and dead-lettered
+while the consumer carries on."""
 
 from __future__ import annotations
 
@@ -17,12 +18,15 @@ from hypothesis import strategies as st
 
 from collector import topics
 from collector.bus import RawMessage
-from collector.codec import BINARY_MAGIC, InvalidEvent, decode, encode, encode_json, header_json, readable
+from collector.codec import (
+    BINARY_FORMAT, BINARY_MAGIC, InvalidEvent, binary_record, decode, encode, encode_json, header_json, readable,
+)
 from collector.events import (
     COUNT_MAX, DURATION_MAX_S, TOKENS_MAX, Chunk, ChunkKind, CommOp, CommTable, CommWait, Coords, DeadLetter,
     EventFactory, RankIteration,
 )
 from collector.rank_columns import ArrayColumn, SeqLensColumn
+from collector.rank_header import FIXED, RANK_FORMAT
 from collector.stream import EventStream
 from tests.fixtures.payloads import payload_as
 
@@ -47,12 +51,14 @@ EVENT = FACTORY.make(report())
 RAW = encode(EVENT)
 HEAD_LEN = struct.unpack_from("<I", RAW, 4)[0]
 BODY = 8 + HEAD_LEN  # where the blob starts
+RAW_V1 = binary_record(header_json(RAW), RAW[BODY:])  # the same report with a JSON header (wire format 1)
 
 
 def test_a_rank_report_travels_as_binary_columns_and_reads_back_as_arrays_equal_to_its_json() -> None:
-    assert EVENT.schema_version == 5 and RAW.startswith(BINARY_MAGIC)
+    assert EVENT.schema_version == 5 and RAW.startswith(BINARY_MAGIC) and RAW[3] == RANK_FORMAT
     got = decode(RAW)
-    assert got == EVENT == decode(encode_json(EVENT))
+    assert got == EVENT == decode(encode_json(EVENT)) == decode(RAW_V1)
+    assert RAW_V1[3] == BINARY_FORMAT and len(RAW) < len(RAW_V1)
     assert readable(RAW) == encode_json(EVENT) and json.loads(header_json(RAW))["id"] == EVENT.id
     table = payload_as(got, RankIteration).chunk_table
     assert isinstance(table.duration_s, ArrayColumn) and isinstance(table.seq_lens, SeqLensColumn)
@@ -64,7 +70,7 @@ def test_a_rank_report_travels_as_binary_columns_and_reads_back_as_arrays_equal_
     assert waits.includes_wait == [True, False]
     assert decode(encode(got)) == EVENT  # a decoded report publishes again unchanged
     signed = EVENT.model_copy(update={"signature": "rank:" + "0" * 128})  # the header written by model copies
-    assert decode(encode(signed)) == signed
+    assert encode(signed)[3] == BINARY_FORMAT and decode(encode(signed)) == signed  # the fixed header has no signature
     plain = FACTORY.make(report(with_comm=False))
     assert decode(encode(plain)) == plain
 
@@ -80,10 +86,10 @@ def test_the_json_form_of_each_schema_still_decodes_and_a_json_record_naming_col
 
 
 def _with_head(change) -> bytes:
+    """The report with a JSON header (wire format 1) changed by ``change``."""
     head = json.loads(header_json(RAW))
     change(head)
-    text = json.dumps(head).encode()
-    return RAW[:4] + len(text).to_bytes(4, "little") + text + RAW[BODY:]
+    return binary_record(json.dumps(head).encode(), RAW[BODY:])
 
 
 def _with_value(fmt: str, at: int, value) -> bytes:
@@ -142,6 +148,140 @@ def test_any_bytes_in_a_binary_report_are_refused_or_read_as_a_report_its_json_f
             assert exc.reason and "\n" not in exc.reason
             continue
         assert decode(encode_json(event)) == event
+
+
+def _with_field(fmt: str, at: int, value) -> bytes:
+    """The report (wire format 2) with one value of its fixed header changed (``at``: from the
+    header's start)."""
+    raw = bytearray(RAW)
+    struct.pack_into(fmt, raw, 8 + at, value)
+    return bytes(raw)
+
+
+def _with_fixed_head(head: bytes) -> bytes:
+    return RAW[:4] + len(head).to_bytes(4, "little") + head + RAW[BODY:]
+
+
+HEAD = RAW[8:BODY]
+STRINGS = FIXED.size  # where the id starts in the header; then the job (6 bytes), the source (6), the kinds (3)
+
+
+@pytest.mark.parametrize(("raw", "reason"), [
+    (_with_field("<I", 0, 4), "schema_version 4 does not travel with this header (this build reads 5 here)"),
+    (_with_field("<q", 4, -1), "seq = -1 is outside 0 … 9,007,199,254,740,992"),
+    (_with_field("<d", 12, float("nan")), "time_s = nan is outside 0 … 1e+10"),
+    (_with_field("<d", 12, -0.5), "time_s = -0.5 is outside"),
+    (_with_field("<i", 20, -1), "epoch = -1 is below 0"),
+    (_with_field("<q", 24, 2**53 + 1), "iteration = 9007199254740993 is outside"),
+    (_with_field("<i", 32, -7), "rank = -7 is below 0"),
+    (_with_field("<i", 36, -2), "node = -2 is below -1 (-1: unknown)"),
+    (_with_field("<i", 48, -1), "coords.dp = -1 is below 0"),
+    (_with_field("<d", 56, float("inf")), "wall_s = inf is outside 0 … 1e+06"),
+    (_with_field("<I", 64, 2**16 + 1), "chunks = 65,537 is above 65,536"),
+    (_with_field("<I", 72, 2**20 + 1), "communications = 1,048,577 is above 1,048,576"),
+    (_with_field("<B", 76, 4), "flags = 4 name columns this build does not know"),
+    (_with_field("<H", 79, 7), "strings (32 + 7 + 6 bytes) and 3 chunk kinds make"),
+    (_with_fixed_head(HEAD[:-1]), "truncated or corrupt"),
+    (_with_fixed_head(HEAD[:-1] + b"X"), "chunk kinds hold a letter other than F, B or W"),
+    (_with_fixed_head(HEAD[:STRINGS] + b"\xff" + HEAD[STRINGS + 1:]), "id, job or source is not UTF-8"),
+    (_with_fixed_head(HEAD[:77] + struct.pack("<H", 0) + HEAD[79:STRINGS] + HEAD[STRINGS + 32:]),
+     "id of 0 characters is outside 1 … 64"),
+    (RAW[:8 + 40], "header runs past"),
+    (_with_fixed_head(HEAD[:50]), "header of 50 bytes is shorter than its 83-byte fixed part"),
+    (_with_field("<I", 68, 4), "columns hold 190 bytes but its header names 194"),
+    (_with_field("<B", 76, 1), "columns hold 190 bytes but its header names 188"),
+], ids=["schema", "seq", "time-nan", "time-negative", "epoch", "iteration", "rank", "node", "dp", "wall-inf", "chunks",
+        "waits", "flags", "string-lengths", "cut", "kind-letter", "utf8", "empty-id", "prefix-runs-past", "short",
+        "seq-lens", "flags-vs-blob"])
+def test_a_corrupt_fixed_rank_header_is_refused_naming_the_field_and_its_bound(raw: bytes, reason: str) -> None:
+    with pytest.raises(InvalidEvent, match=re.escape(reason)) as err:
+        decode(raw)
+    assert "\n" not in err.value.reason
+    assert header_json(raw) == b"" or json.loads(header_json(raw))["kind"] == "telemetry.iteration"  # never raises
+
+
+def test_a_fixed_header_reads_the_same_report_as_its_json_header_and_its_json() -> None:
+    """Every field the fixed header carries, at its bounds: the same event from wire format 2,
+    from format 1 (the JSON header written before) and from JSON."""
+    edge = RankIteration(epoch=2**31 - 1, iteration=COUNT_MAX, rank=0, node=None,
+                         coords=Coords(tp=2**31 - 1, pp=0, dp=5, cp=3), wall_s=DURATION_MAX_S,
+                         chunks=[Chunk(kind=ChunkKind.WEIGHT, microbatch=0, start_s=0.0, duration_s=0.0)])
+    for event in (EventFactory("j" * 200, "é" * 200, first_seq=COUNT_MAX).make(edge, time_s=1e10, event_id="x" * 64),
+                  EventFactory("job", "rank-0").make(edge, time_s=0.0, event_id="☃")):
+        raw = encode(event)
+        assert raw[3] == RANK_FORMAT
+        head = struct.unpack_from("<I", raw, 4)[0]
+        v1 = binary_record(header_json(raw), raw[8 + head:])
+        assert decode(raw) == decode(v1) == decode(encode_json(event)) == event
+        assert payload_as(decode(raw), RankIteration).node is None and decode(raw).model_fields_set >= {"id", "payload"}
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(min_size=FIXED.size, max_size=FIXED.size), st.integers(0, len(HEAD)), st.binary(max_size=16))
+def test_any_bytes_in_a_fixed_rank_header_are_refused_or_read_as_a_report_its_json_form_accepts(fixed, cut, noise):
+    """Random fixed parts before the real strings and kinds, and the real header cut or overwritten
+    with noise: whatever the binary reader accepts, the JSON reader (pydantic's checks) accepts too,
+    as the same event; everything else is an InvalidEvent with one line."""
+    for head in (fixed + HEAD[FIXED.size:], HEAD[:cut] + noise + HEAD[cut + len(noise):], HEAD[:cut] + noise):
+        raw = _with_fixed_head(head)
+        try:
+            event = decode(raw)
+        except InvalidEvent as exc:
+            assert exc.reason and "\n" not in exc.reason
+            assert header_json(raw) == b"" or json.loads(header_json(raw))["kind"] == "telemetry.iteration"
+            continue
+        assert decode(encode_json(event)) == event == decode(encode(event))
+        assert json.loads(header_json(raw))["id"] == event.id
+
+
+_I32 = st.sampled_from((-(2**31), -2, -1, 0, 1, 2**31 - 1)) | st.integers(-(2**31), 2**31 - 1)
+_I64 = st.sampled_from((-(2**63), -1, 0, COUNT_MAX, COUNT_MAX + 1, 2**63 - 1)) | st.integers(-(2**63), 2**63 - 1)
+_F8 = st.sampled_from((-0.0, 0.0, -1e-300, DURATION_MAX_S, 1e10, 1e10 * (1 + 2**-52), float("nan"), float("inf"))) \
+    | st.floats(allow_nan=True, allow_infinity=True)
+_TEXT = st.text(max_size=3) | st.text(min_size=60, max_size=210)
+# the header's fields, each in range, and what any one of them may be changed to
+_FIELDS = {"schema": (st.just(5), st.integers(0, 2**32 - 1)), "seq": (st.integers(0, COUNT_MAX), _I64),
+           "time_s": (st.floats(0, 1e10), _F8), "epoch": (st.integers(0, 2**31 - 1), _I32),
+           "iteration": (st.integers(0, COUNT_MAX), _I64), "rank": (st.integers(0, 2**31 - 1), _I32),
+           "node": (st.integers(-1, 2**31 - 1), _I32), "tp": (st.integers(0, 9), _I32), "pp": (st.integers(0, 9), _I32),
+           "dp": (st.integers(0, 9), _I32), "cp": (st.integers(0, 2**31 - 1), _I32),
+           "wall_s": (st.floats(0, DURATION_MAX_S), _F8), "id": (st.text(min_size=1, max_size=64), _TEXT),
+           "job": (st.text(min_size=1, max_size=200), _TEXT), "source": (st.text(min_size=1, max_size=200), _TEXT)}
+
+
+@st.composite
+def _header_fields(draw) -> dict:
+    fields = {name: draw(valid) for name, (valid, _) in _FIELDS.items()}
+    changed = draw(st.none() | st.sampled_from(sorted(_FIELDS)))
+    if changed is not None:
+        fields[changed] = draw(_FIELDS[changed][1])
+    return fields
+
+
+@settings(max_examples=500, deadline=None)
+@given(_header_fields())
+def test_a_fixed_header_accepts_exactly_what_its_json_header_accepts_as_the_same_report(f: dict) -> None:
+    """Every field of the fixed header in range, or one of them at or around its bounds (any
+    string, any number of its type): wire format 2 accepts a header exactly when pydantic accepts
+    the same fields as format 1's JSON header (node -1: unknown, null in JSON), as the same event."""
+    texts = [f[name].encode() for name in ("id", "job", "source")]
+    fixed = FIXED.pack(f["schema"], f["seq"], f["time_s"], f["epoch"], f["iteration"], f["rank"], f["node"], f["tp"],
+                       f["pp"], f["dp"], f["cp"], f["wall_s"], 3, 3, 2, 3, *map(len, texts))
+    raw = _with_fixed_head(fixed + b"".join(texts) + b"FBW")
+    doc = json.loads(header_json(RAW))
+    doc.update(id=f["id"], schema_version=f["schema"], job=f["job"], source=f["source"], seq=f["seq"], time_s=f["time_s"])
+    doc["payload"].update(epoch=f["epoch"], iteration=f["iteration"], rank=f["rank"], wall_s=f["wall_s"],
+                          node=None if f["node"] == -1 else f["node"], coords={k: f[k] for k in ("tp", "pp", "dp", "cp")})
+    outcomes: list = []
+    for record in (raw, binary_record(json.dumps(doc).encode(), RAW[BODY:])):
+        try:
+            outcomes.append(decode(record))
+        except InvalidEvent as exc:
+            assert exc.reason and "\n" not in exc.reason
+            outcomes.append(None)
+    fixed_read, json_read = outcomes
+    assert (fixed_read is None) == (json_read is None), (f, fixed_read, json_read)
+    assert fixed_read == json_read
 
 
 _INT64_EDGES = (-(2**63), -2**32 - 1, -256, -2, -1, 0, 1, 2**40 - 1, TOKENS_MAX, TOKENS_MAX + 1, COUNT_MAX,

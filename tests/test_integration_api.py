@@ -166,8 +166,8 @@ def test_a_blocked_bus_never_blocks_the_loop_and_overflow_drops_the_oldest() -> 
     assert reporter.dropped == 30 - 4  # the queue holds the newest 4 of the 30 iteration reports
     bus.release.set()
     reporter.close()
-    iterations = [payload_as(decode(m.value), RankIteration).iteration for m in bus.published
-                  if m.topic == topics.TELEMETRY and b"telemetry.iteration" in m.value]
+    iterations = [payload_as(event, RankIteration).iteration for m in bus.published if m.topic == topics.TELEMETRY
+                  and (event := decode(m.value)).kind == "telemetry.iteration"]
     assert iterations[-4:] == [26, 27, 28, 29]  # the newest survive
 
 

@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from collector.bus import RawMessage
-from collector.codec import MAX_EVENT_BYTES, InvalidEvent, binary_record, encode
+from collector.codec import MAX_EVENT_BYTES, InvalidEvent, encode, rank_record
 from collector.events import CommOp, Heartbeat, RankIteration
 from collector.plan import Plan
-from collector.rank_columns import COMM_OPS
+from collector.rank_columns import COMM_OPS, RankLayout
+from collector.rank_header import pack_fields
 from collector.topics import REPLICA_KEY, TELEMETRY, PartitionKeys, key_for, topics_for
 from trainer.sim.telemetry import deterministic_id
 
@@ -41,10 +42,19 @@ if TYPE_CHECKING:
 _PP_RECV = COMM_OPS.index(CommOp.PP_RECV)
 _DP_ALLREDUCE = COMM_OPS.index(CommOp.DP_ALLREDUCE)
 _F8, _I8, _I4 = np.dtype("<f8"), np.dtype("<i8"), np.dtype("<i4")
-_EMPTY_CHUNKS = '"chunk_table":{"kind":"","microbatch":[],"virtual_stage":[],"tokens":[],"seq_lens":[],"start_s":[],"duration_s":[]}'
 _KIND_LETTERS = np.frombuffer(b"FBW", np.uint8)
 
 Owned = Callable[[Plan], list[int]]  # the replicas a wire owns under a plan
+
+
+class _Header(NamedTuple):
+    """What every rank report of one iteration shares in its fixed header."""
+
+    schema_version: int
+    time_s: float
+    epoch: int
+    iteration: int
+    wall_s: float
 
 
 class RankWire:
@@ -138,11 +148,7 @@ class RankWire:
             self._reports_as_events(block, j, iteration, time_s, ranks)
             return
         wall_s = float(block.durations_s[j])
-        head = ('{"id":"%s","kind":"telemetry.iteration","schema_version":' + str(max(RankIteration.VERSIONS))
-                + ',"job":' + self._job_json + ',"source":"rank-%d","seq":%d,"time_s":' + _num(time_s)
-                + ',"payload":{"epoch":' + str(plan.epoch) + ',"iteration":' + str(iteration)
-                + ',"rank":%d,"node":%d,"coords":{"tp":%d,"pp":%d,"dp":%d,"cp":0},"wall_s":' + _num(wall_s)
-                + ',' + _EMPTY_CHUNKS + ',"columns":%s}}')
+        head = _Header(max(RankIteration.VERSIONS), time_s, plan.epoch, iteration, wall_s)
         mine = set(self.replicas)
         dp_bytes = engine._timing.dp_bytes
         for g, timing, packed in block.parts:
@@ -155,7 +161,7 @@ class RankWire:
                                       wall_s, dp_bytes[replica], ranks)
                 self._flush()
 
-    def _replica_reports(self, head: str, g: ReplicaGroup, start_s: np.ndarray, end_s: np.ndarray, packed: Packed,
+    def _replica_reports(self, head: _Header, g: ReplicaGroup, start_s: np.ndarray, end_s: np.ndarray, packed: Packed,
                          row: int, replica: int,
                          wall_s: float, dp_bytes: list[int], ranks: set[int] | None) -> None:
         """One replica's reports, as ``replica_rank_iterations`` builds them and the codec encodes them."""
@@ -205,15 +211,17 @@ class RankWire:
                 np.concatenate((tokens[mbs], w_bytes)).astype(_I8).tobytes(),
                 np.concatenate((mbs, table.chunk[idx], flat, counts, w_peer, w_mb)).astype(_I4).tobytes(),
                 w_op.astype(np.uint8).tobytes()))
-            kind = _KIND_LETTERS[kinds].tobytes().decode()
-            columns = (f'{{"kind":"{kind}","seq_lens":{total},"waits":{k},"includes_wait":false,'
-                       f'"group":false}}')
+            layout = RankLayout(_KIND_LETTERS[kinds].tobytes().decode(), total, k, False, False)
             for t in wanted:
                 d = devices[t]
                 n = self._next_seq(d)
-                value = binary_record(
-                    (head % (deterministic_id(job, f"rank-{d}", n), d, n, d, d // gpn, t, s, replica, columns)).encode(),
-                    blob)
+                source = f"rank-{d}"
+                fixed = pack_fields(head.schema_version, n, head.time_s, head.epoch, head.iteration, d, d // gpn,
+                                    (t, s, replica, 0), head.wall_s, layout, deterministic_id(job, source, n), job, source)
+                if fixed is None:
+                    raise InvalidEvent(f"rank report of {source} does not fit its fixed header (job {job!r}); "
+                                       "give the job a name in UTF-8")
+                value = rank_record(fixed, blob)
                 if len(value) > MAX_EVENT_BYTES:
                     raise InvalidEvent(f"telemetry.iteration event of {len(value):,} bytes exceeds the "
                                        f"{MAX_EVENT_BYTES:,}-byte limit; split it (telemetry: one message per rank "
