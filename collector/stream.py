@@ -65,8 +65,9 @@ class EventStream:
         out: list[Delivery] = []
         dead: list[Envelope] = []
         reasons: list[str] = []
+        last: dict[tuple[str, int], int] = {}
         for r in records:
-            self._next[TopicPartition(r.topic, r.partition)] = r.offset + 1
+            last[r[:2]] = r.offset  # (topic, partition): a plain tuple costs a record less than a TopicPartition
             try:
                 event = decode(r.value)
                 if (why := misplaced(event.kind, r.topic)) is not None:
@@ -77,6 +78,8 @@ class EventStream:
                 reasons.append(letter.reason)
                 continue
             out.append(Delivery(r.topic, r.partition, r.offset, event))
+        for (topic, partition), offset in last.items():
+            self._next[TopicPartition(topic, partition)] = offset + 1
         if dead:
             self.bus.publish(dead)
             self.counters.dead_letters += len(dead)
