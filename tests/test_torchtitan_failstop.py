@@ -60,7 +60,7 @@ def test_a_lost_device_is_restarted_past_at_a_smaller_uniform_layout_and_the_red
             "--hf_assets_path", str(assets), "--dataloader.dataset_path", str(assets),
             "--parallelism.data_parallel_replicate_degree", "4", "--parallelism.data_parallel_shard_degree", "1",
             "--training.local_batch_size", "1", "--training.global_batch_size", "4",
-            "--training.steps", str(STEPS), "--checkpoint.interval", "3",
+            "--training.steps", str(STEPS), "--checkpoint.interval", "3", "--checkpoint.async_mode", "async",
             "--dump_folder", str(tmp_path / "run"), "--resihp.faults", str(faults)]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             stdin=subprocess.DEVNULL)
