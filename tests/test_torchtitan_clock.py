@@ -77,3 +77,47 @@ def test_the_clock_uses_events_only_on_a_cuda_device() -> None:
     import torch
 
     assert StepClock.for_device(torch.device("cuda")).device_events == torch.cuda.is_available()
+
+
+class _Stage:
+    """What a schedule calls on a ``PipelineStage`` once per micro-batch; each chunk queues work."""
+
+    def __init__(self, device: _Device) -> None:
+        self.device = device
+
+    def forward_one_chunk(self, chunk_id: int) -> None:
+        self.device.now += 0.1 * (chunk_id + 1)
+
+    def backward_one_chunk(self, chunk_id: int) -> None:
+        self.device.now += 0.3
+
+
+def test_a_pipeline_stages_chunks_are_marked_on_the_step_clock_and_read_when_the_iteration_ends() -> None:
+    import torch
+
+    from collector.events import ChunkKind
+    from trainer.data import MicroBatch
+    from trainer.native.telemetry import ScheduleWatcher
+
+    device = _Device()
+    _Event.device = device
+    clock = StepClock(_Event)
+    stage = _Stage(device)
+    watcher = ScheduleWatcher(stage, clock)  # type: ignore[arg-type]  # the schedule's side of a stage
+    tokens = torch.arange(8)
+    mbs = [MicroBatch(iteration=1, index=i, tokens=tokens, targets=tokens, positions=tokens, seq_lens=[8])
+           for i in range(2)]
+    rec = watcher.begin(mbs)
+    clock.begin()
+    for i in range(2):
+        stage.forward_one_chunk(i)
+    for i in range(2):
+        stage.backward_one_chunk(i)
+    assert rec.chunks == [] and device.waits == []  # marked, not read: no wait at any boundary
+    watcher.end()
+    assert len(device.waits) == 1  # one wait an iteration
+    got = [(c.kind, c.microbatch, round(c.duration_s, 6)) for c in rec.chunks]
+    assert got == [(ChunkKind.FORWARD, 0, 0.1), (ChunkKind.FORWARD, 1, 0.2), (ChunkKind.BACKWARD, 0, 0.3),
+                   (ChunkKind.BACKWARD, 1, 0.3)]
+    starts = [c.start_s for c in rec.chunks]
+    assert starts == sorted(starts) and starts[1] - starts[0] == pytest.approx(0.1)  # the device's timeline

@@ -10,6 +10,11 @@ chunks are still timed and the p2p waits are simply absent). Timings go into tra
 ``IterationRecorder`` on the rank's own clock; the worker publishes one ``RankIteration`` per
 iteration through the same non-blocking ``TelemetryPublisher`` the reference trainer uses.
 
+A watcher given a ``clock`` (a torchtitan rank's :class:`~trainer.torchtitan.clock.StepClock`)
+marks each chunk's boundaries on it instead of reading the host's: on a GPU these are CUDA events,
+which the host reaches long before the device does, so they are read once the iteration ends
+(:meth:`ScheduleWatcher.end`, one wait for the device) rather than at each boundary.
+
 Not timed yet: the TP all-reduces inside DTensor ops and FSDP's all-gather / reduce-scatter
 (their time is inside the chunks and the step's tail).
 """
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
@@ -65,13 +70,26 @@ def _install_p2p_timer() -> None:
     _p2p_timed = True
 
 
-class ScheduleWatcher:
-    """Times every F and B chunk (and p2p wait) of one ``PipelineStage`` per iteration."""
+class ChunkClock(Protocol):
+    """Marks that may be read only later (trainer/torchtitan/clock.py's ``StepClock``)."""
 
-    def __init__(self, stage: PipelineStage) -> None:
+    def mark(self) -> Any: ...
+
+    def settle(self) -> None: ...
+
+    def seconds(self, mark: Any) -> float: ...
+
+
+class ScheduleWatcher:
+    """Times every F and B chunk (and p2p wait) of one ``PipelineStage`` per iteration: on the
+    host's clock, or on ``clock``'s marks, read when the iteration ends."""
+
+    def __init__(self, stage: PipelineStage, clock: ChunkClock | None = None) -> None:
         _install_p2p_timer()
         self.recorder = IterationRecorder()
         self.microbatches: list[MicroBatch] = []
+        self.clock = clock
+        self._marked: list[tuple[ChunkKind, MicroBatch, Any, Any]] = []  # read at end()
         # mypy forbids replacing a method; timing this stage's chunks is what the wrappers are for
         stage.forward_one_chunk = self._timed(stage.forward_one_chunk, ChunkKind.FORWARD)  # type: ignore[method-assign]
         stage.backward_one_chunk = self._timed(stage.backward_one_chunk, ChunkKind.BACKWARD)  # type: ignore[method-assign]
@@ -81,15 +99,26 @@ class ScheduleWatcher:
         global _active
         self.recorder = IterationRecorder()
         self.microbatches = microbatches
+        self._marked = []
         _active = self.recorder
         return self.recorder
 
     def end(self) -> IterationRecorder:
         global _active
         _active = None
+        if self._marked and self.clock is not None:
+            clock, rec = self.clock, self.recorder
+            clock.settle()
+            for kind, mb, start, end in self._marked:
+                started = clock.seconds(start)
+                rec.chunk(kind, mb.index, len(mb.tokens), mb.seq_lens, started - rec.t0, clock.seconds(end) - started)
+            self._marked = []
         return self.recorder
 
     def _timed(self, run: Callable[..., Any], kind: ChunkKind) -> Callable[..., Any]:
+        if self.clock is not None:
+            return self._marked_on_clock(run, kind, self.clock)
+
         def wrapper(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             rec = self.recorder
             start = time.perf_counter()
@@ -100,4 +129,15 @@ class ScheduleWatcher:
                 if chunk_id < len(self.microbatches):
                     mb = self.microbatches[chunk_id]
                     rec.chunk(kind, mb.index, len(mb.tokens), mb.seq_lens, start - rec.t0, end - start)
+        return wrapper
+
+    def _marked_on_clock(self, run: Callable[..., Any], kind: ChunkKind, clock: ChunkClock) -> Callable[..., Any]:
+        def wrapper(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            start = clock.mark()
+            try:
+                return run(chunk_id, *args, **kwargs)
+            finally:
+                end = clock.mark()
+                if chunk_id < len(self.microbatches):
+                    self._marked.append((kind, self.microbatches[chunk_id], start, end))
         return wrapper

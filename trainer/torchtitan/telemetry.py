@@ -6,8 +6,8 @@ Where the times come from, without touching torchtitan's code:
   accumulation). A forward pre-hook (prepended, so FSDP's all-gather is inside) and a forward hook
   on the model time the F chunk; the rest of the call, up to the end of ``backward()``, is the B chunk;
 * **with pipelining** torchtitan's ``pp_schedule`` is torch's schedule over ``PipelineStage``
-  objects, and trainer/native/telemetry.py's ``ScheduleWatcher`` times every F and B chunk (and the
-  p2p waits) of each stage this rank holds;
+  objects, and trainer/native/telemetry.py's ``ScheduleWatcher`` times every F and B chunk of each
+  stage this rank holds on the step clock below (and its p2p waits on the host's);
 * each micro-batch's documents come from its ``positions`` (they restart at 0 where a document
   starts; torchtitan's loaders and ours emit them): the lengths the detector's β·Σl² term needs.
 
@@ -287,7 +287,7 @@ class StepTelemetry:
                 padding = ChunkPadding(self.injector.faults, self.trainer.device_id)
                 padding.injector = self.injector
                 padding.begin_iteration(0, stage, _role_for_padding())
-            self.watchers.append(ScheduleWatcher(stage))
+            self.watchers.append(ScheduleWatcher(stage, self.clock))
 
     def _wrap_metrics_log(self) -> None:
         """The loss torchtitan logs (every ``--metrics.log_freq`` steps) goes in the step's summary."""
