@@ -33,13 +33,13 @@ from __future__ import annotations
 import itertools
 import struct
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple, cast, get_args
+from typing import NamedTuple, cast, get_args
 
 import numpy as np
 
 from collector.events import (
     CHUNKS_MAX, COUNT_MAX, DURATION_MAX_S, NO_COMM, TOKENS_MAX, ChunkTable, CommOp, CommTable, ProcessGroupName,
-    RankColumns,
+    RankColumns, construct_checked,
 )
 
 COMM_OPS: tuple[CommOp, ...] = tuple(CommOp)  # u1 op codes, in the enum's order (append only)
@@ -54,6 +54,7 @@ _OP_CODES = bytes(range(len(COMM_OPS)))
 _GROUP_CODES = bytes(range(len(GROUPS))) + bytes([_NO_GROUP])
 _FLAGS = (False, True)  # includes_wait codes
 _GROUP_NAMES: tuple[str | None, ...] = GROUPS + (None,) * (256 - len(GROUPS))  # group codes (255: unknown)
+_CHUNK_FIELDS, _COMM_FIELDS = set(ChunkTable.model_fields), set(CommTable.model_fields)  # every field, set
 
 
 class RankLayout(NamedTuple):
@@ -171,21 +172,21 @@ def decode_columns(columns: RankColumns | RankLayout, blob: bytes) -> tuple[Chun
         problem = _problem(columns, blob)
         if problem:
             raise ValueError("rank report's " + problem)
-    chunk_table = construct(ChunkTable, {
+    chunk_table = construct_checked(ChunkTable, {
         "kind": columns.kind, "microbatch": ArrayColumn(blob, _I4, i, n), "virtual_stage": ArrayColumn(blob, _I4, i + 4 * n, n),
         "tokens": ArrayColumn(blob, _I8, f, n, nullable=True), "seq_lens": SeqLensColumn(blob, i + 8 * n, m, counts),
-        "start_s": ArrayColumn(blob, _F8, 0, n), "duration_s": ArrayColumn(blob, _F8, 8 * n, n)})
+        "start_s": ArrayColumn(blob, _F8, 0, n), "duration_s": ArrayColumn(blob, _F8, 8 * n, n)}, _CHUNK_FIELDS)
     if not k:
         return chunk_table, NO_COMM
     w = u + k  # where the includes_wait flags start, when said
     g = w + k * columns.includes_wait  # where the group codes start, when said
-    return chunk_table, construct(CommTable, {
+    return chunk_table, construct_checked(CommTable, {
         "op": CodedColumn(blob, u, k, COMM_OPS), "peer": ArrayColumn(blob, _I4, s + 4 * n, k, True),
         "microbatch": ArrayColumn(blob, _I4, s + 4 * (n + k), k, True),
         "bytes": ArrayColumn(blob, _I8, f + 8 * n, k, True), "start_s": ArrayColumn(blob, _F8, 16 * n, k),
         "duration_s": ArrayColumn(blob, _F8, 16 * n + 8 * k, k),
         "includes_wait": CodedColumn(blob, w, k, _FLAGS) if columns.includes_wait else [],
-        "group": CodedColumn(blob, g, k, _GROUP_NAMES) if columns.group else []})
+        "group": CodedColumn(blob, g, k, _GROUP_NAMES) if columns.group else []}, _COMM_FIELDS)
 
 
 def _doubles_in_range(values: np.ndarray) -> bool:
@@ -207,19 +208,6 @@ def _int64_in_range(blob: bytes, at: int, n: int, k: int) -> bool:
 def _nullable(values: Sequence[int]) -> list[int | None]:
     """-1 read as None (unknown)."""
     return [None if v < 0 else v for v in values]
-
-
-def construct(cls: type, values: dict, fields_set: set[str] | None = None) -> Any:
-    """A model from values checked already: what ``model_construct`` does for a model without
-    defaults to fill, without its per-field loop (a report's decode is a few microseconds).
-    ``values`` holds every field; ``fields_set`` (default: all of them) is what ``model_fields_set``
-    answers."""
-    obj: Any = object.__new__(cls)
-    object.__setattr__(obj, "__dict__", values)
-    object.__setattr__(obj, "__pydantic_fields_set__", set(values) if fields_set is None else fields_set)
-    object.__setattr__(obj, "__pydantic_extra__", None)
-    object.__setattr__(obj, "__pydantic_private__", None)
-    return obj
 
 
 def _problem(columns: RankColumns | RankLayout, blob: bytes) -> str | None:

@@ -36,9 +36,9 @@ from typing import Any
 
 from collector.events import (
     CHUNKS_MAX, COUNT_MAX, DURATION_MAX_S, EVENT_TYPES, LIST_MAX, NO_COMM, TIME_MAX_S, ChunkTable, Coords, Envelope,
-    RankIteration,
+    RankIteration, construct_checked,
 )
-from collector.rank_columns import RankLayout, construct, decode_columns
+from collector.rank_columns import RankLayout, decode_columns
 
 RANK_FORMAT = 2  # the wire format byte of a rank report with this header
 BINARY_RANK_SCHEMA = 5  # telemetry.iteration travels binary from this schema version on
@@ -114,11 +114,11 @@ def read_rank_report(head: bytes, blob: bytes | None) -> tuple[Envelope, RankLay
                 raise ValueError(f"rank report's header: {name} of {len(text)} characters is outside 1 … {longest}")
     layout = RankLayout(kind.decode("ascii"), m, k, flags & 1 == 1, flags & 2 == 2)
     chunks, comm = (_EMPTY_CHUNKS, NO_COMM) if blob is None else decode_columns(layout, blob)
-    payload = construct(RankIteration, {
+    payload = construct_checked(RankIteration, {
         "epoch": epoch, "iteration": iteration, "rank": rank, "node": None if node < 0 else node,
-        "coords": construct(Coords, {"tp": tp, "pp": pp, "dp": dp, "cp": cp}, _COORDS_FIELDS),
+        "coords": construct_checked(Coords, {"tp": tp, "pp": pp, "dp": dp, "cp": cp}, _COORDS_FIELDS),
         "wall_s": wall_s, "chunk_table": chunks, "comm_table": comm, "columns": None, "comm": []}, _PAYLOAD_FIELDS)
-    return construct(_EVENT, {
+    return construct_checked(_EVENT, {
         "id": ident, "kind": _KIND, "schema_version": schema, "job": job, "source": source, "seq": seq,
         "time_s": time_s, "payload": payload, "signature": None}, _EVENT_FIELDS), layout
 

@@ -79,11 +79,20 @@ TRAINER_TOPICS: tuple[str, ...] = (CONTROL, COMMANDS)
 _ORDERS: dict[str, str] = {"command.reconfigure": COMMANDS, "command.node": COMMANDS}
 
 
+_ROUTES: dict[str, tuple[str, ...]] = {}  # kind -> its topics, for the kinds met so far (every publish and read asks)
+_ROUTES_MAX = 4096  # the platform has ~50 kinds; a stranger's made-up ones are not kept
+
+
 def topics_for(kind: str) -> tuple[str, ...]:
     """Every topic an event of ``kind`` is published to: its own, and the commands topic for an order."""
-    own = topic_for(kind)
-    order = _ORDERS.get(kind)
-    return (own, order) if order is not None else (own,)
+    routes = _ROUTES.get(kind)
+    if routes is None:
+        own = topic_for(kind)
+        order = _ORDERS.get(kind)
+        routes = (own, order) if order is not None else (own,)
+        if len(_ROUTES) < _ROUTES_MAX:
+            _ROUTES[kind] = routes
+    return routes
 
 
 def misplaced(kind: str, topic: str) -> str | None:
