@@ -8,8 +8,9 @@ Detector: synthetic TP8 layouts (1,024 ranks = PP8·DP16, 16,384 ranks = PP16·D
 micro-batches, F and B chunks); per iteration, building the frame from the events and scoring it
 (cost-model predict + fit, CUSUMs, localisation, schedule prediction, cost-model publication) are
 timed separately. Reports are in the wire's column form (``RankIteration.chunk_table`` and
-``comm_table``). Wire: a report's bytes and decode time as binary columns (schema 5), as JSON
-columns (schema 4) and with its communications as objects (schema 3), the same reports.
+``comm_table``). Wire: a report's bytes and decode time as binary columns (schema 5) with its
+fixed header (wire format 2) and with a JSON header (format 1), as JSON columns (schema 4) and with
+its communications as objects (schema 3), the same reports.
 """
 
 from __future__ import annotations
@@ -64,14 +65,18 @@ def _reports(tp: int, pp: int, dp: int, microbatches: int, iteration: int, seed:
 
 def bench_wire(reports: list) -> dict:
     """A rank report's bytes and decode time in each form a log may hold, the same reports in the
-    same run: binary columns (schema 5, what producers write), JSON columns (schema 4, traces and
-    older logs) and JSON with the communications as objects (schema 3, older logs)."""
-    from collector.codec import decode, encode, encode_json
+    same run: binary columns (schema 5) with a fixed header (wire format 2, what producers write)
+    and with a JSON header (format 1, older logs and signed reports), JSON columns (schema 4,
+    traces and older logs) and JSON with the communications as objects (schema 3, older logs)."""
+    import struct
+
+    from collector.codec import binary_record, decode, encode, encode_json, header_json
     from collector.events import EventFactory
 
     f = EventFactory("bench", "rank-0")
     events = [f.make(r) for r in reports]
     binary = [encode(e) for e in events]
+    json_header = [binary_record(header_json(b), b[8 + struct.unpack_from("<I", b, 4)[0]:]) for b in binary]
     columns, objects = [], []
     for report, event in zip(reports, events):
         body = json.loads(encode_json(event))
@@ -82,7 +87,7 @@ def bench_wire(reports: list) -> dict:
         body["payload"]["comm"] = [w.model_dump(mode="json") for w in report.waits().rows()]
         objects.append(json.dumps(body, separators=(",", ":")).encode())
     out: dict = {"reports": len(reports), "waits_per_report": round(sum(len(r.waits()) for r in reports) / len(reports), 1)}
-    forms = (("objects", objects), ("columns", columns), ("binary", binary))
+    forms = (("objects", objects), ("columns", columns), ("json_header", json_header), ("binary", binary))
     for name, records in forms:
         decode(records[0])  # warm-up
         out[name] = {"bytes": sum(len(b) for b in records) / len(records), "decode_us": float("inf")}
@@ -257,11 +262,12 @@ def run(args: argparse.Namespace) -> int:
           f"{ingest['batch_events']:,} events per transaction")
     print(f"  {'into DuckDB (Arrow)':28} {ingest['ingest_chunks_per_s']:>12,.0f} chunks/s")
     print(f"  {'decode from bytes (apart)':28} {ingest['decode_chunks_per_s']:>12,.0f} chunks/s")
-    o, c, b = wire["objects"], wire["columns"], wire["binary"]
+    o, c, h, b = wire["objects"], wire["columns"], wire["json_header"], wire["binary"]
     print(f"\na rank report on the wire ({wire['reports']} reports, 32 chunks and {wire['waits_per_report']} waits each):")
     print(f"  {'JSON, comm as objects (3)':28} {o['bytes']:>8,.0f} bytes {o['decode_us']:8.1f} µs to decode")
     print(f"  {'JSON, comm as columns (4)':28} {c['bytes']:>8,.0f} bytes {c['decode_us']:8.1f} µs to decode")
-    print(f"  {'binary columns (schema 5)':28} {b['bytes']:>8,.0f} bytes {b['decode_us']:8.1f} µs to decode "
+    print(f"  {'binary, JSON header (5, 1)':28} {h['bytes']:>8,.0f} bytes {h['decode_us']:8.1f} µs to decode")
+    print(f"  {'binary, fixed header (5, 2)':28} {b['bytes']:>8,.0f} bytes {b['decode_us']:8.1f} µs to decode "
           f"(×{c['decode_us'] / b['decode_us']:.2f} faster than JSON columns)")
     print(f"\n{'ranks':>7} {'chunks/iter':>12} {'frame ms':>9} {'detector ms':>12} {'total ms':>9} {'incidents':>9} "
           f"{'on_event ms':>12}")

@@ -147,7 +147,8 @@ class Bus(_Closing):
         batch, count = [], 0
         for e in events:
             raw, key, count = encode(e), keys.key(e.job, e.source, e.kind, e.payload), count + 1
-            batch += [RawMessage(topic, key, raw) for topic in topics_for(e.kind)]
+            for topic in topics_for(e.kind):
+                batch.append(RawMessage(topic, key, raw))
         if batch:
             self.publish_raw(batch)
         return count

@@ -44,6 +44,7 @@ from collector.topics import CONTROL, TELEMETRY
 
 log = logging.getLogger(__name__)
 
+_record = tuple.__new__  # a Record from (topic, partition, offset, key, value, timestamp_s)
 _BUSY_TIMEOUT_MS = 60_000
 _PARTITION = 0
 _TRIM_EVERY_FRACTION = 0.1  # look for expired records at most every tenth of the retention
@@ -261,7 +262,8 @@ class EmbeddedConsumer(Consumer):
             if rows:
                 if rows[0][0] > self._pos[tp]:  # offsets are dense: only retention leaves a hole
                     self._lost(tp, rows[0][0])
-                out.extend(Record(tp.topic, tp.partition, o, k, v, ts) for o, k, v, ts in rows)
+                where = (tp.topic, tp.partition)
+                out += [_record(Record, where + row) for row in rows]  # NamedTuple's own __new__ is a Python call
                 self._pos[tp] = rows[-1][0] + 1
         self._next_topic = (self._next_topic + 1) % n
         return out

@@ -51,6 +51,7 @@ from collector.settings import Environment, environment
 from collector.topics import ALL_TOPICS, PARTITIONS, TOPIC_CONFIGS, replica_partition, to_every_partition
 
 _JOIN_POLL_MS = 250
+_record = tuple.__new__  # a Record from (topic, partition, offset, key, value, timestamp_s)
 # The producer's delivery settings: one home for the bus and the benchmarks' raw clients, which
 # measure the bus against kafka-python alone on the same terms (bench/bus.py, bench/_sim_publish.py).
 PRODUCER_SETTINGS: dict[str, object] = {
@@ -266,17 +267,17 @@ class KafkaBus(Bus):
 
     def _send(self, messages: list[RawMessage]) -> list[RawMessage]:
         """Send and flush; returns the messages to try again (their send failed and may succeed)."""
-        ns = self.namespace
+        ns, producer = self.namespace, self.producer
         futures = []
         for m in messages:
             if to_every_partition(m.key):  # one copy per partition of its topic, one event id
-                futures += [(m, self.producer.send(ns + m.topic, key=m.key, value=m.value, partition=p))
-                            for p in sorted(self.producer.partitions_for(ns + m.topic))]
+                futures += [(m, producer.send(ns + m.topic, key=m.key, value=m.value, partition=p))
+                            for p in sorted(producer.partitions_for(ns + m.topic))]
             else:
-                futures.append((m, self.producer.send(ns + m.topic, key=m.key, value=m.value)))
+                futures.append((m, producer.send(ns + m.topic, key=m.key, value=m.value)))
         # Bounded: after a broker restart kafka-python can leave a batch that neither completes nor
         # expires; the timeout (KafkaTimeoutError) drops that producer and the batch goes again.
-        self.producer.flush(timeout=_FLUSH_TIMEOUT_S)
+        producer.flush(timeout=_FLUSH_TIMEOUT_S)
         again: list[RawMessage] = []
         for m, f in futures:
             if not f.failed():
@@ -441,8 +442,9 @@ class KafkaBusConsumer(Consumer):
         self._collect_finished_join()
         out: list[Record] = []
         for tp, records in batches.items():
-            topic = tp.topic[len(self._ns):]
-            out.extend(Record(topic, tp.partition, r.offset, r.key, r.value, r.timestamp / 1000.0) for r in records)
+            topic, partition = tp.topic[len(self._ns):], tp.partition
+            # tuple.__new__: a NamedTuple's own __new__ is a Python call a record
+            out += [_record(Record, (topic, partition, r.offset, r.key, r.value, r.timestamp / 1000.0)) for r in records]
         return out
 
     def _collect_finished_join(self) -> None:

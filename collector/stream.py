@@ -35,6 +35,7 @@ class StreamCounters:
     reasons: dict[str, int] = field(default_factory=dict)
 
 
+_delivery = tuple.__new__  # a Delivery from its fields: a NamedTuple's own __new__ is a Python call a record
 _DLQ_NAMESPACE = uuid.UUID("6f1c2a4e-3d2b-4c55-9a57-2f4d0b9c1e10")
 
 
@@ -77,7 +78,7 @@ class EventStream:
                 dead.append(self._dead_letter_event(letter, r.topic, r.partition, r.offset))
                 reasons.append(letter.reason)
                 continue
-            out.append(Delivery(r.topic, r.partition, r.offset, event))
+            out.append(_delivery(Delivery, (r.topic, r.partition, r.offset, event)))
         for (topic, partition), offset in last.items():
             self._next[TopicPartition(topic, partition)] = offset + 1
         if dead:

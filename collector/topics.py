@@ -124,6 +124,9 @@ EVERY_PARTITION = "/*"  # the key of a record every partition gets a copy of: jo
 _TO_EVERY_PARTITION = frozenset({"telemetry.tracing"})
 
 
+_EVERY_PARTITION = EVERY_PARTITION.encode()
+
+
 def to_every_partition(key: bytes | None) -> bool:
     """Whether a record's key asks for a copy in every partition of its topic (``job/*``).
 
@@ -131,7 +134,7 @@ def to_every_partition(key: bytes | None) -> bool:
     (a shard that does not know a rank is untraced waits for its reports for ever), but a keyed
     record lands in one partition, so one member of the group would read it. The copies share
     one event id: a reader of the whole topic applies it once."""
-    return key is not None and bytes(key).endswith(EVERY_PARTITION.encode())
+    return key is not None and (key if type(key) is bytes else bytes(key)).endswith(_EVERY_PARTITION)
 
 
 def replica_partition(key: bytes | None, partitions: int) -> int | None:
