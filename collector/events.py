@@ -326,7 +326,8 @@ NO_COMM = CommTable.model_construct(op=[], peer=[], microbatch=[], bytes=[], sta
 class RankColumns(BaseModel):
     """What follows the header of a binary rank report (schema 5): the chunk kinds, one letter per
     chunk, and how many sequence lengths and communications the blob holds (collector/rank_columns.py
-    gives the layout). Only in a binary record's header; a JSON record carries its columns inline."""
+    gives the layout). Only in a binary record's JSON header (wire format 1; the fixed header of
+    format 2 says the same in numbers); a JSON record carries its columns inline."""
 
     model_config = _CONTRACT
 
@@ -346,8 +347,8 @@ class RankIteration(IterationPayload):
     Schema 2 carries chunks as columns; schema 3 adds ``coords.cp``, unknown token counts (null),
     the collectives real jobs record and the comm fields ``includes_wait`` / ``group``; schema 4
     carries the communications as columns too (``comm_table``); schema 5 travels on the bus as a
-    binary record whose columns are arrays (collector/rank_columns.py; its JSON form, in traces, is
-    schema 4's). Every addition has a default and ``comm`` is still read, so a schema-2 to -4
+    binary record, a fixed header (collector/rank_header.py) and columns as arrays
+    (collector/rank_columns.py; its JSON form, in traces, is schema 4's). Every addition has a default and ``comm`` is still read, so a schema-2 to -4
     record decodes unchanged: that is the migration of old logs.
     """
 
