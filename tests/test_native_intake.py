@@ -51,18 +51,18 @@ def test_a_dropped_device_that_left_after_the_commit_does_not_fail_the_reshape()
     intake, store, posted = _intake(RUNNING, SHRUNK)
     store.set(released_key(1, 1), "1")
     intake._check_posted(posted, alive={0})  # device 1 exited; device 0 has not stepped yet
-    assert intake.listener.acks == []  # type: ignore[attr-defined]
+    assert intake.listener.acks == []
     assert intake.posted is posted
     store.set(done_key(1, 0), DONE)
     intake._check_posted(posted, alive={0})
-    assert [kind for kind, _ in intake.listener.acks] == ["applied"]  # type: ignore[attr-defined]
+    assert [kind for kind, _ in intake.listener.acks] == ["applied"]
     assert intake.posted is None
 
 
 def test_a_dropped_device_that_exited_without_its_release_is_a_death() -> None:
     intake, _, posted = _intake(RUNNING, SHRUNK)
     intake._check_posted(posted, alive={0})
-    [(kind, why)] = intake.listener.acks  # type: ignore[attr-defined]
+    [(kind, why)] = intake.listener.acks
     assert kind == "failed" and "devices [1] exited" in why
 
 
@@ -70,5 +70,5 @@ def test_a_device_of_the_new_world_that_exits_is_a_death_even_if_it_wrote_a_rele
     intake, store, posted = _intake(RUNNING, SHRUNK)
     store.set(released_key(1, 0), "1")  # no such record can excuse a device the plan keeps
     intake._check_posted(posted, alive={1})
-    [(kind, why)] = intake.listener.acks  # type: ignore[attr-defined]
+    [(kind, why)] = intake.listener.acks
     assert kind == "failed" and "devices [0] exited" in why
