@@ -40,8 +40,8 @@ from kafka.admin import ConfigResource, ConfigResourceType
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.partitioner import DefaultPartitioner
 from kafka.errors import (
-    AuthorizationError, CommitFailedError, IllegalGenerationError, KafkaConnectionError, KafkaError, KafkaTimeoutError,
-    RebalanceInProgressError, TopicAlreadyExistsError, UnknownMemberIdError,
+    AuthorizationError, CommitFailedError, IllegalGenerationError, IllegalStateError, KafkaConnectionError, KafkaError,
+    KafkaTimeoutError, RebalanceInProgressError, TopicAlreadyExistsError, UnknownMemberIdError,
 )
 from kafka.structs import OffsetAndMetadata
 
@@ -51,6 +51,7 @@ from collector.settings import Environment, environment
 from collector.topics import ALL_TOPICS, PARTITIONS, TOPIC_CONFIGS, replica_partition, to_every_partition
 
 _JOIN_POLL_MS = 250
+_POSITION_MS = 1_000  # how long a position may wait on a broker before the partition is left out
 _record = tuple.__new__  # a Record from (topic, partition, offset, key, value, timestamp_s)
 # The producer's delivery settings: one home for the bus and the benchmarks' raw clients, which
 # measure the bus against kafka-python alone on the same terms (bench/bus.py, bench/_sim_publish.py).
@@ -509,7 +510,25 @@ class KafkaBusConsumer(Consumer):
             self._rewind_pending = True
 
     def positions(self) -> dict[TopicPartition, int]:
-        return {self._logical(tp): self._kafka.position(tp) for tp in self._kafka.assignment()}
+        """The next offset of each partition this member holds and can tell now. kafka-python may
+        ask a broker for a position (a committed offset, a leader's epoch to validate), which in an
+        outage raises a connection error, and a rebalance can revoke a partition between the two
+        calls: such partitions are left out (every caller reads a missing partition as not read
+        or not ours yet) and an outage marks the bus down, as a poll does."""
+        out: dict[TopicPartition, int] = {}
+        for tp in self._kafka.assignment():
+            try:
+                position = self._kafka.position(tp, timeout_ms=_POSITION_MS)
+            except IllegalStateError:  # revoked meanwhile
+                continue
+            except KafkaError as exc:
+                if not _retriable(exc):
+                    raise
+                self.health.mark_down(f"position: {exc.__class__.__name__}: {exc}")
+                continue
+            if position is not None:
+                out[self._logical(tp)] = position
+        return out
 
     def close(self) -> None:
         self._kafka.close(autocommit=False)
