@@ -80,15 +80,27 @@ class ChunkClock(Protocol):
     def seconds(self, mark: Any) -> float: ...
 
 
+class _HostClock:
+    """The host's clock as a :class:`ChunkClock`: a mark is the time, and is read at once."""
+
+    mark = staticmethod(time.perf_counter)
+
+    def settle(self) -> None:
+        pass
+
+    def seconds(self, mark: float) -> float:
+        return mark
+
+
 class ScheduleWatcher:
-    """Times every F and B chunk (and p2p wait) of one ``PipelineStage`` per iteration: on the
-    host's clock, or on ``clock``'s marks, read when the iteration ends."""
+    """Times every F and B chunk (and p2p wait) of one ``PipelineStage`` per iteration: on
+    ``clock``'s marks (the host's clock when none is given), read when the iteration ends."""
 
     def __init__(self, stage: PipelineStage, clock: ChunkClock | None = None) -> None:
         _install_p2p_timer()
         self.recorder = IterationRecorder()
         self.microbatches: list[MicroBatch] = []
-        self.clock = clock
+        self.clock: ChunkClock = clock or _HostClock()
         self._marked: list[tuple[ChunkKind, MicroBatch, Any, Any]] = []  # read at end()
         # mypy forbids replacing a method; timing this stage's chunks is what the wrappers are for
         stage.forward_one_chunk = self._timed(stage.forward_one_chunk, ChunkKind.FORWARD)  # type: ignore[method-assign]
@@ -106,7 +118,7 @@ class ScheduleWatcher:
     def end(self) -> IterationRecorder:
         global _active
         _active = None
-        if self._marked and self.clock is not None:
+        if self._marked:
             clock, rec = self.clock, self.recorder
             clock.settle()
             for kind, mb, start, end in self._marked:
@@ -116,22 +128,8 @@ class ScheduleWatcher:
         return self.recorder
 
     def _timed(self, run: Callable[..., Any], kind: ChunkKind) -> Callable[..., Any]:
-        if self.clock is not None:
-            return self._marked_on_clock(run, kind, self.clock)
+        clock = self.clock
 
-        def wrapper(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            rec = self.recorder
-            start = time.perf_counter()
-            try:
-                return run(chunk_id, *args, **kwargs)
-            finally:
-                end = time.perf_counter()
-                if chunk_id < len(self.microbatches):
-                    mb = self.microbatches[chunk_id]
-                    rec.chunk(kind, mb.index, len(mb.tokens), mb.seq_lens, start - rec.t0, end - start)
-        return wrapper
-
-    def _marked_on_clock(self, run: Callable[..., Any], kind: ChunkKind, clock: ChunkClock) -> Callable[..., Any]:
         def wrapper(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             start = clock.mark()
             try:

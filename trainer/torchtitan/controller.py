@@ -467,7 +467,7 @@ class TitanRelayout:
         """A stop with no new world (a node waits to join, :meth:`make_room`): once the ranks have
         stopped and exited, restart this node's share into the next round, which every node then
         lays out for its size (:meth:`start_round`). True when it did, or while it holds."""
-        if not all_exited_ok or self.order is not None:
+        if not all_exited_ok:
             return False
         now = self.clock()
         mark = records.read(STOPPED_KEY, StepMark.parse, allowed=RANK_WRITERS)
